@@ -1,0 +1,399 @@
+r"""FlashAttention in NumPy: exact attention computed tile by tile (catalogue F1-F5, A12).
+
+Dense attention (:func:`refmath.attention.sdpa_forward`) builds the ``T_q x T_k`` score matrix,
+softmaxes it and multiplies by ``V``. FlashAttention computes the same numbers without ever holding
+that matrix. It rests on two facts:
+
+* F1: attention is a ratio, :math:`o = \sum_j e^{s_j} v_j \big/ \sum_j e^{s_j}`, so a query row
+  needs only the running numerator and denominator, not the whole row of weights.
+* F2, F3: the statistics ``(m, l, u)`` of two disjoint sets of keys merge exactly
+  (:func:`refmath.softmax.online_softmax_merge`), so the keys can be visited one tile at a time.
+
+The forward pass loops over query tiles (``block_q`` rows) and, for each, over key/value tiles
+(``block_k`` keys), folding every tile into the running state; it keeps the output and one number
+per row, the logsumexp. The backward pass (FlashAttention-2) recomputes each tile's weights from
+that logsumexp instead of storing them (F4). The arithmetic is the dense one,
+:math:`O(B H T_q T_k D)`; what changes is memory: score-sized temporaries are
+``block_q x block_k`` instead of ``T_q x T_k`` (F5). Tiles that the causal or sliding-window mask
+hides entirely are skipped, which does save arithmetic: about half of it for causal attention, all
+but :math:`O(T w)` pairs for a window of ``w`` (A12).
+
+Layout: ``q`` is ``(B, H, T_q, D)``, ``k`` and ``v`` are ``(B, G, T_k, D)`` and ``(B, G, T_k, D_v)``
+with ``G`` dividing ``H``; query head ``r`` reads key/value head ``r // (H/G)``
+(:func:`refmath.attention.gqa_head_map`, A10). Inside the loops the query heads are viewed as
+``(B, G, H/G, ...)`` so that each group meets its shared key/value head by broadcasting, with no
+copy of ``K`` or ``V`` per query head.
+
+Masks: query ``i`` sits at key position ``p_i = i + T_k - T_q`` (the queries are the last ``T_q``
+positions, as in :func:`refmath.attention.causal_mask`). Causal: key ``j`` is visible iff
+``j <= p_i``; sliding window ``w`` (A12, causal by definition): iff ``p_i - w + 1 <= j <= p_i``.
+When ``T_q > T_k`` the first ``T_q - T_k`` queries sit before the first key and see nothing under
+either mask; such a row (like any row with no visible key) has output 0, logsumexp ``-inf`` and zero
+gradients.
+
+These functions are not in the gradient-check registry: their gradients are checked against the
+dense reference :func:`refmath.attention.sdpa_backward` (itself gradient-checked) to float64
+rounding, in ``tests/test_flash.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from refmath._validate import check_axis, check_ndim, float_array
+from refmath.softmax import (
+    OnlineSoftmaxState,
+    online_softmax_block,
+    online_softmax_empty,
+    online_softmax_logsumexp,
+    online_softmax_merge,
+    online_softmax_result,
+)
+
+
+@dataclass
+class FlashCounters:
+    """What a tiled pass did, filled in by :func:`flash_attention_forward` and
+    :func:`flash_attention_backward` when passed one (catalogue F5).
+
+    ``score_pairs`` and the tile counts are per batch entry and head (every one of them sees the
+    same tiles); the total arithmetic is ``B * H`` times that. ``largest_temporary`` is the size, in
+    elements and over all batch entries and heads together, of the largest array the tile loops
+    create. The outputs and the per-row vectors (the logsumexp, and ``rowsum(dO * O)`` in backward)
+    are not temporaries: they are the ``O(T)`` extra memory of F4.
+
+    Counts add up over calls (``largest_temporary`` keeps the maximum); use a fresh instance to
+    read one call's figures.
+    """
+
+    score_pairs: int = 0  # (query, key) positions whose score was computed, masked ones included
+    tiles_computed: int = 0  # (query tile, key tile) pairs visited
+    tiles_skipped: int = 0  # pairs that the mask hides entirely, never touched
+    largest_temporary: int = 0  # elements
+
+    def note(self, *arrays) -> None:
+        """Record the size of temporaries created by a tile step."""
+        for a in arrays:
+            if a is not None:
+                self.largest_temporary = max(self.largest_temporary, int(np.size(a)))
+
+
+# ---- which tiles the mask leaves visible -------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Band:
+    """The visible (query, key) pairs: for query ``i``, keys ``p_i - w + 1 .. p_i`` with
+    ``p_i = i + offset`` (no lower end without a window, no upper end without causality)."""
+
+    t_q: int
+    t_k: int
+    causal: bool
+    window: int | None
+
+    @property
+    def offset(self) -> int:
+        return self.t_k - self.t_q
+
+    def keys_seen_by(self, i0: int, i1: int) -> tuple[int, int]:
+        """The keys ``[lo, hi)`` seen by at least one query in ``i0 .. i1 - 1``.
+
+        Each query's keys form an interval whose ends grow with ``i``, and consecutive intervals
+        overlap, so their union is one interval: from the first query's lower end to the last
+        query's upper end.
+        """
+        lo, hi = 0, self.t_k
+        if self.causal:
+            hi = min(hi, i1 - 1 + self.offset + 1)
+        if self.window is not None:
+            lo = max(lo, i0 + self.offset - self.window + 1)
+        return lo, max(lo, hi)
+
+    def queries_seeing(self, j0: int, j1: int) -> tuple[int, int]:
+        """The queries ``[lo, hi)`` that see at least one key in ``j0 .. j1 - 1``.
+
+        Key ``j`` is seen by the queries with ``j <= p_i <= j + w - 1``; again one interval.
+        """
+        lo, hi = 0, self.t_q
+        if self.causal:
+            lo = max(lo, j0 - self.offset)
+        if self.window is not None:
+            hi = min(hi, j1 - 1 + self.window - 1 - self.offset + 1)
+        return lo, max(lo, hi)
+
+    def tile_mask(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray | None:
+        """Boolean ``(i1 - i0, j1 - j0)``: True where the key is visible; None when all of it is.
+
+        Only tiles cut by the diagonal (or the window's lower edge) need a mask: for the others the
+        check below proves, from the tile's corners, that every pair is visible.
+        """
+        first_row_sees_last_key = not self.causal or j1 - 1 <= i0 + self.offset
+        last_row_sees_first_key = (self.window is None
+                                   or j0 >= i1 - 1 + self.offset - self.window + 1)
+        if first_row_sees_last_key and last_row_sees_first_key:
+            return None
+        pos = np.arange(i0, i1)[:, None] + self.offset
+        j = np.arange(j0, j1)[None, :]
+        visible = np.ones((i1 - i0, j1 - j0), dtype=bool)
+        if self.causal:
+            visible &= j <= pos
+        if self.window is not None:
+            visible &= j >= pos - self.window + 1
+        return visible
+
+
+def _tiles(lo: int, hi: int, block: int, total: int):
+    """The tiles ``[t0, t1)`` of a length-``total`` axis cut every ``block``, that meet
+    ``[lo, hi)``."""
+    if hi <= lo:
+        return []
+    first = lo // block
+    last = (hi - 1) // block
+    return [(t * block, min((t + 1) * block, total)) for t in range(first, last + 1)]
+
+
+def _n_tiles(total: int, block: int) -> int:
+    return -(-total // block)
+
+
+# ---- input checks --------------------------------------------------------------------------------
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_qkv(q, k, v):
+    """Return ``(q, k, v)`` as float arrays after checking ranks, widths and head counts."""
+    q = float_array("q", q)
+    k = float_array("k", k)
+    v = float_array("v", v)
+    check_ndim("q", q, 4, "(B, H, T_q, D)")
+    check_ndim("k", k, 4, "(B, G, T_k, D)")
+    check_ndim("v", v, 4, "(B, G, T_k, D_v)")
+    check_axis("k", k, -1, q.shape[-1], f"the head width D of q.shape = {q.shape}")
+    check_axis("k", k, 0, q.shape[0], f"the batch size B of q.shape = {q.shape}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"v must have the batch size, key/value heads and length (B, G, T_k) of k, "
+            f"got k.shape = {k.shape} and v.shape = {v.shape}"
+        )
+    h, g = q.shape[1], k.shape[1]
+    if g == 0 or h % g:
+        raise ValueError(
+            f"the key/value heads G = {g} (k.shape = {k.shape}) must divide the query heads "
+            f"H = {h} (q.shape = {q.shape})"
+        )
+    return q, k, v
+
+
+def _check_options(causal, window, scale, block_q, block_k, d):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if window is not None:
+        window = _positive_int("window", window)
+    block_q = _positive_int("block_q", block_q)
+    block_k = _positive_int("block_k", block_k)
+    # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    # The sliding window is causal by definition (A12).
+    return bool(causal) or window is not None, window, scale, block_q, block_k
+
+
+def _grouped(x: np.ndarray, g: int) -> np.ndarray:
+    """``(B, H, ...) -> (B, G, H/G, ...)``, a view: query heads ``u H/G .. (u+1) H/G - 1`` share
+    key/value head ``u`` (the head map of A10), so they become axis 2 of group ``u``."""
+    return x.reshape((x.shape[0], g, x.shape[1] // g) + x.shape[2:])
+
+
+# ---- forward -------------------------------------------------------------------------------------
+
+def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = None,
+                            scale: float | None = None, block_q: int = 16, block_k: int = 16,
+                            counters: FlashCounters | None = None):
+    r"""Exact attention, one ``block_q x block_k`` tile of scores at a time (catalogue F1-F5, A12).
+
+    For each query tile, start from the empty state (``m = -inf, l = 0, u = 0``) and, for each key
+    tile ``K_j, V_j`` that the mask does not hide entirely:
+
+    .. math::
+        S = \tau\, Q_i K_j^\top\ (+\,{-\infty}\text{ at hidden pairs}),\qquad
+        \tilde m = \max_{\text{row}} S,\quad \tilde l = \operatorname{rowsum} e^{S - \tilde m},
+        \quad \tilde u = e^{S - \tilde m} V_j \qquad\text{(F2)}
+
+    .. math::
+        m' = \max(m, \tilde m),\quad l' = e^{m - m'} l + e^{\tilde m - m'} \tilde l,\quad
+        u' = e^{m - m'} u + e^{\tilde m - m'} \tilde u \qquad\text{(F3)}
+
+    and at the end :math:`O_i = u / l` (F1) and :math:`\mathrm{lse}_i = m + \log l`. The factors
+    :math:`e^{m - m'} \le 1` rescale what was accumulated against the old maximum so that no
+    exponential ever exceeds 1. ``tau`` is ``scale``, :math:`1/\sqrt{D}` by default.
+
+    Why the logsumexp is returned: it is the one number per row that the backward pass needs to
+    recompute any weight exactly, :math:`P_{ij} = e^{S_{ij} - \mathrm{lse}_i}`, so nothing of size
+    ``T_q x T_k`` is stored between the passes (F4).
+
+    Shapes: ``q`` ``(B, H, T_q, D)``, ``k`` ``(B, G, T_k, D)``, ``v`` ``(B, G, T_k, D_v)``, ``G``
+    dividing ``H`` (GQA; ``G = H`` is MHA, ``G = 1`` MQA). ``causal`` masks keys after the query;
+    ``window = w`` keeps only the last ``w`` keys up to the query (A12, causal by definition); the
+    queries are aligned to the end of the keys (see the module docstring). Any lengths are allowed,
+    including ones that the block sizes do not divide. ``counters`` (a :class:`FlashCounters`) is
+    filled in if given.
+
+    Returns ``(o, lse)``: ``o`` ``(B, H, T_q, D_v)`` equal to dense attention up to rounding, and
+    ``lse`` ``(B, H, T_q)``, ``-inf`` for a row with no visible key (whose output is 0).
+    """
+    q, k, v = _check_qkv(q, k, v)
+    causal, window, scale, block_q, block_k = _check_options(causal, window, scale, block_q,
+                                                             block_k, q.shape[-1])
+    counters = FlashCounters() if counters is None else counters
+    dtype = np.result_type(q, k, v)
+    b, h, t_q, _ = q.shape
+    g, t_k, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    band = _Band(t_q, t_k, causal, window)
+    n_key_tiles = _n_tiles(t_k, block_k)
+
+    qg = _grouped(q, g)  # (B, G, H/G, T_q, D)
+    o = np.zeros((b, h, t_q, d_v), dtype=dtype)
+    lse = np.full((b, h, t_q), -np.inf, dtype=dtype)
+    og, lseg = _grouped(o, g), _grouped(lse, g)  # views: writing to them fills o and lse
+
+    for i0, i1 in _tiles(0, t_q, block_q, t_q):
+        q_i = qg[:, :, :, i0:i1]  # (B, G, H/G, bq, D)
+        state = online_softmax_empty(q_i.shape[:-1], d_v, dtype)
+        key_tiles = _tiles(*band.keys_seen_by(i0, i1), block_k, t_k)
+        counters.tiles_skipped += n_key_tiles - len(key_tiles)
+        for j0, j1 in key_tiles:
+            # Key/value head u, shaped to broadcast against the H/G query heads of its group.
+            k_j = k[:, :, None, j0:j1]  # (B, G, 1, bk, D)
+            v_j = v[:, :, None, None, j0:j1]  # (B, G, 1, 1, bk, D_v): a view, broadcast to every row
+            s = (q_i @ np.swapaxes(k_j, -1, -2)) * scale  # (B, G, H/G, bq, bk)
+            visible = band.tile_mask(i0, i1, j0, j1)
+            if visible is not None:  # a tile cut by the mask's edge: hide its invisible pairs
+                s = np.where(visible, s, -np.inf)
+            tile = online_softmax_block(s, v_j)  # F2
+            state = online_softmax_merge(state, tile)  # F3
+            counters.tiles_computed += 1
+            counters.score_pairs += (i1 - i0) * (j1 - j0)
+            # the block computes weights exp(s - m) of the shape of s, and u of the shape of state.u
+            counters.note(s, visible, tile.u, state.u)
+        og[:, :, :, i0:i1] = online_softmax_result(state)  # F1: o = u / l, 0 if nothing was seen
+        lseg[:, :, :, i0:i1] = online_softmax_logsumexp(state)
+    return o, lse
+
+
+# ---- backward ------------------------------------------------------------------------------------
+
+def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: int | None = None,
+                             scale: float | None = None, block_q: int = 16, block_k: int = 16,
+                             counters: FlashCounters | None = None):
+    r"""Gradients of :func:`flash_attention_forward`, FlashAttention-2 style: returns
+    ``(dq, dk, dv)`` (catalogue F4, A8).
+
+    First, one number per query row:
+
+    .. math::
+        \delta_i = \sum_d dO_{id}\, O_{id}
+
+    Then, for each key tile ``j`` (outer loop, accumulating :math:`dK_j, dV_j`) and each query tile
+    ``i`` that sees it (inner loop, adding into :math:`dQ_i`), with the tile's weights recomputed
+    from the saved logsumexp instead of stored:
+
+    .. math::
+        P = e^{\tau Q_i K_j^\top - \mathrm{lse}_i},\qquad dV_j \mathrel{+}= P^\top dO_i,\qquad
+        dP = dO_i V_j^\top,\qquad dS = P \odot (dP - \delta_i)
+
+    .. math::
+        dQ_i \mathrel{+}= \tau\, dS\, K_j,\qquad dK_j \mathrel{+}= \tau\, dS^\top Q_i
+
+    These are the dense formulas of A8 restricted to one tile. Two things make them local:
+
+    * ``P`` needs the row's full normaliser, which only exists once every key tile has been seen.
+      The saved :math:`\mathrm{lse}_i = \log \sum_j e^{S_{ij}}` is exactly that normaliser, so
+      :math:`e^{S - \mathrm{lse}}` gives the final weights at once, tile by tile.
+    * The softmax backward needs :math:`\sum_j P_{ij}\, dP_{ij}` over the whole row. Since
+      :math:`dP_{ij} = dO_i \cdot v_j` and :math:`O_i = \sum_j P_{ij} v_j`,
+
+      .. math::
+          \sum_j P_{ij}\, dP_{ij} = dO_i \cdot \sum_j P_{ij} v_j = dO_i \cdot O_i = \delta_i ,
+
+      a dot product of two ``D_v``-vectors that the forward pass already left behind.
+
+    With GQA each key/value head receives the sum of the gradients of the ``H/G`` query heads that
+    share it. Rows with no visible key have ``P = 0`` and contribute nothing.
+
+    Arguments: ``do`` and ``o`` ``(B, H, T_q, D_v)``, ``lse`` ``(B, H, T_q)`` (both from the
+    forward), ``q``, ``k``, ``v`` and the options as given to the forward. ``dq``, ``dk``, ``dv``
+    have the shapes of ``q``, ``k``, ``v``.
+    """
+    q, k, v = _check_qkv(q, k, v)
+    causal, window, scale, block_q, block_k = _check_options(causal, window, scale, block_q,
+                                                             block_k, q.shape[-1])
+    do = float_array("do", do)
+    o = float_array("o", o)
+    lse = float_array("lse", lse)
+    out_shape = q.shape[:3] + v.shape[-1:]
+    for name, x in (("do", do), ("o", o)):
+        if x.shape != out_shape:
+            raise ValueError(
+                f"{name} must have the output shape (B, H, T_q, D_v) = {out_shape} of "
+                f"q.shape = {q.shape} and v.shape = {v.shape}, got {name}.shape = {x.shape}"
+            )
+    if lse.shape != q.shape[:3]:
+        raise ValueError(
+            f"lse must have shape (B, H, T_q) = {q.shape[:3]} from q.shape = {q.shape}, "
+            f"got lse.shape = {lse.shape}"
+        )
+    counters = FlashCounters() if counters is None else counters
+    dtype = np.result_type(q, k, v, do)
+    g, t_q, t_k = k.shape[1], q.shape[2], k.shape[2]
+    band = _Band(t_q, t_k, causal, window)
+    n_query_tiles = _n_tiles(t_q, block_q)
+    query_tiles = _tiles(0, t_q, block_q, t_q)
+
+    qg, dog, og = _grouped(q, g), _grouped(do, g), _grouped(o, g)  # (B, G, H/G, T_q, .)
+    # A row that saw no key has lse = -inf and all its scores -inf; +inf in its place makes
+    # exp(S - lse) = 0 there instead of exp(-inf - (-inf)) = NaN.
+    lse_safe = _grouped(np.where(np.isneginf(lse), np.inf, lse).astype(dtype, copy=False), g)
+
+    # delta = rowsum(dO * O), one query tile at a time so that no (T_q, D_v)-sized product exists.
+    delta = np.empty(lse_safe.shape, dtype=dtype)
+    for i0, i1 in query_tiles:
+        product = dog[:, :, :, i0:i1] * og[:, :, :, i0:i1]
+        delta[:, :, :, i0:i1] = product.sum(axis=-1)
+        counters.note(product)
+
+    dq = np.zeros(qg.shape, dtype=dtype)
+    dk = np.zeros(k.shape, dtype=dtype)
+    dv = np.zeros(v.shape, dtype=dtype)
+    for j0, j1 in _tiles(0, t_k, block_k, t_k):
+        k_j = k[:, :, None, j0:j1]  # (B, G, 1, bk, D): shared by the group's query heads
+        v_j = v[:, :, None, j0:j1]  # (B, G, 1, bk, D_v)
+        dk_j = np.zeros(k[:, :, j0:j1].shape, dtype=dtype)  # (B, G, bk, D)
+        dv_j = np.zeros(v[:, :, j0:j1].shape, dtype=dtype)  # (B, G, bk, D_v)
+        tiles_i = _tiles(*band.queries_seeing(j0, j1), block_q, t_q)
+        counters.tiles_skipped += n_query_tiles - len(tiles_i)
+        for i0, i1 in tiles_i:
+            q_i, do_i = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]  # (B, G, H/G, bq, .)
+            s = (q_i @ np.swapaxes(k_j, -1, -2)) * scale  # (B, G, H/G, bq, bk)
+            visible = band.tile_mask(i0, i1, j0, j1)
+            if visible is not None:
+                s = np.where(visible, s, -np.inf)
+            p = np.exp(s - lse_safe[:, :, :, i0:i1, None])  # the final weights of these pairs
+            # Sum over axis 2 (the H/G query heads of the group): their shared K/V head gets it all.
+            dv_part = np.swapaxes(p, -1, -2) @ do_i  # (B, G, H/G, bk, D_v)
+            dv_j += dv_part.sum(axis=2)
+            dp = do_i @ np.swapaxes(v_j, -1, -2)  # (B, G, H/G, bq, bk)
+            ds = p * (dp - delta[:, :, :, i0:i1, None])
+            dq_part = (ds @ k_j) * scale  # (B, G, H/G, bq, D)
+            dq[:, :, :, i0:i1] += dq_part
+            dk_part = np.swapaxes(ds, -1, -2) @ q_i  # (B, G, H/G, bk, D)
+            dk_j += dk_part.sum(axis=2) * scale
+            counters.tiles_computed += 1
+            counters.score_pairs += (i1 - i0) * (j1 - j0)
+            counters.note(s, visible, p, dv_part, dp, ds, dq_part, dk_part)
+        dk[:, :, j0:j1] = dk_j
+        dv[:, :, j0:j1] = dv_j
+    return dq.reshape(q.shape), dk, dv

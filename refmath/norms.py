@@ -1,0 +1,131 @@
+"""Layer normalisation and RMS normalisation over the last (feature) axis.
+
+Both act on each row (token) separately, so any leading batch dimensions are allowed.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from refmath._validate import check_axis, check_min_ndim, float_array
+from refmath.registry import OpCase, register_case
+
+
+def _check_norm_inputs(x, gamma, beta=None):
+    x = float_array("x", x)
+    gamma = float_array("gamma", gamma)
+    check_min_ndim("x", x, 1, "(..., d)")
+    d = x.shape[-1]
+    if gamma.shape != (d,):
+        raise ValueError(f"gamma must have shape ({d},) to match x.shape = {x.shape}, got {gamma.shape}")
+    if beta is not None:
+        beta = float_array("beta", beta)
+        if beta.shape != (d,):
+            raise ValueError(f"beta must have shape ({d},) to match x.shape = {x.shape}, got {beta.shape}")
+    return x, gamma, beta
+
+
+class LayerNormCache(NamedTuple):
+    xhat: np.ndarray  # (x - mu) * rstd, shape (..., d)
+    rstd: np.ndarray  # 1 / sqrt(var + eps), shape (..., 1)
+    gamma: np.ndarray
+
+
+def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
+    r"""LayerNorm (catalogue N1).
+
+    .. math::
+        \mu = \tfrac1d \sum_k x_k,\quad \sigma^2 = \tfrac1d \sum_k (x_k-\mu)^2,\quad
+        y = \gamma \odot \frac{x-\mu}{\sqrt{\sigma^2+\epsilon}} + \beta
+
+    The variance is the biased one (divide by ``d``), as in the original definition.
+
+    Shapes: ``x`` is ``(..., d)``, ``gamma`` and ``beta`` are ``(d,)``; ``y`` has the shape of ``x``.
+    Returns ``(y, cache)``.
+    """
+    x, gamma, beta = _check_norm_inputs(x, gamma, beta)
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * rstd
+    return gamma * xhat + beta, LayerNormCache(xhat, rstd, gamma)
+
+
+def layernorm_backward(dout, cache: LayerNormCache):
+    r"""Gradients of LayerNorm: returns ``(dx, dgamma, dbeta)``.
+
+    With :math:`\hat x = (x-\mu)/\sigma` and :math:`g = \gamma \odot dy`, the Jacobian of the
+    normalisation removes the mean of ``g`` and its projection on :math:`\hat x`:
+
+    .. math::
+        dx = \frac{1}{\sigma}\Big(g - \overline{g} - \hat x\,\overline{g \odot \hat x}\Big),\quad
+        d\gamma = \sum_{\text{rows}} dy \odot \hat x,\quad d\beta = \sum_{\text{rows}} dy
+
+    where the bars are means over the ``d`` features.
+    """
+    xhat, rstd, gamma = cache
+    rows = tuple(range(dout.ndim - 1))
+    dgamma = np.sum(dout * xhat, axis=rows)
+    dbeta = np.sum(dout, axis=rows)
+    g = dout * gamma
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+    return dx, dgamma, dbeta
+
+
+class RMSNormCache(NamedTuple):
+    x: np.ndarray
+    rrms: np.ndarray  # 1 / sqrt(mean(x^2) + eps), shape (..., 1)
+    gamma: np.ndarray
+
+
+def rmsnorm_forward(x, gamma, eps: float = 1e-6):
+    r"""RMSNorm (catalogue N2): rescale by the root mean square, no mean subtraction, no bias.
+
+    .. math::
+        y = \gamma \odot \frac{x}{\sqrt{\tfrac1d \sum_k x_k^2 + \epsilon}}
+
+    Shapes: ``x`` is ``(..., d)``, ``gamma`` is ``(d,)``. Returns ``(y, cache)``.
+    """
+    x, gamma, _ = _check_norm_inputs(x, gamma)
+    rrms = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return gamma * x * rrms, RMSNormCache(x, rrms, gamma)
+
+
+def rmsnorm_backward(dout, cache: RMSNormCache):
+    r"""Gradients of RMSNorm: returns ``(dx, dgamma)``.
+
+    With :math:`r = (\overline{x^2}+\epsilon)^{-1/2}` and :math:`g = \gamma \odot dy`:
+
+    .. math::
+        dx = r\,g - r^3\, x\, \overline{g \odot x},\quad d\gamma = \sum_{\text{rows}} dy \odot x\,r
+    """
+    x, rrms, gamma = cache
+    rows = tuple(range(dout.ndim - 1))
+    dgamma = np.sum(dout * x * rrms, axis=rows)
+    g = dout * gamma
+    dx = rrms * g - rrms**3 * x * np.mean(g * x, axis=-1, keepdims=True)
+    return dx, dgamma
+
+
+# ---- gradient-check cases ------------------------------------------------------------------------
+
+def _norm_inputs(shape, with_beta):
+    def make(rng):
+        d = shape[-1]
+        inputs = {"x": rng.standard_normal(shape), "gamma": 1.0 + 0.5 * rng.standard_normal(d)}
+        if with_beta:
+            inputs["beta"] = rng.standard_normal(d)
+        return inputs
+    return make
+
+
+register_case(OpCase("layernorm", "rows (3, 8)", ("N1",), _norm_inputs((3, 8), True),
+                     layernorm_forward, layernorm_backward, ("x", "gamma", "beta")))
+register_case(OpCase("layernorm", "batch (2, 3, 5)", ("N1",), _norm_inputs((2, 3, 5), True),
+                     layernorm_forward, layernorm_backward, ("x", "gamma", "beta")))
+register_case(OpCase("rmsnorm", "rows (3, 8)", ("N2",), _norm_inputs((3, 8), False),
+                     rmsnorm_forward, rmsnorm_backward, ("x", "gamma")))
+register_case(OpCase("rmsnorm", "batch (2, 3, 5)", ("N2",), _norm_inputs((2, 3, 5), False),
+                     rmsnorm_forward, rmsnorm_backward, ("x", "gamma")))

@@ -1,0 +1,662 @@
+"""Back-of-the-envelope sizes: KV cache, weights and training memory, parameter counts, FLOPs.
+
+Every calculator is a small pure function on integers, so a learner can check each figure by hand
+and a test can compare exact byte counts. Units: bytes are plain integers; the printed tables use
+binary units (1 KiB = 1024 bytes, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB), as the worked examples do.
+
+Catalogue IDs: K6, K7 (cache size and its worked table), K9 (MLA cache), K12 (quantised cache
+bytes), N7 (SwiGLU parameter count), S1 (inference rule of thumb), S2 (AdamW training memory),
+S3 (cache ratios). ``add_sizes_arguments`` and ``run_sizes`` are the pieces of
+``python -m refmath sizes``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import numbers
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from refmath.ffn import ffn_parameter_count
+
+
+def _positive_int(name: str, value) -> int:
+    """Return ``value`` as an int, raising unless it is a positive integer (``bool`` is refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def _check_kv_heads_divide(heads: int, kv_heads: int) -> None:
+    # Each key/value head serves exactly heads / kv_heads query heads (catalogue A10).
+    if kv_heads > heads or heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+
+
+# ---- KV cache (K6, K7, K9, K12) -----------------------------------------------------------------
+
+def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int,
+                             value_dim: int | None = None) -> int:
+    r"""Bytes of K and V cached for one token of one sequence (catalogue K6).
+
+    .. math:: 2\,L\,g\,d_h\,b \qquad\text{(general form: } L\,g\,(d_k + d_v)\,b\text{)}
+
+    ``head_dim`` is the key width :math:`d_k`; ``value_dim`` is :math:`d_v` (default: equal to
+    ``head_dim``, which gives the factor 2). MHA, GQA and MQA differ only in ``kv_heads``
+    (:math:`g = h`, :math:`1 < g < h`, :math:`g = 1`). Result in bytes.
+    """
+    layers = _positive_int("layers", layers)
+    kv_heads = _positive_int("kv_heads", kv_heads)
+    head_dim = _positive_int("head_dim", head_dim)
+    bytes_per_element = _positive_int("bytes_per_element", bytes_per_element)
+    value_dim = head_dim if value_dim is None else _positive_int("value_dim", value_dim)
+    return layers * kv_heads * (head_dim + value_dim) * bytes_per_element
+
+
+def kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int, head_dim: int,
+                   bytes_per_element: int, value_dim: int | None = None) -> int:
+    r"""Bytes of an unsharded KV cache for ``batch`` sequences of ``tokens`` tokens (K6, K7).
+
+    .. math:: M_{KV} = 2\,B\,L\,T\,g\,d_h\,b
+
+    (general form :math:`B L T g (d_k + d_v) b` when ``value_dim`` differs from ``head_dim``).
+    Weights, activations, allocator overhead and quantisation metadata are not included.
+    Worked example (K7): ``B=1, L=32, T=8192, d_h=128, b=2`` gives 4 GiB for ``g=32`` (MHA),
+    1 GiB for ``g=8`` (GQA) and 128 MiB for ``g=1`` (MQA). Result in bytes.
+    """
+    batch = _positive_int("batch", batch)
+    tokens = _positive_int("tokens", tokens)
+    per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, bytes_per_element, value_dim)
+    return batch * tokens * per_token
+
+
+def mla_cache_bytes_per_token(layers: int, latent_dim: int, rope_dim: int,
+                              bytes_per_element: int) -> int:
+    r"""Bytes of MLA state cached for one token (catalogue K9): :math:`L\,(d_c + d_R)\,b`.
+
+    Each depth keeps the latent row :math:`c_j` (width :math:`d_c`) and the positional key
+    :math:`\tilde k^R_j` (width :math:`d_R`, shared by all heads), instead of expanded K and V.
+    """
+    layers = _positive_int("layers", layers)
+    latent_dim = _positive_int("latent_dim", latent_dim)
+    rope_dim = _positive_int("rope_dim", rope_dim)
+    bytes_per_element = _positive_int("bytes_per_element", bytes_per_element)
+    return layers * (latent_dim + rope_dim) * bytes_per_element
+
+
+def mla_cache_bytes(batch: int, layers: int, tokens: int, latent_dim: int, rope_dim: int,
+                    bytes_per_element: int) -> int:
+    r"""Idealised MLA cache size in bytes (catalogue K9).
+
+    .. math:: M_{MLA} = B\,L\,T\,(d_c + d_R)\,b
+
+    Compare with :func:`kv_cache_bytes`: MLA wins when :math:`d_c + d_R` is small next to the
+    expanded width :math:`2 g d_h`.
+    """
+    batch = _positive_int("batch", batch)
+    tokens = _positive_int("tokens", tokens)
+    return batch * tokens * mla_cache_bytes_per_token(layers, latent_dim, rope_dim, bytes_per_element)
+
+
+class QuantizedCacheBytes(NamedTuple):
+    payload: int  # the quantised integers, densely packed
+    scales: int   # one scale per group
+    total: int
+
+
+def quantized_kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int, head_dim: int,
+                             bits: int, group_size: int, scale_bytes: int = 2) -> QuantizedCacheBytes:
+    r"""Bytes of a KV cache stored with a ``bits``-bit symmetric quantiser (catalogue K12).
+
+    .. math:: \text{payload} = \left\lceil 2\,B\,L\,T\,g\,d_h\,\tfrac{q}{8} \right\rceil,\qquad
+              \text{scales} = 2\,B\,L\,T\,g\,\lceil d_h / G \rceil\, b_s
+
+    Each cached key or value vector (one token, depth and KV head: :math:`d_h` numbers) is split
+    into groups of ``group_size`` :math:`G` consecutive elements, each with its own scale of
+    ``scale_bytes`` :math:`b_s` bytes (a symmetric quantiser has no zero point). The payload
+    assumes dense bit packing (the ceiling only matters for odd totals); real layouts may pad.
+    """
+    batch = _positive_int("batch", batch)
+    layers = _positive_int("layers", layers)
+    tokens = _positive_int("tokens", tokens)
+    kv_heads = _positive_int("kv_heads", kv_heads)
+    head_dim = _positive_int("head_dim", head_dim)
+    bits = _positive_int("bits", bits)
+    group_size = _positive_int("group_size", group_size)
+    scale_bytes = _positive_int("scale_bytes", scale_bytes)
+    vectors = 2 * batch * layers * tokens * kv_heads  # the 2 counts keys and values
+    payload = -(-vectors * head_dim * bits // 8)
+    scales = vectors * -(-head_dim // group_size) * scale_bytes
+    return QuantizedCacheBytes(payload, scales, payload + scales)
+
+
+# ---- weights and optimiser memory (S1, S2) ------------------------------------------------------
+
+def weights_bytes(params: int, bytes_per_param: int = 2) -> int:
+    """Bytes of the weights alone: ``params * bytes_per_param`` (2 for bf16/fp16)."""
+    return _positive_int("params", params) * _positive_int("bytes_per_param", bytes_per_param)
+
+
+class InferenceMemory(NamedTuple):
+    weights: int       # 2P bytes for bf16/fp16
+    allowance: float   # the rough extra for activations and KV cache
+    total: float
+
+
+def inference_memory_rule_of_thumb(params: int, bytes_per_param: int = 2,
+                                   overhead: float = 0.20) -> InferenceMemory:
+    r"""Inference memory by the cheat sheet's RULE OF THUMB (catalogue S1), not a measurement.
+
+    .. math:: M \approx 2P\,(1 + 0.2)\ \text{bytes}
+
+    The weights take ``bytes_per_param * P`` bytes; about 20% more is set aside for activations and
+    the KV cache. The real cache can be far larger than 20% at long contexts or large batches:
+    compute it with :func:`kv_cache_bytes` instead of trusting the allowance.
+    """
+    weights = weights_bytes(params, bytes_per_param)
+    if overhead < 0:
+        raise ValueError(f"overhead must be non-negative, got {overhead}")
+    allowance = weights * overhead
+    return InferenceMemory(weights, allowance, weights + allowance)
+
+
+class TrainingMemory(NamedTuple):
+    weights_fp16: int      # 2P
+    grads_fp16: int        # 2P
+    master_fp32: int       # 4P
+    adam_moments_fp32: int # 8P: m and v, 4 bytes each
+    total: int             # 16P
+
+
+def adamw_training_memory(params: int) -> TrainingMemory:
+    r"""Bytes of model state for full AdamW mixed-precision training (catalogue S2).
+
+    .. math:: 16P = \underbrace{2P}_{\text{fp16 weights}} + \underbrace{2P}_{\text{fp16 grads}}
+              + \underbrace{4P}_{\text{fp32 master}} + \underbrace{8P}_{\text{fp32 } m, v}
+
+    Activations (which grow with batch and sequence length) are not included.
+    """
+    p = _positive_int("params", params)
+    return TrainingMemory(2 * p, 2 * p, 4 * p, 8 * p, 16 * p)
+
+
+# ---- model configurations and presets -----------------------------------------------------------
+
+_MLP_KINDS = ("swiglu", "gelu", "relu")
+_NORM_KINDS = ("rmsnorm", "layernorm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The sizes of a Transformer that matter for counting; validated on construction.
+
+    ``layers`` counts the layers that hold a KV cache (the decoder's). ``encoder_layers > 0``
+    makes an encoder-decoder with one embedding shared by source, target and (if tied) output, as
+    in the original Transformer. ``latent_dim``/``rope_dim`` set an MLA cache (catalogue K9).
+    ``d_ff``/``vocab`` may be ``None`` for a preset that only describes its attention.
+    """
+
+    name: str
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    d_ff: int | None = None
+    vocab: int | None = None
+    mlp: str = "swiglu"              # "swiglu": 3 d d_f; "gelu"/"relu": 2 d d_f
+    norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases
+    bias: bool = False               # a bias on every linear layer (GPT-2, original Transformer)
+    tied_output: bool = False        # the output projection reuses the embedding matrix
+    learned_positions: int = 0       # rows of a learned position table (GPT-2: 1024)
+    final_norm: bool = True          # one norm after the last layer (Pre-LN models)
+    encoder_layers: int = 0
+    latent_dim: int | None = None    # MLA d_c
+    rope_dim: int | None = None      # MLA d_R
+    sliding_window: int | None = None
+    published_params: str = ""       # the total as published, e.g. "6.74e9"; "" if not compared
+    source: str = ""
+
+    def __post_init__(self):
+        for field in ("layers", "d_model", "heads", "kv_heads", "head_dim"):
+            _positive_int(field, getattr(self, field))
+        for field in ("d_ff", "vocab", "latent_dim", "rope_dim", "sliding_window"):
+            if getattr(self, field) is not None:
+                _positive_int(field, getattr(self, field))
+        for field in ("learned_positions", "encoder_layers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"{field} must be a non-negative integer, got {value!r}")
+        _check_kv_heads_divide(self.heads, self.kv_heads)
+        if (self.latent_dim is None) != (self.rope_dim is None):
+            raise ValueError("latent_dim and rope_dim must be given together (an MLA cache holds both)")
+        if self.mlp not in _MLP_KINDS:
+            raise ValueError(f"mlp must be one of {_MLP_KINDS}, got {self.mlp!r}")
+        if self.norm not in _NORM_KINDS:
+            raise ValueError(f"norm must be one of {_NORM_KINDS}, got {self.norm!r}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.latent_dim is not None
+
+
+# Published configurations. Only numbers from the cited paper or model card; the published total
+# is kept as a string so that a test can read how many figures it was rounded to.
+PRESETS: dict[str, ModelConfig] = {
+    p.name: p for p in (
+        # Vaswani et al. 2017, "Attention Is All You Need": Table 3 (base: N=6, d_model=512,
+        # d_ff=2048, h=8, d_k=64, 65e6 parameters), Sec. 5.1 (shared BPE vocabulary of "about
+        # 37000" tokens), Sec. 3.4 (embeddings shared with the pre-softmax projection).
+        ModelConfig("transformer-base", layers=6, encoder_layers=6, d_model=512, heads=8,
+                    kv_heads=8, head_dim=64, d_ff=2048, vocab=37000, mlp="relu",
+                    norm="layernorm", bias=True, tied_output=True, final_norm=False,
+                    published_params="65e6", source="Vaswani et al. 2017, Table 3"),
+        # Radford et al. 2019 (GPT-2) with the released hparams: n_layer=12, n_embd=768,
+        # n_head=12, n_ctx=1024, vocab 50257; the model card (openai-community/gpt2) says 124M.
+        ModelConfig("gpt2-small", layers=12, d_model=768, heads=12, kv_heads=12, head_dim=64,
+                    d_ff=3072, vocab=50257, mlp="gelu", norm="layernorm", bias=True,
+                    tied_output=True, learned_positions=1024, published_params="124e6",
+                    source="GPT-2 model card (openai-community/gpt2)"),
+        # Llama 2 paper (Touvron et al. 2023b) and params.json: dim 4096, 32 layers, 32 heads,
+        # no GQA at 7B, SwiGLU width 11008, vocab 32000, untied output. 6.74e9 is the released
+        # checkpoint's count (the LLaMA-1 paper lists this same shape as 6.7B).
+        ModelConfig("llama-2-7b", layers=32, d_model=4096, heads=32, kv_heads=32, head_dim=128,
+                    d_ff=11008, vocab=32000, published_params="6.74e9",
+                    source="Llama 2 paper / model card (meta-llama/Llama-2-7b)"),
+        # Llama 3 model card and params.json: dim 4096, 32 layers, 32 heads, 8 KV heads,
+        # d_ff 14336 (ffn_dim_multiplier 1.3, multiple_of 1024), vocab 128256; 8.03e9 parameters.
+        ModelConfig("llama-3-8b", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
+                    d_ff=14336, vocab=128256, published_params="8.03e9",
+                    source="Llama 3 model card (meta-llama/Meta-Llama-3-8B)"),
+        # Jiang et al. 2023, "Mistral 7B", Table 1: dim 4096, 32 layers, head_dim 128, hidden 14336,
+        # 32 heads, 8 KV heads, window 4096, vocab 32000. "7.3B" is Mistral AI's announcement.
+        ModelConfig("mistral-7b", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
+                    d_ff=14336, vocab=32000, sliding_window=4096, published_params="7.3e9",
+                    source="Mistral 7B paper, Table 1"),
+        # DeepSeek-V2 report (arXiv:2405.04434), Sec. 3.1 settings: 60 layers, d=5120, 128 heads of
+        # d_h=128, d_c=512, d_R=64. Its MoE feed-forward (236e9 total parameters) is not modelled
+        # here, so d_ff and vocab are left out and no parameter count is made.
+        ModelConfig("deepseek-v2", layers=60, d_model=5120, heads=128, kv_heads=128, head_dim=128,
+                    latent_dim=512, rope_dim=64, source="DeepSeek-V2 report, Sec. 3.1"),
+    )
+}
+
+
+# ---- parameter counts (N7 and the shapes of M1-M3) ----------------------------------------------
+
+class ParamCounts(NamedTuple):
+    embedding: int   # token embedding V x d
+    positions: int   # learned position table (0 for sinusoidal or RoPE)
+    attention: int   # every attention block, cross-attention included
+    mlp: int
+    norms: int
+    output: int      # untied output projection d x V (0 when tied)
+    total: int
+
+
+def attention_parameter_count(d_model: int, heads: int, kv_heads: int, head_dim: int,
+                              bias: bool = False) -> int:
+    r"""Parameters of one attention block with GQA widths (catalogue A6, A9, A10).
+
+    .. math:: \underbrace{d\,h d_h}_{W_Q} + \underbrace{2\,d\,g d_h}_{W_K, W_V}
+              + \underbrace{h d_h\,d}_{W_O}\quad(+\ h d_h + 2 g d_h + d \text{ biases})
+    """
+    d = _positive_int("d_model", d_model)
+    h = _positive_int("heads", heads)
+    g = _positive_int("kv_heads", kv_heads)
+    dh = _positive_int("head_dim", head_dim)
+    _check_kv_heads_divide(h, g)
+    count = d * h * dh + 2 * d * g * dh + h * dh * d
+    if bias:
+        count += h * dh + 2 * g * dh + d
+    return count
+
+
+def _norm_count(config: ModelConfig) -> int:
+    return config.d_model * (2 if config.norm == "layernorm" else 1)
+
+
+def _require_dense(config: ModelConfig, what: str) -> None:
+    if config.d_ff is None or config.vocab is None:
+        raise ValueError(f"{what} needs d_ff and vocab; config {config.name!r} describes only its "
+                         f"attention (d_ff={config.d_ff}, vocab={config.vocab})")
+    if config.is_mla:
+        raise ValueError(f"{what} is not written for MLA projections (config {config.name!r})")
+
+
+def parameter_counts(config: ModelConfig) -> ParamCounts:
+    r"""Parameters of a decoder (or the original encoder-decoder), by component (catalogue N7).
+
+    Per decoder layer: attention (:func:`attention_parameter_count`), MLP (:math:`3 d d_f` for
+    SwiGLU, :math:`2 d d_f` for GELU/ReLU, via :func:`refmath.ffn.ffn_parameter_count`), and two
+    norms (:math:`d` each for RMSNorm, :math:`2d` for LayerNorm). An encoder-decoder adds, per
+    decoder layer, a cross-attention block and a third norm, and per encoder layer one attention,
+    one MLP and two norms. Plus :math:`V d` for the embedding, the learned position table, a final
+    norm per stack when ``final_norm``, and :math:`d V` for an untied output projection.
+    """
+    _require_dense(config, "parameter_counts")
+    d, L = config.d_model, config.layers
+    attn = attention_parameter_count(d, config.heads, config.kv_heads, config.head_dim, config.bias)
+    mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp == "swiglu", biases=config.bias)
+    norm = _norm_count(config)
+
+    attention = L * attn
+    mlps = L * mlp
+    norms = L * 2 * norm
+    if config.encoder_layers:
+        # Decoder layers add cross-attention and its norm; encoder layers are self-attention + MLP.
+        attention += L * attn + config.encoder_layers * attn
+        mlps += config.encoder_layers * mlp
+        norms += L * norm + config.encoder_layers * 2 * norm
+    stacks = 2 if config.encoder_layers else 1
+    norms += stacks * norm if config.final_norm else 0
+
+    embedding = config.vocab * d
+    positions = config.learned_positions * d
+    output = 0 if config.tied_output else d * config.vocab
+    total = embedding + positions + attention + mlps + norms + output
+    return ParamCounts(embedding, positions, attention, mlps, norms, output, total)
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------
+
+class FlopCount(NamedTuple):
+    weights: int    # matmuls with weight matrices (projections, MLP, vocabulary logits)
+    attention: int  # scores q k^T and weighted sums a V
+    total: int
+
+
+def _weight_macs_per_token(config: ModelConfig) -> int:
+    # Multiply-adds of every weight matmul for one token through all layers (logits excluded).
+    d, h, g, dh = config.d_model, config.heads, config.kv_heads, config.head_dim
+    attention = d * h * dh + 2 * d * g * dh + h * dh * d
+    mlp = (3 if config.mlp == "swiglu" else 2) * d * config.d_ff
+    return config.layers * (attention + mlp)
+
+
+def _attended_keys(query_position: int, window: int | None) -> int:
+    # Keys a causal query at 1-based position i sees: i, or min(i, w) with a sliding window (A12).
+    return query_position if window is None else min(query_position, window)
+
+
+def _causal_pairs(tokens: int, window: int | None) -> int:
+    # sum_{i=1}^{T} min(i, w) in closed form: T(T+1)/2 while T <= w, then w more pairs per token.
+    if window is None or tokens <= window:
+        return tokens * (tokens + 1) // 2
+    return window * (window + 1) // 2 + (tokens - window) * window
+
+
+def _decoder_only(config: ModelConfig, what: str) -> None:
+    _require_dense(config, what)
+    if config.encoder_layers:
+        raise ValueError(f"{what} is written for decoder-only models; {config.name!r} has an encoder")
+
+
+def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
+                  all_logits: bool = False) -> FlopCount:
+    r"""FLOPs of a causal prefill over ``tokens`` prompt tokens (catalogue K5).
+
+    Convention: 2 FLOPs per multiply-add. Counted: the weight matmuls (Q, K, V, O projections, the
+    MLP, and the vocabulary logits: for the last position only, as generation needs, or for all
+    positions with ``all_logits``) and, separately, attention's scores :math:`q k^\top` and value
+    sums :math:`a V`, each :math:`2 d_h` FLOPs per head per allowed query-key pair. A causal
+    implementation skips masked pairs, so a prompt of :math:`T` tokens has :math:`T(T+1)/2` pairs
+    (fewer with a sliding window). Not counted: softmax, norms, activations, RoPE, residual adds,
+    biases, the embedding lookup.
+
+    .. math:: \text{weights} = 2\,B\,T\,P_{\text{matmul}} + 2\,B\,d\,V,\qquad
+              \text{attention} = 4\,B\,L\,h\,d_h \sum_{i=1}^{T} \min(i, w)
+    """
+    _decoder_only(config, "prefill_flops")
+    tokens = _positive_int("tokens", tokens)
+    batch = _positive_int("batch", batch)
+    logit_rows = tokens if all_logits else 1
+    weights = 2 * batch * (tokens * _weight_macs_per_token(config)
+                           + logit_rows * config.d_model * config.vocab)
+    pairs = _causal_pairs(tokens, config.sliding_window)
+    attention = 4 * batch * config.layers * config.heads * config.head_dim * pairs
+    return FlopCount(weights, attention, weights + attention)
+
+
+def decode_step_flops(config: ModelConfig, context: int, batch: int = 1) -> FlopCount:
+    r"""FLOPs of one decode step whose new query attends to ``context`` keys (cache + itself) (K5).
+
+    Same convention as :func:`prefill_flops`: one token through every weight matmul plus its
+    logits, and :math:`4 L h d_h t` FLOPs of attention for :math:`t` attended keys, the
+    :math:`O(t h d_h)` per layer of catalogue K5.
+    """
+    _decoder_only(config, "decode_step_flops")
+    context = _positive_int("context", context)
+    batch = _positive_int("batch", batch)
+    weights = 2 * batch * (_weight_macs_per_token(config) + config.d_model * config.vocab)
+    keys = _attended_keys(context, config.sliding_window)
+    attention = 4 * batch * config.layers * config.heads * config.head_dim * keys
+    return FlopCount(weights, attention, weights + attention)
+
+
+# ---- comparing attention choices (S3) -----------------------------------------------------------
+
+class CacheRow(NamedTuple):
+    kind: str             # "MHA", "GQA", "MQA" or "MLA"
+    label: str            # e.g. "GQA (g=8)"
+    bytes_per_token: int  # one sequence, all layers
+    total: int            # batch x tokens
+
+
+def attention_cache_rows(layers: int, heads: int, kv_heads: int, head_dim: int, tokens: int,
+                         batch: int = 1, bytes_per_element: int = 2, latent_dim: int | None = None,
+                         rope_dim: int | None = None) -> list[CacheRow]:
+    r"""KV cache of MHA, GQA, MQA and MLA at one shape, for comparison (catalogue K7, K9, S3).
+
+    MHA has :math:`g = h`, MQA :math:`g = 1`, and the GQA row (shown when :math:`1 < g < h`) uses
+    ``kv_heads``. The MLA row uses ``latent_dim`` and ``rope_dim`` when given; otherwise DeepSeek-V2's
+    proportions :math:`d_c = 4 d_h` and :math:`d_R = d_h / 2`, i.e. the same bytes as GQA with 2.25
+    KV heads.
+    """
+    heads = _positive_int("heads", heads)
+    kv_heads = _positive_int("kv_heads", kv_heads)
+    head_dim = _positive_int("head_dim", head_dim)
+    _check_kv_heads_divide(heads, kv_heads)
+    if latent_dim is None:
+        latent_dim = 4 * head_dim
+    if rope_dim is None:
+        rope_dim = max(1, head_dim // 2)
+
+    rows = []
+    choices = [("MHA", f"MHA (g=h={heads})", heads)]
+    if 1 < kv_heads < heads:
+        choices.append(("GQA", f"GQA (g={kv_heads})", kv_heads))
+    if heads > 1:
+        choices.append(("MQA", "MQA (g=1)", 1))
+    for kind, label, g in choices:
+        per_token = kv_cache_bytes_per_token(layers, g, head_dim, bytes_per_element)
+        rows.append(CacheRow(kind, label, per_token,
+                             kv_cache_bytes(batch, layers, tokens, g, head_dim, bytes_per_element)))
+    per_token = mla_cache_bytes_per_token(layers, latent_dim, rope_dim, bytes_per_element)
+    rows.append(CacheRow("MLA", f"MLA (d_c={latent_dim}, d_R={rope_dim})", per_token,
+                         mla_cache_bytes(batch, layers, tokens, latent_dim, rope_dim, bytes_per_element)))
+    return rows
+
+
+# ---- the `sizes` command -------------------------------------------------------------------------
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable size in binary units (1 KiB = 1024 B): ``format_bytes(2**30) == '1.00 GiB'``."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    value, unit = float(n), 0
+    while value >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{value:.2f} {_BINARY_UNITS[unit]}"
+
+
+def add_sizes_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``sizes`` options to ``parser`` and set ``run=run_sizes`` as its default action."""
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="a published configuration; the flags below override its fields")
+    parser.add_argument("--layers", type=int, help="layers L holding a KV cache")
+    parser.add_argument("--heads", type=int, help="query heads h")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads g (default: h, i.e. MHA)")
+    parser.add_argument("--head-dim", type=int, help="head width d_h")
+    parser.add_argument("--latent-dim", type=int,
+                        help="MLA latent width d_c for the MLA row (default: the preset's, else 4 d_h)")
+    parser.add_argument("--rope-dim", type=int,
+                        help="MLA positional key width d_R (default: the preset's, else d_h/2)")
+    parser.add_argument("--tokens", type=int, default=8192, help="context length T (default: 8192)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences B (default: 1)")
+    parser.add_argument("--bytes", type=int, default=2,
+                        help="bytes per cached element b (default: 2, fp16/bf16)")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also save a figure of cache size against context length (needs matplotlib)")
+    parser.set_defaults(run=run_sizes)
+
+
+def _resolve_config(args: argparse.Namespace) -> ModelConfig:
+    flags = {"layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+             "head_dim": args.head_dim}
+    given = {k: v for k, v in flags.items() if v is not None}
+    if args.preset:
+        config = dataclasses.replace(PRESETS[args.preset], **given)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in ("layers", "heads", "head_dim") if k not in given]
+        if missing:
+            raise ValueError(f"without --preset, give {', '.join(missing)}")
+        given.setdefault("kv_heads", given["heads"])
+        # Without a preset d_model is a placeholder: nothing printed for bare flags depends on it.
+        config = ModelConfig("custom", d_model=given["heads"] * given["head_dim"], **given)
+    if config.is_mla:
+        # For an MLA preset the latent flags change the model itself, not just the comparison row.
+        mla = {k: v for k, v in (("latent_dim", args.latent_dim), ("rope_dim", args.rope_dim))
+               if v is not None}
+        config = dataclasses.replace(config, **mla)
+    return config
+
+
+def _print_parameters(config: ModelConfig, out) -> None:
+    counts = parameter_counts(config)
+    published = f"; published {config.published_params}" if config.published_params else ""
+    print(f"\nparameters (N7): {counts.total:,} ({counts.total:.3g}{published})", file=out)
+    for name in ("embedding", "positions", "attention", "mlp", "norms", "output"):
+        print(f"  {name:<10} {getattr(counts, name):>16,}", file=out)
+
+    p = counts.total
+    rule = inference_memory_rule_of_thumb(p)
+    train = adamw_training_memory(p)
+    print("\nmemory (bf16/fp16 weights, 2 bytes per parameter):", file=out)
+    print(f"  weights 2P                                    {format_bytes(rule.weights):>12}", file=out)
+    print(f"  inference, RULE OF THUMB (S1): 2P + ~20%      {format_bytes(rule.total):>12}", file=out)
+    print(f"  AdamW mixed-precision training (S2): 16P      {format_bytes(train.total):>12}", file=out)
+    print(f"    = fp16 weights 2P {format_bytes(train.weights_fp16)} + fp16 grads 2P "
+          f"{format_bytes(train.grads_fp16)} + fp32 master 4P {format_bytes(train.master_fp32)} "
+          f"+ fp32 Adam m, v 8P {format_bytes(train.adam_moments_fp32)} (activations excluded)", file=out)
+
+
+def _print_flops(config: ModelConfig, tokens: int, batch: int, out) -> None:
+    prefill = prefill_flops(config, tokens, batch)
+    step = decode_step_flops(config, tokens, batch)
+    print("\nFLOPs (2 per multiply-add; weight matmuls and attention scores/values only):", file=out)
+    print(f"  prefill of T={tokens}:          weights {prefill.weights:.3e}, "
+          f"attention {prefill.attention:.3e}, total {prefill.total:.3e}", file=out)
+    print(f"  one decode step at T={tokens}:  weights {step.weights:.3e}, "
+          f"attention {step.attention:.3e}, total {step.total:.3e}", file=out)
+
+
+def run_sizes(args: argparse.Namespace) -> int:
+    """Print the cache table (and, for a preset, parameters, memory and FLOPs); 2 on bad input."""
+    out = sys.stdout
+    try:
+        config = _resolve_config(args)
+        latent = args.latent_dim if args.latent_dim is not None else config.latent_dim
+        rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
+        rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
+                                    args.tokens, args.batch, args.bytes, latent, rope)
+    except (ValueError, TypeError) as err:
+        print(f"sizes: {err}", file=sys.stderr)
+        return 2
+
+    own = "MLA" if config.is_mla else ("MHA" if config.kv_heads == config.heads
+                                       else "MQA" if config.kv_heads == 1 else "GQA")
+    title = config.name + (f" ({config.source})" if config.source else "")
+    print(f"KV cache (K6, K7, K9): {title}", file=out)
+    print(f"  L={config.layers}, h={config.heads}, g={config.kv_heads}, d_h={config.head_dim}; "
+          f"B={args.batch}, T={args.tokens}, b={args.bytes} bytes per element", file=out)
+    print("  units are binary: 1 KiB = 1024 B, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB\n", file=out)
+    print(f"  {'attention':<26} {'per token':>12} {'cache':>12} {'smaller than MHA':>17}", file=out)
+    mha = rows[0].total
+    for row in rows:
+        mark = "*" if row.kind == own else " "
+        print(f"{mark} {row.label:<26} {format_bytes(row.bytes_per_token):>12} "
+              f"{format_bytes(row.total):>12} {mha / row.total:>16.2f}x", file=out)
+    print(f"  (* this configuration's own attention)", file=out)
+    if not config.is_mla and latent is None:
+        print(f"  the MLA row is hypothetical here: DeepSeek-V2's proportions d_c = 4 d_h, "
+              f"d_R = d_h/2 (set --latent-dim, --rope-dim)", file=out)
+    if config.encoder_layers:
+        print("  decoder self-attention only: cross-attention also keeps the encoder's K and V",
+              file=out)
+    if config.sliding_window:
+        print(f"  counted for all T tokens (K6); a rolling cache of the {config.sliding_window}-token "
+              f"window would cap T there", file=out)
+
+    if config.d_ff is not None and config.vocab is not None and not config.is_mla:
+        _print_parameters(config, out)
+        if not config.encoder_layers:
+            _print_flops(config, args.tokens, args.batch, out)
+    elif args.preset:
+        print(f"\n(no parameter or FLOP count: {config.name} describes only its attention)", file=out)
+
+    if args.plot:
+        try:
+            save_cache_plot(args.plot, config, args.tokens, args.batch, args.bytes, latent, rope)
+        except ImportError:
+            print("sizes: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+        print(f"\nplot saved to {args.plot}", file=out)
+    return 0
+
+
+def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
+                    bytes_per_element: int = 2, latent_dim: int | None = None,
+                    rope_dim: int | None = None) -> None:
+    """Save a figure of cache size against context length (1..``tokens``) for MHA/GQA/MQA/MLA.
+
+    matplotlib is imported here, with the Agg canvas and no pyplot, so that importing refmath never
+    needs it and no global backend is changed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    latent_dim = config.latent_dim if latent_dim is None else latent_dim
+    rope_dim = config.rope_dim if rope_dim is None else rope_dim
+
+    # Log-log axes: every choice is a line of slope 1 (the cache is linear in T), and the vertical
+    # gap between two lines is their constant ratio, visible even when one is 100x smaller.
+    lengths = sorted({2**k for k in range(tokens.bit_length()) if 2**k <= tokens} | {tokens})
+    series = {}
+    for t in lengths:
+        for row in attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
+                                        t, batch, bytes_per_element, latent_dim, rope_dim):
+            series.setdefault(row.label, []).append(row.total / 2**30)
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, sizes in series.items():
+        ax.plot(lengths, sizes, label=label)
+    ax.set_xlabel("context length T (tokens)")
+    ax.set_ylabel("KV cache (GiB, binary: 2^30 bytes)")
+    ax.set_title(f"{config.name}: L={config.layers}, h={config.heads}, d_h={config.head_dim}, "
+                 f"B={batch}, b={bytes_per_element}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,284 @@
+"""Build refmath's compiled extensions.
+
+- ``refmath._C``: the CPU kernels in ``csrc/`` (C++17, -O3, OpenMP when the compiler has it). Always
+  built; the install fails if it cannot be.
+- ``refmath._cuda``: the CUDA kernels in ``csrc/cuda/``, built only when a CUDA toolkit (nvcc and
+  ``include/cuda_runtime.h``) is found. Without one the install still succeeds, prints one line
+  saying why the module was skipped, and records the reason for ``refmath.kernels.build_info()``.
+
+Switches (environment variables):
+
+=========================  =====================================================================
+``REFMATH_CUDA=0``         do not build the CUDA module
+``REFMATH_REQUIRE_CUDA=1`` a missing toolkit or a failed CUDA compile fails the install
+``REFMATH_CUDA_ARCH``      GPU architectures, e.g. ``"80;90"`` (default ``"90"``): SASS for each,
+                           plus PTX for the newest so later GPUs can JIT-compile it
+``REFMATH_NATIVE=1``       add ``-march=native`` to the CPU module (faster here, not portable)
+``REFMATH_SANITIZE=1``     build the CPU module with AddressSanitizer and UBSan (-O1 -g); Python
+                           must then preload libasan, see README
+``CUDA_HOME``/``CUDA_PATH``  where to look for the toolkit first
+=========================  =====================================================================
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CUDA_EXT = "refmath._cuda"
+BUILD_INFO = os.path.join("refmath", "_build_info.py")
+
+
+def _rel(pattern: str) -> list[str]:
+    # setuptools wants paths relative to setup.py; sorted so builds are reproducible.
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _say(message: str) -> None:
+    # pip hides build output unless -v; the same facts are kept in refmath/_build_info.py.
+    print(f"refmath: {message}", file=sys.stderr, flush=True)
+
+
+# ---- locating the CUDA toolkit ----
+
+def _is_toolkit(root: str | None) -> bool:
+    return bool(root) and os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")) and \
+        os.path.isfile(os.path.join(root, "bin", "nvcc"))
+
+
+def _toolkit_behind(nvcc: str) -> str | None:
+    """Ask nvcc where it really lives (a wrapper script's own folder says nothing)."""
+    try:
+        run = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (run.stdout + run.stderr).splitlines():
+        if line.startswith("#$ _HERE_="):  # nvcc's own bin/ folder
+            return os.path.dirname(line.split("=", 1)[1].strip())
+    return None
+
+
+def _toolkit_candidates():
+    yield os.environ.get("CUDA_HOME")
+    yield os.environ.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # a real nvcc (or a symlink to one) lives in <root>/bin
+        yield os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    yield "/usr/local/cuda"
+    versioned = glob.glob("/usr/local/cuda-*")
+    versioned.sort(key=lambda p: [int(t) if t.isdigit() else 0 for t in p.rsplit("-", 1)[-1].split(".")],
+                   reverse=True)  # newest first: cuda-12.10 before cuda-12.9
+    yield from versioned
+    yield "/opt/cuda"
+    if nvcc:  # last, as it runs nvcc: a wrapper on PATH pointing somewhere unusual
+        yield _toolkit_behind(nvcc)
+
+
+def find_cuda_toolkit() -> tuple[str | None, list[str]]:
+    """Return (toolkit root or None, the places looked at).
+
+    ``nvcc`` on PATH may be a wrapper script (``exec /usr/local/cuda-X/bin/nvcc "$@"``) whose
+    folder holds no headers, so a toolkit is recognised by ``include/cuda_runtime.h`` next to
+    ``bin/nvcc``, and nvcc is then always called as ``<root>/bin/nvcc``.
+    """
+    looked = []
+    for root in _toolkit_candidates():
+        if root and root not in looked:
+            looked.append(root)
+            if _is_toolkit(root):
+                return root, looked
+    return None, looked
+
+
+def _cuda_lib_dir(root: str) -> str | None:
+    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                os.path.join("targets", "sbsa-linux", "lib")):
+        if os.path.isfile(os.path.join(root, sub, "libcudart_static.a")):
+            return os.path.join(root, sub)
+    return None
+
+
+def _gencode_flags(archs: str) -> list[str]:
+    """SASS for each listed architecture plus PTX of the newest one (forward compatibility)."""
+    numbers = sorted({a.strip().replace("sm_", "").replace("compute_", "")
+                      for a in archs.replace(",", ";").split(";") if a.strip()}, key=int)
+    if not numbers:
+        raise ValueError(f"REFMATH_CUDA_ARCH={archs!r} names no architecture (e.g. '80;90')")
+    flags = [f"-gencode=arch=compute_{n},code=sm_{n}" for n in numbers]
+    return flags + [f"-gencode=arch=compute_{numbers[-1]},code=compute_{numbers[-1]}"]
+
+
+class BuildExt(build_ext):
+    """Configures the extensions from the compiler and toolkit actually found, then builds them."""
+
+    def run(self):
+        self.info = {"openmp": False, "native": _flag("REFMATH_NATIVE"),
+                     "sanitize": _flag("REFMATH_SANITIZE"), "cuda_built": False,
+                     "cuda_reason": "", "cuda_toolkit": None, "cuda_arch": None}
+        # setuptools clears self.inplace while it builds (it copies into the source tree after).
+        self.into_source = self.inplace or self.editable_mode
+        super().run()
+        self._write_build_info()
+
+    def build_extensions(self):
+        cuda = [ext for ext in self.extensions if ext.name == CUDA_EXT]
+        cpu = [ext for ext in self.extensions if ext.name != CUDA_EXT]
+        for ext in cpu:
+            self._configure_cpu(ext)
+        # Most of the time goes into compiling the two pybind11 binding files (~10 s each), so the
+        # two modules build side by side: on two cores that is a third off the install.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            jobs = [pool.submit(self.build_extension, ext) for ext in cpu]
+            jobs += [pool.submit(self._build_cuda, ext) for ext in cuda]
+            for job in jobs:
+                job.result()  # re-raises a build error here
+
+    # ---- CPU ----
+
+    def _has_openmp(self) -> bool:
+        # Compile and link a tiny OpenMP program: "the flag is accepted" is not enough, since clang
+        # accepts -fopenmp yet fails to link without libomp.
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "omp_probe.cpp")
+            with open(src, "w") as f:
+                f.write("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+            try:
+                objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=["-fopenmp"])
+                self.compiler.link_executable(objs, "omp_probe", output_dir=tmp,
+                                              extra_postargs=["-fopenmp"])
+            except Exception:
+                return False
+        return True
+
+    def _configure_cpu(self, ext):
+        ext.extra_compile_args += ["-O3"]
+        if self._has_openmp():
+            self.info["openmp"] = True
+            ext.extra_compile_args += ["-fopenmp"]
+            ext.extra_link_args += ["-fopenmp"]
+        else:
+            _say("OpenMP not found: the CPU module will run on one thread")
+        if self.info["native"]:
+            ext.extra_compile_args += ["-march=native"]
+        if self.info["sanitize"]:
+            # Last on the command line, so -O1 -g override -O3 and pybind11's -g0.
+            san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+            ext.extra_compile_args += san + ["-O1", "-g"]
+            ext.extra_link_args += san
+
+    # ---- CUDA ----
+
+    def _skip_cuda(self, ext, reason: str):
+        self.info["cuda_reason"] = reason
+        if _flag("REFMATH_REQUIRE_CUDA"):
+            raise RuntimeError(f"refmath: REFMATH_REQUIRE_CUDA=1 but {reason}")
+        _say(f"CUDA module skipped: {reason}")
+        self.extensions.remove(ext)
+        # An earlier in-place build may have left a _cuda module that would now be imported stale.
+        if self.into_source:
+            for stale in glob.glob(os.path.join(HERE, "refmath", "_cuda.*")):
+                _say(f"removing the stale {os.path.relpath(stale, HERE)}")
+                os.remove(stale)
+
+    def _build_cuda(self, ext):
+        if os.environ.get("REFMATH_CUDA", "").strip().lower() in ("0", "false", "no", "off"):
+            return self._skip_cuda(ext, "REFMATH_CUDA=0")
+        root, looked = find_cuda_toolkit()
+        if root is None:
+            return self._skip_cuda(ext, "no CUDA toolkit found (no include/cuda_runtime.h with "
+                                        f"bin/nvcc under: {', '.join(looked)})")
+        lib_dir = _cuda_lib_dir(root)
+        if lib_dir is None:
+            return self._skip_cuda(ext, f"libcudart_static.a not found in the toolkit at {root}")
+        archs = os.environ.get("REFMATH_CUDA_ARCH", "90")
+        self.info.update(cuda_toolkit=root, cuda_arch=archs)
+
+        ext.extra_compile_args += ["-O3"]
+        ext.include_dirs += [os.path.join(root, "include")]
+        ext.library_dirs += [lib_dir]
+        # The static runtime loads the driver (libcuda.so) only when first used, so the module
+        # imports on machines without a GPU; it needs these three system libraries itself.
+        ext.libraries += ["cudart_static", "dl", "rt", "pthread"]
+        try:
+            if self.force or self._outdated(ext):
+                ext.extra_objects = [self._nvcc(root, cu, _gencode_flags(archs)) for cu in CU_SOURCES]
+            self.build_extension(ext)
+        except subprocess.CalledProcessError as err:  # nvcc's own messages are printed above
+            return self._skip_cuda(ext, f"nvcc failed on {err.cmd[err.cmd.index('-c') + 1]} "
+                                        f"(exit status {err.returncode})")
+        except Exception as err:  # the bindings' compile or the link failed
+            detail = str(err).strip() or type(err).__name__
+            return self._skip_cuda(ext, f"CUDA module build failed: {detail}")
+        self.info["cuda_built"] = True
+        _say(f"CUDA module built with {root}/bin/nvcc for arch {archs}")
+
+    def _outdated(self, ext) -> bool:
+        target = self.get_ext_fullpath(ext.name)
+        if not os.path.exists(target):
+            return True
+        newest = max(os.path.getmtime(p) for p in ext.sources + ext.depends)
+        return newest > os.path.getmtime(target)
+
+    def _nvcc(self, root: str, source: str, gencode: list[str]) -> str:
+        obj = os.path.join(self.build_temp, os.path.splitext(source)[0] + ".o")
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        cmd = [os.path.join(root, "bin", "nvcc"), "-c", source, "-o", obj, "-std=c++17", "-O3",
+               "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Icsrc/cuda", *gencode]
+        if os.environ.get("CXX"):  # use the same host compiler as the rest of the build
+            cmd[1:1] = ["-ccbin", os.environ["CXX"]]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=HERE)
+        return obj
+
+    # ---- what was built, for refmath.kernels.build_info() ----
+
+    def _write_build_info(self):
+        text = ("# Written by setup.py when the compiled extensions were built; not tracked by git.\n"
+                f"BUILD_INFO = {self.info!r}\n")
+        targets = [os.path.join(self.build_lib, BUILD_INFO)]
+        if self.into_source:
+            targets.append(os.path.join(HERE, BUILD_INFO))
+        for path in targets:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+
+    def get_outputs(self):
+        return super().get_outputs() + [os.path.join(self.build_lib, BUILD_INFO)]
+
+
+CU_SOURCES = _rel("csrc/cuda/*.cu")
+
+ext_modules = [
+    Pybind11Extension(
+        "refmath._C",
+        sources=_rel("csrc/*.cpp"),
+        depends=_rel("csrc/*.h"),
+        include_dirs=["csrc"],
+        cxx_std=17,
+    ),
+    # Configured at build time (toolkit, flags), and dropped there if CUDA is unavailable.
+    Pybind11Extension(
+        CUDA_EXT,
+        sources=_rel("csrc/cuda/*.cpp"),
+        depends=_rel("csrc/cuda/*.h") + CU_SOURCES,
+        include_dirs=["csrc/cuda"],
+        cxx_std=17,
+    ),
+]
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})
