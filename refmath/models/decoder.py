@@ -1,0 +1,666 @@
+r"""The modern decoder-only Transformer (catalogue M3): Pre-RMSNorm, RoPE, GQA, SwiGLU.
+
+A layer maps the residual stream ``x`` (one row per token) to
+
+.. math::
+    x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x)),\qquad
+    x'' = x' + \operatorname{SwiGLU}(\operatorname{RMSNorm}(x'))
+
+and the network is token embedding, ``L`` such layers, a final RMSNorm and an output head
+(untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
+biases anywhere and no learned or fixed position table: positions enter only through the rotation
+of queries and keys (RoPE, N10) inside attention.
+
+The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
+parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
+This module's attention is RoPE + grouped-query attention (:data:`ROPE_GQA`);
+:mod:`refmath.models.mla` reuses everything else here with latent attention in its place.
+
+Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)::
+
+    tok_emb                      (V, d)
+    layers.{i}.ln1.gamma         (d,)           RMSNorm before attention
+    layers.{i}.attn.w_q          (d, h d_h)
+    layers.{i}.attn.w_k          (d, g d_h)
+    layers.{i}.attn.w_v          (d, g d_h)
+    layers.{i}.attn.w_o          (h d_h, d)
+    layers.{i}.ln2.gamma         (d,)           RMSNorm before the FFN
+    layers.{i}.ffn.w_gate        (d, d_f)
+    layers.{i}.ffn.w_up          (d, d_f)
+    layers.{i}.ffn.w_down        (d_f, d)
+    ln_f.gamma                   (d,)
+    lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from refmath._validate import check_ndim, int_array
+from refmath.attention import SdpaCache, causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
+from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
+from refmath.ffn import (
+    LinearCache,
+    SwiGLUCache,
+    linear_backward,
+    linear_forward,
+    swiglu_backward,
+    swiglu_forward,
+    swiglu_hidden_size,
+)
+from refmath.losses import CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
+from refmath.positions import RoPECache, rope_backward, rope_forward
+
+IGNORE_INDEX = -100  # targets equal to this are not counted (padding), as in cross_entropy_forward
+
+# ---- configuration -------------------------------------------------------------------------------
+
+
+def check_int_field(config, name: str, minimum: int = 1, optional: bool = False) -> None:
+    """Require ``config.<name>`` to be a Python int >= ``minimum`` (or None when ``optional``).
+
+    Plain ints only (no bools, no NumPy integers) so that ``dataclasses.asdict(config)`` always
+    serialises to JSON.
+    """
+    value = getattr(config, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = " or None" if optional else ""
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be an int >= {minimum}{none}, got {value!r}"
+        )
+
+
+def _check_float_field(config, name: str, low: float, high: float | None = None,
+                       include_low: bool = False) -> None:
+    value = getattr(config, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value >= low if include_low else value > low) and (high is None or value < high)
+    if not ok:
+        bounds = f"{'[' if include_low else '('}{low}, {'inf' if high is None else high})"
+        raise ValueError(f"{type(config).__name__}.{name} must be a finite number in {bounds}, "
+                         f"got {value!r}")
+
+
+def check_shared_fields(config) -> None:
+    """Validate the fields every decoder of this family has (M3 and M4 alike)."""
+    for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "ffn_multiple_of"):
+        check_int_field(config, name)
+    check_int_field(config, "d_ff", optional=True)
+    _check_float_field(config, "rope_base", 1.0)
+    _check_float_field(config, "norm_eps", 0.0)
+    _check_float_field(config, "dropout", 0.0, 1.0, include_low=True)
+    _check_float_field(config, "init_std", 0.0)
+    if not isinstance(config.tie_embeddings, bool):
+        raise ValueError(f"{type(config).__name__}.tie_embeddings must be a bool, "
+                         f"got {config.tie_embeddings!r}")
+
+
+def ffn_width(config) -> int:
+    """The SwiGLU hidden width ``d_f``: ``d_ff`` if given, else ``8d/3`` rounded up to a multiple of
+    ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`)."""
+    if config.d_ff is not None:
+        return config.d_ff
+    return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
+
+    ``n_kv_heads`` (``g``) defaults to ``n_heads`` (MHA); ``g = 1`` is MQA, anything between that
+    divides ``n_heads`` is GQA (A10). ``head_dim`` (``d_h``) defaults to ``d_model // n_heads`` and
+    must be even (RoPE rotates coordinate pairs). ``d_ff`` overrides the SwiGLU width that
+    ``ffn_multiple_of`` would give. ``max_seq_len`` is the longest sequence accepted; RoPE itself
+    has no table, so it is a contract with the caller rather than a size. ``dropout`` (residual
+    dropout on both sublayers' outputs, used only when ``train=True``) is 0 in modern recipes.
+    ``init_std`` is the standard deviation of every weight at init (residual outputs scaled by
+    ``1/sqrt(2L)``, see :func:`init_params`).
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    ffn_multiple_of: int = 256
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        check_shared_fields(self)
+        check_int_field(self, "n_kv_heads", optional=True)
+        check_int_field(self, "head_dim", optional=True)
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
+                             f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"DecoderConfig.d_model = {self.d_model} is not divisible by "
+                             f"n_heads = {self.n_heads}; give head_dim explicitly")
+        if self.d_h % 2:
+            source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
+            raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "
+                             f"for RoPE's coordinate pairs")
+
+    @property
+    def kv_heads(self) -> int:
+        """``g``, the number of key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def d_h(self) -> int:
+        """The head width (queries, keys and values alike)."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def d_f(self) -> int:
+        """The SwiGLU hidden width."""
+        return ffn_width(self)
+
+
+PRESETS = {
+    # For lessons and quick training runs on a CPU: byte-level vocabulary, GQA with g = h/2.
+    "tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+                 n_kv_heads=2, ffn_multiple_of=16),
+    # A Llama-recipe network of GPT-2-small size (about 125M parameters, d_f = 2048), not a
+    # released checkpoint: 32k vocabulary, d_h = 64, GQA with g = 4 of h = 12.
+    "llama-small": dict(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12,
+                        n_kv_heads=4, ffn_multiple_of=256, norm_eps=1e-5),
+}
+
+
+def preset(name: str, **overrides) -> DecoderConfig:
+    """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return DecoderConfig(**{**PRESETS[name], **overrides})
+
+
+# ---- the attention sublayer as a parameter of the recurrence ---------------------------------------
+
+
+class AttentionOps(NamedTuple):
+    """What a decoder layer needs from its attention (M3's RoPE + GQA, or M4's MLA).
+
+    Parameter names here are relative to ``layers.{i}.attn.``.
+    """
+
+    shapes: Callable  # config -> {name: shape} of one layer's attention parameters
+    forward: Callable  # (x, params, config) -> (y, cache); x is (B, T, d)
+    backward: Callable  # (dy, cache) -> (dx, {name: gradient})
+    state: Callable  # cache -> the per-layer tensors an inference (KV) cache would keep
+
+
+def split_heads(x: np.ndarray, n: int) -> np.ndarray:
+    """``(B, T, n w) -> (B, n, T, w)``: head ``r`` owns columns ``r w .. (r+1) w - 1``."""
+    b, t, width = x.shape
+    return x.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """``(B, n, T, w) -> (B, T, n w)``, the concatenation ``[O_1 ... O_n]``."""
+    b, n, t, w = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, t, n * w)
+
+
+def sum_groups(d_repeated: np.ndarray, g: int) -> np.ndarray:
+    """Gradient of repeating ``g`` key/value heads to ``h`` query heads, ``(B, h, T, w)`` to
+    ``(B, g, T, w)``.
+
+    :func:`refmath.attention.gqa_head_map` gives key/value head ``u`` to the consecutive query heads
+    ``u h/g .. (u+1) h/g - 1``, so each shared head collects the sum over its block.
+    """
+    b, h, t, w = d_repeated.shape
+    return d_repeated.reshape(b, g, h // g, t, w).sum(axis=2)
+
+
+class RopeAttentionCache(NamedTuple):
+    q_proj: LinearCache  # x W_Q (the three projections share their input x)
+    k_proj: LinearCache
+    v_proj: LinearCache
+    q_rope: RoPECache
+    k_rope: RoPECache
+    attn: SdpaCache  # rotated queries; rotated keys and values repeated to the h query heads
+    out: LinearCache  # [O_1 ... O_h] W_O
+    n_kv_heads: int
+
+
+def rope_attention_shapes(config: DecoderConfig) -> dict:
+    d, h, g, d_h = config.d_model, config.n_heads, config.kv_heads, config.d_h
+    return {"w_q": (d, h * d_h), "w_k": (d, g * d_h), "w_v": (d, g * d_h), "w_o": (h * d_h, d)}
+
+
+def rope_attention_forward(x, params: dict, config: DecoderConfig):
+    r"""Causal self-attention with RoPE and ``g`` shared key/value heads (A1, A2, A6, A10, N10).
+
+    .. math::
+        Q = X W_Q,\ K = X W_K,\ V = X W_V,\qquad
+        \tilde Q_r = \operatorname{RoPE}(Q_r),\ \tilde K_u = \operatorname{RoPE}(K_u) \\
+        O_r = \operatorname{softmax}\Big(\frac{\tilde Q_r \tilde K_{\pi(r)}^\top}{\sqrt{d_h}}
+              + M_{\text{causal}}\Big) V_{\pi(r)},\qquad Y = [O_1 \cdots O_h]\, W_O
+
+    RoPE rotates each head's queries and keys after the projections and before the scores; values
+    are never rotated. :func:`refmath.attention.mha_forward` has no place for that rotation, so the
+    sublayer is assembled here from the same ops. ``x`` is ``(B, T, d)``; returns ``(Y, cache)``.
+    """
+    h, g = config.n_heads, config.kv_heads
+    q, q_proj = linear_forward(x, params["w_q"])
+    k, k_proj = linear_forward(x, params["w_k"])
+    v, v_proj = linear_forward(x, params["w_v"])
+    q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base)
+    k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base)
+    v = split_heads(v, g)
+    heads = gqa_head_map(h, g)
+    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=causal_mask(x.shape[1], dtype=x.dtype))
+    y, out = linear_forward(merge_heads(o), params["w_o"])
+    return y, RopeAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, g)
+
+
+def rope_attention_backward(dy, cache: RopeAttentionCache):
+    r"""Gradients of :func:`rope_attention_forward`: returns ``(dx, {"w_q", "w_k", "w_v", "w_o"})``.
+
+    The forward in reverse: output projection, attention (A8), the sum over each key/value head's
+    group of query heads, the inverse rotation (RoPE's backward), then the three projections, whose
+    input gradients add up because all three read ``x``.
+    """
+    d_merged, dw_o, _ = linear_backward(dy, cache.out)
+    h, g = cache.attn.q.shape[1], cache.n_kv_heads
+    dq, dk_repeated, dv_repeated = sdpa_backward(split_heads(d_merged, h), cache.attn)
+    dk = rope_backward(sum_groups(dk_repeated, g), cache.k_rope)
+    dv = sum_groups(dv_repeated, g)
+    dq = rope_backward(dq, cache.q_rope)
+    dx_q, dw_q, _ = linear_backward(merge_heads(dq), cache.q_proj)
+    dx_k, dw_k, _ = linear_backward(merge_heads(dk), cache.k_proj)
+    dx_v, dw_v, _ = linear_backward(merge_heads(dv), cache.v_proj)
+    return dx_q + dx_k + dx_v, {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
+
+
+def rope_attention_state(cache: RopeAttentionCache):
+    """The layer's ``(k, v)``, each ``(B, g, T, d_h)``, keys already rotated at their positions (K3).
+
+    Read from the attention cache: query head ``u h/g``, the first of group ``u``, holds key/value
+    head ``u``. These are the rows a KV cache stores.
+    """
+    step = cache.attn.q.shape[1] // cache.n_kv_heads
+    return cache.attn.k[:, ::step], cache.attn.v[:, ::step]
+
+
+ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,
+                        rope_attention_state)
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+RESIDUAL_OUTPUTS = ("attn.w_o", "ffn.w_down")  # the projections that write into the residual stream
+
+
+def decoder_param_shapes(config, attention: AttentionOps) -> dict:
+    """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
+    d, d_f, vocab = config.d_model, config.d_f, config.vocab_size
+    shapes = {"tok_emb": (vocab, d)}
+    for i in range(config.n_layers):
+        prefix = f"layers.{i}."
+        shapes[prefix + "ln1.gamma"] = (d,)
+        for name, shape in attention.shapes(config).items():
+            shapes[prefix + "attn." + name] = shape
+        shapes[prefix + "ln2.gamma"] = (d,)
+        shapes[prefix + "ffn.w_gate"] = (d, d_f)
+        shapes[prefix + "ffn.w_up"] = (d, d_f)
+        shapes[prefix + "ffn.w_down"] = (d_f, d)
+    shapes["ln_f.gamma"] = (d,)
+    if not config.tie_embeddings:
+        shapes["lm_head"] = (d, vocab)
+    return shapes
+
+
+def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
+    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`)."""
+    dtype = np.dtype(dtype)
+    if not np.issubdtype(dtype, np.floating):
+        raise TypeError(f"dtype must be a floating-point type, got {dtype}")
+    rng = np.random.default_rng(seed)
+    residual_std = config.init_std / math.sqrt(2 * config.n_layers)
+    params = {}
+    for name, shape in decoder_param_shapes(config, attention).items():
+        if name.endswith(".gamma"):
+            value = np.ones(shape)
+        elif name.endswith(RESIDUAL_OUTPUTS):
+            value = rng.normal(0.0, residual_std, shape)
+        else:
+            value = rng.normal(0.0, config.init_std, shape)
+        # Drawn in float64 and then cast, so that float32 and float64 parameters share their values.
+        params[name] = value.astype(dtype)
+    return params
+
+
+def check_params(params, config, attention: AttentionOps) -> None:
+    """Require exactly the expected keys, each a floating array of the expected shape, one dtype."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
+    shapes = decoder_param_shapes(config, attention)
+    missing = [name for name in shapes if name not in params]
+    extra = sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"params does not match the config: missing {missing}, unexpected {extra}")
+    dtypes = set()
+    for name, shape in shapes.items():
+        value = params[name]
+        if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"params[{name!r}] must be a floating-point ndarray, got "
+                            f"{type(value).__name__} {getattr(value, 'dtype', '')}")
+        if value.shape != shape:
+            raise ValueError(f"params[{name!r}] must have shape {shape}, got {value.shape}")
+        dtypes.add(value.dtype)
+    if len(dtypes) > 1:
+        raise TypeError(f"params must share one dtype, got {sorted(str(t) for t in dtypes)}")
+
+
+def param_shapes(config: DecoderConfig) -> dict:
+    """``{name: shape}`` of every M3 parameter (see the module docstring for the names)."""
+    return decoder_param_shapes(config, ROPE_GQA)
+
+
+def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
+    r"""Initial parameters of the M3 decoder (a flat dict, see the module docstring).
+
+    Every weight matrix and the embedding table are drawn from :math:`\mathcal N(0, \sigma^2)` with
+    :math:`\sigma` = ``config.init_std`` (0.02, the GPT-2/Llama choice); the two projections that
+    write into the residual stream (``attn.w_o``, ``ffn.w_down``) use :math:`\sigma/\sqrt{2L}`
+    (N11), our documented choice so that the variance added by ``2L`` residual branches stays
+    independent of depth. RMSNorm gains start at 1.
+    """
+    _check_config(config)
+    return init_decoder_params(config, seed, dtype, ROPE_GQA)
+
+
+# ---- batches -------------------------------------------------------------------------------------
+
+BATCH_KEYS = ("tokens", "targets", "loss_mask")
+
+
+def check_tokens(name: str, tokens, config) -> np.ndarray:
+    """Token ids as an int ``(B, T)`` array with ``1 <= T <= max_seq_len`` and ids in ``[0, V)``."""
+    tokens = int_array(name, tokens, config.vocab_size)
+    check_ndim(name, tokens, 2, "(B, T)")
+    if tokens.size == 0:
+        raise ValueError(f"{name} must hold at least one token, got shape {tokens.shape}")
+    if tokens.shape[1] > config.max_seq_len:
+        raise ValueError(f"{name} has T = {tokens.shape[1]} tokens (shape {tokens.shape}), more "
+                         f"than max_seq_len = {config.max_seq_len}")
+    return tokens
+
+
+def check_batch(batch, config):
+    """Return ``(tokens, targets, loss_mask)`` from a batch dict, checked (``loss_mask`` may be None).
+
+    ``targets`` are ids in ``[0, V)`` or :data:`IGNORE_INDEX`; ``loss_mask`` holds 0/1 (L5).
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a dict with keys {BATCH_KEYS[:2]} (and optionally "
+                        f"'loss_mask'), got {type(batch).__name__}")
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown:
+        raise ValueError(f"batch has unexpected keys {unknown} (allowed: {list(BATCH_KEYS)})")
+    for key in BATCH_KEYS[:2]:
+        if key not in batch:
+            raise ValueError(f"batch is missing {key!r} (has keys {sorted(batch)})")
+    tokens = check_tokens("batch['tokens']", batch["tokens"], config)
+    targets = np.asarray(batch["targets"])
+    if not np.issubdtype(targets.dtype, np.integer):
+        raise TypeError(f"batch['targets'] must be an integer array, got dtype {targets.dtype} "
+                        f"with shape {targets.shape}")
+    if targets.shape != tokens.shape:
+        raise ValueError(f"batch['targets'] must have the shape of batch['tokens'] {tokens.shape}, "
+                         f"got {targets.shape}")
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= config.vocab_size))
+    if bad.any():
+        raise ValueError(f"batch['targets'] must lie in [0, {config.vocab_size}) or equal "
+                         f"{IGNORE_INDEX}, got {targets[bad][:5]} (shape {targets.shape})")
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is not None:
+        loss_mask = np.asarray(loss_mask)
+        if loss_mask.shape != tokens.shape:
+            raise ValueError(f"batch['loss_mask'] must have the shape of batch['tokens'] "
+                             f"{tokens.shape}, got {loss_mask.shape}")
+        if not np.all((loss_mask == 0) | (loss_mask == 1)):
+            raise ValueError(f"batch['loss_mask'] must hold only 0 and 1, got values "
+                             f"{np.unique(loss_mask)[:10]}")
+    return tokens, targets, loss_mask
+
+
+# ---- blocks: the pre-norm residual sublayer, the FFN, a layer --------------------------------------
+
+
+class SublayerCache(NamedTuple):
+    norm: RMSNormCache
+    branch: object  # the branch's own cache (attention or FFN)
+    drop: np.ndarray | None  # residual dropout multiplier: 0 (dropped) or 1/(1-p), or None
+
+
+def sublayer_forward(x, gamma, branch_forward: Callable, eps: float, drop=None):
+    r"""A pre-norm residual sublayer (N2, N4): :math:`y = x + D \odot F(\operatorname{RMSNorm}(x))`.
+
+    ``branch_forward(h) -> (F(h), cache)`` is the attention or the FFN; ``drop`` is the residual
+    dropout multiplier ``D`` (None: no dropout). Returns ``(y, cache)``.
+    """
+    h, norm = rmsnorm_forward(x, gamma, eps)
+    f, branch = branch_forward(h)
+    if drop is not None:
+        f = f * drop
+    return x + f, SublayerCache(norm, branch, drop)
+
+
+def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
+    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, dgamma, branch_grads)``.
+
+    The identity path passes ``dout`` straight through (the point of Pre-LN, N4's :math:`I + J_F
+    J_{LN}`); the branch path goes back through the dropout mask, the branch and the norm.
+    """
+    df = dout if cache.drop is None else dout * cache.drop
+    dh, branch_grads = branch_backward(df, cache.branch)
+    dx, dgamma = rmsnorm_backward(dh, cache.norm)
+    return dout + dx, dgamma, branch_grads
+
+
+def ffn_forward(h, params: dict):
+    """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``."""
+    return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
+
+
+def ffn_backward(dy, cache: SwiGLUCache):
+    """Gradients of :func:`ffn_forward`: ``(dh, {"w_gate", "w_up", "w_down"})``."""
+    dh, dw_gate, dw_up, dw_down = swiglu_backward(dy, cache)
+    return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
+
+
+def _strip(params: Mapping, prefix: str) -> dict:
+    """The entries of ``params`` under ``prefix``, with the prefix removed from their names."""
+    return {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+
+
+def _prefixed(grads: dict, prefix: str) -> dict:
+    return {prefix + name: value for name, value in grads.items()}
+
+
+class LayerCache(NamedTuple):
+    attn: SublayerCache  # its branch cache is the attention's cache
+    ffn: SublayerCache  # its branch cache is a SwiGLUCache
+
+
+def layer_forward(x, params: dict, config, attention: AttentionOps, drops=(None, None)):
+    r"""One decoder layer: :math:`x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x))`, then
+    :math:`x'' = x' + \operatorname{SwiGLU}(\operatorname{RMSNorm}(x'))`.
+
+    ``params`` are this layer's parameters without the ``layers.{i}.`` prefix; ``drops`` the two
+    residual dropout multipliers. Returns ``(x'', cache)``.
+    """
+    attn_params, ffn_params = _strip(params, "attn."), _strip(params, "ffn.")
+    x, attn = sublayer_forward(x, params["ln1.gamma"],
+                               lambda h: attention.forward(h, attn_params, config),
+                               config.norm_eps, drops[0])
+    x, ffn = sublayer_forward(x, params["ln2.gamma"], lambda h: ffn_forward(h, ffn_params),
+                              config.norm_eps, drops[1])
+    return x, LayerCache(attn, ffn)
+
+
+def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
+    """Gradients of :func:`layer_forward`: ``(dx, grads)`` with names relative to ``layers.{i}.``."""
+    dx, dgamma2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_backward)
+    dx, dgamma1, attn_grads = sublayer_backward(dx, cache.attn, attention.backward)
+    grads = {"ln1.gamma": dgamma1, **_prefixed(attn_grads, "attn."), "ln2.gamma": dgamma2,
+             **_prefixed(ffn_grads, "ffn.")}
+    return dx, grads
+
+
+# ---- the whole network ---------------------------------------------------------------------------
+
+
+class DecoderCache(NamedTuple):
+    attention: AttentionOps  # which attention ran, so that backward needs only the cache
+    emb: EmbeddingCache
+    layers: tuple  # one LayerCache per layer
+    norm_f: RMSNormCache
+    head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
+    tied: bool
+    loss: CrossEntropyCache | None  # None when the cache came from a logits-only pass
+
+
+def _dropout_masks(rng, shape, p: float, dtype, n_layers: int):
+    """Two inverted-dropout multipliers per layer (attention and FFN outputs), drawn in order."""
+    if rng is None:
+        raise ValueError(f"train=True with dropout = {p} needs rng (a numpy.random.Generator) "
+                         f"to draw the dropout masks")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+
+    def mask():
+        return ((rng.random(shape) >= p) / (1.0 - p)).astype(dtype)
+    return [(mask(), mask()) for _ in range(n_layers)]
+
+
+def decoder_forward(params, tokens, config, attention: AttentionOps, train=False, rng=None):
+    r"""Logits of a decoder of this family for checked ``tokens`` ``(B, T)``: ``(z, cache)``.
+
+    .. math::
+        x^{(0)} = E[a],\qquad x^{(\ell)} = \operatorname{Layer}_\ell(x^{(\ell-1)}),\qquad
+        z = \operatorname{RMSNorm}(x^{(L)})\, W_{\text{out}}
+
+    with :math:`W_{\text{out}}` = ``lm_head`` or :math:`E^\top` when tied. ``z`` is ``(B, T, V)``.
+    Residual dropout masks are drawn from ``rng`` only when ``train`` and ``config.dropout > 0``.
+    """
+    table = params["tok_emb"]
+    drops = [(None, None)] * config.n_layers
+    if train and config.dropout > 0:
+        shape = tokens.shape + (config.d_model,)
+        drops = _dropout_masks(rng, shape, config.dropout, table.dtype, config.n_layers)
+    x, emb = embedding_forward(tokens, table)
+    layers = []
+    for i in range(config.n_layers):
+        x, layer = layer_forward(x, _strip(params, f"layers.{i}."), config, attention, drops[i])
+        layers.append(layer)
+    x, norm_f = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
+    w_out = table.T if config.tie_embeddings else params["lm_head"]
+    z, head = linear_forward(x, w_out)
+    return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None)
+
+
+def decoder_backward(dz, cache: DecoderCache) -> dict:
+    """Gradients of :func:`decoder_forward` given ``dz = dloss/dlogits``: a dict keyed like params.
+
+    With tied embeddings the table gets both its lookup gradient and the head's (transposed).
+    """
+    dx, dw_out, _ = linear_backward(dz, cache.head)
+    dx, dgamma_f = rmsnorm_backward(dx, cache.norm_f)
+    grads = {"ln_f.gamma": dgamma_f}
+    for i in reversed(range(len(cache.layers))):
+        dx, layer_grads = layer_backward(dx, cache.layers[i], cache.attention)
+        grads.update(_prefixed(layer_grads, f"layers.{i}."))
+    dtable = embedding_backward(dx, cache.emb)
+    if cache.tied:
+        grads["tok_emb"] = dtable + dw_out.T
+    else:
+        grads["tok_emb"] = dtable
+        grads["lm_head"] = dw_out
+    return grads
+
+
+def lm_forward(params, batch, config, attention: AttentionOps, train=False, rng=None):
+    """Mean cross-entropy of the next-token predictions (L2, L5): ``(loss, cache)``."""
+    check_params(params, config, attention)
+    tokens, targets, loss_mask = check_batch(batch, config)
+    z, cache = decoder_forward(params, tokens, config, attention, train, rng)
+    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
+    return loss, cache._replace(loss=ce)
+
+
+def layer_states(cache: DecoderCache) -> list:
+    """Per layer, the tensors an inference cache keeps, as the attention defines them."""
+    return [cache.attention.state(layer.attn.branch) for layer in cache.layers]
+
+
+# ---- the M3 model: the contract's functions --------------------------------------------------------
+
+
+def _check_config(config) -> None:
+    if not isinstance(config, DecoderConfig):
+        raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+
+
+def forward(params, batch, config: DecoderConfig, train: bool = False, rng=None):
+    r"""Loss of the M3 decoder on a batch: ``(loss, cache)`` (catalogue M3, L2, L5).
+
+    ``batch``: ``tokens`` int ``(B, T)`` with ``T <= max_seq_len``, ``targets`` int ``(B, T)``
+    (``targets[:, t]`` is the token after ``tokens[:, t]``; :data:`IGNORE_INDEX` = -100 is not
+    counted) and optionally ``loss_mask`` ``(B, T)`` of 0/1 (L5: 0 on prompt tokens). Position
+    ``t`` sees tokens ``0..t`` only (the causal mask), so one pass scores every prefix (L6):
+
+    .. math::
+        \ell = -\frac1n \sum_{(b,t)\ \text{counted}} \log p(\text{targets}_{b,t} \mid
+               \text{tokens}_{b,0..t})
+
+    ``loss`` is a 0-d array of the parameters' dtype. With ``train=True`` and ``config.dropout > 0``
+    the residual dropout masks are drawn from ``rng`` (a ``numpy.random.Generator``) and kept in the
+    cache, so :func:`backward` is exact for them.
+    """
+    _check_config(config)
+    return lm_forward(params, batch, config, ROPE_GQA, train, rng)
+
+
+def backward(cache: DecoderCache) -> dict:
+    """Gradients of the loss of :func:`forward` with respect to every parameter (same keys).
+
+    Works for any decoder of this family (M4 too): the cache records which attention ran.
+    """
+    if cache.loss is None:
+        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
+    return decoder_backward(cross_entropy_backward(1.0, cache.loss), cache)
+
+
+def logits(params, tokens, config: DecoderConfig) -> np.ndarray:
+    """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
+    _check_config(config)
+    check_params(params, config, ROPE_GQA)
+    tokens = check_tokens("tokens", tokens, config)
+    return decoder_forward(params, tokens, config, ROPE_GQA)[0]
+
+
+def layer_kv(cache: DecoderCache) -> list:
+    """Per layer, ``(k, v)`` each ``(B, g, T, d_h)``: rotated keys and (never rotated) values.
+
+    These are what a KV cache stores (K2, K3); causality makes row ``t`` depend on tokens ``0..t``
+    only (K1).
+    """
+    return layer_states(cache)

@@ -1,0 +1,477 @@
+r"""GPT: a decoder-only Transformer with learned positions and GELU (catalogue M2).
+
+The network, for input tokens :math:`a_{1:T}` (row vectors, one row per token):
+
+.. math::
+    H^{(0)} = \operatorname{drop}(E[a] + P_{1:T})                                   \qquad (N9)\\
+    \text{Post-LN (GPT-1):}\quad X \leftarrow \operatorname{LN}(X + \operatorname{drop}(F(X)))\\
+    \text{Pre-LN (GPT-2):}\quad  X \leftarrow X + \operatorname{drop}(F(\operatorname{LN}(X)))\\
+    \text{logits} = \operatorname{LN}_f(H^{(L)})\, E^\top \quad(\text{no } \operatorname{LN}_f
+    \text{ in Post-LN})                                                               \qquad (L2)
+
+where each layer applies two residual sublayers in turn, ``F`` = causal multi-head self-attention
+(with biases, weights dropped out after the softmax) and then ``F`` = the GELU FFN (with biases).
+The loss is the mean next-token cross-entropy; the caller supplies inputs and targets, usually
+``tokens = (BOS, a_1 .. a_{T-1})`` and ``targets = (a_1 .. a_T)``.
+
+Every gradient comes from the ops' own backward functions; this file only wires them together in
+reverse order and adds up the gradients where a tensor feeds two places (residual stream, tied
+embedding).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from refmath._validate import check_ndim, float_array, int_array
+from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward
+from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
+from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
+from refmath.losses import CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
+from refmath.positions import (
+    LearnedPositionsCache,
+    learned_positions_backward,
+    learned_positions_forward,
+)
+
+IGNORE_INDEX = -100  # a target equal to this is not counted in the loss (padding)
+NORM_POSITIONS = ("pre", "post")
+BATCH_KEYS = ("tokens", "targets", "loss_mask")
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+def _check_positive_int(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes and switches of a GPT; the defaults are GPT-2 small.
+
+    - ``d_ff`` (FFN hidden width) defaults to ``4 * d_model``, as in GPT-1 and GPT-2; the resolved
+      value is stored, so ``dataclasses.asdict`` round-trips through JSON.
+    - ``norm_position``: ``"post"`` is GPT-1's ``LN(x + F(x))`` with no final norm; ``"pre"`` is
+      GPT-2's ``x + F(LN(x))`` with the final LayerNorm ``ln_f``.
+    - ``tie_embeddings``: the output projection is the token table transposed (GPT-1 and GPT-2);
+      ``False`` adds a separate ``lm_head`` of shape ``(d_model, vocab_size)``.
+    - ``gelu_approximate``: the tanh form of GELU. It is the default because OpenAI's GPT and GPT-2
+      code use it, so weights trained there only reproduce their outputs with the same form; the
+      exact ``x Phi(x)`` differs from it by less than 5e-4 (see ``refmath.ffn.gelu_forward``).
+    - ``dropout``: one rate for the embedding sum, both residual branches and the attention
+      weights (GPT-1 used 0.1 on all three); only active in ``forward(..., train=True)``.
+    - ``init_std``: the std of every weight matrix and embedding at initialisation (0.02), divided
+      by ``sqrt(2 n_layers)`` for the residual output projections (catalogue N11).
+    """
+
+    vocab_size: int = 50257
+    max_seq_len: int = 1024
+    n_layers: int = 12
+    d_model: int = 768
+    n_heads: int = 12
+    d_ff: int | None = None
+    norm_position: str = "pre"
+    tie_embeddings: bool = True
+    gelu_approximate: bool = True
+    dropout: float = 0.1
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model if isinstance(self.d_model, int) else None)
+        for field in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "d_ff"):
+            _check_positive_int(field, getattr(self, field))
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig.n_heads = {self.n_heads} must divide GPTConfig.d_model = {self.d_model}"
+            )
+        if self.norm_position not in NORM_POSITIONS:
+            raise ValueError(
+                f"GPTConfig.norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}"
+            )
+        for field in ("tie_embeddings", "gelu_approximate"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"GPTConfig.{field} must be True or False, got {getattr(self, field)!r}")
+        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            # 0 switches dropout off; 1 would keep nothing (and divide by 1 - p = 0)
+            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        for field in ("layernorm_eps", "init_std"):
+            value = getattr(self, field)
+            if not _is_real(value) or not 0.0 < value < math.inf:
+                raise ValueError(f"GPTConfig.{field} must be a number in (0, inf), got {value!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+GPT_CONFIGS = {
+    # Radford et al. 2019 with the released hparams: 12 layers, width 768, 12 heads, context 1024,
+    # 50257 BPE tokens, FFN width 4 * 768, tied output, Pre-LN; 124,439,808 parameters. The paper
+    # gives no dropout rate: 0.1 is GPT-1's, the usual choice when training this shape.
+    "gpt2-small": GPTConfig(vocab_size=50257, max_seq_len=1024, n_layers=12, d_model=768,
+                            n_heads=12, d_ff=3072, norm_position="pre", tie_embeddings=True,
+                            gelu_approximate=True, dropout=0.1),
+    # Small enough for gradient checks and lessons.
+    "tiny": GPTConfig(vocab_size=17, max_seq_len=16, n_layers=2, d_model=16, n_heads=2, d_ff=32,
+                      norm_position="pre", tie_embeddings=True, gelu_approximate=True, dropout=0.1),
+}
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+_ATTN_KEYS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+_FFN_KEYS = ("w1", "b1", "w2", "b2")
+# The two projections that write into the residual stream (scaled at init, N11).
+_RESIDUAL_OUTPUTS = ("attn.w_o", "ffn.w2")
+
+
+def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, in a fixed order (the order ``init_params`` draws them)."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    shapes = {"tok_emb": (v, d), "pos_emb": (config.max_seq_len, d)}
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "ln1.gamma": (d,), p + "ln1.beta": (d,)})
+        shapes.update({p + f"attn.{w}": (d, d) for w in ("w_q", "w_k", "w_v", "w_o")})
+        shapes.update({p + f"attn.{b}": (d,) for b in ("b_q", "b_k", "b_v", "b_o")})
+        shapes.update({p + "ln2.gamma": (d,), p + "ln2.beta": (d,)})
+        shapes.update({p + "ffn.w1": (d, f), p + "ffn.b1": (f,), p + "ffn.w2": (f, d), p + "ffn.b2": (d,)})
+    if config.norm_position == "pre":
+        shapes.update({"ln_f.gamma": (d,), "ln_f.beta": (d,)})
+    if not config.tie_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+def init_params(config: GPTConfig, seed: int = 0, dtype=np.float64) -> dict[str, np.ndarray]:
+    r"""GPT-2 style initialisation (catalogue N11).
+
+    Weight matrices and both embedding tables :math:`\sim \mathcal N(0, 0.02^2)` (``init_std``);
+    biases and LayerNorm shifts 0, LayerNorm gains 1. The residual output projections
+    ``attn.w_o`` and ``ffn.w2`` get std :math:`0.02/\sqrt{2L}`: the residual stream is a sum of
+    :math:`2L` branch outputs, so scaling each by :math:`1/\sqrt{2L}` keeps the variance of the sum
+    roughly independent of depth at initialisation (treating the branches as uncorrelated).
+    (OpenAI's released GPT-2 code draws the position table with std 0.01; we use 0.02 for both
+    tables, as most reimplementations do.)
+
+    Returns a flat dict ``name -> array`` in ``dtype`` (see :func:`parameter_shapes`).
+    """
+    rng = np.random.default_rng(seed)
+    residual_std = config.init_std / math.sqrt(2 * config.n_layers)
+    params = {}
+    for name, shape in parameter_shapes(config).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "gamma":
+            value = np.ones(shape)
+        elif len(shape) == 1:  # biases and LayerNorm shifts
+            value = np.zeros(shape)
+        else:
+            std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else config.init_std
+            value = rng.normal(0.0, std, size=shape)
+        params[name] = value.astype(dtype)
+    return params
+
+
+def _check_params(params, config: GPTConfig) -> None:
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
+    shapes = parameter_shapes(config)
+    missing = [k for k in shapes if k not in params]
+    extra = sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"params do not match the config: missing {missing[:6]}"
+                         f"{' ...' if len(missing) > 6 else ''}, unexpected {extra[:6]}")
+    dtype = None
+    for name, shape in shapes.items():
+        value = params[name]
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"params[{name!r}] must be a NumPy array, got {type(value).__name__}")
+        float_array(f"params[{name!r}]", value)
+        if value.shape != shape:
+            raise ValueError(f"params[{name!r}] must have shape {shape} for this config, got {value.shape}")
+        dtype = value.dtype if dtype is None else dtype
+        if value.dtype != dtype:
+            raise TypeError(f"every parameter must have one dtype: params[{name!r}] is {value.dtype}, "
+                            f"params['tok_emb'] is {dtype}")
+
+
+def _sub(params: dict, prefix: str, keys) -> dict:
+    """The parameters under ``prefix`` with the prefix stripped (the names an op expects)."""
+    return {k: params[prefix + k] for k in keys}
+
+
+# ---- batch checks --------------------------------------------------------------------------------
+
+def _check_tokens(name: str, tokens, config: GPTConfig) -> np.ndarray:
+    tokens = int_array(name, tokens, config.vocab_size)
+    check_ndim(name, tokens, 2, "(B, T)")
+    if 0 in tokens.shape:
+        raise ValueError(f"{name} must hold at least one token per row and one row, got shape {tokens.shape}")
+    if tokens.shape[1] > config.max_seq_len:
+        raise ValueError(f"{name} has T = {tokens.shape[1]} tokens (shape {tokens.shape}), more than "
+                         f"max_seq_len = {config.max_seq_len} positions the model has")
+    return tokens
+
+
+def _check_batch(batch, config: GPTConfig):
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a dict with keys {BATCH_KEYS[:2]} (and optionally "
+                        f"'loss_mask'), got {type(batch).__name__}")
+    for key in ("tokens", "targets"):
+        if key not in batch:
+            raise ValueError(f"batch is missing {key!r} (has {sorted(batch)})")
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown:
+        raise ValueError(f"batch has unknown keys {unknown}; a GPT batch has {BATCH_KEYS}")
+    tokens = _check_tokens("batch['tokens']", batch["tokens"], config)
+    targets = np.asarray(batch["targets"])
+    if not np.issubdtype(targets.dtype, np.integer):
+        raise TypeError(f"batch['targets'] must be an integer array, got dtype {targets.dtype} "
+                        f"with shape {targets.shape}")
+    if targets.shape != tokens.shape:
+        raise ValueError(f"batch['targets'] must have the shape of batch['tokens'] {tokens.shape}, "
+                         f"got {targets.shape}")
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= config.vocab_size))
+    if bad.any():
+        raise ValueError(f"batch['targets'] must lie in [0, {config.vocab_size}) or equal "
+                         f"{IGNORE_INDEX}, got {np.unique(targets[bad])[:6]} (shape {targets.shape})")
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is not None:
+        loss_mask = np.asarray(loss_mask)
+        if loss_mask.shape != tokens.shape:
+            raise ValueError(f"batch['loss_mask'] must have the shape of batch['tokens'] "
+                             f"{tokens.shape}, got {loss_mask.shape}")
+    return tokens, targets, loss_mask
+
+
+# ---- dropout -------------------------------------------------------------------------------------
+
+def _dropout_mask(rng, shape, p: float, dtype):
+    """Inverted dropout multiplier: 0 with probability p, else 1/(1-p), so its mean is 1."""
+    if rng is None or p == 0.0:
+        return None
+    return ((rng.random(shape) >= p) / (1.0 - p)).astype(dtype)
+
+
+def _apply(x, mask):
+    return x if mask is None else x * mask
+
+
+# ---- one residual sublayer (shared by attention and FFN) ------------------------------------------
+
+class SublayerCache(NamedTuple):
+    ln: LayerNormCache
+    branch: object  # MhaCache or FFNCache
+    drop: np.ndarray | None  # residual dropout multiplier, (B, T, d)
+
+
+def _residual_forward(x, gamma, beta, branch, drop, config: GPTConfig):
+    """Pre-LN ``x + drop(F(LN(x)))`` or Post-LN ``LN(x + drop(F(x)))``; ``branch(u) -> (F(u), cache)``."""
+    if config.norm_position == "pre":
+        u, ln = layernorm_forward(x, gamma, beta, config.layernorm_eps)
+        y, branch_cache = branch(u)
+        return x + _apply(y, drop), SublayerCache(ln, branch_cache, drop)
+    y, branch_cache = branch(x)
+    out, ln = layernorm_forward(x + _apply(y, drop), gamma, beta, config.layernorm_eps)
+    return out, SublayerCache(ln, branch_cache, drop)
+
+
+def _residual_backward(dout, cache: SublayerCache, branch_backward, norm_position: str):
+    """Returns ``(dx, dgamma, dbeta, branch_grads)``; ``branch_backward(dy, cache) -> (du, grads)``.
+
+    The residual input feeds two places (the skip path and the branch), so its gradient is the sum
+    of both: ``dx = dout + J_branch^T ...`` for Pre-LN, ``dx = ds + ...`` after the LayerNorm for
+    Post-LN.
+    """
+    ln, branch_cache, drop = cache
+    if norm_position == "pre":
+        du, branch_grads = branch_backward(_apply(dout, drop), branch_cache)
+        dx_ln, dgamma, dbeta = layernorm_backward(du, ln)
+        return dout + dx_ln, dgamma, dbeta, branch_grads
+    ds, dgamma, dbeta = layernorm_backward(dout, ln)
+    dx_branch, branch_grads = branch_backward(_apply(ds, drop), branch_cache)
+    return ds + dx_branch, dgamma, dbeta, branch_grads
+
+
+# ---- attention sublayer, FFN sublayer, layer -----------------------------------------------------
+
+def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
+    """Causal multi-head self-attention with biases as a residual sublayer (``ln1``, ``attn``).
+
+    ``x`` is ``(B, T, d)``. With ``rng`` (train mode) draws the attention-weight mask
+    ``(B, h, T, T)`` and then the residual-branch mask ``(B, T, d)``. Returns ``(y, SublayerCache)``.
+    """
+    p = f"layers.{layer}."
+    attn_params = _sub(params, p + "attn.", _ATTN_KEYS)
+    b, t, d = x.shape
+    mask = causal_mask(t, dtype=x.dtype)
+    attn_drop = _dropout_mask(rng, (b, config.n_heads, t, t), config.dropout, x.dtype)
+    drop = _dropout_mask(rng, (b, t, d), config.dropout, x.dtype)
+
+    def branch(u):
+        return mha_forward(u, attn_params, config.n_heads, mask=mask, dropout_mask=attn_drop)
+
+    return _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, drop, config)
+
+
+def _mha_branch_backward(dy, cache: MhaCache):
+    grads = mha_backward(dy, cache)
+    return grads.pop("x"), grads
+
+
+def attention_sublayer_backward(dout, cache: SublayerCache, layer: int, config: GPTConfig):
+    """Returns ``(dx, grads)`` with ``grads`` keyed by full parameter names of this sublayer."""
+    dx, dgamma, dbeta, attn = _residual_backward(dout, cache, _mha_branch_backward, config.norm_position)
+    p = f"layers.{layer}."
+    grads = {p + "ln1.gamma": dgamma, p + "ln1.beta": dbeta}
+    grads.update({p + "attn." + k: g for k, g in attn.items()})
+    return dx, grads
+
+
+def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
+    """GELU FFN with biases as a residual sublayer (``ln2``, ``ffn``); ``x`` is ``(B, T, d)``."""
+    p = f"layers.{layer}."
+    w1, b1, w2, b2 = (params[p + "ffn." + k] for k in _FFN_KEYS)
+    activation = "gelu_tanh" if config.gelu_approximate else "gelu"
+    drop = _dropout_mask(rng, x.shape, config.dropout, x.dtype)
+
+    def branch(u):
+        return ffn_forward(u, w1, b1, w2, b2, activation=activation)
+
+    return _residual_forward(x, params[p + "ln2.gamma"], params[p + "ln2.beta"], branch, drop, config)
+
+
+def _ffn_branch_backward(dy, cache: FFNCache):
+    du, *grads = ffn_backward(dy, cache)
+    return du, dict(zip(_FFN_KEYS, grads))
+
+
+def ffn_sublayer_backward(dout, cache: SublayerCache, layer: int, config: GPTConfig):
+    """Returns ``(dx, grads)`` with ``grads`` keyed by full parameter names of this sublayer."""
+    dx, dgamma, dbeta, ffn = _residual_backward(dout, cache, _ffn_branch_backward, config.norm_position)
+    p = f"layers.{layer}."
+    grads = {p + "ln2.gamma": dgamma, p + "ln2.beta": dbeta}
+    grads.update({p + "ffn." + k: g for k, g in ffn.items()})
+    return dx, grads
+
+
+class LayerCache(NamedTuple):
+    attn: SublayerCache
+    ffn: SublayerCache
+
+
+def layer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
+    """One Transformer layer: attention sublayer, then FFN sublayer. Returns ``(y, LayerCache)``."""
+    x, attn = attention_sublayer_forward(x, params, layer, config, rng)
+    x, ffn = ffn_sublayer_forward(x, params, layer, config, rng)
+    return x, LayerCache(attn, ffn)
+
+
+def layer_backward(dout, cache: LayerCache, layer: int, config: GPTConfig):
+    """Returns ``(dx, grads)`` for one layer, the FFN sublayer first (reverse order)."""
+    dx, grads = ffn_sublayer_backward(dout, cache.ffn, layer, config)
+    dx, attn_grads = attention_sublayer_backward(dx, cache.attn, layer, config)
+    grads.update(attn_grads)
+    return dx, grads
+
+
+# ---- the whole network ---------------------------------------------------------------------------
+
+class GPTCache(NamedTuple):
+    config: GPTConfig
+    param_names: tuple  # the keys of params, in order: the keys of the gradient dict
+    tok: EmbeddingCache
+    pos: LearnedPositionsCache
+    emb_drop: np.ndarray | None  # dropout multiplier on E[a] + P, (B, T, d)
+    layers: tuple  # one LayerCache per layer
+    ln_f: LayerNormCache | None  # Pre-LN only
+    head: LinearCache  # logits = h W_out, W_out = tok_emb^T (tied) or lm_head
+    loss: CrossEntropyCache | None  # None when only logits were asked for
+
+
+def _logits_forward(params: dict, tokens: np.ndarray, config: GPTConfig, rng=None):
+    """Embedding, layers, final norm and output projection. Returns ``(logits, partial GPTCache)``."""
+    x, tok = embedding_forward(tokens, params["tok_emb"])
+    x, pos = learned_positions_forward(x, params["pos_emb"])
+    emb_drop = _dropout_mask(rng, x.shape, config.dropout, x.dtype)
+    x = _apply(x, emb_drop)
+    layers = []
+    for i in range(config.n_layers):
+        x, layer_cache = layer_forward(x, params, i, config, rng)
+        layers.append(layer_cache)
+    ln_f = None
+    if config.norm_position == "pre":
+        x, ln_f = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
+    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
+    logits, head = linear_forward(x, w_out)
+    cache = GPTCache(config, tuple(params), tok, pos, emb_drop, tuple(layers), ln_f, head, None)
+    return logits, cache
+
+
+def forward(params: dict, batch: dict, config: GPTConfig, train: bool = False, rng=None):
+    r"""Mean next-token cross-entropy of a batch (catalogue M2, L2, L5).
+
+    ``batch``: ``"tokens"`` int ``(B, T)`` with ``T <= max_seq_len``, ``"targets"`` int ``(B, T)``
+    (``-100`` = not counted), optional ``"loss_mask"`` ``(B, T)`` of 0/1 (0 = prompt token, not
+    counted; L5). With ``train=True`` and ``config.dropout > 0``, dropout masks are drawn from
+    ``rng`` (a ``np.random.Generator``, required then) in a fixed order and kept in the cache, so
+    :func:`backward` is exact and the same seed gives the same masks.
+
+    Returns ``(loss, cache)``: ``loss`` is a 0-d array in the parameters' dtype.
+    """
+    _check_params(params, config)
+    tokens, targets, loss_mask = _check_batch(batch, config)
+    if train and config.dropout > 0:
+        if not isinstance(rng, np.random.Generator):
+            raise ValueError(f"train=True with dropout = {config.dropout} needs rng, a "
+                             f"np.random.Generator, to draw the dropout masks; got {rng!r}")
+    else:
+        rng = None  # no dropout: nothing is drawn
+    logits, cache = _logits_forward(params, tokens, config, rng)
+    loss, ce = cross_entropy_forward(logits, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
+    return loss, cache._replace(loss=ce)
+
+
+def backward(cache: GPTCache) -> dict[str, np.ndarray]:
+    """Gradients of the loss of :func:`forward`: a dict with exactly the keys of ``params``."""
+    config = cache.config
+    if cache.loss is None:
+        raise ValueError("this cache holds no loss (it came from logits only); run forward()")
+    dlogits = cross_entropy_backward(1.0, cache.loss)
+    dx, dw_out, _ = linear_backward(dlogits, cache.head)
+    grads = {}
+    if config.norm_position == "pre":
+        dx, grads["ln_f.gamma"], grads["ln_f.beta"] = layernorm_backward(dx, cache.ln_f)
+    for i in reversed(range(config.n_layers)):
+        dx, layer_grads = layer_backward(dx, cache.layers[i], i, config)
+        grads.update(layer_grads)
+    dx = _apply(dx, cache.emb_drop)
+    dx, grads["pos_emb"] = learned_positions_backward(dx, cache.pos)
+    grads["tok_emb"] = embedding_backward(dx, cache.tok)
+    if config.tie_embeddings:
+        # The tied table is used twice, as the input lookup and as the output projection
+        # (W_out = E^T), so its gradient is the sum of both contributions; dW_out is (d, V).
+        grads["tok_emb"] = grads["tok_emb"] + dw_out.T
+    else:
+        grads["lm_head"] = dw_out
+    return {name: grads[name] for name in cache.param_names}
+
+
+def logits(params: dict, tokens, config: GPTConfig) -> np.ndarray:
+    """Next-token logits ``(B, T, vocab_size)`` for int ``tokens`` ``(B, T)``, evaluation mode."""
+    _check_params(params, config)
+    tokens = _check_tokens("tokens", tokens, config)
+    return _logits_forward(params, tokens, config)[0]

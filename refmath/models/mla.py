@@ -1,0 +1,322 @@
+r"""The MLA decoder (catalogue M4): the M3 recurrence with DeepSeek-V2 style latent attention.
+
+Everything but the attention sublayer (embedding, Pre-RMSNorm residual sublayers, SwiGLU, final
+RMSNorm, output head, loss, dropout) is :mod:`refmath.models.decoder`'s; this module supplies the
+multi-head latent attention as an :class:`~refmath.models.decoder.AttentionOps`.
+
+Multi-head latent attention (K8, K9), for a token row :math:`x_j` and head :math:`r`:
+
+.. math::
+    c_j = x_j W_{DKV} \in \mathbb R^{d_c},\qquad
+    k^C_{j,r} = c_j W_{UK,r},\qquad v_{j,r} = c_j W_{UV,r},\qquad
+    k^R_j = \operatorname{RoPE}(x_j W_{KR}) \in \mathbb R^{d_R} \\
+    q^C_{i,r} = u_i W_{UQ,r},\qquad q^R_{i,r} = \operatorname{RoPE}(u_i W_{QR,r}),\qquad
+    u_i = x_i \text{ (no query compression) or } c^Q_i = x_i W_{DQ} \\
+    s_{ij,r} = \frac{q^C_{i,r} (k^C_{j,r})^\top + q^R_{i,r} (k^R_j)^\top}{\sqrt{d_k + d_R}}
+               + M_{ij},\qquad
+    o_{i,r} = \sum_j \operatorname{softmax}_j(s_{i\cdot,r})_j\, v_{j,r},\qquad
+    y_i = [o_{i,1} \cdots o_{i,h}]\, W_O
+
+The content key and the value of every head are up-projections of one latent row :math:`c_j`, and
+the positional key :math:`k^R_j` is one row shared by all heads, so an inference cache keeps only
+:math:`c_j` and :math:`k^R_j`: :math:`d_c + d_R` numbers per token and layer (K9's
+:math:`M_{\mathrm{MLA}} = BLT(d_c + d_R)b`). RoPE cannot act on :math:`k^C` (it would sit between
+the query and :math:`W_{UK}` and depend on the key's position), hence the separate rotated part.
+Only the expanded path is here: the absorbed form :math:`\hat q = q^C W_{UK}^\top` belongs to
+the inference code.
+
+The sum of the two score terms is one dot product of concatenations,
+:math:`[q^C\ q^R] \cdot [k^C\ k^R]`, so the scores go through
+:func:`refmath.attention.sdpa_forward` with keys and queries of width :math:`d_k + d_R` and its
+default scale :math:`1/\sqrt{d_k + d_R}`; the values keep their own width :math:`d_v`.
+
+Latent norms (``latent_norm``): DeepSeek-V2's released model code applies an RMSNorm with a learned
+gain to the compressed query :math:`c^Q` and to the latent :math:`c` before their up-projections;
+the paper's equations do not show them. They are off by default; when on, the cached latent is the
+normalised one (the input of :math:`W_{UK}` and :math:`W_{UV}`).
+
+Attention parameters, relative to ``layers.{i}.attn.`` (``rank`` = ``q_lora_rank``)::
+
+    w_dkv (d, d_c)          [kv_norm.gamma (d_c,)]   w_uk (d_c, h d_k)   w_uv (d_c, h d_v)
+    w_kr  (d, d_R)
+    without query compression:  w_q (d, h d_k)       w_qr (d, h d_R)
+    with query compression:     w_dq (d, rank)  [q_norm.gamma (rank,)]
+                                w_uq (rank, h d_k)   w_qr (rank, h d_R)
+    w_o   (h d_v, d)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from refmath.attention import SdpaCache, causal_mask, sdpa_backward, sdpa_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.models import decoder
+from refmath.models.decoder import (
+    AttentionOps,
+    DecoderCache,
+    check_int_field,
+    check_params,
+    check_shared_fields,
+    check_tokens,
+    decoder_forward,
+    decoder_param_shapes,
+    ffn_width,
+    init_decoder_params,
+    layer_states,
+    lm_forward,
+    merge_heads,
+    split_heads,
+)
+from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
+from refmath.positions import RoPECache, rope_backward, rope_forward
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Sizes and options of the M4 decoder. ``dataclasses.asdict`` round-trips through JSON.
+
+    ``d_c`` is the key/value latent width, ``d_rope`` the width :math:`d_R` of the rotary query and
+    key parts (even). ``head_dim`` (:math:`d_k`, the content query/key width per head) defaults to
+    ``d_model // n_heads``, ``v_head_dim`` (:math:`d_v`) to ``head_dim``. ``q_lora_rank`` is the
+    width of the compressed query :math:`c^Q`, or None for queries projected straight from ``x``.
+    ``latent_norm`` adds RMSNorms on the latents (see the module docstring). The other fields mean
+    what they mean in :class:`refmath.models.decoder.DecoderConfig`.
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_c: int
+    d_rope: int
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    q_lora_rank: int | None = None
+    latent_norm: bool = False
+    d_ff: int | None = None
+    ffn_multiple_of: int = 256
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        check_shared_fields(self)
+        for name in ("d_c", "d_rope"):
+            check_int_field(self, name)
+        for name in ("head_dim", "v_head_dim", "q_lora_rank"):
+            check_int_field(self, name, optional=True)
+        if not isinstance(self.latent_norm, bool):
+            raise ValueError(f"MLAConfig.latent_norm must be a bool, got {self.latent_norm!r}")
+        if self.d_rope % 2:
+            raise ValueError(f"MLAConfig.d_rope = {self.d_rope} must be even for RoPE's "
+                             f"coordinate pairs")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"MLAConfig.d_model = {self.d_model} is not divisible by "
+                             f"n_heads = {self.n_heads}; give head_dim explicitly")
+
+    @property
+    def d_k(self) -> int:
+        """The content query/key width per head."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def d_v(self) -> int:
+        """The value width per head."""
+        return self.d_k if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def d_f(self) -> int:
+        """The SwiGLU hidden width."""
+        return ffn_width(self)
+
+
+PRESETS = {
+    # For lessons on a CPU: the latent (d_c = 32) plus rotary key (d_R = 8) is 40 numbers per token
+    # and layer, against 2 h d_h = 128 for the same heads in MHA.
+    "tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, d_c=32,
+                 d_rope=8, ffn_multiple_of=16),
+    # DeepSeek-V2's ratios at a small width (d_c = 4 d_k, d_R = d_k / 2, query compression, latent
+    # norms), not a released checkpoint.
+    "small": dict(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12,
+                  d_c=256, d_rope=32, q_lora_rank=384, latent_norm=True, ffn_multiple_of=256,
+                  norm_eps=1e-5),
+}
+
+
+def preset(name: str, **overrides) -> MLAConfig:
+    """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return MLAConfig(**{**PRESETS[name], **overrides})
+
+
+# ---- multi-head latent attention -------------------------------------------------------------------
+
+
+class MLACache(NamedTuple):
+    kv_down: LinearCache  # c = x W_DKV
+    kv_norm: RMSNormCache | None
+    k_up: LinearCache  # k^C = c W_UK; its input is the latent an inference cache keeps
+    v_up: LinearCache  # v = c W_UV
+    kr_proj: LinearCache  # x W_KR
+    kr_rope: RoPECache
+    q_down: LinearCache | None  # c^Q = x W_DQ, None without query compression
+    q_norm: RMSNormCache | None
+    qc_proj: LinearCache  # q^C = u W_UQ (or x W_Q)
+    qr_proj: LinearCache  # u W_QR, before its rotation
+    qr_rope: RoPECache
+    attn: SdpaCache  # queries [q^C q^R], keys [k^C k^R] (k^R repeated to every head), values v
+    out: LinearCache  # [o_1 ... o_h] W_O
+
+
+def mla_shapes(config: MLAConfig) -> dict:
+    d, h, d_k, d_v = config.d_model, config.n_heads, config.d_k, config.d_v
+    d_c, d_r, rank = config.d_c, config.d_rope, config.q_lora_rank
+    shapes = {"w_dkv": (d, d_c)}
+    if config.latent_norm:
+        shapes["kv_norm.gamma"] = (d_c,)
+    shapes.update(w_uk=(d_c, h * d_k), w_uv=(d_c, h * d_v), w_kr=(d, d_r))
+    if rank is None:
+        shapes.update(w_q=(d, h * d_k), w_qr=(d, h * d_r))
+    else:
+        shapes["w_dq"] = (d, rank)
+        if config.latent_norm:
+            shapes["q_norm.gamma"] = (rank,)
+        shapes.update(w_uq=(rank, h * d_k), w_qr=(rank, h * d_r))
+    shapes["w_o"] = (h * d_v, d)
+    return shapes
+
+
+def mla_forward(x, params: dict, config: MLAConfig):
+    r"""Causal multi-head latent attention, expanded path (catalogue K8, K9; equations in the module
+    docstring). ``x`` is ``(B, T, d)``; returns ``(Y, cache)`` with ``Y`` ``(B, T, d)``."""
+    h, d_k, eps, base = config.n_heads, config.d_k, config.norm_eps, config.rope_base
+    # Keys and values: one latent row per token, expanded per head; one rotary key for all heads.
+    c, kv_down = linear_forward(x, params["w_dkv"])
+    kv_norm = None
+    if config.latent_norm:
+        c, kv_norm = rmsnorm_forward(c, params["kv_norm.gamma"], eps)
+    k_c, k_up = linear_forward(c, params["w_uk"])
+    v, v_up = linear_forward(c, params["w_uv"])
+    k_r, kr_proj = linear_forward(x, params["w_kr"])
+    k_r, kr_rope = rope_forward(k_r, base=base)  # (B, T, d_R): the sequence axis is -2
+    # Queries, from x or from the compressed query.
+    q_down = q_norm = None
+    u = x
+    if config.q_lora_rank is not None:
+        u, q_down = linear_forward(x, params["w_dq"])
+        if config.latent_norm:
+            u, q_norm = rmsnorm_forward(u, params["q_norm.gamma"], eps)
+    q_c, qc_proj = linear_forward(u, params["w_q" if config.q_lora_rank is None else "w_uq"])
+    q_r, qr_proj = linear_forward(u, params["w_qr"])
+    q_r, qr_rope = rope_forward(split_heads(q_r, h), base=base)
+    # Scores (q^C k^C^T + q^R k^R^T) / sqrt(d_k + d_R) as one product of concatenations (K9).
+    b, t, _ = x.shape
+    q = np.concatenate([split_heads(q_c, h), q_r], axis=-1)
+    k_r_heads = np.broadcast_to(k_r[:, None], (b, h, t, config.d_rope))
+    k = np.concatenate([split_heads(k_c, h), k_r_heads], axis=-1)
+    o, attn = sdpa_forward(q, k, split_heads(v, h), mask=causal_mask(t, dtype=x.dtype))
+    y, out = linear_forward(merge_heads(o), params["w_o"])
+    return y, MLACache(kv_down, kv_norm, k_up, v_up, kr_proj, kr_rope, q_down, q_norm, qc_proj,
+                       qr_proj, qr_rope, attn, out)
+
+
+def mla_backward(dy, cache: MLACache):
+    r"""Gradients of :func:`mla_forward`: returns ``(dx, {name: gradient})``.
+
+    The score gradient splits at column :math:`d_k` into the content and rotary parts; the shared
+    rotary key collects the sum over heads of its per-head gradients; the latent collects the
+    gradients of both of its up-projections; ``x`` collects the key/value, rotary-key and query
+    paths.
+    """
+    grads = {}
+    d_merged, grads["w_o"], _ = linear_backward(dy, cache.out)
+    h = cache.attn.q.shape[1]
+    d_k = cache.k_up.w.shape[1] // h
+    dq, dk, dv = sdpa_backward(split_heads(d_merged, h), cache.attn)
+    # Queries.
+    du, grads["w_uq" if cache.q_down is not None else "w_q"], _ = linear_backward(
+        merge_heads(dq[..., :d_k]), cache.qc_proj)
+    du_r, grads["w_qr"], _ = linear_backward(
+        merge_heads(rope_backward(dq[..., d_k:], cache.qr_rope)), cache.qr_proj)
+    dx = du + du_r
+    if cache.q_down is not None:
+        if cache.q_norm is not None:
+            dx, grads["q_norm.gamma"] = rmsnorm_backward(dx, cache.q_norm)
+        dx, grads["w_dq"], _ = linear_backward(dx, cache.q_down)
+    # The rotary key, shared by every head.
+    dk_r = rope_backward(dk[..., d_k:].sum(axis=1), cache.kr_rope)
+    dx_r, grads["w_kr"], _ = linear_backward(dk_r, cache.kr_proj)
+    # The latent and its two up-projections.
+    dc_k, grads["w_uk"], _ = linear_backward(merge_heads(dk[..., :d_k]), cache.k_up)
+    dc_v, grads["w_uv"], _ = linear_backward(merge_heads(dv), cache.v_up)
+    dc = dc_k + dc_v
+    if cache.kv_norm is not None:
+        dc, grads["kv_norm.gamma"] = rmsnorm_backward(dc, cache.kv_norm)
+    dx_c, grads["w_dkv"], _ = linear_backward(dc, cache.kv_down)
+    return dx + dx_r + dx_c, grads
+
+
+def mla_state(cache: MLACache):
+    """The layer's ``(c, k_r)``: latent ``(B, T, d_c)`` and rotated shared key ``(B, T, d_R)`` (K9).
+
+    ``c`` is the input of the up-projections (after the latent norm when there is one).
+    """
+    d_k = cache.k_up.w.shape[1] // cache.attn.q.shape[1]
+    return cache.k_up.x, cache.attn.k[:, 0, :, d_k:]
+
+
+MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state)
+
+
+# ---- the M4 model: the contract's functions --------------------------------------------------------
+
+
+def _check_config(config) -> None:
+    if not isinstance(config, MLAConfig):
+        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
+
+
+def param_shapes(config: MLAConfig) -> dict:
+    """``{name: shape}`` of every M4 parameter: M3's names with the attention of the module
+    docstring."""
+    return decoder_param_shapes(config, MLA)
+
+
+def init_params(config: MLAConfig, seed=0, dtype=np.float64) -> dict:
+    r"""Initial parameters of the M4 decoder: :math:`\mathcal N(0, \sigma^2)` weights and
+    embeddings (``config.init_std``), :math:`\sigma/\sqrt{2L}` for ``attn.w_o`` and ``ffn.w_down``,
+    gains 1 (as :func:`refmath.models.decoder.init_params`)."""
+    _check_config(config)
+    return init_decoder_params(config, seed, dtype, MLA)
+
+
+def forward(params, batch, config: MLAConfig, train: bool = False, rng=None):
+    """Loss of the M4 decoder on a batch: ``(loss, cache)``; batch, dropout and loss as in
+    :func:`refmath.models.decoder.forward` (M4, L2, L5)."""
+    _check_config(config)
+    return lm_forward(params, batch, config, MLA, train, rng)
+
+
+def backward(cache: DecoderCache) -> dict:
+    """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
+    return decoder.backward(cache)  # the cache records that MLA ran
+
+
+def logits(params, tokens, config: MLAConfig) -> np.ndarray:
+    """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
+    _check_config(config)
+    check_params(params, config, MLA)
+    tokens = check_tokens("tokens", tokens, config)
+    return decoder_forward(params, tokens, config, MLA)[0]
+
+
+def layer_latents(cache: DecoderCache) -> list:
+    """Per layer, ``(c, k_r)``: what an MLA inference cache stores (K9), see :func:`mla_state`."""
+    return layer_states(cache)
