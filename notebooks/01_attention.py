@@ -71,10 +71,11 @@ mask = causal_mask(3)
 O_causal, cache_causal = sdpa_forward(Q, K, V, mask=mask)
 print("mask =\n", mask, "\ncausal weights =\n", cache_causal.a)
 
-fig, axes = plt.subplots(1, 2, figsize=(7, 3))
+fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), layout="constrained")
 for ax, weights, title in ((axes[0], cache.a, "full"), (axes[1], cache_causal.a, "causal")):
     image = ax.imshow(weights, vmin=0, vmax=1, cmap="viridis")
-    ax.set(title=f"{title} attention weights", xlabel="key j", ylabel="query i")
+    ax.set(title=f"{title} attention weights", xlabel="key j", ylabel="query i",
+           xticks=range(3), yticks=range(3))
     for (i, j), w in np.ndenumerate(weights):
         ax.text(j, i, f"{w:.2f}", ha="center", va="center", color="white" if w < 0.5 else "black")
 fig.colorbar(image, ax=axes, shrink=0.8)
@@ -188,7 +189,7 @@ y_cross, cache_cross = mha_forward(decoder_states, params, n_heads=h, context=en
 cross_weights = cache_cross.attn.a[0]  # (h, m, n)
 print("cross-attention output", y_cross.shape, "weights per head", cross_weights.shape)
 
-fig, axes = plt.subplots(1, h, figsize=(7, 2.5))
+fig, axes = plt.subplots(1, h, figsize=(8, 2.8), layout="constrained")
 for r, ax in enumerate(axes):
     ax.imshow(cross_weights[r], vmin=0, vmax=1, cmap="viridis")
     ax.set(title=f"head {r}: {m} x {n}", xlabel="encoder position", ylabel="decoder position")
