@@ -68,6 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
         "explicit flags. Units are binary (KiB, MiB, GiB).",
     )
     add_sizes_arguments(sizes)
+
+    from refmath.train import add_generate_arguments, add_train_arguments
+
+    train = commands.add_parser(
+        "train",
+        help="train a model with its hand-written backward pass and AdamW",
+        description="Train one of the four models on data generated on the fly (no download), "
+        "with AdamW, warmup-cosine learning rate and gradient clipping; writes checkpoints, "
+        "a loss curve and a summary to --out.",
+    )
+    add_train_arguments(train)
+
+    generate = commands.add_parser(
+        "generate",
+        help="sample text from a trained checkpoint",
+        description="Load a checkpoint written by 'train' and generate from a prompt "
+        "(greedy, temperature, top-k, top-p; seeded).",
+    )
+    add_generate_arguments(generate)
     return parser
 
 

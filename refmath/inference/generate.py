@@ -1,0 +1,263 @@
+r"""Autoregressive generation without a cache (catalogue L7).
+
+.. math:: a_{t+1} \sim p(\cdot \mid a_1, \ldots, a_t)
+
+Every step runs the whole prefix through the model's ``logits`` and keeps only the last position:
+:math:`O(T^2)` work over a generation of ``T`` tokens, which is what a KV cache removes (it is
+added in :mod:`refmath.inference` later; this file is the reference it must reproduce).
+
+How the next token is picked from the last position's logits :math:`z \in \mathbb R^V`:
+
+- greedy: :math:`\arg\max_v z_v` (the lowest id among ties);
+- sampling: :math:`p = \operatorname{softmax}(z / \tau)` with temperature :math:`\tau > 0`, then
+  optionally top-k (keep the ``k`` most probable ids) and then top-p (keep the smallest set of the
+  most probable ids whose mass is at least ``p``), renormalise, and draw by inverting the
+  cumulative distribution with one uniform number from a ``numpy.random.Generator``.
+
+Greedy ignores the temperature, top-k and top-p, which cannot change the argmax. The same seed and
+arguments give the same tokens.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from types import ModuleType
+
+import numpy as np
+
+from refmath._validate import check_ndim, float_array
+
+# The decoder-only models ``generate`` accepts by name (the encoder-decoder has generate_seq2seq).
+DECODER_MODULES = {"gpt": "refmath.models.gpt", "llama": "refmath.models.decoder",
+                   "mla": "refmath.models.mla"}
+
+
+# ---- turning logits into a distribution ----------------------------------------------------------
+
+def check_sampling_args(temperature: float = 1.0, top_k: int | None = None,
+                        top_p: float | None = None) -> None:
+    """Raise ``ValueError`` unless ``temperature > 0`` (finite), ``top_k`` is None or an int
+    ``>= 1``, and ``top_p`` is None or in ``(0, 1]``."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0.0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} "
+                         f"(use greedy=True for argmax decoding)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
+                              or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+
+
+def _descending(probs: np.ndarray) -> np.ndarray:
+    # A stable sort of -p: among equal probabilities the lower id comes first, so ties are broken
+    # the same way every time (and the same way as np.argmax).
+    return np.argsort(-probs, kind="stable")
+
+
+def top_k_filter(probs, k: int) -> np.ndarray:
+    """Keep the ``k`` largest entries of the distribution ``probs`` ``(V,)``, zero the rest and
+    renormalise (the lower id wins a tie at the boundary; ``k >= V`` keeps everything)."""
+    probs = float_array("probs", probs)
+    check_ndim("probs", probs, 1, "(V,)")
+    check_sampling_args(top_k=k)
+    keep = np.zeros(probs.shape, dtype=bool)
+    keep[_descending(probs)[:k]] = True
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+def top_p_filter(probs, p: float) -> np.ndarray:
+    r"""Nucleus filtering: keep the smallest set of most probable ids whose mass is at least ``p``.
+
+    With the probabilities sorted in decreasing order, :math:`p_{(1)} \ge p_{(2)} \ge \ldots`, the
+    kept ids are the first :math:`m` where :math:`m` is the least index with
+    :math:`\sum_{i \le m} p_{(i)} \ge p`: id :math:`(i)` is kept exactly when the mass before it,
+    :math:`\sum_{j < i} p_{(j)}`, is below ``p``. The most probable id is always kept; ``p = 1``
+    keeps every id (also those whose mass rounding would drop). Returns the renormalised ``(V,)``.
+    """
+    probs = float_array("probs", probs)
+    check_ndim("probs", probs, 1, "(V,)")
+    check_sampling_args(top_p=p)
+    if p == 1.0:
+        return probs / probs.sum()
+    order = _descending(probs)
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    keep = np.zeros(probs.shape, dtype=bool)
+    keep[order[mass_before < p * probs.sum()]] = True
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+def next_token_distribution(logits, temperature: float = 1.0, top_k: int | None = None,
+                            top_p: float | None = None) -> np.ndarray:
+    r"""The distribution a sampler draws from: ``softmax(logits / temperature)`` ``(V,)`` in float64,
+    then :func:`top_k_filter`, then :func:`top_p_filter` (the order of Hugging Face's samplers).
+
+    The softmax subtracts the maximum first, so a small temperature does not overflow.
+    """
+    z = float_array("logits", logits).astype(np.float64)
+    check_ndim("logits", z, 1, "(V,)")
+    check_sampling_args(temperature, top_k, top_p)
+    scaled = z / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if top_k is not None:
+        probs = top_k_filter(probs, top_k)
+    if top_p is not None:
+        probs = top_p_filter(probs, top_p)
+    return probs
+
+
+def sample_token(probs, rng: np.random.Generator) -> int:
+    """Draw one id from ``probs`` ``(V,)`` by inverting the cumulative sum with ``u ~ U[0, 1)``.
+
+    The id is the first ``v`` with ``cdf[v] > u * cdf[-1]``; ids of probability 0 are never drawn.
+    """
+    probs = float_array("probs", probs)
+    check_ndim("probs", probs, 1, "(V,)")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    cdf = np.cumsum(probs)
+    v = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    # u * total can round up to total itself; fall back to the last id with positive probability.
+    return min(v, int(np.flatnonzero(probs > 0)[-1]))
+
+
+# ---- the decoding loop ---------------------------------------------------------------------------
+
+def _check_count(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_ids(name: str, ids, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name} must be integer token ids, got dtype {ids.dtype} with shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in "
+                         f"[{ids.min()}, {ids.max()}] (shape {ids.shape})")
+    return ids
+
+
+def _decode_loop(next_logits, start: np.ndarray, max_new_tokens: int, pick, eos_id):
+    """Append up to ``max_new_tokens`` tokens to each row of ``start`` ``(B, T0)``.
+
+    ``next_logits(tokens)`` gives the ``(B, V)`` logits of the token after each row. A row that
+    has produced ``eos_id`` keeps repeating it; the loop ends early once every row has.
+    """
+    tokens = start
+    done = np.zeros(start.shape[0], dtype=bool)
+    for _ in range(max_new_tokens):
+        z = next_logits(tokens)
+        new = np.array([pick(row) for row in z], dtype=start.dtype)
+        if eos_id is not None:
+            new[done] = eos_id
+            done |= new == eos_id
+        tokens = np.concatenate([tokens, new[:, None]], axis=1)
+        if done.all():
+            break
+    return tokens
+
+
+def _picker(greedy: bool, temperature, top_k, top_p, seed):
+    check_sampling_args(temperature, top_k, top_p)
+    if greedy:
+        return lambda z: int(np.argmax(z))
+    rng = np.random.default_rng(seed)  # a Generator passes through unchanged
+
+    def pick(z):
+        return sample_token(next_token_distribution(z, temperature, top_k, top_p), rng)
+    return pick
+
+
+def _resolve(model) -> ModuleType:
+    if isinstance(model, str):
+        if model not in DECODER_MODULES:
+            hint = "; use generate_seq2seq for the encoder-decoder" if model == "transformer" else ""
+            raise ValueError(f"model must be one of {sorted(DECODER_MODULES)} or a model module, "
+                             f"got {model!r}{hint}")
+        return importlib.import_module(DECODER_MODULES[model])
+    if not callable(getattr(model, "logits", None)):
+        raise TypeError(f"model must be a model name or a module with logits(params, tokens, "
+                        f"config), got {model!r}")
+    return model
+
+
+def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             eos_id: int | None = None, seed=0) -> np.ndarray:
+    r"""Continue ``prompt_ids`` with a decoder-only model (L7), recomputing the prefix every step.
+
+    ``model`` is ``"gpt"``, ``"llama"``, ``"mla"`` or a module with
+    ``logits(params, tokens, config)``. ``prompt_ids`` is ``(T0,)`` or a batch ``(B, T0)`` with
+    ``1 <= T0 <= config.max_seq_len``. Once the sequence outgrows ``max_seq_len`` only its last
+    ``max_seq_len`` tokens are fed (a sliding window). Generation stops after ``max_new_tokens``
+    tokens, or as soon as every row has produced ``eos_id`` (a finished row repeats ``eos_id``).
+    ``seed``: an int or a ``numpy.random.Generator`` (used only when sampling).
+
+    Returns the prompt followed by the new tokens, in the prompt's shape but longer.
+    """
+    module = _resolve(model)
+    prompt = _check_ids("prompt_ids", prompt_ids, config.vocab_size)
+    check_ndim("prompt_ids", prompt, (1, 2), "(T0,) or (B, T0)")
+    length = prompt.shape[-1]
+    if not 1 <= length <= config.max_seq_len:
+        raise ValueError(f"prompt_ids has {length} tokens (shape {prompt.shape}); it needs "
+                         f"between 1 and max_seq_len = {config.max_seq_len}")
+    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 0)
+    if eos_id is not None:
+        _check_ids("eos_id", eos_id, config.vocab_size)
+    pick = _picker(greedy, temperature, top_k, top_p, seed)
+    window = config.max_seq_len
+
+    def next_logits(tokens):
+        return module.logits(params, tokens[:, -window:], config)[:, -1, :]
+
+    out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens, pick,
+                       eos_id)
+    return out[0] if prompt.ndim == 1 else out
+
+
+def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_lengths=None,
+                     greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                     top_p: float | None = None, eos_id: int | None = None, seed=0) -> np.ndarray:
+    r"""Decode a target for ``src_ids`` with the encoder-decoder (L1, L7): :math:`y_{t+1} \sim
+    p(\cdot \mid y_{\le t}, x)`, the decoder input starting with ``config.bos_id``.
+
+    ``src_ids`` is ``(S,)`` or a batch ``(B, S)`` (then ``src_lengths`` ``(B,)`` marks the padding;
+    default: no padding). The source is encoded once, and each step reruns the decoder on the whole
+    target prefix. ``max_new_tokens`` is at most ``config.max_seq_len`` (the decoder input, BOS
+    included, never exceeds it). Stops as :func:`generate` does.
+
+    Returns the generated tokens only (without BOS): ``(n,)`` or ``(B, n)``.
+    """
+    from refmath.models import transformer
+
+    src = _check_ids("src_ids", src_ids, config.vocab_size)
+    check_ndim("src_ids", src, (1, 2), "(S,) or (B, S)")
+    if not 1 <= src.shape[-1] <= config.max_seq_len:
+        raise ValueError(f"src_ids has {src.shape[-1]} tokens (shape {src.shape}); it needs "
+                         f"between 1 and max_seq_len = {config.max_seq_len}")
+    src2 = np.atleast_2d(src)
+    if src_lengths is None:
+        src_lengths = np.full(src2.shape[0], src2.shape[1])
+    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 0)
+    if max_new_tokens > config.max_seq_len:
+        raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds max_seq_len = "
+                         f"{config.max_seq_len}, the longest decoder input")
+    if eos_id is not None:
+        _check_ids("eos_id", eos_id, config.vocab_size)
+    pick = _picker(greedy, temperature, top_k, top_p, seed)
+    memory = transformer.encode(params, src2, src_lengths, config)
+
+    def next_logits(tokens):
+        return transformer.decode(params, memory, src_lengths, tokens, config)[:, -1, :]
+
+    start = np.full((src2.shape[0], 1), config.bos_id, dtype=np.int64)
+    out = _decode_loop(next_logits, start, max_new_tokens, pick, eos_id)[:, 1:]
+    return out[0] if src.ndim == 1 else out

@@ -1,0 +1,658 @@
+r"""A contiguous KV cache: prefill a prompt once, then decode one token per step (K1-K5, K8, K9).
+
+Why a cache is exact (K1). With fixed parameters and no dropout, the representation of position
+:math:`i` at every depth depends only on tokens :math:`1..i`: embeddings are per token, causal
+attention reads positions :math:`\le i`, and norms and FFNs act on one row at a time. So the keys
+and values of earlier positions never change when a token is appended, and can be kept.
+
+Decode step (K2). A new token at (0-based) position :math:`t` passes through every layer as one
+row; each layer appends its key and value and attends with the new query only:
+
+.. math::
+    K_{0:t} = \begin{bmatrix} K_{0:t-1} \\ k_t \end{bmatrix},\quad
+    V_{0:t} = \begin{bmatrix} V_{0:t-1} \\ v_t \end{bmatrix},\qquad
+    o_t = \operatorname{softmax}\Big(\frac{q_t K_{0:t}^\top}{\sqrt{d_k}}\Big) V_{0:t}
+
+Old queries are not needed: :math:`o_t` contains none of them. With RoPE (K3) the cache holds keys
+already rotated at their own positions and the new query and key are rotated at position ``t``; with
+learned positions (GPT) the new token's embedding gets row ``t`` of the position table.
+
+Cost (K4, K5). :class:`PairCounts` counts the query-key pairs each attention call evaluates.
+Prefill of ``P`` tokens: ``P^2`` scores of which ``P(P+1)/2`` are causal (visible) pairs, i.e.
+:math:`O(P^2)`; a decode step with ``t`` cached positions: ``t`` pairs, :math:`O(t h d_h)` work per
+layer. Generating ``N`` positions from one prompt token by recomputing the prefix every step costs
+:math:`\sum_t t^2 = N(N+1)(2N+1)/6` scores, with the cache :math:`\sum_t t = N(N+1)/2`.
+
+MLA (K8, K9). The :class:`LatentCache` keeps, per layer and token, only the latent :math:`c_j`
+(width :math:`d_c`) and the shared rotated key :math:`k^R_j` (width :math:`d_R`). Decode uses the
+absorbed form by default: per head :math:`\hat q_r = q^C_r W_{UK,r}^\top`, so
+:math:`q^C_r (k^C_{j,r})^\top = \hat q_r c_j^\top`, and the value sum factors as
+:math:`\sum_j a_{j,r} v_{j,r} = (\sum_j a_{j,r} c_j) W_{UV,r}`: the historical keys and values are
+never expanded. ``mla_path="expanded"`` recomputes :math:`k^C = c W_{UK}` and :math:`v = c W_{UV}`
+from the cached latents instead; both give the same numbers up to rounding.
+
+Supported models: :mod:`refmath.models.gpt` (``"gpt"``), :mod:`refmath.models.decoder`
+(``"decoder"`` or ``"llama"``) and :mod:`refmath.models.mla` (``"mla"``), passed as the module or
+its name. These forwards are for inference only (no dropout, no backward); they reuse the models'
+norms, FFN sublayers, head splitting and the ops, and replace only where attention gets its keys
+and values.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from refmath._validate import check_ndim, int_array
+from refmath.attention import causal_mask, sdpa_forward
+from refmath.embedding import embedding_forward
+from refmath.ffn import linear_forward
+from refmath.inference.generate import check_sampling_args, next_token_distribution, sample_token
+from refmath.models import decoder, gpt, mla
+from refmath.models.decoder import check_tokens, merge_heads, split_heads
+from refmath.norms import layernorm_forward, rmsnorm_forward
+from refmath.positions import learned_positions_forward, rope_forward
+
+MLA_PATHS = ("absorbed", "expanded")
+
+
+# ---- counting query-key pairs (K4, K5) -----------------------------------------------------------
+
+
+@dataclass
+class PairCounts:
+    r"""Query-key pairs evaluated by attention, per layer, for ONE sequence and ONE query head.
+
+    - ``scores[l]``: entries of the score matrix :math:`q K^\top` computed at layer ``l``, summed
+      over calls: ``t_q * t_k`` per call. The NumPy reference computes the masked upper triangle of
+      a causal prefill too, so a prefill of ``P`` tokens adds ``P^2``.
+    - ``visible[l]``: of those, the pairs the causal mask leaves visible (key position <= query
+      position), the work of a kernel that skips masked pairs: ``P(P+1)/2`` for a prefill.
+
+    A decode step with ``t`` positions in the cache (the new one included) adds ``t`` to both. Every
+    query head and every sequence of a batch evaluates the same pairs, so the totals over a batch of
+    ``B`` and ``h`` heads are ``B h`` times these.
+    """
+
+    scores: list
+    visible: list
+
+    @classmethod
+    def zeros(cls, n_layers: int) -> PairCounts:
+        return cls([0] * n_layers, [0] * n_layers)
+
+    def record(self, layer: int, mask: np.ndarray) -> None:
+        """Count one attention call at ``layer`` whose additive mask is ``mask`` ``(t_q, t_k)``."""
+        self.scores[layer] += mask.size
+        self.visible[layer] += int(np.count_nonzero(mask == 0))
+
+    def add(self, other: PairCounts) -> None:
+        """Add ``other``'s counts to these, layer by layer."""
+        self.scores = [a + b for a, b in zip(self.scores, other.scores)]
+        self.visible = [a + b for a, b in zip(self.visible, other.visible)]
+
+
+# ---- the caches ----------------------------------------------------------------------------------
+
+
+class _Contiguous:
+    """What both caches share: arrays with the layer first and the batch second, a capacity
+    ``max_len`` (the position axis) and a fill level ``length``."""
+
+    length: int
+    counts: PairCounts
+
+    def _arrays(self) -> tuple:
+        raise NotImplementedError
+
+    @property
+    def n_layers(self) -> int:
+        return self._arrays()[0].shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self._arrays()[0].shape[1]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._arrays()[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated storage (all ``max_len`` slots, filled or not)."""
+        return sum(a.nbytes for a in self._arrays())
+
+
+
+@dataclass(eq=False)
+class KVCache(_Contiguous):
+    r"""Contiguous KV cache of a GPT or M3 decoder, preallocated to ``max_len`` positions (K2, K6).
+
+    ``keys`` and ``values`` are ``(L, B, g, max_len, d_h)``: one block per layer, ``g`` key/value
+    heads (``g = h`` for MHA and GPT, fewer for GQA/MQA: the query heads of a group share one
+    stored head). Rows ``0 .. length-1`` are filled; keys are stored after RoPE, rotated at their
+    own positions (K3). ``nbytes`` is :math:`2 B L T_{\max} g d_h b`
+    (:func:`refmath.sizing.kv_cache_bytes`). The cache is mutable: prefill and decode write into
+    it and advance ``length``.
+    """
+
+    keys: np.ndarray
+    values: np.ndarray
+    length: int = 0
+    counts: PairCounts = field(default=None)
+
+    def __post_init__(self):
+        if self.counts is None:
+            self.counts = PairCounts.zeros(self.keys.shape[0])
+
+    def _arrays(self) -> tuple:
+        return self.keys, self.values
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
+    def layer(self, i: int):
+        """Layer ``i``'s filled ``(k, v)``, each ``(B, g, length, d_h)`` (views, not copies)."""
+        return self.keys[i, :, :, :self.length], self.values[i, :, :, :self.length]
+
+
+@dataclass(eq=False)
+class LatentCache(_Contiguous):
+    r"""MLA cache (K9): per layer and token, only the latent ``c_j`` and the rotated shared key
+    ``k^R_j``.
+
+    ``latents`` is ``(L, B, max_len, d_c)``, ``rope_keys`` ``(L, B, max_len, d_R)``: no head axis,
+    because every head's content key and value are up-projections of the same ``c_j`` and the
+    rotary key is shared by all heads. ``nbytes`` is :math:`B L T_{\max} (d_c + d_R) b`
+    (:func:`refmath.sizing.mla_cache_bytes`).
+    """
+
+    latents: np.ndarray
+    rope_keys: np.ndarray
+    length: int = 0
+    counts: PairCounts = field(default=None)
+
+    def __post_init__(self):
+        if self.counts is None:
+            self.counts = PairCounts.zeros(self.latents.shape[0])
+
+    def _arrays(self) -> tuple:
+        return self.latents, self.rope_keys
+
+    @property
+    def max_len(self) -> int:
+        return self.latents.shape[2]
+
+    def layer(self, i: int):
+        """Layer ``i``'s filled ``(c, k_r)``: ``(B, length, d_c)`` and ``(B, length, d_R)``."""
+        return self.latents[i, :, :self.length], self.rope_keys[i, :, :self.length]
+
+
+# ---- attention against the cache -----------------------------------------------------------------
+
+
+def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int):
+    """Append ``k``, ``v`` ``(B, g, n, d_h)`` at positions ``offset..offset+n-1`` of ``layer`` and
+    attend with ``q`` ``(B, h, n, d_h)`` over every filled position. Returns ``(B, h, n, d_h)``.
+
+    The ``n`` new queries are the last ``n`` of the ``t = offset + n`` positions, so the causal mask
+    is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible.
+    """
+    b, h, n, d_h = q.shape
+    g, t = k.shape[1], offset + n
+    cache.keys[layer, :, :, offset:t] = k
+    cache.values[layer, :, :, offset:t] = v
+    keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
+    # GQA: the h/g query heads of group u read stored head u (refmath.attention.gqa_head_map), so
+    # group the queries as (B, g, h/g, n, d_h) and broadcast each stored head to its group: the
+    # g stored heads are read, never copied h/g times.
+    q = q.reshape(b, g, h // g, n, d_h)
+    keys = np.broadcast_to(keys[:, :, None], (b, g, h // g, t, d_h))
+    values = np.broadcast_to(values[:, :, None], (b, g, h // g, t, values.shape[-1]))
+    mask = causal_mask(n, t, dtype=q.dtype)
+    o, _ = sdpa_forward(q, keys, values, mask=mask)
+    cache.counts.record(layer, mask)
+    return o.reshape(b, h, n, -1)
+
+
+def _layer_params(params: Mapping, layer: int, part: str) -> dict:
+    """Layer ``layer``'s parameters under ``part`` (e.g. ``"attn."``) with the prefix removed."""
+    prefix = f"layers.{layer}.{part}"
+    return {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+
+
+# ---- GPT (M2): learned positions, biased MHA, Pre-LN or Post-LN ----------------------------------
+
+
+def _gpt_embed(params, tokens, config, offset):
+    x, _ = embedding_forward(tokens, params["tok_emb"])
+    # The new rows sit at positions offset.. of the learned table (N9).
+    x, _ = learned_positions_forward(x, params["pos_emb"], offset=offset)
+    return x
+
+
+def _gpt_layer(x, params, layer, config, cache, offset, mla_path):
+    w = _layer_params(params, layer, "attn.")
+    h = config.n_heads
+
+    def attention(u):
+        q, _ = linear_forward(u, w["w_q"], w["b_q"])
+        k, _ = linear_forward(u, w["w_k"], w["b_k"])
+        v, _ = linear_forward(u, w["w_v"], w["b_v"])
+        o = _cached_attention(cache, layer, split_heads(q, h), split_heads(k, h), split_heads(v, h),
+                              offset)
+        return linear_forward(merge_heads(o), w["w_o"], w["b_o"])[0]
+
+    p = f"layers.{layer}."
+    gamma, beta, eps = params[p + "ln1.gamma"], params[p + "ln1.beta"], config.layernorm_eps
+    if config.norm_position == "pre":
+        x = x + attention(layernorm_forward(x, gamma, beta, eps)[0])
+    else:
+        x = layernorm_forward(x + attention(x), gamma, beta, eps)[0]
+    return gpt.ffn_sublayer_forward(x, params, layer, config)[0]  # per token: reused as is
+
+
+def _gpt_head(params, x, config):
+    if config.norm_position == "pre":
+        x, _ = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
+    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
+    return linear_forward(x, w_out)[0]
+
+
+def _gpt_cache_shapes(config, batch, max_len):
+    shape = (config.n_layers, batch, config.n_heads, max_len, config.head_dim)  # g = h in GPT
+    return shape, shape
+
+
+# ---- the M3 decoder and MLA (M4): RMSNorm, RoPE, SwiGLU ------------------------------------------
+
+
+def _decoder_embed(params, tokens, config, offset):
+    return embedding_forward(tokens, params["tok_emb"])[0]  # positions enter through RoPE only
+
+
+def _decoder_head(params, x, config):
+    x, _ = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
+    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
+    return linear_forward(x, w_out)[0]
+
+
+def _family_layer(attention: Callable):
+    """A layer of the M3 family, with ``attention(u, w, config, cache, layer, offset, mla_path)``
+    reading and extending the cache, and the model's own residual sublayers and SwiGLU branch."""
+
+    def layer_forward(x, params, layer, config, cache, offset, mla_path):
+        w, ffn = _layer_params(params, layer, "attn."), _layer_params(params, layer, "ffn.")
+        p = f"layers.{layer}."
+
+        def branch(u):
+            return attention(u, w, config, cache, layer, offset, mla_path), None
+
+        x, _ = decoder.sublayer_forward(x, params[p + "ln1.gamma"], branch, config.norm_eps)
+        x, _ = decoder.sublayer_forward(x, params[p + "ln2.gamma"],
+                                        lambda u: decoder.ffn_forward(u, ffn), config.norm_eps)
+        return x
+
+    return layer_forward
+
+
+def _rope_gqa_attention(u, w, config, cache, layer, offset, mla_path):
+    """M3's attention with the cache: new queries and keys rotated at positions offset.. (K3)."""
+    h, g, base = config.n_heads, config.kv_heads, config.rope_base
+    q, _ = rope_forward(split_heads(linear_forward(u, w["w_q"])[0], h), offset=offset, base=base)
+    k, _ = rope_forward(split_heads(linear_forward(u, w["w_k"])[0], g), offset=offset, base=base)
+    v = split_heads(linear_forward(u, w["w_v"])[0], g)
+    o = _cached_attention(cache, layer, q, k, v, offset)
+    return linear_forward(merge_heads(o), w["w_o"])[0]
+
+
+def _decoder_cache_shapes(config, batch, max_len):
+    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
+    return shape, shape
+
+
+def _mla_attention(u, w, config, cache: LatentCache, layer, offset, mla_path):
+    r"""MLA with a latent cache: append ``c`` and ``k^R`` for the new rows, then attend (K8, K9).
+
+    Absorbed: scores :math:`(\hat q_r c_j^\top + q^R_r (k^R_j)^\top)/\sqrt{d_k + d_R}` with
+    :math:`\hat q_r = q^C_r W_{UK,r}^\top`, outputs :math:`(\sum_j a_j c_j) W_{UV,r}`. It is
+    attention with ONE key/value head shared by all ``h`` query heads (like MQA): key
+    :math:`[c_j\ k^R_j]`, value :math:`c_j`, widths :math:`d_c + d_R` and :math:`d_c`.
+    Expanded: :math:`k^C = c W_{UK}`, :math:`v = c W_{UV}` for every cached row, then attention as
+    in :func:`refmath.models.mla.mla_forward`. (A production kernel would also fold
+    :math:`W_{UQ} W_{UK,r}^\top` and :math:`W_{UV,r} W_{O,r}` into single matrices offline.)
+    """
+    h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
+    eps, base = config.norm_eps, config.rope_base
+    n = u.shape[1]
+    t = offset + n
+    # The new rows' latents and rotary keys, stored; then the whole filled cache is read back.
+    c, _ = linear_forward(u, w["w_dkv"])
+    if config.latent_norm:
+        c, _ = rmsnorm_forward(c, w["kv_norm.gamma"], eps)
+    k_r, _ = rope_forward(linear_forward(u, w["w_kr"])[0], offset=offset, base=base)
+    cache.latents[layer, :, offset:t] = c
+    cache.rope_keys[layer, :, offset:t] = k_r
+    latents, rope_keys = cache.latents[layer, :, :t], cache.rope_keys[layer, :, :t]
+    # Queries: content part q^C and rotary part q^R, the latter rotated at positions offset.. .
+    if config.q_lora_rank is not None:
+        u, _ = linear_forward(u, w["w_dq"])
+        if config.latent_norm:
+            u, _ = rmsnorm_forward(u, w["q_norm.gamma"], eps)
+    q_c = split_heads(linear_forward(u, w["w_q" if config.q_lora_rank is None else "w_uq"])[0], h)
+    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"])[0], h), offset=offset, base=base)
+
+    b = u.shape[0]
+    mask = causal_mask(n, t, dtype=u.dtype)
+    scale = 1.0 / math.sqrt(d_k + d_r)
+    shared_r = np.broadcast_to(rope_keys[:, None], (b, h, t, d_r))  # one rotary key for all heads
+    if mla_path == "absorbed":
+        w_uk = w["w_uk"].reshape(-1, h, d_k)  # column block r of W_UK is W_UK,r (d_c x d_k)
+        q_hat = np.einsum("bhnk,chk->bhnc", q_c, w_uk)  # q^C_r W_UK,r^T
+        shared_c = np.broadcast_to(latents[:, None], (b, h, t, latents.shape[-1]))
+        o_latent, _ = sdpa_forward(np.concatenate([q_hat, q_r], axis=-1),
+                                   np.concatenate([shared_c, shared_r], axis=-1), shared_c,
+                                   mask=mask, scale=scale)
+        o = np.einsum("bhnc,chv->bhnv", o_latent, w["w_uv"].reshape(-1, h, d_v))
+    else:
+        k_c = split_heads(linear_forward(latents, w["w_uk"])[0], h)
+        v = split_heads(linear_forward(latents, w["w_uv"])[0], h)
+        o, _ = sdpa_forward(np.concatenate([q_c, q_r], axis=-1),
+                            np.concatenate([k_c, shared_r], axis=-1), v, mask=mask, scale=scale)
+    cache.counts.record(layer, mask)
+    return linear_forward(merge_heads(o), w["w_o"])[0]
+
+
+def _mla_cache_shapes(config, batch, max_len):
+    return ((config.n_layers, batch, max_len, config.d_c),
+            (config.n_layers, batch, max_len, config.d_rope))
+
+
+# ---- which model ---------------------------------------------------------------------------------
+
+
+class _Spec(NamedTuple):
+    name: str
+    module: ModuleType
+    config_type: type
+    param_shapes: Callable  # config -> {name: shape}
+    cache_type: type
+    cache_shapes: Callable  # (config, batch, max_len) -> the shapes of the cache's two arrays
+    embed: Callable  # (params, tokens, config, offset) -> x (B, n, d)
+    layer: Callable  # (x, params, layer, config, cache, offset, mla_path) -> x
+    head: Callable  # (params, x, config) -> logits (B, n, V)
+
+
+_SPECS = {
+    "gpt": _Spec("gpt", gpt, gpt.GPTConfig, gpt.parameter_shapes, KVCache, _gpt_cache_shapes,
+                 _gpt_embed, _gpt_layer, _gpt_head),
+    "decoder": _Spec("decoder", decoder, decoder.DecoderConfig, decoder.param_shapes, KVCache,
+                     _decoder_cache_shapes, _decoder_embed, _family_layer(_rope_gqa_attention),
+                     _decoder_head),
+    "mla": _Spec("mla", mla, mla.MLAConfig, mla.param_shapes, LatentCache, _mla_cache_shapes,
+                 _decoder_embed, _family_layer(_mla_attention), _decoder_head),
+}
+
+_ALIASES = {"llama": "decoder"}  # the name refmath.inference.generate uses for the M3 decoder
+
+
+def _spec(model, config) -> _Spec:
+    """Resolve ``model`` (a supported model module or its name) and check ``config``'s type."""
+    if isinstance(model, ModuleType):
+        spec = next((s for s in _SPECS.values() if s.module is model), None)
+        if spec is None:
+            raise ValueError(f"model {model.__name__} has no KV-cache decoding here; supported: "
+                             f"{[s.module.__name__ for s in _SPECS.values()]}")
+    elif isinstance(model, str) and _ALIASES.get(model, model) in _SPECS:
+        spec = _SPECS[_ALIASES.get(model, model)]
+    else:
+        raise ValueError(f"model must be one of {sorted(_SPECS) + sorted(_ALIASES)} or a model "
+                         f"module, got {model!r}")
+    if not isinstance(config, spec.config_type):
+        raise TypeError(f"model {spec.name!r} needs a {spec.config_type.__name__}, "
+                        f"got {type(config).__name__}")
+    return spec
+
+
+def _check_params(params, spec: _Spec, config) -> np.dtype:
+    """Exactly the model's parameter names and shapes, one floating dtype; returns that dtype."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
+    shapes = spec.param_shapes(config)
+    missing = [name for name in shapes if name not in params]
+    extra = sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"params do not match the {spec.name} config: missing {missing[:6]}, "
+                         f"unexpected {extra[:6]}")
+    dtypes = set()
+    for name, shape in shapes.items():
+        value = params[name]
+        if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"params[{name!r}] must be a floating-point ndarray, got "
+                            f"{type(value).__name__} {getattr(value, 'dtype', '')}")
+        if value.shape != shape:
+            raise ValueError(f"params[{name!r}] must have shape {shape}, got {value.shape}")
+        dtypes.add(value.dtype)
+    if len(dtypes) > 1:
+        raise TypeError(f"params must share one dtype, got {sorted(str(t) for t in dtypes)}")
+    return dtypes.pop()
+
+
+def _check_mla_path(mla_path) -> None:
+    if mla_path not in MLA_PATHS:
+        raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
+
+
+# ---- the public functions ------------------------------------------------------------------------
+
+
+def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | None = None):
+    """A zeroed cache for ``batch`` sequences of up to ``max_len`` positions (default
+    ``config.max_seq_len``): a :class:`KVCache` for GPT and the M3 decoder, a :class:`LatentCache`
+    for MLA. All memory is allocated here, once."""
+    spec = _spec(model, config)
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    max_len = config.max_seq_len if max_len is None else max_len
+    if (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)
+            or not 1 <= max_len <= config.max_seq_len):
+        raise ValueError(f"max_len must be an integer in [1, max_seq_len = {config.max_seq_len}], "
+                         f"got {max_len!r}")
+    dtype = np.dtype(dtype)
+    if not np.issubdtype(dtype, np.floating):
+        raise TypeError(f"dtype must be a floating-point type, got {dtype}")
+    shapes = spec.cache_shapes(config, int(batch), int(max_len))
+    return spec.cache_type(*(np.zeros(shape, dtype) for shape in shapes))
+
+
+def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
+    """Run ``tokens`` ``(B, n)`` at positions ``cache.length ..`` through every layer, extending the
+    cache; returns the logits ``(B, n, V)``. ``length`` advances once every layer is written."""
+    offset, n = cache.length, tokens.shape[1]
+    if offset + n > cache.max_len:
+        limit = f"max_seq_len = {config.max_seq_len}"
+        if cache.max_len < config.max_seq_len:
+            limit = f"its max_len = {cache.max_len} (the model's {limit})"
+        raise ValueError(f"the cache holds {offset} positions and is limited to {limit}: {n} more "
+                         f"token(s) would need positions up to {offset + n - 1} (0-based)")
+    x = spec.embed(params, tokens, config, offset)
+    for layer in range(config.n_layers):
+        x = spec.layer(x, params, layer, config, cache, offset, mla_path)
+    cache.length = offset + n
+    return spec.head(params, x, config)
+
+
+def prefill(model, params, config, prompt_ids, all_logits: bool = False,
+            mla_path: str = "absorbed", max_len: int | None = None):
+    r"""Run a prompt of ``P`` tokens in one causal pass and keep every layer's keys and values (K5).
+
+    ``prompt_ids``: int ``(B, P)`` (or ``(P,)`` for one sequence) with ``1 <= P <= max_seq_len``.
+    Attention is the full causal ``P x P`` pass (``P(P+1)/2`` visible pairs per head and layer).
+    Returns ``(logits, cache)``: the last position's logits ``(B, V)`` (they give the first
+    generated token), or every position's ``(B, P, V)`` with ``all_logits=True`` (``(V,)`` and
+    ``(P, V)`` for 1-D input), in the parameters' dtype; ``cache`` has ``length = P`` and room for
+    ``max_len`` positions (default ``config.max_seq_len``). ``mla_path`` (MLA only, see
+    :func:`decode_step`) picks the absorbed or expanded attention.
+    """
+    spec = _spec(model, config)
+    _check_mla_path(mla_path)
+    dtype = _check_params(params, spec, config)
+    prompt = np.asarray(prompt_ids)
+    unbatched = prompt.ndim == 1
+    tokens = check_tokens("prompt_ids", prompt[None] if unbatched else prompt, config)
+    cache = empty_cache(spec.name, config, tokens.shape[0], dtype, max_len)
+    logits = _forward_rows(spec, params, config, cache, tokens, mla_path)
+    logits = logits if all_logits else logits[:, -1]
+    return (logits[0] if unbatched else logits), cache
+
+
+def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbed") -> np.ndarray:
+    r"""Feed one token per sequence at position ``t = cache.length`` and return its logits (K2, K3).
+
+    Each layer computes the new row's query, key and value, appends the key and value to the cache
+    and attends with the one query over positions ``0..t``:
+    :math:`o_t = \operatorname{softmax}(q_t K_{0:t}^\top/\sqrt{d_k}) V_{0:t}`, ``t + 1`` pairs per
+    head and layer. RoPE models rotate the new query and key at position ``t``; GPT adds row ``t``
+    of its position table. For MLA, ``mla_path="absorbed"`` (default) scores against the cached
+    latents directly (K8), ``"expanded"`` up-projects them to per-head keys and values first.
+
+    ``token_id``: an int (then ``cache.batch`` must be 1 and the logits are ``(V,)``) or int
+    ``(B,)``. The cache is updated in place (``length`` grows by one). Raises ``ValueError`` when
+    the cache is full (``max_seq_len`` positions) or an id is outside ``[0, vocab_size)``.
+    """
+    spec = _spec(model, config)
+    _check_mla_path(mla_path)
+    dtype = _check_params(params, spec, config)
+    _check_cache(cache, spec, config, dtype)
+    ids = np.asarray(token_id)
+    unbatched = ids.ndim == 0
+    ids = int_array("token_id", ids, config.vocab_size)
+    if unbatched:
+        ids = ids.reshape(1)
+    check_ndim("token_id", ids, 1, "(B,), one token per sequence")
+    if ids.shape[0] != cache.batch:
+        raise ValueError(f"token_id has {ids.shape[0]} token(s) (shape {ids.shape}) but the cache "
+                         f"holds B = {cache.batch} sequence(s)")
+    logits = _forward_rows(spec, params, config, cache, ids[:, None], mla_path)[:, 0]
+    return logits[0] if unbatched else logits
+
+
+def _check_cache(cache, spec: _Spec, config, dtype) -> None:
+    """The cache must be of the model's kind, sized for its config and in the parameters' dtype."""
+    if not isinstance(cache, spec.cache_type):
+        raise TypeError(f"model {spec.name!r} decodes with a {spec.cache_type.__name__}, got "
+                        f"{type(cache).__name__}")
+    have = tuple(a.shape for a in cache._arrays())
+    want = spec.cache_shapes(config, cache.batch, cache.max_len)
+    if have != want or cache.max_len > config.max_seq_len:
+        raise ValueError(f"the cache's arrays have shapes {have}, which do not fit the config: "
+                         f"expected {want} with max_len <= max_seq_len = {config.max_seq_len}")
+    if cache.dtype != dtype:
+        raise TypeError(f"the cache is {cache.dtype} but params are {dtype}")
+
+
+# ---- generation: the same tokens with or without the cache ---------------------------------------
+
+
+class Generation(NamedTuple):
+    tokens: np.ndarray  # (B, P + n): the prompt, then the generated ids ((P + n,) for a 1-D prompt)
+    logits: np.ndarray  # (B, n, V): the logits each generated id was drawn from ((n, V))
+    counts: PairCounts  # query-key pairs evaluated, per sequence, query head and layer
+
+
+def _picker(greedy: bool, temperature, top_k, top_p, seed):
+    """``pick(z)`` for one row of logits, with :mod:`refmath.inference.generate`'s sampling
+    functions and the same use of the random stream (one uniform number per row and step, rows in
+    order), so that a seed gives the tokens its no-cache ``generate`` gives."""
+    check_sampling_args(temperature, top_k, top_p)
+    if greedy:
+        return lambda z: int(np.argmax(z))
+    rng = np.random.default_rng(seed)  # a Generator passes through unchanged
+
+    def pick(z):
+        return sample_token(next_token_distribution(z, temperature, top_k, top_p), rng)
+    return pick
+
+
+def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling, next_logits):
+    """Shared by both generators: checks, then ``max_new_tokens`` picks from ``next_logits``."""
+    spec = _spec(model, config)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    prompt = np.asarray(prompt_ids)
+    unbatched = prompt.ndim == 1
+    tokens = check_tokens("prompt_ids", prompt[None] if unbatched else prompt, config)
+    needed = tokens.shape[1] + max_new_tokens - 1  # the last new token is sampled, never fed
+    if needed > config.max_seq_len:
+        raise ValueError(f"a prompt of {tokens.shape[1]} tokens plus {max_new_tokens} new ones "
+                         f"needs {needed} positions, more than max_seq_len = {config.max_seq_len}")
+    pick = _picker(**sampling)
+    counts = PairCounts.zeros(config.n_layers)
+    steps = []
+    for step in range(max_new_tokens):
+        z = next_logits(spec.name, tokens, step, counts)
+        steps.append(z)
+        new = np.array([pick(row) for row in z], dtype=tokens.dtype)
+        tokens = np.concatenate([tokens, new[:, None]], axis=1)
+    logits = np.stack(steps, axis=1)
+    if unbatched:
+        tokens, logits = tokens[0], logits[0]
+    return Generation(tokens, logits, counts)
+
+
+def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
+                    greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None, seed=0, mla_path: str = "absorbed") -> Generation:
+    r"""Generate with the KV cache: one :func:`prefill`, then one :func:`decode_step` per new token
+    but the last (which is only sampled) (K2, K4).
+
+    Arguments as in :func:`refmath.inference.generate.generate` (``prompt_ids`` ``(P,)`` or
+    ``(B, P)``; greedy, or sampling with temperature, top-k, top-p and ``seed``), except that the
+    ``P + max_new_tokens - 1`` fed positions must fit in ``max_seq_len`` (no sliding window) and
+    there is no ``eos_id``. Returns a :class:`Generation`; from a 1-token prompt, processing
+    ``N = max_new_tokens`` positions evaluates :math:`\sum_{t=1}^N t = N(N+1)/2` pairs.
+    """
+    _check_mla_path(mla_path)
+    sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    state = {}
+
+    def next_logits(name, tokens, step, counts):
+        if step == 0:
+            z, state["cache"] = prefill(name, params, config, tokens, mla_path=mla_path)
+        else:
+            z = decode_step(name, params, config, state["cache"], tokens[:, -1], mla_path=mla_path)
+        if step == max_new_tokens - 1:
+            counts.add(state["cache"].counts)
+        return z
+
+    return _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling,
+                            next_logits)
+
+
+def generate_naive(model, params, config, prompt_ids, max_new_tokens: int, *,
+                   greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None, seed=0, mla_path: str = "absorbed") -> Generation:
+    r"""Generate by naive regeneration: every step recomputes the whole prefix from scratch (a fresh
+    :func:`prefill` of ``P``, ``P + 1``, ... tokens) and keeps its last logits (K4).
+
+    Same arguments, tokens and logits (up to rounding) as :func:`generate_cached`; only the cost
+    differs: from a 1-token prompt, ``N`` steps evaluate :math:`\sum_{t=1}^N t^2 =
+    N(N+1)(2N+1)/6` scores per sequence, head and layer (``counts``).
+    """
+    _check_mla_path(mla_path)
+    sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def next_logits(name, tokens, step, counts):
+        z, fresh = prefill(name, params, config, tokens, mla_path=mla_path)
+        counts.add(fresh.counts)
+        return z
+
+    return _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling,
+                            next_logits)

@@ -1,0 +1,745 @@
+r"""Train any of the four models on the built-in data, with checkpoints that resume exactly.
+
+One training step (catalogue O4, O5, O6):
+
+.. math::
+    \ell_s = \operatorname{loss}(\theta_{s-1}; \text{batch}_{s-1}),\quad
+    g = \operatorname{clip}(\nabla\ell_s, c),\quad
+    \theta_s = \operatorname{AdamW}(\theta_{s-1}, g;\ \eta_s)
+
+with ``batch`` number ``s-1`` of the task's training split (a pure function of the seed and the
+index, see :mod:`refmath.data`), global-norm clipping at ``c`` and the learning rate
+:math:`\eta_s` of :func:`refmath.optim.warmup_cosine` (linear warmup, cosine decay to a tenth).
+AdamW decays the weight matrices only (:func:`refmath.optim.takes_weight_decay`).
+
+:data:`MODELS` maps each name to its module, its task and a default configuration small enough
+to learn in a few minutes on two CPU cores in float32:
+
+- ``transformer`` (M1) reverses digit strings (:class:`refmath.data.ReversalTask`);
+- ``gpt`` (M2), ``llama`` (M3), ``mla`` (M4) model the characters of the generated English of
+  :class:`refmath.data.CharLMTask`, or learn the same reversal as prompt and answer with the
+  answer-only loss of supervised fine-tuning (L5, :class:`refmath.data.ReversalLMTask`, task
+  ``"reverse-lm"``).
+
+A run directory holds ``config.json`` (model, configuration, task and training settings, written
+once when the run starts) and ``checkpoint.npz`` (parameters, AdamW state, step, data position,
+the dropout generator's state and the loss history), rewritten every ``eval_every`` steps. Every
+write goes to a temporary file in the same directory, is flushed to disk and then renamed over the
+old file, so a crash during a write leaves the previous checkpoint intact. Resuming reloads all of
+it, so a run that stops and resumes produces the same losses, bit for bit, as one that does not.
+
+The matrices here are small: on a machine whose cores are busy, BLAS threads that wait for each
+other can make a step several times slower. ``OPENBLAS_NUM_THREADS=1`` (set before Python starts)
+avoids that and costs little on an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
+from refmath.inference.generate import generate, generate_seq2seq
+from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
+
+FORMAT = "refmath-train/1"
+CONFIG_FILE = "config.json"
+CHECKPOINT_FILE = "checkpoint.npz"
+PLOT_FILE = "loss.png"
+EVAL_SEED = 2**31 - 1  # evaluation batches are the same for every training seed
+
+
+# ---- the model registry --------------------------------------------------------------------------
+
+class ModelSpec(NamedTuple):
+    module: str  # import path of the model file (forward, backward, logits, init_params)
+    config_class: str  # its configuration dataclass
+    task: dict  # the task's settings (see refmath.data.make_task)
+    config: dict  # configuration fields besides vocab_size and max_seq_len
+    steps: int  # training defaults
+    batch_size: int
+    lr: float
+    tasks: tuple  # the names of the tasks it can learn
+
+
+# Sizes chosen by measuring on two busy CPU cores in float32: about 45 s for the transformer (100%
+# exact-match reversals, validation loss 0.0015) and 2.5 min for each decoder (validation loss
+# 0.47 nats/char against 2.91 for the unigram baseline and 0.42 for the entropy rate of the
+# text; a decoder on task "reverse-lm" reaches 100% exact match in 40 s). No dropout: the data is
+# generated, so a short run sees little of it twice.
+_DECODER_TASKS = ("chars", "reverse-lm")
+MODELS = {
+    "transformer": ModelSpec(
+        "refmath.models.transformer", "TransformerConfig", {"name": "reverse", "max_len": 8},
+        dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, dropout=0.0, label_smoothing=0.0),
+        steps=600, batch_size=64, lr=3e-3, tasks=("reverse",)),
+    "gpt": ModelSpec(
+        "refmath.models.gpt", "GPTConfig", {"name": "chars", "seq_len": 64},
+        dict(n_layers=2, d_model=64, n_heads=4, d_ff=256, dropout=0.0),
+        steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
+    "llama": ModelSpec(
+        "refmath.models.decoder", "DecoderConfig", {"name": "chars", "seq_len": 64},
+        dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_multiple_of=16),
+        steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
+    "mla": ModelSpec(
+        "refmath.models.mla", "MLAConfig", {"name": "chars", "seq_len": 64},
+        dict(n_layers=2, d_model=64, n_heads=4, d_c=32, d_rope=8, ffn_multiple_of=16),
+        steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
+}
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def model_module(name: str):
+    """The module of model ``name`` (imported on first use)."""
+    return importlib.import_module(_spec(name).module)
+
+
+def config_class(name: str):
+    """The configuration dataclass of model ``name``."""
+    return getattr(model_module(name), _spec(name).config_class)
+
+
+def default_config(name: str, task):
+    """The default configuration of model ``name`` sized for ``task``'s vocabulary and lengths."""
+    spec = _spec(name)
+    if task.name not in spec.tasks:
+        raise ValueError(f"model {name!r} learns the tasks {list(spec.tasks)}, not {task.name!r}")
+    max_seq_len = task.max_len + 1 if isinstance(task, ReversalTask) else task.seq_len
+    return config_class(name)(vocab_size=task.vocab_size, max_seq_len=max_seq_len, **spec.config)
+
+
+def _param_shapes(module, config) -> dict:
+    shapes = getattr(module, "param_shapes", None) or getattr(module, "parameter_shapes")
+    return {name: tuple(shape) for name, shape in shapes(config).items()}
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything besides the model that decides the losses of a run (saved in ``config.json``).
+
+    ``warmup`` defaults to a tenth of the steps, at most 100; the learning rate decays to
+    ``lr * min_lr_ratio``. AdamW with ``betas`` ``(beta1, beta2)``; ``weight_decay`` on weight
+    matrices only; gradients clipped to global norm ``grad_clip``. ``eval_batches`` batches of
+    ``batch_size`` from each split (seed :data:`EVAL_SEED`) measure the evaluation losses.
+    """
+
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_batches: int = 8
+
+    def __post_init__(self):
+        for field, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_batches", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", min(100, self.steps // 10))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) \
+                or not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup must be an int in [0, steps = {self.steps}), got {self.warmup!r}")
+        for field in ("lr", "weight_decay", "grad_clip"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not 0 <= value < math.inf \
+                    or (field != "weight_decay" and value == 0):
+                raise ValueError(f"{field} must be a finite number > 0 (>= 0 for weight_decay), "
+                                 f"got {value!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimiser step ``step`` (1-based): warmup, then cosine decay."""
+        return warmup_cosine(step, self.lr, self.warmup, self.steps, self.lr * self.min_lr_ratio)
+
+
+# ---- atomic files --------------------------------------------------------------------------------
+
+def atomic_write(path, write) -> None:
+    """Create or replace ``path`` with what ``write(binary_file)`` writes, all or nothing.
+
+    The bytes go to a temporary file in the same directory (so the rename cannot cross file
+    systems), are flushed and fsynced, and the file is then renamed over ``path`` with
+    ``os.replace``, which is atomic: a reader sees the old file or the new one, never a mixture.
+    If ``write`` raises, the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)  # read the umask (only settable), to give the usual permissions
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates files readable by their owner only
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    # Make the rename itself durable (POSIX); not possible on every platform, and not needed there.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, or for another model/config."""
+
+
+class Checkpoint(NamedTuple):
+    model: str
+    config: object  # the model's configuration dataclass
+    task: dict
+    settings: TrainSettings
+    params: dict
+    optimizer: dict  # AdamW.state_dict()
+    step: int
+    data_position: int  # training batches consumed
+    rng_state: dict  # the dropout Generator's bit_generator.state
+    history: dict  # name -> 1-D array
+
+
+HISTORY_KEYS = ("train_loss", "lr", "grad_norm", "eval_step", "eval_train", "eval_val")
+
+
+def _meta(model: str, config, task_settings: dict, settings: TrainSettings) -> dict:
+    return {"format": FORMAT, "model": model, "config": dataclasses.asdict(config),
+            "task": task_settings, "train": dataclasses.asdict(settings)}
+
+
+def _json_bytes(meta: dict) -> bytes:
+    return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+
+
+def save_checkpoint(directory, meta: dict, params: dict, optimizer: AdamW, step: int,
+                    data_position: int, rng: np.random.Generator, history: dict) -> Path:
+    """Atomically write ``checkpoint.npz`` in ``directory`` (``config.json`` is written once, by
+    :func:`train`). The ``.npz`` embeds a copy of the JSON so the pair can be checked on load."""
+    arrays = {"meta": np.array(json.dumps(meta, sort_keys=True)),
+              "step": np.array(step), "data_position": np.array(data_position),
+              "rng_state": np.array(json.dumps(rng.bit_generator.state))}
+    arrays.update({f"params.{k}": v for k, v in params.items()})
+    arrays.update({f"optim.{k}": v for k, v in optimizer.state_dict().items()})
+    arrays.update({f"history.{k}": np.asarray(history[k], dtype=np.float64) for k in HISTORY_KEYS})
+    path = Path(directory) / CHECKPOINT_FILE
+    atomic_write(path, lambda f: np.savez(f, **arrays))
+    return path
+
+
+def _read_meta(directory: Path) -> dict:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file (is {directory} a training run directory?)")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a refmath training config (expected \"format\": "
+                              f"\"{FORMAT}\")")
+    missing = [k for k in ("model", "config", "task", "train") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: missing {missing}")
+    if meta["model"] not in MODELS:
+        raise CheckpointError(f"{path}: unknown model {meta['model']!r} (known: {sorted(MODELS)})")
+    return meta
+
+
+def _config_from(meta: dict, path: Path):
+    try:
+        config = config_class(meta["model"])(**meta["config"])
+        settings = TrainSettings(**meta["train"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: invalid configuration for model {meta['model']!r}: {err}") from None
+    return config, settings
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def load_checkpoint(directory, model: str | None = None, config=None) -> Checkpoint:
+    """Read and check a run directory's ``config.json`` and ``checkpoint.npz``.
+
+    With ``model`` and/or ``config`` given, the checkpoint must be of that model and configuration.
+    Raises :class:`CheckpointError` naming the file and what is wrong: a missing, truncated or
+    corrupt file, entries missing, the two files disagreeing, parameters of other shapes than the
+    configuration gives, or another model or configuration than asked for.
+    """
+    directory = Path(directory)
+    meta = _read_meta(directory)
+    config_path, path = directory / CONFIG_FILE, directory / CHECKPOINT_FILE
+    saved_config, settings = _config_from(meta, config_path)
+    if model is not None and model != meta["model"]:
+        raise CheckpointError(f"{config_path}: the checkpoint is of model {meta['model']!r}, "
+                              f"not {model!r}")
+    if config is not None and config != saved_config:
+        diffs = _differences(dataclasses.asdict(saved_config), dataclasses.asdict(config))
+        raise CheckpointError(f"{config_path}: the checkpoint's configuration differs from the one "
+                              f"given (checkpoint vs given): {'; '.join(diffs)}")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}  # read every member now: truncation shows here
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{path}: truncated or corrupt .npz ({type(err).__name__}: {err})") from None
+
+    required = ["meta", "step", "data_position", "rng_state", "optim.step"]
+    required += [f"history.{k}" for k in HISTORY_KEYS]
+    missing = [k for k in required if k not in arrays]
+    if missing:
+        raise CheckpointError(f"{path}: missing entries {missing}")
+    try:
+        embedded = json.loads(str(arrays["meta"]))
+        rng_state = json.loads(str(arrays["rng_state"]))
+    except ValueError as err:
+        raise CheckpointError(f"{path}: unreadable metadata ({err})") from None
+    if embedded != meta:
+        diffs = _differences(embedded, meta)
+        raise CheckpointError(f"{path} and {config_path} describe different runs: {'; '.join(diffs)}")
+
+    module = model_module(meta["model"])
+    shapes = _param_shapes(module, saved_config)
+    params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
+    missing = [k for k in shapes if k not in params]
+    extra = sorted(set(params) - set(shapes))
+    wrong = [f"{k} {params[k].shape} (config says {s})" for k, s in shapes.items()
+             if k in params and params[k].shape != s]
+    if missing or extra or wrong:
+        raise CheckpointError(f"{path}: parameters do not match the configuration in {config_path}: "
+                              f"missing {missing[:6]}, unexpected {extra[:6]}, wrong shape {wrong[:6]}")
+    optimizer = {k[len("optim."):]: v for k, v in arrays.items() if k.startswith("optim.")}
+    for buffer in ("m", "v"):
+        names = {k[len(buffer) + 1:] for k in optimizer if k.startswith(buffer + ".")}
+        if names and names != set(shapes):
+            raise CheckpointError(f"{path}: the optimiser's {buffer!r} state does not cover the "
+                                  f"parameters (differs in {sorted(names ^ set(shapes))[:6]})")
+    step = int(arrays["step"])
+    history = {k: arrays[f"history.{k}"] for k in HISTORY_KEYS}
+    if len(history["train_loss"]) != step or int(optimizer["step"]) != step:
+        raise CheckpointError(f"{path}: inconsistent step counts (step {step}, optimiser "
+                              f"{int(optimizer['step'])}, {len(history['train_loss'])} losses)")
+    return Checkpoint(meta["model"], saved_config, meta["task"], settings, params, optimizer, step,
+                      int(arrays["data_position"]), rng_state, history)
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+
+def evaluate(module, params, config, task, n_batches: int, batch_size: int) -> dict[str, float]:
+    """Mean loss (eval mode, no dropout) over ``n_batches`` fixed batches of each split."""
+    out = {}
+    for split in ("train", "val"):
+        losses = [float(module.forward(params, task.batch(split, i, batch_size, EVAL_SEED), config)[0])
+                  for i in range(n_batches)]
+        out[split] = float(np.mean(losses))
+    return out
+
+
+def reversal_accuracy(params, config, task, n_examples: int = 500, batch_size: int = 100,
+                      model: str | None = None) -> float:
+    """Fraction of held-out sources whose greedy decoding is exactly the reversed digits + EOS.
+
+    ``task`` is a :class:`~refmath.data.ReversalTask` (the encoder-decoder) or a
+    :class:`~refmath.data.ReversalLMTask` (a decoder-only ``model`` continues ``<bos> x =``).
+    """
+    correct = 0
+    for index in range(-(-n_examples // batch_size)):
+        sources = task.source.examples if isinstance(task, ReversalLMTask) else task.examples
+        batch = sources("val", index, min(batch_size, n_examples - index * batch_size), EVAL_SEED)
+        outputs = {}
+        if isinstance(task, ReversalLMTask):
+            for n in sorted({len(s) for s in batch}):  # one batch per prompt length
+                group = [s for s in batch if len(s) == n]
+                prompts = np.stack([task.prompt_ids(s) for s in group])
+                out = generate(model, params, config, prompts, n + 1, greedy=True, eos_id=EOS_ID)
+                outputs.update(zip(group, out[:, n + 2:]))
+        else:
+            src, lengths = task.encode_sources(batch)
+            outputs.update(zip(batch, generate_seq2seq(params, config, src, task.max_len + 1,
+                                                       src_lengths=lengths, greedy=True,
+                                                       eos_id=EOS_ID)))
+        for source in batch:
+            expected = np.append(task.tokenizer.encode(source[::-1]), EOS_ID)
+            got = outputs[source]
+            correct += len(got) >= len(expected) and np.array_equal(got[:len(expected)], expected)
+    return correct / n_examples
+
+
+def save_loss_plot(path, history: dict, baseline: float, floor: float | None = None,
+                   title: str = "") -> None:
+    """Save the training loss per step and the evaluation losses as a PNG (needs matplotlib).
+
+    matplotlib is imported here, with the Agg canvas and no pyplot, so training never needs it.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = np.arange(1, len(history["train_loss"]) + 1)
+    ax.plot(steps, history["train_loss"], lw=0.8, alpha=0.6, label="training batch loss")
+    ax.plot(history["eval_step"], history["eval_train"], "o-", label="train (eval)")
+    ax.plot(history["eval_step"], history["eval_val"], "s-", label="validation (eval)")
+    ax.axhline(baseline, color="gray", ls="--", label=f"unigram entropy {baseline:.3f}")
+    if floor is not None:
+        ax.axhline(floor, color="black", ls=":", label=f"loss floor (entropy rate of the data) {floor:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ---- the training loop ---------------------------------------------------------------------------
+
+class TrainResult(NamedTuple):
+    model: str
+    step: int
+    history: dict  # name -> 1-D array (see HISTORY_KEYS)
+    final: dict | None  # {"train": loss, "val": loss} at the last step, None if stopped early
+    unigram_entropy: float
+    entropy_rate: float
+    accuracy: float | None  # exact match of greedy decoding (transformer only, at the end)
+    seconds: float
+    directory: Path
+
+
+@dataclass
+class _Run:
+    """Everything a training loop changes or reads, as a fresh start or a checkpoint gives it."""
+
+    model: str
+    module: object
+    config: object
+    task: object
+    settings: TrainSettings
+    params: dict
+    optimizer: AdamW
+    rng: np.random.Generator  # draws the dropout masks
+    step: int
+    data_position: int
+    history: dict  # name -> list
+    meta: dict  # the content of config.json
+
+
+def _adamw(settings: TrainSettings) -> AdamW:
+    return AdamW(settings.lr, (settings.beta1, settings.beta2), weight_decay=settings.weight_decay)
+
+
+def _check_same(name: str, given, saved, path: Path) -> None:
+    if given is not None and given != saved:
+        raise CheckpointError(f"{path}: --{name.replace('_', '-')} {given} differs from the "
+                              f"run's {saved}; a resumed run keeps its settings")
+
+
+def _resume_run(directory: Path, model, config, task, given: dict) -> _Run:
+    ckpt = load_checkpoint(directory, model=model, config=config)
+    config_path = directory / CONFIG_FILE
+    if task is not None and any(ckpt.task.get(k) != v for k, v in task.items()):
+        raise CheckpointError(f"{config_path}: task {task} differs from the run's {ckpt.task}")
+    for name, value in given.items():
+        _check_same(name, value, getattr(ckpt.settings, name), config_path)
+    optimizer = _adamw(ckpt.settings)
+    optimizer.load_state_dict(ckpt.optimizer)
+    rng = np.random.default_rng()
+    rng.bit_generator.state = ckpt.rng_state
+    return _Run(ckpt.model, model_module(ckpt.model), ckpt.config, make_task(ckpt.task),
+                ckpt.settings, ckpt.params, optimizer, rng, ckpt.step, ckpt.data_position,
+                {k: list(v) for k, v in ckpt.history.items()},
+                _meta(ckpt.model, ckpt.config, ckpt.task, ckpt.settings))
+
+
+def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
+    if model is None:
+        raise ValueError(f"give the model to train, one of {sorted(MODELS)}")
+    spec = _spec(model)
+    if (directory / CHECKPOINT_FILE).exists() or (directory / CONFIG_FILE).exists():
+        raise CheckpointError(f"{directory} already holds a run; resume it or choose another "
+                              f"output directory")
+    task = spec.task if task is None else task
+    if task.get("name") not in spec.tasks:
+        raise ValueError(f"model {model!r} learns the tasks {list(spec.tasks)}, not {task.get('name')!r}")
+    the_task = make_task(task)
+    config = default_config(model, the_task) if config is None else config
+    if not isinstance(config, config_class(model)):
+        raise TypeError(f"config must be a {spec.config_class} for model {model!r}, "
+                        f"got {type(config).__name__}")
+    if config.vocab_size != the_task.vocab_size:
+        raise ValueError(f"config.vocab_size = {config.vocab_size} must equal the task's "
+                         f"vocabulary size {the_task.vocab_size}")
+    defaults = {"steps": spec.steps, "batch_size": spec.batch_size, "lr": spec.lr, "seed": 0}
+    settings = TrainSettings(**{k: v if given[k] is None else given[k] for k, v in defaults.items()})
+    module = model_module(model)
+    params = module.init_params(config, settings.seed, dtype=np.float32)
+    rng = np.random.default_rng((settings.seed, 1))  # dropout masks; the batches have their own
+    meta = _meta(model, config, the_task.settings(), settings)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / CONFIG_FILE, lambda f: f.write(_json_bytes(meta)))
+    return _Run(model, module, config, the_task, settings, params, _adamw(settings), rng, 0, 0,
+                {k: [] for k in HISTORY_KEYS}, meta)
+
+
+def _train_step(run: _Run) -> float:
+    """One optimiser step on the next training batch; returns the batch's loss."""
+    batch = run.task.batch("train", run.data_position, run.settings.batch_size, run.settings.seed)
+    loss, cache = run.module.forward(run.params, batch, run.config, train=True, rng=run.rng)
+    grads = run.module.backward(cache)
+    norm = clip_grad_norm(grads, run.settings.grad_clip)
+    lr = run.settings.lr_at(run.step + 1)
+    run.optimizer.step(run.params, grads, lr)
+    run.step, run.data_position = run.step + 1, run.data_position + 1
+    for key, value in (("train_loss", float(loss)), ("lr", lr), ("grad_norm", norm)):
+        run.history[key].append(value)
+    return float(loss)
+
+
+@contextlib.contextmanager
+def _finish_step_on_interrupt():
+    """While active, Ctrl-C (SIGINT) only raises a flag, so the loop can stop between two steps
+    (a step interrupted halfway would leave parameters half updated). A second Ctrl-C interrupts
+    at once, as usual. Outside the main thread signals cannot be caught: Ctrl-C acts as usual."""
+    requested: list = []
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            requested.append(signum)
+            signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        yield requested
+        return
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: int | None = None,
+          lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
+          resume: bool = False, eval_every: int = 100, progress: bool = False,
+          stop_after: int | None = None, accuracy_examples: int = 500, out=None) -> TrainResult:
+    """Train ``model`` in run directory ``out_dir`` (created if needed); see the module docstring.
+
+    Fresh run: ``config`` (default :func:`default_config`) and ``task`` settings (default the
+    model's) may be overridden; ``steps``, ``batch_size``, ``lr`` default to the model's and
+    ``seed`` to 0. The directory must not already hold a run.
+
+    ``resume=True`` continues the run saved in ``out_dir``: the model, configuration, task and
+    settings come from there, and any given here must agree with them.
+
+    Evaluates and checkpoints every ``eval_every`` steps and at the end; ``stop_after`` stops (with
+    a checkpoint) once that many steps are done, as an interruption would. Ctrl-C finishes the
+    current step, saves a checkpoint and raises ``KeyboardInterrupt``. ``progress`` shows a tqdm
+    bar on stderr; the evaluation lines go to ``out`` (default stdout).
+    """
+    out = sys.stdout if out is None else out
+    directory = Path(out_dir)
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise ValueError(f"eval_every must be an int >= 1, got {eval_every!r}")
+    given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed}
+    run = (_resume_run if resume else _fresh_run)(directory, model, config, task, given)
+    settings = run.settings
+    baseline, floor = run.task.unigram_entropy(), run.task.entropy_rate()
+    last = settings.steps if stop_after is None else min(settings.steps, stop_after)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=settings.steps, initial=run.step, desc=run.model, dynamic_ncols=True,
+                   file=sys.stderr)
+    say = bar.write if bar is not None else (lambda line: print(line, file=out, flush=True))
+
+    def save():
+        save_checkpoint(directory, run.meta, run.params, run.optimizer, run.step, run.data_position,
+                        run.rng, {k: np.asarray(v) for k, v in run.history.items()})
+
+    start = time.perf_counter()
+    try:
+        with _finish_step_on_interrupt() as interrupted:
+            while run.step < last and not interrupted:
+                loss = _train_step(run)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                if run.step % eval_every == 0 or run.step == settings.steps:
+                    losses = evaluate(run.module, run.params, run.config, run.task,
+                                      settings.eval_batches, settings.batch_size)
+                    for key in ("train", "val"):
+                        run.history[f"eval_{key}"].append(losses[key])
+                    run.history["eval_step"].append(run.step)
+                    say(f"step {run.step:>6}  lr {run.history['lr'][-1]:.2e}  "
+                        f"train {losses['train']:.4f}  val {losses['val']:.4f}  "
+                        f"(unigram entropy {baseline:.4f})")
+                    save()
+        if run.step % eval_every and run.step != settings.steps:
+            save()  # stopped between two evaluations
+        if interrupted:
+            say(f"interrupted after step {run.step}: checkpoint saved in {directory}; "
+                f"resume to continue")
+            raise KeyboardInterrupt
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+
+    history = {k: np.asarray(v) for k, v in run.history.items()}
+    done = run.step == settings.steps
+    final = None
+    if done and len(history["eval_step"]):
+        final = {"train": float(history["eval_train"][-1]), "val": float(history["eval_val"][-1])}
+    accuracy = None
+    if done and isinstance(run.task, (ReversalTask, ReversalLMTask)) and accuracy_examples:
+        accuracy = reversal_accuracy(run.params, run.config, run.task, accuracy_examples,
+                                     model=run.model)
+    with contextlib.suppress(ImportError):
+        save_loss_plot(directory / PLOT_FILE, history, baseline, floor,
+                       title=f"{run.model} on {run.task.name}")
+    return TrainResult(run.model, run.step, history, final, baseline, floor, accuracy, seconds,
+                       directory)
+
+
+# ---- the `train` and `generate` commands ---------------------------------------------------------
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``train`` options to ``parser`` and set ``run=run_train`` as its default action."""
+    parser.add_argument("--model", choices=sorted(MODELS),
+                        help="transformer: reverse digit strings; gpt, llama, mla: character-level "
+                        "language model of generated English (required unless --resume)")
+    parser.add_argument("--task", choices=("chars", "reverse", "reverse-lm"),
+                        help="chars: generated English (the decoders' default); reverse: digit "
+                        "strings (the transformer's only task); reverse-lm: the reversal as prompt "
+                        "and answer for a decoder, loss on the answer only")
+    parser.add_argument("--steps", type=int, help="optimiser steps (default: the model's, 600-1000)")
+    parser.add_argument("--batch-size", type=int, help="sequences per batch (default: the model's)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: the model's, 3e-3)")
+    parser.add_argument("--seed", type=int, help="seed of the initialisation and the batches (default: 0)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="run directory for config.json, checkpoint.npz, loss.png "
+                        "(default: runs/<model>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run saved in --out (its settings are kept)")
+    parser.add_argument("--eval-every", type=int, default=100,
+                        help="evaluate and checkpoint every N steps (default: 100)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (it is also off when stderr is not a terminal)")
+    parser.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Train, then print the final losses next to the baselines; 2 on bad input, 130 if interrupted."""
+    if args.out is None and args.model is None:
+        print("train: give --model (and --out DIR to resume a run elsewhere than runs/<model>)",
+              file=sys.stderr)
+        return 2
+    out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        task = None if args.task is None else {"name": args.task}
+        result = train(args.model, out_dir, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                       seed=args.seed, task=task, resume=args.resume, eval_every=args.eval_every,
+                       progress=progress)
+    except (ValueError, TypeError) as err:
+        print(f"train: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(f"\n{result.model}: {result.step} steps in {result.seconds:.1f} s (this session)")
+    if result.final is not None:
+        print(f"final loss (nats/token): train {result.final['train']:.4f}, "
+              f"validation {result.final['val']:.4f}")
+    print(f"unigram-entropy baseline: {result.unigram_entropy:.4f} nats/token "
+          f"(the loss of predicting the token frequencies, ignoring the context)")
+    if result.entropy_rate > 0:
+        print(f"entropy rate of the generated text: {result.entropy_rate:.4f} nats/char "
+              f"(the floor for an unbounded context)")
+    if result.accuracy is not None:
+        print(f"exact-match accuracy of greedy decoding on held-out sources: {100 * result.accuracy:.1f}%")
+    plot = result.directory / PLOT_FILE
+    print(f"run directory: {result.directory} ({CONFIG_FILE}, {CHECKPOINT_FILE}"
+          f"{', ' + PLOT_FILE if plot.exists() else '; no plot: matplotlib is not installed'})")
+    return 0
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``generate`` options to ``parser`` and set ``run=run_generate``."""
+    parser.add_argument("--checkpoint", metavar="DIR", required=True, help="a run directory of train")
+    parser.add_argument("--prompt", help="text to continue (language models; default: a newline, "
+                        "i.e. a new sentence) or digits to reverse (transformer; required)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="tokens to generate (default: 200; transformer: source length + 1)")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1)")
+    parser.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
+    parser.add_argument("--top-p", type=float, help="sample from the smallest set of mass >= p")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Print the continuation (or the transformer's output); 2 on bad input or a bad checkpoint."""
+    try:
+        ckpt = load_checkpoint(args.checkpoint)
+        task = make_task(ckpt.task)
+        tok = task.tokenizer
+        sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed)
+        if isinstance(task, (ReversalTask, ReversalLMTask)):
+            if args.prompt is None:
+                raise ValueError("give --prompt, the digits to reverse")
+            n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
+            if isinstance(task, ReversalTask):
+                out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
+                                       eos_id=EOS_ID, **sampling)
+            else:
+                prompt = task.prompt_ids(args.prompt)
+                out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
+                               **sampling)[len(prompt):]
+            print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
+        else:
+            prompt = "\n" if args.prompt is None else args.prompt
+            n = 200 if args.max_new_tokens is None else args.max_new_tokens
+            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling)
+            print(tok.decode(out, specials="show"))
+    except (ValueError, TypeError) as err:
+        print(f"generate: {err}", file=sys.stderr)
+        return 2
+    return 0

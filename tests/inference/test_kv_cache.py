@@ -1,0 +1,459 @@
+"""The contiguous KV cache: prefill + decode equal full recomputation for every decoder model (K2),
+cached rows are prefix invariant (K1), RoPE keys are cached rotated (K3), query-key pair counts (K4,
+K5), MLA's absorbed and expanded paths and its latent cache (K8, K9), sampling, sizes, bad input."""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refmath import sizing
+from refmath.inference import generate as no_cache
+from refmath.inference import kv_cache as kc
+from refmath.inference.kv_cache import (
+    KVCache,
+    LatentCache,
+    decode_step,
+    generate_cached,
+    generate_naive,
+    prefill,
+)
+from refmath.models import decoder, gpt, mla
+from refmath.norms import rmsnorm_forward
+from refmath.positions import rope_forward
+
+V, T_MAX = 13, 9
+# init_std 0.3 instead of 0.02: logits of order 1 and attention weights far from uniform, so a key
+# at the wrong position or a missing row changes the logits well above rounding.
+CONFIGS = {
+    "gpt-pre-tied": (gpt, gpt.GPTConfig(vocab_size=V, max_seq_len=T_MAX, n_layers=2, d_model=16,
+                                        n_heads=4, d_ff=24, init_std=0.3)),
+    "gpt-post-untied": (gpt, gpt.GPTConfig(vocab_size=V, max_seq_len=T_MAX, n_layers=2, d_model=12,
+                                           n_heads=3, d_ff=20, norm_position="post",
+                                           tie_embeddings=False, gelu_approximate=False,
+                                           init_std=0.3)),
+    "decoder-gqa": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16,
+                                                   n_layers=2, n_heads=4, n_kv_heads=2,
+                                                   ffn_multiple_of=8, init_std=0.3)),
+    "decoder-mqa-tied": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX,
+                                                        d_model=16, n_layers=2, n_heads=4,
+                                                        n_kv_heads=1, head_dim=6,
+                                                        tie_embeddings=True, ffn_multiple_of=8,
+                                                        init_std=0.3)),
+    "mla": (mla, mla.MLAConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16, n_layers=2, n_heads=4,
+                               d_c=6, d_rope=4, ffn_multiple_of=8, init_std=0.3)),
+    "mla-qlora-norms": (mla, mla.MLAConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16,
+                                           n_layers=2, n_heads=4, d_c=6, d_rope=4, head_dim=6,
+                                           v_head_dim=5, q_lora_rank=8, latent_norm=True,
+                                           ffn_multiple_of=8, init_std=0.3)),
+}
+# Every model, and for MLA each decode path.
+MODEL_PATHS = [(name, "absorbed") for name in CONFIGS] + \
+              [(name, "expanded") for name in CONFIGS if name.startswith("mla")]
+RTOL = 1e-10  # float64: both sides differ only in the order of rounding
+
+
+def setup(name, seed=0, dtype=np.float64):
+    module, config = CONFIGS[name]
+    params = module.init_params(config, seed, dtype)
+    rng = np.random.default_rng(seed + 100)
+    for key, value in params.items():  # gains away from 1, so that a skipped norm would show
+        if key.endswith(".gamma"):
+            params[key] = (1.0 + 0.2 * rng.standard_normal(value.shape)).astype(dtype)
+    return module, config, params
+
+
+def random_tokens(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, V, shape)
+
+
+def model_cache(module, params, config, tokens):
+    """The training-style forward's cache (no dropout), whose layers hold every row's k, v."""
+    batch = {"tokens": tokens, "targets": tokens}
+    return module.forward(params, batch, config)[1]
+
+
+# ---- K2: cached decode equals recomputing the full prefix ----------------------------------------
+
+
+@pytest.mark.parametrize("name, path", MODEL_PATHS)
+def test_prefill_then_decode_equals_full_recomputation_k2(name, path):
+    module, config, params = setup(name)
+    tokens = random_tokens((2, T_MAX), seed=1)
+    p = 3
+    z, cache = prefill(module, params, config, tokens[:, :p], all_logits=True, mla_path=path)
+    np.testing.assert_allclose(z, module.logits(params, tokens[:, :p], config), rtol=RTOL, atol=0)
+    for t in range(p, T_MAX):
+        z_t = decode_step(module, params, config, cache, tokens[:, t], mla_path=path)
+        assert cache.length == t + 1
+        # The model's own logits on the whole prefix 0..t, recomputed from scratch.
+        expected = module.logits(params, tokens[:, :t + 1], config)[:, -1]
+        np.testing.assert_allclose(z_t, expected, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt-pre-tied", "decoder-gqa", "mla"])
+def test_prefill_last_position_and_unbatched_input(name):
+    module, config, params = setup(name)
+    tokens = random_tokens((1, 5), seed=2)
+    z_last, _ = prefill(module, params, config, tokens)
+    assert z_last.shape == (1, V)
+    z_one, cache = prefill(module, params, config, tokens[0])  # (P,): one sequence, no batch axis
+    assert z_one.shape == (V,) and cache.batch == 1
+    np.testing.assert_array_equal(z_one, z_last[0])
+    z_next = decode_step(module, params, config, cache, int(tokens[0, 0]))
+    assert z_next.shape == (V,)
+    expected = module.logits(params, np.append(tokens[0], tokens[0, 0])[None], config)[0, -1]
+    np.testing.assert_allclose(z_next, expected, rtol=RTOL, atol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=st.integers(1, T_MAX), steps=st.integers(0, T_MAX), seed=st.integers(0, 10**6))
+def test_any_prompt_length_and_steps_decoder(p, steps, seed):
+    module, config, params = setup("decoder-gqa")
+    steps = min(steps, T_MAX - p)
+    tokens = random_tokens((1, p + steps), seed)
+    z, cache = prefill(module, params, config, tokens[:, :p])
+    for t in range(p, p + steps):
+        z = decode_step(module, params, config, cache, tokens[:, t])
+    np.testing.assert_allclose(z, module.logits(params, tokens, config)[:, -1], rtol=RTOL, atol=0)
+
+
+# ---- K1: prefix invariance of the cached rows ----------------------------------------------------
+
+
+def stored(cache):
+    """The filled rows of every layer's two cached arrays."""
+    return [cache.layer(i) for i in range(cache.n_layers)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_rows_are_prefix_invariant_k1(name):
+    module, config, params = setup(name)
+    tokens = random_tokens((2, T_MAX), seed=3)
+    p = 4
+    _, short = prefill(module, params, config, tokens[:, :p])
+    _, decoded = prefill(module, params, config, tokens[:, :p])
+    for t in range(p, T_MAX):
+        decode_step(module, params, config, decoded, tokens[:, t])
+    _, full = prefill(module, params, config, tokens)
+    for (a_short, b_short), (a_dec, b_dec), (a_full, b_full) in zip(
+            stored(short), stored(decoded), stored(full)):
+        # Appending tokens does not change the first p rows (the position axis is -2) ...
+        np.testing.assert_allclose(a_full[..., :p, :], a_short, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(b_full[..., :p, :], b_short, rtol=1e-12, atol=1e-15)
+        # ... and rows written one decode step at a time equal rows from one prefill pass.
+        np.testing.assert_allclose(a_dec, a_full, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(b_dec, b_full, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_equals_the_models_own_keys_and_values(name):
+    module, config, params = setup(name)
+    tokens = random_tokens((2, 6), seed=4)
+    _, cache = prefill(module, params, config, tokens)
+    train_cache = model_cache(module, params, config, tokens)
+    if module is gpt:
+        # mha_forward's attention cache holds k, v per query head (g = h in GPT).
+        expected = [(layer.attn.branch.attn.k, layer.attn.branch.attn.v)
+                    for layer in train_cache.layers]
+    elif module is decoder:
+        expected = decoder.layer_kv(train_cache)
+    else:
+        expected = mla.layer_latents(train_cache)
+    for (a, b), (a_ref, b_ref) in zip(stored(cache), expected):
+        np.testing.assert_allclose(a, a_ref, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(b, b_ref, rtol=1e-12, atol=1e-15)
+
+
+# ---- K3: RoPE keys are cached rotated at their own positions -------------------------------------
+
+
+def test_rope_keys_cached_rotated_at_their_positions_k3():
+    module, config, params = setup("decoder-gqa")
+    tokens = random_tokens((2, 7), seed=5)
+    _, cache = prefill(module, params, config, tokens[:, :2])
+    for t in range(2, 7):
+        decode_step(module, params, config, cache, tokens[:, t])
+    # Layer 0's keys by hand: RMSNorm of the embeddings, W_K, split into g heads, then each row
+    # rotated by its own position j alone.
+    u, _ = rmsnorm_forward(params["tok_emb"][tokens], params["layers.0.ln1.gamma"], config.norm_eps)
+    k = (u @ params["layers.0.attn.w_k"]).reshape(2, 7, config.kv_heads, config.d_h)
+    k = k.transpose(0, 2, 1, 3)
+    keys = cache.layer(0)[0]
+    for j in range(7):
+        rotated, _ = rope_forward(k[:, :, j:j + 1], offset=j, base=config.rope_base)
+        np.testing.assert_allclose(keys[:, :, j:j + 1], rotated, rtol=1e-12, atol=1e-15)
+        if j:  # the rotation is really there: the unrotated key differs
+            assert not np.allclose(keys[:, :, j], k[:, :, j], rtol=1e-3)
+
+
+def test_mla_rotary_key_cached_rotated_at_its_position_k3_k9():
+    module, config, params = setup("mla")
+    tokens = random_tokens((1, 5), seed=6)
+    _, cache = prefill(module, params, config, tokens[:, :1])
+    for t in range(1, 5):
+        decode_step(module, params, config, cache, tokens[:, t])
+    u, _ = rmsnorm_forward(params["tok_emb"][tokens], params["layers.0.ln1.gamma"], config.norm_eps)
+    c, k_r = cache.layer(0)
+    np.testing.assert_allclose(c, u @ params["layers.0.attn.w_dkv"], rtol=1e-12, atol=1e-15)
+    expected, _ = rope_forward(u @ params["layers.0.attn.w_kr"], positions=np.arange(5),
+                               base=config.rope_base)
+    np.testing.assert_allclose(k_r, expected, rtol=1e-12, atol=1e-15)
+
+
+# ---- K8, K9: MLA absorbed = expanded, and the cache holds only c and k^R -------------------------
+
+
+@pytest.mark.parametrize("name", ["mla", "mla-qlora-norms"])
+def test_mla_absorbed_and_expanded_decode_are_equal_k8(name):
+    module, config, params = setup(name)
+    tokens = random_tokens((2, T_MAX), seed=7)
+    z_abs, absorbed = prefill(module, params, config, tokens[:, :2], all_logits=True)
+    z_exp, expanded = prefill(module, params, config, tokens[:, :2], all_logits=True,
+                              mla_path="expanded")
+    np.testing.assert_allclose(z_abs, z_exp, rtol=RTOL, atol=0)
+    for t in range(2, T_MAX):
+        z_abs = decode_step(module, params, config, absorbed, tokens[:, t], mla_path="absorbed")
+        z_exp = decode_step(module, params, config, expanded, tokens[:, t], mla_path="expanded")
+        np.testing.assert_allclose(z_abs, z_exp, rtol=RTOL, atol=0)
+    # Both paths store the same latents: what is cached does not depend on how it is read. Layer 0
+    # reads only the embeddings, so it matches bit for bit; deeper layers see the previous layer's
+    # outputs, which the two paths round differently.
+    for layer, ((c_a, r_a), (c_e, r_e)) in enumerate(zip(stored(absorbed), stored(expanded))):
+        tol = dict(rtol=0, atol=0) if layer == 0 else dict(rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(c_a, c_e, **tol)
+        np.testing.assert_allclose(r_a, r_e, **tol)
+
+
+def test_mla_cache_holds_only_latents_and_the_shared_rotary_key_k9():
+    module, config, params = setup("mla-qlora-norms")
+    _, cache = prefill(module, params, config, random_tokens((3, 4)))
+    assert isinstance(cache, LatentCache)
+    arrays = [f.name for f in dataclasses.fields(cache) if isinstance(getattr(cache, f.name),
+                                                                       np.ndarray)]
+    assert arrays == ["latents", "rope_keys"]
+    L, d_c, d_r = config.n_layers, config.d_c, config.d_rope
+    assert cache.latents.shape == (L, 3, T_MAX, d_c)  # no head axis: one row per token and layer
+    assert cache.rope_keys.shape == (L, 3, T_MAX, d_r)
+
+
+# ---- K6/K9 sizes: the cache's bytes are the sizing formulas --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_bytes_equal_sizing_formulas(name, dtype):
+    module, config, _ = setup(name)
+    batch, b = 3, np.dtype(dtype).itemsize
+    cache = kc.empty_cache(module, config, batch, dtype)
+    if module is mla:
+        expected = sizing.mla_cache_bytes(batch, config.n_layers, config.max_seq_len, config.d_c,
+                                          config.d_rope, b)
+    elif module is gpt:  # every head keeps its keys and values: g = h
+        expected = sizing.kv_cache_bytes(batch, config.n_layers, config.max_seq_len,
+                                         config.n_heads, config.head_dim, b)
+    else:
+        expected = sizing.kv_cache_bytes(batch, config.n_layers, config.max_seq_len,
+                                         config.kv_heads, config.d_h, b)
+    assert cache.nbytes == expected
+    if module is decoder:  # g heads stored, not h
+        assert cache.keys.shape[2] == config.kv_heads < config.n_heads
+
+
+# ---- K4, K5: counting query-key pairs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, T_MAX])
+def test_naive_and_cached_generation_pair_counts_k4(n):
+    module, config, params = setup("gpt-pre-tied")
+    prompt = random_tokens((1, 1), seed=8)  # a 1-token prompt; n positions pass through the model
+    naive = generate_naive(module, params, config, prompt, n, greedy=True)
+    cached = generate_cached(module, params, config, prompt, n, greedy=True)
+    L = config.n_layers
+    # Per sequence, query head and layer. Naive: step t recomputes t x t scores (the masked half
+    # included), sum t^2; the causal half alone would be sum t(t+1)/2 = n(n+1)(n+2)/6.
+    assert naive.counts.scores == [n * (n + 1) * (2 * n + 1) // 6] * L
+    assert naive.counts.visible == [n * (n + 1) * (n + 2) // 6] * L
+    # Cached: position t (1-based) is one query against t keys, sum t, all visible.
+    assert cached.counts.scores == cached.counts.visible == [n * (n + 1) // 2] * L
+    np.testing.assert_array_equal(naive.tokens, cached.tokens)
+
+
+@pytest.mark.parametrize("name, path", MODEL_PATHS)
+def test_every_model_counts_its_pairs_k4(name, path):
+    module, config, params = setup(name)
+    n = 6
+    prompt = random_tokens((2, 1), seed=9)
+    naive = generate_naive(module, params, config, prompt, n, greedy=True, mla_path=path)
+    cached = generate_cached(module, params, config, prompt, n, greedy=True, mla_path=path)
+    assert naive.counts.scores == [n * (n + 1) * (2 * n + 1) // 6] * config.n_layers
+    assert cached.counts.scores == [n * (n + 1) // 2] * config.n_layers
+
+
+@pytest.mark.parametrize("p", [1, 4, T_MAX - 1])
+def test_prefill_and_decode_step_pair_counts_k5(p):
+    module, config, params = setup("decoder-gqa")
+    _, cache = prefill(module, params, config, random_tokens((2, p), seed=10))
+    assert cache.counts.visible == [p * (p + 1) // 2] * config.n_layers  # causal pairs, O(P^2)
+    assert cache.counts.scores == [p * p] * config.n_layers  # the dense P x P score matrix
+    decode_step(module, params, config, cache, np.array([0, 1]))
+    # The step at 0-based position p reads p + 1 keys with one query: O(t) pairs.
+    assert cache.counts.visible == [p * (p + 1) // 2 + p + 1] * config.n_layers
+    assert cache.counts.scores == [p * p + p + 1] * config.n_layers
+
+
+# ---- generation: same tokens with and without the cache ------------------------------------------
+
+
+def reference_logits(module, params, config, tokens, n_prompt):
+    """The model's own logits, recomputing the whole prefix for every generated position."""
+    return np.stack([module.logits(params, tokens[:, :t], config)[:, -1]
+                     for t in range(n_prompt, tokens.shape[1])], axis=1)
+
+
+SAMPLING = {
+    "greedy": dict(greedy=True),
+    "seeded": dict(temperature=0.8, seed=5),
+    "seeded-top-k-top-p": dict(temperature=1.3, top_k=5, top_p=0.9, seed=7),
+}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("name, path", MODEL_PATHS)
+def test_cached_generation_gives_the_same_tokens(name, path, sampling):
+    module, config, params = setup(name)
+    prompt = random_tokens((2, 2), seed=11)
+    n_new = T_MAX - 1  # positions up to max_seq_len are fed
+    # The no-cache generator of refmath.inference.generate, on the model's own logits.
+    expected = no_cache.generate(module, params, config, prompt, n_new, **SAMPLING[sampling])
+    for generator in (generate_cached, generate_naive):
+        out = generator(module, params, config, prompt, n_new, mla_path=path, **SAMPLING[sampling])
+        np.testing.assert_array_equal(out.tokens, expected)
+        reference = reference_logits(module, params, config, expected, n_prompt=2)
+        np.testing.assert_allclose(out.logits, reference, rtol=RTOL, atol=0)
+
+
+def test_generation_with_one_unbatched_prompt_and_a_generator_seed():
+    module, config, params = setup("decoder-gqa")
+    prompt = random_tokens(3, seed=12)
+    out = generate_cached("llama", params, config, prompt, 4, temperature=0.7,
+                          seed=np.random.default_rng(1))
+    assert out.tokens.shape == (7,) and out.logits.shape == (4, V)
+    expected = no_cache.generate("llama", params, config, prompt, 4, temperature=0.7,
+                                 seed=np.random.default_rng(1))
+    np.testing.assert_array_equal(out.tokens, expected)
+
+
+# ---- lengths at the edges, float32 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt-pre-tied", "decoder-gqa", "mla"])
+def test_prompt_of_max_seq_len_minus_one_then_the_limit(name):
+    module, config, params = setup(name)
+    tokens = random_tokens((1, T_MAX), seed=12)
+    _, cache = prefill(module, params, config, tokens[:, :-1])
+    z = decode_step(module, params, config, cache, tokens[:, -1])
+    np.testing.assert_allclose(z, module.logits(params, tokens, config)[:, -1], rtol=RTOL, atol=0)
+    assert cache.length == config.max_seq_len
+    with pytest.raises(ValueError, match=f"max_seq_len = {T_MAX}"):
+        decode_step(module, params, config, cache, tokens[:, 0])
+    assert cache.length == T_MAX  # the failed step changed nothing
+    with pytest.raises(ValueError, match="max_seq_len"):
+        prefill(module, params, config, random_tokens((1, T_MAX + 1)))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate_cached(module, params, config, tokens[:, :3], T_MAX - 1)
+    generate_cached(module, params, config, tokens[:, :3], T_MAX - 2)  # just fits
+
+
+def test_prompt_of_one_token():
+    module, config, params = setup("gpt-post-untied")
+    tokens = random_tokens((2, 4), seed=13)
+    z, cache = prefill(module, params, config, tokens[:, :1])
+    assert cache.length == 1 and cache.counts.scores == [1] * config.n_layers
+    np.testing.assert_allclose(z, module.logits(params, tokens[:, :1], config)[:, 0], rtol=RTOL,
+                               atol=0)
+    for t in range(1, 4):
+        z = decode_step(module, params, config, cache, tokens[:, t])
+    np.testing.assert_allclose(z, module.logits(params, tokens, config)[:, -1], rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt-pre-tied", "decoder-gqa", "mla"])
+def test_float32_stays_float32(name):
+    module, config, params = setup(name, dtype=np.float32)
+    tokens = random_tokens((2, 5), seed=14)
+    z, cache = prefill(module, params, config, tokens[:, :3])
+    assert z.dtype == np.float32 and cache.dtype == np.float32
+    for t in range(3, 5):
+        z = decode_step(module, params, config, cache, tokens[:, t])
+    assert z.dtype == np.float32
+    # Both sides are float32 computations of the same function (eps 6e-8 per rounding, a few
+    # hundred roundings deep): they agree far below the logits' size of order 1.
+    np.testing.assert_allclose(z, module.logits(params, tokens, config)[:, -1], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_smaller_max_len():
+    module, config, params = setup("decoder-gqa")
+    cache = kc.empty_cache("decoder", config, batch=1, max_len=2)
+    decode_step(module, params, config, cache, 1)  # an empty cache: the step is a 1-token prefill
+    decode_step(module, params, config, cache, 2)
+    _, reference = prefill(module, params, config, [1, 2])
+    np.testing.assert_allclose(cache.layer(1)[0], reference.layer(1)[0], rtol=1e-12, atol=1e-15)
+    limit = r"limited to its max_len = 2 \(the model's max_seq_len = 9\)"
+    with pytest.raises(ValueError, match=limit):
+        decode_step(module, params, config, cache, 3)
+    with pytest.raises(ValueError, match="max_len"):
+        kc.empty_cache("decoder", config, max_len=T_MAX + 1)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_token_ids():
+    module, config, params = setup("decoder-gqa")
+    _, cache = prefill(module, params, config, random_tokens((2, 3)))
+    for bad in ([0, V], [-1, 0]):
+        with pytest.raises(ValueError, match=r"token_id must lie in \[0, 13\)"):
+            decode_step(module, params, config, cache, np.array(bad))
+    with pytest.raises(TypeError, match="token_id must be an integer array"):
+        decode_step(module, params, config, cache, np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="B = 2"):
+        decode_step(module, params, config, cache, np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match="B = 2"):
+        decode_step(module, params, config, cache, 3)  # one id for a batch of two
+    with pytest.raises(ValueError, match="token_id must have 1 dimensions"):
+        decode_step(module, params, config, cache, np.array([[0, 1]]))
+    assert cache.length == 3  # nothing was appended
+    with pytest.raises(ValueError, match="prompt_ids must lie in"):
+        prefill(module, params, config, [[1, V]])
+
+
+def test_bad_model_config_cache_and_options():
+    module, config, params = setup("decoder-gqa")
+    with pytest.raises(ValueError, match="model must be one of"):
+        prefill("llama2", params, config, [1, 2])
+    with pytest.raises(ValueError, match="has no KV-cache decoding"):
+        prefill(np, params, config, [1, 2])
+    with pytest.raises(TypeError, match="needs a GPTConfig"):
+        prefill(gpt, params, config, [1, 2])
+    with pytest.raises(ValueError, match="mla_path"):
+        prefill(module, params, config, [1, 2], mla_path="fused")
+    with pytest.raises(ValueError, match="missing"):
+        prefill(module, {k: v for k, v in params.items() if k != "lm_head"}, config, [1, 2])
+    _, mla_config, mla_params = setup("mla")
+    _, latent = prefill(mla, mla_params, mla_config, [[1, 2]])
+    with pytest.raises(TypeError, match="decodes with a KVCache"):
+        decode_step(module, params, config, latent, [1])
+    _, cache = prefill(module, params, config, [[1, 2]])
+    params32 = {k: v.astype(np.float32) for k, v in params.items()}
+    with pytest.raises(TypeError, match="the cache is float64 but params are float32"):
+        decode_step(module, params32, config, cache, [1])
+    other = dataclasses.replace(config, n_kv_heads=4)
+    with pytest.raises(ValueError, match="do not fit the config"):
+        decode_step(module, module.init_params(other), other, cache, [1])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_naive(module, params, config, [[1]], 0)
+    with pytest.raises(ValueError, match="temperature"):
+        generate_cached(module, params, config, [[1]], 2, temperature=0.0)
+    assert isinstance(cache, KVCache)
