@@ -270,12 +270,18 @@ ext_modules = [
         depends=_rel("csrc/*.h"),
         include_dirs=["csrc"],
         cxx_std=17,
+        # -std=c++17 turns GCC's contraction of a*b + c into one fused multiply-add off; the
+        # kernels' inner loops are built of such sums. -fno-trapping-math lets GCC turn a
+        # floating-point 'x < a ? a : x' inside a loop into a vector select (nothing here reads the
+        # floating-point exception flags); without it the 2^x loops stay scalar. -fopenmp-simd
+        # honours '#pragma omp simd' (reductions the vectoriser may reorder) even without OpenMP.
+        extra_compile_args=["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd"],
     ),
     # Configured at build time (toolkit, flags), and dropped there if CUDA is unavailable.
     Pybind11Extension(
         CUDA_EXT,
         sources=_rel("csrc/cuda/*.cpp"),
-        depends=_rel("csrc/cuda/*.h") + CU_SOURCES,
+        depends=_rel("csrc/cuda/*.h") + _rel("csrc/cuda/*.cuh") + CU_SOURCES,
         include_dirs=["csrc/cuda"],
         cxx_std=17,
     ),

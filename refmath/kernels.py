@@ -11,10 +11,11 @@ tests hold them to it.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
-from refmath._validate import check_ndim, float_array
+from refmath._validate import check_axis, check_ndim, check_same_shape, float_array
 
 try:
     from refmath import _C
@@ -145,3 +146,427 @@ def _softmax_rows_cuda(x):
             cp.cuda.get_current_stream().ptr,
         )
     return out
+
+
+# ---- attention and decode (catalogue F1-F5, A10, A12, K10) ----
+#
+# One set of checks serves both kinds of array; only the dtypes differ. The CPU kernels take float32
+# (and accumulate in float32); on a GPU the arrays may be float32, float16 or bfloat16, as each CUDA
+# version supports. Arrays that are not C-contiguous (slices, transposes, other byte orders) are
+# copied into C order, not rejected: the kernels index raw buffers. Lengths and page tables are
+# checked on the host (a small copy for GPU arrays), so that no id a kernel reads is out of range.
+
+_GPU_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = None,
+                            scale: float | None = None, version: str | None = None):
+    r"""Exact attention by tiles with an online softmax (catalogue F1-F5, A10, A12): ``(o, lse)``.
+
+    .. math::
+        o = \operatorname{softmax}(\tau\, q k^\top + M)\, v,\qquad
+        \mathrm{lse}_i = \log \sum_j e^{\tau\, q_i \cdot k_j + M_{ij}}
+
+    ``q`` is ``(B, H, T_q, D)``, ``k`` and ``v`` are ``(B, G, T_k, D)`` with ``G`` dividing ``H``
+    (query head ``r`` reads key/value head ``r // (H // G)``). Queries are aligned to the end of the
+    keys: query ``i`` sits at key position ``p_i = i + T_k - T_q``. ``causal`` keeps keys
+    ``j <= p_i``; ``window = w`` keeps ``p_i - w + 1 <= j <= p_i`` (and implies causal). ``tau`` is
+    ``scale``, :math:`1/\sqrt{D}` by default. A row with no visible key gives ``o = 0`` and
+    ``lse = -inf``. The reference is :func:`refmath.flash.flash_attention_forward`.
+
+    NumPy arrays (float32) run on the CPU kernel; CuPy arrays on the CUDA kernel named by
+    ``version`` (see :func:`flash_versions`; ``None`` picks the default). ``version`` is ignored on
+    the CPU. Returns ``o`` like ``q`` and ``lse`` ``(B, H, T_q)`` float32, as the same kind of array.
+    """
+    gpu = _on_gpu(q=q, k=k, v=v)
+    q, k, v = _float_inputs(gpu, q=q, k=k, v=v)
+    _check_attention_shapes(q, k, v)
+    causal, window, scale = _attention_options(causal, window, scale, q.shape[-1])
+    if version is not None and not isinstance(version, str):
+        raise TypeError(f"version must be a version name such as 'v2' or None, got {version!r}")
+    if gpu:
+        return _cuda_flash_forward(q, k, v, causal, window, scale, version)
+    return _cpu().flash_forward(q, k, v, causal, window or 0, scale)
+
+
+def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: int | None = None,
+                             scale: float | None = None):
+    r"""Gradients of :func:`flash_attention_forward`, FlashAttention-2 style: ``(dq, dk, dv)``
+    (catalogue F4, A8).
+
+    With :math:`P = e^{\tau q k^\top + M - \mathrm{lse}}` recomputed tile by tile from the saved
+    logsumexp and :math:`\delta_i = dO_i \cdot O_i`:
+
+    .. math::
+        dV = P^\top dO,\quad dS = P \odot (dO\, V^\top - \delta),\quad
+        dQ = \tau\, dS\, K,\quad dK = \tau\, dS^\top Q
+
+    with each key/value head receiving the sum over the query heads that read it (GQA). ``do`` and
+    ``o`` are ``(B, H, T_q, D)``, ``lse`` ``(B, H, T_q)`` (float32 also for half-precision GPU
+    inputs), the rest and the options as given to the forward. The reference is
+    :func:`refmath.flash.flash_attention_backward`.
+    """
+    gpu = _on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    do, q, k, v, o = _float_inputs(gpu, do=do, q=q, k=k, v=v, o=o)
+    (lse,) = _float_inputs(gpu, float32_only=True, lse=lse)
+    _check_attention_shapes(q, k, v)
+    check_same_shape("q", q, "do", do)
+    check_same_shape("q", q, "o", o)
+    check_ndim("lse", lse, 3, "(B, H, T_q)")
+    if lse.shape != q.shape[:3]:
+        raise ValueError(f"lse must have shape (B, H, T_q) = {q.shape[:3]} from q.shape = {q.shape}, "
+                         f"got lse.shape = {lse.shape}")
+    causal, window, scale = _attention_options(causal, window, scale, q.shape[-1])
+    if gpu:
+        return _cuda_flash_backward(do, q, k, v, o, lse, causal, window, scale)
+    return _cpu().flash_backward(do, q, k, v, o, lse, causal, window or 0, scale)
+
+
+def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int | None = None):
+    r"""One decode step over contiguous caches: each sequence's query attends to its cached keys
+    (catalogue A10, F3).
+
+    .. math::
+        o_{b,r} = \operatorname{softmax}\big(\tau\, q_{b,r} K_{b,\pi(r)}[{:}L_b]^\top\big)\,
+        V_{b,\pi(r)}[{:}L_b]
+
+    ``q`` is ``(B, H, D)``, the caches ``(B, G, T_max, D)`` with ``G`` dividing ``H`` and ``pi``
+    the GQA head map; ``lengths`` holds ``B`` integers in ``[0, T_max]`` (a length of 0 gives
+    ``o = 0``). Slots past a sequence's length are never read, whatever they hold. ``splits`` cuts
+    each context into that many chunks reduced in parallel and merged by the online-softmax rule
+    (F3), so that one long sequence keeps every core busy; ``None`` chooses (on the CPU: enough
+    chunks for two per thread, none shorter than 512 keys). The CPU kernel uses at most as many
+    splits as the longest sequence has keys (pages, for :func:`paged_decode`), and at most 1024;
+    the result does not depend on the count beyond rounding. Returns ``(B, H, D)``.
+    The reference is :func:`refmath.attention.sdpa_forward` over each sequence's first ``L_b`` keys.
+    """
+    gpu = _on_gpu(q=q, k_cache=k_cache, v_cache=v_cache)
+    q, k_cache, v_cache = _float_inputs(gpu, q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_decode_query(q)
+    check_ndim("k_cache", k_cache, 4, "(B, G, T_max, D)")
+    check_same_shape("k_cache", k_cache, "v_cache", v_cache)
+    check_axis("k_cache", k_cache, 0, q.shape[0], f"the batch size B of q.shape = {q.shape}")
+    check_axis("k_cache", k_cache, 3, q.shape[2], f"the head width D of q.shape = {q.shape}")
+    _check_groups(q.shape[1], k_cache.shape[1], q, "k_cache", k_cache)
+    t_max = k_cache.shape[2]
+    lengths = _host_lengths(lengths, q.shape[0], t_max, f"T_max = {t_max} of k_cache.shape = {k_cache.shape}")
+    scale = _scale(scale, q.shape[-1])
+    splits = _splits(splits)
+    if gpu:
+        cp = _cupy()
+        with q.device:
+            return _cuda_decode(q, k_cache, v_cache, cp.asarray(lengths, dtype=cp.int32), scale, splits)
+    return _cpu().decode(q, k_cache, v_cache, lengths.astype(np.int64), scale, splits or 0)
+
+
+def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None = None,
+                 splits: int | None = None):
+    r"""One decode step over a paged cache (catalogue K10, A10, F3): :func:`decode` with each
+    sequence's keys and values found through its page table.
+
+    ``k_pages`` and ``v_pages`` are the pool of :class:`refmath.inference.paged.PagedKVCache`,
+    ``(n_pages, G, p, D)``; ``page_table`` is ``(B, max_pages)``, row ``b`` the physical pages of
+    sequence ``b`` in logical order, padded with -1 (``PagedKVCache.page_table_array`` makes it);
+    token ``j`` of sequence ``b`` is slot ``j % p`` of page ``page_table[b, j // p]``. Every entry a
+    length needs must lie in ``[0, n_pages)``; pages may be shared between sequences, and only the
+    filled slots of a page are read. ``q``, ``lengths``, ``scale``, ``splits`` and the result are as
+    in :func:`decode` (the splits cut the page list). The reference is
+    :func:`refmath.inference.paged.paged_decode`.
+    """
+    gpu = _on_gpu(q=q, k_pages=k_pages, v_pages=v_pages)
+    q, k_pages, v_pages = _float_inputs(gpu, q=q, k_pages=k_pages, v_pages=v_pages)
+    _check_decode_query(q)
+    check_ndim("k_pages", k_pages, 4, "(n_pages, G, page_size, D)")
+    check_same_shape("k_pages", k_pages, "v_pages", v_pages)
+    check_axis("k_pages", k_pages, 3, q.shape[2], f"the head width D of q.shape = {q.shape}")
+    _check_groups(q.shape[1], k_pages.shape[1], q, "k_pages", k_pages)
+    n_pages, page_size = k_pages.shape[0], k_pages.shape[2]
+    if page_size < 1:
+        raise ValueError(f"k_pages must have pages of at least one slot, got k_pages.shape = {k_pages.shape}")
+    if n_pages > np.iinfo(np.int32).max:
+        raise ValueError(f"the kernels address at most 2**31 - 1 pages, got {n_pages}")
+    table = _host_ints("page_table", page_table)
+    check_ndim("page_table", table, 2, "(B, max_pages)")
+    check_axis("page_table", table, 0, q.shape[0], f"the batch size B of q.shape = {q.shape}")
+    max_pages = table.shape[1]
+    lengths = _host_lengths(lengths, q.shape[0], max_pages * page_size,
+                            f"max_pages * page_size = {max_pages} * {page_size} of page_table.shape = "
+                            f"{table.shape} and k_pages.shape = {k_pages.shape}")
+    # The entries each length needs: logical pages 0 .. ceil(L / p) - 1 of its row.
+    needed = np.arange(max_pages)[None, :] < -(-lengths // page_size)[:, None]
+    bad = needed & ((table < 0) | (table >= n_pages))
+    if bad.any():
+        b, i = np.argwhere(bad)[0]
+        raise ValueError(
+            f"page_table[{b}, {i}] = {table[b, i]} is not a page id in [0, n_pages = {n_pages}), but "
+            f"sequence {b} of length {lengths[b]} reads it (page_table.shape = {table.shape})")
+    table = np.where(needed, table, -1).astype(np.int32)  # unneeded entries may hold anything
+    scale = _scale(scale, q.shape[-1])
+    splits = _splits(splits)
+    if gpu:
+        cp = _cupy()
+        with q.device:
+            return _cuda_paged_decode(q, k_pages, v_pages, cp.asarray(table), cp.asarray(lengths, dtype=cp.int32),
+                                      scale, splits)
+    return _cpu().paged_decode(q, k_pages, v_pages, table, lengths.astype(np.int64), scale, splits or 0)
+
+
+def flash_versions() -> tuple[str, ...]:
+    """The names of the CUDA FlashAttention versions built into ``refmath._cuda`` (for example
+    ``("v1", "v2", "v3")``); empty without the CUDA module. The CPU has one kernel and no versions."""
+    if _cuda is None:
+        return ()
+    return tuple(_cuda_flash_versions())  # defined with the CUDA dispatch below
+
+
+def _on_gpu(**arrays) -> bool:
+    """True for CuPy arrays, False for host arrays; a mixture is a TypeError naming both sides."""
+    on_gpu = {name: hasattr(x, "__cuda_array_interface__") for name, x in arrays.items()}
+    if len(set(on_gpu.values())) > 1:
+        gpu = [n for n, g in on_gpu.items() if g]
+        host = [n for n, g in on_gpu.items() if not g]
+        raise TypeError(f"{', '.join(gpu)} are GPU arrays but {', '.join(host)} are not: pass them "
+                        f"all as CuPy arrays or all as NumPy arrays")
+    return any(on_gpu.values())
+
+
+def _float_inputs(gpu: bool, float32_only: bool = False, **arrays):
+    """The arrays, checked for dtype and made C-contiguous, in the order given."""
+    if gpu:
+        cp = _cupy()
+        out = {n: cp.asarray(x) for n, x in arrays.items()}
+        allowed = ("float32",) if float32_only else _GPU_FLOAT_DTYPES
+        for n, x in out.items():
+            if str(x.dtype) not in allowed:
+                raise TypeError(f"{n} must be {' or '.join(allowed)} on the GPU, got dtype {x.dtype} "
+                                f"with shape {x.shape}")
+        if len({str(x.dtype) for x in out.values()}) > 1:
+            found = ", ".join(f"{n}: {x.dtype}" for n, x in out.items())
+            raise TypeError(f"{', '.join(out)} must share one dtype, got {found}")
+        with next(iter(out.values())).device:
+            return tuple(cp.ascontiguousarray(x) for x in out.values())
+    checked = []
+    for n, x in arrays.items():
+        x = float_array(n, x)
+        if x.dtype.type is not np.float32:  # by type, so that a byte-swapped float32 passes
+            raise TypeError(f"{n} must be float32 for the CPU kernels (they compute in float32), got "
+                            f"dtype {x.dtype} with shape {x.shape}; convert with .astype(np.float32)")
+        checked.append(np.require(x, np.float32, ["C_CONTIGUOUS", "ALIGNED"]))
+    return tuple(checked)
+
+
+def _check_groups(h: int, g: int, q, kv_name: str, kv) -> None:
+    if g == 0 or h % g:
+        raise ValueError(f"the key/value heads G = {g} ({kv_name}.shape = {kv.shape}) must divide the "
+                         f"query heads H = {h} (q.shape = {q.shape})")
+
+
+def _check_attention_shapes(q, k, v) -> None:
+    check_ndim("q", q, 4, "(B, H, T_q, D)")
+    check_ndim("k", k, 4, "(B, G, T_k, D)")
+    check_same_shape("k", k, "v", v)
+    check_axis("k", k, 0, q.shape[0], f"the batch size B of q.shape = {q.shape}")
+    check_axis("k", k, 3, q.shape[3], f"the head width D of q.shape = {q.shape}")
+    _check_groups(q.shape[1], k.shape[1], q, "k", k)
+
+
+def _check_decode_query(q) -> None:
+    check_ndim("q", q, 3, "(B, H, D)")
+
+
+def _scale(scale, d: int) -> float:
+    if d < 1:
+        raise ValueError(f"the head width D must be at least 1, got D = {d}")
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a number or None, got {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def _attention_options(causal, window, scale, d: int):
+    """``(causal, window, scale)`` checked: a window implies causal (A12); scale defaults to 1/sqrt(D)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise ValueError(f"window must be a positive integer or None, got {window!r}")
+        window = int(window)
+    return bool(causal) or window is not None, window, _scale(scale, d)
+
+
+def _splits(splits) -> int | None:
+    if splits is None:
+        return None
+    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1:
+        raise ValueError(f"splits must be a positive integer or None (automatic), got {splits!r}")
+    return int(splits)
+
+
+def _host_ints(name: str, x) -> np.ndarray:
+    """An integer array in host memory (GPU arrays are copied: they are small)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        x = _cupy().asnumpy(x)
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype} with shape {x.shape}")
+    return x
+
+
+def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:
+    lengths = _host_ints("lengths", lengths)
+    check_ndim("lengths", lengths, 1, "(B,)")
+    check_axis("lengths", lengths, 0, batch, "the batch size B of q")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > most):
+        b = int(np.argmax((lengths < 0) | (lengths > most)))
+        raise ValueError(f"lengths must lie in [0, {most}] ({why}), got lengths[{b}] = {lengths[b]}")
+    return lengths.astype(np.int64)
+
+
+# ---- CUDA dispatch for attention and decode ----
+# The public functions above validate every argument, then hand CuPy arrays to the helpers below.
+#
+# The kernels are in csrc/cuda/: the forward as a ladder of versions, each a file that says what it
+# changes and why it is faster (flash_v1.cu one thread per query row, flash_v2.cu K/V tiles shared
+# in shared memory, flash_v3.cu tensor cores), flash_backward.cu and paged_decode.cu (split-K plus
+# a merge kernel). Each helper allocates its outputs and workspace with CuPy on the inputs' device
+# and queues the kernels on CuPy's current stream; the launchers check the arguments again and a
+# refusal or a failed launch comes back as a RuntimeError.
+
+_FLASH_LADDER = ("v1", "v2", "v3")  # csrc/cuda/flash_<version>.cu, bound as flash_forward_<version>
+_CUDA_MAX_HEAD_DIM = 256  # v1, v2, the backward and decode: any D up to this
+_V3_HEAD_DIMS = (64, 128)  # the tensor-core kernel is compiled for these widths only
+_V3_DTYPES = ("float16", "bfloat16")  # mma.sync takes 16-bit inputs (fp32 accumulation)
+_DECODE_HEADS_PER_BLOCK = 8  # query heads of one GQA group that a decode block serves (paged_decode.cu)
+
+
+def _cuda_flash_versions() -> list[str]:
+    return [v for v in _FLASH_LADDER if hasattr(_cuda, f"flash_forward_{v}")]
+
+
+def _dtype_code(module, x) -> int:
+    return {"float32": module.FLOAT32, "float16": module.FLOAT16, "bfloat16": module.BFLOAT16}[str(x.dtype)]
+
+
+def _stream(cp) -> int:
+    return cp.cuda.get_current_stream().ptr
+
+
+def _cuda_version(version, q) -> str:
+    """The version to run: the one asked for, checked against what it supports, or the default
+    (v3 where it applies, else v2)."""
+    d, dtype = q.shape[-1], str(q.dtype)
+    if version is None:
+        return "v3" if dtype in _V3_DTYPES and d in _V3_HEAD_DIMS else "v2"
+    if version not in _FLASH_LADDER:
+        raise ValueError(f"version must be one of {', '.join(_FLASH_LADDER)} or None, got {version!r}")
+    if version == "v3":
+        if dtype not in _V3_DTYPES:
+            raise TypeError(f"version 'v3' (tensor cores) takes float16 or bfloat16 inputs, got dtype "
+                            f"{dtype} with q.shape = {q.shape}; use 'v1' or 'v2' for float32")
+        if d not in _V3_HEAD_DIMS:
+            raise ValueError(f"version 'v3' supports the head widths D = 64 and 128 only, got D = {d} "
+                             f"(q.shape = {q.shape}); use 'v1' or 'v2'")
+    elif d > _CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"the CUDA kernels support head widths up to D = {_CUDA_MAX_HEAD_DIM}, got "
+                         f"D = {d} (q.shape = {q.shape})")
+    return version
+
+
+def _aligned(x):
+    # v3 reads 16-byte vectors; a fresh CuPy allocation always qualifies, an offset view may not.
+    return x if x.data.ptr % 16 == 0 else x.copy()
+
+
+def _cuda_flash_forward(q, k, v, causal, window, scale, version):
+    cp, module = _cupy(), _gpu()
+    version = _cuda_version(version, q)
+    b, h, t_q, d = q.shape
+    g, t_k = k.shape[1], k.shape[2]
+    with q.device:
+        q, k, v = (_aligned(x) for x in (q, k, v))
+        o = cp.empty(q.shape, dtype=q.dtype)
+        lse = cp.empty((b, h, t_q), dtype=cp.float32)
+        getattr(module, f"flash_forward_{version}")(
+            q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, b, h, g, t_q, t_k, d,
+            bool(causal), window or 0, scale, _dtype_code(module, q), _stream(cp))
+    return o, lse
+
+
+def _cuda_flash_backward(do, q, k, v, o, lse, causal, window, scale):
+    """The backward kernels compute in float32: float16/bfloat16 inputs are converted to float32
+    first and the gradients converted back, so dq, dk, dv have the inputs' dtype."""
+    cp, module = _cupy(), _gpu()
+    d = q.shape[-1]
+    if d > _CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"the CUDA backward supports head widths up to D = {_CUDA_MAX_HEAD_DIM}, got "
+                         f"D = {d} (q.shape = {q.shape})")
+    dtype = q.dtype
+    b, h, t_q, _ = q.shape
+    g, t_k = k.shape[1], k.shape[2]
+    with q.device:
+        do, q, k, v, o = (cp.ascontiguousarray(x, dtype=cp.float32) for x in (do, q, k, v, o))
+        lse = cp.ascontiguousarray(lse, dtype=cp.float32)
+        dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+        delta = cp.empty((b, h, t_q), dtype=cp.float32)  # rowsum(dO * O), workspace
+        module.flash_backward(
+            do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, dq.data.ptr,
+            dk.data.ptr, dv.data.ptr, delta.data.ptr, b, h, g, t_q, t_k, d, bool(causal), window or 0,
+            scale, _stream(cp))
+        if dtype != cp.float32:
+            dq, dk, dv = (x.astype(dtype) for x in (dq, dk, dv))
+    return dq, dk, dv
+
+
+def _cuda_decode(q, k_cache, v_cache, lengths, scale, splits):
+    """A contiguous cache (B, G, T_max, D) is a paged pool whose page b, of T_max slots, holds
+    sequence b: decode is paged decode with the page table [[0], [1], ..., [B - 1]]."""
+    cp = _cupy()
+    b, t_max = k_cache.shape[0], k_cache.shape[2]
+    with q.device:
+        if t_max == 0:  # every length is 0: nothing to attend to
+            return cp.zeros(q.shape, dtype=q.dtype)
+        table = cp.arange(b, dtype=cp.int32).reshape(b, 1)
+    return _cuda_paged_decode(q, k_cache, v_cache, table, lengths, scale, splits)
+
+
+@functools.cache
+def _multiprocessors(device_id: int) -> int:
+    return int(_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _auto_splits(cp, batch: int, kv_heads: int, group: int, capacity: int) -> int:
+    """Enough split-K chunks to give each multiprocessor about four blocks, but none shorter than
+    256 tokens (where the merge would start to cost more than the parallelism buys)."""
+    blocks = batch * kv_heads * -(-group // _DECODE_HEADS_PER_BLOCK)
+    wanted = -(-4 * _multiprocessors(cp.cuda.Device().id) // max(blocks, 1))
+    return int(max(1, min(wanted, -(-capacity // 256), 64)))
+
+
+def _cuda_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, splits):
+    cp, module = _cupy(), _gpu()
+    b, h, d = q.shape
+    n_pages, g, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    if d > _CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"the CUDA decode supports head widths up to D = {_CUDA_MAX_HEAD_DIM}, got "
+                         f"D = {d} (q.shape = {q.shape})")
+    if max_pages * page_size > 2**30:
+        raise ValueError(f"the CUDA decode addresses at most 2**30 tokens per sequence, got "
+                         f"max_pages * page_size = {max_pages} * {page_size}")
+    with q.device:
+        if splits is None:
+            splits = _auto_splits(cp, b, g, h // g, max_pages * page_size)
+        if splits > module.MAX_DECODE_SPLITS:
+            raise ValueError(f"splits must be at most {module.MAX_DECODE_SPLITS} on the GPU, got {splits}")
+        table = cp.ascontiguousarray(page_table, dtype=cp.int32)
+        lengths = cp.ascontiguousarray(lengths, dtype=cp.int32)
+        o = cp.empty(q.shape, dtype=q.dtype)
+        partials = cp.empty((b, h, splits, d + 2), dtype=cp.float32)  # (m, l, u) of each split
+        module.paged_decode(
+            q.data.ptr, k_pages.data.ptr, v_pages.data.ptr, table.data.ptr, lengths.data.ptr,
+            partials.data.ptr, o.data.ptr, b, h, g, d, n_pages, page_size, max_pages, splits, scale,
+            _dtype_code(module, q), _stream(cp))
+    return o

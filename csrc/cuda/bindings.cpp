@@ -56,12 +56,136 @@ void softmax_rows(std::uintptr_t in_ptr, std::uintptr_t out_ptr, std::int64_t ro
     }
 }
 
+// ---- attention and decode ----
+//
+// The launchers check their arguments and return an error message ("" once queued); here that
+// message becomes a RuntimeError. Arrays arrive as device pointers, streams as cudaStream_t ints.
+
+void raise_if_failed(const std::string& error) {
+    if (!error.empty()) throw std::runtime_error("refmath._cuda." + error);
+}
+
+template <typename T>
+T* device_pointer(std::uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+refmath_cuda::AttentionProblem make_problem(std::int64_t batch, std::int64_t heads,
+                                            std::int64_t kv_heads, std::int64_t t_q,
+                                            std::int64_t t_k, std::int64_t dim, bool causal,
+                                            std::int64_t window, double scale, int dtype_code) {
+    refmath_cuda::AttentionProblem p;
+    p.batch = batch;
+    p.heads = heads;
+    p.kv_heads = kv_heads;
+    p.t_q = t_q;
+    p.t_k = t_k;
+    p.dim = dim;
+    p.causal = causal;
+    p.window = window;
+    p.scale = static_cast<float>(scale);
+    p.dtype = static_cast<refmath_cuda::DType>(dtype_code);
+    return p;
+}
+
+using ForwardLauncher = std::string (*)(const refmath_cuda::FlashForwardArgs&, cudaStream_t);
+
+void flash_forward(ForwardLauncher launcher, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
+                   std::uintptr_t o, std::uintptr_t lse, std::int64_t batch, std::int64_t heads,
+                   std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t dim,
+                   bool causal, std::int64_t window, double scale, int dtype_code,
+                   std::uintptr_t stream) {
+    refmath_cuda::FlashForwardArgs args;
+    args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code);
+    args.q = device_pointer<const void>(q);
+    args.k = device_pointer<const void>(k);
+    args.v = device_pointer<const void>(v);
+    args.o = device_pointer<void>(o);
+    args.lse = device_pointer<float>(lse);
+    std::string error;
+    {
+        py::gil_scoped_release release;
+        error = launcher(args, reinterpret_cast<cudaStream_t>(stream));
+    }
+    raise_if_failed(error);
+}
+
+void flash_backward(std::uintptr_t dout, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
+                    std::uintptr_t o, std::uintptr_t lse, std::uintptr_t dq, std::uintptr_t dk,
+                    std::uintptr_t dv, std::uintptr_t delta, std::int64_t batch, std::int64_t heads,
+                    std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t dim,
+                    bool causal, std::int64_t window, double scale, std::uintptr_t stream) {
+    refmath_cuda::FlashBackwardArgs args;
+    args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, dim, causal, window, scale,
+                                refmath_cuda::kFloat32);
+    args.dout = device_pointer<const float>(dout);
+    args.q = device_pointer<const float>(q);
+    args.k = device_pointer<const float>(k);
+    args.v = device_pointer<const float>(v);
+    args.o = device_pointer<const float>(o);
+    args.lse = device_pointer<const float>(lse);
+    args.dq = device_pointer<float>(dq);
+    args.dk = device_pointer<float>(dk);
+    args.dv = device_pointer<float>(dv);
+    args.delta = device_pointer<float>(delta);
+    std::string error;
+    {
+        py::gil_scoped_release release;
+        error = refmath_cuda::flash_backward(args, reinterpret_cast<cudaStream_t>(stream));
+    }
+    raise_if_failed(error);
+}
+
+void paged_decode(std::uintptr_t q, std::uintptr_t k_pages, std::uintptr_t v_pages,
+                  std::uintptr_t page_table, std::uintptr_t lengths, std::uintptr_t workspace,
+                  std::uintptr_t o, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                  std::int64_t dim, std::int64_t n_pages, std::int64_t page_size,
+                  std::int64_t max_pages, std::int64_t splits, double scale, int dtype_code,
+                  std::uintptr_t stream) {
+    refmath_cuda::DecodeArgs args;
+    args.batch = batch;
+    args.heads = heads;
+    args.kv_heads = kv_heads;
+    args.dim = dim;
+    args.n_pages = n_pages;
+    args.page_size = page_size;
+    args.max_pages = max_pages;
+    args.splits = splits;
+    args.scale = static_cast<float>(scale);
+    args.dtype = static_cast<refmath_cuda::DType>(dtype_code);
+    args.q = device_pointer<const void>(q);
+    args.k_pages = device_pointer<const void>(k_pages);
+    args.v_pages = device_pointer<const void>(v_pages);
+    args.page_table = device_pointer<const std::int32_t>(page_table);
+    args.lengths = device_pointer<const std::int32_t>(lengths);
+    args.workspace = device_pointer<float>(workspace);
+    args.o = device_pointer<void>(o);
+    std::string error;
+    {
+        py::gil_scoped_release release;
+        error = refmath_cuda::paged_decode(args, reinterpret_cast<cudaStream_t>(stream));
+    }
+    raise_if_failed(error);
+}
+
+// The keyword names of the forward bindings, shared by the three versions.
+template <typename F>
+void def_forward(py::module_& m, const char* name, F&& f, const char* doc) {
+    m.def(name, std::forward<F>(f), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+          py::arg("lse"), py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("t_q"),
+          py::arg("t_k"), py::arg("dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
+          py::arg("dtype_code"), py::arg("stream") = 0, doc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
     m.doc() = "refmath's CUDA kernels. Call them through refmath.kernels.";
     m.attr("FLOAT32") = static_cast<int>(refmath_cuda::kFloat32);
     m.attr("FLOAT64") = static_cast<int>(refmath_cuda::kFloat64);
+    m.attr("FLOAT16") = static_cast<int>(refmath_cuda::kFloat16);
+    m.attr("BFLOAT16") = static_cast<int>(refmath_cuda::kBFloat16);
+    m.attr("MAX_DECODE_SPLITS") = refmath_cuda::kMaxDecodeSplits;
     m.attr("runtime_version") = CUDART_VERSION;
     m.def("device_query", &device_query,
           "Return (device_count, status): (0, reason) when there is no driver or no GPU.");
@@ -72,4 +196,55 @@ PYBIND11_MODULE(_cuda, m) {
           "Row-wise softmax of a C-contiguous (rows, cols) device array into another one, queued "
           "on `stream` (a cudaStream_t as int; 0 is the legacy default stream). dtype_code: "
           "FLOAT32 or FLOAT64. Raises RuntimeError with CUDA's message if the launch fails.");
+
+    // FlashAttention forward, one binding per version of the ladder (csrc/cuda/flash_v*.cu).
+    const char* forward_doc =
+        "FlashAttention forward of C-contiguous device arrays q (B, H, T_q, D), k and v "
+        "(B, G, T_k, D) into o (like q) and lse (B, H, T_q, float32), queued on `stream`. "
+        "window = 0 means no window. Raises RuntimeError with the reason if the arguments are "
+        "refused or the launch fails.";
+    def_forward(m, "flash_forward_v1",
+                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
+                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t dim, bool causal,
+                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
+                    flash_forward(refmath_cuda::flash_forward_v1, q, k, v, o, lse, batch, heads,
+                                  kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code, stream);
+                },
+                forward_doc);
+    def_forward(m, "flash_forward_v2",
+                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
+                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t dim, bool causal,
+                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
+                    flash_forward(refmath_cuda::flash_forward_v2, q, k, v, o, lse, batch, heads,
+                                  kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code, stream);
+                },
+                forward_doc);
+    def_forward(m, "flash_forward_v3",
+                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
+                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t dim, bool causal,
+                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
+                    flash_forward(refmath_cuda::flash_forward_v3, q, k, v, o, lse, batch, heads,
+                                  kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code, stream);
+                },
+                forward_doc);
+
+    m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+          py::arg("delta"), py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("t_q"),
+          py::arg("t_k"), py::arg("dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
+          py::arg("stream") = 0,
+          "FlashAttention backward in float32 (all arrays float32, C-contiguous): dq, dk, dv from "
+          "dout, q, k, v, o and lse; delta is a (B, H, T_q) float32 workspace.");
+
+    m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("k_pages"), py::arg("v_pages"),
+          py::arg("page_table"), py::arg("lengths"), py::arg("workspace"), py::arg("o"),
+          py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
+          py::arg("n_pages"), py::arg("page_size"), py::arg("max_pages"), py::arg("splits"),
+          py::arg("scale"), py::arg("dtype_code"), py::arg("stream") = 0,
+          "Split-K decode of q (B, H, D) over pages (n_pages, G, page_size, D) through an int32 "
+          "page table (B, max_pages) and int32 lengths (B,), into o (B, H, D). workspace: float32 "
+          "(B, H, splits, D + 2).");
 }

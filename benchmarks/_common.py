@@ -1,0 +1,116 @@
+"""Helpers shared by the kernel benchmarks: timing, peak memory, threads, and a plain-text table."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run as a script from anywhere: make the checkout's refmath importable without installing it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def best_ms(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """The fastest of ``repeats`` timed calls, in milliseconds, after ``warmup`` untimed ones.
+
+    The minimum, not the mean: on a shared machine the noise only ever adds time."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1) -> dict:
+    """Like :func:`best_ms` for several peers, timed in turns (a, b, c, a, b, c, ...) so that a
+    burst of load elsewhere on the machine hits them all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: 1e3 * t for name, t in best.items()}
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _release_free_memory() -> None:
+    """Hand memory that earlier calls freed back to the system (glibc), so that this call's
+    allocations show up as resident-memory growth instead of reusing already resident pages."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_extra_bytes(fn) -> tuple[int | None, object]:
+    """``(bytes, result)``: how far the process's resident memory peaked above its level before the
+    call, measured by resetting the kernel's peak counter (Linux: /proc/self/clear_refs, VmHWM).
+    It counts every page the call touches for the first time, the result included (to a page's
+    precision); None where Linux's counters are missing or cannot be reset."""
+    _release_free_memory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current VmRSS
+    except OSError:
+        return None, fn()
+    before = _status_kib("VmRSS")
+    result = fn()
+    peak = _status_kib("VmHWM")
+    if before is None or peak is None:
+        return None, result
+    return max(0, peak - before) * 1024, result
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_table(headers: list[str], rows: list[list], title: str | None = None) -> None:
+    """A table with right-aligned columns; cells are printed with str()."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if title:
+        print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def machine_line(threads: int) -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{os.cpu_count()} CPUs, {threads} thread(s) for every peer, load average {load:.1f} "
+            f"(above the CPU count the figures are noisy)")
+
+
+def median(xs):
+    return statistics.median(xs)

@@ -1,0 +1,127 @@
+// FlashAttention forward, version 1: one thread per query row.
+//
+// The plainest kernel that never builds the T_q x T_k score matrix. Each thread owns one query
+// row: it holds q (pre-multiplied by the scale) and its output accumulator in registers and walks
+// the keys it may see one at a time, keeping the online-softmax state (m, l, u) of catalogue F3 with
+// a block of a single key:
+//
+//     s = q . k_j,   m' = max(m, s),   l' = e^{m - m'} l + e^{s - m'},   u' = e^{m - m'} u + e^{s - m'} v_j
+//
+// and at the end o = u / l, lse = m + log l (F1). Nothing is shared between threads, so there is
+// no shared memory and no synchronisation, which makes this the reference the later versions are
+// read against.
+//
+// Why it is slow: every thread reads every key and value row it sees from global memory, so a
+// K/V element is fetched once per query row that uses it (the 32 threads of a warp read the same
+// row at the same time, which the L1 cache turns into one transaction, but different warps fetch
+// it again); each key costs two exponentials; and for D = 128 the two register arrays (q and u,
+// 256 floats) exceed the register file, so part of them lives in (cached) local memory.
+// Version 2 stages K/V tiles in shared memory and shares them between a block of query rows.
+#include "attention_common.cuh"
+
+namespace refmath_cuda {
+namespace {
+
+constexpr int kThreadsV1 = 128;  // query rows per block
+
+template <typename T, int D_MAX>
+__global__ void __launch_bounds__(kThreadsV1)
+flash_v1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                T* __restrict__ o, float* __restrict__ lse, Band band, int heads, int group,
+                int dim, float scale) {
+    // Blocks are numbered (batch * heads + head) * row_blocks + row_block.
+    const int row_blocks = ceil_div(band.t_q, kThreadsV1);
+    const int bh = blockIdx.x / row_blocks;  // batch * heads + head
+    const int i = (blockIdx.x % row_blocks) * kThreadsV1 + threadIdx.x;
+    if (i >= band.t_q) return;  // no barrier in this kernel, so a thread may leave early
+    const int b = bh / heads, h = bh % heads;
+    const int kv_head = h / group;  // GQA: `group` query heads share one key/value head
+    const int kv_heads = heads / group;
+
+    const std::int64_t row = static_cast<std::int64_t>(bh) * band.t_q + i;
+    const T* q_row = q + row * dim;
+    const std::int64_t kv_offset = (static_cast<std::int64_t>(b) * kv_heads + kv_head) * band.t_k * dim;
+    const T* k_head = k + kv_offset;
+    const T* v_head = v + kv_offset;
+
+    // Loops over c < D_MAX are unrolled, so q_reg[c] and acc[c] are registers; c >= dim is skipped.
+    float q_reg[D_MAX], acc[D_MAX];
+#pragma unroll
+    for (int c = 0; c < D_MAX; ++c) {
+        q_reg[c] = c < dim ? to_float(q_row[c]) * scale : 0.0f;
+        acc[c] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+
+    for (int j = band.first_key(i); j < band.end_key(i); ++j) {
+        const T* k_row = k_head + static_cast<std::int64_t>(j) * dim;
+        const T* v_row = v_head + static_cast<std::int64_t>(j) * dim;
+        float s = 0.0f;
+#pragma unroll
+        for (int c = 0; c < D_MAX; ++c)
+            if (c < dim) s += q_reg[c] * to_float(k_row[c]);
+        // F3 with a one-key block: rescale what was summed against the old maximum.
+        const float m_new = fmaxf(m, s);
+        const float correction = expf(m - m_new);  // 0 on the first key, when m = -inf
+        const float p = expf(s - m_new);
+        l = l * correction + p;
+#pragma unroll
+        for (int c = 0; c < D_MAX; ++c)
+            if (c < dim) acc[c] = acc[c] * correction + p * to_float(v_row[c]);
+        m = m_new;
+    }
+
+    // F1. A row that saw no key keeps l = 0: its output is 0 and its logsumexp -inf.
+    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+    T* o_row = o + row * dim;
+#pragma unroll
+    for (int c = 0; c < D_MAX; ++c)
+        if (c < dim) o_row[c] = from_float<T>(acc[c] * inv_l);
+    lse[row] = l > 0.0f ? m + logf(l) : -INFINITY;
+}
+
+template <typename T, int D_MAX>
+std::string launch_v1(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t stream) {
+    const AttentionProblem& p = a.problem;
+    flash_v1_kernel<T, D_MAX><<<blocks, kThreadsV1, 0, stream>>>(
+        static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
+        static_cast<T*>(a.o), a.lse, band, static_cast<int>(p.heads),
+        static_cast<int>(p.heads / p.kv_heads), static_cast<int>(p.dim), p.scale);
+    return launch_status("flash_forward_v1");
+}
+
+template <typename T>
+std::string launch_v1_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
+    const std::int64_t d = a.problem.dim;
+    if (d <= 32) return launch_v1<T, 32>(a, band, blocks, s);
+    if (d <= 64) return launch_v1<T, 64>(a, band, blocks, s);
+    if (d <= 128) return launch_v1<T, 128>(a, band, blocks, s);
+    return launch_v1<T, 256>(a, band, blocks, s);
+}
+
+}  // namespace
+
+std::string flash_forward_v1(const FlashForwardArgs& a, cudaStream_t stream) {
+    const AttentionProblem& p = a.problem;
+    std::string error = check_problem(p, kMaxHeadDim);
+    if (!error.empty()) return "flash_forward_v1: " + error;
+    if (p.dtype != kFloat32 && p.dtype != kFloat16 && p.dtype != kBFloat16)
+        return std::string("flash_forward_v1: dtype must be float32, float16 or bfloat16, got ") +
+               dtype_name(p.dtype);
+    const std::int64_t rows = p.batch * p.heads * p.t_q;
+    if (rows == 0) return "";  // nothing to compute (a zero-sized grid is a launch error)
+    if (!a.q || !a.o || !a.lse || (p.t_k > 0 && (!a.k || !a.v)))
+        return "flash_forward_v1: a null pointer for a non-empty array";
+    const std::int64_t blocks = p.batch * p.heads * ceil_div(static_cast<int>(p.t_q), kThreadsV1);
+    error = check_grid(blocks, "flash_forward_v1");
+    if (!error.empty()) return error;
+    const Band band = make_band(p);
+    const int n = static_cast<int>(blocks);
+    switch (p.dtype) {
+        case kFloat32: return launch_v1_dim<float>(a, band, n, stream);
+        case kFloat16: return launch_v1_dim<__half>(a, band, n, stream);
+        default: return launch_v1_dim<__nv_bfloat16>(a, band, n, stream);
+    }
+}
+
+}  // namespace refmath_cuda

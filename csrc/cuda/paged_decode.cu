@@ -1,0 +1,296 @@
+// Decode attention over a paged KV cache, split-K (FlashDecoding), in two kernels.
+//
+// At decode time each sequence has ONE new query per head and a long context: there are too few
+// query rows to fill the GPU with one block per (sequence, head), and the work is reading the
+// cache, not arithmetic. So the context is also cut: the `splits` parts of a sequence's tokens go
+// to different blocks, each reduces its part to the partial softmax statistics (m, l, u) of its
+// keys (F2), and a second kernel merges the parts (F3):
+//
+//     M = max_s m_s,   L = sum_s e^{m_s - M} l_s,   o = sum_s e^{m_s - M} u_s / L
+//
+// Kernel 1, one block per (sequence b, key/value head g, chunk of up to 8 query heads, split s).
+// The block takes the query heads of g's GQA group (up to 8 of them), so every K/V element it
+// loads serves all of them. Its structure is flash_v2's with the group's query heads as the rows:
+// 32-key tiles staged in shared memory, lane j computes the scores of key j for the warp's rows,
+// warp shuffles reduce max and sum, lane c accumulates output columns c, c + 32, ...
+//
+// Paging: token j of sequence b lives in physical page page_table[b, j / page_size], slot
+// j % page_size, and the layout (n_pages, G, page_size, D) keeps the page_size x D keys of one
+// head in one contiguous run. The tile loader looks up the page once per key row and copies the
+// row with consecutive lanes on consecutive elements (coalesced). Only slots below the length are
+// read, so unused slots may hold anything (the tests fill them with NaN). A page id outside
+// [0, n_pages) or a length outside [0, max_pages * page_size] is never dereferenced: it turns the
+// sequence's output into NaN, so that a bad table shows up instead of reading stray memory.
+//
+// A contiguous cache (B, G, T_max, D) is the same layout with page_size = T_max and the page
+// table [[0], [1], ..., [B - 1]]. Splits are runs of consecutive tokens (multiples of the tile),
+// not of pages, so a contiguous cache splits as well as a paged one.
+#include "attention_common.cuh"
+
+namespace refmath_cuda {
+namespace {
+
+constexpr int kWarpsD = 4;
+constexpr int kThreadsD = kWarpsD * kWarpSize;
+constexpr int kRowsPerWarpD = 2;
+constexpr int kHeadsPerBlockD = kWarpsD * kRowsPerWarpD;  // 8 query heads per block
+constexpr int kBlockKD = kWarpSize;                       // 32 keys per tile
+
+template <typename T, int D_MAX>
+struct DecodeLayout {
+    static constexpr int kKStride = D_MAX + static_cast<int>(4 / sizeof(T));  // see flash_v2
+    static constexpr std::size_t kQBytes = sizeof(float) * kHeadsPerBlockD * D_MAX;
+    static constexpr std::size_t kKBytes = sizeof(T) * kBlockKD * kKStride;
+    static constexpr std::size_t kVBytes = sizeof(T) * kBlockKD * D_MAX;
+    static constexpr std::size_t kPBytes = sizeof(float) * kHeadsPerBlockD * kBlockKD;
+    static constexpr std::size_t kBytes = kQBytes + kKBytes + kVBytes + kPBytes;
+};
+
+struct PagedCache {
+    const std::int32_t* page_table;
+    const std::int32_t* lengths;
+    int n_pages, page_size, max_pages, kv_heads;
+};
+
+template <typename T, int D_MAX>
+__global__ void __launch_bounds__(kThreadsD)
+decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
+                    const T* __restrict__ v_pages, PagedCache cache, float* __restrict__ workspace,
+                    int heads, int group, int dim, int splits, int head_chunks, float scale) {
+    using L = DecodeLayout<T, D_MAX>;
+    constexpr int kCols = D_MAX / kWarpSize;
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* q_s = reinterpret_cast<float*>(smem);                                          // [8][D_MAX]
+    T* k_s = reinterpret_cast<T*>(smem + L::kQBytes);                                     // [32][kKStride]
+    T* v_s = reinterpret_cast<T*>(smem + L::kQBytes + L::kKBytes);                        // [32][D_MAX]
+    float* p_s = reinterpret_cast<float*>(smem + L::kQBytes + L::kKBytes + L::kVBytes);  // [8][32]
+    __shared__ int poisoned;
+
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    int rest = blockIdx.x;
+    const int split = rest % splits;
+    rest /= splits;
+    const int chunk = rest % head_chunks;
+    rest /= head_chunks;
+    const int g = rest % cache.kv_heads, b = rest / cache.kv_heads;
+    const int h0 = g * group + chunk * kHeadsPerBlockD;           // first query head of the block
+    const int n_rows = imin(kHeadsPerBlockD, group - chunk * kHeadsPerBlockD);
+
+    int length = cache.lengths[b];
+    const int capacity = cache.max_pages * cache.page_size;  // <= 2**30, checked by the launcher
+    if (threadIdx.x == 0) poisoned = length < 0 || length > capacity;
+    if (length < 0 || length > capacity) length = 0;
+    // This split's tokens [t0, t1): equal runs, rounded up to whole tiles.
+    const int run = ceil_div(ceil_div(length, splits), kBlockKD) * kBlockKD;
+    const int t0 = imin(split * run, length), t1 = imin(t0 + run, length);
+
+    const T* q_block = q + (static_cast<std::int64_t>(b) * heads + h0) * dim;
+    for (int idx = threadIdx.x; idx < kHeadsPerBlockD * D_MAX; idx += kThreadsD) {
+        const int r = idx / D_MAX, c = idx % D_MAX;
+        q_s[idx] = (r < n_rows && c < dim) ? to_float(q_block[r * dim + c]) * scale : 0.0f;
+    }
+
+    float m[kRowsPerWarpD], l[kRowsPerWarpD], acc[kRowsPerWarpD][kCols];
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
+        m[rr] = -INFINITY;
+        l[rr] = 0.0f;
+#pragma unroll
+        for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] = 0.0f;
+    }
+    const int row0 = warp * kRowsPerWarpD;
+
+    for (int j0 = t0; j0 < t1; j0 += kBlockKD) {
+        __syncthreads();  // the previous tile is no longer read (and q_s, poisoned are written)
+        // Warp w copies key rows w, w + 4, ...: one page-table lookup per row, the row's elements
+        // on consecutive lanes.
+        for (int r = warp; r < kBlockKD; r += kWarpsD) {
+            const int j = j0 + r;
+            const T* k_row = nullptr;
+            const T* v_row = nullptr;
+            bool bad_page = false;
+            if (j < t1) {
+                const int page = cache.page_table[static_cast<std::int64_t>(b) * cache.max_pages + j / cache.page_size];
+                if (page >= 0 && page < cache.n_pages) {
+                    const std::int64_t at =
+                        ((static_cast<std::int64_t>(page) * cache.kv_heads + g) * cache.page_size +
+                         j % cache.page_size) * dim;
+                    k_row = k_pages + at;
+                    v_row = v_pages + at;
+                } else {
+                    bad_page = true;
+                }
+            }
+            if (bad_page && lane == 0) atomicOr(&poisoned, 1);
+            for (int c = lane; c < D_MAX; c += kWarpSize) {
+                T kx = from_float<T>(0.0f), vx = kx;
+                if (k_row != nullptr && c < dim) {
+                    kx = k_row[c];
+                    vx = v_row[c];
+                }
+                k_s[r * L::kKStride + c] = kx;
+                v_s[r * D_MAX + c] = vx;
+            }
+        }
+        __syncthreads();
+
+        float s[kRowsPerWarpD];
+#pragma unroll
+        for (int rr = 0; rr < kRowsPerWarpD; ++rr) s[rr] = 0.0f;
+        const T* k_row = k_s + lane * L::kKStride;
+#pragma unroll 4
+        for (int c = 0; c < D_MAX; ++c) {
+            const float kc = to_float(k_row[c]);
+#pragma unroll
+            for (int rr = 0; rr < kRowsPerWarpD; ++rr) s[rr] += q_s[(row0 + rr) * D_MAX + c] * kc;
+        }
+
+        const int j = j0 + lane;
+#pragma unroll
+        for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
+            const float score = j < t1 ? s[rr] : -INFINITY;
+            const float m_new = fmaxf(m[rr], warp_max(score));
+            float p = 0.0f;
+            if (m_new != -INFINITY) {  // the same in every lane
+                const float correction = expf(m[rr] - m_new);
+                p = expf(score - m_new);
+                l[rr] = l[rr] * correction + warp_sum(p);
+#pragma unroll
+                for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] *= correction;
+                m[rr] = m_new;
+            }
+            p_s[(row0 + rr) * kBlockKD + lane] = p;
+        }
+        __syncwarp();
+
+        for (int jj = 0; jj < kBlockKD; ++jj) {
+            float vj[kCols];
+#pragma unroll
+            for (int cc = 0; cc < kCols; ++cc) vj[cc] = to_float(v_s[jj * D_MAX + lane + cc * kWarpSize]);
+#pragma unroll
+            for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
+                const float p = p_s[(row0 + rr) * kBlockKD + jj];
+#pragma unroll
+                for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] += p * vj[cc];
+            }
+        }
+    }
+    __syncthreads();  // `poisoned` is final
+    const bool bad = poisoned != 0;
+
+    // The partial state of this split, unnormalised: (m, l, u) for each of the block's heads.
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
+        const int row = row0 + rr;
+        if (row >= n_rows) continue;
+        float* part = workspace +
+                      ((static_cast<std::int64_t>(b) * heads + h0 + row) * splits + split) * (dim + 2);
+        if (lane == 0) {
+            part[0] = bad ? 0.0f : m[rr];
+            part[1] = bad ? NAN : l[rr];
+        }
+#pragma unroll
+        for (int cc = 0; cc < kCols; ++cc) {
+            const int c = lane + cc * kWarpSize;
+            if (c < dim) part[2 + c] = bad ? NAN : acc[rr][cc];
+        }
+    }
+}
+
+// Kernel 2: merge the splits of each (sequence, head) with F3; one warp per (b, h).
+template <typename T>
+__global__ void __launch_bounds__(kThreadsD)
+decode_merge_kernel(const float* __restrict__ workspace, T* __restrict__ o, std::int64_t rows,
+                    int dim, int splits) {
+    const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsD + threadIdx.x / kWarpSize;
+    if (row >= rows) return;  // whole warps leave; there is no block barrier
+    const int lane = threadIdx.x % kWarpSize;
+    const int width = dim + 2;
+    const float* parts = workspace + row * splits * width;
+
+    float big_m = -INFINITY;
+    for (int s = 0; s < splits; ++s) big_m = fmaxf(big_m, parts[s * width]);
+    // exp(m_s - M) for each split; 0 for all of them when no split saw a key (M = -inf).
+    auto weight = [&](int s) { return big_m == -INFINITY ? 0.0f : expf(parts[s * width] - big_m); };
+    float big_l = 0.0f;
+    for (int s = 0; s < splits; ++s) big_l += weight(s) * parts[s * width + 1];
+    for (int c = lane; c < dim; c += kWarpSize) {
+        float u = 0.0f;
+        for (int s = 0; s < splits; ++s) u += weight(s) * parts[s * width + 2 + c];
+        // An empty context gives 0; a poisoned one (L = NaN) gives NaN.
+        o[row * dim + c] = from_float<T>(big_l == 0.0f ? 0.0f : u / big_l);
+    }
+}
+
+template <typename T, int D_MAX>
+std::string launch_decode(const DecodeArgs& a, int head_chunks, cudaStream_t stream) {
+    auto* kernel = decode_split_kernel<T, D_MAX>;
+    const std::size_t bytes = DecodeLayout<T, D_MAX>::kBytes;
+    std::string error = allow_shared_memory(kernel, bytes, "paged_decode");
+    if (!error.empty()) return error;
+    const PagedCache cache{a.page_table, a.lengths, static_cast<int>(a.n_pages),
+                           static_cast<int>(a.page_size), static_cast<int>(a.max_pages),
+                           static_cast<int>(a.kv_heads)};
+    const std::int64_t blocks = a.batch * a.kv_heads * head_chunks * a.splits;
+    kernel<<<static_cast<int>(blocks), kThreadsD, bytes, stream>>>(
+        static_cast<const T*>(a.q), static_cast<const T*>(a.k_pages),
+        static_cast<const T*>(a.v_pages), cache, a.workspace, static_cast<int>(a.heads),
+        static_cast<int>(a.heads / a.kv_heads), static_cast<int>(a.dim), static_cast<int>(a.splits),
+        head_chunks, a.scale);
+    error = launch_status("paged_decode (splits)");
+    if (!error.empty()) return error;
+    const std::int64_t rows = a.batch * a.heads;
+    decode_merge_kernel<T><<<static_cast<int>((rows + kWarpsD - 1) / kWarpsD), kThreadsD, 0, stream>>>(
+        a.workspace, static_cast<T*>(a.o), rows, static_cast<int>(a.dim), static_cast<int>(a.splits));
+    return launch_status("paged_decode (merge)");
+}
+
+template <typename T>
+std::string launch_decode_dim(const DecodeArgs& a, int head_chunks, cudaStream_t s) {
+    if (a.dim <= 32) return launch_decode<T, 32>(a, head_chunks, s);
+    if (a.dim <= 64) return launch_decode<T, 64>(a, head_chunks, s);
+    if (a.dim <= 128) return launch_decode<T, 128>(a, head_chunks, s);
+    return launch_decode<T, 256>(a, head_chunks, s);
+}
+
+}  // namespace
+
+std::string paged_decode(const DecodeArgs& a, cudaStream_t stream) {
+    auto num = [](std::int64_t x) { return std::to_string(x); };
+    const std::string name = "paged_decode: ";
+    if (a.batch < 0 || a.heads < 0 || a.kv_heads < 0 || a.n_pages < 0 || a.max_pages < 0)
+        return name + "sizes must be non-negative, got B=" + num(a.batch) + " H=" + num(a.heads) +
+               " G=" + num(a.kv_heads) + " n_pages=" + num(a.n_pages) + " max_pages=" + num(a.max_pages);
+    if (a.heads > 0 && (a.kv_heads <= 0 || a.heads % a.kv_heads != 0))
+        return name + "the key/value heads G=" + num(a.kv_heads) + " must divide the query heads H=" +
+               num(a.heads);
+    if (a.dim < 1 || a.dim > kMaxHeadDim)
+        return name + "head width D=" + num(a.dim) + " is outside [1, " + num(kMaxHeadDim) + "]";
+    if (a.page_size < 1 || a.page_size > kMaxSequence)
+        return name + "page_size must be in [1, 2**30], got " + num(a.page_size);
+    if (a.max_pages > kMaxSequence / a.page_size || a.n_pages > INT_MAX)
+        return name + "max_pages * page_size = " + num(a.max_pages) + " * " + num(a.page_size) +
+               " must be at most 2**30 (and n_pages below 2**31)";
+    if (a.splits < 1 || a.splits > kMaxDecodeSplits)
+        return name + "splits must be in [1, " + num(kMaxDecodeSplits) + "], got " + num(a.splits);
+    if (!std::isfinite(a.scale)) return name + "scale must be finite";
+    if (a.dtype != kFloat32 && a.dtype != kFloat16 && a.dtype != kBFloat16)
+        return name + "dtype must be float32, float16 or bfloat16, got " + dtype_name(a.dtype);
+    const std::int64_t rows = a.batch * a.heads;
+    if (rows == 0) return "";
+    if (!a.q || !a.o || !a.lengths || !a.workspace || (a.max_pages > 0 && !a.page_table) ||
+        (a.n_pages > 0 && (!a.k_pages || !a.v_pages)))
+        return name + "a null pointer for a non-empty array";
+    const std::int64_t group = a.heads / a.kv_heads;
+    const int head_chunks = static_cast<int>((group + kHeadsPerBlockD - 1) / kHeadsPerBlockD);
+    std::string error = check_grid(a.batch * a.kv_heads * head_chunks * a.splits, "paged_decode (splits)");
+    if (error.empty()) error = check_grid((rows + kWarpsD - 1) / kWarpsD, "paged_decode (merge)");
+    if (!error.empty()) return error;
+    switch (a.dtype) {
+        case kFloat32: return launch_decode_dim<float>(a, head_chunks, stream);
+        case kFloat16: return launch_decode_dim<__half>(a, head_chunks, stream);
+        default: return launch_decode_dim<__nv_bfloat16>(a, head_chunks, stream);
+    }
+}
+
+}  // namespace refmath_cuda

@@ -1,0 +1,353 @@
+// FlashAttention forward and backward on the CPU (catalogue F1-F5), float32 throughout.
+//
+// The NumPy version (refmath/flash.py) is the reading copy of the algorithm; this file is the same
+// loops over the same tiles, organised for speed:
+//
+// * Parallel work items are (batch, head, query tile) in the forward pass. Each runs the whole key
+//   loop for its 64 query rows, keeping the output rows and their (m, l) in a per-thread scratch
+//   block: nothing of size t_q x t_k, and O(t) extra memory in all (the logsumexp).
+// * Scores and weights are computed in base 2 (the scale multiplied by log2 e), so each weight is a
+//   2^x of tile::exp2_fast, a loop the compiler vectorises.
+// * Tile products read q, k, v in place: S = Q K^T by dot products of rows (tile::gemm_nt), then
+//   each tile's P V with P's entries broadcast against V's rows (tile::gemm_nn).
+// * Tiles that the causal mask or the window hides entirely are never visited; a tile cut by the
+//   mask's edge gets -inf outside each row's visible range [lo, hi).
+//
+// The backward pass follows FlashAttention-2 (F4): weights are recomputed from the saved logsumexp,
+// P = 2^(S log2 e - lse log2 e), and delta_i = dO_i . O_i replaces the row sums of P * dP. On a GPU
+// dQ is accumulated with atomic additions from every key tile; here it gets a pass of its own:
+//   pass 1, over (batch, key/value head, key tile): dV += P^T dO and dK += dS^T Q, summed over the
+//           query heads of the group (GQA) and the query tiles that see the key tile;
+//   pass 2, over (batch, head, query tile): dQ += dS K.
+// Each output element is then written by exactly one thread, the result does not depend on the
+// thread count, and no atomics are needed; the price is recomputing S and dP in pass 2 (7 tile
+// products per tile pair instead of 5).
+#include "flash_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "online_softmax.h"
+#include "tile_math.h"
+
+namespace refmath {
+
+namespace {
+
+using tile::idx;
+
+constexpr idx kBlockQ = 64;  // query rows per tile
+constexpr idx kBlockK = 64;  // keys per tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Which (query, key) pairs are visible: query i sits at key position i + offset; it sees keys
+// [key_lo(i), key_hi(i)) (before clipping to [0, t_k)).
+struct Band {
+    idx t_q, t_k, offset, window;  // window 0 = none
+    bool causal;
+
+    idx key_lo(idx i) const { return window > 0 ? i + offset - window + 1 : 0; }
+    idx key_hi(idx i) const { return causal ? i + offset + 1 : t_k; }
+
+    // The keys [lo, hi) seen by at least one query of [i0, i1): each query's interval has both ends
+    // growing with i, so the union runs from the first query's lower end to the last one's upper.
+    void keys_of(idx i0, idx i1, idx& lo, idx& hi) const {
+        lo = std::max<idx>(0, key_lo(i0));
+        hi = std::min(t_k, key_hi(i1 - 1));
+        hi = std::max(lo, hi);
+    }
+
+    // The queries [lo, hi) that see at least one key of [j0, j1): key j is seen by the queries with
+    // j <= i + offset <= j + window - 1.
+    void queries_of(idx j0, idx j1, idx& lo, idx& hi) const {
+        lo = causal ? std::max<idx>(0, j0 - offset) : 0;
+        hi = window > 0 ? std::min(t_q, j1 - 1 + window - offset) : t_q;
+        hi = std::max(lo, hi);
+    }
+};
+
+Band make_band(const AttentionShape& s) {
+    // A window longer than t_q + t_k hides nothing that causality does not; capping it keeps the
+    // index arithmetic far from overflow whatever window Python passes.
+    const idx window = std::min<idx>(s.window, s.t_q + s.t_k + 1);
+    return Band{s.t_q, s.t_k, s.t_k - s.t_q, window, s.causal || s.window > 0};
+}
+
+// The part [a, b) of [j0, j0 + n) that query i sees, as offsets from j0 (a == b when none).
+inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b) {
+    a = std::clamp<idx>(band.key_lo(i) - j0, 0, n);
+    b = std::clamp<idx>(band.key_hi(i) - j0, 0, n);
+    b = std::max(a, b);
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+
+REFMATH_MULTIVERSION
+void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
+                  const float* k, const float* v, float* o, float* lse, float* work) {
+    const idx D = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
+    const idx rows = std::min(kBlockQ, s.t_q - i0);
+    const idx qrow0 = (b * s.heads + h) * s.t_q + i0;  // first row of this tile in (B*H*t_q, D)
+    const float* qt = q + qrow0 * D;
+    const float* kh = k + (b * s.kv_heads + g) * s.t_k * D;
+    const float* vh = v + (b * s.kv_heads + g) * s.t_k * D;
+    const float c = s.scale * tile::kLog2e;
+
+    float* S = work;                   // kBlockQ x kBlockK scores, then weights
+    float* U = S + kBlockQ * kBlockK;  // rows x D unnormalised output
+    float* PV = U + kBlockQ * D;       // rows x D: this tile's P V
+    float* m = PV + kBlockQ * D;       // running maxima (base 2)
+    float* l = m + kBlockQ;            // running normalisers
+    float* alpha = l + kBlockQ;        // rescaling factors of the current tile
+    std::fill(m, m + rows, kNegInf);
+    std::fill(l, l + rows, 0.0f);
+    std::fill(U, U + rows * D, 0.0f);
+
+    idx lo, hi;
+    band.keys_of(i0, i0 + rows, lo, hi);
+    for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
+        const idx cols = std::min(kBlockK, hi - j0);
+        tile::gemm_nt(rows, cols, D, qt, D, kh + j0 * D, D, S, kBlockK);  // S = Q K^T
+        for (idx r = 0; r < rows; ++r) {  // scale to base 2; -inf outside the row's visible keys
+            idx a, e;
+            visible_range(band, i0 + r, j0, cols, a, e);
+            float* srow = S + r * kBlockK;
+#pragma omp simd
+            for (idx j = 0; j < cols; ++j) srow[j] = (j >= a && j < e) ? srow[j] * c : kNegInf;
+        }
+        online_softmax_fold(rows, cols, S, kBlockK, m, l, alpha);           // F2
+        tile::gemm_nn(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D);     // this tile's P V
+        online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);            // F3: U = alpha U + P V
+    }
+
+    for (idx r = 0; r < rows; ++r) {  // F1: o = u / l; lse = ln(2) (m + log2 l)
+        float* orow = o + (qrow0 + r) * D;
+        const float* urow = U + r * D;
+        if (l[r] > 0.0f) {
+            const float denom = l[r];
+#pragma omp simd
+            for (idx d = 0; d < D; ++d) orow[d] = urow[d] / denom;
+            lse[qrow0 + r] = (m[r] + std::log2(l[r])) * tile::kLn2;
+        } else {  // no visible key
+            std::fill(orow, orow + D, 0.0f);
+            lse[qrow0 + r] = kNegInf;
+        }
+    }
+}
+
+// ---- backward ------------------------------------------------------------------------------------
+
+// For a run of n queries starting at i0: lse2[r] = lse * log2(e), or +inf for a row that saw no key
+// (lse = -inf), so that 2^(s - lse2) is 0 there instead of 2^(-inf + inf) = NaN.
+inline void base2_lse(const float* lse, idx i0, idx n, float* lse2) {
+    for (idx r = 0; r < n; ++r) {
+        const float x = lse[i0 + r];
+        lse2[r] = x == kNegInf ? std::numeric_limits<float>::infinity() : x * tile::kLog2e;
+    }
+}
+
+// Pass 1: dK and dV of keys [j0, j0 + nk) of head g, from every query head of the group.
+// The tile products are transposed (keys are the rows): S^T = K Q^T, P^T, dP^T = V dO^T, so that
+// dV += P^T dO and dK += dS^T Q are plain 'nn' products into rows of dK and dV.
+REFMATH_MULTIVERSION
+void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
+                      const float* dout, const float* q, const float* k, const float* v,
+                      const float* lse, const float* delta, float* dk, float* dv, float* work) {
+    const idx D = s.head_dim, group = s.heads / s.kv_heads;
+    const idx nk = std::min(kBlockK, s.t_k - j0);
+    const idx krow0 = (b * s.kv_heads + g) * s.t_k + j0;
+    const float* kt = k + krow0 * D;
+    const float* vt = v + krow0 * D;
+    const float c = s.scale * tile::kLog2e;
+
+    float* Pt = work;                    // kBlockK x kBlockQ: S^T, then P^T
+    float* dSt = Pt + kBlockK * kBlockQ;  // kBlockK x kBlockQ: dP^T, then dS^T
+    float* dK = dSt + kBlockK * kBlockQ;  // nk x D
+    float* dV = dK + kBlockK * D;         // nk x D
+    float* T = dV + kBlockK * D;          // nk x D: one tile's product, then added to dK or dV
+    float* lse2 = T + kBlockK * D;        // kBlockQ
+    std::fill(dK, dK + nk * D, 0.0f);
+    std::fill(dV, dV + nk * D, 0.0f);
+
+    idx ilo, ihi;
+    band.queries_of(j0, j0 + nk, ilo, ihi);
+    for (idx r = 0; r < group; ++r) {
+        const idx hrow0 = (b * s.heads + g * group + r) * s.t_q;  // row 0 of query head h
+        const float* qh = q + hrow0 * D;
+        const float* doh = dout + hrow0 * D;
+        for (idx i0 = ilo; i0 < ihi; i0 += kBlockQ) {
+            const idx nq = std::min(kBlockQ, ihi - i0);
+            base2_lse(lse + hrow0, i0, nq, lse2);
+            tile::gemm_nt(nk, nq, D, kt, D, qh + i0 * D, D, Pt, kBlockQ);  // S^T = K Q^T
+            for (idx jr = 0; jr < nk; ++jr) {  // P^T = 2^(c S^T - lse2) on the visible pairs
+                idx a, e;
+                band.queries_of(j0 + jr, j0 + jr + 1, a, e);
+                a = std::clamp<idx>(a - i0, 0, nq);
+                e = std::clamp<idx>(e - i0, a, nq);
+                float* prow = Pt + jr * kBlockQ;
+#pragma omp simd
+                for (idx ir = 0; ir < nq; ++ir)
+                    prow[ir] = (ir >= a && ir < e) ? tile::exp2_fast(prow[ir] * c - lse2[ir]) : 0.0f;
+            }
+            tile::gemm_nn(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D);  // dV += P^T dO
+            tile::add_block(nk, D, T, D, dV, D);
+            tile::gemm_nt(nk, nq, D, vt, D, doh + i0 * D, D, dSt, kBlockQ);     // dP^T = V dO^T
+            const float* dl = delta + hrow0 + i0;
+            for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta)
+                float* srow = dSt + jr * kBlockQ;
+                const float* prow = Pt + jr * kBlockQ;
+#pragma omp simd
+                for (idx ir = 0; ir < nq; ++ir) srow[ir] = prow[ir] * (srow[ir] - dl[ir]);
+            }
+            tile::gemm_nn(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D);  // dK += dS^T Q
+            tile::add_block(nk, D, T, D, dK, D);
+        }
+    }
+    for (idx jr = 0; jr < nk; ++jr) {
+        float* dkrow = dk + (krow0 + jr) * D;
+        float* dvrow = dv + (krow0 + jr) * D;
+#pragma omp simd
+        for (idx d = 0; d < D; ++d) {
+            dkrow[d] = dK[jr * D + d] * s.scale;
+            dvrow[d] = dV[jr * D + d];
+        }
+    }
+}
+
+// Pass 2: dQ of query rows [i0, i0 + nq) of head h.
+REFMATH_MULTIVERSION
+void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
+                     const float* dout, const float* q, const float* k, const float* v,
+                     const float* lse, const float* delta, float* dq, float* work) {
+    const idx D = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
+    const idx nq = std::min(kBlockQ, s.t_q - i0);
+    const idx qrow0 = (b * s.heads + h) * s.t_q + i0;
+    const float* qt = q + qrow0 * D;
+    const float* dot = dout + qrow0 * D;
+    const float* kh = k + (b * s.kv_heads + g) * s.t_k * D;
+    const float* vh = v + (b * s.kv_heads + g) * s.t_k * D;
+    const float c = s.scale * tile::kLog2e;
+
+    float* P = work;                   // kBlockQ x kBlockK
+    float* dS = P + kBlockQ * kBlockK;  // kBlockQ x kBlockK: dP, then dS
+    float* dQ = dS + kBlockQ * kBlockK;  // nq x D
+    float* T = dQ + kBlockQ * D;        // nq x D: one tile's dS K
+    float* lse2 = T + kBlockQ * D;      // kBlockQ
+    std::fill(dQ, dQ + nq * D, 0.0f);
+    base2_lse(lse + qrow0, 0, nq, lse2);
+    const float* dl = delta + qrow0;
+
+    idx lo, hi;
+    band.keys_of(i0, i0 + nq, lo, hi);
+    for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
+        const idx nk = std::min(kBlockK, hi - j0);
+        tile::gemm_nt(nq, nk, D, qt, D, kh + j0 * D, D, P, kBlockK);   // S = Q K^T
+        tile::gemm_nt(nq, nk, D, dot, D, vh + j0 * D, D, dS, kBlockK);  // dP = dO V^T
+        for (idx r = 0; r < nq; ++r) {
+            idx a, e;
+            visible_range(band, i0 + r, j0, nk, a, e);
+            float* prow = P + r * kBlockK;
+            float* srow = dS + r * kBlockK;
+            const float row_lse2 = lse2[r], row_delta = dl[r];
+#pragma omp simd
+            for (idx j = 0; j < nk; ++j) {
+                const float p = (j >= a && j < e) ? tile::exp2_fast(prow[j] * c - row_lse2) : 0.0f;
+                srow[j] = p * (srow[j] - row_delta);  // dS = P (dP - delta)
+            }
+        }
+        tile::gemm_nn(nq, D, nk, dS, kBlockK, kh + j0 * D, D, T, D);  // dQ += dS K
+        tile::add_block(nq, D, T, D, dQ, D);
+    }
+    for (idx r = 0; r < nq; ++r) {
+        float* dqrow = dq + (qrow0 + r) * D;
+#pragma omp simd
+        for (idx d = 0; d < D; ++d) dqrow[d] = dQ[r * D + d] * s.scale;
+    }
+}
+
+// delta_i = dO_i . O_i for every row (B*H*t_q of them): a small share of the work, left at the
+// baseline instruction set.
+void row_dots(idx rows, idx D, const float* dout, const float* o, float* delta) {
+#pragma omp parallel for schedule(static) if (rows * D >= 32768)
+    for (idx i = 0; i < rows; ++i) delta[i] = tile::dot(D, dout + i * D, o + i * D);
+}
+
+idx ceil_div(idx a, idx b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+void check_attention_shape(const AttentionShape& s) {
+    auto fail = [](const std::string& what) { throw std::invalid_argument("attention: " + what); };
+    if (s.batch < 0 || s.heads < 0 || s.t_q < 0 || s.t_k < 0) fail("negative size");
+    if (s.kv_heads < 1 || s.heads % s.kv_heads != 0)
+        fail("kv_heads = " + std::to_string(s.kv_heads) + " must be >= 1 and divide heads = " +
+             std::to_string(s.heads));
+    if (s.head_dim < 1) fail("head_dim must be >= 1, got " + std::to_string(s.head_dim));
+    if (s.window < 0) fail("window must be >= 0 (0 = no window), got " + std::to_string(s.window));
+    if (!std::isfinite(s.scale)) fail("scale must be finite");
+}
+
+void flash_forward_cpu(const AttentionShape& shape, const float* q, const float* k, const float* v,
+                       float* o, float* lse) {
+    check_attention_shape(shape);
+    const Band band = make_band(shape);
+    const idx n_tiles = ceil_div(shape.t_q, kBlockQ), bh = shape.batch * shape.heads;
+    const idx n_tasks = n_tiles * bh;
+    const int threads = tile::max_threads();
+    const idx per_thread =
+        tile::padded_floats(kBlockQ * kBlockK + 2 * kBlockQ * shape.head_dim + 3 * kBlockQ);
+    // Allocated before the parallel region, so that nothing inside it can throw.
+    std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
+    float* w = work.data();
+    // Dynamic scheduling, with the last query tiles first: under a causal mask they see the most keys,
+    // and starting the big items first leaves small ones to even out the threads at the end.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (idx t = 0; t < n_tasks; ++t) {
+        const idx tile_index = n_tiles - 1 - t / bh, bh_index = t % bh;
+        forward_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads, tile_index * kBlockQ,
+                     q, k, v, o, lse, w + tile::thread_id() * per_thread);
+    }
+}
+
+void flash_backward_cpu(const AttentionShape& shape, const float* dout, const float* q,
+                        const float* k, const float* v, const float* o, const float* lse, float* dq,
+                        float* dk, float* dv) {
+    check_attention_shape(shape);
+    const Band band = make_band(shape);
+    const idx D = shape.head_dim, bh = shape.batch * shape.heads, bg = shape.batch * shape.kv_heads;
+    std::vector<float> delta(static_cast<std::size_t>(bh * shape.t_q));  // the O(t) extra memory
+    row_dots(bh * shape.t_q, D, dout, o, delta.data());
+
+    const int threads = tile::max_threads();
+    const idx per_thread = tile::padded_floats(2 * kBlockQ * kBlockK + 3 * std::max(kBlockQ, kBlockK) * D +
+                                               std::max(kBlockQ, kBlockK));
+    std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
+    float* w = work.data();
+    const float* dl = delta.data();
+
+    // Pass 1: key tiles in increasing order, since under a causal mask the first ones are seen by
+    // the most queries.
+    const idx n_key_tiles = ceil_div(shape.t_k, kBlockK);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (idx t = 0; t < n_key_tiles * bg; ++t) {
+        const idx tile_index = t / bg, bg_index = t % bg;
+        backward_kv_tile(shape, band, bg_index / shape.kv_heads, bg_index % shape.kv_heads,
+                         tile_index * kBlockK, dout, q, k, v, lse, dl, dk, dv,
+                         w + tile::thread_id() * per_thread);
+    }
+    // Pass 2: query tiles, the last (busiest) first as in the forward pass.
+    const idx n_query_tiles = ceil_div(shape.t_q, kBlockQ);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (idx t = 0; t < n_query_tiles * bh; ++t) {
+        const idx tile_index = n_query_tiles - 1 - t / bh, bh_index = t % bh;
+        backward_q_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads,
+                        tile_index * kBlockQ, dout, q, k, v, lse, dl, dq,
+                        w + tile::thread_id() * per_thread);
+    }
+}
+
+}  // namespace refmath

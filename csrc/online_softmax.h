@@ -1,0 +1,62 @@
+// The online softmax on a tile of scores (catalogue F2, F3), shared by the attention and decode
+// kernels.
+//
+// Each row keeps a running maximum m, a running normaliser l and an unnormalised output row u; a new
+// tile of scores s_1..s_n (with its value rows) is folded in as
+//
+//     m' = max(m, max_j s_j),  alpha = 2^(m - m'),  p_j = 2^(s_j - m'),
+//     l' = alpha l + sum_j p_j,  u' = alpha u + sum_j p_j v_j,
+//
+// in base 2 (the scores arrive multiplied by scale * log2(e)). The factor alpha <= 1 rescales what
+// was summed against the old maximum, so no exponential ever exceeds 1. The caller computes the
+// tile's own sum_j p_j v_j (tile::gemm_nn on the weights left in S) and merges it with
+// online_softmax_merge_rows.
+#pragma once
+
+#include <limits>
+
+#include "tile_math.h"
+
+namespace refmath {
+
+// S: rows x cols scores (row stride lds), -inf where hidden. On return S holds the weights p, each
+// row's (m, l) is updated, and alpha[r] holds the factor for the row's old u. A row whose scores and
+// running maximum are all -inf has seen no key yet: its weights are set to 0 and its state stays
+// empty (m = -inf, l = 0; alpha = 0 keeps u = 0).
+REFMATH_INLINE void online_softmax_fold(tile::idx rows, tile::idx cols, float* S, tile::idx lds,
+                                        float* m, float* l, float* alpha) {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    for (tile::idx r = 0; r < rows; ++r) {
+        float* s = S + r * lds;
+        float tile_max = kNegInf;
+#pragma omp simd reduction(max : tile_max)
+        for (tile::idx j = 0; j < cols; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
+        const float m_new = tile_max > m[r] ? tile_max : m[r];
+        if (m_new == kNegInf) {
+            for (tile::idx j = 0; j < cols; ++j) s[j] = 0.0f;
+            alpha[r] = 0.0f;
+            continue;
+        }
+        alpha[r] = tile::exp2_fast(m[r] - m_new);  // 0 when m = -inf, exactly 1 when m = m'
+#pragma omp simd
+        for (tile::idx j = 0; j < cols; ++j) s[j] = tile::exp2_fast(s[j] - m_new);
+        const float sum = tile::sum(cols, s);
+        l[r] = alpha[r] * l[r] + sum;
+        m[r] = m_new;
+    }
+}
+
+// u' = alpha u + u_tile for each row (F3; the tile's weights already use the new maximum).
+REFMATH_INLINE void online_softmax_merge_rows(tile::idx rows, tile::idx width, const float* alpha,
+                                              float* U, tile::idx ldu, const float* T,
+                                              tile::idx ldt) {
+    for (tile::idx r = 0; r < rows; ++r) {
+        float* u = U + r * ldu;
+        const float* t = T + r * ldt;
+        const float a = alpha[r];
+#pragma omp simd
+        for (tile::idx d = 0; d < width; ++d) u[d] = a * u[d] + t[d];
+    }
+}
+
+}  // namespace refmath

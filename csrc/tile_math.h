@@ -1,0 +1,326 @@
+// Small dense building blocks shared by the CPU attention kernels: two matrix-product tiles, a
+// vectorisable 2^x, and the per-thread bookkeeping of an OpenMP region.
+//
+// Everything here is inline, so each kernel that includes it gets its own copy compiled for its own
+// instruction set (see REFMATH_MULTIVERSION): the helpers carry no target of their own.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// The default x86-64 target is SSE2, which has 4-lane vectors and no fused multiply-add, while
+// nearly every x86 CPU still in use has AVX2 and FMA (8 lanes, one instruction per a*b+c). GCC's
+// target_clones compiles a function twice, for x86-64-v3 (AVX2, FMA) and for the baseline, and
+// picks one when the module is loaded, so one portable wheel runs at full width where it can.
+// Other compilers and CPUs get the baseline code only.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    !defined(REFMATH_NO_MULTIVERSION)
+#define REFMATH_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define REFMATH_MULTIVERSION
+#endif
+
+// Forced inlining, so that a helper runs with the instruction set of the clone that calls it (an
+// out-of-line call would go to a baseline copy).
+#define REFMATH_INLINE inline __attribute__((always_inline))
+
+// Passing 32-byte vectors between functions compiled for different targets changes the ABI, and
+// GCC says so for every helper below; all of them are inlined, so no such call ever happens.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace refmath {
+namespace tile {
+
+using idx = std::ptrdiff_t;
+
+// Eight floats as one value (the GCC/Clang vector extension). The compiler maps each operation to
+// the widest instructions of the target: one AVX2 instruction, two SSE2 ones, two NEON ones. The
+// plain-loop versions of the products below are not vectorised well by GCC (it vectorises across
+// the wrong axis and spills the accumulators), which is why they are spelled out this way.
+typedef float f32x8 __attribute__((vector_size(32)));
+
+REFMATH_INLINE f32x8 load8(const float* p) {
+    f32x8 v;
+    std::memcpy(&v, p, sizeof v);  // unaligned load; memcpy is the portable way to say it
+    return v;
+}
+
+REFMATH_INLINE void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof v); }
+
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// The sum of the eight lanes: halves added as 4-lane vectors, then the last four in pairs.
+REFMATH_INLINE float sum8(const f32x8& v) {
+    const f32x4 lo = {v[0], v[1], v[2], v[3]}, hi = {v[4], v[5], v[6], v[7]};
+    const f32x4 s = lo + hi;
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// ---- C += A B: row-major A (M x K) and B (K x N) -------------------------------------------------
+//
+// The register tile is MR rows x 16 columns of C, held in 2*MR vector registers while k runs: each
+// step loads 16 numbers of B's row k, broadcasts one number of A per row, and does 2*MR fused
+// multiply-adds. With MR = 4 that is 8 independent accumulators, enough to hide the FMA latency.
+
+template <int MR, bool kAccumulate>
+REFMATH_INLINE void nn_tile16(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
+                              idx ldc) {
+    f32x8 acc[MR][2];
+    for (int r = 0; r < MR; ++r) {
+        const f32x8 zero = {0, 0, 0, 0, 0, 0, 0, 0};
+        acc[r][0] = kAccumulate ? load8(C + r * ldc) : zero;
+        acc[r][1] = kAccumulate ? load8(C + r * ldc + 8) : zero;
+    }
+    for (idx k = 0; k < K; ++k) {
+        const f32x8 b0 = load8(B + k * ldb), b1 = load8(B + k * ldb + 8);
+        for (int r = 0; r < MR; ++r) {
+            const float a = A[r * lda + k];
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+        }
+    }
+    for (int r = 0; r < MR; ++r) {
+        store8(C + r * ldc, acc[r][0]);
+        store8(C + r * ldc + 8, acc[r][1]);
+    }
+}
+
+// The last n < 16 columns: plain loops (the compiler vectorises what it can).
+template <int MR, bool kAccumulate>
+REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const float* B, idx ldb,
+                                   float* C, idx ldc) {
+    for (int r = 0; r < MR; ++r) {
+        if (!kAccumulate)
+            for (idx c = 0; c < n; ++c) C[r * ldc + c] = 0.0f;
+        for (idx k = 0; k < K; ++k) {
+            const float a = A[r * lda + k];
+            for (idx c = 0; c < n; ++c) C[r * ldc + c] += a * B[k * ldb + c];
+        }
+    }
+}
+
+template <int MR, bool kAccumulate>
+REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
+                            float* C, idx ldc) {
+    idx j = 0;
+    for (; j + 16 <= N; j += 16) nn_tile16<MR, kAccumulate>(K, A, lda, B + j, ldb, C + j, ldc);
+    if (j < N) nn_tile_narrow<MR, kAccumulate>(K, N - j, A, lda, B + j, ldb, C + j, ldc);
+}
+
+// C (M x N) = A (M x K) B (K x N), or C += A B with kAccumulate. Reads exactly those entries, any
+// M, N, K >= 0.
+template <bool kAccumulate>
+REFMATH_INLINE void gemm_nn_impl(idx M, idx N, idx K, const float* A, idx lda, const float* B,
+                                 idx ldb, float* C, idx ldc) {
+    idx i = 0;
+    for (; i + 4 <= M; i += 4) nn_rows<4, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    for (; i < M; ++i) nn_rows<1, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+}
+
+REFMATH_INLINE void gemm_nn(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
+                            float* C, idx ldc) {
+    gemm_nn_impl<false>(M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+REFMATH_INLINE void gemm_nn_acc(idx M, idx N, idx K, const float* A, idx lda, const float* B,
+                                idx ldb, float* C, idx ldc) {
+    gemm_nn_impl<true>(M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+// C += T for an M x N block (strides ldc, ldt). Used to add a tile's products into a running sum:
+// summing each tile on its own first and then adding it keeps the rounding error of a long sum
+// near (tile length + number of tiles) roundings instead of (total length).
+REFMATH_INLINE void add_block(idx M, idx N, const float* T, idx ldt, float* C, idx ldc) {
+    for (idx i = 0; i < M; ++i) {
+#pragma omp simd
+        for (idx j = 0; j < N; ++j) C[i * ldc + j] += T[i * ldt + j];
+    }
+}
+
+// ---- C = A B^T: row-major A (M x K) and B (N x K), i.e. dot products of rows ----------------------
+//
+// Attention's scores are q_i . k_j with both vectors stored as contiguous rows, so this form reads
+// K and V in place, with no transposed copy. The register tile is 8 dot products (2 rows of A
+// against 4 rows of B, or 1 against 8): 8 vector accumulators run along k, eight products at a time.
+// At the end each accumulator's 8 lanes must be added up; doing that for all 8 accumulators at
+// once, with 14 shuffles and 7 additions (sum_lanes_8x8), costs a third of adding them up one by
+// one, and that cost is paid once per K products.
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define REFMATH_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  // older GCC: the same selection, with the indices given as a vector
+typedef std::int32_t i32x8 __attribute__((vector_size(32)));
+#define REFMATH_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, i32x8{__VA_ARGS__})
+#endif
+
+// out[i] = the sum of the 8 lanes of v[i]. Pairs of accumulators are interleaved and added
+// (unpacklo/unpackhi), halving the lanes each holds, three times over; the last step swaps the
+// 128-bit halves. Every shuffle stays within what SSE2 and AVX2 do in one instruction.
+REFMATH_INLINE f32x8 sum_lanes_8x8(const f32x8 (&v)[8]) {
+    f32x8 h[4];
+    for (int i = 0; i < 4; ++i)  // h[i] lanes: v[2i], v[2i+1] alternating, each the sum of 2 lanes
+        h[i] = REFMATH_SHUFFLE8(v[2 * i], v[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+               REFMATH_SHUFFLE8(v[2 * i], v[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    f32x8 q[2];
+    for (int i = 0; i < 2; ++i)  // q[i] lanes: v[4i .. 4i+3] in each half, each the sum of 4 lanes
+        q[i] = REFMATH_SHUFFLE8(h[2 * i], h[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               REFMATH_SHUFFLE8(h[2 * i], h[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return REFMATH_SHUFFLE8(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           REFMATH_SHUFFLE8(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// 8 dot products: rows 0..MR-1 of A against rows 0..NR-1 of B (MR * NR = 8), into C[r, n].
+template <int MR, int NR>
+REFMATH_INLINE void nt_tile8(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
+                             idx ldc) {
+    static_assert(MR * NR == 8, "one accumulator per lane of the result");
+    f32x8 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = f32x8{0, 0, 0, 0, 0, 0, 0, 0};
+    idx k = 0;
+    for (; k + 8 <= K; k += 8) {
+        f32x8 b[NR];
+        for (int n = 0; n < NR; ++n) b[n] = load8(B + n * ldb + k);
+        for (int r = 0; r < MR; ++r) {
+            const f32x8 a = load8(A + r * lda + k);
+            for (int n = 0; n < NR; ++n) acc[r * NR + n] += a * b[n];
+        }
+    }
+    f32x8 sums = sum_lanes_8x8(acc);
+    if (k < K) {  // the K % 8 products left over, one by one
+        for (int r = 0; r < MR; ++r)
+            for (int n = 0; n < NR; ++n) {
+                float s = 0.0f;
+                for (idx kk = k; kk < K; ++kk) s += A[r * lda + kk] * B[n * ldb + kk];
+                sums[r * NR + n] += s;
+            }
+    }
+    for (int r = 0; r < MR; ++r)  // row r of C is lanes r*NR .. r*NR + NR - 1
+        std::memcpy(C + r * ldc, reinterpret_cast<const float*>(&sums) + r * NR, NR * sizeof(float));
+}
+
+// One dot product, for the columns that do not fill a tile.
+REFMATH_INLINE float dot(idx K, const float* a, const float* b) {
+    f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    idx k = 0;
+    for (; k + 8 <= K; k += 8) acc += load8(a + k) * load8(b + k);
+    float s = sum8(acc);
+    for (; k < K; ++k) s += a[k] * b[k];
+    return s;
+}
+
+// Ask for rows [j0, j1) of a row-major matrix (row stride ld, K floats used per row) to be brought
+// into the cache, one request per 64-byte line.
+REFMATH_INLINE void prefetch_rows(const float* B, idx ld, idx K, idx j0, idx j1) {
+    for (idx j = j0; j < j1; ++j)
+        for (idx k = 0; k < K; k += 16) __builtin_prefetch(B + j * ld + k);
+}
+
+// C (M x N) = A (M x K) B (N x K)^T. Reads exactly those entries, any M, N, K >= 0. The rows of B
+// (the keys) are the outer loop: each group of 4 is read once, front to back, and used for every row
+// of A (the queries) while it is in the L1 cache. A decode step streams its keys from memory this
+// way, and each group is only a few short runs of addresses, too short for the hardware prefetcher
+// to pick up; so the rows kPrefetchRows ahead are requested explicitly (within B: no address outside
+// the matrix is formed).
+constexpr idx kPrefetchRows = 8;
+
+REFMATH_INLINE void gemm_nt(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
+                            float* C, idx ldc) {
+    prefetch_rows(B, ldb, K, 0, N < kPrefetchRows ? N : kPrefetchRows);
+    idx j = 0;
+    if (M == 1) {  // one row of A: tiles of 1 x 8
+        for (; j + 8 <= N; j += 8) {
+            if (j + kPrefetchRows + 8 <= N) prefetch_rows(B, ldb, K, j + kPrefetchRows, j + kPrefetchRows + 8);
+            nt_tile8<1, 8>(K, A, lda, B + j * ldb, ldb, C + j, ldc);
+        }
+        for (; j < N; ++j) C[j] = dot(K, A, B + j * ldb);
+        return;
+    }
+    for (; j + 4 <= N; j += 4) {
+        if (j + kPrefetchRows + 4 <= N) prefetch_rows(B, ldb, K, j + kPrefetchRows, j + kPrefetchRows + 4);
+        idx i = 0;
+        for (; i + 2 <= M; i += 2) nt_tile8<2, 4>(K, A + i * lda, lda, B + j * ldb, ldb, C + i * ldc + j, ldc);
+        if (i < M)  // an odd last row
+            for (idx n = 0; n < 4; ++n) C[i * ldc + j + n] = dot(K, A + i * lda, B + (j + n) * ldb);
+    }
+    for (; j < N; ++j)
+        for (idx i = 0; i < M; ++i) C[i * ldc + j] = dot(K, A + i * lda, B + j * ldb);
+}
+
+// The sum of n floats in eight interleaved partial sums: the same order, and so the same rounding, in
+// every build (an '#pragma omp simd' reduction is summed in whatever order the vectoriser picks, one
+// by one when it does not vectorise, as in the -O1 sanitizer build), and a shorter chain of
+// additions than a plain loop (about n/8 + 3 roundings per term instead of n).
+REFMATH_INLINE float sum(idx n, const float* x) {
+    f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    idx i = 0;
+    for (; i + 8 <= n; i += 8) acc += load8(x + i);
+    float s = sum8(acc);
+    for (; i < n; ++i) s += x[i];
+    return s;
+}
+
+// ---- 2^x --------------------------------------------------------------------------------------
+//
+// std::exp is a library call that no loop around it can vectorise (without -ffast-math), and the
+// attention kernels take one exponential per score. This one is branch-free arithmetic, so a loop of
+// them vectorises. The kernels work in base 2: scores are multiplied by scale * log2(e) once, and
+// e^(s - m) becomes 2^(x - m'), which saves a multiplication per score.
+//
+// 2^x = 2^n 2^f with n = round(x) and f = x - n in [-1/2, 1/2]. 2^f = e^(f ln 2) is its Taylor
+// series to degree 7 (truncation error below 1e-8 relative, a sixth of a float32 rounding); 2^n is
+// built directly as the float with exponent field n + 127. x is clamped to [-127, 127]: below -127
+// the result is 0 (exactly what the softmax wants for -inf, a masked score), and the clamp keeps
+// the float-to-int conversion defined for any input, NaN included.
+REFMATH_INLINE float exp2_fast(float x) {
+    x = x > -127.0f ? x : -127.0f;  // also maps NaN to -127
+    x = x < 127.0f ? x : 127.0f;
+    // Round to nearest without a library call: adding 1.5 * 2^23 pushes the fraction bits out.
+    const float shifter = 12582912.0f;
+    const float n = (x + shifter) - shifter;
+    const float f = x - n;
+    float p = 1.5252733804059840e-5f;  // (ln 2)^7 / 7!
+    p = p * f + 1.5403530393381609e-4f;  // (ln 2)^6 / 6!
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;  // ln 2
+    p = p * f + 1.0f;
+    const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;  // n = -127 gives +0.0
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- per-thread scratch --------------------------------------------------------------------------
+
+inline int max_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+inline int thread_id() {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+// Floats per thread rounded up to a whole number of 64-byte cache lines, so that two threads never
+// write into the same line (false sharing).
+inline idx padded_floats(idx n) { return (n + 15) / 16 * 16; }
+
+}  // namespace tile
+}  // namespace refmath

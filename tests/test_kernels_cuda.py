@@ -1,0 +1,623 @@
+"""The CUDA attention and decode kernels (refmath._cuda through refmath.kernels) against NumPy.
+
+Each forward version of the ladder (v1, v2, v3), the backward and the decode kernels run on a grid
+of shapes (lengths 1, 7, 64, 100, 1000; D = 32, 64, 128; 1, 4 or 8 query heads per key/value
+head; no mask, causal, sliding window; batches of more than one; lengths that no tile size
+divides) and are held to the FlashAttention test suite's rule. For each output compute
+
+* the float64 reference: ``refmath.flash`` for attention, ``refmath.inference.paged`` for decode,
+  on the inputs as the kernel sees them (already rounded to the kernel's dtype);
+* a plain dense computation in the inputs' precision: float32 NumPy for float32 inputs; for
+  float16/bfloat16 inputs the same float32 arithmetic with every stored intermediate (the scaled
+  queries, the scores, the weights, the outputs, the gradients) rounded to float16/bfloat16, which
+  is what a plain PyTorch or cuBLAS implementation in that precision computes;
+
+and require ``kernel error <= factor * (plain error) + floor`` (largest absolute differences from
+the float64 reference), with factor 2 for forward outputs and 3 for gradients.
+
+The floor is the part of the error no kernel can avoid: (1) rounding the exact answer to the
+output's dtype (the kernels return o in the inputs' dtype), and (2) as in tests/test_kernels_cpu.py,
+four float32 roundings of M, the largest sum of magnitudes that makes up one output entry
+(``sum_j p_j |v_j|`` for o; ``1 + |lse|`` for lse; for the gradients the analogous sums times
+``1 + max|lse|``, since the backward recomputes every weight from the float32 logsumexp; in
+``dS = P (dP - delta)`` the difference also carries the rounding of the two dot products it
+subtracts, measured by the magnitudes of their terms). On some
+inputs the plain computation is exact by coincidence (a single visible key gives P = 1 and
+dP - delta = 0 exactly), and the floor keeps the rule from then demanding exactness of a kernel
+that sums in another order.
+
+Everything here skips with a reason unless refmath._cuda is built, CuPy is installed and a GPU is
+present; bfloat16 also needs CuPy's bfloat16 support (CuPy >= 14 with ml_dtypes). The first two
+tests need only the built module. Each check prints its error as a fraction of its bound
+(``pytest -s``), and the module prints the worst case at the end.
+"""
+import functools
+import math
+import pathlib
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from refmath import kernels
+from refmath.attention import gqa_head_map
+
+U32 = 2.0**-24
+FLOOR_ULPS = 4
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VERSIONS = ("v1", "v2", "v3")
+DTYPES = ("float32", "float16", "bfloat16")
+V3_DTYPES = ("float16", "bfloat16")
+V3_DIMS = (64, 128)
+FUZZ = settings(max_examples=25, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+WORST = []  # (fraction of bound, label)
+
+# (B, H, G, T_q, T_k, D, mask); "window" is a sliding window of WINDOW keys.
+FORWARD_CASES = [
+    (1, 1, 1, 1, 1, 64, "none"),
+    (2, 4, 4, 7, 7, 32, "causal"),
+    (2, 8, 2, 64, 64, 128, "window"),
+    (1, 8, 1, 100, 100, 64, "causal"),
+    (2, 4, 1, 100, 64, 64, "causal"),   # T_q > T_k: the first 36 queries see no key at all
+    (1, 4, 4, 64, 100, 128, "none"),
+    (2, 8, 2, 1000, 1000, 128, "causal"),
+    (1, 8, 8, 1000, 1000, 64, "window"),
+    (1, 2, 2, 1000, 1000, 32, "none"),
+]
+BACKWARD_CASES = [
+    (1, 1, 1, 1, 1, 64, "none"),
+    (2, 4, 4, 7, 7, 32, "causal"),
+    (2, 8, 2, 64, 64, 128, "window"),
+    (1, 8, 1, 100, 100, 64, "causal"),
+    (2, 4, 1, 100, 64, 64, "causal"),
+    (1, 4, 4, 64, 100, 128, "none"),
+    (1, 4, 1, 1000, 1000, 64, "causal"),
+]
+WINDOW = 16
+
+
+def masks(name):
+    """(causal, window) of a mask name."""
+    return {"none": (False, None), "causal": (True, None), "window": (True, WINDOW)}[name]
+
+
+def case_id(case):
+    b, h, g, t_q, t_k, d, mask = case
+    return f"B{b}-H{h}-G{g}-Tq{t_q}-Tk{t_k}-D{d}-{mask}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_worst_case():
+    yield
+    if WORST:
+        fraction, label = max(WORST)
+        print(f"\nworst CUDA kernel error over {len(WORST)} checks: {fraction:.2f} of its bound ({label})")
+
+
+# ---- always (given the built module): the ladder is listed, bound and checks its arguments ----
+
+def test_every_version_is_listed_and_bound():
+    if kernels._cuda is None:
+        assert kernels.flash_versions() == ()
+        pytest.skip(kernels.cuda_build_info())
+    assert kernels.flash_versions() == VERSIONS
+    for version in VERSIONS:
+        assert callable(getattr(kernels._cuda, f"flash_forward_{version}")), version
+        assert (ROOT / "csrc" / "cuda" / f"flash_{version}.cu").is_file(), version
+    for name in ("flash_backward", "paged_decode"):
+        assert callable(getattr(kernels._cuda, name)), name
+
+
+def test_bindings_refuse_bad_arguments_before_touching_the_device():
+    # The launchers check sizes, dtypes, pointers and alignment on the host, before any CUDA call,
+    # so these raise the same way with or without a GPU (nothing is dereferenced).
+    if kernels._cuda is None:
+        pytest.skip(kernels.cuda_build_info())
+    c = kernels._cuda
+
+    def forward(version="v2", ptr=0, b=1, h=2, g=2, t_q=4, t_k=4, d=64, window=0, dtype=c.FLOAT32):
+        getattr(c, f"flash_forward_{version}")(ptr, ptr, ptr, ptr, ptr, b, h, g, t_q, t_k, d, False,
+                                               window, 0.125, dtype, 0)
+
+    with pytest.raises(RuntimeError, match=r"flash_forward_v2: .*G=3 must divide the query heads H=2"):
+        forward(g=3)
+    with pytest.raises(RuntimeError, match=r"head width D=300 is outside \[1, 256\]"):
+        forward(d=300)
+    with pytest.raises(RuntimeError, match=r"window must be >= 0"):
+        forward(window=-1)
+    with pytest.raises(RuntimeError, match=r"flash_forward_v1: .*null pointer"):
+        forward("v1")
+    with pytest.raises(RuntimeError, match=r"dtype must be float32, float16 or bfloat16, got float64"):
+        forward("v1", dtype=c.FLOAT64)
+    with pytest.raises(RuntimeError, match=r"supports D = 64 or 128, got D=32"):
+        forward("v3", d=32, dtype=c.FLOAT16)
+    with pytest.raises(RuntimeError, match=r"v3: dtype must be float16 or bfloat16, got float32"):
+        forward("v3", d=64, dtype=c.FLOAT32)
+    with pytest.raises(RuntimeError, match=r"16-byte aligned"):
+        forward("v3", ptr=8, d=64, dtype=c.BFLOAT16)
+    with pytest.raises(RuntimeError, match=r"flash_backward: .*null pointer"):
+        c.flash_backward(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 1, 4, 4, 64, True, 0, 0.125, 0)
+
+    def decode(n_pages=4, page_size=16, max_pages=2, splits=1, h=4, g=2, d=64, ptr=0):
+        c.paged_decode(ptr, ptr, ptr, ptr, ptr, ptr, ptr, 2, h, g, d, n_pages, page_size, max_pages,
+                       splits, 0.125, c.FLOAT16, 0)
+
+    with pytest.raises(RuntimeError, match=r"splits must be in \[1, 1024\], got 0"):
+        decode(splits=0)
+    with pytest.raises(RuntimeError, match=r"page_size must be in \[1, 2\*\*30\], got 0"):
+        decode(page_size=0)
+    with pytest.raises(RuntimeError, match=r"G=3 must divide the query heads H=4"):
+        decode(g=3)
+    with pytest.raises(RuntimeError, match=r"paged_decode: .*null pointer"):
+        decode()
+
+
+# ---- GPU fixtures and conversions ----
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'refmath[cuda]')")
+    if not kernels.cuda_available():
+        pytest.skip(kernels.cuda_build_info())
+    return cupy
+
+
+@functools.cache
+def _bfloat16():
+    """NumPy's bfloat16 dtype (from ml_dtypes) if CuPy can hold it, else the reason it cannot."""
+    try:
+        import cupy
+        import ml_dtypes
+        dtype = np.dtype(ml_dtypes.bfloat16)
+        # refmath.kernels converts bfloat16 <-> float32 with astype (the backward computes in float32)
+        cupy.zeros(1, dtype=dtype).astype(cupy.float32).astype(dtype)
+    except Exception as err:  # ImportError, or a CuPy without bfloat16 (before v14)
+        return None, f"bfloat16 arrays are not available here: {type(err).__name__}: {err}"
+    return dtype, ""
+
+
+def need_dtype(dtype):
+    if dtype == "bfloat16":
+        found, why = _bfloat16()
+        if found is None:
+            pytest.skip(why)
+
+
+def bf16_bits(x):
+    """float32 -> the bits of the nearest bfloat16 (round to nearest even; NaN stays NaN)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def bf16_value(bits):
+    return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32)
+
+
+def round_to(x, dtype):
+    """x rounded to ``dtype`` and returned as float32 (exactly representable values)."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    return bf16_value(bf16_bits(x))
+
+
+def to_device(cp, x, dtype):
+    """float32 values representable in ``dtype`` as a CuPy array of that dtype."""
+    if dtype == "bfloat16":
+        return cp.asarray(bf16_bits(x)).view(_bfloat16()[0])
+    return cp.asarray(np.asarray(x, dtype=dtype))
+
+
+def to_host(cp, a):
+    """A CuPy array's values as float64."""
+    if str(a.dtype) == "bfloat16":
+        return bf16_value(cp.asnumpy(a.view(cp.uint16))).astype(np.float64)
+    return cp.asnumpy(a).astype(np.float64)
+
+
+# ---- the rule ----
+
+def check_rule(label, kernel, ref64, plain, factor, magnitude, out_dtype):
+    """Assert ``|kernel - ref| <= factor * |plain - ref| + floor`` (maxima over the entries)."""
+    kernel = np.asarray(kernel, dtype=np.float64)
+    plain = np.asarray(plain, dtype=np.float64)
+    finite = np.isfinite(ref64)
+    # -inf (a row with no visible key) must come back exactly; only finite entries have errors.
+    np.testing.assert_array_equal(kernel[~finite], ref64[~finite], err_msg=label)
+    kernel_err = np.abs(kernel[finite] - ref64[finite]).max(initial=0.0)
+    plain_err = np.abs(plain[finite] - ref64[finite]).max(initial=0.0)
+    rounding = np.abs(round_to(ref64[finite], out_dtype) - ref64[finite]).max(initial=0.0)
+    bound = factor * plain_err + rounding + FLOOR_ULPS * U32 * magnitude
+    fraction = kernel_err / bound if bound > 0 else (0.0 if kernel_err == 0 else np.inf)
+    WORST.append((fraction, label))
+    print(f"{label}: error {kernel_err:.3g} = {fraction:.2f} of bound {bound:.3g} (plain {plain_err:.3g})")
+    assert kernel_err <= bound, f"{label}: error {kernel_err:.3g} > bound {bound:.3g}"
+
+
+# ---- references: float64, and the plain computation in the inputs' precision ----
+
+def visible(t_q, t_k, causal, window):
+    """Boolean (t_q, t_k): query i sits at p = i + t_k - t_q; causal keeps j <= p, a window w also
+    j >= p - w + 1 (the rule of refmath.flash, written out independently)."""
+    pos = np.arange(t_q)[:, None] + t_k - t_q
+    j = np.arange(t_k)[None, :]
+    keep = np.ones((t_q, t_k), dtype=bool)
+    if causal or window is not None:
+        keep &= j <= pos
+    if window is not None:
+        keep &= j >= pos - window + 1
+    return keep
+
+
+def plain_attention(q, k, v, keep, scale, dtype, do=None):
+    """Dense attention as a plain implementation in ``dtype`` computes it: float32 products and sums
+    (as cuBLAS and PyTorch accumulate), every stored intermediate rounded to ``dtype``; for float32
+    simply NumPy in float32. Returns (o, lse), and (dq, dk, dv) too when ``do`` is given."""
+    r = functools.partial(round_to, dtype=dtype)
+    h, g = q.shape[1], k.shape[1]
+    heads = gqa_head_map(h, g)
+    kh, vh = k[:, heads], v[:, heads]
+    s = r(r(q * np.float32(scale)) @ np.swapaxes(kh, -1, -2))
+    s = np.where(keep, s, np.float32(-np.inf))
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isneginf(m), np.float32(0), m)
+    e = np.exp(s - m_safe)
+    total = e.sum(axis=-1, keepdims=True)
+    p = r(np.divide(e, total, out=np.zeros_like(e), where=total > 0))
+    o = r(p @ vh)
+    with np.errstate(divide="ignore"):
+        lse = r((m_safe + np.log(total))[..., 0])
+    if do is None:
+        return o, lse
+    dv_heads = r(np.swapaxes(p, -1, -2) @ do)
+    dp = r(do @ np.swapaxes(vh, -1, -2))
+    ds = r(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    dq = r((ds @ kh) * np.float32(scale))
+    dk_heads = r((np.swapaxes(ds, -1, -2) @ q) * np.float32(scale))
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    for head in range(h):  # each query head's gradient goes to the key/value head it read
+        dk[:, heads[head]] += dk_heads[:, head]
+        dv[:, heads[head]] += dv_heads[:, head]
+    return o, lse, dq, r(dk), r(dv)
+
+
+class Reference(NamedTuple):
+    inputs: tuple  # float32 arrays whose values are representable in the dtype
+    exact: dict  # float64 results of refmath.flash
+    plain: dict  # the plain computation in the dtype
+    magnitude: dict  # M of the floor, per output
+
+
+def magnitudes(q, k, v, keep, scale, lse, do=None):
+    """The M of the floor, from dense float64: max over entries of the sums of magnitudes."""
+    heads = gqa_head_map(q.shape[1], k.shape[1])
+    kh, vh = k[:, heads], v[:, heads]
+    s = scale * q @ np.swapaxes(kh, -1, -2)
+    lse_safe = np.where(np.isneginf(lse), np.inf, lse)[..., None]
+    a = np.where(keep, np.exp(np.where(keep, s, -np.inf) - lse_safe), 0.0)
+    out = {"o": (a @ np.abs(vh)).max(initial=0.0),
+           "lse": 1.0 + np.abs(lse[np.isfinite(lse)]).max(initial=0.0)}
+    if do is None:
+        return out
+    weight_error = 1.0 + np.abs(lse[np.isfinite(lse)]).max(initial=0.0)
+    # dS = P (dP - delta). P carries the relative error of the weights (u (1 + |lse|)); dP - delta
+    # subtracts two dot products, dO . v_j and dO . o, whose rounding scales with the magnitudes of
+    # their terms, not with the (possibly cancelled) difference.
+    dp_minus_delta = do @ np.swapaxes(vh, -1, -2) - (do * (a @ vh)).sum(axis=-1, keepdims=True)
+    terms = np.abs(do) @ np.swapaxes(np.abs(vh), -1, -2) + (np.abs(do) * np.abs(a @ vh)).sum(axis=-1, keepdims=True)
+    ds_abs = a * (weight_error * np.abs(dp_minus_delta) + terms)
+    group = q.shape[1] // k.shape[1]
+
+    def per_kv_head(x):  # the sum over the query heads that share a key/value head
+        return x.reshape(x.shape[0], k.shape[1], group, *x.shape[2:]).sum(axis=2)
+
+    out["dq"] = scale * (ds_abs @ np.abs(kh)).max(initial=0.0)
+    out["dk"] = scale * per_kv_head(np.swapaxes(ds_abs, -1, -2) @ np.abs(q)).max(initial=0.0)
+    out["dv"] = weight_error * per_kv_head(np.swapaxes(a, -1, -2) @ np.abs(do)).max(initial=0.0)
+    return out
+
+
+def make_inputs(seed, b, h, g, t_q, t_k, d, dtype):
+    rng = np.random.default_rng(seed)
+    q, do = (round_to(rng.standard_normal((b, h, t_q, d)), dtype) for _ in range(2))
+    k, v = (round_to(rng.standard_normal((b, g, t_k, d)), dtype) for _ in range(2))
+    return q, k, v, do
+
+
+@functools.lru_cache(maxsize=None)
+def reference(case, dtype, grads=False, seed=0):
+    from refmath import flash
+
+    b, h, g, t_q, t_k, d, mask = case
+    causal, window = masks(mask)
+    scale = 1.0 / math.sqrt(d)
+    q, k, v, do = make_inputs(seed, b, h, g, t_q, t_k, d, dtype)
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+    keep = visible(t_q, t_k, causal, window)
+    # Large tiles: the same numbers as the default 16 x 16 (F3 is exact), fewer Python steps.
+    o, lse = flash.flash_attention_forward(q64, k64, v64, causal=causal, window=window, scale=scale,
+                                           block_q=256, block_k=256)
+    exact = {"o": o, "lse": lse}
+    if not grads:
+        plain = dict(zip(("o", "lse"), plain_attention(q, k, v, keep, scale, dtype)))
+        return Reference((q, k, v), exact, plain, magnitudes(q64, k64, v64, keep, scale, lse))
+    exact.update(zip(("dq", "dk", "dv"), flash.flash_attention_backward(
+        do64, q64, k64, v64, o, lse, causal=causal, window=window, scale=scale, block_q=256, block_k=256)))
+    plain = dict(zip(("o", "lse", "dq", "dk", "dv"), plain_attention(q, k, v, keep, scale, dtype, do=do)))
+    return Reference((q, k, v, do), exact, plain, magnitudes(q64, k64, v64, keep, scale, lse, do64))
+
+
+# ---- forward ----
+
+def check_forward(cp, version, dtype, case, seed=0):
+    b, h, g, t_q, t_k, d, mask = case
+    causal, window = masks(mask)
+    ref = reference(case, dtype, seed=seed)
+    q, k, v = (to_device(cp, x, dtype) for x in ref.inputs)
+    o, lse = kernels.flash_attention_forward(q, k, v, causal=causal, window=window, version=version)
+    assert o.shape == q.shape and str(o.dtype) == dtype
+    assert lse.shape == (b, h, t_q) and lse.dtype == cp.float32
+    label = f"{version} {dtype} {case_id(case)}"
+    check_rule(f"{label} o", to_host(cp, o), ref.exact["o"], ref.plain["o"], 2, ref.magnitude["o"], dtype)
+    check_rule(f"{label} lse", cp.asnumpy(lse), ref.exact["lse"], ref.plain["lse"], 2,
+               ref.magnitude["lse"], "float32")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_forward_matches_reference(cp, version, dtype, case):
+    if version == "v3" and (dtype not in V3_DTYPES or case[5] not in V3_DIMS):
+        pytest.skip("v3 takes float16/bfloat16 with D = 64 or 128 (the refusal is tested below)")
+    need_dtype(dtype)
+    check_forward(cp, version, dtype, case)
+
+
+@pytest.mark.cuda
+@FUZZ
+@given(data=st.data())
+def test_forward_on_random_shapes(cp, data):
+    version = data.draw(st.sampled_from(VERSIONS), label="version")
+    dtype = data.draw(st.sampled_from(V3_DTYPES if version == "v3" else DTYPES), label="dtype")
+    need_dtype(dtype)
+    d = data.draw(st.sampled_from(V3_DIMS if version == "v3" else (8, 40, 64, 96, 128, 256)), label="D")
+    g = data.draw(st.integers(1, 3), label="G")
+    h = g * data.draw(st.sampled_from([1, 2, 5]), label="H/G")
+    case = (data.draw(st.integers(1, 2), label="B"), h, g, data.draw(st.integers(1, 150), label="T_q"),
+            data.draw(st.integers(0, 150), label="T_k"), d,
+            data.draw(st.sampled_from(["none", "causal", "window"]), label="mask"))
+    check_forward(cp, version, dtype, case, seed=data.draw(st.integers(0, 2**16), label="seed"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", VERSIONS)
+def test_forward_follows_the_current_stream_and_repeats_exactly(cp, version):
+    case = (2, 4, 2, 100, 100, 64, "causal")
+    ref = reference(case, "float16")
+    q, k, v = (to_device(cp, x, "float16") for x in ref.inputs)
+    first, _ = kernels.flash_attention_forward(q, k, v, causal=True, version=version)
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        second, _ = kernels.flash_attention_forward(q, k, v, causal=True, version=version)
+        stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(second), cp.asnumpy(first))
+
+
+# ---- backward ----
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_matches_reference(cp, dtype, case):
+    need_dtype(dtype)
+    b, h, g, t_q, t_k, d, mask = case
+    causal, window = masks(mask)
+    ref = reference(case, dtype, grads=True)
+    q, k, v, do = (to_device(cp, x, dtype) for x in ref.inputs)
+    # o and lse as the forward hands them over: o in the inputs' dtype, lse in float32.
+    o = to_device(cp, round_to(ref.exact["o"], dtype), dtype)
+    lse = cp.asarray(ref.exact["lse"].astype(np.float32))
+    grads = kernels.flash_attention_backward(do, q, k, v, o, lse, causal=causal, window=window)
+    label = f"backward {dtype} {case_id(case)}"
+    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        assert grad.shape == like.shape and str(grad.dtype) == dtype, name
+        check_rule(f"{label} {name}", to_host(cp, grad), ref.exact[name], ref.plain[name], 3,
+                   ref.magnitude[name], dtype)
+
+
+@pytest.mark.cuda
+def test_backward_is_deterministic(cp):
+    # dK and dV are summed over the GQA group inside one block, dQ in a second kernel: no atomics,
+    # so two runs agree to the bit.
+    case = (2, 8, 2, 100, 100, 64, "causal")
+    ref = reference(case, "float32", grads=True)
+    q, k, v, do = (cp.asarray(x) for x in ref.inputs)
+    o, lse = (cp.asarray(ref.exact[n].astype(np.float32)) for n in ("o", "lse"))
+    first = kernels.flash_attention_backward(do, q, k, v, o, lse, causal=True)
+    second = kernels.flash_attention_backward(do, q, k, v, o, lse, causal=True)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+
+
+# ---- decode ----
+
+def check_decode(label, o, q, keys, values, lengths, scale, dtype):
+    """o (B, H, D) against the float64 decode of each sequence's first lengths[b] keys, the plain
+    computation in ``dtype``, and the floor; keys/values[b] are (G, L_b, D) float32 arrays."""
+    b, h, _ = q.shape
+    exact = np.zeros((b, h, q.shape[2]))
+    plain = np.zeros((b, h, q.shape[2]), dtype=np.float32)
+    magnitude = 0.0
+    for i in range(b):
+        g = keys[i].shape[0]
+        heads = gqa_head_map(h, g)
+        k64, v64 = keys[i].astype(np.float64)[heads], values[i].astype(np.float64)[heads]  # (H, L, D)
+        if lengths[i] == 0:
+            continue
+        s = scale * np.einsum("hd,hld->hl", q[i].astype(np.float64), k64)
+        a = np.exp(s - s.max(axis=-1, keepdims=True))
+        a /= a.sum(axis=-1, keepdims=True)
+        exact[i] = np.einsum("hl,hld->hd", a, v64)
+        magnitude = max(magnitude, np.einsum("hl,hld->hd", a, np.abs(v64)).max())
+        keep = np.ones((1, lengths[i]), dtype=bool)
+        plain[i] = plain_attention(q[i][None, :, None], keys[i][None], values[i][None], keep, scale, dtype)[0][0, :, 0]
+    check_rule(label, o, exact, plain, 2, magnitude, dtype)
+    return exact
+
+
+DECODE_CASES = [  # (B, H, G, D, lengths, T_max)
+    (3, 8, 2, 64, (0, 37, 100), 100),
+    (4, 8, 1, 128, (1, 64, 99, 1000), 1000),
+    (2, 4, 4, 32, (7, 1000), 1024),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-G{c[2]}-D{c[3]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contiguous_decode_matches_reference(cp, dtype, case, splits):
+    from refmath.inference.paged import contiguous_decode
+
+    need_dtype(dtype)
+    b, h, g, d, lengths, t_max = case
+    rng = np.random.default_rng(7)
+    q = round_to(rng.standard_normal((b, h, d)), dtype)
+    k_cache, v_cache = (round_to(rng.standard_normal((b, g, t_max, d)), dtype) for _ in range(2))
+    for i, length in enumerate(lengths):  # slots past a length must never be read
+        k_cache[i, :, length:] = np.nan
+        v_cache[i, :, length:] = np.nan
+    scale = 1.0 / math.sqrt(d)
+    lengths = np.array(lengths, dtype=np.int32)
+    o = kernels.decode(to_device(cp, q, dtype), to_device(cp, k_cache, dtype), to_device(cp, v_cache, dtype),
+                       cp.asarray(lengths), splits=splits)
+    assert o.shape == q.shape and str(o.dtype) == dtype
+    label = f"decode {dtype} B{b} H{h} G{g} D{d} splits={splits}"
+    exact = check_decode(label, to_host(cp, o), q, [k_cache[i, :, :n] for i, n in enumerate(lengths)],
+                         [v_cache[i, :, :n] for i, n in enumerate(lengths)], lengths, scale, dtype)
+    # The paged module's contiguous reference agrees (it needs finite padding: 0 * NaN is NaN).
+    padded = [np.nan_to_num(x).transpose(0, 2, 1, 3).astype(np.float64) for x in (k_cache, v_cache)]
+    np.testing.assert_allclose(contiguous_decode(q.astype(np.float64), *padded, lengths, scale=scale),
+                               exact, rtol=1e-12, atol=1e-12)
+
+
+def build_paged_cache(rng, dtype, n_pages, page_size, g, d, lengths):
+    """A PagedKVCache (float64, holding values representable in ``dtype``) with the sequences'
+    tokens appended in interleaved chunks (so their pages are scattered over the pool), a shared
+    prefix (sequence 1 forked from sequence 0 before both grew), and NaN in every unused slot."""
+    from refmath.inference.paged import PagedKVCache
+
+    cache = PagedKVCache(n_pages, page_size, g, d, dtype=np.float64)
+
+    def tokens(t):
+        return tuple(round_to(rng.standard_normal((t, g, d)), dtype).astype(np.float64) for _ in range(2))
+
+    cache.add_sequence(0)
+    shared = min(lengths[0], lengths[1], page_size + 3)  # a full shared page and a partial one
+    cache.append(0, *tokens(shared))
+    cache.fork(0, 1)
+    for seq in range(2, len(lengths)):
+        cache.add_sequence(seq)
+    remaining = [n - (shared if seq < 2 else 0) for seq, n in enumerate(lengths)]
+    while any(remaining):
+        for seq, left in enumerate(remaining):
+            if left:
+                t = min(left, int(rng.integers(1, page_size + 2)))
+                cache.append(seq, *tokens(t))
+                remaining[seq] -= t
+    return cache
+
+
+PAGED_CASES = [  # (B, H, G, D, page_size, lengths)
+    (4, 8, 2, 64, 16, (40, 37, 0, 100)),
+    (3, 16, 2, 128, 32, (1000, 515, 64)),   # 8 query heads per key/value head
+    (3, 4, 1, 32, 5, (23, 61, 7)),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-G{c[2]}-D{c[3]}-p{c[4]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_matches_reference(cp, dtype, case, splits):
+    from refmath.inference import paged
+
+    need_dtype(dtype)
+    b, h, g, d, page_size, lengths = case
+    rng = np.random.default_rng(11)
+    n_pages = sum(-(-n // page_size) for n in lengths) + 3
+    cache = build_paged_cache(rng, dtype, n_pages, page_size, g, d, lengths)
+    table, lens = cache.page_table_array(range(b))
+    assert np.isnan(cache.k_pages).any()  # unused slots really hold NaN
+    q = round_to(rng.standard_normal((b, h, d)), dtype)
+    scale = 1.0 / math.sqrt(d)
+    o = kernels.paged_decode(to_device(cp, q, dtype), to_device(cp, cache.k_pages, dtype),
+                             to_device(cp, cache.v_pages, dtype), cp.asarray(table), cp.asarray(lens),
+                             splits=splits)
+    assert o.shape == q.shape and str(o.dtype) == dtype
+    gathered = [cache.gather(i) for i in range(b)]
+    keys = [kk.transpose(1, 0, 2).astype(np.float32) for kk, _ in gathered]  # (G, L, D)
+    values = [vv.transpose(1, 0, 2).astype(np.float32) for _, vv in gathered]
+    label = f"paged decode {dtype} {case} splits={splits}"
+    exact = check_decode(label, to_host(cp, o), q, keys, values, lens, scale, dtype)
+    # The module's own reference, which walks the pages, gives the same float64 numbers.
+    np.testing.assert_allclose(paged.paged_decode(q.astype(np.float64), cache, range(b), scale=scale),
+                               exact, rtol=1e-12, atol=1e-12)
+
+
+# ---- bad input ----
+
+def _bad_calls(cp):
+    """(exception, message pattern, call) for input the CUDA path must refuse."""
+    f16, f32 = cp.float16, cp.float32
+    q = cp.zeros((1, 4, 8, 64), f16)
+    k = cp.zeros((1, 2, 8, 64), f16)
+    q32, k32 = q.astype(f32), k.astype(f32)
+    fwd = kernels.flash_attention_forward
+    qd, kc = cp.zeros((2, 4, 64), f16), cp.zeros((2, 2, 10, 64), f16)
+    pages = cp.zeros((3, 2, 4, 64), f16)
+    table = cp.asarray(np.array([[0, 1], [2, -1]], dtype=np.int32))
+    return [
+        (ValueError, r"version must be one of v1, v2, v3", lambda: fwd(q, k, k, version="v4")),
+        (TypeError, r"version", lambda: fwd(q, k, k, version=3)),
+        (TypeError, r"'v3' .* float16 or bfloat16", lambda: fwd(q32, k32, k32, version="v3")),
+        (ValueError, r"'v3' supports the head widths D = 64 and 128 only, got D = 32",
+         lambda: fwd(q[..., :32], k[..., :32], k[..., :32], version="v3")),
+        (ValueError, r"up to D = 256, got D = 300",
+         lambda: fwd(cp.zeros((1, 1, 2, 300), f32), cp.zeros((1, 1, 2, 300), f32),
+                     cp.zeros((1, 1, 2, 300), f32), version="v2")),
+        (TypeError, r"float64", lambda: fwd(q.astype(cp.float64), k.astype(cp.float64), k.astype(cp.float64))),
+        (TypeError, r"int32", lambda: fwd(q.astype(cp.int32), k.astype(cp.int32), k.astype(cp.int32))),
+        (TypeError, r"share one dtype", lambda: fwd(q, k32, k32)),
+        (TypeError, r"GPU arrays .* are not", lambda: fwd(q, np.zeros((1, 2, 8, 64), np.float16), k)),
+        (ValueError, r"must divide", lambda: fwd(q, cp.zeros((1, 3, 8, 64), f16), cp.zeros((1, 3, 8, 64), f16))),
+        (ValueError, r"head width D", lambda: fwd(q, k[..., :32], k[..., :32])),
+        (ValueError, r"window", lambda: fwd(q, k, k, window=0)),
+        (ValueError, r"lengths must lie in \[0, 10\]",
+         lambda: kernels.decode(qd, kc, kc, cp.asarray(np.array([3, 11], np.int32)))),
+        (ValueError, r"lengths must lie", lambda: kernels.decode(qd, kc, kc, np.array([-1, 2]))),
+        (ValueError, r"splits", lambda: kernels.decode(qd, kc, kc, np.array([3, 4]), splits=0)),
+        (ValueError, r"splits must be at most 1024",
+         lambda: kernels.decode(qd, kc, kc, np.array([3, 4]), splits=5000)),
+        (ValueError, r"page_table\[1, 1\] = -1",
+         lambda: kernels.paged_decode(qd, pages, pages, table, np.array([8, 5]))),
+        (ValueError, r"page_table\[0, 1\] = 7",
+         lambda: kernels.paged_decode(qd, pages, pages, cp.asarray(np.array([[0, 7], [2, -1]], np.int32)),
+                                      np.array([5, 1]))),
+        (TypeError, r"page_table must be an integer array",
+         lambda: kernels.paged_decode(qd, pages, pages, table.astype(f32), np.array([1, 1]))),
+    ]
+
+
+@pytest.mark.cuda
+def test_bad_input_raises_naming_the_problem(cp):
+    for error, pattern, call in _bad_calls(cp):
+        with pytest.raises(error, match=pattern):
+            call()
