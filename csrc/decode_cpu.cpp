@@ -2,18 +2,27 @@
 // context split across threads (split-K) and the pieces merged by the online-softmax rule (F3).
 //
 // A decode step reads every cached key and value once and does ~2 multiply-adds per number read
-// per query head, so it is limited by memory bandwidth, not arithmetic. Two things follow:
-// * The H/G query heads of a GQA group are handled together (the rows of one small tile product),
-//   so each key and value is read from memory once per group, not once per query head.
+// per query head, so it should be limited by memory bandwidth, not arithmetic. Three things follow:
+// * The R = H/G query heads of a GQA group are handled together, so each key and value is read from
+//   memory once per group, not once per query head.
 // * One long sequence must still keep every core streaming: the work items are
 //   (sequence, key/value head, split), where a split is a contiguous chunk of the sequence's keys
 //   (or pages). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
 //   splits of each (sequence, head) (F3). An empty split (more splits than keys) leaves the empty
 //   state m = -inf, l = 0, u = 0, which the merge skips.
+// * The arithmetic must keep up with memory, which takes tight inner loops: a block of kBlock keys
+//   is folded at a time (one max and one exponential pass per block, not per key), its scores and
+//   its P V computed by small register tiles (fold_block), and the keys of a later block are
+//   requested from memory while this one is computed, spread over its loops.
+//
+// A block is given as one pointer per key (to its key row and its value row), so a paged cache costs
+// the same as a contiguous one: a block may gather keys from several pages, and a page may be cut
+// across blocks, with no special case in the arithmetic.
 #include "decode_cpu.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -26,71 +35,174 @@ namespace refmath {
 
 namespace {
 
+using tile::f32x8;
 using tile::idx;
 
-constexpr idx kBlock = 64;            // keys per online-softmax step
+constexpr idx kBlock = 32;             // keys per online-softmax step
+constexpr idx kPad = 8;                // room to round a block up to a whole register tile of keys
+constexpr idx kAhead = 4;              // while block i is folded, block i + kAhead is requested
+constexpr idx kItemsPerThread = 8;     // automatic splits: work items per thread (see choose_splits)
 constexpr idx kMinKeysPerSplit = 512;  // automatic splits keep at least this many keys each
 constexpr idx kMaxSplits = 1024;       // a bound on the scratch (B * H * splits * (D + 2) floats)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A run of n consecutive keys and values in memory (rows of D floats).
-struct KeyRun {
-    const float *k, *v;
-    idx n;
-};
+// Up to kBlock keys: the key row and the value row of each (D floats each, anywhere in memory).
+// Entries n .. n + kPad - 1 repeat the last key, so that a register tile may run past n: the extra
+// scores are computed and never used, and no address outside the cache is read.
+struct KeyBlock {
+    const float* k[kBlock + kPad];
+    const float* v[kBlock + kPad];
+    idx n = 0;
 
-// Fold one block of at most kBlock keys, given as runs (one for a contiguous cache, one per page
-// for a paged one), into the state of the R query heads of one group: S = Q K^T (R x block) run by
-// run, scaled to base 2; the online softmax over the whole block; the block's P V; U = alpha U + P V.
-// Folding whole blocks rather than single pages keeps small pages from turning the sum over the
-// keys into a long chain of rescalings and additions (one per page), which would cost accuracy.
-REFMATH_MULTIVERSION
-void fold_block(idx R, idx D, float c, const float* qg, const KeyRun* runs, idx n_runs, float* S,
-                float* m, float* l, float* U, float* PV, float* alpha) {
-    idx cols = 0;
-    for (idx i = 0; i < n_runs; ++i) {
-        tile::gemm_nt(R, runs[i].n, D, qg, D, runs[i].k, D, S + cols, kBlock);
-        cols += runs[i].n;
-    }
-    for (idx r = 0; r < R; ++r) {
-        float* srow = S + r * kBlock;
-#pragma omp simd
-        for (idx j = 0; j < cols; ++j) srow[j] *= c;
-    }
-    online_softmax_fold(R, cols, S, kBlock, m, l, alpha);
-    // P V, kSlab keys at a time: the tile product walks down its keys' rows 16 columns at a time,
-    // and over a whole block (64 rows, 512 bytes apart) that order defeats the hardware prefetcher,
-    // each cache line becoming a separate wait for memory. A slab of 8 rows is a few kilobytes,
-    // and the next slab is requested while this one is multiplied.
-    constexpr idx kSlab = 8;
-    cols = 0;
-    for (idx i = 0; i < n_runs; ++i) {
-        for (idx j0 = 0; j0 < runs[i].n; j0 += kSlab) {
-            const idx n = std::min(kSlab, runs[i].n - j0);
-            const idx next = std::min(kSlab, runs[i].n - j0 - n);  // the next slab, if any
-            tile::prefetch_rows(runs[i].v, D, D, j0 + n, j0 + n + next);
-            if (cols == 0)
-                tile::gemm_nn(R, D, n, S, kBlock, runs[i].v + j0 * D, D, PV, D);
-            else
-                tile::gemm_nn_acc(R, D, n, S + cols, kBlock, runs[i].v + j0 * D, D, PV, D);
-            cols += n;
+    void pad() {
+        for (idx j = n; j < n + kPad && n > 0; ++j) {
+            k[j] = k[n - 1];
+            v[j] = v[n - 1];
         }
     }
-    online_softmax_merge_rows(R, D, alpha, U, D, PV, D);
+};
+
+// Request the cache lines of one row of D floats (the row need not start on a line boundary).
+REFMATH_INLINE void prefetch_row(const float* row, idx D) {
+    const std::uintptr_t end = reinterpret_cast<std::uintptr_t>(row + D);
+    for (std::uintptr_t a = reinterpret_cast<std::uintptr_t>(row) & ~std::uintptr_t{63}; a < end; a += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(a));
+}
+
+// S[r, j] = q_r . k_j for rows 0..MR-1 of q (row stride D, already scaled) and keys j < n (rounded
+// up to a multiple of NR; the block's padding makes that safe). The register tile is MR rows x NR
+// keys = 8 vector accumulators running along d, eight products each; their lanes are summed all
+// at once (sum_lanes_8x8). While the keys are multiplied, the key rows of block 'ahead' are
+// requested (pf: whether this row group does it; only the first one does).
+template <int MR, int NR>
+REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk, float* S, idx lds,
+                               const KeyBlock& ahead, bool pf) {
+    static_assert(MR * NR == 8, "one accumulator per lane of the result");
+    const idx D8 = D - D % 8;
+    for (idx j = 0; j < n; j += NR) {
+        if (pf)
+            for (idx t = j; t < j + NR && t < ahead.n; ++t) prefetch_row(ahead.k[t], D);
+        const float* kr[NR];
+        for (int c = 0; c < NR; ++c) kr[c] = blk.k[j + c];
+        f32x8 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = f32x8{0, 0, 0, 0, 0, 0, 0, 0};
+        for (idx d = 0; d < D8; d += 8) {
+            f32x8 kv[NR];
+            for (int c = 0; c < NR; ++c) kv[c] = tile::load8(kr[c] + d);
+            for (int r = 0; r < MR; ++r) {
+                const f32x8 x = tile::load8(q + r * D + d);
+                for (int c = 0; c < NR; ++c) acc[r * NR + c] += x * kv[c];
+            }
+        }
+        f32x8 sums = tile::sum_lanes_8x8(acc);
+        for (idx d = D8; d < D; ++d)  // the D % 8 products left over
+            for (int r = 0; r < MR; ++r)
+                for (int c = 0; c < NR; ++c) sums[r * NR + c] += q[r * D + d] * kr[c][d];
+        for (int r = 0; r < MR; ++r)
+            for (int c = 0; c < NR; ++c) S[r * lds + j + c] = sums[r * NR + c];
+    }
+}
+
+// U[r, d0 .. d0 + 8 NV) = alpha_r U[r, ...] + sum_{j < n} P[r, j] v_j[d0 ...] for rows 0..MR-1: a
+// register tile of MR rows x NV vectors, summed over the block's keys, then added to U (F3). The
+// block's own sum is kept apart from U until it is complete, so the long sum over the whole
+// context is a chain of one addition per block, not one per key.
+template <int MR, int NV>
+REFMATH_INLINE void pv_tile(idx n, idx d0, const float* P, idx ldp, const KeyBlock& blk,
+                            const float* alpha, float* U, idx ldu) {
+    f32x8 acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = f32x8{0, 0, 0, 0, 0, 0, 0, 0};
+    for (idx j = 0; j < n; ++j) {
+        const float* vr = blk.v[j] + d0;
+        f32x8 vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = tile::load8(vr + 8 * c);
+        for (int r = 0; r < MR; ++r) {
+            const float p = P[r * ldp + j];
+            for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NV; ++c) {
+            float* u = U + r * ldu + d0 + 8 * c;
+            tile::store8(u, alpha[r] * tile::load8(u) + acc[r][c]);
+        }
+}
+
+// The whole width D for rows 0..MR-1: tiles of 8 NV columns, then single vectors, then the last
+// D % 8 columns one by one. The value rows of block 'ahead' are requested a few per tile.
+template <int MR, int NV>
+REFMATH_INLINE void pv_rows(idx n, idx D, const float* P, idx ldp, const KeyBlock& blk,
+                            const float* alpha, float* U, const KeyBlock& ahead, bool pf) {
+    const idx tiles = D / (8 * NV);
+    const idx per_tile = tiles > 0 ? (ahead.n + tiles - 1) / tiles : 0;
+    idx next = pf ? 0 : ahead.n;  // the next row of 'ahead' to request
+    idx d = 0;
+    for (; d + 8 * NV <= D; d += 8 * NV) {
+        for (const idx until = std::min(ahead.n, next + per_tile); next < until; ++next)
+            prefetch_row(ahead.v[next], D);
+        pv_tile<MR, NV>(n, d, P, ldp, blk, alpha, U, D);
+    }
+    for (; next < ahead.n; ++next) prefetch_row(ahead.v[next], D);
+    for (; d + 8 <= D; d += 8) pv_tile<MR, 1>(n, d, P, ldp, blk, alpha, U, D);
+    for (; d < D; ++d)
+        for (int r = 0; r < MR; ++r) {
+            float s = 0.0f;
+            for (idx j = 0; j < n; ++j) s += P[r * ldp + j] * blk.v[j][d];
+            U[r * D + d] = alpha[r] * U[r * D + d] + s;
+        }
+}
+
+// Fold one block of keys into the state (U, m, l) of the R query heads of one group (qs: their
+// rows, scaled by scale * log2(e)): S = Q K^T (R x n, base 2), the online softmax over the block
+// (F2), then U = alpha U + P V. Rows go four at a time (the tiles that suit GQA's usual 4 or 8
+// heads per group), then two, then one, each shape with 8 accumulators.
+REFMATH_MULTIVERSION
+void fold_block(idx R, idx D, const float* qs, const KeyBlock& blk, const KeyBlock& ahead, float* S,
+                float* m, float* l, float* alpha, float* U) {
+    constexpr idx lds = kBlock + kPad;
+    const idx n = blk.n;
+    idx r = 0;
+    for (; r + 4 <= R; r += 4) score_rows<4, 2>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r + 2 <= R; r += 2) score_rows<2, 4>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r < R; ++r) score_rows<1, 8>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    online_softmax_fold(R, n, S, lds, m, l, alpha);
+    r = 0;
+    for (; r + 4 <= R; r += 4)
+        pv_rows<4, 2>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+    for (; r + 2 <= R; r += 2)
+        pv_rows<2, 4>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+    for (; r < R; ++r) pv_rows<1, 8>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
 }
 
 // Where sequence b's keys are. A cache is cut into 'units' (keys, or pages) that splits divide;
-// for_each_run calls run(k, v, n) for each contiguous run of n keys of head g in units [u0, u1).
+// cursor(b, g, u0, u1) walks the keys of head g in units [u0, u1), and its fill(blk) puts the next
+// (up to) kBlock of them into blk (blk.n = 0 once they are all taken).
 struct ContiguousCache {
     const float *k, *v;
     idx t_max, kv_heads, D;
     const std::int64_t* lengths;
 
+    struct Cursor {
+        const float *k, *v;
+        idx left, D;
+        void fill(KeyBlock& blk) {
+            blk.n = std::min(kBlock, left);
+            for (idx j = 0; j < blk.n; ++j) {
+                blk.k[j] = k + j * D;
+                blk.v[j] = v + j * D;
+            }
+            blk.pad();
+            left -= blk.n;
+            k += blk.n * D;
+            v += blk.n * D;
+        }
+    };
+
     idx units(idx b) const { return lengths[b]; }
-    template <class Run>
-    void for_each_run(idx b, idx g, idx u0, idx u1, Run&& run) const {
+    Cursor cursor(idx b, idx g, idx u0, idx u1) const {
         const idx offset = ((b * kv_heads + g) * t_max + u0) * D;
-        run(k + offset, v + offset, u1 - u0);
+        return Cursor{k + offset, v + offset, u1 - u0, D};
     }
 };
 
@@ -101,31 +213,56 @@ struct PagedCache {
     const std::int64_t* lengths;
 
     idx units(idx b) const { return (lengths[b] + page_size - 1) / page_size; }
-    idx filled(idx b, idx i) const { return std::min(page_size, static_cast<idx>(lengths[b]) - i * page_size); }
-    template <class Run>
-    void for_each_run(idx b, idx g, idx u0, idx u1, Run&& run) const {
-        for (idx i = u0; i < u1; ++i) {
-            if (i + 1 < u1) {  // pages lie anywhere in the pool: request the next one in advance
-                const idx next = (table[b * max_pages + i + 1] * kv_heads + g) * page_size * D;
-                const idx rows = filled(b, i + 1);
-                tile::prefetch_rows(k + next, D, D, 0, rows);
-                tile::prefetch_rows(v + next, D, D, 0, rows);
-            }
-            const idx offset = (table[b * max_pages + i] * kv_heads + g) * page_size * D;
-            run(k + offset, v + offset, filled(b, i));  // only the filled slots: the rest may hold anything
+
+    // Only the filled slots of each page are read: the rest may hold anything.
+    struct Cursor {
+        const PagedCache* cache;
+        idx b, g, page, end, slot, filled;  // logical page, one past the last, slot in the page
+        const float *k, *v;                 // the current page's rows for head g
+
+        void open(idx i) {
+            page = i;
+            slot = 0;
+            if (page >= end) return;
+            const PagedCache& c = *cache;
+            filled = std::min(c.page_size, static_cast<idx>(c.lengths[b]) - page * c.page_size);
+            const idx offset = (c.table[b * c.max_pages + page] * c.kv_heads + g) * c.page_size * c.D;
+            k = c.k + offset;
+            v = c.v + offset;
         }
+        void fill(KeyBlock& blk) {
+            const idx D = cache->D;
+            blk.n = 0;
+            while (blk.n < kBlock && page < end) {
+                const idx take = std::min(kBlock - blk.n, filled - slot);
+                for (idx j = 0; j < take; ++j) {
+                    blk.k[blk.n + j] = k + (slot + j) * D;
+                    blk.v[blk.n + j] = v + (slot + j) * D;
+                }
+                blk.n += take;
+                slot += take;
+                if (slot == filled) open(page + 1);
+            }
+            blk.pad();
+        }
+    };
+
+    Cursor cursor(idx b, idx g, idx u0, idx u1) const {
+        Cursor c{this, b, g, u0, u1, 0, 0, nullptr, nullptr};
+        c.open(u0);
+        return c;
     }
 };
-
-// How many splits: enough work items for two per thread (so that uneven items even out), but no
-// split shorter than kMinKeysPerSplit keys, where the fixed cost of a work item would start to
-// show. A requested count is used as given, except that more splits than the longest sequence has
+// How many splits: enough work items for kItemsPerThread per thread, so that uneven items even out,
+// and so does a thread that the operating system pauses for a while (another process on the same
+// cores): the others take its share of the items meanwhile. But no split shorter than
+// kMinKeysPerSplit keys, where the fixed cost of a work item would start to show. A requested count is used as given, except that more splits than the longest sequence has
 // units would only add empty ones, and that it is capped at kMaxSplits.
 idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_per_min_split) {
     const idx most = std::clamp<idx>(longest_units, 1, kMaxSplits);
     if (requested > 0) return std::min(requested, most);
     if (work_items == 0) return 1;
-    const idx want = (2 * tile::max_threads() + work_items - 1) / work_items;
+    const idx want = (kItemsPerThread * tile::max_threads() + work_items - 1) / work_items;
     return std::clamp<idx>(want, 1, std::max<idx>(1, longest_units / units_per_min_split));
 }
 
@@ -141,7 +278,7 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     const idx stride = D + 2;
     std::vector<float> partial(static_cast<std::size_t>(s.batch * s.heads * splits * stride));
     const int threads = tile::max_threads();
-    const idx per_thread = tile::padded_floats(R * kBlock + 2 * R * D + 3 * R);
+    const idx per_thread = tile::padded_floats(R * (kBlock + kPad) + 2 * R * D + 3 * R);
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     const float c = s.scale * tile::kLog2e;
     float* part = partial.data();
@@ -154,44 +291,36 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
         const idx b = t / (s.kv_heads * splits), g = (t / splits) % s.kv_heads, sp = t % splits;
         const idx n = cache.units(b), chunk = (n + splits - 1) / splits;
         const idx u0 = std::min(n, sp * chunk), u1 = std::min(n, u0 + chunk);
-        float* S = w + tile::thread_id() * per_thread;  // R x kBlock scores
-        float* U = S + R * kBlock;                      // R x D unnormalised outputs
-        float* PV = U + R * D;                          // R x D: one block's P V
-        float* m = PV + R * D;
+        float* qs = w + tile::thread_id() * per_thread;  // R x D: the group's queries, scaled
+        float* S = qs + R * D;                             // R x (kBlock + kPad) scores
+        float* U = S + R * (kBlock + kPad);                // R x D unnormalised outputs
+        float* m = U + R * D;
         float* l = m + R;
         float* alpha = l + R;
+        // The group's heads are consecutive rows of q. Scaling them once here, to base 2 (the
+        // exponentials are 2^x), saves a multiplication per score.
+        const float* qg = q + (b * s.heads + g * R) * D;
+        for (idx i = 0; i < R * D; ++i) qs[i] = qg[i] * c;
         std::fill(U, U + R * D, 0.0f);
         std::fill(m, m + R, kNegInf);
         std::fill(l, l + R, 0.0f);
-        const float* qg = q + (b * s.heads + g * R) * D;  // the group's heads are consecutive rows
-        // Cut the item's runs into blocks of kBlock keys (a long run into several, short pages
-        // gathered into one) and fold each block.
-        KeyRun block[kBlock];
-        idx n_runs = 0, filled = 0;
-        auto flush = [&]() {
-            if (n_runs > 0) fold_block(R, D, c, qg, block, n_runs, S, m, l, U, PV, alpha);
-            n_runs = filled = 0;
-        };
-        cache.for_each_run(b, g, u0, u1, [&](const float* k, const float* v, idx len) {
-            while (len > 0) {
-                const idx take = std::min(len, kBlock - filled);
-                block[n_runs++] = KeyRun{k, v, take};
-                filled += take;
-                k += take * D;
-                v += take * D;
-                len -= take;
-                if (filled == kBlock) {
-                    // The run goes on past this block: request its next rows now, so that they
-                    // arrive while this block is folded (the tile products prefetch only within
-                    // their block).
-                    const idx ahead = std::min(len, tile::kPrefetchRows);
-                    tile::prefetch_rows(k, D, D, 0, ahead);
-                    tile::prefetch_rows(v, D, D, 0, ahead);
-                    flush();
+        // A ring of kAhead + 1 blocks: block i is folded while block i + kAhead, already located,
+        // is requested from memory. The first kAhead blocks are requested here.
+        KeyBlock ring[kAhead + 1];
+        auto cursor = cache.cursor(b, g, u0, u1);
+        for (idx i = 0; i <= kAhead; ++i) {
+            cursor.fill(ring[i]);
+            if (i < kAhead)
+                for (idx j = 0; j < ring[i].n; ++j) {
+                    prefetch_row(ring[i].k[j], D);
+                    prefetch_row(ring[i].v[j], D);
                 }
-            }
-        });
-        flush();
+        }
+        for (idx i = 0; ring[i % (kAhead + 1)].n > 0; ++i) {
+            KeyBlock& blk = ring[i % (kAhead + 1)];
+            fold_block(R, D, qs, blk, ring[(i + kAhead) % (kAhead + 1)], S, m, l, alpha, U);
+            cursor.fill(blk);  // becomes block i + kAhead + 1
+        }
         for (idx r = 0; r < R; ++r) {
             float* dst = part + ((b * s.heads + g * R + r) * splits + sp) * stride;
             std::copy(U + r * D, U + (r + 1) * D, dst);
