@@ -23,6 +23,7 @@ from refmath._validate import (
     float_array,
     int_array,
 )
+from refmath.ffn import matmul_rows
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
@@ -144,11 +145,13 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
-    s = (q @ np.swapaxes(k, -1, -2)) * scale
+    # (tau Q) K^T rather than tau (Q K^T): the same scores, scaling the (t_q, d_k) queries instead
+    # of the larger (t_q, t_k) score matrix
+    s = (q * scale) @ np.swapaxes(k, -1, -2)
     if mask is not None:
         mask = float_array("mask", mask)
         _check_broadcasts_to("mask", mask, s.shape, "the scores q k^T")
-        s = s + mask.astype(s.dtype, copy=False)
+        s += mask.astype(s.dtype, copy=False)  # in place: s is a fresh (..., t_q, t_k) array
     a, _ = softmax_forward(s)
     weights = a
     if dropout_mask is not None:
@@ -262,7 +265,7 @@ def _check_params(params: dict, h: int, g: int, d: int, d_ctx: int, cross: bool)
 
 
 def _linear(x, params, w: str, b: str):
-    y = x @ params[w]
+    y = matmul_rows(x, params[w])
     return y + params[b] if b in params else y
 
 
@@ -358,7 +361,7 @@ def mha_backward(dout, cache: MhaCache) -> dict:
     dy = dout[None] if unbatched else dout
     grads: dict = {}
     _linear_grads(heads_out, dy, grads, "w_o", "b_o", params)
-    do = _split_heads(dy @ params["w_o"].T, h)
+    do = _split_heads(matmul_rows(dy, params["w_o"].T), h)
     dqh, dk_rep, dv_rep = sdpa_backward(do, attn)
     b, _, s, d_h = dk_rep.shape
     dq = _merge_heads(dqh)
@@ -368,14 +371,14 @@ def mha_backward(dout, cache: MhaCache) -> dict:
     if "w_qkv" in params:
         dqkv = np.concatenate([dq, dk, dv], axis=-1)
         _linear_grads(x, dqkv, grads, "w_qkv", "b_qkv", params)
-        dx = dqkv @ params["w_qkv"].T
+        dx = matmul_rows(dqkv, params["w_qkv"].T)
     else:
         source = x if context is None else context
         _linear_grads(x, dq, grads, "w_q", "b_q", params)
         _linear_grads(source, dk, grads, "w_k", "b_k", params)
         _linear_grads(source, dv, grads, "w_v", "b_v", params)
-        dx = dq @ params["w_q"].T
-        dsource = dk @ params["w_k"].T + dv @ params["w_v"].T
+        dx = matmul_rows(dq, params["w_q"].T)
+        dsource = matmul_rows(dk, params["w_k"].T) + matmul_rows(dv, params["w_v"].T)
         if context is None:
             dx = dx + dsource
         else:

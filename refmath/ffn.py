@@ -42,6 +42,18 @@ def _check_bias(b, b_name, w, w_name):
     return b
 
 
+def matmul_rows(x, w):
+    """``x @ w`` for ``x`` of shape ``(..., d_in)``, computed as one 2-D matrix product.
+
+    Every row goes through the same ``w``, so the leading dimensions fold into one (the reshapes are
+    free for contiguous ``x``): a single BLAS call on a ``(rows, d_in)`` matrix. For a 3-D ``x``
+    NumPy would instead run one product per batch entry, which with 2 BLAS threads cost up to twice
+    the CPU time at (8, 256, d) inputs.
+    """
+    rows = math.prod(x.shape[:-1])  # not -1: that cannot be resolved when d_in is 0
+    return (x.reshape(rows, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[1],))
+
+
 class LinearCache(NamedTuple):
     x: np.ndarray  # the input, (..., d_in)
     w: np.ndarray  # (d_in, d_out)
@@ -58,7 +70,7 @@ def linear_forward(x, w, b=None):
     ``y`` is ``(..., d_out)``. Returns ``(y, cache)``.
     """
     x, w, b = _check_linear(x, w, b)
-    y = x @ w
+    y = matmul_rows(x, w)
     if b is not None:
         y = y + b
     return y, LinearCache(x, w, b is not None)
@@ -74,9 +86,9 @@ def linear_backward(dout, cache: LinearCache):
         dx = dy\,W^\top,\quad dW = \sum_{\text{rows}} x^\top dy,\quad db = \sum_{\text{rows}} dy
     """
     x, w, has_bias = cache
-    dx = dout @ w.T
     x_rows = x.reshape(-1, w.shape[0])
     dout_rows = dout.reshape(-1, w.shape[1])
+    dx = matmul_rows(dout, w.T)
     dw = x_rows.T @ dout_rows
     db = dout_rows.sum(axis=0) if has_bias else None
     return dx, dw, db
@@ -153,7 +165,9 @@ def gelu_forward(x, approximate: bool = False):
     """
     x = float_array("x", x)
     if approximate:
-        gate = np.tanh(_SQRT_2_OVER_PI * (x + _GELU_TANH_CUBIC * x**3))
+        # x * x * x, not x**3: NumPy computes a float32 power with a general pow() per element,
+        # about 30x slower than two multiplications (21 ms against 0.7 ms for 2M entries).
+        gate = np.tanh(_SQRT_2_OVER_PI * (x + _GELU_TANH_CUBIC * (x * x * x)))
         y = 0.5 * x * (1.0 + gate)
     else:
         gate = standard_normal_cdf(x)
@@ -177,7 +191,7 @@ def gelu_backward(dout, cache: GELUCache):
     x, gate, approximate = cache
     if approximate:
         dgate = (1.0 - gate * gate) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_CUBIC * x * x)
-        local = 0.5 * (1.0 + gate) + 0.5 * x * dgate
+        local = 0.5 * (1.0 + gate + x * dgate)  # the formula's two halves share the factor 1/2
     else:
         local = gate + x * (_INV_SQRT_2PI * np.exp(-0.5 * x * x))
     return dout * local
@@ -191,7 +205,8 @@ def sigmoid(x) -> np.ndarray:
     """
     x = float_array("x", x)
     e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    # the two branches share the denominator 1 + e: one division instead of two
+    return np.where(x >= 0, 1.0, e) / (1.0 + e)
 
 
 class SiLUCache(NamedTuple):
@@ -330,10 +345,10 @@ def swiglu_forward(x, w_gate, w_up, w_down):
     w_down = float_array("w_down", w_down)
     check_ndim("w_down", w_down, 2, "(d_f, d_out)")
     check_axis("w_down", w_down, 0, w_gate.shape[1], f"w_gate.shape = {w_gate.shape} (d_f)")
-    g, gate = silu_forward(x @ w_gate)
-    up = x @ w_up
+    g, gate = silu_forward(matmul_rows(x, w_gate))
+    up = matmul_rows(x, w_up)
     hidden = g * up
-    return hidden @ w_down, SwiGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
+    return matmul_rows(hidden, w_down), SwiGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
 
 
 def swiglu_backward(dout, cache: SwiGLUCache):
@@ -352,14 +367,14 @@ def swiglu_backward(dout, cache: SwiGLUCache):
     d, d_f = w_gate.shape
     dout_rows = dout.reshape(-1, w_down.shape[1])
     dw_down = hidden.reshape(-1, d_f).T @ dout_rows
-    dm = dout @ w_down.T
+    dm = matmul_rows(dout, w_down.T)
     s = gate.x * gate.sig  # SiLU(g), recomputed instead of cached
     dg = silu_backward(dm * up, gate)
     du = dm * s
     x_rows = x.reshape(-1, d)
     dw_gate = x_rows.T @ dg.reshape(-1, d_f)
     dw_up = x_rows.T @ du.reshape(-1, d_f)
-    dx = dg @ w_gate.T + du @ w_up.T
+    dx = matmul_rows(dg, w_gate.T) + matmul_rows(du, w_up.T)
     return dx, dw_gate, dw_up, dw_down
 
 

@@ -31,7 +31,9 @@ def _shifted_exp(x: np.ndarray):
     """
     m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isneginf(m), 0.0, m)
-    return np.exp(x - m), m
+    shifted = x - m
+    # exp in place: x - m is a fresh array of our own, and attention's score tensors are large
+    return np.exp(shifted, out=shifted), m
 
 
 class SoftmaxCache(NamedTuple):
@@ -56,8 +58,8 @@ def softmax_forward(x):
     total = e.sum(axis=-1, keepdims=True)
     # total == 0 only on fully masked rows (otherwise the max entry contributes exp(0) = 1); dividing
     # by 1 there keeps those rows at exactly 0.
-    a = e / np.where(total == 0, 1.0, total)
-    return a, SoftmaxCache(a)
+    e /= np.where(total == 0, 1.0, total)  # normalise in place: e is ours, and no copy is needed
+    return e, SoftmaxCache(e)
 
 
 def softmax_backward(dout, cache: SoftmaxCache):
