@@ -30,12 +30,12 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_ndim
+from refmath.losses import IGNORE_INDEX
 
 # ---- the tokenizer -------------------------------------------------------------------------------
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
-IGNORE_INDEX = -100  # a target the models' cross-entropy leaves out (padding)
 REPLACEMENT_CHAR = "\ufffd"  # what <unk> decodes to: Unicode's own "unknown character" mark
 
 

@@ -44,7 +44,6 @@ import numpy as np
 
 from refmath._validate import check_axis, check_ndim, float_array
 from refmath.softmax import (
-    OnlineSoftmaxState,
     online_softmax_block,
     online_softmax_empty,
     online_softmax_logsumexp,

@@ -22,6 +22,9 @@ class CrossEntropyCache(NamedTuple):
     label_smoothing: float
 
 
+IGNORE_INDEX = -100  # the default target value that is left out of the loss (padding)
+
+
 def _check_targets(targets, logits, ignore_index):
     targets = np.asarray(targets)
     if not np.issubdtype(targets.dtype, np.integer):
@@ -44,7 +47,7 @@ def _check_targets(targets, logits, ignore_index):
     return targets
 
 
-def cross_entropy_forward(logits, targets, ignore_index: int = -100, loss_mask=None,
+def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, loss_mask=None,
                           label_smoothing: float = 0.0):
     r"""Mean token cross-entropy of the softmax of ``logits`` (catalogue L2, L4, L5).
 

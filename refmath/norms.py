@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_axis, check_min_ndim, float_array
+from refmath._validate import check_min_ndim, float_array
 from refmath.registry import OpCase, register_case
 
 

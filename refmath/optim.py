@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Callable
 
 import numpy as np
 
@@ -112,7 +111,7 @@ class Optimizer:
             self._update(name, p, grads[name], lr, decays[name])
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray, lr: float, wd: float) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each optimiser defines its own update rule
 
     def _check(self, params, grads) -> dict[str, np.ndarray]:
         for name, p in params.items():

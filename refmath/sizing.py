@@ -594,10 +594,10 @@ def run_sizes(args: argparse.Namespace) -> int:
         mark = "*" if row.kind == own else " "
         print(f"{mark} {row.label:<26} {format_bytes(row.bytes_per_token):>12} "
               f"{format_bytes(row.total):>12} {mha / row.total:>16.2f}x", file=out)
-    print(f"  (* this configuration's own attention)", file=out)
+    print("  (* this configuration's own attention)", file=out)
     if not config.is_mla and latent is None:
-        print(f"  the MLA row is hypothetical here: DeepSeek-V2's proportions d_c = 4 d_h, "
-              f"d_R = d_h/2 (set --latent-dim, --rope-dim)", file=out)
+        print("  the MLA row is hypothetical here: DeepSeek-V2's proportions d_c = 4 d_h, "
+              "d_R = d_h/2 (set --latent-dim, --rope-dim)", file=out)
     if config.encoder_layers:
         print("  decoder self-attention only: cross-attention also keeps the encoder's K and V",
               file=out)

@@ -3,7 +3,6 @@
 Lessons are stored as py:percent scripts (see README); jupytext turns each into a notebook and
 nbclient executes it in a fresh kernel with the Agg backend, so a cell that raises fails the test.
 """
-import os
 from pathlib import Path
 
 import pytest

@@ -54,7 +54,8 @@ from refmath.embedding import embedding_forward
 from refmath.ffn import linear_forward
 from refmath.inference.generate import check_sampling_args, next_token_distribution, sample_token
 from refmath.models import decoder, gpt, mla
-from refmath.models.decoder import check_tokens, merge_heads, split_heads
+from refmath.models.batch import check_tokens
+from refmath.models.decoder import merge_heads, split_heads
 from refmath.norms import layernorm_forward, rmsnorm_forward
 from refmath.positions import learned_positions_forward, rope_forward
 
@@ -108,7 +109,7 @@ class _Contiguous:
     counts: PairCounts
 
     def _arrays(self) -> tuple:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each cache lists its own arrays
 
     @property
     def n_layers(self) -> int:

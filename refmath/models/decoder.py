@@ -40,7 +40,6 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_ndim, int_array
 from refmath.attention import SdpaCache, causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (
@@ -52,11 +51,11 @@ from refmath.ffn import (
     swiglu_forward,
     swiglu_hidden_size,
 )
-from refmath.losses import CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import RoPECache, rope_backward, rope_forward
 
-IGNORE_INDEX = -100  # targets equal to this are not counted (padding), as in cross_entropy_forward
 
 # ---- configuration -------------------------------------------------------------------------------
 
@@ -386,61 +385,6 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
 
 
-# ---- batches -------------------------------------------------------------------------------------
-
-BATCH_KEYS = ("tokens", "targets", "loss_mask")
-
-
-def check_tokens(name: str, tokens, config) -> np.ndarray:
-    """Token ids as an int ``(B, T)`` array with ``1 <= T <= max_seq_len`` and ids in ``[0, V)``."""
-    tokens = int_array(name, tokens, config.vocab_size)
-    check_ndim(name, tokens, 2, "(B, T)")
-    if tokens.size == 0:
-        raise ValueError(f"{name} must hold at least one token, got shape {tokens.shape}")
-    if tokens.shape[1] > config.max_seq_len:
-        raise ValueError(f"{name} has T = {tokens.shape[1]} tokens (shape {tokens.shape}), more "
-                         f"than max_seq_len = {config.max_seq_len}")
-    return tokens
-
-
-def check_batch(batch, config):
-    """Return ``(tokens, targets, loss_mask)`` from a batch dict, checked (``loss_mask`` may be None).
-
-    ``targets`` are ids in ``[0, V)`` or :data:`IGNORE_INDEX`; ``loss_mask`` holds 0/1 (L5).
-    """
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a dict with keys {BATCH_KEYS[:2]} (and optionally "
-                        f"'loss_mask'), got {type(batch).__name__}")
-    unknown = sorted(set(batch) - set(BATCH_KEYS))
-    if unknown:
-        raise ValueError(f"batch has unexpected keys {unknown} (allowed: {list(BATCH_KEYS)})")
-    for key in BATCH_KEYS[:2]:
-        if key not in batch:
-            raise ValueError(f"batch is missing {key!r} (has keys {sorted(batch)})")
-    tokens = check_tokens("batch['tokens']", batch["tokens"], config)
-    targets = np.asarray(batch["targets"])
-    if not np.issubdtype(targets.dtype, np.integer):
-        raise TypeError(f"batch['targets'] must be an integer array, got dtype {targets.dtype} "
-                        f"with shape {targets.shape}")
-    if targets.shape != tokens.shape:
-        raise ValueError(f"batch['targets'] must have the shape of batch['tokens'] {tokens.shape}, "
-                         f"got {targets.shape}")
-    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= config.vocab_size))
-    if bad.any():
-        raise ValueError(f"batch['targets'] must lie in [0, {config.vocab_size}) or equal "
-                         f"{IGNORE_INDEX}, got {targets[bad][:5]} (shape {targets.shape})")
-    loss_mask = batch.get("loss_mask")
-    if loss_mask is not None:
-        loss_mask = np.asarray(loss_mask)
-        if loss_mask.shape != tokens.shape:
-            raise ValueError(f"batch['loss_mask'] must have the shape of batch['tokens'] "
-                             f"{tokens.shape}, got {loss_mask.shape}")
-        if not np.all((loss_mask == 0) | (loss_mask == 1)):
-            raise ValueError(f"batch['loss_mask'] must hold only 0 and 1, got values "
-                             f"{np.unique(loss_mask)[:10]}")
-    return tokens, targets, loss_mask
-
-
 # ---- blocks: the pre-norm residual sublayer, the FFN, a layer --------------------------------------
 
 
@@ -600,7 +544,7 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
 def lm_forward(params, batch, config, attention: AttentionOps, train=False, rng=None):
     """Mean cross-entropy of the next-token predictions (L2, L5): ``(loss, cache)``."""
     check_params(params, config, attention)
-    tokens, targets, loss_mask = check_batch(batch, config)
+    tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = decoder_forward(params, tokens, config, attention, train, rng)
     loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
     return loss, cache._replace(loss=ce)

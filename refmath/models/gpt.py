@@ -28,11 +28,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_ndim, float_array, int_array
+from refmath._validate import float_array
 from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
-from refmath.losses import CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import (
     LearnedPositionsCache,
@@ -40,9 +41,7 @@ from refmath.positions import (
     learned_positions_forward,
 )
 
-IGNORE_INDEX = -100  # a target equal to this is not counted in the loss (padding)
 NORM_POSITIONS = ("pre", "post")
-BATCH_KEYS = ("tokens", "targets", "loss_mask")
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -214,48 +213,6 @@ def _sub(params: dict, prefix: str, keys) -> dict:
 
 
 # ---- batch checks --------------------------------------------------------------------------------
-
-def _check_tokens(name: str, tokens, config: GPTConfig) -> np.ndarray:
-    tokens = int_array(name, tokens, config.vocab_size)
-    check_ndim(name, tokens, 2, "(B, T)")
-    if 0 in tokens.shape:
-        raise ValueError(f"{name} must hold at least one token per row and one row, got shape {tokens.shape}")
-    if tokens.shape[1] > config.max_seq_len:
-        raise ValueError(f"{name} has T = {tokens.shape[1]} tokens (shape {tokens.shape}), more than "
-                         f"max_seq_len = {config.max_seq_len} positions the model has")
-    return tokens
-
-
-def _check_batch(batch, config: GPTConfig):
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a dict with keys {BATCH_KEYS[:2]} (and optionally "
-                        f"'loss_mask'), got {type(batch).__name__}")
-    for key in ("tokens", "targets"):
-        if key not in batch:
-            raise ValueError(f"batch is missing {key!r} (has {sorted(batch)})")
-    unknown = sorted(set(batch) - set(BATCH_KEYS))
-    if unknown:
-        raise ValueError(f"batch has unknown keys {unknown}; a GPT batch has {BATCH_KEYS}")
-    tokens = _check_tokens("batch['tokens']", batch["tokens"], config)
-    targets = np.asarray(batch["targets"])
-    if not np.issubdtype(targets.dtype, np.integer):
-        raise TypeError(f"batch['targets'] must be an integer array, got dtype {targets.dtype} "
-                        f"with shape {targets.shape}")
-    if targets.shape != tokens.shape:
-        raise ValueError(f"batch['targets'] must have the shape of batch['tokens'] {tokens.shape}, "
-                         f"got {targets.shape}")
-    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= config.vocab_size))
-    if bad.any():
-        raise ValueError(f"batch['targets'] must lie in [0, {config.vocab_size}) or equal "
-                         f"{IGNORE_INDEX}, got {np.unique(targets[bad])[:6]} (shape {targets.shape})")
-    loss_mask = batch.get("loss_mask")
-    if loss_mask is not None:
-        loss_mask = np.asarray(loss_mask)
-        if loss_mask.shape != tokens.shape:
-            raise ValueError(f"batch['loss_mask'] must have the shape of batch['tokens'] "
-                             f"{tokens.shape}, got {loss_mask.shape}")
-    return tokens, targets, loss_mask
-
 
 # ---- dropout -------------------------------------------------------------------------------------
 
@@ -433,7 +390,7 @@ def forward(params: dict, batch: dict, config: GPTConfig, train: bool = False, r
     Returns ``(loss, cache)``: ``loss`` is a 0-d array in the parameters' dtype.
     """
     _check_params(params, config)
-    tokens, targets, loss_mask = _check_batch(batch, config)
+    tokens, targets, loss_mask = check_lm_batch(batch, config)
     if train and config.dropout > 0:
         if not isinstance(rng, np.random.Generator):
             raise ValueError(f"train=True with dropout = {config.dropout} needs rng, a "
@@ -473,5 +430,5 @@ def backward(cache: GPTCache) -> dict[str, np.ndarray]:
 def logits(params: dict, tokens, config: GPTConfig) -> np.ndarray:
     """Next-token logits ``(B, T, vocab_size)`` for int ``tokens`` ``(B, T)``, evaluation mode."""
     _check_params(params, config)
-    tokens = _check_tokens("tokens", tokens, config)
+    tokens = check_tokens("tokens", tokens, config)
     return _logits_forward(params, tokens, config)[0]

@@ -54,13 +54,13 @@ import numpy as np
 from refmath.attention import SdpaCache, causal_mask, sdpa_backward, sdpa_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
+from refmath.models.batch import check_tokens
 from refmath.models.decoder import (
     AttentionOps,
     DecoderCache,
     check_int_field,
     check_params,
     check_shared_fields,
-    check_tokens,
     decoder_forward,
     decoder_param_shapes,
     ffn_width,
@@ -196,7 +196,7 @@ def mla_shapes(config: MLAConfig) -> dict:
 def mla_forward(x, params: dict, config: MLAConfig):
     r"""Causal multi-head latent attention, expanded path (catalogue K8, K9; equations in the module
     docstring). ``x`` is ``(B, T, d)``; returns ``(Y, cache)`` with ``Y`` ``(B, T, d)``."""
-    h, d_k, eps, base = config.n_heads, config.d_k, config.norm_eps, config.rope_base
+    h, eps, base = config.n_heads, config.norm_eps, config.rope_base
     # Keys and values: one latent row per token, expanded per head; one rotary key for all heads.
     c, kv_down = linear_forward(x, params["w_dkv"])
     kv_norm = None

@@ -49,11 +49,10 @@ from refmath._validate import check_ndim, float_array, int_array
 from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward, padding_mask
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
-from refmath.losses import CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
 
-IGNORE_INDEX = -100  # the target value that cross_entropy_forward leaves out of the loss
 
 _ATTN = ("w_q", "w_k", "w_v", "w_o")
 _LN = ("gamma", "beta")

@@ -359,7 +359,7 @@ GOOD = {"tokens": np.array([[1, 2, 3], [4, 5, 6]]), "targets": np.array([[2, 3, 
     ([GOOD["tokens"], GOOD["targets"]], TypeError, r"batch must be a dict"),
     (_bad(GOOD, tokens=None), ValueError, r"batch is missing 'tokens'"),
     (_bad(GOOD, targets=None), ValueError, r"batch is missing 'targets'"),
-    (_bad(GOOD, mask=np.ones((2, 3))), ValueError, r"unknown keys \['mask'\]"),
+    (_bad(GOOD, mask=np.ones((2, 3))), ValueError, r"unexpected keys \['mask'\]"),
     (_bad(GOOD, tokens=GOOD["tokens"] * 1.0), TypeError, r"batch\['tokens'\] must be an integer array"),
     (_bad(GOOD, tokens=GOOD["tokens"][0]), ValueError, r"batch\['tokens'\] must have 2 dimensions"),
     (_bad(GOOD, tokens=GOOD["tokens"] + 10), ValueError, r"batch\['tokens'\] must lie in \[0, 13\)"),
@@ -374,7 +374,7 @@ GOOD = {"tokens": np.array([[1, 2, 3], [4, 5, 6]]), "targets": np.array([[2, 3, 
      r"batch\['targets'\] must lie in \[0, 13\) or equal -100"),
     (_bad(GOOD, targets=-GOOD["targets"]), ValueError, r"batch\['targets'\] must lie in"),
     (_bad(GOOD, loss_mask=np.ones((3, 2))), ValueError, r"batch\['loss_mask'\] must have the shape"),
-    (_bad(GOOD, loss_mask=np.full((2, 3), 2)), ValueError, r"loss_mask must hold only 0 and 1"),
+    (_bad(GOOD, loss_mask=np.full((2, 3), 2)), ValueError, r"batch\['loss_mask'\] must hold only 0 and 1"),
 ])
 def test_bad_batches_name_the_key_and_shapes(batch, error, message):
     params = gpt.init_params(SMALL)
