@@ -15,43 +15,69 @@ from refmath.registry import all_cases
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
 F = torch.nn.functional
 
+
+def _softmax(x):
+    """On a row of only -inf torch.softmax gives NaN where refmath gives zeros with zero gradient:
+    clamp -inf to the most negative float (clamp passes no gradient to clamped entries), then zero
+    the masked entries."""
+    return torch.softmax(x.clamp(min=torch.finfo(x.dtype).min), -1) * ~torch.isneginf(x)
+
+
+def _sdpa(q, k, v, mask=None, dropout_mask=None, scale=None):
+    """torch's own SDPA, which also gives a zero row to a query that sees no key. With a dropout
+    mask the weights are formed explicitly, since torch would draw its own mask."""
+    if dropout_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale + (0.0 if mask is None else mask)
+    return (_softmax(scores) * dropout_mask) @ v
+
+
+def _mha(x, n_heads, n_kv_heads, context=None, mask=None, dropout_mask=None, **p):
+    """Projections with F.linear (refmath's (in, out) weights transposed to torch's (out, in)),
+    heads split as (..., T, n d_h) -> (..., n, T, d_h), each shared K/V head repeated for its h/g
+    query heads with repeat_interleave, heads concatenated back and projected by W_O."""
+    source = x if context is None else context
+    if "w_qkv" in p:
+        d_h = p["w_qkv"].shape[1] // (n_heads + 2 * n_kv_heads)
+        q, k, v = F.linear(x, p["w_qkv"].T, p.get("b_qkv")).split(
+            [n_heads * d_h, n_kv_heads * d_h, n_kv_heads * d_h], dim=-1)
+    else:
+        q = F.linear(x, p["w_q"].T, p.get("b_q"))
+        k = F.linear(source, p["w_k"].T, p.get("b_k"))
+        v = F.linear(source, p["w_v"].T, p.get("b_v"))
+
+    def heads(t, n):
+        return t.unflatten(-1, (n, -1)).transpose(-3, -2).repeat_interleave(n_heads // n, dim=-3)
+
+    o = _sdpa(heads(q, n_heads), heads(k, n_kv_heads), heads(v, n_kv_heads), mask, dropout_mask)
+    return F.linear(o.transpose(-3, -2).flatten(-2), p["w_o"].T, p.get("b_o"))
+
+
+def _rope(x, offset=0, base=10000.0, positions=None):
+    """RoPE as complex multiplication (LLaMA's formulation): the pair (x_2r, x_2r+1) is the complex
+    number x_2r + i x_2r+1, multiplied by e^{i p omega_r} with omega_r = base^(-2r/d_k)."""
+    if positions is None:
+        positions = torch.arange(offset, offset + x.shape[-2])
+    omega = 1.0 / base ** (torch.arange(0, x.shape[-1], 2, dtype=x.dtype) / x.shape[-1])
+    rotation = torch.polar(torch.ones((), dtype=x.dtype), torch.outer(positions.to(x.dtype), omega))
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
+    return torch.view_as_real(pairs * rotation).reshape(x.shape)
+
+
 # ---- mirrors: op name -> function of the case's inputs (as torch tensors) returning the output ----
 
 MIRRORS = {
     "layernorm": lambda x, gamma, beta: F.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-5),
     "rmsnorm": lambda x, gamma: F.rms_norm(x, x.shape[-1:], gamma, eps=1e-6),
     # ---- softmax and attention mirrors ----
-    # On a row of only -inf torch.softmax gives NaN where refmath gives zeros with zero gradient:
-    # clamp -inf to the most negative float (clamp passes no gradient to clamped entries), then zero
-    # the masked entries. Registered log_softmax rows are finite or fully masked (see refmath.softmax).
-    "softmax": lambda x: (torch.softmax(x.clamp(min=torch.finfo(x.dtype).min), -1)
-                          * ~torch.isneginf(x)),
+    "softmax": _softmax,
+    # registered log_softmax rows are finite or fully masked (see refmath.softmax)
     "log_softmax": lambda x: torch.where(
         torch.isneginf(x).all(-1, keepdim=True), 0.0,
         torch.log_softmax(x.clamp(min=torch.finfo(x.dtype).min), -1)),
-    # torch's own SDPA, which also gives a zero row to a query that sees no key; with a dropout mask
-    # the weights are formed explicitly (torch would draw its own mask).
-    "sdpa": lambda q, k, v, mask=None, dropout_mask=None, scale=None: (
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        if dropout_mask is None else
-        (MIRRORS["softmax"](q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
-                            + (0.0 if mask is None else mask)) * dropout_mask) @ v),
-    # Projections with F.linear (refmath's (in, out) weights transposed to torch's (out, in)); heads
-    # split as (..., T, n d_h) -> (..., n, T, d_h); each shared K/V head repeated for its h/g query
-    # heads with repeat_interleave; heads concatenated back and projected by W_O.
-    "mha": lambda x, n_heads, n_kv_heads, context=None, mask=None, dropout_mask=None, **p: F.linear(
-        MIRRORS["sdpa"](*[
-            t.unflatten(-1, (n, -1)).transpose(-3, -2).repeat_interleave(n_heads // n, dim=-3)
-            for t, n in zip(
-                F.linear(x, p["w_qkv"].T, p.get("b_qkv")).split(
-                    [n * p["w_qkv"].shape[1] // (n_heads + 2 * n_kv_heads)
-                     for n in (n_heads, n_kv_heads, n_kv_heads)], dim=-1)
-                if "w_qkv" in p else
-                [F.linear(x, p["w_q"].T, p.get("b_q")),
-                 F.linear(x if context is None else context, p["w_k"].T, p.get("b_k")),
-                 F.linear(x if context is None else context, p["w_v"].T, p.get("b_v"))],
-                (n_heads, n_kv_heads, n_kv_heads))
-        ], mask, dropout_mask).transpose(-3, -2).flatten(-2), p["w_o"].T, p.get("b_o")),
+    "sdpa": _sdpa,
+    "mha": _mha,
     # ---- ffn, positions, embedding and loss mirrors ----
     "linear": lambda x, w, b: F.linear(x, w.T, b),
     "relu": lambda x: F.relu(x),
@@ -64,14 +90,7 @@ MIRRORS = {
     "swiglu": lambda x, w_gate, w_up, w_down: F.linear(
         F.silu(F.linear(x, w_gate.T)) * F.linear(x, w_up.T), w_down.T),
     "learned_positions": lambda x, table, offset: x + table[offset:offset + x.shape[-2]],
-    # RoPE as complex multiplication (LLaMA's formulation): the pair (x_2r, x_2r+1) is the complex
-    # number x_2r + i x_2r+1, multiplied by e^{i p omega_r} with omega_r = base^(-2r/d_k).
-    "rope": lambda x, offset=0, base=10000.0, positions=None: torch.view_as_real(
-        torch.view_as_complex(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
-        * torch.polar(torch.ones((), dtype=x.dtype), torch.outer(
-            (torch.arange(offset, offset + x.shape[-2]) if positions is None else positions).to(x.dtype),
-            1.0 / base ** (torch.arange(0, x.shape[-1], 2, dtype=x.dtype) / x.shape[-1])))
-    ).reshape(x.shape),
+    "rope": _rope,
     "embedding": lambda ids, table, scale_by_sqrt_d: F.embedding(ids, table) * (
         table.shape[-1] ** 0.5 if scale_by_sqrt_d else 1.0),
     # a loss mask is the same as marking the masked targets with ignore_index
