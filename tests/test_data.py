@@ -215,7 +215,7 @@ def test_reversal_batches():
     src, tgt = batch["src"], batch["tgt"]
     assert src.shape == (50, 5) and tgt.shape == (50, 6)
     for row, n in enumerate(batch["src_lengths"]):
-        assert 1 <= n <= 5 and batch["tgt_lengths"][row] == n + 1
+        assert n in range(1, 6) and batch["tgt_lengths"][row] == n + 1
         np.testing.assert_array_equal(tgt[row, :n], src[row, :n][::-1])
         assert tgt[row, n] == EOS_ID
         assert (src[row, n:] == PAD_ID).all() and (tgt[row, n + 1:] == PAD_ID).all()

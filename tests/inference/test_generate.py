@@ -65,7 +65,7 @@ def test_small_temperature_approaches_greedy():
     gap = 1.7 - 1.2
     for tau in (1.0, 0.3, 0.1, 0.03):
         p = next_token_distribution(z, temperature=tau)
-        assert 1 - p[1] <= (len(z) - 1) * math.exp(-gap / tau) + 1e-15
+        assert (1 - p[1]) <= (len(z) - 1) * math.exp(-gap / tau) + 1e-15
     rng = np.random.default_rng(0)
     draws = {sample_token(next_token_distribution(z, temperature=0.01), rng) for _ in range(500)}
     assert draws == {int(np.argmax(z))}  # the bound gives 4 e^{-50}: no other token, ever
