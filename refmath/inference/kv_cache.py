@@ -54,6 +54,7 @@ from refmath.embedding import embedding_forward
 from refmath.ffn import linear_forward
 from refmath.inference.generate import check_sampling_args, next_token_distribution, sample_token
 from refmath.models import decoder, gpt, mla
+from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
 from refmath.models.decoder import merge_heads, split_heads
 from refmath.norms import layernorm_forward, rmsnorm_forward
@@ -423,26 +424,7 @@ def _spec(model, config) -> _Spec:
 
 def _check_params(params, spec: _Spec, config) -> np.dtype:
     """Exactly the model's parameter names and shapes, one floating dtype; returns that dtype."""
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = spec.param_shapes(config)
-    missing = [name for name in shapes if name not in params]
-    extra = sorted(set(params) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"params do not match the {spec.name} config: missing {missing[:6]}, "
-                         f"unexpected {extra[:6]}")
-    dtypes = set()
-    for name, shape in shapes.items():
-        value = params[name]
-        if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
-            raise TypeError(f"params[{name!r}] must be a floating-point ndarray, got "
-                            f"{type(value).__name__} {getattr(value, 'dtype', '')}")
-        if value.shape != shape:
-            raise ValueError(f"params[{name!r}] must have shape {shape}, got {value.shape}")
-        dtypes.add(value.dtype)
-    if len(dtypes) > 1:
-        raise TypeError(f"params must share one dtype, got {sorted(str(t) for t in dtypes)}")
-    return dtypes.pop()
+    return check_param_dict(params, spec.param_shapes(config))
 
 
 def _check_mla_path(mla_path) -> None:

@@ -52,6 +52,7 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import RoPECache, rope_backward, rope_forward
@@ -347,24 +348,7 @@ def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
 
 def check_params(params, config, attention: AttentionOps) -> None:
     """Require exactly the expected keys, each a floating array of the expected shape, one dtype."""
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = decoder_param_shapes(config, attention)
-    missing = [name for name in shapes if name not in params]
-    extra = sorted(set(params) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"params does not match the config: missing {missing}, unexpected {extra}")
-    dtypes = set()
-    for name, shape in shapes.items():
-        value = params[name]
-        if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
-            raise TypeError(f"params[{name!r}] must be a floating-point ndarray, got "
-                            f"{type(value).__name__} {getattr(value, 'dtype', '')}")
-        if value.shape != shape:
-            raise ValueError(f"params[{name!r}] must have shape {shape}, got {value.shape}")
-        dtypes.add(value.dtype)
-    if len(dtypes) > 1:
-        raise TypeError(f"params must share one dtype, got {sorted(str(t) for t in dtypes)}")
+    check_param_dict(params, decoder_param_shapes(config, attention))
 
 
 def param_shapes(config: DecoderConfig) -> dict:

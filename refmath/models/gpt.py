@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import float_array
 from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import (
@@ -185,26 +184,7 @@ def init_params(config: GPTConfig, seed: int = 0, dtype=np.float64) -> dict[str,
 
 
 def _check_params(params, config: GPTConfig) -> None:
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = parameter_shapes(config)
-    missing = [k for k in shapes if k not in params]
-    extra = sorted(set(params) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"params do not match the config: missing {missing[:6]}"
-                         f"{' ...' if len(missing) > 6 else ''}, unexpected {extra[:6]}")
-    dtype = None
-    for name, shape in shapes.items():
-        value = params[name]
-        if not isinstance(value, np.ndarray):
-            raise TypeError(f"params[{name!r}] must be a NumPy array, got {type(value).__name__}")
-        float_array(f"params[{name!r}]", value)
-        if value.shape != shape:
-            raise ValueError(f"params[{name!r}] must have shape {shape} for this config, got {value.shape}")
-        dtype = value.dtype if dtype is None else dtype
-        if value.dtype != dtype:
-            raise TypeError(f"every parameter must have one dtype: params[{name!r}] is {value.dtype}, "
-                            f"params['tok_emb'] is {dtype}")
+    check_param_dict(params, parameter_shapes(config))
 
 
 def _sub(params: dict, prefix: str, keys) -> dict:

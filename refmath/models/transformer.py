@@ -50,6 +50,7 @@ from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward, 
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.params import check_param_dict
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
 
@@ -183,22 +184,7 @@ def init_params(config: TransformerConfig, seed: int = 0, dtype=np.float64) -> d
 
 def _check_params(params, config: TransformerConfig) -> np.dtype:
     """Require exactly the expected names and shapes and one floating dtype; return that dtype."""
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = param_shapes(config)
-    missing = [k for k in shapes if k not in params]
-    extra = sorted(set(params) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"params do not match the config: missing {missing[:6]}, unexpected {extra[:6]}")
-    dtypes = set()
-    for name, shape in shapes.items():
-        value = float_array(f"params[{name!r}]", params[name])
-        if value.shape != shape:
-            raise ValueError(f"params[{name!r}] must have shape {shape}, got {value.shape}")
-        dtypes.add(value.dtype)
-    if len(dtypes) > 1:
-        raise TypeError(f"every parameter must have the same dtype, got {sorted(map(str, dtypes))}")
-    return dtypes.pop()
+    return check_param_dict(params, param_shapes(config))
 
 
 def _sub(params: Mapping, prefix: str) -> dict:

@@ -330,7 +330,7 @@ def test_bad_params_config_and_rng():
         decoder.forward(params, batch, tiny(tie_embeddings=True))
     with pytest.raises(ValueError, match=r"params\['layers.0.attn.w_k'\] must have shape \(16, 8\)"):
         decoder.forward({**params, "layers.0.attn.w_k": np.zeros((16, 4))}, batch, config)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="same dtype"):
         decoder.forward({**params, "tok_emb": params["tok_emb"].astype(np.float32)}, batch, config)
     with pytest.raises(TypeError, match="DecoderConfig"):
         decoder.forward(params, batch, dataclasses.asdict(config))

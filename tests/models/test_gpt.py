@@ -401,7 +401,7 @@ def test_bad_calls_and_parameters():
         gpt.forward(dict(params, pos_emb=params["pos_emb"][:4]), GOOD, SMALL)
     with pytest.raises(TypeError, match=r"params\['tok_emb'\] must be a NumPy array, got list"):
         gpt.forward(dict(params, tok_emb=params["tok_emb"].tolist()), GOOD, SMALL)
-    with pytest.raises(TypeError, match=r"one dtype: params\['ln_f.beta'\] is float32"):
+    with pytest.raises(TypeError, match=r"same dtype: params\['ln_f.beta'\] is float32"):
         gpt.forward(dict(params, **{"ln_f.beta": params["ln_f.beta"].astype(np.float32)}), GOOD, SMALL)
     with pytest.raises(TypeError, match=r"params\['ln_f.gamma'\] must be a floating-point array"):
         gpt.forward(dict(params, **{"ln_f.gamma": np.ones(8, dtype=int)}), GOOD, SMALL)
