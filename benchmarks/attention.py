@@ -7,7 +7,10 @@ torch.set_num_threads for PyTorch, and NumPy's BLAS as it is):
   its backward by autograd);
 * the dense NumPy reference refmath.attention.sdpa_forward with a causal mask (forward only). It
   holds the whole T x T score matrix, so it is skipped (with the reason printed) where its
-  temporaries would pass --dense-limit-gib.
+  temporaries would pass --dense-limit-gib. It is timed on its own, after the other two: its
+  allocations and frees of hundreds of MiB, and its BLAS threads, slow down whatever runs next to
+  or right after them (by up to 1.5x for both kernels on a 2-core machine), so it is kept out of
+  the turns in which refmath and PyTorch are timed against each other.
 
 Shapes: B = 1, H = 8, D = 64 (change with --heads/--dim), T from --lengths. "speed vs torch" is
 torch's time over refmath's (above 1: refmath is faster). "extra memory" is the peak growth of the
@@ -25,7 +28,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import fmt_bytes, interleaved_best_ms, machine_line, peak_extra_bytes, print_table
+from _common import best_ms, fmt_bytes, interleaved_best_ms, machine_line, peak_extra_bytes, print_table
 
 from refmath import kernels
 from refmath.attention import causal_mask, sdpa_forward
@@ -74,21 +77,21 @@ def main(argv=None):
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
             peers["torch"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
-        dense_ok = dense_bytes(b, h, t) <= args.dense_limit_gib * 2**30
-        if dense_ok:
-            mask = causal_mask(t, dtype=np.float32)
-            peers["numpy dense"] = lambda: sdpa_forward(q, k, v, mask=mask)
-        else:
-            notes.append(f"T={t}: dense NumPy skipped, its temporaries need "
-                         f"{fmt_bytes(dense_bytes(b, h, t))} > --dense-limit-gib {args.dense_limit_gib}")
         fwd = interleaved_best_ms(peers, args.repeats)
         extra, (o, lse) = peak_extra_bytes(peers["refmath"])
         extra = None if extra is None else max(0, extra - o.nbytes)
+        dense_ok = dense_bytes(b, h, t) <= args.dense_limit_gib * 2**30
         dense_extra = None
         if dense_ok:
-            dense_extra, (o_dense, _) = peak_extra_bytes(peers["numpy dense"])
+            mask = causal_mask(t, dtype=np.float32)
+            dense = lambda: sdpa_forward(q, k, v, mask=mask)  # noqa: E731
+            fwd["numpy dense"] = best_ms(dense, args.repeats)
+            dense_extra, (o_dense, _) = peak_extra_bytes(dense)
             dense_extra = None if dense_extra is None else max(0, dense_extra - o_dense.nbytes)
             del o_dense
+        else:
+            notes.append(f"T={t}: dense NumPy skipped, its temporaries need "
+                         f"{fmt_bytes(dense_bytes(b, h, t))} > --dense-limit-gib {args.dense_limit_gib}")
         row = [t, f"{fwd['refmath']:.1f}"]
         row += [f"{fwd['torch']:.1f}", f"{fwd['torch'] / fwd['refmath']:.2f}"] if torch else ["-", "-"]
         row += [f"{fwd['numpy dense']:.1f}" if dense_ok else "skipped", fmt_bytes(extra),

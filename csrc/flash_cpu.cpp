@@ -8,8 +8,10 @@
 //   block: nothing of size t_q x t_k, and O(t) extra memory in all (the logsumexp).
 // * Scores and weights are computed in base 2 (the scale multiplied by log2 e), so each weight is a
 //   2^x of tile::exp2_fast, a loop the compiler vectorises.
-// * Tile products read q, k, v in place: S = Q K^T by dot products of rows (tile::gemm_nt), then
-//   each tile's P V with P's entries broadcast against V's rows (tile::gemm_nn).
+// * Every tile product is one kind, C = A B with A's entries broadcast against B's rows
+//   (tile::gemm_nn). Where a product needs B^T (S = Q K^T: rows of Q against rows of K), the tile of
+//   K is first copied transposed into scratch (tile::transpose), a small cost next to the product
+//   that reads it; everything else is read in place.
 // * Tiles that the causal mask or the window hides entirely are never visited; a tile cut by the
 //   mask's edge gets -inf outside each row's visible range [lo, hi).
 //
@@ -103,6 +105,7 @@ void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i
     float* m = PV + kBlockQ * D;       // running maxima (base 2)
     float* l = m + kBlockQ;            // running normalisers
     float* alpha = l + kBlockQ;        // rescaling factors of the current tile
+    float* KT = alpha + kBlockQ;       // D x kBlockK: the key tile, transposed
     std::fill(m, m + rows, kNegInf);
     std::fill(l, l + rows, 0.0f);
     std::fill(U, U + rows * D, 0.0f);
@@ -111,7 +114,8 @@ void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i
     band.keys_of(i0, i0 + rows, lo, hi);
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx cols = std::min(kBlockK, hi - j0);
-        tile::gemm_nt(rows, cols, D, qt, D, kh + j0 * D, D, S, kBlockK);  // S = Q K^T
+        tile::transpose(cols, D, kh + j0 * D, D, KT, kBlockK);
+        tile::gemm_nn(rows, cols, D, qt, D, KT, kBlockK, S, kBlockK);  // S = Q K^T
         for (idx r = 0; r < rows; ++r) {  // scale to base 2; -inf outside the row's visible keys
             idx a, e;
             visible_range(band, i0 + r, j0, cols, a, e);
@@ -170,6 +174,7 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
     float* dV = dK + kBlockK * D;         // nk x D
     float* T = dV + kBlockK * D;          // nk x D: one tile's product, then added to dK or dV
     float* lse2 = T + kBlockK * D;        // kBlockQ
+    float* XT = lse2 + kBlockQ;           // D x kBlockQ: a tile of Q, then of dO, transposed
     std::fill(dK, dK + nk * D, 0.0f);
     std::fill(dV, dV + nk * D, 0.0f);
 
@@ -182,7 +187,8 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
         for (idx i0 = ilo; i0 < ihi; i0 += kBlockQ) {
             const idx nq = std::min(kBlockQ, ihi - i0);
             base2_lse(lse + hrow0, i0, nq, lse2);
-            tile::gemm_nt(nk, nq, D, kt, D, qh + i0 * D, D, Pt, kBlockQ);  // S^T = K Q^T
+            tile::transpose(nq, D, qh + i0 * D, D, XT, kBlockQ);
+            tile::gemm_nn(nk, nq, D, kt, D, XT, kBlockQ, Pt, kBlockQ);  // S^T = K Q^T
             for (idx jr = 0; jr < nk; ++jr) {  // P^T = 2^(c S^T - lse2) on the visible pairs
                 idx a, e;
                 band.queries_of(j0 + jr, j0 + jr + 1, a, e);
@@ -195,7 +201,8 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
             }
             tile::gemm_nn(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D);  // dV += P^T dO
             tile::add_block(nk, D, T, D, dV, D);
-            tile::gemm_nt(nk, nq, D, vt, D, doh + i0 * D, D, dSt, kBlockQ);     // dP^T = V dO^T
+            tile::transpose(nq, D, doh + i0 * D, D, XT, kBlockQ);
+            tile::gemm_nn(nk, nq, D, vt, D, XT, kBlockQ, dSt, kBlockQ);  // dP^T = V dO^T
             const float* dl = delta + hrow0 + i0;
             for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta)
                 float* srow = dSt + jr * kBlockQ;
@@ -237,6 +244,7 @@ void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, id
     float* dQ = dS + kBlockQ * kBlockK;  // nq x D
     float* T = dQ + kBlockQ * D;        // nq x D: one tile's dS K
     float* lse2 = T + kBlockQ * D;      // kBlockQ
+    float* XT = lse2 + kBlockQ;         // D x kBlockK: a tile of K, then of V, transposed
     std::fill(dQ, dQ + nq * D, 0.0f);
     base2_lse(lse + qrow0, 0, nq, lse2);
     const float* dl = delta + qrow0;
@@ -245,8 +253,10 @@ void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, id
     band.keys_of(i0, i0 + nq, lo, hi);
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx nk = std::min(kBlockK, hi - j0);
-        tile::gemm_nt(nq, nk, D, qt, D, kh + j0 * D, D, P, kBlockK);   // S = Q K^T
-        tile::gemm_nt(nq, nk, D, dot, D, vh + j0 * D, D, dS, kBlockK);  // dP = dO V^T
+        tile::transpose(nk, D, kh + j0 * D, D, XT, kBlockK);
+        tile::gemm_nn(nq, nk, D, qt, D, XT, kBlockK, P, kBlockK);   // S = Q K^T
+        tile::transpose(nk, D, vh + j0 * D, D, XT, kBlockK);
+        tile::gemm_nn(nq, nk, D, dot, D, XT, kBlockK, dS, kBlockK);  // dP = dO V^T
         for (idx r = 0; r < nq; ++r) {
             idx a, e;
             visible_range(band, i0 + r, j0, nk, a, e);
@@ -299,7 +309,8 @@ void flash_forward_cpu(const AttentionShape& shape, const float* q, const float*
     const idx n_tasks = n_tiles * bh;
     const int threads = tile::max_threads();
     const idx per_thread =
-        tile::padded_floats(kBlockQ * kBlockK + 2 * kBlockQ * shape.head_dim + 3 * kBlockQ);
+        tile::padded_floats(kBlockQ * kBlockK + 2 * kBlockQ * shape.head_dim + 3 * kBlockQ +
+                            shape.head_dim * kBlockK);
     // Allocated before the parallel region, so that nothing inside it can throw.
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     float* w = work.data();
@@ -323,7 +334,7 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
     row_dots(bh * shape.t_q, D, dout, o, delta.data());
 
     const int threads = tile::max_threads();
-    const idx per_thread = tile::padded_floats(2 * kBlockQ * kBlockK + 3 * std::max(kBlockQ, kBlockK) * D +
+    const idx per_thread = tile::padded_floats(2 * kBlockQ * kBlockK + 4 * std::max(kBlockQ, kBlockK) * D +
                                                std::max(kBlockQ, kBlockK));
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     float* w = work.data();

@@ -1,5 +1,6 @@
-// Small dense building blocks shared by the CPU attention kernels: two matrix-product tiles, a
-// vectorisable 2^x, and the per-thread bookkeeping of an OpenMP region.
+// Small dense building blocks shared by the CPU attention kernels: a matrix-product tile, a
+// transpose, lane sums of dot products, a vectorisable 2^x, and the per-thread bookkeeping of an
+// OpenMP region.
 //
 // Everything here is inline, so each kernel that includes it gets its own copy compiled for its own
 // instruction set (see REFMATH_MULTIVERSION): the helpers carry no target of their own.
@@ -65,7 +66,9 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 //
 // The register tile is MR rows x 16 columns of C, held in 2*MR vector registers while k runs: each
 // step loads 16 numbers of B's row k, broadcasts one number of A per row, and does 2*MR fused
-// multiply-adds. With MR = 4 that is 8 independent accumulators, enough to hide the FMA latency.
+// multiply-adds. MR = 6 gives 12 independent accumulators (of the 16 AVX2 registers): more than
+// the FMA latency needs, and 8 loads per 12 multiply-adds, so the loads keep up with the FMA units.
+// MR = 4 and 1 take the rows left over.
 
 template <int MR, bool kAccumulate>
 REFMATH_INLINE void nn_tile16(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
@@ -118,6 +121,7 @@ template <bool kAccumulate>
 REFMATH_INLINE void gemm_nn_impl(idx M, idx N, idx K, const float* A, idx lda, const float* B,
                                  idx ldb, float* C, idx ldc) {
     idx i = 0;
+    for (; i + 6 <= M; i += 6) nn_rows<6, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
     for (; i + 4 <= M; i += 4) nn_rows<4, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
     for (; i < M; ++i) nn_rows<1, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
@@ -142,15 +146,21 @@ REFMATH_INLINE void add_block(idx M, idx N, const float* T, idx ldt, float* C, i
     }
 }
 
-// ---- C = A B^T: row-major A (M x K) and B (N x K), i.e. dot products of rows ----------------------
+// ---- products with a transposed factor ---------------------------------------------------------
 //
-// Attention's scores are q_i . k_j with both vectors stored as contiguous rows, so this form reads
-// K and V in place, with no transposed copy. The register tile is 8 dot products (2 rows of A
-// against 4 rows of B, or 1 against 8): 8 vector accumulators run along k, eight products at a time.
-// At the end each accumulator's 8 lanes must be added up; doing that for all 8 accumulators at
-// once, with 14 shuffles and 7 additions (sum_lanes_8x8), costs a third of adding them up one by
-// one, and that cost is paid once per K products.
+// Attention's scores are q_i . k_j with both vectors stored as rows, i.e. S = Q K^T. Rather than a
+// tile of dot products (whose 8-lane sums must each be added up at the end), the kernels transpose
+// the key tile once (transpose below) and use the broadcast-and-multiply tile of gemm_nn: the copy
+// is one read and one write per key number, against a whole tile's rows of products that use it.
 
+// dst (cols x rows, row stride ldd) = src^T for src rows x cols (row stride lds).
+REFMATH_INLINE void transpose(idx rows, idx cols, const float* src, idx lds, float* dst, idx ldd) {
+    for (idx r = 0; r < rows; ++r)
+        for (idx c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
+// Eight accumulators' lane sums at once, for the decode kernel's dot products (one query against
+// many keys, where a transposed copy of the keys would cost as much as the products).
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define REFMATH_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else  // older GCC: the same selection, with the indices given as a vector
@@ -174,36 +184,7 @@ REFMATH_INLINE f32x8 sum_lanes_8x8(const f32x8 (&v)[8]) {
            REFMATH_SHUFFLE8(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// 8 dot products: rows 0..MR-1 of A against rows 0..NR-1 of B (MR * NR = 8), into C[r, n].
-template <int MR, int NR>
-REFMATH_INLINE void nt_tile8(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
-                             idx ldc) {
-    static_assert(MR * NR == 8, "one accumulator per lane of the result");
-    f32x8 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = f32x8{0, 0, 0, 0, 0, 0, 0, 0};
-    idx k = 0;
-    for (; k + 8 <= K; k += 8) {
-        f32x8 b[NR];
-        for (int n = 0; n < NR; ++n) b[n] = load8(B + n * ldb + k);
-        for (int r = 0; r < MR; ++r) {
-            const f32x8 a = load8(A + r * lda + k);
-            for (int n = 0; n < NR; ++n) acc[r * NR + n] += a * b[n];
-        }
-    }
-    f32x8 sums = sum_lanes_8x8(acc);
-    if (k < K) {  // the K % 8 products left over, one by one
-        for (int r = 0; r < MR; ++r)
-            for (int n = 0; n < NR; ++n) {
-                float s = 0.0f;
-                for (idx kk = k; kk < K; ++kk) s += A[r * lda + kk] * B[n * ldb + kk];
-                sums[r * NR + n] += s;
-            }
-    }
-    for (int r = 0; r < MR; ++r)  // row r of C is lanes r*NR .. r*NR + NR - 1
-        std::memcpy(C + r * ldc, reinterpret_cast<const float*>(&sums) + r * NR, NR * sizeof(float));
-}
-
-// One dot product, for the columns that do not fill a tile.
+// One dot product of two rows of K floats.
 REFMATH_INLINE float dot(idx K, const float* a, const float* b) {
     f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
     idx k = 0;
@@ -211,44 +192,6 @@ REFMATH_INLINE float dot(idx K, const float* a, const float* b) {
     float s = sum8(acc);
     for (; k < K; ++k) s += a[k] * b[k];
     return s;
-}
-
-// Ask for rows [j0, j1) of a row-major matrix (row stride ld, K floats used per row) to be brought
-// into the cache, one request per 64-byte line.
-REFMATH_INLINE void prefetch_rows(const float* B, idx ld, idx K, idx j0, idx j1) {
-    for (idx j = j0; j < j1; ++j)
-        for (idx k = 0; k < K; k += 16) __builtin_prefetch(B + j * ld + k);
-}
-
-// C (M x N) = A (M x K) B (N x K)^T. Reads exactly those entries, any M, N, K >= 0. The rows of B
-// (the keys) are the outer loop: each group of 4 is read once, front to back, and used for every row
-// of A (the queries) while it is in the L1 cache. A decode step streams its keys from memory this
-// way, and each group is only a few short runs of addresses, too short for the hardware prefetcher
-// to pick up; so the rows kPrefetchRows ahead are requested explicitly (within B: no address outside
-// the matrix is formed).
-constexpr idx kPrefetchRows = 8;
-
-REFMATH_INLINE void gemm_nt(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
-                            float* C, idx ldc) {
-    prefetch_rows(B, ldb, K, 0, N < kPrefetchRows ? N : kPrefetchRows);
-    idx j = 0;
-    if (M == 1) {  // one row of A: tiles of 1 x 8
-        for (; j + 8 <= N; j += 8) {
-            if (j + kPrefetchRows + 8 <= N) prefetch_rows(B, ldb, K, j + kPrefetchRows, j + kPrefetchRows + 8);
-            nt_tile8<1, 8>(K, A, lda, B + j * ldb, ldb, C + j, ldc);
-        }
-        for (; j < N; ++j) C[j] = dot(K, A, B + j * ldb);
-        return;
-    }
-    for (; j + 4 <= N; j += 4) {
-        if (j + kPrefetchRows + 4 <= N) prefetch_rows(B, ldb, K, j + kPrefetchRows, j + kPrefetchRows + 4);
-        idx i = 0;
-        for (; i + 2 <= M; i += 2) nt_tile8<2, 4>(K, A + i * lda, lda, B + j * ldb, ldb, C + i * ldc + j, ldc);
-        if (i < M)  // an odd last row
-            for (idx n = 0; n < 4; ++n) C[i * ldc + j + n] = dot(K, A + i * lda, B + (j + n) * ldb);
-    }
-    for (; j < N; ++j)
-        for (idx i = 0; i < M; ++i) C[i * ldc + j] = dot(K, A + i * lda, B + j * ldb);
 }
 
 // The sum of n floats in eight interleaved partial sums: the same order, and so the same rounding, in
