@@ -112,5 +112,14 @@ def machine_line(threads: int) -> str:
             f"(above the CPU count the figures are noisy)")
 
 
+def choose_vector_width(narrow: bool) -> str:
+    """Switch refmath's CPU kernels to their 8-lane copies if ``narrow``; say which copy runs."""
+    from refmath import kernels
+
+    kernels._C.set_wide_vectors(not narrow)
+    lanes = kernels._C.vector_lanes()
+    return f"refmath's CPU kernels run their {lanes}-lane copies ({'AVX-512' if lanes == 16 else 'AVX2 or baseline'})"
+
+
 def median(xs):
     return statistics.median(xs)

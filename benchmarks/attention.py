@@ -28,7 +28,8 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import best_ms, fmt_bytes, interleaved_best_ms, machine_line, peak_extra_bytes, print_table
+from _common import (best_ms, choose_vector_width, fmt_bytes, interleaved_best_ms, machine_line,
+                     peak_extra_bytes, print_table)
 
 from refmath import kernels
 from refmath.attention import causal_mask, sdpa_forward
@@ -47,6 +48,8 @@ def parse_args(argv=None):
                         help="sequence lengths T")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="head width D")
+    parser.add_argument("--narrow", action="store_true",
+                        help="run refmath's 8-lane (AVX2) kernels even where the CPU has AVX-512")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per peer (best kept)")
     parser.add_argument("--dense-limit-gib", type=float, default=2.0,
                         help="skip the dense NumPy reference when its T x T temporaries would pass this")
@@ -68,6 +71,7 @@ def main(argv=None):
     if torch is not None:
         torch.set_num_threads(threads)
     print(machine_line(threads))
+    print(choose_vector_width(args.narrow))
     b, h, d = 1, args.heads, args.dim
     rng = np.random.default_rng(0)
     rows, notes = [], []

@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import best_ms, interleaved_best_ms, machine_line, print_table
+from _common import best_ms, choose_vector_width, interleaved_best_ms, machine_line, print_table
 
 from refmath import kernels
 
@@ -49,6 +49,8 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads G")
     parser.add_argument("--dim", type=int, default=128, help="head width D")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--narrow", action="store_true",
+                        help="run refmath's 8-lane (AVX2) kernels even where the CPU has AVX-512")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per peer (best kept)")
     parser.add_argument("--probe-gib", type=float, default=1.0, help="size of the bandwidth probe")
     return parser.parse_args(argv)
@@ -83,6 +85,7 @@ def main(argv=None):
     if torch is not None:
         torch.set_num_threads(threads)
     print(machine_line(threads))
+    print(choose_vector_width(args.narrow))
     bandwidth = read_bandwidth(args.probe_gib, args.repeats)
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s (refmath._C.stream_sum over "
           f"{args.probe_gib:g} GiB, {threads} thread(s))")

@@ -256,6 +256,12 @@ PYBIND11_MODULE(_C, m) {
           "Sum of a C-contiguous float32 array read once by all threads (a memory-bandwidth probe).");
     m.def("max_threads", &refmath::tile::max_threads,
           "The number of OpenMP threads the kernels use (1 without OpenMP).");
+    m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },
+          "Lanes of the vectors the attention kernels run with now: 16 on a CPU with AVX-512 "
+          "(x86-64-v4), else 8 (AVX2, or the baseline instructions emulating them).");
+    m.def("set_wide_vectors", &refmath::tile::set_wide_vectors, py::arg("on"),
+          "Allow (True, the default) or forbid the 16-lane AVX-512 copies of the kernels; "
+          "forbidding them runs the 8-lane copies, e.g. to test or time them on such a CPU.");
 #ifdef _OPENMP
     m.attr("openmp") = true;
 #else

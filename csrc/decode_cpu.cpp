@@ -74,28 +74,31 @@ REFMATH_INLINE void prefetch_row(const float* row, idx D) {
 // keys = 8 vector accumulators running along d, eight products each; their lanes are summed all
 // at once (sum_lanes_8x8). While the keys are multiplied, the key rows of block 'ahead' are
 // requested (pf: whether this row group does it; only the first one does).
-template <int MR, int NR>
+template <int MR, int NR, class V>
 REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk, float* S, idx lds,
                                const KeyBlock& ahead, bool pf) {
     static_assert(MR * NR == 8, "one accumulator per lane of the result");
-    const idx D8 = D - D % 8;
+    constexpr int L = tile::kLanes<V>;
+    const idx DL = D - D % L;
     for (idx j = 0; j < n; j += NR) {
         if (pf)
             for (idx t = j; t < j + NR && t < ahead.n; ++t) prefetch_row(ahead.k[t], D);
         const float* kr[NR];
         for (int c = 0; c < NR; ++c) kr[c] = blk.k[j + c];
-        f32x8 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = f32x8{0, 0, 0, 0, 0, 0, 0, 0};
-        for (idx d = 0; d < D8; d += 8) {
-            f32x8 kv[NR];
-            for (int c = 0; c < NR; ++c) kv[c] = tile::load8(kr[c] + d);
+        V acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = tile::zerov<V>();
+        for (idx d = 0; d < DL; d += L) {
+            V kv[NR];
+            for (int c = 0; c < NR; ++c) kv[c] = tile::loadv<V>(kr[c] + d);
             for (int r = 0; r < MR; ++r) {
-                const f32x8 x = tile::load8(q + r * D + d);
+                const V x = tile::loadv<V>(q + r * D + d);
                 for (int c = 0; c < NR; ++c) acc[r * NR + c] += x * kv[c];
             }
         }
-        f32x8 sums = tile::sum_lanes_8x8(acc);
-        for (idx d = D8; d < D; ++d)  // the D % 8 products left over
+        f32x8 halves[8];
+        for (int i = 0; i < 8; ++i) halves[i] = tile::fold_halves(acc[i]);
+        f32x8 sums = tile::sum_lanes_8x8(halves);
+        for (idx d = DL; d < D; ++d)  // the D % L products left over
             for (int r = 0; r < MR; ++r)
                 for (int c = 0; c < NR; ++c) sums[r * NR + c] += q[r * D + d] * kr[c][d];
         for (int r = 0; r < MR; ++r)
@@ -103,20 +106,21 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
     }
 }
 
-// U[r, d0 .. d0 + 8 NV) = alpha_r U[r, ...] + sum_{j < n} P[r, j] v_j[d0 ...] for rows 0..MR-1: a
-// register tile of MR rows x NV vectors, summed over the block's keys, then added to U (F3). The
+// U[r, d0 .. d0 + L NV) = alpha_r U[r, ...] + sum_{j < n} P[r, j] v_j[d0 ...] for rows 0..MR-1 (L
+// the lanes of V): a register tile of MR rows x NV vectors, summed over the block's keys, then added to U (F3). The
 // block's own sum is kept apart from U until it is complete, so the long sum over the whole
 // context is a chain of one addition per block, not one per key.
-template <int MR, int NV>
+template <int MR, int NV, class V>
 REFMATH_INLINE void pv_tile(idx n, idx d0, const float* P, idx ldp, const KeyBlock& blk,
                             const float* alpha, float* U, idx ldu) {
-    f32x8 acc[MR][NV];
+    constexpr int L = tile::kLanes<V>;
+    V acc[MR][NV];
     for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NV; ++c) acc[r][c] = f32x8{0, 0, 0, 0, 0, 0, 0, 0};
+        for (int c = 0; c < NV; ++c) acc[r][c] = tile::zerov<V>();
     for (idx j = 0; j < n; ++j) {
         const float* vr = blk.v[j] + d0;
-        f32x8 vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = tile::load8(vr + 8 * c);
+        V vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = tile::loadv<V>(vr + L * c);
         for (int r = 0; r < MR; ++r) {
             const float p = P[r * ldp + j];
             for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
@@ -124,27 +128,30 @@ REFMATH_INLINE void pv_tile(idx n, idx d0, const float* P, idx ldp, const KeyBlo
     }
     for (int r = 0; r < MR; ++r)
         for (int c = 0; c < NV; ++c) {
-            float* u = U + r * ldu + d0 + 8 * c;
-            tile::store8(u, alpha[r] * tile::load8(u) + acc[r][c]);
+            float* u = U + r * ldu + d0 + L * c;
+            tile::storev(u, alpha[r] * tile::loadv<V>(u) + acc[r][c]);
         }
 }
 
-// The whole width D for rows 0..MR-1: tiles of 8 NV columns, then single vectors, then the last
-// D % 8 columns one by one. The value rows of block 'ahead' are requested a few per tile.
-template <int MR, int NV>
+// The whole width D for rows 0..MR-1: tiles of NV vectors V, then single vectors V, then single
+// 8-lane vectors, then the last columns one by one. The value rows of block 'ahead' are requested a
+// few per tile.
+template <int MR, int NV, class V>
 REFMATH_INLINE void pv_rows(idx n, idx D, const float* P, idx ldp, const KeyBlock& blk,
                             const float* alpha, float* U, const KeyBlock& ahead, bool pf) {
-    const idx tiles = D / (8 * NV);
+    constexpr int L = tile::kLanes<V>;
+    const idx tiles = D / (L * NV);
     const idx per_tile = tiles > 0 ? (ahead.n + tiles - 1) / tiles : 0;
     idx next = pf ? 0 : ahead.n;  // the next row of 'ahead' to request
     idx d = 0;
-    for (; d + 8 * NV <= D; d += 8 * NV) {
+    for (; d + L * NV <= D; d += L * NV) {
         for (const idx until = std::min(ahead.n, next + per_tile); next < until; ++next)
             prefetch_row(ahead.v[next], D);
-        pv_tile<MR, NV>(n, d, P, ldp, blk, alpha, U, D);
+        pv_tile<MR, NV, V>(n, d, P, ldp, blk, alpha, U, D);
     }
     for (; next < ahead.n; ++next) prefetch_row(ahead.v[next], D);
-    for (; d + 8 <= D; d += 8) pv_tile<MR, 1>(n, d, P, ldp, blk, alpha, U, D);
+    for (; d + L <= D; d += L) pv_tile<MR, 1, V>(n, d, P, ldp, blk, alpha, U, D);
+    for (; d + 8 <= D; d += 8) pv_tile<MR, 1, f32x8>(n, d, P, ldp, blk, alpha, U, D);
     for (; d < D; ++d)
         for (int r = 0; r < MR; ++r) {
             float s = 0.0f;
@@ -157,23 +164,39 @@ REFMATH_INLINE void pv_rows(idx n, idx D, const float* P, idx ldp, const KeyBloc
 // rows, scaled by scale * log2(e)): S = Q K^T (R x n, base 2), the online softmax over the block
 // (F2), then U = alpha U + P V. Rows go four at a time (the tiles that suit GQA's usual 4 or 8
 // heads per group), then two, then one, each shape with 8 accumulators.
-REFMATH_MULTIVERSION
-void fold_block(idx R, idx D, const float* qs, const KeyBlock& blk, const KeyBlock& ahead, float* S,
-                float* m, float* l, float* alpha, float* U) {
+template <class V>
+REFMATH_INLINE void fold_block_impl(idx R, idx D, const float* qs, const KeyBlock& blk,
+                                    const KeyBlock& ahead, float* S, float* m, float* l, float* alpha,
+                                    float* U) {
     constexpr idx lds = kBlock + kPad;
     const idx n = blk.n;
     idx r = 0;
-    for (; r + 4 <= R; r += 4) score_rows<4, 2>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
-    for (; r + 2 <= R; r += 2) score_rows<2, 4>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
-    for (; r < R; ++r) score_rows<1, 8>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r + 4 <= R; r += 4) score_rows<4, 2, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r + 2 <= R; r += 2) score_rows<2, 4, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r < R; ++r) score_rows<1, 8, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
     online_softmax_fold(R, n, S, lds, m, l, alpha);
     r = 0;
     for (; r + 4 <= R; r += 4)
-        pv_rows<4, 2>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+        pv_rows<4, 2, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
     for (; r + 2 <= R; r += 2)
-        pv_rows<2, 4>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
-    for (; r < R; ++r) pv_rows<1, 8>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+        pv_rows<2, 4, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+    for (; r < R; ++r) pv_rows<1, 8, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
 }
+
+// The 8-lane and the 16-lane copies (see REFMATH_AVX512 in tile_math.h).
+REFMATH_MULTIVERSION
+void fold_block(idx R, idx D, const float* qs, const KeyBlock& blk, const KeyBlock& ahead, float* S,
+                float* m, float* l, float* alpha, float* U) {
+    fold_block_impl<f32x8>(R, D, qs, blk, ahead, S, m, l, alpha, U);
+}
+
+#if REFMATH_HAVE_AVX512
+REFMATH_AVX512
+void fold_block_wide(idx R, idx D, const float* qs, const KeyBlock& blk, const KeyBlock& ahead,
+                     float* S, float* m, float* l, float* alpha, float* U) {
+    fold_block_impl<tile::f32x16>(R, D, qs, blk, ahead, S, m, l, alpha, U);
+}
+#endif
 
 // Where sequence b's keys are. A cache is cut into 'units' (keys, or pages) that splits divide;
 // cursor(b, g, u0, u1) walks the keys of head g in units [u0, u1), and its fill(blk) puts the next
@@ -286,6 +309,7 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
 
     // Phase 1: (sequence, kv head, split) items, each folding its keys into the state (u, m, l) of
     // the R query heads of the group, then storing it in partial.
+    auto* const fold = REFMATH_PICK_WIDTH(fold_block);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (idx t = 0; t < bg * splits; ++t) {
         const idx b = t / (s.kv_heads * splits), g = (t / splits) % s.kv_heads, sp = t % splits;
@@ -318,7 +342,7 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
         }
         for (idx i = 0; ring[i % (kAhead + 1)].n > 0; ++i) {
             KeyBlock& blk = ring[i % (kAhead + 1)];
-            fold_block(R, D, qs, blk, ring[(i + kAhead) % (kAhead + 1)], S, m, l, alpha, U);
+            fold(R, D, qs, blk, ring[(i + kAhead) % (kAhead + 1)], S, m, l, alpha, U);
             cursor.fill(blk);  // becomes block i + kAhead + 1
         }
         for (idx r = 0; r < R; ++r) {

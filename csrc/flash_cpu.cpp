@@ -88,8 +88,8 @@ inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b
 
 // ---- forward -------------------------------------------------------------------------------------
 
-REFMATH_MULTIVERSION
-void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
+template <class V>
+REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
                   const float* k, const float* v, float* o, float* lse, float* work) {
     const idx D = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
     const idx rows = std::min(kBlockQ, s.t_q - i0);
@@ -115,7 +115,7 @@ void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx cols = std::min(kBlockK, hi - j0);
         tile::transpose(cols, D, kh + j0 * D, D, KT, kBlockK);
-        tile::gemm_nn(rows, cols, D, qt, D, KT, kBlockK, S, kBlockK);  // S = Q K^T
+        tile::gemm_nn<V>(rows, cols, D, qt, D, KT, kBlockK, S, kBlockK);  // S = Q K^T
         for (idx r = 0; r < rows; ++r) {  // scale to base 2; -inf outside the row's visible keys
             idx a, e;
             visible_range(band, i0 + r, j0, cols, a, e);
@@ -124,7 +124,7 @@ void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i
             for (idx j = 0; j < cols; ++j) srow[j] = (j >= a && j < e) ? srow[j] * c : kNegInf;
         }
         online_softmax_fold(rows, cols, S, kBlockK, m, l, alpha);           // F2
-        tile::gemm_nn(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D);     // this tile's P V
+        tile::gemm_nn<V>(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D);     // this tile's P V
         online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);            // F3: U = alpha U + P V
     }
 
@@ -143,6 +143,21 @@ void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i
     }
 }
 
+// The 8-lane and the 16-lane copies (see REFMATH_AVX512 in tile_math.h).
+REFMATH_MULTIVERSION
+void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
+                  const float* k, const float* v, float* o, float* lse, float* work) {
+    forward_tile_impl<tile::f32x8>(s, band, b, h, i0, q, k, v, o, lse, work);
+}
+
+#if REFMATH_HAVE_AVX512
+REFMATH_AVX512
+void forward_tile_wide(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
+                  const float* k, const float* v, float* o, float* lse, float* work) {
+    forward_tile_impl<tile::f32x16>(s, band, b, h, i0, q, k, v, o, lse, work);
+}
+#endif
+
 // ---- backward ------------------------------------------------------------------------------------
 
 // For a run of n queries starting at i0: lse2[r] = lse * log2(e), or +inf for a row that saw no key
@@ -157,8 +172,8 @@ inline void base2_lse(const float* lse, idx i0, idx n, float* lse2) {
 // Pass 1: dK and dV of keys [j0, j0 + nk) of head g, from every query head of the group.
 // The tile products are transposed (keys are the rows): S^T = K Q^T, P^T, dP^T = V dO^T, so that
 // dV += P^T dO and dK += dS^T Q are plain 'nn' products into rows of dK and dV.
-REFMATH_MULTIVERSION
-void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
+template <class V>
+REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
                       const float* dout, const float* q, const float* k, const float* v,
                       const float* lse, const float* delta, float* dk, float* dv, float* work) {
     const idx D = s.head_dim, group = s.heads / s.kv_heads;
@@ -188,7 +203,7 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
             const idx nq = std::min(kBlockQ, ihi - i0);
             base2_lse(lse + hrow0, i0, nq, lse2);
             tile::transpose(nq, D, qh + i0 * D, D, XT, kBlockQ);
-            tile::gemm_nn(nk, nq, D, kt, D, XT, kBlockQ, Pt, kBlockQ);  // S^T = K Q^T
+            tile::gemm_nn<V>(nk, nq, D, kt, D, XT, kBlockQ, Pt, kBlockQ);  // S^T = K Q^T
             for (idx jr = 0; jr < nk; ++jr) {  // P^T = 2^(c S^T - lse2) on the visible pairs
                 idx a, e;
                 band.queries_of(j0 + jr, j0 + jr + 1, a, e);
@@ -199,10 +214,10 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
                 for (idx ir = 0; ir < nq; ++ir)
                     prow[ir] = (ir >= a && ir < e) ? tile::exp2_fast(prow[ir] * c - lse2[ir]) : 0.0f;
             }
-            tile::gemm_nn(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D);  // dV += P^T dO
+            tile::gemm_nn<V>(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D);  // dV += P^T dO
             tile::add_block(nk, D, T, D, dV, D);
             tile::transpose(nq, D, doh + i0 * D, D, XT, kBlockQ);
-            tile::gemm_nn(nk, nq, D, vt, D, XT, kBlockQ, dSt, kBlockQ);  // dP^T = V dO^T
+            tile::gemm_nn<V>(nk, nq, D, vt, D, XT, kBlockQ, dSt, kBlockQ);  // dP^T = V dO^T
             const float* dl = delta + hrow0 + i0;
             for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta)
                 float* srow = dSt + jr * kBlockQ;
@@ -210,7 +225,7 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
 #pragma omp simd
                 for (idx ir = 0; ir < nq; ++ir) srow[ir] = prow[ir] * (srow[ir] - dl[ir]);
             }
-            tile::gemm_nn(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D);  // dK += dS^T Q
+            tile::gemm_nn<V>(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D);  // dK += dS^T Q
             tile::add_block(nk, D, T, D, dK, D);
         }
     }
@@ -225,9 +240,26 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
     }
 }
 
-// Pass 2: dQ of query rows [i0, i0 + nq) of head h.
+// The 8-lane and the 16-lane copies (see REFMATH_AVX512 in tile_math.h).
 REFMATH_MULTIVERSION
-void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
+void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
+                      const float* dout, const float* q, const float* k, const float* v,
+                      const float* lse, const float* delta, float* dk, float* dv, float* work) {
+    backward_kv_tile_impl<tile::f32x8>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, work);
+}
+
+#if REFMATH_HAVE_AVX512
+REFMATH_AVX512
+void backward_kv_tile_wide(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
+                      const float* dout, const float* q, const float* k, const float* v,
+                      const float* lse, const float* delta, float* dk, float* dv, float* work) {
+    backward_kv_tile_impl<tile::f32x16>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, work);
+}
+#endif
+
+// Pass 2: dQ of query rows [i0, i0 + nq) of head h.
+template <class V>
+REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
                      const float* dout, const float* q, const float* k, const float* v,
                      const float* lse, const float* delta, float* dq, float* work) {
     const idx D = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
@@ -254,9 +286,9 @@ void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, id
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx nk = std::min(kBlockK, hi - j0);
         tile::transpose(nk, D, kh + j0 * D, D, XT, kBlockK);
-        tile::gemm_nn(nq, nk, D, qt, D, XT, kBlockK, P, kBlockK);   // S = Q K^T
+        tile::gemm_nn<V>(nq, nk, D, qt, D, XT, kBlockK, P, kBlockK);   // S = Q K^T
         tile::transpose(nk, D, vh + j0 * D, D, XT, kBlockK);
-        tile::gemm_nn(nq, nk, D, dot, D, XT, kBlockK, dS, kBlockK);  // dP = dO V^T
+        tile::gemm_nn<V>(nq, nk, D, dot, D, XT, kBlockK, dS, kBlockK);  // dP = dO V^T
         for (idx r = 0; r < nq; ++r) {
             idx a, e;
             visible_range(band, i0 + r, j0, nk, a, e);
@@ -269,7 +301,7 @@ void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, id
                 srow[j] = p * (srow[j] - row_delta);  // dS = P (dP - delta)
             }
         }
-        tile::gemm_nn(nq, D, nk, dS, kBlockK, kh + j0 * D, D, T, D);  // dQ += dS K
+        tile::gemm_nn<V>(nq, D, nk, dS, kBlockK, kh + j0 * D, D, T, D);  // dQ += dS K
         tile::add_block(nq, D, T, D, dQ, D);
     }
     for (idx r = 0; r < nq; ++r) {
@@ -278,6 +310,23 @@ void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, id
         for (idx d = 0; d < D; ++d) dqrow[d] = dQ[r * D + d] * s.scale;
     }
 }
+
+// The 8-lane and the 16-lane copies (see REFMATH_AVX512 in tile_math.h).
+REFMATH_MULTIVERSION
+void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
+                     const float* dout, const float* q, const float* k, const float* v,
+                     const float* lse, const float* delta, float* dq, float* work) {
+    backward_q_tile_impl<tile::f32x8>(s, band, b, h, i0, dout, q, k, v, lse, delta, dq, work);
+}
+
+#if REFMATH_HAVE_AVX512
+REFMATH_AVX512
+void backward_q_tile_wide(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
+                     const float* dout, const float* q, const float* k, const float* v,
+                     const float* lse, const float* delta, float* dq, float* work) {
+    backward_q_tile_impl<tile::f32x16>(s, band, b, h, i0, dout, q, k, v, lse, delta, dq, work);
+}
+#endif
 
 // delta_i = dO_i . O_i for every row (B*H*t_q of them): a small share of the work, left at the
 // baseline instruction set.
@@ -316,11 +365,12 @@ void flash_forward_cpu(const AttentionShape& shape, const float* q, const float*
     float* w = work.data();
     // Dynamic scheduling, with the last query tiles first: under a causal mask they see the most keys,
     // and starting the big items first leaves small ones to even out the threads at the end.
+    auto* const run_tile = REFMATH_PICK_WIDTH(forward_tile);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (idx t = 0; t < n_tasks; ++t) {
         const idx tile_index = n_tiles - 1 - t / bh, bh_index = t % bh;
-        forward_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads, tile_index * kBlockQ,
-                     q, k, v, o, lse, w + tile::thread_id() * per_thread);
+        run_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads, tile_index * kBlockQ, q,
+                 k, v, o, lse, w + tile::thread_id() * per_thread);
     }
 }
 
@@ -343,21 +393,23 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
     // Pass 1: key tiles in increasing order, since under a causal mask the first ones are seen by
     // the most queries.
     const idx n_key_tiles = ceil_div(shape.t_k, kBlockK);
+    auto* const run_kv_tile = REFMATH_PICK_WIDTH(backward_kv_tile);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (idx t = 0; t < n_key_tiles * bg; ++t) {
         const idx tile_index = t / bg, bg_index = t % bg;
-        backward_kv_tile(shape, band, bg_index / shape.kv_heads, bg_index % shape.kv_heads,
-                         tile_index * kBlockK, dout, q, k, v, lse, dl, dk, dv,
-                         w + tile::thread_id() * per_thread);
+        run_kv_tile(shape, band, bg_index / shape.kv_heads, bg_index % shape.kv_heads,
+                    tile_index * kBlockK, dout, q, k, v, lse, dl, dk, dv,
+                    w + tile::thread_id() * per_thread);
     }
     // Pass 2: query tiles, the last (busiest) first as in the forward pass.
     const idx n_query_tiles = ceil_div(shape.t_q, kBlockQ);
+    auto* const run_q_tile = REFMATH_PICK_WIDTH(backward_q_tile);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (idx t = 0; t < n_query_tiles * bh; ++t) {
         const idx tile_index = n_query_tiles - 1 - t / bh, bh_index = t % bh;
-        backward_q_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads,
-                        tile_index * kBlockQ, dout, q, k, v, lse, dl, dq,
-                        w + tile::thread_id() * per_thread);
+        run_q_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads,
+                   tile_index * kBlockQ, dout, q, k, v, lse, dl, dq,
+                   w + tile::thread_id() * per_thread);
     }
 }
 

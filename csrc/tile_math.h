@@ -19,11 +19,27 @@
 // target_clones compiles a function twice, for x86-64-v3 (AVX2, FMA) and for the baseline, and
 // picks one when the module is loaded, so one portable wheel runs at full width where it can.
 // Other compilers and CPUs get the baseline code only.
+//
+// Server CPUs with AVX-512 (x86-64-v4) do twice the multiply-adds per instruction again, but only
+// with 16-lane vectors, which the 8-lane code above cannot express. So each hot kernel is written
+// once as a template over its vector type and instantiated twice: the 8-lane copy behind
+// REFMATH_MULTIVERSION, and a 16-lane copy behind REFMATH_AVX512, which the caller picks at run
+// time with tile::wide_vectors() (a CPU without AVX-512 never runs it).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
     !defined(REFMATH_NO_MULTIVERSION)
 #define REFMATH_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define REFMATH_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define REFMATH_HAVE_AVX512 1
 #else
 #define REFMATH_MULTIVERSION
+#define REFMATH_HAVE_AVX512 0
+#endif
+
+// The copy of a kernel to run: name_wide (16 lanes) where tile::wide_vectors() says so, else name.
+#if REFMATH_HAVE_AVX512
+#define REFMATH_PICK_WIDTH(name) (::refmath::tile::wide_vectors() ? name##_wide : name)
+#else
+#define REFMATH_PICK_WIDTH(name) (name)
 #endif
 
 // Forced inlining, so that a helper runs with the instruction set of the clone that calls it (an
@@ -53,6 +69,35 @@ REFMATH_INLINE f32x8 load8(const float* p) {
 
 REFMATH_INLINE void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof v); }
 
+// Sixteen floats: one AVX-512 register. Used only by code compiled for REFMATH_AVX512.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// Lanes of a vector type, and loads and stores of any of them.
+template <class V>
+constexpr int kLanes = sizeof(V) / sizeof(float);
+
+template <class V>
+REFMATH_INLINE V loadv(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+template <class V>
+REFMATH_INLINE void storev(float* p, const V& v) { std::memcpy(p, &v, sizeof v); }
+
+template <class V>
+REFMATH_INLINE V zerov() { return V{} * 0.0f; }
+
+// The two 8-lane halves of a 16-lane vector added together (the first step of a lane sum).
+REFMATH_INLINE f32x8 fold_halves(const f32x16& v) {
+    f32x8 lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return lo + hi;
+}
+REFMATH_INLINE f32x8 fold_halves(const f32x8& v) { return v; }
+
 typedef float f32x4 __attribute__((vector_size(16)));
 
 // The sum of the eight lanes: halves added as 4-lane vectors, then the last four in pairs.
@@ -64,23 +109,24 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 
 // ---- C += A B: row-major A (M x K) and B (K x N) -------------------------------------------------
 //
-// The register tile is MR rows x 16 columns of C, held in 2*MR vector registers while k runs: each
-// step loads 16 numbers of B's row k, broadcasts one number of A per row, and does 2*MR fused
-// multiply-adds. MR = 6 gives 12 independent accumulators (of the 16 AVX2 registers): more than
-// the FMA latency needs, and 8 loads per 12 multiply-adds, so the loads keep up with the FMA units.
-// MR = 4 and 1 take the rows left over.
+// The register tile is MR rows x 2 vectors of columns of C (16 columns with 8-lane vectors, 32 with
+// 16-lane ones), held in 2*MR vector registers while k runs: each step loads two vectors of B's
+// row k, broadcasts one number of A per row, and does 2*MR fused multiply-adds. MR = 6 gives 12
+// independent accumulators (of the 16 AVX2 registers): more than the FMA latency needs, and 8 loads
+// per 12 multiply-adds, so the loads keep up with the FMA units. MR = 4 and 1 take the rows left
+// over.
 
-template <int MR, bool kAccumulate>
-REFMATH_INLINE void nn_tile16(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
-                              idx ldc) {
-    f32x8 acc[MR][2];
+template <int MR, bool kAccumulate, class V>
+REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
+                            idx ldc) {
+    constexpr int L = kLanes<V>;
+    V acc[MR][2];
     for (int r = 0; r < MR; ++r) {
-        const f32x8 zero = {0, 0, 0, 0, 0, 0, 0, 0};
-        acc[r][0] = kAccumulate ? load8(C + r * ldc) : zero;
-        acc[r][1] = kAccumulate ? load8(C + r * ldc + 8) : zero;
+        acc[r][0] = kAccumulate ? loadv<V>(C + r * ldc) : zerov<V>();
+        acc[r][1] = kAccumulate ? loadv<V>(C + r * ldc + L) : zerov<V>();
     }
     for (idx k = 0; k < K; ++k) {
-        const f32x8 b0 = load8(B + k * ldb), b1 = load8(B + k * ldb + 8);
+        const V b0 = loadv<V>(B + k * ldb), b1 = loadv<V>(B + k * ldb + L);
         for (int r = 0; r < MR; ++r) {
             const float a = A[r * lda + k];
             acc[r][0] += a * b0;
@@ -88,8 +134,8 @@ REFMATH_INLINE void nn_tile16(idx K, const float* A, idx lda, const float* B, id
         }
     }
     for (int r = 0; r < MR; ++r) {
-        store8(C + r * ldc, acc[r][0]);
-        store8(C + r * ldc + 8, acc[r][1]);
+        storev(C + r * ldc, acc[r][0]);
+        storev(C + r * ldc + L, acc[r][1]);
     }
 }
 
@@ -107,33 +153,36 @@ REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const 
     }
 }
 
-template <int MR, bool kAccumulate>
+// Columns by tiles of two V vectors; with 16-lane vectors a last 16 columns by an 8-lane tile; the
+// rest by plain loops.
+template <int MR, bool kAccumulate, class V>
 REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
                             float* C, idx ldc) {
+    constexpr int W = 2 * kLanes<V>;
     idx j = 0;
-    for (; j + 16 <= N; j += 16) nn_tile16<MR, kAccumulate>(K, A, lda, B + j, ldb, C + j, ldc);
+    for (; j + W <= N; j += W) nn_tile<MR, kAccumulate, V>(K, A, lda, B + j, ldb, C + j, ldc);
+    if (W > 16 && j + 16 <= N) {
+        nn_tile<MR, kAccumulate, f32x8>(K, A, lda, B + j, ldb, C + j, ldc);
+        j += 16;
+    }
     if (j < N) nn_tile_narrow<MR, kAccumulate>(K, N - j, A, lda, B + j, ldb, C + j, ldc);
 }
 
-// C (M x N) = A (M x K) B (K x N), or C += A B with kAccumulate. Reads exactly those entries, any
-// M, N, K >= 0.
-template <bool kAccumulate>
+// C (M x N) = A (M x K) B (K x N), or C += A B with kAccumulate, with vectors of type V. Reads
+// exactly those entries, any M, N, K >= 0.
+template <bool kAccumulate, class V>
 REFMATH_INLINE void gemm_nn_impl(idx M, idx N, idx K, const float* A, idx lda, const float* B,
                                  idx ldb, float* C, idx ldc) {
     idx i = 0;
-    for (; i + 6 <= M; i += 6) nn_rows<6, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-    for (; i + 4 <= M; i += 4) nn_rows<4, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-    for (; i < M; ++i) nn_rows<1, kAccumulate>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    for (; i + 6 <= M; i += 6) nn_rows<6, kAccumulate, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    for (; i + 4 <= M; i += 4) nn_rows<4, kAccumulate, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    for (; i < M; ++i) nn_rows<1, kAccumulate, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
 
+template <class V = f32x8>
 REFMATH_INLINE void gemm_nn(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
                             float* C, idx ldc) {
-    gemm_nn_impl<false>(M, N, K, A, lda, B, ldb, C, ldc);
-}
-
-REFMATH_INLINE void gemm_nn_acc(idx M, idx N, idx K, const float* A, idx lda, const float* B,
-                                idx ldb, float* C, idx ldc) {
-    gemm_nn_impl<true>(M, N, K, A, lda, B, ldb, C, ldc);
+    gemm_nn_impl<false, V>(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 // C += T for an M x N block (strides ldc, ldt). Used to add a tile's products into a running sum:
@@ -252,6 +301,12 @@ inline int max_threads() {
     return 1;
 #endif
 }
+
+// Whether to run the 16-lane (AVX-512) copies of the kernels: only where the CPU has x86-64-v4
+// and it has not been switched off with set_wide_vectors(false) (how the tests reach the 8-lane
+// copies on such a CPU, and how a benchmark compares the two).
+bool wide_vectors();
+void set_wide_vectors(bool on);
 
 inline int thread_id() {
 #ifdef _OPENMP

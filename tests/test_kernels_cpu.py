@@ -40,6 +40,21 @@ FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthChe
 WORST = []  # (fraction of bound, label)
 
 
+@pytest.fixture(scope="module", autouse=True, params=[16, 8], ids=["16 lanes", "8 lanes"])
+def vector_lanes(request):
+    """Every test once per compiled copy of the kernels: the 16-lane AVX-512 one (where the CPU has
+    it; skipped elsewhere) and the 8-lane one (AVX2 or the baseline), which a CPU with AVX-512 would
+    otherwise never run."""
+    C = kernels._C
+    C.set_wide_vectors(request.param == 16)
+    try:
+        if C.vector_lanes() != request.param:
+            pytest.skip("this CPU has no AVX-512: the 16-lane kernels cannot run here")
+        yield request.param
+    finally:
+        C.set_wide_vectors(True)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report_worst_case():
     yield
