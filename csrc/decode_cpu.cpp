@@ -62,11 +62,14 @@ struct KeyBlock {
     }
 };
 
-// Request the cache lines of one row of D floats (the row need not start on a line boundary).
+// Request the cache lines of one row of D floats (the row need not start on a line boundary) into
+// the level-2 cache (locality hint 2: prefetcht1 on x86). Block i + kAhead is kAhead * 32 KiB ahead
+// for D = 128, more than the level-1 cache holds, and lines fetched all the way into it were pushed
+// out again before use; into level 2 the same requests decode 5-10% faster (contiguous and paged).
 REFMATH_INLINE void prefetch_row(const float* row, idx D) {
     const std::uintptr_t end = reinterpret_cast<std::uintptr_t>(row + D);
     for (std::uintptr_t a = reinterpret_cast<std::uintptr_t>(row) & ~std::uintptr_t{63}; a < end; a += 64)
-        __builtin_prefetch(reinterpret_cast<const void*>(a));
+        __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
 }
 
 // S[r, j] = q_r . k_j for rows 0..MR-1 of q (row stride D, already scaled) and keys j < n (rounded
