@@ -195,21 +195,7 @@ REFMATH_INLINE void add_block(idx M, idx N, const float* T, idx ldt, float* C, i
     }
 }
 
-// ---- products with a transposed factor ---------------------------------------------------------
-//
-// Attention's scores are q_i . k_j with both vectors stored as rows, i.e. S = Q K^T. Rather than a
-// tile of dot products (whose 8-lane sums must each be added up at the end), the kernels transpose
-// the key tile once (transpose below) and use the broadcast-and-multiply tile of gemm_nn: the copy
-// is one read and one write per key number, against a whole tile's rows of products that use it.
-
-// dst (cols x rows, row stride ldd) = src^T for src rows x cols (row stride lds).
-REFMATH_INLINE void transpose(idx rows, idx cols, const float* src, idx lds, float* dst, idx ldd) {
-    for (idx r = 0; r < rows; ++r)
-        for (idx c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
-}
-
-// Eight accumulators' lane sums at once, for the decode kernel's dot products (one query against
-// many keys, where a transposed copy of the keys would cost as much as the products).
+// Lane selection from two vectors (indices 0-7: the first, 8-15: the second).
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define REFMATH_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else  // older GCC: the same selection, with the indices given as a vector
@@ -217,6 +203,53 @@ typedef std::int32_t i32x8 __attribute__((vector_size(32)));
 #define REFMATH_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, i32x8{__VA_ARGS__})
 #endif
 
+// ---- products with a transposed factor ---------------------------------------------------------
+//
+// Attention's scores are q_i . k_j with both vectors stored as rows, i.e. S = Q K^T. Rather than a
+// tile of dot products (whose 8-lane sums must each be added up at the end), the kernels transpose
+// the key tile once (transpose below) and use the broadcast-and-multiply tile of gemm_nn: the copy
+// is one read and one write per key number, against a whole tile's rows of products that use it.
+
+// An 8 x 8 block: dst[c][r] = src[r][c], in registers. Three rounds of shuffles, each within what
+// one AVX2 instruction does: interleave pairs of rows (unpacklo/hi), pairs of pairs (shufps), then
+// swap 128-bit halves (vperm2f128). Row names a..h below are src rows 0..7.
+REFMATH_INLINE void transpose8x8(const float* src, idx lds, float* dst, idx ldd) {
+    f32x8 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = load8(src + i * lds);
+    f32x8 t[8];  // t[2i] = (a0 b0 a1 b1 | a4 b4 a5 b5) for rows a, b = 2i, 2i+1; t[2i+1]: 2, 3, 6, 7
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = REFMATH_SHUFFLE8(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[2 * i + 1] = REFMATH_SHUFFLE8(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    f32x8 u[8];  // u[4h + c] = column c (low half) and c + 4 (high half) of rows 4h .. 4h + 3
+    for (int h = 0; h < 2; ++h) {
+        const f32x8* th = t + 4 * h;
+        u[4 * h + 0] = REFMATH_SHUFFLE8(th[0], th[2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[4 * h + 1] = REFMATH_SHUFFLE8(th[0], th[2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[4 * h + 2] = REFMATH_SHUFFLE8(th[1], th[3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[4 * h + 3] = REFMATH_SHUFFLE8(th[1], th[3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int c = 0; c < 4; ++c) {  // column c: low halves of rows a-d and e-h; column c + 4: high
+        store8(dst + c * ldd, REFMATH_SHUFFLE8(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
+        store8(dst + (c + 4) * ldd, REFMATH_SHUFFLE8(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+}
+
+// dst (cols x rows, row stride ldd) = src^T for src rows x cols (row stride lds): 8 x 8 blocks in
+// registers, the edges one number at a time.
+REFMATH_INLINE void transpose(idx rows, idx cols, const float* src, idx lds, float* dst, idx ldd) {
+    const idx rows8 = rows - rows % 8, cols8 = cols - cols % 8;
+    for (idx r = 0; r < rows8; r += 8)
+        for (idx c = 0; c < cols8; c += 8) transpose8x8(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+    for (idx r = 0; r < rows; ++r)
+        for (idx c = r < rows8 ? cols8 : 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
+// ---- lane sums ------------------------------------------------------------------------------------
+//
+// Eight accumulators' lane sums at once, for the decode kernel's dot products (one query against
+// many keys, where a transposed copy of the keys would cost as much as the products).
+//
 // out[i] = the sum of the 8 lanes of v[i]. Pairs of accumulators are interleaved and added
 // (unpacklo/unpackhi), halving the lanes each holds, three times over; the last step swaps the
 // 128-bit halves. Every shuffle stays within what SSE2 and AVX2 do in one instruction.
