@@ -116,8 +116,7 @@ def choose_vector_width(narrow: bool) -> str:
     """Switch refmath's CPU kernels to their 8-lane copies if ``narrow``; say which copy runs."""
     from refmath import kernels
 
-    kernels._C.set_wide_vectors(not narrow)
-    lanes = kernels._C.vector_lanes()
+    lanes = kernels.cpu_vector_lanes(8 if narrow else 16)
     return f"refmath's CPU kernels run their {lanes}-lane copies ({'AVX-512' if lanes == 16 else 'AVX2 or baseline'})"
 
 

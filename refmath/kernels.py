@@ -54,6 +54,22 @@ def cuda_available() -> bool:
     return _device_query()[0] > 0
 
 
+def cpu_vector_lanes(lanes: int | None = None) -> int:
+    """The width, in float32 lanes, of the vectors the CPU kernels run with: 16 where the CPU has
+    AVX-512 (x86-64-v4), else 8 (AVX2, or baseline instructions doing the same work).
+
+    Each CPU kernel is compiled in both widths and picks one at run time. ``lanes=8`` makes a CPU
+    with AVX-512 run the 8-lane copies (to test or time them); ``lanes=16`` goes back to the widest
+    the CPU has. Returns the width now in use.
+    """
+    C = _cpu()
+    if lanes is not None:
+        if lanes not in (8, 16):
+            raise ValueError(f"lanes must be 8 or 16 (or None to leave it), got {lanes!r}")
+        C.set_wide_vectors(lanes == 16)
+    return C.vector_lanes()
+
+
 def build_info() -> dict:
     """What was compiled and what it can use: OpenMP, the CUDA module, the devices present."""
     info = dict(BUILD_INFO or {})

@@ -171,6 +171,21 @@ def test_cpu_binding_refuses_what_kernels_py_would_have_fixed():
 
 # ---- build information and the CUDA module ----
 
+def test_cpu_vector_lanes_switch_between_the_two_copies_and_refuse_other_widths():
+    if not kernels.cpu_available():
+        pytest.skip("refmath._C is not built")
+    widest = kernels.cpu_vector_lanes()
+    assert widest in (8, 16)
+    try:
+        assert kernels.cpu_vector_lanes(8) == 8
+        # Asking for 16 gives 16 only where the CPU has AVX-512: back to the widest either way.
+        assert kernels.cpu_vector_lanes(16) == widest
+        with pytest.raises(ValueError, match="lanes must be 8 or 16"):
+            kernels.cpu_vector_lanes(4)
+    finally:
+        kernels.cpu_vector_lanes(16)
+
+
 def test_build_info_says_what_was_built():
     info = kernels.build_info()
     assert info["cpu_module"] == kernels.cpu_available()

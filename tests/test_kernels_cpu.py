@@ -45,14 +45,12 @@ def vector_lanes(request):
     """Every test once per compiled copy of the kernels: the 16-lane AVX-512 one (where the CPU has
     it; skipped elsewhere) and the 8-lane one (AVX2 or the baseline), which a CPU with AVX-512 would
     otherwise never run."""
-    C = kernels._C
-    C.set_wide_vectors(request.param == 16)
     try:
-        if C.vector_lanes() != request.param:
+        if kernels.cpu_vector_lanes(request.param) != request.param:
             pytest.skip("this CPU has no AVX-512: the 16-lane kernels cannot run here")
         yield request.param
     finally:
-        C.set_wide_vectors(True)
+        kernels.cpu_vector_lanes(16)
 
 
 @pytest.fixture(scope="module", autouse=True)
