@@ -17,13 +17,16 @@
 //
 // The backward pass follows FlashAttention-2 (F4): weights are recomputed from the saved logsumexp,
 // P = 2^(S log2 e - lse log2 e), and delta_i = dO_i . O_i replaces the row sums of P * dP. On a GPU
-// dQ is accumulated with atomic additions from every key tile; here it gets a pass of its own:
-//   pass 1, over (batch, key/value head, key tile): dV += P^T dO and dK += dS^T Q, summed over the
-//           query heads of the group (GQA) and the query tiles that see the key tile;
-//   pass 2, over (batch, head, query tile): dQ += dS K.
-// Each output element is then written by exactly one thread, the result does not depend on the
-// thread count, and no atomics are needed; the price is recomputing S and dP in pass 2 (7 tile
-// products per tile pair instead of 5).
+// dQ is accumulated with atomic additions from every key tile. Here every output element is written
+// by exactly one thread, so no atomics are needed and the result does not depend on the thread
+// count, by one of two schedules:
+//   one pass, over (batch, key/value head): for each key tile, dV += P^T dO and dK += dS^T Q,
+//           summed over the query heads of the group (GQA) and the query tiles that see the key
+//           tile, and dQ += dS K into the item's own query heads: 5 tile products per tile pair;
+//   two passes, when there are too few such items to share among the threads evenly:
+//     pass 1, over (batch, key/value head, key tile): dV and dK as above;
+//     pass 2, over (batch, head, query tile): dQ += dS K, recomputing S and dP (7 tile products
+//     per tile pair).
 #include "flash_cpu.h"
 
 #include <algorithm>
@@ -169,13 +172,16 @@ inline void base2_lse(const float* lse, idx i0, idx n, float* lse2) {
     }
 }
 
-// Pass 1: dK and dV of keys [j0, j0 + nk) of head g, from every query head of the group.
+// dK and dV of keys [j0, j0 + nk) of head g, from every query head of the group; and, when dq_sum
+// is given, dS K added into dq_sum's rows of those query heads (the one-pass schedule, whose work
+// item owns them) instead of leaving dQ to pass 2.
 // The tile products are transposed (keys are the rows): S^T = K Q^T, P^T, dP^T = V dO^T, so that
 // dV += P^T dO and dK += dS^T Q are plain 'nn' products into rows of dK and dV.
 template <class V>
-REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
-                      const float* dout, const float* q, const float* k, const float* v,
-                      const float* lse, const float* delta, float* dk, float* dv, float* work) {
+REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& band, idx b, idx g,
+                                          idx j0, const float* dout, const float* q, const float* k,
+                                          const float* v, const float* lse, const float* delta,
+                                          float* dk, float* dv, float* dq_sum, float* work) {
     const idx D = s.head_dim, group = s.heads / s.kv_heads;
     const idx nk = std::min(kBlockK, s.t_k - j0);
     const idx krow0 = (b * s.kv_heads + g) * s.t_k + j0;
@@ -227,6 +233,11 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
             }
             tile::gemm_nn<V>(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D);  // dK += dS^T Q
             tile::add_block(nk, D, T, D, dK, D);
+            if (dq_sum != nullptr) {  // dQ += dS K, with dS (nq x nk) in P^T's place, now free
+                tile::transpose(nk, nq, dSt, kBlockQ, Pt, kBlockK);
+                tile::gemm_nn<V>(nq, D, nk, Pt, kBlockK, kt, D, T, D);
+                tile::add_block(nq, D, T, D, dq_sum + (hrow0 + i0) * D, D);
+            }
         }
     }
     for (idx jr = 0; jr < nk; ++jr) {
@@ -244,20 +255,22 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
 REFMATH_MULTIVERSION
 void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
                       const float* dout, const float* q, const float* k, const float* v,
-                      const float* lse, const float* delta, float* dk, float* dv, float* work) {
-    backward_kv_tile_impl<tile::f32x8>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, work);
+                      const float* lse, const float* delta, float* dk, float* dv, float* dq_sum,
+                      float* work) {
+    backward_kv_tile_impl<tile::f32x8>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, dq_sum, work);
 }
 
 #if REFMATH_HAVE_AVX512
 REFMATH_AVX512
 void backward_kv_tile_wide(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
                       const float* dout, const float* q, const float* k, const float* v,
-                      const float* lse, const float* delta, float* dk, float* dv, float* work) {
-    backward_kv_tile_impl<tile::f32x16>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, work);
+                      const float* lse, const float* delta, float* dk, float* dv, float* dq_sum,
+                      float* work) {
+    backward_kv_tile_impl<tile::f32x16>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, dq_sum, work);
 }
 #endif
 
-// Pass 2: dQ of query rows [i0, i0 + nq) of head h.
+// Pass 2 of the two-pass schedule: dQ of query rows [i0, i0 + nq) of head h.
 template <class V>
 REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
                      const float* dout, const float* q, const float* k, const float* v,
@@ -337,6 +350,13 @@ void row_dots(idx rows, idx D, const float* dout, const float* o, float* delta) 
 
 idx ceil_div(idx a, idx b) { return (a + b - 1) / b; }
 
+// Whether the backward pass runs in one pass over (batch, key/value head) items, each computing dK,
+// dV and the dQ of its query heads (5 tile products per pair of tiles), rather than two passes over
+// finer items that need 7 (see the top of the file). The coarse items are all the same size, so the
+// one pass is chosen when they fill every thread evenly, or when there are so many per thread that
+// an uneven last round costs little.
+bool one_pass(idx items, idx threads) { return items % threads == 0 || items >= 8 * threads; }
+
 }  // namespace
 
 void check_attention_shape(const AttentionShape& s) {
@@ -390,15 +410,30 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
     float* w = work.data();
     const float* dl = delta.data();
 
-    // Pass 1: key tiles in increasing order, since under a causal mask the first ones are seen by
-    // the most queries.
     const idx n_key_tiles = ceil_div(shape.t_k, kBlockK);
     auto* const run_kv_tile = REFMATH_PICK_WIDTH(backward_kv_tile);
+    if (one_pass(bg, threads)) {
+        // One work item per (batch, key/value head): it owns dK and dV of that head and dQ of its
+        // query heads, so it adds each tile's dS K into dq itself, and pass 2 is not needed.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (idx t = 0; t < bg; ++t) {
+            const idx b = t / shape.kv_heads, g = t % shape.kv_heads, group = shape.heads / shape.kv_heads;
+            float* dq_group = dq + (b * shape.heads + g * group) * shape.t_q * D;  // group * t_q rows
+            std::fill(dq_group, dq_group + group * shape.t_q * D, 0.0f);
+            for (idx j = 0; j < n_key_tiles; ++j)
+                run_kv_tile(shape, band, b, g, j * kBlockK, dout, q, k, v, lse, dl, dk, dv, dq,
+                            w + tile::thread_id() * per_thread);
+            for (idx i = 0; i < group * shape.t_q * D; ++i) dq_group[i] *= shape.scale;
+        }
+        return;
+    }
+    // Pass 1: key tiles in increasing order, since under a causal mask the first ones are seen by
+    // the most queries.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (idx t = 0; t < n_key_tiles * bg; ++t) {
         const idx tile_index = t / bg, bg_index = t % bg;
         run_kv_tile(shape, band, bg_index / shape.kv_heads, bg_index % shape.kv_heads,
-                    tile_index * kBlockK, dout, q, k, v, lse, dl, dk, dv,
+                    tile_index * kBlockK, dout, q, k, v, lse, dl, dk, dv, nullptr,
                     w + tile::thread_id() * per_thread);
     }
     // Pass 2: query tiles, the last (busiest) first as in the forward pass.
