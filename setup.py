@@ -215,7 +215,12 @@ class BuildExt(build_ext):
         ext.libraries += ["cudart_static", "dl", "rt", "pthread"]
         try:
             if self.force or self._outdated(ext):
-                ext.extra_objects = [self._nvcc(root, cu, _gencode_flags(archs)) for cu in CU_SOURCES]
+                # nvcc keeps one core busy per file and the files are independent: compile them
+                # side by side (a GPU machine with many cores builds in the time of the slowest).
+                gencode = _gencode_flags(archs)
+                with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                    ext.extra_objects = list(pool.map(lambda cu: self._nvcc(root, cu, gencode),
+                                                      CU_SOURCES))
             self.build_extension(ext)
         except subprocess.CalledProcessError as err:  # nvcc's own messages are printed above
             return self._skip_cuda(ext, f"nvcc failed on {err.cmd[err.cmd.index('-c') + 1]} "
