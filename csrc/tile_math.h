@@ -87,7 +87,7 @@ template <class V>
 REFMATH_INLINE void storev(float* p, const V& v) { std::memcpy(p, &v, sizeof v); }
 
 template <class V>
-REFMATH_INLINE V zerov() { return V{} * 0.0f; }
+REFMATH_INLINE V zerov() { return V{}; }
 
 // The two 8-lane halves of a 16-lane vector added together (the first step of a lane sum).
 REFMATH_INLINE f32x8 fold_halves(const f32x16& v) {
@@ -107,24 +107,21 @@ REFMATH_INLINE float sum8(const f32x8& v) {
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
-// ---- C += A B: row-major A (M x K) and B (K x N) -------------------------------------------------
+// ---- C = A B: row-major A (M x K) and B (K x N) --------------------------------------------------
 //
 // The register tile is MR rows x 2 vectors of columns of C (16 columns with 8-lane vectors, 32 with
 // 16-lane ones), held in 2*MR vector registers while k runs: each step loads two vectors of B's
 // row k, broadcasts one number of A per row, and does 2*MR fused multiply-adds. MR = 6 gives 12
-// independent accumulators (of the 16 AVX2 registers): more than the FMA latency needs, and 8 loads
+// independent accumulators (of 16 AVX2 registers, 32 with AVX-512): more than the FMA latency needs, and 8 loads
 // per 12 multiply-adds, so the loads keep up with the FMA units. MR = 4 and 1 take the rows left
 // over.
 
-template <int MR, bool kAccumulate, class V>
+template <int MR, class V>
 REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
                             idx ldc) {
     constexpr int L = kLanes<V>;
     V acc[MR][2];
-    for (int r = 0; r < MR; ++r) {
-        acc[r][0] = kAccumulate ? loadv<V>(C + r * ldc) : zerov<V>();
-        acc[r][1] = kAccumulate ? loadv<V>(C + r * ldc + L) : zerov<V>();
-    }
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = zerov<V>();
     for (idx k = 0; k < K; ++k) {
         const V b0 = loadv<V>(B + k * ldb), b1 = loadv<V>(B + k * ldb + L);
         for (int r = 0; r < MR; ++r) {
@@ -140,12 +137,11 @@ REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx 
 }
 
 // The last n < 16 columns: plain loops (the compiler vectorises what it can).
-template <int MR, bool kAccumulate>
+template <int MR>
 REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const float* B, idx ldb,
                                    float* C, idx ldc) {
     for (int r = 0; r < MR; ++r) {
-        if (!kAccumulate)
-            for (idx c = 0; c < n; ++c) C[r * ldc + c] = 0.0f;
+        for (idx c = 0; c < n; ++c) C[r * ldc + c] = 0.0f;
         for (idx k = 0; k < K; ++k) {
             const float a = A[r * lda + k];
             for (idx c = 0; c < n; ++c) C[r * ldc + c] += a * B[k * ldb + c];
@@ -155,34 +151,28 @@ REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const 
 
 // Columns by tiles of two V vectors; with 16-lane vectors a last 16 columns by an 8-lane tile; the
 // rest by plain loops.
-template <int MR, bool kAccumulate, class V>
+template <int MR, class V>
 REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
                             float* C, idx ldc) {
     constexpr int W = 2 * kLanes<V>;
     idx j = 0;
-    for (; j + W <= N; j += W) nn_tile<MR, kAccumulate, V>(K, A, lda, B + j, ldb, C + j, ldc);
+    for (; j + W <= N; j += W) nn_tile<MR, V>(K, A, lda, B + j, ldb, C + j, ldc);
     if (W > 16 && j + 16 <= N) {
-        nn_tile<MR, kAccumulate, f32x8>(K, A, lda, B + j, ldb, C + j, ldc);
+        nn_tile<MR, f32x8>(K, A, lda, B + j, ldb, C + j, ldc);
         j += 16;
     }
-    if (j < N) nn_tile_narrow<MR, kAccumulate>(K, N - j, A, lda, B + j, ldb, C + j, ldc);
+    if (j < N) nn_tile_narrow<MR>(K, N - j, A, lda, B + j, ldb, C + j, ldc);
 }
 
-// C (M x N) = A (M x K) B (K x N), or C += A B with kAccumulate, with vectors of type V. Reads
-// exactly those entries, any M, N, K >= 0.
-template <bool kAccumulate, class V>
-REFMATH_INLINE void gemm_nn_impl(idx M, idx N, idx K, const float* A, idx lda, const float* B,
-                                 idx ldb, float* C, idx ldc) {
-    idx i = 0;
-    for (; i + 6 <= M; i += 6) nn_rows<6, kAccumulate, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-    for (; i + 4 <= M; i += 4) nn_rows<4, kAccumulate, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-    for (; i < M; ++i) nn_rows<1, kAccumulate, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-}
-
-template <class V = f32x8>
+// C (M x N) = A (M x K) B (K x N), with vectors of type V. Reads exactly those entries, any
+// M, N, K >= 0.
+template <class V>
 REFMATH_INLINE void gemm_nn(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
                             float* C, idx ldc) {
-    gemm_nn_impl<false, V>(M, N, K, A, lda, B, ldb, C, ldc);
+    idx i = 0;
+    for (; i + 6 <= M; i += 6) nn_rows<6, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    for (; i + 4 <= M; i += 4) nn_rows<4, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    for (; i < M; ++i) nn_rows<1, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
 
 // C += T for an M x N block (strides ldc, ldt). Used to add a tile's products into a running sum:
