@@ -112,9 +112,9 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 // The register tile is MR rows x 2 vectors of columns of C (16 columns with 8-lane vectors, 32 with
 // 16-lane ones), held in 2*MR vector registers while k runs: each step loads two vectors of B's
 // row k, broadcasts one number of A per row, and does 2*MR fused multiply-adds. MR = 6 gives 12
-// independent accumulators (of 16 AVX2 registers, 32 with AVX-512): more than the FMA latency needs, and 8 loads
-// per 12 multiply-adds, so the loads keep up with the FMA units. MR = 4 and 1 take the rows left
-// over.
+// independent accumulators (of 16 AVX2 registers, 32 with AVX-512): more than the FMA latency
+// needs, and 8 loads per 12 multiply-adds, so the loads keep up with the FMA units. MR = 4 and 1
+// take the rows left over.
 
 template <int MR, class V>
 REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
