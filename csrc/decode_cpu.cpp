@@ -110,7 +110,8 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
 }
 
 // U[r, d0 .. d0 + L NV) = alpha_r U[r, ...] + sum_{j < n} P[r, j] v_j[d0 ...] for rows 0..MR-1 (L
-// the lanes of V): a register tile of MR rows x NV vectors, summed over the block's keys, then added to U (F3). The
+// the lanes of V): a register tile of MR rows x NV vectors, summed over the block's keys, then
+// added to U (F3). The
 // block's own sum is kept apart from U until it is complete, so the long sum over the whole
 // context is a chain of one addition per block, not one per key.
 template <int MR, int NV, class V>
@@ -174,8 +175,10 @@ REFMATH_INLINE void fold_block_impl(idx R, idx D, const float* qs, const KeyBloc
     constexpr idx lds = kBlock + kPad;
     const idx n = blk.n;
     idx r = 0;
-    for (; r + 4 <= R; r += 4) score_rows<4, 2, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
-    for (; r + 2 <= R; r += 2) score_rows<2, 4, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r + 4 <= R; r += 4)
+        score_rows<4, 2, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+    for (; r + 2 <= R; r += 2)
+        score_rows<2, 4, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
     for (; r < R; ++r) score_rows<1, 8, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
     online_softmax_fold(R, n, S, lds, m, l, alpha);
     r = 0;
@@ -183,7 +186,8 @@ REFMATH_INLINE void fold_block_impl(idx R, idx D, const float* qs, const KeyBloc
         pv_rows<4, 2, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
     for (; r + 2 <= R; r += 2)
         pv_rows<2, 4, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
-    for (; r < R; ++r) pv_rows<1, 8, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+    for (; r < R; ++r)
+        pv_rows<1, 8, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
 }
 
 // The 8-lane and the 16-lane copies (see REFMATH_AVX512 in tile_math.h).

@@ -92,8 +92,9 @@ inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b
 // ---- forward -------------------------------------------------------------------------------------
 
 template <class V>
-REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
-                  const float* k, const float* v, float* o, float* lse, float* work) {
+REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h,
+                                      idx i0, const float* q, const float* k, const float* v,
+                                      float* o, float* lse, float* work) {
     const idx D = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
     const idx rows = std::min(kBlockQ, s.t_q - i0);
     const idx qrow0 = (b * s.heads + h) * s.t_q + i0;  // first row of this tile in (B*H*t_q, D)
@@ -155,8 +156,9 @@ void forward_tile(const AttentionShape& s, const Band& band, idx b, idx h, idx i
 
 #if REFMATH_HAVE_AVX512
 REFMATH_AVX512
-void forward_tile_wide(const AttentionShape& s, const Band& band, idx b, idx h, idx i0, const float* q,
-                  const float* k, const float* v, float* o, float* lse, float* work) {
+void forward_tile_wide(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
+                       const float* q, const float* k, const float* v, float* o, float* lse,
+                       float* work) {
     forward_tile_impl<tile::f32x16>(s, band, b, h, i0, q, k, v, o, lse, work);
 }
 #endif
@@ -257,24 +259,27 @@ void backward_kv_tile(const AttentionShape& s, const Band& band, idx b, idx g, i
                       const float* dout, const float* q, const float* k, const float* v,
                       const float* lse, const float* delta, float* dk, float* dv, float* dq_sum,
                       float* work) {
-    backward_kv_tile_impl<tile::f32x8>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, dq_sum, work);
+    backward_kv_tile_impl<tile::f32x8>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, dq_sum,
+                                       work);
 }
 
 #if REFMATH_HAVE_AVX512
 REFMATH_AVX512
 void backward_kv_tile_wide(const AttentionShape& s, const Band& band, idx b, idx g, idx j0,
-                      const float* dout, const float* q, const float* k, const float* v,
-                      const float* lse, const float* delta, float* dk, float* dv, float* dq_sum,
-                      float* work) {
-    backward_kv_tile_impl<tile::f32x16>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv, dq_sum, work);
+                           const float* dout, const float* q, const float* k, const float* v,
+                           const float* lse, const float* delta, float* dk, float* dv,
+                           float* dq_sum, float* work) {
+    backward_kv_tile_impl<tile::f32x16>(s, band, b, g, j0, dout, q, k, v, lse, delta, dk, dv,
+                                        dq_sum, work);
 }
 #endif
 
 // Pass 2 of the two-pass schedule: dQ of query rows [i0, i0 + nq) of head h.
 template <class V>
-REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
-                     const float* dout, const float* q, const float* k, const float* v,
-                     const float* lse, const float* delta, float* dq, float* work) {
+REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& band, idx b, idx h,
+                                         idx i0, const float* dout, const float* q, const float* k,
+                                         const float* v, const float* lse, const float* delta,
+                                         float* dq, float* work) {
     const idx D = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
     const idx nq = std::min(kBlockQ, s.t_q - i0);
     const idx qrow0 = (b * s.heads + h) * s.t_q + i0;
@@ -335,8 +340,8 @@ void backward_q_tile(const AttentionShape& s, const Band& band, idx b, idx h, id
 #if REFMATH_HAVE_AVX512
 REFMATH_AVX512
 void backward_q_tile_wide(const AttentionShape& s, const Band& band, idx b, idx h, idx i0,
-                     const float* dout, const float* q, const float* k, const float* v,
-                     const float* lse, const float* delta, float* dq, float* work) {
+                          const float* dout, const float* q, const float* k, const float* v,
+                          const float* lse, const float* delta, float* dq, float* work) {
     backward_q_tile_impl<tile::f32x16>(s, band, b, h, i0, dout, q, k, v, lse, delta, dq, work);
 }
 #endif
@@ -417,8 +422,9 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
         // query heads, so it adds each tile's dS K into dq itself, and pass 2 is not needed.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (idx t = 0; t < bg; ++t) {
-            const idx b = t / shape.kv_heads, g = t % shape.kv_heads, group = shape.heads / shape.kv_heads;
-            float* dq_group = dq + (b * shape.heads + g * group) * shape.t_q * D;  // group * t_q rows
+            const idx b = t / shape.kv_heads, g = t % shape.kv_heads;
+            const idx group = shape.heads / shape.kv_heads;
+            float* dq_group = dq + (b * shape.heads + g * group) * shape.t_q * D;  // group x t_q rows
             std::fill(dq_group, dq_group + group * shape.t_q * D, 0.0f);
             for (idx j = 0; j < n_key_tiles; ++j)
                 run_kv_tile(shape, band, b, g, j * kBlockK, dout, q, k, v, lse, dl, dk, dv, dq,
