@@ -244,6 +244,8 @@ PYBIND11_MODULE(_C, m) {
     m.def("flash_backward", &flash_backward, py::arg("do"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("causal"), py::arg("window"),
           py::arg("scale"), "FlashAttention-2 backward, float32: returns (dq, dk, dv).");
+    m.def("set_backward_schedule", &refmath::set_backward_schedule, py::arg("schedule"),
+          "For tests: 0 lets flash_backward choose its schedule, 1 forces one pass, 2 two passes.");
     m.def("decode", &decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("lengths"), py::arg("scale"), py::arg("splits"),
           "One decode step over contiguous caches (B, G, T_max, D); lengths int64 (B,); "

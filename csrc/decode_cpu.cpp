@@ -74,8 +74,8 @@ REFMATH_INLINE void prefetch_row(const float* row, idx D) {
 
 // S[r, j] = q_r . k_j for rows 0..MR-1 of q (row stride D, already scaled) and keys j < n (rounded
 // up to a multiple of NR; the block's padding makes that safe). The register tile is MR rows x NR
-// keys = 8 vector accumulators running along d, eight products each; their lanes are summed all
-// at once (sum_lanes_8x8). While the keys are multiplied, the key rows of block 'ahead' are
+// keys = 8 vector accumulators running along d, L products each (L = 8 or 16 lanes), then 8 more
+// with 8-lane vectors where D % 16 leaves 8; their lanes are summed all at once (sum_lanes_8x8). While the keys are multiplied, the key rows of block 'ahead' are
 // requested (pf: whether this row group does it; only the first one does).
 template <int MR, int NR, class V>
 REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk, float* S, idx lds,
@@ -100,8 +100,16 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
         }
         f32x8 halves[8];
         for (int i = 0; i < 8; ++i) halves[i] = tile::fold_halves(acc[i]);
+        idx d8 = DL;
+        if (L > 8 && d8 + 8 <= D) {  // 16-lane vectors: 8 columns left over, one 8-lane step
+            for (int r = 0; r < MR; ++r) {
+                const f32x8 x = tile::load8(q + r * D + d8);
+                for (int c = 0; c < NR; ++c) halves[r * NR + c] += x * tile::load8(kr[c] + d8);
+            }
+            d8 += 8;
+        }
         f32x8 sums = tile::sum_lanes_8x8(halves);
-        for (idx d = DL; d < D; ++d)  // the D % L products left over
+        for (idx d = d8; d < D; ++d)  // the D % 8 products left over
             for (int r = 0; r < MR; ++r)
                 for (int c = 0; c < NR; ++c) sums[r * NR + c] += q[r * D + d] * kr[c][d];
         for (int r = 0; r < MR; ++r)
@@ -186,8 +194,11 @@ REFMATH_INLINE void fold_block_impl(idx R, idx D, const float* qs, const KeyBloc
         pv_rows<4, 2, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
     for (; r + 2 <= R; r += 2)
         pv_rows<2, 4, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+    // One row: tiles of 64 columns (8 accumulators of 8 lanes, or 4 of 16), so that D = 64 still
+    // gets a full tile.
     for (; r < R; ++r)
-        pv_rows<1, 8, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);
+        pv_rows<1, 64 / tile::kLanes<V>, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead,
+                                           r == 0);
 }
 
 // The 8-lane and the 16-lane copies (see REFMATH_AVX512 in tile_math.h).

@@ -18,8 +18,8 @@
 // The backward pass follows FlashAttention-2 (F4): weights are recomputed from the saved logsumexp,
 // P = 2^(S log2 e - lse log2 e), and delta_i = dO_i . O_i replaces the row sums of P * dP. On a GPU
 // dQ is accumulated with atomic additions from every key tile. Here every output element is written
-// by exactly one thread, so no atomics are needed and the result does not depend on the thread
-// count, by one of two schedules:
+// by exactly one thread, so no atomics are needed, by one of two schedules (which give the same
+// bits, so the result does not depend on the thread count either):
 //   one pass, over (batch, key/value head): for each key tile, dV += P^T dO and dK += dS^T Q,
 //           summed over the query heads of the group (GQA) and the query tiles that see the key
 //           tile, and dQ += dS K into the item's own query heads: 5 tile products per tile pair;
@@ -30,6 +30,7 @@
 #include "flash_cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -46,7 +47,8 @@ namespace {
 using tile::idx;
 
 // Tile sizes. A key tile of 128 rather than 64 halves the online-softmax rescaling of the output
-// rows per key (one per tile) and was 5-8% faster; the scratch stays far inside the L2 cache.
+// rows per key (one per tile) and was 5-8% faster (forward and backward, D = 64). A thread's scratch
+// is then 100-330 KB (D = 64 to 128), within the level-2 cache of current x86 cores.
 constexpr idx kBlockQ = 64;   // query rows per tile
 constexpr idx kBlockK = 128;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -197,7 +199,7 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
     float* dSt = Pt + kBlockK * kBlockQ;  // kBlockK x kBlockQ: dP^T, then dS^T
     float* dK = dSt + kBlockK * kBlockQ;  // nk x D
     float* dV = dK + kBlockK * D;         // nk x D
-    float* T = dV + kBlockK * D;          // nk x D: one tile's product, then added to dK or dV
+    float* T = dV + kBlockK * D;          // one tile's product (nk x D, or nq x D for dQ), then added
     float* lse2 = T + kBlockK * D;        // kBlockQ
     float* XT = lse2 + kBlockQ;           // D x kBlockQ: a tile of Q, then of dO, transposed
     std::fill(dK, dK + nk * D, 0.0f);
@@ -303,7 +305,9 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
 
     idx lo, hi;
     band.keys_of(i0, i0 + nq, lo, hi);
-    for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
+    // Key tiles aligned to multiples of kBlockK, as in pass 1 (keys before lo are masked), so that
+    // dQ sums the same tiles in the same order as the one-pass schedule: the same bits either way.
+    for (idx j0 = lo - lo % kBlockK; j0 < hi; j0 += kBlockK) {
         const idx nk = std::min(kBlockK, hi - j0);
         tile::transpose(nk, D, kh + j0 * D, D, XT, kBlockK);
         tile::gemm_nn<V>(nq, nk, D, qt, D, XT, kBlockK, P, kBlockK);   // S = Q K^T
@@ -362,9 +366,23 @@ idx ceil_div(idx a, idx b) { return (a + b - 1) / b; }
 // finer items that need 7 (see the top of the file). The coarse items are all the same size, so the
 // one pass is chosen when they fill every thread evenly, or when there are so many per thread that
 // an uneven last round costs little.
-bool one_pass(idx items, idx threads) { return items % threads == 0 || items >= 8 * threads; }
+// set_backward_schedule overrides the choice (for tests).
+std::atomic<int> forced_schedule{0};
+
+bool one_pass(idx items, idx threads) {
+    if (forced_schedule.load(std::memory_order_relaxed) != 0)
+        return forced_schedule.load(std::memory_order_relaxed) == 1;
+    return items % threads == 0 || items >= 8 * threads;
+}
 
 }  // namespace
+
+void set_backward_schedule(int schedule) {
+    if (schedule < 0 || schedule > 2)
+        throw std::invalid_argument("backward schedule must be 0 (automatic), 1 (one pass) or 2 "
+                                    "(two passes), got " + std::to_string(schedule));
+    forced_schedule.store(schedule, std::memory_order_relaxed);
+}
 
 void check_attention_shape(const AttentionShape& s) {
     auto fail = [](const std::string& what) { throw std::invalid_argument("attention: " + what); };

@@ -33,4 +33,9 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
                         const float* k, const float* v, const float* o, const float* lse, float* dq,
                         float* dk, float* dv);
 
+// Which schedule flash_backward_cpu uses: 0 chooses by the work and the thread count (the
+// default), 1 forces the one-pass schedule, 2 the two-pass one (see flash_cpu.cpp). Both give the
+// same bits; tests use this to check that. Throws std::invalid_argument for any other value.
+void set_backward_schedule(int schedule);
+
 }  // namespace refmath

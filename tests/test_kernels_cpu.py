@@ -188,7 +188,7 @@ def test_flash_attention_matches_the_float64_reference(b, h, g, t_q, t_k, d, mas
     (7, 100, True, None),   # queries are the last 7 positions of 100 keys
     (100, 7, True, None),   # the first 93 queries sit before every key: o = 0, lse = -inf
     (100, 64, True, 5),     # a narrow window that some rows see nothing through
-    (64, 65, False, None),  # one key past a tile edge
+    (64, 129, False, None),  # one key past a key tile's edge (tiles of 128 keys)
     (65, 130, True, 1),     # window 1: each query sees one key
     (3, 0, False, None),    # no keys at all
     (0, 5, True, None),     # no queries
@@ -198,6 +198,32 @@ def test_flash_attention_uneven_lengths_and_empty_rows(t_q, t_k, causal, window)
     if t_q > t_k and causal:  # rows before the first key
         np.testing.assert_array_equal(o[:, :, : t_q - t_k], 0.0)
         assert np.isneginf(lse[:, :, : t_q - t_k]).all()
+
+
+@pytest.mark.parametrize("b, h, g, t_q, t_k, d, causal, window", [
+    (1, 6, 3, 300, 300, 40, True, 50),    # GQA, a window that starts key tiles mid-tile
+    (2, 4, 1, 90, 260, 24, True, None),   # MQA, queries at the end of three key tiles
+    (1, 2, 2, 130, 130, 17, False, None),
+])
+def test_flash_backward_one_and_two_pass_schedules_give_the_same_bits(b, h, g, t_q, t_k, d, causal,
+                                                                      window):
+    # Which schedule runs depends on the thread count; forcing each makes both run on any machine,
+    # and their equality is what makes the result independent of the thread count.
+    q, k, v, do = make_qkv(11, b, h, g, t_q, t_k, d)
+    o, lse = kernels.flash_attention_forward(q, k, v, causal=causal, window=window)
+    grads = {}
+    try:
+        for schedule in (1, 2):
+            kernels._C.set_backward_schedule(schedule)
+            grads[schedule] = kernels.flash_attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                               window=window)
+    finally:
+        kernels._C.set_backward_schedule(0)
+    for one, two in zip(grads[1], grads[2]):
+        np.testing.assert_array_equal(one, two)
+    check_attention(b, h, g, t_q, t_k, d, causal, window, seed=11)  # and the automatic one is right
+    with pytest.raises(ValueError, match="backward schedule"):
+        kernels._C.set_backward_schedule(3)
 
 
 def test_flash_attention_custom_scale_and_gqa_head_map():
