@@ -321,7 +321,7 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     const int threads = tile::max_threads();
     const idx per_thread = tile::padded_floats(R * (kBlock + kPad) + 2 * R * D + 3 * R);
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
-    const float c = s.scale * tile::kLog2e;
+    const float c = tile::base2_factor(s.scale);
     float* part = partial.data();
     float* w = work.data();
 

@@ -105,7 +105,7 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
     const float* qt = q + qrow0 * D;
     const float* kh = k + (b * s.kv_heads + g) * s.t_k * D;
     const float* vh = v + (b * s.kv_heads + g) * s.t_k * D;
-    const float c = s.scale * tile::kLog2e;
+    const float c = tile::base2_factor(s.scale);
 
     float* S = work;                   // kBlockQ x kBlockK scores, then weights
     float* U = S + kBlockQ * kBlockK;  // rows x D unnormalised output
@@ -193,7 +193,7 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
     const idx krow0 = (b * s.kv_heads + g) * s.t_k + j0;
     const float* kt = k + krow0 * D;
     const float* vt = v + krow0 * D;
-    const float c = s.scale * tile::kLog2e;
+    const float c = tile::base2_factor(s.scale);
 
     float* Pt = work;                    // kBlockK x kBlockQ: S^T, then P^T
     float* dSt = Pt + kBlockK * kBlockQ;  // kBlockK x kBlockQ: dP^T, then dS^T
@@ -291,7 +291,7 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
     const float* dot = dout + qrow0 * D;
     const float* kh = k + (b * s.kv_heads + g) * s.t_k * D;
     const float* vh = v + (b * s.kv_heads + g) * s.t_k * D;
-    const float c = s.scale * tile::kLog2e;
+    const float c = tile::base2_factor(s.scale);
 
     float* P = work;                   // kBlockQ x kBlockK
     float* dS = P + kBlockQ * kBlockK;  // kBlockQ x kBlockK: dP, then dS
