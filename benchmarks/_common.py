@@ -117,7 +117,8 @@ def choose_vector_width(narrow: bool) -> str:
     from refmath import kernels
 
     lanes = kernels.cpu_vector_lanes(8 if narrow else 16)
-    return f"refmath's CPU kernels run their {lanes}-lane copies ({'AVX-512' if lanes == 16 else 'AVX2 or baseline'})"
+    kind = "AVX-512" if lanes == 16 else "AVX2 or baseline"
+    return f"refmath's CPU kernels run their {lanes}-lane copies ({kind})"
 
 
 def median(xs):

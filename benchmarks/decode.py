@@ -120,8 +120,8 @@ def main(argv=None):
         print(f"  T={t} done", flush=True)
         del k, v, k_pages, v_pages
     print()
-    print_table(["T", "K+V MiB", "read GB/s", "refmath ms", "GB/s", "of bw", "paged ms", "GB/s", "of bw",
-                 "torch ms", "GB/s", "of bw", "speed vs torch"], rows,
+    print_table(["T", "K+V MiB", "read GB/s", "refmath ms", "GB/s", "of bw", "paged ms", "GB/s",
+                 "of bw", "torch ms", "GB/s", "of bw", "speed vs torch"], rows,
                 title=f"decode, B=1 H={h} G={g} D={d}, float32, page size {p}, {threads} thread(s); "
                       "'of bw': of 'read GB/s', stream_sum over the same K and V in the same turns")
 
