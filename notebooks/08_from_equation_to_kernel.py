@@ -1,0 +1,571 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 8: from the equation to the kernel
+#
+# Attention is one line of mathematics, `O = softmax(Q K^T / sqrt(D) + M) V` (catalogue A2). This
+# lesson follows that line through three programs that compute it: the dense NumPy reference,
+# which builds the whole `T x T` score matrix; the tiled NumPy FlashAttention of lesson 3, which
+# never does (F1-F5); and the C++/OpenMP kernel behind `refmath.kernels`, which runs the same tiles
+# in float32, in base 2, on every core. Then the decode step (K2): one query against a long cache,
+# split across the cores and merged by F3, read either contiguously or through a page table (K10),
+# with the query heads of a GQA group sharing their key/value head (A10). Finally what the kernel
+# buys in time and in memory, and how the CUDA versions climb the same ladder on a GPU.
+#
+# The C++ parts need the compiled module `refmath._C`. Without it, those cells print that they
+# were skipped and the NumPy parts still run.
+
+# %%
+import time
+import tracemalloc
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from refmath import flash, kernels
+from refmath.attention import causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
+from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
+
+np.set_printoptions(precision=4, suppress=True)
+rng = np.random.default_rng(0)
+
+HAVE_CPU = kernels.cpu_available()
+print("C++ kernels available:", HAVE_CPU)
+if HAVE_CPU:
+    print("vector lanes in use:", kernels.cpu_vector_lanes())
+print("build:", kernels.build_info())
+
+# %% [markdown]
+# The kernels compute in float32, so "the same answer" needs a yardstick. The one used here (and
+# in the project's kernel tests) is the FlashAttention test suite's rule: compute a float64
+# reference, and also the plain dense computation in float32 NumPy. The kernel's worst error
+# against the reference may be at most a small factor (2 for outputs, 3 for gradients) times the
+# float32 NumPy error, plus a floor of four float32 roundings (`4 u M`, `u = 2^-24`, `M` the size of
+# the numbers being summed), for inputs on which NumPy happens to be exact.
+
+# %%
+U32 = 2.0**-24
+
+
+def check_float32(label, kernel_out, ref64, numpy32, factor, magnitude):
+    """Assert: kernel error <= factor x (NumPy float32 error) + 4 u M, against float64."""
+    kernel_err = np.abs(np.asarray(kernel_out, dtype=np.float64) - ref64).max()
+    numpy_err = np.abs(np.asarray(numpy32, dtype=np.float64) - ref64).max()
+    bound = factor * numpy_err + 4 * U32 * magnitude
+    print(f"{label:>4s}: kernel error {kernel_err:.2e}   NumPy float32 error {numpy_err:.2e}   "
+          f"bound {bound:.2e}")
+    assert kernel_err <= bound, label
+
+
+# %% [markdown]
+# ## A2 and F4: one attention, three programs
+#
+# Six tokens, head width `D = 4`, a causal mask. The entries of `Q`, `K` and `V` are small
+# integers and the scale is `1/sqrt(4) = 1/2`, so every score is a multiple of one half and can be
+# read off by hand. Two rows are worth doing on paper:
+#
+# - Row 0 sees only key 0, so its weight is exactly 1: `o_0 = v_0`, and its logsumexp is the score
+#   itself, `lse_0 = log e^{s_00} = s_00`.
+# - Row 1 sees keys 0 and 1. Its two scores below are both `-1`, so the weights are `(1/2, 1/2)`,
+#   `o_1 = (v_0 + v_1) / 2` and `lse_1 = log(2 e^{-1}) = -1 + ln 2 = -0.3069`.
+
+# %%
+T, D = 6, 4
+q, k, v = (rng.integers(-1, 3, size=(1, 1, T, D)).astype(np.float64) for _ in range(3))
+S = q[0, 0] @ k[0, 0].T / np.sqrt(D)
+print("S = Q K^T / 2 (the upper triangle is masked):\n",
+      np.where(np.tril(np.ones((T, T))), S, np.nan))
+lse_by_hand = np.array([S[0, 0], np.log(np.exp(S[1, 0]) + np.exp(S[1, 1]))])
+print("lse of rows 0 and 1 by hand:", lse_by_hand)
+assert S[0, 0] == 1.5 and S[1, 0] == S[1, 1] == -1.0
+
+# %% [markdown]
+# The dense reference, `sdpa_forward`, builds that `6 x 6` matrix, masks it and softmaxes it. The
+# tiled reference, `refmath.flash.flash_attention_forward`, walks `2 x 2` tiles of it with the
+# online softmax and never holds more than one tile: with three query tiles and three key tiles it
+# computes the six tiles on or below the diagonal and skips the three above it (F5). Both run in
+# float64 and agree to rounding. The tiled one also returns the logsumexp of each row,
+# `lse_i = log sum_j e^{s_ij}`, the one number per row that its backward pass will need.
+
+# %%
+dense, _ = sdpa_forward(q, k, v, mask=causal_mask(T))
+counters = flash.FlashCounters()
+tiled, lse = flash.flash_attention_forward(q, k, v, causal=True, block_q=2, block_k=2,
+                                           counters=counters)
+print("o (dense):\n", dense[0, 0])
+print("lse (tiled):", lse[0, 0])
+print(f"tiles computed {counters.tiles_computed}, skipped {counters.tiles_skipped}, largest "
+      f"temporary {counters.largest_temporary} numbers (the score matrix holds {T * T})")
+np.testing.assert_allclose(tiled, dense, rtol=1e-13, atol=1e-15)
+np.testing.assert_array_equal(dense[0, 0, 0], v[0, 0, 0])  # row 0: weight 1 on key 0
+np.testing.assert_allclose(dense[0, 0, 1], (v[0, 0, 0] + v[0, 0, 1]) / 2, rtol=1e-15)
+np.testing.assert_allclose(lse[0, 0, :2], [1.5, -1 + np.log(2)], rtol=1e-15)
+assert (counters.tiles_computed, counters.tiles_skipped) == (6, 3)
+
+# %% [markdown]
+# The third program is the C++ kernel, `refmath.kernels.flash_attention_forward`. It takes
+# float32 arrays (and checks that it got them), computes in float32 and returns float32 `o` and
+# `lse`. Its tiles are 64 query rows by 128 keys, so this small example is a single tile; the
+# larger check after it, `T = 200` with a GQA layout (8 query heads reading 2 key/value heads,
+# A10), cuts tiles at lengths that 64 and 128 do not divide. Both are judged by the float32 rule
+# against the float64 dense reference.
+
+# %%
+q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+dense32, _ = sdpa_forward(q32, k32, v32, mask=causal_mask(T, dtype=np.float32))
+visible = np.tril(np.ones((T, T), dtype=bool))
+lse_dense = np.log(np.exp(np.where(visible, S, -np.inf)).sum(axis=1))
+S32 = q32[0, 0] @ k32[0, 0].T / np.float32(2)
+lse_dense32 = np.log(np.exp(np.where(visible, S32, -np.inf)).sum(axis=1))
+if HAVE_CPU:
+    o_c, lse_c = kernels.flash_attention_forward(q32, k32, v32, causal=True)
+    print("o (C++, float32):\n", o_c[0, 0])
+    print("lse (C++, float32):", lse_c[0, 0], " dtypes:", o_c.dtype, lse_c.dtype)
+    check_float32("o", o_c, dense, dense32, 2, np.abs(v).max())
+    check_float32("lse", lse_c[0, 0], lse_dense, lse_dense32, 2, 1 + np.abs(lse_dense).max())
+else:
+    print("skipped: refmath._C is not built, so there is no C++ kernel to compare")
+
+# %%
+B, H, G, T, D = 2, 8, 2, 200, 32
+heads = gqa_head_map(H, G)  # query head r reads key/value head heads[r] = r // (H / G)
+qg = rng.standard_normal((B, H, T, D))
+kg, vg = rng.standard_normal((B, G, T, D)), rng.standard_normal((B, G, T, D))
+ref_o, ref_cache = sdpa_forward(qg, kg[:, heads], vg[:, heads], mask=causal_mask(T))
+np32_o, np32_cache = sdpa_forward(*(x.astype(np.float32) for x in (qg, kg[:, heads], vg[:, heads])),
+                                  mask=causal_mask(T, dtype=np.float32))
+print("head map (A10):", heads)
+if HAVE_CPU:
+    qg32, kg32, vg32 = (x.astype(np.float32) for x in (qg, kg, vg))
+    og_c, lseg_c = kernels.flash_attention_forward(qg32, kg32, vg32, causal=True)
+    check_float32("o", og_c, ref_o, np32_o, 2, np.abs(vg).max())
+else:
+    print("skipped: refmath._C is not built")
+
+# %% [markdown]
+# ## F1-F3 in base 2: what the kernel keeps per row
+#
+# Lesson 3 built the online softmax: each query row keeps a running maximum `m`, a running sum
+# `l = sum_j e^{s_j - m}` and an unnormalised output `u = sum_j e^{s_j - m} v_j` (F2); a new tile
+# of scores moves the maximum to `m' = max(m, tile max)` and rescales what was summed by
+# `alpha = e^{m - m'} <= 1` (F3); at the end `o = u / l` and `lse = m + log l` (F1).
+#
+# The kernel does exactly this in base 2. Since `e^x = 2^{x log2 e}`, multiplying every score by
+# `log2 e = 1.4427` once (the kernel folds it into the scale, `tau log2 e`) turns every
+# exponential into a power of two, and then `m` and `l` are the base-2 maximum and sum. At the end
+# `lse = ln 2 (m + log2 l)` converts back to the natural logarithm.
+#
+# A power of two is cheap to compute without a library call, which is what lets the compiler
+# vectorise the loop: write `x = n + f` with `n = round(x)` and `|f| <= 1/2`; then `2^x = 2^n 2^f`,
+# where `2^n` is just an exponent field and `2^f = e^{f ln 2}` is a degree-7 Taylor polynomial. By
+# hand: `e = 2^{1.4427}` gives `n = 1`, `f = 0.4427`, `2^f = 1.3591`, `2 x 1.3591 = 2.7183`; and
+# `e^2 = 2^{2.8854}` gives `n = 3`, `f = -0.1146`, `2^f = 0.9236`, `8 x 0.9236 = 7.389`.
+
+# %%
+LOG2E = np.log2(np.e)
+
+
+def exp2_like_the_kernel(x):
+    """2^x as the C++ kernels compute it: 2^round(x) times a degree-7 polynomial for 2^f."""
+    x = np.clip(np.asarray(x, dtype=np.float64), -127.0, 127.0)
+    n = np.round(x)
+    f = x - n
+    poly = sum((f * np.log(2)) ** i / np.prod(np.arange(1, i + 1)) for i in range(8))
+    return np.ldexp(poly, n.astype(int))
+
+
+for x in (1.0, 2.0):
+    n = np.round(x * LOG2E)
+    print(f"e^{x:g}: x log2 e = {x * LOG2E:.4f}, n = {n:g}, f = {x * LOG2E - n:+.4f}, "
+          f"2^f = {2 ** (x * LOG2E - n):.4f}, 2^n 2^f = {exp2_like_the_kernel(x * LOG2E):.4f}")
+xs = np.linspace(-30, 30, 2001)
+rel = np.abs(exp2_like_the_kernel(xs * LOG2E) / np.exp(xs) - 1)
+print(f"largest relative error of the polynomial form over [-30, 30]: {rel.max():.1e} "
+      f"(float32 rounds at {U32:.1e})")
+assert rel.max() < 1e-8
+
+# %% [markdown]
+# Here is one row of the loop in NumPy, base 2, 16 keys per tile, next to the kernel's answer for
+# the same row (row 150 of head 3 of the `T = 200` example, 151 visible keys). The picture shows
+# what the row carries from tile to tile: `m` only ever grows, and whenever it does, `l` is
+# multiplied by `2^{m - m'}` before the new tile's weights are added, so it can drop. `m` and `l`
+# are all the softmax needs; `u` (not drawn) is rescaled by the same factor.
+
+# %%
+b, r, i, tile = 0, 3, 150, 16
+tau2 = LOG2E / np.sqrt(D)  # the scale and log2 e, folded into one factor
+s2 = tau2 * (kg[b, heads[r], :i + 1] @ qg[b, r, i])  # base-2 scores of the visible keys
+v_row = vg[b, heads[r], :i + 1]
+m2, l2, u2 = -np.inf, 0.0, np.zeros(D)
+trace = []
+for j0 in range(0, i + 1, tile):
+    s_tile, v_tile = s2[j0:j0 + tile], v_row[j0:j0 + tile]
+    m_new = max(m2, s_tile.max())
+    alpha = 2.0 ** (m2 - m_new)  # 0 on the first tile, when m = -inf
+    p = 2.0 ** (s_tile - m_new)
+    l2, u2, m2 = alpha * l2 + p.sum(), alpha * u2 + p @ v_tile, m_new
+    trace.append((j0 + len(s_tile), m2, l2))
+o_row, lse_row = u2 / l2, np.log(2) * (m2 + np.log2(l2))
+print(f"after {len(trace)} tiles: m = {m2:.4f} (base 2), l = {l2:.4f}, lse = ln 2 (m + log2 l) "
+      f"= {lse_row:.6f}")
+np.testing.assert_allclose(o_row, ref_o[b, r, i], rtol=1e-12)
+np.testing.assert_allclose(lse_row, np.log(np.exp(s2 / LOG2E).sum()), rtol=1e-13)
+if HAVE_CPU:
+    print(f"the C++ kernel's lse for this row: {lseg_c[b, r, i]:.6f}")
+    np.testing.assert_allclose(lseg_c[b, r, i], lse_row, rtol=1e-6)
+    np.testing.assert_allclose(og_c[b, r, i], o_row, rtol=1e-5, atol=1e-5)
+
+keys_seen, ms, ls = np.array(trace).T
+fig, axes = plt.subplots(1, 2, figsize=(9, 3), layout="constrained")
+axes[0].step(keys_seen, ms, where="post")
+axes[0].set(xlabel="keys folded in", ylabel="m (base 2)", title="running maximum")
+axes[1].step(keys_seen, ls, where="post", color="tab:orange")
+axes[1].set(xlabel="keys folded in", ylabel="l = sum 2^(s - m)", title="running sum, rescaled")
+plt.show()
+
+# %% [markdown]
+# ## F4: the backward pass from the logsumexp
+#
+# The forward pass kept `o` and `lse`, nothing of size `T x T`. The backward pass rebuilds each
+# tile of weights from them, `P_ij = e^{s_ij - lse_i} = 2^{s_ij log2 e - lse_i log2 e}`: these are
+# exactly the softmax weights, with no running maximum to correct. The softmax backward needs the
+# row sums `sum_j P_ij dP_ij` (with `dP = dO V^T`); since `sum_j P_ij v_j = o_i`, that sum equals
+# `delta_i = dO_i . O_i`, one dot product per row and again nothing of size `T x T`. Then
+#
+# `dS = P * (dP - delta)`,  `dV = P^T dO`,  `dQ = tau dS K`,  `dK = tau dS^T Q`,
+#
+# and each key/value head receives the sum over the query heads that read it (A10). First the
+# two identities on the `T = 200` example, in float64:
+
+# %%
+do = rng.standard_normal(qg.shape)
+_, ref_lse = flash.flash_attention_forward(qg, kg, vg, causal=True)
+scores = np.where(causal_mask(T) == 0, (qg @ kg[:, heads].swapaxes(-1, -2)) / np.sqrt(D), -np.inf)
+P = 2.0 ** (scores * LOG2E - ref_lse[..., None] * LOG2E)
+np.testing.assert_allclose(P, ref_cache.a, rtol=1e-12, atol=1e-15)
+dP = do @ vg[:, heads].swapaxes(-1, -2)
+delta = (do * ref_o).sum(axis=-1)
+np.testing.assert_allclose(delta, (P * dP).sum(axis=-1), rtol=1e-10, atol=1e-12)
+print("P from lse equals the softmax weights; delta = rowsum(dO * O) equals rowsum(P * dP)")
+
+# %% [markdown]
+# The C++ backward organises these products for a CPU. Every tile product has one form, `C = A B`
+# built up by scaling whole rows of `B` with entries of `A`, a loop the compiler vectorises along
+# the rows. Where a product needs a transposed operand (`K^T` for the scores in the forward pass;
+# tiles of `Q`, `dO` or `dS` here), that tile is first copied transposed into scratch. Every
+# output element is written by exactly one thread, so no atomic additions are needed. When there
+# are enough (batch, key/value head) pairs to share among the threads, one pass over them
+# accumulates `dK`, `dV` and `dQ` tile by tile; otherwise a first pass computes `dK` and `dV` and
+# a second, over query tiles, computes `dQ`. Both schedules give the same bits. Against the dense
+# float64 `sdpa_backward` (its key/value gradients summed over each group), by the float32 rule
+# with factor 3; the floor also carries `1 + max |lse|`, because every weight is rebuilt from a
+# float32 `lse`.
+
+# %%
+dq_ref, dk_ref, dv_ref = sdpa_backward(do, ref_cache)
+dq_32, dk_32, dv_32 = sdpa_backward(do.astype(np.float32), np32_cache)
+
+
+def per_kv_head(dx):
+    """Sum over the query heads that read each key/value head: (B, H, ...) -> (B, G, ...)."""
+    return dx.reshape(dx.shape[0], G, H // G, *dx.shape[2:]).sum(axis=2)
+
+
+if HAVE_CPU:
+    dq_c, dk_c, dv_c = kernels.flash_attention_backward(do.astype(np.float32), qg32, kg32, vg32,
+                                                        og_c, lseg_c, causal=True)
+    grow = 1 + np.abs(ref_lse).max()
+    check_float32("dq", dq_c, dq_ref, dq_32, 3, grow * np.abs(dq_ref).max())
+    check_float32("dk", dk_c, per_kv_head(dk_ref), per_kv_head(dk_32), 3,
+                  grow * np.abs(dk_ref).max())
+    check_float32("dv", dv_c, per_kv_head(dv_ref), per_kv_head(dv_32), 3,
+                  grow * np.abs(dv_ref).max())
+else:
+    print("skipped: refmath._C is not built")
+
+# %% [markdown]
+# ## K2 and F3: decode, split across the cores
+#
+# A decode step (K2) has one new query per head and a long cache: `o = softmax(tau q K^T) V` over
+# the sequence's `L` cached keys. With one query row there is no query tile to share among
+# threads, so the kernel cuts the keys instead: `splits = S` chunks, separate work items that any
+# thread may take, each reduced to the partial statistics `(m_s, l_s, u_s)` of its keys (F2); a
+# second, tiny loop merges them (F3):
+#
+# `M = max_s m_s`,  `L = sum_s e^{m_s - M} l_s`,  `o = sum_s e^{m_s - M} u_s / L`.
+#
+# In exact arithmetic the merge changes nothing, so the answer depends on `S` only through
+# rounding. The query heads of a
+# GQA group are handled together, so each cached key is read once per group (A10). Slots past a
+# sequence's length are never read; here they hold NaN to prove it.
+#
+# First the merge in NumPy, for one (sequence, query head): four chunks of 1024 keys.
+
+# %%
+B, H, G, D, T_max = 2, 8, 2, 64, 4096
+lengths = np.array([4096, 1000])
+heads = gqa_head_map(H, G)
+q_dec = rng.standard_normal((B, H, D))
+k_cache = rng.standard_normal((B, G, T_max, D))
+v_cache = rng.standard_normal((B, G, T_max, D))
+for b, L in enumerate(lengths):
+    k_cache[b, :, L:] = np.nan
+    v_cache[b, :, L:] = np.nan
+
+scores0 = k_cache[0, heads[5]] @ q_dec[0, 5] / np.sqrt(D)  # sequence 0, query head 5
+parts = [online_softmax_block(scores0[c:c + 1024], v_cache[0, heads[5], c:c + 1024])
+         for c in range(0, 4096, 1024)]
+for s, part in enumerate(parts):
+    print(f"split {s}: m = {part.m:.4f}  l = {part.l:.4f}")
+merged = parts[0]
+for part in parts[1:]:
+    merged = online_softmax_merge(merged, part)
+print(f"merged:  M = {merged.m:.4f}  L = {merged.l:.4f}")
+whole, _ = sdpa_forward(q_dec[0, 5][None], k_cache[0, heads[5]], v_cache[0, heads[5]])
+np.testing.assert_allclose(online_softmax_result(merged), whole[0], rtol=1e-12, atol=1e-15)
+
+
+# %% [markdown]
+# Now the kernel, `refmath.kernels.decode`, on both sequences and all heads, with `splits=1` (one
+# thread walks each whole context) and `splits=4`, against a float64 reference that attends over
+# each sequence's first `L_b` keys only.
+
+# %%
+def decode_reference(q, k, v, lengths):
+    out = np.zeros(q.shape)
+    for b, L in enumerate(lengths):
+        o, _ = sdpa_forward(q[b][:, None, :], k[b, heads, :L], v[b, heads, :L])
+        out[b] = o[:, 0]
+    return out
+
+
+q_dec32, k_cache32, v_cache32 = (x.astype(np.float32) for x in (q_dec, k_cache, v_cache))
+ref_dec = decode_reference(q_dec, k_cache, v_cache, lengths)
+np32_dec = decode_reference(q_dec32, k_cache32, v_cache32, lengths)
+if HAVE_CPU:
+    one = kernels.decode(q_dec32, k_cache32, v_cache32, lengths, splits=1)
+    four = kernels.decode(q_dec32, k_cache32, v_cache32, lengths, splits=4)
+    big_v = np.nanmax(np.abs(v_cache))
+    assert np.isfinite(one).all() and np.isfinite(four).all()  # no NaN slot was read
+    check_float32("S=1", one, ref_dec, np32_dec, 2, big_v)
+    check_float32("S=4", four, ref_dec, np32_dec, 2, big_v)
+    print(f"largest difference between splits=1 and splits=4: {np.abs(one - four).max():.1e}")
+    np.testing.assert_allclose(four, one, rtol=0, atol=8 * U32 * big_v)
+else:
+    print("skipped: refmath._C is not built")
+
+# %% [markdown]
+# ## K10: the same decode through a page table
+#
+# A paged cache (lesson 3) stores tokens in pages of `p` slots drawn from a shared pool; token `j`
+# of sequence `b` lives in slot `j % p` of physical page `page_table[b, j // p]`. The kernel takes
+# the pool in the layout of `PagedKVCache`, `(n_pages, G, p, D)`, and a table padded with -1.
+#
+# Below, the contiguous caches are cut into pages of 16 tokens and the pages are scattered over a
+# pool in a random order, with spare pages full of NaN. Sequence 0 needs `4096 / 16 = 256` pages,
+# sequence 1 needs `ceil(1000 / 16) = 63`, the last one holding 8 tokens, so token 999 sits in
+# logical page 62, slot 7. The kernel only sees the table, so its answer must be the contiguous one.
+#
+# Inside, both forms hand the arithmetic the same thing: a block of 32 keys given as 32 row
+# pointers, gathered from one page or several. With `splits=1` the blocks are the same 32 keys in
+# the same order, and the two answers agree to the last bit. With `splits=4` the paged form cuts
+# its list of pages and the contiguous form its list of keys (250 keys a split for sequence 1,
+# against 16 pages, 256 keys), so the sums are rounded in a different order: equal up to float32
+# rounding.
+
+# %%
+p = 16
+n_used = [-(-int(L) // p) for L in lengths]
+n_pages = sum(n_used) + 20  # a few spare pages that no sequence owns
+order = rng.permutation(n_pages)
+page_table = np.full((B, max(n_used)), -1, dtype=np.int32)
+k_pages = np.full((n_pages, G, p, D), np.nan, dtype=np.float32)
+v_pages = np.full((n_pages, G, p, D), np.nan, dtype=np.float32)
+taken = 0
+for b, L in enumerate(lengths):
+    for i in range(n_used[b]):
+        page = order[taken]
+        taken += 1
+        page_table[b, i] = page
+        n = min(p, L - i * p)  # filled slots of this page
+        k_pages[page, :, :n] = k_cache32[b, :, i * p:i * p + n]
+        v_pages[page, :, :n] = v_cache32[b, :, i * p:i * p + n]
+j = 999
+assert (j // p, j % p) == (62, 7)
+print("sequence 1, first pages:", page_table[1, :6], "... last:", page_table[1, n_used[1] - 1])
+print(f"token {j} of sequence 1: logical page {j // p}, slot {j % p} -> physical page "
+      f"{page_table[1, j // p]}")
+np.testing.assert_array_equal(k_pages[page_table[1, j // p], :, j % p], k_cache32[1, :, j])
+
+if HAVE_CPU:
+    for splits in (1, 4):
+        paged = kernels.paged_decode(q_dec32, k_pages, v_pages, page_table, lengths, splits=splits)
+        contiguous = kernels.decode(q_dec32, k_cache32, v_cache32, lengths, splits=splits)
+        diff = np.abs(paged - contiguous).max()
+        print(f"splits={splits}: paged vs contiguous, largest difference {diff:.1e}")
+        np.testing.assert_allclose(paged, contiguous, rtol=0, atol=8 * U32 * big_v)
+        if splits == 1:
+            np.testing.assert_array_equal(paged, contiguous)
+else:
+    print("skipped: refmath._C is not built")
+
+# %% [markdown]
+# ## F5: what it buys, in time
+#
+# All three programs do the same arithmetic, `O(B H T^2 D)` multiply-adds (about half of it under
+# a causal mask, for the two that skip hidden tiles). The differences are in how they do it. Below,
+# `B = 1`, `H = 4`, `D = 64`, causal, float32, best of three runs each: dense NumPy, the tiled
+# NumPy reference (16 x 16 tiles, a Python loop per tile, so only the two smallest lengths), and
+# the C++ kernel. These are timings of this machine, now: they vary from machine to machine and
+# run to run, so nothing here is asserted about them.
+
+# %%
+def best_of(fn, repeats=3):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+lengths_t = [128, 256, 512, 1024]
+timings = {"dense NumPy": [], "tiled NumPy": [], "C++ kernel": []}
+for T in lengths_t:
+    qt, kt, vt = (rng.standard_normal((1, 4, T, 64)).astype(np.float32) for _ in range(3))
+    mask = causal_mask(T, dtype=np.float32)
+    timings["dense NumPy"].append(best_of(lambda: sdpa_forward(qt, kt, vt, mask=mask)))
+    timings["tiled NumPy"].append(
+        best_of(lambda: flash.flash_attention_forward(qt, kt, vt, causal=True), 1)
+        if T <= 256 else np.nan)
+    timings["C++ kernel"].append(
+        best_of(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
+        if HAVE_CPU else np.nan)
+for name, ts in timings.items():
+    print(f"{name:12s}", "  ".join(f"T={T}: {t * 1e3:7.2f} ms" for T, t in zip(lengths_t, ts)))
+
+fig, ax = plt.subplots(figsize=(5.5, 3.4), layout="constrained")
+for (name, ts), marker in zip(timings.items(), "os^"):
+    if not np.all(np.isnan(ts)):
+        ax.loglog(lengths_t, np.array(ts) * 1e3, marker + "-", label=name)
+ax.set(xlabel="sequence length T", ylabel="ms (best of 3)",
+       title="causal attention forward, B=1, H=4, D=64")
+ax.set_xticks(lengths_t, [str(T) for T in lengths_t])
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# What ran: the kernel is compiled twice, once for 8-lane vectors (AVX2, or the baseline
+# instruction set doing the same work) and once for 16-lane vectors (AVX-512), and picks the
+# widest the CPU supports. `cpu_vector_lanes(8)` forces the 8-lane copy, which is how the tests
+# reach it on an AVX-512 machine; here it is timed once at `T = 1024` and the default restored.
+
+# %%
+if HAVE_CPU:
+    lanes = kernels.cpu_vector_lanes()
+    print("vector lanes:", lanes, "  OpenMP:", kernels.build_info().get("openmp"))
+    if lanes == 16:
+        try:
+            kernels.cpu_vector_lanes(8)
+            t8 = best_of(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
+        finally:
+            kernels.cpu_vector_lanes(16)
+        print(f"T = 1024: 16 lanes {timings['C++ kernel'][-1] * 1e3:.2f} ms, "
+              f"8 lanes {t8 * 1e3:.2f} ms")
+        assert kernels.cpu_vector_lanes() == 16
+else:
+    print("skipped: refmath._C is not built")
+
+# %% [markdown]
+# ## F4 and F5: what it buys, in memory
+#
+# Dense attention holds the scores and the weights, `B H T^2` numbers each (and keeps the weights
+# for its backward pass). The tiled programs keep `O` and one `lse` per row, `O(T)`, plus scratch
+# of a fixed size: in the C++ forward pass each thread holds one tile of scores (`64 x 128`), its
+# output rows and their tile product (`2 x 64 x D`), a transposed key tile (`D x 128`) and three
+# numbers per row, about 97 KiB for `D = 64`, whatever `T` is.
+#
+# `tracemalloc` sees the memory of every NumPy array, so it can measure the peak of each call at
+# `T = 1024` (the arrays from the timing above). It does not see the kernel's C++ scratch, which
+# is why the formula is given above.
+
+# %%
+def peak_bytes(fn):
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    result = fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del result
+    return peak
+
+
+T = 1024
+score_bytes = 4 * T * T * 4  # H = 4 heads of T x T float32 scores
+o_lse_bytes = 4 * T * 64 * 4 + 4 * T * 4
+dense_peak = peak_bytes(lambda: sdpa_forward(qt, kt, vt, mask=mask))
+tiled_peak = peak_bytes(lambda: flash.flash_attention_forward(qt, kt, vt, causal=True,
+                                                              block_q=64, block_k=64))
+print(f"one T x T score matrix per head, 4 heads: {score_bytes / 2**20:.1f} MiB; "
+      f"o and lse: {o_lse_bytes / 2**20:.2f} MiB")
+print(f"peak NumPy memory: dense {dense_peak / 2**20:.1f} MiB, tiled {tiled_peak / 2**20:.2f} MiB")
+assert dense_peak >= 2 * score_bytes  # scores and weights
+assert tiled_peak < 2 * o_lse_bytes
+if HAVE_CPU:
+    kernel_peak = peak_bytes(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
+    print(f"peak NumPy memory of the C++ call: {kernel_peak / 2**20:.2f} MiB (its outputs)")
+    assert kernel_peak < 1.1 * o_lse_bytes
+scratch = 4 * (64 * 128 + 2 * 64 * 64 + 3 * 64 + 64 * 128)
+print(f"C++ forward scratch per thread, D = 64: {scratch / 2**10:.1f} KiB")
+
+T_range = np.array([2**n for n in range(10, 18)])
+fig, ax = plt.subplots(figsize=(5.5, 3.4), layout="constrained")
+ax.loglog(T_range, 4 * 4 * T_range**2 / 2**20, "o-", label="scores, H T^2 float32")
+ax.loglog(T_range, (4 * T_range * 64 * 4 + 4 * T_range * 4) / 2**20, "s-",
+          label="o and lse, H T (D + 1) float32")
+ax.axhline(scratch / 2**20, color="gray", ls=":", label="kernel scratch per thread")
+ax.set(xlabel="sequence length T", ylabel="MiB",
+       title="memory of one attention call, H = 4, D = 64")
+ax.legend(fontsize=8)
+plt.show()
+T = 2**17
+print(f"T = {T}: scores {4 * 4 * T * T / 2**30:.0f} GiB, "
+      f"o and lse {(4 * T * 64 * 4 + 4 * T * 4) / 2**20:.0f} MiB")
+
+# %% [markdown]
+# At `T = 131072` the score matrices of four heads alone take 256 GiB, while the output and the
+# logsumexp take about 130 MiB: the whole reason FlashAttention exists.
+#
+# ## On a GPU: the CUDA ladder
+#
+# Where a CUDA toolkit is found at build time, `refmath._cuda` holds the same forward pass as a
+# short ladder of versions, each a file in `csrc/cuda/` that says what it changes and why it is
+# faster, and each held to the same float64 reference:
+#
+# - **v1** (`flash_v1.cu`): one thread per query row, walking the keys one at a time with the
+#   online-softmax state of F3. No shared memory, no synchronisation; slow because every thread
+#   fetches every key and value row it uses from global memory.
+# - **v2** (`flash_v2.cu`): a block of 32 query rows copies each 32-key tile of `K` and `V` into
+#   shared memory once and all its rows use it; scores, row maxima and sums are split across the
+#   lanes of a warp, and the softmax state is updated once per tile rather than once per key.
+# - **v3** (`flash_v3.cu`): both products, `Q K^T` and `P V`, on the tensor cores (`mma.sync`
+#   on 16 x 16 tiles of fp16 or bf16, accumulated in fp32, for `D = 64` or `128`), exponentials
+#   in base 2 as on the CPU, and the weights passed straight from one product to the next in
+#   registers.
+#
+# The backward pass (`flash_backward.cu`) and the paged split-K decode (`paged_decode.cu`, a
+# partial `(m, l, u)` per split and a second kernel for the F3 merge) complete the set.
+# `kernels.flash_versions()` lists the versions that were built (empty without the CUDA module),
+# and a CuPy array passed to `kernels.flash_attention_forward(..., version="v2")` runs that one.
+
+# %%
+print("CUDA versions built:", kernels.flash_versions() or "none")
+print(kernels.cuda_build_info())
