@@ -21,8 +21,8 @@
 # - The modern decoder (M3): RMSNorm, RoPE, grouped-query attention and SwiGLU, with the fused
 #   projection (A9) and the head map of GQA (A10).
 # - The MLA decoder (M4), briefly.
-# - Two facts every decoder must satisfy: one masked pass equals every prefix run on its own
-#   (L6), and appending tokens changes nothing that came before (K1).
+# - Two facts every decoder must satisfy, checked on GPT, M3 and M4: one masked pass equals every
+#   prefix run on its own (L6), and appending tokens changes nothing that came before (K1).
 # - Which parameters take weight decay (O5), and a short training run of every decoder.
 
 # %%
@@ -78,8 +78,9 @@ print("decoder input", dec_in[0])
 np.testing.assert_array_equal(dec_in, [[1, 5, 6, 7]])
 
 # %% [markdown]
-# The model's loss is the mean of `-log p(y_t | y_<t, x)` over the target tokens, so the
-# probability of the whole target is `exp(-m * loss)` for `m` counted tokens. Below, a tiny
+# With label smoothing off, the model's loss is the mean of `-log p(y_t | y_<t, x)` over the
+# target tokens, so the probability of the whole target is `exp(-m * loss)` for `m` counted
+# tokens. (The tiny preset smooths with 0.1 by default; L4 below.) Below, a tiny
 # encoder-decoder (vocabulary 13, two layers of width 16; id 0 is padding and id 1 is BOS) with
 # label smoothing switched off: the loss from `tm.forward` equals the mean of `-log p` read off
 # the logits of the shifted input, one factor per position.
@@ -162,7 +163,8 @@ plt.show()
 # every layer: cross-attention, with queries from the decoder and keys and values from `Z`. The
 # logits are the last decoder state times `E^T` (one table shared by source, target and output),
 # and the loss is the label-smoothed cross-entropy. In training mode, dropout acts on the
-# embeddings, on the attention weights and on every sublayer's output before the residual sum.
+# embeddings, on the attention weights and on every sublayer's output before the residual sum
+# (the paper names the first and last; dropout on the attention weights is an addition here).
 #
 # Every gradient of `tm.backward` is written by hand. Central differences check two of them in
 # training mode: the same dropout seed draws the same masks in every evaluation, so the loss is a
@@ -253,10 +255,11 @@ except ValueError as error:
 # ## M2: GPT, Post-LN (GPT-1) and Pre-LN (GPT-2)
 #
 # GPT is the decoder of M1 without cross-attention: `x = E[a] + P` (no `sqrt(d)`), `L` layers of
-# causal self-attention and a GELU FFN, both with biases, and logits `h E^T` with the token table
-# tied. GPT-1 normalises after each residual sum, `x <- LN(x + F(x))`; GPT-2 normalises the input
-# of each branch, `x <- x + F(LN(x))`, and adds a final `LN_f` before the logits, because the
-# stream itself is never normalised. The two parameter sets differ only by that final norm.
+# causal self-attention and a GELU FFN, both with biases, and logits `x_L E^T` from the last
+# hidden state `x_L`, with the token table tied. GPT-1 normalises after each residual sum,
+# `x <- LN(x + F(x))`; GPT-2 normalises the input of each branch, `x <- x + F(LN(x))`, and adds a
+# final `LN_f` before the logits, because the stream itself is never normalised. The two
+# parameter sets differ only by that final norm.
 #
 # The residual stream shows the difference. In Post-LN it leaves every layer normalised, with
 # each row of standard deviation 1 (`gamma = 1`, `beta = 0` at initialisation). In Pre-LN it is a
@@ -458,6 +461,8 @@ np.testing.assert_allclose(y_fused, y_separate, rtol=1e-12, atol=1e-14)
 for g in (8, 2, 1):
     print(f"g = {g}: {gqa_head_map(8, g)}")
 np.testing.assert_array_equal(gqa_head_map(8, 8), np.arange(8))
+np.testing.assert_array_equal(gqa_head_map(8, 2), np.arange(8) // (8 // 2))  # floor(r / (h/g))
+np.testing.assert_array_equal(gqa_head_map(8, 2), [0, 0, 0, 0, 1, 1, 1, 1])
 np.testing.assert_array_equal(gqa_head_map(8, 1), np.zeros(8, dtype=int))
 try:
     gqa_head_map(8, 3)
@@ -496,7 +501,8 @@ for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
     print(f"{name} g = {g:2}: {attention_parameter_count(4096, 32, g, 128):>11,} parameters, "
           f"K and V cache {kv_cache_bytes_per_token(1, g, 128, 2):>6,} bytes per token and layer "
           f"in 16 bits")
-assert attention_parameter_count(4096, 32, 8, 128) == 41_943_040
+assert attention_parameter_count(4096, 32, 32, 128) == 4 * 4096**2 == 67_108_864
+assert attention_parameter_count(4096, 32, 8, 128) == 2 * 4096**2 + 2 * 4096 * 1024 == 41_943_040
 assert attention_parameter_count(4096, 32, 1, 128) == 34_603_008
 layer0_attn = n_params({k: v for k, v in shapes.items() if k.startswith("layers.0.attn.")})
 assert layer0_attn == attention_parameter_count(m3.d_model, m3.n_heads, m3.kv_heads, m3.d_h)
@@ -506,10 +512,11 @@ assert layer0_attn == attention_parameter_count(m3.d_model, m3.n_heads, m3.kv_he
 #
 # The MLA decoder is the M3 layer with multi-head latent attention in place of GQA. Keys and
 # values come from one latent row per token, `c_j = x_j W_DKV` of width `d_c`, expanded per head
-# by `W_UK` and `W_UV`; position enters through a separate rotated key `k^R_j` of width `d_R`,
-# shared by all heads. The scores are `(q^C k^C^T + q^R k^R^T) / sqrt(d_k + d_R)`. Every head's
-# content key and value are linear in `c_j`, so a cache needs only `c_j` and `k^R_j`: `d_c + d_R`
-# numbers per token and layer, against `2 h d_h` for MHA.
+# by `W_UK` and `W_UV` (`U_K`, `U_V` in the catalogue); position enters through a separate
+# rotated key `k^R_j` of width `d_R`, shared by all heads. The scores are
+# `(q^C k^C^T + q^R k^R^T) / sqrt(d_k + d_R)`. Every head's content key and value are linear in
+# `c_j`, so a cache needs only `c_j` and `k^R_j`: `d_c + d_R` numbers per token and layer, against
+# `2 h d_h` for MHA.
 # Below, `d = 32`, `h = 4`, `d_c = 16`, `d_R = 4`: 20 numbers instead of 64.
 
 # %%
@@ -529,9 +536,9 @@ assert c.shape == (2, 7, 16) and k_r.shape == (2, 7, 4)
 assert set(grads) == set(params)
 
 # %% [markdown]
-# At full size (the `small` preset: 12 layers, 12 heads of width 64, `d_c = 256`, `d_R = 32`), the
-# MLA cache per token is `12 * (256 + 32) * 2` bytes, against `12 * 2 * 12 * 64 * 2` for MHA:
-# 5.3 times smaller.
+# At GPT-2-small scale (the `small` preset: 12 layers, 12 heads of width 64, `d_c = 256`,
+# `d_R = 32`), the MLA cache per token is `12 * (256 + 32) * 2` bytes, against
+# `12 * 2 * 12 * 64 * 2` for MHA: 5.3 times smaller.
 
 # %%
 big = mla.preset("small")
@@ -576,35 +583,54 @@ for label, (module, config) in decoders.items():
 # %% [markdown]
 # ## K1: appending tokens changes nothing that came before
 #
-# The same mask has a second consequence, the one a KV cache relies on: the keys and values of
-# position `t`, at every depth, depend on tokens `1 .. t` only. Append three tokens to a sequence
-# of five and the first five rows of every layer's keys and values, and the first five rows of
-# logits, stay as they were, up to rounding at most.
+# The same mask has a second consequence, the one a KV cache relies on: what a cache keeps for
+# position `t`, at every depth, depends on tokens `1 .. t` only. For GPT and M3 that is each
+# layer's keys and values; for MLA, each layer's latent `c` and rotated key `k^R`. Append three
+# tokens to a sequence of five and, in every decoder, the first five rows of each of those
+# tensors, and the first five rows of logits, stay as they were, up to rounding at most.
 
 # %%
-params = decoder.init_params(m3, seed=4)
+def cached_states(module, cache):
+    """Per layer, the two tensors a cache keeps, with positions on axis 1: (B, T, ...)."""
+    if module is mla:
+        return mla.layer_latents(cache)  # c (B, T, d_c) and k^R (B, T, d_R)
+    if module is gpt:
+        pairs = [(layer.attn.branch.attn.k, layer.attn.branch.attn.v) for layer in cache.layers]
+    else:
+        pairs = decoder.layer_kv(cache)
+    return [(np.moveaxis(k, 2, 1), np.moveaxis(v, 2, 1)) for k, v in pairs]  # from (B, g, T, d_h)
+
+
 short = rng.integers(0, 32, (2, 5))
 long = np.concatenate([short, rng.integers(0, 32, (2, 3))], axis=1)
-_, short_cache = decoder.forward(params, {"tokens": short, "targets": short}, m3)
-_, long_cache = decoder.forward(params, {"tokens": long, "targets": long}, m3)
-for layer, ((k_s, v_s), (k_l, v_l)) in enumerate(zip(decoder.layer_kv(short_cache),
-                                                     decoder.layer_kv(long_cache))):
-    print(f"layer {layer}: k {k_s.shape} -> {k_l.shape}; largest change in the first five rows: "
-          f"k {np.abs(k_l[:, :, :5] - k_s).max():.1e}, v {np.abs(v_l[:, :, :5] - v_s).max():.1e}")
-    np.testing.assert_allclose(k_l[:, :, :5], k_s, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(v_l[:, :, :5], v_s, rtol=1e-12, atol=1e-14)
-z_short, z_long = decoder.logits(params, short, m3), decoder.logits(params, long, m3)
-print(f"logits: largest change in the first five rows {np.abs(z_long[:, :5] - z_short).max():.1e}")
-np.testing.assert_allclose(z_long[:, :5], z_short, rtol=1e-12, atol=1e-14)
+for label, (module, config) in decoders.items():
+    params = module.init_params(config, seed=4)
+    _, short_cache = module.forward(params, {"tokens": short, "targets": short}, config)
+    _, long_cache = module.forward(params, {"tokens": long, "targets": long}, config)
+    states_short = cached_states(module, short_cache)
+    states_long = cached_states(module, long_cache)
+    assert len(states_short) == len(states_long) == config.n_layers
+    change = 0.0
+    for pair_short, pair_long in zip(states_short, states_long):
+        for s_rows, l_rows in zip(pair_short, pair_long):
+            assert l_rows.shape[1] == 8 and s_rows.shape[1] == 5
+            change = max(change, np.abs(l_rows[:, :5] - s_rows).max())
+            np.testing.assert_allclose(l_rows[:, :5], s_rows, rtol=1e-12, atol=1e-14)
+    z_short, z_long = module.logits(params, short, config), module.logits(params, long, config)
+    print(f"{label:12}: largest change in the first five rows: cached states {change:.1e}, "
+          f"logits {np.abs(z_long[:, :5] - z_short).max():.1e}")
+    np.testing.assert_allclose(z_long[:, :5], z_short, rtol=1e-12, atol=1e-14)
 
 # %% [markdown]
 # ## O5: which parameters take weight decay
 #
 # AdamW shrinks each parameter by `1 - eta lambda` per step. That suits weight matrices; it does
 # not suit biases and norm gains and shifts (pulling a gain towards 0 is not a simpler model, only
-# a different one), nor embedding tables, whose rows for rare tokens are updated too seldom to
-# resist the decay. So parameters come in groups with their own `lambda`: the default rule of
-# `takes_weight_decay` gives `lambda` to every weight matrix and 0 to the rest.
+# a different one). So parameters come in groups with their own `lambda`: the default rule of
+# `takes_weight_decay` gives `lambda` to the layers' weight matrices and the output head, and 0 to
+# biases, norm gains and shifts, and embedding tables (a common choice, not a universal one: decay
+# shrinks every row at every step, while a rare token's row gets a gradient only when the token
+# occurs).
 
 # %%
 for label, shapes_of in (("M1", tm.param_shapes(tm.TRANSFORMER_TINY)),
@@ -643,16 +669,20 @@ for name in params:
 # %% [markdown]
 # ## Every decoder learns
 #
-# Everything together: 150 steps of AdamW (weight decay 0.1 on the matrices only), a warmup-cosine
-# learning rate and gradient clipping at 1, in float32, for GPT in both arrangements, the modern
-# decoder and the MLA decoder, all of width 32 and depth 2, on batches of 8 windows of 32
-# characters of a generated English text. Every model starts at about `log V` and ends well below
-# the unigram entropy, the loss of a model that ignores the context. (The ranking of the four
+# Everything together: 150 steps of AdamW (weight decay 0.1 on the parameters O5 decays), a
+# warmup-cosine learning rate and gradient clipping at 1, in float32, for GPT in both
+# arrangements, the modern decoder and the MLA decoder, all of width 32 and depth 2, on batches of
+# 8 windows of 32 characters of a generated English text. Every model starts at about `log V` and
+# ends well below (by more than 0.5 nats) the unigram entropy, the loss of a model that ignores
+# the context. (The ranking of the four
 # after so few steps, from one seed, is not a verdict on the architectures.)
 
 # %%
 task = CharLMTask(seq_len=32, n_sentences=400)
 V = task.vocab_size
+unigram = task.unigram_entropy()
+print(f"V = {V}, log V = {np.log(V):.3f}; unigram entropy {unigram:.3f}, "
+      f"entropy rate of the text {task.entropy_rate():.3f} (nats per character)")
 models = {
     "GPT Post-LN": (gpt, gpt.GPTConfig(vocab_size=V, max_seq_len=32, n_layers=2, d_model=32,
                                        n_heads=4, norm_position="post", dropout=0.0)),
@@ -679,14 +709,14 @@ for label, (module, config) in models.items():
         losses.append(float(loss))
     curves[label] = np.array(losses)
     print(f"{label:12}: first loss {losses[0]:.3f} (log V = {np.log(V):.3f}), "
-          f"mean of the last 10 {np.mean(losses[-10:]):.3f}")
+          f"mean of the last 10 {np.mean(losses[-10:]):.3f} (unigram entropy {unigram:.3f})")
     assert abs(losses[0] - np.log(V)) < 0.1
-    assert np.mean(losses[-10:]) < task.unigram_entropy() - 0.5
+    assert np.mean(losses[-10:]) < unigram - 0.5
 
 fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
 for label, losses in curves.items():
     ax.plot(np.arange(1, steps + 1), losses, lw=1, label=label)
-ax.axhline(task.unigram_entropy(), color="gray", ls="--", label="unigram entropy")
+ax.axhline(unigram, color="gray", ls="--", label="unigram entropy")
 ax.axhline(task.entropy_rate(), color="black", ls=":", label="entropy rate of the text")
 ax.set(xlabel="step", ylabel="cross-entropy (nats per character)",
        title="four tiny decoders, 150 steps of AdamW")
@@ -694,7 +724,8 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# The same four recipes at full size, counted from their shapes:
+# The same four recipes at the sizes of their presets, counted from their shapes: M1 at the
+# paper's base size, the three decoders at GPT-2-small scale.
 
 # %%
 full_size = {

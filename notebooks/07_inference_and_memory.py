@@ -114,7 +114,7 @@ np.testing.assert_array_equal(o[1], 0.0)
 # ## S4: why half precision needs the shift
 #
 # float16 has 5 exponent bits; its largest finite number is 65504, so `e^x` overflows as soon as
-# `x > ln 65504 = 11.09`, and scores above that are not unusual in a trained model. The plain
+# `x > ln 65504 = 11.09`, and nothing in the formula keeps the scores below that. The plain
 # formula then divides `inf` by `inf` and returns NaN; the shifted form never exponentiates
 # anything above 0.
 
@@ -238,8 +238,10 @@ plt.show()
 
 # %% [markdown]
 # The same at larger sizes: with the window fixed at 32, the scores evaluated grow linearly in `T`;
-# with a plain causal mask they grow like `T^2 / 2`. (The counted scores include the masked pairs
-# inside cut tiles, so they sit a little above the `O(T w)` visible pairs.)
+# with a plain causal mask they grow like `T^2 / 2`. The counted scores include the masked pairs
+# inside cut tiles, so here they are about 1.5 times the visible pairs: with 16-wide tiles and
+# `w = 32` each query tile touches three key tiles (the first two tiles touch one and two), `48`
+# keys per query where `32` are visible. That is `16 * 16 * (3 T / 16 - 3)` scores, still `O(T w)`.
 
 # %%
 lengths = [64, 128, 256, 512]
@@ -251,10 +253,14 @@ for T in lengths:
         flash_attention_forward(q, k, v, block_q=16, block_k=16, counters=c, **options)
         store.append(c.score_pairs)
 for T, pw, pc in zip(lengths, win_pairs, causal_pairs):
-    print(f"T = {T:4d}: window 32 -> {pw:6d} scores (visible {32 * 33 // 2 + (T - 32) * 32:6d}), "
+    pv = 32 * 33 // 2 + (T - 32) * 32
+    print(f"T = {T:4d}: window 32 -> {pw:6d} scores (visible {pv:6d}, ratio {pw / pv:.2f}), "
           f"causal -> {pc:6d}")
 # doubling T doubles the windowed work (up to the constant first block) and quadruples the causal
 assert win_pairs[-1] - win_pairs[-2] == 2 * (win_pairs[-2] - win_pairs[-3])
+assert win_pairs == [16 * 16 * (3 * (T // 16) - 3) for T in lengths]
+visible_pairs = [32 * 33 // 2 + (T - 32) * 32 for T in lengths]
+assert all(1.45 < pw / pv < 1.5 for pw, pv in zip(win_pairs, visible_pairs))
 assert 3.5 < causal_pairs[-1] / causal_pairs[-2] < 4.0
 
 fig, ax = plt.subplots(figsize=(5, 3), layout="constrained")
@@ -269,8 +275,8 @@ plt.show()
 # ## K3: RoPE keys are cached after their rotation
 #
 # With rotary positions, the key of token `j` is rotated by the angle `j omega` before it is used.
-# A score only sees the difference of the two rotations, `q_t R(t w)^T (k_j R(j w)^T)^T =
-# q_t R((j - t) w) k_j^T`, so the rotation of key `j` never needs to change: it is rotated once,
+# A score only sees the difference of the two rotations, `q_t R(t omega)^T (k_j R(j omega)^T)^T =
+# q_t R((j - t) omega) k_j^T`, so the rotation of key `j` never needs to change: it is rotated once,
 # at its own position, when it enters the cache. At decode step `t` only the new query and the new
 # key are rotated, both by `t omega`. Caching unrotated keys would instead cost a rotation of all
 # `t` keys at every step.
@@ -312,7 +318,7 @@ assert not np.allclose(cached_keys[0, 0, 4], raw[0, 0, 4])
 # %%
 P = 5
 _, cache = prefill(decoder, params, config, tokens[:, :P])
-print("after a prefill of 5: visible pairs per layer", cache.counts.visible,
+print("after a prefill of 5: visible pairs per head, per layer", cache.counts.visible,
       " scores computed", cache.counts.scores)
 assert cache.counts.visible == [P * (P + 1) // 2] * config.n_layers == [15, 15]
 assert cache.counts.scores == [P * P] * config.n_layers
@@ -371,7 +377,7 @@ plt.show()
 #   head per step, instead of one per cached token.
 #
 # On integers the regrouped products agree exactly: four cached latents of width 3, one head with
-# `d_k = d_v = 2`.
+# `d_k = d_v = 2` (the algebra only; the model is checked next).
 
 # %%
 c_lat = rng.integers(-2, 3, size=(4, 3)).astype(float)
@@ -444,6 +450,11 @@ print(f"cache storage for {slots} slots in float64: {cache_abs.nbytes} bytes = B
 assert cache_abs.nbytes == expected == 1 * 2 * 32 * 40 * 8
 mha_equivalent = kv_cache_bytes(1, mla_config.n_layers, slots, mla_config.n_heads, d_k, 8)
 print(f"MHA with the same heads: {mha_equivalent} bytes ({mha_equivalent / expected:.1f}x)")
+# the same count from arrays: keys and values, (B, h, T, d_k) each, in every layer
+mha_arrays = [np.zeros((1, h, slots, d_k)) for _ in range(2 * mla_config.n_layers)]
+assert mha_equivalent == sum(a.nbytes for a in mha_arrays)
+assert mha_equivalent / cache_abs.nbytes == 2 * h * d_k / (mla_config.d_c + mla_config.d_rope)
+assert mha_equivalent / cache_abs.nbytes == 128 / 40 == 3.2
 
 # %% [markdown]
 # ## S3: how much each attention design saves, computed
@@ -579,9 +590,10 @@ assert aligned.page_table("B") == [0, 1, 2] and refs == [2, 2, 1, 0]
 
 # %% [markdown]
 # At serving size: 16 samples drawn from one 1000-token prompt with pages of 16 tokens. Without
-# sharing, each sample stores the prompt itself: `16 * ceil(1000 / 16) = 1008` pages. With
-# sharing, the 62 full pages are stored once and the part-full last page is copied by each of the
-# 15 forks that appends to it first (the original keeps it), `63 + 15 = 78` pages.
+# sharing, each sample stores the prompt itself: `16 * ceil(1000 / 16) = 1008` pages (its first
+# new token still fits in the part-full last page). With sharing, the 62 full pages are stored
+# once and the part-full last page is copied by each of the 15 forks that appends to it first
+# (the original keeps it), `63 + 15 = 78` pages.
 
 # %%
 big = PagedKVCache(n_pages=1100, page_size=16, n_kv_heads=1, head_dim=2)
@@ -591,8 +603,14 @@ for child in range(1, 16):
     big.fork(0, child)
 for seq in range(15, -1, -1):  # every sample appends its first token; the original goes last
     big.append(seq, *tokens_kv([1000 + seq]))
-print(f"pages used with sharing: {big.pages_used}; without: {16 * -(-1000 // 16)}")
+unshared = PagedKVCache(n_pages=1100, page_size=16, n_kv_heads=1, head_dim=2)
+for seq in range(16):  # the same samples, each storing its own copy of the prompt
+    unshared.add_sequence(seq)
+    unshared.append(seq, *tokens_kv(np.arange(1000)))
+    unshared.append(seq, *tokens_kv([1000 + seq]))
+print(f"pages used with sharing: {big.pages_used}; without: {unshared.pages_used}")
 assert big.pages_used == 63 + 15
+assert unshared.pages_used == 16 * -(-1000 // 16) == 1008
 
 # %% [markdown]
 # ## K12: a cache of small integers
@@ -621,9 +639,10 @@ print("4 codes take", qt.payload_bytes, "bytes (two per byte) plus", qt.scale_by
 # %% [markdown]
 # Smaller groups mean smaller scales (a group's scale is set by its largest entry), hence smaller
 # errors, but more scales to store: each costs 2 bytes, `2 / G` bytes per element on top of the
-# `q / 8` of the payload. Real keys often have a few channels much larger than the rest; here 4 of
-# the 128 channels are 10 times larger, and only the groups that contain them get coarse steps.
-# The bound `|x - x_hat| <= s / 2` holds for every element and every group size.
+# `q / 8` of the payload. Published measurements of trained models report keys with a few outlier
+# channels; here we plant such channels: 4 of the 128 are 10 times larger than the rest, and only
+# the groups that contain them get coarse steps. The bound `|x - x_hat| <= s / 2` holds for every
+# element and every group size.
 
 # %%
 kv = rng.standard_normal((1, 4, 256, 128))
@@ -659,9 +678,11 @@ for ax in axes:
 plt.show()
 
 # %% [markdown]
-# An error in a key moves the scores, `q (k - k_hat)^T / sqrt(d)`; an error in a value moves the
-# weighted sum directly. `decode_with_quantized_cache` attends over the dequantised cache; here
-# one new query per head against 64 cached tokens, both measured against float64.
+# An error in a key moves the scores, `q (k - k_hat)^T / sqrt(d_h)`; an error in a value moves the
+# weighted sum directly: the weights are at least 0 and add up to 1, so the output moves by at
+# most the largest value error, `max s / 2`. Here one new query per head against 64 cached tokens,
+# measured against float64: with only the keys dequantised, with only the values dequantised, and
+# with both, as `decode_with_quantized_cache` attends over the cache.
 
 # %%
 B, g_kv, T_c, d_h, h_q = 1, 2, 64, 32, 4
@@ -673,13 +694,17 @@ for bits in (8, 4):
     qcache = QuantizedKVCache(n_layers=1, bits=bits, group_size=8)
     qcache.append(0, K_c, V_c)
     o_q = decode_with_quantized_cache(q_new, qcache, 0)
+    o_k_only, _ = sdpa_forward(q_new, qcache.keys(0)[:, heads], V_c[:, heads])
+    o_v_only, _ = sdpa_forward(q_new, K_c[:, heads], qcache.values(0)[:, heads])
     k_err = (K_c - qcache.keys(0))[:, heads]  # (B, h, T, d_h): each query head's key errors
     score_err = np.abs(q_new @ k_err.swapaxes(-1, -2)).max() / np.sqrt(d_h)
-    print(f"int{bits}: largest score error {score_err:.2e}, largest output error "
-          f"{np.abs(o_q - exact_o).max():.2e}")
+    err_k, err_v, err_kv = (np.abs(o - exact_o).max() for o in (o_k_only, o_v_only, o_q))
+    print(f"int{bits}: largest score error {score_err:.2e}; largest output error with keys "
+          f"only {err_k:.2e}, values only {err_v:.2e}, both {err_kv:.2e}")
     bound = (np.abs(q_new) @ (qcache.quantized_keys(0).element_scales() / 2)[:, heads]
              .swapaxes(-1, -2)).max() / np.sqrt(d_h)
     assert score_err <= bound
+    assert err_v <= (qcache.quantized_values(0).element_scales() / 2).max()
 
 # %% [markdown]
 # The bytes: the payload is `2 B L T g d_h q / 8` and each group adds a scale. `QuantizedKVCache`
@@ -708,32 +733,32 @@ assert quantized_kv_cache_bytes(1, 32, 8192, 8, 128, 8, 32).payload == full16 //
 # %% [markdown]
 # ## L7: picking the next token
 #
-# Generation repeats `a_{t+1} ~ p(. | a_1 .. a_t)`. From the last position's logits `z`:
+# Generation repeats `a_{t+1} ~ pi(. | a_1 .. a_t)`. From the last position's logits `z`:
 #
 # - greedy takes `argmax z`;
 # - temperature `tau` samples from `softmax(z / tau)`: `tau < 1` sharpens, `tau > 1` flattens;
 # - top-k keeps the `k` most probable tokens and renormalises;
 # - top-p (nucleus) keeps the most probable tokens, in order, until their mass reaches `p`.
 #
-# By hand, with `p = (0.5, 0.2, 0.15, 0.1, 0.05)`: top-2 keeps `(0.5, 0.2) / 0.7 = (0.714, 0.286)`.
+# By hand, with `pi = (0.5, 0.2, 0.15, 0.1, 0.05)`: top-2 keeps `(0.5, 0.2) / 0.7 = (0.714, 0.286)`.
 # Top-p with `p = 0.8`: the masses before each token are `0, 0.5, 0.7, 0.85, 0.95`; tokens whose
 # preceding mass is below 0.8 are kept, the first three, renormalised by 0.85 to
 # `(0.588, 0.235, 0.176)`.
 
 # %%
-probs = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
-z = np.log(probs)
+pi = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+z = np.log(pi)
 dists = {
-    "p = softmax(z)": next_token_distribution(z),
+    "pi = softmax(z)": next_token_distribution(z),
     "tau = 0.5": next_token_distribution(z, temperature=0.5),
     "tau = 2": next_token_distribution(z, temperature=2.0),
-    "top-k, k = 2": top_k_filter(probs, 2),
-    "top-p, p = 0.8": top_p_filter(probs, 0.8),
+    "top-k, k = 2": top_k_filter(pi, 2),
+    "top-p, p = 0.8": top_p_filter(pi, 0.8),
 }
 for name, dist in dists.items():
     print(f"{name:15s}", dist)
-np.testing.assert_allclose(dists["p = softmax(z)"], probs, rtol=1e-14)
-np.testing.assert_allclose(dists["tau = 0.5"], probs**2 / (probs**2).sum(), rtol=1e-14)
+np.testing.assert_allclose(dists["pi = softmax(z)"], pi, rtol=1e-14)
+np.testing.assert_allclose(dists["tau = 0.5"], pi**2 / (pi**2).sum(), rtol=1e-14)
 np.testing.assert_allclose(dists["top-k, k = 2"], [0.5 / 0.7, 0.2 / 0.7, 0, 0, 0], rtol=1e-14)
 np.testing.assert_allclose(dists["top-p, p = 0.8"], [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0],
                            rtol=1e-14)

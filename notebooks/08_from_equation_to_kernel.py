@@ -22,6 +22,8 @@
 #
 # The C++ parts need the compiled module `refmath._C`. Without it, those cells print that they
 # were skipped and the NumPy parts still run.
+#
+# Here `D`, `H`, `G` are the catalogue's `d_h`, `h`, `g`, as in the code.
 
 # %%
 import time
@@ -45,11 +47,12 @@ print("build:", kernels.build_info())
 
 # %% [markdown]
 # The kernels compute in float32, so "the same answer" needs a yardstick. The one used here (and
-# in the project's kernel tests) is the FlashAttention test suite's rule: compute a float64
-# reference, and also the plain dense computation in float32 NumPy. The kernel's worst error
-# against the reference may be at most a small factor (2 for outputs, 3 for gradients) times the
-# float32 NumPy error, plus a floor of four float32 roundings (`4 u M`, `u = 2^-24`, `M` the size of
-# the numbers being summed), for inputs on which NumPy happens to be exact.
+# in the project's kernel tests) is the FlashAttention test suite's rule moved up one precision
+# (there: a float32 reference and PyTorch in fp16/bf16; here: a float64 reference and plain dense
+# float32 NumPy). The kernel's worst error against the reference may be at most a small factor
+# (2 for outputs, 3 for gradients) times the float32 NumPy error, plus a floor of four float32
+# roundings (`4 u M`, `u = 2^-24`, `M` the size of the numbers being summed), for inputs on which
+# NumPy happens to be exact.
 
 # %%
 U32 = 2.0**-24
@@ -90,7 +93,8 @@ assert S[0, 0] == 1.5 and S[1, 0] == S[1, 1] == -1.0
 # %% [markdown]
 # The dense reference, `sdpa_forward`, builds that `6 x 6` matrix, masks it and softmaxes it. The
 # tiled reference, `refmath.flash.flash_attention_forward`, walks `2 x 2` tiles of it with the
-# online softmax and never holds more than one tile: with three query tiles and three key tiles it
+# online softmax and never holds more than one tile (its largest temporary, 8 numbers, is one
+# tile's weights times its values, `2 x D`): with three query tiles and three key tiles it
 # computes the six tiles on or below the diagonal and skips the three above it (F5). Both run in
 # float64 and agree to rounding. The tiled one also returns the logsumexp of each row,
 # `lse_i = log sum_j e^{s_ij}`, the one number per row that its backward pass will need.
@@ -109,6 +113,7 @@ np.testing.assert_array_equal(dense[0, 0, 0], v[0, 0, 0])  # row 0: weight 1 on 
 np.testing.assert_allclose(dense[0, 0, 1], (v[0, 0, 0] + v[0, 0, 1]) / 2, rtol=1e-15)
 np.testing.assert_allclose(lse[0, 0, :2], [1.5, -1 + np.log(2)], rtol=1e-15)
 assert (counters.tiles_computed, counters.tiles_skipped) == (6, 3)
+assert counters.largest_temporary == 2 * D  # one tile's weights times its values
 
 # %% [markdown]
 # The third program is the C++ kernel, `refmath.kernels.flash_attention_forward`. It takes
@@ -156,12 +161,12 @@ else:
 # Lesson 3 built the online softmax: each query row keeps a running maximum `m`, a running sum
 # `l = sum_j e^{s_j - m}` and an unnormalised output `u = sum_j e^{s_j - m} v_j` (F2); a new tile
 # of scores moves the maximum to `m' = max(m, tile max)` and rescales what was summed by
-# `alpha = e^{m - m'} <= 1` (F3); at the end `o = u / l` and `lse = m + log l` (F1).
+# `alpha = e^{m - m'} <= 1` (F3); at the end `o = u / l` and `lse = m + log l` (F3).
 #
 # The kernel does exactly this in base 2. Since `e^x = 2^{x log2 e}`, multiplying every score by
-# `log2 e = 1.4427` once (the kernel folds it into the scale, `tau log2 e`) turns every
-# exponential into a power of two, and then `m` and `l` are the base-2 maximum and sum. At the end
-# `lse = ln 2 (m + log2 l)` converts back to the natural logarithm.
+# `log2 e = 1.4427` once (the kernel folds it into the scale `tau = 1/sqrt(D)`, as `tau log2 e`)
+# turns every exponential into a power of two, and then `m` and `l` are the base-2 maximum and
+# sum. At the end `lse = ln 2 (m + log2 l)` converts back to the natural logarithm.
 #
 # A power of two is cheap to compute without a library call, which is what lets the compiler
 # vectorise the loop: write `x = n + f` with `n = round(x)` and `|f| <= 1/2`; then `2^x = 2^n 2^f`,
@@ -264,10 +269,11 @@ print("P from lse equals the softmax weights; delta = rowsum(dO * O) equals rows
 # output element is written by exactly one thread, so no atomic additions are needed. When there
 # are enough (batch, key/value head) pairs to share among the threads, one pass over them
 # accumulates `dK`, `dV` and `dQ` tile by tile; otherwise a first pass computes `dK` and `dV` and
-# a second, over query tiles, computes `dQ`. Both schedules give the same bits. Against the dense
-# float64 `sdpa_backward` (its key/value gradients summed over each group), by the float32 rule
-# with factor 3; the floor also carries `1 + max |lse|`, because every weight is rebuilt from a
-# float32 `lse`.
+# a second, over query tiles, computes `dQ`. Both schedules give the same bits (the cell forces
+# each in turn and compares). Against the dense float64 `sdpa_backward` (its key/value gradients
+# summed over each group), by the float32 rule with factor 3; the floor also carries
+# `1 + max |lse|`, because every weight is rebuilt from a float32 `lse`, and takes as `M` the
+# largest gradient entry, for `dK` and `dV` after the sum over the group.
 
 # %%
 dq_ref, dk_ref, dv_ref = sdpa_backward(do, ref_cache)
@@ -280,14 +286,25 @@ def per_kv_head(dx):
 
 
 if HAVE_CPU:
-    dq_c, dk_c, dv_c = kernels.flash_attention_backward(do.astype(np.float32), qg32, kg32, vg32,
-                                                        og_c, lseg_c, causal=True)
+    do32 = do.astype(np.float32)
+    dq_c, dk_c, dv_c = kernels.flash_attention_backward(do32, qg32, kg32, vg32, og_c, lseg_c,
+                                                        causal=True)
     grow = 1 + np.abs(ref_lse).max()
+    dk_ref_g, dv_ref_g = per_kv_head(dk_ref), per_kv_head(dv_ref)
     check_float32("dq", dq_c, dq_ref, dq_32, 3, grow * np.abs(dq_ref).max())
-    check_float32("dk", dk_c, per_kv_head(dk_ref), per_kv_head(dk_32), 3,
-                  grow * np.abs(dk_ref).max())
-    check_float32("dv", dv_c, per_kv_head(dv_ref), per_kv_head(dv_32), 3,
-                  grow * np.abs(dv_ref).max())
+    check_float32("dk", dk_c, dk_ref_g, per_kv_head(dk_32), 3, grow * np.abs(dk_ref_g).max())
+    check_float32("dv", dv_c, dv_ref_g, per_kv_head(dv_32), 3, grow * np.abs(dv_ref_g).max())
+    by_schedule = {}
+    try:
+        for schedule in (1, 2):  # 1: one pass, 2: two passes
+            kernels._C.set_backward_schedule(schedule)
+            by_schedule[schedule] = kernels.flash_attention_backward(
+                do32, qg32, kg32, vg32, og_c, lseg_c, causal=True)
+    finally:
+        kernels._C.set_backward_schedule(0)  # back to the automatic choice
+    for name, one_pass, two_passes in zip(("dq", "dk", "dv"), by_schedule[1], by_schedule[2]):
+        np.testing.assert_array_equal(one_pass, two_passes, err_msg=name)
+    print("one pass and two passes: dq, dk and dv are bit for bit the same")
 else:
     print("skipped: refmath._C is not built")
 
@@ -295,17 +312,16 @@ else:
 # ## K2 and F3: decode, split across the cores
 #
 # A decode step (K2) has one new query per head and a long cache: `o = softmax(tau q K^T) V` over
-# the sequence's `L` cached keys. With one query row there is no query tile to share among
-# threads, so the kernel cuts the keys instead: `splits = S` chunks, separate work items that any
-# thread may take, each reduced to the partial statistics `(m_s, l_s, u_s)` of its keys (F2); a
-# second, tiny loop merges them (F3):
+# the sequence's `n` cached keys. With one query row there is no query tile to share among
+# threads, so the kernel cuts the keys instead, into `splits` chunks: separate work items that any
+# thread may take, chunk `s` reduced to the partial statistics `(m_s, l_s, u_s)` of its keys
+# (F2); a second, tiny loop merges them (F3):
 #
-# `M = max_s m_s`,  `L = sum_s e^{m_s - M} l_s`,  `o = sum_s e^{m_s - M} u_s / L`.
+# `m = max_s m_s`,  `l = sum_s e^{m_s - m} l_s`,  `o = sum_s e^{m_s - m} u_s / l`.
 #
-# In exact arithmetic the merge changes nothing, so the answer depends on `S` only through
-# rounding. The query heads of a
-# GQA group are handled together, so each cached key is read once per group (A10). Slots past a
-# sequence's length are never read; here they hold NaN to prove it.
+# In exact arithmetic the merge changes nothing, so the answer depends on `splits` only through
+# rounding. The query heads of a GQA group are handled together, so each cached key is read once
+# per group (A10). Slots past a sequence's length are never read; here they hold NaN to prove it.
 #
 # First the merge in NumPy, for one (sequence, query head): four chunks of 1024 keys.
 
@@ -316,9 +332,9 @@ heads = gqa_head_map(H, G)
 q_dec = rng.standard_normal((B, H, D))
 k_cache = rng.standard_normal((B, G, T_max, D))
 v_cache = rng.standard_normal((B, G, T_max, D))
-for b, L in enumerate(lengths):
-    k_cache[b, :, L:] = np.nan
-    v_cache[b, :, L:] = np.nan
+for b, n_b in enumerate(lengths):
+    k_cache[b, :, n_b:] = np.nan
+    v_cache[b, :, n_b:] = np.nan
 
 scores0 = k_cache[0, heads[5]] @ q_dec[0, 5] / np.sqrt(D)  # sequence 0, query head 5
 parts = [online_softmax_block(scores0[c:c + 1024], v_cache[0, heads[5], c:c + 1024])
@@ -328,7 +344,7 @@ for s, part in enumerate(parts):
 merged = parts[0]
 for part in parts[1:]:
     merged = online_softmax_merge(merged, part)
-print(f"merged:  M = {merged.m:.4f}  L = {merged.l:.4f}")
+print(f"merged:  m = {merged.m:.4f}  l = {merged.l:.4f}")
 whole, _ = sdpa_forward(q_dec[0, 5][None], k_cache[0, heads[5]], v_cache[0, heads[5]])
 np.testing.assert_allclose(online_softmax_result(merged), whole[0], rtol=1e-12, atol=1e-15)
 
@@ -336,13 +352,13 @@ np.testing.assert_allclose(online_softmax_result(merged), whole[0], rtol=1e-12, 
 # %% [markdown]
 # Now the kernel, `refmath.kernels.decode`, on both sequences and all heads, with `splits=1` (one
 # thread walks each whole context) and `splits=4`, against a float64 reference that attends over
-# each sequence's first `L_b` keys only.
+# each sequence's first `n_b` keys only.
 
 # %%
 def decode_reference(q, k, v, lengths):
     out = np.zeros(q.shape)
-    for b, L in enumerate(lengths):
-        o, _ = sdpa_forward(q[b][:, None, :], k[b, heads, :L], v[b, heads, :L])
+    for b, n_b in enumerate(lengths):
+        o, _ = sdpa_forward(q[b][:, None, :], k[b, heads, :n_b], v[b, heads, :n_b])
         out[b] = o[:, 0]
     return out
 
@@ -355,8 +371,8 @@ if HAVE_CPU:
     four = kernels.decode(q_dec32, k_cache32, v_cache32, lengths, splits=4)
     big_v = np.nanmax(np.abs(v_cache))
     assert np.isfinite(one).all() and np.isfinite(four).all()  # no NaN slot was read
-    check_float32("S=1", one, ref_dec, np32_dec, 2, big_v)
-    check_float32("S=4", four, ref_dec, np32_dec, 2, big_v)
+    check_float32("splits=1", one, ref_dec, np32_dec, 2, big_v)
+    check_float32("splits=4", four, ref_dec, np32_dec, 2, big_v)
     print(f"largest difference between splits=1 and splits=4: {np.abs(one - four).max():.1e}")
     np.testing.assert_allclose(four, one, rtol=0, atol=8 * U32 * big_v)
 else:
@@ -383,24 +399,27 @@ else:
 
 # %%
 p = 16
-n_used = [-(-int(L) // p) for L in lengths]
+n_used = [-(-int(n_b) // p) for n_b in lengths]
 n_pages = sum(n_used) + 20  # a few spare pages that no sequence owns
 order = rng.permutation(n_pages)
 page_table = np.full((B, max(n_used)), -1, dtype=np.int32)
 k_pages = np.full((n_pages, G, p, D), np.nan, dtype=np.float32)
 v_pages = np.full((n_pages, G, p, D), np.nan, dtype=np.float32)
 taken = 0
-for b, L in enumerate(lengths):
+for b, n_b in enumerate(lengths):
     for i in range(n_used[b]):
         page = order[taken]
         taken += 1
         page_table[b, i] = page
-        n = min(p, L - i * p)  # filled slots of this page
+        n = min(p, n_b - i * p)  # filled slots of this page
         k_pages[page, :, :n] = k_cache32[b, :, i * p:i * p + n]
         v_pages[page, :, :n] = v_cache32[b, :, i * p:i * p + n]
 j = 999
-assert (j // p, j % p) == (62, 7)
-print("sequence 1, first pages:", page_table[1, :6], "... last:", page_table[1, n_used[1] - 1])
+last_page = page_table[1, n_used[1] - 1]
+print("sequence 1, first pages:", page_table[1, :6], "... last:", last_page)
+filled = ~np.isnan(k_pages[last_page, 0, :, 0])
+print(f"sequence 1: {n_used[1]} pages, the last holding {filled.sum()} tokens")
+assert n_used[1] == 63 and filled.tolist() == [True] * 8 + [False] * 8
 print(f"token {j} of sequence 1: logical page {j // p}, slot {j % p} -> physical page "
       f"{page_table[1, j // p]}")
 np.testing.assert_array_equal(k_pages[page_table[1, j // p], :, j % p], k_cache32[1, :, j])
@@ -422,10 +441,10 @@ else:
 #
 # All three programs do the same arithmetic, `O(B H T^2 D)` multiply-adds (about half of it under
 # a causal mask, for the two that skip hidden tiles). The differences are in how they do it. Below,
-# `B = 1`, `H = 4`, `D = 64`, causal, float32, best of three runs each: dense NumPy, the tiled
-# NumPy reference (16 x 16 tiles, a Python loop per tile, so only the two smallest lengths), and
-# the C++ kernel. These are timings of this machine, now: they vary from machine to machine and
-# run to run, so nothing here is asserted about them.
+# `B = 1`, `H = 4`, `D = 64`, causal, float32, best of three runs (one run for the tiled NumPy
+# reference): dense NumPy, the tiled NumPy reference (16 x 16 tiles, a Python loop per tile, so
+# only the two smallest lengths), and the C++ kernel. These are timings of this machine, now:
+# they vary from machine to machine and run to run, so nothing here is asserted about them.
 
 # %%
 def best_of(fn, repeats=3):
@@ -456,7 +475,7 @@ fig, ax = plt.subplots(figsize=(5.5, 3.4), layout="constrained")
 for (name, ts), marker in zip(timings.items(), "os^"):
     if not np.all(np.isnan(ts)):
         ax.loglog(lengths_t, np.array(ts) * 1e3, marker + "-", label=name)
-ax.set(xlabel="sequence length T", ylabel="ms (best of 3)",
+ax.set(xlabel="sequence length T", ylabel="ms (best of 3; tiled: 1 run)",
        title="causal attention forward, B=1, H=4, D=64")
 ax.set_xticks(lengths_t, [str(T) for T in lengths_t])
 ax.legend()
@@ -466,7 +485,8 @@ plt.show()
 # What ran: the kernel is compiled twice, once for 8-lane vectors (AVX2, or the baseline
 # instruction set doing the same work) and once for 16-lane vectors (AVX-512), and picks the
 # widest the CPU supports. `cpu_vector_lanes(8)` forces the 8-lane copy, which is how the tests
-# reach it on an AVX-512 machine; here it is timed once at `T = 1024` and the default restored.
+# reach it on an AVX-512 machine; here it is timed (best of three) at `T = 1024` and the default
+# restored.
 
 # %%
 if HAVE_CPU:
@@ -474,13 +494,13 @@ if HAVE_CPU:
     print("vector lanes:", lanes, "  OpenMP:", kernels.build_info().get("openmp"))
     if lanes == 16:
         try:
-            kernels.cpu_vector_lanes(8)
+            assert kernels.cpu_vector_lanes(8) == 8  # the 8-lane copy is now the one in use
             t8 = best_of(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
         finally:
             kernels.cpu_vector_lanes(16)
         print(f"T = 1024: 16 lanes {timings['C++ kernel'][-1] * 1e3:.2f} ms, "
               f"8 lanes {t8 * 1e3:.2f} ms")
-        assert kernels.cpu_vector_lanes() == 16
+        print("vector lanes after restoring the default:", kernels.cpu_vector_lanes())
 else:
     print("skipped: refmath._C is not built")
 
@@ -542,7 +562,8 @@ print(f"T = {T}: scores {4 * 4 * T * T / 2**30:.0f} GiB, "
 
 # %% [markdown]
 # At `T = 131072` the score matrices of four heads alone take 256 GiB, while the output and the
-# logsumexp take about 130 MiB: the whole reason FlashAttention exists.
+# logsumexp take about 130 MiB: one of the two reasons for FlashAttention (the other is speed,
+# from fewer reads and writes of slow memory).
 #
 # ## On a GPU: the CUDA ladder
 #
@@ -556,10 +577,10 @@ print(f"T = {T}: scores {4 * 4 * T * T / 2**30:.0f} GiB, "
 # - **v2** (`flash_v2.cu`): a block of 32 query rows copies each 32-key tile of `K` and `V` into
 #   shared memory once and all its rows use it; scores, row maxima and sums are split across the
 #   lanes of a warp, and the softmax state is updated once per tile rather than once per key.
-# - **v3** (`flash_v3.cu`): both products, `Q K^T` and `P V`, on the tensor cores (`mma.sync`
-#   on 16 x 16 tiles of fp16 or bf16, accumulated in fp32, for `D = 64` or `128`), exponentials
-#   in base 2 as on the CPU, and the weights passed straight from one product to the next in
-#   registers.
+# - **v3** (`flash_v3.cu`): both products, `Q K^T` and `P V`, on the tensor cores
+#   (`mma.sync m16n8k16`: a 16x16 tile times a 16x8 tile, of fp16 or bf16, accumulated in fp32,
+#   for `D = 64` or `128`), exponentials in base 2 as on the CPU, and the weights passed straight
+#   from one product to the next in registers.
 #
 # The backward pass (`flash_backward.cu`) and the paged split-K decode (`paged_decode.cu`, a
 # partial `(m, l, u)` per split and a second kernel for the F3 merge) complete the set.
