@@ -71,9 +71,12 @@ def cpu_vector_lanes(lanes: int | None = None) -> int:
 
 
 def build_info() -> dict:
-    """What was compiled and what it can use: OpenMP, the CUDA module, the devices present."""
+    """What was compiled and what it can use: OpenMP, the CPU kernels' vector width, the CUDA
+    module, the devices present."""
     info = dict(BUILD_INFO or {})
-    info.update(cpu_module=cpu_available(), cuda_module=_cuda is not None,
+    info.update(cpu_module=cpu_available(),
+                cpu_vector_lanes=cpu_vector_lanes() if cpu_available() else None,
+                cuda_module=_cuda is not None,
                 cuda_devices=_device_query()[0], cuda_summary=cuda_build_info())
     return info
 

@@ -189,6 +189,7 @@ def test_cpu_vector_lanes_switch_between_the_two_copies_and_refuse_other_widths(
 def test_build_info_says_what_was_built():
     info = kernels.build_info()
     assert info["cpu_module"] == kernels.cpu_available()
+    assert info["cpu_vector_lanes"] == (kernels.cpu_vector_lanes() if info["cpu_module"] else None)
     assert info["cuda_module"] == (kernels._cuda is not None)
     summary = kernels.cuda_build_info()
     assert summary.startswith("refmath._cuda")
