@@ -118,9 +118,9 @@ assert counters.largest_temporary == 2 * D  # one tile's weights times its value
 # %% [markdown]
 # The third program is the C++ kernel, `refmath.kernels.flash_attention_forward`. It takes
 # float32 arrays (and checks that it got them), computes in float32 and returns float32 `o` and
-# `lse`. Its tiles are 64 query rows by 128 keys, so this small example is a single tile; the
+# `lse`. Its tiles are 128 query rows by 128 keys, so this small example is a single tile; the
 # larger check after it, `T = 200` with a GQA layout (8 query heads reading 2 key/value heads,
-# A10), cuts tiles at lengths that 64 and 128 do not divide. Both are judged by the float32 rule
+# A10), cuts tiles at a length that 128 does not divide. Both are judged by the float32 rule
 # against the float64 dense reference.
 
 # %%
@@ -509,9 +509,9 @@ else:
 #
 # Dense attention holds the scores and the weights, `B H T^2` numbers each (and keeps the weights
 # for its backward pass). The tiled programs keep `O` and one `lse` per row, `O(T)`, plus scratch
-# of a fixed size: in the C++ forward pass each thread holds one tile of scores (`64 x 128`), its
-# output rows and their tile product (`2 x 64 x D`), a transposed key tile (`D x 128`) and three
-# numbers per row, about 97 KiB for `D = 64`, whatever `T` is.
+# of a fixed size: in the C++ forward pass each thread holds one tile of scores (`128 x 128`), its
+# output rows and their tile product (`2 x 128 x D`), a transposed key tile (`D x 128`) and three
+# numbers per row, about 160 KiB for `D = 64`, whatever `T` is.
 #
 # `tracemalloc` sees the memory of every NumPy array, so it can measure the peak of each call at
 # `T = 1024` (the arrays from the timing above). It does not see the kernel's C++ scratch, which
@@ -543,7 +543,7 @@ if HAVE_CPU:
     kernel_peak = peak_bytes(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
     print(f"peak NumPy memory of the C++ call: {kernel_peak / 2**20:.2f} MiB (its outputs)")
     assert kernel_peak < 1.1 * o_lse_bytes
-scratch = 4 * (64 * 128 + 2 * 64 * 64 + 3 * 64 + 64 * 128)
+scratch = 4 * (128 * 128 + 2 * 128 * 64 + 3 * 128 + 64 * 128)
 print(f"C++ forward scratch per thread, D = 64: {scratch / 2**10:.1f} KiB")
 
 T_range = np.array([2**n for n in range(10, 18)])
