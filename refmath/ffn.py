@@ -98,22 +98,23 @@ def linear_backward(dout, cache: LinearCache):
 
 
 class ReLUCache(NamedTuple):
-    positive: np.ndarray  # boolean mask x > 0
+    slope: np.ndarray  # the derivative at x: 1 where x > 0, 0 where x <= 0, NaN where x is NaN
 
 
 def relu_forward(x):
     r"""ReLU, the activation of the original FFN (catalogue N5): :math:`\max(0, x)` elementwise.
 
-    Returns ``(y, cache)`` with ``y`` of the shape and dtype of ``x``.
+    A NaN entry stays NaN (``np.maximum`` propagates it, where ``np.where(x > 0, ...)`` would turn
+    it into 0). Returns ``(y, cache)`` with ``y`` of the shape and dtype of ``x``.
     """
     x = float_array("x", x)
-    positive = x > 0
-    return np.where(positive, x, np.zeros((), dtype=x.dtype)), ReLUCache(positive)
+    # heaviside(x, 0) is 1 for x > 0, 0 for x <= 0 (we take 0 at the kink itself), NaN for NaN
+    return np.maximum(x, np.zeros((), dtype=x.dtype)), ReLUCache(np.heaviside(x, 0.0))
 
 
 def relu_backward(dout, cache: ReLUCache):
-    """Gradient of ReLU: ``dx = dout`` where ``x > 0``, else 0 (we take 0 at the kink itself)."""
-    return np.where(cache.positive, dout, np.zeros((), dtype=dout.dtype))
+    """Gradient of ReLU: ``dx = dout`` where ``x > 0``, else 0 (NaN where ``x`` was NaN)."""
+    return dout * cache.slope
 
 
 # NumPy has no erf and scipy is not a dependency, so the exact GELU maps the standard library's

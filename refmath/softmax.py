@@ -8,6 +8,10 @@ entry is ``-inf`` (a query with no visible key, a padded sequence of length 0) h
 all; it is handled explicitly, because the max-subtraction trick would compute
 ``-inf - (-inf) = NaN`` there. By convention such a row gives zeros and a zero gradient.
 
+"Fully masked" means every entry is ``-inf`` and nothing else. A row holding a NaN is not masked:
+NaN in gives NaN out, in every function here, forward and backward, so a NaN can never pass for a
+good-looking number downstream.
+
 The online form (catalogue F2, F3) keeps, for a set of keys, the running maximum ``m``, the sum ``l``
 of ``exp(s - m)`` and the weighted value sum ``u``. Two disjoint sets merge exactly, so keys can be
 processed block by block without ever holding a whole row of scores: the core of FlashAttention.
@@ -23,17 +27,20 @@ from refmath.registry import OpCase, register_case
 
 
 def _shifted_exp(x: np.ndarray):
-    """Return ``(exp(x - m), m)`` with ``m`` the row maximum, made safe for fully masked rows.
+    """Return ``(exp(x - m), m, masked)`` with ``m`` the row maximum, made safe for fully masked rows.
 
-    For a row of only ``-inf`` the maximum is ``-inf`` and ``x - m`` would be NaN. Shifting such a
-    row by 0 instead gives ``exp(-inf) = 0`` everywhere, a zero row sum, and no NaN anywhere. An
-    empty last axis is treated the same way (``initial=-inf``): no keys at all is a fully masked row.
+    ``masked`` (bool, ``(..., 1)``) marks the fully masked rows: those whose maximum is ``-inf``,
+    which happens exactly when every entry is ``-inf`` (``np.max`` returns NaN for a row holding a
+    NaN, so such a row is never taken for a masked one). For a masked row ``x - m`` would be NaN;
+    shifting it by 0 instead gives ``exp(-inf) = 0`` everywhere and a zero row sum. An empty last
+    axis is treated the same way (``initial=-inf``): no keys at all is a fully masked row.
     """
     m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
-    m = np.where(np.isneginf(m), 0.0, m)
+    masked = np.isneginf(m)
+    m = np.where(masked, 0.0, m)
     shifted = x - m
     # exp in place: x - m is a fresh array of our own, and attention's score tensors are large
-    return np.exp(shifted, out=shifted), m
+    return np.exp(shifted, out=shifted), m, masked
 
 
 class SoftmaxCache(NamedTuple):
@@ -54,11 +61,11 @@ def softmax_forward(x):
     """
     x = float_array("x", x)
     check_min_ndim("x", x, 1, "(..., n)")
-    e, _ = _shifted_exp(x)
+    e, _, masked = _shifted_exp(x)
     total = e.sum(axis=-1, keepdims=True)
-    # total == 0 only on fully masked rows (otherwise the max entry contributes exp(0) = 1); dividing
-    # by 1 there keeps those rows at exactly 0.
-    e /= np.where(total == 0, 1.0, total)  # normalise in place: e is ours, and no copy is needed
+    # A fully masked row sums to 0; dividing it by 1 keeps it at exactly 0. Every other row sums to
+    # at least 1 (its maximum contributes exp(0)), or to NaN, which then reaches every entry.
+    e /= np.where(masked, 1.0, total)  # normalise in place: e is ours, and no copy is needed
     return e, SoftmaxCache(e)
 
 
@@ -114,13 +121,13 @@ def log_softmax_forward(x):
     """
     x = float_array("x", x)
     check_min_ndim("x", x, 1, "(..., n)")
-    e, m = _shifted_exp(x)
-    total = e.sum(axis=-1, keepdims=True)
-    live_row = total > 0
+    e, m, masked = _shifted_exp(x)
+    total = np.where(masked, 1.0, e.sum(axis=-1, keepdims=True))
     # (x - m) is exact-ish and small; subtracting log(total) from it, rather than x - (m + log total),
-    # avoids rounding the large m + log(total) first when the logits are large
-    y = np.where(live_row, (x - m) - np.log(np.where(live_row, total, 1.0)), 0.0)
-    a = e / np.where(live_row, total, 1.0)
+    # avoids rounding the large m + log(total) first when the logits are large. Only the fully
+    # masked rows become 0; a row with a NaN stays NaN.
+    y = np.where(masked, 0.0, (x - m) - np.log(total))
+    a = e / total
     return y, LogSoftmaxCache(a, ~np.isneginf(x))
 
 
@@ -184,11 +191,11 @@ def online_softmax_block(scores, values) -> OnlineSoftmaxState:
     check_min_ndim("scores", scores, 1, "(..., n)")
     check_min_ndim("values", values, 2, "(n, d_v) or (..., n, d_v)")
     check_axis("values", values, -2, scores.shape[-1], f"scores.shape = {scores.shape}")
-    p, m = _shifted_exp(scores)
+    p, m, masked = _shifted_exp(scores)
     l = p.sum(axis=-1)
     u = np.matmul(p[..., None, :], values)[..., 0, :]
     # _shifted_exp replaced the max of an all-masked row by 0; the state records it as -inf.
-    m = np.where(l > 0, m[..., 0], -np.inf)
+    m = np.where(masked[..., 0], -np.inf, m[..., 0])
     return OnlineSoftmaxState(m, l, u)
 
 
@@ -215,9 +222,13 @@ def online_softmax_merge(a: OnlineSoftmaxState, b: OnlineSoftmaxState) -> Online
 
 
 def online_softmax_result(state: OnlineSoftmaxState) -> np.ndarray:
-    r"""The attention output :math:`o = u / l` (catalogue F1, F3); 0 for rows with no visible key."""
-    l = state.l[..., None]
-    return np.where(l > 0, state.u / np.where(l > 0, l, 1.0), 0.0)
+    r"""The attention output :math:`o = u / l` (catalogue F1, F3); 0 for rows with no visible key.
+
+    A row with no visible key is recognised by ``m = -inf``, not by ``l = 0``: a NaN ``l`` must
+    give a NaN output, and ``l > 0`` is False for NaN.
+    """
+    empty = np.isneginf(state.m)[..., None]
+    return np.where(empty, 0.0, state.u / np.where(empty, 1.0, state.l[..., None]))
 
 
 def online_softmax_logsumexp(state: OnlineSoftmaxState) -> np.ndarray:
@@ -226,8 +237,8 @@ def online_softmax_logsumexp(state: OnlineSoftmaxState) -> np.ndarray:
     This one number per row is what FlashAttention saves for its backward pass: with it, the
     weights are recomputed as :math:`a_j = e^{s_j - \mathrm{lse}}`.
     """
-    live = state.l > 0
-    return np.where(live, state.m + np.log(np.where(live, state.l, 1.0)), -np.inf)
+    empty = np.isneginf(state.m)
+    return np.where(empty, -np.inf, state.m + np.log(np.where(empty, 1.0, state.l)))
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
