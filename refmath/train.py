@@ -141,7 +141,8 @@ class TrainSettings:
     ``warmup`` defaults to a tenth of the steps, at most 100; the learning rate decays to
     ``lr * min_lr_ratio``. AdamW with ``betas`` ``(beta1, beta2)``; ``weight_decay`` on weight
     matrices only; gradients clipped to global norm ``grad_clip``. ``eval_batches`` batches of
-    ``batch_size`` from each split (seed :data:`EVAL_SEED`) measure the evaluation losses.
+    ``batch_size`` from each split (seed :data:`EVAL_SEED`) measure the evaluation losses, every
+    ``eval_every`` steps, when the checkpoint is also written.
     """
 
     steps: int
@@ -155,9 +156,11 @@ class TrainSettings:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_batches: int = 8
+    eval_every: int = 100
 
     def __post_init__(self):
-        for field, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_batches", 1)):
+        for field, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_batches", 1),
+                           ("eval_every", 1)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
@@ -349,6 +352,12 @@ def load_checkpoint(directory, model: str | None = None, config=None) -> Checkpo
         if names and names != set(shapes):
             raise CheckpointError(f"{path}: the optimiser's {buffer!r} state does not cover the "
                                   f"parameters (differs in {sorted(names ^ set(shapes))[:6]})")
+    for kind, arrays_of_kind in (("parameter", params), ("optimiser state", optimizer)):
+        bad = [k for k, v in arrays_of_kind.items()
+               if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+        if bad:
+            raise CheckpointError(f"{path}: {len(bad)} {kind} arrays hold NaN or inf (first: "
+                                  f"{bad[0]!r}); the run diverged before this checkpoint was written")
     step = int(arrays["step"])
     history = {k: arrays[f"history.{k}"] for k in HISTORY_KEYS}
     if len(history["train_loss"]) != step or int(optimizer["step"]) != step:
@@ -505,7 +514,8 @@ def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
     if config.vocab_size != the_task.vocab_size:
         raise ValueError(f"config.vocab_size = {config.vocab_size} must equal the task's "
                          f"vocabulary size {the_task.vocab_size}")
-    defaults = {"steps": spec.steps, "batch_size": spec.batch_size, "lr": spec.lr, "seed": 0}
+    defaults = {"steps": spec.steps, "batch_size": spec.batch_size, "lr": spec.lr, "seed": 0,
+                "eval_every": TrainSettings.eval_every}
     settings = TrainSettings(**{k: v if given[k] is None else given[k] for k, v in defaults.items()})
     module = model_module(model)
     params = module.init_params(config, settings.seed, dtype=np.float32)
@@ -517,13 +527,25 @@ def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
                 {k: [] for k in HISTORY_KEYS}, meta)
 
 
+class TrainingDiverged(RuntimeError):
+    """A loss, gradient norm or parameter became NaN or infinite; the run stopped before using it."""
+
+
 def _train_step(run: _Run) -> float:
-    """One optimiser step on the next training batch; returns the batch's loss."""
+    """One optimiser step on the next training batch; returns the batch's loss.
+
+    Raises :class:`TrainingDiverged`, before anything is updated, if the loss or the gradient norm
+    is not finite: one NaN step would make every parameter NaN.
+    """
     batch = run.task.batch("train", run.data_position, run.settings.batch_size, run.settings.seed)
     loss, cache = run.module.forward(run.params, batch, run.config, train=True, rng=run.rng)
     grads = run.module.backward(cache)
     norm = clip_grad_norm(grads, run.settings.grad_clip)
     lr = run.settings.lr_at(run.step + 1)
+    for quantity, value in (("training loss", float(loss)), ("gradient norm", norm)):
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"step {run.step + 1}: the {quantity} is {value} at learning "
+                                   f"rate {lr:.3g}")
     run.optimizer.step(run.params, grads, lr)
     run.step, run.data_position = run.step + 1, run.data_position + 1
     for key, value in (("train_loss", float(loss)), ("lr", lr), ("grad_norm", norm)):
@@ -555,13 +577,13 @@ def _finish_step_on_interrupt():
 
 def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: int | None = None,
           lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
-          resume: bool = False, eval_every: int = 100, progress: bool = False,
+          resume: bool = False, eval_every: int | None = None, progress: bool = False,
           stop_after: int | None = None, accuracy_examples: int = 500, out=None) -> TrainResult:
     """Train ``model`` in run directory ``out_dir`` (created if needed); see the module docstring.
 
     Fresh run: ``config`` (default :func:`default_config`) and ``task`` settings (default the
-    model's) may be overridden; ``steps``, ``batch_size``, ``lr`` default to the model's and
-    ``seed`` to 0. The directory must not already hold a run.
+    model's) may be overridden; ``steps``, ``batch_size``, ``lr`` default to the model's,
+    ``seed`` to 0 and ``eval_every`` to 100. The directory must not already hold a run.
 
     ``resume=True`` continues the run saved in ``out_dir``: the model, configuration, task and
     settings come from there, and any given here must agree with them.
@@ -573,11 +595,11 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     """
     out = sys.stdout if out is None else out
     directory = Path(out_dir)
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
-        raise ValueError(f"eval_every must be an int >= 1, got {eval_every!r}")
-    given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed}
+    given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+             "eval_every": eval_every}
     run = (_resume_run if resume else _fresh_run)(directory, model, config, task, given)
     settings = run.settings
+    eval_every = settings.eval_every
     baseline, floor = run.task.unigram_entropy(), run.task.entropy_rate()
     last = settings.steps if stop_after is None else min(settings.steps, stop_after)
     bar = None
@@ -587,10 +609,21 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         bar = tqdm(total=settings.steps, initial=run.step, desc=run.model, dynamic_ncols=True,
                    file=sys.stderr)
     say = bar.write if bar is not None else (lambda line: print(line, file=out, flush=True))
+    if run.step == settings.steps:
+        say(f"the run in {directory} finished at step {run.step} of {settings.steps}: "
+            f"nothing left to do")
+
+    saved_step = run.step if resume else None  # the step of the checkpoint on disk, if any
 
     def save():
+        nonlocal saved_step
+        bad = [name for name, p in run.params.items() if not np.isfinite(p).all()]
+        if bad:
+            raise TrainingDiverged(f"step {run.step}: {len(bad)} parameters hold NaN or inf "
+                                   f"(first: {bad[0]!r}) at learning rate {run.history['lr'][-1]:.3g}")
         save_checkpoint(directory, run.meta, run.params, run.optimizer, run.step, run.data_position,
                         run.rng, {k: np.asarray(v) for k, v in run.history.items()})
+        saved_step = run.step
 
     start = time.perf_counter()
     try:
@@ -603,6 +636,10 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                 if run.step % eval_every == 0 or run.step == settings.steps:
                     losses = evaluate(run.module, run.params, run.config, run.task,
                                       settings.eval_batches, settings.batch_size)
+                    for key, value in losses.items():
+                        if not math.isfinite(value):
+                            raise TrainingDiverged(f"step {run.step}: the {key} evaluation loss "
+                                                   f"is {value}")
                     for key in ("train", "val"):
                         run.history[f"eval_{key}"].append(losses[key])
                     run.history["eval_step"].append(run.step)
@@ -616,6 +653,10 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
             say(f"interrupted after step {run.step}: checkpoint saved in {directory}; "
                 f"resume to continue")
             raise KeyboardInterrupt
+    except TrainingDiverged as err:
+        kept = (f"the checkpoint of step {saved_step} in {directory} is untouched"
+                if saved_step is not None else "no checkpoint was written")
+        raise TrainingDiverged(f"{err}. Training stopped; {kept}. A smaller --lr may help.") from None
     finally:
         if bar is not None:
             bar.close()
@@ -643,7 +684,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``train`` options to ``parser`` and set ``run=run_train`` as its default action."""
     parser.add_argument("--model", choices=sorted(MODELS),
                         help="transformer: reverse digit strings; gpt, llama, mla: character-level "
-                        "language model of generated English (required unless --resume)")
+                        "language model of generated English (required for a new run; to "
+                        "resume, --model NAME stands for --out runs/NAME)")
     parser.add_argument("--task", choices=("chars", "reverse", "reverse-lm"),
                         help="chars: generated English (the decoders' default); reverse: digit "
                         "strings (the transformer's only task); reverse-lm: the reversal as prompt "
@@ -657,8 +699,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: runs/<model>)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run saved in --out (its settings are kept)")
-    parser.add_argument("--eval-every", type=int, default=100,
-                        help="evaluate and checkpoint every N steps (default: 100)")
+    parser.add_argument("--eval-every", type=int,
+                        help="evaluate and checkpoint every N steps (default: 100; a resumed run "
+                        "keeps its own)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is also off when stderr is not a terminal)")
     parser.set_defaults(run=run_train)
@@ -667,19 +710,29 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Train, then print the final losses next to the baselines; 2 on bad input, 130 if interrupted."""
     if args.out is None and args.model is None:
-        print("train: give --model (and --out DIR to resume a run elsewhere than runs/<model>)",
+        print("train: --resume needs the run directory: --out DIR, or --model NAME for runs/NAME"
+              if args.resume else f"train: give --model, one of {', '.join(sorted(MODELS))}",
               file=sys.stderr)
         return 2
     out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
     progress = not args.no_progress and sys.stderr.isatty()
     try:
         task = None if args.task is None else {"name": args.task}
-        result = train(args.model, out_dir, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                       seed=args.seed, task=task, resume=args.resume, eval_every=args.eval_every,
-                       progress=progress)
+        # NumPy's overflow warnings would bury the one line that says where a diverging run stopped
+        with np.errstate(over="ignore", invalid="ignore"):
+            result = train(args.model, out_dir, steps=args.steps, batch_size=args.batch_size,
+                           lr=args.lr, seed=args.seed, task=task, resume=args.resume,
+                           eval_every=args.eval_every, progress=progress)
     except (ValueError, TypeError) as err:
         print(f"train: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"train: cannot write the run directory {out_dir}: {err.strerror or err}"
+              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as err:
+        print(f"train: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     print(f"\n{result.model}: {result.step} steps in {result.seconds:.1f} s (this session)")
@@ -703,7 +756,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``generate`` options to ``parser`` and set ``run=run_generate``."""
     parser.add_argument("--checkpoint", metavar="DIR", required=True, help="a run directory of train")
     parser.add_argument("--prompt", help="text to continue (language models; default: a newline, "
-                        "i.e. a new sentence) or digits to reverse (transformer; required)")
+                        "i.e. a new sentence) or digits to reverse (transformer; required). The "
+                        "language models know lowercase a-z except j, space, '.' and newline; the "
+                        "reversal knows the digits 0-9")
     parser.add_argument("--max-new-tokens", type=int,
                         help="tokens to generate (default: 200; transformer: source length + 1)")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
@@ -714,12 +769,30 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_generate)
 
 
+def _check_generate_flags(args: argparse.Namespace, alphabet: str) -> None:
+    """The checks of the sampling functions, said in terms of the command's flags."""
+    if not args.greedy and not 0 < args.temperature < math.inf:
+        raise ValueError(f"--temperature must be a finite number > 0, got {args.temperature} "
+                         f"(for argmax decoding use --greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for i, c in enumerate(args.prompt or ""):
+        if c not in alphabet:
+            raise ValueError(f"--prompt holds {c!r} at position {i}, which this model's tokenizer "
+                             f"does not know; it knows {alphabet!r}")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Print the continuation (or the transformer's output); 2 on bad input or a bad checkpoint."""
     try:
         ckpt = load_checkpoint(args.checkpoint)
         task = make_task(ckpt.task)
         tok = task.tokenizer
+        _check_generate_flags(args, tok.alphabet)
         sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
         if isinstance(task, (ReversalTask, ReversalLMTask)):

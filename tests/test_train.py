@@ -279,6 +279,7 @@ def test_train_and_generate_commands_for_a_decoder(tmp_path, capsys, small_defau
     # resuming a finished run changes nothing and reports again
     args = _parse(T.add_train_arguments, ["--out", str(out), "--resume", "--no-progress"])
     assert args.run(args) == 0
+    assert "finished at step 2 of 2: nothing left to do" in capsys.readouterr().out
 
 
 def test_train_and_generate_commands_for_the_transformer(tmp_path, capsys, small_defaults):
@@ -303,9 +304,24 @@ def test_generate_command_for_the_reversal_by_a_decoder(tmp_path, capsys, small_
     assert capsys.readouterr().out.startswith("123 -> ")
 
 
+def test_resume_keeps_the_evaluation_interval(tmp_path):
+    run_gpt(tmp_path, 6, stop_after=2, eval_every=2)
+    result = T.train(None, tmp_path, resume=True, out=open(os.devnull, "w"))
+    np.testing.assert_array_equal(result.history["eval_step"], [2, 4, 6])
+    with pytest.raises(T.CheckpointError, match="--eval-every 3 differs from the run's 2"):
+        T.train(None, tmp_path, resume=True, eval_every=3)
+
+
 def test_command_errors(tmp_path, capsys):
     args = _parse(T.add_train_arguments, ["--steps", "2"])
     assert args.run(args) == 2
+    assert "give --model, one of gpt, llama, mla, transformer" in capsys.readouterr().err
+    args = _parse(T.add_train_arguments, ["--resume"])
+    assert args.run(args) == 2
+    assert "--resume needs the run directory: --out DIR" in capsys.readouterr().err
+    args = _parse(T.add_train_arguments, ["--model", "gpt", "--out", "/proc/refmath_x"])
+    assert args.run(args) == 2
+    assert "cannot write the run directory /proc/refmath_x" in capsys.readouterr().err
     args = _parse(T.add_train_arguments, ["--out", str(tmp_path / "none"), "--resume"])
     assert args.run(args) == 2
     assert "no such file" in capsys.readouterr().err
@@ -319,3 +335,54 @@ def test_progress_bar_and_plot(tmp_path, capsys):
     assert "3/3" in capsys.readouterr().err
     pytest.importorskip("matplotlib", reason="the loss plot needs matplotlib")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- a run that diverges -------------------------------------------------------------------------
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    # lr = 1e6 drives the tiny GPT to NaN within a few steps; evaluations every 2 steps checkpoint
+    # the last finite state. Nothing of the NaN steps may reach the disk or the history.
+    with np.errstate(all="ignore"), pytest.raises(T.TrainingDiverged) as err:
+        T.train("gpt", tmp_path, steps=40, batch_size=8, lr=1e6, task=CHARS, config=tiny_gpt(),
+                eval_every=2, out=open(os.devnull, "w"))
+    message = str(err.value)
+    assert "is nan" in message or "is inf" in message or "NaN or inf" in message, message
+    assert "learning rate" in message or "evaluation loss" in message, message
+    saved = T.load_checkpoint(tmp_path)  # loading checks that every parameter is finite
+    assert f"the checkpoint of step {saved.step} in {tmp_path} is untouched" in message
+    assert np.isfinite(saved.history["train_loss"]).all()
+
+
+def test_a_non_finite_gradient_norm_stops_before_the_update(tmp_path, monkeypatch):
+    run_gpt(tmp_path, 6, stop_after=2, eval_every=2)
+    before = T.load_checkpoint(tmp_path)
+    monkeypatch.setattr(T, "clip_grad_norm", lambda grads, max_norm: float("nan"))
+    with pytest.raises(T.TrainingDiverged, match=r"step 3: the gradient norm is nan at learning "
+                       r"rate .*the checkpoint of step 2 .* is untouched"):
+        T.train(None, tmp_path, resume=True, out=open(os.devnull, "w"))
+    after = T.load_checkpoint(tmp_path)
+    for name in before.params:
+        np.testing.assert_array_equal(after.params[name], before.params[name])
+
+
+def test_a_checkpoint_with_nan_parameters_is_refused(saved_run, capsys):
+    path = saved_run / "checkpoint.npz"
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    arrays["params.pos_emb"][0, 0] = np.nan
+    np.savez(path, **arrays)
+    with pytest.raises(T.CheckpointError, match=r"1 parameter arrays hold NaN or inf \(first: 'pos_emb'\)"):
+        T.load_checkpoint(saved_run)
+    args = _parse(T.add_generate_arguments, ["--checkpoint", str(saved_run)])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "NaN or inf" in err
+
+
+def test_nan_logits_are_refused_by_greedy_and_sampled_decoding():
+    from refmath.inference.generate import token_picker
+
+    logits = np.array([0.5, np.nan, 1.0])
+    for greedy in (True, False):
+        with pytest.raises(ValueError, match="NaN or \\+inf"):
+            token_picker(greedy, 1.0, None, None, 0)(logits)

@@ -4,7 +4,7 @@ r"""Autoregressive generation without a cache (catalogue L7).
 
 Every step runs the whole prefix through the model's ``logits`` and keeps only the last position:
 :math:`O(T^2)` work over a generation of ``T`` tokens, which is what a KV cache removes (it is
-added in :mod:`refmath.inference` later; this file is the reference it must reproduce).
+added in :mod:`refmath.inference.kv_cache`; this file is the reference it must reproduce).
 
 How the next token is picked from the last position's logits :math:`z \in \mathbb R^V`:
 
@@ -91,6 +91,17 @@ def top_p_filter(probs, p: float) -> np.ndarray:
     return out / out.sum()
 
 
+def check_logits(z: np.ndarray) -> None:
+    """Raise ``ValueError`` unless the logits ``z`` ``(..., V)`` can define a distribution: no NaN,
+    no ``+inf``, and at least one entry above ``-inf`` per row (``-inf`` excludes a token)."""
+    bad = np.isnan(z) | np.isposinf(z)
+    if bad.any():
+        raise ValueError(f"logits hold {int(bad.sum())} NaN or +inf entries (shape {z.shape}); "
+                         f"the model's output is not a number: are its parameters finite?")
+    if np.isneginf(z).all(axis=-1).any():
+        raise ValueError(f"every logit of a row is -inf (shape {z.shape}): no token can be chosen")
+
+
 def next_token_distribution(logits, temperature: float = 1.0, top_k: int | None = None,
                             top_p: float | None = None) -> np.ndarray:
     r"""The distribution a sampler draws from: ``softmax(logits / temperature)`` ``(V,)`` in float64,
@@ -101,6 +112,7 @@ def next_token_distribution(logits, temperature: float = 1.0, top_k: int | None 
     z = float_array("logits", logits).astype(np.float64)
     check_ndim("logits", z, 1, "(V,)")
     check_sampling_args(temperature, top_k, top_p)
+    check_logits(z)
     scaled = z / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
@@ -164,10 +176,16 @@ def _decode_loop(next_logits, start: np.ndarray, max_new_tokens: int, pick, eos_
     return tokens
 
 
-def _picker(greedy: bool, temperature, top_k, top_p, seed):
+def token_picker(greedy: bool, temperature, top_k, top_p, seed):
+    """``pick(z) -> int``, the next id from one row of logits ``z`` ``(V,)``: the argmax, or a draw
+    from :func:`next_token_distribution` with one uniform number per call from ``seed`` (an int or
+    a ``numpy.random.Generator``). Both refuse logits holding NaN (see :func:`check_logits`)."""
     check_sampling_args(temperature, top_k, top_p)
     if greedy:
-        return lambda z: int(np.argmax(z))
+        def argmax(z):
+            check_logits(z)  # np.argmax picks a NaN as readily as the largest logit
+            return int(np.argmax(z))
+        return argmax
     rng = np.random.default_rng(seed)  # a Generator passes through unchanged
 
     def pick(z):
@@ -212,7 +230,7 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 0)
     if eos_id is not None:
         _check_ids("eos_id", eos_id, config.vocab_size)
-    pick = _picker(greedy, temperature, top_k, top_p, seed)
+    pick = token_picker(greedy, temperature, top_k, top_p, seed)
     window = config.max_seq_len
 
     def next_logits(tokens):
@@ -252,7 +270,7 @@ def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_length
                          f"{config.max_seq_len}, the longest decoder input")
     if eos_id is not None:
         _check_ids("eos_id", eos_id, config.vocab_size)
-    pick = _picker(greedy, temperature, top_k, top_p, seed)
+    pick = token_picker(greedy, temperature, top_k, top_p, seed)
     memory = transformer.encode(params, src2, src_lengths, config)
 
     def next_logits(tokens):

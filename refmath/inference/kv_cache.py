@@ -52,7 +52,7 @@ from refmath._validate import check_ndim, int_array
 from refmath.attention import causal_mask, sdpa_forward
 from refmath.embedding import embedding_forward
 from refmath.ffn import linear_forward
-from refmath.inference.generate import check_sampling_args, next_token_distribution, sample_token
+from refmath.inference.generate import token_picker
 from refmath.models import decoder, gpt, mla
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
@@ -549,20 +549,6 @@ class Generation(NamedTuple):
     counts: PairCounts  # query-key pairs evaluated, per sequence, query head and layer
 
 
-def _picker(greedy: bool, temperature, top_k, top_p, seed):
-    """``pick(z)`` for one row of logits, with :mod:`refmath.inference.generate`'s sampling
-    functions and the same use of the random stream (one uniform number per row and step, rows in
-    order), so that a seed gives the tokens its no-cache ``generate`` gives."""
-    check_sampling_args(temperature, top_k, top_p)
-    if greedy:
-        return lambda z: int(np.argmax(z))
-    rng = np.random.default_rng(seed)  # a Generator passes through unchanged
-
-    def pick(z):
-        return sample_token(next_token_distribution(z, temperature, top_k, top_p), rng)
-    return pick
-
-
 def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling, next_logits):
     """Shared by both generators: checks, then ``max_new_tokens`` picks from ``next_logits``."""
     spec = _spec(model, config)
@@ -576,7 +562,9 @@ def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling
     if needed > config.max_seq_len:
         raise ValueError(f"a prompt of {tokens.shape[1]} tokens plus {max_new_tokens} new ones "
                          f"needs {needed} positions, more than max_seq_len = {config.max_seq_len}")
-    pick = _picker(**sampling)
+    # the same picker, with the same use of the random stream (one uniform number per row and
+    # step, rows in order), as generate's, so that a seed gives the tokens generate gives
+    pick = token_picker(**sampling)
     counts = PairCounts.zeros(config.n_layers)
     steps = []
     for step in range(max_new_tokens):
