@@ -5,6 +5,9 @@ test points straight at the offending array instead of failing three calls deepe
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
 
@@ -74,3 +77,68 @@ def int_array(name: str, ids, high: int) -> np.ndarray:
             f"(shape {ids.shape})"
         )
     return ids
+
+
+# ---- scalar options ------------------------------------------------------------------------------
+# One set of checks for every scalar option of the library (sizes, eps, rates, probabilities,
+# switches). A value of the wrong kind raises TypeError, a value of the right kind out of its range
+# ValueError; both name the argument and show the value. bool is rejected where a number is asked
+# for: True is an int to Python, but never a meaningful width or learning rate.
+
+def _range_text(low, high, low_open: bool, high_open: bool) -> str:
+    low, high = (None if b is None else f"{b:g}" for b in (low, high))  # 0, not 0.0; 1e-05
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high}"
+    return ""
+
+
+def _outside(value, low, high, low_open: bool, high_open: bool) -> bool:
+    if low is not None and (value <= low if low_open else value < low):
+        return True
+    return high is not None and (value >= high if high_open else value > high)
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """Return ``value`` as an ``int``, raising unless it is an integer (not a bool) in
+    ``[low, high]`` (either bound may be None)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if _outside(value, low, high, False, False):
+        raise ValueError(f"{name} must be an int {_range_text(low, high, False, False)}, got {value!r}")
+    return int(value)
+
+
+def check_real(name: str, value, low: float | None = None, high: float | None = None, *,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """Return ``value`` as a ``float``, raising unless it is a finite real number (not a bool) in
+    the interval from ``low`` to ``high`` (closed unless ``low_open``/``high_open``; either bound
+    may be None)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} of type {type(value).__name__}")
+    if not math.isfinite(value) or _outside(value, low, high, low_open, high_open):
+        where = _range_text(low, high, low_open, high_open)
+        raise ValueError(f"{name} must be a finite number{' ' + where if where else ''}, got {value!r}")
+    return float(value)
+
+
+def check_flag(name: str, value) -> bool:
+    """Return ``value`` as a ``bool``, raising ``TypeError`` unless it is one (0 and 1 are not)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} of type {type(value).__name__}")
+    return bool(value)
+
+
+def check_choice(name: str, value, choices):
+    """Return ``value`` if it is one of ``choices`` (compared with ``==``), else raise ``ValueError``
+    listing them (``TypeError`` if ``value`` is not even hashable)."""
+    try:
+        ok = value in choices
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value

@@ -18,8 +18,10 @@ import numpy as np
 from refmath._validate import (
     check_axis,
     check_broadcastable,
+    check_int,
     check_min_ndim,
     check_ndim,
+    check_real,
     float_array,
     int_array,
 )
@@ -29,12 +31,6 @@ from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
 
 # ---- masks ---------------------------------------------------------------------------------------
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
 
 def _additive(allowed: np.ndarray, dtype) -> np.ndarray:
     """Turn a boolean 'visible' array into an additive mask of 0 and -inf."""
@@ -48,8 +44,8 @@ def causal_mask(t_q: int, t_k: int | None = None, dtype=np.float64) -> np.ndarra
     position ``i + t_k - t_q``). With ``t_k = t_q`` this is the usual lower triangle; with
     ``t_q = 1`` (a decode step) the single query sees every key.
     """
-    t_q = _positive_int("t_q", t_q)
-    t_k = t_q if t_k is None else _positive_int("t_k", t_k)
+    t_q = check_int("t_q", t_q, 1)
+    t_k = t_q if t_k is None else check_int("t_k", t_k, 1)
     if t_k < t_q:
         raise ValueError(
             f"t_k must be at least t_q (the queries are the last t_q of the t_k keys), "
@@ -68,7 +64,7 @@ def padding_mask(lengths, t_k: int, dtype=np.float64) -> np.ndarray:
     broadcasts over heads and queries of ``(B, H, t_q, t_k)`` scores. A length of 0 masks every key:
     such a sequence's attention output is 0 (see :func:`refmath.softmax.softmax_forward`).
     """
-    t_k = _positive_int("t_k", t_k)
+    t_k = check_int("t_k", t_k, 1)
     lengths = int_array("lengths", lengths, t_k + 1)
     check_ndim("lengths", lengths, 1, "(B,)")
     visible = np.arange(t_k)[None, :] < lengths[:, None]
@@ -85,8 +81,8 @@ def local_window_mask(t: int, window: int, dtype=np.float64) -> np.ndarray:
     :math:`\sum_i \min(i+1, w) = O(T w)` visible pairs instead of :math:`O(T^2)`. The mask only
     defines the function; saving the work needs a kernel that skips the hidden pairs.
     """
-    t = _positive_int("t", t)
-    window = _positive_int("window", window)
+    t = check_int("t", t, 1)
+    window = check_int("window", window, 1)
     i = np.arange(t)[:, None]
     j = np.arange(t)[None, :]
     return _additive((j <= i) & (j >= i - window + 1), dtype)
@@ -143,7 +139,7 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
                 f"got q.shape = {q.shape} and {name}.shape = {x.shape}"
             )
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real("scale", scale)
 
     # (tau Q) K^T rather than tau (Q K^T): the same scores, scaling the (t_q, d_k) queries instead
     # of the larger (t_q, t_k) score matrix
@@ -196,8 +192,8 @@ def gqa_head_map(h: int, g: int) -> np.ndarray:
     so consecutive groups of ``h/g`` query heads share one key/value head. ``g = h`` is MHA (the
     identity map), ``g = 1`` is MQA (every head reads head 0). Returns an int array of length ``h``.
     """
-    h = _positive_int("n_heads h", h)
-    g = _positive_int("n_kv_heads g", g)
+    h = check_int("n_heads h", h, 1)
+    g = check_int("n_kv_heads g", g, 1)
     if h % g:
         raise ValueError(f"n_kv_heads g = {g} must divide n_heads h = {h}")
     return np.arange(h) // (h // g)
@@ -313,8 +309,8 @@ def mha_forward(x, params: dict, n_heads: int, n_kv_heads: int | None = None, co
 
     Returns ``(Y, cache)`` with ``Y`` shaped like ``x``.
     """
-    h = _positive_int("n_heads", n_heads)
-    g = h if n_kv_heads is None else _positive_int("n_kv_heads", n_kv_heads)
+    h = check_int("n_heads", n_heads, 1)
+    g = h if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, 1)
     heads = gqa_head_map(h, g)
     x, context, unbatched = _check_mha_inputs(x, context)
     source = x if context is None else context  # Z: where keys and values come from

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_ndim, float_array, int_array
+from refmath._validate import check_flag, check_ndim, float_array, int_array
 from refmath.registry import OpCase, register_case
 
 
@@ -32,6 +32,7 @@ def embedding_forward(ids, table, scale_by_sqrt_d: bool = False):
     table = float_array("table", table)
     check_ndim("table", table, 2, "(vocab, d)")
     ids = int_array("ids", ids, table.shape[0])
+    scale_by_sqrt_d = check_flag("scale_by_sqrt_d", scale_by_sqrt_d)
     scale = math.sqrt(table.shape[1]) if scale_by_sqrt_d else 1.0
     y = table[ids]
     if scale_by_sqrt_d:

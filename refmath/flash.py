@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refmath._validate import check_axis, check_ndim, float_array
+from refmath._validate import check_axis, check_flag, check_int, check_ndim, check_real, float_array
 from refmath.softmax import (
     online_softmax_block,
     online_softmax_empty,
@@ -158,12 +158,6 @@ def _n_tiles(total: int, block: int) -> int:
 
 # ---- input checks --------------------------------------------------------------------------------
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _check_qkv(q, k, v):
     """Return ``(q, k, v)`` as float arrays after checking ranks, widths and head counts."""
     q = float_array("q", q)
@@ -189,14 +183,13 @@ def _check_qkv(q, k, v):
 
 
 def _check_options(causal, window, scale, block_q, block_k, d):
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal = check_flag("causal", causal)
     if window is not None:
-        window = _positive_int("window", window)
-    block_q = _positive_int("block_q", block_q)
-    block_k = _positive_int("block_k", block_k)
+        window = check_int("window", window, 1)
+    block_q = check_int("block_q", block_q, 1)
+    block_k = check_int("block_k", block_k, 1)
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale)
     # The sliding window is causal by definition (A12).
     return bool(causal) or window is not None, window, scale, block_q, block_k
 

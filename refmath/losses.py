@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_min_ndim, check_same_shape, float_array
+from refmath._validate import check_int, check_min_ndim, check_real, check_same_shape, float_array
 from refmath.registry import OpCase, register_case
 from refmath.softmax import log_softmax_forward
 
@@ -83,6 +83,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
     """
     logits = float_array("logits", logits)
     check_min_ndim("logits", logits, 1, "(..., V)")
+    ignore_index = check_int("ignore_index", ignore_index)
+    label_smoothing = check_real("label_smoothing", label_smoothing, 0.0, 1.0)
     targets = _check_targets(targets, logits, ignore_index)
     counted = targets != ignore_index
     if loss_mask is not None:
@@ -92,8 +94,6 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
             raise ValueError(f"loss_mask must hold only 0 and 1, got values {np.unique(loss_mask)[:10]} "
                              f"(loss_mask.shape = {loss_mask.shape})")
         counted &= loss_mask.astype(bool)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
 
     n_counted = int(counted.sum())
     safe_targets = np.where(counted, targets, 0)

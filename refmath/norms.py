@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_min_ndim, float_array
+from refmath._validate import check_min_ndim, check_real, float_array
 from refmath.registry import OpCase, register_case
 
 
@@ -45,6 +45,7 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
     Returns ``(y, cache)``.
     """
     x, gamma, beta = _check_norm_inputs(x, gamma, beta)
+    eps = check_real("eps", eps, 0.0)  # 0 is allowed: the definition itself (N3) has no eps
     mu = x.mean(axis=-1, keepdims=True)
     xc = x - mu
     var = np.mean(xc * xc, axis=-1, keepdims=True)
@@ -89,6 +90,7 @@ def rmsnorm_forward(x, gamma, eps: float = 1e-6):
     Shapes: ``x`` is ``(..., d)``, ``gamma`` is ``(d,)``. Returns ``(y, cache)``.
     """
     x, gamma, _ = _check_norm_inputs(x, gamma)
+    eps = check_real("eps", eps, 0.0)  # 0 is allowed: the definition itself (N3) has no eps
     rrms = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     return gamma * x * rrms, RMSNormCache(x, rrms, gamma)
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from refmath._validate import check_same_shape, float_array
+from refmath._validate import check_int, check_real, check_same_shape, float_array
 
 # ---- which parameters decay (O5) ----
 
@@ -55,10 +55,7 @@ def takes_weight_decay(name: str) -> bool:
 
 
 def _non_negative(name: str, value: float) -> float:
-    value = float(value)
-    if not value >= 0.0:  # also rejects NaN
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
+    return check_real(name, value, 0.0)
 
 
 class Optimizer:
@@ -217,12 +214,11 @@ class Adam(Optimizer):
 
     def __init__(self, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  decay_of=None):
-        beta1, beta2 = (float(b) for b in betas)
-        for label, beta in (("betas[0]", beta1), ("betas[1]", beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"{label} must lie in [0, 1), got {beta}")
-        self.betas = (beta1, beta2)
-        self.eps = _non_negative("eps", eps)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        self.betas = tuple(check_real(f"betas[{i}]", b, 0.0, 1.0, high_open=True)
+                           for i, b in enumerate(betas))
+        self.eps = check_real("eps", eps, 0.0, low_open=True)
         super().__init__(lr, weight_decay, decay_of, ("m", "v"))
 
     def corrected_moments(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -308,8 +304,9 @@ def transformer_schedule(step: int, d_model: int, warmup: int) -> float:
     for :math:`s \le w` and decays as :math:`s^{-1/2}` afterwards; the two branches meet at
     :math:`s = w` with the peak :math:`d^{-1/2} w^{-1/2}`.
     """
-    if step < 0 or d_model < 1 or warmup < 1:
-        raise ValueError(f"need step >= 0, d_model >= 1, warmup >= 1; got {step}, {d_model}, {warmup}")
+    step = check_int("step", step, 0)
+    d_model = check_int("d_model", d_model, 1)
+    warmup = check_int("warmup", warmup, 1)
     if step == 0:
         return 0.0
     return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
@@ -329,11 +326,11 @@ def warmup_cosine(step: int, max_lr: float, warmup: int, total: int, min_lr: flo
     Step counted as in :func:`transformer_schedule` (``step=0`` gives 0 when ``warmup > 0``);
     ``s = w`` gives exactly ``max_lr`` and ``s = T`` (``total``) exactly ``min_lr``.
     """
-    if not (step >= 0 and 0 <= warmup < total and 0 <= min_lr <= max_lr):
-        raise ValueError(
-            "need step >= 0, 0 <= warmup < total, 0 <= min_lr <= max_lr; "
-            f"got step={step}, warmup={warmup}, total={total}, min_lr={min_lr}, max_lr={max_lr}"
-        )
+    step = check_int("step", step, 0)
+    total = check_int("total", total, 1)
+    warmup = check_int("warmup", warmup, 0, total - 1)
+    max_lr = check_real("max_lr", max_lr, 0.0)
+    min_lr = check_real("min_lr", min_lr, 0.0, max_lr)
     if step < warmup:
         return max_lr * step / warmup
     if step >= total:

@@ -9,14 +9,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_min_ndim, check_ndim, float_array
+from refmath._validate import check_int, check_min_ndim, check_ndim, check_real, float_array
 from refmath.registry import OpCase, register_case
 
 
-def _non_negative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
+def _check_base(base) -> float:
+    # b > 1: the frequencies b^{-2r/d} then fall from 1 towards 1/b, as the design intends
+    return check_real("base", base, 1.0, low_open=True)
 
 
 def rope_angles(positions, d_k: int, base: float = 10000.0) -> np.ndarray:
@@ -27,11 +26,11 @@ def rope_angles(positions, d_k: int, base: float = 10000.0) -> np.ndarray:
     :math:`p / b^{2r/d}` is written as a division. Frequencies fall geometrically from 1 (pair 0,
     one radian per token) to nearly :math:`1/b` (the last pair, wavelength ~ :math:`2\pi b` tokens).
     """
-    d_k = int(d_k)
-    if d_k <= 0 or d_k % 2:
+    d_k = check_int("d_k", d_k, 2)
+    if d_k % 2:
         raise ValueError(f"d_k must be a positive even integer, got {d_k}")
     pair = np.arange(d_k // 2, dtype=np.float64)
-    divisor = float(base) ** (2.0 * pair / d_k)  # b^{2r/d_k}
+    divisor = _check_base(base) ** (2.0 * pair / d_k)  # b^{2r/d_k}
     return np.asarray(positions, dtype=np.float64)[:, None] / divisor[None, :]
 
 
@@ -47,7 +46,7 @@ def sinusoidal_positions(t: int, d: int, base: float = 10000.0, dtype=np.float64
 
     Shapes: returns ``(t, d)`` in ``dtype`` (computed in float64); ``d`` must be even.
     """
-    t = _non_negative_int("t", t)
+    t = check_int("t", t, 0)
     d = int(d)
     if d <= 0 or d % 2:
         raise ValueError(f"d must be a positive even integer (sin/cos pairs), got {d}")
@@ -84,7 +83,7 @@ def learned_positions_forward(x, table, offset: int = 0):
     table = float_array("table", table)
     check_min_ndim("x", x, 2, "(..., T, d)")
     check_ndim("table", table, 2, "(T_max, d)")
-    offset = _non_negative_int("offset", offset)
+    offset = check_int("offset", offset, 0)
     if table.shape[1] != x.shape[-1]:
         raise ValueError(
             f"table.shape[1] must equal x.shape[-1] (d), got x.shape = {x.shape} and "
@@ -157,7 +156,7 @@ def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None):
         raise ValueError(
             f"x.shape[-1] (d_k) must be even for RoPE's coordinate pairs, got x.shape = {x.shape}"
         )
-    offset = _non_negative_int("offset", offset)
+    offset = check_int("offset", offset, 0)
     if positions is None:
         positions = np.arange(offset, offset + t)
     else:

@@ -357,9 +357,9 @@ def test_sdpa_bad_input_names_the_argument():
 def test_mask_builders_reject_bad_sizes():
     with pytest.raises(ValueError, match=r"t_k must be at least t_q.*t_q = 4, t_k = 2"):
         causal_mask(4, 2)
-    with pytest.raises(ValueError, match=r"t_q must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"t_q must be an int >= 1, got 0"):
         causal_mask(0)
-    with pytest.raises(ValueError, match=r"window must be a positive integer"):
+    with pytest.raises(ValueError, match=r"window must be an int >= 1, got 0"):
         local_window_mask(5, 0)
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, 4\)"):
         padding_mask([2, 4], 3)

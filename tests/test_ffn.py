@@ -152,7 +152,7 @@ def test_bad_inputs_name_the_arguments_and_shapes():
         swiglu_forward(x, w1, w1, np.zeros((5, 4)))
     with pytest.raises(TypeError, match=r"x must be a floating-point array"):
         gelu_forward(np.arange(3))
-    with pytest.raises(ValueError, match=r"d must be a positive integer"):
+    with pytest.raises(ValueError, match=r"d must be an int >= 1, got 0"):
         swiglu_hidden_size(0)
-    with pytest.raises(ValueError, match=r"multiple_of must be a positive integer"):
+    with pytest.raises(TypeError, match=r"multiple_of must be an int, got 2.5 of type float"):
         swiglu_hidden_size(64, multiple_of=2.5)

@@ -141,5 +141,5 @@ def test_bad_inputs_name_the_arguments_and_shapes():
         cross_entropy_forward(logits, targets, loss_mask=np.ones(3))
     with pytest.raises(ValueError, match=r"loss_mask must hold only 0 and 1"):
         cross_entropy_forward(logits, targets, loss_mask=np.full((2, 3), 2))
-    with pytest.raises(ValueError, match=r"label_smoothing must lie in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"label_smoothing must be a finite number in \[0, 1\], got 1.5"):
         cross_entropy_forward(logits, targets, label_smoothing=1.5)

@@ -210,15 +210,15 @@ def test_float32_stays_float32(make):
 
 
 def test_bad_input_names_the_parameter_and_shapes():
-    with pytest.raises(ValueError, match=r"lr must be >= 0, got -0.1"):
+    with pytest.raises(ValueError, match=r"lr must be a finite number >= 0, got -0.1"):
         AdamW(-0.1)
-    with pytest.raises(ValueError, match=r"lr must be >= 0"):
+    with pytest.raises(ValueError, match=r"lr must be a finite number >= 0, got -1.0"):
         SGD(0.1).step({"w": np.ones(2)}, {"w": np.ones(2)}, lr=-1.0)
-    with pytest.raises(ValueError, match=r"betas\[1\] must lie in \[0, 1\), got 1.0"):
+    with pytest.raises(ValueError, match=r"betas\[1\] must be a finite number in \[0, 1\), got 1.0"):
         Adam(0.1, betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match=r"betas\[0\] must lie in \[0, 1\), got -0.1"):
+    with pytest.raises(ValueError, match=r"betas\[0\] must be a finite number in \[0, 1\), got -0.1"):
         AdamW(0.1, betas=(-0.1, 0.999))
-    with pytest.raises(ValueError, match=r"weight_decay must be >= 0"):
+    with pytest.raises(ValueError, match=r"weight_decay must be a finite number >= 0, got -1.0"):
         SGD(0.1, weight_decay=-1.0)
     opt = AdamW(0.1)
     params = {"layers.0.attn.w_q": np.ones((4, 4)), "layers.0.ffn.b1": np.ones(8)}
@@ -275,7 +275,7 @@ def test_o6_transformer_schedule_peaks_at_warmup():
     assert np.all(np.diff(lr[:w]) > 0) and np.all(np.diff(lr[w - 1:]) < 0)
     np.testing.assert_allclose(lr[: w - 1], d**-0.5 * steps[: w - 1] * w**-1.5, rtol=1e-14)
     np.testing.assert_allclose(lr[w:], d**-0.5 * steps[w:] ** -0.5, rtol=1e-14)
-    with pytest.raises(ValueError, match="warmup >= 1"):
+    with pytest.raises(ValueError, match="warmup must be an int >= 1, got 0"):
         transformer_schedule(1, d, 0)
 
 
@@ -287,5 +287,5 @@ def test_o6_warmup_cosine_endpoints():
     np.testing.assert_allclose(lr[(w + total) // 2], (max_lr + min_lr) / 2, rtol=1e-14)
     assert np.all(np.diff(lr[: w + 1]) > 0) and np.all(np.diff(lr[w : total + 1]) < 0)
     assert warmup_cosine(0, max_lr, 0, total) == max_lr
-    with pytest.raises(ValueError, match="warmup < total"):
+    with pytest.raises(ValueError, match=r"warmup must be an int in \[0, 9\], got 10"):
         warmup_cosine(5, max_lr, 10, 10)

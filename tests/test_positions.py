@@ -37,7 +37,7 @@ def test_sinusoidal_dtype_and_bad_width():
     assert sinusoidal_positions(4, 6, dtype=np.float32).dtype == np.float32
     with pytest.raises(ValueError, match=r"d must be a positive even integer.*got 5"):
         sinusoidal_positions(4, 5)
-    with pytest.raises(ValueError, match=r"t must be a non-negative integer"):
+    with pytest.raises(ValueError, match=r"t must be an int >= 0, got -1"):
         sinusoidal_positions(-1, 4)
 
 
@@ -62,7 +62,7 @@ def test_learned_positions_past_the_table_raise():
         learned_positions_forward(x, table, offset=6)
     with pytest.raises(ValueError, match=r"table.shape\[1\] must equal x.shape\[-1\].*\(2, 3, 4\).*\(8, 5\)"):
         learned_positions_forward(x, np.zeros((8, 5)))
-    with pytest.raises(ValueError, match=r"offset must be a non-negative integer"):
+    with pytest.raises(ValueError, match=r"offset must be an int >= 0, got -1"):
         learned_positions_forward(x, table, offset=-1)
 
 
