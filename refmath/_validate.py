@@ -142,3 +142,14 @@ def check_choice(name: str, value, choices):
     if not ok:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
     return value
+
+
+def check_field(config, name: str, check, *args, optional: bool = False, **kwargs) -> None:
+    """Check the field ``config.<name>`` of a frozen dataclass with ``check`` (one of the checks
+    above, given ``*args``/``**kwargs``), naming it ``Type.name`` in the message, and store the plain
+    Python value that ``check`` returns, so that ``dataclasses.asdict`` is ready for JSON (no NumPy
+    scalars). ``optional`` lets None through."""
+    value = getattr(config, name)
+    if value is None and optional:
+        return
+    object.__setattr__(config, name, check(f"{type(config).__name__}.{name}", value, *args, **kwargs))

@@ -40,6 +40,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from refmath._validate import check_field, check_flag, check_int, check_real
 from refmath.attention import SdpaCache, causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (
@@ -61,46 +62,16 @@ from refmath.positions import RoPECache, rope_backward, rope_forward
 # ---- configuration -------------------------------------------------------------------------------
 
 
-def check_int_field(config, name: str, minimum: int = 1, optional: bool = False) -> None:
-    """Require ``config.<name>`` to be a Python int >= ``minimum`` (or None when ``optional``).
-
-    Plain ints only (no bools, no NumPy integers) so that ``dataclasses.asdict(config)`` always
-    serialises to JSON.
-    """
-    value = getattr(config, name)
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = " or None" if optional else ""
-        raise ValueError(
-            f"{type(config).__name__}.{name} must be an int >= {minimum}{none}, got {value!r}"
-        )
-
-
-def _check_float_field(config, name: str, low: float, high: float | None = None,
-                       include_low: bool = False) -> None:
-    value = getattr(config, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value >= low if include_low else value > low) and (high is None or value < high)
-    if not ok:
-        bounds = f"{'[' if include_low else '('}{low}, {'inf' if high is None else high})"
-        raise ValueError(f"{type(config).__name__}.{name} must be a finite number in {bounds}, "
-                         f"got {value!r}")
-
-
 def check_shared_fields(config) -> None:
     """Validate the fields every decoder of this family has (M3 and M4 alike)."""
     for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "ffn_multiple_of"):
-        check_int_field(config, name)
-    check_int_field(config, "d_ff", optional=True)
-    _check_float_field(config, "rope_base", 1.0)
-    _check_float_field(config, "norm_eps", 0.0)
-    _check_float_field(config, "dropout", 0.0, 1.0, include_low=True)
-    _check_float_field(config, "init_std", 0.0)
-    if not isinstance(config.tie_embeddings, bool):
-        raise ValueError(f"{type(config).__name__}.tie_embeddings must be a bool, "
-                         f"got {config.tie_embeddings!r}")
+        check_field(config, name, check_int, 1)
+    check_field(config, "d_ff", check_int, 1, optional=True)
+    check_field(config, "rope_base", check_real, 1.0, low_open=True)
+    check_field(config, "norm_eps", check_real, 0.0, low_open=True)
+    check_field(config, "dropout", check_real, 0.0, 1.0, high_open=True)
+    check_field(config, "init_std", check_real, 0.0, low_open=True)
+    check_field(config, "tie_embeddings", check_flag)
 
 
 def ffn_width(config) -> int:
@@ -142,8 +113,8 @@ class DecoderConfig:
 
     def __post_init__(self):
         check_shared_fields(self)
-        check_int_field(self, "n_kv_heads", optional=True)
-        check_int_field(self, "head_dim", optional=True)
+        check_field(self, "n_kv_heads", check_int, 1, optional=True)
+        check_field(self, "head_dim", check_int, 1, optional=True)
         if self.n_heads % self.kv_heads:
             raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
                              f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")

@@ -21,12 +21,12 @@ embedding).
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
@@ -44,15 +44,6 @@ NORM_POSITIONS = ("pre", "post")
 
 
 # ---- configuration -------------------------------------------------------------------------------
-
-def _check_positive_int(field: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -90,25 +81,18 @@ class GPTConfig:
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model if isinstance(self.d_model, int) else None)
         for field in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "d_ff"):
-            _check_positive_int(field, getattr(self, field))
+            check_field(self, field, check_int, 1)
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.n_heads = {self.n_heads} must divide GPTConfig.d_model = {self.d_model}"
             )
-        if self.norm_position not in NORM_POSITIONS:
-            raise ValueError(
-                f"GPTConfig.norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}"
-            )
+        check_field(self, "norm_position", check_choice, NORM_POSITIONS)
         for field in ("tie_embeddings", "gelu_approximate"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"GPTConfig.{field} must be True or False, got {getattr(self, field)!r}")
-        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
-            # 0 switches dropout off; 1 would keep nothing (and divide by 1 - p = 0)
-            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+            check_field(self, field, check_flag)
+        # 0 switches dropout off; 1 would keep nothing (and divide by 1 - p = 0)
+        check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
         for field in ("layernorm_eps", "init_std"):
-            value = getattr(self, field)
-            if not _is_real(value) or not 0.0 < value < math.inf:
-                raise ValueError(f"GPTConfig.{field} must be a number in (0, inf), got {value!r}")
+            check_field(self, field, check_real, 0.0, low_open=True)
 
     @property
     def head_dim(self) -> int:

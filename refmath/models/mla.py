@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refmath._validate import check_field, check_flag, check_int
 from refmath.attention import SdpaCache, causal_mask, sdpa_backward, sdpa_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
@@ -58,7 +59,6 @@ from refmath.models.batch import check_tokens
 from refmath.models.decoder import (
     AttentionOps,
     DecoderCache,
-    check_int_field,
     check_params,
     check_shared_fields,
     decoder_forward,
@@ -108,11 +108,10 @@ class MLAConfig:
     def __post_init__(self):
         check_shared_fields(self)
         for name in ("d_c", "d_rope"):
-            check_int_field(self, name)
+            check_field(self, name, check_int, 1)
         for name in ("head_dim", "v_head_dim", "q_lora_rank"):
-            check_int_field(self, name, optional=True)
-        if not isinstance(self.latent_norm, bool):
-            raise ValueError(f"MLAConfig.latent_norm must be a bool, got {self.latent_norm!r}")
+            check_field(self, name, check_int, 1, optional=True)
+        check_field(self, "latent_norm", check_flag)
         if self.d_rope % 2:
             raise ValueError(f"MLAConfig.d_rope = {self.d_rope} must be even for RoPE's "
                              f"coordinate pairs")

@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_ndim, float_array, int_array
+from refmath._validate import (check_field, check_flag, check_int, check_ndim, check_real, float_array,
+                               int_array)
 from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward, padding_mask
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
@@ -60,14 +61,6 @@ _LN = ("gamma", "beta")
 
 
 # ---- configuration -------------------------------------------------------------------------------
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -100,30 +93,20 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "d_ff"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_field(self, name, check_int, 1)
         if self.d_model % 2:
             raise ValueError(f"d_model must be even (sin/cos position pairs), got {self.d_model}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"n_heads must divide d_model, got d_model = {self.d_model}, n_heads = {self.n_heads}"
             )
-        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout!r}")
-        if not _is_real(self.label_smoothing) or not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must lie in [0, 1], got {self.label_smoothing!r}")
-        if not _is_real(self.ln_eps) or not self.ln_eps > 0.0:
-            raise ValueError(f"ln_eps must be positive, got {self.ln_eps!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
-        if not _is_int(self.bos_id) or not 0 <= self.bos_id < self.vocab_size:
-            raise ValueError(f"bos_id must lie in [0, vocab_size = {self.vocab_size}), got {self.bos_id!r}")
+        check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
+        check_field(self, "label_smoothing", check_real, 0.0, 1.0)
+        check_field(self, "ln_eps", check_real, 0.0, low_open=True)
+        check_field(self, "tie_embeddings", check_flag)
+        check_field(self, "bos_id", check_int, 0, self.vocab_size - 1)
+        check_field(self, "pad_id", check_int, 0, self.vocab_size - 1, optional=True)
         if self.pad_id is not None:
-            if not _is_int(self.pad_id) or not 0 <= self.pad_id < self.vocab_size:
-                raise ValueError(
-                    f"pad_id must be None or lie in [0, vocab_size = {self.vocab_size}), got {self.pad_id!r}"
-                )
             if self.pad_id == self.bos_id:
                 raise ValueError(f"pad_id and bos_id must differ, both are {self.bos_id}")
 

@@ -269,7 +269,7 @@ def test_loss_mask_removes_prompt_tokens_from_loss_and_gradient_l5():
     (dict(max_seq_len=-1), "max_seq_len"),
     (dict(n_layers=2.0), "n_layers"),
     (dict(n_heads=True), "n_heads"),
-    (dict(n_kv_heads=np.int64(2)), "n_kv_heads"),  # would not serialise to JSON
+    (dict(n_kv_heads=3), "n_kv_heads"),  # does not divide the 4 query heads
     (dict(d_ff=0), "d_ff"),
     (dict(ffn_multiple_of=0), "ffn_multiple_of"),
     (dict(dropout=1.0), "dropout"),
@@ -280,8 +280,15 @@ def test_loss_mask_removes_prompt_tokens_from_loss_and_gradient_l5():
     (dict(tie_embeddings=1), "tie_embeddings"),
 ])
 def test_config_validation_names_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+    # TypeError for a value of the wrong kind (2.0, True, 1), ValueError for one out of range
+    with pytest.raises((ValueError, TypeError), match=field.replace("(", r"\(")):
         tiny(**overrides)
+
+
+def test_config_stores_plain_python_numbers():
+    config = tiny(n_kv_heads=np.int64(2), dropout=np.float32(0.25))
+    assert type(config.n_kv_heads) is int and type(config.dropout) is float
+    assert json.loads(json.dumps(dataclasses.asdict(config)))["n_kv_heads"] == 2
 
 
 def test_config_round_trips_through_json():

@@ -326,24 +326,24 @@ def test_config_round_trips_through_json_and_resolves_d_ff():
         assert gpt.GPTConfig(**json.loads(json.dumps(dataclasses.asdict(preset)))) == preset
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("vocab_size", 0, r"vocab_size must be a positive integer, got 0"),
-    ("max_seq_len", -4, r"max_seq_len must be a positive integer"),
-    ("n_layers", 1.5, r"n_layers must be a positive integer, got 1.5"),
-    ("d_model", True, r"d_model must be a positive integer, got True"),
-    ("n_heads", 3, r"n_heads = 3 must divide GPTConfig.d_model = 8"),
-    ("d_ff", 0, r"d_ff must be a positive integer"),
-    ("norm_position", "middle", r"norm_position must be one of \('pre', 'post'\), got 'middle'"),
-    ("tie_embeddings", 1, r"tie_embeddings must be True or False, got 1"),
-    ("gelu_approximate", "tanh", r"gelu_approximate must be True or False"),
-    ("dropout", 1.0, r"dropout must be a number in \[0, 1\), got 1.0"),
-    ("dropout", -0.1, r"dropout must be a number in \[0, 1\)"),
-    ("dropout", True, r"dropout must be a number"),
-    ("layernorm_eps", 0.0, r"layernorm_eps must be a number in \(0, inf\)"),
-    ("init_std", float("nan"), r"init_std must be a number in \(0, inf\)"),
+@pytest.mark.parametrize("field, value, error, message", [
+    ("vocab_size", 0, ValueError, r"GPTConfig.vocab_size must be an int >= 1, got 0"),
+    ("max_seq_len", -4, ValueError, r"max_seq_len must be an int >= 1, got -4"),
+    ("n_layers", 1.5, TypeError, r"n_layers must be an int, got 1.5"),
+    ("d_model", True, TypeError, r"d_model must be an int, got True"),
+    ("n_heads", 3, ValueError, r"n_heads = 3 must divide GPTConfig.d_model = 8"),
+    ("d_ff", 0, ValueError, r"d_ff must be an int >= 1"),
+    ("norm_position", "middle", ValueError, r"norm_position must be one of 'pre', 'post', got 'middle'"),
+    ("tie_embeddings", 1, TypeError, r"tie_embeddings must be True or False, got 1"),
+    ("gelu_approximate", "tanh", TypeError, r"gelu_approximate must be True or False"),
+    ("dropout", 1.0, ValueError, r"dropout must be a finite number in \[0, 1\), got 1.0"),
+    ("dropout", -0.1, ValueError, r"dropout must be a finite number in \[0, 1\)"),
+    ("dropout", True, TypeError, r"dropout must be a number, got True"),
+    ("layernorm_eps", 0.0, ValueError, r"layernorm_eps must be a finite number > 0, got 0.0"),
+    ("init_std", float("nan"), ValueError, r"init_std must be a finite number > 0, got nan"),
 ])
-def test_config_validation_names_the_field(field, value, message):
-    with pytest.raises(ValueError, match=message):
+def test_config_validation_names_the_field(field, value, error, message):
+    with pytest.raises(error, match=message):
         dataclasses.replace(SMALL, **{field: value})
 
 
