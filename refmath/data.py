@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_ndim
+from refmath._validate import check_choice, check_int, check_ndim
 from refmath.losses import IGNORE_INDEX
 
 # ---- the tokenizer -------------------------------------------------------------------------------
@@ -70,8 +70,7 @@ class CharTokenizer:
         """Ids of the characters of ``text`` as an int64 array ``(len(text),)``."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        if unknown not in ("error", "unk"):
-            raise ValueError(f"unknown must be 'error' or 'unk', got {unknown!r}")
+        check_choice("unknown", unknown, ("error", "unk"))
         ids = np.empty(len(text), dtype=np.int64)
         for i, c in enumerate(text):
             idx = self._id_of.get(c)
@@ -91,8 +90,7 @@ class CharTokenizer:
         ``specials="drop"`` leaves out ``<pad>``, ``<bos>`` and ``<eos>`` and writes ``<unk>`` as
         U+FFFD; ``specials="show"`` writes every special id as its name, e.g. ``<eos>``.
         """
-        if specials not in ("drop", "show"):
-            raise ValueError(f"specials must be 'drop' or 'show', got {specials!r}")
+        check_choice("specials", specials, ("drop", "show"))
         ids = np.asarray(ids)
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"ids must be integers, got dtype {ids.dtype} with shape {ids.shape}")
@@ -193,9 +191,8 @@ def _generate(node, rng: SplitMix64, out: list) -> None:
 
 def grammar_sentences(n: int, seed: int = 0, grammar=GRAMMAR) -> list[str]:
     """``n`` sentences of ``grammar``, each ending in ``".\\n"``, from SplitMix64 seeded ``seed``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    rng = SplitMix64(seed)
+    n = check_int("n", n, 1)
+    rng = SplitMix64(check_int("seed", seed, 0))
     sentences = []
     for _ in range(n):
         out: list[str] = []
@@ -247,15 +244,12 @@ SPLITS = {"train": 0, "val": 1}
 
 
 def _split_code(split: str) -> int:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
-    return SPLITS[split]
+    return SPLITS[check_choice("split", split, sorted(SPLITS))]
 
 
 def _check_batch_args(index, batch_size, seed) -> None:
     for name, value, low in (("index", index, 0), ("batch_size", batch_size, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int(name, value, low)
 
 
 def unigram_entropy(counts) -> float:
@@ -278,11 +272,9 @@ class CharLMTask:
     name = "chars"
 
     def __init__(self, seq_len: int = 64, n_sentences: int = 8000, corpus_seed: int = 0):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        if isinstance(n_sentences, bool) or not isinstance(n_sentences, int) or n_sentences < 2:
-            raise ValueError(f"n_sentences must be an int >= 2 (one per split at least), "
-                             f"got {n_sentences!r}")
+        seq_len = check_int("seq_len", seq_len, 1)
+        n_sentences = check_int("n_sentences", n_sentences, 2)  # one per split at least
+        corpus_seed = check_int("corpus_seed", corpus_seed, 0)
         self.seq_len, self.n_sentences, self.corpus_seed = seq_len, n_sentences, corpus_seed
         sentences = grammar_sentences(n_sentences, corpus_seed)
         n_train = min(n_sentences - 1, max(1, (9 * n_sentences) // 10))
@@ -339,8 +331,7 @@ class ReversalTask:
     alphabet = "0123456789"
 
     def __init__(self, max_len: int = 8):
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        max_len = check_int("max_len", max_len, 1)
         self.max_len = max_len
         self.tokenizer = CharTokenizer(self.alphabet)
 

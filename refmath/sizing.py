@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import numbers
+import os
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from refmath._validate import check_choice, check_field, check_int, check_real
 from refmath.ffn import ffn_parameter_count
-
-
-def _positive_int(name: str, value) -> int:
-    """Return ``value`` as an int, raising unless it is a positive integer (``bool`` is refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-    return int(value)
 
 
 def _check_kv_heads_divide(heads: int, kv_heads: int) -> None:
@@ -48,11 +40,11 @@ def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_pe
     ``head_dim``, which gives the factor 2). MHA, GQA and MQA differ only in ``kv_heads``
     (:math:`g = h`, :math:`1 < g < h`, :math:`g = 1`). Result in bytes.
     """
-    layers = _positive_int("layers", layers)
-    kv_heads = _positive_int("kv_heads", kv_heads)
-    head_dim = _positive_int("head_dim", head_dim)
-    bytes_per_element = _positive_int("bytes_per_element", bytes_per_element)
-    value_dim = head_dim if value_dim is None else _positive_int("value_dim", value_dim)
+    layers = check_int("layers", layers, 1)
+    kv_heads = check_int("kv_heads", kv_heads, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
+    bytes_per_element = check_int("bytes_per_element", bytes_per_element, 1)
+    value_dim = head_dim if value_dim is None else check_int("value_dim", value_dim, 1)
     return layers * kv_heads * (head_dim + value_dim) * bytes_per_element
 
 
@@ -67,8 +59,8 @@ def kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int, head_dim
     Worked example (K7): ``B=1, L=32, T=8192, d_h=128, b=2`` gives 4 GiB for ``g=32`` (MHA),
     1 GiB for ``g=8`` (GQA) and 128 MiB for ``g=1`` (MQA). Result in bytes.
     """
-    batch = _positive_int("batch", batch)
-    tokens = _positive_int("tokens", tokens)
+    batch = check_int("batch", batch, 1)
+    tokens = check_int("tokens", tokens, 1)
     per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, bytes_per_element, value_dim)
     return batch * tokens * per_token
 
@@ -80,10 +72,10 @@ def mla_cache_bytes_per_token(layers: int, latent_dim: int, rope_dim: int,
     Each depth keeps the latent row :math:`c_j` (width :math:`d_c`) and the positional key
     :math:`\tilde k^R_j` (width :math:`d_R`, shared by all heads), instead of expanded K and V.
     """
-    layers = _positive_int("layers", layers)
-    latent_dim = _positive_int("latent_dim", latent_dim)
-    rope_dim = _positive_int("rope_dim", rope_dim)
-    bytes_per_element = _positive_int("bytes_per_element", bytes_per_element)
+    layers = check_int("layers", layers, 1)
+    latent_dim = check_int("latent_dim", latent_dim, 1)
+    rope_dim = check_int("rope_dim", rope_dim, 1)
+    bytes_per_element = check_int("bytes_per_element", bytes_per_element, 1)
     return layers * (latent_dim + rope_dim) * bytes_per_element
 
 
@@ -96,8 +88,8 @@ def mla_cache_bytes(batch: int, layers: int, tokens: int, latent_dim: int, rope_
     Compare with :func:`kv_cache_bytes`: MLA wins when :math:`d_c + d_R` is small next to the
     expanded width :math:`2 g d_h`.
     """
-    batch = _positive_int("batch", batch)
-    tokens = _positive_int("tokens", tokens)
+    batch = check_int("batch", batch, 1)
+    tokens = check_int("tokens", tokens, 1)
     return batch * tokens * mla_cache_bytes_per_token(layers, latent_dim, rope_dim, bytes_per_element)
 
 
@@ -119,14 +111,14 @@ def quantized_kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int
     ``scale_bytes`` :math:`b_s` bytes (a symmetric quantiser has no zero point). The payload
     assumes dense bit packing (the ceiling only matters for odd totals); real layouts may pad.
     """
-    batch = _positive_int("batch", batch)
-    layers = _positive_int("layers", layers)
-    tokens = _positive_int("tokens", tokens)
-    kv_heads = _positive_int("kv_heads", kv_heads)
-    head_dim = _positive_int("head_dim", head_dim)
-    bits = _positive_int("bits", bits)
-    group_size = _positive_int("group_size", group_size)
-    scale_bytes = _positive_int("scale_bytes", scale_bytes)
+    batch = check_int("batch", batch, 1)
+    layers = check_int("layers", layers, 1)
+    tokens = check_int("tokens", tokens, 1)
+    kv_heads = check_int("kv_heads", kv_heads, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
+    bits = check_int("bits", bits, 1)
+    group_size = check_int("group_size", group_size, 1)
+    scale_bytes = check_int("scale_bytes", scale_bytes, 1)
     vectors = 2 * batch * layers * tokens * kv_heads  # the 2 counts keys and values
     payload = -(-vectors * head_dim * bits // 8)
     scales = vectors * -(-head_dim // group_size) * scale_bytes
@@ -137,7 +129,7 @@ def quantized_kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int
 
 def weights_bytes(params: int, bytes_per_param: int = 2) -> int:
     """Bytes of the weights alone: ``params * bytes_per_param`` (2 for bf16/fp16)."""
-    return _positive_int("params", params) * _positive_int("bytes_per_param", bytes_per_param)
+    return check_int("params", params, 1) * check_int("bytes_per_param", bytes_per_param, 1)
 
 
 class InferenceMemory(NamedTuple):
@@ -157,8 +149,7 @@ def inference_memory_rule_of_thumb(params: int, bytes_per_param: int = 2,
     compute it with :func:`kv_cache_bytes` instead of trusting the allowance.
     """
     weights = weights_bytes(params, bytes_per_param)
-    if overhead < 0:
-        raise ValueError(f"overhead must be non-negative, got {overhead}")
+    overhead = check_real("overhead", overhead, 0.0)
     allowance = weights * overhead
     return InferenceMemory(weights, allowance, weights + allowance)
 
@@ -179,7 +170,7 @@ def adamw_training_memory(params: int) -> TrainingMemory:
 
     Activations (which grow with batch and sequence length) are not included.
     """
-    p = _positive_int("params", params)
+    p = check_int("params", params, 1)
     return TrainingMemory(2 * p, 2 * p, 4 * p, 8 * p, 16 * p)
 
 
@@ -197,6 +188,7 @@ class ModelConfig:
     makes an encoder-decoder with one embedding shared by source, target and (if tied) output, as
     in the original Transformer. ``latent_dim``/``rope_dim`` set an MLA cache (catalogue K9).
     ``d_ff``/``vocab`` may be ``None`` for a preset that only describes its attention.
+    ``context`` is the sequence length the model was trained for, where its source gives one.
     """
 
     name: str
@@ -217,26 +209,22 @@ class ModelConfig:
     latent_dim: int | None = None    # MLA d_c
     rope_dim: int | None = None      # MLA d_R
     sliding_window: int | None = None
+    context: int | None = None       # trained context length, as published
     published_params: str = ""       # the total as published, e.g. "6.74e9"; "" if not compared
     source: str = ""
 
     def __post_init__(self):
         for field in ("layers", "d_model", "heads", "kv_heads", "head_dim"):
-            _positive_int(field, getattr(self, field))
-        for field in ("d_ff", "vocab", "latent_dim", "rope_dim", "sliding_window"):
-            if getattr(self, field) is not None:
-                _positive_int(field, getattr(self, field))
+            check_field(self, field, check_int, 1)
+        for field in ("d_ff", "vocab", "latent_dim", "rope_dim", "sliding_window", "context"):
+            check_field(self, field, check_int, 1, optional=True)
         for field in ("learned_positions", "encoder_layers"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise ValueError(f"{field} must be a non-negative integer, got {value!r}")
+            check_field(self, field, check_int, 0)
         _check_kv_heads_divide(self.heads, self.kv_heads)
         if (self.latent_dim is None) != (self.rope_dim is None):
             raise ValueError("latent_dim and rope_dim must be given together (an MLA cache holds both)")
-        if self.mlp not in _MLP_KINDS:
-            raise ValueError(f"mlp must be one of {_MLP_KINDS}, got {self.mlp!r}")
-        if self.norm not in _NORM_KINDS:
-            raise ValueError(f"norm must be one of {_NORM_KINDS}, got {self.norm!r}")
+        check_field(self, "mlp", check_choice, _MLP_KINDS)
+        check_field(self, "norm", check_choice, _NORM_KINDS)
 
     @property
     def is_mla(self) -> bool:
@@ -258,29 +246,35 @@ PRESETS: dict[str, ModelConfig] = {
         # n_head=12, n_ctx=1024, vocab 50257; the model card (openai-community/gpt2) says 124M.
         ModelConfig("gpt2-small", layers=12, d_model=768, heads=12, kv_heads=12, head_dim=64,
                     d_ff=3072, vocab=50257, mlp="gelu", norm="layernorm", bias=True,
-                    tied_output=True, learned_positions=1024, published_params="124e6",
+                    tied_output=True, learned_positions=1024, context=1024, published_params="124e6",
                     source="GPT-2 model card (openai-community/gpt2)"),
         # Llama 2 paper (Touvron et al. 2023b) and params.json: dim 4096, 32 layers, 32 heads,
-        # no GQA at 7B, SwiGLU width 11008, vocab 32000, untied output. 6.74e9 is the released
-        # checkpoint's count (the LLaMA-1 paper lists this same shape as 6.7B).
+        # no GQA at 7B, SwiGLU width 11008, vocab 32000, untied output, context 4096 (the paper's
+        # Table 1: 4k). 6.74e9 is the released checkpoint's count (the LLaMA-1 paper lists this
+        # same shape as 6.7B).
         ModelConfig("llama-2-7b", layers=32, d_model=4096, heads=32, kv_heads=32, head_dim=128,
-                    d_ff=11008, vocab=32000, published_params="6.74e9",
+                    d_ff=11008, vocab=32000, context=4096, published_params="6.74e9",
                     source="Llama 2 paper / model card (meta-llama/Llama-2-7b)"),
         # Llama 3 model card and params.json: dim 4096, 32 layers, 32 heads, 8 KV heads,
-        # d_ff 14336 (ffn_dim_multiplier 1.3, multiple_of 1024), vocab 128256; 8.03e9 parameters.
+        # d_ff 14336 (ffn_dim_multiplier 1.3, multiple_of 1024), vocab 128256, context 8k;
+        # 8.03e9 parameters.
         ModelConfig("llama-3-8b", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
-                    d_ff=14336, vocab=128256, published_params="8.03e9",
+                    d_ff=14336, vocab=128256, context=8192, published_params="8.03e9",
                     source="Llama 3 model card (meta-llama/Meta-Llama-3-8B)"),
         # Jiang et al. 2023, "Mistral 7B", Table 1: dim 4096, 32 layers, head_dim 128, hidden 14336,
-        # 32 heads, 8 KV heads, window 4096, vocab 32000. "7.3B" is Mistral AI's announcement.
+        # 32 heads, 8 KV heads, window 4096, context_len 8192, vocab 32000. "7.3B" is Mistral AI's
+        # announcement.
         ModelConfig("mistral-7b", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
-                    d_ff=14336, vocab=32000, sliding_window=4096, published_params="7.3e9",
+                    d_ff=14336, vocab=32000, sliding_window=4096, context=8192,
+                    published_params="7.3e9",
                     source="Mistral 7B paper, Table 1"),
         # DeepSeek-V2 report (arXiv:2405.04434), Sec. 3.1 settings: 60 layers, d=5120, 128 heads of
-        # d_h=128, d_c=512, d_R=64. Its MoE feed-forward (236e9 total parameters) is not modelled
-        # here, so d_ff and vocab are left out and no parameter count is made.
+        # d_h=128, d_c=512, d_R=64; a context of 128K tokens (the abstract). Its MoE feed-forward
+        # (236e9 total parameters) is not modelled here, so d_ff and vocab are left out and no
+        # parameter count is made.
         ModelConfig("deepseek-v2", layers=60, d_model=5120, heads=128, kv_heads=128, head_dim=128,
-                    latent_dim=512, rope_dim=64, source="DeepSeek-V2 report, Sec. 3.1"),
+                    latent_dim=512, rope_dim=64, context=128 * 1024,
+                    source="DeepSeek-V2 report, Sec. 3.1"),
     )
 }
 
@@ -304,10 +298,10 @@ def attention_parameter_count(d_model: int, heads: int, kv_heads: int, head_dim:
     .. math:: \underbrace{d\,h d_h}_{W_Q} + \underbrace{2\,d\,g d_h}_{W_K, W_V}
               + \underbrace{h d_h\,d}_{W_O}\quad(+\ h d_h + 2 g d_h + d \text{ biases})
     """
-    d = _positive_int("d_model", d_model)
-    h = _positive_int("heads", heads)
-    g = _positive_int("kv_heads", kv_heads)
-    dh = _positive_int("head_dim", head_dim)
+    d = check_int("d_model", d_model, 1)
+    h = check_int("heads", heads, 1)
+    g = check_int("kv_heads", kv_heads, 1)
+    dh = check_int("head_dim", head_dim, 1)
     _check_kv_heads_divide(h, g)
     count = d * h * dh + 2 * d * g * dh + h * dh * d
     if bias:
@@ -411,8 +405,8 @@ def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
               \text{attention} = 4\,B\,L\,h\,d_h \sum_{i=1}^{T} \min(i, w)
     """
     _decoder_only(config, "prefill_flops")
-    tokens = _positive_int("tokens", tokens)
-    batch = _positive_int("batch", batch)
+    tokens = check_int("tokens", tokens, 1)
+    batch = check_int("batch", batch, 1)
     logit_rows = tokens if all_logits else 1
     weights = 2 * batch * (tokens * _weight_macs_per_token(config)
                            + logit_rows * config.d_model * config.vocab)
@@ -429,8 +423,8 @@ def decode_step_flops(config: ModelConfig, context: int, batch: int = 1) -> Flop
     :math:`O(t h d_h)` per layer of catalogue K5.
     """
     _decoder_only(config, "decode_step_flops")
-    context = _positive_int("context", context)
-    batch = _positive_int("batch", batch)
+    context = check_int("context", context, 1)
+    batch = check_int("batch", batch, 1)
     weights = 2 * batch * (_weight_macs_per_token(config) + config.d_model * config.vocab)
     keys = _attended_keys(context, config.sliding_window)
     attention = 4 * batch * config.layers * config.heads * config.head_dim * keys
@@ -456,9 +450,9 @@ def attention_cache_rows(layers: int, heads: int, kv_heads: int, head_dim: int, 
     proportions :math:`d_c = 4 d_h` and :math:`d_R = d_h / 2`, i.e. the same bytes as GQA with 2.25
     KV heads.
     """
-    heads = _positive_int("heads", heads)
-    kv_heads = _positive_int("kv_heads", kv_heads)
-    head_dim = _positive_int("head_dim", head_dim)
+    heads = check_int("heads", heads, 1)
+    kv_heads = check_int("kv_heads", kv_heads, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
     _check_kv_heads_divide(heads, kv_heads)
     if latent_dim is None:
         latent_dim = 4 * head_dim
@@ -484,6 +478,7 @@ def attention_cache_rows(layers: int, heads: int, kv_heads: int, head_dim: int, 
 # ---- the `sizes` command -------------------------------------------------------------------------
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+DEFAULT_TOKENS = 8192  # T for a shape whose context length is not known
 
 
 def format_bytes(n: float) -> str:
@@ -509,12 +504,15 @@ def add_sizes_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLA latent width d_c for the MLA row (default: the preset's, else 4 d_h)")
     parser.add_argument("--rope-dim", type=int,
                         help="MLA positional key width d_R (default: the preset's, else d_h/2)")
-    parser.add_argument("--tokens", type=int, default=8192, help="context length T (default: 8192)")
+    parser.add_argument("--tokens", type=int,
+                        help=f"context length T (default: the preset's own context length, else "
+                        f"{DEFAULT_TOKENS})")
     parser.add_argument("--batch", type=int, default=1, help="sequences B (default: 1)")
     parser.add_argument("--bytes", type=int, default=2,
                         help="bytes per cached element b (default: 2, fp16/bf16)")
     parser.add_argument("--plot", metavar="PATH",
-                        help="also save a figure of cache size against context length (needs matplotlib)")
+                        help="also save a figure of cache size against context length, as .png, "
+                        ".pdf, .svg, ... (needs matplotlib)")
     parser.set_defaults(run=run_sizes)
 
 
@@ -568,25 +566,58 @@ def _print_flops(config: ModelConfig, tokens: int, batch: int, out) -> None:
           f"attention {step.attention:.3e}, total {step.total:.3e}", file=out)
 
 
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot path that cannot be written, before any work: a missing matplotlib, a
+    folder that does not exist, or a format matplotlib does not write."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or the 'lessons' extra "
+                         "of refmath)") from None
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise ValueError(f"--plot {path}: unsupported format {extension or '(none)'!r}; use one of "
+                         f"{', '.join(sorted(formats))}")
+
+
 def run_sizes(args: argparse.Namespace) -> int:
     """Print the cache table (and, for a preset, parameters, memory and FLOPs); 2 on bad input."""
     out = sys.stdout
     try:
+        for flag in ("tokens", "batch", "bytes", "layers", "heads", "kv_heads", "head_dim",
+                     "latent_dim", "rope_dim"):
+            value = getattr(args, flag)
+            if value is not None:
+                check_int(f"--{flag.replace('_', '-')}", value, 1)
+        if args.plot:
+            _check_plot_path(args.plot)
         config = _resolve_config(args)
+        tokens = args.tokens or config.context or DEFAULT_TOKENS
         latent = args.latent_dim if args.latent_dim is not None else config.latent_dim
         rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
         rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
-                                    args.tokens, args.batch, args.bytes, latent, rope)
+                                    tokens, args.batch, args.bytes, latent, rope)
     except (ValueError, TypeError) as err:
         print(f"sizes: {err}", file=sys.stderr)
         return 2
+    if args.tokens:
+        why = "as given"
+    elif config.context:
+        why = f"{config.name}'s own context length"
+    else:
+        why = f"the default: {config.name} states no context length"
 
-    own = "MLA" if config.is_mla else ("MHA" if config.kv_heads == config.heads
-                                       else "MQA" if config.kv_heads == 1 else "GQA")
+    own = _own_design(config)
     title = config.name + (f" ({config.source})" if config.source else "")
     print(f"KV cache (K6, K7, K9): {title}", file=out)
     print(f"  L={config.layers}, h={config.heads}, g={config.kv_heads}, d_h={config.head_dim}; "
-          f"B={args.batch}, T={args.tokens}, b={args.bytes} bytes per element", file=out)
+          f"B={args.batch}, b={args.bytes} bytes per element", file=out)
+    print(f"  T = {tokens} tokens ({why})", file=out)
     print("  units are binary: 1 KiB = 1024 B, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB\n", file=out)
     print(f"  {'attention':<26} {'per token':>12} {'cache':>12} {'smaller than MHA':>17}", file=out)
     mha = rows[0].total
@@ -608,18 +639,25 @@ def run_sizes(args: argparse.Namespace) -> int:
     if config.d_ff is not None and config.vocab is not None and not config.is_mla:
         _print_parameters(config, out)
         if not config.encoder_layers:
-            _print_flops(config, args.tokens, args.batch, out)
+            _print_flops(config, tokens, args.batch, out)
     elif args.preset:
         print(f"\n(no parameter or FLOP count: {config.name} describes only its attention)", file=out)
 
     if args.plot:
         try:
-            save_cache_plot(args.plot, config, args.tokens, args.batch, args.bytes, latent, rope)
-        except ImportError:
-            print("sizes: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 1
+            save_cache_plot(args.plot, config, tokens, args.batch, args.bytes, latent, rope)
+        except OSError as err:
+            print(f"sizes: cannot write --plot {args.plot}: {err.strerror or err}", file=sys.stderr)
+            return 2
         print(f"\nplot saved to {args.plot}", file=out)
     return 0
+
+
+def _own_design(config: ModelConfig) -> str:
+    """The attention design of ``config``: the kind of its row in :func:`attention_cache_rows`."""
+    if config.is_mla:
+        return "MLA"
+    return "MHA" if config.kv_heads == config.heads else "MQA" if config.kv_heads == 1 else "GQA"
 
 
 def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
@@ -643,17 +681,21 @@ def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
     for t in lengths:
         for row in attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
                                         t, batch, bytes_per_element, latent_dim, rope_dim):
-            series.setdefault(row.label, []).append(row.total / 2**30)
+            series.setdefault((row.kind, row.label), []).append(row.total / 2**30)
 
+    own = _own_design(config)
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for label, sizes in series.items():
-        ax.plot(lengths, sizes, label=label)
+    for (kind, label), sizes in series.items():
+        if kind == own:  # the model as it is: a thick line, on top
+            ax.plot(lengths, sizes, label=f"{label}: {config.name} itself", linewidth=3, zorder=3)
+        else:
+            ax.plot(lengths, sizes, label=f"{label}: same shape, other attention", linestyle="--")
     ax.set_xlabel("context length T (tokens)")
     ax.set_ylabel("KV cache (GiB, binary: 2^30 bytes)")
-    ax.set_title(f"{config.name}: L={config.layers}, h={config.heads}, d_h={config.head_dim}, "
-                 f"B={batch}, b={bytes_per_element}")
+    ax.set_title(f"{config.name}: KV cache of L={config.layers} layers, h={config.heads} heads of "
+                 f"d_h={config.head_dim}\nbatch B={batch}, {bytes_per_element} bytes per element")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)

@@ -2,6 +2,7 @@
 import argparse
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from decimal import Decimal
@@ -234,20 +235,20 @@ def test_sliding_window_caps_attended_keys():
 def test_non_positive_sizes_raise_naming_the_argument(name, value):
     kwargs = dict(batch=1, layers=32, tokens=8192, kv_heads=8, head_dim=128, bytes_per_element=2)
     kwargs[name] = value
-    with pytest.raises(ValueError, match=rf"^{name} must be a positive integer, got {value}$"):
+    with pytest.raises(ValueError, match=rf"^{name} must be an int >= 1, got {value}$"):
         kv_cache_bytes(**kwargs)
 
 
 def test_non_integer_sizes_raise_type_error():
-    with pytest.raises(TypeError, match=r"tokens must be an integer, got 8192.0"):
+    with pytest.raises(TypeError, match=r"tokens must be an int, got 8192.0 of type float"):
         kv_cache_bytes(1, 32, 8192.0, 8, 128, 2)
-    with pytest.raises(TypeError, match=r"batch must be an integer, got True"):
+    with pytest.raises(TypeError, match=r"batch must be an int, got True of type bool"):
         kv_cache_bytes(True, 32, 8192, 8, 128, 2)
-    with pytest.raises(ValueError, match=r"latent_dim must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"latent_dim must be an int >= 1, got 0"):
         mla_cache_bytes(1, 60, 10, 0, 64, 2)
-    with pytest.raises(ValueError, match=r"group_size must be a positive integer, got -4"):
+    with pytest.raises(ValueError, match=r"group_size must be an int >= 1, got -4"):
         quantized_kv_cache_bytes(1, 1, 1, 1, 8, bits=4, group_size=-4)
-    with pytest.raises(ValueError, match=r"params must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"params must be an int >= 1, got 0"):
         adamw_training_memory(0)
 
 
@@ -256,7 +257,7 @@ def test_kv_heads_must_divide_heads():
         attention_cache_rows(layers=32, heads=32, kv_heads=3, head_dim=128, tokens=10)
     with pytest.raises(ValueError, match=r"kv_heads \(64\) must divide heads \(32\)"):
         dataclasses.replace(PRESETS["llama-3-8b"], kv_heads=64)
-    with pytest.raises(ValueError, match=r"d_ff must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"ModelConfig.d_ff must be an int >= 1, got 0"):
         dataclasses.replace(PRESETS["llama-3-8b"], d_ff=0)
     with pytest.raises(ValueError, match=r"mlp must be one of"):
         dataclasses.replace(PRESETS["llama-3-8b"], mlp="relu2")
@@ -309,7 +310,7 @@ def test_sizes_bad_flags_report_and_return_2(capsys):
     assert _run(["--layers", "32", "--heads", "32", "--kv-heads", "3", "--head-dim", "128"]) == 2
     assert "kv_heads (3) must divide heads (32)" in capsys.readouterr().err
     assert _run(["--preset", "llama-2-7b", "--tokens", "-5"]) == 2
-    assert "tokens must be a positive integer, got -5" in capsys.readouterr().err
+    assert "--tokens must be an int >= 1, got -5" in capsys.readouterr().err
     assert _run(["--heads", "32"]) == 2
     assert "--layers, --head-dim" in capsys.readouterr().err
 
@@ -320,6 +321,33 @@ def test_sizes_plot_is_written(tmp_path, capsys):
     assert _run(["--preset", "deepseek-v2", "--tokens", "4096", "--plot", str(path)]) == 0
     assert path.stat().st_size > 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(path) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset, tokens, why", [
+    ("gpt2-small", 1024, "gpt2-small's own context length"),
+    ("llama-2-7b", 4096, "llama-2-7b's own context length"),
+    ("deepseek-v2", 131072, "deepseek-v2's own context length"),
+    ("transformer-base", 8192, "the default: transformer-base states no context length"),
+])
+def test_sizes_default_to_the_models_own_context(capsys, preset, tokens, why):
+    assert _run(["--preset", preset]) == 0
+    assert f"T = {tokens} tokens ({why})" in capsys.readouterr().out
+    assert _run(["--preset", preset, "--tokens", "100"]) == 0
+    assert "T = 100 tokens (as given)" in capsys.readouterr().out
+
+
+def test_sizes_plot_path_is_checked_before_any_output(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the --plot option needs matplotlib")
+    for path, message in [(tmp_path / "no" / "x.png", "the folder .* does not exist"),
+                          (tmp_path / "out.txt", "unsupported format 'txt'; use one of .*png")]:
+        assert _run(["--preset", "llama-3-8b", "--plot", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and re.search(message, captured.err), captured.err
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if matplotlib were not installed
+    assert _run(["--preset", "llama-3-8b", "--plot", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--plot needs matplotlib: pip install matplotlib" in captured.err
 
 
 def test_importing_sizing_does_not_import_matplotlib():
