@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
@@ -161,22 +162,16 @@ class TrainSettings:
     def __post_init__(self):
         for field, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_batches", 1),
                            ("eval_every", 1)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
+            check_field(self, field, check_int, low)
         if self.warmup is None:
             object.__setattr__(self, "warmup", min(100, self.steps // 10))
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) \
-                or not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup must be an int in [0, steps = {self.steps}), got {self.warmup!r}")
-        for field in ("lr", "weight_decay", "grad_clip"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or not 0 <= value < math.inf \
-                    or (field != "weight_decay" and value == 0):
-                raise ValueError(f"{field} must be a finite number > 0 (>= 0 for weight_decay), "
-                                 f"got {value!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
+        check_field(self, "warmup", check_int, 0, self.steps - 1)
+        check_field(self, "lr", check_real, 0.0, low_open=True)
+        check_field(self, "grad_clip", check_real, 0.0, low_open=True)
+        check_field(self, "weight_decay", check_real, 0.0)
+        check_field(self, "min_lr_ratio", check_real, 0.0, 1.0)
+        for field in ("beta1", "beta2"):
+            check_field(self, field, check_real, 0.0, 1.0, high_open=True)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimiser step ``step`` (1-based): warmup, then cosine decay."""

@@ -20,13 +20,11 @@ arguments give the same tokens.
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
 from types import ModuleType
 
 import numpy as np
 
-from refmath._validate import check_ndim, float_array
+from refmath._validate import check_flag, check_int, check_ndim, check_real, float_array
 
 # The decoder-only models ``generate`` accepts by name (the encoder-decoder has generate_seq2seq).
 DECODER_MODULES = {"gpt": "refmath.models.gpt", "llama": "refmath.models.decoder",
@@ -37,18 +35,14 @@ DECODER_MODULES = {"gpt": "refmath.models.gpt", "llama": "refmath.models.decoder
 
 def check_sampling_args(temperature: float = 1.0, top_k: int | None = None,
                         top_p: float | None = None) -> None:
-    """Raise ``ValueError`` unless ``temperature > 0`` (finite), ``top_k`` is None or an int
-    ``>= 1``, and ``top_p`` is None or in ``(0, 1]``."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
-            or not 0.0 < temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} "
-                         f"(use greedy=True for argmax decoding)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
-                              or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
-                              or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    """Raise ``TypeError``/``ValueError`` unless ``temperature > 0`` (finite), ``top_k`` is None
+    or an int ``>= 1``, and ``top_p`` is None or in ``(0, 1]`` (greedy decoding needs no
+    temperature: pass ``greedy=True`` instead of a temperature of 0)."""
+    check_real("temperature", temperature, 0.0, low_open=True)
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
+    if top_p is not None:
+        check_real("top_p", top_p, 0.0, 1.0, low_open=True)
 
 
 def _descending(probs: np.ndarray) -> np.ndarray:
@@ -140,12 +134,6 @@ def sample_token(probs, rng: np.random.Generator) -> int:
 
 # ---- the decoding loop ---------------------------------------------------------------------------
 
-def _check_count(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 def _check_ids(name: str, ids, vocab_size: int) -> np.ndarray:
     ids = np.asarray(ids)
     if not np.issubdtype(ids.dtype, np.integer):
@@ -181,7 +169,7 @@ def token_picker(greedy: bool, temperature, top_k, top_p, seed):
     from :func:`next_token_distribution` with one uniform number per call from ``seed`` (an int or
     a ``numpy.random.Generator``). Both refuse logits holding NaN (see :func:`check_logits`)."""
     check_sampling_args(temperature, top_k, top_p)
-    if greedy:
+    if check_flag("greedy", greedy):
         def argmax(z):
             check_logits(z)  # np.argmax picks a NaN as readily as the largest logit
             return int(np.argmax(z))
@@ -227,7 +215,7 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     if not 1 <= length <= config.max_seq_len:
         raise ValueError(f"prompt_ids has {length} tokens (shape {prompt.shape}); it needs "
                          f"between 1 and max_seq_len = {config.max_seq_len}")
-    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     if eos_id is not None:
         _check_ids("eos_id", eos_id, config.vocab_size)
     pick = token_picker(greedy, temperature, top_k, top_p, seed)
@@ -264,7 +252,7 @@ def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_length
     src2 = np.atleast_2d(src)
     if src_lengths is None:
         src_lengths = np.full(src2.shape[0], src2.shape[1])
-    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     if max_new_tokens > config.max_seq_len:
         raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds max_seq_len = "
                          f"{config.max_seq_len}, the longest decoder input")

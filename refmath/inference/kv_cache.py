@@ -40,7 +40,6 @@ and values.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -48,7 +47,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_ndim, int_array
+from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, sdpa_forward
 from refmath.embedding import embedding_forward
 from refmath.ffn import linear_forward
@@ -428,8 +427,7 @@ def _check_params(params, spec: _Spec, config) -> np.dtype:
 
 
 def _check_mla_path(mla_path) -> None:
-    if mla_path not in MLA_PATHS:
-        raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
+    check_choice("mla_path", mla_path, MLA_PATHS)
 
 
 # ---- the public functions ------------------------------------------------------------------------
@@ -440,13 +438,9 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     ``config.max_seq_len``): a :class:`KVCache` for GPT and the M3 decoder, a :class:`LatentCache`
     for MLA. All memory is allocated here, once."""
     spec = _spec(model, config)
-    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
-    max_len = config.max_seq_len if max_len is None else max_len
-    if (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)
-            or not 1 <= max_len <= config.max_seq_len):
-        raise ValueError(f"max_len must be an integer in [1, max_seq_len = {config.max_seq_len}], "
-                         f"got {max_len!r}")
+    batch = check_int("batch", batch, 1)
+    max_len = config.max_seq_len if max_len is None else check_int("max_len", max_len, 1,
+                                                                    config.max_seq_len)
     dtype = np.dtype(dtype)
     if not np.issubdtype(dtype, np.floating):
         raise TypeError(f"dtype must be a floating-point type, got {dtype}")
@@ -552,9 +546,7 @@ class Generation(NamedTuple):
 def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling, next_logits):
     """Shared by both generators: checks, then ``max_new_tokens`` picks from ``next_logits``."""
     spec = _spec(model, config)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
-            or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     prompt = np.asarray(prompt_ids)
     unbatched = prompt.ndim == 1
     tokens = check_tokens("prompt_ids", prompt[None] if unbatched else prompt, config)

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from refmath._validate import check_axis, check_ndim, float_array
+from refmath._validate import check_axis, check_int, check_ndim, float_array
 from refmath.attention import gqa_head_map, padding_mask, sdpa_forward
 from refmath.softmax import (
     online_softmax_block,
@@ -54,13 +54,6 @@ class OutOfPagesError(RuntimeError):
     """
 
 
-def _count(name: str, value, minimum: int) -> int:
-    """Return ``value`` as an int, requiring an integer (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def page_and_offset(j: int, page_size: int) -> tuple[int, int]:
     r"""The logical page and the offset in it of the 0-based position ``j`` (catalogue K10).
 
@@ -70,15 +63,15 @@ def page_and_offset(j: int, page_size: int) -> tuple[int, int]:
     This is the catalogue's 1-based rule :math:`\lfloor (j'-1)/p \rfloor,\ (j'-1) \bmod p` with
     :math:`j' = j + 1`.
     """
-    j = _count("position j", j, 0)
-    page_size = _count("page_size", page_size, 1)
+    j = check_int("position j", j, 0)
+    page_size = check_int("page_size", page_size, 1)
     return j // page_size, j % page_size
 
 
 def pages_needed(n_tokens: int, page_size: int) -> int:
     r"""Pages needed for ``n_tokens`` tokens: :math:`\lceil T / p \rceil` (catalogue K10)."""
-    n_tokens = _count("n_tokens", n_tokens, 0)
-    page_size = _count("page_size", page_size, 1)
+    n_tokens = check_int("n_tokens", n_tokens, 0)
+    page_size = check_int("page_size", page_size, 1)
     return -(-n_tokens // page_size)  # ceiling division in integers, exact for any size
 
 
@@ -97,8 +90,8 @@ class PageAllocator:
     """
 
     def __init__(self, n_pages: int, page_size: int):
-        self.n_pages = _count("n_pages", n_pages, 1)
-        self.page_size = _count("page_size", page_size, 1)
+        self.n_pages = check_int("n_pages", n_pages, 1)
+        self.page_size = check_int("page_size", page_size, 1)
         self._refcount = [0] * self.n_pages
         self._free = list(range(self.n_pages - 1, -1, -1))  # pop() takes from the end: page 0 first
 
@@ -123,11 +116,7 @@ class PageAllocator:
     # -- allocation --
 
     def _check_page(self, page) -> int:
-        if isinstance(page, bool) or not isinstance(page, (int, np.integer)):
-            raise TypeError(f"page id must be an integer, got {page!r}")
-        if not 0 <= page < self.n_pages:
-            raise ValueError(f"page id {page} is out of range [0, {self.n_pages})")
-        return int(page)
+        return check_int("page", page, 0, self.n_pages - 1)
 
     def allocate(self) -> int:
         """Take a free page, set its reference count to 1 and return its id.
@@ -190,8 +179,8 @@ class PagedKVCache:
                  dtype=np.float64):
         self.allocator = PageAllocator(n_pages, page_size)
         self.page_size = self.allocator.page_size
-        self.n_kv_heads = _count("n_kv_heads", n_kv_heads, 1)
-        self.head_dim = _count("head_dim", head_dim, 1)
+        self.n_kv_heads = check_int("n_kv_heads", n_kv_heads, 1)
+        self.head_dim = check_int("head_dim", head_dim, 1)
         self.dtype = np.dtype(dtype)
         if not np.issubdtype(self.dtype, np.floating):
             raise TypeError(f"dtype must be a floating-point type, got {self.dtype}")
@@ -234,8 +223,7 @@ class PagedKVCache:
     def locate(self, seq_id, j: int) -> tuple[int, int]:
         """The physical page and the slot holding the 0-based position ``j`` of ``seq_id`` (K10)."""
         length = self.length(seq_id)
-        if isinstance(j, bool) or not isinstance(j, (int, np.integer)):
-            raise TypeError(f"position j must be an integer, got {j!r}")
+        j = check_int("j", j)
         if not 0 <= j < length:
             raise IndexError(
                 f"position {j} is past the end of sequence {seq_id!r} of length {length}")
@@ -275,7 +263,7 @@ class PagedKVCache:
     def pages_to_append(self, seq_id, n_tokens: int) -> int:
         """How many free pages appending ``n_tokens`` tokens to ``seq_id`` would take."""
         length = self.length(seq_id)
-        n_tokens = _count("n_tokens", n_tokens, 0)
+        n_tokens = check_int("n_tokens", n_tokens, 0)
         new = pages_needed(length + n_tokens, self.page_size) - len(self._tables[seq_id])
         copy = 1 if n_tokens and self._needs_copy_on_write(seq_id) else 0
         return new + copy

@@ -32,12 +32,11 @@ Layout of the cache: ``(B, g, T, d_h)`` per layer, with ``g`` key/value heads, a
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from refmath._validate import check_axis, check_min_ndim, check_ndim, float_array
+from refmath._validate import check_axis, check_choice, check_int, check_min_ndim, check_ndim, float_array
 from refmath.attention import causal_mask, gqa_head_map, sdpa_forward
 
 BITS = (4, 8)
@@ -50,20 +49,17 @@ def q_max(bits: int) -> int:
 
 
 def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or int(bits) not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-    return int(bits)
+    return check_choice("bits", check_int("bits", bits), BITS)
 
 
 def _check_group_size(group_size, head_dim: int, x_shape: tuple) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    group_size = check_int("group_size", group_size, 1)
     if head_dim % group_size:
         raise ValueError(
             f"group_size = {group_size} must divide head_dim = {head_dim}, the last axis of "
             f"x (x.shape = {x_shape})"
         )
-    return int(group_size)
+    return group_size
 
 
 def _check_scale_dtype(scale_dtype) -> np.dtype:
@@ -108,8 +104,7 @@ def unpack_int4(packed, n: int) -> np.ndarray:
     if packed.dtype != np.uint8:
         raise TypeError(f"packed must be a uint8 array, got dtype {packed.dtype} with shape {packed.shape}")
     check_min_ndim("packed", packed, 1, "(..., bytes)")
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    n = check_int("n", n, 0)
     check_axis("packed", packed, -1, -(-n // 2), f"n = {n} codes packed two per byte")
     nibbles = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.int8)
     nibbles[..., 0::2] = packed & 0xF
@@ -243,21 +238,15 @@ class QuantizedKVCache:
     """
 
     def __init__(self, n_layers: int, bits: int = 8, group_size: int = 32, scale_dtype=np.float16):
-        if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral) or n_layers < 1:
-            raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
+        self.n_layers = check_int("n_layers", n_layers, 1)
         self.bits = _check_bits(bits)
-        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
-            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
-        self.group_size = int(group_size)
+        self.group_size = check_int("group_size", group_size, 1)
         self.scale_dtype = _check_scale_dtype(scale_dtype)
-        self.n_layers = int(n_layers)
         self._k: list[QuantizedTensor | None] = [None] * self.n_layers
         self._v: list[QuantizedTensor | None] = [None] * self.n_layers
 
     def _layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer must be an integer in [0, {self.n_layers}), got {layer!r}")
-        return int(layer)
+        return check_int("layer", layer, 0, self.n_layers - 1)
 
     def append(self, layer: int, k, v) -> None:
         """Quantise and store new keys ``(B, g, t, d_k)`` and values ``(B, g, t, d_v)``."""

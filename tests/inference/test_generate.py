@@ -276,13 +276,17 @@ def test_seq2seq_sampling_is_seeded():
 def test_bad_sampling_arguments(kwargs, match):
     params, config = _bigram_setup()
     model = _bigram_model(params["table"])
-    with pytest.raises(ValueError, match=match):
+    # TypeError for a value of the wrong kind (top_k=2.5), ValueError for one out of range
+    error = TypeError if kwargs.get("top_k") == 2.5 else ValueError
+    with pytest.raises(error, match=match):
         generate(model, params, config, [1], 3, **kwargs)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         next_token_distribution(np.zeros(4), **kwargs)
     config_t, params_t = _tiny_transformer()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         generate_seq2seq(params_t, config_t, [4, 5], 3, **kwargs)
+    with pytest.raises(TypeError, match="greedy must be True or False, got 1"):
+        generate(model, params, config, [1], 3, greedy=1)
 
 
 def test_bad_prompts_and_lengths():

@@ -353,9 +353,9 @@ def test_freeing_twice_and_page_ids_out_of_range_raise(full_cache):
     free_page = c.allocator.free_pages()[0]
     _fails(c, ValueError, f"page {free_page} is already free", c.allocator.decref, free_page)
     _fails(c, ValueError, f"page {free_page} is free", c.allocator.incref, free_page)
-    _fails(c, ValueError, r"page id 5 is out of range \[0, 5\)", c.allocator.decref, 5)
-    _fails(c, ValueError, r"page id -1 is out of range", c.allocator.incref, -1)
-    _fails(c, TypeError, "page id must be an integer", c.allocator.refcount, 1.0)
+    _fails(c, ValueError, r"page must be an int in \[0, 4\], got 5", c.allocator.decref, 5)
+    _fails(c, ValueError, r"page must be an int in \[0, 4\], got -1", c.allocator.incref, -1)
+    _fails(c, TypeError, "page must be an int, got 1.0", c.allocator.refcount, 1.0)
 
 
 def test_running_out_of_pages_fails_before_writing_anything(full_cache):

@@ -129,14 +129,19 @@ def test_int8_error_is_smaller_than_int4_error_on_the_same_data():
 
 def test_quantize_rejects_bad_input_with_names():
     x = np.ones((2, 8))
-    for bits in (3, 16, 0, True, 8.0, "8"):
-        with pytest.raises(ValueError, match="bits"):
+    for bits in (3, 16, 0):
+        with pytest.raises(ValueError, match=rf"bits must be one of 4, 8, got {bits}"):
+            quantize(x, bits, 4)
+    for bits in (True, 8.0, "8"):
+        with pytest.raises(TypeError, match=r"bits must be an int, got"):
             quantize(x, bits, 4)
     with pytest.raises(ValueError, match=r"group_size = 3 must divide head_dim = 8"):
         quantize(x, 8, 3)
-    for group_size in (0, -4, 2.0):
-        with pytest.raises(ValueError, match="group_size"):
+    for group_size in (0, -4):
+        with pytest.raises(ValueError, match=rf"group_size must be an int >= 1, got {group_size}"):
             quantize(x, 8, group_size)
+    with pytest.raises(TypeError, match=r"group_size must be an int, got 2.0"):
+        quantize(x, 8, 2.0)
     with pytest.raises(TypeError, match=r"x must be a floating-point array.*int64"):
         quantize(np.ones((2, 8), dtype=np.int64), 8, 4)
     with pytest.raises(ValueError, match="scale_dtype"):
@@ -334,7 +339,7 @@ def test_cache_rejects_bad_input_with_names():
     cache = QuantizedKVCache(2, 4, 4)
     with pytest.raises(ValueError, match="holds no keys"):
         cache.keys(0)
-    with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 1\], got 2"):
         cache.append(2, np.ones((1, 1, 1, 4)), np.ones((1, 1, 1, 4)))
     with pytest.raises(ValueError, match=r"k must have 4 dimensions"):
         cache.append(0, np.ones((1, 1, 4)), np.ones((1, 1, 1, 4)))
