@@ -712,6 +712,11 @@ def run_train(args: argparse.Namespace) -> int:
     out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
     progress = not args.no_progress and sys.stderr.isatty()
     try:
+        for flag, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_every", 1)):
+            if getattr(args, flag) is not None:
+                check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low)
+        if args.lr is not None:
+            check_real("--lr", args.lr, 0.0, low_open=True)
         task = None if args.task is None else {"name": args.task}
         # NumPy's overflow warnings would bury the one line that says where a diverging run stopped
         with np.errstate(over="ignore", invalid="ignore"):

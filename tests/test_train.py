@@ -319,6 +319,14 @@ def test_command_errors(tmp_path, capsys):
     args = _parse(T.add_train_arguments, ["--resume"])
     assert args.run(args) == 2
     assert "--resume needs the run directory: --out DIR" in capsys.readouterr().err
+    for flag, value, message in (("--steps", "0", "--steps must be an int >= 1, got 0"),
+                                 ("--lr", "-1", "--lr must be a finite number > 0, got -1.0"),
+                                 ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
+                                 ("--eval-every", "0", "--eval-every must be an int >= 1, got 0")):
+        args = _parse(T.add_train_arguments, ["--model", "gpt", "--out", str(tmp_path / "x"), flag, value])
+        assert args.run(args) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     args = _parse(T.add_train_arguments, ["--model", "gpt", "--out", "/proc/refmath_x"])
     assert args.run(args) == 2
     assert "cannot write the run directory /proc/refmath_x" in capsys.readouterr().err
