@@ -22,7 +22,7 @@ import numpy as np
 from refmath.attention import causal_mask, sdpa_forward
 from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.inference.kv_cache import generate_cached, generate_naive
-from refmath.inference.paged import PagedKVCache, paged_decode
+from refmath.inference.paged import PagedKVCache
 from refmath.models import decoder
 from refmath.sizing import kv_cache_bytes
 from refmath.softmax import (
@@ -147,7 +147,7 @@ print("page tables:", {seq: cache.page_table(seq) for seq in (0, 1)},
       " waste:", {seq: cache.waste(seq) for seq in (0, 1)}, "token slots")
 
 q_new = rng.standard_normal((2, 4, d))  # one new query per sequence, 4 query heads
-paged = paged_decode(q_new, cache, [0, 1])
+paged = cache.decode(q_new, [0, 1])  # page by page, merged with F3
 for row, seq in enumerate((0, 1)):
     k_seq, v_seq = cache.gather(seq)  # (T, g, d): the same tokens, laid out contiguously
     kh = np.repeat(k_seq.transpose(1, 0, 2), 2, axis=0)  # query head r reads kv head r // 2

@@ -15,9 +15,10 @@ Positions are 0-based in code. Token ``j`` (0-based) lives in logical page ``j /
 page :math:`\lfloor (j-1)/p \rfloor`, offset :math:`(j-1) \bmod p`, which is the same slot, because
 the 1-based position ``j`` is the 0-based position ``j - 1``.
 
-Paging changes *where* keys and values live, never their values: :func:`paged_decode` walks a
-sequence's pages one by one, merging per-page softmax statistics with the online-softmax merge (F3),
-and equals attention over a contiguous cache (:func:`contiguous_decode`) up to rounding.
+Paging changes *where* keys and values live, never their values: :meth:`PagedKVCache.decode` walks
+a sequence's pages one by one, merging per-page softmax statistics with the online-softmax merge
+(F3, :func:`refmath.inference.decode.paged_decode_attention`), and equals attention over a
+contiguous cache (:func:`refmath.inference.decode.decode_attention`) up to rounding.
 
 Prefix sharing (K11): :meth:`PagedKVCache.fork` gives a new sequence the pages of an existing one,
 so a shared prompt is stored once. The pages are reference-counted, and a sequence that appends to
@@ -32,18 +33,10 @@ allocator and the cache exactly as they were.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from refmath._validate import check_axis, check_int, check_ndim, float_array
-from refmath.attention import gqa_head_map, padding_mask, sdpa_forward
-from refmath.softmax import (
-    online_softmax_block,
-    online_softmax_empty,
-    online_softmax_merge,
-    online_softmax_result,
-)
+from refmath.inference.decode import paged_decode_attention
 
 
 class OutOfPagesError(RuntimeError):
@@ -337,7 +330,7 @@ class PagedKVCache:
     def gather(self, seq_id) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's keys and values as contiguous ``(T, g, d)`` arrays, in position order.
 
-        This copies the whole sequence; :func:`paged_decode` reads the pages in place instead.
+        This copies the whole sequence; :meth:`decode` reads the pages in place instead.
         """
         table, length = self._tables[self._check_seq(seq_id)], self._lengths[seq_id]
         shape = (len(table) * self.page_size, self.n_kv_heads, self.head_dim)
@@ -361,6 +354,20 @@ class PagedKVCache:
             tables[b, :len(self._tables[seq_id])] = self._tables[seq_id]
         lengths = np.array([self._lengths[s] for s in seq_ids], dtype=np.int32)
         return tables, lengths
+
+    def decode(self, q, seq_ids, scale: float | None = None, backend: str = "numpy") -> np.ndarray:
+        r"""One decode step: the query ``q`` ``(n_seqs, h, d)`` of each sequence of ``seq_ids``
+        attends to every token that sequence holds (K10, A10). ``h`` must be a multiple of the
+        cache's ``g`` key/value heads; ``scale`` defaults to :math:`1/\sqrt d`. Returns
+        ``(n_seqs, h, d)``.
+
+        The page tables and lengths of :meth:`page_table_array` go to
+        :func:`refmath.inference.decode.paged_decode_attention` with ``backend`` (``"numpy"``, the
+        reference that reads one page at a time; ``"cpu"``, the C++ kernel, for a float32 cache).
+        """
+        tables, lengths = self.page_table_array(seq_ids)
+        return paged_decode_attention(q, self.k_pages, self.v_pages, tables, lengths, scale=scale,
+                                      backend=backend)
 
     # -- statistics --
 
@@ -388,81 +395,3 @@ class PagedKVCache:
 
 
 # ---- decoding ------------------------------------------------------------------------------------
-
-def _check_query(q, n_kv_heads: int, head_dim: int, n_seqs: int, dtype) -> np.ndarray:
-    q = float_array("q", q)
-    check_ndim("q", q, 3, "(n_seqs, h, d)")
-    check_axis("q", q, 0, n_seqs, f"the {n_seqs} sequences")
-    check_axis("q", q, 2, head_dim, f"the head width d = {head_dim} of the cache")
-    if q.shape[1] % n_kv_heads:
-        raise ValueError(
-            f"n_kv_heads g = {n_kv_heads} must divide the query heads h of q.shape = {q.shape}")
-    if q.dtype != dtype:
-        raise TypeError(f"q has dtype {q.dtype} but the keys and values are {dtype}")
-    return q
-
-
-def paged_decode(q, cache: PagedKVCache, seq_ids, scale: float | None = None) -> np.ndarray:
-    r"""One decode step over a paged cache: each sequence's single query attends to all its tokens.
-
-    .. math::
-        o_r = \operatorname{softmax}\Big(\frac{q_r K_{\pi(r)}^\top}{\sqrt{d}}\Big) V_{\pi(r)}
-
-    for every query head ``r``, with ``pi`` the GQA head map (A10). Shapes: ``q`` is
-    ``(n_seqs, h, d)``, one query per sequence of ``seq_ids``; the result is ``(n_seqs, h, d)``.
-    ``scale`` defaults to :math:`1/\sqrt{d}`.
-
-    This is the reference for a ``paged_decode`` kernel, and it reads the cache the way such a
-    kernel does: from the int32 page table and lengths of :meth:`PagedKVCache.page_table_array`,
-    one page at a time, never building the contiguous ``K``. Each page gives block statistics
-    ``(m, l, u)`` (F2) which are merged into a running state (F3); ``o = u / l`` at the end. Only
-    the first ``min(p, T - i p)`` slots of logical page ``i`` are read, so unused slots never enter
-    the sums, whatever they hold. A sequence with no tokens gets a zero output.
-    """
-    tables, lengths = cache.page_table_array(seq_ids)
-    q = _check_query(q, cache.n_kv_heads, cache.head_dim, len(tables), cache.dtype)
-    h, d, p = q.shape[1], cache.head_dim, cache.page_size
-    heads = gqa_head_map(h, cache.n_kv_heads)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)  # a float keeps float32 float32
-
-    out = np.empty_like(q)
-    for b in range(len(tables)):
-        state = online_softmax_empty(h, d, q.dtype)
-        for i in range(pages_needed(int(lengths[b]), p)):
-            page = tables[b, i]
-            n = min(p, int(lengths[b]) - i * p)  # filled slots of this page
-            k = cache.k_pages[page, :, :n][heads]  # (h, n, d): query head r reads key head pi(r)
-            v = cache.v_pages[page, :, :n][heads]
-            scores = (k @ q[b][:, :, None])[:, :, 0] * scale  # (h, n)
-            state = online_softmax_merge(state, online_softmax_block(scores, v))
-        out[b] = online_softmax_result(state)
-    return out
-
-
-def contiguous_decode(q, k, v, lengths, scale: float | None = None) -> np.ndarray:
-    r"""The same decode step over contiguous, padded caches: the reference for :func:`paged_decode`.
-
-    ``q`` is ``(B, h, d)``; ``k`` and ``v`` are ``(B, T_max, g, d)`` with sequence ``b`` in rows
-    ``0 .. lengths[b] - 1``; ``lengths`` is ``(B,)``. The padding is hidden by a padding mask and
-    :func:`refmath.attention.sdpa_forward` does the rest, with the key/value heads repeated to the
-    query heads. The padding must be finite: it gets weight 0, but ``0 * NaN`` is NaN. (The paged
-    form never reads unused slots, so it has no such requirement.)
-    """
-    q = float_array("q", q)
-    k = float_array("k", k)
-    v = float_array("v", v)
-    check_ndim("k", k, 4, "(B, T_max, g, d)")
-    check_ndim("v", v, 4, "(B, T_max, g, d)")
-    if v.shape != k.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    b, t_max, g, d = k.shape
-    q = _check_query(q, g, d, b, k.dtype)
-    if v.dtype != k.dtype:
-        raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
-    heads = gqa_head_map(q.shape[1], g)
-    mask = padding_mask(lengths, t_max, dtype=q.dtype)  # (B, 1, 1, T_max); 0 <= lengths <= T_max
-    check_axis("lengths", np.asarray(lengths), 0, b, f"the batch of k.shape = {k.shape}")
-    k_heads = k.transpose(0, 2, 1, 3)[:, heads]  # (B, h, T_max, d)
-    v_heads = v.transpose(0, 2, 1, 3)[:, heads]
-    o, _ = sdpa_forward(q[:, :, None, :], k_heads, v_heads, mask=mask, scale=scale)
-    return o[:, :, 0, :]

@@ -7,14 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refmath.inference.decode import decode_attention
 from refmath.inference.paged import (
     OutOfPagesError,
     PageAllocator,
     PagedKVCache,
-    contiguous_decode,
     page_and_offset,
     pages_needed,
-    paged_decode,
 )
 
 PROPERTY = settings(max_examples=40, deadline=None)
@@ -197,13 +196,15 @@ def _scrambled_cache(rng, lengths, p, g, d, dtype=np.float64):
 
 
 def _contiguous(cache, seq_ids):
+    """The sequences gathered into a contiguous (B, g, T_max, d) cache, padded with NaN: slots past
+    a sequence's length must never be read."""
     t_max = max(cache.length(s) for s in seq_ids)
-    shape = (len(seq_ids), t_max, cache.n_kv_heads, cache.head_dim)
-    # The padding must be finite: it gets weight 0, and 0 * NaN = NaN.
-    k, v = np.zeros(shape, cache.dtype), np.zeros(shape, cache.dtype)
+    shape = (len(seq_ids), cache.n_kv_heads, t_max, cache.head_dim)
+    k, v = np.full(shape, np.nan, cache.dtype), np.full(shape, np.nan, cache.dtype)
     for b, s in enumerate(seq_ids):
         t = cache.length(s)
-        k[b, :t], v[b, :t] = cache.gather(s)
+        k_s, v_s = cache.gather(s)  # (t, g, d)
+        k[b, :, :t], v[b, :, :t] = k_s.transpose(1, 0, 2), v_s.transpose(1, 0, 2)
     return k, v, np.array([cache.length(s) for s in seq_ids])
 
 
@@ -219,13 +220,13 @@ def test_paged_decode_equals_contiguous_decode(h, g):
 
     seqs = [2, 0, 5, 3, 1, 4]
     q = rng.standard_normal((len(seqs), h, d))
-    out = paged_decode(q, cache, seqs)
+    out = cache.decode(q, seqs)
     k, v, lens = _contiguous(cache, seqs)
-    ref = contiguous_decode(q, k, v, lens)
+    ref = decode_attention(q, k, v, lens)
     assert out.shape == (len(seqs), h, d) and np.isfinite(out).all()
     # Paging reorders the sums (page by page, F3 merges), so rounding differs. Each entry's error is
     # a few ulps of the largest |v|, not of the entry itself, hence atol on that scale.
-    np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-13 * np.abs(v).max())
+    np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-13 * np.nanmax(np.abs(v)))
     np.testing.assert_array_equal(out[seqs.index(3)], 0.0)  # the empty sequence sees no key
 
 
@@ -241,14 +242,14 @@ def test_paged_decode_with_an_explicit_scale_and_float32():
     seqs = [0, 1, 2]
     q = rng.standard_normal((3, h, d))
     k, v, lens = _contiguous(cache64, seqs)
-    ref = contiguous_decode(q, k, v, lens, scale=0.3)
-    np.testing.assert_allclose(paged_decode(q, cache64, seqs, scale=0.3), ref,
-                               rtol=1e-13, atol=1e-13 * np.abs(v).max())
+    ref = decode_attention(q, k, v, lens, scale=0.3)
+    np.testing.assert_allclose(cache64.decode(q, seqs, scale=0.3), ref,
+                               rtol=1e-13, atol=1e-13 * np.nanmax(np.abs(v)))
     # float32 in, float32 out; the keys, values and query were rounded to float32 (relative 6e-8)
     # and the sums carry a few more float32 roundings, so 1e-5 of the value scale is ample.
-    out32 = paged_decode(q.astype(np.float32), cache32, seqs, scale=0.3)
+    out32 = cache32.decode(q.astype(np.float32), seqs, scale=0.3)
     assert out32.dtype == np.float32
-    np.testing.assert_allclose(out32, ref, rtol=0, atol=1e-5 * np.abs(v).max())
+    np.testing.assert_allclose(out32, ref, rtol=0, atol=1e-5 * np.nanmax(np.abs(v)))
 
 
 # ---- K11: prefix sharing, reference counts, copy on write ----------------------------------------
@@ -340,7 +341,7 @@ def test_reading_past_the_end_or_an_unknown_sequence_raises(full_cache):
     for call, args in ((c.append, ("zz", np.zeros((1, 2, 3)), np.zeros((1, 2, 3)))),
                        (c.gather, ("zz",)), (c.fork, ("zz", "new")), (c.free_sequence, ("zz",)),
                        (c.page_table_array, (["a", "zz"],)), (c.waste, ("zz",)),
-                       (paged_decode, (np.zeros((1, 2, 3)), c, ["zz"]))):
+                       (c.decode, (np.zeros((1, 2, 3)), ["zz"]))):
         _fails(c, ValueError, "unknown sequence id 'zz'", call, *args)
     _fails(c, ValueError, "sequence id 'b' already exists", c.fork, "a", "b")
     _fails(c, ValueError, "sequence id 'a' already exists", c.add_sequence, "a")
@@ -394,13 +395,10 @@ def test_keys_and_values_of_the_wrong_shape_or_dtype_raise(full_cache):
 def test_decode_input_errors(full_cache):
     c = full_cache
     q = np.zeros((1, 2, 3))
-    _fails(c, ValueError, "must divide the query heads", paged_decode, np.zeros((1, 3, 3)), c, ["a"])
-    _fails(c, ValueError, r"q.shape\[0\] must be 2", paged_decode, q, c, ["a", "b"])
-    _fails(c, TypeError, "q has dtype float32", paged_decode, q.astype(np.float32), c, ["a"])
-    with pytest.raises(ValueError, match="k and v must have the same shape"):
-        contiguous_decode(np.zeros((1, 2, 3)), np.zeros((1, 4, 2, 3)), np.zeros((1, 5, 2, 3)), [4])
-    with pytest.raises(ValueError, match=r"lengths.shape\[0\] must be 2"):
-        contiguous_decode(np.zeros((2, 2, 3)), np.zeros((2, 4, 2, 3)), np.zeros((2, 4, 2, 3)), [4])
+    _fails(c, ValueError, "must divide the query heads", c.decode, np.zeros((1, 3, 3)), ["a"])
+    _fails(c, ValueError, r"page_table.shape\[0\] must be 1", c.decode, q, ["a", "b"])
+    _fails(c, ValueError, "backend must be one of 'numpy', 'cpu', 'cuda', got 'gpu'",
+           c.decode, q, ["a"], None, "gpu")
 
 
 # ---- random operation sequences keep the invariants (property) -----------------------------------
