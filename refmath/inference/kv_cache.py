@@ -50,7 +50,9 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, sdpa_forward
 from refmath.embedding import embedding_forward
+from refmath import kernels
 from refmath.ffn import linear_forward
+from refmath.inference.decode import BACKENDS, decode_attention
 from refmath.inference.generate import token_picker
 from refmath.models import decoder, gpt, mla
 from refmath.models.params import check_param_dict
@@ -139,13 +141,16 @@ class KVCache(_Contiguous):
     stored head). Rows ``0 .. length-1`` are filled; keys are stored after RoPE, rotated at their
     own positions (K3). ``nbytes`` is :math:`2 B L T_{\max} g d_h b`
     (:func:`refmath.sizing.kv_cache_bytes`). The cache is mutable: prefill and decode write into
-    it and advance ``length``.
+    it and advance ``length``. ``backend`` says who computes attention over it: ``"numpy"`` (the
+    reference) or ``"cpu"`` (the C++ kernels, for a float32 cache: FlashAttention for a prefill,
+    :func:`refmath.inference.decode.decode_attention` for a decode step).
     """
 
     keys: np.ndarray
     values: np.ndarray
     length: int = 0
     counts: PairCounts = field(default=None)
+    backend: str = "numpy"  # who attends over it: see refmath.inference.decode
 
     def __post_init__(self):
         if self.counts is None:
@@ -203,22 +208,32 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int):
     attend with ``q`` ``(B, h, n, d_h)`` over every filled position. Returns ``(B, h, n, d_h)``.
 
     The ``n`` new queries are the last ``n`` of the ``t = offset + n`` positions, so the causal mask
-    is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible.
+    is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible, and the
+    step is :func:`refmath.inference.decode.decode_attention` over the layer's ``(B, g, T_max,
+    d_h)`` block, on the cache's backend.
     """
     b, h, n, d_h = q.shape
     g, t = k.shape[1], offset + n
     cache.keys[layer, :, :, offset:t] = k
     cache.values[layer, :, :, offset:t] = v
+    mask = causal_mask(n, t, dtype=q.dtype)
+    cache.counts.record(layer, mask)
+    if n == 1:
+        o = decode_attention(q[:, :, 0], cache.keys[layer], cache.values[layer], np.full(b, t),
+                             backend=cache.backend)
+        return o[:, :, None]
     keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
+    if cache.backend == "cpu":  # the kernel reads (B, g, t, d_h) contiguous blocks
+        o, _ = kernels.flash_attention_forward(q, np.ascontiguousarray(keys),
+                                               np.ascontiguousarray(values), causal=True)
+        return o
     # GQA: the h/g query heads of group u read stored head u (refmath.attention.gqa_head_map), so
     # group the queries as (B, g, h/g, n, d_h) and broadcast each stored head to its group: the
     # g stored heads are read, never copied h/g times.
     q = q.reshape(b, g, h // g, n, d_h)
     keys = np.broadcast_to(keys[:, :, None], (b, g, h // g, t, d_h))
     values = np.broadcast_to(values[:, :, None], (b, g, h // g, t, values.shape[-1]))
-    mask = causal_mask(n, t, dtype=q.dtype)
     o, _ = sdpa_forward(q, keys, values, mask=mask)
-    cache.counts.record(layer, mask)
     return o.reshape(b, h, n, -1)
 
 
@@ -433,11 +448,14 @@ def _check_mla_path(mla_path) -> None:
 # ---- the public functions ------------------------------------------------------------------------
 
 
-def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | None = None):
+def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | None = None,
+                backend: str = "numpy"):
     """A zeroed cache for ``batch`` sequences of up to ``max_len`` positions (default
     ``config.max_seq_len``): a :class:`KVCache` for GPT and the M3 decoder, a :class:`LatentCache`
-    for MLA. All memory is allocated here, once."""
+    for MLA. All memory is allocated here, once. ``backend`` (``"numpy"`` or ``"cpu"``, see
+    :class:`KVCache`) computes attention over it."""
     spec = _spec(model, config)
+    _check_cache_backend(spec, backend)
     batch = check_int("batch", batch, 1)
     max_len = config.max_seq_len if max_len is None else check_int("max_len", max_len, 1,
                                                                     config.max_seq_len)
@@ -445,7 +463,22 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     if not np.issubdtype(dtype, np.floating):
         raise TypeError(f"dtype must be a floating-point type, got {dtype}")
     shapes = spec.cache_shapes(config, int(batch), int(max_len))
-    return spec.cache_type(*(np.zeros(shape, dtype) for shape in shapes))
+    cache = spec.cache_type(*(np.zeros(shape, dtype) for shape in shapes))
+    if backend != "numpy":
+        cache.backend = backend
+    return cache
+
+
+def _check_cache_backend(spec: _Spec, backend) -> None:
+    check_choice("backend", backend, BACKENDS)
+    if backend == "cuda":
+        raise ValueError("backend='cuda' is not available for the models' caches, which are NumPy "
+                         "arrays; decode_attention(backend='cuda') runs the CUDA kernel on CuPy "
+                         "arrays")
+    if backend != "numpy" and spec.cache_type is not KVCache:
+        raise ValueError(f"backend={backend!r} is not available for model {spec.name!r}: its latent "
+                         f"cache has keys and values of different widths, which the kernels do not "
+                         f"take; use backend='numpy'")
 
 
 def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
@@ -466,7 +499,7 @@ def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_pa
 
 
 def prefill(model, params, config, prompt_ids, all_logits: bool = False,
-            mla_path: str = "absorbed", max_len: int | None = None):
+            mla_path: str = "absorbed", max_len: int | None = None, backend: str = "numpy"):
     r"""Run a prompt of ``P`` tokens in one causal pass and keep every layer's keys and values (K5).
 
     ``prompt_ids``: int ``(B, P)`` (or ``(P,)`` for one sequence) with ``1 <= P <= max_seq_len``.
@@ -475,7 +508,9 @@ def prefill(model, params, config, prompt_ids, all_logits: bool = False,
     generated token), or every position's ``(B, P, V)`` with ``all_logits=True`` (``(V,)`` and
     ``(P, V)`` for 1-D input), in the parameters' dtype; ``cache`` has ``length = P`` and room for
     ``max_len`` positions (default ``config.max_seq_len``). ``mla_path`` (MLA only, see
-    :func:`decode_step`) picks the absorbed or expanded attention.
+    :func:`decode_step`) picks the absorbed or expanded attention. ``backend`` (GPT and the M3
+    decoder) chooses who computes attention, now and in later decode steps: ``"numpy"`` or
+    ``"cpu"`` (the C++ kernels; float32 parameters).
     """
     spec = _spec(model, config)
     _check_mla_path(mla_path)
@@ -483,7 +518,7 @@ def prefill(model, params, config, prompt_ids, all_logits: bool = False,
     prompt = np.asarray(prompt_ids)
     unbatched = prompt.ndim == 1
     tokens = check_tokens("prompt_ids", prompt[None] if unbatched else prompt, config)
-    cache = empty_cache(spec.name, config, tokens.shape[0], dtype, max_len)
+    cache = empty_cache(spec.name, config, tokens.shape[0], dtype, max_len, backend)
     logits = _forward_rows(spec, params, config, cache, tokens, mla_path)
     logits = logits if all_logits else logits[:, -1]
     return (logits[0] if unbatched else logits), cache
@@ -572,7 +607,8 @@ def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling
 
 def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
                     greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None, seed=0, mla_path: str = "absorbed") -> Generation:
+                    top_p: float | None = None, seed=0, mla_path: str = "absorbed",
+                    backend: str = "numpy") -> Generation:
     r"""Generate with the KV cache: one :func:`prefill`, then one :func:`decode_step` per new token
     but the last (which is only sampled) (K2, K4).
 
@@ -581,6 +617,8 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     ``P + max_new_tokens - 1`` fed positions must fit in ``max_seq_len`` (no sliding window) and
     there is no ``eos_id``. Returns a :class:`Generation`; from a 1-token prompt, processing
     ``N = max_new_tokens`` positions evaluates :math:`\sum_{t=1}^N t = N(N+1)/2` pairs.
+    ``backend`` (see :func:`prefill`) chooses who computes attention; ``"numpy"`` and ``"cpu"``
+    give the same greedy tokens unless two logits lie within float32 rounding of each other.
     """
     _check_mla_path(mla_path)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -588,7 +626,8 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
 
     def next_logits(name, tokens, step, counts):
         if step == 0:
-            z, state["cache"] = prefill(name, params, config, tokens, mla_path=mla_path)
+            z, state["cache"] = prefill(name, params, config, tokens, mla_path=mla_path,
+                                        backend=backend)
         else:
             z = decode_step(name, params, config, state["cache"], tokens[:, -1], mla_path=mla_path)
         if step == max_new_tokens - 1:

@@ -457,3 +457,35 @@ def test_bad_model_config_cache_and_options():
     with pytest.raises(ValueError, match="temperature"):
         generate_cached(module, params, config, [[1]], 2, temperature=0.0)
     assert isinstance(cache, KVCache)
+
+
+# ---- backends: the C++ kernels attend over the same cache ----------------------------------------
+
+@pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
+@pytest.mark.parametrize("name", [n for n in CONFIGS if not n.startswith("mla")])
+def test_the_cpu_backend_gives_the_same_greedy_tokens(name):
+    module, config, params = setup(name, dtype=np.float32)
+    prompt = random_tokens((3, 3), seed=12)
+    runs = {backend: generate_cached(module, params, config, prompt, T_MAX - 2, greedy=True,
+                                     backend=backend) for backend in ("numpy", "cpu")}
+    np.testing.assert_array_equal(runs["cpu"].tokens, runs["numpy"].tokens)
+    # The same logits up to float32 rounding: the kernels sum in another order (tiles, base 2).
+    # Compared with the float64 model on the same tokens, the kernel path's error is within a
+    # small multiple of the float32 reference path's.
+    reference = reference_logits(module, setup(name)[2], config, runs["numpy"].tokens, n_prompt=3)
+    numpy_err = np.abs(runs["numpy"].logits - reference).max()
+    cpu_err = np.abs(runs["cpu"].logits - reference).max()
+    assert cpu_err <= 2 * numpy_err + 4 * np.finfo(np.float32).eps * np.abs(reference).max()
+    assert runs["cpu"].counts == runs["numpy"].counts
+
+
+def test_backends_the_caches_cannot_take():
+    for name, message in (("mla", "latent cache has keys and values of different widths"),
+                          ("decoder-gqa", "backend='cuda' is not available for the models' caches")):
+        module, config, params = setup(name, dtype=np.float32)
+        backend = "cpu" if name == "mla" else "cuda"
+        with pytest.raises(ValueError, match=message):
+            prefill(module, params, config, random_tokens((1, 2)), backend=backend)
+    module, config, params = setup("gpt-pre-tied")
+    with pytest.raises(ValueError, match="backend must be one of 'numpy', 'cpu', 'cuda', got 'gpu'"):
+        generate_cached(module, params, config, random_tokens((1, 2)), 2, backend="gpu")
