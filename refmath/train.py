@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -52,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refmath import models
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
@@ -67,8 +67,8 @@ EVAL_SEED = 2**31 - 1  # evaluation batches are the same for every training seed
 # ---- the model registry --------------------------------------------------------------------------
 
 class ModelSpec(NamedTuple):
-    module: str  # import path of the model file (forward, backward, logits, init_params)
-    config_class: str  # its configuration dataclass
+    """How to train one model of :data:`refmath.models.MODELS` by default."""
+
     task: dict  # the task's settings (see refmath.data.make_task)
     config: dict  # configuration fields besides vocab_size and max_seq_len
     steps: int  # training defaults
@@ -85,19 +85,19 @@ class ModelSpec(NamedTuple):
 _DECODER_TASKS = ("chars", "reverse-lm")
 MODELS = {
     "transformer": ModelSpec(
-        "refmath.models.transformer", "TransformerConfig", {"name": "reverse", "max_len": 8},
+        {"name": "reverse", "max_len": 8},
         dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, dropout=0.0, label_smoothing=0.0),
         steps=600, batch_size=64, lr=3e-3, tasks=("reverse",)),
     "gpt": ModelSpec(
-        "refmath.models.gpt", "GPTConfig", {"name": "chars", "seq_len": 64},
+        {"name": "chars", "seq_len": 64},
         dict(n_layers=2, d_model=64, n_heads=4, d_ff=256, dropout=0.0),
         steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
     "llama": ModelSpec(
-        "refmath.models.decoder", "DecoderConfig", {"name": "chars", "seq_len": 64},
+        {"name": "chars", "seq_len": 64},
         dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_multiple_of=16),
         steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
     "mla": ModelSpec(
-        "refmath.models.mla", "MLAConfig", {"name": "chars", "seq_len": 64},
+        {"name": "chars", "seq_len": 64},
         dict(n_layers=2, d_model=64, n_heads=4, d_c=32, d_rope=8, ffn_multiple_of=16),
         steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
 }
@@ -111,12 +111,14 @@ def _spec(name: str) -> ModelSpec:
 
 def model_module(name: str):
     """The module of model ``name`` (imported on first use)."""
-    return importlib.import_module(_spec(name).module)
+    _spec(name)
+    return models.model_module(name)
 
 
 def config_class(name: str):
     """The configuration dataclass of model ``name``."""
-    return getattr(model_module(name), _spec(name).config_class)
+    _spec(name)
+    return models.config_class(name)
 
 
 def default_config(name: str, task):
@@ -504,7 +506,7 @@ def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
     the_task = make_task(task)
     config = default_config(model, the_task) if config is None else config
     if not isinstance(config, config_class(model)):
-        raise TypeError(f"config must be a {spec.config_class} for model {model!r}, "
+        raise TypeError(f"config must be a {config_class(model).__name__} for model {model!r}, "
                         f"got {type(config).__name__}")
     if config.vocab_size != the_task.vocab_size:
         raise ValueError(f"config.vocab_size = {config.vocab_size} must equal the task's "
@@ -766,6 +768,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
     parser.add_argument("--top-p", type=float, help="sample from the smallest set of mass >= p")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute the whole prefix at every step instead of decoding with the "
+                        "KV cache (the same tokens, O(T^2) work; the decoders only)")
+    parser.add_argument("--backend", choices=("numpy", "cpu"), default="numpy",
+                        help="who computes attention over the KV cache: the NumPy reference or the "
+                        "C++ kernels (default: numpy; the decoders only)")
     parser.set_defaults(run=run_generate)
 
 
@@ -795,6 +803,8 @@ def run_generate(args: argparse.Namespace) -> int:
         _check_generate_flags(args, tok.alphabet)
         sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
+        decoding = dict(cache=not args.no_cache, backend=args.backend)
+        start = time.perf_counter()
         if isinstance(task, (ReversalTask, ReversalLMTask)):
             if args.prompt is None:
                 raise ValueError("give --prompt, the digits to reverse")
@@ -805,13 +815,22 @@ def run_generate(args: argparse.Namespace) -> int:
             else:
                 prompt = task.prompt_ids(args.prompt)
                 out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
-                               **sampling)[len(prompt):]
+                               **sampling, **decoding)[len(prompt):]
             print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
+            n = len(out)
         else:
             prompt = "\n" if args.prompt is None else args.prompt
             n = 200 if args.max_new_tokens is None else args.max_new_tokens
-            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling)
+            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
+                           **decoding)
             print(tok.decode(out, specials="show"))
+            n = len(out) - len(prompt)
+        seconds = time.perf_counter() - start
+        how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
+        if ckpt.model == "transformer":
+            how = "the encoder-decoder recomputes its decoder prefix"
+        print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})",
+              file=sys.stderr)
     except (ValueError, TypeError) as err:
         print(f"generate: {err}", file=sys.stderr)
         return 2

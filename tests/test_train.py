@@ -267,9 +267,19 @@ def test_train_and_generate_commands_for_a_decoder(tmp_path, capsys, small_defau
     args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "the ",
                                              "--max-new-tokens", "12", "--top-k", "5"])
     assert args.run(args) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     # 12 new tokens; a barely trained model may still pick a special id, printed as its name
     assert text.startswith("the ") and len(text) >= len("the ") + 12 + 1  # + print's newline
+    assert "(12 tokens in" in captured.err and "tokens/s; KV cache on numpy" in captured.err
+    # the C++ kernels and plain recomputation give the same greedy text as the NumPy cache
+    texts = {}
+    for flags in ([], ["--backend", "cpu"], ["--no-cache"]):
+        args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "the ",
+                                                 "--max-new-tokens", "30", "--greedy", *flags])
+        assert args.run(args) == 0
+        texts[" ".join(flags)] = capsys.readouterr().out
+    assert len(set(texts.values())) == 1, texts
     args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "THE"])
     assert args.run(args) == 2
     assert "'T' at position 0" in capsys.readouterr().err

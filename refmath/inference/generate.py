@@ -19,16 +19,13 @@ arguments give the same tokens.
 """
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import numpy as np
 
 from refmath._validate import check_flag, check_int, check_ndim, check_real, float_array
+from refmath.models import DECODER_ONLY, MODELS, model_module
 
-# The decoder-only models ``generate`` accepts by name (the encoder-decoder has generate_seq2seq).
-DECODER_MODULES = {"gpt": "refmath.models.gpt", "llama": "refmath.models.decoder",
-                   "mla": "refmath.models.mla"}
 
 
 # ---- turning logits into a distribution ----------------------------------------------------------
@@ -183,11 +180,11 @@ def token_picker(greedy: bool, temperature, top_k, top_p, seed):
 
 def _resolve(model) -> ModuleType:
     if isinstance(model, str):
-        if model not in DECODER_MODULES:
+        if model not in DECODER_ONLY:
             hint = "; use generate_seq2seq for the encoder-decoder" if model == "transformer" else ""
-            raise ValueError(f"model must be one of {sorted(DECODER_MODULES)} or a model module, "
+            raise ValueError(f"model must be one of {', '.join(DECODER_ONLY)} or a model module, "
                              f"got {model!r}{hint}")
-        return importlib.import_module(DECODER_MODULES[model])
+        return model_module(model)
     if not callable(getattr(model, "logits", None)):
         raise TypeError(f"model must be a model name or a module with logits(params, tokens, "
                         f"config), got {model!r}")
@@ -196,8 +193,9 @@ def _resolve(model) -> ModuleType:
 
 def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | None = None, seed=0) -> np.ndarray:
-    r"""Continue ``prompt_ids`` with a decoder-only model (L7), recomputing the prefix every step.
+             eos_id: int | None = None, seed=0, cache: bool = True,
+             backend: str = "numpy") -> np.ndarray:
+    r"""Continue ``prompt_ids`` with a decoder-only model (L7).
 
     ``model`` is ``"gpt"``, ``"llama"``, ``"mla"`` or a module with
     ``logits(params, tokens, config)``. ``prompt_ids`` is ``(T0,)`` or a batch ``(B, T0)`` with
@@ -205,6 +203,12 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     ``max_seq_len`` tokens are fed (a sliding window). Generation stops after ``max_new_tokens``
     tokens, or as soon as every row has produced ``eos_id`` (a finished row repeats ``eos_id``).
     ``seed``: an int or a ``numpy.random.Generator`` (used only when sampling).
+
+    With ``cache=True`` (the default, for refmath's three decoders) the prompt is prefilled once
+    into a KV cache and each new token is one decode step on ``backend`` (``"numpy"`` or ``"cpu"``,
+    see :func:`refmath.inference.kv_cache.prefill`); when the window slides, the positions of every
+    kept token change, so the window is prefilled afresh. ``cache=False`` recomputes the whole
+    prefix at every step: the same tokens (up to rounding), at :math:`O(T^2)` cost (K4).
 
     Returns the prompt followed by the new tokens, in the prompt's shape but longer.
     """
@@ -220,13 +224,38 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
         _check_ids("eos_id", eos_id, config.vocab_size)
     pick = token_picker(greedy, temperature, top_k, top_p, seed)
     window = config.max_seq_len
-
-    def next_logits(tokens):
-        return module.logits(params, tokens[:, -window:], config)[:, -1, :]
+    if check_flag("cache", cache) and _has_kv_cache(module):
+        next_logits = _cached_next_logits(module, params, config, window, backend)
+    else:
+        def next_logits(tokens):
+            return module.logits(params, tokens[:, -window:], config)[:, -1, :]
 
     out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens, pick,
                        eos_id)
     return out[0] if prompt.ndim == 1 else out
+
+
+def _has_kv_cache(module) -> bool:
+    return getattr(module, "__name__", "") in {MODELS[name].module for name in DECODER_ONLY}
+
+
+def _cached_next_logits(module, params, config, window: int, backend: str):
+    """``next_logits(tokens)`` for :func:`_decode_loop` through a KV cache: one decode step while
+    the cache holds every token but the newest, a fresh prefill of the last ``window`` tokens
+    otherwise (the first call, and every call once the window slides)."""
+    from refmath.inference import kv_cache  # it uses this module's sampling rule
+
+    state = {"cache": None}
+
+    def next_logits(tokens):
+        cache = state["cache"]
+        if cache is not None and cache.length == tokens.shape[1] - 1 < window:
+            return kv_cache.decode_step(module, params, config, cache, tokens[:, -1])
+        z, state["cache"] = kv_cache.prefill(module, params, config, tokens[:, -window:],
+                                             backend=backend)
+        return z
+
+    return next_logits
 
 
 def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_lengths=None,

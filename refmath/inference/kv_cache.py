@@ -32,8 +32,8 @@ never expanded. ``mla_path="expanded"`` recomputes :math:`k^C = c W_{UK}` and :m
 from the cached latents instead; both give the same numbers up to rounding.
 
 Supported models: :mod:`refmath.models.gpt` (``"gpt"``), :mod:`refmath.models.decoder`
-(``"decoder"`` or ``"llama"``) and :mod:`refmath.models.mla` (``"mla"``), passed as the module or
-its name. These forwards are for inference only (no dropout, no backward); they reuse the models'
+(``"llama"``) and :mod:`refmath.models.mla` (``"mla"``), passed as the module or its name in
+:data:`refmath.models.MODELS`. These forwards are for inference only (no dropout, no backward); they reuse the models'
 norms, FFN sublayers, head splitting and the ops, and replace only where attention gets its keys
 and values.
 """
@@ -408,14 +408,13 @@ class _Spec(NamedTuple):
 _SPECS = {
     "gpt": _Spec("gpt", gpt, gpt.GPTConfig, gpt.parameter_shapes, KVCache, _gpt_cache_shapes,
                  _gpt_embed, _gpt_layer, _gpt_head),
-    "decoder": _Spec("decoder", decoder, decoder.DecoderConfig, decoder.param_shapes, KVCache,
+    "llama": _Spec("llama", decoder, decoder.DecoderConfig, decoder.param_shapes, KVCache,
                      _decoder_cache_shapes, _decoder_embed, _family_layer(_rope_gqa_attention),
                      _decoder_head),
     "mla": _Spec("mla", mla, mla.MLAConfig, mla.param_shapes, LatentCache, _mla_cache_shapes,
                  _decoder_embed, _family_layer(_mla_attention), _decoder_head),
 }
 
-_ALIASES = {"llama": "decoder"}  # the name refmath.inference.generate uses for the M3 decoder
 
 
 def _spec(model, config) -> _Spec:
@@ -425,11 +424,11 @@ def _spec(model, config) -> _Spec:
         if spec is None:
             raise ValueError(f"model {model.__name__} has no KV-cache decoding here; supported: "
                              f"{[s.module.__name__ for s in _SPECS.values()]}")
-    elif isinstance(model, str) and _ALIASES.get(model, model) in _SPECS:
-        spec = _SPECS[_ALIASES.get(model, model)]
+    elif isinstance(model, str) and model in _SPECS:
+        spec = _SPECS[model]
     else:
-        raise ValueError(f"model must be one of {sorted(_SPECS) + sorted(_ALIASES)} or a model "
-                         f"module, got {model!r}")
+        raise ValueError(f"model must be one of {', '.join(_SPECS)} or a model module, got "
+                         f"{model!r}")
     if not isinstance(config, spec.config_type):
         raise TypeError(f"model {spec.name!r} needs a {spec.config_type.__name__}, "
                         f"got {type(config).__name__}")

@@ -1,1 +1,49 @@
-"""Whole networks composed from the ops of refmath, each with a hand-written forward and backward."""
+"""Whole networks composed from the ops of refmath, each with a hand-written forward and backward.
+
+:data:`MODELS` is the one list of them, under the one name each has everywhere (training,
+generation, the KV cache, the command line): the module path of its file and the name of its
+configuration class. Every model file offers ``param_shapes``, ``init_params``, ``forward``,
+``backward`` and ``logits``.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import NamedTuple
+
+from refmath._validate import check_choice
+
+
+class ModelEntry(NamedTuple):
+    module: str  # import path of the model's file
+    config_class: str  # its configuration dataclass
+    catalogue_id: str  # its ID in the equation catalogue
+    decoder_only: bool  # generates from a prompt alone (the encoder-decoder needs a source)
+
+
+MODELS = {
+    "transformer": ModelEntry("refmath.models.transformer", "TransformerConfig", "M1", False),
+    "gpt": ModelEntry("refmath.models.gpt", "GPTConfig", "M2", True),
+    "llama": ModelEntry("refmath.models.decoder", "DecoderConfig", "M3", True),
+    "mla": ModelEntry("refmath.models.mla", "MLAConfig", "M4", True),
+}
+DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
+
+
+def model_module(name: str) -> ModuleType:
+    """The module of model ``name`` (one of :data:`MODELS`), imported on first use."""
+    return importlib.import_module(MODELS[check_choice("model", name, tuple(MODELS))].module)
+
+
+def config_class(name: str) -> type:
+    """The configuration dataclass of model ``name``."""
+    return getattr(model_module(name), MODELS[name].config_class)
+
+
+def model_name(module: ModuleType) -> str:
+    """The registry name of a model module (``refmath.models.decoder`` is ``"llama"``)."""
+    for name, entry in MODELS.items():
+        if entry.module == module.__name__:
+            return name
+    raise ValueError(f"{module.__name__} is not one of refmath's models: "
+                     f"{', '.join(e.module for e in MODELS.values())}")

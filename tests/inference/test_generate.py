@@ -235,6 +235,16 @@ def test_greedy_generation_is_the_argmax_of_logits_at_each_step(name, config, pa
     np.testing.assert_array_equal(generate(module, params, config, prompt, 5, greedy=True), out)
 
 
+@pytest.mark.parametrize("name, config, params", _decoder_models(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("sampling", [dict(greedy=True), dict(temperature=0.8, top_k=6, seed=3)])
+def test_the_cache_gives_the_tokens_of_recomputation_past_the_window(name, config, params, sampling):
+    # 3 + 14 tokens with max_seq_len = 8: prefill, 5 decode steps, then a prefill per sliding step.
+    prompt = np.array([[3, 1, 4], [2, 7, 1]])
+    cached = generate(name, params, config, prompt, 14, **sampling)
+    recomputed = generate(name, params, config, prompt, 14, cache=False, **sampling)
+    np.testing.assert_array_equal(cached, recomputed)
+
+
 def _tiny_transformer():
     config = transformer.TransformerConfig(vocab_size=9, max_seq_len=6, n_layers=1, d_model=8,
                                            n_heads=2, d_ff=16, dropout=0.0)

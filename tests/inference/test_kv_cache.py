@@ -395,7 +395,7 @@ def test_float32_stays_float32(name):
 
 def test_smaller_max_len():
     module, config, params = setup("decoder-gqa")
-    cache = kc.empty_cache("decoder", config, batch=1, max_len=2)
+    cache = kc.empty_cache("llama", config, batch=1, max_len=2)
     decode_step(module, params, config, cache, 1)  # an empty cache: the step is a 1-token prefill
     decode_step(module, params, config, cache, 2)
     _, reference = prefill(module, params, config, [1, 2])
@@ -404,7 +404,7 @@ def test_smaller_max_len():
     with pytest.raises(ValueError, match=limit):
         decode_step(module, params, config, cache, 3)
     with pytest.raises(ValueError, match="max_len"):
-        kc.empty_cache("decoder", config, max_len=T_MAX + 1)
+        kc.empty_cache("llama", config, max_len=T_MAX + 1)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
