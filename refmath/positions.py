@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_int, check_min_ndim, check_ndim, check_real, float_array
+from refmath._validate import check_choice, check_int, check_min_ndim, check_ndim, check_real, float_array
 from refmath.registry import OpCase, register_case
 
 
@@ -114,21 +114,35 @@ def learned_positions_backward(dout, cache: LearnedPositionsCache):
 # ---- rotary position embedding (N10) -------------------------------------------------------------
 
 
+ROPE_LAYOUTS = ("interleaved", "half")
+
+
 class RoPECache(NamedTuple):
     cos: np.ndarray  # (T, d_k/2), cos of each pair's angle, in x's dtype
     sin: np.ndarray  # (T, d_k/2)
+    layout: str = "interleaved"
 
 
-def _rotate_pairs(x, cos, sin):
-    """Rotate each pair (x[2r], x[2r+1]) by the angle whose cos/sin are given (row-vector form)."""
-    even, odd = x[..., 0::2], x[..., 1::2]
+def _pair_slots(d_k: int, layout: str):
+    """Where the two coordinates of pair ``r`` sit: ``(2r, 2r+1)`` interleaved, ``(r, r + d_k/2)``
+    in halves."""
+    if layout == "interleaved":
+        return slice(0, None, 2), slice(1, None, 2)
+    return slice(0, d_k // 2), slice(d_k // 2, None)
+
+
+def _rotate_pairs(x, cos, sin, layout: str):
+    """Rotate each coordinate pair by the angle whose cos/sin are given (row-vector form)."""
+    first, second = _pair_slots(x.shape[-1], layout)
+    a, b = x[..., first], x[..., second]
     out = np.empty_like(x)
-    out[..., 0::2] = even * cos - odd * sin
-    out[..., 1::2] = even * sin + odd * cos
+    out[..., first] = a * cos - b * sin
+    out[..., second] = a * sin + b * cos
     return out
 
 
-def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None):
+def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None,
+                 layout: str = "interleaved"):
     r"""Rotary position embedding (catalogue N10), applied to queries or keys.
 
     Each coordinate pair :math:`(x_{2r}, x_{2r+1})` of the row at position :math:`p` is rotated by
@@ -142,7 +156,13 @@ def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None):
 
     Because rotations compose, :math:`\tilde q_i \tilde k_j^\top = q_i R((j-i)\omega) k_j^\top`:
     the score sees only the offset ``j - i``. Rotate queries and keys only; values are never
-    rotated. The position of row ``t`` is ``offset + t`` (``offset`` is the number of tokens already
+    rotated.
+
+    ``layout`` says which coordinates form pair ``r``: ``"interleaved"`` (the default, the
+    RoFormer paper's and the original LLaMA code's) rotates :math:`(x_{2r}, x_{2r+1})`;
+    ``"half"`` (Hugging Face's Llama, GPT-NeoX) rotates :math:`(x_r, x_{r + d_k/2})`. The two are the
+    same function up to a fixed permutation of the coordinates, so a model trained with one runs
+    with the other once its query and key projection columns are permuted alike. The position of row ``t`` is ``offset + t`` (``offset`` is the number of tokens already
     in the cache when decoding), or ``positions[t]`` when an explicit integer array of length ``T``
     is given (then ``offset`` must stay 0).
 
@@ -157,6 +177,7 @@ def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None):
             f"x.shape[-1] (d_k) must be even for RoPE's coordinate pairs, got x.shape = {x.shape}"
         )
     offset = check_int("offset", offset, 0)
+    check_choice("layout", layout, ROPE_LAYOUTS)
     if positions is None:
         positions = np.arange(offset, offset + t)
     else:
@@ -173,7 +194,7 @@ def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None):
             raise ValueError(f"positions must be non-negative, got minimum {positions.min()}")
     angles = rope_angles(positions, d_k, base)
     cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
-    return _rotate_pairs(x, cos, sin), RoPECache(cos, sin)
+    return _rotate_pairs(x, cos, sin, layout), RoPECache(cos, sin, layout)
 
 
 def rope_backward(dout, cache: RoPECache):
@@ -183,8 +204,7 @@ def rope_backward(dout, cache: RoPECache):
     its inverse: the gradient is ``dout`` rotated by the negative angle,
     :math:`dx = dy\,R(p\,\omega)`.
     """
-    cos, sin = cache
-    return _rotate_pairs(dout, cos, -sin)
+    return _rotate_pairs(dout, cache.cos, -cache.sin, cache.layout)
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

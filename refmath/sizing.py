@@ -201,7 +201,8 @@ class ModelConfig:
     vocab: int | None = None
     mlp: str = "swiglu"              # "swiglu": 3 d d_f; "gelu"/"relu": 2 d d_f
     norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases
-    bias: bool = False               # a bias on every linear layer (GPT-2, original Transformer)
+    attention_bias: bool = False     # biases on Q, K, V and the output projection (GPT-2)
+    mlp_bias: bool = False           # biases on the FFN's layers (GPT-2, original Transformer)
     tied_output: bool = False        # the output projection reuses the embedding matrix
     learned_positions: int = 0       # rows of a learned position table (GPT-2: 1024)
     final_norm: bool = True          # one norm after the last layer (Pre-LN models)
@@ -237,15 +238,19 @@ PRESETS: dict[str, ModelConfig] = {
     p.name: p for p in (
         # Vaswani et al. 2017, "Attention Is All You Need": Table 3 (base: N=6, d_model=512,
         # d_ff=2048, h=8, d_k=64, 65e6 parameters), Sec. 5.1 (shared BPE vocabulary of "about
-        # 37000" tokens), Sec. 3.4 (embeddings shared with the pre-softmax projection).
+        # 37000" tokens), Sec. 3.4 (embeddings shared with the pre-softmax projection). Sec. 3.3
+        # writes the FFN with biases (x W1 + b1) and the attention projections as plain matrices
+        # (Q W^Q), as refmath.models.transformer builds them: 63,045,632 parameters with 37,000
+        # tokens. The paper's 65e6 needs about 3,800 more vocabulary rows; it does not say more.
         ModelConfig("transformer-base", layers=6, encoder_layers=6, d_model=512, heads=8,
                     kv_heads=8, head_dim=64, d_ff=2048, vocab=37000, mlp="relu",
-                    norm="layernorm", bias=True, tied_output=True, final_norm=False,
+                    norm="layernorm", mlp_bias=True, tied_output=True, final_norm=False,
                     published_params="65e6", source="Vaswani et al. 2017, Table 3"),
         # Radford et al. 2019 (GPT-2) with the released hparams: n_layer=12, n_embd=768,
         # n_head=12, n_ctx=1024, vocab 50257; the model card (openai-community/gpt2) says 124M.
         ModelConfig("gpt2-small", layers=12, d_model=768, heads=12, kv_heads=12, head_dim=64,
-                    d_ff=3072, vocab=50257, mlp="gelu", norm="layernorm", bias=True,
+                    d_ff=3072, vocab=50257, mlp="gelu", norm="layernorm", attention_bias=True,
+                    mlp_bias=True,
                     tied_output=True, learned_positions=1024, context=1024, published_params="124e6",
                     source="GPT-2 model card (openai-community/gpt2)"),
         # Llama 2 paper (Touvron et al. 2023b) and params.json: dim 4096, 32 layers, 32 heads,
@@ -333,8 +338,9 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     """
     _require_dense(config, "parameter_counts")
     d, L = config.d_model, config.layers
-    attn = attention_parameter_count(d, config.heads, config.kv_heads, config.head_dim, config.bias)
-    mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp == "swiglu", biases=config.bias)
+    attn = attention_parameter_count(d, config.heads, config.kv_heads, config.head_dim,
+                                     config.attention_bias)
+    mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp == "swiglu", biases=config.mlp_bias)
     norm = _norm_count(config)
 
     attention = L * attn

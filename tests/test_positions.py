@@ -5,6 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refmath.gradcheck import check_case
+from refmath.registry import OpCase
 from refmath.positions import (
     learned_positions_backward,
     learned_positions_forward,
@@ -151,3 +153,34 @@ def test_rope_bad_inputs_name_the_argument_and_shape():
         rope_forward(np.zeros((3, 4)), offset=2, positions=np.array([0, 1, 2]))
     with pytest.raises(ValueError, match=r"positions must be non-negative"):
         rope_forward(np.zeros((3, 4)), positions=np.array([-1, 0, 1]))
+
+
+# ---- RoPE's two pair layouts ---------------------------------------------------------------------
+
+def _half_from_interleaved(d):
+    """perm with x_half = x_interleaved[..., perm]: half slot r holds interleaved 2r, and slot
+    r + d/2 holds 2r + 1, so that each layout's pair r is the same two numbers."""
+    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
+def test_half_layout_is_interleaved_up_to_a_fixed_permutation():
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 8))
+    perm = _half_from_interleaved(8)
+    interleaved, _ = rope_forward(x, offset=3, base=100.0)
+    half, cache = rope_forward(x[..., perm], offset=3, base=100.0, layout="half")
+    np.testing.assert_allclose(half, interleaved[..., perm], rtol=1e-14, atol=1e-15)
+    # the backward is the inverse rotation in the same layout
+    dout = np.random.default_rng(1).standard_normal(x.shape)
+    dx = rope_backward(dout[..., perm], cache)
+    _, cache_i = rope_forward(x, offset=3, base=100.0)
+    np.testing.assert_allclose(dx, rope_backward(dout, cache_i)[..., perm], rtol=1e-14, atol=1e-15)
+    with pytest.raises(ValueError, match="layout must be one of 'interleaved', 'half', got 'neox'"):
+        rope_forward(x, layout="neox")
+
+
+def test_half_layout_gradient():
+    case = OpCase("rope", "half layout", ("N10",),
+                  lambda rng: {"x": rng.standard_normal((2, 4, 6)), "offset": 2, "layout": "half"},
+                  rope_forward, rope_backward, ("x",))
+    result = check_case(case)
+    assert result.passed, result.errors

@@ -320,9 +320,10 @@ def _family_layer(attention: Callable):
 
 def _rope_gqa_attention(u, w, config, cache, layer, offset, mla_path):
     """M3's attention with the cache: new queries and keys rotated at positions offset.. (K3)."""
-    h, g, base = config.n_heads, config.kv_heads, config.rope_base
-    q, _ = rope_forward(split_heads(linear_forward(u, w["w_q"])[0], h), offset=offset, base=base)
-    k, _ = rope_forward(split_heads(linear_forward(u, w["w_k"])[0], g), offset=offset, base=base)
+    h, g = config.n_heads, config.kv_heads
+    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
+    q, _ = rope_forward(split_heads(linear_forward(u, w["w_q"])[0], h), **rope)
+    k, _ = rope_forward(split_heads(linear_forward(u, w["w_k"])[0], g), **rope)
     v = split_heads(linear_forward(u, w["w_v"])[0], g)
     o = _cached_attention(cache, layer, q, k, v, offset)
     return linear_forward(merge_heads(o), w["w_o"])[0]
@@ -345,14 +346,15 @@ def _mla_attention(u, w, config, cache: LatentCache, layer, offset, mla_path):
     :math:`W_{UQ} W_{UK,r}^\top` and :math:`W_{UV,r} W_{O,r}` into single matrices offline.)
     """
     h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
-    eps, base = config.norm_eps, config.rope_base
+    eps = config.latent_eps
+    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
     n = u.shape[1]
     t = offset + n
     # The new rows' latents and rotary keys, stored; then the whole filled cache is read back.
     c, _ = linear_forward(u, w["w_dkv"])
     if config.latent_norm:
         c, _ = rmsnorm_forward(c, w["kv_norm.gamma"], eps)
-    k_r, _ = rope_forward(linear_forward(u, w["w_kr"])[0], offset=offset, base=base)
+    k_r, _ = rope_forward(linear_forward(u, w["w_kr"])[0], **rope)
     cache.latents[layer, :, offset:t] = c
     cache.rope_keys[layer, :, offset:t] = k_r
     latents, rope_keys = cache.latents[layer, :, :t], cache.rope_keys[layer, :, :t]
@@ -362,7 +364,7 @@ def _mla_attention(u, w, config, cache: LatentCache, layer, offset, mla_path):
         if config.latent_norm:
             u, _ = rmsnorm_forward(u, w["q_norm.gamma"], eps)
     q_c = split_heads(linear_forward(u, w["w_q" if config.q_lora_rank is None else "w_uq"])[0], h)
-    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"])[0], h), offset=offset, base=base)
+    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"])[0], h), **rope)
 
     b = u.shape[0]
     mask = causal_mask(n, t, dtype=u.dtype)

@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_field, check_flag, check_int, check_real
+from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import SdpaCache, causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (
@@ -56,7 +56,7 @@ from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backwa
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
-from refmath.positions import RoPECache, rope_backward, rope_forward
+from refmath.positions import ROPE_LAYOUTS, RoPECache, rope_backward, rope_forward
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -68,6 +68,7 @@ def check_shared_fields(config) -> None:
         check_field(config, name, check_int, 1)
     check_field(config, "d_ff", check_int, 1, optional=True)
     check_field(config, "rope_base", check_real, 1.0, low_open=True)
+    check_field(config, "rope_layout", check_choice, ROPE_LAYOUTS)
     check_field(config, "norm_eps", check_real, 0.0, low_open=True)
     check_field(config, "dropout", check_real, 0.0, 1.0, high_open=True)
     check_field(config, "init_std", check_real, 0.0, low_open=True)
@@ -93,7 +94,8 @@ class DecoderConfig:
     has no table, so it is a contract with the caller rather than a size. ``dropout`` (residual
     dropout on both sublayers' outputs, used only when ``train=True``) is 0 in modern recipes.
     ``init_std`` is the standard deviation of every weight at init (residual outputs scaled by
-    ``1/sqrt(2L)``, see :func:`init_params`).
+    ``1/sqrt(2L)``, see :func:`init_params`). ``rope_layout`` is RoPE's pairing of coordinates
+    (:func:`refmath.positions.rope_forward`): ``"interleaved"`` or Hugging Face's ``"half"``.
     """
 
     vocab_size: int
@@ -110,6 +112,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    rope_layout: str = "interleaved"
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -231,8 +234,8 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
     q, q_proj = linear_forward(x, params["w_q"])
     k, k_proj = linear_forward(x, params["w_k"])
     v, v_proj = linear_forward(x, params["w_v"])
-    q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base)
-    k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base)
+    q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base, layout=config.rope_layout)
+    k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base, layout=config.rope_layout)
     v = split_heads(v, g)
     heads = gqa_head_map(h, g)
     o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=causal_mask(x.shape[1], dtype=x.dtype))

@@ -176,8 +176,6 @@ def _sub(params: dict, prefix: str, keys) -> dict:
     return {k: params[prefix + k] for k in keys}
 
 
-# ---- batch checks --------------------------------------------------------------------------------
-
 # ---- dropout -------------------------------------------------------------------------------------
 
 def _dropout_mask(rng, shape, p: float, dtype):

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_field, check_flag, check_int
+from refmath._validate import check_field, check_flag, check_int, check_real
 from refmath.attention import SdpaCache, causal_mask, sdpa_backward, sdpa_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
@@ -82,8 +82,10 @@ class MLAConfig:
     key parts (even). ``head_dim`` (:math:`d_k`, the content query/key width per head) defaults to
     ``d_model // n_heads``, ``v_head_dim`` (:math:`d_v`) to ``head_dim``. ``q_lora_rank`` is the
     width of the compressed query :math:`c^Q`, or None for queries projected straight from ``x``.
-    ``latent_norm`` adds RMSNorms on the latents (see the module docstring). The other fields mean
-    what they mean in :class:`refmath.models.decoder.DecoderConfig`.
+    ``latent_norm`` adds RMSNorms on the latents (see the module docstring), with epsilon
+    ``latent_norm_eps`` (default: ``norm_eps``; DeepSeek-V2's released code fixes it at 1e-6
+    whatever its other norms use). The other fields mean what they mean in
+    :class:`refmath.models.decoder.DecoderConfig`.
     """
 
     vocab_size: int
@@ -104,9 +106,12 @@ class MLAConfig:
     tie_embeddings: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    rope_layout: str = "interleaved"
+    latent_norm_eps: float | None = None
 
     def __post_init__(self):
         check_shared_fields(self)
+        check_field(self, "latent_norm_eps", check_real, 0.0, low_open=True, optional=True)
         for name in ("d_c", "d_rope"):
             check_field(self, name, check_int, 1)
         for name in ("head_dim", "v_head_dim", "q_lora_rank"):
@@ -118,6 +123,11 @@ class MLAConfig:
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"MLAConfig.d_model = {self.d_model} is not divisible by "
                              f"n_heads = {self.n_heads}; give head_dim explicitly")
+
+    @property
+    def latent_eps(self) -> float:
+        """The epsilon of the latent RMSNorms."""
+        return self.norm_eps if self.latent_norm_eps is None else self.latent_norm_eps
 
     @property
     def d_k(self) -> int:
@@ -195,7 +205,7 @@ def mla_shapes(config: MLAConfig) -> dict:
 def mla_forward(x, params: dict, config: MLAConfig):
     r"""Causal multi-head latent attention, expanded path (catalogue K8, K9; equations in the module
     docstring). ``x`` is ``(B, T, d)``; returns ``(Y, cache)`` with ``Y`` ``(B, T, d)``."""
-    h, eps, base = config.n_heads, config.norm_eps, config.rope_base
+    h, eps, base = config.n_heads, config.latent_eps, config.rope_base
     # Keys and values: one latent row per token, expanded per head; one rotary key for all heads.
     c, kv_down = linear_forward(x, params["w_dkv"])
     kv_norm = None
@@ -204,7 +214,7 @@ def mla_forward(x, params: dict, config: MLAConfig):
     k_c, k_up = linear_forward(c, params["w_uk"])
     v, v_up = linear_forward(c, params["w_uv"])
     k_r, kr_proj = linear_forward(x, params["w_kr"])
-    k_r, kr_rope = rope_forward(k_r, base=base)  # (B, T, d_R): the sequence axis is -2
+    k_r, kr_rope = rope_forward(k_r, base=base, layout=config.rope_layout)  # (B, T, d_R): the sequence axis is -2
     # Queries, from x or from the compressed query.
     q_down = q_norm = None
     u = x
@@ -214,7 +224,7 @@ def mla_forward(x, params: dict, config: MLAConfig):
             u, q_norm = rmsnorm_forward(u, params["q_norm.gamma"], eps)
     q_c, qc_proj = linear_forward(u, params["w_q" if config.q_lora_rank is None else "w_uq"])
     q_r, qr_proj = linear_forward(u, params["w_qr"])
-    q_r, qr_rope = rope_forward(split_heads(q_r, h), base=base)
+    q_r, qr_rope = rope_forward(split_heads(q_r, h), base=base, layout=config.rope_layout)
     # Scores (q^C k^C^T + q^R k^R^T) / sqrt(d_k + d_R) as one product of concatenations (K9).
     b, t, _ = x.shape
     q = np.concatenate([split_heads(q_c, h), q_r], axis=-1)

@@ -41,12 +41,18 @@ CONFIGS = {
                                                         n_kv_heads=1, head_dim=6,
                                                         tie_embeddings=True, ffn_multiple_of=8,
                                                         init_std=0.3)),
+    "decoder-half-rope": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX,
+                                                         d_model=16, n_layers=1, n_heads=4,
+                                                         n_kv_heads=2, ffn_multiple_of=8,
+                                                         init_std=0.3,
+                                                         rope_layout="half")),
     "mla": (mla, mla.MLAConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16, n_layers=2, n_heads=4,
                                d_c=6, d_rope=4, ffn_multiple_of=8, init_std=0.3)),
     "mla-qlora-norms": (mla, mla.MLAConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16,
                                            n_layers=2, n_heads=4, d_c=6, d_rope=4, head_dim=6,
                                            v_head_dim=5, q_lora_rank=8, latent_norm=True,
-                                           ffn_multiple_of=8, init_std=0.3)),
+                                           ffn_multiple_of=8, init_std=0.3, rope_layout="half",
+                                           latent_norm_eps=1e-3)),
 }
 # Every model, and for MLA each decode path.
 MODEL_PATHS = [(name, "absorbed") for name in CONFIGS] + \

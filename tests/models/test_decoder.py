@@ -351,3 +351,23 @@ def test_bad_params_config_and_rng():
     loss, cache = decoder.forward(params, batch, config)
     with pytest.raises(ValueError, match="no loss"):
         decoder.backward(cache._replace(loss=None))
+
+
+def test_half_rope_layout_is_the_same_model_with_permuted_query_and_key_columns():
+    # Hugging Face's Llama pairs (x_r, x_{r + d_h/2}); refmath's default pairs (x_2r, x_2r+1).
+    # Permuting each head's query and key columns maps one onto the other: same logits.
+    config = tiny(n_kv_heads=2, head_dim=6)
+    params = decoder.init_params(config, seed=3)
+    d_h = config.d_h
+    perm = np.concatenate([np.arange(0, d_h, 2), np.arange(1, d_h, 2)])
+    half_params = dict(params)
+    for layer in range(config.n_layers):
+        for name, heads in (("w_q", config.n_heads), ("w_k", config.kv_heads)):
+            key = f"layers.{layer}.attn.{name}"
+            columns = (np.arange(heads)[:, None] * d_h + perm[None, :]).ravel()
+            half_params[key] = params[key][:, columns]
+    half = dataclasses.replace(config, rope_layout="half")
+    tokens = np.random.default_rng(4).integers(0, config.vocab_size, (2, 7))
+    np.testing.assert_allclose(decoder.logits(half_params, tokens, half),
+                               decoder.logits(params, tokens, config), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(decoder.logits(params, tokens, half), decoder.logits(params, tokens, config))

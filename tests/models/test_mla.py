@@ -310,3 +310,15 @@ def test_bad_params_and_config_type():
         mla.forward(params, batch, dataclasses.asdict(config))
     with pytest.raises(TypeError, match="MLAConfig"):
         mla.init_params(dataclasses.asdict(config))
+
+
+def test_latent_norm_eps_is_the_latent_norms_own():
+    config = tiny(latent_norm=True, q_lora_rank=8, norm_eps=1e-5)
+    params = mla.init_params(config, seed=2)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, (1, 5))
+    same = dataclasses.replace(config, latent_norm_eps=1e-5)  # None means norm_eps
+    np.testing.assert_array_equal(mla.logits(params, tokens, same), mla.logits(params, tokens, config))
+    other = dataclasses.replace(config, latent_norm_eps=0.5)
+    assert not np.allclose(mla.logits(params, tokens, other), mla.logits(params, tokens, config))
+    with pytest.raises(ValueError, match=r"MLAConfig.latent_norm_eps must be a finite number > 0"):
+        dataclasses.replace(config, latent_norm_eps=0.0)
