@@ -44,6 +44,8 @@ def _gradcheck(args: argparse.Namespace) -> int:
             result = check(case, seed=args.seed, max_coords=args.max_coords)
             failures += not result.passed
             verdict = "pass" if result.passed else f"FAIL (worst: {result.worst})"
+            if result.problem:
+                verdict = f"FAIL ({result.problem})"
             print(f"{case.name:<{width}}  {','.join(case.ids):<{id_width}} {result.max_error:>8.1e} "
                   f"{result.typical:>8.1e} {result.bound:>8.1e}  {verdict}", flush=True)
     elapsed = time.perf_counter() - start

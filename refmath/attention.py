@@ -416,6 +416,10 @@ for _label, _make in (
     ("causal with dropout mask p=0.3", _sdpa_inputs((2, 2), 4, 4, 3, 3, causal_mask(4), 0.7)),
     ("decode-style t_q=2 < t_k=5, scale 0.7", _sdpa_inputs((2,), 2, 5, 3, 4, causal_mask(2, 5),
                                                            scale=0.7)),
+    ("3 leading axes (2, 1, 2, 4, 3), causal", _sdpa_inputs((2, 1, 2), 4, 4, 3, 3,
+                                                            mask=causal_mask(4))),
+    ("T = 1, one key", _sdpa_inputs((2, 2), 1, 1, 3, 2)),
+    ("d_k = d_v = 1, causal", _sdpa_inputs((2,), 3, 3, 1, 1, mask=causal_mask(3))),
 ):
     register_case(OpCase("sdpa", _label, _SDPA_IDS, _make, sdpa_forward, sdpa_backward,
                          ("q", "k", "v")))
@@ -483,3 +487,6 @@ _mha_case("fused QKV h=4 g=2 causal with output bias", ("A9", "A10"),
           _mha_inputs((2,), 3, 5, 4, 2, 2, biases=True, fused=True, mask=causal_mask(3)),
           ("x", "w_qkv", "w_o", "b_o"))
 _mha_case("unbatched (T, d) h=2 g=1", ("A10",), _mha_inputs((), 4, 5, 2, 1, 3), ("x",) + _SEP)
+_mha_case("T = 1 h=2 g=1", ("A10",), _mha_inputs((2,), 1, 4, 2, 1, 2, mask=causal_mask(1)),
+          ("x",) + _SEP)
+_mha_case("h=g=1, d_h = 1", ("A10",), _mha_inputs((2,), 3, 3, 1, 1, 1, biases=True), ("x",) + _SEP + _BIASES)

@@ -128,7 +128,8 @@ class CheckResult:
     ``errors``: the largest error per input (the measure of the module docstring); ``typical``:
     the median error over every checked entry; ``bound``: the derived relative bound ``E / G``;
     ``tolerance``: ``E`` itself, the absolute error the stencil may make; ``worst``: the input
-    holding the largest error.
+    holding the largest error; ``problem``: why nothing could be compared (then ``passed`` is
+    False).
     """
 
     name: str
@@ -137,6 +138,7 @@ class CheckResult:
     bound: float
     tolerance: float
     coords_checked: int
+    problem: str = ""  # set when the check could not compare at all (a gradient of the wrong shape)
 
     @property
     def max_error(self) -> float:
@@ -160,7 +162,8 @@ def compare(name: str, analytic: Mapping[str, np.ndarray], numeric: Mapping[str,
     nonzero = sizes[sizes > 0]
     # G: the typical gradient entry. With no nonzero entry at all every error is |a - n| / E.
     typical_size = float(np.median(nonzero)) if nonzero.size else tolerance
-    typical_size = max(typical_size, tolerance)
+    # never below E (or the smallest float, when E = 0 because phi is exactly 0)
+    typical_size = max(typical_size, tolerance, np.finfo(np.float64).tiny)
     errors, all_errors = {}, []
     for key in analytic:
         a, n = analytic[key], numeric[key]
@@ -172,11 +175,18 @@ def compare(name: str, analytic: Mapping[str, np.ndarray], numeric: Mapping[str,
     return CheckResult(name, errors, typical, tolerance / typical_size, tolerance, int(every.size))
 
 
+def _shape_mismatch(name: str, key: str, grad, shape) -> CheckResult:
+    """A gradient of the wrong shape is a failed check, reported as such (not a crash)."""
+    return CheckResult(name, {key: float("inf")}, float("inf"), 0.0, 0.0, 0,
+                       problem=f"gradient of {key} has shape {np.shape(grad)}, input {shape}")
+
+
 def check_case(case: OpCase, seed: int = 0, max_coords: int | None = 128) -> CheckResult:
     """Vector-Jacobian check of ``case`` in float64 with a random upstream gradient.
 
-    Output entries that are not finite (``-inf`` at masked entries of a log-softmax) are constants
-    of the input; they are left out of ``phi`` by giving them an upstream gradient of 0.
+    Output entries that are not finite (``-inf`` at the masked entries of a log-softmax) are
+    constants of the input, so ``phi`` leaves them out; their upstream gradient is still random
+    and handed to ``backward``, which must ignore it (a leak shows up as an error).
     """
     _check_max_coords(max_coords)
     rng = np.random.default_rng(seed)
@@ -185,24 +195,23 @@ def check_case(case: OpCase, seed: int = 0, max_coords: int | None = 128) -> Che
         inputs[name] = np.ascontiguousarray(inputs[name], dtype=np.float64)
     out, cache = case.forward(**inputs)
     finite = np.isfinite(out)
-    dout = np.where(finite, rng.standard_normal(np.shape(out)), 0.0)
-    grads = case.grads_by_name(case.backward(dout, cache))
+    dout = rng.standard_normal(np.shape(out))
+    grads = case.grads_by_name(case.backward(dout.copy(), cache))
+    dout_finite = np.where(finite, dout, 0.0)
 
     def phi() -> float:
         value = case.forward(**inputs)[0]
-        return float(np.sum(np.where(finite, value, 0.0) * dout))
+        return float(np.sum(np.where(finite, value, 0.0) * dout_finite))
 
     analytic, numeric = {}, {}
     for name in case.wrt:
         x = inputs[name]
         if np.shape(grads[name]) != x.shape:
-            raise ValueError(
-                f"{case.name}: gradient of {name} has shape {np.shape(grads[name])}, input {x.shape}"
-            )
+            return _shape_mismatch(case.name, name, grads[name], x.shape)
         coords = sample_coords(x.size, max_coords, rng)
         numeric[name] = numerical_gradient(phi, x, coords)
         analytic[name] = np.asarray(grads[name], dtype=np.float64).reshape(-1)[coords]
-    phi_scale = float(np.sum(np.abs(np.where(finite, out, 0.0) * dout)))
+    phi_scale = float(np.sum(np.abs(np.where(finite, out, 0.0) * dout_finite)))
     return compare(case.name, analytic, numeric, phi_scale, case.kappa or ROUNDING_FACTOR)
 
 
@@ -231,14 +240,16 @@ def check_param_gradients(loss: Callable[[dict], float], grads: Mapping[str, np.
             lambda p: student.forward(p, batch, config)[0], student.backward(cache), params)
         assert result.passed, (result.worst, result.errors[result.worst], result.bound)
 
-    A missing or extra key, or a gradient of the wrong shape, raises ``ValueError`` naming it.
+    A missing or extra key, or a gradient of the wrong shape, fails the check (``problem`` says
+    which); parameters that are not contiguous float64 arrays raise ``ValueError``.
     """
     _check_max_coords(max_coords)
     missing = sorted(set(params) - set(grads))
     extra = sorted(set(grads) - set(params))
     if missing or extra:
-        raise ValueError(f"{name}: gradient keys differ from the parameters: missing {missing}, "
-                         f"unexpected {extra}")
+        return CheckResult(name, {(missing + extra)[0]: float("inf")}, float("inf"), 0.0, 0.0, 0,
+                           problem=f"gradient keys differ from the parameters: missing {missing}, "
+                           f"unexpected {extra}")
     rng = np.random.default_rng(seed)
     analytic, numeric = {}, {}
     for key, value in params.items():
@@ -246,8 +257,7 @@ def check_param_gradients(loss: Callable[[dict], float], grads: Mapping[str, np.
                 and value.flags.c_contiguous):
             raise ValueError(f"{name}: params[{key!r}] must be a contiguous float64 array")
         if np.shape(grads[key]) != value.shape:
-            raise ValueError(f"{name}: gradient of {key!r} has shape {np.shape(grads[key])}, "
-                             f"parameter {value.shape}")
+            return _shape_mismatch(name, key, grads[key], value.shape)
         coords = sample_coords(value.size, max_coords, rng)
         numeric[key] = numerical_gradient(lambda: float(loss(params)), value, coords)
         analytic[key] = np.asarray(grads[key], dtype=np.float64).reshape(-1)[coords]
