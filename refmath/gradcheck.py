@@ -189,6 +189,8 @@ def check_case(case: OpCase, seed: int = 0, max_coords: int | None = 128) -> Che
     and handed to ``backward``, which must ignore it (a leak shows up as an error).
     """
     _check_max_coords(max_coords)
+    if case.max_coords is not None:
+        max_coords = case.max_coords if max_coords is None else min(max_coords, case.max_coords)
     rng = np.random.default_rng(seed)
     inputs = case.make_inputs(rng)
     for name in case.wrt:
@@ -209,15 +211,17 @@ def check_case(case: OpCase, seed: int = 0, max_coords: int | None = 128) -> Che
         if np.shape(grads[name]) != x.shape:
             return _shape_mismatch(case.name, name, grads[name], x.shape)
         coords = sample_coords(x.size, max_coords, rng)
-        numeric[name] = numerical_gradient(phi, x, coords)
+        numeric[name] = numerical_gradient(phi, x, coords, case.step or STEP)
         analytic[name] = np.asarray(grads[name], dtype=np.float64).reshape(-1)[coords]
     phi_scale = float(np.sum(np.abs(np.where(finite, out, 0.0) * dout_finite)))
-    return compare(case.name, analytic, numeric, phi_scale, case.kappa or ROUNDING_FACTOR)
+    return compare(case.name, analytic, numeric, phi_scale, case.kappa or ROUNDING_FACTOR,
+                   case.step or STEP)
 
 
 def check_param_gradients(loss: Callable[[dict], float], grads: Mapping[str, np.ndarray],
                           params: dict, max_coords: int | None = 6, seed: int = 0,
-                          kappa: float = ROUNDING_FACTOR, name: str = "params") -> CheckResult:
+                          h: float = STEP, kappa: float = ROUNDING_FACTOR,
+                          name: str = "params") -> CheckResult:
     """Check a hand-written gradient dictionary against central differences of a scalar loss.
 
     ``params`` is a flat ``{name: float64 array}`` dict (a model's parameters), ``loss(params)`` the
@@ -259,9 +263,9 @@ def check_param_gradients(loss: Callable[[dict], float], grads: Mapping[str, np.
         if np.shape(grads[key]) != value.shape:
             return _shape_mismatch(name, key, grads[key], value.shape)
         coords = sample_coords(value.size, max_coords, rng)
-        numeric[key] = numerical_gradient(lambda: float(loss(params)), value, coords)
+        numeric[key] = numerical_gradient(lambda: float(loss(params)), value, coords, h)
         analytic[key] = np.asarray(grads[key], dtype=np.float64).reshape(-1)[coords]
-    return compare(name, analytic, numeric, abs(float(loss(params))), kappa)
+    return compare(name, analytic, numeric, abs(float(loss(params))), kappa, h)
 
 
 def check_param_case(case: ParamCase, seed: int = 0, max_coords: int | None = None) -> CheckResult:
@@ -272,13 +276,23 @@ def check_param_case(case: ParamCase, seed: int = 0, max_coords: int | None = No
     _, cache = forward(params)
     per_array = case.max_coords if max_coords is None else min(case.max_coords, max_coords)
     return check_param_gradients(lambda p: forward(p)[0], case.backward(cache), params,
-                                 max_coords=per_array, seed=seed,
+                                 max_coords=per_array, seed=seed, h=case.step or STEP,
                                  kappa=case.kappa or ROUNDING_FACTOR, name=case.name)
 
 
 def check(case: OpCase | ParamCase, seed: int = 0, max_coords: int | None = 128) -> CheckResult:
     """Check any registered case: :func:`check_case` for an op, :func:`check_param_case` for a
-    model (whose own per-array sample size applies when it is smaller than ``max_coords``)."""
+    model. A case's own ``max_coords`` applies where it is smaller than ``max_coords``."""
     if isinstance(case, ParamCase):
         return check_param_case(case, seed, max_coords)
     return check_case(case, seed, max_coords)
+
+
+def truncation_estimate(phi, x: np.ndarray, coords, h: float = STEP) -> np.ndarray:
+    """The truncation error of the five-point derivative at step ``h``, measured.
+
+    ``D(2h) - D(h) = -(16 - 1) h^4 phi^(5) / 30 + O(h^6)``, so ``|D(2h) - D(h)| / 15`` estimates
+    ``|D(h) - phi'|``'s truncation part (plus rounding of order ``E / 10``). Used by the tests to
+    confirm, case by case, that the bound may leave truncation out.
+    """
+    return np.abs(numerical_gradient(phi, x, coords, 2 * h) - numerical_gradient(phi, x, coords, h)) / 15

@@ -57,7 +57,10 @@ class OpCase:
     backward: Callable
     wrt: tuple[str, ...]
     group: str = "ops"
-    kappa: float | None = None  # rounding factor of the bound (refmath.gradcheck); None: default
+    max_coords: int | None = None  # at most this many coordinates per input (the slow cases)
+    # The stencil's step and rounding factor (refmath.gradcheck); None: the defaults there
+    step: float | None = None
+    kappa: float | None = None
 
     @property
     def name(self) -> str:
@@ -91,6 +94,7 @@ class ParamCase:
     backward: Callable
     group: str = "models"
     max_coords: int = 4
+    step: float | None = None
     kappa: float | None = None
 
     @property

@@ -53,6 +53,7 @@ from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backwa
 from refmath.models.params import check_param_dict
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
+from refmath.registry import ParamCase, register_case
 
 
 _ATTN = ("w_q", "w_k", "w_v", "w_o")
@@ -583,3 +584,34 @@ def logits(params, src, src_lengths, tokens, config: TransformerConfig) -> np.nd
     compared with the decoder-only models' ``logits(params, tokens, config)``.
     """
     return decode(params, encode(params, src, src_lengths, config), src_lengths, tokens, config)
+
+
+# ---- gradient-check case -------------------------------------------------------------------------
+
+def _case_make(config, train: bool):
+    """Norm gains and shifts moved off their initial values, and every ReLU input kept near +-1
+    (``b1 = +-1``, ``W_1`` shrunk) so that no finite-difference step crosses the kink; a padded
+    source, a target padded by length and by ``pad_id``."""
+    def make(rng):
+        params = init_params(config, seed=int(rng.integers(1 << 31)))
+        for name, value in params.items():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("gamma", "beta", "b2"):
+                value += 0.2 * rng.standard_normal(value.shape)
+            elif leaf == "b1":
+                value[:] = rng.choice([-1.0, 1.0], size=value.shape)
+            elif leaf == "w1":
+                value *= 0.25
+        batch = {"src": rng.integers(2, config.vocab_size, (2, 6)), "src_lengths": np.array([6, 4]),
+                 "tgt": rng.integers(2, config.vocab_size, (2, 5)), "tgt_lengths": np.array([5, 4])}
+        batch["tgt"][1, 2] = config.pad_id
+
+        def loss(p):
+            return forward(p, batch, config, train=train, rng=7)
+        return params, loss
+    return make
+
+
+# step 2.5e-4: see the GPT case
+register_case(ParamCase("transformer", "tiny, tied, dropout 0.2, label smoothing 0.1, padding", ("M1",),
+                        _case_make(TRANSFORMER_TINY, train=True), backward, max_coords=1, step=2.5e-4))
