@@ -465,7 +465,7 @@ def _mha_inputs(batch, t, d, h, g, d_h, biases=False, fused=False, ctx=None, mas
 def _mha_case(label, ids, make, wrt):
     """Register an mha case; ``wrt`` names every array input but the masks."""
     register_case(OpCase("mha", label, ("A1", "A6", "A8") + ids, make, _mha_case_forward,
-                         mha_backward, wrt, max_coords=32))
+                         mha_backward, wrt, max_coords=24))
 
 
 # The cases carry no key bias b_k (nor b_qkv, whose key slice is b_k). b_k adds q_i . b_k to every

@@ -436,4 +436,4 @@ for _label, _make in (
 ):
     register_case(OpCase("flash_attention", _label, ("F1", "F3", "F4", "A8"), _make,
                          _flash_case_forward, _flash_case_backward, ("q", "k", "v"),
-                         group="attention execution", max_coords=12))
+                         group="attention execution", max_coords=8))

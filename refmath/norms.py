@@ -128,8 +128,10 @@ for _label, _shape in (("rows (3, 8)", (3, 8)), ("batch (2, 3, 5)", (2, 3, 5)),
                        ("d = 1 (2, 3, 1)", (2, 3, 1))):
     register_case(OpCase("layernorm", _label, ("N1",), _norm_inputs(_shape, True),
                          layernorm_forward, layernorm_backward, ("x", "gamma", "beta")))
+# No d = 1 case for RMSNorm: there it is x / sqrt(x^2 + eps), a smoothed sign(x) whose derivative
+# eps / |x|^3 is tiny and whose higher derivatives are huge: no finite difference resolves it.
 for _label, _shape in (("rows (3, 8)", (3, 8)), ("batch (2, 3, 5)", (2, 3, 5)),
                        ("4 leading axes (2, 1, 2, 3, 5)", (2, 1, 2, 3, 5)), ("one row (6,)", (6,)),
-                       ("d = 1 (2, 3, 1)", (2, 3, 1))):
+                       ("d = 2 (2, 3, 2)", (2, 3, 2))):
     register_case(OpCase("rmsnorm", _label, ("N2",), _norm_inputs(_shape, False),
                          rmsnorm_forward, rmsnorm_backward, ("x", "gamma")))

@@ -656,7 +656,7 @@ for _g in (4, 2, 1):
                          _rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
                          _rope_attention_case_forward, _rope_attention_case_backward,
                          ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
-                         max_coords=16))
+                         max_coords=12))
 register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, loss mask", ("M3",),
                         model_case_maker(forward, init_params,
                                          DecoderConfig(**_TINY, n_kv_heads=2, dropout=0.25,

@@ -353,7 +353,7 @@ for _label, _extra in (("queries from x", {}),
     register_case(OpCase("mla_attention", f"{_label} (2, 5, 16)", ("K8", "K9", "A8"),
                          _mla_inputs(_config), _mla_case_forward, _mla_case_backward,
                          ("x",) + tuple(mla_shapes(_config)), group="attention execution",
-                         max_coords=16))
+                         max_coords=12))
 register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropout 0.25", ("M4",),
                         decoder.model_case_maker(forward, init_params,
                                                  MLAConfig(**_TINY, q_lora_rank=5, latent_norm=True,
