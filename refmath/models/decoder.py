@@ -661,4 +661,4 @@ register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, l
                         model_case_maker(forward, init_params,
                                          DecoderConfig(**_TINY, n_kv_heads=2, dropout=0.25,
                                                        tie_embeddings=True), train=True),
-                        backward, max_coords=3, step=2.5e-4))
+                        backward, max_coords=2, step=2.5e-4))

@@ -452,4 +452,4 @@ register_case(ParamCase(
     "gpt", "pre-LN, tied, 2 layers, dropout 0.2, loss mask", ("M2",),
     _case_make(GPTConfig(vocab_size=13, max_seq_len=8, n_layers=2, d_model=8, n_heads=2, d_ff=12,
                          dropout=0.2, norm_position="pre", tie_embeddings=True)),
-    backward, max_coords=2, step=2.5e-4))
+    backward, max_coords=1, step=2.5e-4))

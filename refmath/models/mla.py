@@ -358,4 +358,4 @@ register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropo
                         decoder.model_case_maker(forward, init_params,
                                                  MLAConfig(**_TINY, q_lora_rank=5, latent_norm=True,
                                                            dropout=0.25), train=True),
-                        backward, max_coords=2, step=2.5e-4))
+                        backward, max_coords=1, step=2.5e-4))
