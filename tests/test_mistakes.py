@@ -43,6 +43,15 @@ def test_gradcheck_alone_catches_it(mistake):
     print(f"\n{mistake.name}: {what}")
 
 
+@pytest.mark.parametrize("name", ["gelu tanh: sqrt(2/pi) rounded to float32",
+                                  "gelu tanh: 0.044715 rounded to float32"])
+def test_a_float32_constant_is_caught_at_every_seed(name):
+    # The former fixed bound of 1e-6 let these pass at most seeds; the derived bound must not.
+    mistake = next(m for m in MISTAKES if m.name == name)
+    missed = [seed for seed in range(10) if caught_by_gradcheck(mistake, seed) is None]
+    assert not missed, f"{name} passed at seeds {missed}"
+
+
 @pytest.mark.parametrize("mistake", OPTIMISER, ids=lambda m: m.name)
 def test_the_optimiser_checks_catch_it(mistake):
     failed = caught_by_optimiser_checks(mistake)
