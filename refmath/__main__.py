@@ -41,7 +41,13 @@ def _gradcheck(args: argparse.Namespace) -> int:
             continue
         print(f"# {group}")
         for case in members:
-            result = check(case, seed=args.seed, max_coords=args.max_coords)
+            try:
+                result = check(case, seed=args.seed, max_coords=args.max_coords)
+            except Exception as error:  # a backward that raises is a failed check, not the end
+                failures += 1
+                print(f"{case.name:<{width}}  {','.join(case.ids):<{id_width}} {'-':>8} {'-':>8} "
+                      f"{'-':>8}  FAIL (raised {type(error).__name__}: {error})", flush=True)
+                continue
             failures += not result.passed
             verdict = "pass" if result.passed else f"FAIL (worst: {result.worst})"
             if result.problem:

@@ -193,3 +193,14 @@ def test_command_runs_one_group_member_and_reports_median_and_bound(capsys):
     assert main(["gradcheck", "--op", "layernorm[4 leading*"]) == 0
     out = capsys.readouterr().out
     assert "median" in out and "bound" in out and "1 passed, 0 failed" in out
+
+
+def test_command_reports_a_backward_that_raises_as_a_failure(capsys, monkeypatch):
+    import refmath.gradcheck
+
+    def broken(case, seed=0, max_coords=None):
+        raise ValueError("shapes (3,4) and (5,) not aligned")
+    monkeypatch.setattr(refmath.gradcheck, "check", broken)
+    assert main(["gradcheck", "--op", "relu"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL (raised ValueError: shapes" in out and "0 passed, 2 failed" in out
