@@ -28,7 +28,8 @@ machine epsilon (2.2e-16), ``Phi = sum |f(x) * dout|`` (the magnitude of what ``
 sum, an exponential...). The four errors enter ``D`` with weights ``8, 8, 1, 1`` over ``12 h``:
 
 .. math::
-    |D_{\text{float}}(h) - D(h)| \le \frac{18}{12 h}\,\kappa\,\epsilon\,\Phi = \frac{3\,\kappa\,\epsilon\,\Phi}{2 h}.
+    |D_{\text{float}}(h) - D(h)| \le \frac{18}{12 h}\,\kappa\,\epsilon\,\Phi
+                                 = \frac{3\,\kappa\,\epsilon\,\Phi}{2 h}.
 
 **Truncation, measured.** ``phi^(5)`` is not known in advance, and it is not always small: a
 whole model's loss measures ``|D - phi'| ~ 2e-9`` at ``h = 1e-3``, far above its rounding term. So
@@ -46,13 +47,13 @@ widen its own bound; a kink within ``4h`` of the point (a ReLU input near 0) sho
 **The step.** The total ``h^4 |phi^(5)| / 30 + 3 kappa eps Phi / (2h)`` is smallest at
 ``h = (45 kappa eps Phi / (4 |phi^(5)|))^(1/5)``: ``~1e-3`` when ``|phi^(5)|`` and ``kappa Phi`` are
 of the same size, as for the ops here (inputs of order 1, weights scaled by ``1/sqrt(fan-in)``), and
-``2.5e-4`` for the models, whose fifth derivative is some 1e4 times larger (a case's ``step``).
+``2.5e-4`` for the models, whose fifth derivative is 1e3 to 1e4 times larger (a case's ``step``).
 
-**The bound.** With ``kappa = 16`` every numerical derivative is within ``E + 2T`` of the true one, ``E = 3 kappa eps
-Phi / (2h) ~ 5e-12 Phi`` at ``h = 1e-3`` and ``T`` the largest measured truncation (doubled for the
-estimate's own error). This is an absolute error, the same for every coordinate of a case. A
-case's relative bound is it over the case's typical gradient entry ``G`` (the median of
-``|a| + |n|`` over the checked entries):
+**The bound.** With ``kappa = 16`` every numerical derivative is within ``E + 2T`` of the true
+one: ``E = 3 kappa eps Phi / (2h)``, ``~5e-12 Phi`` at ``h = 1e-3``, and ``T`` the largest measured
+truncation, doubled for the estimate's own error. This is an absolute error, the same for every
+coordinate of a case. A case's relative bound is it over the case's typical gradient entry ``G``
+(the median of ``|a| + |n|`` over the checked entries):
 
 .. math::
     \text{bound} = (E + 2T) / G, \qquad

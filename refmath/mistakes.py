@@ -223,7 +223,9 @@ MISTAKES: tuple[Mistake, ...] = (
        "dk_j += dk_part.sum(axis=2) * scale", "dk_j += dk_part.sum(axis=2)",
        "S = tau Q K^T: dK = tau dS^T Q", "flash_attention*"),
     _g("flash: causal mask forgotten in the backward", "refmath.flash:flash_attention_backward",
-       "            if visible is not None:\n                s = np.where(visible, s, -np.inf)\n            p = ",
+       "            if visible is not None:\n"
+       "                s = np.where(visible, s, -np.inf)\n"
+       "            p = ",
        "            p = ",
        "recomputed weights must hide the same pairs as the forward", "flash_attention*causal*"),
     # ---- whole models (M1-M4) ----
@@ -428,7 +430,8 @@ def optimiser_checks() -> dict[str, bool]:
     returned = optim.clip_grad_norm(grads, 0.5)
     clipped = math.sqrt(sum(float(np.sum(v * v)) for v in grads.values()))
     results["clip: global norm max_norm n / (n + 1e-6)"] = (
-        math.isclose(returned, n, rel_tol=1e-12) and math.isclose(clipped, 0.5 * n / (n + 1e-6), rel_tol=1e-12)
+        math.isclose(returned, n, rel_tol=1e-12)
+        and math.isclose(clipped, 0.5 * n / (n + 1e-6), rel_tol=1e-12)
         and all(np.allclose(grads[k] * n, before[k] * clipped, rtol=1e-12) for k in grads))
 
     w, total, top, bottom = 10, 110, 3e-4, 3e-5
@@ -437,8 +440,8 @@ def optimiser_checks() -> dict[str, bool]:
         and math.isclose(optim.warmup_cosine(60, top, w, total, bottom), (top + bottom) / 2, rel_tol=1e-12)
         and math.isclose(optim.warmup_cosine(w // 2, top, w, total, bottom), top / 2, rel_tol=1e-15)
         and math.isclose(optim.warmup_cosine(total - 1, top, w, total, bottom),
-                         bottom + (top - bottom) * (1 + math.cos(math.pi * (total - 1 - w) / (total - w))) / 2,
-                         rel_tol=1e-12))
+                         bottom + (top - bottom) * (1 + math.cos(math.pi * (total - 1 - w) / (total - w)))
+                         / 2, rel_tol=1e-12))
     d, warm = 512, 4000
     peak = d**-0.5 * warm**-0.5
     results["transformer schedule: peak d^-1/2 w^-1/2 at s = w"] = (
