@@ -412,6 +412,10 @@ for _label, _make in (
     ("causal with dropout mask p=0.3", _sdpa_inputs((2, 2), 4, 4, 3, 3, causal_mask(4), 0.7)),
     ("decode-style t_q=2 < t_k=5, scale 0.7", _sdpa_inputs((2,), 2, 5, 3, 4, causal_mask(2, 5),
                                                            scale=0.7)),
+    ("3 leading axes (2, 1, 2, 4, 3), causal", _sdpa_inputs((2, 1, 2), 4, 4, 3, 3,
+                                                            mask=causal_mask(4))),
+    ("T = 1, one key", _sdpa_inputs((2, 2), 1, 1, 3, 2)),
+    ("d_k = d_v = 1, causal", _sdpa_inputs((2,), 3, 3, 1, 1, mask=causal_mask(3))),
 ):
     register_case(OpCase("sdpa", _label, _SDPA_IDS, _make, sdpa_forward, sdpa_backward,
                          ("q", "k", "v")))
@@ -457,7 +461,7 @@ def _mha_inputs(batch, t, d, h, g, d_h, biases=False, fused=False, ctx=None, mas
 def _mha_case(label, ids, make, wrt):
     """Register an mha case; ``wrt`` names every array input but the masks."""
     register_case(OpCase("mha", label, ("A1", "A6", "A8") + ids, make, _mha_case_forward,
-                         mha_backward, wrt))
+                         mha_backward, wrt, max_coords=24))
 
 
 # The cases carry no key bias b_k (nor b_qkv, whose key slice is b_k). b_k adds q_i . b_k to every
@@ -479,3 +483,6 @@ _mha_case("fused QKV h=4 g=2 causal with output bias", ("A9", "A10"),
           _mha_inputs((2,), 3, 5, 4, 2, 2, biases=True, fused=True, mask=causal_mask(3)),
           ("x", "w_qkv", "w_o", "b_o"))
 _mha_case("unbatched (T, d) h=2 g=1", ("A10",), _mha_inputs((), 4, 5, 2, 1, 3), ("x",) + _SEP)
+_mha_case("T = 1 h=2 g=1", ("A10",), _mha_inputs((2,), 1, 4, 2, 1, 2, mask=causal_mask(1)),
+          ("x",) + _SEP)
+_mha_case("h=g=1, d_h = 1", ("A10",), _mha_inputs((2,), 3, 3, 1, 1, 1, biases=True), ("x",) + _SEP + _BIASES)

@@ -73,3 +73,6 @@ register_case(OpCase("embedding", "ids (2, 5) vocab 7", ("N12",), _embedding_inp
                      embedding_forward, embedding_backward, ("table",)))
 register_case(OpCase("embedding", "scaled by sqrt(d), ids (6,) vocab 9", ("N8", "N12"),
                      _embedding_inputs((6,), 9, 4, True), embedding_forward, embedding_backward, ("table",)))
+register_case(OpCase("embedding", "3-D ids (2, 1, 3), d = 1", ("N12",),
+                     _embedding_inputs((2, 1, 3), 5, 1, False), embedding_forward, embedding_backward,
+                     ("table",)))

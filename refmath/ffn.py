@@ -460,6 +460,12 @@ register_case(OpCase("linear", "no bias (3, 4) -> 5", ("N5",), _linear_inputs((3
                      _linear_case_forward, _linear_case_backward, ("x", "w")))
 register_case(OpCase("linear", "batch (2, 3, 4) -> 6", ("N5",), _linear_inputs((2, 3, 4), 6, True),
                      _linear_case_forward, _linear_case_backward, ("x", "w", "b")))
+# dW and db sum over every leading axis, however many
+register_case(OpCase("linear", "4 leading axes (2, 1, 2, 3, 4) -> 5", ("N5",),
+                     _linear_inputs((2, 1, 2, 3, 4), 5, True), _linear_case_forward,
+                     _linear_case_backward, ("x", "w", "b")))
+register_case(OpCase("linear", "d_in = d_out = 1 (3, 1) -> 1", ("N5",), _linear_inputs((3, 1), 1, True),
+                     _linear_case_forward, _linear_case_backward, ("x", "w", "b")))
 
 register_case(OpCase("relu", "(3, 7)", ("N5",), lambda rng: {"x": _away_from_zero(rng, (3, 7))},
                      relu_forward, relu_backward, ("x",)))
@@ -470,6 +476,19 @@ register_case(OpCase("gelu", "tanh (3, 7)", ("N6",),
                      lambda rng: {"x": 2.0 * rng.standard_normal((3, 7)), "approximate": True},
                      gelu_forward, gelu_backward, ("x",)))
 register_case(OpCase("silu", "(3, 7)", ("N6",), lambda rng: {"x": 3.0 * rng.standard_normal((3, 7))},
+                     silu_forward, silu_backward, ("x",)))
+# Element-wise ops take any shape: one case each with four leading axes
+register_case(OpCase("relu", "(2, 1, 2, 3, 4)", ("N5",),
+                     lambda rng: {"x": _away_from_zero(rng, (2, 1, 2, 3, 4))}, relu_forward,
+                     relu_backward, ("x",)))
+register_case(OpCase("gelu", "exact (2, 1, 2, 3, 4)", ("N6",),
+                     lambda rng: {"x": 2.0 * rng.standard_normal((2, 1, 2, 3, 4)), "approximate": False},
+                     gelu_forward, gelu_backward, ("x",)))
+register_case(OpCase("gelu", "tanh (2, 1, 2, 3, 4)", ("N6",),
+                     lambda rng: {"x": 2.0 * rng.standard_normal((2, 1, 2, 3, 4)), "approximate": True},
+                     gelu_forward, gelu_backward, ("x",)))
+register_case(OpCase("silu", "(2, 1, 2, 3, 4)", ("N6",),
+                     lambda rng: {"x": 3.0 * rng.standard_normal((2, 1, 2, 3, 4))},
                      silu_forward, silu_backward, ("x",)))
 
 
@@ -497,7 +516,8 @@ def _ffn_case_backward(dout, cache):
 
 
 _FFN_WRT = ("x", "w1", "b1", "w2", "b2")
-for _act, _shape in (("relu", (3, 4)), ("gelu", (2, 3, 4)), ("gelu_tanh", (3, 4)), ("identity", (3, 4))):
+for _act, _shape in (("relu", (3, 4)), ("gelu", (2, 3, 4)), ("gelu_tanh", (3, 4)), ("identity", (3, 4)),
+                     ("gelu_tanh", (2, 1, 2, 2, 4))):
     register_case(OpCase("ffn", f"{_act} {_shape} d_f=6", ("N5", "N6"), _ffn_inputs(_shape, 6, _act, True),
                          ffn_forward, _ffn_case_backward, _FFN_WRT))
 register_case(OpCase("ffn", "relu no bias (3, 4) d_f=6", ("N5",), _ffn_inputs((3, 4), 6, "relu", False),
@@ -518,3 +538,6 @@ register_case(OpCase("swiglu", "(3, 4) d_f=6", ("N7",), _swiglu_inputs((3, 4), 6
                      swiglu_forward, swiglu_backward, ("x", "w_gate", "w_up", "w_down")))
 register_case(OpCase("swiglu", "batch (2, 3, 4) d_f=5", ("N7",), _swiglu_inputs((2, 3, 4), 5),
                      swiglu_forward, swiglu_backward, ("x", "w_gate", "w_up", "w_down")))
+register_case(OpCase("swiglu", "4 leading axes (2, 1, 2, 2, 4) d_f=3", ("N7",),
+                     _swiglu_inputs((2, 1, 2, 2, 4), 3), swiglu_forward, swiglu_backward,
+                     ("x", "w_gate", "w_up", "w_down")))

@@ -31,9 +31,10 @@ When ``T_q > T_k`` the first ``T_q - T_k`` queries sit before the first key and 
 either mask; such a row (like any row with no visible key) has output 0, logsumexp ``-inf`` and zero
 gradients.
 
-These functions are not in the gradient-check registry: their gradients are checked against the
-dense reference :func:`refmath.attention.sdpa_backward` (itself gradient-checked) to float64
-rounding, in ``tests/test_flash.py``.
+The gradient-check registry holds these functions in its "attention execution" group (the cases
+at the end of this file: tiles that do not divide the lengths, causal, sliding-window, GQA and MQA,
+queries with no visible key), and ``tests/test_flash.py`` compares them with the dense reference
+:func:`refmath.attention.sdpa_backward` to float64 rounding.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refmath._validate import check_axis, check_flag, check_int, check_ndim, check_real, float_array
+from refmath.registry import OpCase, register_case
 from refmath.softmax import (
     online_softmax_block,
     online_softmax_empty,
@@ -389,3 +391,42 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
         dk[:, :, j0:j1] = dk_j
         dv[:, :, j0:j1] = dv_j
     return dq.reshape(q.shape), dk, dv
+
+
+# ---- gradient-check cases ------------------------------------------------------------------------
+
+def _flash_case_forward(q, k, v, **options):
+    """``(o, cache)`` for the registry: the cache is what the backward takes besides ``do``."""
+    o, lse = flash_attention_forward(q, k, v, **options)
+    return o, (q, k, v, o, lse, options)
+
+
+def _flash_case_backward(do, cache):
+    q, k, v, o, lse, options = cache
+    return flash_attention_backward(do, q, k, v, o, lse, **options)
+
+
+def _flash_inputs(b, h, g, t_q, t_k, d, d_v, **options):
+    def make(rng):
+        return {"q": rng.standard_normal((b, h, t_q, d)), "k": rng.standard_normal((b, g, t_k, d)),
+                "v": rng.standard_normal((b, g, t_k, d_v)), **options}
+    return make
+
+
+# Blocks of 2 and 3 that do not divide the lengths: every case has partial tiles, tiles cut by the
+# mask's edge and (causal, window) tiles skipped whole.
+for _label, _make in (
+    ("MHA h=g=2, T=5, blocks 2x3", _flash_inputs(2, 2, 2, 5, 5, 3, 4, block_q=2, block_k=3)),
+    ("GQA h=4 g=2 causal, T=7, blocks 3x2", _flash_inputs(1, 4, 2, 7, 7, 3, 3, causal=True,
+                                                          block_q=3, block_k=2)),
+    ("MQA h=3 g=1, window 3, T=6, blocks 2x2", _flash_inputs(2, 3, 1, 6, 6, 2, 3, window=3,
+                                                             block_q=2, block_k=2)),
+    ("causal T_q=5 > T_k=3: two queries see nothing", _flash_inputs(1, 2, 2, 5, 3, 3, 2, causal=True,
+                                                                   block_q=2, block_k=2)),
+    ("decode-style T_q=2 < T_k=7, scale 0.6", _flash_inputs(2, 2, 1, 2, 7, 4, 3, causal=True,
+                                                            scale=0.6, block_q=4, block_k=3)),
+    ("T=1, D=1", _flash_inputs(2, 2, 2, 1, 1, 1, 1)),
+):
+    register_case(OpCase("flash_attention", _label, ("F1", "F3", "F4", "A8"), _make,
+                         _flash_case_forward, _flash_case_backward, ("q", "k", "v"),
+                         group="attention execution", max_coords=8))

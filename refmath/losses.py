@@ -160,3 +160,9 @@ _ce_case("loss_mask on a 2-token prompt, ignore_index -1", ("L5",),
 _ce_case("label smoothing 0.1", ("L4",), _ce_inputs((4,), 6, label_smoothing=0.1))
 _ce_case("(B, T, V) = (2, 3, 5), smoothing 0.2, 1 ignored", ("L2", "L3", "L4"),
          _ce_inputs((2, 3), 5, n_ignored=1, label_smoothing=0.2))
+# One counted token: the mean divides by n = 1 (a max(n, 2) would halve the gradient unseen with 3+)
+_ce_case("one counted token of 4", ("L2", "L3"), _ce_inputs((4,), 6, n_ignored=3))
+_ce_case("one counted token, smoothing 0.1", ("L3", "L4"), _ce_inputs((1,), 5, label_smoothing=0.1))
+_ce_case("3 leading axes (2, 1, 3, V=4), loss mask, 1 ignored", ("L2", "L5"),
+         _ce_inputs((2, 1, 3), 4, n_ignored=1, prompt_len=1))
+_ce_case("V = 1", ("L2", "L3"), _ce_inputs((3,), 1))

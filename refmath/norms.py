@@ -123,11 +123,17 @@ def _norm_inputs(shape, with_beta):
     return make
 
 
-register_case(OpCase("layernorm", "rows (3, 8)", ("N1",), _norm_inputs((3, 8), True),
-                     layernorm_forward, layernorm_backward, ("x", "gamma", "beta")))
-register_case(OpCase("layernorm", "batch (2, 3, 5)", ("N1",), _norm_inputs((2, 3, 5), True),
-                     layernorm_forward, layernorm_backward, ("x", "gamma", "beta")))
-register_case(OpCase("rmsnorm", "rows (3, 8)", ("N2",), _norm_inputs((3, 8), False),
-                     rmsnorm_forward, rmsnorm_backward, ("x", "gamma")))
-register_case(OpCase("rmsnorm", "batch (2, 3, 5)", ("N2",), _norm_inputs((2, 3, 5), False),
-                     rmsnorm_forward, rmsnorm_backward, ("x", "gamma")))
+# Shapes with 0, 1, 2 and 4 leading axes: dgamma and dbeta sum over all of them, and a sum over
+# only the first two would pass every case up to 3-D. d = 1 is legal: x - mu = 0, the output is beta.
+for _label, _shape in (("rows (3, 8)", (3, 8)), ("batch (2, 3, 5)", (2, 3, 5)),
+                       ("4 leading axes (2, 1, 2, 3, 5)", (2, 1, 2, 3, 5)), ("one row (6,)", (6,)),
+                       ("d = 1 (2, 3, 1)", (2, 3, 1))):
+    register_case(OpCase("layernorm", _label, ("N1",), _norm_inputs(_shape, True),
+                         layernorm_forward, layernorm_backward, ("x", "gamma", "beta")))
+# No d = 1 case for RMSNorm: there it is x / sqrt(x^2 + eps), a smoothed sign(x) whose derivative
+# eps / |x|^3 is tiny and whose higher derivatives are huge: no finite difference resolves it.
+for _label, _shape in (("rows (3, 8)", (3, 8)), ("batch (2, 3, 5)", (2, 3, 5)),
+                       ("4 leading axes (2, 1, 2, 3, 5)", (2, 1, 2, 3, 5)), ("one row (6,)", (6,)),
+                       ("d = 2 (2, 3, 2)", (2, 3, 2))):
+    register_case(OpCase("rmsnorm", _label, ("N2",), _norm_inputs(_shape, False),
+                         rmsnorm_forward, rmsnorm_backward, ("x", "gamma")))

@@ -221,6 +221,12 @@ register_case(OpCase("learned_positions", "(4, 3) in 6 rows", ("N9",), _learned_
 register_case(OpCase("learned_positions", "batch (2, 3, 4) offset 2 in 7 rows", ("N9",),
                      _learned_inputs((2, 3, 4), 7, 2),
                      learned_positions_forward, learned_positions_backward, ("x", "table")))
+# dtable sums over every leading axis
+register_case(OpCase("learned_positions", "3 leading axes (2, 1, 2, 3, 4) offset 1", ("N9",),
+                     _learned_inputs((2, 1, 2, 3, 4), 5, 1),
+                     learned_positions_forward, learned_positions_backward, ("x", "table")))
+register_case(OpCase("learned_positions", "T = 1, d = 1, last row", ("N9",), _learned_inputs((2, 1, 1), 4, 3),
+                     learned_positions_forward, learned_positions_backward, ("x", "table")))
 
 
 def _rope_inputs(shape, **extra):
@@ -235,4 +241,8 @@ register_case(OpCase("rope", "(B, H, T, d_k) = (2, 2, 3, 4) offset 7", ("N10",),
                      _rope_inputs((2, 2, 3, 4), offset=7), rope_forward, rope_backward, ("x",)))
 register_case(OpCase("rope", "explicit positions, base 100", ("N10",),
                      _rope_inputs((2, 4, 6), positions=np.array([0, 3, 4, 11]), base=100.0),
+                     rope_forward, rope_backward, ("x",)))
+register_case(OpCase("rope", "3 leading axes (2, 1, 2, 3, 4) offset 2", ("N10",),
+                     _rope_inputs((2, 1, 2, 3, 4), offset=2), rope_forward, rope_backward, ("x",)))
+register_case(OpCase("rope", "T = 1, d_k = 2, offset 5", ("N10",), _rope_inputs((2, 1, 2), offset=5),
                      rope_forward, rope_backward, ("x",)))

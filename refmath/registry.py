@@ -1,9 +1,16 @@
-"""The list of every differentiable op, each with a small input generator.
+"""The list of every hand-written gradient, each with a small input generator.
 
-Each op module registers its own cases at its end (``register_case(OpCase(...))``), next to the
-code they exercise. The gradient-check suite, the PyTorch oracle tests and ``python -m refmath
-gradcheck`` all iterate over :func:`all_cases`, so a new op is checked everywhere once it is
-registered here, with no hand-written list per test.
+Each module registers its own cases at its end (``register_case(OpCase(...))``), next to the code
+they exercise. The cases come in three groups:
+
+- ``"ops"``: one equation each (softmax, layernorm, sdpa, ...), an :class:`OpCase`;
+- ``"attention execution"``: attention as the models and kernels run it (the FlashAttention
+  reference's tiled backward, RoPE attention, MLA attention), also :class:`OpCase`;
+- ``"models"``: a whole network's loss against its parameter dict, a :class:`ParamCase`.
+
+The gradient-check suite, the PyTorch oracle tests and ``python -m refmath gradcheck`` iterate over
+:func:`all_cases`, so a new op is checked everywhere once it is registered here, with no
+hand-written list per test.
 """
 from __future__ import annotations
 
@@ -22,7 +29,14 @@ OP_MODULES = (
     "refmath.positions",
     "refmath.embedding",
     "refmath.losses",
+    "refmath.flash",
+    "refmath.models.transformer",
+    "refmath.models.gpt",
+    "refmath.models.decoder",
+    "refmath.models.mla",
 )
+
+GROUPS = ("ops", "attention execution", "models")
 
 
 @dataclass(frozen=True)
@@ -42,7 +56,11 @@ class OpCase:
     forward: Callable
     backward: Callable
     wrt: tuple[str, ...]
-    bound: float = 1e-6
+    group: str = "ops"
+    max_coords: int | None = None  # at most this many coordinates per input (the slow cases)
+    # The stencil's step and rounding factor (refmath.gradcheck); None: the defaults there
+    step: float | None = None
+    kappa: float | None = None
 
     @property
     def name(self) -> str:
@@ -59,19 +77,61 @@ class OpCase:
         return dict(zip(self.wrt, grads))
 
 
-_CASES: dict[str, OpCase] = {}
+@dataclass(frozen=True)
+class ParamCase:
+    """A scalar loss of a flat parameter dict with a hand-written gradient dict (a whole model).
+
+    ``make(rng)`` returns ``(params, forward)``: float64 parameters and ``forward(params) ->
+    (loss, cache)`` with the batch, the config and any dropout seed fixed inside it, so that every
+    call computes the same function. ``backward(cache)`` returns the gradient dict. The check
+    samples ``max_coords`` coordinates of every parameter array.
+    """
+
+    op: str
+    label: str
+    ids: tuple[str, ...]
+    make: Callable[[np.random.Generator], tuple]
+    backward: Callable
+    group: str = "models"
+    max_coords: int = 4
+    step: float | None = None
+    kappa: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}[{self.label}]"
 
 
-def register_case(case: OpCase) -> OpCase:
-    """Add ``case`` to the registry; names must be unique."""
+_CASES: dict[str, OpCase | ParamCase] = {}
+
+
+def register_case(case: OpCase | ParamCase) -> OpCase | ParamCase:
+    """Add ``case`` to the registry; names must be unique and the group one of :data:`GROUPS`."""
     if case.name in _CASES:
         raise ValueError(f"duplicate op case {case.name!r}")
+    if case.group not in GROUPS:
+        raise ValueError(f"{case.name}: group must be one of {GROUPS}, got {case.group!r}")
     _CASES[case.name] = case
     return case
 
 
-def all_cases() -> list[OpCase]:
-    """Every registered case, in module order."""
+def all_cases(group: str | None = "ops") -> list:
+    """The registered cases of ``group`` (one of :data:`GROUPS`; ``None`` for all), in the order of
+    :data:`OP_MODULES`.
+
+    The default is the single-equation ops, each an :class:`OpCase` with a PyTorch mirror in the
+    oracle tests; ask for the other groups by name.
+    """
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS} or None, got {group!r}")
     for module in OP_MODULES:
         importlib.import_module(module)
-    return list(_CASES.values())
+
+    def module_order(case) -> int:
+        # modules register as they are imported, which follows their imports of each other; list
+        # the cases in the order of OP_MODULES instead (the order of the story, M1 to M4)
+        defined_in = (case.make if isinstance(case, ParamCase) else case.forward).__module__
+        return OP_MODULES.index(defined_in) if defined_in in OP_MODULES else len(OP_MODULES)
+
+    cases = [case for case in _CASES.values() if group is None or case.group == group]
+    return sorted(cases, key=module_order)  # stable: within a module, the order of registration

@@ -263,10 +263,23 @@ register_case(OpCase("softmax", "partly masked rows (2, 3, 6)", ("A5", "A11"),
 register_case(OpCase("softmax", "with a fully masked row (2, 3, 5)", ("A5", "A11"),
                      _softmax_rows((2, 3, 5), n_masked=1, fully_masked_row=True),
                      softmax_forward, softmax_backward, ("x",)))
-# log_softmax cases keep every output finite (a partly masked row would give -inf outputs, and the
-# check's sum(out * dout) would be infinite); a fully masked row is fine: its output is zeros.
+register_case(OpCase("softmax", "4 leading axes (2, 1, 2, 3, 4), partly masked", ("A5", "A11"),
+                     _softmax_rows((2, 1, 2, 3, 4), n_masked=3), softmax_forward, softmax_backward,
+                     ("x",)))
+register_case(OpCase("softmax", "one entry per row (3, 1)", ("A5", "A11"), _softmax_rows((3, 1)),
+                     softmax_forward, softmax_backward, ("x",)))
+# A partly masked row gives -inf outputs at its masked entries: the check leaves those constants
+# out of sum(out * dout) but still hands their random dout to the backward, which must ignore it.
 register_case(OpCase("log_softmax", "rows (4, 6)", ("A11",), _softmax_rows((4, 6)),
                      log_softmax_forward, log_softmax_backward, ("x",)))
+register_case(OpCase("log_softmax", "partly masked rows (2, 3, 6)", ("A11",),
+                     _softmax_rows((2, 3, 6), n_masked=2), log_softmax_forward, log_softmax_backward,
+                     ("x",)))
 register_case(OpCase("log_softmax", "with a fully masked row (2, 3, 5)", ("A11",),
-                     _softmax_rows((2, 3, 5), fully_masked_row=True),
+                     _softmax_rows((2, 3, 5), n_masked=1, fully_masked_row=True),
+                     log_softmax_forward, log_softmax_backward, ("x",)))
+register_case(OpCase("log_softmax", "4 leading axes (2, 1, 2, 3, 4), partly masked", ("A11",),
+                     _softmax_rows((2, 1, 2, 3, 4), n_masked=1), log_softmax_forward,
+                     log_softmax_backward, ("x",)))
+register_case(OpCase("log_softmax", "one entry per row (3, 1)", ("A11",), _softmax_rows((3, 1)),
                      log_softmax_forward, log_softmax_backward, ("x",)))

@@ -72,10 +72,11 @@ MIRRORS = {
     "rmsnorm": lambda x, gamma: F.rms_norm(x, x.shape[-1:], gamma, eps=1e-6),
     # ---- softmax and attention mirrors ----
     "softmax": _softmax,
-    # registered log_softmax rows are finite or fully masked (see refmath.softmax)
+    # refmath: -inf at masked entries (constants, no gradient), zeros on fully masked rows
     "log_softmax": lambda x: torch.where(
         torch.isneginf(x).all(-1, keepdim=True), 0.0,
-        torch.log_softmax(x.clamp(min=torch.finfo(x.dtype).min), -1)),
+        torch.where(torch.isneginf(x), -torch.inf,
+                    torch.log_softmax(x.clamp(min=torch.finfo(x.dtype).min), -1))),
     "sdpa": _sdpa,
     "mha": _mha,
     # ---- ffn, positions, embedding and loss mirrors ----

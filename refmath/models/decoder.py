@@ -57,6 +57,7 @@ from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import ROPE_LAYOUTS, RoPECache, rope_backward, rope_forward
+from refmath.registry import OpCase, ParamCase, register_case
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -566,3 +567,72 @@ def layer_kv(cache: DecoderCache) -> list:
     only (K1).
     """
     return layer_states(cache)
+
+
+# ---- gradient-check cases ------------------------------------------------------------------------
+
+def case_params(init_params, config, rng) -> dict:
+    """``init_params`` with the norm gains moved off 1, so that their gradients are generic too."""
+    params = init_params(config, seed=int(rng.integers(1 << 31)))
+    for name, value in params.items():
+        if name.endswith(".gamma"):
+            params[name] = 1.0 + 0.2 * rng.standard_normal(value.shape)
+    return params
+
+
+def case_batch(rng, vocab: int, b: int = 2, t: int = 5, prompt: int = 1) -> dict:
+    """Tokens holding every id (every embedding row gets a gradient), one ignored target and a
+    loss mask on the first ``prompt`` positions."""
+    ids = np.concatenate([np.arange(vocab), rng.integers(0, vocab, max(b * t - vocab, 0))])
+    batch = {"tokens": rng.permutation(ids[: b * t]).reshape(b, t),
+             "targets": rng.integers(0, vocab, (b, t)), "loss_mask": np.ones((b, t), np.int64)}
+    batch["targets"][0, -1] = IGNORE_INDEX
+    batch["loss_mask"][:, :prompt] = 0
+    return batch
+
+
+def model_case_maker(model_forward, model_init_params, config, train: bool):
+    """``make(rng) -> (params, forward)`` for a ParamCase of a decoder-family model; with ``train``
+    every forward draws the same dropout masks from a generator seeded afresh."""
+    def make(rng):
+        params = case_params(model_init_params, config, rng)
+        batch = case_batch(rng, config.vocab_size)
+
+        def loss(p):
+            return model_forward(p, batch, config, train=train,
+                                 rng=np.random.default_rng(7) if train else None)
+        return params, loss
+    return make
+
+
+def _rope_attention_case_forward(x, config, **params):
+    return rope_attention_forward(x, params, config)
+
+
+def _rope_attention_case_backward(dy, cache):
+    dx, grads = rope_attention_backward(dy, cache)
+    return {"x": dx, **grads}
+
+
+def _rope_attention_inputs(config, b=2, t=5):
+    def make(rng):
+        scale = 1.0 / math.sqrt(config.d_model)
+        params = {name: scale * rng.standard_normal(shape)
+                  for name, shape in rope_attention_shapes(config).items()}
+        return {"x": rng.standard_normal((b, t, config.d_model)), "config": config, **params}
+    return make
+
+
+_TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, ffn_multiple_of=8,
+             init_std=0.25)  # init_std ~ 1/sqrt(d): gradients far above the stencil's noise
+for _g in (4, 2, 1):
+    register_case(OpCase("rope_attention", f"h=4 g={_g} causal (2, 5, 16)", ("N10", "A10", "A8"),
+                         _rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
+                         _rope_attention_case_forward, _rope_attention_case_backward,
+                         ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
+                         max_coords=12))
+register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, loss mask", ("M3",),
+                        model_case_maker(forward, init_params,
+                                         DecoderConfig(**_TINY, n_kv_heads=2, dropout=0.25,
+                                                       tie_embeddings=True), train=True),
+                        backward, max_coords=2, step=2.5e-4))

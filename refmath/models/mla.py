@@ -72,6 +72,7 @@ from refmath.models.decoder import (
 )
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import RoPECache, rope_backward, rope_forward
+from refmath.registry import OpCase, ParamCase, register_case
 
 
 @dataclass(frozen=True)
@@ -329,3 +330,41 @@ def logits(params, tokens, config: MLAConfig) -> np.ndarray:
 def layer_latents(cache: DecoderCache) -> list:
     """Per layer, ``(c, k_r)``: what an MLA inference cache stores (K9), see :func:`mla_state`."""
     return layer_states(cache)
+
+
+# ---- gradient-check cases ------------------------------------------------------------------------
+
+def _mla_case_forward(x, config, **params):
+    return mla_forward(x, params, config)
+
+
+def _mla_case_backward(dy, cache):
+    dx, grads = mla_backward(dy, cache)
+    return {"x": dx, **grads}
+
+
+def _mla_inputs(config, b=2, t=5):
+    def make(rng):
+        params = {}
+        for name, shape in mla_shapes(config).items():
+            params[name] = (1.0 + 0.2 * rng.standard_normal(shape) if name.endswith("gamma")
+                            else rng.standard_normal(shape) / np.sqrt(shape[0]))
+        return {"x": rng.standard_normal((b, t, config.d_model)), "config": config, **params}
+    return make
+
+
+# d_k = 4, d_v = 3, d_R = 4, d_c = 6: every width distinct, so a mixed-up axis cannot pass
+_TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=2, d_c=6, d_rope=4,
+             head_dim=4, v_head_dim=3, ffn_multiple_of=8, init_std=0.25)
+for _label, _extra in (("queries from x", {}),
+                       ("query compression, latent norms", dict(q_lora_rank=5, latent_norm=True))):
+    _config = MLAConfig(**_TINY, **_extra)
+    register_case(OpCase("mla_attention", f"{_label} (2, 5, 16)", ("K8", "K9", "A8"),
+                         _mla_inputs(_config), _mla_case_forward, _mla_case_backward,
+                         ("x",) + tuple(mla_shapes(_config)), group="attention execution",
+                         max_coords=12))
+register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropout 0.25", ("M4",),
+                        decoder.model_case_maker(forward, init_params,
+                                                 MLAConfig(**_TINY, q_lora_rank=5, latent_norm=True,
+                                                           dropout=0.25), train=True),
+                        backward, max_coords=1, step=2.5e-4))

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -54,6 +54,7 @@ from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backwa
 from refmath.models.params import check_param_dict
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
+from refmath.registry import ParamCase, register_case
 
 
 _ATTN = ("w_q", "w_k", "w_v", "w_o")
@@ -566,3 +567,39 @@ def logits(params, src, src_lengths, tokens, config: TransformerConfig) -> np.nd
     compared with the decoder-only models' ``logits(params, tokens, config)``.
     """
     return decode(params, encode(params, src, src_lengths, config), src_lengths, tokens, config)
+
+
+# ---- gradient-check case -------------------------------------------------------------------------
+
+def _case_make(config, train: bool):
+    """Norm gains and shifts moved off their initial values, and every ReLU input kept near +-1
+    (``b1 = +-1``, ``W_1`` shrunk) so that no finite-difference step crosses the kink; a source
+    holding every real token, a target padded by length and by ``pad_id``."""
+    def make(rng):
+        params = init_params(config, seed=int(rng.integers(1 << 31)))
+        for name, value in params.items():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("gamma", "beta", "b2"):
+                value += 0.2 * rng.standard_normal(value.shape)
+            elif leaf == "b1":
+                value[:] = rng.choice([-1.0, 1.0], size=value.shape)
+            elif leaf == "w1":
+                value *= 0.25
+        # the source holds every real token (ids 2..V-1), so every row of the table has a source term
+        src = rng.permutation(np.resize(np.arange(2, config.vocab_size), 12)).reshape(2, 6)
+        batch = {"src": src, "src_lengths": np.array([6, 5]),
+                 "tgt": rng.integers(2, config.vocab_size, (2, 5)), "tgt_lengths": np.array([5, 4])}
+        batch["tgt"][1, 2] = config.pad_id
+
+        def loss(p):
+            return forward(p, batch, config, train=train, rng=7)
+        return params, loss
+    return make
+
+
+# step 2.5e-4: see the GPT case. One layer each side keeps the command fast; the two-layer stacks
+# are checked in tests/models/test_transformer.py.
+register_case(ParamCase("transformer", "1+1 layers, tied, dropout 0.2, label smoothing 0.1, padding",
+                        ("M1",), _case_make(TransformerConfig(**{**asdict(TRANSFORMER_TINY), "n_layers": 1}),
+                                            train=True),
+                        backward, max_coords=2, step=2.5e-4))

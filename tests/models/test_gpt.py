@@ -162,7 +162,8 @@ def test_parameter_names_and_count_agree_with_sizing(norm_position, tied):
     described = sizing.ModelConfig(
         "gpt-test", layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
         kv_heads=config.n_heads, head_dim=config.head_dim, d_ff=config.d_ff,
-        vocab=config.vocab_size, mlp="gelu", norm="layernorm", bias=True, tied_output=tied,
+        vocab=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True, mlp_bias=True,
+        tied_output=tied,
         learned_positions=config.max_seq_len, final_norm=norm_position == "pre")
     total = sum(v.size for v in gpt.init_params(config).values())
     assert total == sizing.parameter_counts(described).total
