@@ -202,3 +202,17 @@ def test_gcc_build_flags_are_unchanged(setup_py, monkeypatch):
     tail += ["-fopenmp"] if openmp else []
     assert flags[-len(tail):] == tail, flags
     assert flags[flags.index("-std=c++17") + 1:] == tail, flags
+
+
+def test_clang_gets_the_same_flags_and_openmp_only_if_it_links(setup_py, monkeypatch):
+    """Clang takes the same vector flags; -fopenmp is added only when a test program links with
+    it (LLVM's libomp installed), otherwise the module builds single-threaded."""
+    if shutil.which("clang") is None or shutil.which("clang++") is None:
+        pytest.skip("clang is not installed here")
+    monkeypatch.setenv("CC", "clang")
+    monkeypatch.setenv("CXX", "clang++")
+    for var in ("CFLAGS", "CPPFLAGS", "LDSHARED"):
+        monkeypatch.delenv(var, raising=False)
+    flags, openmp = _configured_flags(setup_py)
+    tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-O3"]
+    assert flags[flags.index("-std=c++17") + 1:] == tail + (["-fopenmp"] if openmp else []), flags
