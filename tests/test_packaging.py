@@ -49,11 +49,11 @@ JUNK = [
 
 
 def _checkout_files() -> list[str]:
-    """Files git tracks, plus new ones it does not ignore (so a file added but not yet committed
-    is checked too)."""
+    """The files git tracks (untracked ones are left alone: a figure from `sizes --plot` or a
+    scratch file in a working checkout is no part of the project)."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout (an unpacked sdist): nothing to compare the sdist with")
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+    out = subprocess.run(["git", "ls-files", "-z"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return sorted(p for p in set(out.split("\0")) if p and (ROOT / p).is_file())
 
