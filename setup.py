@@ -1,7 +1,8 @@
 """Build refmath's compiled extensions.
 
 - ``refmath._C``: the CPU kernels in ``csrc/`` (C++17, -O3, OpenMP when the compiler has it). Always
-  built; the install fails if it cannot be.
+  built; the install fails if it cannot be. Needs GCC or Clang (Linux, macOS); MSVC is refused at
+  once, since the kernels use the GCC/Clang vector extension.
 - ``refmath._cuda``: the CUDA kernels in ``csrc/cuda/``, built only when a CUDA toolkit (nvcc and
   ``include/cuda_runtime.h``) is found. Without one the install still succeeds, prints one line
   saying why the module was skipped, and records the reason for ``refmath.kernels.build_info()``.
@@ -21,6 +22,7 @@ Switches (environment variables):
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -88,6 +90,7 @@ def _toolkit_candidates():
         yield _toolkit_behind(nvcc)
 
 
+@functools.lru_cache(maxsize=None)  # asked once for the opening message and once for the build
 def find_cuda_toolkit() -> tuple[str | None, list[str]]:
     """Return (toolkit root or None, the places looked at).
 
@@ -122,6 +125,43 @@ def _gencode_flags(archs: str) -> list[str]:
     return flags + [f"-gencode=arch=compute_{numbers[-1]},code=compute_{numbers[-1]}"]
 
 
+def _libomp_prefixes() -> list[str]:
+    """Where Homebrew keeps libomp on macOS (Apple silicon, then Intel), asked of brew first."""
+    found = []
+    if shutil.which("brew"):
+        try:
+            run = subprocess.run(["brew", "--prefix", "libomp"], capture_output=True, text=True,
+                                 timeout=60)
+            found.append(run.stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    found += ["/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"]
+    return [p for i, p in enumerate(found)
+            if p and p not in found[:i] and os.path.isfile(os.path.join(p, "include", "omp.h"))]
+
+
+def _cuda_off() -> bool:
+    return os.environ.get("REFMATH_CUDA", "").strip().lower() in ("0", "false", "no", "off")
+
+
+def _build_plan() -> str:
+    """The one line printed as the build starts: what will be built and roughly how long.
+
+    The C++ module's files compile one after another, so its time hardly depends on the number of
+    cores (about 1-2 minutes on a 2-core machine); the CUDA sources compile beside it, one file a
+    core, for several minutes more per architecture when a toolkit is found.
+    """
+    cpu = "building the C++ module refmath._C (about 1-2 minutes)"
+    if _cuda_off():
+        return f"{cpu}; the CUDA module is off (REFMATH_CUDA=0)"
+    root, _ = find_cuda_toolkit()
+    if root is None:
+        return f"{cpu}; no CUDA toolkit found, so no CUDA module"
+    archs = os.environ.get("REFMATH_CUDA_ARCH", "90")
+    return (f"{cpu} and, beside it, the CUDA module refmath._cuda with {root}/bin/nvcc for arch "
+            f"{archs} (several minutes more; REFMATH_CUDA=0 skips it)")
+
+
 class BuildExt(build_ext):
     """Configures the extensions from the compiler and toolkit actually found, then builds them."""
 
@@ -131,6 +171,7 @@ class BuildExt(build_ext):
                      "cuda_reason": "", "cuda_toolkit": None, "cuda_arch": None}
         # setuptools clears self.inplace while it builds (it copies into the source tree after).
         self.into_source = self.inplace or self.editable_mode
+        _say(_build_plan())
         super().run()
         self._write_build_info()
 
@@ -149,27 +190,56 @@ class BuildExt(build_ext):
 
     # ---- CPU ----
 
-    def _has_openmp(self) -> bool:
-        # Compile and link a tiny OpenMP program: "the flag is accepted" is not enough, since clang
-        # accepts -fopenmp yet fails to link without libomp.
+    def _probe(self, code: str, compile_args: list[str], link_args: list[str] | None = None) -> bool:
+        """Whether the build's own C++ compiler compiles ``code`` with these flags (and, given
+        ``link_args``, links it into a program)."""
         with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "omp_probe.cpp")
+            src = os.path.join(tmp, "probe.cpp")
             with open(src, "w") as f:
-                f.write("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+                f.write(code)
             try:
-                objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=["-fopenmp"])
-                self.compiler.link_executable(objs, "omp_probe", output_dir=tmp,
-                                              extra_postargs=["-fopenmp"])
+                objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=compile_args)
+                if link_args is not None:
+                    self.compiler.link_executable(objs, "probe", output_dir=tmp,
+                                                  extra_postargs=link_args)
             except Exception:
                 return False
         return True
 
+    def _openmp_flags(self) -> tuple[list[str], list[str]] | None:
+        """(compile flags, link flags) that give OpenMP, or None.
+
+        A tiny OpenMP program is compiled and linked: "the flag is accepted" is not enough, since
+        clang accepts -fopenmp yet fails to link without libomp. GCC and LLVM clang take -fopenmp;
+        Apple's clang has no such driver flag and needs -Xpreprocessor -fopenmp plus libomp
+        (``brew install libomp``), which is tried second on macOS.
+        """
+        program = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+        candidates = [(["-fopenmp"], ["-fopenmp"])]
+        if sys.platform == "darwin":
+            candidates += [(["-Xpreprocessor", "-fopenmp", f"-I{p}/include"], [f"-L{p}/lib", "-lomp"])
+                           for p in _libomp_prefixes()]
+        for compile_args, link_args in candidates:
+            if self._probe(program, compile_args, link_args):
+                return compile_args, link_args
+        return None
+
     def _configure_cpu(self, ext):
+        if self.compiler.compiler_type == "msvc":
+            # The kernels are written with the GCC/Clang vector extension (vector_size), which MSVC
+            # does not have: fail at once with the reason rather than with pages of C++ errors.
+            raise RuntimeError(
+                "refmath: the C++ kernels need GCC or Clang (they use the GCC/Clang vector "
+                "extension); MSVC cannot build them. On Windows, install refmath under WSL.")
+        # Each flag only where the compiler knows it (GCC and clang know all three; the GCC-only
+        # function attributes, target_clones and target, are chosen in csrc/tile_math.h by macro).
+        ext.extra_compile_args += [f for f in CPU_VECTOR_FLAGS if self._probe("int x;\n", [f])]
         ext.extra_compile_args += ["-O3"]
-        if self._has_openmp():
+        openmp = self._openmp_flags()
+        if openmp:
             self.info["openmp"] = True
-            ext.extra_compile_args += ["-fopenmp"]
-            ext.extra_link_args += ["-fopenmp"]
+            ext.extra_compile_args += openmp[0]
+            ext.extra_link_args += openmp[1]
         else:
             _say("OpenMP not found: the CPU module will run on one thread")
         if self.info["native"]:
@@ -268,6 +338,13 @@ class BuildExt(build_ext):
 
 CU_SOURCES = _rel("csrc/cuda/*.cu")
 
+# -std=c++17 turns GCC's contraction of a*b + c into one fused multiply-add off; the kernels' inner
+# loops are built of such sums. -fno-trapping-math lets GCC turn a floating-point 'x < a ? a : x'
+# inside a loop into a vector select (nothing here reads the floating-point exception flags);
+# without it the 2^x loops stay scalar. -fopenmp-simd honours '#pragma omp simd' (reductions the
+# vectoriser may reorder) even without OpenMP.
+CPU_VECTOR_FLAGS = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd"]
+
 ext_modules = [
     Pybind11Extension(
         "refmath._C",
@@ -275,12 +352,7 @@ ext_modules = [
         depends=_rel("csrc/*.h"),
         include_dirs=["csrc"],
         cxx_std=17,
-        # -std=c++17 turns GCC's contraction of a*b + c into one fused multiply-add off; the
-        # kernels' inner loops are built of such sums. -fno-trapping-math lets GCC turn a
-        # floating-point 'x < a ? a : x' inside a loop into a vector select (nothing here reads the
-        # floating-point exception flags); without it the 2^x loops stay scalar. -fopenmp-simd
-        # honours '#pragma omp simd' (reductions the vectoriser may reorder) even without OpenMP.
-        extra_compile_args=["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd"],
+        # CPU_VECTOR_FLAGS, -O3 and OpenMP are added by BuildExt._configure_cpu, by compiler.
     ),
     # Configured at build time (toolkit, flags), and dropped there if CUDA is unavailable.
     Pybind11Extension(
