@@ -737,3 +737,80 @@ def test_bad_input_raises_naming_the_problem(cp):
     for error, pattern, call in _bad_calls(cp):
         with pytest.raises(error, match=pattern):
             call()
+
+
+# ---- NaN in gives NaN out (issue 9), as tests/test_kernels_nan.py checks the CPU kernels ----
+
+NAN_CASES = [  # (H, G, T_q, T_k, D, causal, window): tiles of every version cut by the mask
+    (2, 1, 70, 70, 64, True, 0),
+    (2, 2, 150, 130, 64, True, 0),
+    (1, 1, 100, 100, 64, True, 20),
+    (2, 1, 40, 90, 64, False, 0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("case", NAN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_attention_nan_pattern_matches_the_reference(cp, case, where):
+    from test_kernels_nan import assert_same_nans, attention_reference
+
+    h, g, t_q, t_k, d, causal, window = case
+    rng = np.random.default_rng(t_q + t_k)
+    for trial in range(3):
+        q, k, v, do = (round_to(rng.standard_normal(s), "float16") for s in
+                       ((1, h, t_q, d), (1, g, t_k, d), (1, g, t_k, d), (1, h, t_q, d)))
+        x = {"q": q, "k": k, "v": v, "do": do}[where].reshape(-1)
+        x[rng.integers(x.size)] = np.nan
+        ref = attention_reference(q, k, v, do, causal, window, d**-0.5)
+        for version, dtype in (("v1", "float32"), ("v2", "float32"), ("v3", "float16")):
+            o, lse = kernels.flash_attention_forward(
+                to_device(cp, q, dtype), to_device(cp, k, dtype), to_device(cp, v, dtype),
+                causal=causal, window=window or None, version=version)
+            label = f"{version} NaN in {where}, trial {trial}, case {case}"
+            assert_same_nans(f"o ({label})", to_host(cp, o), ref[0])
+            assert_same_nans(f"lse ({label})", to_host(cp, lse), ref[1])
+        grads = kernels.flash_attention_backward(
+            *(cp.asarray(x) for x in (do, q, k, v)), cp.asarray(to_host(cp, o).astype(np.float32)),
+            lse, causal=causal, window=window or None)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref[2:]):
+            assert_same_nans(f"{name} (NaN in {where}, trial {trial}, case {case})", to_host(cp, got), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_decode_nan_pattern_matches_the_reference(cp, where):
+    from test_kernels_nan import assert_same_nans, decode_reference
+
+    rng = np.random.default_rng(3)
+    b, h, g, d, t_max = 3, 8, 2, 64, 300
+    lengths = np.array([0, 17, 300])
+    for trial in range(4):
+        q = rng.standard_normal((b, h, d)).astype(np.float32)
+        k, v = (rng.standard_normal((b, g, t_max, d)).astype(np.float32) for _ in range(2))
+        x = {"q": q, "k": k, "v": v}[where].reshape(-1)
+        x[rng.integers(x.size)] = np.nan
+        ref = decode_reference(q, k, v, lengths, d**-0.5)
+        for splits in (1, 4):
+            o = kernels.decode(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(lengths),
+                               splits=splits)
+            assert_same_nans(f"decode NaN in {where}, trial {trial}, splits {splits}", to_host(cp, o), ref)
+
+
+@pytest.mark.cuda
+def test_paged_decode_checks_device_tables_on_the_device(cp):
+    """A page table and lengths already on the GPU are not copied back to be checked (no
+    synchronisation per call): a bad entry makes that sequence's rows NaN, the others are untouched."""
+    rng = np.random.default_rng(5)
+    q = cp.asarray(rng.standard_normal((3, 4, 32)).astype(np.float32))
+    pages = cp.asarray(rng.standard_normal((6, 2, 8, 32)).astype(np.float32))
+    good = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
+    lengths = np.array([16, 9, 12])
+    expected = to_host(cp, kernels.paged_decode(q, pages, pages, good, lengths))
+    for table, lens, bad_row in ((np.array([[0, 1], [2, 9], [4, 5]]), lengths, 1),
+                                 (good, np.array([16, 9, 17]), 2),
+                                 (good, np.array([-1, 9, 12]), 0)):
+        o = to_host(cp, kernels.paged_decode(q, pages, pages, cp.asarray(table), cp.asarray(lens)))
+        assert np.isnan(o[bad_row]).all()
+        keep = [i for i in range(3) if i != bad_row]
+        np.testing.assert_array_equal(o[keep], expected[keep])
