@@ -258,17 +258,13 @@ def test_flash_v3_built_for_an_old_arch_traps_instead_of_skipping_the_mma():
     if nvcc is None:
         skip_cuda("nvcc is not on PATH")
     source = ROOT / "csrc" / "cuda" / "flash_v3.cu"
-    ptx = {}
-    for arch in ("75", "80"):
-        run = subprocess.run([nvcc, "-ptx", "-std=c++17", f"-arch=compute_{arch}", "-Icsrc/cuda",
-                              str(source), "-o", "-"], capture_output=True, text=True, cwd=ROOT,
-                             timeout=600)
-        assert run.returncode == 0, run.stderr
-        ptx[arch] = run.stdout
-    assert "mma.sync" not in ptx["75"] and "trap;" in ptx["75"]
-    assert "mma.sync.aligned.m16n8k16" in ptx["80"] and "trap;" not in ptx["80"]
-    launcher = (ROOT / "csrc" / "cuda" / "flash_v3.cu").read_text()
-    assert "check_compiled_for(flash_v3_kernel<T, D>, 80" in launcher
+    # PTX for compute_75 only (about 35 s of one core); the compute_80+ code is the module's own
+    # build, whose mma the GPU tests run.
+    run = subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=compute_75", "-Icsrc/cuda", str(source),
+                          "-o", "-"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "mma.sync" not in run.stdout and "trap;" in run.stdout
+    assert "check_compiled_for(flash_v3_kernel<T, D>, 80" in source.read_text()
 
 
 # ---- GPU fixtures and conversions ----
