@@ -18,7 +18,7 @@
 # Every step ends with one word: ok, FAILED, TIMED OUT or SKIPPED (with the reason). Each step has a
 # time limit and all share one budget (GPU_CHECK_BUDGET seconds: 450 by default, 170 with --quick),
 # so the script ends in time; a failed step does not stop the next one. Everything is written under
-# $OUT (else ./gpu-check-out): summary.txt (the versions, each step's word and time, the benchmark
+# $OUT (else /tmp/refmath-gpu-check): summary.txt (the versions, each step's word and time, the benchmark
 # tables) and one log per step. Exit status: 0 if every step was ok, 2 if some were SKIPPED and
 # none failed, 1 otherwise.
 #
@@ -39,7 +39,7 @@ for arg in "$@"; do
 done
 
 cd "$(dirname "$0")/.."
-LOGS="${OUT:-$PWD/gpu-check-out}"
+LOGS="${OUT:-${TMPDIR:-/tmp}/refmath-gpu-check}"
 mkdir -p "$LOGS"
 PY="${PYTHON:-python3}"
 if [ $QUICK -eq 1 ]; then BUDGET="${GPU_CHECK_BUDGET:-170}"; else BUDGET="${GPU_CHECK_BUDGET:-450}"; fi
