@@ -115,10 +115,15 @@ def _cuda_lib_dir(root: str) -> str | None:
     return None
 
 
+def _arch_numbers(archs: str) -> list[str]:
+    """"80;90", "sm_80,compute_90" -> ["80", "90"], sorted and without repeats."""
+    return sorted({a.strip().replace("sm_", "").replace("compute_", "")
+                   for a in archs.replace(",", ";").split(";") if a.strip()}, key=int)
+
+
 def _gencode_flags(archs: str) -> list[str]:
     """SASS for each listed architecture plus PTX of the newest one (forward compatibility)."""
-    numbers = sorted({a.strip().replace("sm_", "").replace("compute_", "")
-                      for a in archs.replace(",", ";").split(";") if a.strip()}, key=int)
+    numbers = _arch_numbers(archs)
     if not numbers:
         raise ValueError(f"REFMATH_CUDA_ARCH={archs!r} names no architecture (e.g. '80;90')")
     flags = [f"-gencode=arch=compute_{n},code=sm_{n}" for n in numbers]
@@ -276,6 +281,11 @@ class BuildExt(build_ext):
             return self._skip_cuda(ext, f"libcudart_static.a not found in the toolkit at {root}")
         archs = os.environ.get("REFMATH_CUDA_ARCH", "90")
         self.info.update(cuda_toolkit=root, cuda_arch=archs)
+        if all(int(n) < 80 for n in _arch_numbers(archs)) and _arch_numbers(archs):
+            # The build works (v1, v2, the backward and decode run anywhere), but v3's mma needs
+            # compute_80 code: its launcher refuses to run the code of this build.
+            _say(f"REFMATH_CUDA_ARCH={archs} is below 80: flash_forward_v3 (tensor cores) will "
+                 "refuse to run; add 80 or newer to use it")
 
         ext.extra_compile_args += ["-O3"]
         ext.include_dirs += [os.path.join(root, "include")]

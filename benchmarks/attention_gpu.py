@@ -12,6 +12,11 @@ Prints tables, asserts nothing (the tests check correctness; this only measures)
   bandwidth measured here with CuPy (bytes read + bytes written per second): decode is a pure
   read of the cache, so the copy rate is its practical ceiling.
 
+Every figure is many calls between one pair of CUDA events (the stream stays full), twice over:
+the kernel alone (the compiled launcher with its outputs allocated once) and a loop over the public
+function (its checks, allocations and any host synchronisation included), so that the cost of the
+Python layer shows as the difference. Without PyTorch the baseline column says "missing".
+
 ``--smoke`` instead runs every kernel once on a tiny case with CuPy's memory pool off (so that each
 array is its own allocation, whose ends compute-sanitizer can see); benchmarks/gpu_check.sh runs it
 under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck``.
@@ -46,46 +51,37 @@ def bfloat16_or_none():
         return None
 
 
-def gpu_time(cp, fn, budget_s=1.0, min_reps=3, max_reps=50):
-    """Median milliseconds of fn() on the current stream, by CUDA events, after one warm-up call;
-    as many repetitions as fit in about budget_s."""
+def events_ms(record, sync, elapsed, fn, budget_s=1.0, min_calls=3, max_calls=200):
+    """Milliseconds per call of fn(): one warm-up call, one timed call to size the run, then n calls
+    between a single pair of events (as many as fit in about budget_s). The calls queue up on the
+    stream, so the GPU never waits for Python between them: for a kernel-only fn the figure is the
+    kernels' own time, for a public function it is what a loop calling it gets (its host work and
+    any synchronisation included)."""
     fn()
-    cp.cuda.get_current_stream().synchronize()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
+    sync()
+    start, end = record(), record()
     start.record()
     fn()
     end.record()
     end.synchronize()
-    first = cp.cuda.get_elapsed_time(start, end)
-    reps = int(max(min_reps, min(max_reps, budget_s * 1e3 / max(first, 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
-
-
-def torch_time(torch, fn, budget_s=1.0, min_reps=3, max_reps=50):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first = elapsed(start, end)
+    calls = int(max(min_calls, min(max_calls, budget_s * 1e3 / max(first, 1e-3))))
     start.record()
-    fn()
+    for _ in range(calls):
+        fn()
     end.record()
     end.synchronize()
-    first = start.elapsed_time(end)
-    reps = int(max(min_reps, min(max_reps, budget_s * 1e3 / max(first, 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    return elapsed(start, end) / calls
+
+
+def gpu_time(cp, fn, budget_s=1.0):
+    return events_ms(cp.cuda.Event, cp.cuda.get_current_stream().synchronize,
+                     cp.cuda.get_elapsed_time, fn, budget_s)
+
+
+def torch_time(torch, fn, budget_s=1.0):
+    return events_ms(lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize,
+                     lambda a, b: a.elapsed_time(b), fn, budget_s)
 
 
 def table(title, header, rows):
@@ -97,15 +93,16 @@ def table(title, header, rows):
 
 
 def torch_flash_attention():
-    """A function (q, k, v) -> o running PyTorch's FlashAttention backend, or (None, why)."""
+    """A function (q, k, v) -> o running PyTorch's FlashAttention backend, or (None, why). PyTorch is
+    never installed for this (gpu_check.sh reports the baseline as missing instead)."""
     try:
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception as err:
-        return None, None, f"PyTorch unavailable: {err}"
+        return None, None, f"torch baseline missing: {type(err).__name__}: {err}"
     if not torch.cuda.is_available():
-        return None, None, "PyTorch sees no GPU"
+        return None, None, "torch baseline missing: PyTorch sees no GPU"
 
     def run(q, k, v):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -114,10 +111,26 @@ def torch_flash_attention():
     return torch, run, ""
 
 
+def raw_forward(cp, version, q, k, v, causal=True):
+    """The CUDA launcher of one version with its outputs allocated once: the kernel alone, without
+    refmath.kernels' checks and allocations."""
+    module = kernels._cuda
+    b, h, t_q, d = q.shape
+    g, t_k = k.shape[1], k.shape[2]
+    o = cp.empty_like(q)
+    lse = cp.empty((b, h, t_q), dtype=cp.float32)
+    launch = getattr(module, f"flash_forward_{version}")
+    code = kernels._dtype_code(module, q)
+    stream = cp.cuda.get_current_stream().ptr
+    return lambda: launch(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, b, h, g,
+                          t_q, t_k, d, causal, 0, d**-0.5, code, stream)
+
+
 def forward_table(cp, dtype, lengths, budget_s):
     torch, torch_sdpa, why_not = torch_flash_attention()
     dtype_name = str(np.dtype(dtype)) if dtype is not None else "float16"
     cp_dtype = dtype if dtype is not None else cp.float16
+    versions = kernels.flash_versions()
     rows = []
     for t in lengths:
         b = max(1, TOKENS // t)
@@ -125,14 +138,17 @@ def forward_table(cp, dtype, lengths, budget_s):
         q, k, v = (cp.random.standard_normal((b, HEADS, t, DIM), dtype=cp.float32).astype(cp_dtype)
                    for _ in range(3))
         row = [t, b]
-        for version in kernels.flash_versions():
-            def run(version=version):
-                return kernels.flash_attention_forward(q, k, v, causal=True, version=version)
+        for version in versions:
             try:
-                ms = gpu_time(cp, run, budget_s)
+                ms = gpu_time(cp, raw_forward(cp, version, q, k, v), budget_s)
                 row.append(f"{flops / ms / 1e9:.1f}")
             except Exception as err:  # a refusal or a failed launch: say so in the table
                 row.append(f"error: {str(err)[:40]}")
+        try:  # the public function, default version: checks, allocation and launch per call
+            ms = gpu_time(cp, lambda: kernels.flash_attention_forward(q, k, v, causal=True), budget_s)
+            row.append(f"{flops / ms / 1e9:.1f}")
+        except Exception as err:
+            row.append(f"error: {str(err)[:40]}")
         if torch_sdpa is not None:
             tdtype = torch.bfloat16 if dtype is not None else torch.float16
             tq, tk, tv = (torch.randn(b, HEADS, t, DIM, device="cuda", dtype=tdtype) for _ in range(3))
@@ -141,13 +157,16 @@ def forward_table(cp, dtype, lengths, budget_s):
                 row.append(f"{flops / ms / 1e9:.1f}")
             except Exception as err:
                 row.append(f"error: {str(err)[:40]}")
+            del tq, tk, tv
+        else:
+            row.append("missing")
         rows.append(row)
         del q, k, v
-    header = ["T", "B", *(f"{v} TFLOP/s" for v in kernels.flash_versions())]
-    if torch_sdpa is not None:
-        header.append("torch flash TFLOP/s")
-    table(f"Causal FlashAttention forward, {dtype_name}, H={HEADS}, D={DIM}, B*T={TOKENS}"
-          + ("" if torch_sdpa is not None else f" ({why_not})"), header, rows)
+    header = ["T", "B", *(f"{v} kernel" for v in versions), "call", "torch flash"]
+    table(f"Causal FlashAttention forward, {dtype_name}, H={HEADS}, D={DIM}, B*T={TOKENS}, TFLOP/s: "
+          f"each version's kernel alone, then a loop over kernels.flash_attention_forward (default "
+          f"version), then PyTorch's flash backend" + ("" if torch_sdpa is not None else f" ({why_not})"),
+          header, rows)
 
 
 def copy_bandwidth(cp):
@@ -161,20 +180,46 @@ def copy_bandwidth(cp):
     return 2 * n / ms / 1e6
 
 
-def decode_table(cp, dtype, budget_s):
+def raw_decode(cp, q, k_pages, v_pages, table_, lengths):
+    """The CUDA decode launcher with its workspace and output allocated once, table and lengths
+    already int32 on the device: the two kernels alone."""
+    module = kernels._cuda
+    b, h, d = q.shape
+    n_pages, g, page_size, _ = k_pages.shape
+    max_pages = table_.shape[1]
+    splits = kernels._auto_splits(cp, b, g, h // g, max_pages * page_size)
+    partials = cp.empty((b, h, splits, d + 2), dtype=cp.float32)
+    o = cp.empty_like(q)
+    code = kernels._dtype_code(module, q)
+    stream = cp.cuda.get_current_stream().ptr
+    return lambda: module.paged_decode(
+        q.data.ptr, k_pages.data.ptr, v_pages.data.ptr, table_.data.ptr, lengths.data.ptr,
+        partials.data.ptr, o.data.ptr, b, h, g, d, n_pages, page_size, max_pages, splits, d**-0.5,
+        code, stream)
+
+
+def decode_table(cp, dtype, budget_s, quick=False):
     cp_dtype = dtype if dtype is not None else cp.float16
     itemsize = np.dtype(cp_dtype).itemsize
     copy = copy_bandwidth(cp)
     rng = np.random.default_rng(0)
     h, g, d, page = 32, 8, DIM, 16
+    shapes = ((1, 32768), (8, 8192), (64, 2048), (256, 512))
+    if not quick:
+        shapes = ((1, 131072), *shapes)
     rows = []
-    for b, length in ((1, 32768), (8, 8192), (64, 2048), (256, 512)):
+    for b, length in shapes:
         q = cp.random.standard_normal((b, h, d), dtype=cp.float32).astype(cp_dtype)
         k_cache, v_cache = (cp.random.standard_normal((b, g, length, d), dtype=cp.float32).astype(cp_dtype)
                             for _ in range(2))
         lengths = cp.full((b,), length, dtype=cp.int32)
         cache_bytes = 2 * b * g * length * d * itemsize
-        contiguous_ms = gpu_time(cp, lambda: kernels.decode(q, k_cache, v_cache, lengths), budget_s)
+        # A contiguous cache is the paged layout with one page of `length` slots per sequence.
+        contiguous = cp.arange(b, dtype=cp.int32).reshape(b, 1)
+        figures = {
+            "contiguous kernel": raw_decode(cp, q, k_cache, v_cache, contiguous, lengths),
+            "contiguous call": lambda: kernels.decode(q, k_cache, v_cache, lengths),
+        }
         # The same tokens in a shuffled pool of pages: (n_pages, G, page, D).
         pages_per_seq = length // page
         n_pages = b * pages_per_seq
@@ -185,15 +230,21 @@ def decode_table(cp, dtype, budget_s):
         for cache, pages in ((k_cache, k_pages), (v_cache, v_pages)):
             chunks = cache.view(bits).reshape(b, g, pages_per_seq, page, d).transpose(0, 2, 1, 3, 4)
             pages.view(bits)[order] = chunks.reshape(n_pages, g, page, d)
-        paged_ms = gpu_time(cp, lambda: kernels.paged_decode(q, k_pages, v_pages, table_, lengths), budget_s)
-        rows.append([b, length, f"{cache_bytes / 2**20:.0f}",
-                     f"{cache_bytes / contiguous_ms / 1e6:.0f}", f"{cache_bytes / contiguous_ms / 1e6 / copy:.0%}",
-                     f"{cache_bytes / paged_ms / 1e6:.0f}", f"{cache_bytes / paged_ms / 1e6 / copy:.0%}"])
+        figures["paged kernel"] = raw_decode(cp, q, k_pages, v_pages, table_, lengths)
+        figures["paged call"] = lambda: kernels.paged_decode(q, k_pages, v_pages, table_, lengths)
+        row = [b, length, f"{cache_bytes / 2**20:.0f}"]
+        for fn in figures.values():
+            rate = cache_bytes / gpu_time(cp, fn, budget_s) / 1e6
+            row += [f"{rate:.0f}", f"{rate / copy:.0%}"]
+        rows.append(row)
         del q, k_cache, v_cache, k_pages, v_pages
     dtype_name = str(np.dtype(cp_dtype))
-    table(f"Decode, {dtype_name}, H={h}, G={g}, D={d}, automatic splits; device copy bandwidth "
-          f"{copy:.0f} GB/s (read + write)",
-          ["B", "length", "cache MiB", "contiguous GB/s", "of copy", "paged GB/s", "of copy"], rows)
+    header = ["B", "length", "cache MiB"]
+    for name in figures:
+        header += [f"{name} GB/s", "of copy"]
+    table(f"Decode, {dtype_name}, H={h}, G={g}, D={d}, automatic splits, GB/s of cache read: the "
+          f"kernels alone, and a loop over the public function (its checks and allocations "
+          f"included); device copy bandwidth {copy:.0f} GB/s (read + write)", header, rows)
 
 
 def smoke(cp):
@@ -241,12 +292,12 @@ def main():
     args = parser.parse_args()
     try:
         import cupy as cp
-    except ImportError:
-        print("CuPy is not installed: nothing to measure")
-        return
+    except ImportError as err:
+        print(f"FAILED: CuPy is not installed, nothing to measure ({err})")
+        sys.exit(1)  # a measurement that did not happen is not a success (gpu_check.sh)
     if not kernels.cuda_available():
-        print(f"no GPU to measure on: {kernels.cuda_build_info()}")
-        return
+        print(f"FAILED: no GPU to measure on: {kernels.cuda_build_info()}")
+        sys.exit(1)
     if args.smoke:
         smoke(cp)
         return
@@ -260,7 +311,7 @@ def main():
     budget = 0.3 if args.quick else 0.6
     lengths = FORWARD_LENGTHS[:-1] if args.quick else FORWARD_LENGTHS
     forward_table(cp, dtype, lengths, budget)
-    decode_table(cp, dtype, budget)
+    decode_table(cp, dtype, budget, quick=args.quick)
     print(f"\n(measured in {time.time() - started:.0f} s)")
 
 

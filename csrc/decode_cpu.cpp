@@ -377,17 +377,20 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
         float* orow = o + bh * D;
         float m = kNegInf;
         for (idx sp = 0; sp < splits; ++sp) m = std::max(m, p[sp * stride + D]);
+        // Every split is weighed, the empty ones too: an empty split (m = -inf, l = 0, u = 0) gets
+        // weight 2^(-inf) = 0 and adds 0, while one whose scores were all NaN (m = -inf, l and u
+        // NaN) adds 0 * NaN = NaN, as it must. No split with a key at all (m = -inf, l = 0): o = 0.
+        const float shift = m == kNegInf ? 0.0f : m;
         std::fill(orow, orow + D, 0.0f);
-        if (m == kNegInf) continue;  // no key at all (length 0): o = 0
         float l = 0.0f;
         for (idx sp = 0; sp < splits; ++sp) {
             const float* ps = p + sp * stride;
-            if (ps[D] == kNegInf) continue;  // an empty split
-            const float w_sp = std::exp2(ps[D] - m);
+            const float w_sp = std::exp2(ps[D] - shift);
             l += w_sp * ps[D + 1];
             for (idx d = 0; d < D; ++d) orow[d] += w_sp * ps[d];
         }
-        for (idx d = 0; d < D; ++d) orow[d] /= l;
+        if (l != 0.0f)  // l > 0, or NaN
+            for (idx d = 0; d < D; ++d) orow[d] /= l;
     }
 }
 

@@ -95,6 +95,28 @@ inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b
     b = std::max(a, b);
 }
 
+// C (M x N) = A B with row r of C summed over its own range [lo, hi) of the inner index only
+// (range(r, lo, hi) gives it), when 'cut' says some row's range is not the whole of [0, K).
+//
+// Why: in a tile that the mask cuts, A holds weight 0 at the hidden pairs, and the plain product
+// adds 0 * x for each of them. That is 0, unless x is NaN or infinite: then a value, key or query
+// that a row does not see would still make the row NaN. So when a cut tile's B holds a non-finite
+// number (rare, and checked in one pass over B), each row is summed over its visible range alone;
+// otherwise the plain product runs. NaN in gives NaN out, and only where the math says so.
+template <class V, class Range>
+REFMATH_INLINE void masked_product(idx M, idx N, idx K, const float* A, idx lda, const float* B,
+                                   idx ldb, float* C, idx ldc, bool cut, Range range) {
+    if (!cut || tile::all_finite(K, N, B, ldb)) {
+        tile::gemm_nn<V>(M, N, K, A, lda, B, ldb, C, ldc);
+        return;
+    }
+    for (idx r = 0; r < M; ++r) {
+        idx lo, hi;
+        range(r, lo, hi);  // hi - lo = 0 gives a row of zeros
+        tile::gemm_nn<V>(1, N, hi - lo, A + r * lda + lo, lda, B + lo * ldb, ldb, C + r * ldc, ldc);
+    }
+}
+
 // ---- forward -------------------------------------------------------------------------------------
 
 template <class V>
@@ -126,22 +148,25 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
         const idx cols = std::min(kBlockK, hi - j0);
         tile::transpose(cols, D, kh + j0 * D, D, KT, kBlockK);
         tile::gemm_nn<V>(rows, cols, D, qt, D, KT, kBlockK, S, kBlockK);  // S = Q K^T
+        bool cut = false;                 // whether the mask hides some pair of this tile
         for (idx r = 0; r < rows; ++r) {  // scale to base 2; -inf outside the row's visible keys
             idx a, e;
             visible_range(band, i0 + r, j0, cols, a, e);
+            cut |= a != 0 || e != cols;
             float* srow = S + r * kBlockK;
 #pragma omp simd
             for (idx j = 0; j < cols; ++j) srow[j] = (j >= a && j < e) ? srow[j] * c : kNegInf;
         }
-        online_softmax_fold(rows, cols, S, kBlockK, m, l, alpha);           // F2
-        tile::gemm_nn<V>(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D);     // this tile's P V
-        online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);            // F3: U = alpha U + P V
+        online_softmax_fold(rows, cols, S, kBlockK, m, l, alpha);  // F2
+        masked_product<V>(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D, cut,  // this tile's P V
+                          [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, cols, a, e); });
+        online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);  // F3: U = alpha U + P V
     }
 
     for (idx r = 0; r < rows; ++r) {  // F1: o = u / l; lse = ln(2) (m + log2 l)
         float* orow = o + (qrow0 + r) * D;
         const float* urow = U + r * D;
-        if (l[r] > 0.0f) {
+        if (l[r] != 0.0f) {  // l > 0, or NaN (a NaN score): then o and lse are NaN too
             const float denom = l[r];
 #pragma omp simd
             for (idx d = 0; d < D; ++d) orow[d] = urow[d] / denom;
@@ -218,32 +243,44 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
             base2_lse(lse + hrow0, i0, nq, lse2);
             tile::transpose(nq, D, qh + i0 * D, D, XT, kBlockQ);
             tile::gemm_nn<V>(nk, nq, D, kt, D, XT, kBlockQ, Pt, kBlockQ);  // S^T = K Q^T
-            for (idx jr = 0; jr < nk; ++jr) {  // P^T = 2^(c S^T - lse2) on the visible pairs
-                idx a, e;
+            // The queries of this tile that key jr is seen by: [a, e) as offsets from i0.
+            auto queries = [&](idx jr, idx& a, idx& e) {
                 band.queries_of(j0 + jr, j0 + jr + 1, a, e);
                 a = std::clamp<idx>(a - i0, 0, nq);
                 e = std::clamp<idx>(e - i0, a, nq);
+            };
+            bool cut = false;  // whether the mask hides some pair of this tile
+            for (idx jr = 0; jr < nk; ++jr) {  // P^T = 2^(c S^T - lse2) on the visible pairs
+                idx a, e;
+                queries(jr, a, e);
+                cut |= a != 0 || e != nq;
                 float* prow = Pt + jr * kBlockQ;
 #pragma omp simd
                 for (idx ir = 0; ir < nq; ++ir)
                     prow[ir] = (ir >= a && ir < e) ? tile::exp2_fast(prow[ir] * c - lse2[ir]) : 0.0f;
             }
-            tile::gemm_nn<V>(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D);  // dV += P^T dO
-            tile::add_block(nk, D, T, D, dV, D);
+            masked_product<V>(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D, cut, queries);  // P^T dO
+            tile::add_block(nk, D, T, D, dV, D);  // dV += P^T dO
             tile::transpose(nq, D, doh + i0 * D, D, XT, kBlockQ);
             tile::gemm_nn<V>(nk, nq, D, vt, D, XT, kBlockQ, dSt, kBlockQ);  // dP^T = V dO^T
             const float* dl = delta + hrow0 + i0;
-            for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta)
+            for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta), 0 where hidden (dP may be NaN)
+                idx a, e;
+                queries(jr, a, e);
                 float* srow = dSt + jr * kBlockQ;
                 const float* prow = Pt + jr * kBlockQ;
 #pragma omp simd
-                for (idx ir = 0; ir < nq; ++ir) srow[ir] = prow[ir] * (srow[ir] - dl[ir]);
+                for (idx ir = 0; ir < nq; ++ir)
+                    srow[ir] = (ir >= a && ir < e) ? prow[ir] * (srow[ir] - dl[ir]) : 0.0f;
             }
-            tile::gemm_nn<V>(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D);  // dK += dS^T Q
-            tile::add_block(nk, D, T, D, dK, D);
+            masked_product<V>(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D, cut, queries);  // dS^T Q
+            tile::add_block(nk, D, T, D, dK, D);  // dK += dS^T Q
             if (dq_sum != nullptr) {  // dQ += dS K, with dS (nq x nk) in P^T's place, now free
                 tile::transpose(nk, nq, dSt, kBlockQ, Pt, kBlockK);
-                tile::gemm_nn<V>(nq, D, nk, Pt, kBlockK, kt, D, T, D);
+                masked_product<V>(nq, D, nk, Pt, kBlockK, kt, D, T, D, cut,
+                                  [&](idx ir, idx& a, idx& e) {
+                                      visible_range(band, i0 + ir, j0, nk, a, e);
+                                  });
                 tile::add_block(nq, D, T, D, dq_sum + (hrow0 + i0) * D, D);
             }
         }
@@ -315,19 +352,22 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
         tile::gemm_nn<V>(nq, nk, D, qt, D, XT, kBlockK, P, kBlockK);   // S = Q K^T
         tile::transpose(nk, D, vh + j0 * D, D, XT, kBlockK);
         tile::gemm_nn<V>(nq, nk, D, dot, D, XT, kBlockK, dS, kBlockK);  // dP = dO V^T
+        bool cut = false;  // whether the mask hides some pair of this tile
         for (idx r = 0; r < nq; ++r) {
             idx a, e;
             visible_range(band, i0 + r, j0, nk, a, e);
+            cut |= a != 0 || e != nk;
             float* prow = P + r * kBlockK;
             float* srow = dS + r * kBlockK;
             const float row_lse2 = lse2[r], row_delta = dl[r];
 #pragma omp simd
-            for (idx j = 0; j < nk; ++j) {
-                const float p = (j >= a && j < e) ? tile::exp2_fast(prow[j] * c - row_lse2) : 0.0f;
-                srow[j] = p * (srow[j] - row_delta);  // dS = P (dP - delta)
+            for (idx j = 0; j < nk; ++j) {  // dS = P (dP - delta), 0 where hidden (dP may be NaN)
+                const bool seen = j >= a && j < e;
+                srow[j] = seen ? tile::exp2_fast(prow[j] * c - row_lse2) * (srow[j] - row_delta) : 0.0f;
             }
         }
-        tile::gemm_nn<V>(nq, D, nk, dS, kBlockK, kh + j0 * D, D, T, D);  // dQ += dS K
+        masked_product<V>(nq, D, nk, dS, kBlockK, kh + j0 * D, D, T, D, cut,  // dS K
+                          [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, nk, a, e); });
         tile::add_block(nq, D, T, D, dQ, D);
     }
     for (idx r = 0; r < nq; ++r) {

@@ -23,6 +23,10 @@ namespace refmath {
 // row's (m, l) is updated, and alpha[r] holds the factor for the row's old u. A row whose scores and
 // running maximum are all -inf has seen no key yet: its weights are set to 0 and its state stays
 // empty (m = -inf, l = 0; alpha = 0 keeps u = 0).
+//
+// NaN in, NaN out: the maximum below skips a NaN score, but its weight 2^(NaN - m') is NaN, so l
+// and u become NaN and stay so (the caller turns l = NaN into o = NaN, lse = NaN). A row whose only
+// non-hidden scores are NaN keeps m = -inf and gets l = NaN the same way.
 REFMATH_INLINE void online_softmax_fold(tile::idx rows, tile::idx cols, float* S, tile::idx lds,
                                         float* m, float* l, float* alpha) {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -32,9 +36,10 @@ REFMATH_INLINE void online_softmax_fold(tile::idx rows, tile::idx cols, float* S
 #pragma omp simd reduction(max : tile_max)
         for (tile::idx j = 0; j < cols; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
         const float m_new = tile_max > m[r] ? tile_max : m[r];
-        if (m_new == kNegInf) {
-            for (tile::idx j = 0; j < cols; ++j) s[j] = 0.0f;
+        if (m_new == kNegInf) {  // every score -inf or NaN: weights 0, and NaN for the NaNs
+            for (tile::idx j = 0; j < cols; ++j) s[j] = s[j] == kNegInf ? 0.0f : s[j];
             alpha[r] = 0.0f;
+            l[r] += tile::sum(cols, s);  // l was 0 (or NaN already): nothing to rescale
             continue;
         }
         alpha[r] = tile::exp2_fast(m[r] - m_new);  // 0 when m = -inf, exactly 1 when m = m'

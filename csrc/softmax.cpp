@@ -15,9 +15,13 @@ static void softmax_one_row(const T* x, T* y, std::ptrdiff_t cols) {
     for (std::ptrdiff_t j = 0; j < cols; ++j) m = x[j] > m ? x[j] : m;
 
     // Every entry is -inf: the row is fully masked. exp(x - m) would be exp(-inf + inf) = NaN,
-    // so return zeros explicitly (the row attends to nothing).
+    // so return zeros explicitly (the row attends to nothing). The maximum above skips NaN, so a
+    // row of -inf and NaN lands here too: it is not masked, and NaN in gives a row of NaN out.
     if (m == -std::numeric_limits<T>::infinity()) {
-        for (std::ptrdiff_t j = 0; j < cols; ++j) y[j] = T(0);
+        bool nan = false;
+        for (std::ptrdiff_t j = 0; j < cols; ++j) nan |= x[j] != x[j];
+        for (std::ptrdiff_t j = 0; j < cols; ++j)
+            y[j] = nan ? std::numeric_limits<T>::quiet_NaN() : T(0);
         return;
     }
 

@@ -316,9 +316,10 @@ REFMATH_INLINE float sum(idx n, const float* x) {
 // series to degree 7 (truncation error below 1e-8 relative, a sixth of a float32 rounding); 2^n is
 // built directly as the float with exponent field n + 127. x is clamped to [-127, 127]: below -127
 // the result is 0 (exactly what the softmax wants for -inf, a masked score), and the clamp keeps
-// the float-to-int conversion defined for any input, NaN included.
-REFMATH_INLINE float exp2_fast(float x) {
-    x = x > -127.0f ? x : -127.0f;  // also maps NaN to -127
+// the float-to-int conversion defined for any input, NaN included. A NaN argument gives NaN (the
+// last line): a NaN score must make its row NaN, not weigh 0 like a masked one.
+REFMATH_INLINE float exp2_fast(float x_in) {
+    float x = x_in > -127.0f ? x_in : -127.0f;  // also maps NaN to -127
     x = x < 127.0f ? x : 127.0f;
     // Round to nearest without a library call: adding 1.5 * 2^23 pushes the fraction bits out.
     const float shifter = 12582912.0f;
@@ -335,7 +336,19 @@ REFMATH_INLINE float exp2_fast(float x) {
     const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;  // n = -127 gives +0.0
     float two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
+    return x_in == x_in ? p * two_n : x_in;
+}
+
+// Whether every entry of the rows x cols block at A (row stride lda) is finite. x - x is 0 for a
+// finite x and NaN for an infinite or NaN one.
+REFMATH_INLINE bool all_finite(idx rows, idx cols, const float* A, idx lda) {
+    int bad = 0;
+    for (idx i = 0; i < rows; ++i) {
+        const float* a = A + i * lda;
+#pragma omp simd reduction(| : bad)
+        for (idx j = 0; j < cols; ++j) bad |= !(a[j] - a[j] == 0.0f);
+    }
+    return bad == 0;
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

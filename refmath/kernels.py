@@ -257,6 +257,8 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
     chunks for two per thread, none shorter than 512 keys). The CPU kernel uses at most as many
     splits as the longest sequence has keys (pages, for :func:`paged_decode`), and at most 1024;
     the result does not depend on the count beyond rounding. Returns ``(B, H, D)``.
+    On the GPU, ``lengths`` given as a CuPy array are checked by the kernel rather than copied back
+    (see :func:`paged_decode`): a length outside ``[0, T_max]`` gives that sequence NaN rows.
     The reference is :func:`refmath.attention.sdpa_forward` over each sequence's first ``L_b`` keys.
     """
     gpu = _on_gpu(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -268,13 +270,18 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
     check_axis("k_cache", k_cache, 3, q.shape[2], f"the head width D of q.shape = {q.shape}")
     _check_groups(q.shape[1], k_cache.shape[1], q, "k_cache", k_cache)
     t_max = k_cache.shape[2]
-    lengths = _host_lengths(lengths, q.shape[0], t_max, f"T_max = {t_max} of k_cache.shape = {k_cache.shape}")
+    why = f"T_max = {t_max} of k_cache.shape = {k_cache.shape}"
     scale = _scale(scale, q.shape[-1])
     splits = _splits(splits)
+    if gpu and _is_device_array(lengths):
+        # Checked by the kernel, not here: copying them back would synchronise every decode step.
+        _check_device_ints("lengths", lengths, 1, "(B,)", q.shape[0])
+    else:
+        lengths = _host_lengths(lengths, q.shape[0], t_max, why)
     if gpu:
         cp = _cupy()
         with q.device:
-            return _cuda_decode(q, k_cache, v_cache, cp.asarray(lengths, dtype=cp.int32), scale, splits)
+            return _cuda_decode(q, k_cache, v_cache, _device_int32(cp, lengths), scale, splits)
     return _cpu().decode(q, k_cache, v_cache, lengths.astype(np.int64), scale, splits or 0)
 
 
@@ -291,6 +298,12 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
     filled slots of a page are read. ``q``, ``lengths``, ``scale``, ``splits`` and the result are as
     in :func:`decode` (the splits cut the page list). The reference is
     :func:`refmath.inference.paged.paged_decode`.
+
+    On the GPU, a ``page_table`` and ``lengths`` that are both CuPy arrays are not copied back to be
+    checked (that would synchronise every decode step): the kernel checks each entry it reads, and a
+    sequence with a page id outside ``[0, n_pages)`` or a length outside
+    ``[0, max_pages * page_size]`` gets NaN output rows. NumPy tables and lengths are checked here
+    first, as on the CPU, with a ``ValueError`` naming the entry.
     """
     gpu = _on_gpu(q=q, k_pages=k_pages, v_pages=v_pages)
     q, k_pages, v_pages = _float_inputs(gpu, q=q, k_pages=k_pages, v_pages=v_pages)
@@ -304,6 +317,18 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
         raise ValueError(f"k_pages must have pages of at least one slot, got k_pages.shape = {k_pages.shape}")
     if n_pages > np.iinfo(np.int32).max:
         raise ValueError(f"the kernels address at most 2**31 - 1 pages, got {n_pages}")
+    scale = _scale(scale, q.shape[-1])
+    splits = _splits(splits)
+    if gpu and _is_device_array(page_table) and _is_device_array(lengths):
+        # A serving loop calls this every step with its tables already on the GPU: they are checked
+        # by the kernel as it reads them (a bad page id or length gives that sequence NaN), since
+        # checking them here would copy them back and synchronise every call.
+        _check_device_ints("page_table", page_table, 2, "(B, max_pages)", q.shape[0])
+        _check_device_ints("lengths", lengths, 1, "(B,)", q.shape[0])
+        cp = _cupy()
+        with q.device:
+            return _cuda_paged_decode(q, k_pages, v_pages, _device_int32(cp, page_table),
+                                      _device_int32(cp, lengths), scale, splits)
     table = _host_ints("page_table", page_table)
     check_ndim("page_table", table, 2, "(B, max_pages)")
     check_axis("page_table", table, 0, q.shape[0], f"the batch size B of q.shape = {q.shape}")
@@ -320,8 +345,6 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
             f"page_table[{b}, {i}] = {table[b, i]} is not a page id in [0, n_pages = {n_pages}), but "
             f"sequence {b} of length {lengths[b]} reads it (page_table.shape = {table.shape})")
     table = np.where(needed, table, -1).astype(np.int32)  # unneeded entries may hold anything
-    scale = _scale(scale, q.shape[-1])
-    splits = _splits(splits)
     if gpu:
         cp = _cupy()
         with q.device:
@@ -432,6 +455,28 @@ def _host_ints(name: str, x) -> np.ndarray:
     if not np.issubdtype(x.dtype, np.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype} with shape {x.shape}")
     return x
+
+
+def _is_device_array(x) -> bool:
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def _check_device_ints(name: str, x, ndim: int, layout: str, batch: int) -> None:
+    """The checks of a GPU integer array that need no copy to the host: dtype, rank, batch size."""
+    if not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype} with shape {x.shape}")
+    check_ndim(name, x, ndim, layout)
+    check_axis(name, x, 0, batch, "the batch size B of q")
+
+
+def _device_int32(cp, x):
+    """int32 on the device, as the CUDA kernels read it. Values beyond int32 are clipped, not
+    wrapped, so that an out-of-range entry stays out of range and the kernel refuses it."""
+    x = cp.asarray(x)
+    if x.dtype != cp.int32:
+        info = np.iinfo(np.int32)
+        x = cp.clip(x, info.min, info.max).astype(cp.int32)
+    return cp.ascontiguousarray(x)
 
 
 def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:

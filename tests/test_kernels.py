@@ -7,8 +7,11 @@ NumPy happens to be exact do not demand more than exactness from the kernel. Eac
 worst error as a fraction of its bound (``pytest -s`` shows them).
 
 The CPU tests need ``refmath._C`` (built by ``pip install -e .``); the CUDA tests, marked ``cuda``,
-skip with a reason unless ``refmath._cuda`` was built, CuPy is installed and a GPU is present.
+skip with a reason unless ``refmath._cuda`` was built, CuPy is installed and a GPU is present, and
+fail instead with ``REFMATH_REQUIRE_GPU=1`` (which ``benchmarks/gpu_check.sh`` sets).
 """
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,6 +21,15 @@ from refmath import kernels
 from refmath.softmax import softmax_forward
 
 PROPERTY = settings(max_examples=30, deadline=None)
+REQUIRE_GPU = os.environ.get("REFMATH_REQUIRE_GPU", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def skip_cuda(reason):
+    """Skip for want of the CUDA module, CuPy or a GPU; a failure under REFMATH_REQUIRE_GPU=1 (as in
+    tests/test_kernels_cuda.py)."""
+    if REQUIRE_GPU:
+        pytest.fail(f"REFMATH_REQUIRE_GPU=1, but {reason}", pytrace=False)
+    pytest.skip(reason)
 U32 = 2.0**-24  # unit roundoff of float32
 U64 = 2.0**-53  # unit roundoff of float64
 
@@ -200,7 +212,7 @@ def test_cuda_module_imports_and_counts_devices_without_a_gpu():
     # Linked against the static CUDA runtime, the module must import and answer on a machine with
     # no driver: zero devices and a reason, not a crash.
     if kernels._cuda is None:
-        pytest.skip(kernels.cuda_build_info())
+        skip_cuda(kernels.cuda_build_info())
     count, status = kernels._cuda.device_query()
     assert kernels._cuda.device_count() == count >= 0
     assert kernels.cuda_available() == (count > 0)
@@ -210,7 +222,7 @@ def test_cuda_module_imports_and_counts_devices_without_a_gpu():
 
 def test_cuda_binding_checks_its_arguments_and_reports_launch_errors():
     if kernels._cuda is None:
-        pytest.skip(kernels.cuda_build_info())
+        skip_cuda(kernels.cuda_build_info())
     cuda = kernels._cuda
     with pytest.raises(ValueError, match="dtype_code"):
         cuda.softmax_rows(0, 0, 1, 4, 7, 0)
@@ -218,16 +230,21 @@ def test_cuda_binding_checks_its_arguments_and_reports_launch_errors():
         cuda.softmax_rows(0, 0, -1, 4, cuda.FLOAT32, 0)
     if kernels.cuda_available():
         return
-    # Without a device the launch itself fails: CUDA's message comes back as a RuntimeError (the
-    # null pointers are never dereferenced, since nothing runs).
-    with pytest.raises(RuntimeError, match=r"refmath._cuda.softmax_rows: .+"):
+    with pytest.raises(ValueError, match="null pointer"):
         cuda.softmax_rows(0, 0, 1, 4, cuda.FLOAT32, 0)
+    # Without a device the launch itself fails: CUDA's message comes back as a RuntimeError (the
+    # made-up pointers are never dereferenced, since nothing runs).
+    with pytest.raises(RuntimeError, match=r"refmath._cuda.softmax_rows: .+"):
+        cuda.softmax_rows(256, 512, 1, 4, cuda.FLOAT32, 0)
 
 
 def _cupy_or_skip():
-    cp = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'refmath[cuda]')")
+    try:
+        import cupy as cp
+    except ImportError as err:
+        skip_cuda(f"CuPy is not installed (pip install 'refmath[cuda]'): {err}")
     if not kernels.cuda_available():
-        pytest.skip(kernels.cuda_build_info())
+        skip_cuda(kernels.cuda_build_info())
     return cp
 
 

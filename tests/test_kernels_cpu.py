@@ -583,6 +583,67 @@ def test_binding_refuses_what_kernels_py_would_have_caught():
         c.decode(qd, cache, cache, np.array([1, 0], np.int64), 1.0, -2)
 
 
+def _zeros(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("call, match", [
+    # zero key/value heads, with and without query heads (H / G on the C++ side)
+    (lambda c: c.flash_forward(_zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8), False, 0,
+                               1.0), "kv_heads = 0"),
+    (lambda c: c.flash_forward(_zeros(1, 2, 4, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8), True, 0,
+                               1.0), "kv_heads = 0"),
+    (lambda c: c.flash_backward(_zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8),
+                                _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4), False, 0,
+                                1.0), "kv_heads = 0"),
+    (lambda c: c.decode(_zeros(1, 0, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8),
+                        np.array([2], np.int64), 1.0, 0), "kv_heads = 0"),
+    (lambda c: c.paged_decode(_zeros(1, 0, 8), _zeros(2, 0, 4, 8), _zeros(2, 0, 4, 8),
+                              np.zeros((1, 1), np.int32), np.array([2], np.int64), 1.0, 0),
+     "kv_heads = 0"),
+    # heads that G does not divide
+    (lambda c: c.decode(_zeros(1, 3, 8), _zeros(1, 2, 4, 8), _zeros(1, 2, 4, 8),
+                        np.array([2], np.int64), 1.0, 0), "divide heads = 3"),
+    # zero head width, zero page size, negative options
+    (lambda c: c.flash_forward(_zeros(1, 1, 4, 0), _zeros(1, 1, 4, 0), _zeros(1, 1, 4, 0), False, 0,
+                               1.0), "head_dim"),
+    (lambda c: c.decode(_zeros(1, 1, 0), _zeros(1, 1, 4, 0), _zeros(1, 1, 4, 0),
+                        np.array([2], np.int64), 1.0, 0), "head_dim"),
+    (lambda c: c.paged_decode(_zeros(1, 1, 8), _zeros(2, 1, 0, 8), _zeros(2, 1, 0, 8),
+                              np.zeros((1, 1), np.int32), np.array([0], np.int64), 1.0, 0),
+     "page_size"),
+    (lambda c: c.flash_forward(_zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), True,
+                               -5, 1.0), "window"),
+    (lambda c: c.paged_decode(_zeros(1, 1, 8), _zeros(2, 1, 4, 8), _zeros(2, 1, 4, 8),
+                              np.zeros((1, 1), np.int32), np.array([2], np.int64), 1.0, -1),
+     "splits"),
+    (lambda c: c.decode(_zeros(1, 1, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8),
+                        np.array([2], np.int64), float("nan"), 0), "scale"),
+    (lambda c: c.set_backward_schedule(-1), "schedule"),
+], ids=["fwd H0 G0", "fwd G0", "bwd H0 G0", "decode G0", "paged G0", "decode G!|H", "fwd D0",
+        "decode D0", "paged page_size 0", "window -5", "splits -1", "scale NaN", "schedule -1"])
+def test_binding_refuses_zero_heads_widths_and_negative_options(call, match):
+    """Every compiled entry point refuses sizes and options it cannot run with (issue 15: the CUDA
+    side divided by G = 0); called directly, not through refmath.kernels."""
+    with pytest.raises(ValueError, match=match):
+        call(kernels._C)
+
+
+def test_binding_runs_empty_shapes():
+    """Zero batch, zero query heads (with G >= 1) and zero lengths are work of size 0, not errors."""
+    c = kernels._C
+    o, lse = c.flash_forward(_zeros(0, 2, 4, 8), _zeros(0, 1, 4, 8), _zeros(0, 1, 4, 8), True, 0, 1.0)
+    assert o.shape == (0, 2, 4, 8) and lse.shape == (0, 2, 4)
+    o, lse = c.flash_forward(_zeros(1, 0, 4, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), True, 0, 1.0)
+    assert o.shape == (1, 0, 4, 8)
+    o, lse = c.flash_forward(_zeros(1, 1, 3, 8), _zeros(1, 1, 0, 8), _zeros(1, 1, 0, 8), False, 0, 1.0)
+    assert (o == 0).all() and (lse == -np.inf).all()
+    assert c.decode(_zeros(1, 0, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), np.array([2], np.int64),
+                    1.0, 0).shape == (1, 0, 8)
+    assert (c.paged_decode(_zeros(1, 2, 8), _zeros(0, 1, 4, 8), _zeros(0, 1, 4, 8),
+                           np.zeros((1, 0), np.int32), np.array([0], np.int64), 1.0, 0) == 0).all()
+
+
 def test_kernels_release_the_gil():
     """Two Python threads running a kernel at once finish together, not one after the other: the GIL
     is released while the C++ code runs (checked by the result, not by timing)."""

@@ -27,13 +27,17 @@ dP - delta = 0 exactly), and the floor keeps the rule from then demanding exactn
 that sums in another order.
 
 Everything here skips with a reason unless refmath._cuda is built, CuPy is installed and a GPU is
-present; bfloat16 also needs CuPy's bfloat16 support (CuPy >= 14 with ml_dtypes). The first two
+present (and fails instead with REFMATH_REQUIRE_GPU=1, as benchmarks/gpu_check.sh sets it); bfloat16 also needs CuPy's bfloat16 support (CuPy >= 14 with ml_dtypes). The first two
 tests need only the built module. Each check prints its error as a fraction of its bound
 (``pytest -s``), and the module prints the worst case at the end.
 """
 import functools
 import math
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -78,6 +82,25 @@ BACKWARD_CASES = [
 ]
 WINDOW = 16
 
+# benchmarks/gpu_check.sh sets REFMATH_REQUIRE_GPU=1: on the machine lent for that run a missing
+# CUDA module, CuPy or GPU is the problem to report, and a skip would let the run say "ok".
+REQUIRE_GPU = os.environ.get("REFMATH_REQUIRE_GPU", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def skip_cuda(reason):
+    """Skip for want of the CUDA module, CuPy, a GPU or a dtype; a failure under REFMATH_REQUIRE_GPU=1."""
+    if REQUIRE_GPU:
+        pytest.fail(f"REFMATH_REQUIRE_GPU=1, but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def import_cupy():
+    try:
+        import cupy
+    except ImportError as err:
+        skip_cuda(f"CuPy is not installed (pip install 'refmath[cuda]'): {err}")
+    return cupy
+
 
 def masks(name):
     """(causal, window) of a mask name."""
@@ -102,7 +125,7 @@ def report_worst_case():
 def test_every_version_is_listed_and_bound():
     if kernels._cuda is None:
         assert kernels.flash_versions() == ()
-        pytest.skip(kernels.cuda_build_info())
+        skip_cuda(kernels.cuda_build_info())
     assert kernels.flash_versions() == VERSIONS
     for version in VERSIONS:
         assert callable(getattr(kernels._cuda, f"flash_forward_{version}")), version
@@ -115,14 +138,14 @@ def test_bindings_refuse_bad_arguments_before_touching_the_device():
     # The launchers check sizes, dtypes, pointers and alignment on the host, before any CUDA call,
     # so these raise the same way with or without a GPU (nothing is dereferenced).
     if kernels._cuda is None:
-        pytest.skip(kernels.cuda_build_info())
+        skip_cuda(kernels.cuda_build_info())
     c = kernels._cuda
 
     def forward(version="v2", ptr=0, b=1, h=2, g=2, t_q=4, t_k=4, d=64, window=0, dtype=c.FLOAT32):
         getattr(c, f"flash_forward_{version}")(ptr, ptr, ptr, ptr, ptr, b, h, g, t_q, t_k, d, False,
                                                window, 0.125, dtype, 0)
 
-    with pytest.raises(RuntimeError, match=r"flash_forward_v2: .*G=3 must divide the query heads H=2"):
+    with pytest.raises(RuntimeError, match=r"flash_forward_v2: .*G=3 must be >= 1 and divide the query heads H=2"):
         forward(g=3)
     with pytest.raises(RuntimeError, match=r"head width D=300 is outside \[1, 256\]"):
         forward(d=300)
@@ -149,19 +172,108 @@ def test_bindings_refuse_bad_arguments_before_touching_the_device():
         decode(splits=0)
     with pytest.raises(RuntimeError, match=r"page_size must be in \[1, 2\*\*30\], got 0"):
         decode(page_size=0)
-    with pytest.raises(RuntimeError, match=r"G=3 must divide the query heads H=4"):
+    with pytest.raises(RuntimeError, match=r"G=3 must be >= 1 and divide the query heads H=4"):
         decode(g=3)
     with pytest.raises(RuntimeError, match=r"paged_decode: .*null pointer"):
         decode()
+
+
+def test_flash_backward_with_no_heads_is_refused_not_a_crash():
+    """Issue 15: H = 0 and G = 0 passed every check and divided H by G on the host (SIGFPE: the
+    Python process died). Run in a child process, so that a regression fails here instead of
+    killing the test session."""
+    if kernels._cuda is None:
+        skip_cuda(kernels.cuda_build_info())
+    code = ("import refmath._cuda as c\n"
+            "try:\n"
+            "    c.flash_backward(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 4, 4, 64, True, 0, 0.125, 0)\n"
+            "except RuntimeError as err:\n"
+            "    print(err)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT)
+    assert run.returncode == 0, f"exit status {run.returncode} (a signal if negative): {run.stderr}"
+    assert "G=0 must be >= 1" in run.stdout, run.stdout + run.stderr
+
+
+def _cuda_entry_points(c):
+    """name -> a call of each compiled entry point with sizes to fill in (null pointers: every call
+    below must be refused before anything is dereferenced)."""
+    def forward(version):
+        return lambda b=1, h=2, g=2, t=4, d=64, window=0, dtype=c.FLOAT16: getattr(
+            c, f"flash_forward_{version}")(0, 0, 0, 0, 0, b, h, g, t, t, d, False, window, 0.125,
+                                          dtype, 0)
+
+    def backward(b=1, h=2, g=2, t=4, d=64, window=0, dtype=None):
+        c.flash_backward(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, b, h, g, t, t, d, True, window, 0.125, 0)
+
+    def decode(b=1, h=2, g=2, t=4, d=64, window=0, dtype=c.FLOAT16):
+        c.paged_decode(0, 0, 0, 0, 0, 0, 0, b, h, g, d, 4, 16, t, 1, 0.125, dtype, 0)
+
+    return {"v1": forward("v1"), "v2": forward("v2"), "v3": forward("v3"), "backward": backward,
+            "paged_decode": decode}
+
+
+@pytest.mark.parametrize("entry", ["v1", "v2", "v3", "backward", "paged_decode"])
+@pytest.mark.parametrize("sizes, match", [
+    (dict(h=0, g=0), r"G=0 must be >= 1"),
+    (dict(h=2, g=0), r"G=0 must be >= 1"),
+    (dict(h=2, g=-1), r"non-negative"),
+    (dict(b=-1), r"non-negative"),
+    (dict(h=-2), r"non-negative"),
+    (dict(h=3, g=2), r"G=2 must be >= 1 and divide the query heads H=3"),
+    (dict(b=2**31, h=1, g=1), r"at most 2\*\*31 - 1"),
+    (dict(b=2**20, h=2**12, g=1), r"B\*H and B\*G must each be at most"),
+    (dict(d=0), r"head width D=0"),
+    (dict(t=-3), r"non-negative|T_q=-3|max_pages"),
+], ids=["H0 G0", "G0", "G<0", "B<0", "H<0", "G!|H", "B>int", "B*H>int", "D0", "T<0"])
+def test_every_cuda_entry_point_refuses_bad_sizes_before_the_device(entry, sizes, match):
+    """Issue 15: each launcher checks the class of input that crashed flash_backward (zero or
+    negative sizes, heads that do not divide) itself, before any CUDA call: these run without a GPU."""
+    if kernels._cuda is None:
+        skip_cuda(kernels.cuda_build_info())
+    if entry == "v3" and sizes.get("d") == 0:
+        match = r"head width D=0|supports D = 64 or 128"
+    with pytest.raises(RuntimeError, match=match):
+        _cuda_entry_points(kernels._cuda)[entry](**sizes)
+
+
+def test_cuda_softmax_refuses_bad_sizes_and_null_pointers():
+    if kernels._cuda is None:
+        skip_cuda(kernels.cuda_build_info())
+    c = kernels._cuda
+    with pytest.raises(ValueError, match="non-negative"):
+        c.softmax_rows(0, 0, -1, 4, c.FLOAT32, 0)
+    with pytest.raises(ValueError, match="null pointer"):
+        c.softmax_rows(0, 0, 2, 4, c.FLOAT32, 0)
+    c.softmax_rows(0, 0, 0, 4, c.FLOAT32, 0)  # nothing to do, nothing touched
+
+
+def test_flash_v3_built_for_an_old_arch_traps_instead_of_skipping_the_mma():
+    """Issue 15: below sm_80 the mma bodies were empty, so v3 built with REFMATH_CUDA_ARCH=75 and
+    run on an sm_90 GPU (which JIT-compiles the compute_75 PTX) returned garbage. Now the fallback
+    traps, and the launcher refuses code compiled for less than compute_80 (check_compiled_for,
+    reading the kernel's ptxVersion, which the GPU tests exercise). Compile-only: needs nvcc."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        skip_cuda("nvcc is not on PATH")
+    source = ROOT / "csrc" / "cuda" / "flash_v3.cu"
+    # PTX for compute_75 only (about 35 s of one core); the compute_80+ code is the module's own
+    # build, whose mma the GPU tests run.
+    run = subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=compute_75", "-Icsrc/cuda", str(source),
+                          "-o", "-"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "mma.sync" not in run.stdout and "trap;" in run.stdout
+    assert "check_compiled_for(flash_v3_kernel<T, D>, 80" in source.read_text()
 
 
 # ---- GPU fixtures and conversions ----
 
 @pytest.fixture(scope="module")
 def cp():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'refmath[cuda]')")
+    cupy = import_cupy()
     if not kernels.cuda_available():
-        pytest.skip(kernels.cuda_build_info())
+        skip_cuda(kernels.cuda_build_info())
     return cupy
 
 
@@ -183,7 +295,7 @@ def need_dtype(dtype):
     if dtype == "bfloat16":
         found, why = _bfloat16()
         if found is None:
-            pytest.skip(why)
+            skip_cuda(why)
 
 
 def bf16_bits(x):
@@ -621,3 +733,80 @@ def test_bad_input_raises_naming_the_problem(cp):
     for error, pattern, call in _bad_calls(cp):
         with pytest.raises(error, match=pattern):
             call()
+
+
+# ---- NaN in gives NaN out (issue 9), as tests/test_kernels_nan.py checks the CPU kernels ----
+
+NAN_CASES = [  # (H, G, T_q, T_k, D, causal, window): tiles of every version cut by the mask
+    (2, 1, 70, 70, 64, True, 0),
+    (2, 2, 150, 130, 64, True, 0),
+    (1, 1, 100, 100, 64, True, 20),
+    (2, 1, 40, 90, 64, False, 0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("case", NAN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_attention_nan_pattern_matches_the_reference(cp, case, where):
+    from test_kernels_nan import assert_same_nans, attention_reference
+
+    h, g, t_q, t_k, d, causal, window = case
+    rng = np.random.default_rng(t_q + t_k)
+    for trial in range(3):
+        q, k, v, do = (round_to(rng.standard_normal(s), "float16") for s in
+                       ((1, h, t_q, d), (1, g, t_k, d), (1, g, t_k, d), (1, h, t_q, d)))
+        x = {"q": q, "k": k, "v": v, "do": do}[where].reshape(-1)
+        x[rng.integers(x.size)] = np.nan
+        ref = attention_reference(q, k, v, do, causal, window, d**-0.5)
+        for version, dtype in (("v1", "float32"), ("v2", "float32"), ("v3", "float16")):
+            o, lse = kernels.flash_attention_forward(
+                to_device(cp, q, dtype), to_device(cp, k, dtype), to_device(cp, v, dtype),
+                causal=causal, window=window or None, version=version)
+            label = f"{version} NaN in {where}, trial {trial}, case {case}"
+            assert_same_nans(f"o ({label})", to_host(cp, o), ref[0])
+            assert_same_nans(f"lse ({label})", to_host(cp, lse), ref[1])
+        grads = kernels.flash_attention_backward(
+            *(cp.asarray(x) for x in (do, q, k, v)), cp.asarray(to_host(cp, o).astype(np.float32)),
+            lse, causal=causal, window=window or None)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref[2:]):
+            assert_same_nans(f"{name} (NaN in {where}, trial {trial}, case {case})", to_host(cp, got), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_decode_nan_pattern_matches_the_reference(cp, where):
+    from test_kernels_nan import assert_same_nans, decode_reference
+
+    rng = np.random.default_rng(3)
+    b, h, g, d, t_max = 3, 8, 2, 64, 300
+    lengths = np.array([0, 17, 300])
+    for trial in range(4):
+        q = rng.standard_normal((b, h, d)).astype(np.float32)
+        k, v = (rng.standard_normal((b, g, t_max, d)).astype(np.float32) for _ in range(2))
+        x = {"q": q, "k": k, "v": v}[where].reshape(-1)
+        x[rng.integers(x.size)] = np.nan
+        ref = decode_reference(q, k, v, lengths, d**-0.5)
+        for splits in (1, 4):
+            o = kernels.decode(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(lengths),
+                               splits=splits)
+            assert_same_nans(f"decode NaN in {where}, trial {trial}, splits {splits}", to_host(cp, o), ref)
+
+
+@pytest.mark.cuda
+def test_paged_decode_checks_device_tables_on_the_device(cp):
+    """A page table and lengths already on the GPU are not copied back to be checked (no
+    synchronisation per call): a bad entry makes that sequence's rows NaN, the others are untouched."""
+    rng = np.random.default_rng(5)
+    q = cp.asarray(rng.standard_normal((3, 4, 32)).astype(np.float32))
+    pages = cp.asarray(rng.standard_normal((6, 2, 8, 32)).astype(np.float32))
+    good = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
+    lengths = np.array([16, 9, 12])
+    expected = to_host(cp, kernels.paged_decode(q, pages, pages, good, lengths))
+    for table, lens, bad_row in ((np.array([[0, 1], [2, 9], [4, 5]]), lengths, 1),
+                                 (good, np.array([16, 9, 17]), 2),
+                                 (good, np.array([-1, 9, 12]), 0)):
+        o = to_host(cp, kernels.paged_decode(q, pages, pages, cp.asarray(table), cp.asarray(lens)))
+        assert np.isnan(o[bad_row]).all()
+        keep = [i for i in range(3) if i != bad_row]
+        np.testing.assert_array_equal(o[keep], expected[keep])

@@ -19,6 +19,18 @@ namespace refmath_cuda {
 constexpr int kWarpSize = 32;
 constexpr int kMaxHeadDim = 256;     // the largest D of v1, v2, the backward and decode
 constexpr int kMaxSequence = 1 << 30;  // T_q, T_k, page sizes: int arithmetic never overflows
+// B, H, G, B * H and B * G at most 2**31 - 1: the kernels index (batch, head) pairs with an int,
+// and the host's products of them with T_q, T_k or the splits then fit in int64.
+constexpr std::int64_t kMaxCount = INT_MAX;
+
+// "" if B, H and G (each >= 0) are within kMaxCount, alone and as the products above.
+inline std::string check_counts(std::int64_t batch, std::int64_t heads, std::int64_t kv_heads) {
+    const bool ok = batch <= kMaxCount && heads <= kMaxCount && kv_heads <= kMaxCount &&
+                    batch * heads <= kMaxCount && batch * kv_heads <= kMaxCount;
+    if (ok) return "";
+    return "B=" + std::to_string(batch) + ", H=" + std::to_string(heads) + ", G=" +
+           std::to_string(kv_heads) + ": B, H, G, B*H and B*G must each be at most 2**31 - 1";
+}
 
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ inline int imin(int a, int b) { return a < b ? a : b; }
@@ -37,11 +49,25 @@ template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
 
+// ---- NaN in, NaN out ----
+//
+// fmaxf(a, NaN) is a: a running maximum built on it forgets a NaN score, and a row whose only
+// visible score is NaN would then look fully masked (o = 0, lse = -inf). Every maximum of scores
+// is taken with nan_max instead, which is NaN if either argument is; the softmax state of that
+// row then becomes NaN and stays so, as the reference's does.
+__device__ inline float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// Whether an element is infinite or NaN (all exponent bits set), for the tiles' loaders: a value
+// the mask hides must not reach a row through 0 * NaN (see the P V products).
+__device__ inline bool nonfinite(float x) { return !isfinite(x); }
+__device__ inline bool nonfinite(__half x) { return !isfinite(__half2float(x)); }
+__device__ inline bool nonfinite(__nv_bfloat16 x) { return !isfinite(__bfloat162float(x)); }
+
 // ---- warp reductions: every lane of the warp receives the result ----
 
-__device__ inline float warp_max(float x) {
+__device__ inline float warp_max(float x) {  // NaN if any lane's x is NaN
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+        x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, offset));
     return x;
 }
 
@@ -125,9 +151,13 @@ inline std::string check_problem(const AttentionProblem& p, std::int64_t max_dim
     if (p.batch < 0 || p.heads < 0 || p.kv_heads < 0 || p.t_q < 0 || p.t_k < 0)
         return "sizes must be non-negative, got B=" + num(p.batch) + " H=" + num(p.heads) +
                " G=" + num(p.kv_heads) + " T_q=" + num(p.t_q) + " T_k=" + num(p.t_k);
-    if (p.heads > 0 && (p.kv_heads <= 0 || p.heads % p.kv_heads != 0))
-        return "the key/value heads G=" + num(p.kv_heads) + " must divide the query heads H=" +
-               num(p.heads);
+    const std::string counts = check_counts(p.batch, p.heads, p.kv_heads);
+    if (!counts.empty()) return counts;
+    // G >= 1 even when H = 0: every launcher divides H by G on the host (a division by zero there
+    // would kill the process), as the CPU kernels require too.
+    if (p.kv_heads < 1 || p.heads % p.kv_heads != 0)
+        return "the key/value heads G=" + num(p.kv_heads) + " must be >= 1 and divide the query "
+               "heads H=" + num(p.heads);
     if (p.dim < 1 || p.dim > max_dim)
         return "head width D=" + num(p.dim) + " is outside [1, " + num(max_dim) + "]";
     if (p.t_q > kMaxSequence || p.t_k > kMaxSequence)
@@ -160,6 +190,26 @@ inline std::string check_compute_capability(int major, const char* what) {
     if (have < major)
         return std::string(what) + " needs compute capability " + std::to_string(major) +
                ".0 or newer; this device has " + std::to_string(have) + ".x";
+    return "";
+}
+
+// "" if the code of `kernel` that runs on the current device was compiled for a virtual
+// architecture of at least `arch` (80 = compute_80): the __CUDA_ARCH__ its body saw. The device's
+// own compute capability is not enough to know that: from a build for sm_75 alone, an sm_90 GPU
+// runs the compute_75 PTX, JIT-compiled.
+template <typename Kernel>
+std::string check_compiled_for(Kernel* kernel, int arch, const char* what) {
+    cudaFuncAttributes attributes{};
+    const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
+    if (status != cudaSuccess) {
+        cudaGetLastError();
+        return cuda_message(what, status);
+    }
+    if (attributes.ptxVersion < arch)
+        return std::string(what) + " needs code compiled for compute_" + std::to_string(arch) +
+               " or newer, but this build gives the device compute_" +
+               std::to_string(attributes.ptxVersion) + " code (rebuild with REFMATH_CUDA_ARCH "
+               "listing 80 or newer, e.g. \"80;90\")";
     return "";
 }
 

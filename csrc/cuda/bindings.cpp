@@ -43,6 +43,8 @@ void softmax_rows(std::uintptr_t in_ptr, std::uintptr_t out_ptr, std::int64_t ro
         throw py::value_error("dtype_code must be 0 (float32) or 1 (float64), got " +
                               std::to_string(dtype_code));
     }
+    if (rows > 0 && cols > 0 && (in_ptr == 0 || out_ptr == 0))
+        throw py::value_error("a null pointer for a non-empty array");
     cudaError_t status;
     {
         py::gil_scoped_release release;

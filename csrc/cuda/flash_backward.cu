@@ -67,10 +67,11 @@ struct BwdShared {
 };
 
 // Rows [i0, i0 + 16) of one query head into q_s, do_s, lse_s, delta_s; rows >= t_q are zeros
-// with lse = -inf (so their P is 0).
+// with lse = -inf (so their P is 0). Returns whether this thread copied an infinite or NaN q or dO.
 template <int D_MAX>
-__device__ void load_query_tile(const BwdShared<D_MAX>& sm, const float* q_head, const float* do_head,
+__device__ bool load_query_tile(const BwdShared<D_MAX>& sm, const float* q_head, const float* do_head,
                                 const float* lse_head, const float* delta_head, int i0, int t_q, int dim) {
+    bool odd = false;
     for (int idx = threadIdx.x; idx < kBlockQB * D_MAX; idx += kThreadsB) {
         const int r = idx / D_MAX, c = idx % D_MAX;
         float qx = 0.0f, dox = 0.0f;
@@ -78,6 +79,7 @@ __device__ void load_query_tile(const BwdShared<D_MAX>& sm, const float* q_head,
             const std::int64_t at = static_cast<std::int64_t>(i0 + r) * dim + c;
             qx = q_head[at];
             dox = do_head[at];
+            odd |= nonfinite(qx) || nonfinite(dox);
         }
         sm.q[idx] = qx;
         sm.dout[idx] = dox;
@@ -87,13 +89,16 @@ __device__ void load_query_tile(const BwdShared<D_MAX>& sm, const float* q_head,
         sm.lse[threadIdx.x] = i < t_q ? lse_head[i] : -INFINITY;
         sm.delta[threadIdx.x] = i < t_q ? delta_head[i] : 0.0f;
     }
+    return odd;
 }
 
-// Keys [j0, j0 + 32) of one key/value head into k_s and v_s; keys >= j_end are zeros.
+// Keys [j0, j0 + 32) of one key/value head into k_s and v_s; keys >= j_end are zeros. Returns
+// whether this thread copied an infinite or NaN key.
 template <int D_MAX>
-__device__ void load_key_tile(const BwdShared<D_MAX>& sm, const float* k_head, const float* v_head,
+__device__ bool load_key_tile(const BwdShared<D_MAX>& sm, const float* k_head, const float* v_head,
                               int j0, int j_end, int dim) {
     constexpr int kStride = BwdLayout<D_MAX>::kKVStride;
+    bool odd = false;
     for (int idx = threadIdx.x; idx < kBlockKB * D_MAX; idx += kThreadsB) {
         const int r = idx / D_MAX, c = idx % D_MAX;
         float kx = 0.0f, vx = 0.0f;
@@ -101,10 +106,12 @@ __device__ void load_key_tile(const BwdShared<D_MAX>& sm, const float* k_head, c
             const std::int64_t at = static_cast<std::int64_t>(j0 + r) * dim + c;
             kx = k_head[at];
             vx = v_head[at];
+            odd |= nonfinite(kx);
         }
         sm.k[r * kStride + c] = kx;
         sm.v[r * kStride + c] = vx;
     }
+    return odd;
 }
 
 // Phase 1 of a tile step: for the warp's 4 rows and key j0 + lane, P and dS into shared memory
@@ -133,11 +140,13 @@ __device__ void weights_and_score_gradients(const BwdShared<D_MAX>& sm, const Ba
 #pragma unroll
     for (int rr = 0; rr < kRowsPerWarpB; ++rr) {
         const int il = row0 + rr, i = i0 + il;
+        // A hidden pair gets dS = 0 outright, not 0 * (dP - delta): its dP may be NaN (a NaN value
+        // or dO that this pair does not involve) and must not leak.
+        const bool seen = i < band.t_q && j < j_end && band.visible(i, j);
         float p = 0.0f;
-        if (i < band.t_q && j < j_end && band.visible(i, j) && sm.lse[il] != -INFINITY)
-            p = expf(s[rr] * scale - sm.lse[il]);
+        if (seen && sm.lse[il] != -INFINITY) p = expf(s[rr] * scale - sm.lse[il]);
         if (write_p) sm.p[il * kBlockKB + lane] = p;
-        sm.ds[il * kBlockKB + lane] = p * (dp[rr] - sm.delta[il]);
+        sm.ds[il * kBlockKB + lane] = seen ? p * (dp[rr] - sm.delta[il]) : 0.0f;
     }
 }
 
@@ -191,9 +200,11 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
         const float* do_head = dout + bh * band.t_q * dim;
         for (int i0 = i_lo; i0 < i_hi; i0 += kBlockQB) {
             __syncthreads();  // the previous step's tiles are no longer read (and k_s, v_s are written)
-            load_query_tile(sm, q_head, do_head, lse + bh * band.t_q, delta + bh * band.t_q, i0,
-                            band.t_q, dim);
-            __syncthreads();
+            const bool odd = load_query_tile(sm, q_head, do_head, lse + bh * band.t_q,
+                                             delta + bh * band.t_q, i0, band.t_q, dim);
+            // With an infinite or NaN q or dO in the tile, phase 2 adds the visible pairs only: a
+            // hidden pair has P = dS = 0, and 0 * NaN would leak into keys that row never sees.
+            const bool only_visible = __syncthreads_or(odd) != 0;
             weights_and_score_gradients(sm, band, i0, j0, j1, scale, true);
             __syncthreads();  // phase 2 reads every row of P and dS
             for (int il = 0; il < kBlockQB; ++il) {
@@ -206,6 +217,9 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
                 for (int jj = 0; jj < kKeysPerWarpB; ++jj) {
                     const int jl = warp * kKeysPerWarpB + jj;
+                    if (only_visible && !(i0 + il < band.t_q && j0 + jl < j1 &&
+                                          band.visible(i0 + il, j0 + jl)))
+                        continue;
                     const float p = sm.p[il * kBlockKB + jl], ds = sm.ds[il * kBlockKB + jl];
 #pragma unroll
                     for (int cc = 0; cc < kCols; ++cc) {
@@ -268,8 +282,9 @@ backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
     band.keys_seen_by(i0, i1, &lo, &hi);
     for (int j0 = lo; j0 < hi; j0 += kBlockKB) {
         __syncthreads();  // the previous key tile is no longer read (and the query tile is written)
-        load_key_tile(sm, k + kv_offset, v + kv_offset, j0, hi, dim);
-        __syncthreads();
+        const bool odd = load_key_tile(sm, k + kv_offset, v + kv_offset, j0, hi, dim);
+        // An infinite or NaN key: add the visible pairs only (0 * NaN would leak, as in dK, dV).
+        const bool only_visible = __syncthreads_or(odd) != 0;
         weights_and_score_gradients(sm, band, i0, j0, hi, scale, false);
         __syncwarp();  // phase 2 reads only this warp's own rows of dS
         for (int jl = 0; jl < kBlockKB; ++jl) {
@@ -278,6 +293,8 @@ backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
             for (int cc = 0; cc < kCols; ++cc) kv[cc] = sm.k[jl * kStride + lane + cc * kWarpSize];
 #pragma unroll
             for (int rr = 0; rr < kRowsPerWarpB; ++rr) {
+                const int i = i0 + warp * kRowsPerWarpB + rr;
+                if (only_visible && !(i < i1 && j0 + jl < hi && band.visible(i, j0 + jl))) continue;
                 const float ds = sm.ds[(warp * kRowsPerWarpB + rr) * kBlockKB + jl];
 #pragma unroll
                 for (int cc = 0; cc < kCols; ++cc) dq_acc[rr][cc] += ds * kv[cc];  // dQ_i += dS_ij k_j

@@ -61,7 +61,7 @@ flash_v1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int c = 0; c < D_MAX; ++c)
             if (c < dim) s += q_reg[c] * to_float(k_row[c]);
         // F3 with a one-key block: rescale what was summed against the old maximum.
-        const float m_new = fmaxf(m, s);
+        const float m_new = nan_max(m, s);  // a NaN score makes the row NaN
         const float correction = expf(m - m_new);  // 0 on the first key, when m = -inf
         const float p = expf(s - m_new);
         l = l * correction + p;
@@ -71,13 +71,14 @@ flash_v1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         m = m_new;
     }
 
-    // F1. A row that saw no key keeps l = 0: its output is 0 and its logsumexp -inf.
-    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+    // F1. A row that saw no key keeps l = 0: its output is 0 and its logsumexp -inf. (l is NaN
+    // after a NaN score, and o and lse are NaN then.)
+    const float inv_l = l != 0.0f ? 1.0f / l : 0.0f;
     T* o_row = o + row * dim;
 #pragma unroll
     for (int c = 0; c < D_MAX; ++c)
         if (c < dim) o_row[c] = from_float<T>(acc[c] * inv_l);
-    lse[row] = l > 0.0f ? m + logf(l) : -INFINITY;
+    lse[row] = l != 0.0f ? m + logf(l) : -INFINITY;
 }
 
 template <typename T, int D_MAX>

@@ -94,6 +94,7 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     band.keys_seen_by(q0, q1, &lo, &hi);
     for (int j0 = lo; j0 < hi; j0 += kBlockKV2) {
         __syncthreads();  // everyone is done with the previous tile (and q_s is written)
+        bool odd_value = false;  // an infinite or NaN value in this tile
         for (int idx = threadIdx.x; idx < kBlockKV2 * D_MAX; idx += kThreadsV2) {
             const int r = idx / D_MAX, c = idx % D_MAX;
             T kx = from_float<T>(0.0f), vx = kx;  // zeros past the end keep P V finite
@@ -101,11 +102,14 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const std::int64_t at = static_cast<std::int64_t>(j0 + r) * dim + c;
                 kx = k_head[at];
                 vx = v_head[at];
+                odd_value |= nonfinite(vx);
             }
             k_s[r * L::kKStride + c] = kx;
             v_s[r * D_MAX + c] = vx;
         }
-        __syncthreads();
+        // With an infinite or NaN value in the tile, P V below adds only the visible pairs: a
+        // hidden pair's weight is 0, and 0 * NaN would leak the value into rows that never see it.
+        const bool only_visible = __syncthreads_or(odd_value) != 0;
 
         // Scores of key j = j0 + lane against the warp's rows.
         float s[kRowsPerWarpV2];
@@ -125,7 +129,7 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int rr = 0; rr < kRowsPerWarpV2; ++rr) {
             const int i = q0 + row0 + rr;
             const float score = (i < q1 && j < hi && band.visible(i, j)) ? s[rr] : -INFINITY;
-            const float m_new = fmaxf(m[rr], warp_max(score));
+            const float m_new = nan_max(m[rr], warp_max(score));
             float p = 0.0f;
             if (m_new != -INFINITY) {  // the same in every lane: no divergence
                 const float correction = expf(m[rr] - m_new);
@@ -146,6 +150,8 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             for (int cc = 0; cc < kCols; ++cc) vj[cc] = to_float(v_s[jj * D_MAX + lane + cc * kWarpSize]);
 #pragma unroll
             for (int rr = 0; rr < kRowsPerWarpV2; ++rr) {
+                const int i = q0 + row0 + rr;
+                if (only_visible && !(i < q1 && j0 + jj < hi && band.visible(i, j0 + jj))) continue;
                 const float p = p_s[(row0 + rr) * kBlockKV2 + jj];
 #pragma unroll
                 for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] += p * vj[cc];
@@ -153,19 +159,19 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
     }
 
-    // F1: o = u / l; a row that saw no key has l = 0, o = 0 and lse = -inf.
+    // F1: o = u / l; a row that saw no key has l = 0, o = 0 and lse = -inf (l = NaN: both NaN).
 #pragma unroll
     for (int rr = 0; rr < kRowsPerWarpV2; ++rr) {
         const int i = q0 + row0 + rr;
         if (i >= q1) continue;
         const std::int64_t row = static_cast<std::int64_t>(bh) * band.t_q + i;
-        const float inv_l = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
+        const float inv_l = l[rr] != 0.0f ? 1.0f / l[rr] : 0.0f;
 #pragma unroll
         for (int cc = 0; cc < kCols; ++cc) {
             const int c = lane + cc * kWarpSize;
             if (c < dim) o[row * dim + c] = from_float<T>(acc[rr][cc] * inv_l);
         }
-        if (lane == 0) lse[row] = l[rr] > 0.0f ? m[rr] + logf(l[rr]) : -INFINITY;
+        if (lane == 0) lse[row] = l[rr] != 0.0f ? m[rr] + logf(l[rr]) : -INFINITY;
     }
 }
 

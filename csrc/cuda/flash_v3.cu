@@ -57,8 +57,10 @@ template <> struct MmaType<__nv_bfloat16> {
 };
 
 // d += a b for one 16 x 16 by 16 x 8 product, fp32 accumulation.
-// (m16n8k16 needs compute capability 8.0; for an older target the launcher refuses to launch,
-// and the body below is left empty so that such a build still compiles.)
+// m16n8k16 needs code compiled for compute capability 8.0 or newer. A build for an older target
+// (REFMATH_CUDA_ARCH=75) still compiles, with a body that traps: the launcher refuses to run such
+// code (check_compiled_for), and should it run anyway the kernel fails loudly rather than return
+// the garbage of a product never computed.
 __device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
                                  std::uint32_t b1, __half) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -66,6 +68,8 @@ __device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("trap;");
 #endif
 }
 __device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
@@ -75,6 +79,8 @@ __device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("trap;");
 #endif
 }
 
@@ -91,18 +97,32 @@ __device__ inline std::uint32_t load_column_pair(const T* p, int stride) {
     return lo | (hi << 16);
 }
 
+// Whether either 16-bit element of a register is infinite or NaN (every exponent bit set).
+template <typename T> __device__ inline bool nonfinite_pair(std::uint32_t w);
+template <> __device__ inline bool nonfinite_pair<__half>(std::uint32_t w) {
+    return (w & 0x7C00u) == 0x7C00u || (w & 0x7C000000u) == 0x7C000000u;
+}
+template <> __device__ inline bool nonfinite_pair<__nv_bfloat16>(std::uint32_t w) {
+    return (w & 0x7F80u) == 0x7F80u || (w & 0x7F800000u) == 0x7F800000u;
+}
+
 // Copy rows [r0, r0 + 64) of a (rows, D) matrix into a padded shared tile; rows >= r_end are zero.
+// Returns whether this thread copied an infinite or NaN element.
 template <typename T, int D>
-__device__ inline void load_tile(T* tile, const T* src, int r0, int r_end) {
+__device__ inline bool load_tile(T* tile, const T* src, int r0, int r_end) {
     constexpr int kStride = D + kPadV3;
     constexpr int kChunks = D / 8;  // 16-byte vectors per row
+    bool odd = false;
     for (int idx = threadIdx.x; idx < kBlockKV3 * kChunks; idx += kThreadsV3) {
         const int r = idx / kChunks, chunk = idx % kChunks;
         uint4 value = make_uint4(0, 0, 0, 0);
         if (r0 + r < r_end)
             value = *reinterpret_cast<const uint4*>(src + static_cast<std::int64_t>(r0 + r) * D + chunk * 8);
+        odd |= nonfinite_pair<T>(value.x) || nonfinite_pair<T>(value.y) ||
+               nonfinite_pair<T>(value.z) || nonfinite_pair<T>(value.w);
         *reinterpret_cast<uint4*>(tile + r * kStride + chunk * 8) = value;
     }
+    return odd;
 }
 
 template <typename T, int D>
@@ -162,8 +182,10 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int j0 = lo; j0 < hi; j0 += kBlockKV3) {
         __syncthreads();  // the previous tile (or the borrowed Q tile) is no longer read
         load_tile<T, D>(k_s, k_head, j0, hi);
-        load_tile<T, D>(v_s, v_head, j0, hi);
-        __syncthreads();
+        const bool odd_value = load_tile<T, D>(v_s, v_head, j0, hi);
+        // An infinite or NaN value in the tile: P V is then summed over the visible pairs alone
+        // (below), since the mma would add 0 * NaN = NaN for every hidden one.
+        const bool only_visible = __syncthreads_or(odd_value) != 0;
 
         // S = Q K^T: 16 rows x 64 keys per warp, in 8 accumulator tiles of 16 x 8.
         float s[kKeyTiles][4];
@@ -201,11 +223,11 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
 #pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt)
-                tile_max = fmaxf(tile_max, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float m_new = fmaxf(m[r], tile_max);
+            for (int nt = 0; nt < kKeyTiles; ++nt)  // nan_max: a NaN score makes the row NaN
+                tile_max = nan_max(tile_max, nan_max(s[nt][2 * r], s[nt][2 * r + 1]));
+            tile_max = nan_max(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = nan_max(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float m_new = nan_max(m[r], tile_max);
             // While a row has seen nothing (m_new = -inf) use 0 as its reference: every
             // exponential below is then exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
             const float ref = m_new == -INFINITY ? 0.0f : m_new;
@@ -227,6 +249,35 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             acc[dn][1] *= correction[0];
             acc[dn][2] *= correction[1];
             acc[dn][3] *= correction[1];
+        }
+
+        if (only_visible) {  // block-uniform: the barrier below is reached by every thread or none
+            // The rare path: P (rounded to T, as the mma would see it) goes to shared memory, in
+            // k_s's place, and each thread sums its accumulator entries over the visible keys.
+            __syncthreads();  // every warp is done reading k_s
+            T* p_s = k_s;     // [64 rows][kStride]: row 16 warp + g (+ 8) holds this thread's rows
+#pragma unroll
+            for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    p_s[(warp * 16 + g + 8 * (e / 2)) * kStride + nt * 8 + 2 * t + (e % 2)] =
+                        from_float<T>(s[nt][e]);
+            __syncwarp();  // each warp reads back its own 16 rows only
+#pragma unroll
+            for (int dn = 0; dn < kDimTiles; ++dn)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = rows[e / 2], c = dn * 8 + 2 * t + (e % 2);
+                    const T* p_row = p_s + (warp * 16 + g + 8 * (e / 2)) * kStride;
+                    float sum = 0.0f;
+                    for (int jj = 0; jj < kBlockKV3; ++jj) {
+                        const int j = j0 + jj;
+                        if (i < q1 && j < hi && band.visible(i, j))
+                            sum += to_float(p_row[jj]) * to_float(v_s[jj * kStride + c]);
+                    }
+                    acc[dn][e] += sum;
+                }
+            continue;
         }
 
         // u += P V. The accumulators of S tiles 2kk and 2kk + 1 (keys 16kk .. 16kk + 15) are the
@@ -259,14 +310,14 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const int i = rows[r];
         if (i >= q1) continue;
         const std::int64_t row = static_cast<std::int64_t>(bh) * band.t_q + i;
-        const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        const float inv_l = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;  // l = NaN: o = NaN
         T* o_row = o + row * D;
 #pragma unroll
         for (int dn = 0; dn < kDimTiles; ++dn) {
             const std::uint32_t pair = MmaType<T>::pack(acc[dn][2 * r] * inv_l, acc[dn][2 * r + 1] * inv_l);
             *reinterpret_cast<std::uint32_t*>(o_row + dn * 8 + 2 * t) = pair;
         }
-        if (t == 0) lse[row] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.69314718055994531f : -INFINITY;
+        if (t == 0) lse[row] = l[r] != 0.0f ? (m[r] + log2f(l[r])) * 0.69314718055994531f : -INFINITY;
     }
 }
 
@@ -274,6 +325,11 @@ template <typename T, int D>
 std::string launch_v3(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t stream) {
     const AttentionProblem& p = a.problem;
     const float log2e = 1.4426950408889634f;
+    // The device may be new enough while the code the runtime picked for it is not (a build for
+    // sm_75 only, whose PTX an sm_90 GPU JIT-compiles): that code has no mma (see mma_16816).
+    const std::string error =
+        check_compiled_for(flash_v3_kernel<T, D>, 80, "flash_forward_v3 (mma.sync m16n8k16)");
+    if (!error.empty()) return error;
     flash_v3_kernel<T, D><<<blocks, kThreadsV3, 0, stream>>>(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
         static_cast<T*>(a.o), a.lse, band, static_cast<int>(p.heads),

@@ -149,7 +149,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
 #pragma unroll
         for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
             const float score = j < t1 ? s[rr] : -INFINITY;
-            const float m_new = fmaxf(m[rr], warp_max(score));
+            const float m_new = nan_max(m[rr], warp_max(score));  // NaN in, NaN out
             float p = 0.0f;
             if (m_new != -INFINITY) {  // the same in every lane
                 const float correction = expf(m[rr] - m_new);
@@ -261,9 +261,12 @@ std::string paged_decode(const DecodeArgs& a, cudaStream_t stream) {
     if (a.batch < 0 || a.heads < 0 || a.kv_heads < 0 || a.n_pages < 0 || a.max_pages < 0)
         return name + "sizes must be non-negative, got B=" + num(a.batch) + " H=" + num(a.heads) +
                " G=" + num(a.kv_heads) + " n_pages=" + num(a.n_pages) + " max_pages=" + num(a.max_pages);
-    if (a.heads > 0 && (a.kv_heads <= 0 || a.heads % a.kv_heads != 0))
-        return name + "the key/value heads G=" + num(a.kv_heads) + " must divide the query heads H=" +
-               num(a.heads);
+    const std::string counts = check_counts(a.batch, a.heads, a.kv_heads);
+    if (!counts.empty()) return name + counts;
+    // G >= 1 even when H = 0, as in check_problem: H / G is taken on the host below.
+    if (a.kv_heads < 1 || a.heads % a.kv_heads != 0)
+        return name + "the key/value heads G=" + num(a.kv_heads) + " must be >= 1 and divide the "
+               "query heads H=" + num(a.heads);
     if (a.dim < 1 || a.dim > kMaxHeadDim)
         return name + "head width D=" + num(a.dim) + " is outside [1, " + num(kMaxHeadDim) + "]";
     if (a.page_size < 1 || a.page_size > kMaxSequence)

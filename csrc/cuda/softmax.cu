@@ -15,9 +15,9 @@ constexpr int kThreads = 256;  // a power of two, as the tree reduction below re
 __device__ inline float device_exp(float v) { return expf(v); }
 __device__ inline double device_exp(double v) { return exp(v); }
 
-struct Max {
+struct Max {  // NaN if either is NaN (a row holding a NaN is NaN, not masked)
     template <typename T>
-    __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+    __device__ T operator()(T a, T b) const { return (a > b || a != a) ? a : b; }
 };
 struct Sum {
     template <typename T>
