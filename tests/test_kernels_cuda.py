@@ -596,7 +596,7 @@ DECODE_CASES = [  # (B, H, G, D, lengths, T_max)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-G{c[2]}-D{c[3]}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_contiguous_decode_matches_reference(cp, dtype, case, splits):
-    from refmath.inference.paged import contiguous_decode
+    from refmath.inference.decode import decode_attention
 
     need_dtype(dtype)
     b, h, g, d, lengths, t_max = case
@@ -614,10 +614,15 @@ def test_contiguous_decode_matches_reference(cp, dtype, case, splits):
     label = f"decode {dtype} B{b} H{h} G{g} D{d} splits={splits}"
     exact = check_decode(label, to_host(cp, o), q, [k_cache[i, :, :n] for i, n in enumerate(lengths)],
                          [v_cache[i, :, :n] for i, n in enumerate(lengths)], lengths, scale, dtype)
-    # The paged module's contiguous reference agrees (it needs finite padding: 0 * NaN is NaN).
-    padded = [np.nan_to_num(x).transpose(0, 2, 1, 3).astype(np.float64) for x in (k_cache, v_cache)]
-    np.testing.assert_allclose(contiguous_decode(q.astype(np.float64), *padded, lengths, scale=scale),
+    # The same-signature NumPy reference agrees (it never reads the NaN slots either).
+    np.testing.assert_allclose(decode_attention(q.astype(np.float64), k_cache.astype(np.float64),
+                                                v_cache.astype(np.float64), lengths, scale=scale),
                                exact, rtol=1e-12, atol=1e-12)
+    # and the backend choice reaches the same kernel
+    o_backend = decode_attention(to_device(cp, q, dtype), to_device(cp, k_cache, dtype),
+                                 to_device(cp, v_cache, dtype), cp.asarray(lengths), backend="cuda")
+    assert cp.array_equal(o_backend, kernels.decode(to_device(cp, q, dtype), to_device(cp, k_cache, dtype),
+                                                    to_device(cp, v_cache, dtype), cp.asarray(lengths)))
 
 
 def build_paged_cache(rng, dtype, n_pages, page_size, g, d, lengths):
@@ -659,8 +664,6 @@ PAGED_CASES = [  # (B, H, G, D, page_size, lengths)
 @pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-G{c[2]}-D{c[3]}-p{c[4]}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_decode_matches_reference(cp, dtype, case, splits):
-    from refmath.inference import paged
-
     need_dtype(dtype)
     b, h, g, d, page_size, lengths = case
     rng = np.random.default_rng(11)
@@ -680,7 +683,7 @@ def test_paged_decode_matches_reference(cp, dtype, case, splits):
     label = f"paged decode {dtype} {case} splits={splits}"
     exact = check_decode(label, to_host(cp, o), q, keys, values, lens, scale, dtype)
     # The module's own reference, which walks the pages, gives the same float64 numbers.
-    np.testing.assert_allclose(paged.paged_decode(q.astype(np.float64), cache, range(b), scale=scale),
+    np.testing.assert_allclose(cache.decode(q.astype(np.float64), range(b), scale=scale),
                                exact, rtol=1e-12, atol=1e-12)
 
 
