@@ -265,13 +265,13 @@ def _linear(x, params, w: str, b: str):
     return y + params[b] if b in params else y
 
 
-def _split_heads(x: np.ndarray, n: int) -> np.ndarray:
+def split_heads(x: np.ndarray, n: int) -> np.ndarray:
     """``(B, T, n * d_h) -> (B, n, T, d_h)``: head ``r`` owns columns ``r d_h .. (r+1) d_h - 1``."""
     b, t, width = x.shape
     return x.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
 
 
-def _merge_heads(x: np.ndarray) -> np.ndarray:
+def merge_heads(x: np.ndarray) -> np.ndarray:
     """``(B, n, T, d_h) -> (B, T, n * d_h)``, the concatenation ``[O_1 ... O_n]``."""
     b, n, t, d_h = x.shape
     return x.transpose(0, 2, 1, 3).reshape(b, t, n * d_h)
@@ -325,11 +325,11 @@ def mha_forward(x, params: dict, n_heads: int, n_kv_heads: int | None = None, co
         k = _linear(source, params, "w_k", "b_k")
         v = _linear(source, params, "w_v", "b_v")
     # 2. Split heads to (B, heads, T, d_h); query head r reads key/value head heads[r] (A10).
-    qh, kh, vh = _split_heads(q, h), _split_heads(k, g), _split_heads(v, g)
+    qh, kh, vh = split_heads(q, h), split_heads(k, g), split_heads(v, g)
     # 3. Attention in every query head at once (A2).
     o, attn = sdpa_forward(qh, kh[:, heads], vh[:, heads], mask=mask, dropout_mask=dropout_mask)
     # 4. Concatenate the heads and project back to width d (A6).
-    heads_out = _merge_heads(o)
+    heads_out = merge_heads(o)
     y = _linear(heads_out, params, "w_o", "b_o")
     cache = MhaCache(x, context, params, h, g, heads_out, attn, unbatched)
     return (y[0] if unbatched else y), cache
@@ -357,12 +357,12 @@ def mha_backward(dout, cache: MhaCache) -> dict:
     dy = dout[None] if unbatched else dout
     grads: dict = {}
     _linear_grads(heads_out, dy, grads, "w_o", "b_o", params)
-    do = _split_heads(matmul_rows(dy, params["w_o"].T), h)
+    do = split_heads(matmul_rows(dy, params["w_o"].T), h)
     dqh, dk_rep, dv_rep = sdpa_backward(do, attn)
     b, _, s, d_h = dk_rep.shape
-    dq = _merge_heads(dqh)
-    dk = _merge_heads(dk_rep.reshape(b, g, h // g, s, d_h).sum(axis=2))
-    dv = _merge_heads(dv_rep.reshape(b, g, h // g, s, d_h).sum(axis=2))
+    dq = merge_heads(dqh)
+    dk = merge_heads(dk_rep.reshape(b, g, h // g, s, d_h).sum(axis=2))
+    dv = merge_heads(dv_rep.reshape(b, g, h // g, s, d_h).sum(axis=2))
 
     if "w_qkv" in params:
         dqkv = np.concatenate([dq, dk, dv], axis=-1)

@@ -40,7 +40,6 @@ and values.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, NamedTuple
@@ -48,16 +47,16 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_int, check_ndim, int_array
-from refmath.attention import causal_mask, sdpa_forward
+from refmath.attention import causal_mask, merge_heads, sdpa_forward, split_heads
 from refmath.embedding import embedding_forward
 from refmath import kernels
 from refmath.ffn import linear_forward
 from refmath.inference.decode import BACKENDS, decode_attention
 from refmath.inference.generate import token_picker
 from refmath.models import decoder, gpt, mla
+from refmath.models.common import sub_params
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
-from refmath.models.decoder import merge_heads, split_heads
 from refmath.norms import layernorm_forward, rmsnorm_forward
 from refmath.positions import learned_positions_forward, rope_forward
 
@@ -237,12 +236,6 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int):
     return o.reshape(b, h, n, -1)
 
 
-def _layer_params(params: Mapping, layer: int, part: str) -> dict:
-    """Layer ``layer``'s parameters under ``part`` (e.g. ``"attn."``) with the prefix removed."""
-    prefix = f"layers.{layer}.{part}"
-    return {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
-
-
 # ---- GPT (M2): learned positions, biased MHA, Pre-LN or Post-LN ----------------------------------
 
 
@@ -254,7 +247,7 @@ def _gpt_embed(params, tokens, config, offset):
 
 
 def _gpt_layer(x, params, layer, config, cache, offset, mla_path):
-    w = _layer_params(params, layer, "attn.")
+    w = sub_params(params, f"layers.{layer}.attn")
     h = config.n_heads
 
     def attention(u):
@@ -304,7 +297,7 @@ def _family_layer(attention: Callable):
     reading and extending the cache, and the model's own residual sublayers and SwiGLU branch."""
 
     def layer_forward(x, params, layer, config, cache, offset, mla_path):
-        w, ffn = _layer_params(params, layer, "attn."), _layer_params(params, layer, "ffn.")
+        w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
         p = f"layers.{layer}."
 
         def branch(u):

@@ -34,14 +34,14 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import SdpaCache, causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
+from refmath.attention import (SdpaCache, causal_mask, gqa_head_map, merge_heads, sdpa_backward,
+                               sdpa_forward, split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (
     LinearCache,
@@ -53,6 +53,7 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.common import dropout_mask, prefixed, sub_params
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
@@ -177,18 +178,6 @@ class AttentionOps(NamedTuple):
     forward: Callable  # (x, params, config) -> (y, cache); x is (B, T, d)
     backward: Callable  # (dy, cache) -> (dx, {name: gradient})
     state: Callable  # cache -> the per-layer tensors an inference (KV) cache would keep
-
-
-def split_heads(x: np.ndarray, n: int) -> np.ndarray:
-    """``(B, T, n w) -> (B, n, T, w)``: head ``r`` owns columns ``r w .. (r+1) w - 1``."""
-    b, t, width = x.shape
-    return x.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
-
-
-def merge_heads(x: np.ndarray) -> np.ndarray:
-    """``(B, n, T, w) -> (B, T, n w)``, the concatenation ``[O_1 ... O_n]``."""
-    b, n, t, w = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(b, t, n * w)
 
 
 def sum_groups(d_repeated: np.ndarray, g: int) -> np.ndarray:
@@ -389,15 +378,6 @@ def ffn_backward(dy, cache: SwiGLUCache):
     return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
 
 
-def _strip(params: Mapping, prefix: str) -> dict:
-    """The entries of ``params`` under ``prefix``, with the prefix removed from their names."""
-    return {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
-
-
-def _prefixed(grads: dict, prefix: str) -> dict:
-    return {prefix + name: value for name, value in grads.items()}
-
-
 class LayerCache(NamedTuple):
     attn: SublayerCache  # its branch cache is the attention's cache
     ffn: SublayerCache  # its branch cache is a SwiGLUCache
@@ -410,7 +390,7 @@ def layer_forward(x, params: dict, config, attention: AttentionOps, drops=(None,
     ``params`` are this layer's parameters without the ``layers.{i}.`` prefix; ``drops`` the two
     residual dropout multipliers. Returns ``(x'', cache)``.
     """
-    attn_params, ffn_params = _strip(params, "attn."), _strip(params, "ffn.")
+    attn_params, ffn_params = sub_params(params, "attn"), sub_params(params, "ffn")
     x, attn = sublayer_forward(x, params["ln1.gamma"],
                                lambda h: attention.forward(h, attn_params, config),
                                config.norm_eps, drops[0])
@@ -423,8 +403,8 @@ def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
     """Gradients of :func:`layer_forward`: ``(dx, grads)`` with names relative to ``layers.{i}.``."""
     dx, dgamma2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_backward)
     dx, dgamma1, attn_grads = sublayer_backward(dx, cache.attn, attention.backward)
-    grads = {"ln1.gamma": dgamma1, **_prefixed(attn_grads, "attn."), "ln2.gamma": dgamma2,
-             **_prefixed(ffn_grads, "ffn.")}
+    grads = {"ln1.gamma": dgamma1, **prefixed("attn", attn_grads), "ln2.gamma": dgamma2,
+             **prefixed("ffn", ffn_grads)}
     return dx, grads
 
 
@@ -449,9 +429,8 @@ def _dropout_masks(rng, shape, p: float, dtype, n_layers: int):
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
 
-    def mask():
-        return ((rng.random(shape) >= p) / (1.0 - p)).astype(dtype)
-    return [(mask(), mask()) for _ in range(n_layers)]
+    return [(dropout_mask(rng, shape, p, dtype), dropout_mask(rng, shape, p, dtype))
+            for _ in range(n_layers)]
 
 
 def decoder_forward(params, tokens, config, attention: AttentionOps, train=False, rng=None):
@@ -472,7 +451,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
     x, emb = embedding_forward(tokens, table)
     layers = []
     for i in range(config.n_layers):
-        x, layer = layer_forward(x, _strip(params, f"layers.{i}."), config, attention, drops[i])
+        x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), config, attention, drops[i])
         layers.append(layer)
     x, norm_f = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
     w_out = table.T if config.tie_embeddings else params["lm_head"]
@@ -490,7 +469,7 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
     grads = {"ln_f.gamma": dgamma_f}
     for i in reversed(range(len(cache.layers))):
         dx, layer_grads = layer_backward(dx, cache.layers[i], cache.attention)
-        grads.update(_prefixed(layer_grads, f"layers.{i}."))
+        grads.update(prefixed(f"layers.{i}", layer_grads))
     dtable = embedding_backward(dx, cache.emb)
     if cache.tied:
         grads["tok_emb"] = dtable + dw_out.T

@@ -31,6 +31,7 @@ from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.common import apply_mask, dropout_mask, sub_params
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
@@ -115,7 +116,6 @@ GPT_CONFIGS = {
 
 # ---- parameters ----------------------------------------------------------------------------------
 
-_ATTN_KEYS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 _FFN_KEYS = ("w1", "b1", "w2", "b2")
 # The two projections that write into the residual stream (scaled at init, N11).
 _RESIDUAL_OUTPUTS = ("attn.w_o", "ffn.w2")
@@ -172,24 +172,6 @@ def _check_params(params, config: GPTConfig) -> None:
     check_param_dict(params, parameter_shapes(config))
 
 
-def _sub(params: dict, prefix: str, keys) -> dict:
-    """The parameters under ``prefix`` with the prefix stripped (the names an op expects)."""
-    return {k: params[prefix + k] for k in keys}
-
-
-# ---- dropout -------------------------------------------------------------------------------------
-
-def _dropout_mask(rng, shape, p: float, dtype):
-    """Inverted dropout multiplier: 0 with probability p, else 1/(1-p), so its mean is 1."""
-    if rng is None or p == 0.0:
-        return None
-    return ((rng.random(shape) >= p) / (1.0 - p)).astype(dtype)
-
-
-def _apply(x, mask):
-    return x if mask is None else x * mask
-
-
 # ---- one residual sublayer (shared by attention and FFN) ------------------------------------------
 
 class SublayerCache(NamedTuple):
@@ -203,9 +185,9 @@ def _residual_forward(x, gamma, beta, branch, drop, config: GPTConfig):
     if config.norm_position == "pre":
         u, ln = layernorm_forward(x, gamma, beta, config.layernorm_eps)
         y, branch_cache = branch(u)
-        return x + _apply(y, drop), SublayerCache(ln, branch_cache, drop)
+        return x + apply_mask(y, drop), SublayerCache(ln, branch_cache, drop)
     y, branch_cache = branch(x)
-    out, ln = layernorm_forward(x + _apply(y, drop), gamma, beta, config.layernorm_eps)
+    out, ln = layernorm_forward(x + apply_mask(y, drop), gamma, beta, config.layernorm_eps)
     return out, SublayerCache(ln, branch_cache, drop)
 
 
@@ -218,11 +200,11 @@ def _residual_backward(dout, cache: SublayerCache, branch_backward, norm_positio
     """
     ln, branch_cache, drop = cache
     if norm_position == "pre":
-        du, branch_grads = branch_backward(_apply(dout, drop), branch_cache)
+        du, branch_grads = branch_backward(apply_mask(dout, drop), branch_cache)
         dx_ln, dgamma, dbeta = layernorm_backward(du, ln)
         return dout + dx_ln, dgamma, dbeta, branch_grads
     ds, dgamma, dbeta = layernorm_backward(dout, ln)
-    dx_branch, branch_grads = branch_backward(_apply(ds, drop), branch_cache)
+    dx_branch, branch_grads = branch_backward(apply_mask(ds, drop), branch_cache)
     return ds + dx_branch, dgamma, dbeta, branch_grads
 
 
@@ -235,11 +217,11 @@ def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, r
     ``(B, h, T, T)`` and then the residual-branch mask ``(B, T, d)``. Returns ``(y, SublayerCache)``.
     """
     p = f"layers.{layer}."
-    attn_params = _sub(params, p + "attn.", _ATTN_KEYS)
+    attn_params = sub_params(params, p + "attn")
     b, t, d = x.shape
     mask = causal_mask(t, dtype=x.dtype)
-    attn_drop = _dropout_mask(rng, (b, config.n_heads, t, t), config.dropout, x.dtype)
-    drop = _dropout_mask(rng, (b, t, d), config.dropout, x.dtype)
+    attn_drop = dropout_mask(rng, (b, config.n_heads, t, t), config.dropout, x.dtype)
+    drop = dropout_mask(rng, (b, t, d), config.dropout, x.dtype)
 
     def branch(u):
         return mha_forward(u, attn_params, config.n_heads, mask=mask, dropout_mask=attn_drop)
@@ -266,7 +248,7 @@ def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=Non
     p = f"layers.{layer}."
     w1, b1, w2, b2 = (params[p + "ffn." + k] for k in _FFN_KEYS)
     activation = "gelu_tanh" if config.gelu_approximate else "gelu"
-    drop = _dropout_mask(rng, x.shape, config.dropout, x.dtype)
+    drop = dropout_mask(rng, x.shape, config.dropout, x.dtype)
 
     def branch(u):
         return ffn_forward(u, w1, b1, w2, b2, activation=activation)
@@ -326,8 +308,8 @@ def _logits_forward(params: dict, tokens: np.ndarray, config: GPTConfig, rng=Non
     """Embedding, layers, final norm and output projection. Returns ``(logits, partial GPTCache)``."""
     x, tok = embedding_forward(tokens, params["tok_emb"])
     x, pos = learned_positions_forward(x, params["pos_emb"])
-    emb_drop = _dropout_mask(rng, x.shape, config.dropout, x.dtype)
-    x = _apply(x, emb_drop)
+    emb_drop = dropout_mask(rng, x.shape, config.dropout, x.dtype)
+    x = apply_mask(x, emb_drop)
     layers = []
     for i in range(config.n_layers):
         x, layer_cache = layer_forward(x, params, i, config, rng)
@@ -378,7 +360,7 @@ def backward(cache: GPTCache) -> dict[str, np.ndarray]:
     for i in reversed(range(config.n_layers)):
         dx, layer_grads = layer_backward(dx, cache.layers[i], i, config)
         grads.update(layer_grads)
-    dx = _apply(dx, cache.emb_drop)
+    dx = apply_mask(dx, cache.emb_drop)
     dx, grads["pos_emb"] = learned_positions_backward(dx, cache.pos)
     grads["tok_emb"] = embedding_backward(dx, cache.tok)
     if config.tie_embeddings:

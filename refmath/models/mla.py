@@ -52,7 +52,8 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_field, check_flag, check_int, check_real
-from refmath.attention import SdpaCache, causal_mask, sdpa_backward, sdpa_forward
+from refmath.attention import (SdpaCache, causal_mask, merge_heads, sdpa_backward, sdpa_forward,
+                               split_heads)
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
 from refmath.models.batch import check_tokens
@@ -67,8 +68,6 @@ from refmath.models.decoder import (
     init_decoder_params,
     layer_states,
     lm_forward,
-    merge_heads,
-    split_heads,
 )
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import RoPECache, rope_backward, rope_forward

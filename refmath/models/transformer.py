@@ -51,6 +51,7 @@ from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward, 
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.common import apply_mask, dropout_mask, prefixed, sub_params
 from refmath.models.params import check_param_dict
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
@@ -171,16 +172,6 @@ def _check_params(params, config: TransformerConfig) -> np.dtype:
     return check_param_dict(params, param_shapes(config))
 
 
-def _sub(params: Mapping, prefix: str) -> dict:
-    """The entries of ``params`` under ``prefix.``, keyed by the rest of their names."""
-    cut = len(prefix) + 1
-    return {name[cut:]: value for name, value in params.items() if name.startswith(prefix + ".")}
-
-
-def _prefixed(prefix: str, grads: Mapping) -> dict:
-    return {f"{prefix}.{name}": value for name, value in grads.items()}
-
-
 # ---- dropout -------------------------------------------------------------------------------------
 
 class _Dropout:
@@ -194,14 +185,7 @@ class _Dropout:
         self.rng = np.random.default_rng(rng) if self.p > 0.0 else None
 
     def mask(self, shape, dtype):
-        if self.p == 0.0:
-            return None
-        keep = self.rng.random(shape) >= self.p
-        return (keep / (1.0 - self.p)).astype(dtype)
-
-
-def _apply(x, mask):
-    return x if mask is None else x * mask
+        return dropout_mask(self.rng, shape, self.p, dtype)
 
 
 # ---- embedding: sqrt(d) E[a] + P, then dropout (N8) ------------------------------------------------
@@ -216,26 +200,26 @@ def embed_forward(ids, tok_emb, drop: _Dropout):
     e, emb = embedding_forward(ids, tok_emb, scale_by_sqrt_d=True)
     x = e + sinusoidal_positions(ids.shape[-1], tok_emb.shape[1], dtype=e.dtype)
     mask = drop.mask(x.shape, x.dtype)
-    return _apply(x, mask), EmbedCache(emb, mask)
+    return apply_mask(x, mask), EmbedCache(emb, mask)
 
 
 def embed_backward(dx, cache: EmbedCache):
     """Gradient of the embedding table (the positions are fixed, so they have none)."""
-    return embedding_backward(_apply(dx, cache.dropout_mask), cache.emb)
+    return embedding_backward(apply_mask(dx, cache.dropout_mask), cache.emb)
 
 
 # ---- Post-LN sublayers: LN(x + Drop(F(x))) (N4) ----------------------------------------------------
 
 def _residual_ln_forward(x, f, ln: Mapping, drop: _Dropout, eps: float):
     mask = drop.mask(f.shape, f.dtype)
-    y, ln_cache = layernorm_forward(x + _apply(f, mask), ln["gamma"], ln["beta"], eps)
+    y, ln_cache = layernorm_forward(x + apply_mask(f, mask), ln["gamma"], ln["beta"], eps)
     return y, mask, ln_cache
 
 
 def _residual_ln_backward(dy, mask, ln_cache):
     """Returns ``(dz, df, dln)``: ``dz`` reaches ``x`` through the residual, ``df`` the sublayer."""
     dz, dgamma, dbeta = layernorm_backward(dy, ln_cache)
-    return dz, _apply(dz, mask), {"gamma": dgamma, "beta": dbeta}
+    return dz, apply_mask(dz, mask), {"gamma": dgamma, "beta": dbeta}
 
 
 class AttentionSublayerCache(NamedTuple):
@@ -302,9 +286,9 @@ def encoder_layer_forward(x, layer: Mapping, config: TransformerConfig, pad_mask
     ``layer`` holds this layer's parameters without the ``encoder.layers.{i}.`` prefix.
     """
     eps = config.ln_eps
-    u, attn = attention_sublayer_forward(x, _sub(layer, "self_attn"), _sub(layer, "ln1"),
+    u, attn = attention_sublayer_forward(x, sub_params(layer, "self_attn"), sub_params(layer, "ln1"),
                                          config.n_heads, pad_mask, drop, eps)
-    y, ffn = ffn_sublayer_forward(u, _sub(layer, "ffn"), _sub(layer, "ln2"), drop, eps)
+    y, ffn = ffn_sublayer_forward(u, sub_params(layer, "ffn"), sub_params(layer, "ln2"), drop, eps)
     return y, EncoderLayerCache(attn, ffn)
 
 
@@ -312,8 +296,8 @@ def encoder_layer_backward(dy, cache: EncoderLayerCache):
     """Returns ``(dx, grads)`` with the gradient names relative to the layer."""
     du, dffn, dln2 = ffn_sublayer_backward(dy, cache.ffn)
     dx, _, dattn, dln1 = attention_sublayer_backward(du, cache.self_attn)
-    grads = {**_prefixed("self_attn", dattn), **_prefixed("ln1", dln1), **_prefixed("ffn", dffn),
-             **_prefixed("ln2", dln2)}
+    grads = {**prefixed("self_attn", dattn), **prefixed("ln1", dln1), **prefixed("ffn", dffn),
+             **prefixed("ln2", dln2)}
     return dx, grads
 
 
@@ -328,11 +312,11 @@ def decoder_layer_forward(y, memory, layer: Mapping, config: TransformerConfig, 
     """One decoder layer: causal self-attention, cross-attention over the encoder output
     ``memory`` (padding-masked), then the FFN, each Post-LN."""
     eps = config.ln_eps
-    u, self_attn = attention_sublayer_forward(y, _sub(layer, "self_attn"), _sub(layer, "ln1"),
+    u, self_attn = attention_sublayer_forward(y, sub_params(layer, "self_attn"), sub_params(layer, "ln1"),
                                               config.n_heads, causal, drop, eps)
-    r, cross_attn = attention_sublayer_forward(u, _sub(layer, "cross_attn"), _sub(layer, "ln2"),
+    r, cross_attn = attention_sublayer_forward(u, sub_params(layer, "cross_attn"), sub_params(layer, "ln2"),
                                                config.n_heads, pad_mask, drop, eps, context=memory)
-    out, ffn = ffn_sublayer_forward(r, _sub(layer, "ffn"), _sub(layer, "ln3"), drop, eps)
+    out, ffn = ffn_sublayer_forward(r, sub_params(layer, "ffn"), sub_params(layer, "ln3"), drop, eps)
     return out, DecoderLayerCache(self_attn, cross_attn, ffn)
 
 
@@ -341,9 +325,9 @@ def decoder_layer_backward(dout, cache: DecoderLayerCache):
     dr, dffn, dln3 = ffn_sublayer_backward(dout, cache.ffn)
     du, dmemory, dcross, dln2 = attention_sublayer_backward(dr, cache.cross_attn)
     dy, _, dself, dln1 = attention_sublayer_backward(du, cache.self_attn)
-    grads = {**_prefixed("self_attn", dself), **_prefixed("ln1", dln1),
-             **_prefixed("cross_attn", dcross), **_prefixed("ln2", dln2), **_prefixed("ffn", dffn),
-             **_prefixed("ln3", dln3)}
+    grads = {**prefixed("self_attn", dself), **prefixed("ln1", dln1),
+             **prefixed("cross_attn", dcross), **prefixed("ln2", dln2), **prefixed("ffn", dffn),
+             **prefixed("ln3", dln3)}
     return dy, dmemory, grads
 
 
@@ -359,7 +343,7 @@ def _encode(params, src, src_lengths, config, drop):
     x, embed = embed_forward(src, params["tok_emb"], drop)
     layers = []
     for i in range(config.n_layers):
-        x, layer = encoder_layer_forward(x, _sub(params, f"encoder.layers.{i}"), config, pad, drop)
+        x, layer = encoder_layer_forward(x, sub_params(params, f"encoder.layers.{i}"), config, pad, drop)
         layers.append(layer)
     return x, StackCache(embed, tuple(layers))
 
@@ -368,7 +352,7 @@ def _encode_backward(dmemory, cache: StackCache):
     grads, dx = {}, dmemory
     for i in reversed(range(len(cache.layers))):
         dx, layer_grads = encoder_layer_backward(dx, cache.layers[i])
-        grads.update(_prefixed(f"encoder.layers.{i}", layer_grads))
+        grads.update(prefixed(f"encoder.layers.{i}", layer_grads))
     return embed_backward(dx, cache.embed), grads
 
 
@@ -379,7 +363,7 @@ def _decode(params, memory, src_lengths, dec_in, config, drop):
     y, embed = embed_forward(dec_in, params["tok_emb"], drop)
     layers = []
     for i in range(config.n_layers):
-        y, layer = decoder_layer_forward(y, memory, _sub(params, f"decoder.layers.{i}"), config,
+        y, layer = decoder_layer_forward(y, memory, sub_params(params, f"decoder.layers.{i}"), config,
                                          causal, pad, drop)
         layers.append(layer)
     return y, StackCache(embed, tuple(layers))
@@ -390,7 +374,7 @@ def _decode_backward(dout, cache: StackCache):
     for i in reversed(range(len(cache.layers))):
         dy, dmem, layer_grads = decoder_layer_backward(dy, cache.layers[i])
         dmemory = dmemory + dmem  # every decoder layer reads the same encoder output
-        grads.update(_prefixed(f"decoder.layers.{i}", layer_grads))
+        grads.update(prefixed(f"decoder.layers.{i}", layer_grads))
     return embed_backward(dy, cache.embed), dmemory, grads
 
 
