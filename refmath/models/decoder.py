@@ -75,6 +75,10 @@ def check_shared_fields(config) -> None:
     check_field(config, "dropout", check_real, 0.0, 1.0, high_open=True)
     check_field(config, "init_std", check_real, 0.0, low_open=True)
     check_field(config, "tie_embeddings", check_flag)
+    check_field(config, "head_dim", check_int, 1, optional=True)
+    if config.head_dim is None and config.d_model % config.n_heads:
+        raise ValueError(f"{type(config).__name__}.d_model = {config.d_model} is not divisible by "
+                         f"n_heads = {config.n_heads}; give head_dim explicitly")
 
 
 def ffn_width(config) -> int:
@@ -119,13 +123,9 @@ class DecoderConfig:
     def __post_init__(self):
         check_shared_fields(self)
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
-        check_field(self, "head_dim", check_int, 1, optional=True)
         if self.n_heads % self.kv_heads:
             raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
                              f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"DecoderConfig.d_model = {self.d_model} is not divisible by "
-                             f"n_heads = {self.n_heads}; give head_dim explicitly")
         if self.d_h % 2:
             source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
             raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "

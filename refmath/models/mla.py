@@ -114,15 +114,12 @@ class MLAConfig:
         check_field(self, "latent_norm_eps", check_real, 0.0, low_open=True, optional=True)
         for name in ("d_c", "d_rope"):
             check_field(self, name, check_int, 1)
-        for name in ("head_dim", "v_head_dim", "q_lora_rank"):
+        for name in ("v_head_dim", "q_lora_rank"):
             check_field(self, name, check_int, 1, optional=True)
         check_field(self, "latent_norm", check_flag)
         if self.d_rope % 2:
             raise ValueError(f"MLAConfig.d_rope = {self.d_rope} must be even for RoPE's "
                              f"coordinate pairs")
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"MLAConfig.d_model = {self.d_model} is not divisible by "
-                             f"n_heads = {self.n_heads}; give head_dim explicitly")
 
     @property
     def latent_eps(self) -> float:
