@@ -100,7 +100,7 @@ def _check_broadcasts_to(name: str, x: np.ndarray, shape: tuple, target: str) ->
         )
 
 
-class SdpaCache(NamedTuple):
+class SDPACache(NamedTuple):
     q: np.ndarray  # (..., t_q, d_k)
     k: np.ndarray  # (..., t_k, d_k)
     v: np.ndarray  # (..., t_k, d_v)
@@ -154,10 +154,10 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
         dropout_mask = float_array("dropout_mask", dropout_mask).astype(s.dtype, copy=False)
         _check_broadcasts_to("dropout_mask", dropout_mask, s.shape, "the scores q k^T")
         weights = a * dropout_mask
-    return weights @ v, SdpaCache(q, k, v, a, dropout_mask, scale)
+    return weights @ v, SDPACache(q, k, v, a, dropout_mask, scale)
 
 
-def sdpa_backward(dout, cache: SdpaCache):
+def sdpa_backward(dout, cache: SDPACache):
     r"""Gradients of scaled dot-product attention: returns ``(dq, dk, dv)`` (catalogue A8).
 
     .. math::
@@ -277,14 +277,14 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(b, t, n * d_h)
 
 
-class MhaCache(NamedTuple):
+class MHACache(NamedTuple):
     x: np.ndarray  # (B, T, d), batched even when the caller passed (T, d)
     context: np.ndarray | None  # (B, S, d_ctx) for cross-attention, None for self-attention
     params: dict
     n_heads: int
     n_kv_heads: int
     heads_out: np.ndarray  # [O_1 ... O_h], (B, T, h d_h): the input of the output projection
-    attn: SdpaCache  # per query head; k, v already repeated to h heads
+    attn: SDPACache  # per query head; k, v already repeated to h heads
     unbatched: bool
 
 
@@ -331,7 +331,7 @@ def mha_forward(x, params: dict, n_heads: int, n_kv_heads: int | None = None, co
     # 4. Concatenate the heads and project back to width d (A6).
     heads_out = merge_heads(o)
     y = _linear(heads_out, params, "w_o", "b_o")
-    cache = MhaCache(x, context, params, h, g, heads_out, attn, unbatched)
+    cache = MHACache(x, context, params, h, g, heads_out, attn, unbatched)
     return (y[0] if unbatched else y), cache
 
 
@@ -342,9 +342,9 @@ def _linear_grads(x, dy, grads, w: str, b: str, params) -> None:
         grads[b] = dy.sum(axis=(0, 1))
 
 
-def mha_backward(dout, cache: MhaCache) -> dict:
-    r"""Gradients of :func:`mha_forward`: a dict with ``"x"``, ``"context"`` (cross-attention only)
-    and one entry per key of ``params``.
+def mha_backward(dout, cache: MHACache):
+    r"""Gradients of :func:`mha_forward`: ``(dx, dparams)``, or ``(dx, dparams, dcontext)`` for
+    cross-attention, with ``dparams`` keyed like ``params``.
 
     Backward runs the forward in reverse: the output projection (:math:`dW_O = H^\top dY`), the
     per-head attention backward (A8), then the key/value heads. A key/value head used by ``h/g``
@@ -378,9 +378,12 @@ def mha_backward(dout, cache: MhaCache) -> dict:
         if context is None:
             dx = dx + dsource
         else:
-            grads["context"] = dsource[0] if unbatched else dsource
-    grads["x"] = dx[0] if unbatched else dx
-    return grads
+            return _unbatch(dx, unbatched), grads, _unbatch(dsource, unbatched)
+    return _unbatch(dx, unbatched), grads
+
+
+def _unbatch(x, unbatched: bool):
+    return x[0] if unbatched else x
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
@@ -458,10 +461,16 @@ def _mha_inputs(batch, t, d, h, g, d_h, biases=False, fused=False, ctx=None, mas
     return make
 
 
+def _mha_case_backward(dout, cache):
+    """The gradients by input name, for the registry: ``x``, ``context`` and the parameters."""
+    dx, dparams, *dcontext = mha_backward(dout, cache)
+    return {"x": dx, **dparams, **({"context": dcontext[0]} if dcontext else {})}
+
+
 def _mha_case(label, ids, make, wrt):
     """Register an mha case; ``wrt`` names every array input but the masks."""
     register_case(OpCase("mha", label, ("A1", "A6", "A8") + ids, make, _mha_case_forward,
-                         mha_backward, wrt, max_coords=24))
+                         _mha_case_backward, wrt, max_coords=24))
 
 
 # The cases carry no key bias b_k (nor b_qkv, whose key slice is b_k). b_k adds q_i . b_k to every

@@ -271,14 +271,15 @@ def test_a9_fused_projection_equals_three_projections():
     y_fused, cache_fused = mha_forward(x, fused, h, g, mask=causal_mask(5))
     np.testing.assert_allclose(y_fused, y, rtol=0, atol=1e-12)
     dout = rng.standard_normal(y.shape)
-    grads = mha_backward(dout, cache)
-    grads_fused = mha_backward(dout, cache_fused)
-    assert set(grads_fused) == {"x", "w_qkv", "b_qkv", "w_o", "b_o"}
+    dx, grads = mha_backward(dout, cache)
+    dx_fused, grads_fused = mha_backward(dout, cache_fused)
+    assert set(grads_fused) == {"w_qkv", "b_qkv", "w_o", "b_o"}
     for fused_key, parts in (("w_qkv", ("w_q", "w_k", "w_v")), ("b_qkv", ("b_q", "b_k", "b_v"))):
         separate = np.concatenate([grads[p] for p in parts], axis=-1)
         np.testing.assert_allclose(grads_fused[fused_key], separate, rtol=0, atol=1e-12)
-    for key in ("x", "w_o", "b_o"):
+    for key in ("w_o", "b_o"):
         np.testing.assert_allclose(grads_fused[key], grads[key], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dx_fused, dx, rtol=0, atol=1e-12)
 
 
 def test_key_bias_has_zero_gradient():
@@ -288,7 +289,7 @@ def test_key_bias_has_zero_gradient():
     x = rng.standard_normal((2, 4, 6))
     params = _params(rng, 6, 4, 2, 3, biases=True)
     y, cache = mha_forward(x, params, 4, 2, mask=causal_mask(4))
-    grads = mha_backward(rng.standard_normal(y.shape), cache)
+    _, grads = mha_backward(rng.standard_normal(y.shape), cache)
     assert np.abs(grads["b_k"]).max() < 1e-13 * np.abs(grads["b_q"]).max()
     shifted = dict(params, b_k=params["b_k"] + 5.0)
     np.testing.assert_allclose(mha_forward(x, shifted, 4, 2, mask=causal_mask(4))[0], y, rtol=1e-12)
@@ -320,12 +321,13 @@ def test_unbatched_input_equals_a_batch_of_one():
     assert y.shape == (3, 4)
     np.testing.assert_array_equal(y, y_batched[0])
     dout = rng.standard_normal(y.shape)
-    grads = mha_backward(dout, cache)
-    grads_batched = mha_backward(dout[None], cache_batched)
-    assert grads["x"].shape == (3, 4) and grads["context"].shape == (5, 2)
+    dx, grads, dcontext = mha_backward(dout, cache)
+    dx_b, grads_b, dcontext_b = mha_backward(dout[None], cache_batched)
+    assert dx.shape == (3, 4) and dcontext.shape == (5, 2)
+    np.testing.assert_allclose(dx, dx_b[0], rtol=1e-15, atol=1e-15)
+    np.testing.assert_allclose(dcontext, dcontext_b[0], rtol=1e-15, atol=1e-15)
     for key in grads:
-        np.testing.assert_allclose(grads[key], grads_batched[key].reshape(grads[key].shape),
-                                   rtol=1e-15, atol=1e-15)
+        np.testing.assert_allclose(grads[key], grads_b[key], rtol=1e-15, atol=1e-15)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import (SdpaCache, causal_mask, gqa_head_map, merge_heads, sdpa_backward,
+from refmath.attention import (SDPACache, causal_mask, gqa_head_map, merge_heads, sdpa_backward,
                                sdpa_forward, split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (
@@ -191,13 +191,13 @@ def sum_groups(d_repeated: np.ndarray, g: int) -> np.ndarray:
     return d_repeated.reshape(b, g, h // g, t, w).sum(axis=2)
 
 
-class RopeAttentionCache(NamedTuple):
+class RoPEAttentionCache(NamedTuple):
     q_proj: LinearCache  # x W_Q (the three projections share their input x)
     k_proj: LinearCache
     v_proj: LinearCache
     q_rope: RoPECache
     k_rope: RoPECache
-    attn: SdpaCache  # rotated queries; rotated keys and values repeated to the h query heads
+    attn: SDPACache  # rotated queries; rotated keys and values repeated to the h query heads
     out: LinearCache  # [O_1 ... O_h] W_O
     n_kv_heads: int
 
@@ -230,10 +230,10 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
     heads = gqa_head_map(h, g)
     o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=causal_mask(x.shape[1], dtype=x.dtype))
     y, out = linear_forward(merge_heads(o), params["w_o"])
-    return y, RopeAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, g)
+    return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, g)
 
 
-def rope_attention_backward(dy, cache: RopeAttentionCache):
+def rope_attention_backward(dy, cache: RoPEAttentionCache):
     r"""Gradients of :func:`rope_attention_forward`: returns ``(dx, {"w_q", "w_k", "w_v", "w_o"})``.
 
     The forward in reverse: output projection, attention (A8), the sum over each key/value head's
@@ -252,7 +252,7 @@ def rope_attention_backward(dy, cache: RopeAttentionCache):
     return dx_q + dx_k + dx_v, {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
 
 
-def rope_attention_state(cache: RopeAttentionCache):
+def rope_attention_state(cache: RoPEAttentionCache):
     """The layer's ``(k, v)``, each ``(B, g, T, d_h)``, keys already rotated at their positions (K3).
 
     Read from the attention cache: query head ``u h/g``, the first of group ``u``, holds key/value

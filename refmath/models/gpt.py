@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward
+from refmath.attention import causal_mask, mha_backward, mha_forward
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
@@ -176,7 +176,7 @@ def _check_params(params, config: GPTConfig) -> None:
 
 class SublayerCache(NamedTuple):
     ln: LayerNormCache
-    branch: object  # MhaCache or FFNCache
+    branch: object  # MHACache or FFNCache
     drop: np.ndarray | None  # residual dropout multiplier, (B, T, d)
 
 
@@ -229,14 +229,9 @@ def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, r
     return _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, drop, config)
 
 
-def _mha_branch_backward(dy, cache: MhaCache):
-    grads = mha_backward(dy, cache)
-    return grads.pop("x"), grads
-
-
 def attention_sublayer_backward(dout, cache: SublayerCache, layer: int, config: GPTConfig):
     """Returns ``(dx, grads)`` with ``grads`` keyed by full parameter names of this sublayer."""
-    dx, dgamma, dbeta, attn = _residual_backward(dout, cache, _mha_branch_backward, config.norm_position)
+    dx, dgamma, dbeta, attn = _residual_backward(dout, cache, mha_backward, config.norm_position)
     p = f"layers.{layer}."
     grads = {p + "ln1.gamma": dgamma, p + "ln1.beta": dbeta}
     grads.update({p + "attn." + k: g for k, g in attn.items()})

@@ -52,7 +52,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_field, check_flag, check_int, check_real
-from refmath.attention import (SdpaCache, causal_mask, merge_heads, sdpa_backward, sdpa_forward,
+from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backward, sdpa_forward,
                                split_heads)
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
@@ -177,7 +177,7 @@ class MLACache(NamedTuple):
     qc_proj: LinearCache  # q^C = u W_UQ (or x W_Q)
     qr_proj: LinearCache  # u W_QR, before its rotation
     qr_rope: RoPECache
-    attn: SdpaCache  # queries [q^C q^R], keys [k^C k^R] (k^R repeated to every head), values v
+    attn: SDPACache  # queries [q^C q^R], keys [k^C k^R] (k^R repeated to every head), values v
     out: LinearCache  # [o_1 ... o_h] W_O
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from refmath._validate import (check_field, check_flag, check_int, check_ndim, check_real, float_array,
                                int_array)
-from refmath.attention import MhaCache, causal_mask, mha_backward, mha_forward, padding_mask
+from refmath.attention import MHACache, causal_mask, mha_backward, mha_forward, padding_mask
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
@@ -223,7 +223,7 @@ def _residual_ln_backward(dy, mask, ln_cache):
 
 
 class AttentionSublayerCache(NamedTuple):
-    mha: MhaCache  # its sdpa cache holds the attention-weight dropout mask
+    mha: MHACache  # its sdpa cache holds the attention-weight dropout mask
     dropout_mask: np.ndarray | None  # residual dropout on the attention output, (B, T, d)
     ln: LayerNormCache
 
@@ -247,10 +247,8 @@ def attention_sublayer_forward(x, attn: Mapping, ln: Mapping, n_heads: int, mask
 def attention_sublayer_backward(dy, cache: AttentionSublayerCache):
     """Returns ``(dx, dcontext, dattn, dln)``; ``dcontext`` is None for self-attention."""
     dz, da, dln = _residual_ln_backward(dy, cache.dropout_mask, cache.ln)
-    dattn = mha_backward(da, cache.mha)
-    dx = dz + dattn.pop("x")
-    dcontext = dattn.pop("context", None)
-    return dx, dcontext, dattn, dln
+    dx, dattn, *dcontext = mha_backward(da, cache.mha)
+    return dz + dx, (dcontext[0] if dcontext else None), dattn, dln
 
 
 class FFNSublayerCache(NamedTuple):
