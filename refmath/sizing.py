@@ -579,8 +579,8 @@ def _check_plot_path(path: str) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib (or the 'lessons' extra "
-                         "of refmath)") from None
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install "
+                         "'refmath[lessons]')") from None
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise ValueError(f"--plot {path}: the folder {folder} does not exist")
