@@ -39,7 +39,6 @@ and values.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, NamedTuple
@@ -47,7 +46,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_int, check_ndim, int_array
-from refmath.attention import causal_mask, merge_heads, sdpa_forward, split_heads
+from refmath.attention import causal_mask, sdpa_forward
 from refmath.embedding import embedding_forward
 from refmath import kernels
 from refmath.ffn import linear_forward
@@ -58,7 +57,7 @@ from refmath.models.common import sub_params
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
 from refmath.norms import layernorm_forward, rmsnorm_forward
-from refmath.positions import learned_positions_forward, rope_forward
+from refmath.positions import learned_positions_forward
 
 MLA_PATHS = ("absorbed", "expanded")
 
@@ -236,6 +235,30 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int):
     return o.reshape(b, h, n, -1)
 
 
+class _Slot(NamedTuple):
+    """One layer of a cache, as the models' cached attention steps use it."""
+
+    cache: object  # a KVCache or a LatentCache
+    layer: int
+
+    def attend(self, q, k, v, offset: int):
+        """KVCache: append ``k``, ``v`` at ``offset..`` and attend with ``q`` (see
+        :func:`_cached_attention`)."""
+        return _cached_attention(self.cache, self.layer, q, k, v, offset)
+
+    def store(self, c, k_r, offset: int):
+        """LatentCache: append the latents ``c`` and rotary keys ``k_r`` ``(B, n, .)`` at
+        ``offset..``; returns every filled row of both, ``(B, offset + n, .)``."""
+        t = offset + c.shape[1]
+        self.cache.latents[self.layer, :, offset:t] = c
+        self.cache.rope_keys[self.layer, :, offset:t] = k_r
+        return self.cache.latents[self.layer, :, :t], self.cache.rope_keys[self.layer, :, :t]
+
+    def record(self, mask) -> None:
+        """Count the query-key pairs of one attention call (its additive ``mask``)."""
+        self.cache.counts.record(self.layer, mask)
+
+
 # ---- GPT (M2): learned positions, biased MHA, Pre-LN or Post-LN ----------------------------------
 
 
@@ -247,23 +270,8 @@ def _gpt_embed(params, tokens, config, offset):
 
 
 def _gpt_layer(x, params, layer, config, cache, offset, mla_path):
-    w = sub_params(params, f"layers.{layer}.attn")
-    h = config.n_heads
-
-    def attention(u):
-        q, _ = linear_forward(u, w["w_q"], w["b_q"])
-        k, _ = linear_forward(u, w["w_k"], w["b_k"])
-        v, _ = linear_forward(u, w["w_v"], w["b_v"])
-        o = _cached_attention(cache, layer, split_heads(q, h), split_heads(k, h), split_heads(v, h),
-                              offset)
-        return linear_forward(merge_heads(o), w["w_o"], w["b_o"])[0]
-
-    p = f"layers.{layer}."
-    gamma, beta, eps = params[p + "ln1.gamma"], params[p + "ln1.beta"], config.layernorm_eps
-    if config.norm_position == "pre":
-        x = x + attention(layernorm_forward(x, gamma, beta, eps)[0])
-    else:
-        x = layernorm_forward(x + attention(x), gamma, beta, eps)[0]
+    x, _ = gpt.attention_sublayer_forward(x, params, layer, config, slot=_Slot(cache, layer),
+                                          offset=offset)
     return gpt.ffn_sublayer_forward(x, params, layer, config)[0]  # per token: reused as is
 
 
@@ -292,16 +300,17 @@ def _decoder_head(params, x, config):
     return linear_forward(x, w_out)[0]
 
 
-def _family_layer(attention: Callable):
-    """A layer of the M3 family, with ``attention(u, w, config, cache, layer, offset, mla_path)``
-    reading and extending the cache, and the model's own residual sublayers and SwiGLU branch."""
+def _family_layer(attention):
+    """A layer of the M3 family, with the model's own cached attention step (``attention.cached``
+    of its :class:`refmath.models.decoder.AttentionOps`), residual sublayers and SwiGLU branch."""
 
     def layer_forward(x, params, layer, config, cache, offset, mla_path):
         w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
         p = f"layers.{layer}."
+        options = {"mla_path": mla_path} if attention is mla.MLA else {}
 
         def branch(u):
-            return attention(u, w, config, cache, layer, offset, mla_path), None
+            return attention.cached(u, w, config, _Slot(cache, layer), offset, **options), None
 
         x, _ = decoder.sublayer_forward(x, params[p + "ln1.gamma"], branch, config.norm_eps)
         x, _ = decoder.sublayer_forward(x, params[p + "ln2.gamma"],
@@ -311,73 +320,9 @@ def _family_layer(attention: Callable):
     return layer_forward
 
 
-def _rope_gqa_attention(u, w, config, cache, layer, offset, mla_path):
-    """M3's attention with the cache: new queries and keys rotated at positions offset.. (K3)."""
-    h, g = config.n_heads, config.kv_heads
-    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    q, _ = rope_forward(split_heads(linear_forward(u, w["w_q"])[0], h), **rope)
-    k, _ = rope_forward(split_heads(linear_forward(u, w["w_k"])[0], g), **rope)
-    v = split_heads(linear_forward(u, w["w_v"])[0], g)
-    o = _cached_attention(cache, layer, q, k, v, offset)
-    return linear_forward(merge_heads(o), w["w_o"])[0]
-
-
 def _decoder_cache_shapes(config, batch, max_len):
     shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
     return shape, shape
-
-
-def _mla_attention(u, w, config, cache: LatentCache, layer, offset, mla_path):
-    r"""MLA with a latent cache: append ``c`` and ``k^R`` for the new rows, then attend (K8, K9).
-
-    Absorbed: scores :math:`(\hat q_r c_j^\top + q^R_r (k^R_j)^\top)/\sqrt{d_k + d_R}` with
-    :math:`\hat q_r = q^C_r W_{UK,r}^\top`, outputs :math:`(\sum_j a_j c_j) W_{UV,r}`. It is
-    attention with ONE key/value head shared by all ``h`` query heads (like MQA): key
-    :math:`[c_j\ k^R_j]`, value :math:`c_j`, widths :math:`d_c + d_R` and :math:`d_c`.
-    Expanded: :math:`k^C = c W_{UK}`, :math:`v = c W_{UV}` for every cached row, then attention as
-    in :func:`refmath.models.mla.mla_forward`. (A production kernel would also fold
-    :math:`W_{UQ} W_{UK,r}^\top` and :math:`W_{UV,r} W_{O,r}` into single matrices offline.)
-    """
-    h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
-    eps = config.latent_eps
-    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    n = u.shape[1]
-    t = offset + n
-    # The new rows' latents and rotary keys, stored; then the whole filled cache is read back.
-    c, _ = linear_forward(u, w["w_dkv"])
-    if config.latent_norm:
-        c, _ = rmsnorm_forward(c, w["kv_norm.gamma"], eps)
-    k_r, _ = rope_forward(linear_forward(u, w["w_kr"])[0], **rope)
-    cache.latents[layer, :, offset:t] = c
-    cache.rope_keys[layer, :, offset:t] = k_r
-    latents, rope_keys = cache.latents[layer, :, :t], cache.rope_keys[layer, :, :t]
-    # Queries: content part q^C and rotary part q^R, the latter rotated at positions offset.. .
-    if config.q_lora_rank is not None:
-        u, _ = linear_forward(u, w["w_dq"])
-        if config.latent_norm:
-            u, _ = rmsnorm_forward(u, w["q_norm.gamma"], eps)
-    q_c = split_heads(linear_forward(u, w["w_q" if config.q_lora_rank is None else "w_uq"])[0], h)
-    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"])[0], h), **rope)
-
-    b = u.shape[0]
-    mask = causal_mask(n, t, dtype=u.dtype)
-    scale = 1.0 / math.sqrt(d_k + d_r)
-    shared_r = np.broadcast_to(rope_keys[:, None], (b, h, t, d_r))  # one rotary key for all heads
-    if mla_path == "absorbed":
-        w_uk = w["w_uk"].reshape(-1, h, d_k)  # column block r of W_UK is W_UK,r (d_c x d_k)
-        q_hat = np.einsum("bhnk,chk->bhnc", q_c, w_uk)  # q^C_r W_UK,r^T
-        shared_c = np.broadcast_to(latents[:, None], (b, h, t, latents.shape[-1]))
-        o_latent, _ = sdpa_forward(np.concatenate([q_hat, q_r], axis=-1),
-                                   np.concatenate([shared_c, shared_r], axis=-1), shared_c,
-                                   mask=mask, scale=scale)
-        o = np.einsum("bhnc,chv->bhnv", o_latent, w["w_uv"].reshape(-1, h, d_v))
-    else:
-        k_c = split_heads(linear_forward(latents, w["w_uk"])[0], h)
-        v = split_heads(linear_forward(latents, w["w_uv"])[0], h)
-        o, _ = sdpa_forward(np.concatenate([q_c, q_r], axis=-1),
-                            np.concatenate([k_c, shared_r], axis=-1), v, mask=mask, scale=scale)
-    cache.counts.record(layer, mask)
-    return linear_forward(merge_heads(o), w["w_o"])[0]
 
 
 def _mla_cache_shapes(config, batch, max_len):
@@ -404,10 +349,10 @@ _SPECS = {
     "gpt": _Spec("gpt", gpt, gpt.GPTConfig, gpt.parameter_shapes, KVCache, _gpt_cache_shapes,
                  _gpt_embed, _gpt_layer, _gpt_head),
     "llama": _Spec("llama", decoder, decoder.DecoderConfig, decoder.param_shapes, KVCache,
-                     _decoder_cache_shapes, _decoder_embed, _family_layer(_rope_gqa_attention),
+                     _decoder_cache_shapes, _decoder_embed, _family_layer(decoder.ROPE_GQA),
                      _decoder_head),
     "mla": _Spec("mla", mla, mla.MLAConfig, mla.param_shapes, LatentCache, _mla_cache_shapes,
-                 _decoder_embed, _family_layer(_mla_attention), _decoder_head),
+                 _decoder_embed, _family_layer(mla.MLA), _decoder_head),
 }
 
 

@@ -178,6 +178,9 @@ class AttentionOps(NamedTuple):
     forward: Callable  # (x, params, config) -> (y, cache); x is (B, T, d)
     backward: Callable  # (dy, cache) -> (dx, {name: gradient})
     state: Callable  # cache -> the per-layer tensors an inference (KV) cache would keep
+    # (u, params, config, slot, offset, **options) -> y: the same attention at inference, on new
+    # rows at positions offset.., with the layer's cache ``slot`` (refmath.inference.kv_cache)
+    cached: Callable
 
 
 def sum_groups(d_repeated: np.ndarray, g: int) -> np.ndarray:
@@ -262,8 +265,22 @@ def rope_attention_state(cache: RoPEAttentionCache):
     return cache.attn.k[:, ::step], cache.attn.v[:, ::step]
 
 
+def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):
+    """M3's attention at inference (K2, K3): the new rows ``u`` ``(B, n, d)`` at positions
+    ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset)`` appends the
+    keys and values to the layer's cache and attends over every cached position. Returns
+    ``(B, n, d)``."""
+    h, g = config.n_heads, config.kv_heads
+    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
+    q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"])[0], h), **rope)
+    k, _ = rope_forward(split_heads(linear_forward(u, params["w_k"])[0], g), **rope)
+    v = split_heads(linear_forward(u, params["w_v"])[0], g)
+    o = slot.attend(q, k, v, offset)
+    return linear_forward(merge_heads(o), params["w_o"])[0]
+
+
 ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,
-                        rope_attention_state)
+                        rope_attention_state, rope_attention_cached)
 
 
 # ---- parameters ----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import causal_mask, mha_backward, mha_forward
+from refmath.attention import causal_mask, merge_heads, mha_backward, mha_forward, split_heads
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
@@ -210,14 +210,24 @@ def _residual_backward(dout, cache: SublayerCache, branch_backward, norm_positio
 
 # ---- attention sublayer, FFN sublayer, layer -----------------------------------------------------
 
-def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
+def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None,
+                               slot=None, offset: int = 0):
     """Causal multi-head self-attention with biases as a residual sublayer (``ln1``, ``attn``).
 
     ``x`` is ``(B, T, d)``. With ``rng`` (train mode) draws the attention-weight mask
     ``(B, h, T, T)`` and then the residual-branch mask ``(B, T, d)``. Returns ``(y, SublayerCache)``.
+
+    At inference with a KV cache, ``slot`` is the layer's cache (see
+    :mod:`refmath.inference.kv_cache`) and ``x`` holds the new rows at positions ``offset..``:
+    their keys and values join the cache and their queries attend over all of it (K2).
     """
     p = f"layers.{layer}."
     attn_params = sub_params(params, p + "attn")
+    if slot is not None:
+        def cached_branch(u):
+            return cached_attention(u, attn_params, config, slot, offset), None
+        return _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], cached_branch,
+                                 None, config)
     b, t, d = x.shape
     mask = causal_mask(t, dtype=x.dtype)
     attn_drop = dropout_mask(rng, (b, config.n_heads, t, t), config.dropout, x.dtype)
@@ -227,6 +237,18 @@ def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, r
         return mha_forward(u, attn_params, config.n_heads, mask=mask, dropout_mask=attn_drop)
 
     return _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, drop, config)
+
+
+def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int):
+    """The attention branch at inference: ``slot.attend(q, k, v, offset)`` appends the new rows'
+    keys and values to the layer's cache and attends over every cached position. ``u`` is
+    ``(B, n, d)``; returns ``(B, n, d)``. (GPT's positions enter at the embedding, so the
+    projections need no ``offset``.)"""
+    h = config.n_heads
+    q, k, v = (split_heads(linear_forward(u, params[f"w_{n}"], params[f"b_{n}"])[0], h)
+               for n in "qkv")
+    o = slot.attend(q, k, v, offset)
+    return linear_forward(merge_heads(o), params["w_o"], params["b_o"])[0]
 
 
 def attention_sublayer_backward(dout, cache: SublayerCache, layer: int, config: GPTConfig):

@@ -46,6 +46,7 @@ Attention parameters, relative to ``layers.{i}.attn.`` (``rank`` = ``q_lora_rank
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -278,7 +279,60 @@ def mla_state(cache: MLACache):
     return cache.k_up.x, cache.attn.k[:, 0, :, d_k:]
 
 
-MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state)
+def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str = "absorbed"):
+    r"""MLA at inference with a latent cache (K8, K9): the new rows ``u`` ``(B, n, d)`` at positions
+    ``offset..`` append their ``c`` and ``k^R`` to the layer's cache ``slot`` (``slot.store(c, k_r,
+    offset)`` gives back every filled row) and attend over all of them; returns ``(B, n, d)``.
+
+    Absorbed: scores :math:`(\hat q_r c_j^\top + q^R_r (k^R_j)^\top)/\sqrt{d_k + d_R}` with
+    :math:`\hat q_r = q^C_r W_{UK,r}^\top`, outputs :math:`(\sum_j a_j c_j) W_{UV,r}`. It is
+    attention with ONE key/value head shared by all ``h`` query heads (like MQA): key
+    :math:`[c_j\ k^R_j]`, value :math:`c_j`, widths :math:`d_c + d_R` and :math:`d_c`.
+    Expanded: :math:`k^C = c W_{UK}`, :math:`v = c W_{UV}` for every cached row, then attention as
+    in :func:`refmath.models.mla.mla_forward`. (A production kernel would also fold
+    :math:`W_{UQ} W_{UK,r}^\top` and :math:`W_{UV,r} W_{O,r}` into single matrices offline.)
+    """
+    h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
+    eps = config.latent_eps
+    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
+    n = u.shape[1]
+    t = offset + n
+    # The new rows' latents and rotary keys, stored; then the whole filled cache is read back.
+    c, _ = linear_forward(u, w["w_dkv"])
+    if config.latent_norm:
+        c, _ = rmsnorm_forward(c, w["kv_norm.gamma"], eps)
+    k_r, _ = rope_forward(linear_forward(u, w["w_kr"])[0], **rope)
+    latents, rope_keys = slot.store(c, k_r, offset)
+    # Queries: content part q^C and rotary part q^R, the latter rotated at positions offset.. .
+    if config.q_lora_rank is not None:
+        u, _ = linear_forward(u, w["w_dq"])
+        if config.latent_norm:
+            u, _ = rmsnorm_forward(u, w["q_norm.gamma"], eps)
+    q_c = split_heads(linear_forward(u, w["w_q" if config.q_lora_rank is None else "w_uq"])[0], h)
+    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"])[0], h), **rope)
+
+    b = u.shape[0]
+    mask = causal_mask(n, t, dtype=u.dtype)
+    scale = 1.0 / math.sqrt(d_k + d_r)
+    shared_r = np.broadcast_to(rope_keys[:, None], (b, h, t, d_r))  # one rotary key for all heads
+    if mla_path == "absorbed":
+        w_uk = w["w_uk"].reshape(-1, h, d_k)  # column block r of W_UK is W_UK,r (d_c x d_k)
+        q_hat = np.einsum("bhnk,chk->bhnc", q_c, w_uk)  # q^C_r W_UK,r^T
+        shared_c = np.broadcast_to(latents[:, None], (b, h, t, latents.shape[-1]))
+        o_latent, _ = sdpa_forward(np.concatenate([q_hat, q_r], axis=-1),
+                                   np.concatenate([shared_c, shared_r], axis=-1), shared_c,
+                                   mask=mask, scale=scale)
+        o = np.einsum("bhnc,chv->bhnv", o_latent, w["w_uv"].reshape(-1, h, d_v))
+    else:
+        k_c = split_heads(linear_forward(latents, w["w_uk"])[0], h)
+        v = split_heads(linear_forward(latents, w["w_uv"])[0], h)
+        o, _ = sdpa_forward(np.concatenate([q_c, q_r], axis=-1),
+                            np.concatenate([k_c, shared_r], axis=-1), v, mask=mask, scale=scale)
+    slot.record(mask)
+    return linear_forward(merge_heads(o), w["w_o"])[0]
+
+
+MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state, mla_cached)
 
 
 # ---- the M4 model: the contract's functions --------------------------------------------------------
