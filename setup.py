@@ -16,7 +16,7 @@ Switches (environment variables):
                            plus PTX for the newest so later GPUs can JIT-compile it
 ``REFMATH_NATIVE=1``       add ``-march=native`` to the CPU module (faster here, not portable)
 ``REFMATH_SANITIZE=1``     build the CPU module with AddressSanitizer and UBSan (-O1 -g); Python
-                           must then preload libasan, see README
+                           must then preload libasan, as tests/run_sanitized.sh does
 ``CUDA_HOME``/``CUDA_PATH``  where to look for the toolkit first
 =========================  =====================================================================
 """
