@@ -353,8 +353,9 @@ def load_checkpoint(directory, model: str | None = None, config=None) -> Checkpo
         bad = [k for k, v in arrays_of_kind.items()
                if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
         if bad:
-            raise CheckpointError(f"{path}: {len(bad)} {kind} arrays hold NaN or inf (first: "
-                                  f"{bad[0]!r}); the run diverged before this checkpoint was written")
+            count = f"1 {kind} array holds" if len(bad) == 1 else f"{len(bad)} {kind} arrays hold"
+            raise CheckpointError(f"{path}: {count} NaN or inf (first: {bad[0]!r}); the run "
+                                  f"diverged before this checkpoint was written")
     step = int(arrays["step"])
     history = {k: arrays[f"history.{k}"] for k in HISTORY_KEYS}
     if len(history["train_loss"]) != step or int(optimizer["step"]) != step:

@@ -389,7 +389,7 @@ def test_a_checkpoint_with_nan_parameters_is_refused(saved_run, capsys):
         arrays = dict(npz)
     arrays["params.pos_emb"][0, 0] = np.nan
     np.savez(path, **arrays)
-    with pytest.raises(T.CheckpointError, match=r"1 parameter arrays hold NaN or inf \(first: 'pos_emb'\)"):
+    with pytest.raises(T.CheckpointError, match=r"1 parameter array holds NaN or inf \(first: 'pos_emb'\)"):
         T.load_checkpoint(saved_run)
     args = _parse(T.add_generate_arguments, ["--checkpoint", str(saved_run)])
     assert args.run(args) == 2
