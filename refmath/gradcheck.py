@@ -78,6 +78,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from refmath._validate import check_int
 from refmath.registry import OpCase, ParamCase
 
 STEP = 1e-3
@@ -152,9 +153,8 @@ def sample_coords(size: int, max_coords: int | None, rng: np.random.Generator) -
 
 
 def _check_max_coords(max_coords):
-    if max_coords is not None and (isinstance(max_coords, bool) or int(max_coords) != max_coords
-                                   or max_coords < 1):
-        raise ValueError(f"max_coords must be a positive integer or None, got {max_coords!r}")
+    if max_coords is not None:
+        check_int("max_coords", max_coords, 1)
 
 
 @dataclass(frozen=True)
