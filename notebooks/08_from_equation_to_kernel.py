@@ -34,6 +34,7 @@ import numpy as np
 
 from refmath import flash, kernels
 from refmath.attention import causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
+from refmath.inference.decode import decode_attention
 from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
 
 np.set_printoptions(precision=4, suppress=True)
@@ -350,23 +351,19 @@ np.testing.assert_allclose(online_softmax_result(merged), whole[0], rtol=1e-12, 
 
 
 # %% [markdown]
-# Now the kernel, `refmath.kernels.decode`, on both sequences and all heads, with `splits=1` (one
-# thread walks each whole context) and `splits=4`, against a float64 reference that attends over
-# each sequence's first `n_b` keys only.
+# Now the kernel on both sequences and all heads. `decode_attention` is one function with three
+# backends and the same arguments: `"numpy"` is the reference, which attends over each sequence's
+# first `n_b` keys with `sdpa_forward` (run here in float64 and in float32), and `"cpu"` is the C++
+# kernel `refmath.kernels.decode`, run with `splits=1` (one thread walks each whole context) and
+# `splits=4`.
 
 # %%
-def decode_reference(q, k, v, lengths):
-    out = np.zeros(q.shape)
-    for b, n_b in enumerate(lengths):
-        o, _ = sdpa_forward(q[b][:, None, :], k[b, heads, :n_b], v[b, heads, :n_b])
-        out[b] = o[:, 0]
-    return out
-
-
 q_dec32, k_cache32, v_cache32 = (x.astype(np.float32) for x in (q_dec, k_cache, v_cache))
-ref_dec = decode_reference(q_dec, k_cache, v_cache, lengths)
-np32_dec = decode_reference(q_dec32, k_cache32, v_cache32, lengths)
+ref_dec = decode_attention(q_dec, k_cache, v_cache, lengths)
+np32_dec = decode_attention(q_dec32, k_cache32, v_cache32, lengths)
 if HAVE_CPU:
+    np.testing.assert_array_equal(decode_attention(q_dec32, k_cache32, v_cache32, lengths, backend="cpu"),
+                                  kernels.decode(q_dec32, k_cache32, v_cache32, lengths))
     one = kernels.decode(q_dec32, k_cache32, v_cache32, lengths, splits=1)
     four = kernels.decode(q_dec32, k_cache32, v_cache32, lengths, splits=4)
     big_v = np.nanmax(np.abs(v_cache))
