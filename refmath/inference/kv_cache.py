@@ -33,9 +33,10 @@ from the cached latents instead; both give the same numbers up to rounding.
 
 Supported models: :mod:`refmath.models.gpt` (``"gpt"``), :mod:`refmath.models.decoder`
 (``"llama"``) and :mod:`refmath.models.mla` (``"mla"``), passed as the module or its name in
-:data:`refmath.models.MODELS`. These forwards are for inference only (no dropout, no backward); they reuse the models'
-norms, FFN sublayers, head splitting and the ops, and replace only where attention gets its keys
-and values.
+:data:`refmath.models.MODELS`. These forwards are for inference only (no dropout, no backward):
+each layer is the model's own, with its cached attention step (``cached_attention`` in GPT,
+``AttentionOps.cached`` in the M3 family) reading and extending the layer's cache through a
+:class:`_Slot`.
 """
 from __future__ import annotations
 
