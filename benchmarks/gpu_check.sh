@@ -159,6 +159,9 @@ elif [ -z "$CUPY" ] && [ -z "$CUPY_MAJOR" ]; then
 fi
 if [ ${#missing[@]} -gt 0 ]; then
     if [ $INSTALL -eq 1 ]; then
+        # Two CuPy wheels would both install a `cupy` package over each other: drop the wrong one.
+        [ -n "$CUPY" ] && [ -n "$CUPY_MAJOR" ] && [ "$CUPY_MAJOR" != "${DRIVER_CUDA%%.*}" ] \
+            && "$PY" -m pip uninstall -y cupy-cuda12x cupy-cuda13x cupy > "$LOGS/cupy-uninstall.log" 2>&1
         run install-packages 150 "$PY" -m pip install "${missing[@]}" \
             || say "   (continuing: the steps that need a missing package will fail and say so)"
     else

@@ -55,7 +55,15 @@ template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 // visible score is NaN would then look fully masked (o = 0, lse = -inf). Every maximum of scores
 // is taken with nan_max instead, which is NaN if either argument is; the softmax state of that
 // row then becomes NaN and stays so, as the reference's does.
-__device__ inline float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+__device__ inline float nan_max(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float m;  // one instruction (sm_80 and newer): the canonical NaN if a or b is NaN
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+    return m;
+#else
+    return (a > b || a != a) ? a : b;
+#endif
+}
 
 // Whether an element is infinite or NaN (all exponent bits set), for the tiles' loaders: a value
 // the mask hides must not reach a row through 0 * NaN (see the P V products).

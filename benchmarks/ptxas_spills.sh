@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Register use and spills of every CUDA kernel, from ptxas -v (needs nvcc, no GPU).
+#
+# A kernel that spills registers to local memory reads and writes them through the caches on every
+# use; for the attention kernels that is a large slowdown that no test would catch. This compiles
+# each csrc/cuda/*.cu for one architecture (REFMATH_CUDA_ARCH, default 90), prints ptxas's line per
+# kernel (registers, shared memory, spill stores and loads) and exits 1 if any kernel spills.
+#
+# Usage: bash benchmarks/ptxas_spills.sh      (about a minute of one core per file)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+NVCC="${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}"
+ARCH="${REFMATH_CUDA_ARCH:-90}"
+ARCH="${ARCH##*;}"  # the last (newest) of a list such as "80;90"
+status=0
+for source in csrc/cuda/*.cu; do
+    out="$("$NVCC" -c -std=c++17 -O3 -Icsrc/cuda -arch="sm_$ARCH" -Xptxas -v "$source" -o /dev/null 2>&1)" \
+        || { echo "$source: nvcc failed"; echo "$out"; status=1; continue; }
+    # ptxas prints "Compiling entry function '<mangled>'" then "Used N registers, ..." and, in
+    # between, "N bytes stack frame, N bytes spill stores, N bytes spill loads".
+    echo "$out" | awk -v file="$source" '
+        /Compiling entry function/ { name = $0; sub(/.*entry function .\047?/, "", name); sub(/\047.*/, "", name) }
+        /spill stores/ { spill = $0 }
+        /Used [0-9]+ registers/ {
+            regs = $0; sub(/.*Used /, "", regs)
+            printf "%s %s\n   %s\n   %s\n", file, name, spill, regs
+            if (spill !~ / 0 bytes spill stores, 0 bytes spill loads/) bad = 1
+        }
+        END { exit bad }' || status=1
+done
+[ $status -eq 0 ] && echo "no kernel spills (sm_$ARCH)" || echo "SPILLS or errors above (sm_$ARCH)"
+exit $status
