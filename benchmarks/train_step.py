@@ -210,9 +210,10 @@ def build(model: str, args):
             return torch_gpt_loss(P, tokens, targets, config, args.torch_attention == "sdpa")
         return gpt, config, describe, torch_loss
     config = decoder.DecoderConfig(**common, n_kv_heads=args.kv_heads, tie_embeddings=False,
-                                   dropout=0.0)
+                                   dropout=0.0, attention_backend=args.attention)
     describe = (f"decoder (M3): Pre-RMSNorm, RoPE, GQA {config.n_heads} query / {config.kv_heads} "
-                f"key-value heads of {config.d_h}, SwiGLU d_f = {config.d_f}, untied head")
+                f"key-value heads of {config.d_h}, SwiGLU d_f = {config.d_f}, untied head, "
+                f"attention on {args.attention}")
     rope = rope_tables(args.seq_len, config.d_h, config.rope_base)
 
     def torch_loss(P, tokens, targets):
@@ -349,6 +350,9 @@ def parse_args(argv=None):
                              "other processes on a busy machine barely disturb (with --threads 1 "
                              "only: with more threads it would add up every thread's time, "
                              "spin-waiting included)")
+    parser.add_argument("--attention", choices=("numpy", "cpu"), default="numpy",
+                        help="refmath side, decoder: causal attention in NumPy (default) or in the "
+                             "C++ FlashAttention kernel (the config's attention_backend)")
     parser.add_argument("--torch-attention", choices=("sdpa", "explicit"), default="sdpa",
                         help="torch side: F.scaled_dot_product_attention (default) or an explicit "
                              "masked softmax like refmath's")

@@ -18,6 +18,7 @@ import numpy as np
 from refmath._validate import (
     check_axis,
     check_broadcastable,
+    check_choice,
     check_int,
     check_min_ndim,
     check_ndim,
@@ -384,6 +385,68 @@ def mha_backward(dout, cache: MHACache):
 
 def _unbatch(x, unbatched: bool):
     return x[0] if unbatched else x
+
+
+# ---- causal self-attention with shared key/value heads, on a backend ----------------------------
+
+ATTENTION_BACKENDS = ("numpy", "cpu")
+
+
+class CausalAttentionCache(NamedTuple):
+    backend: str
+    n_kv_heads: int
+    saved: tuple  # numpy: the SDPACache; cpu: (q, k, v, o, lse) for the kernel's backward
+
+
+def causal_attention_forward(q, k, v, backend: str = "numpy"):
+    r"""Causal self-attention of ``H`` query heads over ``G`` shared key/value heads (A2, A10).
+
+    .. math::
+        O_r = \operatorname{softmax}\Big(\frac{Q_r K_{\pi(r)}^\top}{\sqrt{D}} + M_{\text{causal}}
+              \Big) V_{\pi(r)}
+
+    ``q`` is ``(B, H, T, D)``, ``k`` and ``v`` ``(B, G, T, D)`` with ``G`` dividing ``H``; returns
+    ``(O, cache)`` with ``O`` like ``q``. ``backend="numpy"`` is the reference
+    (:func:`sdpa_forward` with the key/value heads read through :func:`gqa_head_map`);
+    ``backend="cpu"`` is the FlashAttention kernel (:func:`refmath.kernels.flash_attention_forward`,
+    F1-F4), which needs float32 and keeps only ``O`` and the row logsumexp for its backward.
+    """
+    check_choice("backend", backend, ATTENTION_BACKENDS)
+    g = k.shape[1]
+    if backend == "cpu":
+        from refmath import kernels
+
+        o, lse = kernels.flash_attention_forward(q, k, v, causal=True)
+        return o, CausalAttentionCache(backend, g, (q, k, v, o, lse))
+    heads = gqa_head_map(q.shape[1], g)
+    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=causal_mask(q.shape[2], dtype=q.dtype))
+    return o, CausalAttentionCache(backend, g, attn)
+
+
+def causal_attention_backward(do, cache: CausalAttentionCache):
+    r"""Gradients of :func:`causal_attention_forward`: ``(dq, dk, dv)`` (A8, F4).
+
+    A key/value head shared by ``H/G`` query heads receives the sum of their gradients: those heads
+    are the consecutive block ``u H/G .. (u+1) H/G - 1``, so a reshape and a sum over it does it.
+    """
+    if cache.backend == "cpu":
+        from refmath import kernels
+
+        return kernels.flash_attention_backward(do, *cache.saved, causal=True)
+    dq, dk_repeated, dv_repeated = sdpa_backward(do, cache.saved)
+    b, h, t, _ = dk_repeated.shape
+    g = cache.n_kv_heads
+    dk = dk_repeated.reshape(b, g, h // g, t, -1).sum(axis=2)
+    dv = dv_repeated.reshape(b, g, h // g, t, -1).sum(axis=2)
+    return dq, dk, dv
+
+
+def causal_attention_kv(cache: CausalAttentionCache):
+    """The ``(k, v)`` the attention read, each ``(B, G, T, D)``: the rows a KV cache stores."""
+    if cache.backend == "cpu":
+        return cache.saved[1], cache.saved[2]
+    step = cache.saved.q.shape[1] // cache.n_kv_heads  # query head u H/G holds kv head u
+    return cache.saved.k[:, ::step], cache.saved.v[:, ::step]
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

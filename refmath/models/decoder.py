@@ -40,8 +40,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import (SDPACache, causal_mask, gqa_head_map, merge_heads, sdpa_backward,
-                               sdpa_forward, split_heads)
+from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_attention_backward,
+                               causal_attention_forward, causal_attention_kv, merge_heads,
+                               split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (
     LinearCache,
@@ -76,6 +77,7 @@ def check_shared_fields(config) -> None:
     check_field(config, "init_std", check_real, 0.0, low_open=True)
     check_field(config, "tie_embeddings", check_flag)
     check_field(config, "head_dim", check_int, 1, optional=True)
+    check_field(config, "attention_backend", check_choice, ATTENTION_BACKENDS)
     if config.head_dim is None and config.d_model % config.n_heads:
         raise ValueError(f"{type(config).__name__}.d_model = {config.d_model} is not divisible by "
                          f"n_heads = {config.n_heads}; give head_dim explicitly")
@@ -102,6 +104,9 @@ class DecoderConfig:
     ``init_std`` is the standard deviation of every weight at init (residual outputs scaled by
     ``1/sqrt(2L)``, see :func:`init_params`). ``rope_layout`` is RoPE's pairing of coordinates
     (:func:`refmath.positions.rope_forward`): ``"interleaved"`` or Hugging Face's ``"half"``.
+    ``attention_backend`` computes the causal attention of training and evaluation
+    (:func:`refmath.attention.causal_attention_forward`): ``"numpy"``, the reference, or ``"cpu"``,
+    the FlashAttention kernel (float32 parameters).
     """
 
     vocab_size: int
@@ -119,6 +124,7 @@ class DecoderConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     rope_layout: str = "interleaved"
+    attention_backend: str = "numpy"
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -183,26 +189,15 @@ class AttentionOps(NamedTuple):
     cached: Callable
 
 
-def sum_groups(d_repeated: np.ndarray, g: int) -> np.ndarray:
-    """Gradient of repeating ``g`` key/value heads to ``h`` query heads, ``(B, h, T, w)`` to
-    ``(B, g, T, w)``.
-
-    :func:`refmath.attention.gqa_head_map` gives key/value head ``u`` to the consecutive query heads
-    ``u h/g .. (u+1) h/g - 1``, so each shared head collects the sum over its block.
-    """
-    b, h, t, w = d_repeated.shape
-    return d_repeated.reshape(b, g, h // g, t, w).sum(axis=2)
-
-
 class RoPEAttentionCache(NamedTuple):
     q_proj: LinearCache  # x W_Q (the three projections share their input x)
     k_proj: LinearCache
     v_proj: LinearCache
     q_rope: RoPECache
     k_rope: RoPECache
-    attn: SDPACache  # rotated queries; rotated keys and values repeated to the h query heads
+    attn: CausalAttentionCache  # of the rotated queries and keys, and the values
     out: LinearCache  # [O_1 ... O_h] W_O
-    n_kv_heads: int
+    n_heads: int
 
 
 def rope_attention_shapes(config: DecoderConfig) -> dict:
@@ -229,11 +224,9 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
     v, v_proj = linear_forward(x, params["w_v"])
     q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base, layout=config.rope_layout)
     k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base, layout=config.rope_layout)
-    v = split_heads(v, g)
-    heads = gqa_head_map(h, g)
-    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=causal_mask(x.shape[1], dtype=x.dtype))
+    o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend)
     y, out = linear_forward(merge_heads(o), params["w_o"])
-    return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, g)
+    return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h)
 
 
 def rope_attention_backward(dy, cache: RoPEAttentionCache):
@@ -244,10 +237,8 @@ def rope_attention_backward(dy, cache: RoPEAttentionCache):
     input gradients add up because all three read ``x``.
     """
     d_merged, dw_o, _ = linear_backward(dy, cache.out)
-    h, g = cache.attn.q.shape[1], cache.n_kv_heads
-    dq, dk_repeated, dv_repeated = sdpa_backward(split_heads(d_merged, h), cache.attn)
-    dk = rope_backward(sum_groups(dk_repeated, g), cache.k_rope)
-    dv = sum_groups(dv_repeated, g)
+    dq, dk, dv = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
+    dk = rope_backward(dk, cache.k_rope)
     dq = rope_backward(dq, cache.q_rope)
     dx_q, dw_q, _ = linear_backward(merge_heads(dq), cache.q_proj)
     dx_k, dw_k, _ = linear_backward(merge_heads(dk), cache.k_proj)
@@ -258,11 +249,9 @@ def rope_attention_backward(dy, cache: RoPEAttentionCache):
 def rope_attention_state(cache: RoPEAttentionCache):
     """The layer's ``(k, v)``, each ``(B, g, T, d_h)``, keys already rotated at their positions (K3).
 
-    Read from the attention cache: query head ``u h/g``, the first of group ``u``, holds key/value
-    head ``u``. These are the rows a KV cache stores.
+    These are the rows a KV cache stores.
     """
-    step = cache.attn.q.shape[1] // cache.n_kv_heads
-    return cache.attn.k[:, ::step], cache.attn.v[:, ::step]
+    return causal_attention_kv(cache.attn)
 
 
 def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):

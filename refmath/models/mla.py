@@ -109,9 +109,14 @@ class MLAConfig:
     init_std: float = 0.02
     rope_layout: str = "interleaved"
     latent_norm_eps: float | None = None
+    attention_backend: str = "numpy"
 
     def __post_init__(self):
         check_shared_fields(self)
+        if self.attention_backend != "numpy":
+            raise ValueError(f"MLAConfig.attention_backend = {self.attention_backend!r} is not "
+                             f"available: MLA's keys (d_k + d_R wide) and values (d_v wide) differ "
+                             f"in width, which the kernels do not take; use 'numpy'")
         check_field(self, "latent_norm_eps", check_real, 0.0, low_open=True, optional=True)
         for name in ("d_c", "d_rope"):
             check_field(self, name, check_int, 1)

@@ -167,7 +167,7 @@ def test_rope_rotates_queries_and_keys_but_not_values_n10():
     k, v = decoder.layer_kv(cache)[0]
     np.testing.assert_allclose(k, rope_forward(heads("w_k", 2))[0], rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(v, heads("w_v", 2), rtol=1e-13, atol=1e-15)
-    np.testing.assert_allclose(cache.layers[0].attn.branch.attn.q, rope_forward(heads("w_q", 4))[0],
+    np.testing.assert_allclose(cache.layers[0].attn.branch.attn.saved.q, rope_forward(heads("w_q", 4))[0],
                                rtol=1e-13, atol=1e-15)
     assert not np.allclose(k, heads("w_k", 2))  # the rotation did something
 
@@ -371,3 +371,29 @@ def test_half_rope_layout_is_the_same_model_with_permuted_query_and_key_columns(
     np.testing.assert_allclose(decoder.logits(half_params, tokens, half),
                                decoder.logits(params, tokens, config), rtol=1e-12, atol=1e-12)
     assert not np.allclose(decoder.logits(params, tokens, half), decoder.logits(params, tokens, config))
+
+
+@pytest.mark.skipif(not __import__("refmath.kernels").kernels.cpu_available(),
+                    reason="the C++ module refmath._C is not built")
+def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients():
+    # float32 through the FlashAttention kernel against float32 through NumPy, both against the
+    # float64 model: the kernel's error is at most twice NumPy's plus a few float32 ulps.
+    config = tiny(n_kv_heads=2)
+    params64, batch = random_params(decoder, config), random_batch()
+    params32 = {k: v.astype(np.float32) for k, v in params64.items()}
+    loss64, cache64 = decoder.forward(params64, batch, config)
+    grads64 = decoder.backward(cache64)
+    runs = {}
+    for backend in ("numpy", "cpu"):
+        run_config = dataclasses.replace(config, attention_backend=backend)
+        loss, cache = decoder.forward(params32, batch, run_config)
+        assert cache.layers[0].attn.branch.attn.backend == backend
+        runs[backend] = (loss, decoder.backward(cache))
+    u32 = np.finfo(np.float32).eps
+    for name in ["loss", *grads64]:
+        ref = loss64 if name == "loss" else grads64[name]
+        got = {b: (r[0] if name == "loss" else r[1][name]).astype(np.float64) for b, r in runs.items()}
+        numpy_err, cpu_err = (np.abs(got[b] - ref).max() for b in ("numpy", "cpu"))
+        assert cpu_err <= 2 * numpy_err + 4 * u32 * np.abs(ref).max(), (name, cpu_err, numpy_err)
+    with pytest.raises(ValueError, match="attention_backend must be one of 'numpy', 'cpu'"):
+        tiny(attention_backend="cuda")
