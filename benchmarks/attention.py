@@ -67,7 +67,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not kernels.cpu_available():
         raise SystemExit("refmath._C is not built: run pip install -e . first")
-    threads = kernels._C.max_threads()
+    threads = kernels.cpu_threads()
     if torch is not None:
         torch.set_num_threads(threads)
     print(machine_line(threads))

@@ -2,7 +2,7 @@
 
 A decode step reads every cached key and value once, so its speed is best read as bandwidth: bytes
 of K and V read per second, next to what this machine can read at all. The ceiling is measured in
-the same run by refmath._C.stream_sum, a C++ loop that sums a float32 array with every OpenMP thread:
+the same run by refmath.kernels.stream_sum, a C++ loop that sums a float32 array with every OpenMP thread:
 a plain streaming read, nothing else. It runs twice: once over --probe-gib (far larger than the
 caches of the CPU) for the header, and once per context over the very K and V arrays being decoded,
 timed in turns with the peers. The second is the ceiling each row is compared with ("of bw"): it
@@ -57,9 +57,9 @@ def parse_args(argv=None):
 
 
 def read_bandwidth(gib: float, repeats: int) -> float:
-    """Bytes per second of a multi-threaded streaming read (refmath._C.stream_sum)."""
+    """Bytes per second of a multi-threaded streaming read (refmath.kernels.stream_sum)."""
     x = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
-    ms = best_ms(lambda: kernels._C.stream_sum(x), repeats)
+    ms = best_ms(lambda: kernels.stream_sum(x), repeats)
     return x.nbytes / (ms * 1e-3)
 
 
@@ -81,13 +81,13 @@ def main(argv=None):
     args = parse_args(argv)
     if not kernels.cpu_available():
         raise SystemExit("refmath._C is not built: run pip install -e . first")
-    threads = kernels._C.max_threads()
+    threads = kernels.cpu_threads()
     if torch is not None:
         torch.set_num_threads(threads)
     print(machine_line(threads))
     print(choose_vector_width(args.narrow))
     bandwidth = read_bandwidth(args.probe_gib, args.repeats)
-    print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s (refmath._C.stream_sum over "
+    print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s (refmath.kernels.stream_sum over "
           f"{args.probe_gib:g} GiB, {threads} thread(s))")
     h, g, d, p = args.heads, args.kv_heads, args.dim, args.page_size
     rng = np.random.default_rng(0)
@@ -98,7 +98,7 @@ def main(argv=None):
         lengths = np.array([t])
         k_pages, v_pages, table = paged_copy(k, v, p, rng)
         peers = {
-            "read": lambda: (kernels._C.stream_sum(k), kernels._C.stream_sum(v)),
+            "read": lambda: (kernels.stream_sum(k), kernels.stream_sum(v)),
             "contiguous": lambda: kernels.decode(q, k, v, lengths),
             "paged": lambda: kernels.paged_decode(q, k_pages, v_pages, table, lengths),
         }

@@ -296,14 +296,12 @@ if HAVE_CPU:
     check_float32("dk", dk_c, dk_ref_g, per_kv_head(dk_32), 3, grow * np.abs(dk_ref_g).max())
     check_float32("dv", dv_c, dv_ref_g, per_kv_head(dv_32), 3, grow * np.abs(dv_ref_g).max())
     by_schedule = {}
-    try:
-        for schedule in (1, 2):  # 1: one pass, 2: two passes
-            kernels._C.set_backward_schedule(schedule)
+    for schedule in ("one pass", "two passes"):
+        with kernels.backward_schedule(schedule):
             by_schedule[schedule] = kernels.flash_attention_backward(
                 do32, qg32, kg32, vg32, og_c, lseg_c, causal=True)
-    finally:
-        kernels._C.set_backward_schedule(0)  # back to the automatic choice
-    for name, one_pass, two_passes in zip(("dq", "dk", "dv"), by_schedule[1], by_schedule[2]):
+    for name, one_pass, two_passes in zip(("dq", "dk", "dv"), by_schedule["one pass"],
+                                          by_schedule["two passes"]):
         np.testing.assert_array_equal(one_pass, two_passes, err_msg=name)
     print("one pass and two passes: dq, dk and dv are bit for bit the same")
 else:

@@ -10,12 +10,14 @@ tests hold them to it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import numpy as np
 
-from refmath._validate import check_axis, check_ndim, check_same_shape, float_array
+from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_ndim,
+                               check_real, check_same_shape, float_array)
 
 try:
     from refmath import _C
@@ -68,6 +70,39 @@ def cpu_vector_lanes(lanes: int | None = None) -> int:
             raise ValueError(f"lanes must be 8 or 16 (or None to leave it), got {lanes!r}")
         C.set_wide_vectors(lanes == 16)
     return C.vector_lanes()
+
+
+def cpu_threads() -> int:
+    """The number of OpenMP threads the CPU kernels use (1 without OpenMP)."""
+    return _cpu().max_threads()
+
+
+BACKWARD_SCHEDULES = {"auto": 0, "one pass": 1, "two passes": 2}
+
+
+@contextlib.contextmanager
+def backward_schedule(name: str):
+    """Within the ``with`` block, the CPU FlashAttention backward uses one schedule: ``"one pass"``
+    (each (batch, key/value head) item owns its dK, dV and its query heads' dQ), ``"two passes"``
+    (dK and dV by key tiles, then dQ by query tiles) or ``"auto"`` (the default: one pass when the
+    items fill the threads evenly). Both give the same bits for finite input; the lesson on the
+    kernel and the tests use this to show it."""
+    check_choice("name", name, tuple(BACKWARD_SCHEDULES))
+    C = _cpu()
+    C.set_backward_schedule(BACKWARD_SCHEDULES[name])
+    try:
+        yield
+    finally:
+        C.set_backward_schedule(0)
+
+
+def stream_sum(x) -> float:
+    """The sum of a C-contiguous float32 array read once by every CPU kernel thread: a probe of
+    the memory bandwidth that a decode step, which reads the whole cache once, can reach."""
+    x = float_array("x", x)
+    if x.dtype != np.float32:
+        raise TypeError(f"x must be float32, got dtype {x.dtype} with shape {x.shape}")
+    return _cpu().stream_sum(np.ascontiguousarray(x))
 
 
 def build_info() -> dict:
@@ -254,7 +289,7 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
     ``o = 0``). Slots past a sequence's length are never read, whatever they hold. ``splits`` cuts
     each context into that many chunks reduced in parallel and merged by the online-softmax rule
     (F3), so that one long sequence keeps every core busy; ``None`` chooses (on the CPU: enough
-    chunks for two per thread, none shorter than 512 keys). The CPU kernel uses at most as many
+    chunks for eight per thread, none shorter than 512 keys). The CPU kernel uses at most as many
     splits as the longest sequence has keys (pages, for :func:`paged_decode`), and at most 1024;
     the result does not depend on the count beyond rounding. Returns ``(B, H, D)``.
     On the GPU, ``lengths`` given as a CuPy array are checked by the kernel rather than copied back
@@ -419,32 +454,19 @@ def _check_decode_query(q) -> None:
 def _scale(scale, d: int) -> float:
     if d < 1:
         raise ValueError(f"the head width D must be at least 1, got D = {d}")
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a number or None, got {scale!r}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
+    return 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale)
 
 
 def _attention_options(causal, window, scale, d: int):
     """``(causal, window, scale)`` checked: a window implies causal (A12); scale defaults to 1/sqrt(D)."""
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal = check_flag("causal", causal)
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-            raise ValueError(f"window must be a positive integer or None, got {window!r}")
-        window = int(window)
-    return bool(causal) or window is not None, window, _scale(scale, d)
+        window = check_int("window", window, 1)
+    return causal or window is not None, window, _scale(scale, d)
 
 
 def _splits(splits) -> int | None:
-    if splits is None:
-        return None
-    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1:
-        raise ValueError(f"splits must be a positive integer or None (automatic), got {splits!r}")
-    return int(splits)
+    return None if splits is None else check_int("splits", splits, 1)
 
 
 def _host_ints(name: str, x) -> np.ndarray:

@@ -277,3 +277,27 @@ def test_cuda_bad_input_names_the_argument():
         kernels.softmax_rows(cp.zeros((2, 3), dtype=cp.int32))
     with pytest.raises(ValueError, match=r"x must have 2 dimensions.*\(2, 3, 4\)"):
         kernels.softmax_rows(cp.zeros((2, 3, 4), dtype=cp.float32))
+
+
+# ---- the helpers the benchmarks and the lessons use ------------------------------------------------
+
+@needs_cpu
+def test_threads_stream_sum_and_backward_schedule():
+    assert kernels.cpu_threads() >= 1
+    x = np.random.default_rng(0).standard_normal(100_003).astype(np.float32)
+    np.testing.assert_allclose(kernels.stream_sum(x), x.astype(np.float64).sum(), rtol=1e-5, atol=1e-3)
+    with pytest.raises(TypeError, match="x must be float32, got dtype float64"):
+        kernels.stream_sum(x.astype(np.float64))
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((1, 2, 9, 8)).astype(np.float32) for _ in range(4))
+    o, lse = kernels.flash_attention_forward(q, k, v, causal=True)
+    grads = {}
+    for name in ("one pass", "two passes", "auto"):
+        with kernels.backward_schedule(name):
+            grads[name] = kernels.flash_attention_backward(do, q, k, v, o, lse, causal=True)
+    for one, two, auto in zip(*grads.values()):
+        np.testing.assert_array_equal(one, two)
+        np.testing.assert_array_equal(one, auto)
+    with pytest.raises(ValueError, match="name must be one of 'auto', 'one pass', 'two passes'"):
+        with kernels.backward_schedule("three passes"):
+            pass

@@ -458,7 +458,7 @@ def _bad_attention_inputs(kind, rng):
         "D = 0": (dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), ValueError),
         "window 0": (dict(q=q, k=k, v=v, window=0), ValueError),
         "window -3": (dict(q=q, k=k, v=v, window=-3), ValueError),
-        "window True": (dict(q=q, k=k, v=v, window=True), ValueError),
+        "window True": (dict(q=q, k=k, v=v, window=True), TypeError),  # a flag is not a size
         "causal 1": (dict(q=q, k=k, v=v, causal=1), TypeError),
         "scale nan": (dict(q=q, k=k, v=v, scale=float("nan")), ValueError),
         "scale str": (dict(q=q, k=k, v=v, scale="1"), TypeError),
