@@ -7,12 +7,11 @@ whole prefix at every step (`--no-cache`), and decoding with the KV cache with a
 or in the C++ kernels (`--backend cpu`). The table gives tokens per second (best of a few runs,
 interleaved) and each figure as a ratio to the recomputation. Nothing is asserted: the figures
 belong to the machine. At these widths (64) most of a decode step is the model's other matrix
-products and Python's cost per op; attention is a small share, so the two backends are close.
-The kernels' calls here are tiny (one query per head): on a machine whose cores are busy, their
-OpenMP threads wait for each other far longer than they compute, so measure with
-OMP_NUM_THREADS=1 (and OPENBLAS_NUM_THREADS=1) there.
+products and Python's cost per op; attention is a small share, so the two backends are close
+(the kernels run calls this small on one thread). On a busy machine, OPENBLAS_NUM_THREADS=1 keeps
+NumPy's matrix products from waiting for each other's threads.
 
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/generate.py --tokens 63
+    OPENBLAS_NUM_THREADS=1 python benchmarks/generate.py --tokens 63
 """
 from __future__ import annotations
 

@@ -318,7 +318,9 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     const idx splits = choose_splits(s.splits, bg, longest, units_per_min_split);
     const idx stride = D + 2;
     std::vector<float> partial(static_cast<std::size_t>(s.batch * s.heads * splits * stride));
-    const int threads = tile::max_threads();
+    double keys = 0;  // every (sequence, key) pair costs 2 D multiply-adds per query head
+    for (idx b = 0; b < s.batch; ++b) keys += static_cast<double>(cache.lengths[b]);
+    const int threads = tile::threads_for(2.0 * keys * s.heads * D);
     const idx per_thread = tile::padded_floats(R * (kBlock + kPad) + 2 * R * D + 3 * R);
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     const float c = tile::base2_factor(s.scale);

@@ -443,7 +443,8 @@ void flash_forward_cpu(const AttentionShape& shape, const float* q, const float*
     const Band band = make_band(shape);
     const idx n_tiles = ceil_div(shape.t_q, kBlockQ), bh = shape.batch * shape.heads;
     const idx n_tasks = n_tiles * bh;
-    const int threads = tile::max_threads();
+    // S = Q K^T and P V: 2 T_q T_k D multiply-adds per head (an upper bound under a mask)
+    const int threads = tile::threads_for(2.0 * bh * shape.t_q * shape.t_k * shape.head_dim);
     const idx per_thread =
         tile::padded_floats(kBlockQ * kBlockK + 2 * kBlockQ * shape.head_dim + 3 * kBlockQ +
                             shape.head_dim * kBlockK);
@@ -470,7 +471,8 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
     std::vector<float> delta(static_cast<std::size_t>(bh * shape.t_q));  // the O(t) extra memory
     row_dots(bh * shape.t_q, D, dout, o, delta.data());
 
-    const int threads = tile::max_threads();
+    // S again, dP, dV, dQ and dK: 5 T_q T_k D multiply-adds per head (an upper bound under a mask)
+    const int threads = tile::threads_for(5.0 * bh * shape.t_q * shape.t_k * D);
     const idx per_thread = tile::padded_floats(2 * kBlockQ * kBlockK + 4 * std::max(kBlockQ, kBlockK) * D +
                                                std::max(kBlockQ, kBlockK));
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));

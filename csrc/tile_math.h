@@ -368,6 +368,15 @@ inline int max_threads() {
 #endif
 }
 
+// The threads for a call of about 'multiply_adds' multiply-adds: one below a quarter million (tens
+// of microseconds of work). Waking more threads costs more than that saves, and on a machine whose
+// cores are busy a woken thread that is not scheduled at once makes the whole call wait for it (a
+// decode step of a small model took 10 ms instead of 0.1 ms). The result does not depend on it:
+// the work is cut the same way whatever the thread count.
+inline int threads_for(double multiply_adds) {
+    return multiply_adds < 262144.0 ? 1 : max_threads();
+}
+
 // Whether to run the 16-lane (AVX-512) copies of the kernels: only where the CPU has x86-64-v4
 // and it has not been switched off with set_wide_vectors(false) (how the tests reach the 8-lane
 // copies on such a CPU, and how a benchmark compares the two).
