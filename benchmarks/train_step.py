@@ -202,9 +202,9 @@ def build(model: str, args):
                   d_model=args.d_model, n_heads=args.heads)
     if model == "gpt":
         config = gpt.GPTConfig(**common, norm_position="pre", tie_embeddings=True,
-                               gelu_approximate=True, dropout=0.0)
+                               gelu_approximate=True, dropout=0.0, attention_backend=args.attention)
         describe = (f"GPT (M2): Pre-LN, tied embeddings, GELU tanh, biases, d_ff = {config.d_ff}, "
-                    f"{config.n_heads} heads of {config.head_dim}")
+                    f"{config.n_heads} heads of {config.head_dim}, attention on {args.attention}")
 
         def torch_loss(P, tokens, targets):
             return torch_gpt_loss(P, tokens, targets, config, args.torch_attention == "sdpa")
@@ -351,8 +351,8 @@ def parse_args(argv=None):
                              "only: with more threads it would add up every thread's time, "
                              "spin-waiting included)")
     parser.add_argument("--attention", choices=("numpy", "cpu"), default="numpy",
-                        help="refmath side, decoder: causal attention in NumPy (default) or in the "
-                             "C++ FlashAttention kernel (the config's attention_backend)")
+                        help="refmath side: causal attention in NumPy (default) or in the C++ "
+                             "FlashAttention kernel (the configs' attention_backend)")
     parser.add_argument("--torch-attention", choices=("sdpa", "explicit"), default="sdpa",
                         help="torch side: F.scaled_dot_product_attention (default) or an explicit "
                              "masked softmax like refmath's")

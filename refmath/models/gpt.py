@@ -27,7 +27,9 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import causal_mask, merge_heads, mha_backward, mha_forward, split_heads
+from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_attention_backward,
+                               causal_attention_forward, causal_mask, merge_heads, mha_backward,
+                               mha_forward, split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
@@ -64,6 +66,9 @@ class GPTConfig:
       weights (GPT-1 used 0.1 on all three); only active in ``forward(..., train=True)``.
     - ``init_std``: the std of every weight matrix and embedding at initialisation (0.02), divided
       by ``sqrt(2 n_layers)`` for the residual output projections (catalogue N11).
+    - ``attention_backend``: ``"numpy"`` (the reference, :func:`refmath.attention.mha_forward`) or
+      ``"cpu"`` (the FlashAttention kernel, float32; it has no attention dropout, so ``dropout``
+      must be 0).
     """
 
     vocab_size: int = 50257
@@ -78,6 +83,7 @@ class GPTConfig:
     dropout: float = 0.1
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
+    attention_backend: str = "numpy"
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -95,6 +101,11 @@ class GPTConfig:
         check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
         for field in ("layernorm_eps", "init_std"):
             check_field(self, field, check_real, 0.0, low_open=True)
+        check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
+        if self.attention_backend != "numpy" and self.dropout:
+            raise ValueError(f"GPTConfig.attention_backend = {self.attention_backend!r} needs "
+                             f"dropout = 0 (the kernel has no dropout on the attention weights), "
+                             f"got dropout = {self.dropout}")
 
     @property
     def head_dim(self) -> int:
@@ -176,7 +187,7 @@ def _check_params(params, config: GPTConfig) -> None:
 
 class SublayerCache(NamedTuple):
     ln: LayerNormCache
-    branch: object  # MHACache or FFNCache
+    branch: object  # MHACache, KernelAttentionCache or FFNCache
     drop: np.ndarray | None  # residual dropout multiplier, (B, T, d)
 
 
@@ -234,9 +245,50 @@ def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, r
     drop = dropout_mask(rng, (b, t, d), config.dropout, x.dtype)
 
     def branch(u):
+        if config.attention_backend != "numpy":
+            return kernel_attention_forward(u, attn_params, config)
         return mha_forward(u, attn_params, config.n_heads, mask=mask, dropout_mask=attn_drop)
 
     return _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, drop, config)
+
+
+class KernelAttentionCache(NamedTuple):
+    projections: tuple  # the LinearCaches of Q, K and V (all read u)
+    attn: CausalAttentionCache
+    out: LinearCache
+    n_heads: int
+
+
+def kernel_attention_forward(u, params: dict, config: GPTConfig):
+    """The attention branch with its causal attention on ``config.attention_backend`` (the
+    FlashAttention kernel for ``"cpu"``, :func:`refmath.attention.causal_attention_forward`): the
+    same function as :func:`refmath.attention.mha_forward` with a causal mask and no dropout."""
+    h = config.n_heads
+    heads, projections = [], []
+    for n in "qkv":
+        y, proj = linear_forward(u, params[f"w_{n}"], params[f"b_{n}"])
+        heads.append(split_heads(y, h))
+        projections.append(proj)
+    o, attn = causal_attention_forward(*heads, config.attention_backend)
+    y, out = linear_forward(merge_heads(o), params["w_o"], params["b_o"])
+    return y, KernelAttentionCache(tuple(projections), attn, out, h)
+
+
+def kernel_attention_backward(dy, cache: KernelAttentionCache):
+    """Gradients of :func:`kernel_attention_forward`: ``(du, dparams)``."""
+    d_merged, dw_o, db_o = linear_backward(dy, cache.out)
+    dheads = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
+    grads, du = {"w_o": dw_o, "b_o": db_o}, 0.0
+    for n, dh, proj in zip("qkv", dheads, cache.projections):
+        dx, grads[f"w_{n}"], grads[f"b_{n}"] = linear_backward(merge_heads(dh), proj)
+        du = du + dx  # Q, K and V all read u
+    return du, grads
+
+
+def _attention_backward(dy, cache):
+    if isinstance(cache, KernelAttentionCache):
+        return kernel_attention_backward(dy, cache)
+    return mha_backward(dy, cache)
 
 
 def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int):
@@ -253,7 +305,8 @@ def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int):
 
 def attention_sublayer_backward(dout, cache: SublayerCache, layer: int, config: GPTConfig):
     """Returns ``(dx, grads)`` with ``grads`` keyed by full parameter names of this sublayer."""
-    dx, dgamma, dbeta, attn = _residual_backward(dout, cache, mha_backward, config.norm_position)
+    dx, dgamma, dbeta, attn = _residual_backward(dout, cache, _attention_backward,
+                                                 config.norm_position)
     p = f"layers.{layer}."
     grads = {p + "ln1.gamma": dgamma, p + "ln1.beta": dbeta}
     grads.update({p + "attn." + k: g for k, g in attn.items()})

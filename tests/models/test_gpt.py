@@ -406,3 +406,40 @@ def test_bad_calls_and_parameters():
         gpt.forward(dict(params, **{"ln_f.beta": params["ln_f.beta"].astype(np.float32)}), GOOD, SMALL)
     with pytest.raises(TypeError, match=r"params\['ln_f.gamma'\] must be a floating-point array"):
         gpt.forward(dict(params, **{"ln_f.gamma": np.ones(8, dtype=int)}), GOOD, SMALL)
+
+
+@pytest.mark.skipif(not __import__("refmath.kernels").kernels.cpu_available(),
+                    reason="the C++ module refmath._C is not built")
+def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients():
+    # float32 through the FlashAttention kernel against float32 through NumPy, both against the
+    # float64 model: the kernel's error is at most twice NumPy's plus a few float32 ulps.
+    config = dataclasses.replace(SMALL, dropout=0.0)
+    params64 = gpt.init_params(config, seed=5)
+    rng = np.random.default_rng(6)
+    batch = {"tokens": rng.integers(0, config.vocab_size, (2, 7)),
+             "targets": rng.integers(0, config.vocab_size, (2, 7))}
+    loss64, cache64 = gpt.forward(params64, batch, config)
+    grads64 = gpt.backward(cache64)
+    params32 = {k: v.astype(np.float32) for k, v in params64.items()}
+    runs = {}
+    for backend in ("numpy", "cpu"):
+        run_config = dataclasses.replace(config, attention_backend=backend)
+        loss, cache = gpt.forward(params32, batch, run_config, train=True,
+                                  rng=np.random.default_rng(0))
+        assert isinstance(cache.layers[0].attn.branch, gpt.KernelAttentionCache) == (backend == "cpu")
+        runs[backend] = (loss, gpt.backward(cache))
+    u32 = np.finfo(np.float32).eps
+    # b_k's gradient is exactly 0 (a key bias shifts a whole row of scores, which softmax ignores):
+    # what comes out is the rounding of a cancellation whose terms are of the size of b_q's
+    # gradient, so it is held to that scale rather than to its own (zero) size.
+    for name in (n for n in grads64 if n.endswith("attn.b_k")):
+        scale = np.abs(grads64[name.replace("b_k", "b_q")]).max()
+        for backend, (_, grads) in runs.items():
+            assert np.abs(grads.pop(name)).max() <= 8 * u32 * scale, (backend, name)
+    for name in ["loss", *runs["cpu"][1]]:
+        ref = loss64 if name == "loss" else grads64[name]
+        got = {b: np.asarray(r[0] if name == "loss" else r[1][name], np.float64) for b, r in runs.items()}
+        numpy_err, cpu_err = (np.abs(got[b] - ref).max() for b in ("numpy", "cpu"))
+        assert cpu_err <= 2 * numpy_err + 4 * u32 * np.abs(ref).max(), (name, cpu_err, numpy_err)
+    with pytest.raises(ValueError, match="attention_backend = 'cpu' needs dropout = 0"):
+        dataclasses.replace(config, attention_backend="cpu", dropout=0.1)
