@@ -105,6 +105,21 @@ class ParamCase:
 _CASES: dict[str, OpCase | ParamCase] = {}
 
 
+def layer_case_ops(forward, backward):
+    """``(forward, backward)`` of a case for a layer ``forward(x, params, config) -> (y, cache)``
+    with ``backward(dy, cache) -> (dx, dparams)``: the case passes ``x``, ``config`` and each
+    parameter by name, and gets the gradients back as one dict keyed by those names."""
+    def case_forward(x, config, **params):
+        return forward(x, params, config)
+
+    def case_backward(dy, cache):
+        dx, grads = backward(dy, cache)
+        return {"x": dx, **grads}
+
+    case_forward.__module__ = forward.__module__  # all_cases lists the case with its layer's module
+    return case_forward, case_backward
+
+
 def register_case(case: OpCase | ParamCase) -> OpCase | ParamCase:
     """Add ``case`` to the registry; names must be unique and the group one of :data:`GROUPS`."""
     if case.name in _CASES:

@@ -59,7 +59,7 @@ from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import ROPE_LAYOUTS, RoPECache, rope_backward, rope_forward
-from refmath.registry import OpCase, ParamCase, register_case
+from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -590,15 +590,6 @@ def model_case_maker(model_forward, model_init_params, config, train: bool):
     return make
 
 
-def _rope_attention_case_forward(x, config, **params):
-    return rope_attention_forward(x, params, config)
-
-
-def _rope_attention_case_backward(dy, cache):
-    dx, grads = rope_attention_backward(dy, cache)
-    return {"x": dx, **grads}
-
-
 def _rope_attention_inputs(config, b=2, t=5):
     def make(rng):
         scale = 1.0 / math.sqrt(config.d_model)
@@ -613,7 +604,7 @@ _TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, ff
 for _g in (4, 2, 1):
     register_case(OpCase("rope_attention", f"h=4 g={_g} causal (2, 5, 16)", ("N10", "A10", "A8"),
                          _rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
-                         _rope_attention_case_forward, _rope_attention_case_backward,
+                         *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
                          max_coords=12))
 register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, loss mask", ("M3",),

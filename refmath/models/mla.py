@@ -72,7 +72,7 @@ from refmath.models.decoder import (
 )
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import RoPECache, rope_backward, rope_forward
-from refmath.registry import OpCase, ParamCase, register_case
+from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
 @dataclass(frozen=True)
@@ -389,15 +389,6 @@ def layer_latents(cache: DecoderCache) -> list:
 
 # ---- gradient-check cases ------------------------------------------------------------------------
 
-def _mla_case_forward(x, config, **params):
-    return mla_forward(x, params, config)
-
-
-def _mla_case_backward(dy, cache):
-    dx, grads = mla_backward(dy, cache)
-    return {"x": dx, **grads}
-
-
 def _mla_inputs(config, b=2, t=5):
     def make(rng):
         params = {}
@@ -415,7 +406,7 @@ for _label, _extra in (("queries from x", {}),
                        ("query compression, latent norms", dict(q_lora_rank=5, latent_norm=True))):
     _config = MLAConfig(**_TINY, **_extra)
     register_case(OpCase("mla_attention", f"{_label} (2, 5, 16)", ("K8", "K9", "A8"),
-                         _mla_inputs(_config), _mla_case_forward, _mla_case_backward,
+                         _mla_inputs(_config), *layer_case_ops(mla_forward, mla_backward),
                          ("x",) + tuple(mla_shapes(_config)), group="attention execution",
                          max_coords=12))
 register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropout 0.25", ("M4",),
