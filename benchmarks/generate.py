@@ -56,9 +56,7 @@ def main(argv=None) -> int:
             return lambda: generate(name, params, config, np.array([1]), args.tokens, greedy=True,
                                     **options)
 
-        # the latent cache of MLA runs on NumPy only
-        timed = {way: run(options) for way, options in ways.items()
-                 if not (name == "mla" and way == "cache cpu")}
+        timed = {way: run(options) for way, options in ways.items()}
         times = interleaved_best_ms(timed, repeats=args.repeats)
         base = times["recompute"]
         cells = [f"{1e3 * args.tokens / times[way]:>12.0f} ({base / times[way]:4.1f}x)"

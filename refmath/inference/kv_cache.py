@@ -172,27 +172,41 @@ class LatentCache(_Contiguous):
     r"""MLA cache (K9): per layer and token, only the latent ``c_j`` and the rotated shared key
     ``k^R_j``.
 
-    ``latents`` is ``(L, B, max_len, d_c)``, ``rope_keys`` ``(L, B, max_len, d_R)``: no head axis,
-    because every head's content key and value are up-projections of the same ``c_j`` and the
-    rotary key is shared by all heads. ``nbytes`` is :math:`B L T_{\max} (d_c + d_R) b`
-    (:func:`refmath.sizing.mla_cache_bytes`).
+    ``rows`` is ``(L, B, max_len, d_c + d_R)``, row ``j`` of a layer being :math:`[c_j\ k^R_j]`:
+    no head axis, because every head's content key and value are up-projections of the same
+    ``c_j`` and the rotary key is shared by all heads. ``latents`` (``(L, B, max_len, d_c)``) and
+    ``rope_keys`` (``(L, B, max_len, d_R)``) are views of its two parts. One array, because the
+    absorbed decode attends with the key :math:`[c_j\ k^R_j]`, which is then a stored row as it is
+    (see :meth:`_Slot.attend_latent`). ``nbytes`` is :math:`B L T_{\max} (d_c + d_R) b`
+    (:func:`refmath.sizing.mla_cache_bytes`). ``backend`` is as in :class:`KVCache`.
     """
 
-    latents: np.ndarray
-    rope_keys: np.ndarray
+    rows: np.ndarray
+    d_c: int
     length: int = 0
     counts: PairCounts = field(default=None)
+    backend: str = "numpy"  # who attends over it: see refmath.inference.decode
 
     def __post_init__(self):
         if self.counts is None:
-            self.counts = PairCounts.zeros(self.latents.shape[0])
+            self.counts = PairCounts.zeros(self.rows.shape[0])
 
     def _arrays(self) -> tuple:
-        return self.latents, self.rope_keys
+        return (self.rows,)
+
+    @property
+    def latents(self) -> np.ndarray:
+        """The latents :math:`c_j`, ``(L, B, max_len, d_c)`` (a view of ``rows``)."""
+        return self.rows[..., :self.d_c]
+
+    @property
+    def rope_keys(self) -> np.ndarray:
+        """The rotated shared keys :math:`k^R_j`, ``(L, B, max_len, d_R)`` (a view of ``rows``)."""
+        return self.rows[..., self.d_c:]
 
     @property
     def max_len(self) -> int:
-        return self.latents.shape[2]
+        return self.rows.shape[2]
 
     def layer(self, i: int):
         """Layer ``i``'s filled ``(c, k_r)``: ``(B, length, d_c)`` and ``(B, length, d_R)``."""
@@ -254,6 +268,33 @@ class _Slot(NamedTuple):
         self.cache.latents[self.layer, :, offset:t] = c
         self.cache.rope_keys[self.layer, :, offset:t] = k_r
         return self.cache.latents[self.layer, :, :t], self.cache.rope_keys[self.layer, :, :t]
+
+    def attend_latent(self, q, offset: int, scale: float):
+        r"""LatentCache: the absorbed MLA attention of the ``n`` newest positions over the filled
+        rows, after :meth:`store`. ``q`` is :math:`[\hat q_r\ q^R_r]` ``(B, h, n, d_c + d_R)``;
+        returns :math:`\sum_j a_{j,r} c_j`, ``(B, h, n, d_c)``.
+
+        Every head reads the one stored row :math:`[c_j\ k^R_j]` as its key (MQA with ``g = 1``)
+        and its first ``d_c`` entries as its value. The kernels take keys and values of one width,
+        so on ``backend="cpu"`` the row is passed as both and the last ``d_R`` output columns (the
+        weighted rotary keys) are dropped: the same numbers, no copy of the cache.
+        """
+        cache, d_c = self.cache, self.cache.d_c
+        b, h, n, _ = q.shape
+        t = offset + n
+        rows = cache.rows[self.layer][:, None]  # (B, 1, max_len, d_c + d_R)
+        if cache.backend == "cpu" and n == 1:
+            o = decode_attention(q[:, :, 0], rows, rows, np.full(b, t), scale=scale,
+                                 backend="cpu")
+            return o[:, :, None, :d_c]
+        if cache.backend == "cpu":  # the kernel reads a contiguous (B, 1, t, d_c + d_R) block
+            filled = np.ascontiguousarray(rows[:, :, :t])
+            return kernels.flash_attention_forward(q, filled, filled, causal=True,
+                                                   scale=scale)[0][..., :d_c]
+        keys = np.broadcast_to(rows[:, :, :t], (b, h, t, rows.shape[-1]))
+        o, _ = sdpa_forward(q, keys, keys[..., :d_c], mask=causal_mask(n, t, dtype=q.dtype),
+                            scale=scale)
+        return o
 
     def record(self, mask) -> None:
         """Count the query-key pairs of one attention call (its additive ``mask``)."""
@@ -327,8 +368,11 @@ def _decoder_cache_shapes(config, batch, max_len):
 
 
 def _mla_cache_shapes(config, batch, max_len):
-    return ((config.n_layers, batch, max_len, config.d_c),
-            (config.n_layers, batch, max_len, config.d_rope))
+    return ((config.n_layers, batch, max_len, config.d_c + config.d_rope),)
+
+
+def _no_extras(config):
+    return {}
 
 
 # ---- which model ---------------------------------------------------------------------------------
@@ -340,7 +384,8 @@ class _Spec(NamedTuple):
     config_type: type
     param_shapes: Callable  # config -> {name: shape}
     cache_type: type
-    cache_shapes: Callable  # (config, batch, max_len) -> the shapes of the cache's two arrays
+    cache_shapes: Callable  # (config, batch, max_len) -> the shapes of the cache's arrays
+    cache_extras: Callable  # config -> the cache's other fields
     embed: Callable  # (params, tokens, config, offset) -> x (B, n, d)
     layer: Callable  # (x, params, layer, config, cache, offset, mla_path) -> x
     head: Callable  # (params, x, config) -> logits (B, n, V)
@@ -348,12 +393,12 @@ class _Spec(NamedTuple):
 
 _SPECS = {
     "gpt": _Spec("gpt", gpt, gpt.GPTConfig, gpt.parameter_shapes, KVCache, _gpt_cache_shapes,
-                 _gpt_embed, _gpt_layer, _gpt_head),
+                 _no_extras, _gpt_embed, _gpt_layer, _gpt_head),
     "llama": _Spec("llama", decoder, decoder.DecoderConfig, decoder.param_shapes, KVCache,
-                     _decoder_cache_shapes, _decoder_embed, _family_layer(decoder.ROPE_GQA),
+                     _decoder_cache_shapes, _no_extras, _decoder_embed, _family_layer(decoder.ROPE_GQA),
                      _decoder_head),
     "mla": _Spec("mla", mla, mla.MLAConfig, mla.param_shapes, LatentCache, _mla_cache_shapes,
-                 _decoder_embed, _family_layer(mla.MLA), _decoder_head),
+                 lambda config: {"d_c": config.d_c}, _decoder_embed, _family_layer(mla.MLA), _decoder_head),
 }
 
 
@@ -395,7 +440,7 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     for MLA. All memory is allocated here, once. ``backend`` (``"numpy"`` or ``"cpu"``, see
     :class:`KVCache`) computes attention over it."""
     spec = _spec(model, config)
-    _check_cache_backend(spec, backend)
+    _check_cache_backend(backend)
     batch = check_int("batch", batch, 1)
     max_len = config.max_seq_len if max_len is None else check_int("max_len", max_len, 1,
                                                                     config.max_seq_len)
@@ -403,28 +448,29 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     if not np.issubdtype(dtype, np.floating):
         raise TypeError(f"dtype must be a floating-point type, got {dtype}")
     shapes = spec.cache_shapes(config, int(batch), int(max_len))
-    cache = spec.cache_type(*(np.zeros(shape, dtype) for shape in shapes))
+    cache = spec.cache_type(*(np.zeros(shape, dtype) for shape in shapes),
+                            **spec.cache_extras(config))
     if backend != "numpy":
         cache.backend = backend
     return cache
 
 
-def _check_cache_backend(spec: _Spec, backend) -> None:
+def _check_cache_backend(backend) -> None:
     check_choice("backend", backend, BACKENDS)
     if backend == "cuda":
         raise ValueError("backend='cuda' is not available for the models' caches, which are NumPy "
                          "arrays; decode_attention(backend='cuda') runs the CUDA kernel on CuPy "
                          "arrays")
-    if backend != "numpy" and spec.cache_type is not KVCache:
-        raise ValueError(f"backend={backend!r} is not available for model {spec.name!r}: its latent "
-                         f"cache has keys and values of different widths, which the kernels do not "
-                         f"take; use backend='numpy'")
 
 
 def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
     """Run ``tokens`` ``(B, n)`` at positions ``cache.length ..`` through every layer, extending the
     cache; returns the logits ``(B, n, V)``. ``length`` advances once every layer is written."""
     offset, n = cache.length, tokens.shape[1]
+    if spec.cache_type is LatentCache and mla_path == "expanded" and cache.backend != "numpy":
+        raise ValueError(f"mla_path='expanded' needs backend='numpy': its keys (width d_k + d_R) and "
+                         f"values (width d_v) differ in width, which the kernels do not take; the "
+                         f"cache's backend is {cache.backend!r} (mla_path='absorbed' runs on it)")
     if offset + n > cache.max_len:
         limit = f"max_seq_len = {config.max_seq_len}"
         if cache.max_len < config.max_seq_len:
@@ -448,9 +494,9 @@ def prefill(model, params, config, prompt_ids, all_logits: bool = False,
     generated token), or every position's ``(B, P, V)`` with ``all_logits=True`` (``(V,)`` and
     ``(P, V)`` for 1-D input), in the parameters' dtype; ``cache`` has ``length = P`` and room for
     ``max_len`` positions (default ``config.max_seq_len``). ``mla_path`` (MLA only, see
-    :func:`decode_step`) picks the absorbed or expanded attention. ``backend`` (GPT and the M3
-    decoder) chooses who computes attention, now and in later decode steps: ``"numpy"`` or
-    ``"cpu"`` (the C++ kernels; float32 parameters).
+    :func:`decode_step`) picks the absorbed or expanded attention. ``backend`` chooses who
+    computes attention, now and in later decode steps: ``"numpy"`` or ``"cpu"`` (the C++ kernels;
+    float32 parameters; for MLA the absorbed path only).
     """
     spec = _spec(model, config)
     _check_mla_path(mla_path)

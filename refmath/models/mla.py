@@ -319,16 +319,14 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
     b = u.shape[0]
     mask = causal_mask(n, t, dtype=u.dtype)
     scale = 1.0 / math.sqrt(d_k + d_r)
-    shared_r = np.broadcast_to(rope_keys[:, None], (b, h, t, d_r))  # one rotary key for all heads
     if mla_path == "absorbed":
         w_uk = w["w_uk"].reshape(-1, h, d_k)  # column block r of W_UK is W_UK,r (d_c x d_k)
         q_hat = np.einsum("bhnk,chk->bhnc", q_c, w_uk)  # q^C_r W_UK,r^T
-        shared_c = np.broadcast_to(latents[:, None], (b, h, t, latents.shape[-1]))
-        o_latent, _ = sdpa_forward(np.concatenate([q_hat, q_r], axis=-1),
-                                   np.concatenate([shared_c, shared_r], axis=-1), shared_c,
-                                   mask=mask, scale=scale)
+        # Key [c_j k^R_j], value c_j, one stored row shared by every head: see _Slot.attend_latent.
+        o_latent = slot.attend_latent(np.concatenate([q_hat, q_r], axis=-1), offset, scale)
         o = np.einsum("bhnc,chv->bhnv", o_latent, w["w_uv"].reshape(-1, h, d_v))
     else:
+        shared_r = np.broadcast_to(rope_keys[:, None], (b, h, t, d_r))  # one rotary key, all heads
         k_c = split_heads(linear_forward(latents, w["w_uk"])[0], h)
         v = split_heads(linear_forward(latents, w["w_uv"])[0], h)
         o, _ = sdpa_forward(np.concatenate([q_c, q_r], axis=-1),

@@ -238,10 +238,12 @@ def test_mla_cache_holds_only_latents_and_the_shared_rotary_key_k9():
     assert isinstance(cache, LatentCache)
     arrays = [f.name for f in dataclasses.fields(cache) if isinstance(getattr(cache, f.name),
                                                                        np.ndarray)]
-    assert arrays == ["latents", "rope_keys"]
+    assert arrays == ["rows"]
     L, d_c, d_r = config.n_layers, config.d_c, config.d_rope
-    assert cache.latents.shape == (L, 3, T_MAX, d_c)  # no head axis: one row per token and layer
-    assert cache.rope_keys.shape == (L, 3, T_MAX, d_r)
+    assert cache.rows.shape == (L, 3, T_MAX, d_c + d_r)  # no head axis: one row per token and layer
+    assert cache.latents.shape == (L, 3, T_MAX, d_c) and cache.rope_keys.shape == (L, 3, T_MAX, d_r)
+    assert np.shares_memory(cache.latents, cache.rows) and np.shares_memory(cache.rope_keys,
+                                                                            cache.rows)
 
 
 # ---- K6/K9 sizes: the cache's bytes are the sizing formulas --------------------------------------
@@ -468,7 +470,7 @@ def test_bad_model_config_cache_and_options():
 # ---- backends: the C++ kernels attend over the same cache ----------------------------------------
 
 @pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
-@pytest.mark.parametrize("name", [n for n in CONFIGS if not n.startswith("mla")])
+@pytest.mark.parametrize("name", CONFIGS)
 def test_the_cpu_backend_gives_the_same_greedy_tokens(name):
     module, config, params = setup(name, dtype=np.float32)
     prompt = random_tokens((3, 3), seed=12)
@@ -486,12 +488,12 @@ def test_the_cpu_backend_gives_the_same_greedy_tokens(name):
 
 
 def test_backends_the_caches_cannot_take():
-    for name, message in (("mla", "latent cache has keys and values of different widths"),
-                          ("decoder-gqa", "backend='cuda' is not available for the models' caches")):
-        module, config, params = setup(name, dtype=np.float32)
-        backend = "cpu" if name == "mla" else "cuda"
-        with pytest.raises(ValueError, match=message):
-            prefill(module, params, config, random_tokens((1, 2)), backend=backend)
+    module, config, params = setup("decoder-gqa", dtype=np.float32)
+    with pytest.raises(ValueError, match="backend='cuda' is not available for the models' caches"):
+        prefill(module, params, config, random_tokens((1, 2)), backend="cuda")
+    module, config, params = setup("mla", dtype=np.float32)
+    with pytest.raises(ValueError, match="mla_path='expanded' needs backend='numpy'"):
+        prefill(module, params, config, random_tokens((1, 2)), backend="cpu", mla_path="expanded")
     module, config, params = setup("gpt-pre-tied")
     with pytest.raises(ValueError, match="backend must be one of 'numpy', 'cpu', 'cuda', got 'gpu'"):
         generate_cached(module, params, config, random_tokens((1, 2)), 2, backend="gpu")
