@@ -31,7 +31,8 @@ from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_
                                causal_attention_forward, causal_mask, merge_heads, mha_backward,
                                mha_forward, split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.fused import BiasGELUCache, bias_gelu_backward, bias_gelu_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import apply_mask, dropout_mask, sub_params
 from refmath.models.params import check_param_dict
@@ -187,7 +188,7 @@ def _check_params(params, config: GPTConfig) -> None:
 
 class SublayerCache(NamedTuple):
     ln: LayerNormCache
-    branch: object  # MHACache, KernelAttentionCache or FFNCache
+    branch: object  # MHACache, KernelAttentionCache or GELUFFNCache
     drop: np.ndarray | None  # residual dropout multiplier, (B, T, d)
 
 
@@ -313,22 +314,38 @@ def attention_sublayer_backward(dout, cache: SublayerCache, layer: int, config: 
     return dx, grads
 
 
+class GELUFFNCache(NamedTuple):
+    first: LinearCache  # h = u W_1 (the bias b_1 is added by the fused GELU)
+    act: BiasGELUCache
+    second: LinearCache  # y = a W_2 + b_2
+
+
 def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
-    """GELU FFN with biases as a residual sublayer (``ln2``, ``ffn``); ``x`` is ``(B, T, d)``."""
+    r"""GELU FFN with biases as a residual sublayer (``ln2``, ``ffn``); ``x`` is ``(B, T, d)``.
+
+    The branch is :func:`refmath.ffn.ffn_forward`'s
+    :math:`\operatorname{GELU}(u W_1 + b_1) W_2 + b_2`, with the bias and the GELU fused
+    (:func:`refmath.fused.bias_gelu_forward`: the same numbers, fewer passes over memory).
+    """
     p = f"layers.{layer}."
     w1, b1, w2, b2 = (params[p + "ffn." + k] for k in _FFN_KEYS)
-    activation = "gelu_tanh" if config.gelu_approximate else "gelu"
     drop = dropout_mask(rng, x.shape, config.dropout, x.dtype)
 
     def branch(u):
-        return ffn_forward(u, w1, b1, w2, b2, activation=activation)
+        h, first = linear_forward(u, w1)
+        a, act = bias_gelu_forward(h, b1, config.gelu_approximate)
+        y, second = linear_forward(a, w2, b2)
+        return y, GELUFFNCache(first, act, second)
 
     return _residual_forward(x, params[p + "ln2.gamma"], params[p + "ln2.beta"], branch, drop, config)
 
 
-def _ffn_branch_backward(dy, cache: FFNCache):
-    du, *grads = ffn_backward(dy, cache)
-    return du, dict(zip(_FFN_KEYS, grads))
+def _ffn_branch_backward(dy, cache: GELUFFNCache):
+    da, dw2, db2 = linear_backward(dy, cache.second)
+    dh = bias_gelu_backward(da, cache.act)
+    du, dw1, _ = linear_backward(dh, cache.first)
+    db1 = dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+    return du, dict(zip(_FFN_KEYS, (dw1, db1, dw2, db2)))
 
 
 def ffn_sublayer_backward(dout, cache: SublayerCache, layer: int, config: GPTConfig):
