@@ -9,6 +9,8 @@ for operation in the same order and the same dtype, so the results are equal bit
 - :func:`bias_gelu_forward` / :func:`bias_gelu_backward`: the first half of the GELU FFN,
   :math:`a = \operatorname{GELU}(h + b)` with :math:`h = x W_1` (catalogue N5, N6), as
   :func:`refmath.ffn.linear_forward`'s bias followed by :func:`refmath.ffn.gelu_forward`.
+- :func:`swiglu_forward` / :func:`swiglu_backward`: :func:`refmath.ffn.swiglu_forward` and
+  :func:`refmath.ffn.swiglu_backward` (N7), with the same cache.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath.ffn import _GELU_TANH_CUBIC, _INV_SQRT_2PI, _SQRT_2_OVER_PI, standard_normal_cdf
+from refmath.ffn import (_GELU_TANH_CUBIC, _INV_SQRT_2PI, _SQRT_2_OVER_PI, SiLUCache, SwiGLUCache,
+                         matmul_rows, standard_normal_cdf)
 
-__all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward"]
+__all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
+           "swiglu_backward"]
 
 
 class BiasGELUCache(NamedTuple):
@@ -83,3 +87,52 @@ def bias_gelu_backward(da: np.ndarray, cache: BiasGELUCache):
         local += gate
     local *= da
     return local
+
+
+def swiglu_forward(x, w_gate, w_up, w_down):
+    r""":math:`[\operatorname{SiLU}(x W_g) \odot (x W_u)]\, W_d`, as
+    :func:`refmath.ffn.swiglu_forward` (whose checks the caller has made: float arrays of matching
+    shapes); returns ``(y, cache)`` with the same :class:`refmath.ffn.SwiGLUCache`.
+
+    The sigmoid is :func:`refmath.ffn.sigmoid`'s overflow-free form,
+    :math:`\sigma(g) = [g \ge 0\ ?\ 1 : e] / (1 + e)` with :math:`e = e^{-|g|}`.
+    """
+    g = matmul_rows(x, w_gate)
+    e = np.abs(g)
+    np.negative(e, out=e)
+    np.exp(e, out=e)
+    sig = np.where(g >= 0, 1.0, e).astype(g.dtype, copy=False)
+    e += 1.0
+    sig /= e
+    hidden = np.multiply(g, sig, out=e)  # SiLU(g)
+    up = matmul_rows(x, w_up)
+    hidden *= up
+    return matmul_rows(hidden, w_down), SwiGLUCache(x, w_gate, w_up, w_down, SiLUCache(g, sig), up,
+                                                    hidden)
+
+
+def swiglu_backward(dout, cache: SwiGLUCache):
+    r"""Gradients of :func:`swiglu_forward`: ``(dx, dw_gate, dw_up, dw_down)``, as
+    :func:`refmath.ffn.swiglu_backward`: :math:`dm = dy\,W_d^\top`,
+    :math:`dg = dm \odot u \odot \sigma(g)\,(1 + g\,(1 - \sigma(g)))`,
+    :math:`du = dm \odot \operatorname{SiLU}(g)`, :math:`dx = dg\,W_g^\top + du\,W_u^\top`.
+    """
+    x, w_gate, w_up, w_down, gate, up, hidden = cache
+    d, d_f = w_gate.shape
+    dw_down = hidden.reshape(-1, d_f).T @ dout.reshape(-1, w_down.shape[1])
+    dm = matmul_rows(dout, w_down.T)
+    g, sig = gate
+    dg = np.multiply(dm, up)
+    dg *= sig
+    slope = np.subtract(1.0, sig)
+    slope *= g
+    slope += 1.0
+    dg *= slope  # dm u SiLU'(g)
+    du = np.multiply(g, sig, out=slope)  # SiLU(g), recomputed instead of cached
+    du *= dm
+    x_rows = x.reshape(-1, d)
+    dw_gate = x_rows.T @ dg.reshape(-1, d_f)
+    dw_up = x_rows.T @ du.reshape(-1, d_f)
+    dx = matmul_rows(dg, w_gate.T)
+    dx += matmul_rows(du, w_up.T)
+    return dx, dw_gate, dw_up, dw_down

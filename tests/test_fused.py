@@ -38,3 +38,20 @@ def test_nan_stays_nan():
     a, cache = bias_gelu_forward(h, None, True)
     dh = bias_gelu_backward(np.ones_like(a), cache)
     assert np.isnan(a[0, 0]) and np.isnan(dh[0, 0]) and np.isfinite(a[0, 1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_swiglu_equals_the_reference_bit_for_bit(dtype):
+    from refmath import ffn, fused
+
+    rng = np.random.default_rng(4)
+    x = (3 * rng.standard_normal((2, 5, 6))).astype(dtype)
+    w_gate, w_up = (rng.standard_normal((6, 8)).astype(dtype) for _ in range(2))
+    w_down = rng.standard_normal((8, 6)).astype(dtype)
+    dy = rng.standard_normal((2, 5, 6)).astype(dtype)
+    y_ref, cache_ref = ffn.swiglu_forward(x, w_gate, w_up, w_down)
+    y, cache = fused.swiglu_forward(x, w_gate, w_up, w_down)
+    np.testing.assert_array_equal(y, y_ref)
+    for got, want in zip(fused.swiglu_backward(dy, cache), ffn.swiglu_backward(dy, cache_ref)):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)

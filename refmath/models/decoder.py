@@ -49,10 +49,9 @@ from refmath.ffn import (
     SwiGLUCache,
     linear_backward,
     linear_forward,
-    swiglu_backward,
-    swiglu_forward,
     swiglu_hidden_size,
 )
+from refmath.fused import swiglu_backward, swiglu_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import dropout_mask, prefixed, sub_params
 from refmath.models.params import check_param_dict
@@ -374,7 +373,8 @@ def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
 
 
 def ffn_forward(h, params: dict):
-    """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``."""
+    """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``: the numbers of
+    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fused.swiglu_forward`."""
     return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
 
 
