@@ -55,6 +55,7 @@ from refmath import models
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
+from refmath.malloc import retain_freed_memory
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
 
 FORMAT = "refmath-train/1"
@@ -714,6 +715,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
     progress = not args.no_progress and sys.stderr.isatty()
+    retain_freed_memory()  # a training process reuses its large temporaries: see refmath.malloc
     try:
         for flag, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_every", 1)):
             if getattr(args, flag) is not None:
