@@ -105,8 +105,8 @@ print("largest relative error against central differences:",
 #
 # $$\ell_{\text{SFT}} = -\sum_{t=1}^{m} \log p(a_t \mid q, a_{<t}),$$
 #
-# while most training code (PyTorch's `reduction="mean"`, refmath's default) divides by the number
-# $n$ of counted tokens. A 0/1 loss mask removes the prompt positions from both. The gradient of
+# while PyTorch's default, `reduction="mean"` (refmath's default too), divides by the number $n$
+# of counted tokens. A 0/1 loss mask removes the prompt positions from both. The gradient of
 # the sum is $p_t - y_t$ on each answer row; the mean's is that divided by $n$.
 #
 # Below, one sequence of six positions: the first three targets belong to the prompt, the last
