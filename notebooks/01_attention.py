@@ -6,14 +6,31 @@
 #     display_name: Python 3
 #     language: python
 #     name: python3
+#   refmath:
+#     figures: 3
+#     ids: [A1, A2, A3, A4, A5, A6, A7, A8]
+#     minutes: 45
 # ---
 
 # %% [markdown]
 # # Lesson 1: attention, step by step
 #
-# This lesson walks through scaled dot-product attention on numbers small enough to check by
-# hand (catalogue IDs A1-A8), then runs the same functions at full size. Every cell calls the
-# library's own functions next to a hand computation, and asserts that the two agree.
+# Scaled dot-product attention on numbers small enough to check by hand, then its backward pass
+# derived and computed by hand, masks and dropout included, then the same functions at full size.
+# Every cell calls the library's own functions next to a hand computation, and checks that the
+# two agree.
+#
+# **Prerequisites:** matrix products and broadcasting in NumPy; the softmax; the chain rule.
+#
+# **Goals:** compute queries, keys, values, scores, weights and outputs by hand; explain the
+# $1/\sqrt{d_k}$ scale; write the softmax Jacobian; split attention into heads and across two
+# sequences; derive the attention backward pass, see why masked entries get exactly zero
+# gradient and why dropout's mask must be reused in the backward; check it all by central
+# differences.
+#
+# **Catalogue IDs:** A1, A2, A3, A4, A5, A6, A7, A8
+#
+# **Duration:** 45 minutes
 
 # %%
 import time
@@ -22,7 +39,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.attention import causal_mask, mha_forward, sdpa_backward, sdpa_forward
-from refmath.gradcheck import numerical_gradient
+from refmath.gradcheck import numerical_gradient, relative_error
+from refmath.lessons import check_close, check_true
 from refmath.softmax import softmax_forward, softmax_jacobian
 
 np.set_printoptions(precision=4, suppress=True)
@@ -30,8 +48,10 @@ np.set_printoptions(precision=4, suppress=True)
 # %% [markdown]
 # ## A1: queries, keys and values are three views of the same tokens
 #
-# Three tokens, each a row of `X` with `d = 4` features. Three weight matrices, each `d x d_k`,
-# turn every row into a query, a key and a value: `Q = X W_Q`, `K = X W_K`, `V = X W_V`.
+# Three tokens, each a row of $X$ with $d = 4$ features. Three weight matrices, each
+# $d \times d_k$, turn every row into a query, a key and a value:
+#
+# $$Q = X W_Q,\qquad K = X W_K,\qquad V = X W_V .$$
 
 # %%
 X = np.array([[1.0, 0.0, 1.0, 0.0],
@@ -46,9 +66,11 @@ print("Q =\n", Q, "\nK =\n", K, "\nV =\n", V)
 # %% [markdown]
 # ## A2: scores, softmax, weighted sum
 #
-# The score of query `i` against key `j` is `q_i . k_j / sqrt(d_k)`; a softmax over `j` turns the
-# scores of each row into weights that are positive and sum to one; the output row is the
-# weighted sum of the value rows.
+# The score of query $i$ against key $j$ is $s_{ij} = q_i k_j^\top / \sqrt{d_k} + M_{ij}$, with
+# $M_{ij}$ an additive mask (0 or $-\infty$); a softmax over $j$ turns each row of scores into
+# weights that are positive and sum to one; the output row is the weighted sum of the value rows:
+#
+# $$a_{ij} = \frac{e^{s_{ij}}}{\sum_u e^{s_{iu}}},\qquad o_i = \sum_j a_{ij} v_j .$$
 
 # %%
 d_k = Q.shape[-1]
@@ -63,8 +85,8 @@ np.testing.assert_allclose(O, O_by_hand, rtol=1e-14)
 np.testing.assert_allclose(cache.a.sum(axis=1), 1.0)
 
 # %% [markdown]
-# A causal mask adds `-inf` to the scores of keys that lie in the future, so their weight is
-# exactly zero: token `i` only reads tokens `0..i`.
+# A causal mask adds $-\infty$ to the scores of keys that lie in the future, so their weight is
+# exactly zero: token $i$ only reads tokens $0, \dots, i$.
 
 # %%
 mask = causal_mask(3)
@@ -84,12 +106,12 @@ plt.show()
 # %% [markdown]
 # ## A3: a worked example to check by hand
 #
-# Scores `(0, log 2, 0)` exponentiate to `(1, 2, 1)`, so the weights are `(1/4, 1/2, 1/4)`.
-# With values `(1, 0), (0, 2), (3, 0)` the output is `(1/4 + 3/4, 1) = (1, 1)`. Masking the third
-# key leaves `(1, 2)`, renormalised to `(1/3, 2/3, 0)`.
+# Scores $(0, \log 2, 0)$ exponentiate to $(1, 2, 1)$, so the weights are $(1/4, 1/2, 1/4)$.
+# With values $(1, 0), (0, 2), (3, 0)$ the output is $(1/4 + 3/4,\ 1) = (1, 1)$. Masking the third
+# key leaves $(1, 2)$, renormalised to $(1/3, 2/3, 0)$.
 #
-# To get exactly these scores from `sdpa_forward`, take `d_k = 1`, scale 1, the query `q = 1` and
-# the keys `k = (0, log 2, 0)`.
+# To get exactly these scores from `sdpa_forward`, take $d_k = 1$, scale 1, the query $q = 1$ and
+# the keys $k = (0, \log 2, 0)$.
 
 # %%
 q = np.array([[1.0]])
@@ -104,13 +126,26 @@ o_masked, c_masked = sdpa_forward(q, k, v, mask=np.array([[0.0, 0.0, -np.inf]]),
 print("masked weights", c_masked.a)
 np.testing.assert_allclose(c_masked.a, [[1 / 3, 2 / 3, 0.0]], rtol=1e-15)
 
+# %% tags=["exercise"]
+# Your turn: the output row of the masked example (third key masked), by hand, from the masked
+# weights (1/3, 2/3, 0) and the values v above.
+o_masked_by_hand = ...
+# BEGIN SOLUTION
+o_masked_by_hand = np.array([[1 / 3 * 1 + 2 / 3 * 0, 1 / 3 * 0 + 2 / 3 * 2]])
+# END SOLUTION
+
+# %%
+check_close("the masked output", o_masked_by_hand, lambda: o_masked, rtol=1e-12,
+            hint="o = sum_j a_j v_j with a = (1/3, 2/3, 0)")
+
 # %% [markdown]
-# ## A4: why divide by sqrt(d_k)
+# ## A4: why divide by $\sqrt{d_k}$
 #
-# If the coordinates of `q` and `k` are independent with mean 0 and variance 1, then `q . k` is a
-# sum of `d_k` products of variance 1 each: its variance is `d_k`. Without the scale, scores
-# spread out as `d_k` grows and the softmax saturates towards a one-hot row, whose gradient is
-# nearly zero (see A5). Dividing by `sqrt(d_k)` brings the variance back to 1.
+# If the coordinates of $q$ and $k$ are independent with mean 0 and variance 1, then
+# $q k^\top = \sum_{c=1}^{d_k} q_c k_c$ is a sum of $d_k$ products of variance 1 each: its
+# variance is $d_k$. Without the scale, scores spread out as $d_k$ grows and the softmax
+# saturates towards a one-hot row, whose gradient is nearly zero (see A5). Dividing by
+# $\sqrt{d_k}$ brings the variance back to 1.
 
 # %%
 rng = np.random.default_rng(0)
@@ -129,9 +164,9 @@ def largest_weight(d, scaled, rows=2000, keys=32):
 
 fig, ax = plt.subplots(figsize=(5, 3))
 widths = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-ax.plot(widths, [largest_weight(d, False) for d in widths], "o-", label="q.k")
-ax.plot(widths, [largest_weight(d, True) for d in widths], "s-", label="q.k / sqrt(d_k)")
-ax.set(xscale="log", xlabel="d_k", ylabel="mean largest weight (32 keys)",
+ax.plot(widths, [largest_weight(d, False) for d in widths], "o-", label=r"$q k^\top$")
+ax.plot(widths, [largest_weight(d, True) for d in widths], "s-", label=r"$q k^\top / \sqrt{d_k}$")
+ax.set(xscale="log", xlabel=r"$d_k$", ylabel="mean largest weight (32 keys)",
        title="softmax saturates without the scale")
 ax.legend()
 plt.show()
@@ -139,8 +174,11 @@ plt.show()
 # %% [markdown]
 # ## A5: the softmax Jacobian
 #
-# `da_j / ds_u = a_j (delta_ju - a_u)`, that is `diag(a) - a a^T`. Each column sums to zero
-# (the weights always sum to one) and, for a nearly one-hot row, every entry is nearly zero.
+# $$\frac{\partial a_j}{\partial s_u} = a_j(\delta_{ju} - a_u),\qquad\text{that is}\qquad
+# J = \operatorname{diag}(a) - a^\top a$$
+#
+# for a row vector $a$. Each column sums to zero (the weights always sum to one) and, for a
+# nearly one-hot row, every entry is nearly zero.
 
 # %%
 s = np.array([0.5, -1.0, 2.0])
@@ -153,11 +191,29 @@ print("formula:\n", J, "\ncentral differences:\n", J_numeric)
 np.testing.assert_allclose(J, J_numeric, atol=1e-12)
 print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 0.0]))[0]))
 
+# %% tags=["exercise"]
+# Your turn: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
+# diag(a) - a^T a, as a 3 x 3 array.
+jacobian_a3 = ...
+# BEGIN SOLUTION
+a3 = np.array([0.25, 0.5, 0.25])
+jacobian_a3 = np.diag(a3) - np.outer(a3, a3)
+# END SOLUTION
+
+# %%
+check_close("the Jacobian of (1/4, 1/2, 1/4)", jacobian_a3,
+            lambda: softmax_jacobian(np.array([0.25, 0.5, 0.25])), rtol=1e-12,
+            hint="the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u")
+
 # %% [markdown]
 # ## A6 and A7: several heads, and attention across two sequences
 #
-# Multi-head attention splits the projected width into `h` heads of width `d_h`, attends in each
-# head separately, concatenates the head outputs and mixes them with `W_O` (`h d_h x d`).
+# Multi-head attention splits the projected width into $h$ heads of width $d_h$, attends in each
+# head separately, concatenates the head outputs and mixes them with $W_O$ ($h d_h \times d$):
+#
+# $$\mathrm{MHA}(X) = [O_1 \cdots O_h]\, W_O,\qquad O_r = \operatorname{attention}(X W_Q^{(r)},
+# X W_K^{(r)}, X W_V^{(r)}).$$
+#
 # `mha_forward` does exactly that; here it is against a loop over heads.
 
 # %%
@@ -179,8 +235,9 @@ np.testing.assert_allclose(y[0], y_by_hand, rtol=1e-12)
 print("multi-head output matches the per-head loop; shape", y.shape)
 
 # %% [markdown]
-# In cross-attention the queries come from one sequence (`m` rows, e.g. the decoder) and the keys
-# and values from another (`n` rows, the encoder output): the score matrix is `m x n`.
+# In cross-attention the queries come from one sequence ($m$ rows, e.g. the decoder) and the keys
+# and values from another ($n$ rows, the encoder output): $Q = Y W_Q$, $K = Z W_K$, $V = Z W_V$,
+# and the score matrix is $m \times n$.
 
 # %%
 m, n = 3, 6
@@ -191,19 +248,28 @@ print("cross-attention output", y_cross.shape, "weights per head", cross_weights
 
 fig, axes = plt.subplots(1, h, figsize=(8, 2.8), layout="constrained")
 for r, ax in enumerate(axes):
-    ax.imshow(cross_weights[r], vmin=0, vmax=1, cmap="viridis")
+    image = ax.imshow(cross_weights[r], vmin=0, vmax=1, cmap="viridis")
     ax.set(title=f"head {r}: {m} x {n}", xlabel="encoder position", ylabel="decoder position")
+fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
 plt.show()
 
 # %% [markdown]
 # ## A8: the backward pass, by hand
 #
-# With `A` the weights and `dO` the gradient arriving at the output:
-# `dV = A^T dO`, `dA = dO V^T`, `dS_ij = A_ij (dA_ij - sum_u A_iu dA_iu)`,
-# `dQ = dS K / sqrt(d_k)` and `dK = dS^T Q / sqrt(d_k)`.
+# Let $dO$ be the gradient of the loss arriving at the output $O = AV$. The chain rule, one
+# product at a time:
+#
+# $$dV = A^\top dO,\qquad dA = dO\, V^\top,\qquad
+# dS_{ij} = A_{ij}\Big(dA_{ij} - \sum_u A_{iu}\, dA_{iu}\Big),$$
+#
+# $$dQ = \frac{dS\, K}{\sqrt{d_k}},\qquad dK = \frac{dS^\top Q}{\sqrt{d_k}},\qquad
+# dW_Q = X^\top dQ .$$
+#
+# The middle one is the softmax Jacobian of A5 applied to each row: $\sum_u A_{iu} dA_{iu}$ is the
+# mean of $dA$ under the row's weights. First without a mask, on the example of A1-A2:
 
 # %%
-dO = rng.standard_normal(O.shape)
+dO = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
 dV = A.T @ dO
 dA = dO @ V.T
 dS = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
@@ -214,9 +280,95 @@ for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
     np.testing.assert_allclose(mine, library, rtol=1e-12, atol=1e-15)
     print(name, "by hand equals sdpa_backward")
 
-# and both equal central differences of sum(O * dO):
-numeric_dQ = numerical_gradient(lambda: float(np.sum(sdpa_forward(Q, K, V)[0] * dO)), Q, np.arange(Q.size))
-np.testing.assert_allclose(dq.ravel(), numeric_dQ, rtol=1e-8, atol=1e-12)
+# %% [markdown]
+# **Masked entries.** With the causal mask, $s_{ij} = -\infty$ above the diagonal, so
+# $A_{ij} = 0$ there, and $dS_{ij} = A_{ij}(\dots) = 0$ exactly: a masked pair passes no gradient
+# to the query or the key. The mask itself is a constant and gets no gradient. A key that every
+# query masks gets zero rows in $dK$ and $dV$.
+
+# %% tags=["exercise"]
+# Your turn: dS and dQ for the causal case, from the causal weights `A_causal` and the same dO,
+# Q, K, V. (dA = dO V^T is unchanged; the weights are not.)
+A_causal = cache_causal.a
+dS_causal = ...
+dQ_causal = ...
+# BEGIN SOLUTION
+dA_causal = dO @ V.T
+dS_causal = A_causal * (dA_causal - np.sum(A_causal * dA_causal, axis=1, keepdims=True))
+dQ_causal = dS_causal @ K / np.sqrt(d_k)
+# END SOLUTION
+
+# %%
+check_close("dQ (causal)", dQ_causal, lambda: sdpa_backward(dO, cache_causal)[0], rtol=1e-12,
+            atol=1e-15, hint="the same formula, with the causal weights")
+check_true("dS is zero above the diagonal",
+           None if dS_causal is ... else np.all(np.triu(dS_causal, 1) == 0.0),
+           "A_ij = 0 at a masked pair, and dS_ij carries the factor A_ij")
+
+# %% [markdown]
+# **Dropout.** In training, attention dropout multiplies the weights by a random mask $D$ (0 for a
+# dropped weight, $1/(1-p)$ for a kept one): $O = (A \odot D)\,V$. The backward must use the
+# *same* $D$:
+#
+# $$dV = (A \odot D)^\top dO,\qquad dA = (dO\, V^\top) \odot D,$$
+#
+# then $dS$, $dQ$, $dK$ as before. That is why the cache keeps the mask. Below, $p = 1/2$: the
+# mask holds 0 and 2.
+
+# %%
+D = np.array([[2.0, 0.0, 0.0],
+              [0.0, 2.0, 0.0],
+              [2.0, 2.0, 0.0]])  # the mask drawn in the forward pass
+O_drop, cache_drop = sdpa_forward(Q, K, V, mask=mask, dropout_mask=D)
+print("output with dropout:\n", O_drop)
+
+# %% tags=["exercise"]
+# Your turn: dV and dQ of the causal attention with dropout mask D, by hand (dO as before).
+# Give them as one array: np.concatenate([dV_drop, dQ_drop]).
+dV_dQ_dropout = ...
+# BEGIN SOLUTION
+A_c = cache_drop.a  # the weights before dropout
+dV_drop = (A_c * D).T @ dO
+dA_drop = (dO @ V.T) * D
+dS_drop = A_c * (dA_drop - np.sum(A_c * dA_drop, axis=1, keepdims=True))
+dQ_drop = dS_drop @ K / np.sqrt(d_k)
+dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
+# END SOLUTION
+
+# %%
+check_close("(dV, dQ) with dropout", dV_dQ_dropout,
+            lambda: np.concatenate([sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]),
+            rtol=1e-12, atol=1e-15, hint="D multiplies A in dV and dA = dO V^T; dS uses A itself")
+
+# %% [markdown]
+# Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of
+# $\sum O \odot dO$ with the mask and the dropout mask held fixed agree with `sdpa_backward` for
+# all three inputs:
+
+# %%
+analytic = dict(zip("QKV", sdpa_backward(dO, cache_drop)))
+for name, array in (("Q", Q), ("K", K), ("V", V)):
+    numeric = numerical_gradient(
+        lambda: float(np.sum(sdpa_forward(Q, K, V, mask=mask, dropout_mask=D)[0] * dO)), array,
+        np.arange(array.size)).reshape(array.shape)
+    error = float(relative_error(analytic[name], numeric).max())
+    print(f"d{name}: largest relative error against central differences {error:.1e}")
+    assert error < 1e-7
+
+# %% [markdown] tags=["question"]
+# **Question.** A student's backward pass draws a *fresh* dropout mask instead of reusing the
+# forward's. The training loss still goes down for a while. What is wrong with the gradient, and
+# would a gradient check with dropout on catch it?
+#
+# <!-- BEGIN SOLUTION -->
+# The forward computed $O = (A \odot D)V$; the gradient of that function involves $D$. With a
+# fresh mask $D'$ the backward returns the gradient of $(A \odot D')V$, a different function:
+# it credits weights that were dropped (and so had no effect on the loss) and ignores weights
+# that were used, so the step is not a descent direction for the loss that was computed, only
+# something correlated with one. A gradient check catches it at once, provided it holds the mask
+# fixed as above: central differences of the forward with mask $D$ do not match a backward that
+# used $D'$.
+# <!-- END SOLUTION -->
 
 # %% [markdown]
 # ## The same equation at full size
@@ -233,3 +385,31 @@ o, c = sdpa_forward(q, k, v, mask=causal_mask(T, dtype=np.float32))
 elapsed = time.perf_counter() - start
 print(f"causal attention, B={B} H={H} T={T} D={D} float32: {elapsed * 1e3:.0f} ms, "
       f"weights array {c.a.nbytes / 2**20:.0f} MiB")
+
+# %% [markdown]
+# The cached weights alone take 32 MiB here; the backward pass needs them (or must recompute
+# them, lesson 3).
+#
+# ## Exercises
+#
+# 1. Give the key projection a bias $b_K$. Show that it adds the same number $q_i b_K^\top$ to
+#    every score of row $i$, so the softmax ignores it and $db_K = 0$; check with `mha_forward` and
+#    `mha_backward`.
+# 2. Compute $dK$ by hand for the masked A3 example ($d_k = 1$, third key masked). Which row is
+#    zero, and why?
+# 3. Derive $dW_Q$, $dW_K$, $dW_V$ from $dQ$, $dK$, $dV$ and check them against `mha_backward`
+#    on a one-head example.
+# 4. Repeat the A4 experiment with keys whose coordinates have variance 4. What scale would keep
+#    the scores at unit variance?
+# 5. With dropout rate $p$, show that $\mathbb E[(A \odot D)] = A$ when kept weights are scaled by
+#    $1/(1-p)$. What would go wrong at evaluation time without that scaling?
+#
+# ## References
+#
+# - Bahdanau, Cho and Bengio (2015), *Neural Machine Translation by Jointly Learning to Align and
+#   Translate* (attention between two sequences).
+# - Vaswani et al. (2017), *Attention Is All You Need* (scaled dot-product and multi-head
+#   attention, the $1/\sqrt{d_k}$ argument).
+# - Srivastava et al. (2014), *Dropout: A Simple Way to Prevent Neural Networks from Overfitting*.
+# - Bridle (1990), *Probabilistic Interpretation of Feedforward Classification Network Outputs,
+#   with Relationships to Statistical Pattern Recognition* (the softmax).

@@ -6,15 +6,32 @@
 #     display_name: Python 3
 #     language: python
 #     name: python3
+#   refmath:
+#     figures: 3
+#     ids: [N5, N6, N7, N8, N10]
+#     minutes: 45
 # ---
 
 # %% [markdown]
 # # Lesson 4: the feed-forward block and where tokens sit
 #
-# Attention mixes tokens; the position-wise feed-forward network transforms each token on its own
-# (catalogue N5-N7). Attention alone cannot tell positions apart, so the model is told where
-# every token is: by adding a table of sines (N8), a learned table (N9), or by rotating queries
-# and keys (RoPE, N10).
+# Attention mixes tokens; the position-wise feed-forward network transforms each token on its
+# own. Attention alone cannot tell positions apart, so the model is told where every token is:
+# by adding a table of sines, or by rotating queries and keys (RoPE). This lesson writes each
+# formula, computes it by hand on small numbers, and derives the backward passes of GELU,
+# SwiGLU and RoPE.
+#
+# **Prerequisites:** lesson 1 (gradient checks by central differences); lesson 2 (backward
+# passes of elementwise and row-wise maps); rotations in the plane.
+#
+# **Goals:** see why the FFN needs its nonlinearity; write exact and tanh GELU and their
+# derivatives; derive the SwiGLU backward; explain the $8d/3$ width and why rounding it adds
+# parameters; compute a RoPE rotation by hand, show that scores depend on the offset only, and
+# that the RoPE backward is the inverse rotation; relate the two pair layouts used in practice.
+#
+# **Catalogue IDs:** N5, N6, N7, N8, N10
+#
+# **Duration:** 45 minutes
 
 # %%
 import matplotlib.pyplot as plt
@@ -23,20 +40,36 @@ import numpy as np
 from refmath.ffn import (
     ffn_forward,
     ffn_parameter_count,
+    gelu_backward,
     gelu_forward,
     silu_forward,
+    standard_normal_cdf,
+    swiglu_backward,
+    swiglu_forward,
     swiglu_hidden_size,
 )
-from refmath.positions import rope_forward, sinusoidal_positions
+from refmath.gradcheck import numerical_gradient, relative_error
+from refmath.lessons import check_close, check_true
+from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
 
+
+def largest_relative_error(analytic, function, x):
+    """Five-point central differences of the scalar function() w.r.t. every entry of x."""
+    numeric = numerical_gradient(function, x, np.arange(x.size)).reshape(x.shape)
+    return float(relative_error(analytic, numeric).max())
+
+
 # %% [markdown]
 # ## N5: without a nonlinearity, two layers are one
 #
-# `FFN(x) = ReLU(x W_1 + b_1) W_2 + b_2`. Drop the ReLU and the two affine maps collapse into
-# one: `x (W_1 W_2) + (b_1 W_2 + b_2)`. The nonlinearity is what makes the hidden width useful.
+# $$\mathrm{FFN}(x) = \mathrm{ReLU}(x W_1 + b_1)\, W_2 + b_2 .$$
+#
+# Drop the ReLU and the two affine maps collapse into one,
+# $x\,(W_1 W_2) + (b_1 W_2 + b_2)$: the hidden width buys nothing. The nonlinearity is what makes
+# it useful.
 
 # %%
 d, d_f = 4, 16
@@ -52,45 +85,176 @@ print("identity FFN equals one affine map; the ReLU FFN differs from it by",
 # %% [markdown]
 # ## N6: GELU, its tanh approximation, and SiLU
 #
-# GELU is `u Phi(u)` with `Phi` the standard normal CDF; GPT-2 used a tanh approximation of it;
-# SiLU is `u sigmoid(u)`. All three are smooth versions of ReLU that let a little negative signal
-# through.
+# GELU weighs its input by the probability that a standard normal variable lies below it:
+#
+# $$\mathrm{GELU}(u) = u\,\Phi(u) = \tfrac12\, u\,\big(1 + \operatorname{erf}(u/\sqrt2)\big).$$
+#
+# GPT and GPT-2 used a tanh approximation of it, which avoids the error function:
+#
+# $$\mathrm{GELU}_{\tanh}(u) = \tfrac12\, u\,\Big(1 + \tanh\big(\sqrt{2/\pi}\,(u + 0.044715\,u^3)
+# \big)\Big).$$
+#
+# SiLU is $u\,\sigma(u)$ with the logistic sigmoid $\sigma$. All three are smooth relatives of
+# ReLU that let a little negative signal through.
 
 # %%
 u = np.linspace(-4, 4, 401)
 exact, _ = gelu_forward(u)
 tanh_form, _ = gelu_forward(u, approximate=True)
 silu, _ = silu_forward(u)
+by_formula = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3)))
+np.testing.assert_allclose(tanh_form, by_formula, rtol=1e-13, atol=1e-15)
 print(f"largest gap between exact and tanh GELU on [-4, 4]: {np.abs(exact - tanh_form).max():.2e}")
 
 fig, ax = plt.subplots(figsize=(5, 3.2), layout="constrained")
 ax.plot(u, np.maximum(u, 0), "k:", label="ReLU")
-ax.plot(u, exact, label="GELU (exact)")
+ax.plot(u, exact, label=r"GELU, $u\,\Phi(u)$")
 ax.plot(u, tanh_form, "--", label="GELU (tanh)")
-ax.plot(u, silu, label="SiLU")
+ax.plot(u, silu, label=r"SiLU, $u\,\sigma(u)$")
 ax.set(xlabel="u", ylabel="activation", title="smooth relatives of ReLU")
 ax.legend()
 plt.show()
 
 # %% [markdown]
-# ## N7: SwiGLU and its width
+# **The GELU backward.** Both forms are elementwise, so the backward multiplies the upstream
+# gradient by the derivative. By the product rule, with $\varphi$ the standard normal density,
 #
-# SwiGLU, `[SiLU(x W_g) * (x W_u)] W_d`, has three `d x d_f` matrices instead of two. To keep the
-# parameter count of a `4d` FFN, the hidden width becomes `2/3 * 4d = 8d/3`, rounded up to a
-# multiple that suits the hardware.
+# $$\frac{d}{du}\, u\,\Phi(u) = \Phi(u) + u\,\varphi(u),\qquad
+# \varphi(u) = \frac{e^{-u^2/2}}{\sqrt{2\pi}} ,$$
+#
+# and with $t = \tanh\big(\sqrt{2/\pi}\,(u + 0.044715\,u^3)\big)$ and $\tanh' = 1 - \tanh^2$,
+#
+# $$\frac{d}{du}\,\mathrm{GELU}_{\tanh}(u) = \tfrac12(1 + t) + \tfrac12\, u\,(1 - t^2)\,
+# \sqrt{2/\pi}\,\big(1 + 3 \cdot 0.044715\,u^2\big).$$
+#
+# At $u = 0$ both are exactly $1/2$; at $u = 1$ the exact one is $\Phi(1) + \varphi(1)$.
+
+# %% tags=["exercise"]
+# Your turn: the derivative of both GELU forms at u = (0, 1, -2), as an array of shape (2, 3):
+# first row exact, second row tanh. (standard_normal_cdf is imported for Phi.)
+points = np.array([0.0, 1.0, -2.0])
+gelu_derivatives = ...
+# BEGIN SOLUTION
+density = np.exp(-points**2 / 2) / np.sqrt(2 * np.pi)
+t = np.tanh(np.sqrt(2 / np.pi) * (points + 0.044715 * points**3))
+gelu_derivatives = np.stack([
+    standard_normal_cdf(points) + points * density,
+    0.5 * (1 + t) + 0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2),
+])
+# END SOLUTION
 
 # %%
-for d_model in (512, 4096):
+check_close("GELU'(0, 1, -2), exact and tanh", gelu_derivatives,
+            lambda: np.stack([gelu_backward(np.ones(3), gelu_forward(points, approximate=form)[1])
+                              for form in (False, True)]),
+            rtol=1e-12, hint="product rule: Phi(u) + u phi(u); for tanh, d tanh = 1 - tanh^2")
+
+# %%
+for form in (False, True):
+    upstream = rng.standard_normal(7)
+    xs = rng.standard_normal(7)
+    analytic = gelu_backward(upstream, gelu_forward(xs, approximate=form)[1])
+    error = largest_relative_error(
+        analytic, lambda: float(np.sum(gelu_forward(xs, approximate=form)[0] * upstream)), xs)
+    print(f"GELU ({'tanh' if form else 'exact'}) backward against central differences: {error:.1e}")
+    assert error < 1e-8
+
+# %% [markdown]
+# ## N7: SwiGLU, its backward, and its width
+#
+# SwiGLU multiplies two projections of the input, one passed through SiLU:
+#
+# $$F(x) = \big[\mathrm{SiLU}(x W_g) \odot (x W_u)\big]\, W_d .$$
+#
+# **Backward.** Name the pieces $g = x W_g$, $u = x W_u$, $s = \mathrm{SiLU}(g)$,
+# $m = s \odot u$. Going back through each product:
+#
+# $$dm = dy\, W_d^\top,\quad du = dm \odot s,\quad ds = dm \odot u,\quad
+# dg = ds \odot \mathrm{SiLU}'(g),\quad dx = dg\, W_g^\top + du\, W_u^\top ,$$
+#
+# with $\mathrm{SiLU}'(g) = \sigma(g)\,\big(1 + g\,(1 - \sigma(g))\big)$, and each weight
+# gradient its input transposed times its output gradient: $dW_d = m^\top dy$,
+# $dW_g = x^\top dg$, $dW_u = x^\top du$. The input gets two terms because it feeds two
+# projections.
+
+# %%
+d, d_f = 3, 4
+xs = rng.standard_normal((2, d))
+w_gate, w_up, w_down = (rng.standard_normal(shape) for shape in ((d, d_f), (d, d_f), (d_f, d)))
+y, swiglu_cache = swiglu_forward(xs, w_gate, w_up, w_down)
+dy = rng.standard_normal(y.shape)
+
+# %% tags=["exercise"]
+# Your turn: dx of SwiGLU for xs, the three weights and the upstream gradient dy above, from the
+# equations (the sigmoid is 1 / (1 + exp(-g))).
+dx_swiglu = ...
+# BEGIN SOLUTION
+g_pre, u_pre = xs @ w_gate, xs @ w_up
+sig = 1 / (1 + np.exp(-g_pre))
+s_act = g_pre * sig
+dm = dy @ w_down.T
+dg = dm * u_pre * sig * (1 + g_pre * (1 - sig))
+dx_swiglu = dg @ w_gate.T + (dm * s_act) @ w_up.T
+# END SOLUTION
+
+# %%
+check_close("SwiGLU dx", dx_swiglu, lambda: swiglu_backward(dy, swiglu_cache)[0], rtol=1e-10,
+            atol=1e-14, hint="two paths into x: dg W_g^T and du W_u^T")
+
+# %%
+names = ("x", "w_gate", "w_up", "w_down")
+arrays = dict(zip(names, (xs, w_gate, w_up, w_down)))
+for name, analytic in zip(names, swiglu_backward(dy, swiglu_cache)):
+    error = largest_relative_error(
+        analytic, lambda: float(np.sum(swiglu_forward(xs, w_gate, w_up, w_down)[0] * dy)),
+        arrays[name])
+    print(f"d{name}: largest relative error against central differences {error:.1e}")
+    assert error < 1e-8
+
+# %% [markdown]
+# **Width.** SwiGLU has three $d \times d_f$ matrices where the classic FFN has two. To keep the
+# parameter count of a classic FFN of width $4d$, solve $3 d\, d_f = 2 d \cdot 4d$:
+# $d_f = 8d/3$. That is rarely an integer, and hardware prefers widths that are multiples of a
+# tile size, so implementations round it **up** to a multiple of, say, 256. The rounding is what
+# breaks the budget: at $d = 512$, $8d/3 = 1365.3$ rounds up to $1536 = 6 \cdot 256$, which is
+# $1536 / 1365.3 = 1.125$ times the exact width, hence 12.5% more parameters. At $d = 4096$
+# (LLaMA's 7B) $10922.7$ rounds to $11008$, 0.8% more. At $d = 384$, $8d/3 = 1024$ is already a
+# multiple of 256 and the budget is met exactly.
+
+# %%
+for d_model in (384, 512, 4096):
     d_swiglu = swiglu_hidden_size(d_model, multiple_of=256)
-    print(f"d = {d_model}: plain FFN 4d = {4 * d_model} -> "
-          f"{ffn_parameter_count(d_model, 4 * d_model):,} weights; SwiGLU d_f = {d_swiglu} -> "
-          f"{ffn_parameter_count(d_model, d_swiglu, gated=True):,} weights")
+    plain = ffn_parameter_count(d_model, 4 * d_model)
+    gated = ffn_parameter_count(d_model, d_swiglu, gated=True)
+    print(f"d = {d_model:4d}: 8d/3 = {8 * d_model / 3:8.1f} -> d_f = {d_swiglu:5d}; "
+          f"plain FFN {plain:,} weights, SwiGLU {gated:,} ({gated / plain - 1:+.2%})")
+assert ffn_parameter_count(384, swiglu_hidden_size(384), gated=True) == ffn_parameter_count(384, 4 * 384)
+
+# %% tags=["exercise"]
+# Your turn: the SwiGLU width for d = 1000 rounded up to a multiple of 64, and the relative
+# excess of its parameters over the 4d FFN's, as a pair (d_f, excess) with excess like +0.125.
+width_and_excess = ...
+# BEGIN SOLUTION
+d_f_1000 = 64 * int(np.ceil(8 * 1000 / 3 / 64))
+width_and_excess = (d_f_1000, 3 * 1000 * d_f_1000 / (2 * 1000 * 4000) - 1)
+# END SOLUTION
+
+# %%
+check_close("(d_f, excess) at d = 1000", width_and_excess,
+            lambda: (swiglu_hidden_size(1000, 64),
+                     ffn_parameter_count(1000, swiglu_hidden_size(1000, 64), gated=True)
+                     / ffn_parameter_count(1000, 4000) - 1),
+            rtol=1e-12, hint="round 8d/3 = 2666.7 up to a multiple of 64; excess = d_f / (8d/3) - 1")
 
 # %% [markdown]
 # ## N8: sinusoidal positions
 #
-# `P[i, 2r] = sin(i / 10000^{2r/d})` and `P[i, 2r+1] = cos(i / 10000^{2r/d})`: every pair of
-# columns is a clock turning at its own speed, fast on the left, slow on the right.
+# The original Transformer adds to each token's (scaled) embedding a row of a fixed table:
+#
+# $$P_{i, 2r} = \sin\!\big(i / 10000^{2r/d}\big),\qquad P_{i, 2r+1} = \cos\!\big(i / 10000^{2r/d}\big),$$
+#
+# and feeds $\sqrt d\, E[a_i] + P_i$ to the first layer. Every pair of columns is a clock turning
+# at its own speed, fast on the left, slow on the right.
 
 # %%
 P = sinusoidal_positions(64, 32)
@@ -103,12 +267,54 @@ fig.colorbar(image, ax=ax)
 plt.show()
 
 # %% [markdown]
-# ## N10: RoPE makes scores depend on the offset only
+# ## N10: RoPE rotates queries and keys
 #
-# RoPE rotates each coordinate pair of a query at position `i` by the angle `i omega_r`, and each
-# key at position `j` by `j omega_r`. Rotations preserve lengths, and the dot product of two
-# rotated vectors depends only on the difference of the angles: the score of `q` at `i` with `k`
-# at `j` is a function of `j - i`. Values are not rotated.
+# RoPE splits a query or key of width $d_k$ into $d_k/2$ coordinate pairs and rotates pair $r$ of
+# the row at position $p$ by the angle $p\,\omega_r$, with frequencies
+#
+# $$\omega_r = 10000^{-2r/d_k},\qquad r = 0, \dots, d_k/2 - 1,$$
+#
+# falling geometrically from 1 radian per token (pair 0) to nearly $10^{-4}$. For $d_k = 4$ they
+# are $\omega = (1, 1/100)$. In row-vector form, a pair $(x_{2r}, x_{2r+1})$ becomes
+#
+# $$\big(x_{2r}\cos\theta - x_{2r+1}\sin\theta,\ \ x_{2r}\sin\theta + x_{2r+1}\cos\theta\big),
+# \qquad \theta = p\,\omega_r .$$
+
+# %%
+print("angles for d_k = 4 at positions 0..3 (one column per pair):\n",
+      rope_angles(np.arange(4), 4))
+pair = np.array([[3.0, 4.0]])  # d_k = 2: one pair, omega_0 = 1, so the angle is p radians
+rotated_at_1, _ = rope_forward(pair, positions=np.array([1]))
+by_hand = np.array([[3 * np.cos(1) - 4 * np.sin(1), 3 * np.sin(1) + 4 * np.cos(1)]])
+print("(3, 4) at position 1:", rotated_at_1, " by hand:", by_hand,
+      " length:", np.linalg.norm(rotated_at_1))
+np.testing.assert_allclose(rotated_at_1, by_hand, rtol=1e-14)
+
+# %% tags=["exercise"]
+# Your turn: the row x = (3, 4, 1, 0) (d_k = 4) rotated by RoPE at position 2. Pair 0 turns by
+# 2 * 1 radians, pair 1 by 2 * (1/100).
+rotated_by_hand = ...
+# BEGIN SOLUTION
+angles = np.array([2.0, 2.0 / 100])
+pairs = np.array([[3.0, 4.0], [1.0, 0.0]])
+turned = np.stack([pairs[:, 0] * np.cos(angles) - pairs[:, 1] * np.sin(angles),
+                   pairs[:, 0] * np.sin(angles) + pairs[:, 1] * np.cos(angles)], axis=1)
+rotated_by_hand = turned.reshape(1, 4)
+# END SOLUTION
+
+# %%
+check_close("RoPE of (3, 4, 1, 0) at position 2", rotated_by_hand,
+            lambda: rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), positions=np.array([2]))[0],
+            rtol=1e-12, atol=1e-15, hint="pairs are (x0, x1) and (x2, x3); theta = p omega_r")
+
+# %% [markdown]
+# **Scores depend on the offset only.** Rotations preserve lengths and compose by adding angles,
+# so with $R(\theta)$ the rotation of each pair,
+#
+# $$\big(q_i R(i\omega)^\top\big)\big(k_j R(j\omega)^\top\big)^\top = q_i\, R\big((j - i)\,\omega
+# \big)\, k_j^\top :$$
+#
+# the score of a query at $i$ and a key at $j$ is a function of $j - i$. Values are not rotated.
 
 # %%
 d_k = 8
@@ -124,11 +330,115 @@ def score(i, j):
 for i, j in ((0, 3), (10, 13), (100, 103)):
     print(f"q at {i:3d}, k at {j:3d}: score {score(i, j):+.6f}")
 np.testing.assert_allclose(score(0, 3), score(100, 103), rtol=1e-12)
-rotated, _ = rope_forward(q[None, :], positions=np.array([7]))
-np.testing.assert_allclose(np.linalg.norm(rotated), np.linalg.norm(q), rtol=1e-14)
 
 offsets = np.arange(-32, 33)
 fig, ax = plt.subplots(figsize=(5, 3), layout="constrained")
 ax.plot(offsets, [score(40, 40 + o) for o in offsets], ".-")
-ax.set(xlabel="j - i", ylabel="q_i . k_j", title="a RoPE score as a function of the offset")
+ax.set(xlabel="offset j - i", ylabel=r"$\tilde q_i \cdot \tilde k_j$",
+       title="a RoPE score as a function of the offset")
 plt.show()
+
+# %% [markdown]
+# **The RoPE backward is the inverse rotation.** For each pair, $\tilde x = x R^\top$ is linear
+# with an orthogonal matrix, so $dx = d\tilde x\, R$: the upstream gradient rotated by
+# $-\theta$. Nothing of the input is stored, only the angles.
+
+# %% tags=["exercise"]
+# Your turn: the gradient with respect to x = (3, 4, 1, 0) at position 2 for the upstream
+# gradient dy = (1, 0, 0, 1), by rotating dy by minus the angles (2, 2/100).
+dx_rope = ...
+# BEGIN SOLUTION
+back = -np.array([2.0, 2.0 / 100])
+dy_pairs = np.array([[1.0, 0.0], [0.0, 1.0]])
+dx_rope = np.stack([dy_pairs[:, 0] * np.cos(back) - dy_pairs[:, 1] * np.sin(back),
+                    dy_pairs[:, 0] * np.sin(back) + dy_pairs[:, 1] * np.cos(back)],
+                   axis=1).reshape(1, 4)
+# END SOLUTION
+
+# %%
+check_close("RoPE dx", dx_rope,
+            lambda: rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
+                                  rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]),
+                                               positions=np.array([2]))[1]),
+            rtol=1e-12, atol=1e-15, hint="the same rotation with -theta")
+check_true("the backward undoes the forward",
+           np.allclose(rope_backward(*rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), offset=5)),
+                       [[3.0, 4.0, 1.0, 0.0]], rtol=1e-14),
+           "R^T is orthogonal: rotating by theta then by -theta gives x back")
+
+# %%
+xs = rng.standard_normal((5, 6))
+upstream = rng.standard_normal((5, 6))
+analytic = rope_backward(upstream, rope_forward(xs, offset=3)[1])
+error = largest_relative_error(analytic, lambda: float(np.sum(rope_forward(xs, offset=3)[0] * upstream)), xs)
+print(f"RoPE backward against central differences: {error:.1e}")
+assert error < 1e-8
+
+# %% [markdown]
+# **Two pair layouts.** refmath, like the RoFormer paper and Meta's original LLaMA code, rotates
+# the pairs $(x_{2r}, x_{2r+1})$. Hugging Face's Llama (and GPT-NeoX) rotates
+# $(x_r, x_{r + d_k/2})$: the first half of the coordinates against the second
+# (`rope_forward(..., layout="half")`). Neither is wrong: they are the same function up to a fixed
+# permutation of the coordinates. If the query and key projections' output columns (the rows of
+# a PyTorch weight of shape out x in) are permuted so that coordinate $2r$ moves to $r$ and
+# $2r + 1$ to $r + d_k/2$, the half layout gives exactly the interleaved layout's scores.
+# This is why converting LLaMA checkpoints between the two codebases permutes the rows of
+# $W_Q$ and $W_K$.
+
+# %%
+d_model, d_k, T = 8, 6, 5
+x_tokens = rng.standard_normal((T, d_model))
+w_q, w_k = rng.standard_normal((d_model, d_k)), rng.standard_normal((d_model, d_k))
+to_half = np.concatenate([np.arange(0, d_k, 2), np.arange(1, d_k, 2)])  # new column c <- old to_half[c]
+print("column permutation (interleaved pairs -> halves):", to_half)
+
+q_inter, _ = rope_forward(x_tokens @ w_q)
+k_inter, _ = rope_forward(x_tokens @ w_k)
+q_half, _ = rope_forward(x_tokens @ w_q[:, to_half], layout="half")
+k_half, _ = rope_forward(x_tokens @ w_k[:, to_half], layout="half")
+scores_inter, scores_half = q_inter @ k_inter.T, q_half @ k_half.T
+print("largest score difference:", np.abs(scores_inter - scores_half).max())
+np.testing.assert_allclose(q_half, q_inter[:, to_half], rtol=1e-13, atol=1e-14)
+np.testing.assert_allclose(scores_half, scores_inter, rtol=1e-12, atol=1e-13)
+print("without the permutation:", np.abs(
+    rope_forward(x_tokens @ w_q, layout="half")[0] @ rope_forward(x_tokens @ w_k, layout="half")[0].T
+    - scores_inter).max())
+
+# %% [markdown] tags=["question"]
+# **Question.** RoPE rotates queries and keys but never values. What would rotating the values
+# do to the output of attention, and why is it not wanted?
+#
+# <!-- BEGIN SOLUTION -->
+# The output $o_i = \sum_j a_{ij} v_j$ would mix vectors each rotated by its own position $j$:
+# the content carried from token $j$ would arrive in a frame that depends on where $j$ sits, so
+# the same word would contribute differently at different absolute positions, and the layers
+# above would have to undo the rotation. RoPE's point is that position enters only through the
+# *comparison* $q_i k_j^\top$, where the rotations combine into a function of $j - i$; the values
+# carry content, not position.
+# <!-- END SOLUTION -->
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Show that the tanh form's derivative tends to 0 as $u \to -\infty$ and to 1 as
+#    $u \to \infty$, like the exact form's. Where is the exact GELU's derivative largest?
+# 2. Derive $\mathrm{SiLU}'(g) = \sigma(g)(1 + g(1 - \sigma(g)))$ and check it with
+#    `silu_backward` and central differences.
+# 3. Count SwiGLU's multiply-adds per token against the $4d$ FFN's at $d = 512$ with the rounded
+#    width. Is the 12.5% of extra parameters also 12.5% of extra arithmetic?
+# 4. Build the $d_k \times d_k$ matrix of RoPE for one position and check that it is orthogonal;
+#    use it to show $q_i R(i\omega)^\top R(j\omega) k_j^\top = q_i R((j-i)\omega) k_j^\top$.
+# 5. With `rope_forward(..., offset=t)`, show that rotating a cached key once at its own position
+#    gives the same score as rotating the whole sequence again at every decode step.
+#
+# ## References
+#
+# - Vaswani et al. (2017), *Attention Is All You Need* (the FFN, sinusoidal positions).
+# - Hendrycks and Gimpel (2016), *Gaussian Error Linear Units (GELUs)* (both forms).
+# - Elfwing, Uchibe and Doya (2018), *Sigmoid-Weighted Linear Units for Neural Network Function
+#   Approximation in Reinforcement Learning* (SiLU); Ramachandran, Zoph and Le (2017), *Searching
+#   for Activation Functions* (Swish).
+# - Shazeer (2020), *GLU Variants Improve Transformer* (SwiGLU and the $2/3$ width).
+# - Touvron et al. (2023), *LLaMA: Open and Efficient Foundation Language Models* (SwiGLU with
+#   $8d/3$ rounded, RoPE).
+# - Su et al. (2021), *RoFormer: Enhanced Transformer with Rotary Position Embedding*.

@@ -1,4 +1,4 @@
-r"""FlashAttention in NumPy: exact attention computed tile by tile (catalogue F1-F5, A12).
+r"""FlashAttention in NumPy: exact attention computed tile by tile (catalogue F1-F6, A12).
 
 Dense attention (:func:`refmath.attention.sdpa_forward`) builds the ``T_q x T_k`` score matrix,
 softmaxes it and multiplies by ``V``. FlashAttention computes the same numbers without ever holding
@@ -16,7 +16,8 @@ that logsumexp instead of storing them (F4). The arithmetic is the dense one,
 :math:`O(B H T_q T_k D)`; what changes is memory: score-sized temporaries are
 ``block_q x block_k`` instead of ``T_q x T_k`` (F5). Tiles that the causal or sliding-window mask
 hides entirely are skipped, which does save arithmetic: about half of it for causal attention, all
-but :math:`O(T w)` pairs for a window of ``w`` (A12).
+but :math:`O(T w)` pairs for a window of ``w`` (A12). What the tiling saves on a GPU is traffic to
+slow memory: :func:`attention_memory_traffic` counts it for both forms (F6).
 
 Layout: ``q`` is ``(B, H, T_q, D)``, ``k`` and ``v`` are ``(B, G, T_k, D)`` and ``(B, G, T_k, D_v)``
 with ``G`` dividing ``H``; query head ``r`` reads key/value head ``r // (H/G)``
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,6 +67,13 @@ class FlashCounters:
     create. The outputs and the per-row vectors (the logsumexp, and ``rowsum(dO * O)`` in backward)
     are not temporaries: they are the ``O(T)`` extra memory of F4.
 
+    ``elements_read`` and ``elements_written`` count, over all batch entries and heads, the
+    elements the forward pass loads from its inputs and stores into its outputs, as a GPU kernel
+    moves them between slow memory and on-chip memory: a query tile once per query tile, a key and
+    a value tile once for every query tile that visits it, an output tile and its logsumexp once
+    (F6; :func:`attention_memory_traffic` gives the same count in closed form). The backward pass
+    leaves them unchanged.
+
     Counts add up over calls (``largest_temporary`` keeps the maximum); use a fresh instance to
     read one call's figures.
     """
@@ -73,6 +82,8 @@ class FlashCounters:
     tiles_computed: int = 0  # (query tile, key tile) pairs visited
     tiles_skipped: int = 0  # pairs that the mask hides entirely, never touched
     largest_temporary: int = 0  # elements
+    elements_read: int = 0  # forward: q, k, v tiles loaded, all batch entries and heads
+    elements_written: int = 0  # forward: o and lse tiles stored, all batch entries and heads
 
     def note(self, *arrays) -> None:
         """Record the size of temporaries created by a tile step."""
@@ -256,6 +267,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
 
     for i0, i1 in _tiles(0, t_q, block_q, t_q):
         q_i = qg[:, :, :, i0:i1]  # (B, G, H/G, bq, D)
+        counters.elements_read += q_i.size
         state = online_softmax_empty(q_i.shape[:-1], d_v, dtype)
         key_tiles = _tiles(*band.keys_seen_by(i0, i1), block_k, t_k)
         counters.tiles_skipped += n_key_tiles - len(key_tiles)
@@ -263,6 +275,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
             # Key/value head u, shaped to broadcast against the H/G query heads of its group.
             k_j = k[:, :, None, j0:j1]  # (B, G, 1, bk, D)
             v_j = v[:, :, None, None, j0:j1]  # (B, G, 1, 1, bk, D_v): a view, broadcast to every row
+            counters.elements_read += k_j.size + v_j.size  # loaded again for every query tile
             s = (q_i @ np.swapaxes(k_j, -1, -2)) * scale  # (B, G, H/G, bq, bk)
             visible = band.tile_mask(i0, i1, j0, j1)
             if visible is not None:  # a tile cut by the mask's edge: hide its invisible pairs
@@ -275,7 +288,86 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
             counters.note(s, visible, tile.u, state.u)
         og[:, :, :, i0:i1] = online_softmax_result(state)  # F1: o = u / l, 0 if nothing was seen
         lseg[:, :, :, i0:i1] = online_softmax_logsumexp(state)
+        counters.elements_written += og[:, :, :, i0:i1].size + lseg[:, :, :, i0:i1].size
     return o, lse
+
+
+# ---- data movement (F6) --------------------------------------------------------------------------
+
+class MemoryTraffic(NamedTuple):
+    """Bytes an attention forward pass moves between slow memory (a GPU's HBM) and the chip."""
+
+    read_bytes: int
+    written_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.read_bytes + self.written_bytes
+
+
+def attention_memory_traffic(batch: int, heads: int, t_q: int, t_k: int, head_dim: int, *,
+                             kv_heads: int | None = None, value_dim: int | None = None,
+                             tiled: bool = False, block_q: int = 16,
+                             bytes_per_element: int = 4) -> MemoryTraffic:
+    r"""Bytes read and written by one attention forward pass without a mask, dense or tiled (F6).
+
+    With :math:`B` the batch, :math:`H` query heads, :math:`G` key/value heads, :math:`D` and
+    :math:`D_v` the key and value widths, :math:`b` bytes per element.
+
+    **Dense** (the standard implementation, FlashAttention paper's Algorithm 0): read :math:`Q, K`,
+    write the scores :math:`S`; read :math:`S`, write the weights :math:`P = \operatorname{softmax}
+    (S)`; read :math:`P` and :math:`V`, write :math:`O`. Two ``T_q x T_k`` matrices go out to slow
+    memory and come back:
+
+    .. math::
+        R_{	ext{dense}} = big[B H T_q D + B G T_k (D + D_v) + 2 B H T_q T_kig],\qquad
+        W_{	ext{dense}} = big[2 B H T_q T_k + B H T_q D_vig]
+
+    **Tiled** (:func:`flash_attention_forward` with query tiles of ``block_q`` rows): each query
+    tile is read once, and for each of the :math:`\lceil T_q / B_q 
+ceil` query tiles every key
+    and value tile is read again; the output and one logsumexp per row are written once:
+
+    .. math::
+        R_{	ext{tiled}} = big[B H T_q D + \lceil T_q/B_q 
+ceil\, B G T_k (D + D_v)ig],\qquad
+        W_{	ext{tiled}} = b\, B H T_q (D_v + 1)
+
+    For :math:`T_q = T_k = T`, :math:`G = H`, :math:`D_v = D` the dense form moves
+    :math:`4 B H T^2 + O(B H T D)` elements and the tiled one :math:`B H T D (2 + 2\lceil T/B_q
+    \rceil) + B H T`: for long sequences the dense form moves about :math:`2 B_q / D` times as
+    much, and the tiled form never stores anything of size :math:`T^2`. The saving therefore needs
+    query tiles wider than :math:`D/2` rows; their size is limited by on-chip memory (the tile of
+    :math:`Q`, its output and statistics must fit), which is why the re-reads of :math:`K` and
+    :math:`V` do not vanish. The tiled count equals what
+    :class:`FlashCounters` records (``elements_read``, ``elements_written``) in an unmasked
+    :func:`flash_attention_forward` with that ``block_q``, whatever ``block_k``; a causal mask
+    skips tiles and reads less.
+
+    Returns a :class:`MemoryTraffic` (``read_bytes``, ``written_bytes``, ``total_bytes``).
+    """
+    batch = check_int("batch", batch, 1)
+    heads = check_int("heads", heads, 1)
+    t_q = check_int("t_q", t_q, 1)
+    t_k = check_int("t_k", t_k, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
+    kv_heads = heads if kv_heads is None else check_int("kv_heads", kv_heads, 1)
+    value_dim = head_dim if value_dim is None else check_int("value_dim", value_dim, 1)
+    tiled = check_flag("tiled", tiled)
+    block_q = check_int("block_q", block_q, 1)
+    bytes_per_element = check_int("bytes_per_element", bytes_per_element, 1)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads = {kv_heads} must divide heads = {heads}")
+    queries, outputs = batch * heads * t_q * head_dim, batch * heads * t_q * value_dim
+    keys_and_values = batch * kv_heads * t_k * (head_dim + value_dim)
+    if tiled:
+        read = queries + _n_tiles(t_q, block_q) * keys_and_values
+        written = outputs + batch * heads * t_q  # o and the logsumexp
+    else:
+        scores = batch * heads * t_q * t_k
+        read = queries + keys_and_values + 2 * scores  # S read by the softmax, P by P V
+        written = 2 * scores + outputs  # S and P written out, then O
+    return MemoryTraffic(read * bytes_per_element, written * bytes_per_element)
 
 
 # ---- backward ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Training objectives: token-level cross-entropy with ignored tokens, loss masks and label smoothing.
 
 One function covers the causal-LM loss (L2), its gradient (L3), the original Transformer's label
-smoothing (L4) and the SFT loss that counts answer tokens only (L5).
+smoothing (L4) and the SFT loss that counts answer tokens only (L5), as a mean over the counted
+tokens or as their sum (``reduction``).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_int, check_min_ndim, check_real, check_same_shape, float_array
+from refmath._validate import check_choice, check_int, check_min_ndim, check_real, check_same_shape, float_array
 from refmath.registry import OpCase, register_case
 from refmath.softmax import log_softmax_forward
 
@@ -20,6 +21,9 @@ class CrossEntropyCache(NamedTuple):
     counted: np.ndarray  # bool (...), True where the token enters the loss
     n_counted: int
     label_smoothing: float
+    reduction: str  # "mean" divides the sum by n_counted, "sum" does not
+
+REDUCTIONS = ("mean", "sum")
 
 
 IGNORE_INDEX = -100  # the default target value that is left out of the loss (padding)
@@ -48,23 +52,28 @@ def _check_targets(targets, logits, ignore_index):
 
 
 def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, loss_mask=None,
-                          label_smoothing: float = 0.0):
-    r"""Mean token cross-entropy of the softmax of ``logits`` (catalogue L2, L4, L5).
+                          label_smoothing: float = 0.0, reduction: str = "mean"):
+    r"""Token cross-entropy of the softmax of ``logits``, mean or sum (catalogue L2, L4, L5).
 
     With :math:`\log p = \operatorname{log\,softmax}(z)` (stable, max subtracted) and the set
     :math:`C` of counted tokens, :math:`n = |C|`:
 
     .. math::
-        \ell = \frac1n \sum_{t \in C} \Big[-(1-\varepsilon)\log p_{t,a_t}
-               - \frac{\varepsilon}{V}\sum_{v} \log p_{t,v}\Big]
+        \ell_{\text{sum}} = \sum_{t \in C} \Big[-(1-\varepsilon)\log p_{t,a_t}
+               - \frac{\varepsilon}{V}\sum_{v} \log p_{t,v}\Big],\qquad
+        \ell_{\text{mean}} = \frac1n\, \ell_{\text{sum}}
 
-    which for :math:`\varepsilon = 0` and every token counted is the causal-LM loss
-    :math:`-\tfrac1T \sum_t \log p_{t,a_t}` (L2).
+    ``reduction="mean"`` (the default, PyTorch's) returns :math:`\ell_{\text{mean}}`, which for
+    :math:`\varepsilon = 0` and every token counted is the causal-LM loss
+    :math:`-\tfrac1T \sum_t \log p_{t,a_t}` (L2); ``reduction="sum"`` returns
+    :math:`\ell_{\text{sum}}`.
 
     A token is counted unless its target equals ``ignore_index`` (padding) or ``loss_mask`` is 0 at
     it. ``loss_mask`` (0/1 or bool, the shape of ``targets``) is how supervised fine-tuning scores
-    answer tokens only (L5): set it to 0 on the prompt. L5 is written as a sum over answer tokens;
-    that sum is ``loss * n`` (``n`` is in the cache as ``n_counted``).
+    answer tokens only (L5): set it to 0 on the prompt. L5 is written as a sum over answer tokens,
+    :math:`-\sum_{t \in \text{answer}} \log p(a_t \mid q, a_{<t})`: that is
+    ``reduction="sum"``. The mean gives each counted token the weight :math:`1/n`, the sum the
+    weight 1, so the summed loss and its gradient grow with the number of answer tokens.
 
     Label smoothing follows PyTorch: the target distribution is
     :math:`q = (1-\varepsilon)\,\mathrm{onehot}(a) + \varepsilon/V`, so the true class gets
@@ -74,8 +83,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
     spread :math:`\varepsilon_{ls}` over the other :math:`V-1` classes only (true class exactly
     :math:`1-\varepsilon_{ls}`) match ``label_smoothing = eps_ls * V / (V - 1)``.
 
-    If no token is counted (all ignored or masked) the mean has no terms: the loss is 0 and the
-    gradient is zero, never NaN.
+    If no token is counted (all ignored or masked) the sum has no terms: the loss is 0 (for either
+    reduction) and the gradient is zero, never NaN.
 
     Shapes: ``logits`` ``(..., V)`` floating point, e.g. ``(B, T, V)``; ``targets`` integers of shape
     ``(...)`` in ``[0, V)`` or equal to ``ignore_index``. Returns ``(loss, cache)`` with ``loss`` a
@@ -85,6 +94,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
     check_min_ndim("logits", logits, 1, "(..., V)")
     ignore_index = check_int("ignore_index", ignore_index)
     label_smoothing = check_real("label_smoothing", label_smoothing, 0.0, 1.0)
+    reduction = check_choice("reduction", reduction, REDUCTIONS)
     targets = _check_targets(targets, logits, ignore_index)
     counted = targets != ignore_index
     if loss_mask is not None:
@@ -103,29 +113,35 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
         per_token = (1.0 - label_smoothing) * per_token - label_smoothing * logp.mean(axis=-1)
     # np.where, not a multiplication by 0: an uncounted row may hold anything (even inf logits)
     total = np.sum(np.where(counted, per_token, 0.0))
-    loss = np.asarray(total / max(n_counted, 1), dtype=logits.dtype)
-    cache = CrossEntropyCache(np.exp(logp), safe_targets, counted, n_counted, float(label_smoothing))
+    loss = np.asarray(total / max(n_counted, 1) if reduction == "mean" else total, dtype=logits.dtype)
+    cache = CrossEntropyCache(np.exp(logp), safe_targets, counted, n_counted, float(label_smoothing),
+                              reduction)
     return loss, cache
 
 
 def cross_entropy_backward(dout, cache: CrossEntropyCache):
-    r"""Gradient of the mean cross-entropy: returns ``dlogits`` (catalogue L3).
+    r"""Gradient of the token cross-entropy: returns ``dlogits`` (catalogue L3).
 
     Softmax followed by cross-entropy against a distribution :math:`q` has the famously simple
-    gradient :math:`\partial \ell_t / \partial z_t = p_t - q_t`; the mean divides by ``n``:
+    gradient :math:`\partial \ell_t / \partial z_t = p_t - q_t`; the sum adds these, one per
+    counted token, and the mean divides them by ``n``:
 
     .. math::
-        \frac{\partial \ell}{\partial z_t} = \frac{p_t - q_t}{n}\ \ (t \in C),\qquad 0 \ \ (t \notin C)
+        \frac{\partial \ell_{\text{sum}}}{\partial z_t} = p_t - q_t,\qquad
+        \frac{\partial \ell_{\text{mean}}}{\partial z_t} = \frac{p_t - q_t}{n}
+        \qquad (t \in C;\ 0 \text{ for } t \notin C)
 
     with :math:`q_t` the one-hot target :math:`y_t`, or its smoothed version. ``dout`` is the scalar
-    upstream gradient.
+    upstream gradient; the reduction is the forward's, kept in the cache.
     """
-    probs, targets, counted, n_counted, eps = cache
+    probs, targets, counted, n_counted, eps, reduction = cache
     vocab = probs.shape[-1]
     grad = probs - eps / vocab
     at_target = np.take_along_axis(grad, targets[..., None], axis=-1) - (1.0 - eps)
     np.put_along_axis(grad, targets[..., None], at_target, axis=-1)
-    scale = np.asarray(dout, dtype=probs.dtype) / max(n_counted, 1)
+    scale = np.asarray(dout, dtype=probs.dtype)
+    if reduction == "mean":
+        scale = scale / max(n_counted, 1)
     return np.where(counted[..., None], grad * scale, np.zeros((), dtype=probs.dtype))
 
 
@@ -166,3 +182,8 @@ _ce_case("one counted token, smoothing 0.1", ("L3", "L4"), _ce_inputs((1,), 5, l
 _ce_case("3 leading axes (2, 1, 3, V=4), loss mask, 1 ignored", ("L2", "L5"),
          _ce_inputs((2, 1, 3), 4, n_ignored=1, prompt_len=1))
 _ce_case("V = 1", ("L2", "L3"), _ce_inputs((3,), 1))
+# The SFT loss as the catalogue writes it: a sum over the answer tokens (no division by n)
+_ce_case("reduction sum, loss_mask on a 2-token prompt", ("L5",),
+         _ce_inputs((2, 4), 5, prompt_len=2, reduction="sum"))
+_ce_case("reduction sum, smoothing 0.1, 1 ignored", ("L3", "L4"),
+         _ce_inputs((4,), 6, n_ignored=1, label_smoothing=0.1, reduction="sum"))

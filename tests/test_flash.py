@@ -5,6 +5,7 @@ The reference is the dense float64 path: the full score matrix with an additive 
 from the index rule, :func:`sdpa_forward`/:func:`sdpa_backward` on the key/value heads repeated to
 every query head, and the repeated heads' gradients added back into their shared head.
 """
+import dataclasses
 import math
 import tracemalloc
 
@@ -20,7 +21,12 @@ from refmath.attention import (
     sdpa_backward,
     sdpa_forward,
 )
-from refmath.flash import FlashCounters, flash_attention_backward, flash_attention_forward
+from refmath.flash import (
+    FlashCounters,
+    attention_memory_traffic,
+    flash_attention_backward,
+    flash_attention_forward,
+)
 from refmath.softmax import OnlineSoftmaxState, online_softmax_merge, online_softmax_result
 
 PROPERTY = settings(max_examples=30, deadline=None)
@@ -289,7 +295,73 @@ def test_forward_and_backward_visit_the_same_tiles():
     for t_q, t_k, causal, window in ((37, 37, True, None), (20, 9, True, 3), (5, 40, False, 7)):
         forward = _counts(t_q, t_k, "forward", 8, 4, causal=causal, window=window)
         backward = _counts(t_q, t_k, "backward", 8, 4, causal=causal, window=window)
-        assert forward == backward
+        # the memory-traffic counts (F6) are the forward's only
+        assert dataclasses.replace(forward, elements_read=0, elements_written=0) == backward
+
+
+# ---- F6: data movement, dense against tiled ----
+
+@pytest.mark.parametrize("b, h, g, t_q, t_k, d, d_v, block_q, block_k", [
+    (1, 1, 1, 16, 16, 4, 4, 16, 16),  # one tile
+    (2, 4, 2, 37, 37, 8, 8, 8, 16),  # GQA, lengths the blocks do not divide
+    (1, 3, 1, 5, 50, 4, 6, 2, 7),  # MQA, more keys than queries, D_v != D
+    (1, 2, 2, 50, 5, 3, 3, 16, 4),  # more queries than keys
+])
+def test_tiled_traffic_equals_the_forward_loop_counts_f6(b, h, g, t_q, t_k, d, d_v, block_q, block_k):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, h, t_q, d))
+    k, v = rng.standard_normal((b, g, t_k, d)), rng.standard_normal((b, g, t_k, d_v))
+    counters = FlashCounters()
+    flash_attention_forward(q, k, v, block_q=block_q, block_k=block_k, counters=counters)
+    for bytes_per_element in (1, 2):
+        traffic = attention_memory_traffic(b, h, t_q, t_k, d, kv_heads=g, value_dim=d_v, tiled=True,
+                                           block_q=block_q, bytes_per_element=bytes_per_element)
+        assert traffic.read_bytes == bytes_per_element * counters.elements_read
+        assert traffic.written_bytes == bytes_per_element * counters.elements_written
+        assert traffic.total_bytes == traffic.read_bytes + traffic.written_bytes
+
+
+def test_dense_traffic_by_hand_f6():
+    # T_q = 2, T_k = 3, D = 4, D_v = 5, one byte per element. Read Q (8) and K (12), write S (6);
+    # read S (6), write P (6); read P (6) and V (15), write O (10).
+    traffic = attention_memory_traffic(1, 1, 2, 3, 4, value_dim=5, bytes_per_element=1)
+    assert traffic == (8 + 12 + 6 + 6 + 15, 6 + 6 + 10)
+    # tiled with one query tile: Q, K, V once; O and one logsumexp per row
+    tiled = attention_memory_traffic(1, 1, 2, 3, 4, value_dim=5, tiled=True, bytes_per_element=1)
+    assert tiled == (8 + 12 + 15, 10 + 2)
+
+
+def test_dense_over_tiled_tends_to_2_block_q_over_d_f6():
+    # leading terms: dense 4 B H T^2, tiled 2 B H T^2 D / B_q
+    for block_q, d in ((128, 64), (64, 128), (16, 64)):
+        ratios = [attention_memory_traffic(2, 4, t, t, d).total_bytes
+                  / attention_memory_traffic(2, 4, t, t, d, tiled=True, block_q=block_q).total_bytes
+                  for t in (2**14, 2**16)]
+        assert abs(ratios[1] - 2 * block_q / d) < abs(ratios[0] - 2 * block_q / d)
+        assert ratios[1] == pytest.approx(2 * block_q / d, rel=0.01)
+
+
+def test_causal_mask_reads_fewer_key_tiles_than_the_unmasked_count_f6():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 64, 4)) for _ in range(3))
+    counters = FlashCounters()
+    flash_attention_forward(q, k, v, causal=True, block_q=16, block_k=16, counters=counters)
+    full = attention_memory_traffic(1, 2, 64, 64, 4, tiled=True, block_q=16, bytes_per_element=1)
+    # 4 query tiles read 1, 2, 3, 4 key tiles instead of 4 each: 10 of 16
+    assert counters.elements_read == 2 * 64 * 4 + 10 * 2 * 16 * 8
+    assert counters.elements_read < full.read_bytes
+    assert counters.elements_written == full.written_bytes
+
+
+def test_traffic_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="kv_heads = 3 must divide heads = 4"):
+        attention_memory_traffic(1, 4, 8, 8, 2, kv_heads=3)
+    with pytest.raises(ValueError, match="block_q"):
+        attention_memory_traffic(1, 4, 8, 8, 2, tiled=True, block_q=0)
+    with pytest.raises((TypeError, ValueError), match="t_q"):
+        attention_memory_traffic(1, 4, 8.5, 8, 2)
+    with pytest.raises((TypeError, ValueError), match="tiled"):
+        attention_memory_traffic(1, 4, 8, 8, 2, tiled="yes")
 
 
 def _largest_temporary(t, **options):

@@ -73,6 +73,62 @@ def test_sft_loss_counts_answer_tokens_only_l5():
     np.testing.assert_array_equal(cross_entropy_backward(np.array(1.0), cache_i), dlogits)
 
 
+def test_sum_reduction_is_the_catalogue_sft_loss_and_its_gradient_is_p_minus_y_l5():
+    # L5 as written: -sum of log p over the answer tokens, no division by their number
+    rng = np.random.default_rng(6)
+    logits, targets = rng.standard_normal((7, 6)), np.array([5, 1, 0, 3, 2, 2, 4])
+    answer = np.array([0, 0, 0, 0, 1, 1, 1])
+    total, cache = cross_entropy_forward(logits, targets, loss_mask=answer, reduction="sum")
+    logp = np.log(_softmax(logits))[np.arange(7), targets]
+    np.testing.assert_allclose(total, -logp[4:].sum(), rtol=1e-14)
+    mean, _ = cross_entropy_forward(logits, targets, loss_mask=answer)
+    np.testing.assert_allclose(total, 3 * mean, rtol=1e-14)
+    dlogits = cross_entropy_backward(np.array(1.0), cache)
+    np.testing.assert_array_equal(dlogits[:4], 0.0)
+    np.testing.assert_allclose(dlogits[4:], _softmax(logits[4:]) - np.eye(6)[targets[4:]], rtol=1e-13,
+                               atol=1e-17)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_both_reductions_match_central_differences(reduction, smoothing):
+    rng = np.random.default_rng(7)
+    logits, targets = rng.standard_normal((2, 3, 5)), np.array([[1, -100, 4], [0, 3, 3]])
+    mask = np.array([[1, 1, 1], [0, 1, 1]])
+
+    def loss(z):
+        return float(cross_entropy_forward(z, targets, loss_mask=mask, label_smoothing=smoothing,
+                                           reduction=reduction)[0])
+
+    _, cache = cross_entropy_forward(logits, targets, loss_mask=mask, label_smoothing=smoothing,
+                                     reduction=reduction)
+    analytic = cross_entropy_backward(np.array(0.7), cache)
+    numeric = np.zeros_like(logits)
+    h = 1e-6
+    for index in np.ndindex(logits.shape):
+        up, down = logits.copy(), logits.copy()
+        up[index] += h
+        down[index] -= h
+        numeric[index] = 0.7 * (loss(up) - loss(down)) / (2 * h)
+    # central differences on losses of size ~1: truncation ~h^2, rounding ~1e-16/h = 1e-10
+    np.testing.assert_allclose(analytic, numeric, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_both_reductions_equal_torch(reduction):
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
+    rng = np.random.default_rng(8)
+    logits, targets = rng.standard_normal((6, 5)), np.array([1, -100, 4, 0, 3, 3])
+    loss, cache = cross_entropy_forward(logits, targets, label_smoothing=0.1, reduction=reduction)
+    z = torch.from_numpy(logits.copy()).requires_grad_(True)
+    expected = torch.nn.functional.cross_entropy(z, torch.from_numpy(targets), label_smoothing=0.1,
+                                                 reduction=reduction)
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-14)
+    np.testing.assert_allclose(cross_entropy_backward(np.array(1.0), cache), z.grad.numpy(),
+                               rtol=1e-12, atol=1e-16)
+
+
 def test_ignore_index_excludes_tokens_from_the_mean_and_the_gradient():
     rng = np.random.default_rng(4)
     logits, targets = rng.standard_normal((5, 4)), np.array([1, 7, 3, 7, 0])
@@ -110,6 +166,7 @@ def test_no_counted_token_gives_zero_loss_and_zero_gradient():
             loss, cache = cross_entropy_forward(logits, label_smoothing=0.1, **kwargs)
             dlogits = cross_entropy_backward(np.array(1.0, dtype=np.float32), cache)
         assert loss == 0.0 and loss.dtype == np.float32
+        assert cross_entropy_forward(logits, reduction="sum", **kwargs)[0] == 0.0
         np.testing.assert_array_equal(dlogits, 0.0)
         assert dlogits.dtype == np.float32
 
@@ -143,3 +200,7 @@ def test_bad_inputs_name_the_arguments_and_shapes():
         cross_entropy_forward(logits, targets, loss_mask=np.full((2, 3), 2))
     with pytest.raises(ValueError, match=r"label_smoothing must be a finite number in \[0, 1\], got 1.5"):
         cross_entropy_forward(logits, targets, label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"reduction must be one of 'mean', 'sum', got 'none'"):
+        cross_entropy_forward(logits, targets, reduction="none")
+    with pytest.raises(ValueError, match=r"reduction must be one of 'mean', 'sum', got \['sum'\]"):
+        cross_entropy_forward(logits, targets, reduction=["sum"])

@@ -1,8 +1,13 @@
-"""Every lesson runs top to bottom, headless.
+"""Every lesson runs top to bottom, draws the figures it promises, and its exercises are right.
 
 Lessons are stored as py:percent scripts (see README); jupytext turns each into a notebook and
-nbclient executes it in a fresh kernel with the Agg backend, so a cell that raises fails the test.
+nbclient executes it in a fresh kernel, so a cell that raises fails the test. The kernel uses the
+inline backend, as Jupyter and the docs site do (under Agg, ``plt.show()`` would draw nothing), and
+each figure becomes an ``image/png`` output: a lesson declares how many in its header metadata
+(``refmath: figures: N``) and must produce exactly that many. ``REFMATH_LESSONS_STRICT=1`` turns a
+wrong exercise answer (see ``refmath.lessons``) into an error.
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -11,16 +16,95 @@ jupytext = pytest.importorskip("jupytext", reason="lessons need the 'dev' extra 
 nbclient = pytest.importorskip("nbclient", reason="lessons need the 'dev' extra (nbclient)")
 
 LESSONS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9]*.py"))
+INLINE = "module://matplotlib_inline.backend_inline"
 
 
 def test_there_are_lessons():
     assert LESSONS, "no lesson found in notebooks/"
 
 
+def _images(notebook):
+    return sum("image/png" in output.get("data", {})
+               for cell in notebook.cells if cell.cell_type == "code"
+               for output in cell.get("outputs", []))
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
 def test_lesson_executes(path, monkeypatch, tmp_path):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("MPLBACKEND", INLINE)
+    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
     notebook = jupytext.read(path)
+    promised = notebook.metadata.get("refmath", {}).get("figures")
+    assert isinstance(promised, int) and promised >= 1, \
+        f"{path.name}: the header must declare 'refmath: figures: N' (N >= 1)"
     client = nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
+    assert _images(notebook) == promised, \
+        f"{path.name}: drew {_images(notebook)} figures, its header promises {promised}"
+
+
+# The shape every lesson shares; notebooks/README.md gives the order.
+CATALOGUE = (Path(__file__).resolve().parents[1] / "docs" / "equations.md").read_text()
+CATALOGUE_ROW = re.compile(r"^\|\s*([A-Z]\d+)\s*\|(.*)\|\s*$", re.MULTILINE)
+HEADER_LINES = ("**Prerequisites:**", "**Goals:**", "**Catalogue IDs:**", "**Duration:**")
+
+
+def _tags(cell):
+    return set(cell.get("metadata", {}).get("tags", []))
+
+
+def _lesson_column():
+    """ID -> the lessons named in the Lesson column of docs/equations.md's Covered table."""
+    covered = CATALOGUE[CATALOGUE.index("## Covered"):CATALOGUE.index("## Left for later")]
+    return {m.group(1): set(re.findall(r"`notebooks/([^`]+)`", m.group(2).split("|")[-1]))
+            for m in CATALOGUE_ROW.finditer(covered)}
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_lesson_has_a_header_exercises_questions_and_references(path):
+    notebook = jupytext.read(path)
+    meta = notebook.metadata.get("refmath", {})
+    minutes, ids = meta.get("minutes"), meta.get("ids")
+    assert isinstance(minutes, int) and 10 <= minutes <= 45, \
+        f"{path.name}: 'refmath: minutes:' must be a class of at most 45 minutes, got {minutes!r}"
+    assert isinstance(ids, list) and all(isinstance(i, str) for i in ids), \
+        f"{path.name}: 'refmath: ids:' must list the catalogue IDs the lesson teaches"
+    header = notebook.cells[0].source
+    for line in HEADER_LINES:
+        assert line in header, f"{path.name}: the first cell lacks the header line {line}"
+    listed = re.search(r"\*\*Catalogue IDs:\*\*(.*)", header).group(1)
+    assert set(re.findall(r"\b[A-Z]\d+\b", listed)) == set(ids), \
+        f"{path.name}: the header's catalogue IDs differ from 'refmath: ids:'"
+    assert str(minutes) in re.search(r"\*\*Duration:\*\*(.*)", header).group(1)
+
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    exercises = [i for i, c in enumerate(code) if "exercise" in _tags(c)]
+    assert len(exercises) >= 3, f"{path.name}: {len(exercises)} exercise cells, at least 3 wanted"
+    for i in exercises:
+        assert "# BEGIN SOLUTION" in code[i].source and "# END SOLUTION" in code[i].source, \
+            f"{path.name}: exercise cell {code[i].source[:60]!r} has no solution region"
+        assert i + 1 < len(code) and re.search(r"\bcheck_(close|true)\(", code[i + 1].source), \
+            f"{path.name}: the code cell after exercise {code[i].source[:60]!r} checks nothing"
+    questions = [c for c in notebook.cells if c.cell_type == "markdown" and "question" in _tags(c)]
+    assert questions, f"{path.name}: no inline question (a markdown cell tagged 'question')"
+    for cell in questions:
+        assert "<!-- BEGIN SOLUTION -->" in cell.source and "<!-- END SOLUTION -->" in cell.source, \
+            f"{path.name}: question {cell.source[:60]!r} has no answer region"
+    headings = {line.strip() for c in notebook.cells if c.cell_type == "markdown"
+                for line in c.source.splitlines() if line.startswith("## ")}
+    assert {"## Exercises", "## References"} <= headings, \
+        f"{path.name}: a lesson ends with '## Exercises' and '## References' sections"
+
+
+def test_the_catalogue_names_the_lesson_that_teaches_each_id():
+    taught = {}
+    for path in LESSONS:
+        for eq_id in jupytext.read(path).metadata.get("refmath", {}).get("ids", []):
+            taught.setdefault(eq_id, set()).add(path.name)
+    column = _lesson_column()
+    unknown = set(taught) - set(column)
+    assert not unknown, f"lessons claim IDs that docs/equations.md does not cover: {sorted(unknown)}"
+    wrong = {i: (sorted(column[i]), sorted(taught.get(i, ()))) for i in column
+             if column[i] != taught.get(i, set())}
+    assert not wrong, f"ID: (lesson column, lessons whose header lists it) differ: {wrong}"

@@ -95,11 +95,13 @@ MIRRORS = {
     "embedding": lambda ids, table, scale_by_sqrt_d: F.embedding(ids, table) * (
         table.shape[-1] ** 0.5 if scale_by_sqrt_d else 1.0),
     # a loss mask is the same as marking the masked targets with ignore_index
-    "cross_entropy": lambda logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0: (
+    "cross_entropy": lambda logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0,
+                            reduction="mean": (
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                         (targets if loss_mask is None
                          else torch.where(loss_mask.bool(), targets, ignore_index)).reshape(-1),
-                        ignore_index=ignore_index, label_smoothing=label_smoothing)),
+                        ignore_index=ignore_index, label_smoothing=label_smoothing,
+                        reduction=reduction)),
 }
 
 
