@@ -257,10 +257,11 @@ check_close("lower bound on time per token", seconds_per_token,
 # `refmath.kernels.stream_sum` reads a float32 array once on every kernel thread: the bandwidth a
 # decode step, which reads everything once, can reach. A float32 matrix product of size 1024 gives
 # a FLOP rate to compare with. Timings on a shared machine vary from run to run, so the thread
-# count is pinned (every BLAS and OpenMP pool to `kernels.cpu_threads()`, with threadpoolctl when
-# it is installed; setting `OMP_NUM_THREADS` and `OPENBLAS_NUM_THREADS` before starting Python
-# does the same), each figure is the median of 7 runs, and a recorded measurement stands beside
-# the live one. Nothing is asserted about the times.
+# count is pinned to one thread per pool (BLAS and OpenMP, with threadpoolctl when it is
+# installed; setting `OMP_NUM_THREADS=1` and `OPENBLAS_NUM_THREADS=1` before starting Python does
+# the same): a single core's roofline, which a busy machine disturbs least. Each figure is the
+# median of 7 runs, and a recorded measurement stands beside the live one. Nothing is asserted
+# about the times.
 
 # %%
 try:
@@ -278,10 +279,10 @@ def median_seconds(fn, repeats=7):
     return float(np.median(times))
 
 
-# recorded on the project's 2-core AMD EPYC build machine (x86-64 with AVX-512), shared with
-# other jobs, by this cell
-RECORDED = {"bandwidth": 3.3e9, "flops": 15.4e9, "where": "2-core build machine, recorded"}
-threads = kernels.cpu_threads() if kernels.cpu_available() else 1
+# recorded by this cell on the project's 2-core AMD EPYC build machine (x86-64 with AVX-512),
+# one thread, while other jobs shared it
+RECORDED = {"bandwidth": 3.1e9, "flops": 20.6e9}
+threads = 1
 pinned = threadpool_limits(limits=threads) if threadpool_limits else contextlib.nullcontext()
 with pinned:
     stream = np.ones(2**24, dtype=np.float32)  # 64 MiB, larger than any cache
@@ -291,7 +292,7 @@ with pinned:
     else:
         live_bandwidth = stream.nbytes / median_seconds(lambda: stream.sum())
     live_flops = 2 * 1024**3 / median_seconds(lambda: matrix @ matrix, repeats=5)
-print(f"{threads} threads; live: {live_bandwidth / 1e9:.1f} GB/s, {live_flops / 1e9:.1f} GFLOP/s "
+print(f"{threads} thread; live: {live_bandwidth / 1e9:.1f} GB/s, {live_flops / 1e9:.1f} GFLOP/s "
       f"(ridge at {live_flops / live_bandwidth:.1f} FLOP/byte); recorded: "
       f"{RECORDED['bandwidth'] / 1e9:.1f} GB/s, {RECORDED['flops'] / 1e9:.1f} GFLOP/s")
 print(f"Llama-3-8B at t = 8192 on this machine: at least "
@@ -469,7 +470,7 @@ assert quantized_kv_cache_bytes(1, 32, 8192, 8, 128, 8, 32).payload == full16 //
 # faster, because at batch 1 the 15.0 GB of weights dominate. At batch 64 every sequence reads its
 # own cache: 68.7 GB of cache against the same 15.0 GB of weights, and int4 cuts the step from
 # 83.7 GB to 34.3 GB, 2.4 times faster. The intensity then rises from about 15 to 36 FLOP/byte:
-# whether the step is still bandwidth bound depends on the ridge point, about 5 FLOP/byte on the
+# whether the step is still bandwidth bound depends on the ridge point, about 7 FLOP/byte on the
 # recorded machine (compute bound there) and hundreds on accelerators built for matrix products.
 # <!-- END SOLUTION -->
 
