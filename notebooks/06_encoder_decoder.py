@@ -335,7 +335,8 @@ np.add.at(d_table, ids, dy)
 
 # %%
 check_close("dE", d_table, lambda: embedding_backward(dy, emb_cache), rtol=0)
-check_true("row 2 receives (4, 1)", np.array_equal(np.asarray(d_table)[2], [4.0, 1.0]),
+check_true("row 2 receives (4, 1)",
+           ... if d_table is Ellipsis else np.array_equal(np.asarray(d_table)[2], [4.0, 1.0]),
            "row 2 is used three times: (1,0) + (1,1) + (2,0)")
 
 # %% [markdown]

@@ -283,7 +283,8 @@ assert counters.tiles_computed == np.count_nonzero(tile_state)
 assert counters.tiles_skipped == np.count_nonzero(tile_state == 0)
 
 fig, axes = plt.subplots(1, 2, figsize=(8, 3.4), layout="constrained")
-axes[0].imshow(allowed, cmap="Greys")
+mask_image = axes[0].imshow(allowed, cmap="Greys", vmin=0, vmax=1)
+fig.colorbar(mask_image, ax=axes[0], ticks=[0, 1]).ax.set_yticklabels(["hidden", "visible"])
 axes[0].set(title=f"visible pairs, T = {T}, w = {w}", xlabel="key j", ylabel="query i")
 for edge in range(0, T + 1, block):
     axes[0].axhline(edge - 0.5, color="tab:blue", lw=0.4)

@@ -323,12 +323,14 @@ np.testing.assert_array_equal(pool.gather("B")[0][:, 0, 0], [1, 2, 3, 4, 5, 6, 7
 
 fig, axes = plt.subplots(len(states), 1, figsize=(6.5, 4.2), layout="constrained")
 for ax, (title, refs, owners) in zip(axes, states):
-    ax.imshow(np.array(refs)[None, :], cmap="Greens", vmin=0, vmax=2.5)
+    pool_image = ax.imshow(np.array(refs)[None, :], cmap="Greens", vmin=0, vmax=2.5)
     for p, r in enumerate(refs):
         ax.text(p, 0, f"page {p}\n{'+'.join(owners[p]) or 'free'}", ha="center", va="center",
                 fontsize=8)
     ax.set(xticks=[], yticks=[])
     ax.set_title(title, fontsize=9, loc="left")
+bar = fig.colorbar(pool_image, ax=axes, ticks=[0, 1, 2], shrink=0.6)
+bar.set_label("reference count")
 fig.suptitle("the page pool; darker = more references", fontsize=10)
 plt.show()
 
