@@ -725,7 +725,7 @@ print(kernels.cuda_build_info())
 #   pass.)
 # - Milakov, M., and Gimelshein, N. (2018). Online normalizer calculation for softmax.
 # - Dao, T. (2023). FlashAttention-2: Faster Attention with Better Parallelism and Work
-#   Partitioning. (The backward pass's $\delta$ and the work split across threads.)
+#   Partitioning. (Splitting the work of the forward and backward passes across threads.)
 # - Kwon, W., et al. (2023). Efficient Memory Management for Large Language Model Serving with
 #   PagedAttention. (Paged decode.)
 # - Ainslie, J., et al. (2023). GQA: Training Generalized Multi-Query Transformer Models from
