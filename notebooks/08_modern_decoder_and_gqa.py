@@ -334,6 +334,12 @@ plt.show()
 # <!-- END SOLUTION -->
 
 # %% [markdown]
+# So GQA is a choice made before training, or paid for afterwards: a grouped model computes a
+# different function from the MHA model it came from (the shared head cannot equal all the heads
+# it replaces), and Ainslie et al. recover the quality by mean-pooling the key/value heads of each
+# group and then uptraining, continuing pre-training for about 5% of its original compute.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Derive $dQ$ for GQA. Why does $dQ$ need no sum over heads, while $dK$ and $dV$ do?

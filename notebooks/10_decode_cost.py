@@ -87,6 +87,9 @@ rng = np.random.default_rng(0)
 # angle, so the rotation of key $j$ never needs to change: it is rotated once, at its own
 # position, when it enters the cache. At decode step $t$ only the new query and the new key are
 # rotated. Caching unrotated keys would instead cost a rotation of all $t$ keys at every step.
+# The flip side: a cached key is only valid for the position rule it was rotated with. A server
+# that changes how positions are counted or scaled (an offset, a RoPE scaling rule for longer
+# contexts) must recompute the cache, not reuse it.
 #
 # Below, a tiny decoder (2 layers, 4 query heads, 2 key/value heads of width 16) prefills 3 tokens
 # and decodes 3 more.
