@@ -219,7 +219,8 @@ plt.show()
 # $$t_{\text{token}} \;\ge\; \frac{\text{weight bytes} + \text{cache bytes}}{\beta},
 #   \qquad I_{\text{decode}} \approx \frac{2B}{b},$$
 #
-# about 1 FLOP per byte at batch $B = 1$ in 16 bits. A prefill of $T$ tokens reads the same
+# about 1 FLOP per byte at batch $B = 1$ in 16 bits (the approximation holds while the weights
+# dominate the bytes; each sequence's cache pulls $I$ lower at long contexts and large batches). A prefill of $T$ tokens reads the same
 # weights once for all $T$ tokens, so $I_{\text{prefill}} \approx 2BT/b$ grows with the prompt.
 # `refmath.sizing.decode_step_traffic` and `prefill_traffic` count both; `decode_time_lower_bound`
 # divides.

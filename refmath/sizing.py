@@ -503,11 +503,14 @@ def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
 
     .. math::
         \text{bytes} = b\,\Big(P_{\text{matmul}} + d V\Big) + B\, t'\; 2 L g d_h b,\qquad
-        I = \frac{\text{FLOPs}}{\text{bytes}} \approx \frac{2 B P_{\text{matmul}}}{b P_{\text{matmul}}} = \frac{2B}{b}
+        I = \frac{\text{FLOPs}}{\text{bytes}}
+          \approx \frac{2 B P_{\text{matmul}}}{b P_{\text{matmul}}} = \frac{2B}{b}
 
-    so at batch 1 in 16 bits a decode step does about one FLOP per byte, far below what a processor
-    can do per byte of memory traffic: its time is bounded by bandwidth (see
-    :func:`decode_time_lower_bound`). Activations and norm gains are not counted.
+    while the weights dominate the bytes (the cache, read once per sequence, pulls :math:`I` below
+    :math:`2B/b` at long contexts and large batches). So at batch 1 in 16 bits a decode step does
+    about one FLOP per byte, far below what a processor can do per byte of memory traffic: its time
+    is bounded by bandwidth (see :func:`decode_time_lower_bound`). Activations and norm gains are
+    not counted.
     """
     _decoder_only(config, "decode_step_traffic")
     b = check_int("bytes_per_element", bytes_per_element, 1)
