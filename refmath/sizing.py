@@ -6,7 +6,8 @@ binary units (1 KiB = 1024 bytes, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB), as the wo
 
 Catalogue IDs: K6, K7 (cache size and its worked table), K9 (MLA cache), K12 (quantised cache
 bytes), N7 (SwiGLU parameter count), S1 (inference rule of thumb), S2 (AdamW training memory),
-S3 (cache ratios). ``add_sizes_arguments`` and ``run_sizes`` are the pieces of
+S3 (cache ratios), A13 (what grouping saves), K13 (decode bytes, arithmetic intensity, the
+bandwidth bound). ``add_sizes_arguments`` and ``run_sizes`` are the pieces of
 ``python -m refmath sizes``.
 """
 from __future__ import annotations
@@ -435,6 +436,131 @@ def decode_step_flops(config: ModelConfig, context: int, batch: int = 1) -> Flop
     keys = _attended_keys(context, config.sliding_window)
     attention = 4 * batch * config.layers * config.heads * config.head_dim * keys
     return FlopCount(weights, attention, weights + attention)
+
+
+# ---- what GQA saves and what it does not (A13) --------------------------------------------------
+
+class AttentionDesignCost(NamedTuple):
+    q_o_projection_flops: int   # x W_Q and O W_O for one new token
+    kv_projection_flops: int    # x W_K and x W_V for one new token
+    score_flops: int            # q k^T and a V against the attended keys
+    cache_bytes: int            # keys and values read from the cache
+    kv_parameters: int          # entries of W_K and W_V
+
+
+def attention_design_cost(d_model: int, heads: int, kv_heads: int, head_dim: int, context: int,
+                          bytes_per_element: int = 2) -> AttentionDesignCost:
+    r"""One decode step of one attention layer, for one sequence: what grouping changes (A13).
+
+    With :math:`h` query heads, :math:`g` key/value heads of width :math:`d_h` and :math:`t`
+    attended keys, counting 2 FLOPs per multiply-add:
+
+    .. math::
+        \text{Q, O projections} = 4\,d\,h d_h,\qquad
+        \text{K, V projections} = 4\,d\,g d_h,\qquad
+        \text{scores and values} = 4\,h\,d_h\,t,\qquad
+        \text{cache read} = 2\,t\,g\,d_h\,b
+
+    Every query head still scores every key, so the score arithmetic does not depend on
+    :math:`g`: grouped-query attention divides the K/V projections, their parameters
+    (:math:`2 d g d_h`) and the cache by :math:`h/g`, and nothing else.
+    """
+    d = check_int("d_model", d_model, 1)
+    h = check_int("heads", heads, 1)
+    g = check_int("kv_heads", kv_heads, 1)
+    dh = check_int("head_dim", head_dim, 1)
+    t = check_int("context", context, 1)
+    b = check_int("bytes_per_element", bytes_per_element, 1)
+    _check_kv_heads_divide(h, g)
+    return AttentionDesignCost(q_o_projection_flops=4 * d * h * dh,
+                               kv_projection_flops=4 * d * g * dh,
+                               score_flops=4 * h * dh * t,
+                               cache_bytes=2 * t * g * dh * b,
+                               kv_parameters=2 * d * g * dh)
+
+
+# ---- decode is bound by memory bandwidth (K13) --------------------------------------------------
+
+class StepTraffic(NamedTuple):
+    flops: int            # as prefill_flops / decode_step_flops count them
+    weight_bytes: int     # every weight matrix the step multiplies by, read once
+    cache_bytes: int      # KV cache read (decode) or written (prefill)
+    total_bytes: int
+    intensity: float      # flops / total_bytes: FLOPs per byte moved
+
+
+def _matrix_weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
+    # The weight matrices one token passes through, logits included: the weight FLOPs / 2 per token.
+    return bytes_per_element * (_weight_macs_per_token(config) + config.d_model * config.vocab)
+
+
+def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
+                        bytes_per_element: int = 2) -> StepTraffic:
+    r"""FLOPs and bytes of one decode step of ``batch`` sequences at ``context`` keys (K13).
+
+    The weights are read once per step, whatever the batch; each sequence reads its own cache of
+    :math:`t' = \min(t, w)` tokens (:math:`w` the sliding window, if any):
+
+    .. math::
+        \text{bytes} = b\,\Big(P_{\text{matmul}} + d V\Big) + B\, t'\; 2 L g d_h b,\qquad
+        I = \frac{\text{FLOPs}}{\text{bytes}}
+          \approx \frac{2 B P_{\text{matmul}}}{b P_{\text{matmul}}} = \frac{2B}{b}
+
+    while the weights dominate the bytes (the cache, read once per sequence, pulls :math:`I` below
+    :math:`2B/b` at long contexts and large batches). So at batch 1 in 16 bits a decode step does
+    about one FLOP per byte, far below what a processor can do per byte of memory traffic: its time
+    is bounded by bandwidth (see :func:`decode_time_lower_bound`). Activations and norm gains are
+    not counted.
+    """
+    _decoder_only(config, "decode_step_traffic")
+    b = check_int("bytes_per_element", bytes_per_element, 1)
+    flops = decode_step_flops(config, context, batch).total
+    keys = _attended_keys(check_int("context", context, 1), config.sliding_window)
+    weights = _matrix_weight_bytes(config, b)
+    cache = batch * keys * kv_cache_bytes_per_token(config.layers, config.kv_heads,
+                                                    config.head_dim, b)
+    return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
+
+
+def prefill_traffic(config: ModelConfig, tokens: int, batch: int = 1,
+                    bytes_per_element: int = 2) -> StepTraffic:
+    r"""FLOPs and bytes of a prefill of ``batch`` prompts of ``tokens`` tokens (K13).
+
+    The weights are read once for all :math:`B T` tokens and the cache of :math:`B T` tokens is
+    written once, so the intensity grows with the prompt:
+
+    .. math::
+        I = \frac{2 B T P_{\text{matmul}} + \dots}{b P_{\text{matmul}} + B T\, 2 L g d_h b}
+          \approx \frac{2 B T}{b}\quad(\text{for a short prompt})
+    """
+    _decoder_only(config, "prefill_traffic")
+    b = check_int("bytes_per_element", bytes_per_element, 1)
+    flops = prefill_flops(config, tokens, batch).total
+    weights = _matrix_weight_bytes(config, b)
+    cache = batch * tokens * kv_cache_bytes_per_token(config.layers, config.kv_heads,
+                                                      config.head_dim, b)
+    return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
+
+
+def decode_time_lower_bound(traffic: StepTraffic, bandwidth: float,
+                            peak_flops: float | None = None) -> float:
+    r"""Seconds a step needs at least: its bytes over the memory bandwidth (K13, the roofline).
+
+    .. math:: t \;\ge\; \max\!\Big(\frac{\text{weight bytes} + \text{cache bytes}}{\beta},\;
+              \frac{\text{FLOPs}}{\pi}\Big)
+
+    with :math:`\beta` the bandwidth in bytes/s and :math:`\pi` the peak FLOP rate (optional; a
+    decode step at a small batch is always on the bandwidth side, :math:`I < \pi / \beta`).
+    """
+    if not isinstance(traffic, StepTraffic):
+        raise TypeError(f"traffic must be a StepTraffic (from decode_step_traffic or "
+                        f"prefill_traffic), got {type(traffic).__name__}")
+    bandwidth = check_real("bandwidth", bandwidth, 0.0, low_open=True)
+    memory_time = traffic.total_bytes / bandwidth
+    if peak_flops is None:
+        return memory_time
+    peak_flops = check_real("peak_flops", peak_flops, 0.0, low_open=True)
+    return max(memory_time, traffic.flops / peak_flops)
 
 
 # ---- comparing attention choices (S3) -----------------------------------------------------------

@@ -33,6 +33,9 @@ def _images(notebook):
 def test_lesson_executes(path, monkeypatch, tmp_path):
     monkeypatch.setenv("MPLBACKEND", INLINE)
     monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
+    # One BLAS thread: the lessons' matrices are small, and threads spinning against other work
+    # on a busy machine made some lessons several times slower.
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     notebook = jupytext.read(path)
     promised = notebook.metadata.get("refmath", {}).get("figures")
     assert isinstance(promised, int) and promised >= 1, \

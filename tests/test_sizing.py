@@ -365,3 +365,82 @@ def test_importing_sizing_does_not_import_matplotlib():
     code = "import sys, refmath.sizing; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
                    env={**os.environ, "PYTHONPATH": str(root)})
+
+
+# ---- A13: what grouping saves; K13: decode is bound by bandwidth -------------------------------
+
+def test_gqa_divides_kv_projections_and_cache_but_not_scores_a13():
+    from refmath.sizing import attention_design_cost
+    d, h, dh, t = 4096, 32, 128, 1000
+    mha = attention_design_cost(d, h, 32, dh, t)
+    for g in (8, 4, 1):
+        grouped = attention_design_cost(d, h, g, dh, t)
+        assert grouped.score_flops == mha.score_flops == 4 * h * dh * t
+        assert grouped.q_o_projection_flops == mha.q_o_projection_flops == 4 * d * h * dh
+        # exact ratios h/g, from the counts themselves
+        assert grouped.kv_projection_flops * (h // g) == mha.kv_projection_flops
+        assert grouped.cache_bytes * (h // g) == mha.cache_bytes
+        assert grouped.kv_parameters * (h // g) == mha.kv_parameters
+    # the K/V parameters are the 2 d g d_h of attention_parameter_count
+    from refmath.sizing import attention_parameter_count
+    assert (attention_parameter_count(d, h, 8, dh) - attention_parameter_count(d, h, 1, dh)
+            == attention_design_cost(d, h, 8, dh, t).kv_parameters
+            - attention_design_cost(d, h, 1, dh, t).kv_parameters)
+    # one step by hand: d = 4, h = 2, g = 1, d_h = 2, t = 3, 2 bytes
+    small = attention_design_cost(4, 2, 1, 2, 3)
+    assert small == (4 * 4 * 2 * 2, 4 * 4 * 1 * 2, 4 * 2 * 2 * 3, 2 * 3 * 1 * 2 * 2, 2 * 4 * 1 * 2)
+
+
+def test_attention_design_cost_bad_input_names_the_argument():
+    from refmath.sizing import attention_design_cost
+    with pytest.raises(ValueError, match="kv_heads"):
+        attention_design_cost(64, 8, 3, 8, 10)
+    with pytest.raises(ValueError, match="context"):
+        attention_design_cost(64, 8, 2, 8, 0)
+    with pytest.raises(TypeError, match="head_dim"):
+        attention_design_cost(64, 8, 2, 8.0, 10)
+
+
+def test_decode_step_reads_the_weights_once_and_the_cache_per_sequence_k13():
+    from refmath.sizing import decode_step_traffic
+    c = PRESETS["llama-3-8b"]
+    one = decode_step_traffic(c, 1000)
+    eight = decode_step_traffic(c, 1000, batch=8)
+    # weights: half the weight FLOPs of one token (2 FLOPs per multiply-add), times 2 bytes
+    assert one.weight_bytes == decode_step_flops(c, 1).weights // 2 * 2
+    assert eight.weight_bytes == one.weight_bytes
+    assert one.cache_bytes == 1000 * kv_cache_bytes_per_token(32, 8, 128, 2) == 1000 * 131072
+    assert eight.cache_bytes == 8 * one.cache_bytes
+    assert one.total_bytes == one.weight_bytes + one.cache_bytes
+    assert one.intensity == one.flops / one.total_bytes
+    # at batch 1 in 16 bits: about one FLOP per byte; a batch of 8 shares the weight read
+    assert 0.9 < one.intensity < 1.1 and eight.intensity > 6 * one.intensity
+    # a sliding window caps the cache read (A12)
+    m = PRESETS["mistral-7b"]
+    assert decode_step_traffic(m, 10000).cache_bytes == decode_step_traffic(m, 4096).cache_bytes
+
+
+def test_prefill_intensity_grows_with_the_prompt_k13():
+    from refmath.sizing import decode_step_traffic, prefill_traffic
+    c = PRESETS["llama-3-8b"]
+    intensities = [prefill_traffic(c, t).intensity for t in (1, 16, 256, 4096)]
+    assert all(b > a for a, b in zip(intensities, intensities[1:]))
+    assert intensities[-1] > 1000 * decode_step_traffic(c, 4096).intensity / 2
+    p = prefill_traffic(c, 512, batch=2)
+    assert p.cache_bytes == 2 * 512 * 131072 and p.flops == prefill_flops(c, 512, 2).total
+
+
+def test_time_lower_bound_is_bytes_over_bandwidth_k13():
+    from refmath.sizing import decode_step_traffic, decode_time_lower_bound
+    c = PRESETS["llama-3-8b"]
+    step = decode_step_traffic(c, 8192)
+    assert decode_time_lower_bound(step, 1e12) == step.total_bytes / 1e12
+    # roofline: with a slow processor the FLOPs bound takes over
+    assert decode_time_lower_bound(step, 1e12, peak_flops=1e6) == step.flops / 1e6
+    assert decode_time_lower_bound(step, 1e12, peak_flops=1e15) == step.total_bytes / 1e12
+    with pytest.raises(ValueError, match="bandwidth"):
+        decode_time_lower_bound(step, 0.0)
+    with pytest.raises(TypeError, match="traffic"):
+        decode_time_lower_bound(step.total_bytes, 1e12)
+    with pytest.raises(ValueError, match="d_ff and vocab"):
+        decode_step_traffic(PRESETS["deepseek-v2"], 10)

@@ -6,26 +6,44 @@
 #     display_name: Python 3
 #     language: python
 #     name: python3
+#   refmath:
+#     figures: 3
+#     minutes: 45
+#     ids: [F4]
 # ---
 
 # %% [markdown]
-# # Lesson 8: from the equation to the kernel
+# # Lesson 12: from the equation to the kernel
 #
-# Attention is one line of mathematics, `O = softmax(Q K^T / sqrt(D) + M) V` (catalogue A2). This
-# lesson follows that line through three programs that compute it: the dense NumPy reference,
-# which builds the whole `T x T` score matrix; the tiled NumPy FlashAttention of lesson 3, which
-# never does (F1-F5); and the C++/OpenMP kernel behind `refmath.kernels`, which runs the same tiles
-# in float32, in base 2, on every core. Then the decode step (K2): one query against a long cache,
-# split across the cores and merged by F3, read either contiguously or through a page table (K10),
-# with the query heads of a GQA group sharing their key/value head (A10). Finally what the kernel
-# buys in time and in memory, and how the CUDA versions climb the same ladder on a GPU.
+# Attention is one line of mathematics, $O = \mathrm{softmax}(Q K^\top / \sqrt{D} + M)\, V$
+# (catalogue A2). This lesson follows that line through three programs that compute it: the dense
+# NumPy reference, which builds the whole $T \times T$ score matrix; the tiled NumPy
+# FlashAttention of lesson 3, which never does (F1-F5); and the C++/OpenMP kernel behind
+# `refmath.kernels`, which runs the same tiles in float32, in base 2, on every core. It derives
+# the FlashAttention backward pass from the logsumexp (F4) and checks the kernel's gradients. Then
+# the decode step (K2): one query against a long cache, split across the cores and merged by F3,
+# read either contiguously or through a page table (K10), with the query heads of a GQA group
+# sharing their key/value head (A10). Finally what the kernel buys in time and in memory, and how
+# the CUDA versions climb the same ladder on a GPU.
 #
 # The C++ parts need the compiled module `refmath._C`. Without it, those cells print that they
-# were skipped and the NumPy parts still run.
+# were skipped and the NumPy parts still run. Here $D$, $H$, $G$ are the catalogue's $d_h$, $h$,
+# $g$, as in the code.
 #
-# Here `D`, `H`, `G` are the catalogue's `d_h`, `h`, `g`, as in the code.
+# **Prerequisites:** lessons 1 (attention backward, A8), 3 (online softmax and FlashAttention,
+# F1-F5; the paged cache, K10) and 8 (GQA's head map and head-sum, A10).
+#
+# **Goals:** judge a float32 kernel against a float64 reference; compute exponentials in base 2 as
+# the kernel does; rebuild the softmax weights from the logsumexp and derive
+# $\delta_i = dO_i \cdot O_i$; merge split-K decode statistics; read timings and memory of the
+# three programs with the thread count pinned.
+#
+# **Catalogue IDs:** F4
+#
+# **Duration:** about 45 minutes.
 
 # %%
+import contextlib
 import time
 import tracemalloc
 
@@ -35,7 +53,13 @@ import numpy as np
 from refmath import flash, kernels
 from refmath.attention import causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.inference.decode import decode_attention
+from refmath.lessons import check_close, check_true
 from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
+
+try:
+    from threadpoolctl import threadpool_limits
+except ImportError:  # without it, the timings use whatever thread pools the libraries start
+    threadpool_limits = None
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -43,7 +67,7 @@ rng = np.random.default_rng(0)
 HAVE_CPU = kernels.cpu_available()
 print("C++ kernels available:", HAVE_CPU)
 if HAVE_CPU:
-    print("vector lanes in use:", kernels.cpu_vector_lanes())
+    print("vector lanes in use:", kernels.cpu_vector_lanes(), "  threads:", kernels.cpu_threads())
 print("build:", kernels.build_info())
 
 # %% [markdown]
@@ -52,8 +76,8 @@ print("build:", kernels.build_info())
 # (there: a float32 reference and PyTorch in fp16/bf16; here: a float64 reference and plain dense
 # float32 NumPy). The kernel's worst error against the reference may be at most a small factor
 # (2 for outputs, 3 for gradients) times the float32 NumPy error, plus a floor of four float32
-# roundings (`4 u M`, `u = 2^-24`, `M` the size of the numbers being summed), for inputs on which
-# NumPy happens to be exact.
+# roundings, $4 u M$ with $u = 2^{-24}$ and $M$ the size of the numbers being summed, for inputs
+# on which NumPy happens to be exact.
 
 # %%
 U32 = 2.0**-24
@@ -72,14 +96,14 @@ def check_float32(label, kernel_out, ref64, numpy32, factor, magnitude):
 # %% [markdown]
 # ## A2 and F4: one attention, three programs
 #
-# Six tokens, head width `D = 4`, a causal mask. The entries of `Q`, `K` and `V` are small
-# integers and the scale is `1/sqrt(4) = 1/2`, so every score is a multiple of one half and can be
-# read off by hand. Two rows are worth doing on paper:
+# Six tokens, head width $D = 4$, a causal mask. The entries of $Q$, $K$ and $V$ are small
+# integers and the scale is $1/\sqrt{4} = 1/2$, so every score is a multiple of one half and can
+# be read off by hand. Two rows are worth doing on paper:
 #
-# - Row 0 sees only key 0, so its weight is exactly 1: `o_0 = v_0`, and its logsumexp is the score
-#   itself, `lse_0 = log e^{s_00} = s_00`.
-# - Row 1 sees keys 0 and 1. Its two scores below are both `-1`, so the weights are `(1/2, 1/2)`,
-#   `o_1 = (v_0 + v_1) / 2` and `lse_1 = log(2 e^{-1}) = -1 + ln 2 = -0.3069`.
+# - Row 0 sees only key 0, so its weight is exactly 1: $o_0 = v_0$, and its logsumexp is the
+#   score itself, $\mathrm{lse}_0 = \log e^{s_{00}} = s_{00}$.
+# - Row 1 sees keys 0 and 1. Its two scores below are both $-1$, so the weights are
+#   $(1/2, 1/2)$, $o_1 = (v_0 + v_1)/2$ and $\mathrm{lse}_1 = \log(2 e^{-1}) = -1 + \ln 2 = -0.3069$.
 
 # %%
 T, D = 6, 4
@@ -92,13 +116,14 @@ print("lse of rows 0 and 1 by hand:", lse_by_hand)
 assert S[0, 0] == 1.5 and S[1, 0] == S[1, 1] == -1.0
 
 # %% [markdown]
-# The dense reference, `sdpa_forward`, builds that `6 x 6` matrix, masks it and softmaxes it. The
-# tiled reference, `refmath.flash.flash_attention_forward`, walks `2 x 2` tiles of it with the
-# online softmax and never holds more than one tile (its largest temporary, 8 numbers, is one
-# tile's weights times its values, `2 x D`): with three query tiles and three key tiles it
+# The dense reference, `sdpa_forward`, builds that $6 \times 6$ matrix, masks it and softmaxes it.
+# The tiled reference, `refmath.flash.flash_attention_forward`, walks $2 \times 2$ tiles of it with
+# the online softmax and never holds more than one tile (its largest temporary, 8 numbers, is one
+# tile's weights times its values, $2 \times D$): with three query tiles and three key tiles it
 # computes the six tiles on or below the diagonal and skips the three above it (F5). Both run in
 # float64 and agree to rounding. The tiled one also returns the logsumexp of each row,
-# `lse_i = log sum_j e^{s_ij}`, the one number per row that its backward pass will need.
+# $\mathrm{lse}_i = \log \sum_j e^{s_{ij}}$, the one number per row that its backward pass will
+# need.
 
 # %%
 dense, _ = sdpa_forward(q, k, v, mask=causal_mask(T))
@@ -118,10 +143,10 @@ assert counters.largest_temporary == 2 * D  # one tile's weights times its value
 
 # %% [markdown]
 # The third program is the C++ kernel, `refmath.kernels.flash_attention_forward`. It takes
-# float32 arrays (and checks that it got them), computes in float32 and returns float32 `o` and
-# `lse`. Its tiles are 128 query rows by 128 keys, so this small example is a single tile; the
-# larger check after it, `T = 200` with a GQA layout (8 query heads reading 2 key/value heads,
-# A10), cuts tiles at a length that 128 does not divide. Both are judged by the float32 rule
+# float32 arrays (and checks that it got them), computes in float32 and returns float32 $o$ and
+# $\mathrm{lse}$. Its tiles are 128 query rows by 128 keys, so this small example is a single
+# tile; the larger check after it, $T = 200$ with a GQA layout (8 query heads reading 2 key/value
+# heads, A10), cuts tiles at a length that 128 does not divide. Both are judged by the float32 rule
 # against the float64 dense reference.
 
 # %%
@@ -159,21 +184,21 @@ else:
 # %% [markdown]
 # ## F1-F3 in base 2: what the kernel keeps per row
 #
-# Lesson 3 built the online softmax: each query row keeps a running maximum `m`, a running sum
-# `l = sum_j e^{s_j - m}` and an unnormalised output `u = sum_j e^{s_j - m} v_j` (F2); a new tile
-# of scores moves the maximum to `m' = max(m, tile max)` and rescales what was summed by
-# `alpha = e^{m - m'} <= 1` (F3); at the end `o = u / l` and `lse = m + log l` (F3).
+# Lesson 3 built the online softmax: each query row keeps a running maximum $m$, a running sum
+# $l = \sum_j e^{s_j - m}$ and an unnormalised output $u = \sum_j e^{s_j - m} v_j$ (F2); a new
+# tile of scores moves the maximum to $m' = \max(m, \text{tile max})$ and rescales what was summed
+# by $\alpha = e^{m - m'} \le 1$ (F3); at the end $o = u / l$ and $\mathrm{lse} = m + \log l$.
 #
-# The kernel does exactly this in base 2. Since `e^x = 2^{x log2 e}`, multiplying every score by
-# `log2 e = 1.4427` once (the kernel folds it into the scale `tau = 1/sqrt(D)`, as `tau log2 e`)
-# turns every exponential into a power of two, and then `m` and `l` are the base-2 maximum and
-# sum. At the end `lse = ln 2 (m + log2 l)` converts back to the natural logarithm.
+# The kernel does exactly this in base 2. Since $e^x = 2^{x \log_2 e}$, multiplying every score
+# by $\log_2 e = 1.4427$ once (the kernel folds it into the scale, as $\tau \log_2 e$ with
+# $\tau = 1/\sqrt{D}$) turns every exponential into a power of two, and then $m$ and $l$ are the
+# base-2 maximum and sum. At the end $\mathrm{lse} = \ln 2\,(m + \log_2 l)$ converts back.
 #
 # A power of two is cheap to compute without a library call, which is what lets the compiler
-# vectorise the loop: write `x = n + f` with `n = round(x)` and `|f| <= 1/2`; then `2^x = 2^n 2^f`,
-# where `2^n` is just an exponent field and `2^f = e^{f ln 2}` is a degree-7 Taylor polynomial. By
-# hand: `e = 2^{1.4427}` gives `n = 1`, `f = 0.4427`, `2^f = 1.3591`, `2 x 1.3591 = 2.7183`; and
-# `e^2 = 2^{2.8854}` gives `n = 3`, `f = -0.1146`, `2^f = 0.9236`, `8 x 0.9236 = 7.389`.
+# vectorise the loop: write $x = n + f$ with $n = \mathrm{round}(x)$ and $|f| \le 1/2$; then
+# $2^x = 2^n\, 2^f$, where $2^n$ is just an exponent field and $2^f = e^{f \ln 2}$ is a degree-7
+# Taylor polynomial. By hand: $e = 2^{1.4427}$ gives $n = 1$, $f = 0.4427$, $2^f = 1.3591$,
+# $2 \times 1.3591 = 2.7183$.
 
 # %%
 LOG2E = np.log2(np.e)
@@ -199,11 +224,30 @@ print(f"largest relative error of the polynomial form over [-30, 30]: {rel.max()
 assert rel.max() < 1e-8
 
 # %% [markdown]
+# **Your turn.** Compute $e^3$ the kernel's way: $x = 3 \log_2 e$, $n = \mathrm{round}(x)$,
+# $f = x - n$, then $2^n \cdot 2^f$ (use `np.ldexp(2.0 ** f, n)` for the exponent field). Keep
+# $n$ and $f$ too.
+
+# %% tags=["exercise"]
+n_exp, f_exp, e_cubed = ..., ..., ...
+# BEGIN SOLUTION
+x_exp = 3 * LOG2E
+n_exp = int(np.round(x_exp))
+f_exp = x_exp - n_exp
+e_cubed = np.ldexp(2.0**f_exp, n_exp)
+# END SOLUTION
+
+# %%
+check_close("n", n_exp, 4, rtol=0, hint="3 log2 e = 4.328")
+check_true("|f| <= 1/2", ... if f_exp is Ellipsis else abs(f_exp) <= 0.5, "f = x - round(x)")
+check_close("e^3", e_cubed, lambda: np.exp(3.0), rtol=1e-14)
+
+# %% [markdown]
 # Here is one row of the loop in NumPy, base 2, 16 keys per tile, next to the kernel's answer for
-# the same row (row 150 of head 3 of the `T = 200` example, 151 visible keys). The picture shows
-# what the row carries from tile to tile: `m` only ever grows, and whenever it does, `l` is
-# multiplied by `2^{m - m'}` before the new tile's weights are added, so it can drop. `m` and `l`
-# are all the softmax needs; `u` (not drawn) is rescaled by the same factor.
+# the same row (row 150 of head 3 of the $T = 200$ example, 151 visible keys). The picture shows
+# what the row carries from tile to tile: $m$ only ever grows, and whenever it does, $l$ is
+# multiplied by $2^{m - m'}$ before the new tile's weights are added, so it can drop. $m$ and $l$
+# are all the softmax needs; $u$ (not drawn) is rescaled by the same factor.
 
 # %%
 b, r, i, tile = 0, 3, 150, 16
@@ -240,16 +284,25 @@ plt.show()
 # %% [markdown]
 # ## F4: the backward pass from the logsumexp
 #
-# The forward pass kept `o` and `lse`, nothing of size `T x T`. The backward pass rebuilds each
-# tile of weights from them, `P_ij = e^{s_ij - lse_i} = 2^{s_ij log2 e - lse_i log2 e}`: these are
-# exactly the softmax weights, with no running maximum to correct. The softmax backward needs the
-# row sums `sum_j P_ij dP_ij` (with `dP = dO V^T`); since `sum_j P_ij v_j = o_i`, that sum equals
-# `delta_i = dO_i . O_i`, one dot product per row and again nothing of size `T x T`. Then
+# The forward pass kept $O$ and $\mathrm{lse}$, nothing of size $T \times T$. The backward pass
+# rebuilds each tile of weights from them,
 #
-# `dS = P * (dP - delta)`,  `dV = P^T dO`,  `dQ = tau dS K`,  `dK = tau dS^T Q`,
+# $$P_{ij} = e^{s_{ij} - \mathrm{lse}_i} = 2^{\,s_{ij} \log_2 e \,-\, \mathrm{lse}_i \log_2 e},$$
 #
-# and each key/value head receives the sum over the query heads that read it (A10). First the
-# two identities on the `T = 200` example, in float64:
+# exactly the softmax weights, with no running maximum to correct. The softmax backward
+# (A5, A8) needs the row sums $\sum_j P_{ij}\, dP_{ij}$ with $dP = dO\, V^\top$; since
+# $\sum_j P_{ij} v_j = o_i$,
+#
+# $$\sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij}\, (dO_i \cdot v_j) = dO_i \cdot \sum_j P_{ij} v_j
+#   = dO_i \cdot O_i =: \delta_i,$$
+#
+# one dot product per row and again nothing of size $T \times T$. Then
+#
+# $$dS = P \odot (dP - \delta), \quad dV = P^\top dO, \quad dQ = \tau\, dS\, K,
+#   \quad dK = \tau\, dS^\top Q,$$
+#
+# and each key/value head receives the sum over the query heads that read it (A10, lesson 8).
+# First the identities on the $T = 200$ example, in float64:
 
 # %%
 do = rng.standard_normal(qg.shape)
@@ -258,23 +311,49 @@ scores = np.where(causal_mask(T) == 0, (qg @ kg[:, heads].swapaxes(-1, -2)) / np
 P = 2.0 ** (scores * LOG2E - ref_lse[..., None] * LOG2E)
 np.testing.assert_allclose(P, ref_cache.a, rtol=1e-12, atol=1e-15)
 dP = do @ vg[:, heads].swapaxes(-1, -2)
-delta = (do * ref_o).sum(axis=-1)
-np.testing.assert_allclose(delta, (P * dP).sum(axis=-1), rtol=1e-10, atol=1e-12)
-print("P from lse equals the softmax weights; delta = rowsum(dO * O) equals rowsum(P * dP)")
+print("P rebuilt from lse equals the softmax weights of the dense reference")
 
 # %% [markdown]
-# The C++ backward organises these products for a CPU. Every tile product has one form, `C = A B`
-# built up by scaling whole rows of `B` with entries of `A`, a loop the compiler vectorises along
-# the rows. Where a product needs a transposed operand (`K^T` for the scores in the forward pass;
-# tiles of `Q`, `dO` or `dS` here), that tile is first copied transposed into scratch. Every
+# **Your turn.** Compute $\delta$, shape $(B, H, T)$, from `do` and the forward output `ref_o`
+# alone (no `P`, no `dP`).
+
+# %% tags=["exercise"]
+delta = ...  # (B, H, T)
+# BEGIN SOLUTION
+delta = (do * ref_o).sum(axis=-1)
+# END SOLUTION
+
+# %%
+check_close("delta = rowsum(dO * O)", delta, lambda: (P * dP).sum(axis=-1), rtol=1e-10,
+            atol=1e-12, hint="one dot product per row")
+
+# %% [markdown] tags=["question"]
+# **Question.** Dense attention's backward (lesson 1) computes $\sum_j A_{ij}\, dA_{ij}$ from the
+# stored weights $A$. Why can the FlashAttention backward not do the same, what does it store
+# instead, and how many numbers per row does that cost?
+#
+# <!-- BEGIN SOLUTION -->
+# FlashAttention never stores $A$ (that is $T^2$ numbers per head, the memory it exists to avoid).
+# It stores $O$ (needed anyway as the output) and one logsumexp per row. The weights of a tile are
+# rebuilt as $e^{s_{ij} - \mathrm{lse}_i}$ by recomputing the tile's scores, and the row sum
+# $\sum_j P_{ij}\,dP_{ij}$ equals $\delta_i = dO_i \cdot O_i$, one dot product of length $D$. So
+# the extra state is one number per row ($\mathrm{lse}_i$), $O(T)$, plus $\delta$, also one number
+# per row, computed at the start of the backward pass.
+# <!-- END SOLUTION -->
+
+# %% [markdown]
+# The C++ backward organises these products for a CPU. Every tile product has one form, $C = AB$
+# built up by scaling whole rows of $B$ with entries of $A$, a loop the compiler vectorises along
+# the rows. Where a product needs a transposed operand ($K^\top$ for the scores in the forward
+# pass; tiles of $Q$, $dO$ or $dS$ here), that tile is first copied transposed into scratch. Every
 # output element is written by exactly one thread, so no atomic additions are needed. When there
 # are enough (batch, key/value head) pairs to share among the threads, one pass over them
-# accumulates `dK`, `dV` and `dQ` tile by tile; otherwise a first pass computes `dK` and `dV` and
-# a second, over query tiles, computes `dQ`. Both schedules give the same bits (the cell forces
+# accumulates $dK$, $dV$ and $dQ$ tile by tile; otherwise a first pass computes $dK$ and $dV$ and
+# a second, over query tiles, computes $dQ$. Both schedules give the same bits (the cell forces
 # each in turn and compares). Against the dense float64 `sdpa_backward` (its key/value gradients
 # summed over each group), by the float32 rule with factor 3; the floor also carries
-# `1 + max |lse|`, because every weight is rebuilt from a float32 `lse`, and takes as `M` the
-# largest gradient entry, for `dK` and `dV` after the sum over the group.
+# $1 + \max |\mathrm{lse}|$, because every weight is rebuilt from a float32 lse, and takes as $M$
+# the largest gradient entry, for $dK$ and $dV$ after the sum over the group.
 
 # %%
 dq_ref, dk_ref, dv_ref = sdpa_backward(do, ref_cache)
@@ -310,13 +389,14 @@ else:
 # %% [markdown]
 # ## K2 and F3: decode, split across the cores
 #
-# A decode step (K2) has one new query per head and a long cache: `o = softmax(tau q K^T) V` over
-# the sequence's `n` cached keys. With one query row there is no query tile to share among
-# threads, so the kernel cuts the keys instead, into `splits` chunks: separate work items that any
-# thread may take, chunk `s` reduced to the partial statistics `(m_s, l_s, u_s)` of its keys
-# (F2); a second, tiny loop merges them (F3):
+# A decode step (K2) has one new query per head and a long cache:
+# $o = \mathrm{softmax}(\tau\, q K^\top) V$ over the sequence's $n$ cached keys. With one query
+# row there is no query tile to share among threads, so the kernel cuts the keys instead, into
+# `splits` chunks: separate work items that any thread may take, chunk $s$ reduced to the partial
+# statistics $(m_s, l_s, u_s)$ of its keys (F2); a second, tiny loop merges them (F3):
 #
-# `m = max_s m_s`,  `l = sum_s e^{m_s - m} l_s`,  `o = sum_s e^{m_s - m} u_s / l`.
+# $$m = \max_s m_s, \qquad l = \sum_s e^{m_s - m}\, l_s, \qquad
+#   o = \frac{\sum_s e^{m_s - m}\, u_s}{l}.$$
 #
 # In exact arithmetic the merge changes nothing, so the answer depends on `splits` only through
 # rounding. The query heads of a GQA group are handled together, so each cached key is read once
@@ -349,9 +429,24 @@ np.testing.assert_allclose(online_softmax_result(merged), whole[0], rtol=1e-12, 
 
 
 # %% [markdown]
+# **Your turn.** Merge the four `parts` yourself with the three formulas above (each part has
+# `.m`, `.l` and `.u`), and give the attention output $o$.
+
+# %% tags=["exercise"]
+o_merged_by_hand = ...  # (D,)
+# BEGIN SOLUTION
+m_all = max(part.m for part in parts)
+l_all = sum(np.exp(part.m - m_all) * part.l for part in parts)
+o_merged_by_hand = sum(np.exp(part.m - m_all) * part.u for part in parts) / l_all
+# END SOLUTION
+
+# %%
+check_close("merged decode output", o_merged_by_hand, lambda: whole[0], rtol=1e-12, atol=1e-15)
+
+# %% [markdown]
 # Now the kernel on both sequences and all heads. `decode_attention` is one function with three
 # backends and the same arguments: `"numpy"` is the reference, which attends over each sequence's
-# first `n_b` keys with `sdpa_forward` (run here in float64 and in float32), and `"cpu"` is the C++
+# first $n_b$ keys with `sdpa_forward` (run here in float64 and in float32), and `"cpu"` is the C++
 # kernel `refmath.kernels.decode`, run with `splits=1` (one thread walks each whole context) and
 # `splits=4`.
 
@@ -376,14 +471,16 @@ else:
 # %% [markdown]
 # ## K10: the same decode through a page table
 #
-# A paged cache (lesson 3) stores tokens in pages of `p` slots drawn from a shared pool; token `j`
-# of sequence `b` lives in slot `j % p` of physical page `page_table[b, j // p]`. The kernel takes
-# the pool in the layout of `PagedKVCache`, `(n_pages, G, p, D)`, and a table padded with -1.
+# A paged cache (lesson 3) stores tokens in pages of $p$ slots drawn from a shared pool; token $j$
+# of sequence $b$ lives in slot $j \bmod p$ of physical page `page_table[b, j // p]`. The kernel
+# takes the pool in the layout of `PagedKVCache`, $(n_{\text{pages}}, G, p, D)$, and a table
+# padded with $-1$.
 #
 # Below, the contiguous caches are cut into pages of 16 tokens and the pages are scattered over a
-# pool in a random order, with spare pages full of NaN. Sequence 0 needs `4096 / 16 = 256` pages,
-# sequence 1 needs `ceil(1000 / 16) = 63`, the last one holding 8 tokens, so token 999 sits in
-# logical page 62, slot 7. The kernel only sees the table, so its answer must be the contiguous one.
+# pool in a random order, with spare pages full of NaN. Sequence 0 needs $4096 / 16 = 256$ pages,
+# sequence 1 needs $\lceil 1000 / 16 \rceil = 63$, the last one holding 8 tokens, so token 999
+# sits in logical page 62, slot 7. The kernel only sees the table, so its answer must be the
+# contiguous one.
 #
 # Inside, both forms hand the arithmetic the same thing: a block of 32 keys given as 32 row
 # pointers, gathered from one page or several. With `splits=1` the blocks are the same 32 keys in
@@ -434,53 +531,73 @@ else:
 # %% [markdown]
 # ## F5: what it buys, in time
 #
-# All three programs do the same arithmetic, `O(B H T^2 D)` multiply-adds (about half of it under
-# a causal mask, for the two that skip hidden tiles). The differences are in how they do it. Below,
-# `B = 1`, `H = 4`, `D = 64`, causal, float32, best of three runs (one run for the tiled NumPy
-# reference): dense NumPy, the tiled NumPy reference (16 x 16 tiles, a Python loop per tile, so
-# only the two smallest lengths), and the C++ kernel. These are timings of this machine, now:
-# they vary from machine to machine and run to run, so nothing here is asserted about them.
+# All three programs do the same arithmetic, $O(B H T^2 D)$ multiply-adds (about half of it under
+# a causal mask, for the two that skip hidden tiles). The differences are in how they do it.
+# Below, $B = 1$, $H = 4$, $D = 64$, causal, float32: dense NumPy, the tiled NumPy reference
+# ($16 \times 16$ tiles, a Python loop per tile, so only the two smallest lengths), and the C++
+# kernel.
+#
+# Timings on a shared machine are noisy, and thread pools sized to every core (NumPy's BLAS, the
+# kernel's OpenMP, `kernels.cpu_threads()` threads each) spin and fight when other work runs: an
+# unpinned run on a busy 2-core machine timed dense NumPy at 132 ms for $T = 128$ and 108 ms for
+# $T = 1024$, backwards. So the cell pins every pool to one thread (with threadpoolctl when it is
+# installed; setting `OMP_NUM_THREADS=1` and `OPENBLAS_NUM_THREADS=1` before starting Python does
+# the same), takes the median of 5 runs (of 1 for the tiled NumPy reference), and draws a recorded
+# measurement beside the live one. Nothing is asserted about the times.
 
 # %%
-def best_of(fn, repeats=3):
+def median_seconds(fn, repeats=5):
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return float(np.median(times))
 
 
+# Recorded by this cell on the project's 2-core AMD EPYC build machine (x86-64, 16 float32 lanes),
+# one thread, while other jobs shared it: milliseconds at T = 128, 256, 512, 1024.
+RECORDED_MS = {"dense NumPy": [0.852, 12.2, 55.7, 195.0], "tiled NumPy": [24.0, 69.8, np.nan, np.nan],
+               "C++ kernel": [0.632, 2.0, 16.6, 56.0]}
+THREADS = 1  # one thread per pool: stable on a shared machine, and the same for all three
 lengths_t = [128, 256, 512, 1024]
 timings = {"dense NumPy": [], "tiled NumPy": [], "C++ kernel": []}
-for T in lengths_t:
-    qt, kt, vt = (rng.standard_normal((1, 4, T, 64)).astype(np.float32) for _ in range(3))
-    mask = causal_mask(T, dtype=np.float32)
-    timings["dense NumPy"].append(best_of(lambda: sdpa_forward(qt, kt, vt, mask=mask)))
-    timings["tiled NumPy"].append(
-        best_of(lambda: flash.flash_attention_forward(qt, kt, vt, causal=True), 1)
-        if T <= 256 else np.nan)
-    timings["C++ kernel"].append(
-        best_of(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
-        if HAVE_CPU else np.nan)
+pinned = threadpool_limits(limits=THREADS) if threadpool_limits else contextlib.nullcontext()
+with pinned:
+    for T in lengths_t:
+        qt, kt, vt = (rng.standard_normal((1, 4, T, 64)).astype(np.float32) for _ in range(3))
+        mask = causal_mask(T, dtype=np.float32)
+        timings["dense NumPy"].append(median_seconds(lambda: sdpa_forward(qt, kt, vt, mask=mask)))
+        timings["tiled NumPy"].append(
+            median_seconds(lambda: flash.flash_attention_forward(qt, kt, vt, causal=True), 1)
+            if T <= 256 else np.nan)
+        timings["C++ kernel"].append(
+            median_seconds(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
+            if HAVE_CPU else np.nan)
 for name, ts in timings.items():
     print(f"{name:12s}", "  ".join(f"T={T}: {t * 1e3:7.2f} ms" for T, t in zip(lengths_t, ts)))
 
-fig, ax = plt.subplots(figsize=(5.5, 3.4), layout="constrained")
-for (name, ts), marker in zip(timings.items(), "os^"):
-    if not np.all(np.isnan(ts)):
-        ax.loglog(lengths_t, np.array(ts) * 1e3, marker + "-", label=name)
-ax.set(xlabel="sequence length T", ylabel="ms (best of 3; tiled: 1 run)",
-       title="causal attention forward, B=1, H=4, D=64")
-ax.set_xticks(lengths_t, [str(T) for T in lengths_t])
-ax.legend()
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True, layout="constrained")
+panels = ((RECORDED_MS, "recorded: 2-core build machine, 1 thread", 1.0),
+          ({k: np.array(v) * 1e3 for k, v in timings.items()},
+           f"this machine, now: {THREADS} thread", 1.0))
+for ax, (table, title, _) in zip(axes, panels):
+    for (name, ms), marker in zip(table.items(), "os^"):
+        if not np.all(np.isnan(ms)):
+            ax.loglog(lengths_t, ms, marker + "-", label=name)
+    ax.set(xlabel="sequence length T", title=title)
+    ax.minorticks_off()  # only the four lengths as ticks: no overlapping minor labels
+    ax.set_xticks(lengths_t, [str(T) for T in lengths_t])
+    ax.legend(fontsize=8)
+axes[0].set_ylabel("ms, median (tiled NumPy: 1 run)")
+fig.suptitle("causal attention forward, B = 1, H = 4, D = 64, float32", fontsize=10)
 plt.show()
 
 # %% [markdown]
 # What ran: the kernel is compiled twice, once for 8-lane vectors (AVX2, or the baseline
 # instruction set doing the same work) and once for 16-lane vectors (AVX-512), and picks the
 # widest the CPU supports. `cpu_vector_lanes(8)` forces the 8-lane copy, which is how the tests
-# reach it on an AVX-512 machine; here it is timed (best of three) at `T = 1024` and the default
+# reach it on an AVX-512 machine; here it is timed (median of five) at $T = 1024$ and the default
 # restored.
 
 # %%
@@ -490,7 +607,8 @@ if HAVE_CPU:
     if lanes == 16:
         try:
             assert kernels.cpu_vector_lanes(8) == 8  # the 8-lane copy is now the one in use
-            t8 = best_of(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
+            with threadpool_limits(limits=THREADS) if threadpool_limits else contextlib.nullcontext():
+                t8 = median_seconds(lambda: kernels.flash_attention_forward(qt, kt, vt, causal=True))
         finally:
             kernels.cpu_vector_lanes(16)
         print(f"T = 1024: 16 lanes {timings['C++ kernel'][-1] * 1e3:.2f} ms, "
@@ -502,14 +620,15 @@ else:
 # %% [markdown]
 # ## F4 and F5: what it buys, in memory
 #
-# Dense attention holds the scores and the weights, `B H T^2` numbers each (and keeps the weights
-# for its backward pass). The tiled programs keep `O` and one `lse` per row, `O(T)`, plus scratch
-# of a fixed size: in the C++ forward pass each thread holds one tile of scores (`128 x 128`), its
-# output rows and their tile product (`2 x 128 x D`), a transposed key tile (`D x 128`) and three
-# numbers per row, about 160 KiB for `D = 64`, whatever `T` is.
+# Dense attention holds the scores and the weights, $B H T^2$ numbers each (and keeps the weights
+# for its backward pass). The tiled programs keep $O$ and one lse per row, $O(T)$, plus scratch
+# of a fixed size: in the C++ forward pass each thread holds one tile of scores
+# ($128 \times 128$), its output rows and their tile product ($2 \times 128 \times D$), a
+# transposed key tile ($D \times 128$) and three numbers per row, about 160 KiB for $D = 64$,
+# whatever $T$ is.
 #
 # `tracemalloc` sees the memory of every NumPy array, so it can measure the peak of each call at
-# `T = 1024` (the arrays from the timing above). It does not see the kernel's C++ scratch, which
+# $T = 1024$ (the arrays from the timing above). It does not see the kernel's C++ scratch, which
 # is why the formula is given above.
 
 # %%
@@ -556,7 +675,7 @@ print(f"T = {T}: scores {4 * 4 * T * T / 2**30:.0f} GiB, "
       f"o and lse {(4 * T * 64 * 4 + 4 * T * 4) / 2**20:.0f} MiB")
 
 # %% [markdown]
-# At `T = 131072` the score matrices of four heads alone take 256 GiB, while the output and the
+# At $T = 131072$ the score matrices of four heads alone take 256 GiB, while the output and the
 # logsumexp take about 130 MiB: one of the two reasons for FlashAttention (the other is speed,
 # from fewer reads and writes of slow memory).
 #
@@ -569,19 +688,45 @@ print(f"T = {T}: scores {4 * 4 * T * T / 2**30:.0f} GiB, "
 # - **v1** (`flash_v1.cu`): one thread per query row, walking the keys one at a time with the
 #   online-softmax state of F3. No shared memory, no synchronisation; slow because every thread
 #   fetches every key and value row it uses from global memory.
-# - **v2** (`flash_v2.cu`): a block of 32 query rows copies each 32-key tile of `K` and `V` into
+# - **v2** (`flash_v2.cu`): a block of 32 query rows copies each 32-key tile of $K$ and $V$ into
 #   shared memory once and all its rows use it; scores, row maxima and sums are split across the
 #   lanes of a warp, and the softmax state is updated once per tile rather than once per key.
-# - **v3** (`flash_v3.cu`): both products, `Q K^T` and `P V`, on the tensor cores
-#   (`mma.sync m16n8k16`: a 16x16 tile times a 16x8 tile, of fp16 or bf16, accumulated in fp32,
-#   for `D = 64` or `128`), exponentials in base 2 as on the CPU, and the weights passed straight
-#   from one product to the next in registers.
+# - **v3** (`flash_v3.cu`): both products, $Q K^\top$ and $P V$, on the tensor cores
+#   (`mma.sync m16n8k16`: a $16 \times 16$ tile times a $16 \times 8$ tile, of fp16 or bf16,
+#   accumulated in fp32, for $D = 64$ or 128), exponentials in base 2 as on the CPU, and the
+#   weights passed straight from one product to the next in registers.
 #
 # The backward pass (`flash_backward.cu`) and the paged split-K decode (`paged_decode.cu`, a
-# partial `(m, l, u)` per split and a second kernel for the F3 merge) complete the set.
+# partial $(m, l, u)$ per split and a second kernel for the F3 merge) complete the set.
 # `kernels.flash_versions()` lists the versions that were built (empty without the CUDA module),
 # and a CuPy array passed to `kernels.flash_attention_forward(..., version="v2")` runs that one.
 
 # %%
 print("CUDA versions built:", kernels.flash_versions() or "none")
 print(kernels.cuda_build_info())
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Bound the relative error of the degree-7 polynomial for $2^f$ on $|f| \le 1/2$ by the first
+#    omitted Taylor term, and compare with the measured $10^{-8}$.
+# 2. Derive $dS = P \odot (dP - \delta)$ from the softmax Jacobian of A5, row by row.
+# 3. Show that merging split-K statistics is associative and commutative (F3), and explain why the
+#    kernel's answer still depends on `splits` in float32.
+# 4. With the recorded timings, estimate the exponent $k$ in $t \propto T^k$ for the dense NumPy
+#    program and the C++ kernel between $T = 512$ and 1024. Which term of the cost explains each?
+# 5. Count the bytes the dense forward pass writes and reads for the $T \times T$ scores and
+#    weights, against the tiled kernel's reads of $Q$, $K$, $V$ and writes of $O$ and lse.
+#
+# ## References
+#
+# - Dao, T., et al. (2022). FlashAttention: Fast and Memory-Efficient Exact Attention with
+#   IO-Awareness. (Tiling, the online softmax, recomputation from the logsumexp in the backward
+#   pass.)
+# - Milakov, M., and Gimelshein, N. (2018). Online normalizer calculation for softmax.
+# - Dao, T. (2023). FlashAttention-2: Faster Attention with Better Parallelism and Work
+#   Partitioning. (Splitting the work of the forward and backward passes across threads.)
+# - Kwon, W., et al. (2023). Efficient Memory Management for Large Language Model Serving with
+#   PagedAttention. (Paged decode.)
+# - Ainslie, J., et al. (2023). GQA: Training Generalized Multi-Query Transformer Models from
+#   Multi-Head Checkpoints.

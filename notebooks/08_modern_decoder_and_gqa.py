@@ -1,0 +1,365 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   refmath:
+#     figures: 1
+#     minutes: 40
+#     ids: [M3, A9, A10, A13]
+# ---
+
+# %% [markdown]
+# # Lesson 8: the modern decoder and grouped-query attention
+#
+# A Llama-style decoder (Touvron et al., 2023) keeps GPT-2's Pre-norm arrangement and changes
+# every part: RMSNorm, rotary positions, SwiGLU, no biases, and keys and values shared by groups of
+# query heads (grouped-query attention, GQA; Ainslie et al., 2023). This lesson builds the layer
+# (M3), fuses its three projections into one (A9), maps query heads to key/value heads (A10),
+# derives by hand why a shared key/value head's gradient is a *sum* over the query heads that read
+# it, and counts what grouping saves and what it does not (A13).
+#
+# **Prerequisites:** lessons 1 (attention backward, A8), 2 (RMSNorm), 4 (SwiGLU, RoPE) and 7 (GPT).
+#
+# **Goals:** read the shapes of an M3 layer; show that one fused projection equals three; derive
+# the head-sum in $dK$ and $dV$ and check it by central differences; count, per decode step, the
+# FLOPs and bytes of MHA, GQA and MQA, and say why GQA leaves the score arithmetic unchanged.
+#
+# **Catalogue IDs:** M3, A9, A10, A13
+#
+# **Duration:** about 40 minutes.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from refmath.attention import (
+    causal_attention_backward,
+    causal_attention_forward,
+    causal_mask,
+    gqa_head_map,
+    mha_forward,
+    sdpa_backward,
+    sdpa_forward,
+)
+from refmath.gradcheck import check_param_gradients, numerical_gradient, relative_error
+from refmath.lessons import check_close, check_true
+from refmath.models import decoder
+from refmath.sizing import attention_design_cost, attention_parameter_count
+
+np.set_printoptions(precision=4, suppress=True)
+rng = np.random.default_rng(0)
+
+
+def n_params(shapes):
+    """Number of parameters described by a {name: shape} dict (nothing is allocated)."""
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+# %% [markdown]
+# ## M3: the layer
+#
+# $$x' = x + \mathrm{Attn}(\mathrm{RMSNorm}(x)), \qquad
+#   x'' = x' + \big(\mathrm{SiLU}(z W_{\text{gate}}) \odot (z W_{\text{up}})\big) W_{\text{down}},
+#   \quad z = \mathrm{RMSNorm}(x'),$$
+#
+# with no biases anywhere, no position table (RoPE rotates queries and keys inside attention,
+# N10), $g$ key/value heads shared by $h$ query heads, an FFN of width about $8d/3$, a final
+# RMSNorm and an untied output matrix. With $d = 32$, $h = 4$, $g = 2$: $d_h = 8$, so `w_q` is
+# $32 \times 32$, `w_k` and `w_v` are $32 \times 16$, and $8 \cdot 32 / 3 = 85.3$, rounded up to a
+# multiple of 16, is $d_f = 96$.
+
+# %%
+m3 = decoder.DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                           n_kv_heads=2, ffn_multiple_of=16)
+shapes = decoder.param_shapes(m3)
+for name, shape in shapes.items():
+    if not name.startswith("layers.1."):
+        print(f"{name:>22}  {shape}")
+assert shapes["layers.0.attn.w_k"] == (32, 16) and m3.d_f == 96
+# no position table, and the only vectors are RMSNorm gains: no biases, no LayerNorm shifts
+assert "pos_emb" not in shapes
+assert all(name.endswith(".gamma") for name, shape in shapes.items() if len(shape) == 1)
+
+# %% [markdown]
+# A forward and backward pass, and `refmath.gradcheck.check_param_gradients` on every parameter
+# tensor (six coordinates of each, five-point central differences in float64, against the bound
+# of the module's docstring).
+
+# %%
+params = decoder.init_params(m3, seed=0)
+tokens = rng.integers(0, 32, (2, 8))
+batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+loss, cache = decoder.forward(params, batch, m3)
+grads = decoder.backward(cache)
+result = check_param_gradients(lambda p: decoder.forward(p, batch, m3)[0], grads, params)
+print(f"loss {float(loss):.4f} (log 32 = {np.log(32):.4f}); gradient check passed: "
+      f"{result.passed}, worst {result.worst} with error {result.errors[result.worst]:.1e} "
+      f"against the bound {result.bound:.1e}")
+assert result.passed
+
+# %% [markdown]
+# ## A9: one fused projection equals three
+#
+# $[Q\;K\;V] = X\,[W_Q\;W_K\;W_V]$: concatenating the three weight matrices side by side gives
+# one matrix of width $(h + 2g) d_h$, one matrix product instead of three, and the same numbers
+# up to rounding.
+
+# %% [markdown]
+# **Your turn.** With $d = 4$, $h = 2$, $g = 1$, $d_h = 2$, build the fused parameter dict
+# `{"w_qkv": ..., "w_o": ...}` from `separate`.
+
+# %% tags=["exercise"]
+d, h, g, d_h = 4, 2, 1, 2
+x = rng.standard_normal((3, d))
+separate = {"w_q": rng.standard_normal((d, h * d_h)), "w_k": rng.standard_normal((d, g * d_h)),
+            "w_v": rng.standard_normal((d, g * d_h)), "w_o": rng.standard_normal((h * d_h, d))}
+fused = ...  # {"w_qkv": (4, 8) array, "w_o": separate["w_o"]}
+# BEGIN SOLUTION
+fused = {"w_qkv": np.concatenate([separate["w_q"], separate["w_k"], separate["w_v"]], axis=1),
+         "w_o": separate["w_o"]}
+# END SOLUTION
+
+# %%
+check_close("fused attention output",
+            None if fused is Ellipsis else mha_forward(x, fused, n_heads=h, n_kv_heads=g)[0],
+            lambda: mha_forward(x, separate, n_heads=h, n_kv_heads=g)[0], rtol=1e-12, atol=1e-14)
+
+# %% [markdown]
+# ## A10: the head map; MHA is $g = h$, MQA is $g = 1$
+#
+# Query head $r$ reads key/value head
+#
+# $$\pi(r) = \left\lfloor \frac{r}{h/g} \right\rfloor \qquad (r = 0, \dots, h - 1),$$
+#
+# so consecutive blocks of $h/g$ query heads share one key and one value head (counting from 1,
+# $\pi(r) = 1 + \lfloor (r - 1)/(h/g) \rfloor$). For $h = 8$:
+
+# %%
+for groups in (8, 2, 1):
+    print(f"g = {groups}: {gqa_head_map(8, groups)}")
+np.testing.assert_array_equal(gqa_head_map(8, 2), [0, 0, 0, 0, 1, 1, 1, 1])
+try:
+    gqa_head_map(8, 3)
+except ValueError as error:
+    print("g = 3:", error)
+
+# %% [markdown]
+# Each query head keeps its own $W_Q$ columns; only keys and values are shared. So GQA is exactly
+# MHA whose key and value matrices repeat each shared head's columns for the $h/g$ query heads of
+# its block:
+
+# %%
+d, h, g, d_h = 8, 4, 2, 2
+x = rng.standard_normal((5, d))
+gqa = {"w_q": rng.standard_normal((d, h * d_h)), "w_k": rng.standard_normal((d, g * d_h)),
+       "w_v": rng.standard_normal((d, g * d_h)), "w_o": rng.standard_normal((h * d_h, d))}
+
+
+def repeat_heads(w):
+    return w.reshape(d, g, d_h)[:, gqa_head_map(h, g)].reshape(d, h * d_h)
+
+
+mha = {**gqa, "w_k": repeat_heads(gqa["w_k"]), "w_v": repeat_heads(gqa["w_v"])}
+np.testing.assert_allclose(mha_forward(x, gqa, n_heads=h, n_kv_heads=g)[0],
+                           mha_forward(x, mha, n_heads=h)[0], rtol=1e-12, atol=1e-14)
+print("GQA with g = 2 equals MHA with each key/value head repeated for its 2 query heads")
+
+# %% [markdown]
+# ## The head-sum in the key and value gradients
+#
+# Forward, head $u$'s keys and values are *copied* to every query head $r$ with $\pi(r) = u$. The
+# backward of a copy is a sum (the same rule as the embedding of lesson 6, N12): each query head
+# $r$ runs the ordinary attention backward (A8) on its copy,
+# $dV^{(r)} = A_r^\top dO_r$ and $dK^{(r)} = \tau\, dS_r^\top Q_r$, and the shared head receives
+#
+# $$dK_u = \sum_{r:\ \pi(r) = u} dK^{(r)}, \qquad dV_u = \sum_{r:\ \pi(r) = u} dV^{(r)}.$$
+#
+# By hand, with $h = 2$ query heads sharing $g = 1$ key/value head, $T = 2$ tokens, $d_h = 1$ (so
+# $\tau = 1$) and a causal mask. Keys $k = (0, \ln 3)$. Head 0's queries are 0, so its row 1 puts
+# weights $(1/2, 1/2)$ on the two keys; head 1's second query is 1, so its scores are
+# $(0, \ln 3)$ and its weights $(1/4, 3/4)$. Row 0 sees only key 0 (weight 1) in both heads:
+#
+# $$A_0 = \begin{pmatrix} 1 & 0 \\ \tfrac12 & \tfrac12 \end{pmatrix}, \qquad
+#   A_1 = \begin{pmatrix} 1 & 0 \\ \tfrac14 & \tfrac34 \end{pmatrix}.$$
+#
+# With upstream gradients $dO_0 = (1, 2)^\top$ and $dO_1 = (2, 4)^\top$:
+# $dV^{(0)} = A_0^\top dO_0 = (1 + 1,\ 1) = (2, 1)$,
+# $dV^{(1)} = A_1^\top dO_1 = (2 + 1,\ 3) = (3, 3)$, so the shared head gets $dV = (5, 4)$.
+
+# %%
+q_small = np.array([0.0, 0.0, 0.0, 1.0]).reshape(1, 2, 2, 1)  # (B, H, T, D)
+k_small = np.array([0.0, np.log(3.0)]).reshape(1, 1, 2, 1)   # (B, G, T, D)
+v_small = np.array([1.0, -1.0]).reshape(1, 1, 2, 1)
+do_small = np.array([1.0, 2.0, 2.0, 4.0]).reshape(1, 2, 2, 1)
+o_small, cache_small = causal_attention_forward(q_small, k_small, v_small)
+print("attention weights of the two query heads:\n", cache_small.saved.a[0])
+
+# %% [markdown]
+# **Your turn.** Write the shared head's $dV$ from the two weight matrices, shape `(1, 1, 2, 1)`.
+
+# %% tags=["exercise"]
+A0 = np.array([[1.0, 0.0], [0.5, 0.5]])
+A1 = np.array([[1.0, 0.0], [0.25, 0.75]])
+dv_shared = ...  # (1, 1, 2, 1)
+# BEGIN SOLUTION
+dv_shared = (A0.T @ do_small[0, 0] + A1.T @ do_small[0, 1]).reshape(1, 1, 2, 1)
+# END SOLUTION
+
+# %%
+check_close("dV of the shared head", dv_shared,
+            lambda: causal_attention_backward(do_small, cache_small)[2], rtol=1e-14)
+check_close("the same by hand", dv_shared, np.array([5.0, 4.0]).reshape(1, 1, 2, 1), rtol=1e-14)
+
+# %% [markdown]
+# **Your turn.** Now at a size where no one computes by hand: $h = 4$, $g = 2$, $T = 5$,
+# $d_h = 3$, float64. `per_head` holds the gradients each query head computes for its copy of the
+# keys, shape $(B, h, T, d_h)$. Sum them into the $g$ shared heads (a reshape to
+# $(B, g, h/g, T, d_h)$ and a sum); the check compares your $dK$ with central differences of
+# $\phi(K) = \sum O \odot dO$ from `refmath.gradcheck.numerical_gradient`.
+
+# %% tags=["exercise"]
+B, H, G, T, D = 1, 4, 2, 5, 3
+q5 = rng.standard_normal((B, H, T, D))
+k5, v5 = rng.standard_normal((B, G, T, D)), rng.standard_normal((B, G, T, D))
+do5 = rng.standard_normal((B, H, T, D))
+heads = gqa_head_map(H, G)
+_, repeated_cache = sdpa_forward(q5, k5[:, heads], v5[:, heads], mask=causal_mask(T))
+_, per_head, _ = sdpa_backward(do5, repeated_cache)  # (B, H, T, D): one copy per query head
+dk_shared = ...  # (B, G, T, D)
+# BEGIN SOLUTION
+dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)
+# END SOLUTION
+
+# %%
+def dk_by_central_differences():
+    phi = lambda: float((causal_attention_forward(q5, k5, v5)[0] * do5).sum())  # noqa: E731
+    return numerical_gradient(phi, k5, np.arange(k5.size)).reshape(k5.shape)
+
+
+check_close("dK of the shared heads", dk_shared, dk_by_central_differences, rtol=1e-7,
+            atol=1e-9, hint="sum over the h/g query heads of each block")
+check_true("a single head's copy is not the gradient",
+           not np.allclose(per_head[:, ::2], dk_by_central_differences()),
+           "each shared head is read by two query heads")
+
+# %% [markdown]
+# ## A13: what grouping saves, and what it does not
+#
+# One attention block has $d\,h d_h + 2\,d\,g d_h + h d_h\,d$ weights. At $d = 4096$, $h = 32$,
+# $d_h = 128$: MHA ($g = 32$) has $4d^2 = 67{,}108{,}864$; GQA with $g = 8$ has
+# $2d^2 + 2d(d/4) = 41{,}943{,}040$; MQA ($g = 1$) has $34{,}603{,}008$.
+#
+# Per decode step at context $t$, count the work of one layer for one sequence (2 FLOPs per
+# multiply-add): the Q and O projections, $4 d h d_h$; the K and V projections, $4 d g d_h$; the
+# scores and the weighted sum, $4 h d_h t$; and the bytes of cache read, $2 t g d_h b$. Every query
+# head still scores every key, so **the score arithmetic does not depend on $g$**: grouping divides
+# the K/V projections, their parameters and the cache by $h/g$, and nothing else. What it buys at
+# decode time is fewer bytes to read (lesson 10: decode is bound by memory bandwidth), not fewer
+# FLOPs. `refmath.sizing.attention_design_cost` gives the counts.
+
+# %%
+for name, groups in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
+    cost = attention_design_cost(4096, 32, groups, 128, context=8192)
+    print(f"{name} g = {groups:2}: params {attention_parameter_count(4096, 32, groups, 128):>11,}; "
+          f"per step: scores {cost.score_flops / 1e6:6.1f} MFLOP, K/V projections "
+          f"{cost.kv_projection_flops / 1e6:5.1f} MFLOP, cache read {cost.cache_bytes / 2**20:5.1f} MiB")
+assert attention_parameter_count(4096, 32, 8, 128) == 2 * 4096**2 + 2 * 4096 * 1024 == 41_943_040
+layer0_attn = n_params({k: v for k, v in shapes.items() if k.startswith("layers.0.attn.")})
+assert layer0_attn == attention_parameter_count(m3.d_model, m3.n_heads, m3.kv_heads, m3.d_h)
+
+# %% [markdown]
+# **Your turn.** For Llama-3-8B's shape ($d = 4096$, $h = 32$, $g = 8$, $d_h = 128$) at $t = 8192$
+# and 2-byte elements, compute by hand the score FLOPs and the cache bytes of one layer's decode
+# step, and the ratio of MHA's cache bytes to GQA's.
+
+# %% tags=["exercise"]
+score_flops_by_hand = ...
+cache_bytes_by_hand = ...
+mha_over_gqa = ...
+# BEGIN SOLUTION
+score_flops_by_hand = 4 * 32 * 128 * 8192
+cache_bytes_by_hand = 2 * 8192 * 8 * 128 * 2
+mha_over_gqa = 32 / 8
+# END SOLUTION
+
+# %%
+check_close("score FLOPs", score_flops_by_hand,
+            lambda: attention_design_cost(4096, 32, 8, 128, 8192).score_flops, rtol=0)
+check_close("cache bytes", cache_bytes_by_hand,
+            lambda: attention_design_cost(4096, 32, 8, 128, 8192).cache_bytes, rtol=0)
+check_close("MHA / GQA cache", mha_over_gqa,
+            lambda: attention_design_cost(4096, 32, 32, 128, 8192).cache_bytes
+            / attention_design_cost(4096, 32, 8, 128, 8192).cache_bytes, rtol=0)
+
+# %%
+group_counts = [32, 16, 8, 4, 2, 1]
+costs = [attention_design_cost(4096, 32, gg, 128, context=8192) for gg in group_counts]
+assert len({c.score_flops for c in costs}) == 1
+fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4), layout="constrained")
+axes[0].plot(group_counts, [c.score_flops / 1e6 for c in costs], "o-", label="scores and values")
+axes[0].plot(group_counts, [c.q_o_projection_flops / 1e6 for c in costs], "^-",
+             label="Q and O projections")
+axes[0].plot(group_counts, [c.kv_projection_flops / 1e6 for c in costs], "s-",
+             label="K and V projections")
+axes[0].set(xscale="log", yscale="log", xlabel="key/value heads g (h = 32)",
+            ylabel="MFLOP per decode step, one layer", title="FLOPs: only K/V projections shrink")
+axes[1].plot(group_counts, [c.cache_bytes / 2**20 for c in costs], "o-", color="tab:red")
+axes[1].set(xscale="log", yscale="log", xlabel="key/value heads g (h = 32)",
+            ylabel="MiB of cache read, one layer", title="bytes: the cache shrinks as g")
+for ax in axes:
+    ax.set_xticks(group_counts, [str(gg) for gg in group_counts])
+    ax.invert_xaxis()
+axes[0].legend(fontsize=8)
+fig.suptitle("one decode step at t = 8192, d = 4096, d_h = 128, bf16", fontsize=10)
+plt.show()
+
+# %% [markdown] tags=["question"]
+# **Question.** You have a trained MHA checkpoint with $h = 32$ and want a GQA model with $g = 8$.
+# Why can you not simply keep every fourth key/value head, and what do Ainslie et al. (2023) do
+# instead?
+#
+# <!-- BEGIN SOLUTION -->
+# The query heads of a group were trained against their *own* keys and values; giving three of
+# them another head's keys changes their scores and outputs, and the model degrades. Ainslie et
+# al. build each shared head's $W_K$ and $W_V$ by mean-pooling the projection matrices of the
+# heads in its group, then *uptrain*: continue pre-training the converted model for a small
+# fraction (about 5%) of the original pre-training compute, which recovers most of MHA's quality
+# at close to MQA's decoding speed. GQA is a different model, not an exact rewrite of MHA.
+# <!-- END SOLUTION -->
+
+# %% [markdown]
+# So GQA is a choice made before training, or paid for afterwards: a grouped model computes a
+# different function from the MHA model it came from (the shared head cannot equal all the heads
+# it replaces), and Ainslie et al. recover the quality by mean-pooling the key/value heads of each
+# group and then uptraining, continuing pre-training for about 5% of its original compute.
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Derive $dQ$ for GQA. Why does $dQ$ need no sum over heads, while $dK$ and $dV$ do?
+# 2. Show that MQA ($g = 1$) sums the key gradient over all $h$ query heads, and that MHA
+#    ($g = h$) sums over one head only.
+# 3. With `attention_design_cost`, find the context $t$ at which the cache read of one layer of
+#    Llama-3-8B's shape (GQA, $g = 8$) equals the bytes of that layer's attention weights in bf16.
+# 4. Fuse the three projections of the modern decoder's layer 0 into one `w_qkv` and check with
+#    `mha_forward` that the layer's attention output does not change.
+# 5. The tiny M3 above has $g = 2$. Convert it to $g = 1$ by mean-pooling `w_k` and `w_v` over the
+#    two heads, and measure how much the loss on the same batch changes.
+#
+# ## References
+#
+# - Touvron, H., et al. (2023). LLaMA: Open and Efficient Foundation Language Models. (Pre-RMSNorm,
+#   SwiGLU and RoPE in one decoder.)
+# - Shazeer, N. (2019). Fast Transformer Decoding: One Write-Head is All You Need. (Multi-query
+#   attention and the memory traffic of decoding.)
+# - Ainslie, J., et al. (2023). GQA: Training Generalized Multi-Query Transformer Models from
+#   Multi-Head Checkpoints. (Grouped-query attention, mean-pooled conversion and uptraining.)
+# - Zhang, B., and Sennrich, R. (2019). Root Mean Square Layer Normalization.
+# - Shazeer, N. (2020). GLU Variants Improve Transformer.
+# - Su, J., et al. (2021). RoFormer: Enhanced Transformer with Rotary Position Embedding.
