@@ -5,9 +5,9 @@ Usage: python docs/browser_check.py [--site docs/_build/html] [--out docs/screen
 
 The site is served from 127.0.0.1 only. Chromium (Debian's ``chromium`` package) is driven over
 the DevTools protocol on a pipe (``--remote-debugging-pipe``), so nothing beyond the standard
-library is needed. Pages checked: the landing page, the first lesson, the API page of
-``refmath.attention`` and the catalogue. Exit status 0 when every check passes, 1 when one fails,
-2 when no Chromium is found.
+library is needed. Pages checked: the landing page, every lesson (each cell that calls
+``plt.show()`` must show its figure), the API page of ``refmath.attention`` and the catalogue.
+Exit status 0 when every check passes, 1 when one fails, 2 when no Chromium is found.
 """
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ INSPECT_PAGE = """
     rawTex: raw.slice(0, 5),
     images: [...document.images].map(img => ({src: img.getAttribute('src'), width: img.naturalWidth})),
     figures: document.querySelectorAll('.cell_output img').length,
+    // Cells that call plt.show() but show no image: a figure lost (under the Agg backend, say).
+    cellsWithoutFigure: [...document.querySelectorAll('div.cell')].filter(cell => {
+      const code = cell.querySelector('.cell_input');
+      return code && code.textContent.includes('plt.show()') && !cell.querySelector('.cell_output img');
+    }).length,
     height: document.documentElement.scrollHeight,
   };
 })()
@@ -134,11 +139,11 @@ def serve(site: Path) -> http.server.ThreadingHTTPServer:
 
 
 def pages_to_check(site: Path) -> list[str]:
-    """The landing page, the first lesson, the API page of refmath.attention, the catalogue."""
+    """The landing page, every lesson, the API page of refmath.attention, the catalogue."""
     lessons = sorted((site / "lessons").glob("*.html"))
     api = next((p for p in sorted((site / "api").glob("*.html"))
                 if 'id="refmath.attention.sdpa_forward"' in p.read_text(encoding="utf-8")), None)
-    found = [site / "index.html", lessons[0] if lessons else None, api, site / "catalogue.html"]
+    found = [site / "index.html", *lessons, api, site / "catalogue.html"]
     return [str(p.relative_to(site)) for p in found if p is not None and p.exists()]
 
 
@@ -155,8 +160,8 @@ def problems_with(page: str, report: dict) -> list[str]:
     if report["rawTex"]:
         problems.append(f"raw TeX left in the text: {report['rawTex']}")
     problems += [f"image not loaded: {img['src']}" for img in report["images"] if img["width"] == 0]
-    if page.startswith("lessons/") and report["figures"] == 0:
-        problems.append("the lesson shows no figure")
+    if report["cellsWithoutFigure"]:
+        problems.append(f"{report['cellsWithoutFigure']} cells call plt.show() and show no figure")
     return problems
 
 

@@ -3,8 +3,9 @@
 Build: ``python -m sphinx -W -b html docs docs/_build/html`` from the repository root (the ``docs``
 extra installs what it needs). Before reading any page, ``generate_pages`` writes what is derived
 from the repository: the lessons mirrored from ``notebooks/``, the API pages grouped as the README
-groups its modules, the equation catalogue from ``docs/equations.md``, the kernel headers and the
-changelog. Those files are build outputs (``.gitignore`` lists them): edit their sources instead.
+groups its modules, the equation catalogue from ``docs/equations.md``, the kernel headers, the
+recorded benchmark runs, the changelog and the BibTeX entry. Those files are build outputs
+(``.gitignore`` lists them): edit their sources instead.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ sys.path[:0] = [str(ROOT), str(DOCS / "_ext")]
 
 import refmath  # noqa: E402  (after the path is set: the checkout's refmath, not another install)
 from api_pages import write_api_pages  # noqa: E402
+from benchmark_records import write_records  # noqa: E402
 from catalogue_page import write_catalogue  # noqa: E402
 from changelog_page import write_changelog  # noqa: E402
 from citation_page import write_bibtex  # noqa: E402
@@ -84,6 +86,7 @@ def generate_pages(app, config):
     write_api_pages(ROOT, DOCS / "api", generated / "api_index.md")
     write_catalogue(ROOT, generated / "catalogue.md")
     write_ladder(ROOT, generated / "kernel_ladder.md")
+    write_records(ROOT, generated / "benchmark_records.md")
     write_changelog(ROOT, generated / "changelog.md")
     write_bibtex(ROOT, generated / "citation.bib")
 
