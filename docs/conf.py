@@ -75,7 +75,10 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": [],
 }
-html_static_path = []
+# Single pages have no section to navigate: without the empty left sidebar, their wide tables and
+# kernel headers get the room. The lessons and the API pages keep it (it lists their siblings).
+html_sidebars = {page: [] for page in ("index", "start/*", "lessons", "catalogue", "api", "kernels",
+                                       "changelog", "cite")}
 
 
 def generate_pages(app, config):
