@@ -7,7 +7,7 @@
 #   --no-browser   build and link-check only
 set -euo pipefail
 case "${1:-}" in
-    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --no-browser) browser=0 ;;
     "") browser=1 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -26,7 +26,8 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
         >/dev/null 2>&1 || echo "apt-get could not install chromium"
 fi
 if command -v chromium >/dev/null 2>&1; then
-    python docs/browser_check.py --site docs/_build/html --out docs/screenshots
+    # A bound on the whole check, should the browser hang.
+    timeout 600 python docs/browser_check.py --site docs/_build/html --out docs/screenshots
 else
     echo "browser check SKIPPED: no chromium on this machine and it could not be installed"
 fi

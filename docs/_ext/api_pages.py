@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from lesson_pages import write_if_changed
+
 
 class ApiPage(NamedTuple):
     slug: str              # file name under docs/api/
@@ -80,8 +82,6 @@ def render_index(pages: list[ApiPage]) -> str:
 
 def write_api_pages(root: Path, folder: Path, index: Path) -> list[ApiPage]:
     """Write one page per group into ``folder`` and the index fragment into ``index``."""
-    from lesson_pages import write_if_changed
-
     pages = plan_pages((root / "README.md").read_text(encoding="utf-8"), public_modules())
     for page in pages:
         write_if_changed(folder / f"{page.slug}.md", render_page(page))

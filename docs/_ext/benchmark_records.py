@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from lesson_pages import write_if_changed
+
 
 def render_records(root: Path) -> str:
     """Every record with its headings moved two levels down, under the page's own section."""
@@ -17,6 +19,4 @@ def render_records(root: Path) -> str:
 
 
 def write_records(root: Path, target: Path) -> None:
-    from lesson_pages import write_if_changed
-
     write_if_changed(target, render_records(root))

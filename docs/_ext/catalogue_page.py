@@ -22,6 +22,7 @@ from typing import NamedTuple
 from myst_parser.slugs import github_slugify
 
 from ascii_math import markdown_with_math
+from lesson_pages import write_if_changed
 
 ID = re.compile(r"[A-Z]\d+")
 ID_RANGE = re.compile(r"([A-Z])(\d+)-(?:[A-Z])?(\d+)")
@@ -152,8 +153,6 @@ def render_catalogue(rows: list[CatalogueRow], shared: dict[str, str], root: Pat
 
 def write_catalogue(root: Path, target: Path) -> None:
     """Render docs/equations.md (and the shared catalogue, when present) into ``target``."""
-    from lesson_pages import write_if_changed
-
     rows = read_catalogue((root / "docs" / "equations.md").read_text(encoding="utf-8"))
     shared = read_shared_statements(root.parent / "shared" / "EQUATIONS.md")
     write_if_changed(target, render_catalogue(rows, shared, root))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lesson_pages import write_if_changed
+
 
 def changelog_section(readme: str) -> str:
     """The body of the README's "## Changelog" section (without its heading)."""
@@ -13,6 +15,4 @@ def changelog_section(readme: str) -> str:
 
 
 def write_changelog(root: Path, target: Path) -> None:
-    from lesson_pages import write_if_changed
-
     write_if_changed(target, changelog_section((root / "README.md").read_text(encoding="utf-8")))

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import yaml
 
+from lesson_pages import write_if_changed
+
 
 def bibtex_from_cff(cff: dict) -> str:
     """A BibTeX ``@software`` entry with the title, authors, version and licence of the CFF file."""
@@ -18,7 +20,5 @@ def bibtex_from_cff(cff: dict) -> str:
 
 
 def write_bibtex(root: Path, target: Path) -> None:
-    from lesson_pages import write_if_changed
-
     cff = yaml.safe_load((root / "CITATION.cff").read_text(encoding="utf-8"))
     write_if_changed(target, bibtex_from_cff(cff))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from lesson_pages import write_if_changed
+
 
 def header_comment(source: Path) -> list[str]:
     """The leading ``//`` comment of a source file, without the slashes."""
@@ -56,6 +58,4 @@ def render_ladder(root: Path) -> str:
 
 
 def write_ladder(root: Path, target: Path) -> None:
-    from lesson_pages import write_if_changed
-
     write_if_changed(target, render_ladder(root))

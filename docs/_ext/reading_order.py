@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from lesson_pages import write_if_changed
+
 # A technical text read with care, and a cell read, run and its output looked at.
 WORDS_PER_MINUTE = 150
 MINUTES_PER_CODE_CELL = 1
@@ -63,6 +65,4 @@ def render_reading_order(lessons: list[Path]) -> str:
 
 
 def write_reading_order(lessons: list[Path], target: Path) -> None:
-    from lesson_pages import write_if_changed
-
     write_if_changed(target, render_reading_order(lessons))
