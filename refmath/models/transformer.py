@@ -117,8 +117,8 @@ class TransformerConfig:
         return self.d_model // self.n_heads
 
 
-# The base model of the paper. The paper's EN-DE vocabulary is a shared BPE of about 37000 tokens;
-# max_seq_len = 512 is our choice (the paper fixes no length).
+#: The base model of the paper. The paper's EN-DE vocabulary is a shared BPE of about 37000 tokens;
+#: max_seq_len = 512 is our choice (the paper fixes no length).
 TRANSFORMER_BASE = TransformerConfig(vocab_size=37000, max_seq_len=512, n_layers=6, d_model=512,
                                      n_heads=8, d_ff=2048, dropout=0.1, label_smoothing=0.1)
 # A model small enough for gradient checks and lessons.

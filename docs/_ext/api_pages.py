@@ -1,0 +1,91 @@
+"""The API reference: one page per row of the README's "What is inside" table, in its order.
+
+Each page documents its modules with autodoc (a package brings all its public submodules), so a
+new function appears by itself. A public module that no README row names still gets documented,
+on a last page of other modules, and ``tests/test_docs.py`` checks that every public module and
+every public function lands on some page.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from lesson_pages import write_if_changed
+
+
+class ApiPage(NamedTuple):
+    slug: str              # file name under docs/api/
+    title: str
+    summary: str           # the README's description of the group (markdown)
+    modules: list[str]     # dotted module names, in the order documented
+
+
+def public_modules(package: str = "refmath") -> list[str]:
+    """Every importable module of the package whose dotted name has no part starting with ``_``."""
+    root = importlib.import_module(package)
+    names = [package]
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        if not any(part.startswith("_") for part in info.name.split(".")[1:]):
+            names.append(info.name)
+    return names
+
+
+def readme_groups(readme: str) -> list[tuple[list[str], str]]:
+    """The README's "What is inside" table as (module names, description) pairs."""
+    start = readme.index("## What is inside")
+    end = readme.find("\n## ", start + 1)
+    groups = []
+    for line in readme[start:end].splitlines():
+        if line.startswith("| `refmath"):
+            first, description = line.strip().strip("|").split("|", 1)
+            groups.append((re.findall(r"`(refmath[\w.]*)`", first), description.strip()))
+    return groups
+
+
+def plan_pages(readme: str, modules: list[str]) -> list[ApiPage]:
+    """The API pages: the README's groups, each module with its submodules, then the rest."""
+    pages, placed = [], set()
+    for names, summary in readme_groups(readme):
+        members = [m for m in modules if any(m == n or m.startswith(n + ".") for n in names)]
+        members = [m for m in members if m not in placed]
+        placed.update(members)
+        slug = "-".join(n.removeprefix("refmath.") for n in names)
+        pages.append(ApiPage(slug, ", ".join(names), summary, members))
+    rest = [m for m in modules if m not in placed and m != "refmath"]
+    if rest:
+        pages.append(ApiPage("other", "Other modules",
+                             "Public modules that the README's table does not list.", rest))
+    return pages
+
+
+def render_page(page: ApiPage) -> str:
+    """A page of automodule directives; members in source order, undocumented ones included."""
+    out = [f"# {page.title}", "", page.summary, ""]
+    for module in page.modules:
+        if len(page.modules) > 1:
+            out += [f"## `{module}`", ""]
+        out += ["```{eval-rst}", f".. automodule:: {module}", "   :members:", "   :undoc-members:",
+                "   :member-order: bysource", "```", ""]
+    return "\n".join(out)
+
+
+def render_index(pages: list[ApiPage]) -> str:
+    """The toctree of the API pages and a table of what each holds."""
+    out = ["```{toctree}", ":hidden:", ""] + [f"api/{p.slug}" for p in pages] + ["```", ""]
+    out += ["| page | what it holds |", "|---|---|"]
+    out += [f"| [{p.title}](api/{p.slug}.md) | {p.summary} |" for p in pages]
+    return "\n".join(out) + "\n"
+
+
+def write_api_pages(root: Path, folder: Path, index: Path) -> list[ApiPage]:
+    """Write one page per group into ``folder`` and the index fragment into ``index``."""
+    pages = plan_pages((root / "README.md").read_text(encoding="utf-8"), public_modules())
+    for page in pages:
+        write_if_changed(folder / f"{page.slug}.md", render_page(page))
+    for stale in set(folder.glob("*.md")) - {folder / f"{p.slug}.md" for p in pages}:
+        stale.unlink()
+    write_if_changed(index, render_index(pages))
+    return pages
