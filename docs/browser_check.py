@@ -148,10 +148,10 @@ def pages_to_check(site: Path) -> list[str]:
 
 
 def problems_with(page: str, report: dict) -> list[str]:
-    """What is wrong with a page. Lessons need not contain maths (several write their formulas as
-    code), but what maths they have must be typeset; the other pages checked must have maths."""
+    """What is wrong with a page: every page checked must have maths (the lessons write theirs in
+    LaTeX), all of it typeset."""
     problems = []
-    if report["mathElements"] == 0 and not page.startswith("lessons/"):
+    if report["mathElements"] == 0:
         problems.append("no maths on the page")
     if report["untypeset"]:
         problems.append(f"{report['untypeset']} of {report['mathElements']} maths elements not typeset")
