@@ -202,6 +202,14 @@ def read_config(directory) -> dict:
     if not path.is_file():
         raise HFCheckpointError(f"{path}: no such file (is {directory} a Hugging Face model "
                                 f"directory?)")
+    return read_config_file(path)
+
+
+def read_config_file(path) -> dict:
+    """A parsed Hugging Face ``config.json``, which must name its ``model_type``."""
+    path = Path(path)
+    if not path.is_file():
+        raise HFCheckpointError(f"{path}: no such file")
     try:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
@@ -531,6 +539,40 @@ def load_checkpoint(directory, dtype=np.float32):
     params = _MAPPINGS[hf["model_type"]].params(hf, config, weights)
     weights.check_all_taken()
     return model, config, params
+
+
+# ---- sizes -----------------------------------------------------------------------------------------
+
+def parameter_count(hf: dict) -> int:
+    """Parameters of the refmath model a Hugging Face config loads into (every tensor's size)."""
+    name, config = config_from_hf(hf)
+    module = model_module(name)
+    shapes = getattr(module, "param_shapes", None) or module.parameter_shapes
+    return sum(math.prod(shape) for shape in shapes(config).values())
+
+
+def sizing_config(hf: dict):
+    """The :class:`refmath.sizing.ModelConfig` of a Hugging Face config, for ``sizes --hf``:
+    the same refusals as :func:`load_checkpoint`, then the shapes the calculators need."""
+    from refmath.sizing import ModelConfig
+
+    name, config = config_from_hf(hf)
+    common = dict(name=hf["model_type"], layers=config.n_layers, d_model=config.d_model,
+                  heads=config.n_heads, vocab=config.vocab_size,
+                  tied_output=config.tie_embeddings, context=int(hf.get(
+                      "max_position_embeddings", hf.get("n_positions", config.max_seq_len))),
+                  source="config.json")
+    if name == "gpt":
+        return ModelConfig(**common, kv_heads=config.n_heads, head_dim=config.head_dim,
+                           d_ff=config.d_ff, mlp="gelu", norm="layernorm", attention_bias=True,
+                           mlp_bias=True, learned_positions=config.max_seq_len,
+                           final_norm=config.norm_position == "pre")
+    if name == "llama":
+        window = config.max_seq_len if config.max_seq_len < common["context"] else None
+        return ModelConfig(**common, kv_heads=config.kv_heads, head_dim=config.d_h,
+                           d_ff=config.d_f, qkv_bias=config.qkv_bias, sliding_window=window)
+    return ModelConfig(**common, kv_heads=config.n_heads, head_dim=config.d_k, d_ff=config.d_f,
+                       latent_dim=config.d_c, rope_dim=config.d_rope)
 
 
 # ---- writing ---------------------------------------------------------------------------------------

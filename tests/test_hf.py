@@ -212,16 +212,20 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
 def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path, monkeypatch):
     """A few training steps, ``convert --to-hf``, then transformers' logits equal refmath's.
     The llama run uses RoPE's interleaved layout, so its q/k columns are permuted on the way."""
-    from refmath.train import load_checkpoint as load_run, train
+    import dataclasses
 
+    from refmath.data import make_task
+    from refmath.train import MODELS, default_config, load_checkpoint as load_run, train
+
+    config = default_config(model_name, make_task(MODELS[model_name].task))
+    if model_name == "mla":  # deepseek_v3 always normalises its latents, with epsilon 1e-6
+        config = dataclasses.replace(config, latent_norm=True, latent_norm_eps=1e-6)
     run = tmp_path / "run"
     train(model_name, run, steps=3, batch_size=4, eval_every=3, accuracy_examples=0,
-          out=io.StringIO())
+          config=config, out=io.StringIO())
     ckpt = load_run(run)
     if model_name == "llama":
         assert ckpt.config.rope_layout == "interleaved"
-    if model_name == "mla":  # deepseek_v3 always normalises its latents with epsilon 1e-6
-        assert ckpt.config.latent_norm and ckpt.config.latent_eps == 1e-6
     out = tmp_path / "hf"
     assert main(["convert", "--to-hf", str(run), str(out)]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
@@ -357,3 +361,121 @@ def test_refuses_a_truncated_file(llama_dir):
 def test_refuses_a_directory_without_weights(llama_dir):
     (llama_dir / hf.WEIGHTS_FILE).unlink()
     assert "neither model.safetensors nor model.safetensors.index.json" in one_line_error(llama_dir)
+
+
+# ---- sizes ----------------------------------------------------------------------------------------
+
+# Published configurations, written out from their config.json files on the Hugging Face Hub.
+PUBLISHED = {
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                     intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False,
+                     max_window_layers=28, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
+                 n_head=12, activation_function="gelu_new", layer_norm_epsilon=1e-5),
+}
+
+
+def meta_parameter_count(config: dict) -> int:
+    """sum(p.numel()) of the transformers model, built on the meta device (no memory)."""
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_sizes_count_the_parameters_of_transformers(name, tmp_path):
+    from refmath.sizing import parameter_counts
+
+    expected = meta_parameter_count(PUBLISHED[name])
+    assert hf.parameter_count(PUBLISHED[name]) == expected
+    assert parameter_counts(hf.sizing_config(PUBLISHED[name])).total == expected
+    (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(PUBLISHED[name]))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["sizes", "--hf", str(tmp_path)]) == 0
+    assert f"parameters (N7): {expected:,}" in out.getvalue()
+
+
+def test_sizes_of_a_deepseek_config(tmp_path):
+    config = hf_config("deepseek_v3").to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    expected = meta_parameter_count(config)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["sizes", "--config", str(path)]) == 0
+    assert f"parameters (the loaded model's shapes): {expected:,}" in out.getvalue()
+    assert "* MLA" in out.getvalue()
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def run_main(argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_generate_hf_with_a_trained_tokenizer(tmp_path):
+    """``generate --hf`` encodes the prompt with the directory's tokenizer.json (trained here)
+    and prints the same continuation transformers' greedy search gives."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    sentences = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
+                 "refmath computes the same function"] * 4
+    tokenizer.train_from_iterator(sentences, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40]))
+    assert tokenizer.get_vocab_size() <= VOCAB
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    model = random_model("gpt2", seed=5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+
+    status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt", "the cat",
+                                 "--greedy", "--max-new-tokens", "8"])
+    assert status == 0, err
+    prompt = tokenizer.encode("the cat").ids
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        theirs = model.generate(torch.as_tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[0].tolist()
+    assert out.strip() == tokenizer.decode(theirs).strip()
+    assert "8 tokens" in err
+
+
+def test_generate_hf_with_prompt_ids_and_refusals(tmp_path):
+    random_model("llama", seed=6).save_pretrained(tmp_path, safe_serialization=True)
+    status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
+                                 "--greedy", "--max-new-tokens", "4"])
+    assert status == 0, err
+    ids = [int(i) for i in out.strip().split(",")]
+    assert ids[:3] == [1, 2, 3] and len(ids) == 7
+
+    status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt", "hello"])
+    assert status == 2 and "no tokenizer.json" in err and err.count("\n") == 1
+    edit_config(tmp_path, model_type="mixtral")
+    status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1"])
+    assert status == 2 and "model_type = 'mixtral' is not supported" in err
+    assert err.count("\n") == 1
+
+
+def test_convert_refuses_an_existing_output(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    status, _, err = run_main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")])
+    assert status == 2 and "exists" in err
