@@ -432,7 +432,8 @@ def run_main(argv) -> tuple[int, str, str]:
 def test_generate_hf_with_a_trained_tokenizer(tmp_path):
     """``generate --hf`` encodes the prompt with the directory's tokenizer.json (trained here)
     and prints the same continuation transformers' greedy search gives."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    pytest.importorskip("tokenizers", reason="--prompt needs tokenizers (pip install tokenizers)")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
