@@ -121,12 +121,17 @@ def _read_tensor(tensor: _Tensor, dtype, transpose: bool = False) -> np.ndarray:
     else:
         raw = np.memmap(tensor.path, dtype=_RAW_DTYPES[tensor.dtype], mode="r",
                         offset=tensor.offset, shape=(count,)).reshape(tensor.shape)
+    fresh = False  # whether raw is already a new array rather than the memory map
     if tensor.dtype == "BF16":
         # NumPy has no bfloat16. A bfloat16 is the upper half of a float32 (sign, the same 8
         # exponent bits, 7 mantissa bits), so shifting its 16-bit pattern up by 16 gives the float32
         # of exactly the same value.
-        raw = (raw.astype(np.uint32) << 16).view(np.float32)
-    return np.array(raw.T if transpose else raw, dtype=dtype, order="C")
+        raw, fresh = (raw.astype(np.uint32) << 16).view(np.float32), True
+    value = raw.T if transpose else raw
+    if fresh and value.dtype == dtype and value.flags.c_contiguous:
+        return value
+    # A copy in every other case: the parameters must not stay tied to the file.
+    return np.array(value, dtype=dtype, order="C")
 
 
 class _Weights:
