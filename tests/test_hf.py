@@ -206,6 +206,23 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
         np.testing.assert_array_equal(single[key], sharded[key])
 
 
+def test_gpt2_in_the_layout_of_the_released_file(tmp_path, monkeypatch):
+    """The released GPT-2 weights name tensors without the ``transformer.`` prefix and keep the
+    causal mask as ``h.{i}.attn.bias`` buffers; they load the same."""
+    model = random_model("gpt2", seed=7)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+
+    def edit(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        for i in range(2):
+            tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
+    rewrite_weights(tmp_path, edit)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    reference = hf_logits(float64_internals(model, monkeypatch), TOKENS)
+    assert relative_error(model_module(name).logits(params, TOKENS, config), reference) < REL
+
+
 # ---- writing ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_name", ["gpt", "llama", "mla"])
