@@ -259,6 +259,40 @@ def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path,
                                atol=REL * np.abs(z).max())
 
 
+def refmath_configs():
+    from refmath.models import decoder, gpt, mla
+
+    return {
+        "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
+            d_ff=40, qkv_bias=True, tie_embeddings=True, rope_base=300.0)),
+        "openai-gpt (Post-LN)": ("gpt", gpt.GPTConfig(
+            vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4,
+            norm_position="post", dropout=0.0)),
+        "gpt2 (untied, exact GELU)": ("gpt", gpt.GPTConfig(
+            vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4, d_ff=48,
+            tie_embeddings=False, gelu_approximate=False, dropout=0.0, layernorm_eps=1e-6)),
+        "deepseek_v3 (query compression, half RoPE)": ("mla", mla.MLAConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
+            d_rope=4, head_dim=6, v_head_dim=10, q_lora_rank=8, latent_norm=True, d_ff=40,
+            rope_layout="half", latent_norm_eps=1e-6, norm_eps=1e-5)),
+    }
+
+
+@pytest.mark.parametrize("label", sorted(refmath_configs()))
+def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp_path,
+                                                                      monkeypatch):
+    name, config = refmath_configs()[label]
+    rng = np.random.default_rng(8)
+    params = {key: value + 0.1 * rng.standard_normal(value.shape)  # biases and gains off 0 and 1
+              for key, value in model_module(name).init_params(config, seed=8).items()}
+    hf.save_checkpoint(tmp_path, name, config, params)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    tokens = TOKENS[:, :11]
+    z = model_module(name).logits(params, tokens, config)
+    assert relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens)) < REL
+
+
 def test_interleaved_to_half_keeps_every_score():
     """RoPE_half(x W_pi) = RoPE_interleaved(x W)_pi, so q.k is unchanged (module docstring)."""
     from refmath.positions import rope_forward
