@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -138,10 +139,16 @@ class _Weights:
     """The tensors of a checkpoint directory by name; :meth:`take` reads each one once, and
     :meth:`check_all_taken` refuses the tensors no parameter took."""
 
-    def __init__(self, directory: Path, dtype):
+    def __init__(self, directory: Path, dtype, progress: bool = False):
         self.directory, self.dtype = directory, dtype
         self.tensors = _weight_files(directory)
         self.taken: set[str] = set()
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(self.tensors), desc=f"loading {directory.name}",
+                            unit="tensor", file=sys.stderr)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -156,6 +163,8 @@ class _Weights:
             raise HFCheckpointError(f"{tensor.path}: tensor {name!r} has shape {tensor.shape}, "
                                     f"the config gives {tuple(shape)}")
         self.taken.add(name)
+        if self.bar is not None:
+            self.bar.update()
         return _read_tensor(tensor, self.dtype, transpose)
 
     def skip(self, name: str) -> None:
@@ -521,14 +530,15 @@ def config_from_hf(hf: dict):
         raise HFCheckpointError(f"{hf['model_type']}: config has no field {err.args[0]!r}") from None
 
 
-def load_checkpoint(directory, dtype=np.float32):
+def load_checkpoint(directory, dtype=np.float32, progress: bool = False):
     r"""Load a Hugging Face model directory: ``(model_name, config, params)``.
 
     ``directory`` holds ``config.json`` and ``model.safetensors`` (or the shards listed in
     ``model.safetensors.index.json``). ``model_name`` is one of :data:`refmath.models.MODELS`;
     ``refmath.models.model_module(model_name).logits(params, tokens, config)`` then gives the
     same logits as the ``transformers`` model. ``dtype`` is the parameters' floating dtype
-    (float32 or float64); float16 and bfloat16 tensors convert exactly.
+    (float32 or float64); float16 and bfloat16 tensors convert exactly. ``progress`` shows a
+    tqdm bar over the tensors on stderr.
 
     Raises :class:`HFCheckpointError` (a ``ValueError``) naming the field, file or tensor for an
     unsupported ``model_type`` or config field, a tensor missing, left over or of the wrong shape,
@@ -540,8 +550,12 @@ def load_checkpoint(directory, dtype=np.float32):
     directory = Path(directory)
     hf = read_config(directory)
     model, config = config_from_hf(hf)
-    weights = _Weights(directory, dtype)
-    params = _MAPPINGS[hf["model_type"]].params(hf, config, weights)
+    weights = _Weights(directory, dtype, progress)
+    try:
+        params = _MAPPINGS[hf["model_type"]].params(hf, config, weights)
+    finally:
+        if weights.bar is not None:
+            weights.bar.close()
     weights.check_all_taken()
     return model, config, params
 

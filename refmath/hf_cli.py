@@ -49,7 +49,7 @@ def _eos_id(directory: Path):
 def run_generate_hf(args: argparse.Namespace) -> int:
     """``generate --hf DIR``: print the prompt and its continuation; 2 on bad input or a
     checkpoint refmath does not load (one line on stderr)."""
-    from refmath.hf import load_checkpoint
+    from refmath.hf import config_from_hf, load_checkpoint, read_config
     from refmath.inference.generate import generate
     from refmath.train import _check_generate_flags
 
@@ -59,7 +59,7 @@ def run_generate_hf(args: argparse.Namespace) -> int:
                              "(comma-separated token ids), not both")
         _check_generate_flags(args, alphabet=None)
         directory = Path(args.hf)
-        model, config, params = load_checkpoint(directory, dtype=np.float32)
+        config_from_hf(read_config(directory))  # refuse an unsupported model before any weight
         tokenizer = _tokenizer(directory)
         if args.prompt is not None:
             if tokenizer is None:
@@ -70,6 +70,7 @@ def run_generate_hf(args: argparse.Namespace) -> int:
                 raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
         else:
             prompt = _prompt_ids(args.prompt_ids)
+        model, config, params = load_checkpoint(directory, dtype=np.float32, progress=True)
         n = 20 if args.max_new_tokens is None else args.max_new_tokens
         start = time.perf_counter()
         out = generate(model, params, config, prompt, n, greedy=args.greedy,

@@ -362,6 +362,23 @@ def test_refuses_rope_scaling(llama_dir):
     assert "rope_parameters.rope_type = 'llama3'" in one_line_error(llama_dir)
 
 
+def test_refuses_legacy_rope_scaling(llama_dir):
+    edit_config(llama_dir, rope_scaling={"type": "linear", "factor": 2.0})
+    assert "rope_scaling = {'type': 'linear', 'factor': 2.0}" in one_line_error(llama_dir)
+
+
+def test_refuses_a_config_without_a_needed_field(llama_dir):
+    config = json.loads((llama_dir / hf.CONFIG_FILE).read_text())
+    del config["hidden_size"]
+    (llama_dir / hf.CONFIG_FILE).write_text(json.dumps(config))
+    assert "llama: config has no field 'hidden_size'" in one_line_error(llama_dir)
+
+
+def test_refuses_a_dtype_that_is_not_floating(llama_dir):
+    with pytest.raises(TypeError, match="dtype must be a floating-point type, got int32"):
+        hf.load_checkpoint(llama_dir, dtype=np.int32)
+
+
 def test_refuses_mixture_of_experts_layers(tmp_path):
     random_model("deepseek_v3").save_pretrained(tmp_path, safe_serialization=True)
     edit_config(tmp_path, first_k_dense_replace=1)
