@@ -95,11 +95,18 @@ def _read_header(path: Path) -> dict[str, _Tensor]:
             header = json.loads(f.read(n))
         except ValueError as err:
             raise HFCheckpointError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise HFCheckpointError(f"{path}: the safetensors header is not a JSON object")
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        try:
+            dtype, shape = entry["dtype"], tuple(int(s) for s in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise HFCheckpointError(f"{path}: the header entry of tensor {name!r} is not "
+                                    f"{{dtype, shape, data_offsets}}: {entry!r}") from None
         if dtype not in _RAW_DTYPES:
             raise HFCheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; refmath reads "
                                     f"{', '.join(_RAW_DTYPES)}")
