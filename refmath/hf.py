@@ -17,8 +17,9 @@ format.
 ``deepseek_v2``, ``deepseek_v3``  ``"mla"``     dense feed-forward layers only (no experts)
 =============================  ===============  =============================================
 
-The encoder-decoder (``marian``) is not converted: Marian's sinusoidal table interleaves its sines
-and cosines differently and scales its embeddings, which refmath's transformer does not offer.
+The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
+its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, and its sinusoid
+table puts every sine before every cosine; refmath's encoder-decoder, the paper's, has none of these.
 
 Anything else is refused with a message that names the field and its value (mixture-of-experts
 layers, rope scaling such as YaRN or Llama 3.1's, soft-capping, biases refmath's models do not

@@ -190,6 +190,7 @@ def test_16_bit_checkpoints_convert_exactly(torch_dtype, ours, tmp_path, monkeyp
                                   model.model.embed_tokens.weight.detach().numpy())
     error = relative_error(model_module(name).logits(params, TOKENS, config),
                            hf_logits(model, TOKENS))
+    print(f"{ours} llama: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
 
 
@@ -251,7 +252,9 @@ def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path,
     tokens = np.random.default_rng(1).integers(0, ckpt.config.vocab_size, (2, 11))
     params64 = {k: v.astype(np.float64) for k, v in ckpt.params.items()}
     z = model_module(model_name).logits(params64, tokens, ckpt.config)
-    assert relative_error(z, hf_logits(model, tokens)) < REL
+    error = relative_error(z, hf_logits(model, tokens))
+    print(f"trained {model_name}: largest logit difference {error:.1e} of the largest logit")
+    assert error < REL
     # and back: the written directory loads into the same parameters
     name, config, params = hf.load_checkpoint(out, dtype=np.float64)
     assert name == model_name
@@ -290,7 +293,9 @@ def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
     tokens = TOKENS[:, :11]
     z = model_module(name).logits(params, tokens, config)
-    assert relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens)) < REL
+    error = relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens))
+    print(f"{label}: largest logit difference {error:.1e} of the largest logit")
+    assert error < REL
 
 
 def test_interleaved_to_half_keeps_every_score():
