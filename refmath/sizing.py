@@ -635,8 +635,10 @@ def run_sizes(args: argparse.Namespace) -> int:
         rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
         rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
                                     tokens, args.batch, args.bytes, latent, rope)
-        hf_total = None
-        if config.is_mla and (args.hf or args.config):
+        hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
+        overridden = any(getattr(args, f) is not None
+                         for f in ("layers", "heads", "kv_heads", "head_dim"))
+        if config.is_mla and (args.hf or args.config) and not overridden:
             from refmath import hf
 
             hf_total = hf.parameter_count(_hf_config(args))
