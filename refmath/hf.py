@@ -12,8 +12,11 @@ format.
 =============================  ===============  =============================================
 ``gpt2``                       ``"gpt"``        Pre-LN, tied or untied output
 ``openai-gpt``                 ``"gpt"``        Post-LN, no final norm, tied output
-``llama``, ``mistral``         ``"llama"``      RoPE in the ``"half"`` layout (see below)
-``qwen2``                      ``"llama"``      plus biases on the query, key and value projections
+``llama``, ``mistral``         ``"llama"``      RoPE in the ``"half"`` layout (see below);
+                                                Mistral's window is the model's ``sliding_window``
+``qwen2``                      ``"llama"``      plus biases on the query, key and value
+                                                projections; a window on some layers caps the
+                                                context at the window (:func:`_context`)
 ``deepseek_v2``, ``deepseek_v3``  ``"mla"``     dense feed-forward layers only (no experts)
 =============================  ===============  =============================================
 
@@ -282,19 +285,27 @@ def _rope_theta(hf: dict) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _context(hf: dict) -> int:
-    """``max_seq_len``: the trained context, capped at a sliding window if the model has one.
+def _window(hf: dict) -> int | None:
+    """Mistral's sliding window (every layer's), or None where it masks nothing."""
+    window = hf.get("sliding_window")
+    if hf["model_type"] != "mistral" or not window:
+        return None
+    return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
 
-    Up to ``W`` tokens a sliding window of ``W`` hides nothing, so the plain causal model refmath
-    runs is exactly the windowed one on every sequence it accepts; a longer one it refuses.
+
+def _context(hf: dict) -> int:
+    """``max_seq_len``: the trained context; for a Qwen2 whose upper layers slide, capped at the
+    window.
+
+    Qwen2 slides only the layers from ``max_window_layers`` on, which refmath's decoder (one window
+    for every layer) does not express; but up to ``W`` tokens a window of ``W`` hides nothing, so
+    the plain causal model is exactly the windowed one on every sequence it accepts.
     """
     context = int(hf["max_position_embeddings"])
-    window = hf.get("sliding_window")
-    if hf["model_type"] == "qwen2":
-        types = hf.get("layer_types") or []
-        if not hf.get("use_sliding_window") or "sliding_attention" not in types:
-            window = None
-    return min(context, int(window)) if window else context
+    if hf["model_type"] == "qwen2" and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
+            return min(context, int(hf["sliding_window"]))
+    return context
 
 
 # ---- one mapping per model type --------------------------------------------------------------------
@@ -394,7 +405,7 @@ def _llama_config(hf: dict) -> decoder.DecoderConfig:
         d_ff=int(hf["intermediate_size"]), rope_base=_rope_theta(hf),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
-        rope_layout="half", qkv_bias=kind == "qwen2")
+        rope_layout="half", qkv_bias=kind == "qwen2", sliding_window=_window(hf))
 
 
 def _take_swiglu_layer(weights: _Weights, params: dict, h: str, p: str, d: int, f: int) -> None:
@@ -595,7 +606,8 @@ def sizing_config(hf: dict):
                            mlp_bias=True, learned_positions=config.max_seq_len,
                            final_norm=config.norm_position == "pre")
     if name == "llama":
-        window = config.max_seq_len if config.max_seq_len < common["context"] else None
+        window = config.sliding_window or (
+            config.max_seq_len if config.max_seq_len < common["context"] else None)
         return ModelConfig(**common, kv_heads=config.kv_heads, head_dim=config.d_h,
                            d_ff=config.d_f, qkv_bias=config.qkv_bias, sliding_window=window)
     return ModelConfig(**common, kv_heads=config.n_heads, head_dim=config.d_k, d_ff=config.d_f,
@@ -685,9 +697,14 @@ def _swiglu_ends_to_hf(config, params: dict, tensors: dict) -> None:
 
 
 def _llama_to_hf(config: decoder.DecoderConfig, params: dict):
-    kind = "qwen2" if config.qkv_bias else "llama"
-    hf = {"model_type": kind, "architectures": ["Qwen2ForCausalLM" if config.qkv_bias
-                                                 else "LlamaForCausalLM"],
+    if config.qkv_bias and config.sliding_window:
+        raise HFCheckpointError(f"a decoder with q/k/v biases is written as qwen2, whose window "
+                                f"slides only some layers; this config has sliding_window = "
+                                f"{config.sliding_window} on every layer")
+    kind = "qwen2" if config.qkv_bias else "mistral" if config.sliding_window else "llama"
+    architecture = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                    "llama": "LlamaForCausalLM"}[kind]
+    hf = {"model_type": kind, "architectures": [architecture],
           "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seq_len,
           "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
           "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
@@ -697,6 +714,8 @@ def _llama_to_hf(config: decoder.DecoderConfig, params: dict):
           "tie_word_embeddings": config.tie_embeddings}
     if kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "mistral":
+        hf.update(sliding_window=config.sliding_window)
     else:
         hf.update(use_sliding_window=False)
 

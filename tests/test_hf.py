@@ -49,7 +49,7 @@ def hf_config(model_type: str, **overrides):
         "gpt2": (transformers.GPT2Config, gpt),
         "openai-gpt": (transformers.OpenAIGPTConfig, gpt),
         "llama": (transformers.LlamaConfig, llama),
-        "mistral": (transformers.MistralConfig, dict(llama, sliding_window=24)),
+        "mistral": (transformers.MistralConfig, dict(llama, sliding_window=5)),
         "qwen2": (transformers.Qwen2Config, dict(llama, tie_word_embeddings=True)),
         "deepseek_v2": (transformers.DeepseekV2Config, dict(mla, q_lora_rank=None)),
         "deepseek_v3": (transformers.DeepseekV3Config, dict(mla, q_lora_rank=12)),
@@ -167,13 +167,41 @@ def test_greedy_generation_gives_the_tokens_of_transformers(model_type, tmp_path
     np.testing.assert_array_equal(ours, theirs)
 
 
-def test_mistral_window_caps_the_context(tmp_path):
-    """Up to the window, the sliding window masks nothing; longer inputs are refused."""
+def test_mistral_window_is_the_models_window(tmp_path):
+    """The logits test above runs 13 tokens through a window of 5, and generation passes it: the
+    window changes the logits there, so those tests check it."""
+    import dataclasses
+
     random_model("mistral").save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    assert (config.sliding_window, config.max_seq_len) == (5, 64)
+    z = model_module(name).logits(params, TOKENS, config)
+    unwindowed = dataclasses.replace(config, sliding_window=None)
+    z_full = model_module(name).logits(params, TOKENS, unwindowed)
+    np.testing.assert_array_equal(z[:, :5], z_full[:, :5])
+    assert np.abs(z[:, 5:] - z_full[:, 5:]).min() > 0
+
+
+def test_windowed_decoding_on_the_cpu_kernels(tmp_path):
+    """The KV cache's windowed decode step hands the kernel the window's rows: the same tokens as
+    the NumPy reference, and as recomputing every prefix."""
+    random_model("mistral", seed=9).save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path)  # float32, as the kernels need
+    runs = [generate(name, params, config, TOKENS[0, :3], 12, greedy=True, **how)
+            for how in ({"backend": "numpy"}, {"backend": "cpu"}, {"cache": False})]
+    np.testing.assert_array_equal(runs[1], runs[0])
+    np.testing.assert_array_equal(runs[2], runs[0])
+
+
+def test_qwen2_window_on_upper_layers_caps_the_context(tmp_path):
+    """Qwen2 slides only its layers from max_window_layers on; up to the window nothing is
+    hidden, so refmath runs it with its context capped at the window."""
+    random_model("qwen2", use_sliding_window=True, sliding_window=8,
+                 max_window_layers=1).save_pretrained(tmp_path, safe_serialization=True)
     name, config, params = hf.load_checkpoint(tmp_path)
-    assert config.max_seq_len == 24
+    assert (config.sliding_window, config.max_seq_len) == (None, 8)
     with pytest.raises(ValueError, match="max_seq_len"):
-        model_module(name).logits(params, np.zeros((1, 25), np.int64), config)
+        model_module(name).logits(params, np.zeros((1, 9), np.int64), config)
 
 
 @pytest.mark.parametrize("torch_dtype,ours", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])
@@ -269,6 +297,9 @@ def refmath_configs():
         "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
             d_ff=40, qkv_bias=True, tie_embeddings=True, rope_base=300.0)),
+        "mistral (sliding window 4, interleaved RoPE)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, sliding_window=4)),
         "openai-gpt (Post-LN)": ("gpt", gpt.GPTConfig(
             vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4,
             norm_position="post", dropout=0.0)),

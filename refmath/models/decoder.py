@@ -109,6 +109,8 @@ class DecoderConfig:
     (:func:`refmath.attention.causal_attention_forward`): ``"numpy"``, the reference, or ``"cpu"``,
     the FlashAttention kernel (float32 parameters). ``qkv_bias`` adds biases to the query, key and
     value projections (Qwen2's ``x W + b``; the output projection keeps none); they start at 0.
+    ``sliding_window`` = ``w`` lets each query see only itself and the ``w - 1`` positions before
+    it (A12, Mistral), in training, evaluation and the KV cache alike (NumPy attention only).
     """
 
     vocab_size: int
@@ -128,11 +130,17 @@ class DecoderConfig:
     rope_layout: str = "interleaved"
     attention_backend: str = "numpy"
     qkv_bias: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self):
         check_shared_fields(self)
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
         check_field(self, "qkv_bias", check_flag)
+        check_field(self, "sliding_window", check_int, 1, optional=True)
+        if self.sliding_window is not None and self.attention_backend != "numpy":
+            raise ValueError(f"DecoderConfig.sliding_window = {self.sliding_window} needs "
+                             f"attention_backend = 'numpy' (the kernel has no window), got "
+                             f"{self.attention_backend!r}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
                              f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
@@ -231,7 +239,8 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
     v, v_proj = linear_forward(x, params["w_v"], params.get("b_v"))
     q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base, layout=config.rope_layout)
     k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base, layout=config.rope_layout)
-    o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend)
+    o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend,
+                                       window=config.sliding_window)
     y, out = linear_forward(merge_heads(o), params["w_o"])
     return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h)
 
@@ -267,15 +276,16 @@ def rope_attention_state(cache: RoPEAttentionCache):
 
 def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):
     """M3's attention at inference (K2, K3): the new rows ``u`` ``(B, n, d)`` at positions
-    ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset)`` appends the
-    keys and values to the layer's cache and attends over every cached position. Returns
+    ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset, window)``
+    appends the keys and values to the layer's cache and attends over every cached position (the
+    last ``sliding_window`` of them, with a window). Returns
     ``(B, n, d)``."""
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
     q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"], params.get("b_q"))[0], h), **rope)
     k, _ = rope_forward(split_heads(linear_forward(u, params["w_k"], params.get("b_k"))[0], g), **rope)
     v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], g)
-    o = slot.attend(q, k, v, offset)
+    o = slot.attend(q, k, v, offset, window=config.sliding_window)
     return linear_forward(merge_heads(o), params["w_o"])[0]
 
 
@@ -625,6 +635,12 @@ register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), q/k/v biases"
                      *layer_case_ops(rope_attention_forward, rope_attention_backward),
                      ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v"),
                      group="attention execution", max_coords=12))
+register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), sliding window 3",
+                     ("N10", "A10", "A8", "A12"),
+                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, sliding_window=3)),
+                     *layer_case_ops(rope_attention_forward, rope_attention_backward),
+                     ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
+                     max_coords=12))
 register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, loss mask", ("M3",),
                         model_case_maker(forward, init_params,
                                          DecoderConfig(**_TINY, n_kv_heads=2, dropout=0.25,
