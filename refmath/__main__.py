@@ -111,11 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate",
-        help="sample text from a trained checkpoint",
-        description="Load a checkpoint written by 'train' and generate from a prompt "
-        "(greedy, temperature, top-k, top-p; seeded).",
+        help="sample text from a trained checkpoint or a Hugging Face model directory",
+        description="Load a checkpoint written by 'train' (--checkpoint) or a Hugging Face model "
+        "directory (--hf) and generate from a prompt (greedy, temperature, top-k, top-p; seeded).",
     )
     add_generate_arguments(generate)
+
+    from refmath.hf_cli import add_convert_arguments
+
+    convert = commands.add_parser(
+        "convert",
+        help="write a trained model as a Hugging Face model directory",
+        description="Write the model of a 'train' run directory as a Hugging Face model directory "
+        "(config.json and model.safetensors) that transformers loads: GPT as gpt2 or openai-gpt, "
+        "the modern decoder as llama, MLA as a dense deepseek_v3. Needs the safetensors package.",
+    )
+    add_convert_arguments(convert)
     return parser
 
 

@@ -398,12 +398,16 @@ class CausalAttentionCache(NamedTuple):
     saved: tuple  # numpy: the SDPACache; cpu: (q, k, v, o, lse) for the kernel's backward
 
 
-def causal_attention_forward(q, k, v, backend: str = "numpy"):
+def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None = None):
     r"""Causal self-attention of ``H`` query heads over ``G`` shared key/value heads (A2, A10).
 
     .. math::
         O_r = \operatorname{softmax}\Big(\frac{Q_r K_{\pi(r)}^\top}{\sqrt{D}} + M_{\text{causal}}
               \Big) V_{\pi(r)}
+
+    With ``window`` = ``w``, :math:`M` is the sliding-window causal mask (A12,
+    :func:`local_window_mask`): each query sees itself and the ``w - 1`` keys before it (NumPy
+    backend only; the kernel has no window).
 
     ``q`` is ``(B, H, T, D)``, ``k`` and ``v`` ``(B, G, T, D)`` with ``G`` dividing ``H``; returns
     ``(O, cache)`` with ``O`` like ``q``. ``backend="numpy"`` is the reference
@@ -413,13 +417,19 @@ def causal_attention_forward(q, k, v, backend: str = "numpy"):
     """
     check_choice("backend", backend, ATTENTION_BACKENDS)
     g = k.shape[1]
+    if window is not None and backend != "numpy":
+        raise ValueError(f"window = {window} needs backend='numpy': the {backend!r} kernel has no "
+                         f"sliding window")
     if backend == "cpu":
         from refmath import kernels
 
         o, lse = kernels.flash_attention_forward(q, k, v, causal=True)
         return o, CausalAttentionCache(backend, g, (q, k, v, o, lse))
     heads = gqa_head_map(q.shape[1], g)
-    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=causal_mask(q.shape[2], dtype=q.dtype))
+    t = q.shape[2]
+    mask = (causal_mask(t, dtype=q.dtype) if window is None
+            else local_window_mask(t, window, dtype=q.dtype))
+    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=mask)
     return o, CausalAttentionCache(backend, g, attn)
 
 

@@ -203,6 +203,7 @@ class ModelConfig:
     mlp: str = "swiglu"              # "swiglu": 3 d d_f; "gelu"/"relu": 2 d d_f
     norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases
     attention_bias: bool = False     # biases on Q, K, V and the output projection (GPT-2)
+    qkv_bias: bool = False           # biases on Q, K and V only (Qwen2)
     mlp_bias: bool = False           # biases on the FFN's layers (GPT-2, original Transformer)
     tied_output: bool = False        # the output projection reuses the embedding matrix
     learned_positions: int = 0       # rows of a learned position table (GPT-2: 1024)
@@ -341,6 +342,8 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     d, L = config.d_model, config.layers
     attn = attention_parameter_count(d, config.heads, config.kv_heads, config.head_dim,
                                      config.attention_bias)
+    if config.qkv_bias:
+        attn += (config.heads + 2 * config.kv_heads) * config.head_dim
     mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp == "swiglu", biases=config.mlp_bias)
     norm = _norm_count(config)
 
@@ -626,8 +629,14 @@ def format_bytes(n: float) -> str:
 
 def add_sizes_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``sizes`` options to ``parser`` and set ``run=run_sizes`` as its default action."""
-    parser.add_argument("--preset", choices=sorted(PRESETS),
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS),
                         help="a published configuration; the flags below override its fields")
+    source.add_argument("--hf", metavar="DIR",
+                        help="the config.json of a Hugging Face model directory (any model type "
+                        "refmath.hf loads); the flags below override its fields")
+    source.add_argument("--config", metavar="FILE",
+                        help="a Hugging Face config.json file, as --hf")
     parser.add_argument("--layers", type=int, help="layers L holding a KV cache")
     parser.add_argument("--heads", type=int, help="query heads h")
     parser.add_argument("--kv-heads", type=int, help="key/value heads g (default: h, i.e. MHA)")
@@ -652,7 +661,11 @@ def _resolve_config(args: argparse.Namespace) -> ModelConfig:
     flags = {"layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
              "head_dim": args.head_dim}
     given = {k: v for k, v in flags.items() if v is not None}
-    if args.preset:
+    if args.hf or args.config:
+        from refmath import hf
+
+        config = dataclasses.replace(hf.sizing_config(_hf_config(args)), **given)
+    elif args.preset:
         config = dataclasses.replace(PRESETS[args.preset], **given)
     else:
         missing = [f"--{k.replace('_', '-')}" for k in ("layers", "heads", "head_dim") if k not in given]
@@ -669,14 +682,28 @@ def _resolve_config(args: argparse.Namespace) -> ModelConfig:
     return config
 
 
-def _print_parameters(config: ModelConfig, out) -> None:
-    counts = parameter_counts(config)
-    published = f"; published {config.published_params}" if config.published_params else ""
-    print(f"\nparameters (N7): {counts.total:,} ({counts.total:.3g}{published})", file=out)
-    for name in ("embedding", "positions", "attention", "mlp", "norms", "output"):
-        print(f"  {name:<10} {getattr(counts, name):>16,}", file=out)
+def _hf_config(args: argparse.Namespace) -> dict:
+    from refmath import hf
 
-    p = counts.total
+    if args.hf:
+        return hf.read_config(args.hf)
+    return hf.read_config_file(args.config)
+
+
+def _print_parameters(config: ModelConfig, out, total: int | None = None) -> None:
+    """Parameters by component (N7) and the memory they need; ``total`` alone where the
+    components are not written for this kind of model (MLA)."""
+    if total is None:
+        counts = parameter_counts(config)
+        published = f"; published {config.published_params}" if config.published_params else ""
+        print(f"\nparameters (N7): {counts.total:,} ({counts.total:.3g}{published})", file=out)
+        for name in ("embedding", "positions", "attention", "mlp", "norms", "output"):
+            print(f"  {name:<10} {getattr(counts, name):>16,}", file=out)
+        total = counts.total
+    else:
+        print(f"\nparameters (the loaded model's shapes): {total:,} ({total:.3g})", file=out)
+
+    p = total
     rule = inference_memory_rule_of_thumb(p)
     train = adamw_training_memory(p)
     print("\nmemory (bf16/fp16 weights, 2 bytes per parameter):", file=out)
@@ -734,6 +761,13 @@ def run_sizes(args: argparse.Namespace) -> int:
         rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
         rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
                                     tokens, args.batch, args.bytes, latent, rope)
+        hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
+        overridden = any(getattr(args, f) is not None
+                         for f in ("layers", "heads", "kv_heads", "head_dim"))
+        if config.is_mla and (args.hf or args.config) and not overridden:
+            from refmath import hf
+
+            hf_total = hf.parameter_count(_hf_config(args))
     except (ValueError, TypeError) as err:
         print(f"sizes: {err}", file=sys.stderr)
         return 2
@@ -772,6 +806,8 @@ def run_sizes(args: argparse.Namespace) -> int:
         _print_parameters(config, out)
         if not config.encoder_layers:
             _print_flops(config, tokens, args.batch, out)
+    elif hf_total is not None:
+        _print_parameters(config, out, hf_total)
     elif args.preset:
         print(f"\n(no parameter or FLOP count: {config.name} describes only its attention)", file=out)
 

@@ -759,7 +759,14 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``generate`` options to ``parser`` and set ``run=run_generate``."""
-    parser.add_argument("--checkpoint", metavar="DIR", required=True, help="a run directory of train")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a run directory of train")
+    source.add_argument("--hf", metavar="DIR",
+                        help="a Hugging Face model directory (config.json, model.safetensors or "
+                        "its shards, and tokenizer.json for --prompt); see refmath.hf")
+    parser.add_argument("--prompt-ids", metavar="IDS",
+                        help="with --hf: the prompt as comma-separated token ids, e.g. 1,2,3 "
+                        "(when the directory has no tokenizer.json)")
     parser.add_argument("--prompt", help="text to continue (language models; default: a newline, "
                         "i.e. a new sentence) or digits to reverse (transformer; required). The "
                         "language models know lowercase a-z except j, space, '.' and newline; the "
@@ -780,8 +787,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_generate)
 
 
-def _check_generate_flags(args: argparse.Namespace, alphabet: str) -> None:
-    """The checks of the sampling functions, said in terms of the command's flags."""
+def _check_generate_flags(args: argparse.Namespace, alphabet: str | None) -> None:
+    """The checks of the sampling functions, said in terms of the command's flags (and, given an
+    ``alphabet``, that the prompt's characters are in it)."""
     if not args.greedy and not 0 < args.temperature < math.inf:
         raise ValueError(f"--temperature must be a finite number > 0, got {args.temperature} "
                          f"(for argmax decoding use --greedy)")
@@ -791,7 +799,8 @@ def _check_generate_flags(args: argparse.Namespace, alphabet: str) -> None:
         raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    for i, c in enumerate(args.prompt or ""):
+    prompt = args.prompt if alphabet is not None and args.prompt else ""
+    for i, c in enumerate(prompt):
         if c not in alphabet:
             raise ValueError(f"--prompt holds {c!r} at position {i}, which this model's tokenizer "
                              f"does not know; it knows {alphabet!r}")
@@ -799,6 +808,14 @@ def _check_generate_flags(args: argparse.Namespace, alphabet: str) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Print the continuation (or the transformer's output); 2 on bad input or a bad checkpoint."""
+    if args.hf is not None:
+        from refmath.hf_cli import run_generate_hf
+
+        return run_generate_hf(args)
+    if args.prompt_ids is not None:
+        print("generate: --prompt-ids goes with --hf; a run directory's model takes --prompt",
+              file=sys.stderr)
+        return 2
     try:
         ckpt = load_checkpoint(args.checkpoint)
         task = make_task(ckpt.task)

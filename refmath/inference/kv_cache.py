@@ -47,7 +47,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice, check_int, check_ndim, int_array
-from refmath.attention import causal_mask, sdpa_forward
+from refmath.attention import causal_mask, local_window_mask, sdpa_forward
 from refmath.embedding import embedding_forward
 from refmath import kernels
 from refmath.ffn import linear_forward
@@ -216,9 +216,15 @@ class LatentCache(_Contiguous):
 # ---- attention against the cache -----------------------------------------------------------------
 
 
-def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int):
+def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
+                      window: int | None = None):
     """Append ``k``, ``v`` ``(B, g, n, d_h)`` at positions ``offset..offset+n-1`` of ``layer`` and
     attend with ``q`` ``(B, h, n, d_h)`` over every filled position. Returns ``(B, h, n, d_h)``.
+
+    With a sliding ``window`` (A12) each query sees only itself and the ``window - 1`` positions
+    before it: the last rows of :func:`refmath.attention.local_window_mask`, and a decode step
+    reads only the last ``window`` cached rows. A windowed prefill on the ``"cpu"`` backend runs
+    the NumPy reference (the FlashAttention kernel has no window); its decode steps run the kernel.
 
     The ``n`` new queries are the last ``n`` of the ``t = offset + n`` positions, so the causal mask
     is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible, and the
@@ -229,14 +235,25 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int):
     g, t = k.shape[1], offset + n
     cache.keys[layer, :, :, offset:t] = k
     cache.values[layer, :, :, offset:t] = v
-    mask = causal_mask(n, t, dtype=q.dtype)
+    if window is None:
+        mask = causal_mask(n, t, dtype=q.dtype)
+    else:
+        mask = local_window_mask(t, window, dtype=q.dtype)[offset:]
     cache.counts.record(layer, mask)
+    if n == 1 and window is not None and t > window:
+        # the window's rows only, copied contiguous for the kernel (the reference reads the view)
+        first = t - window
+        keys, values = cache.keys[layer, :, :, first:t], cache.values[layer, :, :, first:t]
+        if cache.backend != "numpy":
+            keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+        o = decode_attention(q[:, :, 0], keys, values, np.full(b, window), backend=cache.backend)
+        return o[:, :, None]
     if n == 1:
         o = decode_attention(q[:, :, 0], cache.keys[layer], cache.values[layer], np.full(b, t),
                              backend=cache.backend)
         return o[:, :, None]
     keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
-    if cache.backend == "cpu":  # the kernel reads (B, g, t, d_h) contiguous blocks
+    if cache.backend == "cpu" and window is None:  # the kernel reads (B, g, t, d_h) blocks
         o, _ = kernels.flash_attention_forward(q, np.ascontiguousarray(keys),
                                                np.ascontiguousarray(values), causal=True)
         return o
@@ -256,10 +273,10 @@ class _Slot(NamedTuple):
     cache: object  # a KVCache or a LatentCache
     layer: int
 
-    def attend(self, q, k, v, offset: int):
+    def attend(self, q, k, v, offset: int, window: int | None = None):
         """KVCache: append ``k``, ``v`` at ``offset..`` and attend with ``q`` (see
         :func:`_cached_attention`)."""
-        return _cached_attention(self.cache, self.layer, q, k, v, offset)
+        return _cached_attention(self.cache, self.layer, q, k, v, offset, window)
 
     def store(self, c, k_r, offset: int):
         """LatentCache: append the latents ``c`` and rotary keys ``k_r`` ``(B, n, .)`` at

@@ -8,7 +8,7 @@ A layer maps the residual stream ``x`` (one row per token) to
 
 and the network is token embedding, ``L`` such layers, a final RMSNorm and an output head
 (untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
-biases anywhere and no learned or fixed position table: positions enter only through the rotation
+biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no learned or fixed position table: positions enter only through the rotation
 of queries and keys (RoPE, N10) inside attention.
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
@@ -24,6 +24,7 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
     layers.{i}.attn.w_k          (d, g d_h)
     layers.{i}.attn.w_v          (d, g d_h)
     layers.{i}.attn.w_o          (h d_h, d)
+    layers.{i}.attn.b_q, b_k, b_v  (h d_h,), (g d_h,), (g d_h,)   only with qkv_bias (Qwen2)
     layers.{i}.ln2.gamma         (d,)           RMSNorm before the FFN
     layers.{i}.ffn.w_gate        (d, d_f)
     layers.{i}.ffn.w_up          (d, d_f)
@@ -105,7 +106,10 @@ class DecoderConfig:
     (:func:`refmath.positions.rope_forward`): ``"interleaved"`` or Hugging Face's ``"half"``.
     ``attention_backend`` computes the causal attention of training and evaluation
     (:func:`refmath.attention.causal_attention_forward`): ``"numpy"``, the reference, or ``"cpu"``,
-    the FlashAttention kernel (float32 parameters).
+    the FlashAttention kernel (float32 parameters). ``qkv_bias`` adds biases to the query, key and
+    value projections (Qwen2's ``x W + b``; the output projection keeps none); they start at 0.
+    ``sliding_window`` = ``w`` lets each query see only itself and the ``w - 1`` positions before
+    it (A12, Mistral), in training, evaluation and the KV cache alike (NumPy attention only).
     """
 
     vocab_size: int
@@ -124,10 +128,18 @@ class DecoderConfig:
     init_std: float = 0.02
     rope_layout: str = "interleaved"
     attention_backend: str = "numpy"
+    qkv_bias: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self):
         check_shared_fields(self)
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
+        check_field(self, "qkv_bias", check_flag)
+        check_field(self, "sliding_window", check_int, 1, optional=True)
+        if self.sliding_window is not None and self.attention_backend != "numpy":
+            raise ValueError(f"DecoderConfig.sliding_window = {self.sliding_window} needs "
+                             f"attention_backend = 'numpy' (the kernel has no window), got "
+                             f"{self.attention_backend!r}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
                              f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
@@ -201,14 +213,17 @@ class RoPEAttentionCache(NamedTuple):
 
 def rope_attention_shapes(config: DecoderConfig) -> dict:
     d, h, g, d_h = config.d_model, config.n_heads, config.kv_heads, config.d_h
-    return {"w_q": (d, h * d_h), "w_k": (d, g * d_h), "w_v": (d, g * d_h), "w_o": (h * d_h, d)}
+    shapes = {"w_q": (d, h * d_h), "w_k": (d, g * d_h), "w_v": (d, g * d_h), "w_o": (h * d_h, d)}
+    if config.qkv_bias:
+        shapes.update({"b_q": (h * d_h,), "b_k": (g * d_h,), "b_v": (g * d_h,)})
+    return shapes
 
 
 def rope_attention_forward(x, params: dict, config: DecoderConfig):
     r"""Causal self-attention with RoPE and ``g`` shared key/value heads (A1, A2, A6, A10, N10).
 
     .. math::
-        Q = X W_Q,\ K = X W_K,\ V = X W_V,\qquad
+        Q = X W_Q\,[+\,b_Q],\ K = X W_K\,[+\,b_K],\ V = X W_V\,[+\,b_V],\qquad
         \tilde Q_r = \operatorname{RoPE}(Q_r),\ \tilde K_u = \operatorname{RoPE}(K_u) \\
         O_r = \operatorname{softmax}\Big(\frac{\tilde Q_r \tilde K_{\pi(r)}^\top}{\sqrt{d_h}}
               + M_{\text{causal}}\Big) V_{\pi(r)},\qquad Y = [O_1 \cdots O_h]\, W_O
@@ -218,18 +233,20 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
     sublayer is assembled here from the same ops. ``x`` is ``(B, T, d)``; returns ``(Y, cache)``.
     """
     h, g = config.n_heads, config.kv_heads
-    q, q_proj = linear_forward(x, params["w_q"])
-    k, k_proj = linear_forward(x, params["w_k"])
-    v, v_proj = linear_forward(x, params["w_v"])
+    q, q_proj = linear_forward(x, params["w_q"], params.get("b_q"))
+    k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"))
+    v, v_proj = linear_forward(x, params["w_v"], params.get("b_v"))
     q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base, layout=config.rope_layout)
     k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base, layout=config.rope_layout)
-    o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend)
+    o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend,
+                                       window=config.sliding_window)
     y, out = linear_forward(merge_heads(o), params["w_o"])
     return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h)
 
 
 def rope_attention_backward(dy, cache: RoPEAttentionCache):
-    r"""Gradients of :func:`rope_attention_forward`: returns ``(dx, {"w_q", "w_k", "w_v", "w_o"})``.
+    r"""Gradients of :func:`rope_attention_forward`: returns ``(dx, {"w_q", "w_k", "w_v", "w_o"})``,
+    plus ``"b_q", "b_k", "b_v"`` when the projections have biases.
 
     The forward in reverse: output projection, attention (A8), the sum over each key/value head's
     group of query heads, the inverse rotation (RoPE's backward), then the three projections, whose
@@ -239,10 +256,13 @@ def rope_attention_backward(dy, cache: RoPEAttentionCache):
     dq, dk, dv = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
     dk = rope_backward(dk, cache.k_rope)
     dq = rope_backward(dq, cache.q_rope)
-    dx_q, dw_q, _ = linear_backward(merge_heads(dq), cache.q_proj)
-    dx_k, dw_k, _ = linear_backward(merge_heads(dk), cache.k_proj)
-    dx_v, dw_v, _ = linear_backward(merge_heads(dv), cache.v_proj)
-    return dx_q + dx_k + dx_v, {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
+    dx_q, dw_q, db_q = linear_backward(merge_heads(dq), cache.q_proj)
+    dx_k, dw_k, db_k = linear_backward(merge_heads(dk), cache.k_proj)
+    dx_v, dw_v, db_v = linear_backward(merge_heads(dv), cache.v_proj)
+    grads = {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
+    if cache.q_proj.has_bias:
+        grads.update({"b_q": db_q, "b_k": db_k, "b_v": db_v})
+    return dx_q + dx_k + dx_v, grads
 
 
 def rope_attention_state(cache: RoPEAttentionCache):
@@ -255,15 +275,16 @@ def rope_attention_state(cache: RoPEAttentionCache):
 
 def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):
     """M3's attention at inference (K2, K3): the new rows ``u`` ``(B, n, d)`` at positions
-    ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset)`` appends the
-    keys and values to the layer's cache and attends over every cached position. Returns
+    ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset, window)``
+    appends the keys and values to the layer's cache and attends over every cached position (the
+    last ``sliding_window`` of them, with a window). Returns
     ``(B, n, d)``."""
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"])[0], h), **rope)
-    k, _ = rope_forward(split_heads(linear_forward(u, params["w_k"])[0], g), **rope)
-    v = split_heads(linear_forward(u, params["w_v"])[0], g)
-    o = slot.attend(q, k, v, offset)
+    q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"], params.get("b_q"))[0], h), **rope)
+    k, _ = rope_forward(split_heads(linear_forward(u, params["w_k"], params.get("b_k"))[0], g), **rope)
+    v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], g)
+    o = slot.attend(q, k, v, offset, window=config.sliding_window)
     return linear_forward(merge_heads(o), params["w_o"])[0]
 
 
@@ -306,6 +327,8 @@ def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
     for name, shape in decoder_param_shapes(config, attention).items():
         if name.endswith(".gamma"):
             value = np.ones(shape)
+        elif len(shape) == 1:  # biases
+            value = np.zeros(shape)
         elif name.endswith(RESIDUAL_OUTPUTS):
             value = rng.normal(0.0, residual_std, shape)
         else:
@@ -332,7 +355,7 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     :math:`\sigma` = ``config.init_std`` (0.02, the GPT-2/Llama choice); the two projections that
     write into the residual stream (``attn.w_o``, ``ffn.w_down``) use :math:`\sigma/\sqrt{2L}`
     (N11), our documented choice so that the variance added by ``2L`` residual branches stays
-    independent of depth. RMSNorm gains start at 1.
+    independent of depth. RMSNorm gains start at 1, biases (``qkv_bias``) at 0.
     """
     _check_config(config)
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
@@ -607,6 +630,17 @@ for _g in (4, 2, 1):
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
                          max_coords=12))
+register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), q/k/v biases", ("N10", "A10", "A8"),
+                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, qkv_bias=True)),
+                     *layer_case_ops(rope_attention_forward, rope_attention_backward),
+                     ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v"),
+                     group="attention execution", max_coords=12))
+register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), sliding window 3",
+                     ("N10", "A10", "A8", "A12"),
+                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, sliding_window=3)),
+                     *layer_case_ops(rope_attention_forward, rope_attention_backward),
+                     ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
+                     max_coords=12))
 register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, loss mask", ("M3",),
                         model_case_maker(forward, init_params,
                                          DecoderConfig(**_TINY, n_kv_heads=2, dropout=0.25,

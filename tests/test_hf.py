@@ -1,0 +1,586 @@
+"""refmath.hf against Hugging Face transformers: every checkpoint is built here from a config with
+random weights and written by ``save_pretrained`` in safetensors format (nothing is downloaded).
+
+transformers computes RMSNorm and RoPE's angles in float32 even inside a float64 model, which
+limits any float64 comparison to float32's ~1e-7. :func:`float64_internals` replaces those forwards
+by the same formulas evaluated in float64 (the weights, head layouts, attention, MLP and head stay
+transformers' own), so the logits can be compared at a relative 1e-9.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+import os
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is the test oracle's backend (pip install torch)")
+transformers = pytest.importorskip(
+    "transformers", reason="the comparison needs transformers (pip install transformers)")
+pytest.importorskip("safetensors", reason="checkpoints are safetensors (pip install safetensors)")
+
+from refmath import hf  # noqa: E402
+from refmath.__main__ import main  # noqa: E402
+from refmath.inference.generate import generate  # noqa: E402
+from refmath.models import model_module  # noqa: E402
+
+VOCAB = 61
+REL = 1e-9  # float64 logits, relative to the largest logit
+
+
+# ---- tiny Hugging Face models ------------------------------------------------------------------
+
+def hf_config(model_type: str, **overrides):
+    """A tiny transformers config of ``model_type`` (d_model 32, 2 layers, vocabulary 61)."""
+    llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 rms_norm_eps=1e-5, initializer_range=0.2,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    mla = dict(llama, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=4,
+               qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=2, n_routed_experts=4)
+    gpt = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+               initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+    fields = {
+        "gpt2": (transformers.GPT2Config, gpt),
+        "openai-gpt": (transformers.OpenAIGPTConfig, gpt),
+        "llama": (transformers.LlamaConfig, llama),
+        "mistral": (transformers.MistralConfig, dict(llama, sliding_window=5)),
+        "qwen2": (transformers.Qwen2Config, dict(llama, tie_word_embeddings=True)),
+        "deepseek_v2": (transformers.DeepseekV2Config, dict(mla, q_lora_rank=None)),
+        "deepseek_v3": (transformers.DeepseekV3Config, dict(mla, q_lora_rank=12)),
+    }[model_type]
+    return fields[0](**{**fields[1], **overrides})
+
+
+MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
+VARIANTS = {  # id -> (model_type, config overrides)
+    **{t: (t, {}) for t in MODEL_TYPES},
+    "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
+    "deepseek_v3-half-rope": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None)),
+}
+
+
+def random_model(model_type: str, seed: int = 0, **overrides):
+    """A float64 transformers model with every parameter drawn at random (norm gains near 1,
+    biases near 0 but not 0, so that every tensor's place in the function is exercised)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(model_type, **overrides),
+                                                          dtype=torch.float64)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model.eval()
+
+
+def _rms_norm(module, x):
+    return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                            + module.variance_epsilon))
+
+
+def _angles(inv_freq, position_ids):
+    return position_ids[..., None].to(torch.float64) * inv_freq
+
+
+def _rope_cos_sin(inv_freq, x, position_ids):
+    freqs = _angles(inv_freq, position_ids)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _rope_complex(inv_freq, x, position_ids):
+    freqs = _angles(inv_freq, position_ids)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def _apply_rotary_complex(xq, xk, freqs_cis):
+    # deepseek_v2's apply_rotary_emb without its cast to float32
+    def rotate(x):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * freqs_cis.unsqueeze(1)).flatten(3)
+    return rotate(xq), rotate(xk)
+
+
+def float64_internals(model, monkeypatch):
+    """Evaluate transformers' RMSNorm and RoPE angles in float64 (see the module docstring)."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = functools.partial(_rms_norm, module)
+        elif name.endswith("RotaryEmbedding"):
+            dim = 2 * module.inv_freq.numel()
+            theta = module.config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+            complex_form = name == "DeepseekV2RotaryEmbedding"
+            module.forward = functools.partial(_rope_complex if complex_form else _rope_cos_sin,
+                                               inv_freq)
+    if model.config.model_type == "deepseek_v2":
+        from transformers.models.deepseek_v2 import modeling_deepseek_v2
+        monkeypatch.setattr(modeling_deepseek_v2, "apply_rotary_emb", _apply_rotary_complex)
+    return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.numpy()
+
+
+def relative_error(z, reference) -> float:
+    return float(np.abs(z - reference).max() / np.abs(reference).max())
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 13))
+
+
+# ---- logits and generation -------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, monkeypatch):
+    model_type, overrides = VARIANTS[variant]
+    model = random_model(model_type, **overrides)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    z = model_module(name).logits(params, TOKENS, config)
+    reference = hf_logits(float64_internals(model, monkeypatch), TOKENS)
+    error = relative_error(z, reference)
+    print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
+    assert error < REL
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_greedy_generation_gives_the_tokens_of_transformers(model_type, tmp_path, monkeypatch):
+    model = random_model(model_type, seed=1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    prompt = TOKENS[0, :6]
+    ours = generate(name, params, config, prompt, 16, greedy=True)  # through the KV cache
+    float64_internals(model, monkeypatch)
+    model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
+    with torch.no_grad():
+        theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
+                                pad_token_id=0)[0].numpy()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_mistral_window_is_the_models_window(tmp_path):
+    """The logits test above runs 13 tokens through a window of 5, and generation passes it: the
+    window changes the logits there, so those tests check it."""
+    import dataclasses
+
+    random_model("mistral").save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    assert (config.sliding_window, config.max_seq_len) == (5, 64)
+    z = model_module(name).logits(params, TOKENS, config)
+    unwindowed = dataclasses.replace(config, sliding_window=None)
+    z_full = model_module(name).logits(params, TOKENS, unwindowed)
+    np.testing.assert_array_equal(z[:, :5], z_full[:, :5])
+    assert np.abs(z[:, 5:] - z_full[:, 5:]).min() > 0
+
+
+def test_windowed_decoding_on_the_cpu_kernels(tmp_path):
+    """The KV cache's windowed decode step hands the kernel the window's rows: the same tokens as
+    the NumPy reference, and as recomputing every prefix."""
+    random_model("mistral", seed=9).save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path)  # float32, as the kernels need
+    runs = [generate(name, params, config, TOKENS[0, :3], 12, greedy=True, **how)
+            for how in ({"backend": "numpy"}, {"backend": "cpu"}, {"cache": False})]
+    np.testing.assert_array_equal(runs[1], runs[0])
+    np.testing.assert_array_equal(runs[2], runs[0])
+
+
+def test_qwen2_window_on_upper_layers_caps_the_context(tmp_path):
+    """Qwen2 slides only its layers from max_window_layers on; up to the window nothing is
+    hidden, so refmath runs it with its context capped at the window."""
+    random_model("qwen2", use_sliding_window=True, sliding_window=8,
+                 max_window_layers=1).save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path)
+    assert (config.sliding_window, config.max_seq_len) == (None, 8)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model_module(name).logits(params, np.zeros((1, 9), np.int64), config)
+
+
+@pytest.mark.parametrize("torch_dtype,ours", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])
+def test_16_bit_checkpoints_convert_exactly(torch_dtype, ours, tmp_path, monkeypatch):
+    """bf16/fp16 files: the loaded float64 parameters are exactly the 16-bit values, so the logits
+    equal transformers' on the same rounded weights held in float64."""
+    model = random_model("llama", seed=2).to(torch_dtype)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    header = hf._read_header(tmp_path / hf.WEIGHTS_FILE)
+    assert {t.dtype for t in header.values()} == {ours}
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    model = float64_internals(model.to(torch.float64), monkeypatch)
+    np.testing.assert_array_equal(params["tok_emb"],
+                                  model.model.embed_tokens.weight.detach().numpy())
+    error = relative_error(model_module(name).logits(params, TOKENS, config),
+                           hf_logits(model, TOKENS))
+    print(f"{ours} llama: largest logit difference {error:.1e} of the largest logit")
+    assert error < REL
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    model = random_model("qwen2", seed=3)
+    model.save_pretrained(tmp_path / "one", safe_serialization=True)
+    model.save_pretrained(tmp_path / "shards", safe_serialization=True, max_shard_size="40KB")
+    shards = sorted(p.name for p in (tmp_path / "shards").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "shards" / hf.INDEX_FILE).is_file()
+    _, _, single = hf.load_checkpoint(tmp_path / "one", dtype=np.float64)
+    _, _, sharded = hf.load_checkpoint(tmp_path / "shards", dtype=np.float64)
+    assert single.keys() == sharded.keys()
+    for key in single:
+        np.testing.assert_array_equal(single[key], sharded[key])
+
+
+def test_gpt2_in_the_layout_of_the_released_file(tmp_path, monkeypatch):
+    """The released GPT-2 weights name tensors without the ``transformer.`` prefix and keep the
+    causal mask as ``h.{i}.attn.bias`` buffers; they load the same."""
+    model = random_model("gpt2", seed=7)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+
+    def edit(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        for i in range(2):
+            tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
+    rewrite_weights(tmp_path, edit)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    reference = hf_logits(float64_internals(model, monkeypatch), TOKENS)
+    assert relative_error(model_module(name).logits(params, TOKENS, config), reference) < REL
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_name", ["gpt", "llama", "mla"])
+def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path, monkeypatch):
+    """A few training steps, ``convert --to-hf``, then transformers' logits equal refmath's.
+    The llama run uses RoPE's interleaved layout, so its q/k columns are permuted on the way."""
+    import dataclasses
+
+    from refmath.data import make_task
+    from refmath.train import MODELS, default_config, load_checkpoint as load_run, train
+
+    task = {**MODELS[model_name].task, "seq_len": 16}
+    config = dataclasses.replace(default_config(model_name, make_task(task)), d_model=32)
+    if model_name == "mla":  # deepseek_v3 always normalises its latents, with epsilon 1e-6
+        config = dataclasses.replace(config, latent_norm=True, latent_norm_eps=1e-6)
+    run = tmp_path / "run"
+    train(model_name, run, steps=3, batch_size=4, eval_every=3, accuracy_examples=0,
+          config=config, task=task, out=io.StringIO())
+    ckpt = load_run(run)
+    if model_name == "llama":
+        assert ckpt.config.rope_layout == "interleaved"
+    out = tmp_path / "hf"
+    assert main(["convert", "--to-hf", str(run), str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    float64_internals(model, monkeypatch)
+    tokens = np.random.default_rng(1).integers(0, ckpt.config.vocab_size, (2, 11))
+    params64 = {k: v.astype(np.float64) for k, v in ckpt.params.items()}
+    z = model_module(model_name).logits(params64, tokens, ckpt.config)
+    error = relative_error(z, hf_logits(model, tokens))
+    print(f"trained {model_name}: largest logit difference {error:.1e} of the largest logit")
+    assert error < REL
+    # and back: the written directory loads into the same parameters
+    name, config, params = hf.load_checkpoint(out, dtype=np.float64)
+    assert name == model_name
+    np.testing.assert_allclose(model_module(name).logits(params, tokens, config), z, rtol=0,
+                               atol=REL * np.abs(z).max())
+
+
+def refmath_configs():
+    from refmath.models import decoder, gpt, mla
+
+    return {
+        "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
+            d_ff=40, qkv_bias=True, tie_embeddings=True, rope_base=300.0)),
+        "mistral (sliding window 4, interleaved RoPE)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, sliding_window=4)),
+        "openai-gpt (Post-LN)": ("gpt", gpt.GPTConfig(
+            vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4,
+            norm_position="post", dropout=0.0)),
+        "gpt2 (untied, exact GELU)": ("gpt", gpt.GPTConfig(
+            vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4, d_ff=48,
+            tie_embeddings=False, gelu_approximate=False, dropout=0.0, layernorm_eps=1e-6)),
+        "deepseek_v3 (query compression, half RoPE)": ("mla", mla.MLAConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
+            d_rope=4, head_dim=6, v_head_dim=10, q_lora_rank=8, latent_norm=True, d_ff=40,
+            rope_layout="half", latent_norm_eps=1e-6, norm_eps=1e-5)),
+    }
+
+
+@pytest.mark.parametrize("label", sorted(refmath_configs()))
+def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp_path,
+                                                                      monkeypatch):
+    name, config = refmath_configs()[label]
+    rng = np.random.default_rng(8)
+    params = {key: value + 0.1 * rng.standard_normal(value.shape)  # biases and gains off 0 and 1
+              for key, value in model_module(name).init_params(config, seed=8).items()}
+    hf.save_checkpoint(tmp_path, name, config, params)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    tokens = TOKENS[:, :11]
+    z = model_module(name).logits(params, tokens, config)
+    error = relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens))
+    print(f"{label}: largest logit difference {error:.1e} of the largest logit")
+    assert error < REL
+
+
+def test_interleaved_to_half_keeps_every_score():
+    """RoPE_half(x W_pi) = RoPE_interleaved(x W)_pi, so q.k is unchanged (module docstring)."""
+    from refmath.positions import rope_forward
+
+    rng = np.random.default_rng(4)
+    x, w_q, w_k = rng.standard_normal((7, 12)), rng.standard_normal((12, 16)), rng.standard_normal((12, 16))
+
+    def scores(wq, wk, layout):
+        q = rope_forward(np.stack(np.split(x @ wq, 2, axis=1)), layout=layout)[0]
+        k = rope_forward(np.stack(np.split(x @ wk, 2, axis=1)), layout=layout)[0]
+        return q @ k.transpose(0, 2, 1)
+
+    half = scores(hf.interleaved_to_half(w_q, 8), hf.interleaved_to_half(w_k, 8), "half")
+    np.testing.assert_allclose(half, scores(w_q, w_k, "interleaved"), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(scores(w_q, w_k, "half"), scores(w_q, w_k, "interleaved"))
+
+
+def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
+    from refmath.models import gpt, mla, transformer
+
+    config = transformer.TransformerConfig(vocab_size=11, max_seq_len=8, n_layers=1, d_model=16,
+                                           n_heads=2, d_ff=32)
+    with pytest.raises(hf.HFCheckpointError, match="'transformer' has no Hugging Face"):
+        hf.save_checkpoint(tmp_path, "transformer", config, transformer.init_params(config))
+    config = gpt.GPTConfig(vocab_size=11, max_seq_len=8, n_layers=1, d_model=16, n_heads=2,
+                           norm_position="post", tie_embeddings=False)
+    with pytest.raises(hf.HFCheckpointError, match="tie_embeddings = False"):
+        hf.save_checkpoint(tmp_path, "gpt", config, gpt.init_params(config))
+    config = mla.MLAConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2,
+                           d_c=8, d_rope=4)
+    with pytest.raises(hf.HFCheckpointError, match="latent_norm = False"):
+        hf.save_checkpoint(tmp_path, "mla", config, mla.init_params(config))
+    with pytest.raises(TypeError, match="GPTConfig"):
+        hf.save_checkpoint(tmp_path, "gpt", config, mla.init_params(config))
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+def one_line_error(directory) -> str:
+    with pytest.raises(hf.HFCheckpointError) as info:
+        hf.load_checkpoint(directory)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def edit_config(directory: Path, **fields) -> None:
+    path = directory / hf.CONFIG_FILE
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config))
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    random_model("llama").save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path
+
+
+def test_refuses_an_unsupported_model_type(llama_dir):
+    edit_config(llama_dir, model_type="mixtral")
+    assert "model_type = 'mixtral' is not supported" in one_line_error(llama_dir)
+
+
+def test_refuses_rope_scaling(llama_dir):
+    edit_config(llama_dir, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
+    assert "rope_parameters.rope_type = 'llama3'" in one_line_error(llama_dir)
+
+
+def test_refuses_legacy_rope_scaling(llama_dir):
+    edit_config(llama_dir, rope_scaling={"type": "linear", "factor": 2.0})
+    assert "rope_scaling = {'type': 'linear', 'factor': 2.0}" in one_line_error(llama_dir)
+
+
+def test_refuses_a_config_without_a_needed_field(llama_dir):
+    config = json.loads((llama_dir / hf.CONFIG_FILE).read_text())
+    del config["hidden_size"]
+    (llama_dir / hf.CONFIG_FILE).write_text(json.dumps(config))
+    assert "llama: config has no field 'hidden_size'" in one_line_error(llama_dir)
+
+
+def test_refuses_a_dtype_that_is_not_floating(llama_dir):
+    with pytest.raises(TypeError, match="dtype must be a floating-point type, got int32"):
+        hf.load_checkpoint(llama_dir, dtype=np.int32)
+
+
+def test_refuses_mixture_of_experts_layers(tmp_path):
+    random_model("deepseek_v3").save_pretrained(tmp_path, safe_serialization=True)
+    edit_config(tmp_path, first_k_dense_replace=1)
+    message = one_line_error(tmp_path)
+    assert "first_k_dense_replace = 1" in message and "mixture-of-experts" in message
+
+
+def test_refuses_output_bias(llama_dir):
+    edit_config(llama_dir, attention_bias=True)
+    assert "attention_bias = True" in one_line_error(llama_dir)
+
+
+def rewrite_weights(directory: Path, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    path = directory / hf.WEIGHTS_FILE
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_refuses_a_missing_tensor(llama_dir):
+    rewrite_weights(llama_dir, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    assert "'model.layers.1.self_attn.k_proj.weight' is missing" in one_line_error(llama_dir)
+
+
+def test_refuses_a_wrong_shaped_tensor(llama_dir):
+    def edit(tensors):
+        tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((47, 32), np.float32)
+    rewrite_weights(llama_dir, edit)
+    message = one_line_error(llama_dir)
+    assert "'model.layers.0.mlp.up_proj.weight' has shape (47, 32)" in message
+    assert "(48, 32)" in message
+
+
+def test_refuses_a_left_over_tensor(llama_dir):
+    def edit(tensors):
+        tensors["model.layers.2.input_layernorm.weight"] = np.ones(32, np.float32)
+    rewrite_weights(llama_dir, edit)
+    assert "model.layers.2.input_layernorm.weight" in one_line_error(llama_dir)
+
+
+def test_refuses_a_truncated_file(llama_dir):
+    path = llama_dir / hf.WEIGHTS_FILE
+    os.truncate(path, path.stat().st_size - 100)
+    assert "truncated" in one_line_error(llama_dir)
+
+
+def test_refuses_a_directory_without_weights(llama_dir):
+    (llama_dir / hf.WEIGHTS_FILE).unlink()
+    assert "neither model.safetensors nor model.safetensors.index.json" in one_line_error(llama_dir)
+
+
+# ---- sizes ----------------------------------------------------------------------------------------
+
+# Published configurations, written out from their config.json files on the Hugging Face Hub.
+PUBLISHED = {
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                     intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False,
+                     max_window_layers=28, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
+                 n_head=12, activation_function="gelu_new", layer_norm_epsilon=1e-5),
+}
+
+
+def meta_parameter_count(config: dict) -> int:
+    """sum(p.numel()) of the transformers model, built on the meta device (no memory)."""
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_sizes_count_the_parameters_of_transformers(name, tmp_path):
+    from refmath.sizing import parameter_counts
+
+    expected = meta_parameter_count(PUBLISHED[name])
+    assert hf.parameter_count(PUBLISHED[name]) == expected
+    assert parameter_counts(hf.sizing_config(PUBLISHED[name])).total == expected
+    (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(PUBLISHED[name]))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["sizes", "--hf", str(tmp_path)]) == 0
+    assert f"parameters (N7): {expected:,}" in out.getvalue()
+
+
+def test_sizes_of_a_deepseek_config(tmp_path):
+    config = hf_config("deepseek_v3").to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    expected = meta_parameter_count(config)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["sizes", "--config", str(path)]) == 0
+    assert f"parameters (the loaded model's shapes): {expected:,}" in out.getvalue()
+    assert "* MLA" in out.getvalue()
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def run_main(argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_generate_hf_with_a_trained_tokenizer(tmp_path):
+    """``generate --hf`` encodes the prompt with the directory's tokenizer.json (trained here)
+    and prints the same continuation transformers' greedy search gives."""
+    pytest.importorskip("tokenizers", reason="--prompt needs tokenizers (pip install tokenizers)")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    sentences = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
+                 "refmath computes the same function"] * 4
+    tokenizer.train_from_iterator(sentences, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40]))
+    assert tokenizer.get_vocab_size() <= VOCAB
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    model = random_model("gpt2", seed=5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+
+    status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt", "the cat",
+                                 "--greedy", "--max-new-tokens", "8"])
+    assert status == 0, err
+    prompt = tokenizer.encode("the cat").ids
+    with torch.no_grad():  # both stop at the config's eos_token_id
+        theirs = model.generate(torch.as_tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[0].tolist()
+    assert out.strip() == tokenizer.decode(theirs).strip()
+    assert f"{len(theirs) - len(prompt)} tokens" in err
+
+
+def test_generate_hf_with_prompt_ids_and_refusals(tmp_path):
+    random_model("llama", seed=6).save_pretrained(tmp_path, safe_serialization=True)
+    status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
+                                 "--greedy", "--max-new-tokens", "4"])
+    assert status == 0, err
+    ids = [int(i) for i in out.strip().split(",")]
+    assert ids[:3] == [1, 2, 3] and len(ids) == 7
+
+    status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt", "hello"])
+    assert status == 2 and "no tokenizer.json" in err and err.count("\n") == 1
+    edit_config(tmp_path, model_type="mixtral")
+    status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1"])
+    assert status == 2 and "model_type = 'mixtral' is not supported" in err
+    assert err.count("\n") == 1
+
+
+def test_convert_refuses_an_existing_output(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    status, _, err = run_main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")])
+    assert status == 2 and "exists" in err
