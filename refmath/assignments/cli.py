@@ -59,7 +59,7 @@ def _grade(args) -> int:
         return 0
     if not args.submission:
         args.subparser.error("give a SUBMISSION directory or --batch DIR")
-    results = grade(m, args.submission, _src_root(), limits)
+    results = grade(m, args.submission, _src_root(), limits, only=args.only)
     print(summary(results))
     if args.out:
         write_results(results, args.out)
@@ -96,6 +96,8 @@ def add_assignments_arguments(parser: argparse.ArgumentParser) -> None:
     grade.add_argument("--out", help="write results.json here")
     grade.add_argument("--batch", metavar="DIR", help="grade every sub-folder of DIR")
     grade.add_argument("--csv", help="with --batch: write the scores here")
+    grade.add_argument("--only", metavar="GLOB",
+                       help="grade only the hidden tests whose names match (see the manifest)")
     grade.add_argument("--time-limit", type=float, default=None, metavar="S",
                        help="lower each test's wall-clock and CPU limits to S seconds")
     grade.set_defaults(act=_grade, subparser=grade)
