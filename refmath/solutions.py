@@ -11,8 +11,10 @@ Markers are comments: the reference runs unchanged. Stripping a Python region re
 statement at the marker's indentation (``raise NotImplementedError(...)`` for a library function);
 stripping a Markdown region replaces it by a prompt line. Regions do not nest.
 
-A docstring that would give the answer away (a backward's gradient formula) sits inside the region,
-so it is stripped with the body; the handout states the task instead.
+A docstring that would give the answer away (a backward's gradient formula) sits inside a region:
+either the region of the whole body, or a region of its own holding only the docstring, which the
+build replaces by a one-line docstring pointing to the handout (so the input checks that follow
+the docstring stay in the student's copy). The handout states the task instead.
 """
 from __future__ import annotations
 
@@ -96,6 +98,19 @@ def default_replacement(region: Region) -> list[str]:
     if region.kind == "markdown":
         return [MARKDOWN_PROMPT]
     return [f'{region.indent}raise NotImplementedError("write this part: see the handout")']
+
+
+def is_docstring_region(text: str, region: Region) -> bool:
+    """Whether ``region`` holds nothing but a string literal: a docstring that gives the answer
+    away, fenced on its own so that the input checks after it stay in the student's copy."""
+    inner = "\n".join(line[len(region.indent):] if line.startswith(region.indent) else line.strip()
+                      for line in text.splitlines()[region.begin + 1: region.end])
+    try:
+        body = ast.parse(inner).body
+    except SyntaxError:
+        return False
+    return (len(body) == 1 and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str))
 
 
 def strip_all(text: str, where: str = "<text>") -> str:

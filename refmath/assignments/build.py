@@ -136,12 +136,21 @@ def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True)
             raise ValueError(f"assignment {manifest.name}: no '# BEGIN SOLUTION' region in "
                              f"{', '.join(missing)} of {file} (functions with regions: "
                              f"{', '.join(sorted(n for n in grouped if n)) or 'none'})")
+        only_docstrings = [f for f in functions if f in grouped and
+                           all(solutions.is_docstring_region(text, r) for r in grouped[f])]
+        if only_docstrings and strict:
+            raise ValueError(f"assignment {manifest.name}: {', '.join(only_docstrings)} of {file} "
+                             "has only a docstring region: the student's copy would not raise")
         chosen = [(r, f) for f in functions for r in grouped.get(f, [])]
         secrets.update(solutions.region_lines(text, [r for r, _ in chosen]))
         by_region = {r: f for r, f in chosen}
-        out[file] = solutions.strip_regions(
-            text, list(by_region),
-            lambda r: [f"{r.indent}raise NotImplementedError({stub_message(by_region[r], manifest)!r})"])
+
+        def stub(region, text=text, by_region=by_region):
+            message = stub_message(by_region[region], manifest)
+            if solutions.is_docstring_region(text, region):
+                return [f'{region.indent}"""{message}."""']
+            return [f"{region.indent}raise NotImplementedError({message!r})"]
+        out[file] = solutions.strip_regions(text, list(by_region), stub)
     return out, secrets
 
 
