@@ -95,6 +95,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
                              f"(loss_mask.shape = {loss_mask.shape})")
         counted &= loss_mask.astype(bool)
 
+    # BEGIN SOLUTION
     n_counted = int(counted.sum())
     safe_targets = np.where(counted, targets, 0)
     logp, _ = log_softmax_forward(logits)
@@ -106,9 +107,11 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
     loss = np.asarray(total / max(n_counted, 1), dtype=logits.dtype)
     cache = CrossEntropyCache(np.exp(logp), safe_targets, counted, n_counted, float(label_smoothing))
     return loss, cache
+    # END SOLUTION
 
 
 def cross_entropy_backward(dout, cache: CrossEntropyCache):
+    # BEGIN SOLUTION
     r"""Gradient of the mean cross-entropy: returns ``dlogits`` (catalogue L3).
 
     Softmax followed by cross-entropy against a distribution :math:`q` has the famously simple
@@ -127,6 +130,7 @@ def cross_entropy_backward(dout, cache: CrossEntropyCache):
     np.put_along_axis(grad, targets[..., None], at_target, axis=-1)
     scale = np.asarray(dout, dtype=probs.dtype) / max(n_counted, 1)
     return np.where(counted[..., None], grad * scale, np.zeros((), dtype=probs.dtype))
+    # END SOLUTION
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
