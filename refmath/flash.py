@@ -249,6 +249,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
     band = _Band(t_q, t_k, causal, window)
     n_key_tiles = _n_tiles(t_k, block_k)
 
+    # BEGIN SOLUTION
     qg = _grouped(q, g)  # (B, G, H/G, T_q, D)
     o = np.zeros((b, h, t_q, d_v), dtype=dtype)
     lse = np.full((b, h, t_q), -np.inf, dtype=dtype)
@@ -276,6 +277,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
         og[:, :, :, i0:i1] = online_softmax_result(state)  # F1: o = u / l, 0 if nothing was seen
         lseg[:, :, :, i0:i1] = online_softmax_logsumexp(state)
     return o, lse
+    # END SOLUTION
 
 
 # ---- backward ------------------------------------------------------------------------------------
@@ -283,6 +285,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
 def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: int | None = None,
                              scale: float | None = None, block_q: int = 16, block_k: int = 16,
                              counters: FlashCounters | None = None):
+    # BEGIN SOLUTION
     r"""Gradients of :func:`flash_attention_forward`, FlashAttention-2 style: returns
     ``(dq, dk, dv)`` (catalogue F4, A8).
 
@@ -322,6 +325,7 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     forward), ``q``, ``k``, ``v`` and the options as given to the forward. ``dq``, ``dk``, ``dv``
     have the shapes of ``q``, ``k``, ``v``.
     """
+    # END SOLUTION
     q, k, v = _check_qkv(q, k, v)
     causal, window, scale, block_q, block_k = _check_options(causal, window, scale, block_q,
                                                              block_k, q.shape[-1])
@@ -347,6 +351,7 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     n_query_tiles = _n_tiles(t_q, block_q)
     query_tiles = _tiles(0, t_q, block_q, t_q)
 
+    # BEGIN SOLUTION
     qg, dog, og = _grouped(q, g), _grouped(do, g), _grouped(o, g)  # (B, G, H/G, T_q, .)
     # A row that saw no key has lse = -inf and all its scores -inf; +inf in its place makes
     # exp(S - lse) = 0 there instead of exp(-inf - (-inf)) = NaN.
@@ -391,6 +396,7 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
         dk[:, :, j0:j1] = dk_j
         dv[:, :, j0:j1] = dv_j
     return dq.reshape(q.shape), dk, dv
+    # END SOLUTION
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
