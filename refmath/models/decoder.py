@@ -259,6 +259,7 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset)`` appends the
     keys and values to the layer's cache and attends over every cached position. Returns
     ``(B, n, d)``."""
+    # BEGIN SOLUTION
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
     q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"])[0], h), **rope)
@@ -266,6 +267,7 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     v = split_heads(linear_forward(u, params["w_v"])[0], g)
     o = slot.attend(q, k, v, offset)
     return linear_forward(merge_heads(o), params["w_o"])[0]
+    # END SOLUTION
 
 
 ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,
