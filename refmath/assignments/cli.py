@@ -52,14 +52,15 @@ def _grade(args) -> int:
             args.subparser.error("give either SUBMISSION (with --out) or --batch DIR (with --csv)")
         if not args.csv:
             args.subparser.error("--batch needs --csv PATH")
-        rows = grade_batch(m, args.batch, args.csv, _src_root(), limits)
+        rows = grade_batch(m, args.batch, args.csv, _src_root(), limits, only=args.only,
+                           jobs=args.jobs)
         for row in rows:
             print(f"{row['submission']}: {row['score']:g} / {row['max_score']:g}")
         print(f"wrote {args.csv}")
         return 0
     if not args.submission:
         args.subparser.error("give a SUBMISSION directory or --batch DIR")
-    results = grade(m, args.submission, _src_root(), limits, only=args.only)
+    results = grade(m, args.submission, _src_root(), limits, only=args.only, jobs=args.jobs)
     print(summary(results))
     if args.out:
         write_results(results, args.out)
@@ -98,6 +99,8 @@ def add_assignments_arguments(parser: argparse.ArgumentParser) -> None:
     grade.add_argument("--csv", help="with --batch: write the scores here")
     grade.add_argument("--only", metavar="GLOB",
                        help="grade only the hidden tests whose names match (see the manifest)")
+    grade.add_argument("--jobs", type=int, default=1, metavar="N",
+                       help="run N hidden tests at once, each in its own process (default 1)")
     grade.add_argument("--time-limit", type=float, default=None, metavar="S",
                        help="lower each test's wall-clock and CPU limits to S seconds")
     grade.set_defaults(act=_grade, subparser=grade)

@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -71,55 +72,74 @@ def _load_outputs(directory: str) -> dict[str, np.ndarray]:
         return {key: data[key] for key in data.files}
 
 
-def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | None = None,
-          progress=None, only: str | None = None) -> dict:
-    """Grade one submission; returns Gradescope's ``results.json`` as a dict. ``only`` (globs
-    over the hidden tests' names, separated by commas) grades a subset, and the maximum is then that subset's."""
-    limits = limits or manifest.limits
-    module = load_hidden_tests(manifest)
-    base, _ = stub_library(library_files(src_root), manifest, strict=False)
-    submitted, notes = read_submission(manifest, submission)
-    hidden = manifest.path(manifest.hidden_tests)
-    start = time.perf_counter()
-    tests = []
+def _grade_test(name: str, points: float, make, base, submitted, hidden, limits) -> dict:
+    """One hidden test: run its ``run`` on the submission in a fresh limited process, then its
+    ``check`` here on the arrays that came back. Returns the test's entry of results.json."""
+    directory = tempfile.mkdtemp(prefix="refmath-grade-")
+    try:
+        _prepare(directory, base, submitted, hidden)
+        outcome = run_test(directory, name, limits)
+        if outcome.status == "ok":
+            try:
+                _, check = make()
+                verdict = check(_load_outputs(directory))
+                if not isinstance(verdict, Verdict):
+                    raise TypeError(f"check returned {type(verdict).__name__}, not a Verdict")
+            except Exception as error:  # outputs the check cannot read count as wrong
+                verdict = Verdict(False, f"could not check the results: "
+                                         f"{type(error).__name__}: {error}"[:400])
+        else:
+            verdict = Verdict(False, outcome.message)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    output = ("passed: " if verdict.passed else "FAILED: ") + verdict.message
+    if outcome.output.strip() and not verdict.passed:
+        output += "\nyour code printed:\n" + outcome.output[:500]
+    return {"name": make.description, "score": float(points) if verdict.passed else 0.0,
+            "max_score": float(points), "output": output, "visibility": "visible",
+            "execution_time": round(outcome.seconds, 2)}
+
+
+def select_tests(manifest: Manifest, only: str | None) -> dict[str, float]:
+    """The hidden tests (name -> points) matching ``only``: globs separated by commas (all if None)."""
     globs = None if only is None else [g.strip() for g in only.split(",")]
     chosen = {n: p for n, p in manifest.points.items()
               if globs is None or any(fnmatch.fnmatch(n, g) for g in globs)}
     if not chosen:
         raise ValueError(f"no hidden test of {manifest.name} matches {only!r}; the tests are "
                          f"{', '.join(manifest.points)}")
-    for name, points in chosen.items():
-        make = getattr(module, name)
-        directory = tempfile.mkdtemp(prefix="refmath-grade-")
-        try:
-            _prepare(directory, base, submitted, hidden)
-            outcome = run_test(directory, name, limits)
-            if outcome.status == "ok":
-                try:
-                    _, check = make()
-                    verdict = check(_load_outputs(directory))
-                    if not isinstance(verdict, Verdict):
-                        raise TypeError(f"check returned {type(verdict).__name__}, not a Verdict")
-                except Exception as error:  # outputs the check cannot read count as wrong
-                    verdict = Verdict(False, f"could not check the results: "
-                                             f"{type(error).__name__}: {error}"[:400])
-            else:
-                verdict = Verdict(False, outcome.message)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        output = ("passed: " if verdict.passed else "FAILED: ") + verdict.message
-        if outcome.output.strip() and not verdict.passed:
-            output += "\nyour code printed:\n" + outcome.output[:500]
-        tests.append({"name": make.description, "score": float(points) if verdict.passed else 0.0,
-                      "max_score": float(points), "output": output, "visibility": "visible",
-                      "execution_time": round(outcome.seconds, 2)})
+    return chosen
+
+
+def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | None = None,
+          progress=None, only: str | None = None, jobs: int = 1) -> dict:
+    """Grade one submission; returns Gradescope's ``results.json`` as a dict.
+
+    ``only`` (globs over the hidden tests' names, separated by commas) grades a subset, and the
+    maximum is then that subset's. ``jobs`` hidden tests run at once (each in its own process).
+    """
+    limits = limits or manifest.limits
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    module = load_hidden_tests(manifest)
+    base, _ = stub_library(library_files(src_root), manifest, strict=False)
+    submitted, notes = read_submission(manifest, submission)
+    hidden = manifest.path(manifest.hidden_tests)
+    chosen = select_tests(manifest, only)
+    start = time.perf_counter()
+
+    def one(item):
+        entry = _grade_test(*item, getattr(module, item[0]), base, submitted, hidden, limits)
         if progress is not None:
             progress()
+        return entry
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each test is a process: threads suffice
+        tests = list(pool.map(one, chosen.items()))
     score = sum(t["score"] for t in tests)
-    return {"score": score, "max_score": sum(chosen.values()),
+    total = float(sum(chosen.values()))
+    return {"score": score, "max_score": total,
             "execution_time": round(time.perf_counter() - start, 2),
-            "output": "\n".join(notes) if notes else f"{manifest.title}: {score:g} / "
-                                                        f"{sum(chosen.values()):g}",
+            "output": "\n".join(notes) if notes else f"{manifest.title}: {score:g} / {total:g}",
             "tests": tests}
 
 
@@ -145,7 +165,8 @@ def write_results(results: dict, path: str) -> None:
 
 
 def grade_batch(manifest: Manifest, folder: str, csv_path: str, src_root: str,
-                limits: Limits | None = None, show_progress: bool = True) -> list[dict]:
+                limits: Limits | None = None, show_progress: bool = True, only: str | None = None,
+                jobs: int = 1) -> list[dict]:
     """Grade every sub-directory of ``folder``; write one CSV row per submission and each
     submission's results.json under ``<csv stem>-results/``."""
     if not os.path.isdir(folder):
@@ -156,11 +177,11 @@ def grade_batch(manifest: Manifest, folder: str, csv_path: str, src_root: str,
     results_dir = os.path.splitext(csv_path)[0] + "-results"
     rows = []
     from tqdm import tqdm
-    with tqdm(total=len(submissions) * len(manifest.points), desc=f"grading {manifest.name}",
+    with tqdm(total=len(submissions) * len(select_tests(manifest, only)), desc=f"grading {manifest.name}",
               unit="test", disable=not show_progress, file=sys.stderr) as bar:
         for name in submissions:
             results = grade(manifest, os.path.join(folder, name), src_root, limits,
-                            progress=lambda: bar.update(1))
+                            progress=lambda: bar.update(1), only=only, jobs=jobs)
             write_results(results, os.path.join(results_dir, f"{name}.json"))
             rows.append({"submission": name, "score": results["score"],
                          "max_score": results["max_score"],
