@@ -5,6 +5,7 @@ on the hidden tests that call that function plus one that does not, which must s
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -279,6 +280,20 @@ def test_hostile_submissions_score_low_and_finish(tmp_path, fixture):
     assert elapsed < n_tests * (limits.wall_s + 10)
     # feedback is a line about the error, never an array
     assert all("[[" not in t["output"] and "array(" not in t["output"] for t in failed)
+
+
+def test_a_busy_loop_is_stopped_by_the_cpu_limit(tmp_path):
+    manifest = load("attention")
+    texts = reference_texts(manifest)
+    path = manifest.files[0]
+    texts[path] = plant(texts[path], "gqa_head_map", "while True:\n    pass")
+    limits = dataclasses.replace(manifest.limits, cpu_s=2, wall_s=60)
+    start = time.perf_counter()
+    results = grade(manifest, submission_of(tmp_path / "sub", manifest, texts), ROOT, limits,
+                    only="gqa_head_map_values")
+    assert results["score"] == 0
+    assert "CPU time" in results["tests"][0]["output"]
+    assert time.perf_counter() - start < 30  # well before the wall-clock limit
 
 
 def test_results_json_follows_gradescope_schema(tmp_path):

@@ -2,7 +2,8 @@
 
 The process gets a fresh temporary directory holding only the submission laid over the stubbed
 library, the hidden-test module and a small driver; a minimal environment with one BLAS/OpenMP
-thread; ``resource.setrlimit`` limits on CPU time, address space, file size and core dumps; its own
+thread; ``resource.setrlimit`` limits on CPU time, address space, file size and core dumps (set by
+the driver before it imports anything of the submission); its own
 session (so a wall-clock timeout kills everything it started); and its output goes to a file whose
 size is capped. The driver runs the test's ``run()`` and saves the returned arrays as ``out.npz``;
 the grader, in its own process, loads them without pickle and checks them.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -29,6 +29,15 @@ from refmath.assignments.manifest import Limits
 # runs the student's side and saves the arrays it returns. Any exception, SystemExit included,
 # becomes one line of result.json; where in refmath/ it happened is kept for the feedback.
 DRIVER = r'''
+import resource
+# The limits first, before anything of the submission is imported. Soft and hard limits are equal
+# (CPU: one second apart, so SIGXCPU comes first), and a process cannot raise its hard limits.
+cpu, memory, size = (int(a) for a in __import__("sys").argv[2:5])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
 import json, os, sys, traceback
 sys.path.insert(0, os.getcwd())
 here = os.getcwd()
@@ -75,17 +84,17 @@ class Outcome(NamedTuple):
     seconds: float
 
 
-def _limit_process(limits: Limits):
-    def apply():
-        cpu = max(1, int(limits.cpu_s))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        memory = limits.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        # Files the process writes: its output (capped lower, below) and out.npz.
-        size = max(limits.output_kb * 1024 * 4, 64 * 1024 * 1024)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
+def _limit_arguments(limits: Limits) -> list[str]:
+    """The driver's arguments: CPU seconds, bytes of address space, bytes a file may reach.
+
+    The driver sets the limits itself, as its first statements: ``preexec_fn`` would do it before
+    exec, but is unsafe when the grader runs tests from several threads (``--jobs``).
+    """
+    cpu = max(1, int(limits.cpu_s))
+    memory = limits.memory_mb * 1024 * 1024
+    # Files the process writes: its output (capped lower, after the run) and out.npz.
+    size = max(limits.output_kb * 1024 * 4, 64 * 1024 * 1024)
+    return [str(cpu), str(memory), str(size)]
 
 
 def limited_env(directory: str) -> dict[str, str]:
@@ -115,9 +124,9 @@ def run_test(directory: str, test: str, limits: Limits) -> Outcome:
     timed_out = False
     with open(output_path, "wb") as output:
         process = subprocess.Popen(
-            [sys.executable, "-E", "-s", "-B", "_grader_driver.py", test], cwd=directory,
-            stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-            env=limited_env(directory), preexec_fn=_limit_process(limits), start_new_session=True)
+            [sys.executable, "-E", "-s", "-B", "_grader_driver.py", test, *_limit_arguments(limits)],
+            cwd=directory, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+            env=limited_env(directory), start_new_session=True)
         try:
             returncode = process.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
