@@ -123,6 +123,18 @@ def test_list_shows_every_assignment():
         assert f"{name}: " in run.stdout
 
 
+@pytest.mark.parametrize("args, message", [
+    (["build", "no_such_assignment", "--out", "x"], "no assignment 'no_such_assignment'"),
+    (["grade", "attention", ".", "--jobs", "0"], "jobs must be a positive integer"),
+    (["grade", "attention", "no/such/folder"], "is not a directory"),
+    (["grade", "attention", ".", "--only", "nothing*"], "no hidden test of attention matches"),
+])
+def test_bad_input_is_refused_with_the_reason(args, message):
+    run = subprocess.run([sys.executable, "-m", "refmath", "assignments", *args], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_build_stubs_exactly_the_listed_functions(built, name):
     manifest = load(name)
