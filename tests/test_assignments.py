@@ -164,12 +164,13 @@ def test_the_handout_runs_in_the_student_tree(built, name):
         assert "BEGIN SOLUTION" not in f.read()
 
 
-def test_a_planted_solution_line_in_the_handout_fails_the_build(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["as a line", "quoted"])
+def test_a_planted_solution_line_in_the_handout_fails_the_build(tmp_path, how):
     manifest = load("attention")
     with open(os.path.join(ROOT, "refmath", "attention.py")) as f:
         text = f.read()
     region = solutions.function_regions(text)["sdpa_backward"][0]
-    line = text.splitlines()[region.end - 2]  # a line of the body, e.g. "dq = (ds @ k) * scale"
+    line = text.splitlines()[region.end - 2]  # a line of the body: "dk = (np.swapaxes(ds, ...) * scale"
     with open(manifest.path(manifest.handout)) as f:
         handout = f.read()
     planted = tmp_path / "assignments" / "attention"
@@ -177,7 +178,8 @@ def test_a_planted_solution_line_in_the_handout_fails_the_build(tmp_path, monkey
     for part in (manifest.hidden_tests, *manifest.public_tests, "assignment.toml"):
         (planted / part).parent.mkdir(parents=True, exist_ok=True)
         (planted / part).write_text(open(manifest.path(part)).read())
-    (planted / manifest.handout).write_text(handout + f"\n# %%\n{line.strip()}\n")
+    planted_line = line.strip() if how == "as a line" else f"hint = {line.strip()!r}  # a hint"
+    (planted / manifest.handout).write_text(handout + f"\n# %%\n{planted_line}\n")
     out = tmp_path / "out"
     with pytest.raises(LeakError, match="handout.py"):
         build(manifests.load("attention", str(tmp_path / "assignments")), str(out), ROOT)

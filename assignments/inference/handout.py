@@ -39,9 +39,9 @@ from refmath.attention import causal_mask
 # filled. A call brings `n` new rows (`n = P` in prefill, `n = 1` in a decode step) at positions
 # `offset..offset+n-1`. Store their keys and values, then attend with the `n` queries over every
 # filled position. The new queries are the *last* `n` of the `t = offset + n` positions: the mask
-# is `causal_mask(n, t)`. Record it with `cache.counts.record(layer, mask)` (the generators count
-# the work). With GQA, query head `r` reads stored head `r // (h/g)`: group the queries rather than
-# copy the keys `h/g` times.
+# is `causal_mask(n, t)`. Pass that mask and the layer to the `record` method of `cache.counts`
+# (the generators count the work with it). With GQA, query head `r` reads stored head `r // (h/g)`:
+# group the queries rather than copy the keys `h/g` times.
 
 # %%
 print(causal_mask(2, 5))

@@ -25,6 +25,9 @@ from refmath.assignments.manifest import MANIFEST, Manifest
 
 # Lines this short ("return dx", "else:", '"""') say nothing about a solution and occur everywhere.
 SHORTEST_SECRET = 10
+# A solution line at least this long is also a leak when it is part of a longer line (quoted in a
+# string, followed by a comment).
+SHORTEST_QUOTED_SECRET = 20
 
 STUDENT_PYPROJECT = """\
 # The student copy of refmath: pure Python, installs in seconds (pip install -e .).
@@ -90,9 +93,11 @@ python3 -m refmath assignments grade {name} /autograder/submission \\
     --out /autograder/results/results.json
 """
 
-# What of refmath/ the copies carry: the Python sources (not compiled modules or build records).
+# What of refmath/ the copies carry: the Python sources (not compiled modules or build records),
+# less the catalogue of typical mistakes, which quotes the right line each mistake replaces
+# (solutions included) and which nothing in the library imports.
 _SKIP_DIRS = {"__pycache__"}
-_SKIP_FILES = {"_build_info.py"}
+_SKIP_FILES = {"_build_info.py", "mistakes.py"}
 
 
 class LeakError(RuntimeError):
@@ -161,13 +166,28 @@ def public_lines(files: dict[str, str], manifest: Manifest) -> set[str]:
     return {solutions.normalise(line) for text in stubbed.values() for line in text.splitlines()}
 
 
+def secret_lines(region_lines, public: set[str]) -> set[str]:
+    """The region lines that give something away: long enough, and not already in the library
+    outside the regions (as a whole line, or inside one)."""
+    candidates = {line for line in region_lines if len(line) >= SHORTEST_SECRET} - public
+    public_text = "\n".join(public)
+    return {line for line in candidates
+            if len(line) < SHORTEST_QUOTED_SECRET or line not in public_text}
+
+
+def _leaks(line: str, secrets: set[str], quoted: list[str]) -> bool:
+    line = solutions.normalise(line)
+    return line in secrets or any(secret in line for secret in quoted)
+
+
 def leak_check(trees: dict[str, dict[str, str]], secrets: set[str]) -> None:
-    """Raise :class:`LeakError` listing every written line that is a solution line."""
+    """Raise :class:`LeakError` listing every written line that is, or quotes, a solution line."""
+    quoted = [s for s in secrets if len(s) >= SHORTEST_QUOTED_SECRET]
     found = []
     for tree, files in trees.items():
         for path, text in files.items():
             for number, line in enumerate(text.splitlines(), 1):
-                if solutions.normalise(line) in secrets:
+                if _leaks(line, secrets, quoted):
                     found.append(f"{tree}/{path}:{number}: {line.strip()}")
     if found:
         shown = "\n  ".join(found[:20])
@@ -188,11 +208,9 @@ def assemble(manifest: Manifest, src_root: str) -> tuple[dict[str, str], dict[st
 
     handout_text = _read(manifest.path(manifest.handout))
     handout_regions = solutions.find_regions(handout_text, manifest.path(manifest.handout))
-    secrets |= set(solutions.region_lines(handout_text, handout_regions))
+    region_lines = secrets | set(solutions.region_lines(handout_text, handout_regions))
     handout = solutions.strip_regions(handout_text, handout_regions, solutions.default_replacement)
-
-    secrets -= public_lines(library, manifest)
-    secrets = {s for s in secrets if len(s) >= SHORTEST_SECRET}
+    secrets = secret_lines(region_lines, public_lines(library, manifest))
 
     listing = "\n".join(f"- `{f}` in `{file}`" for file, fs in manifest.functions.items() for f in fs)
     student = dict(stubbed)
