@@ -243,6 +243,9 @@ HOSTILE = {
                      "mha_forward_cross,gqa_head_map_values", 2, "printed"),
     "missing import": ("sdpa_forward", "import a_module_that_is_not_installed",
                        "sdpa_forward_plain,gqa_head_map_values", 2, "ModuleNotFoundError"),
+    # torch's autograd would do the work: the student's process cannot import it
+    "torch import": ("sdpa_backward", "import torch",
+                     "sdpa_backward_scale,gqa_head_map_values", 2, "import of torch halted"),
     # A backward by central differences of the forward: a plain gradient check passes it.
     "finite differences": ("sdpa_backward", """
 q, k, v, a, dropout_mask, scale = cache

@@ -41,6 +41,10 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 import json, os, sys, traceback
 sys.path.insert(0, os.getcwd())
 here = os.getcwd()
+# The assignments are NumPy: an autograd library would compute the gradients for the student.
+# (This stops an accidental or casual import; code set on it can still undo it.)
+for blocked in ("torch", "jax", "tensorflow", "autograd"):
+    sys.modules[blocked] = None
 
 def finish(**result):
     with open(os.path.join(here, "result.json"), "w") as f:
