@@ -95,6 +95,26 @@ def ce_loss_mask():
     return run, check
 
 
+@hidden_test("cross_entropy_backward: a single counted token, the mean of one (torch autograd)")
+def ce_single_counted_token():
+    logits = normal(8, (4, 7))
+    targets = np.array([IGNORE, 3, IGNORE, IGNORE])
+
+    def run():
+        from refmath.losses import cross_entropy_backward, cross_entropy_forward
+        loss, cache = cross_entropy_forward(logits, targets)
+        return {"loss": loss, "dlogits": cross_entropy_backward(np.float64(1.0), cache)}
+
+    def check(out):
+        (t,) = torch_tensors(logits)
+        loss = torch_ce(t, targets)
+        loss.backward()
+        inputs = shapes(logits=logits) + ", one target counted, three ignored"
+        return all_of(compare("cross_entropy_forward", "loss", out, numpy_of(loss), inputs),
+                      compare("cross_entropy_backward", "dlogits", out, numpy_of(t.grad), inputs))
+    return run, check
+
+
 @hidden_test("cross_entropy: nothing counted gives loss 0 and gradient 0, never NaN (property)")
 def ce_nothing_counted():
     logits = normal(7, (3, 5))
