@@ -1,7 +1,7 @@
 """How the assignments' hidden tests score the catalogued mistakes (refmath.mistakes).
 
-For every assignment and every catalogued mistake in a function that students write, the reference
-file with that one-line edit is graded as a submission (each hidden test in its own limited process,
+For every assignment and every catalogued mistake in a line that students write (inside a solution
+region of a function the assignment lists), the reference file with that one-line edit is graded as a submission (each hidden test in its own limited process,
 as ``python -m refmath assignments grade`` does). A mistake that still gets full points is a hole in
 the hidden tests. The unedited reference is graded first and must get full points.
 
@@ -23,6 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from refmath import solutions  # noqa: E402
 from refmath.assignments import manifest as manifests  # noqa: E402
 from refmath.assignments.grade import grade  # noqa: E402
 from refmath.mistakes import MISTAKES, Mistake  # noqa: E402
@@ -42,6 +43,17 @@ def with_mistake(text: str, mistake: Mistake) -> str:
         raise ValueError(f"{mistake.name}: the text to replace occurs {body.count(mistake.old)} "
                          f"times in {mistake.where}")
     return "".join(lines[:first]) + body.replace(mistake.old, mistake.new) + "".join(lines[last:])
+
+
+def module_file(manifest, mistake: Mistake) -> str:
+    return next(p for p in manifest.files if p[:-3].replace("/", ".") == mistake.module)
+
+
+def in_a_region(text: str, mistake: Mistake) -> bool:
+    """Whether the text ``mistake`` replaces lies inside one of its function's solution regions."""
+    regions = solutions.function_regions(text).get(mistake.qualname, [])
+    lines = text.splitlines()
+    return any(mistake.old in "\n".join(lines[r.begin + 1:r.end]) for r in regions)
 
 
 def submission(folder: str, files: dict[str, str]) -> str:
@@ -67,7 +79,9 @@ def main(argv=None) -> int:
                 reference[path] = f.read()
         graded = {(path[:-3].replace("/", "."), function)
                   for path, functions in manifest.functions.items() for function in functions}
-        mistakes = [m for m in MISTAKES if (m.module, m.qualname) in graded]
+        # only the mistakes a student can make: those that edit a line of a solution region
+        mistakes = [m for m in MISTAKES if (m.module, m.qualname) in graded
+                    and in_a_region(reference[module_file(manifest, m)], m)]
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
             base = grade(manifest, submission(os.path.join(tmp, "reference"), reference), ROOT,
@@ -78,7 +92,7 @@ def main(argv=None) -> int:
                 print("  the reference does not get full points: the figures below mean nothing")
                 return 1
             for i, mistake in enumerate(mistakes):
-                path = next(p for p in manifest.files if p[:-3].replace("/", ".") == mistake.module)
+                path = module_file(manifest, mistake)
                 files = {**reference, path: with_mistake(reference[path], mistake)}
                 results = grade(manifest, submission(os.path.join(tmp, f"m{i}"), files), ROOT,
                                 jobs=args.jobs)

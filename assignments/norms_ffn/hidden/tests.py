@@ -42,9 +42,9 @@ def _layernorm_test(seed, shape):
     return run, check
 
 
-@hidden_test("layernorm_backward: batched rows, every gradient (torch autograd)")
+@hidden_test("layernorm_backward: rows under three leading axes, every gradient (torch autograd)")
 def layernorm_backward_batched():
-    return _layernorm_test(1, (3, 4, 10))
+    return _layernorm_test(1, (2, 3, 4, 10))
 
 
 @hidden_test("layernorm_backward: large input, within the time limit (torch autograd)")
@@ -57,10 +57,10 @@ def torch_rmsnorm(x, gamma, eps=1e-6):
     return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps) * gamma
 
 
-@hidden_test("rmsnorm_backward: batched rows, every gradient (torch autograd)")
+@hidden_test("rmsnorm_backward: rows under three leading axes, every gradient (torch autograd)")
 def rmsnorm_backward_batched():
-    x = normal(3, (2, 5, 12)) * 2
-    gamma, dout = normal(4, (12,), (2, 5, 12))
+    x = normal(3, (2, 2, 5, 12)) * 2
+    gamma, dout = normal(4, (12,), (2, 2, 5, 12))
 
     def run():
         from refmath.norms import rmsnorm_backward, rmsnorm_forward
