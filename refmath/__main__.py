@@ -127,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
         "the modern decoder as llama, MLA as a dense deepseek_v3. Needs the safetensors package.",
     )
     add_convert_arguments(convert)
+
+    from refmath.assignments.cli import add_assignments_arguments, run_assignments
+
+    assignments = commands.add_parser(
+        "assignments",
+        help="course assignments: list, build the student and autograder trees, grade",
+        description="Course assignments built from the reference: 'list' them, 'build NAME --out "
+        "DIR' the student tree and autograder bundle, 'grade NAME SUBMISSION' or '--batch DIR'.",
+    )
+    add_assignments_arguments(assignments)
+    assignments.set_defaults(run=run_assignments, subparser=assignments)
     return parser
 
 

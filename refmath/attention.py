@@ -142,6 +142,7 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real("scale", scale)
 
+    # BEGIN SOLUTION
     # (tau Q) K^T rather than tau (Q K^T): the same scores, scaling the (t_q, d_k) queries instead
     # of the larger (t_q, t_k) score matrix
     s = (q * scale) @ np.swapaxes(k, -1, -2)
@@ -156,9 +157,11 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
         _check_broadcasts_to("dropout_mask", dropout_mask, s.shape, "the scores q k^T")
         weights = a * dropout_mask
     return weights @ v, SDPACache(q, k, v, a, dropout_mask, scale)
+    # END SOLUTION
 
 
 def sdpa_backward(dout, cache: SDPACache):
+    # BEGIN SOLUTION
     r"""Gradients of scaled dot-product attention: returns ``(dq, dk, dv)`` (catalogue A8).
 
     .. math::
@@ -180,6 +183,7 @@ def sdpa_backward(dout, cache: SDPACache):
     dq = (ds @ k) * scale
     dk = (np.swapaxes(ds, -1, -2) @ q) * scale
     return dq, dk, dv
+    # END SOLUTION
 
 
 # ---- multi-head attention: MHA, GQA, MQA, cross-attention, fused QKV -------------------------------
@@ -197,7 +201,9 @@ def gqa_head_map(h: int, g: int) -> np.ndarray:
     g = check_int("n_kv_heads g", g, 1)
     if h % g:
         raise ValueError(f"n_kv_heads g = {g} must divide n_heads h = {h}")
+    # BEGIN SOLUTION
     return np.arange(h) // (h // g)
+    # END SOLUTION
 
 
 _SEPARATE = ("w_q", "w_k", "w_v", "w_o")
@@ -317,6 +323,7 @@ def mha_forward(x, params: dict, n_heads: int, n_kv_heads: int | None = None, co
     source = x if context is None else context  # Z: where keys and values come from
     params, d_h = _check_params(params, h, g, x.shape[-1], source.shape[-1], context is not None)
 
+    # BEGIN SOLUTION
     # 1. Project (A1), with one matrix product when the weights are fused (A9).
     if "w_qkv" in params:
         qkv = _linear(x, params, "w_qkv", "b_qkv")
@@ -334,6 +341,7 @@ def mha_forward(x, params: dict, n_heads: int, n_kv_heads: int | None = None, co
     y = _linear(heads_out, params, "w_o", "b_o")
     cache = MHACache(x, context, params, h, g, heads_out, attn, unbatched)
     return (y[0] if unbatched else y), cache
+    # END SOLUTION
 
 
 def _linear_grads(x, dy, grads, w: str, b: str, params) -> None:
@@ -344,6 +352,7 @@ def _linear_grads(x, dy, grads, w: str, b: str, params) -> None:
 
 
 def mha_backward(dout, cache: MHACache):
+    # BEGIN SOLUTION
     r"""Gradients of :func:`mha_forward`: ``(dx, dparams)``, or ``(dx, dparams, dcontext)`` for
     cross-attention, with ``dparams`` keyed like ``params``.
 
@@ -381,6 +390,7 @@ def mha_backward(dout, cache: MHACache):
         else:
             return _unbatch(dx, unbatched), grads, _unbatch(dsource, unbatched)
     return _unbatch(dx, unbatched), grads
+    # END SOLUTION
 
 
 def _unbatch(x, unbatched: bool):

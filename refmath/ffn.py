@@ -191,6 +191,7 @@ def gelu_forward(x, approximate: bool | str = False):
 
 
 def gelu_backward(dout, cache: GELUCache):
+    # BEGIN SOLUTION
     r"""Gradient of GELU: returns ``dx``.
 
     Exact form, with :math:`\varphi` the standard normal density:
@@ -203,12 +204,15 @@ def gelu_backward(dout, cache: GELUCache):
     .. math::
         \frac{d}{dx} = \tfrac12(1 + t) + \tfrac12\,x\,(1 - t^2)\,\sqrt{2/\pi}\,(1 + 3 \cdot 0.044715\,x^2)
     """
+    # END SOLUTION
     x, gate, approximate = cache
     if approximate:
         dgate = (1.0 - gate * gate) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_CUBIC * x * x)
         local = 0.5 * (1.0 + gate + x * dgate)  # the formula's two halves share the factor 1/2
     else:
+        # BEGIN SOLUTION
         local = gate + x * (_INV_SQRT_2PI * np.exp(-0.5 * x * x))
+        # END SOLUTION
     return dout * local
 
 
@@ -366,6 +370,7 @@ def swiglu_forward(x, w_gate, w_up, w_down):
 
 
 def swiglu_backward(dout, cache: SwiGLUCache):
+    # BEGIN SOLUTION
     r"""Gradients of SwiGLU: returns ``(dx, dw_gate, dw_up, dw_down)``.
 
     With :math:`g = x W_g`, :math:`u = x W_u`, :math:`s = \operatorname{SiLU}(g)`,
@@ -390,6 +395,7 @@ def swiglu_backward(dout, cache: SwiGLUCache):
     dw_up = x_rows.T @ du.reshape(-1, d_f)
     dx = matmul_rows(dg, w_gate.T) + matmul_rows(du, w_up.T)
     return dx, dw_gate, dw_up, dw_down
+    # END SOLUTION
 
 
 def swiglu_hidden_size(d: int, multiple_of: int = 256) -> int:

@@ -260,6 +260,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
     band = _Band(t_q, t_k, causal, window)
     n_key_tiles = _n_tiles(t_k, block_k)
 
+    # BEGIN SOLUTION
     qg = _grouped(q, g)  # (B, G, H/G, T_q, D)
     o = np.zeros((b, h, t_q, d_v), dtype=dtype)
     lse = np.full((b, h, t_q), -np.inf, dtype=dtype)
@@ -290,6 +291,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
         lseg[:, :, :, i0:i1] = online_softmax_logsumexp(state)
         counters.elements_written += og[:, :, :, i0:i1].size + lseg[:, :, :, i0:i1].size
     return o, lse
+    # END SOLUTION
 
 
 # ---- data movement (F6) --------------------------------------------------------------------------
@@ -375,6 +377,7 @@ ceil\, B G T_k (D + D_v)ig],\qquad
 def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: int | None = None,
                              scale: float | None = None, block_q: int = 16, block_k: int = 16,
                              counters: FlashCounters | None = None):
+    # BEGIN SOLUTION
     r"""Gradients of :func:`flash_attention_forward`, FlashAttention-2 style: returns
     ``(dq, dk, dv)`` (catalogue F4, A8).
 
@@ -414,6 +417,7 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     forward), ``q``, ``k``, ``v`` and the options as given to the forward. ``dq``, ``dk``, ``dv``
     have the shapes of ``q``, ``k``, ``v``.
     """
+    # END SOLUTION
     q, k, v = _check_qkv(q, k, v)
     causal, window, scale, block_q, block_k = _check_options(causal, window, scale, block_q,
                                                              block_k, q.shape[-1])
@@ -439,6 +443,7 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     n_query_tiles = _n_tiles(t_q, block_q)
     query_tiles = _tiles(0, t_q, block_q, t_q)
 
+    # BEGIN SOLUTION
     qg, dog, og = _grouped(q, g), _grouped(do, g), _grouped(o, g)  # (B, G, H/G, T_q, .)
     # A row that saw no key has lse = -inf and all its scores -inf; +inf in its place makes
     # exp(S - lse) = 0 there instead of exp(-inf - (-inf)) = NaN.
@@ -483,6 +488,7 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
         dk[:, :, j0:j1] = dk_j
         dv[:, :, j0:j1] = dv_j
     return dq.reshape(q.shape), dk, dv
+    # END SOLUTION
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

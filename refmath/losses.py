@@ -105,6 +105,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
                              f"(loss_mask.shape = {loss_mask.shape})")
         counted &= loss_mask.astype(bool)
 
+    # BEGIN SOLUTION
     n_counted = int(counted.sum())
     safe_targets = np.where(counted, targets, 0)
     logp, _ = log_softmax_forward(logits)
@@ -117,9 +118,11 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, los
     cache = CrossEntropyCache(np.exp(logp), safe_targets, counted, n_counted, float(label_smoothing),
                               reduction)
     return loss, cache
+    # END SOLUTION
 
 
 def cross_entropy_backward(dout, cache: CrossEntropyCache):
+    # BEGIN SOLUTION
     r"""Gradient of the token cross-entropy: returns ``dlogits`` (catalogue L3).
 
     Softmax followed by cross-entropy against a distribution :math:`q` has the famously simple
@@ -143,6 +146,7 @@ def cross_entropy_backward(dout, cache: CrossEntropyCache):
     if reduction == "mean":
         scale = scale / max(n_counted, 1)
     return np.where(counted[..., None], grad * scale, np.zeros((), dtype=probs.dtype))
+    # END SOLUTION
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

@@ -55,6 +55,7 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
 
 
 def layernorm_backward(dout, cache: LayerNormCache):
+    # BEGIN SOLUTION
     r"""Gradients of LayerNorm: returns ``(dx, dgamma, dbeta)``.
 
     With :math:`\hat x = (x-\mu)/\sigma` and :math:`g = \gamma \odot dy`, the Jacobian of the
@@ -73,6 +74,7 @@ def layernorm_backward(dout, cache: LayerNormCache):
     g = dout * gamma
     dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
     return dx, dgamma, dbeta
+    # END SOLUTION
 
 
 class RMSNormCache(NamedTuple):
@@ -96,6 +98,7 @@ def rmsnorm_forward(x, gamma, eps: float = 1e-6):
 
 
 def rmsnorm_backward(dout, cache: RMSNormCache):
+    # BEGIN SOLUTION
     r"""Gradients of RMSNorm: returns ``(dx, dgamma)``.
 
     With :math:`r = (\overline{x^2}+\epsilon)^{-1/2}` and :math:`g = \gamma \odot dy`:
@@ -109,6 +112,7 @@ def rmsnorm_backward(dout, cache: RMSNormCache):
     g = dout * gamma
     dx = rrms * g - rrms**3 * x * np.mean(g * x, axis=-1, keepdims=True)
     return dx, dgamma
+    # END SOLUTION
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

@@ -225,11 +225,14 @@ class Adam(Optimizer):
         r"""The bias-corrected moments :math:`(\hat m_s, \hat v_s)` of parameter ``name`` after step ``s``."""
         if name not in self.state["m"]:
             raise ValueError(f"no moments for parameter {name!r}: it has not been stepped")
+        # BEGIN SOLUTION
         beta1, beta2 = self.betas
         s = self.step_count
         return self.state["m"][name] / (1 - beta1**s), self.state["v"][name] / (1 - beta2**s)
+        # END SOLUTION
 
     def _update(self, name, p, g, lr, wd):
+        # BEGIN SOLUTION
         if wd and not self.decoupled:
             g = g + wd * p  # O3: the L2 gradient enters both moments
         beta1, beta2 = self.betas
@@ -243,6 +246,7 @@ class Adam(Optimizer):
         if wd and self.decoupled:
             p *= 1 - lr * wd  # O4: decay scaled by the learning rate, before the Adam step
         p -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
+        # END SOLUTION
 
 
 class AdamW(Adam):
@@ -331,9 +335,11 @@ def warmup_cosine(step: int, max_lr: float, warmup: int, total: int, min_lr: flo
     warmup = check_int("warmup", warmup, 0, total - 1)
     max_lr = check_real("max_lr", max_lr, 0.0)
     min_lr = check_real("min_lr", min_lr, 0.0, max_lr)
+    # BEGIN SOLUTION
     if step < warmup:
         return max_lr * step / warmup
     if step >= total:
         return float(min_lr)
     progress = (step - warmup) / (total - warmup)
     return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    # END SOLUTION

@@ -133,12 +133,14 @@ def _pair_slots(d_k: int, layout: str):
 
 def _rotate_pairs(x, cos, sin, layout: str):
     """Rotate each coordinate pair by the angle whose cos/sin are given (row-vector form)."""
+    # BEGIN SOLUTION
     first, second = _pair_slots(x.shape[-1], layout)
     a, b = x[..., first], x[..., second]
     out = np.empty_like(x)
     out[..., first] = a * cos - b * sin
     out[..., second] = a * sin + b * cos
     return out
+    # END SOLUTION
 
 
 def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None,
@@ -192,12 +194,15 @@ def rope_forward(x, offset: int = 0, base: float = 10000.0, positions=None,
                              f"got positions.shape = {positions.shape}")
         if positions.size and positions.min() < 0:
             raise ValueError(f"positions must be non-negative, got minimum {positions.min()}")
+    # BEGIN SOLUTION
     angles = rope_angles(positions, d_k, base)
     cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
     return _rotate_pairs(x, cos, sin, layout), RoPECache(cos, sin, layout)
+    # END SOLUTION
 
 
 def rope_backward(dout, cache: RoPECache):
+    # BEGIN SOLUTION
     r"""Gradient of RoPE: returns ``dx``.
 
     The forward map is the orthogonal matrix :math:`R^\top` acting on each pair, so its transpose is
@@ -205,6 +210,7 @@ def rope_backward(dout, cache: RoPECache):
     :math:`dx = dy\,R(p\,\omega)`.
     """
     return _rotate_pairs(dout, cache.cos, -cache.sin, cache.layout)
+    # END SOLUTION
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

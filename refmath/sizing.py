@@ -33,6 +33,7 @@ def _check_kv_heads_divide(heads: int, kv_heads: int) -> None:
 
 def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int,
                              value_dim: int | None = None) -> int:
+    # BEGIN SOLUTION
     r"""Bytes of K and V cached for one token of one sequence (catalogue K6).
 
     .. math:: 2\,L\,g\,d_h\,b \qquad\text{(general form: } L\,g\,(d_k + d_v)\,b\text{)}
@@ -41,16 +42,20 @@ def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_pe
     ``head_dim``, which gives the factor 2). MHA, GQA and MQA differ only in ``kv_heads``
     (:math:`g = h`, :math:`1 < g < h`, :math:`g = 1`). Result in bytes.
     """
+    # END SOLUTION
     layers = check_int("layers", layers, 1)
     kv_heads = check_int("kv_heads", kv_heads, 1)
     head_dim = check_int("head_dim", head_dim, 1)
     bytes_per_element = check_int("bytes_per_element", bytes_per_element, 1)
     value_dim = head_dim if value_dim is None else check_int("value_dim", value_dim, 1)
+    # BEGIN SOLUTION
     return layers * kv_heads * (head_dim + value_dim) * bytes_per_element
+    # END SOLUTION
 
 
 def kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int, head_dim: int,
                    bytes_per_element: int, value_dim: int | None = None) -> int:
+    # BEGIN SOLUTION
     r"""Bytes of an unsharded KV cache for ``batch`` sequences of ``tokens`` tokens (K6, K7).
 
     .. math:: M_{KV} = 2\,B\,L\,T\,g\,d_h\,b
@@ -60,24 +65,31 @@ def kv_cache_bytes(batch: int, layers: int, tokens: int, kv_heads: int, head_dim
     Worked example (K7): ``B=1, L=32, T=8192, d_h=128, b=2`` gives 4 GiB for ``g=32`` (MHA),
     1 GiB for ``g=8`` (GQA) and 128 MiB for ``g=1`` (MQA). Result in bytes.
     """
+    # END SOLUTION
     batch = check_int("batch", batch, 1)
     tokens = check_int("tokens", tokens, 1)
     per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, bytes_per_element, value_dim)
+    # BEGIN SOLUTION
     return batch * tokens * per_token
+    # END SOLUTION
 
 
 def mla_cache_bytes_per_token(layers: int, latent_dim: int, rope_dim: int,
                               bytes_per_element: int) -> int:
+    # BEGIN SOLUTION
     r"""Bytes of MLA state cached for one token (catalogue K9): :math:`L\,(d_c + d_R)\,b`.
 
     Each depth keeps the latent row :math:`c_j` (width :math:`d_c`) and the positional key
     :math:`\tilde k^R_j` (width :math:`d_R`, shared by all heads), instead of expanded K and V.
     """
+    # END SOLUTION
     layers = check_int("layers", layers, 1)
     latent_dim = check_int("latent_dim", latent_dim, 1)
     rope_dim = check_int("rope_dim", rope_dim, 1)
     bytes_per_element = check_int("bytes_per_element", bytes_per_element, 1)
+    # BEGIN SOLUTION
     return layers * (latent_dim + rope_dim) * bytes_per_element
+    # END SOLUTION
 
 
 def mla_cache_bytes(batch: int, layers: int, tokens: int, latent_dim: int, rope_dim: int,

@@ -210,6 +210,7 @@ def online_softmax_merge(a: OnlineSoftmaxState, b: OnlineSoftmaxState) -> Online
     set (``m = -inf``) gets factor ``e^{-inf} = 0``; when both are empty the shift is replaced by 0
     so that ``-inf - (-inf)`` never occurs and the result is again the empty state.
     """
+    # BEGIN SOLUTION
     m = np.maximum(a.m, b.m)
     shift = np.where(np.isneginf(m), 0.0, m)
     alpha = np.exp(a.m - shift)
@@ -219,6 +220,7 @@ def online_softmax_merge(a: OnlineSoftmaxState, b: OnlineSoftmaxState) -> Online
         alpha * a.l + beta * b.l,
         alpha[..., None] * a.u + beta[..., None] * b.u,
     )
+    # END SOLUTION
 
 
 def online_softmax_result(state: OnlineSoftmaxState) -> np.ndarray:

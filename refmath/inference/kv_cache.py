@@ -231,6 +231,7 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     step is :func:`refmath.inference.decode.decode_attention` over the layer's ``(B, g, T_max,
     d_h)`` block, on the cache's backend.
     """
+    # BEGIN SOLUTION
     b, h, n, d_h = q.shape
     g, t = k.shape[1], offset + n
     cache.keys[layer, :, :, offset:t] = k
@@ -265,6 +266,7 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     values = np.broadcast_to(values[:, :, None], (b, g, h // g, t, values.shape[-1]))
     o, _ = sdpa_forward(q, keys, values, mask=mask)
     return o.reshape(b, h, n, -1)
+    # END SOLUTION
 
 
 class _Slot(NamedTuple):

@@ -250,8 +250,10 @@ class PagedKVCache:
 
     def _needs_copy_on_write(self, seq_id) -> bool:
         """True when the last page is partly filled and shared: the next append must copy it."""
+        # BEGIN SOLUTION
         table, length = self._tables[seq_id], self._lengths[seq_id]
         return length % self.page_size != 0 and self.allocator.refcount(table[-1]) > 1
+        # END SOLUTION
 
     def pages_to_append(self, seq_id, n_tokens: int) -> int:
         """How many free pages appending ``n_tokens`` tokens to ``seq_id`` would take."""
@@ -283,6 +285,7 @@ class PagedKVCache:
             )
         if t == 0:
             return
+        # BEGIN SOLUTION
         table, length = self._tables[seq_id], self._lengths[seq_id]
 
         if self._needs_copy_on_write(seq_id):
@@ -301,6 +304,7 @@ class PagedKVCache:
             self.k_pages[table[logical], :, offset] = k[i]
             self.v_pages[table[logical], :, offset] = v[i]
         self._lengths[seq_id] = length + t
+        # END SOLUTION
 
     def fork(self, parent_id, child_id) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares all its pages (K11).
@@ -313,10 +317,12 @@ class PagedKVCache:
         """
         self._check_seq(parent_id)
         self._check_new(child_id)
+        # BEGIN SOLUTION
         for page in self._tables[parent_id]:
             self.allocator.incref(page)
         self._tables[child_id] = list(self._tables[parent_id])
         self._lengths[child_id] = self._lengths[parent_id]
+        # END SOLUTION
 
     def free_sequence(self, seq_id) -> None:
         """Forget ``seq_id`` and drop its reference to each of its pages (shared pages survive)."""

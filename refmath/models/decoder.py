@@ -279,6 +279,7 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     appends the keys and values to the layer's cache and attends over every cached position (the
     last ``sliding_window`` of them, with a window). Returns
     ``(B, n, d)``."""
+    # BEGIN SOLUTION
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
     q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"], params.get("b_q"))[0], h), **rope)
@@ -286,6 +287,7 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], g)
     o = slot.attend(q, k, v, offset, window=config.sliding_window)
     return linear_forward(merge_heads(o), params["w_o"])[0]
+    # END SOLUTION
 
 
 ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,

@@ -1,0 +1,229 @@
+"""Hidden tests of the FlashAttention assignment.
+
+Expected values: dense attention and its autograd in torch (float64), with the mask written from the
+positions; exact properties of the online-softmax state (the empty state is the identity, merging
+is associative and equals one pass over all keys); and tracemalloc's peak, which must grow like T,
+not T^2. ``check`` never imports the submission.
+"""
+import numpy as np
+
+from refmath.assignments.checks import (all_of, compare, exact, hidden_test, normal, numpy_of, shapes,
+                                        torch_tensors)
+
+
+def visible(t_q, t_k, causal, window):
+    """Boolean (t_q, t_k): query i sits at key position i + t_k - t_q."""
+    pos = np.arange(t_q)[:, None] + (t_k - t_q)
+    j = np.arange(t_k)[None, :]
+    seen = np.ones((t_q, t_k), dtype=bool)
+    if causal or window is not None:
+        seen &= j <= pos
+    if window is not None:
+        seen &= j > pos - window
+    return seen
+
+
+def torch_dense(q, k, v, causal=False, window=None, scale=None):
+    """(o, lse) of dense attention with grouped key/value heads, in torch."""
+    import torch
+    h, g = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    seen = torch.as_tensor(visible(q.shape[2], k.shape[2], causal, window))
+    scores = torch.where(seen, scores, torch.tensor(-float("inf"), dtype=scores.dtype))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # no visible key: 0
+    return torch.matmul(weights, v), lse
+
+
+# ---- the online-softmax merge ------------------------------------------------------------------
+
+def _blocks(seed, n_rows, sizes, d_v):
+    scores = [normal(seed + i, (n_rows, n)) * 3 for i, n in enumerate(sizes)]
+    values = [normal(seed + 10 + i, (n, d_v)) for i, n in enumerate(sizes)]
+    return scores, values
+
+
+@hidden_test("online_softmax_merge: two blocks merge into the statistics of one pass (exact sums)")
+def merge_equals_one_pass():
+    scores, values = _blocks(1, 4, (5, 7), 3)
+    scores[1][2] = -np.inf  # row 2 sees nothing in the second block
+
+    def run():
+        from refmath.softmax import online_softmax_block, online_softmax_merge
+        state = online_softmax_merge(*(online_softmax_block(s, v) for s, v in zip(scores, values)))
+        return {"m": state.m, "l": state.l, "u": state.u}
+
+    def check(out):
+        s, v = np.concatenate(scores, axis=1), np.concatenate(values, axis=0)
+        m = s.max(axis=1)
+        weights = np.exp(s - m[:, None])
+        inputs = "scores (4, 5) and (4, 7), values (5, 3) and (7, 3), one row masked in block 2"
+        return all_of(exact("online_softmax_merge", "m", out, m, inputs),
+                      compare("online_softmax_merge", "l", out, weights.sum(axis=1), inputs, tol=1e-14),
+                      compare("online_softmax_merge", "u", out, weights @ v, inputs, tol=1e-14))
+    return run, check
+
+
+@hidden_test("online_softmax_merge: the empty state is the identity; empty with empty stays empty")
+def merge_empty_states():
+    scores, values = _blocks(2, 3, (6,), 2)
+
+    def run():
+        from refmath.softmax import online_softmax_block, online_softmax_empty, online_softmax_merge
+        block = online_softmax_block(scores[0], values[0])
+        empty = online_softmax_empty(3, 2)
+        left, right = online_softmax_merge(empty, block), online_softmax_merge(block, empty)
+        both = online_softmax_merge(empty, empty)
+        return {"block_m": block.m, "block_l": block.l, "block_u": block.u,
+                "left_m": left.m, "left_l": left.l, "left_u": left.u,
+                "right_m": right.m, "right_l": right.l, "right_u": right.u,
+                "both_m": both.m, "both_l": both.l, "both_u": both.u}
+
+    def check(out):
+        inputs = "a (3, 6)-score block and the empty state of 3 rows, d_v = 2"
+        verdicts = [exact("online_softmax_merge", f"{side}_{part}", out, out.get(f"block_{part}"),
+                          inputs + f" ({side})") for side in ("left", "right") for part in "mlu"]
+        verdicts += [exact("online_softmax_merge", "both_m", out, np.full(3, -np.inf), inputs + " (both empty)"),
+                     exact("online_softmax_merge", "both_l", out, np.zeros(3), inputs + " (both empty)"),
+                     exact("online_softmax_merge", "both_u", out, np.zeros((3, 2)), inputs + " (both empty)")]
+        return all_of(*verdicts)
+    return run, check
+
+
+@hidden_test("online_softmax_merge: associative, (a b) c = a (b c) (property)")
+def merge_associative():
+    scores, values = _blocks(3, 5, (4, 6, 3), 4)
+
+    def run():
+        from refmath.softmax import online_softmax_block, online_softmax_merge
+        a, b, c = (online_softmax_block(s, v) for s, v in zip(scores, values))
+        first, second = online_softmax_merge(online_softmax_merge(a, b), c), online_softmax_merge(a, online_softmax_merge(b, c))
+        return {"first_u": first.u, "first_l": first.l, "second_u": second.u, "second_l": second.l}
+
+    def check(out):
+        inputs = "three blocks of 5 rows (4, 6, 3 keys), d_v = 4"
+        s, v = np.concatenate(scores, axis=1), np.concatenate(values, axis=0)
+        weights = np.exp(s - s.max(axis=1, keepdims=True))
+        return all_of(*(compare("online_softmax_merge", f"{order}_{part}", out, expected, inputs, tol=1e-14)
+                        for order in ("first", "second")
+                        for part, expected in (("u", weights @ v), ("l", weights.sum(axis=1)))))
+    return run, check
+
+
+# ---- the tiled forward and backward ------------------------------------------------------------
+
+def _forward_test(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks=(16, 16),
+                  dtype=np.float64, tol=1e-11):
+    q, k, v = normal(seed, (b, h, t_q, d), (b, g, t_k, d), (b, g, t_k, d), dtype=dtype)
+    options = dict(causal=causal, window=window, block_q=blocks[0], block_k=blocks[1])
+
+    def run():
+        from refmath.flash import flash_attention_forward
+        o, lse = flash_attention_forward(q, k, v, **options)
+        return {"o": o, "lse": lse}
+
+    def check(out):
+        o, lse = torch_dense(*torch_tensors(q, k, v, grad=False), causal=causal, window=window)
+        inputs = shapes(q=q, k=k, v=v) + f", causal={causal}, window={window}, blocks {blocks}"
+        kind = None if dtype == np.float64 else dtype
+        return all_of(compare("flash_attention_forward", "o", out, numpy_of(o), inputs, tol=tol, dtype=kind),
+                      compare("flash_attention_forward", "lse", out, numpy_of(lse), inputs, tol=tol))
+    return run, check
+
+
+@hidden_test("flash_attention_forward: ragged lengths (37 queries, 53 keys), GQA (torch dense)")
+def forward_ragged_gqa():
+    return _forward_test(4, 2, 4, 2, 37, 53, 8)
+
+
+@hidden_test("flash_attention_forward: causal sliding window, more queries than keys (torch dense)")
+def forward_causal_window():
+    return _forward_test(5, 1, 3, 1, 45, 40, 6, causal=True, window=7, blocks=(8, 16))
+
+
+@hidden_test("flash_attention_forward: float32 in, float32 out (torch dense)")
+def forward_float32():
+    return _forward_test(6, 1, 2, 2, 33, 33, 16, causal=True, dtype=np.float32, tol=1e-5)
+
+
+def dense_numpy(q, k, v, causal, window):
+    """(o, lse) by the dense formulas in NumPy: the backward's inputs, made without your forward."""
+    h, g = q.shape[1], k.shape[1]
+    k, v = np.repeat(k, h // g, axis=1), np.repeat(v, h // g, axis=1)
+    scores = (q @ np.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
+    scores = np.where(visible(q.shape[2], k.shape[2], causal, window), scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    return (weights / total) @ v, (top + np.log(total))[..., 0]
+
+
+def _backward_test(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks=(16, 16)):
+    q, k, v = normal(seed, (b, h, t_q, d), (b, g, t_k, d), (b, g, t_k, d))
+    do = normal(seed + 1, (b, h, t_q, d))
+    options = dict(causal=causal, window=window, block_q=blocks[0], block_k=blocks[1])
+
+    def run():
+        from refmath.flash import flash_attention_backward
+        o, lse = dense_numpy(q, k, v, causal, window)
+        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, **options)
+        return {"dq": dq, "dk": dk, "dv": dv}
+
+    def check(out):
+        import torch
+        tensors = torch_tensors(q, k, v)
+        o, _ = torch_dense(*tensors, causal=causal, window=window)
+        (o * torch.as_tensor(do)).sum().backward()
+        inputs = shapes(q=q, k=k, v=v) + f", causal={causal}, window={window}, blocks {blocks}"
+        return all_of(*(compare("flash_attention_backward", name, out, numpy_of(t.grad), inputs)
+                        for name, t in zip(("dq", "dk", "dv"), tensors)))
+    return run, check
+
+
+@hidden_test("flash_attention_backward: ragged lengths, GQA, o and lse given (torch autograd)")
+def backward_ragged_gqa():
+    return _backward_test(7, 1, 4, 2, 37, 53, 16)
+
+
+@hidden_test("flash_attention_backward: causal sliding window (torch autograd)")
+def backward_causal_window():
+    return _backward_test(8, 2, 2, 1, 41, 41, 8, causal=True, window=9, blocks=(8, 16))
+
+
+@hidden_test("flash attention: tracemalloc peak grows like T, not T^2 (forward and backward)")
+def memory_is_linear_in_length():
+    lengths, h, d, block = (256, 1024), 2, 16, 64
+    inputs = {t: normal(9, (1, h, t, d), (1, h, t, d), (1, h, t, d), (1, h, t, d)) for t in lengths}
+
+    def run():
+        import tracemalloc
+
+        from refmath.flash import flash_attention_backward, flash_attention_forward
+        peaks = {}
+        for t, (q, k, v, do) in inputs.items():
+            tracemalloc.start()
+            o, lse = flash_attention_forward(q, k, v, causal=True, block_q=block, block_k=block)
+            peaks[f"forward_{t}"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            flash_attention_backward(do, q, k, v, o, lse, causal=True, block_q=block, block_k=block)
+            peaks[f"backward_{t}"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        return peaks
+
+    def check(out):
+        from refmath.assignments.checks import Verdict
+        verdicts = []
+        for part in ("forward", "backward"):
+            small, large = (float(out.get(f"{part}_{t}", np.nan)) for t in lengths)
+            scores = h * lengths[1] ** 2 * 8  # bytes of one float64 score matrix per head at T=1024
+            ratio = large / small
+            # 4x the length: linear memory grows about 4x, a score matrix 16x
+            ok = ratio < 8 and large < scores / 4
+            verdicts.append(Verdict(ok, f"flash_attention_{part}: peak {large / 2**20:.2f} MiB at "
+                                    f"T={lengths[1]}, {ratio:.1f}x the peak at T={lengths[0]} (must "
+                                    f"be < 8x and < {scores / 4 / 2**20:.0f} MiB); q (1, {h}, T, {d}), "
+                                    f"blocks {block}"))
+        return all_of(*verdicts)
+    return run, check

@@ -1,0 +1,262 @@
+"""Build an assignment: the student tree and the autograder bundle, with the leak check.
+
+``build(manifest, out)`` writes
+
+- ``out/student/``: an installable copy of refmath (pure Python: the compiled kernels are not what
+  the assignments are about, so the copy installs in seconds) with exactly the manifest's functions
+  stubbed as ``raise NotImplementedError``, the handout with its solution cells stripped, the
+  public tests and a README;
+- ``out/autograder/``: the same stubbed refmath (the grading machinery and the base a submission
+  is laid over), the manifest and the hidden tests, Gradescope's ``setup.sh`` and
+  ``run_autograder``, and ``gradescope.zip`` holding all of it.
+
+Everything is first assembled in memory; the leak check then compares every line to be written
+with the normalised lines of the solution regions, and only if none appears is anything written.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import zipfile
+
+from refmath import solutions
+from refmath.assignments.manifest import MANIFEST, Manifest
+
+# Lines this short ("return dx", "else:", '"""') say nothing about a solution and occur everywhere.
+SHORTEST_SECRET = 10
+# A solution line at least this long is also a leak when it is part of a longer line (quoted in a
+# string, followed by a comment).
+SHORTEST_QUOTED_SECRET = 20
+
+STUDENT_PYPROJECT = """\
+# The student copy of refmath: pure Python, installs in seconds (pip install -e .).
+# The C++/CUDA kernels of the full project are not part of it; refmath.kernels says so if called.
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "refmath"
+version = "0.1.0+{name}"
+requires-python = ">=3.10"
+dependencies = ["numpy", "tqdm"]
+
+[project.optional-dependencies]
+test = ["pytest"]
+
+[tool.setuptools.packages.find]
+include = ["refmath", "refmath.*"]
+"""
+
+STUDENT_README = """\
+# Assignment: {title}
+
+Install this copy of refmath (pure Python, a few seconds) and run the public tests:
+
+```bash
+python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]"
+python -m pytest -q tests
+```
+
+(or, without installing, `PYTHONPATH=$PWD python -m pytest -q tests`). Until you write them, the
+tests of your functions fail with `NotImplementedError`.
+
+Read `handout.py` first (open it with jupytext / Jupyter, or read it as a script). You write:
+
+{functions}
+
+Submit these files, at these paths:
+
+{files}
+
+The hidden tests check more cases than the public ones, against values computed independently of
+any solution, with tight tolerances and time limits.
+"""
+
+SETUP_SH = """\
+#!/usr/bin/env bash
+# Gradescope runs this once when the autograder image is built.
+set -euo pipefail
+apt-get update
+apt-get install -y --no-install-recommends python3 python3-pip
+python3 -m pip install numpy tqdm "tomli; python_version < '3.11'"
+# PyTorch (CPU) computes the expected values of the hidden tests.
+python3 -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+"""
+
+RUN_AUTOGRADER = """\
+#!/usr/bin/env bash
+# Gradescope runs this for each submission: the files are in /autograder/submission.
+cd /autograder/source
+python3 -m refmath assignments grade {name} /autograder/submission \\
+    --out /autograder/results/results.json
+"""
+
+# What of refmath/ the copies carry: the Python sources (not compiled modules or build records),
+# less the catalogue of typical mistakes, which quotes the right line each mistake replaces
+# (solutions included) and which nothing in the library imports.
+_SKIP_DIRS = {"__pycache__"}
+_SKIP_FILES = {"_build_info.py", "mistakes.py"}
+
+
+class LeakError(RuntimeError):
+    """A line of a solution region would be written to the student tree or the autograder."""
+
+
+def library_files(src_root: str) -> dict[str, str]:
+    """The Python sources of ``src_root/refmath`` as ``{relative path: text}``."""
+    files = {}
+    package = os.path.join(src_root, "refmath")
+    for folder, dirs, names in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        for name in sorted(names):
+            if name.endswith(".py") and name not in _SKIP_FILES:
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    files[os.path.relpath(path, src_root).replace(os.sep, "/")] = f.read()
+    return files
+
+
+def stub_message(function: str, manifest: Manifest) -> str:
+    return f"{function}: see the handout {manifest.name} ({manifest.handout})"
+
+
+def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True):
+    """``(stubbed files, secret lines)``: the manifest's functions replaced by
+    ``raise NotImplementedError``, and the normalised lines of what was removed.
+
+    ``strict``: every listed function must hold a region (building). Grading from an autograder
+    bundle, whose copy is already stubbed, passes ``strict=False``.
+    """
+    out = dict(files)
+    secrets: set[str] = set()
+    for file, functions in manifest.functions.items():
+        if file not in files:
+            raise ValueError(f"assignment {manifest.name}: {file} is not a file of refmath")
+        text = files[file]
+        grouped = solutions.function_regions(text, file)
+        missing = [f for f in functions if f not in grouped]
+        if missing and strict:
+            raise ValueError(f"assignment {manifest.name}: no '# BEGIN SOLUTION' region in "
+                             f"{', '.join(missing)} of {file} (functions with regions: "
+                             f"{', '.join(sorted(n for n in grouped if n)) or 'none'})")
+        only_docstrings = [f for f in functions if f in grouped and
+                           all(solutions.is_docstring_region(text, r) for r in grouped[f])]
+        if only_docstrings and strict:
+            raise ValueError(f"assignment {manifest.name}: {', '.join(only_docstrings)} of {file} "
+                             "has only a docstring region: the student's copy would not raise")
+        chosen = [(r, f) for f in functions for r in grouped.get(f, [])]
+        secrets.update(solutions.region_lines(text, [r for r, _ in chosen]))
+        by_region = {r: f for r, f in chosen}
+
+        def stub(region, text=text, by_region=by_region):
+            message = stub_message(by_region[region], manifest)
+            if solutions.is_docstring_region(text, region):
+                return [f'{region.indent}"""{message}."""']
+            return [f"{region.indent}raise NotImplementedError({message!r})"]
+        out[file] = solutions.strip_regions(text, list(by_region), stub)
+    return out, secrets
+
+
+def public_lines(files: dict[str, str], manifest: Manifest) -> set[str]:
+    """Normalised lines the library holds outside the manifest's regions: the student gets those
+    anyway, so they cannot count as leaks (a blank line, ``import numpy as np``...)."""
+    stubbed, _ = stub_library(files, manifest, strict=False)
+    return {solutions.normalise(line) for text in stubbed.values() for line in text.splitlines()}
+
+
+def secret_lines(region_lines, public: set[str]) -> set[str]:
+    """The region lines that give something away: long enough, and not already in the library
+    outside the regions (as a whole line, or inside one)."""
+    candidates = {line for line in region_lines if len(line) >= SHORTEST_SECRET} - public
+    public_text = "\n".join(public)
+    return {line for line in candidates
+            if len(line) < SHORTEST_QUOTED_SECRET or line not in public_text}
+
+
+def _leaks(line: str, secrets: set[str], quoted: list[str]) -> bool:
+    line = solutions.normalise(line)
+    return line in secrets or any(secret in line for secret in quoted)
+
+
+def leak_check(trees: dict[str, dict[str, str]], secrets: set[str]) -> None:
+    """Raise :class:`LeakError` listing every written line that is, or quotes, a solution line."""
+    quoted = [s for s in secrets if len(s) >= SHORTEST_QUOTED_SECRET]
+    found = []
+    for tree, files in trees.items():
+        for path, text in files.items():
+            for number, line in enumerate(text.splitlines(), 1):
+                if _leaks(line, secrets, quoted):
+                    found.append(f"{tree}/{path}:{number}: {line.strip()}")
+    if found:
+        shown = "\n  ".join(found[:20])
+        more = f"\n  ... and {len(found) - 20} more" if len(found) > 20 else ""
+        raise LeakError(f"{len(found)} solution line(s) would be written; nothing was written:\n  "
+                        f"{shown}{more}")
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def assemble(manifest: Manifest, src_root: str) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """The student tree, the autograder tree (``{relative path: text}``) and the secret lines."""
+    library = library_files(src_root)
+    stubbed, secrets = stub_library(library, manifest)
+
+    handout_text = _read(manifest.path(manifest.handout))
+    handout_regions = solutions.find_regions(handout_text, manifest.path(manifest.handout))
+    region_lines = secrets | set(solutions.region_lines(handout_text, handout_regions))
+    handout = solutions.strip_regions(handout_text, handout_regions, solutions.default_replacement)
+    secrets = secret_lines(region_lines, public_lines(library, manifest))
+
+    listing = "\n".join(f"- `{f}` in `{file}`" for file, fs in manifest.functions.items() for f in fs)
+    student = dict(stubbed)
+    student["pyproject.toml"] = STUDENT_PYPROJECT.format(name=manifest.name)
+    student["README.md"] = STUDENT_README.format(
+        title=manifest.title, functions=listing,
+        files="\n".join(f"- `{f}`" for f in manifest.files))
+    student["handout.py"] = handout
+    for test in manifest.public_tests:
+        student[f"tests/{os.path.basename(test)}"] = _read(manifest.path(test))
+
+    autograder = dict(stubbed)
+    here = f"assignments/{manifest.name}"
+    autograder[f"{here}/{MANIFEST}"] = _read(manifest.path(MANIFEST))
+    autograder[f"{here}/{manifest.hidden_tests}"] = _read(manifest.path(manifest.hidden_tests))
+    autograder["setup.sh"] = SETUP_SH
+    autograder["run_autograder"] = RUN_AUTOGRADER.format(name=manifest.name)
+    return student, autograder, secrets
+
+
+def _write_tree(root: str, files: dict[str, str]) -> None:
+    for path, text in files.items():
+        target = os.path.join(root, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+        if path in ("setup.sh", "run_autograder"):
+            os.chmod(target, os.stat(target).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def build(manifest: Manifest, out: str, src_root: str) -> dict[str, int]:
+    """Write ``out/student`` and ``out/autograder`` (replacing earlier builds of them); return the
+    number of files of each. Raises :class:`LeakError` before writing anything if a solution line
+    would be written."""
+    student, autograder, secrets = assemble(manifest, src_root)
+    leak_check({"student": student, "autograder": autograder}, secrets)
+    for tree in ("student", "autograder"):
+        shutil.rmtree(os.path.join(out, tree), ignore_errors=True)
+    _write_tree(os.path.join(out, "student"), student)
+    _write_tree(os.path.join(out, "autograder"), autograder)
+    # Gradescope wants setup.sh and run_autograder at the root of the zip; the rest lands beside
+    # them in /autograder/source.
+    with zipfile.ZipFile(os.path.join(out, "autograder", "gradescope.zip"), "w",
+                         zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(autograder):
+            info = zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = (0o755 if path in ("setup.sh", "run_autograder") else 0o644) << 16
+            zf.writestr(info, autograder[path], zipfile.ZIP_DEFLATED)
+    return {"student": len(student), "autograder": len(autograder) + 1}

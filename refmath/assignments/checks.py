@@ -1,0 +1,133 @@
+"""What hidden tests are made of: a test builds its inputs from a fixed seed and returns two
+functions, ``run`` and ``check``.
+
+- ``run()`` executes in the limited process (see :mod:`refmath.assignments.sandbox`): it imports the
+  submission's refmath, calls it and returns ``{name: array}``.
+- ``check(out)`` executes in the grader's own process and never imports the submission: it compares
+  ``out`` with values obtained independently (PyTorch autograd in float64, exact worked examples,
+  properties) and returns a :class:`Verdict`.
+
+.. code-block:: python
+
+    @hidden_test("sdpa_forward, no mask, against torch")
+    def sdpa_forward_plain():
+        q, k, v = normal(0, (2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6))
+        def run():
+            from refmath.attention import sdpa_forward
+            return {"o": sdpa_forward(q, k, v)[0]}
+        def check(out):
+            return compare("sdpa_forward", "o", out, torch_sdpa(q, k, v), shapes(q=q, k=k))
+        return run, check
+
+Feedback names the function, the input shapes and the error against its tolerance; it never
+prints an expected array.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+# Relative error of an analytic float64 result: rounding gives ~1e-15. A gradient by central
+# differences is off by ~1e-10 (three-point) to ~1e-13 (five-point), so the backward tests also
+# use inputs large enough that the O(n) forward calls of any difference scheme exceed the time limit.
+TIGHT = 1e-11
+
+
+class Verdict(NamedTuple):
+    passed: bool
+    message: str
+
+
+def hidden_test(description: str):
+    """Mark a function as a hidden test; ``description`` is the name students see."""
+    def mark(make):
+        make.description = description
+        return make
+    return mark
+
+
+def normal(seed: int, *shapes, dtype=np.float64):
+    """Standard normal arrays of the given shapes from one seeded generator."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+    return arrays[0] if len(arrays) == 1 else arrays
+
+
+def shapes(**arrays) -> str:
+    """``"q (2, 3, 5, 4), k (2, 3, 7, 4)"``: the input shapes, for feedback."""
+    return ", ".join(f"{name} {tuple(np.shape(a))}" for name, a in arrays.items())
+
+
+def relative_error(got, expected, floor: float = 0.0) -> float:
+    """max |got - expected| / max(max |expected|, floor) (1 when both are 0). ``floor`` is the
+    size of related results, for a result that is zero in exact arithmetic (the gradient of a key
+    bias, which the softmax cannot see) and so rounding noise in any implementation."""
+    scale = max(float(np.max(np.abs(expected))) if np.size(expected) else 0.0, floor)
+    return float(np.max(np.abs(got - expected))) / (scale if scale > 0 else 1.0) if np.size(got) else 0.0
+
+
+def compare(function: str, name: str, out: dict, expected, inputs: str, tol: float = TIGHT,
+            dtype=None, floor: float = 0.0) -> Verdict:
+    """Compare ``out[name]`` with ``expected``: present, same shape (and ``dtype`` if given),
+    finite where expected is, and within ``tol`` relative error."""
+    label = f"{function}: {name} for {inputs}"
+    if name not in out:
+        return Verdict(False, f"{label}: no result (the test's call returned nothing for it)")
+    got = np.asarray(out[name])
+    expected = np.asarray(expected)
+    if got.shape != expected.shape:
+        return Verdict(False, f"{label}: shape {got.shape}, expected {expected.shape}")
+    if dtype is not None and got.dtype != np.dtype(dtype):
+        return Verdict(False, f"{label}: dtype {got.dtype}, expected {np.dtype(dtype)} "
+                       "(dtype in = dtype out)")
+    if not np.issubdtype(got.dtype, np.number) and got.dtype != np.bool_:
+        return Verdict(False, f"{label}: dtype {got.dtype} is not numeric")
+    got = got.astype(np.float64)
+    expected = expected.astype(np.float64)
+    bad = ~np.isfinite(got) & np.isfinite(expected)
+    if bad.any():
+        return Verdict(False, f"{label}: {int(bad.sum())} of {got.size} entries are NaN or inf")
+    same_nonfinite = ~np.isfinite(expected)
+    if same_nonfinite.any():
+        if not np.array_equal(np.isnan(got), np.isnan(expected)) or \
+                not np.array_equal(got[np.isinf(expected)], expected[np.isinf(expected)]):
+            return Verdict(False, f"{label}: NaN/inf entries in the wrong places")
+        got, expected = np.where(same_nonfinite, 0.0, got), np.where(same_nonfinite, 0.0, expected)
+    error = relative_error(got, expected, floor)
+    if not error <= tol:
+        return Verdict(False, f"{label}: relative error {error:.1e} > tolerance {tol:.0e}")
+    return Verdict(True, f"{label}: relative error {error:.1e} <= {tol:.0e}")
+
+
+def exact(function: str, name: str, out: dict, expected, inputs: str) -> Verdict:
+    """Integer (or exactly representable) results: equal entry for entry."""
+    label = f"{function}: {name} for {inputs}"
+    if name not in out:
+        return Verdict(False, f"{label}: no result")
+    got, expected = np.asarray(out[name]), np.asarray(expected)
+    if got.shape != expected.shape:
+        return Verdict(False, f"{label}: shape {got.shape}, expected {expected.shape}")
+    wrong = int(np.sum(got != expected))
+    if wrong:
+        return Verdict(False, f"{label}: {wrong} of {got.size} entries wrong")
+    return Verdict(True, f"{label}: exact")
+
+
+def all_of(*verdicts: Verdict) -> Verdict:
+    """Passed when every verdict passed; the message is the first failure's (or all successes)."""
+    for verdict in verdicts:
+        if not verdict.passed:
+            return verdict
+    return Verdict(True, "; ".join(v.message for v in verdicts))
+
+
+def torch_tensors(*arrays, grad: bool = True):
+    """float64 CPU tensors (requiring gradients) of NumPy arrays; torch is imported here, in the
+    grader only."""
+    import torch
+    return [torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=grad) for a in arrays]
+
+
+def numpy_of(tensor) -> np.ndarray:
+    return tensor.detach().cpu().numpy()
