@@ -154,6 +154,29 @@ def test_build_stubs_exactly_the_listed_functions(built, name):
         assert zf.getinfo("run_autograder").external_attr >> 16 & 0o111
 
 
+def test_the_in_place_restatements_are_not_copied(built):
+    """refmath.fused computes the GELU and SwiGLU backward passes in place: the copies hold a
+    version that calls refmath.ffn instead, and the models still run through it."""
+    with open(os.path.join(ROOT, "refmath", "fused.py")) as f:
+        in_place = [line.strip() for line in f if line.strip().startswith(("slope", "local", "dg "))]
+    assert in_place
+    for tree in ("student", "autograder"):
+        with open(os.path.join(built["norms_ffn"], tree, "refmath", "fused.py")) as f:
+            copy = f.read()
+        assert "from refmath.ffn import" in copy and not any(line in copy for line in in_place)
+    # The copy's GPT forward (through the delegating module) gives the library's loss exactly.
+    code = ("import numpy as np\n"
+            "from refmath.models import gpt\n"
+            "c = gpt.GPTConfig(vocab_size=7, max_seq_len=4, d_model=8, n_layers=1, n_heads=2)\n"
+            "batch = {'tokens': np.array([[1, 2, 3]]), 'targets': np.array([[2, 3, 4]])}\n"
+            "print(repr(float(gpt.forward(gpt.init_params(c, 0), batch, c)[0])))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(built["norms_ffn"], "student"),
+                         capture_output=True, text=True, timeout=120)
+    here = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert run.stdout.strip() == here.stdout.strip() != "", run.stderr[-2000:] + here.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_handout_runs_in_the_student_tree(built, name):
     student = os.path.join(built[name], "student")

@@ -97,6 +97,28 @@ python3 -m refmath assignments grade {name} /autograder/submission \\
 # less the catalogue of typical mistakes, which quotes the right line each mistake replaces
 # (solutions included) and which nothing in the library imports.
 _SKIP_DIRS = {"__pycache__"}
+
+# refmath.fused restates the GELU and SwiGLU backward passes in an in-place form: a student reading
+# it would read the answer. The copies get this module instead, whose functions delegate to the
+# reference forms in refmath.ffn (the ones the students write), with the same signatures.
+REFERENCE_FORMS = {"refmath/fused.py": '''"""The models' fused GELU and SwiGLU blocks, delegating to the reference forms in refmath.ffn.
+
+(The full library computes these in place; this copy calls the functions of refmath.ffn.)
+"""
+from refmath.ffn import GELUCache as BiasGELUCache
+from refmath.ffn import gelu_backward, gelu_forward, swiglu_backward, swiglu_forward
+
+__all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
+           "swiglu_backward"]
+
+
+def bias_gelu_forward(h, b, approximate):
+    return gelu_forward(h if b is None else h + b, approximate)
+
+
+def bias_gelu_backward(da, cache):
+    return gelu_backward(da, cache)
+'''}
 _SKIP_FILES = {"_build_info.py", "mistakes.py"}
 
 
@@ -115,6 +137,7 @@ def library_files(src_root: str) -> dict[str, str]:
                 path = os.path.join(folder, name)
                 with open(path, encoding="utf-8") as f:
                     files[os.path.relpath(path, src_root).replace(os.sep, "/")] = f.read()
+    files.update((path, text) for path, text in REFERENCE_FORMS.items() if path in files)
     return files
 
 
