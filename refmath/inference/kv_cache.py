@@ -109,6 +109,10 @@ class _Contiguous:
     length: int
     counts: PairCounts
 
+    def __post_init__(self):  # the dataclasses below call it after their __init__
+        if self.counts is None:
+            self.counts = PairCounts.zeros(self.n_layers)
+
     def _arrays(self) -> tuple:
         raise NotImplementedError  # abstract: each cache lists its own arrays
 
@@ -151,10 +155,6 @@ class KVCache(_Contiguous):
     counts: PairCounts = field(default=None)
     backend: str = "numpy"  # who attends over it: see refmath.inference.decode
 
-    def __post_init__(self):
-        if self.counts is None:
-            self.counts = PairCounts.zeros(self.keys.shape[0])
-
     def _arrays(self) -> tuple:
         return self.keys, self.values
 
@@ -186,10 +186,6 @@ class LatentCache(_Contiguous):
     length: int = 0
     counts: PairCounts = field(default=None)
     backend: str = "numpy"  # who attends over it: see refmath.inference.decode
-
-    def __post_init__(self):
-        if self.counts is None:
-            self.counts = PairCounts.zeros(self.rows.shape[0])
 
     def _arrays(self) -> tuple:
         return (self.rows,)
