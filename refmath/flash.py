@@ -322,18 +322,16 @@ def attention_memory_traffic(batch: int, heads: int, t_q: int, t_k: int, head_di
     memory and come back:
 
     .. math::
-        R_{	ext{dense}} = big[B H T_q D + B G T_k (D + D_v) + 2 B H T_q T_kig],\qquad
-        W_{	ext{dense}} = big[2 B H T_q T_k + B H T_q D_vig]
+        R_{\text{dense}} = b\big[B H T_q D + B G T_k (D + D_v) + 2 B H T_q T_k\big],\qquad
+        W_{\text{dense}} = b\big[2 B H T_q T_k + B H T_q D_v\big]
 
     **Tiled** (:func:`flash_attention_forward` with query tiles of ``block_q`` rows): each query
-    tile is read once, and for each of the :math:`\lceil T_q / B_q 
-ceil` query tiles every key
+    tile is read once, and for each of the :math:`\lceil T_q / B_q \rceil` query tiles every key
     and value tile is read again; the output and one logsumexp per row are written once:
 
     .. math::
-        R_{	ext{tiled}} = big[B H T_q D + \lceil T_q/B_q 
-ceil\, B G T_k (D + D_v)ig],\qquad
-        W_{	ext{tiled}} = b\, B H T_q (D_v + 1)
+        R_{\text{tiled}} = b\big[B H T_q D + \lceil T_q/B_q \rceil\, B G T_k (D + D_v)\big],\qquad
+        W_{\text{tiled}} = b\, B H T_q (D_v + 1)
 
     For :math:`T_q = T_k = T`, :math:`G = H`, :math:`D_v = D` the dense form moves
     :math:`4 B H T^2 + O(B H T D)` elements and the tiled one :math:`B H T D (2 + 2\lceil T/B_q

@@ -7,18 +7,18 @@ A Hugging Face model directory holds ``config.json`` and the weights, either one
 function as ``transformers``; :func:`save_checkpoint` writes refmath parameters back out in that
 format.
 
-=============================  ===============  =============================================
-``model_type``                 refmath model    notes
-=============================  ===============  =============================================
-``gpt2``                       ``"gpt"``        Pre-LN, tied or untied output
-``openai-gpt``                 ``"gpt"``        Post-LN, no final norm, tied output
-``llama``, ``mistral``         ``"llama"``      RoPE in the ``"half"`` layout (see below);
-                                                Mistral's window is the model's ``sliding_window``
-``qwen2``                      ``"llama"``      plus biases on the query, key and value
-                                                projections; a window on some layers caps the
-                                                context at the window (:func:`_context`)
-``deepseek_v2``, ``deepseek_v3``  ``"mla"``     dense feed-forward layers only (no experts)
-=============================  ===============  =============================================
+==================================  ===============  =============================================
+``model_type``                      refmath model    notes
+==================================  ===============  =============================================
+``gpt2``                            ``"gpt"``        Pre-LN, tied or untied output
+``openai-gpt``                      ``"gpt"``        Post-LN, no final norm, tied output
+``llama``, ``mistral``              ``"llama"``      RoPE in the ``"half"`` layout (see below);
+                                                     Mistral's window is the model's ``sliding_window``
+``qwen2``                           ``"llama"``      plus biases on the query, key and value
+                                                     projections; a window on some layers caps the
+                                                     context at the window (:func:`_context`)
+``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense feed-forward layers only (no experts)
+==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
 its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, and its sinusoid

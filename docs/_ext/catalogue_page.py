@@ -95,7 +95,9 @@ def lesson_sections(lesson: Path) -> dict[str, str]:
     anchors: dict[str, str] = {}
     for heading in re.findall(r"^# #{1,6} (.+)$", lesson.read_text(encoding="utf-8"), re.MULTILINE):
         for eq_id in ids_in_heading(heading):
-            anchors.setdefault(eq_id, github_slugify(heading.replace("`", "")))
+            # MyST slugs a heading's text without its inline maths ($...$) and backticks.
+            text = re.sub(r"\$[^$]*\$", "", heading).replace("`", "")
+            anchors.setdefault(eq_id, github_slugify(text))
     return anchors
 
 

@@ -60,7 +60,8 @@ def shapes(**arrays) -> str:
 
 
 def relative_error(got, expected, floor: float = 0.0) -> float:
-    """max |got - expected| / max(max |expected|, floor) (1 when both are 0). ``floor`` is the
+    r""":math:`\max |g - e| / \max(\max |e|, \text{floor})` for ``got`` :math:`g` and ``expected``
+    :math:`e` (the denominator is 1 where that maximum is 0). ``floor`` is the
     size of related results, for a result that is zero in exact arithmetic (the gradient of a key
     bias, which the softmax cannot see) and so rounding noise in any implementation."""
     scale = max(float(np.max(np.abs(expected))) if np.size(expected) else 0.0, floor)
