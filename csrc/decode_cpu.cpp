@@ -222,7 +222,7 @@ void fold_block_wide(idx R, idx D, const float* qs, const KeyBlock& blk, const K
 struct ContiguousCache {
     const float *k, *v;
     idx t_max, kv_heads, D;
-    const std::int64_t* lengths;
+    const std::int32_t* lengths;
 
     struct Cursor {
         const float *k, *v;
@@ -251,7 +251,7 @@ struct PagedCache {
     const float *k, *v;
     idx page_size, kv_heads, D, max_pages;
     const std::int32_t* table;
-    const std::int64_t* lengths;
+    const std::int32_t* lengths;
 
     idx units(idx b) const { return (lengths[b] + page_size - 1) / page_size; }
 
@@ -410,7 +410,7 @@ void check_decode_shape(const DecodeShape& s) {
 }  // namespace
 
 void decode_cpu(const DecodeShape& shape, const float* q, const float* k_cache,
-                const float* v_cache, idx t_max, const std::int64_t* lengths, float* o) {
+                const float* v_cache, idx t_max, const std::int32_t* lengths, float* o) {
     check_decode_shape(shape);
     if (t_max < 0) throw std::invalid_argument("decode: t_max must be >= 0");
     for (idx b = 0; b < shape.batch; ++b)
@@ -424,7 +424,7 @@ void decode_cpu(const DecodeShape& shape, const float* q, const float* k_cache,
 
 void paged_decode_cpu(const DecodeShape& shape, const float* q, const float* k_pages,
                       const float* v_pages, idx n_pages, idx page_size,
-                      const std::int32_t* page_table, idx max_pages, const std::int64_t* lengths,
+                      const std::int32_t* page_table, idx max_pages, const std::int32_t* lengths,
                       float* o) {
     check_decode_shape(shape);
     if (page_size < 1) throw std::invalid_argument("paged_decode: page_size must be >= 1");

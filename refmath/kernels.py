@@ -317,7 +317,7 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
         cp = _cupy()
         with q.device:
             return _cuda_decode(q, k_cache, v_cache, _device_int32(cp, lengths), scale, splits)
-    return _cpu().decode(q, k_cache, v_cache, lengths.astype(np.int64), scale, splits or 0)
+    return _cpu().decode(q, k_cache, v_cache, lengths, scale, splits or 0)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None = None,
@@ -383,9 +383,9 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
     if gpu:
         cp = _cupy()
         with q.device:
-            return _cuda_paged_decode(q, k_pages, v_pages, cp.asarray(table), cp.asarray(lengths, dtype=cp.int32),
+            return _cuda_paged_decode(q, k_pages, v_pages, cp.asarray(table), cp.asarray(lengths),
                                       scale, splits)
-    return _cpu().paged_decode(q, k_pages, v_pages, table, lengths.astype(np.int64), scale, splits or 0)
+    return _cpu().paged_decode(q, k_pages, v_pages, table, lengths, scale, splits or 0)
 
 
 def flash_versions() -> tuple[str, ...]:
@@ -508,7 +508,13 @@ def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:
     if lengths.size and (lengths.min() < 0 or lengths.max() > most):
         b = int(np.argmax((lengths < 0) | (lengths > most)))
         raise ValueError(f"lengths must lie in [0, {most}] ({why}), got lengths[{b}] = {lengths[b]}")
-    return lengths.astype(np.int64)
+    # Every compiled kernel reads lengths as int32 (like the page table): narrow once, here.
+    top = np.iinfo(np.int32).max
+    if lengths.size and lengths.max() > top:
+        b = int(np.argmax(lengths > top))
+        raise ValueError(f"lengths must fit in int32 (at most {top}) for the compiled kernels, got "
+                         f"lengths[{b}] = {lengths[b]} (lengths.shape = {lengths.shape})")
+    return np.ascontiguousarray(lengths, dtype=np.int32)
 
 
 # ---- CUDA dispatch for attention and decode ----

@@ -56,7 +56,7 @@ template <typename T, int D_MAX>
 __global__ void __launch_bounds__(kThreadsD)
 decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
                     const T* __restrict__ v_pages, PagedCache cache, float* __restrict__ workspace,
-                    int heads, int group, int dim, int splits, int head_chunks, float scale) {
+                    int heads, int group, int head_dim, int splits, int head_chunks, float scale) {
     using L = DecodeLayout<T, D_MAX>;
     constexpr int kCols = D_MAX / kWarpSize;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -84,10 +84,10 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     const int run = ceil_div(ceil_div(length, splits), kBlockKD) * kBlockKD;
     const int t0 = imin(split * run, length), t1 = imin(t0 + run, length);
 
-    const T* q_block = q + (static_cast<std::int64_t>(b) * heads + h0) * dim;
+    const T* q_block = q + (static_cast<std::int64_t>(b) * heads + h0) * head_dim;
     for (int idx = threadIdx.x; idx < kHeadsPerBlockD * D_MAX; idx += kThreadsD) {
         const int r = idx / D_MAX, c = idx % D_MAX;
-        q_s[idx] = (r < n_rows && c < dim) ? to_float(q_block[r * dim + c]) * scale : 0.0f;
+        q_s[idx] = (r < n_rows && c < head_dim) ? to_float(q_block[r * head_dim + c]) * scale : 0.0f;
     }
 
     float m[kRowsPerWarpD], l[kRowsPerWarpD], acc[kRowsPerWarpD][kCols];
@@ -114,7 +114,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
                 if (page >= 0 && page < cache.n_pages) {
                     const std::int64_t at =
                         ((static_cast<std::int64_t>(page) * cache.kv_heads + g) * cache.page_size +
-                         j % cache.page_size) * dim;
+                         j % cache.page_size) * head_dim;
                     k_row = k_pages + at;
                     v_row = v_pages + at;
                 } else {
@@ -124,7 +124,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
             if (bad_page && lane == 0) atomicOr(&poisoned, 1);
             for (int c = lane; c < D_MAX; c += kWarpSize) {
                 T kx = from_float<T>(0.0f), vx = kx;
-                if (k_row != nullptr && c < dim) {
+                if (k_row != nullptr && c < head_dim) {
                     kx = k_row[c];
                     vx = v_row[c];
                 }
@@ -184,7 +184,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
         const int row = row0 + rr;
         if (row >= n_rows) continue;
         float* part = workspace +
-                      ((static_cast<std::int64_t>(b) * heads + h0 + row) * splits + split) * (dim + 2);
+                      ((static_cast<std::int64_t>(b) * heads + h0 + row) * splits + split) * (head_dim + 2);
         if (lane == 0) {
             part[0] = bad ? 0.0f : m[rr];
             part[1] = bad ? NAN : l[rr];
@@ -192,7 +192,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
 #pragma unroll
         for (int cc = 0; cc < kCols; ++cc) {
             const int c = lane + cc * kWarpSize;
-            if (c < dim) part[2 + c] = bad ? NAN : acc[rr][cc];
+            if (c < head_dim) part[2 + c] = bad ? NAN : acc[rr][cc];
         }
     }
 }
@@ -201,11 +201,11 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
 template <typename T>
 __global__ void __launch_bounds__(kThreadsD)
 decode_merge_kernel(const float* __restrict__ workspace, T* __restrict__ o, std::int64_t rows,
-                    int dim, int splits) {
+                    int head_dim, int splits) {
     const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsD + threadIdx.x / kWarpSize;
     if (row >= rows) return;  // whole warps leave; there is no block barrier
     const int lane = threadIdx.x % kWarpSize;
-    const int width = dim + 2;
+    const int width = head_dim + 2;
     const float* parts = workspace + row * splits * width;
 
     float big_m = -INFINITY;
@@ -214,11 +214,11 @@ decode_merge_kernel(const float* __restrict__ workspace, T* __restrict__ o, std:
     auto weight = [&](int s) { return big_m == -INFINITY ? 0.0f : expf(parts[s * width] - big_m); };
     float big_l = 0.0f;
     for (int s = 0; s < splits; ++s) big_l += weight(s) * parts[s * width + 1];
-    for (int c = lane; c < dim; c += kWarpSize) {
+    for (int c = lane; c < head_dim; c += kWarpSize) {
         float u = 0.0f;
         for (int s = 0; s < splits; ++s) u += weight(s) * parts[s * width + 2 + c];
         // An empty context gives 0; a poisoned one (L = NaN) gives NaN.
-        o[row * dim + c] = from_float<T>(big_l == 0.0f ? 0.0f : u / big_l);
+        o[row * head_dim + c] = from_float<T>(big_l == 0.0f ? 0.0f : u / big_l);
     }
 }
 
@@ -235,21 +235,21 @@ std::string launch_decode(const DecodeArgs& a, int head_chunks, cudaStream_t str
     kernel<<<static_cast<int>(blocks), kThreadsD, bytes, stream>>>(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k_pages),
         static_cast<const T*>(a.v_pages), cache, a.workspace, static_cast<int>(a.heads),
-        static_cast<int>(a.heads / a.kv_heads), static_cast<int>(a.dim), static_cast<int>(a.splits),
+        static_cast<int>(a.heads / a.kv_heads), static_cast<int>(a.head_dim), static_cast<int>(a.splits),
         head_chunks, a.scale);
     error = launch_status("paged_decode (splits)");
     if (!error.empty()) return error;
     const std::int64_t rows = a.batch * a.heads;
     decode_merge_kernel<T><<<static_cast<int>((rows + kWarpsD - 1) / kWarpsD), kThreadsD, 0, stream>>>(
-        a.workspace, static_cast<T*>(a.o), rows, static_cast<int>(a.dim), static_cast<int>(a.splits));
+        a.workspace, static_cast<T*>(a.o), rows, static_cast<int>(a.head_dim), static_cast<int>(a.splits));
     return launch_status("paged_decode (merge)");
 }
 
 template <typename T>
 std::string launch_decode_dim(const DecodeArgs& a, int head_chunks, cudaStream_t s) {
-    if (a.dim <= 32) return launch_decode<T, 32>(a, head_chunks, s);
-    if (a.dim <= 64) return launch_decode<T, 64>(a, head_chunks, s);
-    if (a.dim <= 128) return launch_decode<T, 128>(a, head_chunks, s);
+    if (a.head_dim <= 32) return launch_decode<T, 32>(a, head_chunks, s);
+    if (a.head_dim <= 64) return launch_decode<T, 64>(a, head_chunks, s);
+    if (a.head_dim <= 128) return launch_decode<T, 128>(a, head_chunks, s);
     return launch_decode<T, 256>(a, head_chunks, s);
 }
 
@@ -267,8 +267,8 @@ std::string paged_decode(const DecodeArgs& a, cudaStream_t stream) {
     if (a.kv_heads < 1 || a.heads % a.kv_heads != 0)
         return name + "the key/value heads G=" + num(a.kv_heads) + " must be >= 1 and divide the "
                "query heads H=" + num(a.heads);
-    if (a.dim < 1 || a.dim > kMaxHeadDim)
-        return name + "head width D=" + num(a.dim) + " is outside [1, " + num(kMaxHeadDim) + "]";
+    if (a.head_dim < 1 || a.head_dim > kMaxHeadDim)
+        return name + "head width D=" + num(a.head_dim) + " is outside [1, " + num(kMaxHeadDim) + "]";
     if (a.page_size < 1 || a.page_size > kMaxSequence)
         return name + "page_size must be in [1, 2**30], got " + num(a.page_size);
     if (a.max_pages > kMaxSequence / a.page_size || a.n_pages > INT_MAX)
