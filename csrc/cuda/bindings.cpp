@@ -233,6 +233,15 @@ PYBIND11_MODULE(_cuda, m) {
                                   kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
                 },
                 forward_doc);
+    def_forward(m, "flash_forward_v4",
+                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
+                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
+                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
+                    flash_forward(refmath_cuda::flash_forward_v4, q, k, v, o, lse, batch, heads,
+                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
+                },
+                forward_doc);
 
     m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),

@@ -59,9 +59,11 @@ struct FlashForwardArgs {
 //   v1: float32, float16, bfloat16; any D <= 256.
 //   v2: float32, float16, bfloat16; any D <= 256.
 //   v3: float16, bfloat16; D = 64 or 128; q, k, v, o 16-byte aligned.
+//   v4: as v3 (the same math, operands fed by ldmatrix and double-buffered cp.async).
 std::string flash_forward_v1(const FlashForwardArgs& args, cudaStream_t stream);
 std::string flash_forward_v2(const FlashForwardArgs& args, cudaStream_t stream);
 std::string flash_forward_v3(const FlashForwardArgs& args, cudaStream_t stream);
+std::string flash_forward_v4(const FlashForwardArgs& args, cudaStream_t stream);
 
 // The backward pass, FlashAttention-2 style, in float32: problem.dtype must be kFloat32 and every
 // array float32. do_ and o are (B, H, T_q, D); lse (B, H, T_q) from the forward; dq, dk, dv have
