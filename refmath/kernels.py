@@ -533,6 +533,7 @@ _CUDA_MAX_HEAD_DIM = 256  # v1, v2, the backward and decode: any D up to this
 _V3_HEAD_DIMS = (64, 128)  # the tensor-core kernels (v3, v4) are compiled for these widths only
 _V3_DTYPES = ("float16", "bfloat16")  # mma.sync takes 16-bit inputs (fp32 accumulation)
 _DECODE_HEADS_PER_BLOCK = 8  # query heads of one GQA group that a decode block serves (paged_decode.cu)
+_DECODE_BLOCKS_PER_SM = 10  # the automatic split count aims at this many decode blocks per multiprocessor
 
 
 def _cuda_flash_versions() -> list[str]:
@@ -631,11 +632,14 @@ def _multiprocessors(device_id: int) -> int:
 
 
 def _auto_splits(cp, batch: int, kv_heads: int, group: int, capacity: int) -> int:
-    """Enough split-K chunks to give each multiprocessor about four blocks, but none shorter than
-    256 tokens (where the merge would start to cost more than the parallelism buys)."""
+    """Enough split-K chunks to give each multiprocessor about ten blocks (a 16-bit decode block
+    at D = 128 holds 22 KB of shared memory, so ten fit beside each other; each keeps one 32-key
+    tile of loads in flight, and it takes several to cover the memory latency), but none shorter
+    than 256 tokens (where the merge would start to cost more than the parallelism buys), and at
+    most 256."""
     blocks = batch * kv_heads * -(-group // _DECODE_HEADS_PER_BLOCK)
-    wanted = -(-4 * _multiprocessors(cp.cuda.Device().id) // max(blocks, 1))
-    return int(max(1, min(wanted, -(-capacity // 256), 64)))
+    wanted = -(-_DECODE_BLOCKS_PER_SM * _multiprocessors(cp.cuda.Device().id) // max(blocks, 1))
+    return int(max(1, min(wanted, -(-capacity // 256), 256)))
 
 
 def _cuda_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, splits):

@@ -614,6 +614,9 @@ DECODE_CASES = [  # (B, H, G, D, lengths, T_max)
     (3, 8, 2, 64, (0, 37, 100), 100),
     (4, 8, 1, 128, (1, 64, 99, 1000), 1000),
     (2, 4, 4, 32, (7, 1000), 1024),
+    (2, 4, 2, 40, (5, 77), 80),   # 16-byte copies for float32 and float16 (40 % 8 == 0), D < D_MAX
+    (2, 6, 3, 20, (33, 64), 64),  # 16-byte copies for float32 only (20 % 8 != 0)
+    (1, 2, 1, 7, (70,), 70),      # rows that never start on 16 bytes: element copies
 ]
 
 
@@ -651,6 +654,28 @@ def test_contiguous_decode_matches_reference(cp, dtype, case, splits):
                                                     to_device(cp, v_cache, dtype), cp.asarray(lengths)))
 
 
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_of_a_misaligned_cache_copies_elements_to_the_same_result(cp, dtype):
+    """The decode kernel copies 16-byte pieces of the cache when its rows start on 16 bytes, and
+    one element per lane otherwise (a cache that is a view at an odd offset). Both copies move the
+    same values into the same tile, so the results are identical, not just close."""
+    need_dtype(dtype)
+    b, h, g, d, t_max = 2, 8, 2, 64, 300
+    rng = np.random.default_rng(11)
+    q = to_device(cp, round_to(rng.standard_normal((b, h, d)), dtype), dtype)
+    size = b * g * t_max * d
+    flat = [to_device(cp, round_to(rng.standard_normal(size + 1), dtype), dtype) for _ in range(2)]
+    k_odd, v_odd = (x[1:].reshape(b, g, t_max, d) for x in flat)  # 2 or 4 bytes past 16-byte alignment
+    assert k_odd.data.ptr % 16 != 0 and k_odd.flags.c_contiguous
+    k_even, v_even = cp.ascontiguousarray(k_odd.copy()), cp.ascontiguousarray(v_odd.copy())
+    assert k_even.data.ptr % 16 == 0
+    lengths = cp.asarray(np.array([300, 123], np.int32))
+    for splits in (1, 4):
+        aligned = kernels.decode(q, k_even, v_even, lengths, splits=splits)
+        misaligned = kernels.decode(q, k_odd, v_odd, lengths, splits=splits)
+        assert cp.array_equal(aligned, misaligned), splits
 
 def build_paged_cache(rng, dtype, n_pages, page_size, g, d, lengths):
     """A PagedKVCache (float64, holding values representable in ``dtype``) with the sequences'
