@@ -16,11 +16,12 @@
 //   global latency and tensor-core work take turns. Here the tile j + 1 is requested (cp.async:
 //   global -> shared without passing through registers) before tile j is computed, into the other
 //   of two buffers, so the copy runs under the math. Rows past the keys are zero-filled by the copy.
-// * __launch_bounds__(128, 2): two blocks (8 warps) per multiprocessor, each hiding the other's
-//   stalls. Three would need at most 168 registers per thread: ptxas (sm_90, CUDA 13) then spills
-//   32 bytes at D = 64 and 132 at D = 128, which costs more than the third block buys; at two
-//   blocks it uses 252 registers and spills nothing (benchmarks/ptxas_spills.sh). Shared memory:
-//   2 stages x (K, V) x 64 x (D + 8) x 2 bytes = 68 KB per block at D = 128, 36 KB at D = 64.
+// * __launch_bounds__(128, 3) at D = 64: three blocks (12 warps) per multiprocessor hide each
+//   other's stalls, which caps registers at 168 per thread; ptxas (sm_90, CUDA 13) fits in it
+//   without spilling. At D = 128 the accumulators alone take 64 registers and the same cap spills
+//   128 bytes, which costs more than the third block buys: __launch_bounds__(128, 2), 244
+//   registers, no spills (benchmarks/ptxas_spills.sh). Shared memory: 2 stages x (K, V) x 64 x
+//   (D + 8) x 2 bytes = 36 KB per block at D = 64, 68 KB at D = 128.
 // * Output through shared memory: v3 stores 4-byte pairs straight from the fragments (each row
 //   written by 4 lanes in 4-byte pieces). Here each warp puts its 16 x D tile into shared memory and
 //   writes it back in 16-byte chunks, consecutive lanes on consecutive bytes of a row.
@@ -28,7 +29,7 @@
 // The per-lane addressing of ldmatrix, of the fragments and of the copies is in mma_layout.h, which
 // the CPU test suite runs through a NumPy model of ldmatrix and mma (tests/test_kernels_mma_model.py).
 //
-// What is left for later versions: fewer registers (three blocks per multiprocessor, see above);
+// What is left for later versions: fewer registers at D = 128 (three blocks, see above);
 // 32 query rows per warp (FlashAttention-2 reuses each K and V
 // fragment for two 16-row tiles, halving the ldmatrix traffic per mma); on Hopper, TMA for the
 // copies and wgmma (warpgroup-wide, asynchronous) for the products, as FlashAttention-3 does.
@@ -157,7 +158,9 @@ template <> __device__ inline bool nonfinite_pair<__nv_bfloat16>(std::uint32_t w
 template <typename T, int D, int ROWS>
 __device__ inline void request_tile(T* tile, const T* src, int r0, int r_end) {
     constexpr int kPerThread = v4::chunks_per_thread(ROWS, D);
-#pragma unroll
+    // Not unrolled: a handful of copies per thread and tile, and their addresses, all kept live
+    // when unrolled, cost the registers that decide between two and three blocks at D = 64.
+#pragma unroll 1
     for (int i = 0; i < kPerThread; ++i) {
         const v4::RowCol at = v4::tile_chunk(threadIdx.x + i * kThreads, D);
         const bool valid = r0 + at.row < r_end;
@@ -192,10 +195,10 @@ struct TilesV4 {
 };
 
 // Blocks per multiprocessor that the register budget must allow (see the header).
-constexpr int kMinBlocks = 2;
+template <int D> constexpr int kMinBlocks = D == 64 ? 3 : 2;
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+__global__ void __launch_bounds__(kThreads, kMinBlocks<D>)
 flash_v4_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 T* __restrict__ o, float* __restrict__ lse, Band band, int heads, int group,
                 float scale_log2) {
