@@ -25,19 +25,22 @@ def best_ms(fn, repeats: int = 3, warmup: int = 1) -> float:
     return 1e3 * min(times)
 
 
-def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1) -> dict:
+def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bool = False) -> dict:
     """Like :func:`best_ms` for several peers, timed in turns (a, b, c, a, b, c, ...) so that a
-    burst of load elsewhere on the machine hits them all alike."""
+    burst of load elsewhere on the machine hits them all alike. ``median``: the median call
+    instead of the fastest, for a machine whose load comes and goes (ratios of peers timed in the
+    same turns then stay comparable)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    best = {name: float("inf") for name in fns}
+    times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: 1e3 * t for name, t in best.items()}
+            times[name].append(time.perf_counter() - start)
+    pick = statistics.median if median else min
+    return {name: 1e3 * pick(t) for name, t in times.items()}
 
 
 def _status_kib(field: str) -> int | None:

@@ -260,8 +260,9 @@ def smoke(cp):
     calls = 0
     for dtype in dtypes:
         for version in kernels.flash_versions():
-            for d in (64, 128) if version == "v3" else (40, 128):
-                if version == "v3" and dtype == np.float32:
+            tensor_cores = version in ("v3", "v4")
+            for d in (64, 128) if tensor_cores else (40, 128):
+                if tensor_cores and dtype == np.float32:
                     continue
                 # T_q > T_k, a window and GQA: every masking and bounds path in one small call.
                 q, k, v = arr((2, 4, 70, d), dtype), arr((2, 2, 67, d), dtype), arr((2, 2, 67, d), dtype)

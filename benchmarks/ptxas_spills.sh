@@ -6,14 +6,20 @@
 # each csrc/cuda/*.cu for one architecture (REFMATH_CUDA_ARCH, default 90), prints ptxas's line per
 # kernel (registers, shared memory, spill stores and loads) and exits 1 if any kernel spills.
 #
-# Usage: bash benchmarks/ptxas_spills.sh      (about a minute of one core per file)
+# Usage: bash benchmarks/ptxas_spills.sh                 (about a minute of one core per file)
+#        bash benchmarks/ptxas_spills.sh csrc/cuda/flash_v4.cu ...   (those files only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}"
 ARCH="${REFMATH_CUDA_ARCH:-90}"
 ARCH="${ARCH##*;}"  # the last (newest) of a list such as "80;90"
 status=0
-for source in csrc/cuda/*.cu; do
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+    sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
+sources=("$@")
+[ ${#sources[@]} -eq 0 ] && sources=(csrc/cuda/*.cu)
+for source in "${sources[@]}"; do
     out="$("$NVCC" -c -std=c++17 -O3 -Icsrc/cuda -arch="sm_$ARCH" -Xptxas -v "$source" -o /dev/null 2>&1)" \
         || { echo "$source: nvcc failed"; echo "$out"; status=1; continue; }
     # ptxas prints "Compiling entry function '<mangled>'" then "Used N registers, ..." and, in

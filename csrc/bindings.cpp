@@ -173,8 +173,10 @@ refmath::DecodeShape decode_shape(const py::array& q, py::ssize_t kv_heads, doub
     return s;
 }
 
-const std::int64_t* lengths_data(const py::array& lengths, py::ssize_t batch) {
-    const auto* p = checked_data<std::int64_t>(lengths, "lengths", 1, "(B,)", "int64");
+// Sequence lengths are int32 in every compiled kernel, like the page table; refmath/kernels.py
+// checks their range before narrowing them.
+const std::int32_t* lengths_data(const py::array& lengths, py::ssize_t batch) {
+    const auto* p = checked_data<std::int32_t>(lengths, "lengths", 1, "(B,)", "int32");
     require_dim(lengths, "lengths", 0, batch, "one per sequence of q");
     return p;
 }
@@ -186,7 +188,7 @@ py::array decode(const py::array& q, const py::array& k_cache, const py::array& 
     refmath::DecodeShape s = decode_shape(q, k_cache.shape(1), scale, splits);
     require_dim(k_cache, "k_cache", 0, s.batch, "the batch size B of q");
     require_dim(k_cache, "k_cache", 3, s.head_dim, "the head width D of q");
-    const std::int64_t* lp = lengths_data(lengths, s.batch);
+    const std::int32_t* lp = lengths_data(lengths, s.batch);
     auto o = new_float32({s.batch, s.heads, s.head_dim});
     const float *qp = f32(q, "q", 3, ""), *kp = f32(k_cache, "k_cache", 4, ""),
                 *vp = f32(v_cache, "v_cache", 4, "");
@@ -208,7 +210,7 @@ py::array paged_decode(const py::array& q, const py::array& k_pages, const py::a
     require_dim(k_pages, "k_pages", 3, s.head_dim, "the head width D of q");
     const auto* tp = checked_data<std::int32_t>(page_table, "page_table", 2, "(B, max_pages)", "int32");
     require_dim(page_table, "page_table", 0, s.batch, "one row per sequence of q");
-    const std::int64_t* lp = lengths_data(lengths, s.batch);
+    const std::int32_t* lp = lengths_data(lengths, s.batch);
     auto o = new_float32({s.batch, s.heads, s.head_dim});
     const float *qp = f32(q, "q", 3, ""), *kp = f32(k_pages, "k_pages", 4, ""),
                 *vp = f32(v_pages, "v_pages", 4, "");
@@ -248,12 +250,12 @@ PYBIND11_MODULE(_C, m) {
           "For tests: 0 lets flash_backward choose its schedule, 1 forces one pass, 2 two passes.");
     m.def("decode", &decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("lengths"), py::arg("scale"), py::arg("splits"),
-          "One decode step over contiguous caches (B, G, T_max, D); lengths int64 (B,); "
+          "One decode step over contiguous caches (B, G, T_max, D); lengths int32 (B,); "
           "splits 0 = automatic.");
     m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("k_pages"), py::arg("v_pages"),
           py::arg("page_table"), py::arg("lengths"), py::arg("scale"), py::arg("splits"),
           "One decode step over pages (n_pages, G, page_size, D); page_table int32 "
-          "(B, max_pages), lengths int64 (B,); splits 0 = automatic.");
+          "(B, max_pages), lengths int32 (B,); splits 0 = automatic.");
     m.def("stream_sum", &stream_sum, py::arg("x"),
           "Sum of a C-contiguous float32 array read once by all threads (a memory-bandwidth probe).");
     m.def("max_threads", &refmath::tile::max_threads,

@@ -7,7 +7,7 @@
 //   memory once per group, not once per query head.
 // * One long sequence must still keep every core streaming: the work items are
 //   (sequence, key/value head, split), where a split is a contiguous chunk of the sequence's keys
-//   (or pages). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
+//   (or pages; a paged item takes up to 8 key/value heads together, see decode_with). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
 //   splits of each (sequence, head) (F3). An empty split (more splits than keys) leaves the empty
 //   state m = -inf, l = 0, u = 0, which the merge skips.
 // * The arithmetic must keep up with memory, which takes tight inner loops: a block of kBlock keys
@@ -44,6 +44,7 @@ constexpr idx kAhead = 4;              // while block i is folded, block i + kAh
 constexpr idx kItemsPerThread = 8;     // automatic splits: work items per thread (see choose_splits)
 constexpr idx kMinKeysPerSplit = 512;  // automatic splits keep at least this many keys each
 constexpr idx kMaxSplits = 1024;       // a bound on the scratch (B * H * splits * (D + 2) floats)
+constexpr idx kMaxHeadsPerItem = 8;    // key/value heads one paged work item reads together
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Up to kBlock keys: the key row and the value row of each (D floats each, anywhere in memory).
@@ -222,7 +223,7 @@ void fold_block_wide(idx R, idx D, const float* qs, const KeyBlock& blk, const K
 struct ContiguousCache {
     const float *k, *v;
     idx t_max, kv_heads, D;
-    const std::int64_t* lengths;
+    const std::int32_t* lengths;
 
     struct Cursor {
         const float *k, *v;
@@ -251,7 +252,7 @@ struct PagedCache {
     const float *k, *v;
     idx page_size, kv_heads, D, max_pages;
     const std::int32_t* table;
-    const std::int64_t* lengths;
+    const std::int32_t* lengths;
 
     idx units(idx b) const { return (lengths[b] + page_size - 1) / page_size; }
 
@@ -309,67 +310,104 @@ idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_pe
 
 // The two phases shared by both caches. partial holds, per (sequence, head, split), the
 // unnormalised output u (D floats) followed by m and l.
+//
+// A work item takes `heads_per_item` consecutive key/value heads of one sequence and split (each
+// with the R query heads of its group) and walks their keys block by block, the heads of a block
+// one after another. For a contiguous cache one head per item is right: each head's keys are one
+// run. A paged pool (n_pages, G, page_size, D) keeps the G heads of a page side by side, so one
+// head's keys are page_size * D floats every G * page_size * D: at page_size 16, D = 128 and G = 8,
+// 8 KiB every 64 KiB. Every one of them then falls on the same eighth of the sets of a cache whose
+// way is 64 KiB (a common level-2 size), and the keys requested ahead evict each other before use.
+// Taking the G heads of a page together reads the page as one 64 KiB run instead.
 template <class Cache>
 void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx units_per_min_split,
-                 float* o) {
-    const idx D = s.head_dim, R = s.heads / s.kv_heads, bg = s.batch * s.kv_heads;
+                 idx heads_per_item, float* o) {
+    const idx D = s.head_dim, R = s.heads / s.kv_heads;
+    const idx GI = std::clamp<idx>(heads_per_item, 1, std::min<idx>(s.kv_heads, kMaxHeadsPerItem));
+    const idx head_sets = (s.kv_heads + GI - 1) / GI, items_per_split = s.batch * head_sets;
     idx longest = 0;
     for (idx b = 0; b < s.batch; ++b) longest = std::max(longest, cache.units(b));
-    const idx splits = choose_splits(s.splits, bg, longest, units_per_min_split);
+    // The shortest split is set for one head per item; an item of GI heads has GI times the work.
+    const idx splits = choose_splits(s.splits, items_per_split, longest,
+                                     std::max<idx>(1, units_per_min_split / GI));
     const idx stride = D + 2;
     std::vector<float> partial(static_cast<std::size_t>(s.batch * s.heads * splits * stride));
     double keys = 0;  // every (sequence, key) pair costs 2 D multiply-adds per query head
     for (idx b = 0; b < s.batch; ++b) keys += static_cast<double>(cache.lengths[b]);
     const int threads = tile::threads_for(2.0 * keys * s.heads * D);
-    const idx per_thread = tile::padded_floats(R * (kBlock + kPad) + 2 * R * D + 3 * R);
+    // Per head of an item: the group's queries (R x D, scaled), U (R x D), m, l, alpha (R each);
+    // and one score buffer (R x (kBlock + kPad)) that the heads take in turn.
+    const idx per_head = 2 * R * D + 3 * R;
+    const idx per_thread = tile::padded_floats(R * (kBlock + kPad) + GI * per_head);
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     const float c = tile::base2_factor(s.scale);
     float* part = partial.data();
     float* w = work.data();
+    // Blocks requested ahead of the one being folded, per head: kAhead for one head per item, fewer
+    // for several, so that what is in flight stays about the same (kAhead blocks of keys).
+    const idx ahead = std::max<idx>(1, kAhead / GI);
 
-    // Phase 1: (sequence, kv head, split) items, each folding its keys into the state (u, m, l) of
-    // the R query heads of the group, then storing it in partial.
+    // Phase 1: (sequence, set of kv heads, split) items, each folding its keys into the state
+    // (u, m, l) of the R query heads of each group, then storing it in partial.
     auto* const fold = REFMATH_PICK_WIDTH(fold_block);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (idx t = 0; t < bg * splits; ++t) {
-        const idx b = t / (s.kv_heads * splits), g = (t / splits) % s.kv_heads, sp = t % splits;
+    for (idx t = 0; t < items_per_split * splits; ++t) {
+        const idx b = t / (head_sets * splits), g0 = (t / splits) % head_sets * GI, sp = t % splits;
+        const idx g1 = std::min(s.kv_heads, g0 + GI);
         const idx n = cache.units(b), chunk = (n + splits - 1) / splits;
         const idx u0 = std::min(n, sp * chunk), u1 = std::min(n, u0 + chunk);
-        float* qs = w + tile::thread_id() * per_thread;  // R x D: the group's queries, scaled
-        float* S = qs + R * D;                             // R x (kBlock + kPad) scores
-        float* U = S + R * (kBlock + kPad);                // R x D unnormalised outputs
-        float* m = U + R * D;
-        float* l = m + R;
-        float* alpha = l + R;
-        // The group's heads are consecutive rows of q. Scaling them once here, to base 2 (the
-        // exponentials are 2^x), saves a multiplication per score.
-        const float* qg = q + (b * s.heads + g * R) * D;
-        for (idx i = 0; i < R * D; ++i) qs[i] = qg[i] * c;
-        std::fill(U, U + R * D, 0.0f);
-        std::fill(m, m + R, kNegInf);
-        std::fill(l, l + R, 0.0f);
-        // A ring of kAhead + 1 blocks: block i is folded while block i + kAhead, already located,
-        // is requested from memory. The first kAhead blocks are requested here.
-        KeyBlock ring[kAhead + 1];
-        auto cursor = cache.cursor(b, g, u0, u1);
-        for (idx i = 0; i <= kAhead; ++i) {
-            cursor.fill(ring[i]);
-            if (i < kAhead)
-                for (idx j = 0; j < ring[i].n; ++j) {
-                    prefetch_row(ring[i].k[j], D);
-                    prefetch_row(ring[i].v[j], D);
-                }
+        float* S = w + tile::thread_id() * per_thread;  // R x (kBlock + kPad) scores
+        float* heads_state = S + R * (kBlock + kPad);
+        // A ring of ahead + 1 blocks per head: block i is folded while block i + ahead, already
+        // located, is requested from memory. The first blocks are requested here.
+        KeyBlock ring[kMaxHeadsPerItem][kAhead + 1];
+        typename Cache::Cursor cursors[kMaxHeadsPerItem];
+        for (idx g = g0; g < g1; ++g) {
+            float* qs = heads_state + (g - g0) * per_head;  // R x D: the group's queries, scaled
+            float* U = qs + R * D;
+            float* m = U + R * D;
+            float* l = m + R;
+            // The group's heads are consecutive rows of q. Scaling them once here, to base 2 (the
+            // exponentials are 2^x), saves a multiplication per score.
+            const float* qg = q + (b * s.heads + g * R) * D;
+            for (idx i = 0; i < R * D; ++i) qs[i] = qg[i] * c;
+            std::fill(U, U + R * D, 0.0f);
+            std::fill(m, m + R, kNegInf);
+            std::fill(l, l + R, 0.0f);
+            cursors[g - g0] = cache.cursor(b, g, u0, u1);
+            KeyBlock* own = ring[g - g0];
+            for (idx i = 0; i <= ahead; ++i) {
+                cursors[g - g0].fill(own[i]);
+                if (i < ahead)
+                    for (idx j = 0; j < own[i].n; ++j) {
+                        prefetch_row(own[i].k[j], D);
+                        prefetch_row(own[i].v[j], D);
+                    }
+            }
         }
-        for (idx i = 0; ring[i % (kAhead + 1)].n > 0; ++i) {
-            KeyBlock& blk = ring[i % (kAhead + 1)];
-            fold(R, D, qs, blk, ring[(i + kAhead) % (kAhead + 1)], S, m, l, alpha, U);
-            cursor.fill(blk);  // becomes block i + kAhead + 1
+        // Every head of the item has the same keys (one sequence, one split): the same blocks.
+        for (idx i = 0; ring[0][i % (ahead + 1)].n > 0; ++i) {
+            for (idx g = g0; g < g1; ++g) {
+                float* qs = heads_state + (g - g0) * per_head;
+                float* U = qs + R * D;
+                float* m = U + R * D;
+                float* l = m + R;
+                float* alpha = l + R;
+                KeyBlock& blk = ring[g - g0][i % (ahead + 1)];
+                fold(R, D, qs, blk, ring[g - g0][(i + ahead) % (ahead + 1)], S, m, l, alpha, U);
+                cursors[g - g0].fill(blk);  // becomes block i + ahead + 1
+            }
         }
-        for (idx r = 0; r < R; ++r) {
-            float* dst = part + ((b * s.heads + g * R + r) * splits + sp) * stride;
-            std::copy(U + r * D, U + (r + 1) * D, dst);
-            dst[D] = m[r];
-            dst[D + 1] = l[r];
+        for (idx g = g0; g < g1; ++g) {
+            const float* U = heads_state + (g - g0) * per_head + R * D;
+            const float* m = U + R * D;
+            const float* l = m + R;
+            for (idx r = 0; r < R; ++r) {
+                float* dst = part + ((b * s.heads + g * R + r) * splits + sp) * stride;
+                std::copy(U + r * D, U + (r + 1) * D, dst);
+                dst[D] = m[r];
+                dst[D + 1] = l[r];
+            }
         }
     }
     // Phase 2: merge the splits of each (sequence, head) (F3) and normalise (F1).
@@ -410,7 +448,7 @@ void check_decode_shape(const DecodeShape& s) {
 }  // namespace
 
 void decode_cpu(const DecodeShape& shape, const float* q, const float* k_cache,
-                const float* v_cache, idx t_max, const std::int64_t* lengths, float* o) {
+                const float* v_cache, idx t_max, const std::int32_t* lengths, float* o) {
     check_decode_shape(shape);
     if (t_max < 0) throw std::invalid_argument("decode: t_max must be >= 0");
     for (idx b = 0; b < shape.batch; ++b)
@@ -419,12 +457,12 @@ void decode_cpu(const DecodeShape& shape, const float* q, const float* k_cache,
                                         std::to_string(lengths[b]) + " is outside [0, t_max = " +
                                         std::to_string(t_max) + "]");
     const ContiguousCache cache{k_cache, v_cache, t_max, shape.kv_heads, shape.head_dim, lengths};
-    decode_with(shape, q, cache, kMinKeysPerSplit, o);
+    decode_with(shape, q, cache, kMinKeysPerSplit, 1, o);
 }
 
 void paged_decode_cpu(const DecodeShape& shape, const float* q, const float* k_pages,
                       const float* v_pages, idx n_pages, idx page_size,
-                      const std::int32_t* page_table, idx max_pages, const std::int64_t* lengths,
+                      const std::int32_t* page_table, idx max_pages, const std::int32_t* lengths,
                       float* o) {
     check_decode_shape(shape);
     if (page_size < 1) throw std::invalid_argument("paged_decode: page_size must be >= 1");
@@ -447,7 +485,7 @@ void paged_decode_cpu(const DecodeShape& shape, const float* q, const float* k_p
     }
     const PagedCache cache{k_pages, v_pages, page_size, shape.kv_heads, shape.head_dim, max_pages,
                            page_table, lengths};
-    decode_with(shape, q, cache, std::max<idx>(1, kMinKeysPerSplit / page_size), o);
+    decode_with(shape, q, cache, std::max<idx>(1, kMinKeysPerSplit / page_size), kMaxHeadsPerItem, o);
 }
 
 }  // namespace refmath

@@ -21,7 +21,7 @@ struct DecodeShape {
 // Caches (batch, kv_heads, t_max, head_dim), float32, C-contiguous; 0 <= lengths[b] <= t_max.
 // Throws std::invalid_argument (before any work) on a bad size or length.
 void decode_cpu(const DecodeShape& shape, const float* q, const float* k_cache,
-                const float* v_cache, std::ptrdiff_t t_max, const std::int64_t* lengths, float* o);
+                const float* v_cache, std::ptrdiff_t t_max, const std::int32_t* lengths, float* o);
 
 // Pages (n_pages, kv_heads, page_size, head_dim), the layout of refmath.inference.paged; token j of
 // sequence b is in slot j % page_size of page page_table[b, j / page_size] (page_table is
@@ -31,6 +31,6 @@ void decode_cpu(const DecodeShape& shape, const float* q, const float* k_cache,
 void paged_decode_cpu(const DecodeShape& shape, const float* q, const float* k_pages,
                       const float* v_pages, std::ptrdiff_t n_pages, std::ptrdiff_t page_size,
                       const std::int32_t* page_table, std::ptrdiff_t max_pages,
-                      const std::int64_t* lengths, float* o);
+                      const std::int32_t* lengths, float* o);
 
 }  // namespace refmath

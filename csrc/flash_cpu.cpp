@@ -56,25 +56,25 @@ constexpr idx kBlockK = 128;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Which (query, key) pairs are visible: query i sits at key position i + offset; it sees keys
-// [key_lo(i), key_hi(i)) (before clipping to [0, t_k)).
+// [first_key(i), end_key(i)) (before clipping to [0, t_k)).
 struct Band {
     idx t_q, t_k, offset, window;  // window 0 = none
     bool causal;
 
-    idx key_lo(idx i) const { return window > 0 ? i + offset - window + 1 : 0; }
-    idx key_hi(idx i) const { return causal ? i + offset + 1 : t_k; }
+    idx first_key(idx i) const { return window > 0 ? i + offset - window + 1 : 0; }
+    idx end_key(idx i) const { return causal ? i + offset + 1 : t_k; }
 
     // The keys [lo, hi) seen by at least one query of [i0, i1): each query's interval has both ends
     // growing with i, so the union runs from the first query's lower end to the last one's upper.
-    void keys_of(idx i0, idx i1, idx& lo, idx& hi) const {
-        lo = std::max<idx>(0, key_lo(i0));
-        hi = std::min(t_k, key_hi(i1 - 1));
+    void keys_seen_by(idx i0, idx i1, idx& lo, idx& hi) const {
+        lo = std::max<idx>(0, first_key(i0));
+        hi = std::min(t_k, end_key(i1 - 1));
         hi = std::max(lo, hi);
     }
 
     // The queries [lo, hi) that see at least one key of [j0, j1): key j is seen by the queries with
     // j <= i + offset <= j + window - 1.
-    void queries_of(idx j0, idx j1, idx& lo, idx& hi) const {
+    void queries_seeing(idx j0, idx j1, idx& lo, idx& hi) const {
         lo = causal ? std::max<idx>(0, j0 - offset) : 0;
         hi = window > 0 ? std::min(t_q, j1 - 1 + window - offset) : t_q;
         hi = std::max(lo, hi);
@@ -90,8 +90,8 @@ Band make_band(const AttentionShape& s) {
 
 // The part [a, b) of [j0, j0 + n) that query i sees, as offsets from j0 (a == b when none).
 inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b) {
-    a = std::clamp<idx>(band.key_lo(i) - j0, 0, n);
-    b = std::clamp<idx>(band.key_hi(i) - j0, 0, n);
+    a = std::clamp<idx>(band.first_key(i) - j0, 0, n);
+    b = std::clamp<idx>(band.end_key(i) - j0, 0, n);
     b = std::max(a, b);
 }
 
@@ -143,7 +143,7 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
     std::fill(U, U + rows * D, 0.0f);
 
     idx lo, hi;
-    band.keys_of(i0, i0 + rows, lo, hi);
+    band.keys_seen_by(i0, i0 + rows, lo, hi);
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx cols = std::min(kBlockK, hi - j0);
         tile::transpose(cols, D, kh + j0 * D, D, KT, kBlockK);
@@ -233,7 +233,7 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
     std::fill(dV, dV + nk * D, 0.0f);
 
     idx ilo, ihi;
-    band.queries_of(j0, j0 + nk, ilo, ihi);
+    band.queries_seeing(j0, j0 + nk, ilo, ihi);
     for (idx r = 0; r < group; ++r) {
         const idx hrow0 = (b * s.heads + g * group + r) * s.t_q;  // row 0 of query head h
         const float* qh = q + hrow0 * D;
@@ -245,7 +245,7 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
             tile::gemm_nn<V>(nk, nq, D, kt, D, XT, kBlockQ, Pt, kBlockQ);  // S^T = K Q^T
             // The queries of this tile that key jr is seen by: [a, e) as offsets from i0.
             auto queries = [&](idx jr, idx& a, idx& e) {
-                band.queries_of(j0 + jr, j0 + jr + 1, a, e);
+                band.queries_seeing(j0 + jr, j0 + jr + 1, a, e);
                 a = std::clamp<idx>(a - i0, 0, nq);
                 e = std::clamp<idx>(e - i0, a, nq);
             };
@@ -343,7 +343,7 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
     const float* dl = delta + qrow0;
 
     idx lo, hi;
-    band.keys_of(i0, i0 + nq, lo, hi);
+    band.keys_seen_by(i0, i0 + nq, lo, hi);
     // Key tiles aligned to multiples of kBlockK, as in pass 1 (keys before lo are masked), so that
     // dQ sums the same tiles in the same order as the one-pass schedule: the same bits either way.
     for (idx j0 = lo - lo % kBlockK; j0 < hi; j0 += kBlockK) {

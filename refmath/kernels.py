@@ -317,7 +317,7 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
         cp = _cupy()
         with q.device:
             return _cuda_decode(q, k_cache, v_cache, _device_int32(cp, lengths), scale, splits)
-    return _cpu().decode(q, k_cache, v_cache, lengths.astype(np.int64), scale, splits or 0)
+    return _cpu().decode(q, k_cache, v_cache, lengths, scale, splits or 0)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None = None,
@@ -383,14 +383,14 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
     if gpu:
         cp = _cupy()
         with q.device:
-            return _cuda_paged_decode(q, k_pages, v_pages, cp.asarray(table), cp.asarray(lengths, dtype=cp.int32),
+            return _cuda_paged_decode(q, k_pages, v_pages, cp.asarray(table), cp.asarray(lengths),
                                       scale, splits)
-    return _cpu().paged_decode(q, k_pages, v_pages, table, lengths.astype(np.int64), scale, splits or 0)
+    return _cpu().paged_decode(q, k_pages, v_pages, table, lengths, scale, splits or 0)
 
 
 def flash_versions() -> tuple[str, ...]:
     """The names of the CUDA FlashAttention versions built into ``refmath._cuda`` (for example
-    ``("v1", "v2", "v3")``); empty without the CUDA module. The CPU has one kernel and no versions."""
+    ``("v1", "v2", "v3", "v4")``); empty without the CUDA module. The CPU has one kernel and no versions."""
     if _cuda is None:
         return ()
     return tuple(_cuda_flash_versions())  # defined with the CUDA dispatch below
@@ -508,7 +508,13 @@ def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:
     if lengths.size and (lengths.min() < 0 or lengths.max() > most):
         b = int(np.argmax((lengths < 0) | (lengths > most)))
         raise ValueError(f"lengths must lie in [0, {most}] ({why}), got lengths[{b}] = {lengths[b]}")
-    return lengths.astype(np.int64)
+    # Every compiled kernel reads lengths as int32 (like the page table): narrow once, here.
+    top = np.iinfo(np.int32).max
+    if lengths.size and lengths.max() > top:
+        b = int(np.argmax(lengths > top))
+        raise ValueError(f"lengths must fit in int32 (at most {top}) for the compiled kernels, got "
+                         f"lengths[{b}] = {lengths[b]} (lengths.shape = {lengths.shape})")
+    return np.ascontiguousarray(lengths, dtype=np.int32)
 
 
 # ---- CUDA dispatch for attention and decode ----
@@ -516,16 +522,18 @@ def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:
 #
 # The kernels are in csrc/cuda/: the forward as a ladder of versions, each a file that says what it
 # changes and why it is faster (flash_v1.cu one thread per query row, flash_v2.cu K/V tiles shared
-# in shared memory, flash_v3.cu tensor cores), flash_backward.cu and paged_decode.cu (split-K plus
+# in shared memory, flash_v3.cu tensor cores, flash_v4.cu the same math fed by ldmatrix and
+# double-buffered cp.async), flash_backward.cu and paged_decode.cu (split-K plus
 # a merge kernel). Each helper allocates its outputs and workspace with CuPy on the inputs' device
 # and queues the kernels on CuPy's current stream; the launchers check the arguments again and a
 # refusal or a failed launch comes back as a RuntimeError.
 
-_FLASH_LADDER = ("v1", "v2", "v3")  # csrc/cuda/flash_<version>.cu, bound as flash_forward_<version>
+_FLASH_LADDER = ("v1", "v2", "v3", "v4")  # csrc/cuda/flash_<version>.cu, bound as flash_forward_<version>
 _CUDA_MAX_HEAD_DIM = 256  # v1, v2, the backward and decode: any D up to this
-_V3_HEAD_DIMS = (64, 128)  # the tensor-core kernel is compiled for these widths only
+_V3_HEAD_DIMS = (64, 128)  # the tensor-core kernels (v3, v4) are compiled for these widths only
 _V3_DTYPES = ("float16", "bfloat16")  # mma.sync takes 16-bit inputs (fp32 accumulation)
 _DECODE_HEADS_PER_BLOCK = 8  # query heads of one GQA group that a decode block serves (paged_decode.cu)
+_DECODE_BLOCKS_PER_SM = 10  # the automatic split count aims at this many decode blocks per multiprocessor
 
 
 def _cuda_flash_versions() -> list[str]:
@@ -542,19 +550,19 @@ def _stream(cp) -> int:
 
 def _cuda_version(version, q) -> str:
     """The version to run: the one asked for, checked against what it supports, or the default
-    (v3 where it applies, else v2)."""
+    (v3 where it applies, else v2; v4 is chosen by name until it has been measured against v3)."""
     d, dtype = q.shape[-1], str(q.dtype)
     if version is None:
         return "v3" if dtype in _V3_DTYPES and d in _V3_HEAD_DIMS else "v2"
     if version not in _FLASH_LADDER:
         raise ValueError(f"version must be one of {', '.join(_FLASH_LADDER)} or None, got {version!r}")
-    if version == "v3":
+    if version in ("v3", "v4"):
         if dtype not in _V3_DTYPES:
-            raise TypeError(f"version 'v3' (tensor cores) takes float16 or bfloat16 inputs, got dtype "
-                            f"{dtype} with q.shape = {q.shape}; use 'v1' or 'v2' for float32")
+            raise TypeError(f"version {version!r} (tensor cores) takes float16 or bfloat16 inputs, got "
+                            f"dtype {dtype} with q.shape = {q.shape}; use 'v1' or 'v2' for float32")
         if d not in _V3_HEAD_DIMS:
-            raise ValueError(f"version 'v3' supports the head widths D = 64 and 128 only, got D = {d} "
-                             f"(q.shape = {q.shape}); use 'v1' or 'v2'")
+            raise ValueError(f"version {version!r} supports the head widths D = 64 and 128 only, got "
+                             f"D = {d} (q.shape = {q.shape}); use 'v1' or 'v2'")
     elif d > _CUDA_MAX_HEAD_DIM:
         raise ValueError(f"the CUDA kernels support head widths up to D = {_CUDA_MAX_HEAD_DIM}, got "
                          f"D = {d} (q.shape = {q.shape})")
@@ -562,7 +570,7 @@ def _cuda_version(version, q) -> str:
 
 
 def _aligned(x):
-    # v3 reads 16-byte vectors; a fresh CuPy allocation always qualifies, an offset view may not.
+    # v3 and v4 read 16-byte vectors; a fresh CuPy allocation always qualifies, an offset view may not.
     return x if x.data.ptr % 16 == 0 else x.copy()
 
 
@@ -624,11 +632,14 @@ def _multiprocessors(device_id: int) -> int:
 
 
 def _auto_splits(cp, batch: int, kv_heads: int, group: int, capacity: int) -> int:
-    """Enough split-K chunks to give each multiprocessor about four blocks, but none shorter than
-    256 tokens (where the merge would start to cost more than the parallelism buys)."""
+    """Enough split-K chunks to give each multiprocessor about ten blocks (a 16-bit decode block
+    at D = 128 holds 22 KB of shared memory, so ten fit beside each other; each keeps one 32-key
+    tile of loads in flight, and it takes several to cover the memory latency), but none shorter
+    than 256 tokens (where the merge would start to cost more than the parallelism buys), and at
+    most 256."""
     blocks = batch * kv_heads * -(-group // _DECODE_HEADS_PER_BLOCK)
-    wanted = -(-4 * _multiprocessors(cp.cuda.Device().id) // max(blocks, 1))
-    return int(max(1, min(wanted, -(-capacity // 256), 64)))
+    wanted = -(-_DECODE_BLOCKS_PER_SM * _multiprocessors(cp.cuda.Device().id) // max(blocks, 1))
+    return int(max(1, min(wanted, -(-capacity // 256), 256)))
 
 
 def _cuda_paged_decode(q, k_pages, v_pages, page_table, lengths, scale, splits):

@@ -343,6 +343,8 @@ def build_paged(seed, h, g, d, page_size, prompt, extra, n_pages=64):
     (4, 2, 32, 16, 40, 9),
     (8, 1, 64, 4, 23, 1),
     (8, 8, 128, 16, 130, 20),
+    (20, 10, 32, 8, 50, 5),  # a paged work item takes up to 8 key/value heads: sets of 8 and 2
+    (48, 24, 16, 4, 30, 3),  # three full sets
 ])
 def test_paged_decode_permuted_shared_pages_and_nan_slots(h, g, d, page_size, prompt, extra):
     q, cache, tables, lengths, k, v = build_paged(h * d + prompt, h, g, d, page_size, prompt, extra)
@@ -543,6 +545,23 @@ def test_fuzz_bad_decode_input_raises(kind, seed):
             kernels.paged_decode(q, pages, pages, table, lengths, splits=splits)
 
 
+
+def test_lengths_narrow_to_int32_once_at_the_door_or_are_refused():
+    """The compiled kernels read lengths as int32, like the page table. kernels.py narrows them
+    once, after the range check, and refuses a length that int32 cannot hold rather than wrap it
+    (2**31 would become -2**31). A table of 2**21 + 1 pages of 1024 slots admits such a length."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 4)).astype(np.float32)
+    pages = rng.standard_normal((1, 1, 1024, 4)).astype(np.float32)
+    table = np.zeros((1, 2**21 + 1), np.int32)  # max_pages * page_size = 2**31 + 1024
+    with pytest.raises(ValueError, match=r"lengths must fit in int32 .* lengths\[0\] = 2147483648"):
+        kernels.paged_decode(q, pages, pages, table, np.array([2**31], np.int64))
+    # In range, an int64 or uint16 array reaches the kernel as int32 and decodes as usual.
+    kc = rng.standard_normal((1, 1, 6, 4)).astype(np.float32)
+    for dtype in (np.int64, np.uint16, np.int8):
+        o = kernels.decode(q, kc, kc, np.array([5], dtype))
+        np.testing.assert_array_equal(o, kernels.decode(q, kc, kc, np.array([5], np.int32)))
+
 # ---- the C++ side checks again ------------------------------------------------------------------
 
 def test_binding_refuses_what_kernels_py_would_have_caught():
@@ -565,22 +584,22 @@ def test_binding_refuses_what_kernels_py_would_have_caught():
     qd = np.zeros((2, 2, 8), np.float32)
     cache = np.zeros((2, 1, 6, 8), np.float32)
     with pytest.raises(ValueError, match="lengths"):
-        c.decode(qd, cache, cache, np.array([7, 0], np.int64), 1.0, 0)
+        c.decode(qd, cache, cache, np.array([7, 0], np.int32), 1.0, 0)
     with pytest.raises(ValueError, match="lengths"):
-        c.decode(qd, cache, cache, np.array([-1, 0], np.int64), 1.0, 0)
-    with pytest.raises(TypeError, match="int64"):
-        c.decode(qd, cache, cache, np.array([1, 0], np.int32), 1.0, 0)
+        c.decode(qd, cache, cache, np.array([-1, 0], np.int32), 1.0, 0)
+    with pytest.raises(TypeError, match="int32"):  # lengths are int32 in every compiled kernel
+        c.decode(qd, cache, cache, np.array([1, 0], np.int64), 1.0, 0)
     pages = np.zeros((3, 1, 4, 8), np.float32)
     table = np.array([[0, 1], [2, -1]], np.int32)
     with pytest.raises(ValueError, match=r"page_table\[1, 1\]"):
-        c.paged_decode(qd, pages, pages, table, np.array([8, 5], np.int64), 1.0, 0)
+        c.paged_decode(qd, pages, pages, table, np.array([8, 5], np.int32), 1.0, 0)
     with pytest.raises(ValueError, match="page_table"):
         c.paged_decode(qd, pages, pages, np.array([[0, 3], [2, -1]], np.int32),
-                       np.array([8, 1], np.int64), 1.0, 0)
+                       np.array([8, 1], np.int32), 1.0, 0)
     with pytest.raises(ValueError, match="lengths"):
-        c.paged_decode(qd, pages, pages, table, np.array([9, 1], np.int64), 1.0, 0)
+        c.paged_decode(qd, pages, pages, table, np.array([9, 1], np.int32), 1.0, 0)
     with pytest.raises(ValueError, match="splits"):
-        c.decode(qd, cache, cache, np.array([1, 0], np.int64), 1.0, -2)
+        c.decode(qd, cache, cache, np.array([1, 0], np.int32), 1.0, -2)
 
 
 def _zeros(*shape, dtype=np.float32):
@@ -597,28 +616,28 @@ def _zeros(*shape, dtype=np.float32):
                                 _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4), False, 0,
                                 1.0), "kv_heads = 0"),
     (lambda c: c.decode(_zeros(1, 0, 8), _zeros(1, 0, 4, 8), _zeros(1, 0, 4, 8),
-                        np.array([2], np.int64), 1.0, 0), "kv_heads = 0"),
+                        np.array([2], np.int32), 1.0, 0), "kv_heads = 0"),
     (lambda c: c.paged_decode(_zeros(1, 0, 8), _zeros(2, 0, 4, 8), _zeros(2, 0, 4, 8),
-                              np.zeros((1, 1), np.int32), np.array([2], np.int64), 1.0, 0),
+                              np.zeros((1, 1), np.int32), np.array([2], np.int32), 1.0, 0),
      "kv_heads = 0"),
     # heads that G does not divide
     (lambda c: c.decode(_zeros(1, 3, 8), _zeros(1, 2, 4, 8), _zeros(1, 2, 4, 8),
-                        np.array([2], np.int64), 1.0, 0), "divide heads = 3"),
+                        np.array([2], np.int32), 1.0, 0), "divide heads = 3"),
     # zero head width, zero page size, negative options
     (lambda c: c.flash_forward(_zeros(1, 1, 4, 0), _zeros(1, 1, 4, 0), _zeros(1, 1, 4, 0), False, 0,
                                1.0), "head_dim"),
     (lambda c: c.decode(_zeros(1, 1, 0), _zeros(1, 1, 4, 0), _zeros(1, 1, 4, 0),
-                        np.array([2], np.int64), 1.0, 0), "head_dim"),
+                        np.array([2], np.int32), 1.0, 0), "head_dim"),
     (lambda c: c.paged_decode(_zeros(1, 1, 8), _zeros(2, 1, 0, 8), _zeros(2, 1, 0, 8),
-                              np.zeros((1, 1), np.int32), np.array([0], np.int64), 1.0, 0),
+                              np.zeros((1, 1), np.int32), np.array([0], np.int32), 1.0, 0),
      "page_size"),
     (lambda c: c.flash_forward(_zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), True,
                                -5, 1.0), "window"),
     (lambda c: c.paged_decode(_zeros(1, 1, 8), _zeros(2, 1, 4, 8), _zeros(2, 1, 4, 8),
-                              np.zeros((1, 1), np.int32), np.array([2], np.int64), 1.0, -1),
+                              np.zeros((1, 1), np.int32), np.array([2], np.int32), 1.0, -1),
      "splits"),
     (lambda c: c.decode(_zeros(1, 1, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8),
-                        np.array([2], np.int64), float("nan"), 0), "scale"),
+                        np.array([2], np.int32), float("nan"), 0), "scale"),
     (lambda c: c.set_backward_schedule(-1), "schedule"),
 ], ids=["fwd H0 G0", "fwd G0", "bwd H0 G0", "decode G0", "paged G0", "decode G!|H", "fwd D0",
         "decode D0", "paged page_size 0", "window -5", "splits -1", "scale NaN", "schedule -1"])
@@ -638,10 +657,10 @@ def test_binding_runs_empty_shapes():
     assert o.shape == (1, 0, 4, 8)
     o, lse = c.flash_forward(_zeros(1, 1, 3, 8), _zeros(1, 1, 0, 8), _zeros(1, 1, 0, 8), False, 0, 1.0)
     assert (o == 0).all() and (lse == -np.inf).all()
-    assert c.decode(_zeros(1, 0, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), np.array([2], np.int64),
+    assert c.decode(_zeros(1, 0, 8), _zeros(1, 1, 4, 8), _zeros(1, 1, 4, 8), np.array([2], np.int32),
                     1.0, 0).shape == (1, 0, 8)
     assert (c.paged_decode(_zeros(1, 2, 8), _zeros(0, 1, 4, 8), _zeros(0, 1, 4, 8),
-                           np.zeros((1, 0), np.int32), np.array([0], np.int64), 1.0, 0) == 0).all()
+                           np.zeros((1, 0), np.int32), np.array([0], np.int32), 1.0, 0) == 0).all()
 
 
 def test_kernels_release_the_gil():

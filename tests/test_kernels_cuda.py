@@ -1,6 +1,6 @@
 """The CUDA attention and decode kernels (refmath._cuda through refmath.kernels) against NumPy.
 
-Each forward version of the ladder (v1, v2, v3), the backward and the decode kernels run on a grid
+Each forward version of the ladder (v1, v2, v3, v4), the backward and the decode kernels run on a grid
 of shapes (lengths 1, 7, 64, 100, 1000; D = 32, 64, 128; 1, 4 or 8 query heads per key/value
 head; no mask, causal, sliding window; batches of more than one; lengths that no tile size
 divides) and are held to the FlashAttention test suite's rule. For each output compute
@@ -51,7 +51,8 @@ from refmath.attention import gqa_head_map
 U32 = 2.0**-24
 FLOOR_ULPS = 4
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-VERSIONS = ("v1", "v2", "v3")
+VERSIONS = ("v1", "v2", "v3", "v4")
+TENSOR_CORE = ("v3", "v4")  # float16/bfloat16 with D = 64 or 128 only
 DTYPES = ("float32", "float16", "bfloat16")
 V3_DTYPES = ("float16", "bfloat16")
 V3_DIMS = (64, 128)
@@ -161,6 +162,12 @@ def test_bindings_refuse_bad_arguments_before_touching_the_device():
         forward("v3", d=64, dtype=c.FLOAT32)
     with pytest.raises(RuntimeError, match=r"16-byte aligned"):
         forward("v3", ptr=8, d=64, dtype=c.BFLOAT16)
+    with pytest.raises(RuntimeError, match=r"v4: .*supports D = 64 or 128, got D=96"):
+        forward("v4", d=96, dtype=c.FLOAT16)
+    with pytest.raises(RuntimeError, match=r"v4: dtype must be float16 or bfloat16, got float32"):
+        forward("v4", d=128, dtype=c.FLOAT32)
+    with pytest.raises(RuntimeError, match=r"flash_forward_v4: .*16-byte aligned"):
+        forward("v4", ptr=8, d=128, dtype=c.FLOAT16)
     with pytest.raises(RuntimeError, match=r"flash_backward: .*null pointer"):
         c.flash_backward(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 1, 4, 4, 64, True, 0, 0.125, 0)
 
@@ -210,11 +217,12 @@ def _cuda_entry_points(c):
     def decode(b=1, h=2, g=2, t=4, d=64, window=0, dtype=c.FLOAT16):
         c.paged_decode(0, 0, 0, 0, 0, 0, 0, b, h, g, d, 4, 16, t, 1, 0.125, dtype, 0)
 
-    return {"v1": forward("v1"), "v2": forward("v2"), "v3": forward("v3"), "backward": backward,
+    return {"v1": forward("v1"), "v2": forward("v2"), "v3": forward("v3"), "v4": forward("v4"),
+            "backward": backward,
             "paged_decode": decode}
 
 
-@pytest.mark.parametrize("entry", ["v1", "v2", "v3", "backward", "paged_decode"])
+@pytest.mark.parametrize("entry", ["v1", "v2", "v3", "v4", "backward", "paged_decode"])
 @pytest.mark.parametrize("sizes, match", [
     (dict(h=0, g=0), r"G=0 must be >= 1"),
     (dict(h=2, g=0), r"G=0 must be >= 1"),
@@ -232,7 +240,7 @@ def test_every_cuda_entry_point_refuses_bad_sizes_before_the_device(entry, sizes
     negative sizes, heads that do not divide) itself, before any CUDA call: these run without a GPU."""
     if kernels._cuda is None:
         skip_cuda(kernels.cuda_build_info())
-    if entry == "v3" and sizes.get("d") == 0:
+    if entry in TENSOR_CORE and sizes.get("d") == 0:
         match = r"head width D=0|supports D = 64 or 128"
     with pytest.raises(RuntimeError, match=match):
         _cuda_entry_points(kernels._cuda)[entry](**sizes)
@@ -249,23 +257,40 @@ def test_cuda_softmax_refuses_bad_sizes_and_null_pointers():
     c.softmax_rows(0, 0, 0, 4, c.FLOAT32, 0)  # nothing to do, nothing touched
 
 
-def test_flash_v3_built_for_an_old_arch_traps_instead_of_skipping_the_mma():
+@pytest.mark.parametrize("version", TENSOR_CORE)
+def test_tensor_core_versions_built_for_an_old_arch_trap_instead_of_skipping_the_mma(version):
     """Issue 15: below sm_80 the mma bodies were empty, so v3 built with REFMATH_CUDA_ARCH=75 and
     run on an sm_90 GPU (which JIT-compiles the compute_75 PTX) returned garbage. Now the fallback
     traps, and the launcher refuses code compiled for less than compute_80 (check_compiled_for,
-    reading the kernel's ptxVersion, which the GPU tests exercise). Compile-only: needs nvcc."""
+    reading the kernel's ptxVersion, which the GPU tests exercise). v4 adds cp.async (sm_80) and
+    ldmatrix, under the same guard. Compile-only: needs nvcc."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         skip_cuda("nvcc is not on PATH")
-    source = ROOT / "csrc" / "cuda" / "flash_v3.cu"
+    source = ROOT / "csrc" / "cuda" / f"flash_{version}.cu"
     # PTX for compute_75 only (about 35 s of one core); the compute_80+ code is the module's own
     # build, whose mma the GPU tests run.
     run = subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=compute_75", "-Icsrc/cuda", str(source),
                           "-o", "-"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert "mma.sync" not in run.stdout and "trap;" in run.stdout
-    assert "check_compiled_for(flash_v3_kernel<T, D>, 80" in source.read_text()
+    for sm80_only in ("mma.sync", "cp.async", "ldmatrix"):
+        assert sm80_only not in run.stdout, sm80_only
+    assert "trap;" in run.stdout
+    assert f"check_compiled_for(flash_{version}_kernel<T, D>, 80" in source.read_text()
 
+
+
+def test_flash_v4_compiles_for_sm_90_without_spills():
+    """v4's register budget (__launch_bounds__(128, 2)) holds without spilling to local memory:
+    ptxas -v through benchmarks/ptxas_spills.sh, sm_90 (about a minute of one core; needs nvcc)."""
+    if shutil.which("nvcc") is None:
+        skip_cuda("nvcc is not on PATH")
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "ptxas_spills.sh"), "csrc/cuda/flash_v4.cu"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900,
+                         env=dict(os.environ, REFMATH_CUDA_ARCH="90"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("flash_v4_kernel") == 4, run.stdout  # float16, bfloat16 x D = 64, 128
+    assert "no kernel spills (sm_90)" in run.stdout
 
 # ---- GPU fixtures and conversions ----
 
@@ -487,8 +512,8 @@ def check_forward(cp, version, dtype, case, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_forward_matches_reference(cp, version, dtype, case):
-    if version == "v3" and (dtype not in V3_DTYPES or case[5] not in V3_DIMS):
-        pytest.skip("v3 takes float16/bfloat16 with D = 64 or 128 (the refusal is tested below)")
+    if version in TENSOR_CORE and (dtype not in V3_DTYPES or case[5] not in V3_DIMS):
+        pytest.skip(f"{version} takes float16/bfloat16 with D = 64 or 128 (the refusal is tested below)")
     need_dtype(dtype)
     check_forward(cp, version, dtype, case)
 
@@ -498,9 +523,10 @@ def test_forward_matches_reference(cp, version, dtype, case):
 @given(data=st.data())
 def test_forward_on_random_shapes(cp, data):
     version = data.draw(st.sampled_from(VERSIONS), label="version")
-    dtype = data.draw(st.sampled_from(V3_DTYPES if version == "v3" else DTYPES), label="dtype")
+    dtype = data.draw(st.sampled_from(V3_DTYPES if version in TENSOR_CORE else DTYPES), label="dtype")
     need_dtype(dtype)
-    d = data.draw(st.sampled_from(V3_DIMS if version == "v3" else (8, 40, 64, 96, 128, 256)), label="D")
+    d = data.draw(st.sampled_from(V3_DIMS if version in TENSOR_CORE else (8, 40, 64, 96, 128, 256)),
+                  label="D")
     g = data.draw(st.integers(1, 3), label="G")
     h = g * data.draw(st.sampled_from([1, 2, 5]), label="H/G")
     case = (data.draw(st.integers(1, 2), label="B"), h, g, data.draw(st.integers(1, 150), label="T_q"),
@@ -588,6 +614,9 @@ DECODE_CASES = [  # (B, H, G, D, lengths, T_max)
     (3, 8, 2, 64, (0, 37, 100), 100),
     (4, 8, 1, 128, (1, 64, 99, 1000), 1000),
     (2, 4, 4, 32, (7, 1000), 1024),
+    (2, 4, 2, 40, (5, 77), 80),   # 16-byte copies for float32 and float16 (40 % 8 == 0), D < D_MAX
+    (2, 6, 3, 20, (33, 64), 64),  # 16-byte copies for float32 only (20 % 8 != 0)
+    (1, 2, 1, 7, (70,), 70),      # rows that never start on 16 bytes: element copies
 ]
 
 
@@ -624,6 +653,29 @@ def test_contiguous_decode_matches_reference(cp, dtype, case, splits):
     assert cp.array_equal(o_backend, kernels.decode(to_device(cp, q, dtype), to_device(cp, k_cache, dtype),
                                                     to_device(cp, v_cache, dtype), cp.asarray(lengths)))
 
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_of_a_misaligned_cache_copies_elements_to_the_same_result(cp, dtype):
+    """The decode kernel copies 16-byte pieces of the cache when its rows start on 16 bytes, and
+    one element per lane otherwise (a cache that is a view at an odd offset). Both copies move the
+    same values into the same tile, so the results are identical, not just close."""
+    need_dtype(dtype)
+    b, h, g, d, t_max = 2, 8, 2, 64, 300
+    rng = np.random.default_rng(11)
+    q = to_device(cp, round_to(rng.standard_normal((b, h, d)), dtype), dtype)
+    size = b * g * t_max * d
+    flat = [to_device(cp, round_to(rng.standard_normal(size + 1), dtype), dtype) for _ in range(2)]
+    k_odd, v_odd = (x[1:].reshape(b, g, t_max, d) for x in flat)  # 2 or 4 bytes past 16-byte alignment
+    assert k_odd.data.ptr % 16 != 0 and k_odd.flags.c_contiguous
+    k_even, v_even = cp.ascontiguousarray(k_odd.copy()), cp.ascontiguousarray(v_odd.copy())
+    assert k_even.data.ptr % 16 == 0
+    lengths = cp.asarray(np.array([300, 123], np.int32))
+    for splits in (1, 4):
+        aligned = kernels.decode(q, k_even, v_even, lengths, splits=splits)
+        misaligned = kernels.decode(q, k_odd, v_odd, lengths, splits=splits)
+        assert cp.array_equal(aligned, misaligned), splits
 
 def build_paged_cache(rng, dtype, n_pages, page_size, g, d, lengths):
     """A PagedKVCache (float64, holding values representable in ``dtype``) with the sequences'
@@ -700,11 +752,14 @@ def _bad_calls(cp):
     pages = cp.zeros((3, 2, 4, 64), f16)
     table = cp.asarray(np.array([[0, 1], [2, -1]], dtype=np.int32))
     return [
-        (ValueError, r"version must be one of v1, v2, v3", lambda: fwd(q, k, k, version="v4")),
+        (ValueError, r"version must be one of v1, v2, v3, v4", lambda: fwd(q, k, k, version="v5")),
         (TypeError, r"version", lambda: fwd(q, k, k, version=3)),
         (TypeError, r"'v3' .* float16 or bfloat16", lambda: fwd(q32, k32, k32, version="v3")),
         (ValueError, r"'v3' supports the head widths D = 64 and 128 only, got D = 32",
          lambda: fwd(q[..., :32], k[..., :32], k[..., :32], version="v3")),
+        (TypeError, r"'v4' .* float16 or bfloat16", lambda: fwd(q32, k32, k32, version="v4")),
+        (ValueError, r"'v4' supports the head widths D = 64 and 128 only, got D = 32",
+         lambda: fwd(q[..., :32], k[..., :32], k[..., :32], version="v4")),
         (ValueError, r"up to D = 256, got D = 300",
          lambda: fwd(cp.zeros((1, 1, 2, 300), f32), cp.zeros((1, 1, 2, 300), f32),
                      cp.zeros((1, 1, 2, 300), f32), version="v2")),
@@ -762,7 +817,7 @@ def test_attention_nan_pattern_matches_the_reference(cp, case, where):
         x = {"q": q, "k": k, "v": v, "do": do}[where].reshape(-1)
         x[rng.integers(x.size)] = np.nan
         ref = attention_reference(q, k, v, do, causal, window, d**-0.5)
-        for version, dtype in (("v1", "float32"), ("v2", "float32"), ("v3", "float16")):
+        for version, dtype in (("v1", "float32"), ("v2", "float32"), ("v3", "float16"), ("v4", "float16")):
             o, lse = kernels.flash_attention_forward(
                 to_device(cp, q, dtype), to_device(cp, k, dtype), to_device(cp, v, dtype),
                 causal=causal, window=window or None, version=version)

@@ -166,8 +166,8 @@ inline std::string check_problem(const AttentionProblem& p, std::int64_t max_dim
     if (p.kv_heads < 1 || p.heads % p.kv_heads != 0)
         return "the key/value heads G=" + num(p.kv_heads) + " must be >= 1 and divide the query "
                "heads H=" + num(p.heads);
-    if (p.dim < 1 || p.dim > max_dim)
-        return "head width D=" + num(p.dim) + " is outside [1, " + num(max_dim) + "]";
+    if (p.head_dim < 1 || p.head_dim > max_dim)
+        return "head width D=" + num(p.head_dim) + " is outside [1, " + num(max_dim) + "]";
     if (p.t_q > kMaxSequence || p.t_k > kMaxSequence)
         return "T_q=" + num(p.t_q) + " and T_k=" + num(p.t_k) + " must be at most 2**30";
     if (p.window < 0) return "window must be >= 0 (0: none), got " + num(p.window);

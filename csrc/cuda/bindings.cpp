@@ -74,7 +74,7 @@ T* device_pointer(std::uintptr_t address) {
 
 refmath_cuda::AttentionProblem make_problem(std::int64_t batch, std::int64_t heads,
                                             std::int64_t kv_heads, std::int64_t t_q,
-                                            std::int64_t t_k, std::int64_t dim, bool causal,
+                                            std::int64_t t_k, std::int64_t head_dim, bool causal,
                                             std::int64_t window, double scale, int dtype_code) {
     refmath_cuda::AttentionProblem p;
     p.batch = batch;
@@ -82,7 +82,7 @@ refmath_cuda::AttentionProblem make_problem(std::int64_t batch, std::int64_t hea
     p.kv_heads = kv_heads;
     p.t_q = t_q;
     p.t_k = t_k;
-    p.dim = dim;
+    p.head_dim = head_dim;
     p.causal = causal;
     p.window = window;
     p.scale = static_cast<float>(scale);
@@ -94,11 +94,12 @@ using ForwardLauncher = std::string (*)(const refmath_cuda::FlashForwardArgs&, c
 
 void flash_forward(ForwardLauncher launcher, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
                    std::uintptr_t o, std::uintptr_t lse, std::int64_t batch, std::int64_t heads,
-                   std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t dim,
+                   std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim,
                    bool causal, std::int64_t window, double scale, int dtype_code,
                    std::uintptr_t stream) {
     refmath_cuda::FlashForwardArgs args;
-    args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code);
+    args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, head_dim, causal, window, scale,
+                                dtype_code);
     args.q = device_pointer<const void>(q);
     args.k = device_pointer<const void>(k);
     args.v = device_pointer<const void>(v);
@@ -115,10 +116,10 @@ void flash_forward(ForwardLauncher launcher, std::uintptr_t q, std::uintptr_t k,
 void flash_backward(std::uintptr_t dout, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
                     std::uintptr_t o, std::uintptr_t lse, std::uintptr_t dq, std::uintptr_t dk,
                     std::uintptr_t dv, std::uintptr_t delta, std::int64_t batch, std::int64_t heads,
-                    std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t dim,
+                    std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim,
                     bool causal, std::int64_t window, double scale, std::uintptr_t stream) {
     refmath_cuda::FlashBackwardArgs args;
-    args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, dim, causal, window, scale,
+    args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, head_dim, causal, window, scale,
                                 refmath_cuda::kFloat32);
     args.dout = device_pointer<const float>(dout);
     args.q = device_pointer<const float>(q);
@@ -141,14 +142,14 @@ void flash_backward(std::uintptr_t dout, std::uintptr_t q, std::uintptr_t k, std
 void paged_decode(std::uintptr_t q, std::uintptr_t k_pages, std::uintptr_t v_pages,
                   std::uintptr_t page_table, std::uintptr_t lengths, std::uintptr_t workspace,
                   std::uintptr_t o, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                  std::int64_t dim, std::int64_t n_pages, std::int64_t page_size,
+                  std::int64_t head_dim, std::int64_t n_pages, std::int64_t page_size,
                   std::int64_t max_pages, std::int64_t splits, double scale, int dtype_code,
                   std::uintptr_t stream) {
     refmath_cuda::DecodeArgs args;
     args.batch = batch;
     args.heads = heads;
     args.kv_heads = kv_heads;
-    args.dim = dim;
+    args.head_dim = head_dim;
     args.n_pages = n_pages;
     args.page_size = page_size;
     args.max_pages = max_pages;
@@ -175,7 +176,7 @@ template <typename F>
 void def_forward(py::module_& m, const char* name, F&& f, const char* doc) {
     m.def(name, std::forward<F>(f), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
           py::arg("lse"), py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("t_q"),
-          py::arg("t_k"), py::arg("dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
+          py::arg("t_k"), py::arg("head_dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
           py::arg("dtype_code"), py::arg("stream") = 0, doc);
 }
 
@@ -208,42 +209,51 @@ PYBIND11_MODULE(_cuda, m) {
     def_forward(m, "flash_forward_v1",
                 [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
                    std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t dim, bool causal,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
                    std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
                     flash_forward(refmath_cuda::flash_forward_v1, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code, stream);
+                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
                 },
                 forward_doc);
     def_forward(m, "flash_forward_v2",
                 [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
                    std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t dim, bool causal,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
                    std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
                     flash_forward(refmath_cuda::flash_forward_v2, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code, stream);
+                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
                 },
                 forward_doc);
     def_forward(m, "flash_forward_v3",
                 [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
                    std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t dim, bool causal,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
                    std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
                     flash_forward(refmath_cuda::flash_forward_v3, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, dim, causal, window, scale, dtype_code, stream);
+                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
+                },
+                forward_doc);
+    def_forward(m, "flash_forward_v4",
+                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
+                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
+                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
+                    flash_forward(refmath_cuda::flash_forward_v4, q, k, v, o, lse, batch, heads,
+                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
                 },
                 forward_doc);
 
     m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
           py::arg("delta"), py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("t_q"),
-          py::arg("t_k"), py::arg("dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
+          py::arg("t_k"), py::arg("head_dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
           py::arg("stream") = 0,
           "FlashAttention backward in float32 (all arrays float32, C-contiguous): dq, dk, dv from "
           "dout, q, k, v, o and lse; delta is a (B, H, T_q) float32 workspace.");
 
     m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("k_pages"), py::arg("v_pages"),
           py::arg("page_table"), py::arg("lengths"), py::arg("workspace"), py::arg("o"),
-          py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
+          py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
           py::arg("n_pages"), py::arg("page_size"), py::arg("max_pages"), py::arg("splits"),
           py::arg("scale"), py::arg("dtype_code"), py::arg("stream") = 0,
           "Split-K decode of q (B, H, D) over pages (n_pages, G, page_size, D) through an int32 "

@@ -70,13 +70,14 @@ struct BwdShared {
 // with lse = -inf (so their P is 0). Returns whether this thread copied an infinite or NaN q or dO.
 template <int D_MAX>
 __device__ bool load_query_tile(const BwdShared<D_MAX>& sm, const float* q_head, const float* do_head,
-                                const float* lse_head, const float* delta_head, int i0, int t_q, int dim) {
+                                const float* lse_head, const float* delta_head, int i0, int t_q,
+                                int head_dim) {
     bool odd = false;
     for (int idx = threadIdx.x; idx < kBlockQB * D_MAX; idx += kThreadsB) {
         const int r = idx / D_MAX, c = idx % D_MAX;
         float qx = 0.0f, dox = 0.0f;
-        if (i0 + r < t_q && c < dim) {
-            const std::int64_t at = static_cast<std::int64_t>(i0 + r) * dim + c;
+        if (i0 + r < t_q && c < head_dim) {
+            const std::int64_t at = static_cast<std::int64_t>(i0 + r) * head_dim + c;
             qx = q_head[at];
             dox = do_head[at];
             odd |= nonfinite(qx) || nonfinite(dox);
@@ -96,14 +97,14 @@ __device__ bool load_query_tile(const BwdShared<D_MAX>& sm, const float* q_head,
 // whether this thread copied an infinite or NaN key.
 template <int D_MAX>
 __device__ bool load_key_tile(const BwdShared<D_MAX>& sm, const float* k_head, const float* v_head,
-                              int j0, int j_end, int dim) {
+                              int j0, int j_end, int head_dim) {
     constexpr int kStride = BwdLayout<D_MAX>::kKVStride;
     bool odd = false;
     for (int idx = threadIdx.x; idx < kBlockKB * D_MAX; idx += kThreadsB) {
         const int r = idx / D_MAX, c = idx % D_MAX;
         float kx = 0.0f, vx = 0.0f;
-        if (j0 + r < j_end && c < dim) {
-            const std::int64_t at = static_cast<std::int64_t>(j0 + r) * dim + c;
+        if (j0 + r < j_end && c < head_dim) {
+            const std::int64_t at = static_cast<std::int64_t>(j0 + r) * head_dim + c;
             kx = k_head[at];
             vx = v_head[at];
             odd |= nonfinite(kx);
@@ -153,12 +154,12 @@ __device__ void weights_and_score_gradients(const BwdShared<D_MAX>& sm, const Ba
 // 1. delta[row] = sum_c dO[row, c] O[row, c], one warp per row.
 __global__ void __launch_bounds__(kThreadsB)
 backward_delta_kernel(const float* __restrict__ dout, const float* __restrict__ o,
-                      float* __restrict__ delta, std::int64_t rows, int dim) {
+                      float* __restrict__ delta, std::int64_t rows, int head_dim) {
     const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsB + threadIdx.x / kWarpSize;
     if (row >= rows) return;  // the whole warp leaves together; there is no block barrier
     const int lane = threadIdx.x % kWarpSize;
     float sum = 0.0f;
-    for (int c = lane; c < dim; c += kWarpSize) sum += dout[row * dim + c] * o[row * dim + c];
+    for (int c = lane; c < head_dim; c += kWarpSize) sum += dout[row * head_dim + c] * o[row * head_dim + c];
     sum = warp_sum(sum);
     if (lane == 0) delta[row] = sum;
 }
@@ -170,7 +171,7 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
                      const float* __restrict__ v, const float* __restrict__ dout,
                      const float* __restrict__ lse, const float* __restrict__ delta,
                      float* __restrict__ dk, float* __restrict__ dv, Band band, int heads,
-                     int group, int dim, float scale) {
+                     int group, int head_dim, float scale) {
     constexpr int kCols = D_MAX / kWarpSize;
     extern __shared__ __align__(16) float smem_b[];
     const BwdShared<D_MAX> sm(smem_b);
@@ -181,9 +182,9 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
     const int j0 = (blockIdx.x % key_tiles) * kBlockKB;
     const int j1 = imin(j0 + kBlockKB, band.t_k);
     const int b = bg / kv_heads, g = bg % kv_heads;
-    const std::int64_t kv_offset = static_cast<std::int64_t>(bg) * band.t_k * dim;
+    const std::int64_t kv_offset = static_cast<std::int64_t>(bg) * band.t_k * head_dim;
 
-    load_key_tile(sm, k + kv_offset, v + kv_offset, j0, j1, dim);
+    load_key_tile(sm, k + kv_offset, v + kv_offset, j0, j1, head_dim);
 
     // Phase 2 ownership: keys j0 + 8 warp + jj, columns lane + 32 cc.
     float dk_acc[kKeysPerWarpB][kCols], dv_acc[kKeysPerWarpB][kCols];
@@ -196,12 +197,12 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
     band.queries_seeing(j0, j1, &i_lo, &i_hi);
     for (int h = g * group; h < (g + 1) * group; ++h) {  // the query heads sharing this K/V head
         const std::int64_t bh = static_cast<std::int64_t>(b) * heads + h;
-        const float* q_head = q + bh * band.t_q * dim;
-        const float* do_head = dout + bh * band.t_q * dim;
+        const float* q_head = q + bh * band.t_q * head_dim;
+        const float* do_head = dout + bh * band.t_q * head_dim;
         for (int i0 = i_lo; i0 < i_hi; i0 += kBlockQB) {
             __syncthreads();  // the previous step's tiles are no longer read (and k_s, v_s are written)
             const bool odd = load_query_tile(sm, q_head, do_head, lse + bh * band.t_q,
-                                             delta + bh * band.t_q, i0, band.t_q, dim);
+                                             delta + bh * band.t_q, i0, band.t_q, head_dim);
             // With an infinite or NaN q or dO in the tile, phase 2 adds the visible pairs only: a
             // hidden pair has P = dS = 0, and 0 * NaN would leak into keys that row never sees.
             const bool only_visible = __syncthreads_or(odd) != 0;
@@ -235,11 +236,11 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
     for (int jj = 0; jj < kKeysPerWarpB; ++jj) {
         const int j = j0 + warp * kKeysPerWarpB + jj;
         if (j >= j1) continue;
-        const std::int64_t at = kv_offset + static_cast<std::int64_t>(j) * dim;
+        const std::int64_t at = kv_offset + static_cast<std::int64_t>(j) * head_dim;
 #pragma unroll
         for (int cc = 0; cc < kCols; ++cc) {
             const int c = lane + cc * kWarpSize;
-            if (c < dim) {
+            if (c < head_dim) {
                 dk[at + c] = dk_acc[jj][cc] * scale;
                 dv[at + c] = dv_acc[jj][cc];
             }
@@ -253,7 +254,7 @@ __global__ void __launch_bounds__(kThreadsB)
 backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
                    const float* __restrict__ v, const float* __restrict__ dout,
                    const float* __restrict__ lse, const float* __restrict__ delta,
-                   float* __restrict__ dq, Band band, int heads, int group, int dim, float scale) {
+                   float* __restrict__ dq, Band band, int heads, int group, int head_dim, float scale) {
     constexpr int kCols = D_MAX / kWarpSize;
     constexpr int kStride = BwdLayout<D_MAX>::kKVStride;
     extern __shared__ __align__(16) float smem_b[];
@@ -265,11 +266,12 @@ backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
     const int i1 = imin(i0 + kBlockQB, band.t_q);
     const int b = bh / heads, h = bh % heads;
     const int kv_heads = heads / group;
-    const std::int64_t q_offset = static_cast<std::int64_t>(bh) * band.t_q * dim;
-    const std::int64_t kv_offset = (static_cast<std::int64_t>(b) * kv_heads + h / group) * band.t_k * dim;
+    const std::int64_t q_offset = static_cast<std::int64_t>(bh) * band.t_q * head_dim;
+    const std::int64_t kv_offset =
+        (static_cast<std::int64_t>(b) * kv_heads + h / group) * band.t_k * head_dim;
 
     load_query_tile(sm, q + q_offset, dout + q_offset, lse + static_cast<std::int64_t>(bh) * band.t_q,
-                    delta + static_cast<std::int64_t>(bh) * band.t_q, i0, band.t_q, dim);
+                    delta + static_cast<std::int64_t>(bh) * band.t_q, i0, band.t_q, head_dim);
 
     // Phase 2 ownership: rows i0 + 4 warp + rr (the rows of phase 1), columns lane + 32 cc.
     float dq_acc[kRowsPerWarpB][kCols];
@@ -282,7 +284,7 @@ backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
     band.keys_seen_by(i0, i1, &lo, &hi);
     for (int j0 = lo; j0 < hi; j0 += kBlockKB) {
         __syncthreads();  // the previous key tile is no longer read (and the query tile is written)
-        const bool odd = load_key_tile(sm, k + kv_offset, v + kv_offset, j0, hi, dim);
+        const bool odd = load_key_tile(sm, k + kv_offset, v + kv_offset, j0, hi, head_dim);
         // An infinite or NaN key: add the visible pairs only (0 * NaN would leak, as in dK, dV).
         const bool only_visible = __syncthreads_or(odd) != 0;
         weights_and_score_gradients(sm, band, i0, j0, hi, scale, false);
@@ -306,11 +308,11 @@ backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
     for (int rr = 0; rr < kRowsPerWarpB; ++rr) {
         const int i = i0 + warp * kRowsPerWarpB + rr;
         if (i >= i1) continue;
-        const std::int64_t at = q_offset + static_cast<std::int64_t>(i) * dim;
+        const std::int64_t at = q_offset + static_cast<std::int64_t>(i) * head_dim;
 #pragma unroll
         for (int cc = 0; cc < kCols; ++cc) {
             const int c = lane + cc * kWarpSize;
-            if (c < dim) dq[at + c] = dq_acc[rr][cc] * scale;
+            if (c < head_dim) dq[at + c] = dq_acc[rr][cc] * scale;
         }
     }
 }
@@ -319,7 +321,7 @@ template <int D_MAX>
 std::string launch_backward(const FlashBackwardArgs& a, const Band& band, cudaStream_t stream) {
     const AttentionProblem& p = a.problem;
     const int heads = static_cast<int>(p.heads), group = static_cast<int>(p.heads / p.kv_heads);
-    const int dim = static_cast<int>(p.dim);
+    const int head_dim = static_cast<int>(p.head_dim);
     const std::size_t bytes = BwdLayout<D_MAX>::kBytes;
     std::string error;
 
@@ -329,7 +331,7 @@ std::string launch_backward(const FlashBackwardArgs& a, const Band& band, cudaSt
         error = check_grid(delta_blocks, "flash_backward (delta)");
         if (!error.empty()) return error;
         backward_delta_kernel<<<static_cast<int>(delta_blocks), kThreadsB, 0, stream>>>(
-            a.dout, a.o, a.delta, rows, dim);
+            a.dout, a.o, a.delta, rows, head_dim);
         error = launch_status("flash_backward (delta)");
         if (!error.empty()) return error;
     }
@@ -341,7 +343,7 @@ std::string launch_backward(const FlashBackwardArgs& a, const Band& band, cudaSt
         if (error.empty()) error = allow_shared_memory(kernel, bytes, "flash_backward (dK, dV)");
         if (!error.empty()) return error;
         kernel<<<static_cast<int>(dkdv_blocks), kThreadsB, bytes, stream>>>(
-            a.q, a.k, a.v, a.dout, a.lse, a.delta, a.dk, a.dv, band, heads, group, dim, p.scale);
+            a.q, a.k, a.v, a.dout, a.lse, a.delta, a.dk, a.dv, band, heads, group, head_dim, p.scale);
         error = launch_status("flash_backward (dK, dV)");
         if (!error.empty()) return error;
     }
@@ -353,7 +355,7 @@ std::string launch_backward(const FlashBackwardArgs& a, const Band& band, cudaSt
         if (error.empty()) error = allow_shared_memory(kernel, bytes, "flash_backward (dQ)");
         if (!error.empty()) return error;
         kernel<<<static_cast<int>(dq_blocks), kThreadsB, bytes, stream>>>(
-            a.q, a.k, a.v, a.dout, a.lse, a.delta, a.dq, band, heads, group, dim, p.scale);
+            a.q, a.k, a.v, a.dout, a.lse, a.delta, a.dq, band, heads, group, head_dim, p.scale);
         error = launch_status("flash_backward (dQ)");
     }
     return error;
@@ -373,9 +375,9 @@ std::string flash_backward(const FlashBackwardArgs& a, cudaStream_t stream) {
         (has_keys && (!a.k || !a.v || !a.dk || !a.dv)))
         return "flash_backward: a null pointer for a non-empty array";
     const Band band = make_band(p);
-    if (p.dim <= 32) return launch_backward<32>(a, band, stream);
-    if (p.dim <= 64) return launch_backward<64>(a, band, stream);
-    if (p.dim <= 128) return launch_backward<128>(a, band, stream);
+    if (p.head_dim <= 32) return launch_backward<32>(a, band, stream);
+    if (p.head_dim <= 64) return launch_backward<64>(a, band, stream);
+    if (p.head_dim <= 128) return launch_backward<128>(a, band, stream);
     return launch_backward<256>(a, band, stream);
 }
 

@@ -28,7 +28,7 @@ template <typename T, int D_MAX>
 __global__ void __launch_bounds__(kThreadsV1)
 flash_v1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 T* __restrict__ o, float* __restrict__ lse, Band band, int heads, int group,
-                int dim, float scale) {
+                int head_dim, float scale) {
     // Blocks are numbered (batch * heads + head) * row_blocks + row_block.
     const int row_blocks = ceil_div(band.t_q, kThreadsV1);
     const int bh = blockIdx.x / row_blocks;  // batch * heads + head
@@ -39,27 +39,27 @@ flash_v1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const int kv_heads = heads / group;
 
     const std::int64_t row = static_cast<std::int64_t>(bh) * band.t_q + i;
-    const T* q_row = q + row * dim;
-    const std::int64_t kv_offset = (static_cast<std::int64_t>(b) * kv_heads + kv_head) * band.t_k * dim;
+    const T* q_row = q + row * head_dim;
+    const std::int64_t kv_offset = (static_cast<std::int64_t>(b) * kv_heads + kv_head) * band.t_k * head_dim;
     const T* k_head = k + kv_offset;
     const T* v_head = v + kv_offset;
 
-    // Loops over c < D_MAX are unrolled, so q_reg[c] and acc[c] are registers; c >= dim is skipped.
+    // Loops over c < D_MAX are unrolled, so q_reg[c] and acc[c] are registers; c >= head_dim is skipped.
     float q_reg[D_MAX], acc[D_MAX];
 #pragma unroll
     for (int c = 0; c < D_MAX; ++c) {
-        q_reg[c] = c < dim ? to_float(q_row[c]) * scale : 0.0f;
+        q_reg[c] = c < head_dim ? to_float(q_row[c]) * scale : 0.0f;
         acc[c] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
 
     for (int j = band.first_key(i); j < band.end_key(i); ++j) {
-        const T* k_row = k_head + static_cast<std::int64_t>(j) * dim;
-        const T* v_row = v_head + static_cast<std::int64_t>(j) * dim;
+        const T* k_row = k_head + static_cast<std::int64_t>(j) * head_dim;
+        const T* v_row = v_head + static_cast<std::int64_t>(j) * head_dim;
         float s = 0.0f;
 #pragma unroll
         for (int c = 0; c < D_MAX; ++c)
-            if (c < dim) s += q_reg[c] * to_float(k_row[c]);
+            if (c < head_dim) s += q_reg[c] * to_float(k_row[c]);
         // F3 with a one-key block: rescale what was summed against the old maximum.
         const float m_new = nan_max(m, s);  // a NaN score makes the row NaN
         const float correction = expf(m - m_new);  // 0 on the first key, when m = -inf
@@ -67,17 +67,17 @@ flash_v1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         l = l * correction + p;
 #pragma unroll
         for (int c = 0; c < D_MAX; ++c)
-            if (c < dim) acc[c] = acc[c] * correction + p * to_float(v_row[c]);
+            if (c < head_dim) acc[c] = acc[c] * correction + p * to_float(v_row[c]);
         m = m_new;
     }
 
     // F1. A row that saw no key keeps l = 0: its output is 0 and its logsumexp -inf. (l is NaN
     // after a NaN score, and o and lse are NaN then.)
     const float inv_l = l != 0.0f ? 1.0f / l : 0.0f;
-    T* o_row = o + row * dim;
+    T* o_row = o + row * head_dim;
 #pragma unroll
     for (int c = 0; c < D_MAX; ++c)
-        if (c < dim) o_row[c] = from_float<T>(acc[c] * inv_l);
+        if (c < head_dim) o_row[c] = from_float<T>(acc[c] * inv_l);
     lse[row] = l != 0.0f ? m + logf(l) : -INFINITY;
 }
 
@@ -87,13 +87,13 @@ std::string launch_v1(const FlashForwardArgs& a, const Band& band, int blocks, c
     flash_v1_kernel<T, D_MAX><<<blocks, kThreadsV1, 0, stream>>>(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
         static_cast<T*>(a.o), a.lse, band, static_cast<int>(p.heads),
-        static_cast<int>(p.heads / p.kv_heads), static_cast<int>(p.dim), p.scale);
+        static_cast<int>(p.heads / p.kv_heads), static_cast<int>(p.head_dim), p.scale);
     return launch_status("flash_forward_v1");
 }
 
 template <typename T>
 std::string launch_v1_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
-    const std::int64_t d = a.problem.dim;
+    const std::int64_t d = a.problem.head_dim;
     if (d <= 32) return launch_v1<T, 32>(a, band, blocks, s);
     if (d <= 64) return launch_v1<T, 64>(a, band, blocks, s);
     if (d <= 128) return launch_v1<T, 128>(a, band, blocks, s);

@@ -50,7 +50,7 @@ template <typename T, int D_MAX>
 __global__ void __launch_bounds__(kThreadsV2)
 flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 T* __restrict__ o, float* __restrict__ lse, Band band, int heads, int group,
-                int dim, float scale) {
+                int head_dim, float scale) {
     using L = V2Layout<T, D_MAX>;
     constexpr int kCols = D_MAX / kWarpSize;  // output columns per lane
     extern __shared__ __align__(16) unsigned char smem[];
@@ -66,16 +66,16 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const int q1 = imin(q0 + kBlockQV2, band.t_q);
     const int b = bh / heads, h = bh % heads;
     const int kv_heads = heads / group;
-    const T* q_tile = q + (static_cast<std::int64_t>(bh) * band.t_q + q0) * dim;
+    const T* q_tile = q + (static_cast<std::int64_t>(bh) * band.t_q + q0) * head_dim;
     const std::int64_t kv_offset =
-        (static_cast<std::int64_t>(b) * kv_heads + h / group) * band.t_k * dim;
+        (static_cast<std::int64_t>(b) * kv_heads + h / group) * band.t_k * head_dim;
     const T* k_head = k + kv_offset;
     const T* v_head = v + kv_offset;
 
     // Q tile, scaled once here; rows past T_q and columns past D are zeros.
     for (int idx = threadIdx.x; idx < kBlockQV2 * D_MAX; idx += kThreadsV2) {
         const int r = idx / D_MAX, c = idx % D_MAX;
-        q_s[idx] = (q0 + r < q1 && c < dim) ? to_float(q_tile[r * dim + c]) * scale : 0.0f;
+        q_s[idx] = (q0 + r < q1 && c < head_dim) ? to_float(q_tile[r * head_dim + c]) * scale : 0.0f;
     }
 
     // This warp's rows: q0 + warp * 8 + rr. Their state m, l (the same in every lane) and the
@@ -98,8 +98,8 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int idx = threadIdx.x; idx < kBlockKV2 * D_MAX; idx += kThreadsV2) {
             const int r = idx / D_MAX, c = idx % D_MAX;
             T kx = from_float<T>(0.0f), vx = kx;  // zeros past the end keep P V finite
-            if (j0 + r < hi && c < dim) {
-                const std::int64_t at = static_cast<std::int64_t>(j0 + r) * dim + c;
+            if (j0 + r < hi && c < head_dim) {
+                const std::int64_t at = static_cast<std::int64_t>(j0 + r) * head_dim + c;
                 kx = k_head[at];
                 vx = v_head[at];
                 odd_value |= nonfinite(vx);
@@ -169,7 +169,7 @@ flash_v2_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
         for (int cc = 0; cc < kCols; ++cc) {
             const int c = lane + cc * kWarpSize;
-            if (c < dim) o[row * dim + c] = from_float<T>(acc[rr][cc] * inv_l);
+            if (c < head_dim) o[row * head_dim + c] = from_float<T>(acc[rr][cc] * inv_l);
         }
         if (lane == 0) lse[row] = l[rr] != 0.0f ? m[rr] + logf(l[rr]) : -INFINITY;
     }
@@ -185,13 +185,13 @@ std::string launch_v2(const FlashForwardArgs& a, const Band& band, int blocks, c
     kernel<<<blocks, kThreadsV2, bytes, stream>>>(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
         static_cast<T*>(a.o), a.lse, band, static_cast<int>(p.heads),
-        static_cast<int>(p.heads / p.kv_heads), static_cast<int>(p.dim), p.scale);
+        static_cast<int>(p.heads / p.kv_heads), static_cast<int>(p.head_dim), p.scale);
     return launch_status("flash_forward_v2");
 }
 
 template <typename T>
 std::string launch_v2_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
-    const std::int64_t d = a.problem.dim;
+    const std::int64_t d = a.problem.head_dim;
     if (d <= 32) return launch_v2<T, 32>(a, band, blocks, s);
     if (d <= 64) return launch_v2<T, 64>(a, band, blocks, s);
     if (d <= 128) return launch_v2<T, 128>(a, band, blocks, s);

@@ -339,7 +339,8 @@ std::string launch_v3(const FlashForwardArgs& a, const Band& band, int blocks, c
 
 template <typename T>
 std::string launch_v3_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
-    return a.problem.dim == 64 ? launch_v3<T, 64>(a, band, blocks, s) : launch_v3<T, 128>(a, band, blocks, s);
+    return a.problem.head_dim == 64 ? launch_v3<T, 64>(a, band, blocks, s)
+                                    : launch_v3<T, 128>(a, band, blocks, s);
 }
 
 }  // namespace
@@ -348,9 +349,9 @@ std::string flash_forward_v3(const FlashForwardArgs& a, cudaStream_t stream) {
     const AttentionProblem& p = a.problem;
     std::string error = check_problem(p, kMaxHeadDim);
     if (!error.empty()) return "flash_forward_v3: " + error;
-    if (p.dim != 64 && p.dim != 128)
+    if (p.head_dim != 64 && p.head_dim != 128)
         return "flash_forward_v3: the tensor-core kernel supports D = 64 or 128, got D=" +
-               std::to_string(p.dim) + " (use v1 or v2)";
+               std::to_string(p.head_dim) + " (use v1 or v2)";
     if (p.dtype != kFloat16 && p.dtype != kBFloat16)
         return std::string("flash_forward_v3: dtype must be float16 or bfloat16, got ") +
                dtype_name(p.dtype) + " (use v1 or v2)";

@@ -34,8 +34,12 @@ cudaError_t softmax_rows(const void* in, void* out, std::int64_t rows, std::int6
 // Query head h reads key/value head h / (H / G). Query i sits at key position i + T_k - T_q.
 // causal: key j is visible iff j <= that position; window w > 0: iff it is within the last w keys
 // up to that position (a window implies causal). A query that sees no key gets o = 0, lse = -inf.
+// The names are those of the CPU kernels (csrc/flash_cpu.h's AttentionShape, the Band of
+// flash_cpu.cpp and attention_common.cuh) and of refmath/flash.py: head_dim for D; first_key(i) and
+// end_key(i) for the keys [first, end) query i sees; keys_seen_by and queries_seeing for the
+// unions over a tile. Sequence lengths are int32 in every compiled kernel.
 struct AttentionProblem {
-    std::int64_t batch = 0, heads = 0, kv_heads = 0, t_q = 0, t_k = 0, dim = 0;
+    std::int64_t batch = 0, heads = 0, kv_heads = 0, t_q = 0, t_k = 0, head_dim = 0;
     bool causal = false;
     std::int64_t window = 0;  // 0: no window
     float scale = 1.0f;       // multiplies q . k (usually 1 / sqrt(D))
@@ -55,9 +59,11 @@ struct FlashForwardArgs {
 //   v1: float32, float16, bfloat16; any D <= 256.
 //   v2: float32, float16, bfloat16; any D <= 256.
 //   v3: float16, bfloat16; D = 64 or 128; q, k, v, o 16-byte aligned.
+//   v4: as v3 (the same math, operands fed by ldmatrix and double-buffered cp.async).
 std::string flash_forward_v1(const FlashForwardArgs& args, cudaStream_t stream);
 std::string flash_forward_v2(const FlashForwardArgs& args, cudaStream_t stream);
 std::string flash_forward_v3(const FlashForwardArgs& args, cudaStream_t stream);
+std::string flash_forward_v4(const FlashForwardArgs& args, cudaStream_t stream);
 
 // The backward pass, FlashAttention-2 style, in float32: problem.dtype must be kFloat32 and every
 // array float32. do_ and o are (B, H, T_q, D); lse (B, H, T_q) from the forward; dq, dk, dv have
@@ -88,7 +94,7 @@ std::string flash_backward(const FlashBackwardArgs& args, cudaStream_t stream);
 // (m, l, u) into workspace, float32 (B, H, splits, D + 2), and a second kernel merges them (F3).
 // A contiguous cache (B, G, T_max, D) is this layout with page_size = T_max and page_table[b] = b.
 struct DecodeArgs {
-    std::int64_t batch = 0, heads = 0, kv_heads = 0, dim = 0;
+    std::int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0;
     std::int64_t n_pages = 0, page_size = 0, max_pages = 0;
     std::int64_t splits = 1;
     float scale = 1.0f;

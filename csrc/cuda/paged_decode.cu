@@ -16,8 +16,11 @@
 //
 // Paging: token j of sequence b lives in physical page page_table[b, j / page_size], slot
 // j % page_size, and the layout (n_pages, G, page_size, D) keeps the page_size x D keys of one
-// head in one contiguous run. The tile loader looks up the page once per key row and copies the
-// row with consecutive lanes on consecutive elements (coalesced). Only slots below the length are
+// head in one contiguous run. Each row of a 32-key tile is located once (locate_row: one thread per
+// row does the page-table lookup, for the next tile while the current one is copied), then the
+// block copies the tile in 16-byte pieces, consecutive threads on consecutive pieces of a row, every
+// thread's loads issued before its stores (copy_tile_vectors; one element per lane where the rows
+// are not 16-byte aligned, copy_tile_elements). Only slots below the length are
 // read, so unused slots may hold anything (the tests fill them with NaN). A page id outside
 // [0, n_pages) or a length outside [0, max_pages * page_size] is never dereferenced: it turns the
 // sequence's output into NaN, so that a bad table shows up instead of reading stray memory.
@@ -52,11 +55,100 @@ struct PagedCache {
     int n_pages, page_size, max_pages, kv_heads;
 };
 
+// Element offset of token j's key row (head g of sequence b) in the pool: one page-table lookup,
+// done by one thread per tile row and shared through shared memory, instead of by every lane that
+// copies part of the row. kNoRow past the split's end t1, kBadPage for a page id outside
+// [0, n_pages) (the block then poisons its output).
+constexpr std::int64_t kNoRow = -1, kBadPage = -2;
+
+__device__ inline std::int64_t locate_row(const PagedCache& cache, int b, int g, int head_dim, int j,
+                                          int t1) {
+    if (j >= t1) return kNoRow;
+    const int page = cache.page_table[static_cast<std::int64_t>(b) * cache.max_pages + j / cache.page_size];
+    if (page < 0 || page >= cache.n_pages) return kBadPage;
+    return ((static_cast<std::int64_t>(page) * cache.kv_heads + g) * cache.page_size + j % cache.page_size) *
+           head_dim;
+}
+
+// Copy the tile's 32 key and value rows into shared memory with 16-byte loads (head_dim a multiple
+// of 16 / sizeof(T), the pools 16-byte aligned: the launcher checks). Chunk i of the tile is row
+// i / V, 16-byte piece i % V (V pieces per row): consecutive threads read consecutive pieces of a
+// row, and all of a thread's loads are issued before the first store, so that a block has the
+// tile (up to 2 pieces of K and 2 of V per thread at a time: 8 KB per block) in flight instead of
+// one row per warp.
+template <typename T, int D_MAX, int K_STRIDE>
+__device__ inline void copy_tile_vectors(T* __restrict__ k_s, T* __restrict__ v_s,
+                                         const T* __restrict__ k_pages, const T* __restrict__ v_pages,
+                                         const std::int64_t* at, int head_dim, int* poisoned) {
+    constexpr int kVec = 16 / sizeof(T);                   // elements per 16-byte piece
+    constexpr int kPieces = kBlockKD * (D_MAX / kVec);     // pieces of a tile at head_dim = D_MAX
+    constexpr int kPerThread = (kPieces + kThreadsD - 1) / kThreadsD;
+    // K and V pieces loaded before the first store: two where a thread copies four or more (more
+    // made ptxas spill at D = 128), one for the small tiles (two spilled at float32, D = 32).
+    constexpr int kBatch = kPerThread >= 4 ? 2 : 1;
+    const int pieces_per_row = head_dim / kVec;
+    for (int i0 = 0; i0 < kPerThread; i0 += kBatch) {
+        uint4 kx[kBatch], vx[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int piece = threadIdx.x + (i0 + i) * kThreadsD;
+            const int r = piece / pieces_per_row, c = (piece % pieces_per_row) * kVec;
+            kx[i] = vx[i] = make_uint4(0, 0, 0, 0);
+            if (r < kBlockKD && at[r] >= 0) {
+                kx[i] = *reinterpret_cast<const uint4*>(k_pages + at[r] + c);
+                vx[i] = *reinterpret_cast<const uint4*>(v_pages + at[r] + c);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int piece = threadIdx.x + (i0 + i) * kThreadsD;
+            const int r = piece / pieces_per_row, c = (piece % pieces_per_row) * kVec;
+            if (r >= kBlockKD) continue;
+            if (at[r] == kBadPage && c == 0) atomicOr(poisoned, 1);
+            // K rows are padded by 4 bytes (bank conflicts of the score loop), so they take 4-byte
+            // stores; V rows are not padded and take one 16-byte store.
+            std::uint32_t* k_row = reinterpret_cast<std::uint32_t*>(k_s + r * K_STRIDE + c);
+            k_row[0] = kx[i].x;
+            k_row[1] = kx[i].y;
+            k_row[2] = kx[i].z;
+            k_row[3] = kx[i].w;
+            *reinterpret_cast<uint4*>(v_s + r * D_MAX + c) = vx[i];
+        }
+    }
+    // Columns head_dim .. D_MAX - 1 are read by the score and P V loops: zeros.
+    for (int idx = threadIdx.x; idx < kBlockKD * (D_MAX - head_dim); idx += kThreadsD) {
+        const int r = idx / (D_MAX - head_dim), c = head_dim + idx % (D_MAX - head_dim);
+        k_s[r * K_STRIDE + c] = v_s[r * D_MAX + c] = from_float<T>(0.0f);
+    }
+}
+
+// The same copy one element at a time, for any head_dim and alignment; warp w copies rows w, w + 4,
+// ..., the row's elements on consecutive lanes.
+template <typename T, int D_MAX, int K_STRIDE>
+__device__ inline void copy_tile_elements(T* k_s, T* v_s, const T* k_pages, const T* v_pages,
+                                          const std::int64_t* at, int head_dim, int* poisoned) {
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (int r = warp; r < kBlockKD; r += kWarpsD) {
+        const std::int64_t row = at[r];
+        if (row == kBadPage && lane == 0) atomicOr(poisoned, 1);
+        for (int c = lane; c < D_MAX; c += kWarpSize) {
+            T kx = from_float<T>(0.0f), vx = kx;
+            if (row >= 0 && c < head_dim) {
+                kx = k_pages[row + c];
+                vx = v_pages[row + c];
+            }
+            k_s[r * K_STRIDE + c] = kx;
+            v_s[r * D_MAX + c] = vx;
+        }
+    }
+}
+
 template <typename T, int D_MAX>
 __global__ void __launch_bounds__(kThreadsD)
 decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
                     const T* __restrict__ v_pages, PagedCache cache, float* __restrict__ workspace,
-                    int heads, int group, int dim, int splits, int head_chunks, float scale) {
+                    int heads, int group, int head_dim, int splits, int head_chunks, float scale,
+                    bool vector_loads) {
     using L = DecodeLayout<T, D_MAX>;
     constexpr int kCols = D_MAX / kWarpSize;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -65,6 +157,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     T* v_s = reinterpret_cast<T*>(smem + L::kQBytes + L::kKBytes);                        // [32][D_MAX]
     float* p_s = reinterpret_cast<float*>(smem + L::kQBytes + L::kKBytes + L::kVBytes);  // [8][32]
     __shared__ int poisoned;
+    __shared__ std::int64_t row_at[2][kBlockKD];  // element offset of each tile row (see locate_row)
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     int rest = blockIdx.x;
@@ -84,10 +177,10 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     const int run = ceil_div(ceil_div(length, splits), kBlockKD) * kBlockKD;
     const int t0 = imin(split * run, length), t1 = imin(t0 + run, length);
 
-    const T* q_block = q + (static_cast<std::int64_t>(b) * heads + h0) * dim;
+    const T* q_block = q + (static_cast<std::int64_t>(b) * heads + h0) * head_dim;
     for (int idx = threadIdx.x; idx < kHeadsPerBlockD * D_MAX; idx += kThreadsD) {
         const int r = idx / D_MAX, c = idx % D_MAX;
-        q_s[idx] = (r < n_rows && c < dim) ? to_float(q_block[r * dim + c]) * scale : 0.0f;
+        q_s[idx] = (r < n_rows && c < head_dim) ? to_float(q_block[r * head_dim + c]) * scale : 0.0f;
     }
 
     float m[kRowsPerWarpD], l[kRowsPerWarpD], acc[kRowsPerWarpD][kCols];
@@ -100,38 +193,19 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     }
     const int row0 = warp * kRowsPerWarpD;
 
-    for (int j0 = t0; j0 < t1; j0 += kBlockKD) {
-        __syncthreads();  // the previous tile is no longer read (and q_s, poisoned are written)
-        // Warp w copies key rows w, w + 4, ...: one page-table lookup per row, the row's elements
-        // on consecutive lanes.
-        for (int r = warp; r < kBlockKD; r += kWarpsD) {
-            const int j = j0 + r;
-            const T* k_row = nullptr;
-            const T* v_row = nullptr;
-            bool bad_page = false;
-            if (j < t1) {
-                const int page = cache.page_table[static_cast<std::int64_t>(b) * cache.max_pages + j / cache.page_size];
-                if (page >= 0 && page < cache.n_pages) {
-                    const std::int64_t at =
-                        ((static_cast<std::int64_t>(page) * cache.kv_heads + g) * cache.page_size +
-                         j % cache.page_size) * dim;
-                    k_row = k_pages + at;
-                    v_row = v_pages + at;
-                } else {
-                    bad_page = true;
-                }
-            }
-            if (bad_page && lane == 0) atomicOr(&poisoned, 1);
-            for (int c = lane; c < D_MAX; c += kWarpSize) {
-                T kx = from_float<T>(0.0f), vx = kx;
-                if (k_row != nullptr && c < dim) {
-                    kx = k_row[c];
-                    vx = v_row[c];
-                }
-                k_s[r * L::kKStride + c] = kx;
-                v_s[r * D_MAX + c] = vx;
-            }
-        }
+    // Where the rows of the first tile are (row_at[0]); each tile then locates the next one's.
+    if (threadIdx.x < kBlockKD) row_at[0][threadIdx.x] = locate_row(cache, b, g, head_dim, t0 + threadIdx.x, t1);
+    int buffer = 0;
+    for (int j0 = t0; j0 < t1; j0 += kBlockKD, buffer ^= 1) {
+        __syncthreads();  // the previous tile is no longer read; row_at[buffer] (and q_s) written
+        // Threads 0-31 locate the next tile's rows while every thread copies this one.
+        if (threadIdx.x < kBlockKD)
+            row_at[buffer ^ 1][threadIdx.x] = locate_row(cache, b, g, head_dim, j0 + kBlockKD + threadIdx.x, t1);
+        const std::int64_t* at = row_at[buffer];
+        if (vector_loads)
+            copy_tile_vectors<T, D_MAX, L::kKStride>(k_s, v_s, k_pages, v_pages, at, head_dim, &poisoned);
+        else
+            copy_tile_elements<T, D_MAX, L::kKStride>(k_s, v_s, k_pages, v_pages, at, head_dim, &poisoned);
         __syncthreads();
 
         float s[kRowsPerWarpD];
@@ -184,7 +258,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
         const int row = row0 + rr;
         if (row >= n_rows) continue;
         float* part = workspace +
-                      ((static_cast<std::int64_t>(b) * heads + h0 + row) * splits + split) * (dim + 2);
+                      ((static_cast<std::int64_t>(b) * heads + h0 + row) * splits + split) * (head_dim + 2);
         if (lane == 0) {
             part[0] = bad ? 0.0f : m[rr];
             part[1] = bad ? NAN : l[rr];
@@ -192,7 +266,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
 #pragma unroll
         for (int cc = 0; cc < kCols; ++cc) {
             const int c = lane + cc * kWarpSize;
-            if (c < dim) part[2 + c] = bad ? NAN : acc[rr][cc];
+            if (c < head_dim) part[2 + c] = bad ? NAN : acc[rr][cc];
         }
     }
 }
@@ -201,11 +275,11 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
 template <typename T>
 __global__ void __launch_bounds__(kThreadsD)
 decode_merge_kernel(const float* __restrict__ workspace, T* __restrict__ o, std::int64_t rows,
-                    int dim, int splits) {
+                    int head_dim, int splits) {
     const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsD + threadIdx.x / kWarpSize;
     if (row >= rows) return;  // whole warps leave; there is no block barrier
     const int lane = threadIdx.x % kWarpSize;
-    const int width = dim + 2;
+    const int width = head_dim + 2;
     const float* parts = workspace + row * splits * width;
 
     float big_m = -INFINITY;
@@ -214,11 +288,11 @@ decode_merge_kernel(const float* __restrict__ workspace, T* __restrict__ o, std:
     auto weight = [&](int s) { return big_m == -INFINITY ? 0.0f : expf(parts[s * width] - big_m); };
     float big_l = 0.0f;
     for (int s = 0; s < splits; ++s) big_l += weight(s) * parts[s * width + 1];
-    for (int c = lane; c < dim; c += kWarpSize) {
+    for (int c = lane; c < head_dim; c += kWarpSize) {
         float u = 0.0f;
         for (int s = 0; s < splits; ++s) u += weight(s) * parts[s * width + 2 + c];
         // An empty context gives 0; a poisoned one (L = NaN) gives NaN.
-        o[row * dim + c] = from_float<T>(big_l == 0.0f ? 0.0f : u / big_l);
+        o[row * head_dim + c] = from_float<T>(big_l == 0.0f ? 0.0f : u / big_l);
     }
 }
 
@@ -232,24 +306,28 @@ std::string launch_decode(const DecodeArgs& a, int head_chunks, cudaStream_t str
                            static_cast<int>(a.page_size), static_cast<int>(a.max_pages),
                            static_cast<int>(a.kv_heads)};
     const std::int64_t blocks = a.batch * a.kv_heads * head_chunks * a.splits;
+    // 16-byte copies need rows that start on 16 bytes: head_dim a multiple of 16 / sizeof(T) and
+    // aligned pools (a CuPy allocation is; a view at an offset may not be).
+    const bool vector_loads = a.head_dim % (16 / sizeof(T)) == 0 && aligned16(a.k_pages) &&
+                              aligned16(a.v_pages);
     kernel<<<static_cast<int>(blocks), kThreadsD, bytes, stream>>>(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k_pages),
         static_cast<const T*>(a.v_pages), cache, a.workspace, static_cast<int>(a.heads),
-        static_cast<int>(a.heads / a.kv_heads), static_cast<int>(a.dim), static_cast<int>(a.splits),
-        head_chunks, a.scale);
+        static_cast<int>(a.heads / a.kv_heads), static_cast<int>(a.head_dim), static_cast<int>(a.splits),
+        head_chunks, a.scale, vector_loads);
     error = launch_status("paged_decode (splits)");
     if (!error.empty()) return error;
     const std::int64_t rows = a.batch * a.heads;
     decode_merge_kernel<T><<<static_cast<int>((rows + kWarpsD - 1) / kWarpsD), kThreadsD, 0, stream>>>(
-        a.workspace, static_cast<T*>(a.o), rows, static_cast<int>(a.dim), static_cast<int>(a.splits));
+        a.workspace, static_cast<T*>(a.o), rows, static_cast<int>(a.head_dim), static_cast<int>(a.splits));
     return launch_status("paged_decode (merge)");
 }
 
 template <typename T>
 std::string launch_decode_dim(const DecodeArgs& a, int head_chunks, cudaStream_t s) {
-    if (a.dim <= 32) return launch_decode<T, 32>(a, head_chunks, s);
-    if (a.dim <= 64) return launch_decode<T, 64>(a, head_chunks, s);
-    if (a.dim <= 128) return launch_decode<T, 128>(a, head_chunks, s);
+    if (a.head_dim <= 32) return launch_decode<T, 32>(a, head_chunks, s);
+    if (a.head_dim <= 64) return launch_decode<T, 64>(a, head_chunks, s);
+    if (a.head_dim <= 128) return launch_decode<T, 128>(a, head_chunks, s);
     return launch_decode<T, 256>(a, head_chunks, s);
 }
 
@@ -267,8 +345,8 @@ std::string paged_decode(const DecodeArgs& a, cudaStream_t stream) {
     if (a.kv_heads < 1 || a.heads % a.kv_heads != 0)
         return name + "the key/value heads G=" + num(a.kv_heads) + " must be >= 1 and divide the "
                "query heads H=" + num(a.heads);
-    if (a.dim < 1 || a.dim > kMaxHeadDim)
-        return name + "head width D=" + num(a.dim) + " is outside [1, " + num(kMaxHeadDim) + "]";
+    if (a.head_dim < 1 || a.head_dim > kMaxHeadDim)
+        return name + "head width D=" + num(a.head_dim) + " is outside [1, " + num(kMaxHeadDim) + "]";
     if (a.page_size < 1 || a.page_size > kMaxSequence)
         return name + "page_size must be in [1, 2**30], got " + num(a.page_size);
     if (a.max_pages > kMaxSequence / a.page_size || a.n_pages > INT_MAX)
