@@ -118,6 +118,21 @@ def strip_all(text: str, where: str = "<text>") -> str:
     return strip_regions(text, find_regions(text, where), default_replacement)
 
 
+def lesson_replacement(region: Region) -> list[str]:
+    """In a lesson, the code before a region (``answer = ...``) stays, so a code region becomes a
+    comment where the student writes, and the check cell after it says "no answer yet"; a
+    Markdown answer becomes a prompt line."""
+    if region.kind == "markdown":
+        return [MARKDOWN_PROMPT]
+    return [f"{region.indent}# your code here"]
+
+
+def strip_notebook(text: str, where: str = "<text>") -> str:
+    """The student version of a lesson (a py:percent script): every answer region replaced by
+    :func:`lesson_replacement`."""
+    return strip_regions(text, find_regions(text, where), lesson_replacement)
+
+
 def enclosing_functions(text: str, regions: list[Region], where: str = "<text>") -> list[str]:
     """For each Python region, the qualified name (``Adam._update``, ``sdpa_backward``) of the
     innermost function that holds it; ``""`` for a region at module level."""
