@@ -72,7 +72,9 @@ def linear_forward(x, w, b=None):
     """
     x, w, b = _check_linear(x, w, b)
     y = matmul_rows(x, w)
-    if b is not None:
+    if b is not None and np.result_type(y, b) == y.dtype:
+        y += b  # in place: y is the product's fresh array, and b does not widen it
+    elif b is not None:
         y = y + b
     return y, LinearCache(x, w, b is not None)
 
