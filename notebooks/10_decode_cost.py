@@ -283,8 +283,8 @@ def median_seconds(fn, repeats=7):
     return float(np.median(times))
 
 
-# recorded by this cell on the project's 2-core AMD EPYC build machine (x86-64 with AVX2, no AVX-512),
-# one thread, while other jobs shared it
+# recorded by this cell on the project's 2-core AMD EPYC build machine (x86-64 with AVX2, no
+# AVX-512), one thread, while other jobs shared it
 RECORDED = {"bandwidth": 3.1e9, "flops": 20.6e9}
 threads = 1
 pinned = threadpool_limits(limits=threads) if threadpool_limits else contextlib.nullcontext()

@@ -555,8 +555,8 @@ def median_seconds(fn, repeats=5):
     return float(np.median(times))
 
 
-# Recorded by this cell on the project's 2-core AMD EPYC build machine (x86-64 with AVX2: 8 float32 lanes),
-# one thread, while other jobs shared it: milliseconds at T = 128, 256, 512, 1024.
+# Recorded by this cell on the project's 2-core AMD EPYC build machine (x86-64 with AVX2: 8 float32
+# lanes), one thread, while other jobs shared it: milliseconds at T = 128, 256, 512, 1024.
 RECORDED_MS = {"dense NumPy": [0.852, 12.2, 55.7, 195.0], "tiled NumPy": [24.0, 69.8, np.nan, np.nan],
                "C++ kernel": [0.632, 2.0, 16.6, 56.0]}
 THREADS = 1  # one thread per pool: stable on a shared machine, and the same for all three
