@@ -11,6 +11,11 @@ for operation in the same order and the same dtype, so the results are equal bit
   :func:`refmath.ffn.linear_forward`'s bias followed by :func:`refmath.ffn.gelu_forward`.
 - :func:`swiglu_forward` / :func:`swiglu_backward`: :func:`refmath.ffn.swiglu_forward` and
   :func:`refmath.ffn.swiglu_backward` (N7), with the same cache.
+- :func:`layernorm_forward` / :func:`layernorm_backward`: :func:`refmath.norms.layernorm_forward`
+  and :func:`refmath.norms.layernorm_backward` (N1), with the same cache.
+
+Like the models that call them, these functions leave the checking of their arguments to the
+caller: the models check their parameters and configurations once, up front.
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import numpy as np
 
 from refmath.ffn import (_GELU_TANH_CUBIC, _INV_SQRT_2PI, _SQRT_2_OVER_PI, SiLUCache, SwiGLUCache,
                          matmul_rows, standard_normal_cdf)
+from refmath.norms import LayerNormCache
 
 __all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
-           "swiglu_backward"]
+           "swiglu_backward", "layernorm_forward", "layernorm_backward"]
 
 
 class BiasGELUCache(NamedTuple):
@@ -136,3 +142,37 @@ def swiglu_backward(dout, cache: SwiGLUCache):
     dx = matmul_rows(dg, w_gate.T)
     dx += matmul_rows(du, w_up.T)
     return dx, dw_gate, dw_up, dw_down
+
+
+def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
+    r"""LayerNorm, :math:`\gamma \odot (x - \mu)/\sqrt{\sigma^2 + \epsilon} + \beta` over the
+    last axis, as :func:`refmath.norms.layernorm_forward`; returns ``(y, cache)`` with the same
+    :class:`refmath.norms.LayerNormCache`. Two arrays the shape of ``x`` instead of four."""
+    mu = x.mean(axis=-1, keepdims=True)
+    xhat = x - mu
+    y = np.multiply(xhat, xhat)
+    var = np.mean(y, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat *= rstd
+    np.multiply(xhat, gamma, out=y)
+    y += beta
+    return y, LayerNormCache(xhat, rstd, gamma)
+
+
+def layernorm_backward(dout, cache: LayerNormCache):
+    r"""Gradients of :func:`layernorm_forward`: ``(dx, dgamma, dbeta)``, as
+    :func:`refmath.norms.layernorm_backward`: with :math:`g = \gamma \odot dy`,
+    :math:`dx = \big(g - \overline{g} - \hat x\,\overline{g \odot \hat x}\big)/\sigma`."""
+    xhat, rstd, gamma = cache
+    rows = tuple(range(dout.ndim - 1))
+    scratch = np.multiply(dout, xhat)
+    dgamma = np.sum(scratch, axis=rows)
+    dbeta = np.sum(dout, axis=rows)
+    dx = np.multiply(dout, gamma)  # g, then dx in place
+    np.multiply(dx, xhat, out=scratch)
+    projection = np.mean(scratch, axis=-1, keepdims=True)
+    dx -= dx.mean(axis=-1, keepdims=True)
+    np.multiply(xhat, projection, out=scratch)
+    dx -= scratch
+    dx *= rstd
+    return dx, dgamma, dbeta

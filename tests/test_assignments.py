@@ -155,10 +155,12 @@ def test_build_stubs_exactly_the_listed_functions(built, name):
 
 
 def test_the_in_place_restatements_are_not_copied(built):
-    """refmath.fused computes the GELU and SwiGLU backward passes in place: the copies hold a
-    version that calls refmath.ffn instead, and the models still run through it."""
+    """refmath.fused computes the GELU, SwiGLU and LayerNorm backward passes in place: the copies
+    hold a version that calls refmath.ffn and refmath.norms instead, and the models still run
+    through it."""
     with open(os.path.join(ROOT, "refmath", "fused.py")) as f:
-        in_place = [line.strip() for line in f if line.strip().startswith(("slope", "local", "dg "))]
+        in_place = [line.strip() for line in f
+                    if line.strip().startswith(("slope", "local", "dg ", "dx ", "projection"))]
     assert in_place
     for tree in ("student", "autograder"):
         with open(os.path.join(built["norms_ffn"], tree, "refmath", "fused.py")) as f:

@@ -55,3 +55,21 @@ def test_swiglu_equals_the_reference_bit_for_bit(dtype):
     for got, want in zip(fused.swiglu_backward(dy, cache), ffn.swiglu_backward(dy, cache_ref)):
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layernorm_equals_the_reference_bit_for_bit(dtype):
+    from refmath import fused, norms
+
+    rng = np.random.default_rng(5)
+    x = (3 * rng.standard_normal((2, 5, 8)) + 1).astype(dtype)
+    gamma, beta = (rng.standard_normal(8).astype(dtype) for _ in range(2))
+    dy = rng.standard_normal((2, 5, 8)).astype(dtype)
+    y_ref, cache_ref = norms.layernorm_forward(x, gamma, beta, 1e-5)
+    y, cache = fused.layernorm_forward(x, gamma, beta, 1e-5)
+    np.testing.assert_array_equal(y, y_ref)
+    for got, want in zip(cache, cache_ref):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(fused.layernorm_backward(dy, cache), norms.layernorm_backward(dy, cache_ref)):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)

@@ -98,18 +98,20 @@ python3 -m refmath assignments grade {name} /autograder/submission \\
 # (solutions included) and which nothing in the library imports.
 _SKIP_DIRS = {"__pycache__"}
 
-# refmath.fused restates the GELU and SwiGLU backward passes in an in-place form: a student reading
-# it would read the answer. The copies get this module instead, whose functions delegate to the
-# reference forms in refmath.ffn (the ones the students write), with the same signatures.
-REFERENCE_FORMS = {"refmath/fused.py": '''"""The models' fused GELU and SwiGLU blocks, delegating to the reference forms in refmath.ffn.
+# refmath.fused restates the GELU, SwiGLU and LayerNorm backward passes in an in-place form: a
+# student reading it would read the answer. The copies get this module instead, whose functions
+# delegate to the reference forms in refmath.ffn and refmath.norms (the ones the students write),
+# with the same signatures.
+REFERENCE_FORMS = {"refmath/fused.py": '''"""The models' fused blocks, delegating to the reference forms in refmath.ffn and refmath.norms.
 
-(The full library computes these in place; this copy calls the functions of refmath.ffn.)
+(The full library computes these in place; this copy calls the reference functions.)
 """
 from refmath.ffn import GELUCache as BiasGELUCache
 from refmath.ffn import gelu_backward, gelu_forward, swiglu_backward, swiglu_forward
+from refmath.norms import layernorm_backward, layernorm_forward
 
 __all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
-           "swiglu_backward"]
+           "swiglu_backward", "layernorm_forward", "layernorm_backward"]
 
 
 def bias_gelu_forward(h, b, approximate):

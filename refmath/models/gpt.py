@@ -32,12 +32,13 @@ from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_
                                mha_forward, split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
-from refmath.fused import BiasGELUCache, bias_gelu_backward, bias_gelu_forward
+from refmath.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward, layernorm_backward,
+                           layernorm_forward)
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import apply_mask, dropout_mask, sub_params
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
-from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
+from refmath.norms import LayerNormCache
 from refmath.positions import (
     LearnedPositionsCache,
     learned_positions_backward,
