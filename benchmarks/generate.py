@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     ways = {"recompute": dict(cache=False), "cache numpy": dict(backend="numpy")}
     if kernels.cpu_available():
         ways["cache cpu"] = dict(backend="cpu")
+    if kernels.cuda_available():
+        ways["cache cuda"] = dict(backend="cuda")
     print(f"{args.tokens} greedy tokens from a 1-token prompt, float32, tokens/s (x recompute)")
     print(f"{'model':<8}" + "".join(f"{way:>22}" for way in ways))
     for name in args.models:

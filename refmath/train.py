@@ -781,9 +781,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute the whole prefix at every step instead of decoding with the "
                         "KV cache (the same tokens, O(T^2) work; the decoders only)")
-    parser.add_argument("--backend", choices=("numpy", "cpu"), default="numpy",
-                        help="who computes attention over the KV cache: the NumPy reference or the "
-                        "C++ kernels (default: numpy; the decoders only)")
+    parser.add_argument("--backend", choices=("numpy", "cpu", "cuda"), default="numpy",
+                        help="who computes attention over the KV cache: the NumPy reference, the "
+                        "C++ kernels, or the CUDA kernels with the cache on the GPU (default: "
+                        "numpy; the decoders only)")
     parser.set_defaults(run=run_generate)
 
 

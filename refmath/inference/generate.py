@@ -205,8 +205,8 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     ``seed``: an int or a ``numpy.random.Generator`` (used only when sampling).
 
     With ``cache=True`` (the default, for refmath's three decoders) the prompt is prefilled once
-    into a KV cache and each new token is one decode step on ``backend`` (``"numpy"`` or ``"cpu"``,
-    see :func:`refmath.inference.kv_cache.prefill`); when the window slides, the positions of every
+    into a KV cache and each new token is one decode step on ``backend`` (``"numpy"``, ``"cpu"`` or
+    ``"cuda"``, see :func:`refmath.inference.kv_cache.prefill`); when the window slides, the positions of every
     kept token change, so the window is prefilled afresh. ``cache=False`` recomputes the whole
     prefix at every step: the same tokens (up to rounding), at :math:`O(T^2)` cost (K4).
 

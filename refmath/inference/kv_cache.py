@@ -102,6 +102,18 @@ class PairCounts:
 # ---- the caches ----------------------------------------------------------------------------------
 
 
+def _array_module(backend: str):
+    """Where a cache for ``backend`` keeps its arrays. ``"numpy"`` and ``"cpu"`` read host memory;
+    ``"cuda"`` keeps the cache in GPU memory (CuPy), so a decode step moves only the new rows'
+    keys and values and the queries there, and the attention output back."""
+    if backend != "cuda":
+        return np
+    import cupy  # present wherever a "cuda" cache was made: empty_cache checked
+
+    return cupy
+
+
+
 class _Contiguous:
     """What both caches share: arrays with the layer first and the batch second, a capacity
     ``max_len`` (the position axis) and a fill level ``length``."""
@@ -115,6 +127,15 @@ class _Contiguous:
 
     def _arrays(self) -> tuple:
         raise NotImplementedError  # abstract: each cache lists its own arrays
+
+    @property
+    def xp(self):
+        """The array module of the cache's memory: NumPy, or CuPy for ``backend="cuda"``."""
+        return _array_module(self.backend)
+
+    def to_host(self, x) -> np.ndarray:
+        """``x``, an array in the cache's memory, as a NumPy array (a copy from the GPU)."""
+        return x.get() if self.backend == "cuda" else x
 
     @property
     def n_layers(self) -> int:
@@ -145,8 +166,10 @@ class KVCache(_Contiguous):
     own positions (K3). ``nbytes`` is :math:`2 B L T_{\max} g d_h b`
     (:func:`refmath.sizing.kv_cache_bytes`). The cache is mutable: prefill and decode write into
     it and advance ``length``. ``backend`` says who computes attention over it: ``"numpy"`` (the
-    reference) or ``"cpu"`` (the C++ kernels, for a float32 cache: FlashAttention for a prefill,
-    :func:`refmath.inference.decode.decode_attention` for a decode step).
+    reference), ``"cpu"`` (the C++ kernels, for a float32 cache: FlashAttention for a prefill,
+    :func:`refmath.inference.decode.decode_attention` for a decode step) or ``"cuda"`` (the CUDA
+    kernels, the same calls; ``keys`` and ``values`` are then CuPy arrays in GPU memory, while
+    the rest of the model runs in NumPy on the host).
     """
 
     keys: np.ndarray
@@ -219,8 +242,9 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
 
     With a sliding ``window`` (A12) each query sees only itself and the ``window - 1`` positions
     before it: the last rows of :func:`refmath.attention.local_window_mask`, and a decode step
-    reads only the last ``window`` cached rows. A windowed prefill on the ``"cpu"`` backend runs
-    the NumPy reference (the FlashAttention kernel has no window); its decode steps run the kernel.
+    reads only the last ``window`` cached rows. A windowed prefill on the ``"cpu"`` and ``"cuda"``
+    backends runs the NumPy reference (the kernel path here has no window); its decode steps run
+    the kernel.
 
     The ``n`` new queries are the last ``n`` of the ``t = offset + n`` positions, so the causal mask
     is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible, and the
@@ -230,8 +254,9 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     # BEGIN SOLUTION
     b, h, n, d_h = q.shape
     g, t = k.shape[1], offset + n
-    cache.keys[layer, :, :, offset:t] = k
-    cache.values[layer, :, :, offset:t] = v
+    xp = cache.xp  # the cache's memory: NumPy, or CuPy on backend="cuda"
+    cache.keys[layer, :, :, offset:t] = xp.asarray(k)
+    cache.values[layer, :, :, offset:t] = xp.asarray(v)
     if window is None:
         mask = causal_mask(n, t, dtype=q.dtype)
     else:
@@ -242,18 +267,20 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
         first = t - window
         keys, values = cache.keys[layer, :, :, first:t], cache.values[layer, :, :, first:t]
         if cache.backend != "numpy":
-            keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
-        o = decode_attention(q[:, :, 0], keys, values, np.full(b, window), backend=cache.backend)
-        return o[:, :, None]
-    if n == 1:
-        o = decode_attention(q[:, :, 0], cache.keys[layer], cache.values[layer], np.full(b, t),
+            keys, values = xp.ascontiguousarray(keys), xp.ascontiguousarray(values)
+        o = decode_attention(xp.asarray(q[:, :, 0]), keys, values, np.full(b, window),
                              backend=cache.backend)
-        return o[:, :, None]
+        return cache.to_host(o)[:, :, None]
+    if n == 1:
+        o = decode_attention(xp.asarray(q[:, :, 0]), cache.keys[layer], cache.values[layer],
+                             np.full(b, t), backend=cache.backend)
+        return cache.to_host(o)[:, :, None]
     keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
-    if cache.backend == "cpu" and window is None:  # the kernel reads (B, g, t, d_h) blocks
-        o, _ = kernels.flash_attention_forward(q, np.ascontiguousarray(keys),
-                                               np.ascontiguousarray(values), causal=True)
-        return o
+    if cache.backend != "numpy" and window is None:  # the kernel reads (B, g, t, d_h) blocks
+        o, _ = kernels.flash_attention_forward(xp.asarray(q), xp.ascontiguousarray(keys),
+                                               xp.ascontiguousarray(values), causal=True)
+        return cache.to_host(o)
+    keys, values = cache.to_host(keys), cache.to_host(values)
     # GQA: the h/g query heads of group u read stored head u (refmath.attention.gqa_head_map), so
     # group the queries as (B, g, h/g, n, d_h) and broadcast each stored head to its group: the
     # g stored heads are read, never copied h/g times.
@@ -279,9 +306,9 @@ class _Slot(NamedTuple):
     def store(self, c, k_r, offset: int):
         """LatentCache: append the latents ``c`` and rotary keys ``k_r`` ``(B, n, .)`` at
         ``offset..``; returns every filled row of both, ``(B, offset + n, .)``."""
-        t = offset + c.shape[1]
-        self.cache.latents[self.layer, :, offset:t] = c
-        self.cache.rope_keys[self.layer, :, offset:t] = k_r
+        t, xp = offset + c.shape[1], self.cache.xp
+        self.cache.latents[self.layer, :, offset:t] = xp.asarray(c)
+        self.cache.rope_keys[self.layer, :, offset:t] = xp.asarray(k_r)
         return self.cache.latents[self.layer, :, :t], self.cache.rope_keys[self.layer, :, :t]
 
     def attend_latent(self, q, offset: int, scale: float):
@@ -294,18 +321,19 @@ class _Slot(NamedTuple):
         so on ``backend="cpu"`` the row is passed as both and the last ``d_R`` output columns (the
         weighted rotary keys) are dropped: the same numbers, no copy of the cache.
         """
-        cache, d_c = self.cache, self.cache.d_c
+        cache, d_c, xp = self.cache, self.cache.d_c, self.cache.xp
         b, h, n, _ = q.shape
         t = offset + n
         rows = cache.rows[self.layer][:, None]  # (B, 1, max_len, d_c + d_R)
-        if cache.backend == "cpu" and n == 1:
-            o = decode_attention(q[:, :, 0], rows, rows, np.full(b, t), scale=scale,
-                                 backend="cpu")
-            return o[:, :, None, :d_c]
-        if cache.backend == "cpu":  # the kernel reads a contiguous (B, 1, t, d_c + d_R) block
-            filled = np.ascontiguousarray(rows[:, :, :t])
-            return kernels.flash_attention_forward(q, filled, filled, causal=True,
-                                                   scale=scale)[0][..., :d_c]
+        if cache.backend != "numpy" and n == 1:
+            o = decode_attention(xp.asarray(q[:, :, 0]), rows, rows, np.full(b, t), scale=scale,
+                                 backend=cache.backend)
+            return cache.to_host(o[:, :, None, :d_c])
+        if cache.backend != "numpy":  # the kernel reads a contiguous (B, 1, t, d_c + d_R) block
+            filled = xp.ascontiguousarray(rows[:, :, :t])
+            o, _ = kernels.flash_attention_forward(xp.asarray(q), filled, filled, causal=True,
+                                                   scale=scale)
+            return cache.to_host(o[..., :d_c])
         keys = np.broadcast_to(rows[:, :, :t], (b, h, t, rows.shape[-1]))
         o, _ = sdpa_forward(q, keys, keys[..., :d_c], mask=causal_mask(n, t, dtype=q.dtype),
                             scale=scale)
@@ -452,30 +480,34 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
                 backend: str = "numpy"):
     """A zeroed cache for ``batch`` sequences of up to ``max_len`` positions (default
     ``config.max_seq_len``): a :class:`KVCache` for GPT and the M3 decoder, a :class:`LatentCache`
-    for MLA. All memory is allocated here, once. ``backend`` (``"numpy"`` or ``"cpu"``, see
-    :class:`KVCache`) computes attention over it."""
+    for MLA. All memory is allocated here, once: in host memory, or on the GPU for
+    ``backend="cuda"``. ``backend`` (``"numpy"``, ``"cpu"`` or ``"cuda"``, see :class:`KVCache`)
+    computes attention over it; the kernels take float32 caches."""
     spec = _spec(model, config)
-    _check_cache_backend(backend)
     batch = check_int("batch", batch, 1)
     max_len = config.max_seq_len if max_len is None else check_int("max_len", max_len, 1,
                                                                     config.max_seq_len)
     dtype = np.dtype(dtype)
     if not np.issubdtype(dtype, np.floating):
         raise TypeError(f"dtype must be a floating-point type, got {dtype}")
+    _check_cache_backend(backend, dtype)
     shapes = spec.cache_shapes(config, int(batch), int(max_len))
-    cache = spec.cache_type(*(np.zeros(shape, dtype) for shape in shapes),
+    xp = _array_module(backend)
+    cache = spec.cache_type(*(xp.zeros(shape, dtype) for shape in shapes),
                             **spec.cache_extras(config))
     if backend != "numpy":
         cache.backend = backend
     return cache
 
 
-def _check_cache_backend(backend) -> None:
+def _check_cache_backend(backend, dtype: np.dtype) -> None:
     check_choice("backend", backend, BACKENDS)
-    if backend == "cuda":
-        raise ValueError("backend='cuda' is not available for the models' caches, which are NumPy "
-                         "arrays; decode_attention(backend='cuda') runs the CUDA kernel on CuPy "
-                         "arrays")
+    if backend != "numpy" and dtype != np.float32:
+        raise TypeError(f"backend={backend!r} runs the compiled kernels, which take float32 caches: "
+                        f"use float32 parameters (the cache takes their dtype), got {dtype}")
+    if backend == "cuda" and not kernels.cuda_available():
+        raise ValueError(f"backend='cuda' keeps the cache on a GPU, and none can be used here: "
+                         f"{kernels.cuda_build_info()}")
 
 
 def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
@@ -510,8 +542,9 @@ def prefill(model, params, config, prompt_ids, all_logits: bool = False,
     ``(P, V)`` for 1-D input), in the parameters' dtype; ``cache`` has ``length = P`` and room for
     ``max_len`` positions (default ``config.max_seq_len``). ``mla_path`` (MLA only, see
     :func:`decode_step`) picks the absorbed or expanded attention. ``backend`` chooses who
-    computes attention, now and in later decode steps: ``"numpy"`` or ``"cpu"`` (the C++ kernels;
-    float32 parameters; for MLA the absorbed path only).
+    computes attention, now and in later decode steps: ``"numpy"``, ``"cpu"`` (the C++ kernels) or
+    ``"cuda"`` (the CUDA kernels, the cache in GPU memory); the kernels need float32 parameters,
+    and for MLA the absorbed path.
     """
     spec = _spec(model, config)
     _check_mla_path(mla_path)
@@ -618,8 +651,8 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     ``P + max_new_tokens - 1`` fed positions must fit in ``max_seq_len`` (no sliding window) and
     there is no ``eos_id``. Returns a :class:`Generation`; from a 1-token prompt, processing
     ``N = max_new_tokens`` positions evaluates :math:`\sum_{t=1}^N t = N(N+1)/2` pairs.
-    ``backend`` (see :func:`prefill`) chooses who computes attention; ``"numpy"`` and ``"cpu"``
-    give the same greedy tokens unless two logits lie within float32 rounding of each other.
+    ``backend`` (see :func:`prefill`) chooses who computes attention; the backends give the same
+    greedy tokens unless two logits lie within float32 rounding of each other.
     """
     _check_mla_path(mla_path)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -487,13 +487,132 @@ def test_the_cpu_backend_gives_the_same_greedy_tokens(name):
     assert runs["cpu"].counts == runs["numpy"].counts
 
 
-def test_backends_the_caches_cannot_take():
+def test_backends_the_caches_cannot_take(monkeypatch):
     module, config, params = setup("decoder-gqa", dtype=np.float32)
-    with pytest.raises(ValueError, match="backend='cuda' is not available for the models' caches"):
+    monkeypatch.setattr(kc.kernels, "cuda_available", lambda: False)
+    with pytest.raises(ValueError, match="backend='cuda' keeps the cache on a GPU, and none can be "
+                                         "used here: refmath._cuda"):
         prefill(module, params, config, random_tokens((1, 2)), backend="cuda")
+    for backend in ("cpu", "cuda"):
+        with pytest.raises(TypeError, match=f"backend='{backend}' runs the compiled kernels, which "
+                                            f"take float32 caches: .* got float64"):
+            prefill(module, setup("decoder-gqa")[2], config, random_tokens((1, 2)),
+                    backend=backend)
     module, config, params = setup("mla", dtype=np.float32)
     with pytest.raises(ValueError, match="mla_path='expanded' needs backend='numpy'"):
         prefill(module, params, config, random_tokens((1, 2)), backend="cpu", mla_path="expanded")
     module, config, params = setup("gpt-pre-tied")
     with pytest.raises(ValueError, match="backend must be one of 'numpy', 'cpu', 'cuda', got 'gpu'"):
         generate_cached(module, params, config, random_tokens((1, 2)), 2, backend="gpu")
+
+
+# ---- backend="cuda": the cache in GPU memory -----------------------------------------------------
+
+def cuda_or_skip():
+    """CuPy and a usable GPU, or a skip (a failure under REFMATH_REQUIRE_GPU=1, as in
+    tests/test_kernels_cuda.py)."""
+    from tests.test_kernels import skip_cuda
+
+    if not kc.kernels.cuda_available():
+        skip_cuda(kc.kernels.cuda_build_info())
+    try:
+        import cupy
+    except ImportError as err:
+        skip_cuda(f"CuPy is not installed: {err}")
+    return cupy
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_cuda_backend_gives_the_same_greedy_tokens(name):
+    cupy = cuda_or_skip()
+    module, config, params = setup(name, dtype=np.float32)
+    prompt = random_tokens((3, 3), seed=12)
+    runs = {backend: generate_cached(module, params, config, prompt, T_MAX - 2, greedy=True,
+                                     backend=backend) for backend in ("numpy", "cuda")}
+    np.testing.assert_array_equal(runs["cuda"].tokens, runs["numpy"].tokens)
+    reference = reference_logits(module, setup(name)[2], config, runs["numpy"].tokens, n_prompt=3)
+    numpy_err = np.abs(runs["numpy"].logits - reference).max()
+    cuda_err = np.abs(runs["cuda"].logits - reference).max()
+    assert cuda_err <= 2 * numpy_err + 4 * np.finfo(np.float32).eps * np.abs(reference).max()
+    assert runs["cuda"].counts == runs["numpy"].counts
+    _, cache = prefill(module, params, config, prompt, backend="cuda")
+    assert all(isinstance(a, cupy.ndarray) for a in cache._arrays())
+
+
+class StandInDeviceArray(np.ndarray):
+    """Host memory standing in for GPU memory where no GPU is. Like a CuPy array, it refuses to
+    enter NumPy's math: the host code must bring it back with ``.get()`` first."""
+
+    def get(self):
+        return self.view(np.ndarray).copy()
+
+    def __array_ufunc__(self, *args, **kwargs):
+        raise TypeError("a device array reached NumPy's math on the host")
+
+    def __array_function__(self, *args, **kwargs):
+        raise TypeError("a device array reached a NumPy function on the host")
+
+
+class StandInDevice:
+    """The three CuPy functions the cache uses, over :class:`StandInDeviceArray`."""
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype).view(StandInDeviceArray)
+
+    @staticmethod
+    def asarray(x):  # host to device: a copy
+        return x if isinstance(x, StandInDeviceArray) else np.array(x).view(StandInDeviceArray)
+
+    @staticmethod
+    def ascontiguousarray(x):
+        return np.ascontiguousarray(x.view(np.ndarray)).view(StandInDeviceArray)
+
+
+def on_stand_in_device(kernel):
+    """``kernel`` (a C++ one) as the CUDA path calls it: every array argument must be in device
+    memory, and the result stays there."""
+    def run(*args, backend=None, **kwargs):
+        assert backend in (None, "cuda")  # decode_attention gets backend="cuda"; flash none
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        assert all(isinstance(a, StandInDeviceArray) for a in arrays[:3]), \
+            "q, keys and values must be on the device"
+        host = [a.get() if isinstance(a, StandInDeviceArray) else a for a in args]
+        out = kernel(*host, **kwargs)
+        return tuple(StandInDevice.asarray(x) for x in out) if isinstance(out, tuple) else \
+            StandInDevice.asarray(out)
+
+    return run
+
+
+@pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
+@pytest.mark.parametrize("name", [*CONFIGS, "decoder-gqa-window"])
+def test_the_cuda_backend_plumbing_on_a_stand_in_device(name, monkeypatch):
+    """Runs here, without a GPU: the "cuda" path with host memory posing as the device and the C++
+    kernels posing as the CUDA ones. The cache must live on the device, every kernel must get
+    device arrays, no device array may reach the host's NumPy math, and the result must equal the
+    "cpu" backend's bit for bit (the same kernels on the same numbers)."""
+    if name == "decoder-gqa-window":
+        module, config, params = setup("decoder-gqa", dtype=np.float32)
+        config = dataclasses.replace(config, sliding_window=4)  # a windowed prefill, then decode
+        prompt = random_tokens((2, 5), seed=3)
+    else:
+        module, config, params = setup(name, dtype=np.float32)
+        prompt = random_tokens((3, 3), seed=12)
+    cpu = generate_cached(module, params, config, prompt, T_MAX - prompt.shape[1], greedy=True,
+                          backend="cpu")
+
+    monkeypatch.setattr(kc, "_array_module", lambda backend: StandInDevice if backend == "cuda" else np)
+    monkeypatch.setattr(kc.kernels, "cuda_available", lambda: True)
+    cpu_decode = kc.decode_attention
+    monkeypatch.setattr(kc, "decode_attention", on_stand_in_device(
+        lambda *args, **kwargs: cpu_decode(*args, backend="cpu", **kwargs)))
+    monkeypatch.setattr(kc.kernels, "flash_attention_forward",
+                        on_stand_in_device(kc.kernels.flash_attention_forward))
+    cuda = generate_cached(module, params, config, prompt, T_MAX - prompt.shape[1], greedy=True,
+                           backend="cuda")
+    np.testing.assert_array_equal(cuda.tokens, cpu.tokens)
+    np.testing.assert_array_equal(cuda.logits, cpu.logits)
+    assert cuda.counts == cpu.counts
+    _, cache = prefill(module, params, config, prompt, backend="cuda")
+    assert all(isinstance(a, StandInDeviceArray) for a in cache._arrays())
