@@ -6,15 +6,22 @@ from refmath.ffn import gelu_backward, gelu_forward, linear_backward, linear_for
 from refmath.fused import bias_gelu_backward, bias_gelu_forward
 
 
+# (2, 5, 7): one block of rows; (3, 37, 1000): 111 rows in blocks of 32 rows (the fused functions
+# work on blocks of 32768 elements), the last one partial.
+SHAPES = [(2, 5, 6, 7), (3, 37, 20, 1000)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["one-block", "many-blocks"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("approximate", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bias_gelu_equals_the_reference_bit_for_bit(dtype, approximate, bias):
+def test_bias_gelu_equals_the_reference_bit_for_bit(dtype, approximate, bias, shape):
+    b_, t, d, d_f = shape
     rng = np.random.default_rng(3)
-    x = (3 * rng.standard_normal((2, 5, 6))).astype(dtype)
-    w = rng.standard_normal((6, 7)).astype(dtype)
-    b = rng.standard_normal(7).astype(dtype) if bias else None
-    da = rng.standard_normal((2, 5, 7)).astype(dtype)
+    x = (3 * rng.standard_normal((b_, t, d))).astype(dtype)
+    w = rng.standard_normal((d, d_f)).astype(dtype)
+    b = rng.standard_normal(d_f).astype(dtype) if bias else None
+    da = rng.standard_normal((b_, t, d_f)).astype(dtype)
 
     h, first = linear_forward(x, w, b)
     a_ref, act = gelu_forward(h, approximate)
@@ -30,7 +37,7 @@ def test_bias_gelu_equals_the_reference_bit_for_bit(dtype, approximate, bias):
     np.testing.assert_array_equal(dx, dx_ref)
     np.testing.assert_array_equal(dw, dw_ref)
     if bias:
-        np.testing.assert_array_equal(dh.reshape(-1, 7).sum(axis=0), db_ref)
+        np.testing.assert_array_equal(dh.reshape(-1, d_f).sum(axis=0), db_ref)
 
 
 def test_nan_stays_nan():
@@ -40,15 +47,17 @@ def test_nan_stays_nan():
     assert np.isnan(a[0, 0]) and np.isnan(dh[0, 0]) and np.isfinite(a[0, 1])
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=["one-block", "many-blocks"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_swiglu_equals_the_reference_bit_for_bit(dtype):
+def test_swiglu_equals_the_reference_bit_for_bit(dtype, shape):
     from refmath import ffn, fused
 
+    b, t, d, d_f = shape
     rng = np.random.default_rng(4)
-    x = (3 * rng.standard_normal((2, 5, 6))).astype(dtype)
-    w_gate, w_up = (rng.standard_normal((6, 8)).astype(dtype) for _ in range(2))
-    w_down = rng.standard_normal((8, 6)).astype(dtype)
-    dy = rng.standard_normal((2, 5, 6)).astype(dtype)
+    x = (3 * rng.standard_normal((b, t, d))).astype(dtype)
+    w_gate, w_up = (rng.standard_normal((d, d_f)).astype(dtype) for _ in range(2))
+    w_down = rng.standard_normal((d_f, d)).astype(dtype)
+    dy = rng.standard_normal((b, t, d)).astype(dtype)
     y_ref, cache_ref = ffn.swiglu_forward(x, w_gate, w_up, w_down)
     y, cache = fused.swiglu_forward(x, w_gate, w_up, w_down)
     np.testing.assert_array_equal(y, y_ref)
