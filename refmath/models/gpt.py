@@ -255,7 +255,7 @@ def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, r
 
 
 class KernelAttentionCache(NamedTuple):
-    projections: tuple  # the LinearCaches of Q, K and V (all read u)
+    qkv: LinearCache  # the one product u [W_q W_k W_v] + [b_q b_k b_v]
     attn: CausalAttentionCache
     out: LinearCache
     n_heads: int
@@ -264,26 +264,36 @@ class KernelAttentionCache(NamedTuple):
 def kernel_attention_forward(u, params: dict, config: GPTConfig):
     """The attention branch with its causal attention on ``config.attention_backend`` (the
     FlashAttention kernel for ``"cpu"``, :func:`refmath.attention.causal_attention_forward`): the
-    same function as :func:`refmath.attention.mha_forward` with a causal mask and no dropout."""
+    same function as :func:`refmath.attention.mha_forward` with a causal mask and no dropout.
+
+    Q, K and V all read ``u``, so they come from one product with the three weight matrices side
+    by side: one larger matrix product instead of three, and in the backward one for ``du``
+    instead of three products and two sums."""
     h = config.n_heads
-    heads, projections = [], []
-    for n in "qkv":
-        y, proj = linear_forward(u, params[f"w_{n}"], params[f"b_{n}"])
-        heads.append(split_heads(y, h))
-        projections.append(proj)
-    o, attn = causal_attention_forward(*heads, config.attention_backend)
+    w = np.concatenate([params["w_q"], params["w_k"], params["w_v"]], axis=1)  # (d, 3d)
+    b = np.concatenate([params["b_q"], params["b_k"], params["b_v"]])
+    y, qkv = linear_forward(u, w, b)
+    batch, t, d = u.shape
+    # (B, T, 3, h, d_h) -> (3, B, h, T, d_h): one copy gives the kernel its three head-major blocks
+    q, k, v = np.ascontiguousarray(y.reshape(batch, t, 3, h, -1).transpose(2, 0, 3, 1, 4))
+    o, attn = causal_attention_forward(q, k, v, config.attention_backend)
     y, out = linear_forward(merge_heads(o), params["w_o"], params["b_o"])
-    return y, KernelAttentionCache(tuple(projections), attn, out, h)
+    return y, KernelAttentionCache(qkv, attn, out, h)
 
 
 def kernel_attention_backward(dy, cache: KernelAttentionCache):
     """Gradients of :func:`kernel_attention_forward`: ``(du, dparams)``."""
     d_merged, dw_o, db_o = linear_backward(dy, cache.out)
-    dheads = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
-    grads, du = {"w_o": dw_o, "b_o": db_o}, 0.0
-    for n, dh, proj in zip("qkv", dheads, cache.projections):
-        dx, grads[f"w_{n}"], grads[f"b_{n}"] = linear_backward(merge_heads(dh), proj)
-        du = du + dx  # Q, K and V all read u
+    dq, dk, dv = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
+    batch, h, t, d_h = dq.shape
+    d_y = np.empty((batch, t, 3, h, d_h), dtype=dq.dtype)  # the gradient of u [W_q W_k W_v]
+    for i, dh in enumerate((dq, dk, dv)):
+        d_y[:, :, i] = dh.transpose(0, 2, 1, 3)
+    du, dw, db = linear_backward(d_y.reshape(batch, t, 3 * h * d_h), cache.qkv)
+    grads = {"w_o": dw_o, "b_o": db_o}
+    for n, dw_n, db_n in zip("qkv", np.split(dw, 3, axis=1), np.split(db, 3)):
+        # copied out of dw's column blocks: the optimiser's passes run faster on contiguous rows
+        grads[f"w_{n}"], grads[f"b_{n}"] = np.ascontiguousarray(dw_n), db_n
     return du, grads
 
 
