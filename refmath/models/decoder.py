@@ -91,8 +91,22 @@ def ffn_width(config) -> int:
     return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
 
 
+class SharedWidths:
+    """The widths that M3's and M4's configurations derive alike from their shared fields."""
+
+    @property
+    def query_key_width(self) -> int:
+        """The query/key width per head: ``head_dim``, or ``d_model // n_heads`` by default."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def d_f(self) -> int:
+        """The SwiGLU hidden width."""
+        return ffn_width(self)
+
+
 @dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(SharedWidths):
     """Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``n_kv_heads`` (``g``) defaults to ``n_heads`` (MHA); ``g = 1`` is MQA, anything between that
@@ -156,12 +170,7 @@ class DecoderConfig:
     @property
     def d_h(self) -> int:
         """The head width (queries, keys and values alike)."""
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def d_f(self) -> int:
-        """The SwiGLU hidden width."""
-        return ffn_width(self)
+        return self.query_key_width
 
 
 PRESETS = {

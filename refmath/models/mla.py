@@ -61,11 +61,11 @@ from refmath.models.batch import check_tokens
 from refmath.models.decoder import (
     AttentionOps,
     DecoderCache,
+    SharedWidths,
     check_params,
     check_shared_fields,
     decoder_forward,
     decoder_param_shapes,
-    ffn_width,
     init_decoder_params,
     layer_states,
     lm_forward,
@@ -76,7 +76,7 @@ from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
 @dataclass(frozen=True)
-class MLAConfig:
+class MLAConfig(SharedWidths):
     """Sizes and options of the M4 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``d_c`` is the key/value latent width, ``d_rope`` the width :math:`d_R` of the rotary query and
@@ -135,17 +135,12 @@ class MLAConfig:
     @property
     def d_k(self) -> int:
         """The content query/key width per head."""
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+        return self.query_key_width
 
     @property
     def d_v(self) -> int:
         """The value width per head."""
         return self.d_k if self.v_head_dim is None else self.v_head_dim
-
-    @property
-    def d_f(self) -> int:
-        """The SwiGLU hidden width."""
-        return ffn_width(self)
 
 
 PRESETS = {
