@@ -819,3 +819,52 @@ def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
               str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return directory
+
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def save_tokenizer(directory, tokenizer) -> Path:
+    """Write a :class:`refmath.data.CharTokenizer` into a Hugging Face model directory, so that
+    ``transformers.AutoTokenizer.from_pretrained(directory)`` reads the same ids for the same text.
+
+    ``tokenizer.json`` (the ``tokenizers`` package's format) has one token per character, the four
+    special tokens ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>`` at their refmath ids, and reads a
+    character outside the alphabet as ``<unk>``; ``tokenizer_config.json`` names the generic fast
+    tokenizer class and the special tokens. A ``config.json`` already in the directory (from
+    :func:`save_checkpoint`) gets the special tokens' ids, replacing the defaults of its model
+    type (GPT-2's 50256, for one). Returns the path of ``tokenizer.json``.
+    """
+    from refmath.data import SPECIALS, CharTokenizer
+
+    if not isinstance(tokenizer, CharTokenizer):
+        raise TypeError(f"tokenizer must be a refmath.data.CharTokenizer, got "
+                        f"{type(tokenizer).__name__}")
+    try:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise ImportError("save_tokenizer needs the tokenizers package: pip install "
+                          "'refmath[hf]'") from None
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    vocab.update({c: i for i, c in enumerate(tokenizer.alphabet, start=len(SPECIALS))})
+    out = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[tokenizer.unk_id]))
+    # Every character is a word of its own ([\s\S] matches newlines too); decoding joins them.
+    out.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    out.decoder = decoders.Fuse()
+    out.add_special_tokens(list(SPECIALS))
+    path = directory / TOKENIZER_FILE
+    out.save(str(path))
+    roles = {"pad": tokenizer.pad_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id,
+             "unk": tokenizer.unk_id}
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast",
+                **{f"{role}_token": SPECIALS[i] for role, i in roles.items()}}
+    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    config_path = directory / CONFIG_FILE
+    if config_path.is_file():
+        hf = json.loads(config_path.read_text())
+        hf.update({f"{role}_token_id": roles[role] for role in ("pad", "bos", "eos")})
+        config_path.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return path

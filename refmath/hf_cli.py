@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-TOKENIZER_FILE = "tokenizer.json"
+from refmath.hf import TOKENIZER_FILE
 
 
 def _prompt_ids(text: str) -> np.ndarray:
@@ -96,14 +96,15 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``convert`` options to ``parser`` and set ``run=run_convert``."""
     parser.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT_DIR"), required=True,
                         help="write the model of a 'train' run directory as a Hugging Face model "
-                        "directory (config.json and model.safetensors); OUT_DIR must not already "
-                        "hold a config.json")
+                        "directory (config.json, model.safetensors and the run's character "
+                        "tokenizer as tokenizer.json); OUT_DIR must not already hold a config.json")
     parser.set_defaults(run=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
     """``convert --to-hf RUN_DIR OUT_DIR``; 2 (one line on stderr) when it cannot."""
-    from refmath.hf import CONFIG_FILE, save_checkpoint
+    from refmath.data import make_task
+    from refmath.hf import CONFIG_FILE, save_checkpoint, save_tokenizer
     from refmath.train import load_checkpoint
 
     run_dir, out_dir = (Path(p) for p in args.to_hf)
@@ -112,9 +113,10 @@ def run_convert(args: argparse.Namespace) -> int:
             raise ValueError(f"{out_dir / CONFIG_FILE} exists: choose an empty OUT_DIR")
         ckpt = load_checkpoint(run_dir)
         save_checkpoint(out_dir, ckpt.model, ckpt.config, ckpt.params)
+        save_tokenizer(out_dir, make_task(ckpt.task).tokenizer)
     except (ValueError, TypeError, ImportError) as err:
         print(f"convert: {err}", file=sys.stderr)
         return 2
     print(f"{run_dir} ({ckpt.model}, step {ckpt.step}) -> {out_dir} (config.json, "
-          f"model.safetensors); token ids are the run's own, there is no tokenizer.json")
+          f"model.safetensors, {TOKENIZER_FILE})")
     return 0

@@ -283,6 +283,15 @@ def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path,
     error = relative_error(z, hf_logits(model, tokens))
     print(f"trained {model_name}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
+    # the run's tokenizer went with it: transformers reads the same ids for the same text
+    text = "the cat. a dog\n"
+    ours = make_task(ckpt.task).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs(text)["input_ids"] == ours.encode(text).tolist()
+    assert theirs.decode(ours.encode(text)) == text
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (ours.bos_id, ours.eos_id)
+    assert main(["generate", "--hf", str(out), "--prompt", "the", "--max-new-tokens", "3",
+                 "--greedy"]) == 0
     # and back: the written directory loads into the same parameters
     name, config, params = hf.load_checkpoint(out, dtype=np.float64)
     assert name == model_name
@@ -577,6 +586,23 @@ def test_generate_hf_with_prompt_ids_and_refusals(tmp_path):
     status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1"])
     assert status == 2 and "model_type = 'mixtral' is not supported" in err
     assert err.count("\n") == 1
+
+
+def test_save_tokenizer_keeps_ids_specials_and_unknowns(tmp_path):
+    from tokenizers import Tokenizer
+
+    from refmath.data import SPECIALS, CharTokenizer
+
+    ours = CharTokenizer("ab c.\n")
+    hf.save_tokenizer(tmp_path, ours)
+    theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert theirs.encode("ca b.\nzb").ids == ours.encode("ca b.\nzb", unknown="unk").tolist()
+    assert [theirs.token_to_id(token) for token in SPECIALS] == [ours.pad_id, ours.bos_id,
+                                                                 ours.eos_id, ours.unk_id]
+    assert theirs.encode("<bos>ab<eos>").ids == [ours.bos_id, *ours.encode("ab"), ours.eos_id]
+    assert theirs.decode([ours.bos_id, *ours.encode("a c\n")]) == "a c\n"
+    with pytest.raises(TypeError, match="tokenizer must be a refmath.data.CharTokenizer"):
+        hf.save_tokenizer(tmp_path, "abc")
 
 
 def test_convert_refuses_an_existing_output(tmp_path):
