@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import io
 import json
-import math
 import os
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
