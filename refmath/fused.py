@@ -141,7 +141,10 @@ def swiglu_forward(x, w_gate, w_up, w_down):
         np.abs(gb, out=e)
         np.negative(e, out=e)
         np.exp(e, out=e)
-        sb[...] = np.where(gb >= 0, 1.0, e)
+        # The numerator [g >= 0 ? 1 : e] as max(e, [g >= 0]): e <= 1, so the maximum is 1 where
+        # g >= 0 and e elsewhere (NaN stays NaN), the same values as np.where at a quarter of its
+        # cost, which is slow with a scalar operand.
+        np.maximum(e, gb >= 0, out=sb)
         e += 1.0
         sb /= e
         np.multiply(gb, sb, out=e)  # SiLU(g)

@@ -82,3 +82,18 @@ def test_layernorm_equals_the_reference_bit_for_bit(dtype):
     for got, want in zip(fused.layernorm_backward(dy, cache), norms.layernorm_backward(dy, cache_ref)):
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
+
+
+def test_swiglu_nan_and_zero_gates_match_the_reference():
+    # The fused sigmoid picks its numerator by a maximum instead of np.where: a NaN gate must
+    # still give NaN, and a zero gate the value 1/2, as in refmath.ffn.
+    from refmath import ffn, fused
+
+    x = np.array([[1.0, 0.0], [0.0, 1.0], [np.nan, 0.0]])
+    w_gate = np.array([[0.0, -0.0, 3.0], [-2.0, 0.5, 0.0]])
+    w_up, w_down = np.ones((2, 3)), np.ones((3, 2))
+    want, cache_ref = ffn.swiglu_forward(x, w_gate, w_up, w_down)
+    got, cache = fused.swiglu_forward(x, w_gate, w_up, w_down)
+    np.testing.assert_array_equal(cache.gate.sig, cache_ref.gate.sig)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[2]).all() and cache.gate.sig[0, 0] == 0.5
