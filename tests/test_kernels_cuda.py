@@ -632,6 +632,7 @@ DECODE_CASES = [  # (B, H, G, D, lengths, T_max)
     (2, 4, 2, 40, (5, 77), 80),   # 16-byte copies for float32 and float16 (40 % 8 == 0), D < D_MAX
     (2, 6, 3, 20, (33, 64), 64),  # 16-byte copies for float32 only (20 % 8 != 0)
     (1, 2, 1, 7, (70,), 70),      # rows that never start on 16 bytes: element copies
+    (2, 6, 1, 256, (45, 9), 64),  # D_MAX = 256; 6 of a block's 8 heads; tiles ending mid-slice
 ]
 
 
