@@ -45,14 +45,27 @@ struct BwdLayout {
     static constexpr int kKVFloats = kBlockKB * kKVStride;
     static constexpr int kQFloats = kBlockQB * D_MAX;
     static constexpr int kPFloats = kBlockQB * kBlockKB;
-    // k_s, v_s, q_s, do_s, p_s, ds_s, lse_s, delta_s
+    // k_s, v_s, q_s, do_s, p_s, ds_s, lse_s, delta_s, seen_s (one 32-bit mask per row)
     static constexpr std::size_t kBytes =
-        sizeof(float) * (2 * kKVFloats + 2 * kQFloats + 2 * kPFloats + 2 * kBlockQB);
+        sizeof(float) * (2 * kKVFloats + 2 * kQFloats + 2 * kPFloats + 3 * kBlockQB);
+    // The blocks per SM that the kernels ask ptxas for (__launch_bounds__). Left to itself,
+    // ptxas picks a register count by its own occupancy heuristic, and for dK/dV at D = 64 and dQ
+    // at D = 128 it shaved the last few registers by spilling (CUDA 13, sm_90). Told an occupancy,
+    // it fits the registers to it without spilling. The request: as many blocks as these tiles let
+    // an sm_90 SM hold anyway (228 KB of shared memory, 1 KB reserved per block: D = 128 gives 4,
+    // D = 256 gives 2, so those get every register that occupancy leaves), and no more than ptxas
+    // chose by itself where registers were the limit (9 blocks, 56 registers, at D = 32; 7 blocks,
+    // 72 registers, at D = 64): no kernel runs fewer blocks per SM than before.
+    static constexpr int kSharedBlocks = static_cast<int>((228 * 1024) / (kBytes + 1024));
+    static constexpr int kRegisterBlocks = D_MAX <= 32 ? 9 : 7;
+    static constexpr int kMinBlocks = kSharedBlocks < kRegisterBlocks ? kSharedBlocks : kRegisterBlocks;
+    static_assert(kMinBlocks >= 1, "the tiles must fit in one SM's shared memory");
 };
 
 template <int D_MAX>
 struct BwdShared {
     float *k, *v, *q, *dout, *p, *ds, *lse, *delta;
+    unsigned* seen;  // seen[row]: bit j set if the pair (row, key j) of the tile is visible
     __device__ explicit BwdShared(float* base) {
         using L = BwdLayout<D_MAX>;
         k = base;
@@ -63,6 +76,7 @@ struct BwdShared {
         ds = p + L::kPFloats;
         lse = ds + L::kPFloats;
         delta = lse + kBlockQB;
+        seen = reinterpret_cast<unsigned*>(delta + kBlockQB);
     }
 };
 
@@ -117,6 +131,9 @@ __device__ bool load_key_tile(const BwdShared<D_MAX>& sm, const float* k_head, c
 
 // Phase 1 of a tile step: for the warp's 4 rows and key j0 + lane, P and dS into shared memory
 // (P only if write_p). Keys >= j_end, rows >= t_q and pairs outside the band get P = dS = 0.
+// Which pairs are visible is also kept, one bit per key in seen[row] (a warp ballot): phase 2
+// needs it when a tile holds an infinite or NaN input, and a bit test there costs less (in
+// instructions and in live registers) than evaluating the band again for every pair.
 template <int D_MAX>
 __device__ void weights_and_score_gradients(const BwdShared<D_MAX>& sm, const Band& band, int i0,
                                             int j0, int j_end, float scale, bool write_p) {
@@ -148,6 +165,8 @@ __device__ void weights_and_score_gradients(const BwdShared<D_MAX>& sm, const Ba
         if (seen && sm.lse[il] != -INFINITY) p = expf(s[rr] * scale - sm.lse[il]);
         if (write_p) sm.p[il * kBlockKB + lane] = p;
         sm.ds[il * kBlockKB + lane] = seen ? p * (dp[rr] - sm.delta[il]) : 0.0f;
+        const unsigned mask = __ballot_sync(0xffffffffu, seen);
+        if (lane == 0) sm.seen[il] = mask;
     }
 }
 
@@ -166,7 +185,7 @@ backward_delta_kernel(const float* __restrict__ dout, const float* __restrict__ 
 
 // 2. dK, dV for one (batch, key/value head, key tile).
 template <int D_MAX>
-__global__ void __launch_bounds__(kThreadsB)
+__global__ void __launch_bounds__(kThreadsB, BwdLayout<D_MAX>::kMinBlocks)
 backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
                      const float* __restrict__ v, const float* __restrict__ dout,
                      const float* __restrict__ lse, const float* __restrict__ delta,
@@ -215,12 +234,11 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
                     qv[cc] = sm.q[il * D_MAX + lane + cc * kWarpSize];
                     dov[cc] = sm.dout[il * D_MAX + lane + cc * kWarpSize];
                 }
+                const unsigned seen = sm.seen[il];
 #pragma unroll
                 for (int jj = 0; jj < kKeysPerWarpB; ++jj) {
                     const int jl = warp * kKeysPerWarpB + jj;
-                    if (only_visible && !(i0 + il < band.t_q && j0 + jl < j1 &&
-                                          band.visible(i0 + il, j0 + jl)))
-                        continue;
+                    if (only_visible && !((seen >> jl) & 1u)) continue;
                     const float p = sm.p[il * kBlockKB + jl], ds = sm.ds[il * kBlockKB + jl];
 #pragma unroll
                     for (int cc = 0; cc < kCols; ++cc) {
@@ -250,7 +268,7 @@ backward_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
 
 // 3. dQ for one (batch, query head, query tile).
 template <int D_MAX>
-__global__ void __launch_bounds__(kThreadsB)
+__global__ void __launch_bounds__(kThreadsB, BwdLayout<D_MAX>::kMinBlocks)
 backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
                    const float* __restrict__ v, const float* __restrict__ dout,
                    const float* __restrict__ lse, const float* __restrict__ delta,
@@ -295,8 +313,7 @@ backward_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
             for (int cc = 0; cc < kCols; ++cc) kv[cc] = sm.k[jl * kStride + lane + cc * kWarpSize];
 #pragma unroll
             for (int rr = 0; rr < kRowsPerWarpB; ++rr) {
-                const int i = i0 + warp * kRowsPerWarpB + rr;
-                if (only_visible && !(i < i1 && j0 + jl < hi && band.visible(i, j0 + jl))) continue;
+                if (only_visible && !((sm.seen[warp * kRowsPerWarpB + rr] >> jl) & 1u)) continue;
                 const float ds = sm.ds[(warp * kRowsPerWarpB + rr) * kBlockKB + jl];
 #pragma unroll
                 for (int cc = 0; cc < kCols; ++cc) dq_acc[rr][cc] += ds * kv[cc];  // dQ_i += dS_ij k_j

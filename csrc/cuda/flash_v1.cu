@@ -15,7 +15,9 @@
 // K/V element is fetched once per query row that uses it (the 32 threads of a warp read the same
 // row at the same time, which the L1 cache turns into one transaction, but different warps fetch
 // it again); each key costs two exponentials; and for D = 128 the two register arrays (q and u,
-// 256 floats) exceed the register file, so part of them lives in (cached) local memory.
+// 256 floats) exceed the 255 registers a thread may have, so part of them lives in (cached) local
+// memory. That spill is the lesson, not an accident: benchmarks/ptxas_spills.sh lists it (D_MAX =
+// 128 and 256) as its one allowed spill, with this reason.
 // Version 2 stages K/V tiles in shared memory and shares them between a block of query rows.
 #include "attention_common.cuh"
 

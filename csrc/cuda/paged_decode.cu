@@ -10,9 +10,20 @@
 //
 // Kernel 1, one block per (sequence b, key/value head g, chunk of up to 8 query heads, split s).
 // The block takes the query heads of g's GQA group (up to 8 of them), so every K/V element it
-// loads serves all of them. Its structure is flash_v2's with the group's query heads as the rows:
-// 32-key tiles staged in shared memory, lane j computes the scores of key j for the warp's rows,
-// warp shuffles reduce max and sum, lane c accumulates output columns c, c + 32, ...
+// loads serves all of them. It walks its tokens in 32-key tiles staged in shared memory.
+//
+// What changed from the previous version of this kernel, and why: it gave each warp two of the 8
+// heads and all 32 keys of a tile, so each of the 4 warps read the whole K and V tile from shared
+// memory (4 reads of every byte, and as many shuffles and exponentials per key as heads per warp).
+// Now a tile is split across the warps instead (csrc/cuda/decode_layout.h): warp w takes keys
+// 8w .. 8w + 7 of the tile for all 8 heads, so each K/V byte is read from shared memory once per
+// block. Within a warp, the 4 lanes of a key each sum a quarter of its dot products (consecutive
+// 32-bit words, two shuffles to add them), and lane c accumulates output columns c, c + 32, ...
+// of the slice's P V. Each warp keeps its own running state (m, l, u) per head over the tiles;
+// the 4 warps' states are merged once, at the end, through shared memory (F3, the same formula
+// as the second kernel's merge of splits). What is left: the tile still goes through shared memory
+// and a block barrier per tile; loading each warp's slice straight into registers (as vLLM's
+// paged attention does) would drop both.
 //
 // Paging: token j of sequence b lives in physical page page_table[b, j / page_size], slot
 // j % page_size, and the layout (n_pages, G, page_size, D) keeps the page_size x D keys of one
@@ -29,24 +40,40 @@
 // table [[0], [1], ..., [B - 1]]. Splits are runs of consecutive tokens (multiples of the tile),
 // not of pages, so a contiguous cache splits as well as a paged one.
 #include "attention_common.cuh"
+#include "decode_layout.h"
 
 namespace refmath_cuda {
 namespace {
 
-constexpr int kWarpsD = 4;
-constexpr int kThreadsD = kWarpsD * kWarpSize;
-constexpr int kRowsPerWarpD = 2;
-constexpr int kHeadsPerBlockD = kWarpsD * kRowsPerWarpD;  // 8 query heads per block
-constexpr int kBlockKD = kWarpSize;                       // 32 keys per tile
+constexpr int kWarpsD = decode::kWarps;
+constexpr int kThreadsD = decode::kThreads;
+constexpr int kHeadsPerBlockD = decode::kHeads;  // 8 query heads per block
+constexpr int kBlockKD = decode::kBlockK;        // 32 keys per tile
+static_assert(kThreadsD == kWarpsD * kWarpSize, "decode_layout.h and the warp size agree");
 
 template <typename T, int D_MAX>
 struct DecodeLayout {
-    static constexpr int kKStride = D_MAX + static_cast<int>(4 / sizeof(T));  // see flash_v2
+    static constexpr int kRowWords = D_MAX * static_cast<int>(sizeof(T)) / 4;  // 32-bit words per row
+    // K rows padded by 16 bytes (decode_layout.h: bank-conflict-free score reads; rows stay
+    // 16-byte aligned, so the copy stores 16 bytes at a time).
+    static constexpr int kKStride = decode::k_stride_words(kRowWords) * 4 / static_cast<int>(sizeof(T));
     static constexpr std::size_t kQBytes = sizeof(float) * kHeadsPerBlockD * D_MAX;
     static constexpr std::size_t kKBytes = sizeof(T) * kBlockKD * kKStride;
     static constexpr std::size_t kVBytes = sizeof(T) * kBlockKD * D_MAX;
     static constexpr std::size_t kPBytes = sizeof(float) * kHeadsPerBlockD * kBlockKD;
     static constexpr std::size_t kBytes = kQBytes + kKBytes + kVBytes + kPBytes;
+    // After the last tile the K/V area holds the warps' accumulators for the merge.
+    static constexpr std::size_t kMergeBytes = sizeof(float) * kWarpsD * kHeadsPerBlockD * D_MAX;
+    static_assert(kMergeBytes <= kKBytes + kVBytes, "the warps' states fit where the tiles were");
+    static_assert(kRowWords % decode::kLanesPerKey == 0, "whole words per lane of a key");
+    // Blocks per SM asked of ptxas (__launch_bounds__; 0: no request). Each lane holds u for all
+    // 8 heads, 8 x D / 32 floats (32 at D = 128: 4 times the previous version's 2 heads per warp),
+    // and registers, not shared memory, bound the blocks per SM. Left to itself ptxas picks the
+    // register count by its own occupancy heuristic, and at D = 128 it spilled 4 bytes to reach
+    // it (CUDA 13, sm_90); asked for 6 blocks (80 registers) it spills nothing. At D = 32, 10
+    // blocks (48 registers: the ~10 per SM that kernels._auto_splits aims at) fit without a
+    // spill; at D = 64 (72 registers, 7 blocks) and 256 (128, 4) its own choice is kept.
+    static constexpr int kMinBlocks = D_MAX == 32 ? 10 : D_MAX == 128 ? 6 : 0;
 };
 
 struct PagedCache {
@@ -71,18 +98,16 @@ __device__ inline std::int64_t locate_row(const PagedCache& cache, int b, int g,
 }
 
 // Copy the tile's 32 key and value rows into shared memory with 16-byte loads (head_dim a multiple
-// of 16 / sizeof(T), the pools 16-byte aligned: the launcher checks). Chunk i of the tile is row
-// i / V, 16-byte piece i % V (V pieces per row): consecutive threads read consecutive pieces of a
-// row, and all of a thread's loads are issued before the first store, so that a block has the
-// tile (up to 2 pieces of K and 2 of V per thread at a time: 8 KB per block) in flight instead of
-// one row per warp.
+// of 16 / sizeof(T), the pools 16-byte aligned: the launcher checks). Piece i of the tile is
+// decode::copy_piece(i): consecutive threads read consecutive pieces of a row, and a thread issues
+// its loads before its stores, so that the block has the tile (up to 2 pieces of K and 2 of V per
+// thread at a time: 8 KB per block) in flight instead of one row per warp.
 template <typename T, int D_MAX, int K_STRIDE>
 __device__ inline void copy_tile_vectors(T* __restrict__ k_s, T* __restrict__ v_s,
                                          const T* __restrict__ k_pages, const T* __restrict__ v_pages,
                                          const std::int64_t* at, int head_dim, int* poisoned) {
     constexpr int kVec = 16 / sizeof(T);                   // elements per 16-byte piece
-    constexpr int kPieces = kBlockKD * (D_MAX / kVec);     // pieces of a tile at head_dim = D_MAX
-    constexpr int kPerThread = (kPieces + kThreadsD - 1) / kThreadsD;
+    constexpr int kPerThread = decode::copy_rounds(D_MAX / kVec);  // at head_dim = D_MAX
     // K and V pieces loaded before the first store: two where a thread copies four or more (more
     // made ptxas spill at D = 128), one for the small tiles (two spilled at float32, D = 32).
     constexpr int kBatch = kPerThread >= 4 ? 2 : 1;
@@ -91,28 +116,20 @@ __device__ inline void copy_tile_vectors(T* __restrict__ k_s, T* __restrict__ v_
         uint4 kx[kBatch], vx[kBatch];
 #pragma unroll
         for (int i = 0; i < kBatch; ++i) {
-            const int piece = threadIdx.x + (i0 + i) * kThreadsD;
-            const int r = piece / pieces_per_row, c = (piece % pieces_per_row) * kVec;
+            const decode::RowPiece rp = decode::copy_piece(threadIdx.x + (i0 + i) * kThreadsD, pieces_per_row);
             kx[i] = vx[i] = make_uint4(0, 0, 0, 0);
-            if (r < kBlockKD && at[r] >= 0) {
-                kx[i] = *reinterpret_cast<const uint4*>(k_pages + at[r] + c);
-                vx[i] = *reinterpret_cast<const uint4*>(v_pages + at[r] + c);
+            if (rp.row < kBlockKD && at[rp.row] >= 0) {
+                kx[i] = *reinterpret_cast<const uint4*>(k_pages + at[rp.row] + rp.piece * kVec);
+                vx[i] = *reinterpret_cast<const uint4*>(v_pages + at[rp.row] + rp.piece * kVec);
             }
         }
 #pragma unroll
         for (int i = 0; i < kBatch; ++i) {
-            const int piece = threadIdx.x + (i0 + i) * kThreadsD;
-            const int r = piece / pieces_per_row, c = (piece % pieces_per_row) * kVec;
-            if (r >= kBlockKD) continue;
-            if (at[r] == kBadPage && c == 0) atomicOr(poisoned, 1);
-            // K rows are padded by 4 bytes (bank conflicts of the score loop), so they take 4-byte
-            // stores; V rows are not padded and take one 16-byte store.
-            std::uint32_t* k_row = reinterpret_cast<std::uint32_t*>(k_s + r * K_STRIDE + c);
-            k_row[0] = kx[i].x;
-            k_row[1] = kx[i].y;
-            k_row[2] = kx[i].z;
-            k_row[3] = kx[i].w;
-            *reinterpret_cast<uint4*>(v_s + r * D_MAX + c) = vx[i];
+            const decode::RowPiece rp = decode::copy_piece(threadIdx.x + (i0 + i) * kThreadsD, pieces_per_row);
+            if (rp.row >= kBlockKD) continue;
+            if (at[rp.row] == kBadPage && rp.piece == 0) atomicOr(poisoned, 1);
+            *reinterpret_cast<uint4*>(k_s + rp.row * K_STRIDE + rp.piece * kVec) = kx[i];
+            *reinterpret_cast<uint4*>(v_s + rp.row * D_MAX + rp.piece * kVec) = vx[i];
         }
     }
     // Columns head_dim .. D_MAX - 1 are read by the score and P V loops: zeros.
@@ -143,14 +160,47 @@ __device__ inline void copy_tile_elements(T* k_s, T* v_s, const T* k_pages, cons
     }
 }
 
+// One 32-bit word of a K row as floats: 2 columns of a 16-bit type, 1 of float32.
+__device__ inline float2 word_to_float2(std::uint32_t w, const __half*) {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);
+}
+__device__ inline float2 word_to_float2(std::uint32_t w, const __nv_bfloat16*) {
+    __nv_bfloat162 h;
+    memcpy(&h, &w, sizeof(h));
+    return __bfloat1622float2(h);
+}
+
+// Sum of the kLanesPerKey partial dot products of a key (every lane of the group gets the same
+// sum: each adds the same terms, and float addition is commutative), and the maximum and sum over
+// the keys of the warp's slice (lanes kLanesPerKey apart; the lanes of a group hold equal values).
+__device__ inline float key_sum(float x) {
+    for (int offset = 1; offset < decode::kLanesPerKey; offset *= 2)
+        x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+__device__ inline float slice_max(float x) {  // NaN if any key's x is NaN
+    for (int offset = decode::kLanesPerKey; offset < kWarpSize; offset *= 2)
+        x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+__device__ inline float slice_sum(float x) {
+    for (int offset = decode::kLanesPerKey; offset < kWarpSize; offset *= 2)
+        x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
 template <typename T, int D_MAX>
-__global__ void __launch_bounds__(kThreadsD)
+__global__ void __launch_bounds__(kThreadsD, DecodeLayout<T, D_MAX>::kMinBlocks)
 decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
                     const T* __restrict__ v_pages, PagedCache cache, float* __restrict__ workspace,
                     int heads, int group, int head_dim, int splits, int head_chunks, float scale,
                     bool vector_loads) {
     using L = DecodeLayout<T, D_MAX>;
-    constexpr int kCols = D_MAX / kWarpSize;
+    constexpr int kCols = D_MAX / kWarpSize;        // P V columns per lane
+    constexpr int kWords = decode::score_words_per_lane(L::kRowWords);  // K words per lane
+    constexpr int kH = kHeadsPerBlockD;
     extern __shared__ __align__(16) unsigned char smem[];
     float* q_s = reinterpret_cast<float*>(smem);                                          // [8][D_MAX]
     T* k_s = reinterpret_cast<T*>(smem + L::kQBytes);                                     // [32][kKStride]
@@ -158,6 +208,10 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     float* p_s = reinterpret_cast<float*>(smem + L::kQBytes + L::kKBytes + L::kVBytes);  // [8][32]
     __shared__ int poisoned;
     __shared__ std::int64_t row_at[2][kBlockKD];  // element offset of each tile row (see locate_row)
+    // Each warp's running m and l per head. They are the same in every lane of the warp, so they
+    // live here rather than in 16 registers of every lane (registers bound this kernel's blocks
+    // per SM); the merge at the end reads them from here too.
+    __shared__ float m_s[kWarpsD][kH], l_s[kWarpsD][kH];
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     int rest = blockIdx.x;
@@ -166,8 +220,8 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     const int chunk = rest % head_chunks;
     rest /= head_chunks;
     const int g = rest % cache.kv_heads, b = rest / cache.kv_heads;
-    const int h0 = g * group + chunk * kHeadsPerBlockD;           // first query head of the block
-    const int n_rows = imin(kHeadsPerBlockD, group - chunk * kHeadsPerBlockD);
+    const int h0 = g * group + chunk * kH;           // first query head of the block
+    const int n_rows = imin(kH, group - chunk * kH);
 
     int length = cache.lengths[b];
     const int capacity = cache.max_pages * cache.page_size;  // <= 2**30, checked by the launcher
@@ -178,20 +232,25 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
     const int t0 = imin(split * run, length), t1 = imin(t0 + run, length);
 
     const T* q_block = q + (static_cast<std::int64_t>(b) * heads + h0) * head_dim;
-    for (int idx = threadIdx.x; idx < kHeadsPerBlockD * D_MAX; idx += kThreadsD) {
+    for (int idx = threadIdx.x; idx < kH * D_MAX; idx += kThreadsD) {
         const int r = idx / D_MAX, c = idx % D_MAX;
         q_s[idx] = (r < n_rows && c < head_dim) ? to_float(q_block[r * head_dim + c]) * scale : 0.0f;
     }
 
-    float m[kRowsPerWarpD], l[kRowsPerWarpD], acc[kRowsPerWarpD][kCols];
+    // This warp's running state for every head of the block, over the keys of its slices of all
+    // the tiles so far: m and l in m_s, l_s, and the lane's columns of u here.
+    float acc[kH][kCols];
 #pragma unroll
-    for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
-        m[rr] = -INFINITY;
-        l[rr] = 0.0f;
+    for (int h = 0; h < kH; ++h)
 #pragma unroll
-        for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] = 0.0f;
+        for (int cc = 0; cc < kCols; ++cc) acc[h][cc] = 0.0f;
+    if (lane < kH) {  // seen by the warp after the loop's first barrier
+        m_s[warp][lane] = -INFINITY;
+        l_s[warp][lane] = 0.0f;
     }
-    const int row0 = warp * kRowsPerWarpD;
+    // The tile row this lane scores (a quarter of it: words score_word(lane, 0..kWords - 1)).
+    const int my_key = decode::slice_begin(warp, kBlockKD) + decode::lane_key(lane);
+    const std::uint32_t* k_words = reinterpret_cast<const std::uint32_t*>(k_s + my_key * L::kKStride);
 
     // Where the rows of the first tile are (row_at[0]); each tile then locates the next one's.
     if (threadIdx.x < kBlockKD) row_at[0][threadIdx.x] = locate_row(cache, b, g, head_dim, t0 + threadIdx.x, t1);
@@ -208,66 +267,99 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_pages,
             copy_tile_elements<T, D_MAX, L::kKStride>(k_s, v_s, k_pages, v_pages, at, head_dim, &poisoned);
         __syncthreads();
 
-        float s[kRowsPerWarpD];
+        // Scores of key my_key against every head: this lane's quarter of each dot product.
+        float s[kH];
 #pragma unroll
-        for (int rr = 0; rr < kRowsPerWarpD; ++rr) s[rr] = 0.0f;
-        const T* k_row = k_s + lane * L::kKStride;
+        for (int h = 0; h < kH; ++h) s[h] = 0.0f;
 #pragma unroll 4
-        for (int c = 0; c < D_MAX; ++c) {
-            const float kc = to_float(k_row[c]);
+        for (int i = 0; i < kWords; ++i) {
+            const int w = decode::score_word(lane, i);
+            if constexpr (sizeof(T) == 4) {
+                const float kc = __uint_as_float(k_words[w]);
 #pragma unroll
-            for (int rr = 0; rr < kRowsPerWarpD; ++rr) s[rr] += q_s[(row0 + rr) * D_MAX + c] * kc;
-        }
-
-        const int j = j0 + lane;
+                for (int h = 0; h < kH; ++h) s[h] += q_s[h * D_MAX + w] * kc;
+            } else {
+                const float2 kc = word_to_float2(k_words[w], k_s);
 #pragma unroll
-        for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
-            const float score = j < t1 ? s[rr] : -INFINITY;
-            const float m_new = nan_max(m[rr], warp_max(score));  // NaN in, NaN out
-            float p = 0.0f;
-            if (m_new != -INFINITY) {  // the same in every lane
-                const float correction = expf(m[rr] - m_new);
-                p = expf(score - m_new);
-                l[rr] = l[rr] * correction + warp_sum(p);
-#pragma unroll
-                for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] *= correction;
-                m[rr] = m_new;
+                for (int h = 0; h < kH; ++h) {
+                    const float2 qc = *reinterpret_cast<const float2*>(q_s + h * D_MAX + 2 * w);
+                    s[h] += qc.x * kc.x + qc.y * kc.y;
+                }
             }
-            p_s[(row0 + rr) * kBlockKD + lane] = p;
         }
-        __syncwarp();
 
-        for (int jj = 0; jj < kBlockKD; ++jj) {
+        // Online softmax over the warp's slice (F2, F3), head by head.
+        const int n = imin(t1 - j0, kBlockKD);  // valid keys (the split's last tile may end mid-slice)
+        const bool valid = my_key < decode::slice_end(warp, n);
+#pragma unroll
+        for (int h = 0; h < kH; ++h) {
+            const float m_old = m_s[warp][h];
+            const float score = valid ? key_sum(s[h]) : -INFINITY;
+            const float m_new = nan_max(m_old, slice_max(score));  // NaN in, NaN out
+            float p = 0.0f;
+            if (m_new != -INFINITY) {  // the same in every lane of the warp
+                const float correction = expf(m_old - m_new);
+                p = expf(score - m_new);
+                const float l_new = l_s[warp][h] * correction + slice_sum(p);
+#pragma unroll
+                for (int cc = 0; cc < kCols; ++cc) acc[h][cc] *= correction;
+                __syncwarp();  // every lane has read m_old and l before lane 0 replaces them
+                if (lane == 0) {
+                    m_s[warp][h] = m_new;
+                    l_s[warp][h] = l_new;
+                }
+            }
+            if (decode::lane_part(lane) == 0) p_s[h * kBlockKD + my_key] = p;
+        }
+        __syncwarp();  // the warp reads back only its own slice of p_s
+
+        // u += P V over the slice's valid rows: each V row of the tile is read by one warp.
+        const int r_end = decode::slice_end(warp, n);
+        for (int r = decode::slice_begin(warp, n); r < r_end; ++r) {
             float vj[kCols];
 #pragma unroll
-            for (int cc = 0; cc < kCols; ++cc) vj[cc] = to_float(v_s[jj * D_MAX + lane + cc * kWarpSize]);
+            for (int cc = 0; cc < kCols; ++cc) vj[cc] = to_float(v_s[r * D_MAX + decode::pv_column(lane, cc)]);
 #pragma unroll
-            for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
-                const float p = p_s[(row0 + rr) * kBlockKD + jj];
+            for (int h = 0; h < kH; ++h) {
+                const float p = p_s[h * kBlockKD + r];
 #pragma unroll
-                for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] += p * vj[cc];
+                for (int cc = 0; cc < kCols; ++cc) acc[h][cc] += p * vj[cc];
             }
         }
     }
-    __syncthreads();  // `poisoned` is final
+    __syncthreads();  // `poisoned` is final, and no warp reads the tiles any more
+
+    // Merge the 4 warps' states (F3) through shared memory, where the K/V tiles were.
+    float* u_s = reinterpret_cast<float*>(smem + L::kQBytes);  // [kWarps][kH][D_MAX]
+#pragma unroll
+    for (int h = 0; h < kH; ++h)
+#pragma unroll
+        for (int cc = 0; cc < kCols; ++cc)
+            u_s[(warp * kH + h) * D_MAX + decode::pv_column(lane, cc)] = acc[h][cc];
+    __syncthreads();
     const bool bad = poisoned != 0;
 
     // The partial state of this split, unnormalised: (m, l, u) for each of the block's heads.
+    for (int i = threadIdx.x; i < n_rows * head_dim; i += kThreadsD) {
+        const decode::HeadColumn hc = decode::merge_item(i, head_dim);
+        float big_m = -INFINITY;
 #pragma unroll
-    for (int rr = 0; rr < kRowsPerWarpD; ++rr) {
-        const int row = row0 + rr;
-        if (row >= n_rows) continue;
+        for (int w = 0; w < kWarpsD; ++w) big_m = nan_max(big_m, m_s[w][hc.head]);
+        float big_l = 0.0f, u = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarpsD; ++w) {
+            // exp(m_w - M); 0 for every warp when none saw a key (M = -inf), NaN when M is NaN
+            const float weight = big_m == -INFINITY ? 0.0f : expf(m_s[w][hc.head] - big_m);
+            big_l += weight * l_s[w][hc.head];
+            u += weight * u_s[(w * kH + hc.head) * D_MAX + hc.column];
+        }
         float* part = workspace +
-                      ((static_cast<std::int64_t>(b) * heads + h0 + row) * splits + split) * (head_dim + 2);
-        if (lane == 0) {
-            part[0] = bad ? 0.0f : m[rr];
-            part[1] = bad ? NAN : l[rr];
+                      ((static_cast<std::int64_t>(b) * heads + h0 + hc.head) * splits + split) * (head_dim + 2);
+        if (hc.column == 0) {
+            part[0] = bad ? 0.0f : big_m;
+            part[1] = bad ? NAN : big_l;
         }
-#pragma unroll
-        for (int cc = 0; cc < kCols; ++cc) {
-            const int c = lane + cc * kWarpSize;
-            if (c < head_dim) part[2 + c] = bad ? NAN : acc[rr][cc];
-        }
+        part[2 + hc.column] = bad ? NAN : u;
     }
 }
 
@@ -283,7 +375,9 @@ decode_merge_kernel(const float* __restrict__ workspace, T* __restrict__ o, std:
     const float* parts = workspace + row * splits * width;
 
     float big_m = -INFINITY;
-    for (int s = 0; s < splits; ++s) big_m = fmaxf(big_m, parts[s * width]);
+    // nan_max, not fmaxf: a split whose keys held a NaN has m = NaN, and fmaxf would drop it
+    // (with one split, M = -inf would then give o = 0 instead of NaN).
+    for (int s = 0; s < splits; ++s) big_m = nan_max(big_m, parts[s * width]);
     // exp(m_s - M) for each split; 0 for all of them when no split saw a key (M = -inf).
     auto weight = [&](int s) { return big_m == -INFINITY ? 0.0f : expf(parts[s * width] - big_m); };
     float big_l = 0.0f;
