@@ -632,11 +632,12 @@ def _multiprocessors(device_id: int) -> int:
 
 
 def _auto_splits(cp, batch: int, kv_heads: int, group: int, capacity: int) -> int:
-    """Enough split-K chunks to give each multiprocessor about ten blocks (a 16-bit decode block
-    at D = 128 holds 22 KB of shared memory, so ten fit beside each other; each keeps one 32-key
+    """Enough split-K chunks to give each multiprocessor about ten blocks (each keeps one 32-key
     tile of loads in flight, and it takes several to cover the memory latency), but none shorter
     than 256 tokens (where the merge would start to cost more than the parallelism buys), and at
-    most 256."""
+    most 256. Registers bound how many decode blocks run at once (csrc/cuda/paged_decode.cu,
+    ``kMinBlocks``: 10 at D = 32, 7 at D = 64, 6 at D = 128, 4 at D = 256), so at the wider heads
+    the ten per multiprocessor run in waves."""
     blocks = batch * kv_heads * -(-group // _DECODE_HEADS_PER_BLOCK)
     wanted = -(-_DECODE_BLOCKS_PER_SM * _multiprocessors(cp.cuda.Device().id) // max(blocks, 1))
     return int(max(1, min(wanted, -(-capacity // 256), 256)))
