@@ -2,6 +2,7 @@
 cached rows are prefix invariant (K1), RoPE keys are cached rotated (K3), query-key pair counts (K4,
 K5), MLA's absorbed and expanded paths and its latent cache (K8, K9), sampling, sizes, bad input."""
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -508,11 +509,16 @@ def test_backends_the_caches_cannot_take(monkeypatch):
 
 # ---- backend="cuda": the cache in GPU memory -----------------------------------------------------
 
-def cuda_or_skip():
-    """CuPy and a usable GPU, or a skip (a failure under REFMATH_REQUIRE_GPU=1, as in
-    tests/test_kernels_cuda.py)."""
-    from tests.test_kernels import skip_cuda
+def skip_cuda(reason):
+    """A skip for want of CUDA, which is a failure under REFMATH_REQUIRE_GPU=1 (set by
+    benchmarks/gpu_check.sh, as for tests/test_kernels_cuda.py)."""
+    if os.environ.get("REFMATH_REQUIRE_GPU", "").strip().lower() in ("1", "true", "yes", "on"):
+        pytest.fail(f"REFMATH_REQUIRE_GPU=1, but {reason}", pytrace=False)
+    pytest.skip(reason)
 
+
+def cuda_or_skip():
+    """CuPy and a usable GPU, or :func:`skip_cuda`."""
     if not kc.kernels.cuda_available():
         skip_cuda(kc.kernels.cuda_build_info())
     try:
