@@ -21,7 +21,8 @@
 # | `kv_cache_bytes_per_token`, `kv_cache_bytes`, `mla_cache_bytes_per_token` (after the checks) | `refmath/sizing.py` | K6, K7, K9 |
 #
 # `prefill`, `decode_step`, `generate_cached` and the decoder's full forward are given. Only the
-# NumPy path of `_cached_attention` is graded (the `cpu` backend branch may stay out).
+# NumPy path of `_cached_attention` is graded (the `cpu` and `cuda` backend branches, and the
+# `xp`/`to_host` moves between host and GPU memory, may stay out).
 #
 # Public tests: `python -m pytest -q tests`. The hidden tests compare every logit of prefill and
 # decode with the full causal forward, the sampled tokens with naive regeneration, the paged cache's

@@ -113,7 +113,6 @@ def _array_module(backend: str):
     return cupy
 
 
-
 class _Contiguous:
     """What both caches share: arrays with the layer first and the batch second, a capacity
     ``max_len`` (the position axis) and a fill level ``length``."""
