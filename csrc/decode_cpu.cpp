@@ -16,8 +16,8 @@
 //   requested from memory while this one is computed, spread over its loops.
 //
 // A block is given as one pointer per key (to its key row and its value row), so a paged cache costs
-// the same as a contiguous one: a block may gather keys from several small pages, and a large page
-// may be cut across blocks, with no special case in the arithmetic.
+// the same as a contiguous one: a block may gather keys from several pages, and a page may be cut
+// across blocks, with no special case in the arithmetic.
 #include "decode_cpu.h"
 
 #include <algorithm>
@@ -272,16 +272,10 @@ struct PagedCache {
             k = c.k + offset;
             v = c.v + offset;
         }
-        // A block ends at a page's end once it holds kBlock / 2 keys or more: with pages of 16 keys,
-        // one page per block. Then each fold reads one run of key rows and one of value rows, and
-        // the folds of an item, head after head (see decode_with), read each page of the pool from
-        // its start to its end. With blocks of 32 keys, two pages each, each fold read two runs of
-        // each, 64 KiB or more apart: the paged decode took 10-20% longer so (2 threads, 4k, 32k
-        // and 128k keys, page size 16, D = 128; paged_decode_cpu called from C++, 5-12 turns).
         void fill(KeyBlock& blk) {
             const idx D = cache->D;
             blk.n = 0;
-            while (blk.n < kBlock && page < end && (blk.n < kBlock / 2 || slot > 0)) {
+            while (blk.n < kBlock && page < end) {
                 const idx take = std::min(kBlock - blk.n, filled - slot);
                 for (idx j = 0; j < take; ++j) {
                     blk.k[blk.n + j] = k + (slot + j) * D;
