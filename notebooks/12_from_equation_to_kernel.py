@@ -482,9 +482,9 @@ else:
 # sits in logical page 62, slot 7. The kernel only sees the table, so its answer must be the
 # contiguous one.
 #
-# Inside, both forms hand the arithmetic the same thing: a block of 32 keys given as 32 row
-# pointers, gathered from one page or several. With `splits=1` the blocks are the same 32 keys in
-# the same order, and the two answers agree to the last bit. With `splits=4` the paged form cuts
+# Inside, both forms hand the arithmetic the same thing: a block of 16 keys given as 16 row
+# pointers, gathered from one page or several (here, one 16-slot page). With `splits=1` the blocks
+# are the same 16 keys in the same order, and the two answers agree to the last bit. With `splits=4` the paged form cuts
 # its list of pages and the contiguous form its list of keys (250 keys a split for sequence 1,
 # against 16 pages, 256 keys), so the sums are rounded in a different order: equal up to float32
 # rounding.
