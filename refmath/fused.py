@@ -19,6 +19,7 @@ caller: the models check their parameters and configurations once, up front.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -47,7 +48,7 @@ def _row_blocks(rows: int, width: int):
 
 def _rows(x: np.ndarray) -> np.ndarray:
     """``x`` as a ``(rows, width)`` matrix: a view when ``x`` is contiguous."""
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: unresolvable at width 0
 
 
 class BiasGELUCache(NamedTuple):
@@ -161,8 +162,7 @@ def swiglu_backward(dout, cache: SwiGLUCache):
     :math:`du = dm \odot \operatorname{SiLU}(g)`, :math:`dx = dg\,W_g^\top + du\,W_u^\top`.
     """
     x, w_gate, w_up, w_down, gate, up, hidden = cache
-    d, d_f = w_gate.shape
-    dw_down = hidden.reshape(-1, d_f).T @ dout.reshape(-1, w_down.shape[1])
+    dw_down = _rows(hidden).T @ _rows(dout)
     dm = _rows(matmul_rows(dout, w_down.T))
     g, sig = _rows(gate.x), _rows(gate.sig)
     up = _rows(up)
@@ -177,9 +177,9 @@ def swiglu_backward(dout, cache: SwiGLUCache):
         dgb *= slope  # dm u SiLU'(g)
         np.multiply(gb, sb, out=slope)  # du: SiLU(g), recomputed instead of cached
         slope *= dm[rows]
-    x_rows = x.reshape(-1, d)
-    dw_gate = x_rows.T @ dg.reshape(-1, d_f)
-    dw_up = x_rows.T @ du.reshape(-1, d_f)
+    x_rows = _rows(x)
+    dw_gate = x_rows.T @ dg
+    dw_up = x_rows.T @ du
     dx = matmul_rows(dg, w_gate.T)
     dx += matmul_rows(du, w_up.T)
     return dx.reshape(x.shape), dw_gate, dw_up, dw_down
