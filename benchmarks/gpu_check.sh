@@ -185,7 +185,7 @@ assert kernels.cuda_available(), kernels.cuda_build_info()" \
 
 # ---- 3. tests: a skip for want of CUDA is a failure here ----
 TESTS=(tests/test_kernels_cuda.py tests/test_kernels.py
-       tests/inference/test_kv_cache.py::test_the_cuda_backend_gives_the_same_greedy_tokens)
+       tests/inference/test_kv_cache.py::test_a_kernel_backend_gives_the_same_greedy_tokens)
 [ $QUICK -eq 1 ] && TESTS=(-x tests/test_kernels_cuda.py)
 run tests $([ $QUICK -eq 1 ] && echo 90 || echo 200) env REFMATH_REQUIRE_GPU=1 \
     "$PY" -m pytest -p no:cacheprovider -q -s -rfEs "${TESTS[@]}"

@@ -73,8 +73,9 @@ def compile_layout(header_dir, folder):
         pytest.skip("no host C++ compiler to run csrc/cuda/decode_layout.h")
     source, binary = folder / "driver.cpp", folder / "driver"
     source.write_text(DRIVER)
-    subprocess.run([compiler, "-std=c++17", "-I", str(header_dir), str(source), "-o", str(binary)],
-                   check=True, timeout=120)
+    # header_dir first (a mutant's copy of decode_layout.h), then csrc/cuda for what it includes
+    subprocess.run([compiler, "-std=c++17", "-I", str(header_dir), "-I", os.path.dirname(HEADER),
+                    str(source), "-o", str(binary)], check=True, timeout=120)
     out = subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=60).stdout
     lay = {"slice": {}, "key": {}, "part": {}, "pv": {}, "words": {}, "word": {rw: {} for rw in ROW_WORDS},
            "rounds": {}, "piece": {p: {} for p in PIECES}, "item": {w: {} for w in WIDTHS}}

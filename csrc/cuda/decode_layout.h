@@ -15,11 +15,7 @@
 // end of the split (the same formula as the merge of splits, F3).
 #pragma once
 
-#if defined(__CUDACC__)
-#define REFMATH_HD __host__ __device__
-#else
-#define REFMATH_HD
-#endif
+#include "host_device.h"
 
 namespace refmath_cuda {
 namespace decode {

@@ -12,11 +12,7 @@
 // reads (8 x 16 bytes) fall on 32 different banks.
 #pragma once
 
-#if defined(__CUDACC__)
-#define REFMATH_HD __host__ __device__
-#else
-#define REFMATH_HD
-#endif
+#include "host_device.h"
 
 namespace refmath_cuda {
 namespace v4 {

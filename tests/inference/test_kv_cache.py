@@ -470,24 +470,6 @@ def test_bad_model_config_cache_and_options():
 
 # ---- backends: the C++ kernels attend over the same cache ----------------------------------------
 
-@pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
-@pytest.mark.parametrize("name", CONFIGS)
-def test_the_cpu_backend_gives_the_same_greedy_tokens(name):
-    module, config, params = setup(name, dtype=np.float32)
-    prompt = random_tokens((3, 3), seed=12)
-    runs = {backend: generate_cached(module, params, config, prompt, T_MAX - 2, greedy=True,
-                                     backend=backend) for backend in ("numpy", "cpu")}
-    np.testing.assert_array_equal(runs["cpu"].tokens, runs["numpy"].tokens)
-    # The same logits up to float32 rounding: the kernels sum in another order (tiles, base 2).
-    # Compared with the float64 model on the same tokens, the kernel path's error is within a
-    # small multiple of the float32 reference path's.
-    reference = reference_logits(module, setup(name)[2], config, runs["numpy"].tokens, n_prompt=3)
-    numpy_err = np.abs(runs["numpy"].logits - reference).max()
-    cpu_err = np.abs(runs["cpu"].logits - reference).max()
-    assert cpu_err <= 2 * numpy_err + 4 * np.finfo(np.float32).eps * np.abs(reference).max()
-    assert runs["cpu"].counts == runs["numpy"].counts
-
-
 def test_backends_the_caches_cannot_take(monkeypatch):
     module, config, params = setup("decoder-gqa", dtype=np.float32)
     monkeypatch.setattr(kc.kernels, "cuda_available", lambda: False)
@@ -528,21 +510,27 @@ def cuda_or_skip():
     return cupy
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_the_cuda_backend_gives_the_same_greedy_tokens(name):
-    cupy = cuda_or_skip()
+def test_a_kernel_backend_gives_the_same_greedy_tokens(name, backend):
+    if backend == "cpu" and not kc.kernels.cpu_available():
+        pytest.skip("the C++ module refmath._C is not built")
+    device = cuda_or_skip() if backend == "cuda" else np  # where the cache's arrays live
     module, config, params = setup(name, dtype=np.float32)
     prompt = random_tokens((3, 3), seed=12)
-    runs = {backend: generate_cached(module, params, config, prompt, T_MAX - 2, greedy=True,
-                                     backend=backend) for backend in ("numpy", "cuda")}
-    np.testing.assert_array_equal(runs["cuda"].tokens, runs["numpy"].tokens)
+    runs = {b: generate_cached(module, params, config, prompt, T_MAX - 2, greedy=True, backend=b)
+            for b in ("numpy", backend)}
+    np.testing.assert_array_equal(runs[backend].tokens, runs["numpy"].tokens)
+    # The same logits up to float32 rounding: the kernels sum in another order (tiles, base 2).
+    # Compared with the float64 model on the same tokens, the kernel path's error is within a
+    # small multiple of the float32 reference path's.
     reference = reference_logits(module, setup(name)[2], config, runs["numpy"].tokens, n_prompt=3)
     numpy_err = np.abs(runs["numpy"].logits - reference).max()
-    cuda_err = np.abs(runs["cuda"].logits - reference).max()
-    assert cuda_err <= 2 * numpy_err + 4 * np.finfo(np.float32).eps * np.abs(reference).max()
-    assert runs["cuda"].counts == runs["numpy"].counts
-    _, cache = prefill(module, params, config, prompt, backend="cuda")
-    assert all(isinstance(a, cupy.ndarray) for a in cache._arrays())
+    kernel_err = np.abs(runs[backend].logits - reference).max()
+    assert kernel_err <= 2 * numpy_err + 4 * np.finfo(np.float32).eps * np.abs(reference).max()
+    assert runs[backend].counts == runs["numpy"].counts
+    _, cache = prefill(module, params, config, prompt, backend=backend)
+    assert all(isinstance(a, device.ndarray) for a in cache._arrays())
 
 
 class StandInDeviceArray(np.ndarray):
