@@ -194,7 +194,7 @@ REFMATH_INLINE void fold_block_impl(idx R, idx D, const float* qs, const KeyBloc
     for (; r + 2 <= R; r += 2)
         score_rows<2, 4, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
     for (; r < R; ++r) score_rows<1, 8, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
-    online_softmax_fold(R, n, S, lds, m, l, alpha);
+    online_softmax_fold(R, n, S, lds, 1.0f, m, l, alpha);
     r = 0;
     for (; r + 4 <= R; r += 4)
         pv_rows<4, 2, V>(n, D, S + r * lds, lds, blk, alpha + r, U + r * D, ahead, r == 0);

@@ -72,6 +72,12 @@ struct Band {
         hi = std::max(lo, hi);
     }
 
+    // Whether every query of [i0, i1) sees every key of [j0, j1) (both non-empty): the ends of the
+    // queries' intervals grow with i, so the last query's first key and the first one's end decide.
+    bool sees_all(idx i0, idx i1, idx j0, idx j1) const {
+        return first_key(i1 - 1) <= j0 && end_key(i0) >= j1;
+    }
+
     // The queries [lo, hi) that see at least one key of [j0, j1): key j is seen by the queries with
     // j <= i + offset <= j + window - 1.
     void queries_seeing(idx j0, idx j1, idx& lo, idx& hi) const {
@@ -148,16 +154,17 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
         const idx cols = std::min(kBlockK, hi - j0);
         tile::transpose(cols, D, kh + j0 * D, D, KT, kBlockK);
         tile::gemm_nn<V>(rows, cols, D, qt, D, KT, kBlockK, S, kBlockK);  // S = Q K^T
-        bool cut = false;                 // whether the mask hides some pair of this tile
-        for (idx r = 0; r < rows; ++r) {  // scale to base 2; -inf outside the row's visible keys
+        // Whether the mask hides some pair of this tile: then the hidden scores become -inf, and
+        // the scaling to base 2 is done in the same pass; otherwise the fold scales them.
+        const bool cut = !band.sees_all(i0, i0 + rows, j0, j0 + cols);
+        for (idx r = 0; cut && r < rows; ++r) {
             idx a, e;
             visible_range(band, i0 + r, j0, cols, a, e);
-            cut |= a != 0 || e != cols;
             float* srow = S + r * kBlockK;
 #pragma omp simd
             for (idx j = 0; j < cols; ++j) srow[j] = (j >= a && j < e) ? srow[j] * c : kNegInf;
         }
-        online_softmax_fold(rows, cols, S, kBlockK, m, l, alpha);  // F2
+        online_softmax_fold(rows, cols, S, kBlockK, cut ? 1.0f : c, m, l, alpha);  // F2
         masked_product<V>(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D, cut,  // this tile's P V
                           [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, cols, a, e); });
         online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);  // F3: U = alpha U + P V
@@ -456,7 +463,7 @@ void flash_forward_cpu(const AttentionShape& shape, const float* q, const float*
     auto* const run_tile = REFMATH_PICK_WIDTH(forward_tile);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (idx t = 0; t < n_tasks; ++t) {
-        const idx tile_index = n_tiles - 1 - t / bh, bh_index = t % bh;
+        const idx tile_index = n_tiles - 1 - t % n_tiles, bh_index = t / n_tiles;
         run_tile(shape, band, bh_index / shape.heads, bh_index % shape.heads, tile_index * kBlockQ, q,
                  k, v, o, lse, w + tile::thread_id() * per_thread);
     }

@@ -19,32 +19,39 @@
 
 namespace refmath {
 
-// S: rows x cols scores (row stride lds), -inf where hidden. On return S holds the weights p, each
-// row's (m, l) is updated, and alpha[r] holds the factor for the row's old u. A row whose scores and
-// running maximum are all -inf has seen no key yet: its weights are set to 0 and its state stays
-// empty (m = -inf, l = 0; alpha = 0 keeps u = 0).
+// S: rows x cols scores (row stride lds), -inf where hidden; the base-2 exponents are the scores
+// times 'factor' (1 when S already holds them; scale * log2(e) for raw dot products, which saves a
+// pass over the tile). On return S holds the weights p, each row's (m, l) is updated, and alpha[r]
+// holds the factor for the row's old u. A row whose exponents and running maximum are all -inf has
+// seen no key yet: its weights are set to 0 and its state stays empty (m = -inf, l = 0; alpha = 0
+// keeps u = 0).
 //
 // NaN in, NaN out: the maximum below skips a NaN score, but its weight 2^(NaN - m') is NaN, so l
 // and u become NaN and stay so (the caller turns l = NaN into o = NaN, lse = NaN). A row whose only
 // non-hidden scores are NaN keeps m = -inf and gets l = NaN the same way.
 REFMATH_INLINE void online_softmax_fold(tile::idx rows, tile::idx cols, float* S, tile::idx lds,
-                                        float* m, float* l, float* alpha) {
+                                        float factor, float* m, float* l, float* alpha) {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     for (tile::idx r = 0; r < rows; ++r) {
         float* s = S + r * lds;
         float tile_max = kNegInf;
 #pragma omp simd reduction(max : tile_max)
-        for (tile::idx j = 0; j < cols; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
+        for (tile::idx j = 0; j < cols; ++j) {
+            const float x = s[j] * factor;
+            tile_max = x > tile_max ? x : tile_max;
+        }
         const float m_new = tile_max > m[r] ? tile_max : m[r];
-        if (m_new == kNegInf) {  // every score -inf or NaN: weights 0, and NaN for the NaNs
-            for (tile::idx j = 0; j < cols; ++j) s[j] = s[j] == kNegInf ? 0.0f : s[j];
+        if (m_new == kNegInf) {  // every exponent -inf or NaN: weights 0, and NaN for the NaNs
+            for (tile::idx j = 0; j < cols; ++j) s[j] = s[j] * factor == kNegInf ? 0.0f : s[j] * factor;
             alpha[r] = 0.0f;
             l[r] += tile::sum(cols, s);  // l was 0 (or NaN already): nothing to rescale
             continue;
         }
         alpha[r] = tile::exp2_fast(m[r] - m_new);  // 0 when m = -inf, exactly 1 when m = m'
+        // s * factor - m' is one fused multiply-add: at the maximum it is the rounding error of
+        // m' (tiny), so no weight exceeds 1 by more than a rounding.
 #pragma omp simd
-        for (tile::idx j = 0; j < cols; ++j) s[j] = tile::exp2_fast(s[j] - m_new);
+        for (tile::idx j = 0; j < cols; ++j) s[j] = tile::exp2_fast(s[j] * factor - m_new);
         const float sum = tile::sum(cols, s);
         l[r] = alpha[r] * l[r] + sum;
         m[r] = m_new;

@@ -111,10 +111,13 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 //
 // The register tile is MR rows x 2 vectors of columns of C (16 columns with 8-lane vectors, 32 with
 // 16-lane ones), held in 2*MR vector registers while k runs: each step loads two vectors of B's
-// row k, broadcasts one number of A per row, and does 2*MR fused multiply-adds. MR = 6 gives 12
-// independent accumulators (of 16 AVX2 registers, 32 with AVX-512): more than the FMA latency
-// needs, and 8 loads per 12 multiply-adds, so the loads keep up with the FMA units. MR = 4 and 1
-// take the rows left over.
+// row k, broadcasts one number of A per row, and does 2*MR fused multiply-adds. Each accumulator
+// also has a running total (the chunked sums below), so a tile needs 4*MR registers. With AVX-512's
+// 32, MR = 6: 12 accumulators, more than the FMA latency needs, and 8 loads per 12 multiply-adds.
+// With AVX2's 16, MR = 4 (8 accumulators, 8 totals): an MR = 6 tile does not fit, and the compiler
+// moves its totals and B's vectors to and from memory at every chunk, which measured 20-25% slower
+// (27-28 against 34-36 flops per cycle of the 40 this core peaks at, for a 128 x 128 x 64 tile).
+// Smaller tiles take the rows left over.
 //
 // The sum over k runs in chunks of kSumChunk terms, each chunk summed in its own accumulators and
 // then added to the total. A plain running sum of K terms rounds K times along one chain (its error
@@ -196,7 +199,8 @@ template <class V>
 REFMATH_INLINE void gemm_nn(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
                             float* C, idx ldc) {
     idx i = 0;
-    for (; i + 6 <= M; i += 6) nn_rows<6, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    if (kLanes<V> >= 16)
+        for (; i + 6 <= M; i += 6) nn_rows<6, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
     for (; i + 4 <= M; i += 4) nn_rows<4, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
     for (; i < M; ++i) nn_rows<1, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
