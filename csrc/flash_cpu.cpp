@@ -9,9 +9,10 @@
 // * Scores and weights are computed in base 2 (the scale multiplied by log2 e), so each weight is a
 //   2^x of tile::exp2_fast, a loop the compiler vectorises.
 // * Every tile product is one kind, C = A B with A's entries broadcast against B's rows
-//   (tile::gemm_nn). Where a product needs B^T (S = Q K^T: rows of Q against rows of K), the tile of
-//   K is first copied transposed into scratch (tile::transpose), a small cost next to the product
-//   that reads it; everything else is read in place.
+//   (tile::gemm_strips), B first copied into column strips that stay in the level-1 cache
+//   (tile::pack_strips). Where a product needs B^T (S = Q K^T: rows of Q against rows of K), the
+//   copy is the transpose (tile::transpose_strips). Either copy is a small cost next to the product
+//   that reads it.
 // * Tiles that the causal mask or the window hides entirely are never visited; a tile cut by the
 //   mask's edge gets -inf outside each row's visible range [lo, hi).
 //
@@ -49,8 +50,8 @@ using tile::idx;
 // Tile sizes. A key tile of 128 rather than 64 halves the online-softmax rescaling of the output
 // rows per key (one per tile) and was 5-8% faster (forward and backward, D = 64); a query tile of
 // 128 rather than 64 shares each transposed key tile among twice the rows, another 6-10% on the
-// forward. A thread's scratch is then 160-390 KB (D = 64 to 128), within the level-2 cache of
-// current x86 cores.
+// forward. A thread's scratch is then 200-330 KB in the forward and 330-530 KB in the backward
+// (D = 64 to 128), about the size of the level-2 cache of current x86 cores.
 constexpr idx kBlockQ = 128;  // query rows per tile
 constexpr idx kBlockK = 128;  // keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -101,7 +102,8 @@ inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b
     b = std::max(a, b);
 }
 
-// C (M x N) = A B with row r of C summed over its own range [lo, hi) of the inner index only
+// C (M x N) = A B, B in strips (tile::pack_strips), with row r of C summed over its own range
+// [lo, hi) of the inner index only
 // (range(r, lo, hi) gives it), when 'cut' says some row's range is not the whole of [0, K).
 //
 // Why: in a tile that the mask cuts, A holds weight 0 at the hidden pairs, and the plain product
@@ -111,15 +113,15 @@ inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b
 // otherwise the plain product runs. NaN in gives NaN out, and only where the math says so.
 template <class V, class Range>
 REFMATH_INLINE void masked_product(idx M, idx N, idx K, const float* A, idx lda, const float* B,
-                                   idx ldb, float* C, idx ldc, bool cut, Range range) {
-    if (!cut || tile::all_finite(K, N, B, ldb)) {
-        tile::gemm_nn<V>(M, N, K, A, lda, B, ldb, C, ldc);
+                                   float* C, idx ldc, bool cut, Range range) {
+    if (!cut || tile::all_finite(1, K * N, B, K * N)) {
+        tile::gemm_strips<V>(M, N, K, A, lda, B, K, 0, C, ldc);
         return;
     }
     for (idx r = 0; r < M; ++r) {
         idx lo, hi;
         range(r, lo, hi);  // hi - lo = 0 gives a row of zeros
-        tile::gemm_nn<V>(1, N, hi - lo, A + r * lda + lo, lda, B + lo * ldb, ldb, C + r * ldc, ldc);
+        tile::gemm_strips<V>(1, N, hi - lo, A + r * lda + lo, lda, B, K, lo, C + r * ldc, ldc);
     }
 }
 
@@ -143,7 +145,8 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
     float* m = PV + kBlockQ * D;       // running maxima (base 2)
     float* l = m + kBlockQ;            // running normalisers
     float* alpha = l + kBlockQ;        // rescaling factors of the current tile
-    float* KT = alpha + kBlockQ;       // D x kBlockK: the key tile, transposed
+    float* KT = alpha + kBlockQ;       // D x kBlockK: the key tile, transposed, in strips
+    float* Vs = KT + D * kBlockK;      // kBlockK x D: the value tile, in strips
     std::fill(m, m + rows, kNegInf);
     std::fill(l, l + rows, 0.0f);
     std::fill(U, U + rows * D, 0.0f);
@@ -152,8 +155,8 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
     band.keys_seen_by(i0, i0 + rows, lo, hi);
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx cols = std::min(kBlockK, hi - j0);
-        tile::transpose(cols, D, kh + j0 * D, D, KT, kBlockK);
-        tile::gemm_nn<V>(rows, cols, D, qt, D, KT, kBlockK, S, kBlockK);  // S = Q K^T
+        tile::transpose_strips<V>(cols, D, kh + j0 * D, D, KT);
+        tile::gemm_strips<V>(rows, cols, D, qt, D, KT, D, 0, S, kBlockK);  // S = Q K^T
         // Whether the mask hides some pair of this tile: then the hidden scores become -inf, and
         // the scaling to base 2 is done in the same pass; otherwise the fold scales them.
         const bool cut = !band.sees_all(i0, i0 + rows, j0, j0 + cols);
@@ -165,7 +168,8 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
             for (idx j = 0; j < cols; ++j) srow[j] = (j >= a && j < e) ? srow[j] * c : kNegInf;
         }
         online_softmax_fold(rows, cols, S, kBlockK, cut ? 1.0f : c, m, l, alpha);  // F2
-        masked_product<V>(rows, D, cols, S, kBlockK, vh + j0 * D, D, PV, D, cut,  // this tile's P V
+        tile::pack_strips<V>(cols, D, vh + j0 * D, D, Vs);
+        masked_product<V>(rows, D, cols, S, kBlockK, Vs, PV, D, cut,  // this tile's P V
                           [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, cols, a, e); });
         online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);  // F3: U = alpha U + P V
     }
@@ -236,6 +240,10 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
     float* T = dV + kBlockK * D;          // one tile's product (nk x D, or nq x D for dQ), then added
     float* lse2 = T + kBlockK * D;        // kBlockQ
     float* XT = lse2 + kBlockQ;           // D x kBlockQ: a tile of Q, then of dO, transposed
+    float* Xs = XT + D * kBlockQ;         // kBlockQ x D: a tile of dO, then of Q
+    float* Ks = Xs + kBlockQ * D;         // nk x D: the key tile (for dS K)
+    // (XT, Xs and Ks in strips: tile::pack_strips)
+    if (dq_sum != nullptr) tile::pack_strips<V>(nk, D, kt, D, Ks);
     std::fill(dK, dK + nk * D, 0.0f);
     std::fill(dV, dV + nk * D, 0.0f);
 
@@ -248,8 +256,8 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
         for (idx i0 = ilo; i0 < ihi; i0 += kBlockQ) {
             const idx nq = std::min(kBlockQ, ihi - i0);
             base2_lse(lse + hrow0, i0, nq, lse2);
-            tile::transpose(nq, D, qh + i0 * D, D, XT, kBlockQ);
-            tile::gemm_nn<V>(nk, nq, D, kt, D, XT, kBlockQ, Pt, kBlockQ);  // S^T = K Q^T
+            tile::transpose_strips<V>(nq, D, qh + i0 * D, D, XT);
+            tile::gemm_strips<V>(nk, nq, D, kt, D, XT, D, 0, Pt, kBlockQ);  // S^T = K Q^T
             // The queries of this tile that key jr is seen by: [a, e) as offsets from i0.
             auto queries = [&](idx jr, idx& a, idx& e) {
                 band.queries_seeing(j0 + jr, j0 + jr + 1, a, e);
@@ -266,10 +274,11 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
                 for (idx ir = 0; ir < nq; ++ir)
                     prow[ir] = (ir >= a && ir < e) ? tile::exp2_fast(prow[ir] * c - lse2[ir]) : 0.0f;
             }
-            masked_product<V>(nk, D, nq, Pt, kBlockQ, doh + i0 * D, D, T, D, cut, queries);  // P^T dO
+            tile::pack_strips<V>(nq, D, doh + i0 * D, D, Xs);
+            masked_product<V>(nk, D, nq, Pt, kBlockQ, Xs, T, D, cut, queries);  // P^T dO
             tile::add_block(nk, D, T, D, dV, D);  // dV += P^T dO
-            tile::transpose(nq, D, doh + i0 * D, D, XT, kBlockQ);
-            tile::gemm_nn<V>(nk, nq, D, vt, D, XT, kBlockQ, dSt, kBlockQ);  // dP^T = V dO^T
+            tile::transpose_strips<V>(nq, D, doh + i0 * D, D, XT);
+            tile::gemm_strips<V>(nk, nq, D, vt, D, XT, D, 0, dSt, kBlockQ);  // dP^T = V dO^T
             const float* dl = delta + hrow0 + i0;
             for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta), 0 where hidden (dP may be NaN)
                 idx a, e;
@@ -280,11 +289,12 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
                 for (idx ir = 0; ir < nq; ++ir)
                     srow[ir] = (ir >= a && ir < e) ? prow[ir] * (srow[ir] - dl[ir]) : 0.0f;
             }
-            masked_product<V>(nk, D, nq, dSt, kBlockQ, qh + i0 * D, D, T, D, cut, queries);  // dS^T Q
+            tile::pack_strips<V>(nq, D, qh + i0 * D, D, Xs);
+            masked_product<V>(nk, D, nq, dSt, kBlockQ, Xs, T, D, cut, queries);  // dS^T Q
             tile::add_block(nk, D, T, D, dK, D);  // dK += dS^T Q
             if (dq_sum != nullptr) {  // dQ += dS K, with dS (nq x nk) in P^T's place, now free
                 tile::transpose(nk, nq, dSt, kBlockQ, Pt, kBlockK);
-                masked_product<V>(nq, D, nk, Pt, kBlockK, kt, D, T, D, cut,
+                masked_product<V>(nq, D, nk, Pt, kBlockK, Ks, T, D, cut,
                                   [&](idx ir, idx& a, idx& e) {
                                       visible_range(band, i0 + ir, j0, nk, a, e);
                                   });
@@ -345,6 +355,7 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
     float* T = dQ + kBlockQ * D;        // nq x D: one tile's dS K
     float* lse2 = T + kBlockQ * D;      // kBlockQ
     float* XT = lse2 + kBlockQ;         // D x kBlockK: a tile of K, then of V, transposed
+    float* Ks = XT + D * kBlockK;       // kBlockK x D: the key tile (XT and Ks in strips)
     std::fill(dQ, dQ + nq * D, 0.0f);
     base2_lse(lse + qrow0, 0, nq, lse2);
     const float* dl = delta + qrow0;
@@ -355,10 +366,10 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
     // dQ sums the same tiles in the same order as the one-pass schedule: the same bits either way.
     for (idx j0 = lo - lo % kBlockK; j0 < hi; j0 += kBlockK) {
         const idx nk = std::min(kBlockK, hi - j0);
-        tile::transpose(nk, D, kh + j0 * D, D, XT, kBlockK);
-        tile::gemm_nn<V>(nq, nk, D, qt, D, XT, kBlockK, P, kBlockK);   // S = Q K^T
-        tile::transpose(nk, D, vh + j0 * D, D, XT, kBlockK);
-        tile::gemm_nn<V>(nq, nk, D, dot, D, XT, kBlockK, dS, kBlockK);  // dP = dO V^T
+        tile::transpose_strips<V>(nk, D, kh + j0 * D, D, XT);
+        tile::gemm_strips<V>(nq, nk, D, qt, D, XT, D, 0, P, kBlockK);   // S = Q K^T
+        tile::transpose_strips<V>(nk, D, vh + j0 * D, D, XT);
+        tile::gemm_strips<V>(nq, nk, D, dot, D, XT, D, 0, dS, kBlockK);  // dP = dO V^T
         bool cut = false;  // whether the mask hides some pair of this tile
         for (idx r = 0; r < nq; ++r) {
             idx a, e;
@@ -373,7 +384,8 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
                 srow[j] = seen ? tile::exp2_fast(prow[j] * c - row_lse2) * (srow[j] - row_delta) : 0.0f;
             }
         }
-        masked_product<V>(nq, D, nk, dS, kBlockK, kh + j0 * D, D, T, D, cut,  // dS K
+        tile::pack_strips<V>(nk, D, kh + j0 * D, D, Ks);
+        masked_product<V>(nq, D, nk, dS, kBlockK, Ks, T, D, cut,  // dS K
                           [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, nk, a, e); });
         tile::add_block(nq, D, T, D, dQ, D);
     }
@@ -454,7 +466,7 @@ void flash_forward_cpu(const AttentionShape& shape, const float* q, const float*
     const int threads = tile::threads_for(2.0 * bh * shape.t_q * shape.t_k * shape.head_dim);
     const idx per_thread =
         tile::padded_floats(kBlockQ * kBlockK + 2 * kBlockQ * shape.head_dim + 3 * kBlockQ +
-                            shape.head_dim * kBlockK);
+                            2 * shape.head_dim * kBlockK);
     // Allocated before the parallel region, so that nothing inside it can throw.
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     float* w = work.data();
@@ -480,7 +492,7 @@ void flash_backward_cpu(const AttentionShape& shape, const float* dout, const fl
 
     // S again, dP, dV, dQ and dK: 5 T_q T_k D multiply-adds per head (an upper bound under a mask)
     const int threads = tile::threads_for(5.0 * bh * shape.t_q * shape.t_k * D);
-    const idx per_thread = tile::padded_floats(2 * kBlockQ * kBlockK + 4 * std::max(kBlockQ, kBlockK) * D +
+    const idx per_thread = tile::padded_floats(2 * kBlockQ * kBlockK + 6 * std::max(kBlockQ, kBlockK) * D +
                                                std::max(kBlockQ, kBlockK));
     std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
     float* w = work.data();

@@ -9,7 +9,7 @@
 //
 // in base 2 (the scores arrive multiplied by scale * log2(e)). The factor alpha <= 1 rescales what
 // was summed against the old maximum, so no exponential ever exceeds 1. The caller computes the
-// tile's own sum_j p_j v_j (tile::gemm_nn on the weights left in S) and merges it with
+// tile's own sum_j p_j v_j (tile::gemm_strips on the weights left in S) and merges it with
 // online_softmax_merge_rows.
 #pragma once
 

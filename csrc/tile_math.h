@@ -193,16 +193,49 @@ REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, const float* 
     if (j < N) nn_tile_narrow<MR>(K, N - j, A, lda, B + j, ldb, C + j, ldc);
 }
 
-// C (M x N) = A (M x K) B (K x N), with vectors of type V. Reads exactly those entries, any
+// ---- B in column strips ----------------------------------------------------------------------
+//
+// A product reads each strip of B (its columns [j, j + 2 vectors)) once per block of MR rows of A.
+// In a row-major tile of B that strip is a column of cache lines 256 or 512 bytes apart, which the
+// level-1 cache keeps poorly (the lines fall into a few of its sets), and running all of B's strips
+// for each row block streams the whole of B through it again and again. So B is first copied into
+// strips, each one K x width and contiguous (pack_strips, or transpose_strips straight from rows of
+// keys), and gemm_strips runs each strip against every row block of A while the strip stays in the
+// level-1 cache. Measured inside the attention forward (128 x 128 tiles, D = 64, AVX2): 36-37
+// flops per cycle of the 40 this core peaks at for both tile products, against 28-31 with row-major
+// B, the copies included.
+//
+// Layout: the strip of columns [j, j + w), w = min(width, cols - j), is a K x w row-major block at
+// dst + j * K (every strip before it is K x width).
+template <class V>
+constexpr idx kStripWidth = 2 * kLanes<V>;
+
+// dst = src (rows x cols, row stride lds), in strips of kStripWidth<V> columns.
+template <class V>
+REFMATH_INLINE void pack_strips(idx rows, idx cols, const float* src, idx lds, float* dst) {
+    constexpr idx W = kStripWidth<V>;
+    for (idx j = 0; j < cols; j += W) {
+        const idx w = cols - j < W ? cols - j : W;
+        for (idx k = 0; k < rows; ++k) std::memcpy(dst + j * rows + k * w, src + k * lds + j, w * sizeof(float));
+    }
+}
+
+// C (M x N) = A (M x K) B (K x N), B in strips (above) of a matrix of b_rows rows, of which rows
+// [k0, k0 + K) are used: A's columns are its own, starting at A. Reads exactly those entries, any
 // M, N, K >= 0.
 template <class V>
-REFMATH_INLINE void gemm_nn(idx M, idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
-                            float* C, idx ldc) {
-    idx i = 0;
-    if (kLanes<V> >= 16)
-        for (; i + 6 <= M; i += 6) nn_rows<6, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-    for (; i + 4 <= M; i += 4) nn_rows<4, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-    for (; i < M; ++i) nn_rows<1, V>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+REFMATH_INLINE void gemm_strips(idx M, idx N, idx K, const float* A, idx lda, const float* B,
+                                idx b_rows, idx k0, float* C, idx ldc) {
+    constexpr idx W = kStripWidth<V>;
+    for (idx j = 0; j < N; j += W) {
+        const idx w = N - j < W ? N - j : W;
+        const float* Bj = B + j * b_rows + k0 * w;
+        idx i = 0;
+        if (kLanes<V> >= 16)
+            for (; i + 6 <= M; i += 6) nn_rows<6, V>(w, K, A + i * lda, lda, Bj, w, C + i * ldc + j, ldc);
+        for (; i + 4 <= M; i += 4) nn_rows<4, V>(w, K, A + i * lda, lda, Bj, w, C + i * ldc + j, ldc);
+        for (; i < M; ++i) nn_rows<1, V>(w, K, A + i * lda, lda, Bj, w, C + i * ldc + j, ldc);
+    }
 }
 
 // C += T for an M x N block (strides ldc, ldt). Used to add a tile's products into a running sum:
@@ -227,7 +260,7 @@ typedef std::int32_t i32x8 __attribute__((vector_size(32)));
 //
 // Attention's scores are q_i . k_j with both vectors stored as rows, i.e. S = Q K^T. Rather than a
 // tile of dot products (whose 8-lane sums must each be added up at the end), the kernels transpose
-// the key tile once (transpose below) and use the broadcast-and-multiply tile of gemm_nn: the copy
+// the key tile once (transpose_strips below) and use the broadcast-and-multiply tile of gemm_strips: the copy
 // is one read and one write per key number, against a whole tile's rows of products that use it.
 
 // An 8 x 8 block: dst[c][r] = src[r][c], in registers. Three rounds of shuffles, each within what
@@ -263,6 +296,17 @@ REFMATH_INLINE void transpose(idx rows, idx cols, const float* src, idx lds, flo
         for (idx c = 0; c < cols8; c += 8) transpose8x8(src + r * lds + c, lds, dst + c * ldd + r, ldd);
     for (idx r = 0; r < rows; ++r)
         for (idx c = r < rows8 ? cols8 : 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
+// dst = src^T in strips (see pack_strips) for src rows x cols: the strip of src's rows [j, j + w)
+// is their transpose, cols x w. This is how a tile of keys becomes the B of S = Q K^T.
+template <class V>
+REFMATH_INLINE void transpose_strips(idx rows, idx cols, const float* src, idx lds, float* dst) {
+    constexpr idx W = kStripWidth<V>;
+    for (idx j = 0; j < rows; j += W) {
+        const idx w = rows - j < W ? rows - j : W;
+        transpose(w, cols, src + j * lds, lds, dst + j * cols, w);
+    }
 }
 
 // ---- lane sums ------------------------------------------------------------------------------------
