@@ -366,23 +366,49 @@ REFMATH_INLINE float sum(idx n, const float* x) {
 // the result is 0 (exactly what the softmax wants for -inf, a masked score), and the clamp keeps
 // the float-to-int conversion defined for any input, NaN included. A NaN argument gives NaN (the
 // last line): a NaN score must make its row NaN, not weigh 0 like a masked one.
-REFMATH_INLINE float exp2_fast(float x_in) {
-    float x = x_in > -127.0f ? x_in : -127.0f;  // also maps NaN to -127
-    x = x < 127.0f ? x : 127.0f;
-    // Round to nearest without a library call: adding 1.5 * 2^23 pushes the fraction bits out.
-    const float shifter = 12582912.0f;
-    const float n = (x + shifter) - shifter;
-    const float f = x - n;
-    float p = 1.5252733804059840e-5f;  // (ln 2)^7 / 7!
+//
+// exp2_fast8 is the same function on 8 lanes at once, written with vector operations rather than
+// left to the vectoriser: in a loop of exp2_fast, GCC merges the clamps into selects of the
+// polynomial and of the exponent (36 instructions per 8 numbers where 23 do), 1.4 cycles per
+// number against 1.2. Both give the same bits for every input.
+
+// 2^f for f in [-1/2, 1/2], on a float or a vector of them.
+template <class T>
+REFMATH_INLINE T exp2_taylor(T f) {
+    T p = T{} + 1.5252733804059840e-5f;  // (ln 2)^7 / 7!
     p = p * f + 1.5403530393381609e-4f;  // (ln 2)^6 / 6!
     p = p * f + 1.3333558146428443e-3f;
     p = p * f + 9.6181291076284772e-3f;
     p = p * f + 5.5504108664821580e-2f;
     p = p * f + 2.4022650695910071e-1f;
     p = p * f + 6.9314718055994531e-1f;  // ln 2
-    p = p * f + 1.0f;
+    return p * f + 1.0f;
+}
+
+// Round to nearest without a library call: adding 1.5 * 2^23 pushes the fraction bits out.
+constexpr float kRoundShifter = 12582912.0f;
+
+REFMATH_INLINE float exp2_fast(float x_in) {
+    float x = x_in > -127.0f ? x_in : -127.0f;  // also maps NaN to -127
+    x = x < 127.0f ? x : 127.0f;
+    const float n = (x + kRoundShifter) - kRoundShifter;
+    const float p = exp2_taylor(x - n);
     const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;  // n = -127 gives +0.0
     float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return x_in == x_in ? p * two_n : x_in;
+}
+
+typedef std::int32_t s32x8 __attribute__((vector_size(32)));
+
+REFMATH_INLINE f32x8 exp2_fast8(f32x8 x_in) {
+    const f32x8 lo = f32x8{} - 127.0f, hi = f32x8{} + 127.0f;
+    f32x8 x = x_in > lo ? x_in : lo;  // a comparison of vectors is a lane mask; ?: selects by it
+    x = x < hi ? x : hi;
+    const f32x8 n = (x + kRoundShifter) - kRoundShifter;
+    const f32x8 p = exp2_taylor(x - n);
+    const s32x8 bits = (__builtin_convertvector(n, s32x8) + 127) << 23;
+    f32x8 two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
     return x_in == x_in ? p * two_n : x_in;
 }
