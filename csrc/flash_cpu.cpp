@@ -112,16 +112,16 @@ inline void visible_range(const Band& band, idx i, idx j0, idx n, idx& a, idx& b
 // number (rare, and checked in one pass over B), each row is summed over its visible range alone;
 // otherwise the plain product runs. NaN in gives NaN out, and only where the math says so.
 template <class V, class Range>
-REFMATH_INLINE void masked_product(idx M, idx N, idx K, const float* A, idx lda, const float* B,
-                                   float* C, idx ldc, bool cut, Range range) {
+REFMATH_INLINE void masked_product(idx M, idx N, idx K, const float* A, idx lda, idx ak,
+                                   const float* B, float* C, idx ldc, bool cut, Range range) {
     if (!cut || tile::all_finite(1, K * N, B, K * N)) {
-        tile::gemm_strips<V>(M, N, K, A, lda, B, K, 0, C, ldc);
+        tile::gemm_strips<V>(M, N, K, A, lda, ak, B, K, 0, C, ldc);
         return;
     }
     for (idx r = 0; r < M; ++r) {
         idx lo, hi;
         range(r, lo, hi);  // hi - lo = 0 gives a row of zeros
-        tile::gemm_strips<V>(1, N, hi - lo, A + r * lda + lo, lda, B, K, lo, C + r * ldc, ldc);
+        tile::gemm_strips<V>(1, N, hi - lo, A + r * lda + lo * ak, lda, ak, B, K, lo, C + r * ldc, ldc);
     }
 }
 
@@ -156,7 +156,7 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
     for (idx j0 = lo; j0 < hi; j0 += kBlockK) {
         const idx cols = std::min(kBlockK, hi - j0);
         tile::transpose_strips<V>(cols, D, kh + j0 * D, D, KT);
-        tile::gemm_strips<V>(rows, cols, D, qt, D, KT, D, 0, S, kBlockK);  // S = Q K^T
+        tile::gemm_strips<V>(rows, cols, D, qt, D, 1, KT, D, 0, S, kBlockK);  // S = Q K^T
         // Whether the mask hides some pair of this tile: then the hidden scores become -inf, and
         // the scaling to base 2 is done in the same pass; otherwise the fold scales them.
         const bool cut = !band.sees_all(i0, i0 + rows, j0, j0 + cols);
@@ -169,7 +169,7 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
         }
         online_softmax_fold(rows, cols, S, kBlockK, cut ? 1.0f : c, m, l, alpha);  // F2
         tile::pack_strips<V>(cols, D, vh + j0 * D, D, Vs);
-        masked_product<V>(rows, D, cols, S, kBlockK, Vs, PV, D, cut,  // this tile's P V
+        masked_product<V>(rows, D, cols, S, kBlockK, 1, Vs, PV, D, cut,  // this tile's P V
                           [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, cols, a, e); });
         online_softmax_merge_rows(rows, D, alpha, U, D, PV, D);  // F3: U = alpha U + P V
     }
@@ -257,28 +257,33 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
             const idx nq = std::min(kBlockQ, ihi - i0);
             base2_lse(lse + hrow0, i0, nq, lse2);
             tile::transpose_strips<V>(nq, D, qh + i0 * D, D, XT);
-            tile::gemm_strips<V>(nk, nq, D, kt, D, XT, D, 0, Pt, kBlockQ);  // S^T = K Q^T
+            tile::gemm_strips<V>(nk, nq, D, kt, D, 1, XT, D, 0, Pt, kBlockQ);  // S^T = K Q^T
             // The queries of this tile that key jr is seen by: [a, e) as offsets from i0.
             auto queries = [&](idx jr, idx& a, idx& e) {
                 band.queries_seeing(j0 + jr, j0 + jr + 1, a, e);
                 a = std::clamp<idx>(a - i0, 0, nq);
                 e = std::clamp<idx>(e - i0, a, nq);
             };
-            bool cut = false;  // whether the mask hides some pair of this tile
-            for (idx jr = 0; jr < nk; ++jr) {  // P^T = 2^(c S^T - lse2) on the visible pairs
-                idx a, e;
-                queries(jr, a, e);
-                cut |= a != 0 || e != nq;
+            // P^T = 2^(c S^T - lse2) on the visible pairs, 0 on the hidden ones
+            const bool cut = !band.sees_all(i0, i0 + nq, j0, j0 + nk);
+            for (idx jr = 0; jr < nk; ++jr) {
+                idx a = 0, e = nq;
+                if (cut) queries(jr, a, e);
                 float* prow = Pt + jr * kBlockQ;
-#pragma omp simd
-                for (idx ir = 0; ir < nq; ++ir)
-                    prow[ir] = (ir >= a && ir < e) ? tile::exp2_fast(prow[ir] * c - lse2[ir]) : 0.0f;
+                std::fill(prow, prow + a, 0.0f);
+                idx ir = a;
+                for (; ir + 8 <= e; ir += 8) {
+                    const tile::f32x8 x = tile::load8(prow + ir) * c - tile::load8(lse2 + ir);
+                    tile::store8(prow + ir, tile::exp2_fast8(x));
+                }
+                for (; ir < e; ++ir) prow[ir] = tile::exp2_fast(prow[ir] * c - lse2[ir]);
+                std::fill(prow + e, prow + nq, 0.0f);
             }
             tile::pack_strips<V>(nq, D, doh + i0 * D, D, Xs);
-            masked_product<V>(nk, D, nq, Pt, kBlockQ, Xs, T, D, cut, queries);  // P^T dO
+            masked_product<V>(nk, D, nq, Pt, kBlockQ, 1, Xs, T, D, cut, queries);  // P^T dO
             tile::add_block(nk, D, T, D, dV, D);  // dV += P^T dO
             tile::transpose_strips<V>(nq, D, doh + i0 * D, D, XT);
-            tile::gemm_strips<V>(nk, nq, D, vt, D, XT, D, 0, dSt, kBlockQ);  // dP^T = V dO^T
+            tile::gemm_strips<V>(nk, nq, D, vt, D, 1, XT, D, 0, dSt, kBlockQ);  // dP^T = V dO^T
             const float* dl = delta + hrow0 + i0;
             for (idx jr = 0; jr < nk; ++jr) {  // dS = P (dP - delta), 0 where hidden (dP may be NaN)
                 idx a, e;
@@ -290,11 +295,10 @@ REFMATH_INLINE void backward_kv_tile_impl(const AttentionShape& s, const Band& b
                     srow[ir] = (ir >= a && ir < e) ? prow[ir] * (srow[ir] - dl[ir]) : 0.0f;
             }
             tile::pack_strips<V>(nq, D, qh + i0 * D, D, Xs);
-            masked_product<V>(nk, D, nq, dSt, kBlockQ, Xs, T, D, cut, queries);  // dS^T Q
+            masked_product<V>(nk, D, nq, dSt, kBlockQ, 1, Xs, T, D, cut, queries);  // dS^T Q
             tile::add_block(nk, D, T, D, dK, D);  // dK += dS^T Q
-            if (dq_sum != nullptr) {  // dQ += dS K, with dS (nq x nk) in P^T's place, now free
-                tile::transpose(nk, nq, dSt, kBlockQ, Pt, kBlockK);
-                masked_product<V>(nq, D, nk, Pt, kBlockK, Ks, T, D, cut,
+            if (dq_sum != nullptr) {  // dQ += dS K, dS read as the transpose of dS^T
+                masked_product<V>(nq, D, nk, dSt, 1, kBlockQ, Ks, T, D, cut,
                                   [&](idx ir, idx& a, idx& e) {
                                       visible_range(band, i0 + ir, j0, nk, a, e);
                                   });
@@ -367,25 +371,26 @@ REFMATH_INLINE void backward_q_tile_impl(const AttentionShape& s, const Band& ba
     for (idx j0 = lo - lo % kBlockK; j0 < hi; j0 += kBlockK) {
         const idx nk = std::min(kBlockK, hi - j0);
         tile::transpose_strips<V>(nk, D, kh + j0 * D, D, XT);
-        tile::gemm_strips<V>(nq, nk, D, qt, D, XT, D, 0, P, kBlockK);   // S = Q K^T
+        tile::gemm_strips<V>(nq, nk, D, qt, D, 1, XT, D, 0, P, kBlockK);   // S = Q K^T
         tile::transpose_strips<V>(nk, D, vh + j0 * D, D, XT);
-        tile::gemm_strips<V>(nq, nk, D, dot, D, XT, D, 0, dS, kBlockK);  // dP = dO V^T
-        bool cut = false;  // whether the mask hides some pair of this tile
-        for (idx r = 0; r < nq; ++r) {
-            idx a, e;
-            visible_range(band, i0 + r, j0, nk, a, e);
-            cut |= a != 0 || e != nk;
-            float* prow = P + r * kBlockK;
+        tile::gemm_strips<V>(nq, nk, D, dot, D, 1, XT, D, 0, dS, kBlockK);  // dP = dO V^T
+        const bool cut = !band.sees_all(i0, i0 + nq, j0, j0 + nk);
+        for (idx r = 0; r < nq; ++r) {  // dS = P (dP - delta), 0 where hidden (dP may be NaN)
+            idx a = 0, e = nk;
+            if (cut) visible_range(band, i0 + r, j0, nk, a, e);
+            const float* prow = P + r * kBlockK;
             float* srow = dS + r * kBlockK;
             const float row_lse2 = lse2[r], row_delta = dl[r];
-#pragma omp simd
-            for (idx j = 0; j < nk; ++j) {  // dS = P (dP - delta), 0 where hidden (dP may be NaN)
-                const bool seen = j >= a && j < e;
-                srow[j] = seen ? tile::exp2_fast(prow[j] * c - row_lse2) * (srow[j] - row_delta) : 0.0f;
-            }
+            std::fill(srow, srow + a, 0.0f);
+            idx j = a;
+            for (; j + 8 <= e; j += 8)
+                tile::store8(srow + j, tile::exp2_fast8(tile::load8(prow + j) * c - row_lse2) *
+                                           (tile::load8(srow + j) - row_delta));
+            for (; j < e; ++j) srow[j] = tile::exp2_fast(prow[j] * c - row_lse2) * (srow[j] - row_delta);
+            std::fill(srow + e, srow + nk, 0.0f);
         }
         tile::pack_strips<V>(nk, D, kh + j0 * D, D, Ks);
-        masked_product<V>(nq, D, nk, dS, kBlockK, Ks, T, D, cut,  // dS K
+        masked_product<V>(nq, D, nk, dS, kBlockK, 1, Ks, T, D, cut,  // dS K
                           [&](idx r, idx& a, idx& e) { visible_range(band, i0 + r, j0, nk, a, e); });
         tile::add_block(nq, D, T, D, dQ, D);
     }

@@ -130,7 +130,7 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 constexpr idx kSumChunk = 8;
 
 template <int MR, class V>
-REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx ldb, float* C,
+REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, idx ak, const float* B, idx ldb, float* C,
                             idx ldc) {
     constexpr int L = kLanes<V>;
     V total[MR][2];
@@ -142,7 +142,7 @@ REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx 
         for (idx k = k0; k < k1; ++k) {
             const V b0 = loadv<V>(B + k * ldb), b1 = loadv<V>(B + k * ldb + L);
             for (int r = 0; r < MR; ++r) {
-                const float a = A[r * lda + k];
+                const float a = A[r * lda + k * ak];
                 acc[r][0] += a * b0;
                 acc[r][1] += a * b1;
             }
@@ -161,7 +161,7 @@ REFMATH_INLINE void nn_tile(idx K, const float* A, idx lda, const float* B, idx 
 // The last n < 16 columns: plain loops (the compiler vectorises what it can), summed in the same
 // chunks of k.
 template <int MR>
-REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const float* B, idx ldb,
+REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, idx ak, const float* B, idx ldb,
                                    float* C, idx ldc) {
     float acc[16];
     for (int r = 0; r < MR; ++r) {
@@ -170,7 +170,7 @@ REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const 
             const idx k1 = k0 + kSumChunk < K ? k0 + kSumChunk : K;
             for (idx c = 0; c < n; ++c) acc[c] = 0.0f;
             for (idx k = k0; k < k1; ++k) {
-                const float a = A[r * lda + k];
+                const float a = A[r * lda + k * ak];
                 for (idx c = 0; c < n; ++c) acc[c] += a * B[k * ldb + c];
             }
             for (idx c = 0; c < n; ++c) C[r * ldc + c] += acc[c];
@@ -181,16 +181,16 @@ REFMATH_INLINE void nn_tile_narrow(idx K, idx n, const float* A, idx lda, const 
 // Columns by tiles of two V vectors; with 16-lane vectors a last 16 columns by an 8-lane tile; the
 // rest by plain loops.
 template <int MR, class V>
-REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, const float* B, idx ldb,
+REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, idx ak, const float* B, idx ldb,
                             float* C, idx ldc) {
     constexpr int W = 2 * kLanes<V>;
     idx j = 0;
-    for (; j + W <= N; j += W) nn_tile<MR, V>(K, A, lda, B + j, ldb, C + j, ldc);
+    for (; j + W <= N; j += W) nn_tile<MR, V>(K, A, lda, ak, B + j, ldb, C + j, ldc);
     if (W > 16 && j + 16 <= N) {
-        nn_tile<MR, f32x8>(K, A, lda, B + j, ldb, C + j, ldc);
+        nn_tile<MR, f32x8>(K, A, lda, ak, B + j, ldb, C + j, ldc);
         j += 16;
     }
-    if (j < N) nn_tile_narrow<MR>(K, N - j, A, lda, B + j, ldb, C + j, ldc);
+    if (j < N) nn_tile_narrow<MR>(K, N - j, A, lda, ak, B + j, ldb, C + j, ldc);
 }
 
 // ---- B in column strips ----------------------------------------------------------------------
@@ -216,25 +216,29 @@ REFMATH_INLINE void pack_strips(idx rows, idx cols, const float* src, idx lds, f
     constexpr idx W = kStripWidth<V>;
     for (idx j = 0; j < cols; j += W) {
         const idx w = cols - j < W ? cols - j : W;
-        for (idx k = 0; k < rows; ++k) std::memcpy(dst + j * rows + k * w, src + k * lds + j, w * sizeof(float));
+        for (idx k = 0; k < rows; ++k)
+            std::memcpy(dst + j * rows + k * w, src + k * lds + j, w * sizeof(float));
     }
 }
 
 // C (M x N) = A (M x K) B (K x N), B in strips (above) of a matrix of b_rows rows, of which rows
-// [k0, k0 + K) are used: A's columns are its own, starting at A. Reads exactly those entries, any
-// M, N, K >= 0.
+// [k0, k0 + K) are used: A's columns are its own, starting at A. A_rk is A[r * lda + k * ak]: a
+// row-major A has ak = 1, and lda = 1 reads the transpose of a row-major matrix of row stride ak
+// (A is only ever read one number at a time, so either costs the same). Reads exactly those
+// entries, any M, N, K >= 0.
 template <class V>
-REFMATH_INLINE void gemm_strips(idx M, idx N, idx K, const float* A, idx lda, const float* B,
+REFMATH_INLINE void gemm_strips(idx M, idx N, idx K, const float* A, idx lda, idx ak, const float* B,
                                 idx b_rows, idx k0, float* C, idx ldc) {
     constexpr idx W = kStripWidth<V>;
     for (idx j = 0; j < N; j += W) {
         const idx w = N - j < W ? N - j : W;
         const float* Bj = B + j * b_rows + k0 * w;
         idx i = 0;
-        if (kLanes<V> >= 16)
-            for (; i + 6 <= M; i += 6) nn_rows<6, V>(w, K, A + i * lda, lda, Bj, w, C + i * ldc + j, ldc);
-        for (; i + 4 <= M; i += 4) nn_rows<4, V>(w, K, A + i * lda, lda, Bj, w, C + i * ldc + j, ldc);
-        for (; i < M; ++i) nn_rows<1, V>(w, K, A + i * lda, lda, Bj, w, C + i * ldc + j, ldc);
+        for (; kLanes<V> >= 16 && i + 6 <= M; i += 6)
+            nn_rows<6, V>(w, K, A + i * lda, lda, ak, Bj, w, C + i * ldc + j, ldc);
+        for (; i + 4 <= M; i += 4)
+            nn_rows<4, V>(w, K, A + i * lda, lda, ak, Bj, w, C + i * ldc + j, ldc);
+        for (; i < M; ++i) nn_rows<1, V>(w, K, A + i * lda, lda, ak, Bj, w, C + i * ldc + j, ldc);
     }
 }
 
