@@ -17,6 +17,9 @@ Switches (environment variables):
 ``REFMATH_NATIVE=1``       add ``-march=native`` to the CPU module (faster here, not portable)
 ``REFMATH_SANITIZE=1``     build the CPU module with AddressSanitizer and UBSan (-O1 -g); Python
                            must then preload libasan, as tests/run_sanitized.sh does
+``REFMATH_WIDE_ON_AVX2=1`` a test build: compile the 16-lane (AVX-512) copies of the CPU kernels
+                           for AVX2 instead, and run them on any AVX2 CPU, so that a machine
+                           without AVX-512 can test them (tests/run_sanitized.sh does)
 ``CUDA_HOME``/``CUDA_PATH``  where to look for the toolkit first
 =========================  =====================================================================
 """
@@ -172,7 +175,8 @@ class BuildExt(build_ext):
 
     def run(self):
         self.info = {"openmp": False, "native": _flag("REFMATH_NATIVE"),
-                     "sanitize": _flag("REFMATH_SANITIZE"), "cuda_built": False,
+                     "sanitize": _flag("REFMATH_SANITIZE"),
+                     "wide_on_avx2": _flag("REFMATH_WIDE_ON_AVX2"), "cuda_built": False,
                      "cuda_reason": "", "cuda_toolkit": None, "cuda_arch": None}
         # setuptools clears self.inplace while it builds (it copies into the source tree after).
         self.into_source = self.inplace or self.editable_mode
@@ -249,6 +253,8 @@ class BuildExt(build_ext):
             _say("OpenMP not found: the CPU module will run on one thread")
         if self.info["native"]:
             ext.extra_compile_args += ["-march=native"]
+        if self.info["wide_on_avx2"]:
+            ext.define_macros.append(("REFMATH_WIDE_ON_AVX2", "1"))
         if self.info["sanitize"]:
             # Last on the command line, so -O1 -g override -O3 and pybind11's -g0.
             san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]

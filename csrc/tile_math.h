@@ -28,7 +28,14 @@
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
     !defined(REFMATH_NO_MULTIVERSION)
 #define REFMATH_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+#ifdef REFMATH_WIDE_ON_AVX2
+// A test build (setup.py's REFMATH_WIDE_ON_AVX2=1): the 16-lane copies are compiled for AVX2, each
+// 16-lane operation done as two 8-lane ones, and run on any AVX2 CPU (vector_width.cpp), so that
+// a machine without AVX-512 can test the 16-lane code paths. Slower, and never a release build.
+#define REFMATH_AVX512 __attribute__((target("arch=x86-64-v3")))
+#else
 #define REFMATH_AVX512 __attribute__((target("arch=x86-64-v4")))
+#endif
 #define REFMATH_HAVE_AVX512 1
 #else
 #define REFMATH_MULTIVERSION

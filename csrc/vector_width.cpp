@@ -10,7 +10,9 @@ namespace tile {
 namespace {
 
 bool cpu_has_avx512() {
-#if REFMATH_HAVE_AVX512
+#if REFMATH_HAVE_AVX512 && defined(REFMATH_WIDE_ON_AVX2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");  // see tile_math.h
+#elif REFMATH_HAVE_AVX512
     // The features of x86-64-v4; GCC's check also asks the OS whether it saves the 512-bit state.
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Run the CPU kernel tests against a build of refmath._C with AddressSanitizer and UBSan.
 #
+# The build also compiles the 16-lane (AVX-512) copies of the kernels for AVX2 and runs them on any
+# AVX2 CPU (REFMATH_WIDE_ON_AVX2, see setup.py), so that the tests' "16 lanes" cases run here too:
+# the only place the 16-lane code paths are checked on a machine without AVX-512.
+#
 # The sanitized module is built into build/asan (a separate copy of the package: the pure-Python
 # files plus the instrumented _C), so the normal editable install and its refmath/_C*.so are not
 # touched. Python then imports refmath from that copy:
@@ -20,7 +24,7 @@ PYTHON=${PYTHON:-python}
 BUILD=build/asan
 
 # `setup.py build` copies the package's Python files and builds the extension into $BUILD/lib*.
-REFMATH_SANITIZE=1 REFMATH_CUDA=0 "$PYTHON" setup.py --quiet build --build-base "$BUILD" \
+REFMATH_SANITIZE=1 REFMATH_WIDE_ON_AVX2=1 REFMATH_CUDA=0 "$PYTHON" setup.py --quiet build --build-base "$BUILD" \
     --build-lib "$BUILD/lib" --build-temp "$BUILD/temp" >/dev/null
 
 preload="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
@@ -38,7 +42,8 @@ run() {
 run -c 'import refmath.kernels as k, sys
 info = k.build_info()
 print("sanitized refmath._C from", k._C.__file__)
-sys.exit(0 if info.get("sanitize") and k.cpu_available() and "/build/asan/" in k._C.__file__ else 1)'
+ok = info.get("sanitize") and k.cpu_available() and "/build/asan/" in k._C.__file__
+sys.exit(0 if ok and info.get("wide_on_avx2") else 1)'
 
 if [ $# -eq 0 ]; then
     set -- tests/test_kernels_cpu.py -q

@@ -172,7 +172,7 @@ class _Compiler:
 def test_msvc_is_refused_with_the_reason(setup_py):
     build = setup_py["BuildExt"].__new__(setup_py["BuildExt"])
     build.compiler = _Compiler()
-    build.info = {"openmp": False, "native": False, "sanitize": False}
+    build.info = {"openmp": False, "native": False, "sanitize": False, "wide_on_avx2": False}
     with pytest.raises(RuntimeError, match="GCC or Clang.*WSL"):
         build._configure_cpu(setup_py["ext_modules"][0])
 
@@ -185,7 +185,7 @@ def _configured_flags(setup_py, compiler_name=None):
     customize_compiler(compiler)
     build = setup_py["BuildExt"].__new__(setup_py["BuildExt"])
     build.compiler = compiler
-    build.info = {"openmp": False, "native": False, "sanitize": False}
+    build.info = {"openmp": False, "native": False, "sanitize": False, "wide_on_avx2": False}
     ext = setup_py["ext_modules"][0]
     build._configure_cpu(ext)
     return ext.extra_compile_args, build.info["openmp"]
