@@ -25,17 +25,21 @@ def best_ms(fn, repeats: int = 3, warmup: int = 1) -> float:
     return 1e3 * min(times)
 
 
-def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bool = False) -> dict:
+def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bool = False,
+                        before=None) -> dict:
     """Like :func:`best_ms` for several peers, timed in turns (a, b, c, a, b, c, ...) so that a
     burst of load elsewhere on the machine hits them all alike. ``median``: the median call
     instead of the fastest, for a machine whose load comes and goes (ratios of peers timed in the
-    same turns then stay comparable)."""
+    same turns then stay comparable). ``before``: called, untimed, before every timed call (to
+    put every peer in the same cache state, say)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

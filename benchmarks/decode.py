@@ -6,8 +6,8 @@ the same run by refmath.kernels.stream_sum, a C++ loop that sums a float32 array
 a plain streaming read, nothing else. It runs twice: once over --probe-gib (far larger than the
 caches of the CPU) for the header, and once per context over the very K and V arrays being decoded,
 timed in turns with the peers. The second is the ceiling each row is compared with ("of bw"): it
-reads the same bytes from the same place (a short context lives in the last-level cache, and so
-does its probe), under the same load from the rest of the machine.
+reads the same bytes from the same place, from the same cache state (below), under the same load
+from the rest of the machine.
 
 Peers, float32, on the same number of threads:
 * refmath.kernels.decode: contiguous caches (B, G, T, D), split-K chosen automatically;
@@ -17,6 +17,13 @@ Peers, float32, on the same number of threads:
   enable_gqa=True (PyTorch's own GQA, no repeated copy of K and V made by us).
 
 Shapes: B = 1, H = 32 query heads, G = 8 key/value heads, D = 128, contexts from --contexts.
+
+Caches: by default every timed call starts from a cold cache: an untimed stream_sum over
+--evict-mib of other memory runs before it. That is the state a model's decode step finds a
+layer's cache in (every other layer's cache was read since), and it keeps the peers' order from
+mattering: without it, a short context (32 MiB at 4096, the size of a server's last-level cache)
+is still partly cached from the peer timed just before, over the same arrays for the contiguous
+decode and the bandwidth probe, but not for the paged copy. --evict-mib 0 times them warm.
 
     python benchmarks/decode.py
     python benchmarks/decode.py --contexts 4096 32768 --repeats 10
@@ -55,6 +62,9 @@ def parse_args(argv=None):
     parser.add_argument("--median", action="store_true",
                         help="keep the median call of each peer instead of the best (a loaded machine)")
     parser.add_argument("--probe-gib", type=float, default=1.0, help="size of the bandwidth probe")
+    parser.add_argument("--evict-mib", type=float, default=128.0,
+                        help="memory read before every timed call, so each starts with a cold "
+                             "cache (0: none)")
     return parser.parse_args(argv)
 
 
@@ -93,6 +103,8 @@ def main(argv=None):
           f"{args.probe_gib:g} GiB, {threads} thread(s))")
     h, g, d, p = args.heads, args.kv_heads, args.dim, args.page_size
     rng = np.random.default_rng(0)
+    other = np.ones(int(args.evict_mib * 2**20) // 4, dtype=np.float32)
+    evict = (lambda: kernels.stream_sum(other)) if other.size else None
     rows = []
     for t in args.contexts:
         q = rng.standard_normal((1, h, d)).astype(np.float32)
@@ -107,7 +119,7 @@ def main(argv=None):
         if torch is not None:
             tq, tk, tv = torch.from_numpy(q)[:, :, None], torch.from_numpy(k), torch.from_numpy(v)
             peers["torch"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-        ms = interleaved_best_ms(peers, args.repeats, median=args.median)
+        ms = interleaved_best_ms(peers, args.repeats, median=args.median, before=evict)
         kv_bytes = k.nbytes + v.nbytes
         ceiling = kv_bytes / (ms["read"] * 1e-3)
         row = [t, f"{kv_bytes / 2**20:.0f}", f"{ceiling / 1e9:.1f}"]
@@ -127,7 +139,9 @@ def main(argv=None):
                  "of bw", "torch ms", "GB/s", "of bw", "paged vs contiguous", "speed vs torch"], rows,
                 title=f"decode, B=1 H={h} G={g} D={d}, float32, page size {p}, {threads} thread(s); "
                       "'of bw': of 'read GB/s', stream_sum over the same K and V in the same turns; "
-                      f"{'median' if args.median else 'best'} of {args.repeats} calls")
+                      f"{'median' if args.median else 'best'} of {args.repeats} calls, "
+                      + (f"each after reading {args.evict_mib:g} MiB of other memory (cold cache)"
+                         if evict else "warm cache"))
 
 
 if __name__ == "__main__":
