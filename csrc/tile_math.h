@@ -123,8 +123,8 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 // 32, MR = 6: 12 accumulators, more than the FMA latency needs, and 8 loads per 12 multiply-adds.
 // With AVX2's 16, MR = 4 (8 accumulators, 8 totals): an MR = 6 tile does not fit, and the compiler
 // moves its totals and B's vectors to and from memory at every chunk, which measured 20-25% slower
-// (27-28 against 34-36 flops per cycle of the 40 this core peaks at, for a 128 x 128 x 64 tile).
-// Smaller tiles take the rows left over.
+// (27-28 against 34-36 flops per cycle of the time-stamp counter, of the 40 this core peaks at, for
+// a 128 x 128 x 64 tile; an AMD EPYC, Zen 3). Smaller tiles take the rows left over.
 //
 // The sum over k runs in chunks of kSumChunk terms, each chunk summed in its own accumulators and
 // then added to the total. A plain running sum of K terms rounds K times along one chain (its error
@@ -134,7 +134,8 @@ REFMATH_INLINE float sum8(const f32x8& v) {
 // float32 error (the tests' rule); with one chain, about 1 random shape in 1000 went over, with
 // chunks of 8 the worst of 2300 was 0.68 of the bound. The price is one addition per accumulator
 // per chunk and the registers of the totals: with both in registers (the MR = 4 tile on AVX2) a
-// 128 x 128 x 64 product ran at 34-36 flops per cycle, against 35-37 for one chain per output.
+// 128 x 128 x 64 product ran at 34-36 flops per counter cycle, against 35-37 for one chain per
+// output.
 constexpr idx kSumChunk = 8;
 
 template <int MR, class V>
@@ -209,9 +210,9 @@ REFMATH_INLINE void nn_rows(idx N, idx K, const float* A, idx lda, idx ak, const
 // for each row block streams the whole of B through it again and again. So B is first copied into
 // strips, each one K x width and contiguous (pack_strips, or transpose_strips straight from rows of
 // keys), and gemm_strips runs each strip against every row block of A while the strip stays in the
-// level-1 cache. Measured inside the attention forward (128 x 128 tiles, D = 64, AVX2): 36-37
-// flops per cycle of the 40 this core peaks at for both tile products, against 28-31 with row-major
-// B, the copies included.
+// level-1 cache. Measured inside the attention forward (128 x 128 tiles, D = 64, AVX2): 35-37
+// flops per counter cycle (of 40) for both tile products, against 28-31 with row-major B; the two
+// copies take 5-6% of the forward's time.
 //
 // Layout: the strip of columns [j, j + w), w = min(width, cols - j), is a K x w row-major block at
 // dst + j * K (every strip before it is K x width).
