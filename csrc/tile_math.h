@@ -393,7 +393,7 @@ REFMATH_INLINE float sum(idx n, const float* x) {
 
 // 2^f for f in [-1/2, 1/2], on a float or a vector of them.
 template <class T>
-REFMATH_INLINE T exp2_taylor(T f) {
+REFMATH_INLINE T exp2_taylor(const T& f) {
     T p = T{} + 1.5252733804059840e-5f;  // (ln 2)^7 / 7!
     p = p * f + 1.5403530393381609e-4f;  // (ln 2)^6 / 6!
     p = p * f + 1.3333558146428443e-3f;
@@ -421,7 +421,7 @@ REFMATH_INLINE float exp2_fast(float x_in) {
 
 typedef std::uint32_t u32x8 __attribute__((vector_size(32)));
 
-REFMATH_INLINE f32x8 exp2_fast8(f32x8 x_in) {
+REFMATH_INLINE f32x8 exp2_fast8(const f32x8& x_in) {
     const f32x8 lo = f32x8{} - 127.0f, hi = f32x8{} + 127.0f;
     f32x8 x = x_in < lo ? lo : x_in;  // a comparison of vectors is a lane mask; ?: selects by it
     x = x > hi ? hi : x;
