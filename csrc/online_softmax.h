@@ -7,9 +7,9 @@
 //     m' = max(m, max_j s_j),  alpha = 2^(m - m'),  p_j = 2^(s_j - m'),
 //     l' = alpha l + sum_j p_j,  u' = alpha u + sum_j p_j v_j,
 //
-// in base 2 (the scores arrive multiplied by scale * log2(e)). The factor alpha <= 1 rescales what
-// was summed against the old maximum, so no exponential ever exceeds 1. The caller computes the
-// tile's own sum_j p_j v_j (tile::gemm_strips on the weights left in S) and merges it with
+// in base 2 (s_j is a score times scale * log2(e)). The factor alpha <= 1 rescales what was summed
+// against the old maximum, so no exponential ever exceeds 1. The caller computes the tile's own
+// sum_j p_j v_j (tile::gemm_strips on the weights left in S) and merges it with
 // online_softmax_merge_rows.
 #pragma once
 
