@@ -158,7 +158,8 @@ REFMATH_INLINE void forward_tile_impl(const AttentionShape& s, const Band& band,
         tile::transpose_strips<V>(cols, D, kh + j0 * D, D, KT);
         tile::gemm_strips<V>(rows, cols, D, qt, D, 1, KT, D, 0, S, kBlockK);  // S = Q K^T
         // Whether the mask hides some pair of this tile: then the hidden scores become -inf, and
-        // the scaling to base 2 is done in the same pass; otherwise the fold scales them.
+        // the scaling to base 2 is done in the same pass (the fold cannot scale a -inf: times a
+        // scale of 0 or below it is NaN or +inf); otherwise the fold scales them.
         const bool cut = !band.sees_all(i0, i0 + rows, j0, j0 + cols);
         for (idx r = 0; cut && r < rows; ++r) {
             idx a, e;

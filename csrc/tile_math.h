@@ -406,34 +406,27 @@ REFMATH_INLINE T exp2_taylor(const T& f) {
 
 constexpr float kRoundShifter = 12582912.0f;  // 1.5 * 2^23
 
-REFMATH_INLINE float exp2_fast(float x_in) {
-    float x = x_in < -127.0f ? -127.0f : x_in;  // NaN is kept (the comparison is false)
-    x = x > 127.0f ? 127.0f : x;
-    const float t = x + kRoundShifter;
-    const float p = exp2_taylor(x - (t - kRoundShifter));
-    std::uint32_t bits;
-    std::memcpy(&bits, &t, sizeof bits);
-    bits = (bits + 127u) << 23;  // n = -127 gives +0.0
-    float two_n;
-    std::memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 typedef std::uint32_t u32x8 __attribute__((vector_size(32)));
 
-REFMATH_INLINE f32x8 exp2_fast8(const f32x8& x_in) {
-    const f32x8 lo = f32x8{} - 127.0f, hi = f32x8{} + 127.0f;
-    f32x8 x = x_in < lo ? lo : x_in;  // a comparison of vectors is a lane mask; ?: selects by it
-    x = x > hi ? hi : x;
-    const f32x8 t = x + kRoundShifter;
-    const f32x8 p = exp2_taylor(x - (t - kRoundShifter));
-    u32x8 bits;
+// 2^x on a float (U = its bits, uint32_t) or on 8 of them at once (f32x8, U = u32x8): one
+// definition, so the two give the same bits (tests/test_exp2.py checks it).
+template <class T, class U>
+REFMATH_INLINE T exp2_bits(const T& x_in) {
+    const T lo = T{} - 127.0f, hi = T{} + 127.0f;
+    T x = x_in < lo ? lo : x_in;  // NaN is kept (the comparison is false); on vectors, ?: selects
+    x = x > hi ? hi : x;          // by the lane mask of the comparison
+    const T t = x + kRoundShifter;
+    const T p = exp2_taylor(x - (t - kRoundShifter));
+    U bits;
     std::memcpy(&bits, &t, sizeof bits);
-    bits = (bits + 127u) << 23;
-    f32x8 two_n;
+    bits = (bits + 127u) << 23;  // n = -127 gives +0.0
+    T two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
 }
+
+REFMATH_INLINE float exp2_fast(float x) { return exp2_bits<float, std::uint32_t>(x); }
+REFMATH_INLINE f32x8 exp2_fast8(const f32x8& x) { return exp2_bits<f32x8, u32x8>(x); }
 
 // Whether every entry of the rows x cols block at A (row stride lda) is finite. x - x is 0 for a
 // finite x and NaN for an infinite or NaN one.
