@@ -1,8 +1,10 @@
-"""What hidden tests are made of: a test builds its inputs from a fixed seed and returns two
-functions, ``run`` and ``check``.
+"""What hidden tests are made of: a test builds its inputs from a fixed seed and returns a
+:class:`Case`: the student-side function ``run``, its ``inputs``, and ``check``.
 
-- ``run()`` executes in the limited process (see :mod:`refmath.assignments.sandbox`): it imports the
-  submission's refmath, calls it and returns ``{name: array}``.
+- ``run(**inputs)`` executes in the sandbox (see :mod:`refmath.assignments.sandbox`). Only its
+  source text and its inputs are sent there, never the test module: it must use nothing but its
+  arguments, ``np``, builtins and what it imports itself (the submission's refmath). It returns
+  ``{name: array}``.
 - ``check(out)`` executes in the grader's own process and never imports the submission: it compares
   ``out`` with values obtained independently (PyTorch autograd in float64, exact worked examples,
   properties) and returns a :class:`Verdict`.
@@ -12,19 +14,25 @@ functions, ``run`` and ``check``.
     @hidden_test("sdpa_forward, no mask, against torch")
     def sdpa_forward_plain():
         q, k, v = normal(0, (2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6))
-        def run():
+        def run(q, k, v):
             from refmath.attention import sdpa_forward
             return {"o": sdpa_forward(q, k, v)[0]}
         def check(out):
             return compare("sdpa_forward", "o", out, torch_sdpa(q, k, v), shapes(q=q, k=k))
-        return run, check
+        return Case(run, dict(q=q, k=k, v=v), check)
 
-Feedback names the function, the input shapes and the error against its tolerance; it never
-prints an expected array.
+The inputs are arrays, NumPy scalars, ``None``, booleans, numbers and strings, and lists, tuples
+and dicts of those; they reach ``run`` as arrays and plain values (tuples as lists). No seed, no
+check code and no expected value ever reaches the sandbox. Feedback names the function, the input
+shapes and the error against its tolerance; it never prints an expected array.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import builtins
+import dis
+import inspect
+import textwrap
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -37,6 +45,41 @@ TIGHT = 1e-11
 class Verdict(NamedTuple):
     passed: bool
     message: str
+
+
+class Case(NamedTuple):
+    run: Callable  # run(**inputs) -> {name: array}, in the sandbox
+    inputs: dict  # what run receives
+    check: Callable  # check(out) -> Verdict, in the grader
+
+
+# The one name a student-side function may use without importing it.
+RUN_GLOBALS = {"np"}
+
+
+def _global_names(code) -> set[str]:
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def run_source(run: Callable, where: str = "") -> str:
+    """The source of ``run``, dedented, after checking that it stands alone: no closure and no
+    global name but ``np`` and builtins (``ValueError`` names what it reaches for)."""
+    label = f"{where}: " if where else ""
+    if not inspect.isfunction(run):
+        raise TypeError(f"{label}run must be a function, got {type(run).__name__}")
+    if run.__code__.co_freevars:
+        raise ValueError(f"{label}run() uses {', '.join(run.__code__.co_freevars)} from around it: "
+                         "pass them as inputs (only its source text reaches the sandbox)")
+    outside = sorted(n for n in _global_names(run.__code__)
+                     if n not in RUN_GLOBALS and not hasattr(builtins, n))
+    if outside:
+        raise ValueError(f"{label}run() uses the module's {', '.join(outside)}: pass them as inputs "
+                         "or import them inside run()")
+    return textwrap.dedent(inspect.getsource(run))
 
 
 def hidden_test(description: str):
