@@ -147,19 +147,27 @@ def stub_message(function: str, manifest: Manifest) -> str:
     return f"{function}: see the handout {manifest.name} ({manifest.handout})"
 
 
-def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True):
-    """``(stubbed files, secret lines)``: the manifest's functions replaced by
-    ``raise NotImplementedError``, and the normalised lines of what was removed.
+def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True,
+                 keep: dict[str, list[str]] | None = None):
+    """``(stubbed files, secret lines)``: every solution region of the library stubbed, and the
+    normalised lines of what was removed.
+
+    The manifest's functions become ``raise NotImplementedError`` pointing to its handout; the
+    functions of other assignments are stubbed too (a student tree holds no assignment's
+    solution), except those in ``keep`` (``{file: [function]}``: the released solutions of the
+    assignments this one builds on, the manifest's ``uses``), which stay as they are.
 
     ``strict``: every listed function must hold a region (building). Grading from an autograder
     bundle, whose copy is already stubbed, passes ``strict=False``.
     """
+    keep = keep or {}
     out = dict(files)
     secrets: set[str] = set()
-    for file, functions in manifest.functions.items():
+    for file in manifest.functions:
         if file not in files:
             raise ValueError(f"assignment {manifest.name}: {file} is not a file of refmath")
-        text = files[file]
+    for file, text in files.items():
+        functions = manifest.functions.get(file, [])
         grouped = solutions.function_regions(text, file)
         missing = [f for f in functions if f not in grouped]
         if missing and strict:
@@ -171,17 +179,32 @@ def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True)
         if only_docstrings and strict:
             raise ValueError(f"assignment {manifest.name}: {', '.join(only_docstrings)} of {file} "
                              "has only a docstring region: the student's copy would not raise")
-        chosen = [(r, f) for f in functions for r in grouped.get(f, [])]
+        chosen = [(r, f) for f, regions in grouped.items() if f not in keep.get(file, ())
+                  for r in regions]
+        if not chosen:
+            continue
         secrets.update(solutions.region_lines(text, [r for r, _ in chosen]))
         by_region = {r: f for r, f in chosen}
 
-        def stub(region, text=text, by_region=by_region):
-            message = stub_message(by_region[region], manifest)
+        def stub(region, text=text, by_region=by_region, functions=functions):
+            function = by_region[region]
+            message = (stub_message(function, manifest) if function in functions
+                       else f"{function or 'this part'}: not part of assignment {manifest.name}")
             if solutions.is_docstring_region(text, region):
                 return [f'{region.indent}"""{message}."""']
             return [f"{region.indent}raise NotImplementedError({message!r})"]
         out[file] = solutions.strip_regions(text, list(by_region), stub)
     return out, secrets
+
+
+def kept_solutions(manifest: Manifest, root: str | None = None) -> dict[str, list[str]]:
+    """``{file: [function]}`` of the assignments ``manifest`` uses, whose solutions its tree keeps."""
+    from refmath.assignments.manifest import load
+    keep: dict[str, list[str]] = {}
+    for name in manifest.uses:
+        for file, functions in load(name, root).functions.items():
+            keep.setdefault(file, []).extend(functions)
+    return keep
 
 
 def public_lines(files: dict[str, str], manifest: Manifest) -> set[str]:
@@ -229,7 +252,8 @@ def _read(path: str) -> str:
 def assemble(manifest: Manifest, src_root: str) -> tuple[dict[str, str], dict[str, str], set[str]]:
     """The student tree, the autograder tree (``{relative path: text}``) and the secret lines."""
     library = library_files(src_root)
-    stubbed, secrets = stub_library(library, manifest)
+    stubbed, secrets = stub_library(library, manifest,
+                                    keep=kept_solutions(manifest, os.path.dirname(manifest.folder)))
 
     handout_text = _read(manifest.path(manifest.handout))
     handout_regions = solutions.find_regions(handout_text, manifest.path(manifest.handout))

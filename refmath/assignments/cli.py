@@ -44,23 +44,26 @@ def _build(args) -> int:
 
 def _grade(args) -> int:
     from refmath.assignments.grade import grade, grade_batch, summary, with_time_limit, write_results
+    from refmath.assignments.sandbox import Sandbox
 
     m = manifests.load(args.name, args.root)
     limits = with_time_limit(m.limits, args.time_limit)
+    sandbox = Sandbox("none") if args.no_sandbox else None
     if args.batch:
         if args.submission or args.out:
             args.subparser.error("give either SUBMISSION (with --out) or --batch DIR (with --csv)")
         if not args.csv:
             args.subparser.error("--batch needs --csv PATH")
         rows = grade_batch(m, args.batch, args.csv, _src_root(), limits, only=args.only,
-                           jobs=args.jobs)
+                           jobs=args.jobs, sandbox=sandbox)
         for row in rows:
             print(f"{row['submission']}: {row['score']:g} / {row['max_score']:g}")
         print(f"wrote {args.csv}")
         return 0
     if not args.submission:
         args.subparser.error("give a SUBMISSION directory or --batch DIR")
-    results = grade(m, args.submission, _src_root(), limits, only=args.only, jobs=args.jobs)
+    results = grade(m, args.submission, _src_root(), limits, only=args.only, jobs=args.jobs,
+                    sandbox=sandbox)
     print(summary(results))
     if args.out:
         write_results(results, args.out)
@@ -89,9 +92,10 @@ def add_assignments_arguments(parser: argparse.ArgumentParser) -> None:
 
     grade = commands.add_parser(
         "grade", help="grade one submission or a folder of them",
-        description="Run each hidden test on the submission in its own limited process and "
-        "print a summary; --out writes Gradescope's results.json. --batch grades every "
-        "sub-folder of DIR and writes a CSV of scores.")
+        description="Run each hidden test on the submission in its own sandbox (bubblewrap where "
+        "it runs, else, as root, a uid of its own) and print a summary; --out writes "
+        "Gradescope's results.json. --batch grades every sub-folder of DIR and writes a CSV of "
+        "scores. Where no sandbox can be made, grading stops with the reason.")
     grade.add_argument("name", help="the assignment (see 'list')")
     grade.add_argument("submission", nargs="?", help="a folder holding the submitted files")
     grade.add_argument("--out", help="write results.json here")
@@ -103,6 +107,9 @@ def add_assignments_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run N hidden tests at once, each in its own process (default 1)")
     grade.add_argument("--time-limit", type=float, default=None, metavar="S",
                        help="lower each test's wall-clock and CPU limits to S seconds")
+    grade.add_argument("--no-sandbox", action="store_true",
+                       help="run the student code without a sandbox (limits only), for code you "
+                       "trust; results.json records it")
     grade.set_defaults(act=_grade, subparser=grade)
 
 

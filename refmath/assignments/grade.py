@@ -1,35 +1,55 @@
-"""Grade submissions: each hidden test in its own limited process, results in Gradescope's schema.
+"""Grade submissions: each hidden test's student side in a sandbox, results in Gradescope's schema.
 
 A submission is a directory holding the manifest's files at their paths in the student tree
 (``refmath/attention.py``), or flat (``attention.py``, as Gradescope stores files uploaded one by
-one). It is laid over the stubbed library: a file not submitted is graded as the starter, any file
-the manifest does not list is ignored.
+one). Only the manifest's functions are taken from it (:mod:`~refmath.assignments.extract`), into
+the grader's stubbed copy of the library; a file not submitted is graded as the starter.
+
+The hidden tests are loaded once, in the grader, before any submission is read; their file's
+SHA-256 goes into the results. For each test the sandbox receives the source of its ``run`` and
+its inputs, nothing else (:mod:`~refmath.assignments.sandbox`); the arrays that come back are
+checked here.
 """
 from __future__ import annotations
 
 import csv
 import fnmatch
+import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-
-import numpy as np
+from typing import NamedTuple
 
 from refmath.assignments.build import library_files, stub_library
-from refmath.assignments.checks import Verdict
+from refmath.assignments.checks import Case, Verdict, run_source
+from refmath.assignments.extract import take_functions
 from refmath.assignments.manifest import Limits, Manifest
-from refmath.assignments.sandbox import run_test
+from refmath.assignments.sandbox import Sandbox, choose
+
+PRINTED_LINES = 20  # of what a failing test's code printed, quoted in its feedback
 
 
-def load_hidden_tests(manifest: Manifest):
-    """The hidden-test module, imported in the grader (its ``check`` functions run here)."""
+class HiddenTests(NamedTuple):
+    """The hidden tests of one assignment, loaded once: each test's case, and the file's hash."""
+
+    cases: dict[str, Case]
+    descriptions: dict[str, str]
+    sources: dict[str, str]  # the student-side run() of each test
+    sha256: str
+
+
+def load_hidden_tests(manifest: Manifest) -> HiddenTests:
+    """Import the hidden-test module in the grader and build every case (its ``check`` runs here).
+
+    torch, which the checks use, is imported now too, before any student code exists."""
     path = manifest.path(manifest.hidden_tests)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
     spec = importlib.util.spec_from_file_location(f"_hidden_{manifest.name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -39,7 +59,17 @@ def load_hidden_tests(manifest: Manifest):
     if missing or unscored:
         raise ValueError(f"assignment {manifest.name}: the manifest's [points] and {path} disagree: "
                          f"no such test {missing}, tests without points {unscored}")
-    return module
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    cases, sources = {}, {}
+    for name in manifest.points:
+        case = getattr(module, name)()
+        if not isinstance(case, Case):
+            raise TypeError(f"{path}: {name}() returned {type(case).__name__}, not a Case")
+        cases[name], sources[name] = case, run_source(case.run, f"{path}: {name}")
+    return HiddenTests(cases, {n: getattr(module, n).description for n in cases}, sources, digest)
 
 
 def read_submission(manifest: Manifest, submission: str) -> tuple[dict[str, str], list[str]]:
@@ -49,53 +79,70 @@ def read_submission(manifest: Manifest, submission: str) -> tuple[dict[str, str]
     files, notes = {}, []
     for path in manifest.files:
         candidates = [os.path.join(submission, path), os.path.join(submission, os.path.basename(path))]
-        found = next((c for c in candidates if os.path.isfile(c)), None)
+        found = next((c for c in candidates if os.path.isfile(c) and not os.path.islink(c)), None)
         if found is None:
             notes.append(f"{path} was not submitted: graded as the starter code")
             continue
         with open(found, "rb") as f:
-            files[path] = f.read().decode("utf-8", "replace")
+            files[path] = f.read(4 * 2**20).decode("utf-8", "replace")
     return files, notes
 
 
-def _prepare(directory: str, base: dict[str, str], submitted: dict[str, str], hidden: str) -> None:
-    for path, text in {**base, **submitted}.items():
-        target = os.path.join(directory, path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(text)
-    shutil.copyfile(hidden, os.path.join(directory, "hidden_tests.py"))
+def secret_paths(manifest: Manifest, src_root: str) -> tuple[str, ...]:
+    """What a sandbox that shares the grader's file system (``user`` mode) must not be able to
+    read: the hidden tests, the grader's refmath (the reference itself when graded from a
+    checkout) and torch."""
+    paths = [os.path.abspath(manifest.path(manifest.hidden_tests)), os.path.join(src_root, "refmath")]
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        paths.append(spec.submodule_search_locations[0])
+    return tuple(paths)
 
 
-def _load_outputs(directory: str) -> dict[str, np.ndarray]:
-    with np.load(os.path.join(directory, "out.npz"), allow_pickle=False) as data:
-        return {key: data[key] for key in data.files}
+def graded_library(manifest: Manifest, base: dict[str, str], submitted: dict[str, str]):
+    """``(library, notes)``: the stubbed ``base`` with the manifest's functions taken from
+    ``submitted``."""
+    library, notes = dict(base), []
+    for path, text in submitted.items():
+        library[path], file_notes = take_functions(base[path], text, manifest.functions[path], path)
+        notes += file_notes
+    return library, notes
 
 
-def _grade_test(name: str, points: float, make, base, submitted, hidden, limits) -> dict:
-    """One hidden test: run its ``run`` on the submission in a fresh limited process, then its
-    ``check`` here on the arrays that came back. Returns the test's entry of results.json."""
-    directory = tempfile.mkdtemp(prefix="refmath-grade-")
-    try:
-        _prepare(directory, base, submitted, hidden)
-        outcome = run_test(directory, name, limits)
-        if outcome.status == "ok":
-            try:
-                _, check = make()
-                verdict = check(_load_outputs(directory))
-                if not isinstance(verdict, Verdict):
-                    raise TypeError(f"check returned {type(verdict).__name__}, not a Verdict")
-            except Exception as error:  # outputs the check cannot read count as wrong
-                verdict = Verdict(False, f"could not check the results: "
-                                         f"{type(error).__name__}: {error}"[:400])
-        else:
-            verdict = Verdict(False, outcome.message)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    output = ("passed: " if verdict.passed else "FAILED: ") + verdict.message
+def quoted(printed: str, lines: int = PRINTED_LINES) -> str:
+    """What the student's code printed, as a labelled block whose every line starts with ``| ``,
+    control characters shown as escapes: nothing in it can pass for a line of the grader's."""
+    def clean(line):
+        return "".join(c if c == "\t" or unicodedata.category(c)[0] != "C" else
+                       repr(c)[1:-1] for c in line)
+    shown = printed.splitlines()
+    body = [f"| {clean(line)[:200]}" for line in shown[:lines]]
+    if len(shown) > lines:
+        body.append(f"| ... ({len(shown) - lines} more lines)")
+    return "\n".join(["--- what your code printed (quoted; not the grader's words) ---", *body,
+                      "--- end of what your code printed ---"])
+
+
+def _grade_test(name: str, points: float, hidden: HiddenTests, library, sandbox: Sandbox,
+                limits: Limits) -> dict:
+    """One hidden test: its student side in the sandbox, then its ``check`` here on the arrays
+    that came back. Returns the test's entry of results.json."""
+    case = hidden.cases[name]
+    outcome = sandbox.run(library, hidden.sources[name], case.run.__name__, case.inputs, limits)
+    if outcome.status == "ok":
+        try:
+            verdict = case.check(outcome.value)
+            if not isinstance(verdict, Verdict):
+                raise TypeError(f"check returned {type(verdict).__name__}, not a Verdict")
+        except Exception as error:  # outputs the check cannot read count as wrong
+            verdict = Verdict(False, f"could not check the results: "
+                                     f"{type(error).__name__}: {error}"[:400])
+    else:
+        verdict = Verdict(False, outcome.message)
+    output = ("passed: " if verdict.passed else "FAILED: ") + " ".join(verdict.message.split())
     if outcome.output.strip() and not verdict.passed:
-        output += "\nyour code printed:\n" + outcome.output[:500]
-    return {"name": make.description, "score": float(points) if verdict.passed else 0.0,
+        output += "\n" + quoted(outcome.output)
+    return {"name": hidden.descriptions[name], "score": float(points) if verdict.passed else 0.0,
             "max_score": float(points), "output": output, "visibility": "visible",
             "execution_time": round(outcome.seconds, 2)}
 
@@ -112,24 +159,29 @@ def select_tests(manifest: Manifest, only: str | None) -> dict[str, float]:
 
 
 def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | None = None,
-          progress=None, only: str | None = None, jobs: int = 1) -> dict:
+          progress=None, only: str | None = None, jobs: int = 1, sandbox: Sandbox | None = None,
+          hidden: HiddenTests | None = None) -> dict:
     """Grade one submission; returns Gradescope's ``results.json`` as a dict.
 
     ``only`` (globs over the hidden tests' names, separated by commas) grades a subset, and the
-    maximum is then that subset's. ``jobs`` hidden tests run at once (each in its own process).
+    maximum is then that subset's. ``jobs`` hidden tests run at once (each in its own sandbox).
+    ``sandbox`` defaults to the strongest this machine can make (:func:`sandbox.choose`), and
+    ``hidden`` to the manifest's hidden tests, loaded now; a batch passes both, made once.
     """
     limits = limits or manifest.limits
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
-    module = load_hidden_tests(manifest)
+    chosen = select_tests(manifest, only)
+    hidden = hidden or load_hidden_tests(manifest)
+    sandbox = sandbox or choose(unreadable=secret_paths(manifest, src_root))
     base, _ = stub_library(library_files(src_root), manifest, strict=False)
     submitted, notes = read_submission(manifest, submission)
-    hidden = manifest.path(manifest.hidden_tests)
-    chosen = select_tests(manifest, only)
+    library, extract_notes = graded_library(manifest, base, submitted)
+    notes += extract_notes
     start = time.perf_counter()
 
     def one(item):
-        entry = _grade_test(*item, getattr(module, item[0]), base, submitted, hidden, limits)
+        entry = _grade_test(*item, hidden, library, sandbox, limits)
         if progress is not None:
             progress()
         return entry
@@ -139,7 +191,8 @@ def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | N
     total = float(sum(chosen.values()))
     return {"score": score, "max_score": total,
             "execution_time": round(time.perf_counter() - start, 2),
-            "output": "\n".join(notes) if notes else f"{manifest.title}: {score:g} / {total:g}",
+            "output": "\n".join([f"{manifest.title}: {score:g} / {total:g}", *notes]),
+            "extra_data": {"sandbox": sandbox.mode, "hidden_tests_sha256": hidden.sha256},
             "tests": tests}
 
 
@@ -151,10 +204,9 @@ def summary(results: dict, width: int = 100) -> str:
         lines.append(f"{test['score']:>5g}/{test['max_score']:<4g} {test['name']}")
         if test["score"] < test["max_score"]:
             lines.append(f"           {first[:width]}")
-    if results.get("output") and "not submitted" in results["output"]:
-        lines.append(results["output"])
+    lines += results.get("output", "").splitlines()[1:]  # the notes
     lines.append(f"total {results['score']:g} / {results['max_score']:g} "
-                 f"({results['execution_time']:.1f} s)")
+                 f"({results['execution_time']:.1f} s, sandbox: {results['extra_data']['sandbox']})")
     return "\n".join(lines)
 
 
@@ -166,22 +218,26 @@ def write_results(results: dict, path: str) -> None:
 
 def grade_batch(manifest: Manifest, folder: str, csv_path: str, src_root: str,
                 limits: Limits | None = None, show_progress: bool = True, only: str | None = None,
-                jobs: int = 1) -> list[dict]:
+                jobs: int = 1, sandbox: Sandbox | None = None) -> list[dict]:
     """Grade every sub-directory of ``folder``; write one CSV row per submission and each
-    submission's results.json under ``<csv stem>-results/``."""
+    submission's results.json under ``<csv stem>-results/``. The hidden tests are loaded once and
+    the sandbox chosen once, before the first submission is read."""
     if not os.path.isdir(folder):
         raise ValueError(f"--batch {folder!r} is not a directory")
     submissions = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
     if not submissions:
         raise ValueError(f"--batch {folder!r} holds no submission directories")
     results_dir = os.path.splitext(csv_path)[0] + "-results"
+    hidden = load_hidden_tests(manifest)
+    sandbox = sandbox or choose(unreadable=(*secret_paths(manifest, src_root), folder))
     rows = []
     from tqdm import tqdm
     with tqdm(total=len(submissions) * len(select_tests(manifest, only)), desc=f"grading {manifest.name}",
               unit="test", disable=not show_progress, file=sys.stderr) as bar:
         for name in submissions:
             results = grade(manifest, os.path.join(folder, name), src_root, limits,
-                            progress=lambda: bar.update(1), only=only, jobs=jobs)
+                            progress=lambda: bar.update(1), only=only, jobs=jobs,
+                            sandbox=sandbox, hidden=hidden)
             write_results(results, os.path.join(results_dir, f"{name}.json"))
             rows.append({"submission": name, "score": results["score"],
                          "max_score": results["max_score"],

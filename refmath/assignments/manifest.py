@@ -10,7 +10,9 @@
     [functions]                            # what students write, by file: these are stubbed,
     "refmath/attention.py" = ["sdpa_forward", "sdpa_backward"]   # and these files are submitted
 
-    [limits]                               # per hidden test, each in its own process
+    uses = ["attention"]                   # optional: assignments whose solutions this tree keeps
+
+    [limits]                               # per hidden test, each in its own sandboxed process
     wall_s = 20
     cpu_s = 15
     memory_mb = 2048
@@ -58,6 +60,9 @@ class Manifest:
     hidden_tests: str
     limits: Limits
     points: dict[str, float] = field(default_factory=dict)  # hidden test -> points
+    # Assignments whose solutions this one's tree keeps (its given code runs on them); every
+    # other assignment's solution is stubbed in its trees.
+    uses: tuple[str, ...] = ()
 
     @property
     def files(self) -> list[str]:
@@ -108,7 +113,8 @@ def load(name: str, root: str | None = None) -> Manifest:
                            "(pip install tomli)")
     with open(where, "rb") as f:
         data = tomllib.load(f)
-    allowed = {"title", "handout", "functions", "public_tests", "hidden_tests", "limits", "points"}
+    allowed = {"title", "handout", "functions", "public_tests", "hidden_tests", "limits", "points",
+               "uses"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown} (allowed: {sorted(allowed)})")
@@ -130,6 +136,11 @@ def load(name: str, root: str | None = None) -> Manifest:
     for test, value in points.items():
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{where}: points.{test} must be a positive number, got {value!r}")
+    uses = data.get("uses", [])
+    if not isinstance(uses, list) or not all(isinstance(u, str) for u in uses):
+        raise TypeError(f"{where}: 'uses' must be a list of assignment names")
+    if name in uses:
+        raise ValueError(f"{where}: 'uses' names the assignment itself")
     return Manifest(
         name=name, folder=folder, title=_need(data, "title", str, where),
         handout=_need(data, "handout", str, where), functions=functions,
@@ -137,5 +148,5 @@ def load(name: str, root: str | None = None) -> Manifest:
         hidden_tests=_need(data, "hidden_tests", str, where),
         limits=Limits(float(limits["wall_s"]), float(limits["cpu_s"]), int(limits["memory_mb"]),
                       int(limits["output_kb"])),
-        points=dict(points),
+        points=dict(points), uses=tuple(uses),
     )

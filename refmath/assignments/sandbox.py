@@ -1,111 +1,150 @@
-"""Run one hidden test on a submission in its own limited process.
+"""Run one hidden test's student side in a sandbox, and read back only its arrays.
 
-The process gets a fresh temporary directory holding only the submission laid over the stubbed
-library, the hidden-test module and a small driver; a minimal environment with one BLAS/OpenMP
-thread; ``resource.setrlimit`` limits on CPU time, address space, file size and core dumps (set by
-the driver before it imports anything of the submission); its own
-session (so a wall-clock timeout kills everything it started); and its output goes to a file whose
-size is capped. The driver runs the test's ``run()`` and saves the returned arrays as ``out.npz``;
-the grader, in its own process, loads them without pickle and checks them.
+Three ways to run it, chosen by :func:`choose` and recorded in the results:
 
-What this does not stop (see the README, "For instructors"): network access, reading files the
-grading user can read, forking further processes within the limits. Run the grader in a container
-(Gradescope does) for those.
+``bubblewrap`` (Linux, ``bwrap`` installed; what the grader uses whenever it can)
+    New PID, network, IPC and UTS namespaces: no network at all (not even loopback), and every
+    process the test starts dies with it, ``setsid`` or not. The file system is a fresh tmpfs
+    holding read-only binds of the system's programs and libraries, the Python interpreter's
+    standard library (its site-packages hidden), NumPy, and the test's folder (the submission laid
+    over the stubbed library, the inputs, the driver); ``/tmp`` is a private tmpfs of bounded size,
+    the only place it can write. The grader's files, the hidden tests, the reference solutions,
+    torch and the other submissions are not in that file system. Started by root, bubblewrap
+    mounts as root and the driver then drops to a uid of its own (one per concurrent test), so the
+    process limit counts only that test; started by anyone else, an unprivileged user namespace
+    maps it to ``nobody``.
+``user`` (root, where namespaces are refused: a Docker container's default seccomp profile)
+    The driver runs as a uid of its own in a private folder, with the same limits; after the test
+    every process of that uid is killed. It can read what any user can read, so the driver first
+    checks that it cannot read the hidden tests, the grader's package or the folder holding torch,
+    and refuses to run otherwise (the Gradescope bundle's ``setup.sh`` makes them root-only).
+    There is no network isolation in this mode.
+``none`` (``--no-sandbox``, for code the instructor trusts)
+    A separate process with the limits, and nothing else.
+
+In every mode the student's process receives only the source of the test's ``run`` and its inputs
+(:mod:`~refmath.assignments.wire`), and its output is read through a bounded reader; the check runs
+in the grader.
 """
 from __future__ import annotations
 
-import json
+import glob
+import importlib.util
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
+import threading
 import time
 from typing import NamedTuple
 
+from refmath.assignments import wire
 from refmath.assignments.manifest import Limits
 
-# Runs inside the limited process, from the temporary directory. It imports the hidden-test module,
-# builds the named test (inputs are made from fixed seeds, so the grader rebuilds the same ones),
-# runs the student's side and saves the arrays it returns. Any exception, SystemExit included,
-# becomes one line of result.json; where in refmath/ it happened is kept for the feedback.
-DRIVER = r'''
-import resource
-# The limits first, before anything of the submission is imported. Soft and hard limits are equal
-# (CPU: one second apart, so SIGXCPU comes first), and a process cannot raise its hard limits.
-cpu, memory, size = (int(a) for a in __import__("sys").argv[2:5])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-import json, os, sys, traceback
-sys.path.insert(0, os.getcwd())
-here = os.getcwd()
-# The assignments are NumPy: an autograd library would compute the gradients for the student.
-# (This stops an accidental or casual import; code set on it can still undo it.)
-for blocked in ("torch", "jax", "tensorflow", "autograd"):
-    sys.modules[blocked] = None
-
-def finish(**result):
-    with open(os.path.join(here, "result.json"), "w") as f:
-        json.dump(result, f)
-
-try:
-    import numpy as np
-    import hidden_tests
-    run, _ = getattr(hidden_tests, sys.argv[1])()
-    import refmath
-    if not os.path.abspath(refmath.__file__).startswith(here):
-        raise RuntimeError(f"grader set-up: refmath imported from {refmath.__file__}, not the "
-                           "submission; grade where refmath is not installed")
-    out = run()
-    if not isinstance(out, dict):
-        raise TypeError(f"the test's run() returned {type(out).__name__}, not a dict of arrays")
-    arrays = {}
-    for key, value in out.items():
-        value = np.asarray(value)
-        if value.dtype == object:
-            raise TypeError(f"{key} is not a numeric array (got an object array)")
-        arrays[key] = value
-    np.savez(os.path.join(here, "out.npz"), **arrays)
-    finish(status="ok")
-except BaseException as error:
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if os.path.abspath(f.filename).startswith(os.path.join(here, "refmath"))]
-    where = (f"{os.path.relpath(frames[-1].filename, here)}:{frames[-1].lineno} in "
-             f"{frames[-1].name}") if frames else ""
-    message = str(error).splitlines()[0][:300] if str(error) else ""
-    if isinstance(error, SystemExit):
-        message = f"called exit({error.code!r})"
-    finish(status="error", error=type(error).__name__, message=message, where=where)
-'''
+MODES = ("bubblewrap", "user", "none")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The packages a submission may import besides the standard library and its own refmath.
+STUDENT_PACKAGES = ("numpy", "numpy.libs", "tqdm")
+# The uids the tests run as when the grader is root: one per concurrent test, far above the ranges
+# that systems hand to users and to subordinate-uid maps.
+FIRST_UID = 2_000_000_000
+PROCESSES = 32  # per test: the driver needs one, bubblewrap two
+RESULT_MB = 256  # the most that is read back from one test
+TMP_MB = 64  # the sandbox's private /tmp
+NOBODY = 65534
 
 
 class Outcome(NamedTuple):
-    status: str  # "ok", "error" (an exception), "killed" (limits, crash, exit), "timeout"
+    status: str  # "ok", "error" (an exception), "killed" (limits, crash, exit), "timeout", "setup"
     message: str  # one line for the student; empty when status is "ok"
     output: str  # the head of what the process printed
     seconds: float
+    value: dict | None = None  # the arrays run() returned, when status is "ok"
 
 
-def _limit_arguments(limits: Limits) -> list[str]:
-    """The driver's arguments: CPU seconds, bytes of address space, bytes a file may reach.
-
-    The driver sets the limits itself, as its first statements: ``preexec_fn`` would do it before
-    exec, but is unsafe when the grader runs tests from several threads (``--jobs``).
-    """
-    cpu = max(1, int(limits.cpu_s))
-    memory = limits.memory_mb * 1024 * 1024
-    # Files the process writes: its output (capped lower, after the run) and out.npz.
-    size = max(limits.output_kb * 1024 * 4, 64 * 1024 * 1024)
-    return [str(cpu), str(memory), str(size)]
+def interpreter() -> str:
+    """The Python the sandbox runs: ``REFMATH_SANDBOX_PYTHON``, else this one's base interpreter
+    (outside any virtual environment, whose site-packages hold the grader's packages). It must be
+    the same Python version, for NumPy's compiled modules."""
+    chosen = os.environ.get("REFMATH_SANDBOX_PYTHON")
+    return chosen or os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
-def limited_env(directory: str) -> dict[str, str]:
-    """A minimal environment: no inherited PYTHONPATH, one thread for BLAS and OpenMP."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": directory, "TMPDIR": directory,
-           "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
-           "MPLBACKEND": "Agg"}
+def student_site() -> dict[str, str]:
+    """``{name: folder}`` of :data:`STUDENT_PACKAGES` as this Python finds them."""
+    found = {}
+    for name in STUDENT_PACKAGES:
+        if name.endswith(".libs"):  # the shared libraries a manylinux wheel puts beside it
+            parent = found.get(name[:-len(".libs")])
+            folder = parent and os.path.join(os.path.dirname(parent), name)
+        else:
+            spec = importlib.util.find_spec(name)
+            folder = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
+        if folder and os.path.isdir(folder):
+            found[name] = os.path.realpath(folder)
+    if "numpy" not in found:
+        raise RuntimeError("the grader cannot find NumPy to give the sandbox")
+    return found
+
+
+def _site_directories() -> list[str]:
+    """Every folder where the base interpreter would find installed packages."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    paths = {sysconfig.get_paths(vars=base)[k] for k in ("purelib", "platlib")}
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    paths |= set(glob.glob("/usr/lib/python3/dist-packages")) | set(
+        glob.glob(f"/usr/local/lib/python{version}/*-packages")) | set(
+        glob.glob(f"/usr/lib/python{version}/*-packages"))
+    return sorted(p for p in paths if os.path.isdir(p))
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a``, ``/a/b``, ``/a/b/c`` for ``/a/b/c``."""
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1) if parts[0]]
+
+
+def bubblewrap_command(folder: str, site: dict[str, str], tmp_mb: int = TMP_MB) -> list[str]:
+    """The ``bwrap`` command line up to ``--`` for a test whose files are in ``folder``: inside,
+    ``folder`` is ``/sandbox/work`` and the packages are in ``/sandbox/site``."""
+    command = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+               "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+               "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            command += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            command += ["--ro-bind", top, top]
+    command += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix),
+                os.path.dirname(os.path.dirname(interpreter()))}
+    prefixes = sorted(p for p in prefixes if not (p + "/").startswith("/usr/"))
+    # bubblewrap makes the folders above a bind mode 0700: the dropped user must pass through them.
+    above = {os.path.dirname(p) for p in prefixes} | {"/sandbox/site"}
+    for folder_above in sorted({a for p in above for a in _ancestors(p)}):
+        command += ["--perms", "0755", "--dir", folder_above]
+    for prefix in prefixes:
+        command += ["--ro-bind", prefix, prefix]
+    for site_dir in _site_directories():  # hidden: torch and the grader's refmath may be there
+        command += ["--tmpfs", site_dir]
+    for name, source in site.items():
+        command += ["--ro-bind", source, f"/sandbox/site/{name}"]
+    command += ["--ro-bind", folder, "/sandbox/work",
+                "--perms", "1777", "--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp",
+                "--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp"]
+    if os.geteuid() != 0:
+        command += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+    return command
+
+
+def environment(home: str) -> dict[str, str]:
+    """A minimal environment: one thread for BLAS and OpenMP, nothing inherited."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
+           "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg"}
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                  "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS"):
         env[name] = "1"
@@ -119,67 +158,236 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def run_test(directory: str, test: str, limits: Limits) -> Outcome:
-    """Run hidden test ``test`` in ``directory`` (prepared by the grader) under ``limits``."""
-    with open(os.path.join(directory, "_grader_driver.py"), "w") as f:
-        f.write(DRIVER)
-    output_path = os.path.join(directory, "_output.txt")
-    start = time.perf_counter()
-    timed_out = False
-    with open(output_path, "wb") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-E", "-s", "-B", "_grader_driver.py", test, *_limit_arguments(limits)],
-            cwd=directory, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-            env=limited_env(directory), start_new_session=True)
+def _kill_user(uid: int) -> None:
+    """Kill every process of ``uid``: a process of that uid sends SIGKILL to all it may signal."""
+    # kill(-1) signals every process the caller may signal: exactly those of its own uid.
+    subprocess.run([shutil.which("kill") or "/bin/kill", "-s", "KILL", "-1"], user=uid, group=uid,
+                   extra_groups=[], timeout=30, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+PROBE = '''
+def probe(port):
+    import os, socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError as error:
+        network = type(error).__name__
+    else:
+        network = "open"
+    return {"pid": np.array(os.getpid()), "uid": np.array(os.getuid()),
+            "net": np.frombuffer(network.encode(), dtype=np.uint8)}
+'''
+
+
+class Sandbox:
+    """Runs student-side code in one of :data:`MODES`.
+
+    ``unreadable``: in ``user`` mode, paths the driver must fail to read before it runs anything.
+    """
+
+    def __init__(self, mode: str, unreadable: tuple[str, ...] = ()):
+        if mode not in MODES:
+            raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.unreadable = tuple(unreadable)
+        self.site = student_site()
+        self._slots = list(range(64))
+        self._lock = threading.Lock()
+
+    def probe(self) -> str | None:
+        """``None`` when a trivial test runs in this sandbox, else why not (one line)."""
+        limits = Limits(wall_s=30, cpu_s=10, memory_mb=1024, output_kb=64)
+        # A port the grader listens on: the sandbox must not reach it.
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            try:
+                outcome = self.run({"refmath/__init__.py": ""}, PROBE, "probe",
+                                   {"port": server.getsockname()[1]}, limits)
+            except (OSError, subprocess.SubprocessError) as error:
+                return f"{type(error).__name__}: {error}"
+        if outcome.status != "ok":
+            printed = " ".join(outcome.output.split())[:200]
+            return outcome.message + (f" ({printed})" if printed else "")
+        if self.mode == "bubblewrap" and bytes(outcome.value["net"]).decode() == "open":
+            return "the network was reachable inside the sandbox"
+        return None
+
+    def _slot(self) -> int:
+        with self._lock:
+            return self._slots.pop(0)
+
+    def _free(self, slot: int) -> None:
+        with self._lock:
+            self._slots.append(slot)
+
+    def run(self, library: dict[str, str], source: str, function: str, inputs: dict,
+            limits: Limits) -> Outcome:
+        """Run ``function`` (defined by ``source``) on ``inputs`` with ``library`` ({path: text},
+        the refmath to import) under ``limits``."""
+        slot = self._slot()
+        uid = FIRST_UID + slot if os.geteuid() == 0 and self.mode != "none" else None
+        folder = tempfile.mkdtemp(prefix="refmath-grade-")
         try:
-            returncode = process.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(process.pid, signal.SIGKILL)
-            returncode = process.wait()
-    seconds = time.perf_counter() - start
-    # Whatever it started in its session goes too (a child left sleeping, say).
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+            return self._run(folder, uid, library, source, function, inputs, limits)
+        finally:
+            if self.mode == "user":
+                _kill_user(uid)
+            shutil.rmtree(folder, ignore_errors=True)
+            self._free(slot)
 
-    cap = limits.output_kb * 1024
-    printed = os.path.getsize(output_path)
-    with open(output_path, "rb") as f:
-        head = f.read(min(cap, 2000)).decode("utf-8", "replace")
+    def _write(self, folder: str, library: dict[str, str], message: bytes) -> None:
+        for path, text in library.items():
+            target = os.path.join(folder, "library", path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(text)
+        os.makedirs(os.path.join(folder, "grader"))
+        for name in ("driver.py", "wire.py"):
+            shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, "grader", name))
+        with open(os.path.join(folder, "inputs.bin"), "wb") as f:
+            f.write(message)
+        if self.mode == "user":
+            os.makedirs(os.path.join(folder, "site"))
+            for name, source in self.site.items():
+                os.symlink(source, os.path.join(folder, "site", name))
+            os.makedirs(os.path.join(folder, "tmp"))
+        for root, dirs, files in os.walk(folder):  # readable by the sandbox user, writable by none
+            os.chmod(root, 0o755)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o644)
 
-    if timed_out:
-        return Outcome("timeout", f"timed out: still running after {limits.wall_s:g} s "
-                       "(wall-clock limit); an infinite loop or a very slow method?", head, seconds)
-    if printed > cap:
-        return Outcome("killed", f"printed {printed / 1024:.0f} KB or more; the limit is "
-                       f"{limits.output_kb} KB of output", head[:500], seconds)
-    if returncode < 0:
-        name = _signal_name(-returncode)
-        why = {"SIGXCPU": f"used more than {limits.cpu_s:g} s of CPU time (the limit)",
-               "SIGKILL": f"was killed (CPU time above {limits.cpu_s:g} s or out of memory)",
-               "SIGSEGV": "crashed with a segmentation fault",
-               "SIGABRT": "aborted (SIGABRT)", "SIGBUS": "crashed (bus error)",
-               "SIGFPE": "crashed (floating-point exception)"}.get(name, f"was killed by {name}")
-        return Outcome("killed", why, head, seconds)
-    result_path = os.path.join(directory, "result.json")
-    try:
-        with open(result_path) as f:
-            result = json.load(f)
-        status = result["status"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return Outcome("killed", f"the process ended (exit status {returncode}) before the test "
-                       "finished: os._exit(), a crash, or an exit from native code", head, seconds)
-    if status == "ok" and returncode == 0:
-        return Outcome("ok", "", head, seconds)
-    if status == "ok":
-        return Outcome("killed", f"exit status {returncode} after the test ran", head, seconds)
-    error, message = str(result.get("error", "?")), str(result.get("message", ""))
-    where = str(result.get("where", ""))
-    if error == "MemoryError":
-        message = f"ran out of memory (limit {limits.memory_mb} MB of address space)"
-    text = f"raised {error}" + (f": {message}" if message else "") + (f" ({where})" if where else "")
-    if error == "SystemExit":
-        text = message + (f" ({where})" if where else "")
-    return Outcome("error", text, head, seconds)
+    def _command(self, folder: str, uid: int | None, limits: Limits) -> tuple[list[str], dict]:
+        inside = "/sandbox/work" if self.mode == "bubblewrap" else folder
+        site = "/sandbox/site" if self.mode == "bubblewrap" else os.path.join(folder, "site")
+        if self.mode == "none":
+            site = os.path.dirname(self.site["numpy"])
+        driver = [interpreter(), "-I", "-S", "-B", f"{inside}/grader/driver.py",
+                  "--inputs", f"{inside}/inputs.bin", "--library", f"{inside}/library",
+                  "--site", site, "--cpu", str(max(1, int(limits.cpu_s))),
+                  "--memory", str(limits.memory_mb * 2**20),
+                  # what it prints goes to a file the grader caps after the run
+                  "--file-size", str(max(limits.output_kb * 1024 * 4, 2**20)),
+                  "--processes", str(PROCESSES)]
+        options: dict = {"env": environment("/tmp" if self.mode == "bubblewrap" else
+                                            os.path.join(folder, "tmp") if self.mode == "user"
+                                            else folder)}
+        if self.mode == "bubblewrap":
+            if uid is not None:
+                driver += ["--uid", str(uid)]
+            return bubblewrap_command(folder, self.site) + ["--", *driver], options
+        if self.mode == "user":
+            os.chown(os.path.join(folder, "tmp"), uid, uid)
+            driver += ["--unreadable", *self.unreadable]
+            options.update(user=uid, group=uid, extra_groups=[], cwd=os.path.join(folder, "tmp"))
+        else:
+            options.update(cwd=folder, start_new_session=True)
+        return driver, options
+
+    def _run(self, folder, uid, library, source, function, inputs, limits) -> Outcome:
+        self._write(folder, library, wire.encode({"source": source, "function": function}, inputs))
+        command, options = self._command(folder, uid, limits)
+        output_path = os.path.join(folder, "output.txt")
+        start = time.monotonic()
+        deadline = start + limits.wall_s
+        head, value, problem = None, None, None
+        with open(output_path, "wb") as output:
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=output, **options)
+            try:
+                head, value = wire.read_message(process.stdout.fileno(), deadline,
+                                                RESULT_MB * 2**20)
+            except TimeoutError:
+                problem = "timeout"
+            except EOFError:
+                problem = "eof"
+            except wire.WireError as error:
+                problem = f"the test's output could not be read: {error}"
+            try:
+                returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()) + 1)
+            except subprocess.TimeoutExpired:
+                problem = problem or "timeout"
+                returncode = None
+            self._stop(process)
+            process.stdout.close()
+        seconds = time.monotonic() - start
+        return self._outcome(output_path, limits, head, value, problem, returncode, seconds)
+
+    def _stop(self, process: subprocess.Popen) -> None:
+        """End the test's processes: bubblewrap's PID namespace dies with its first process; in
+        ``user`` mode the uid's processes are killed after the run; ``none`` kills its session."""
+        if process.poll() is None:
+            process.kill()
+        if self.mode == "none":
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        process.wait()
+
+    @staticmethod
+    def _outcome(output_path, limits, head, value, problem, returncode, seconds) -> Outcome:
+        cap = limits.output_kb * 1024
+        printed = os.path.getsize(output_path)
+        with open(output_path, "rb") as f:
+            text = f.read(min(cap, 2000)).decode("utf-8", "replace")
+        if problem == "timeout":
+            return Outcome("timeout", f"timed out: still running after {limits.wall_s:g} s "
+                           "(wall-clock limit); an infinite loop or a very slow method?", text, seconds)
+        if printed > cap:
+            return Outcome("killed", f"printed {printed / 1024:.0f} KB or more; the limit is "
+                           f"{limits.output_kb} KB of output", text[:500], seconds)
+        if problem is not None and problem != "eof":
+            return Outcome("killed", problem, text, seconds)
+        if problem == "eof":
+            if returncode is not None and returncode < 0:
+                name = _signal_name(-returncode)
+                why = {"SIGXCPU": f"used more than {limits.cpu_s:g} s of CPU time (the limit)",
+                       "SIGKILL": f"was killed (CPU time above {limits.cpu_s:g} s or out of memory)",
+                       "SIGSEGV": "crashed with a segmentation fault",
+                       "SIGABRT": "aborted (SIGABRT)", "SIGBUS": "crashed (bus error)",
+                       "SIGFPE": "crashed (floating-point exception)"}.get(name,
+                                                                         f"was killed by {name}")
+                return Outcome("killed", why, text, seconds)
+            if returncode is not None and returncode > 128:  # bubblewrap passes a signal on as 128+n
+                return Sandbox._outcome(output_path, limits, None, None, "eof", 128 - returncode,
+                                        seconds)
+            return Outcome("killed", f"the process ended (exit status {returncode}) before the "
+                           "test finished: os._exit(), a crash, or an exit from native code",
+                           text, seconds)
+        status = head.get("status")
+        if status == "ok" and isinstance(value, dict):
+            return Outcome("ok", "", text, seconds, value)
+        if status == "ok":
+            return Outcome("killed", "the test's output is not a dict of arrays", text, seconds)
+        error, message = str(head.get("error", "?"))[:100], str(head.get("message", ""))[:300]
+        where = str(head.get("where", ""))[:200]
+        if error == "MemoryError":
+            message = f"ran out of memory (limit {limits.memory_mb} MB of address space)"
+        described = (f"raised {error}" + (f": {message}" if message else "")
+                     + (f" ({where})" if where else ""))
+        if error == "SystemExit":
+            described = message + (f" ({where})" if where else "")
+        return Outcome("setup" if status == "setup" else "error", described, text, seconds)
+
+
+def choose(unreadable: tuple[str, ...] = ()) -> Sandbox:
+    """The strongest sandbox this machine can make, proven by running a probe in it:
+    ``bubblewrap`` if it runs, else ``user`` when the grader is root; else ``RuntimeError`` with
+    the reason (the command line's ``--no-sandbox`` then grades without one, and says so)."""
+    reasons = []
+    for mode in ("bubblewrap", "user"):
+        if mode == "bubblewrap" and shutil.which("bwrap") is None:
+            reasons.append("bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)")
+            continue
+        if mode == "user" and os.geteuid() != 0:
+            reasons.append("user: the grader is not root, so it cannot run tests as a uid of their "
+                           "own")
+            continue
+        sandbox = Sandbox(mode, unreadable)
+        problem = sandbox.probe()
+        if problem is None:
+            return sandbox
+        reasons.append(f"{mode}: {problem}")
+    raise RuntimeError("no sandbox can be made here, so untrusted code is refused ("
+                       + "; ".join(reasons) + "); --no-sandbox grades without one, for code you "
+                       "trust")
