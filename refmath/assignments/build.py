@@ -76,20 +76,33 @@ any solution, with tight tolerances and time limits.
 
 SETUP_SH = """\
 #!/usr/bin/env bash
-# Gradescope runs this once when the autograder image is built.
+# Gradescope runs this once, as root, when the autograder image is built (Ubuntu).
 set -euo pipefail
 apt-get update
-apt-get install -y --no-install-recommends python3 python3-pip
-python3 -m pip install numpy tqdm "tomli; python_version < '3.11'"
-# PyTorch (CPU) computes the expected values of the hidden tests.
-python3 -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+apt-get install -y --no-install-recommends python3 python3-pip python3-venv bubblewrap
+# What a submission may import, for every user (the sandbox runs it as an unprivileged uid).
+python3 -m pip install numpy tqdm "tomli; python_version < '3.11'" ||
+    python3 -m pip install --break-system-packages numpy tqdm "tomli; python_version < '3.11'"
+# The grader's own environment: PyTorch (CPU), which computes the hidden tests' expected values,
+# where no other user can read it.
+python3 -m venv --system-site-packages /opt/refmath-grader
+/opt/refmath-grader/bin/python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+chmod 700 /opt/refmath-grader
 """
 
 RUN_AUTOGRADER = """\
 #!/usr/bin/env bash
-# Gradescope runs this for each submission: the files are in /autograder/submission.
+# Gradescope runs this for each submission, as root: the files are in /autograder/submission.
+# The grader sandboxes every test: bubblewrap where the container lets it make namespaces, else a
+# uid of its own, which must not read anything under /autograder (the hidden tests among it).
+set -euo pipefail
+chmod 700 /autograder
 cd /autograder/source
-python3 -m refmath assignments grade {name} /autograder/submission \\
+/opt/refmath-grader/bin/python -I -c '
+import sys
+sys.path.insert(0, "/autograder/source")
+from refmath.__main__ import main
+sys.exit(main())' assignments grade {name} /autograder/submission \\
     --out /autograder/results/results.json
 """
 
@@ -147,29 +160,27 @@ def stub_message(function: str, manifest: Manifest) -> str:
     return f"{function}: see the handout {manifest.name} ({manifest.handout})"
 
 
-def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True,
-                 keep: dict[str, list[str]] | None = None):
+def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True):
     """``(stubbed files, secret lines)``: every solution region of the library stubbed, and the
     normalised lines of what was removed.
 
     The manifest's functions become ``raise NotImplementedError`` pointing to its handout; the
-    functions of other assignments are stubbed too (a student tree holds no assignment's
-    solution), except those in ``keep`` (``{file: [function]}``: the released solutions of the
-    assignments this one builds on, the manifest's ``uses``), which stay as they are.
+    functions of other assignments are stubbed too (a tree holds no assignment's solution),
+    except those in its ``[uses]``, whose regions lose their markers and keep their code.
 
     ``strict``: every listed function must hold a region (building). Grading from an autograder
     bundle, whose copy is already stubbed, passes ``strict=False``.
     """
-    keep = keep or {}
     out = dict(files)
     secrets: set[str] = set()
-    for file in manifest.functions:
+    for file in {**manifest.functions, **manifest.uses}:
         if file not in files:
             raise ValueError(f"assignment {manifest.name}: {file} is not a file of refmath")
     for file, text in files.items():
         functions = manifest.functions.get(file, [])
+        kept = manifest.uses.get(file, [])
         grouped = solutions.function_regions(text, file)
-        missing = [f for f in functions if f not in grouped]
+        missing = [f for f in functions + kept if f not in grouped]
         if missing and strict:
             raise ValueError(f"assignment {manifest.name}: no '# BEGIN SOLUTION' region in "
                              f"{', '.join(missing)} of {file} (functions with regions: "
@@ -179,15 +190,18 @@ def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True,
         if only_docstrings and strict:
             raise ValueError(f"assignment {manifest.name}: {', '.join(only_docstrings)} of {file} "
                              "has only a docstring region: the student's copy would not raise")
-        chosen = [(r, f) for f, regions in grouped.items() if f not in keep.get(file, ())
-                  for r in regions]
-        if not chosen:
+        by_region = {r: f for f, regions in grouped.items() for r in regions}
+        if not by_region:
             continue
-        secrets.update(solutions.region_lines(text, [r for r, _ in chosen]))
-        by_region = {r: f for r, f in chosen}
+        secrets.update(solutions.region_lines(text, [r for r, f in by_region.items()
+                                                     if f not in kept]))
+        lines = text.splitlines()
 
-        def stub(region, text=text, by_region=by_region, functions=functions):
+        def stub(region, by_region=by_region, functions=functions, kept=kept, lines=lines,
+                 text=text):
             function = by_region[region]
+            if function in kept:
+                return lines[region.begin + 1:region.end]
             message = (stub_message(function, manifest) if function in functions
                        else f"{function or 'this part'}: not part of assignment {manifest.name}")
             if solutions.is_docstring_region(text, region):
@@ -195,16 +209,6 @@ def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True,
             return [f"{region.indent}raise NotImplementedError({message!r})"]
         out[file] = solutions.strip_regions(text, list(by_region), stub)
     return out, secrets
-
-
-def kept_solutions(manifest: Manifest, root: str | None = None) -> dict[str, list[str]]:
-    """``{file: [function]}`` of the assignments ``manifest`` uses, whose solutions its tree keeps."""
-    from refmath.assignments.manifest import load
-    keep: dict[str, list[str]] = {}
-    for name in manifest.uses:
-        for file, functions in load(name, root).functions.items():
-            keep.setdefault(file, []).extend(functions)
-    return keep
 
 
 def public_lines(files: dict[str, str], manifest: Manifest) -> set[str]:
@@ -252,8 +256,7 @@ def _read(path: str) -> str:
 def assemble(manifest: Manifest, src_root: str) -> tuple[dict[str, str], dict[str, str], set[str]]:
     """The student tree, the autograder tree (``{relative path: text}``) and the secret lines."""
     library = library_files(src_root)
-    stubbed, secrets = stub_library(library, manifest,
-                                    keep=kept_solutions(manifest, os.path.dirname(manifest.folder)))
+    stubbed, secrets = stub_library(library, manifest)
 
     handout_text = _read(manifest.path(manifest.handout))
     handout_regions = solutions.find_regions(handout_text, manifest.path(manifest.handout))

@@ -10,8 +10,9 @@
     [functions]                            # what students write, by file: these are stubbed,
     "refmath/attention.py" = ["sdpa_forward", "sdpa_backward"]   # and these files are submitted
 
-    uses = ["attention"]                   # optional: assignments whose solutions this tree keeps
-
+    [uses]                                 # optional: other assignments' functions that this
+    "refmath/attention.py" = ["sdpa_forward"]  # one's given code (or its checks) runs on; their
+                                           # solutions stay in its trees, all others are stubbed
     [limits]                               # per hidden test, each in its own sandboxed process
     wall_s = 20
     cpu_s = 15
@@ -60,9 +61,9 @@ class Manifest:
     hidden_tests: str
     limits: Limits
     points: dict[str, float] = field(default_factory=dict)  # hidden test -> points
-    # Assignments whose solutions this one's tree keeps (its given code runs on them); every
-    # other assignment's solution is stubbed in its trees.
-    uses: tuple[str, ...] = ()
+    # Functions of other assignments whose solutions this one's trees keep (its given code or its
+    # checks run on them), by file; every other solution region is stubbed in its trees.
+    uses: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def files(self) -> list[str]:
@@ -119,11 +120,6 @@ def load(name: str, root: str | None = None) -> Manifest:
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown} (allowed: {sorted(allowed)})")
     functions = _need(data, "functions", dict, where)
-    for file, funcs in functions.items():
-        if not file.startswith("refmath/") or not file.endswith(".py") or ".." in file:
-            raise ValueError(f"{where}: functions key {file!r} must be a refmath/...py path")
-        if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) for f in funcs):
-            raise TypeError(f"{where}: functions[{file!r}] must be a non-empty list of names")
     limits = dict(DEFAULT_LIMITS)
     extra = sorted(set(data.get("limits", {})) - set(limits))
     if extra:
@@ -136,11 +132,18 @@ def load(name: str, root: str | None = None) -> Manifest:
     for test, value in points.items():
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{where}: points.{test} must be a positive number, got {value!r}")
-    uses = data.get("uses", [])
-    if not isinstance(uses, list) or not all(isinstance(u, str) for u in uses):
-        raise TypeError(f"{where}: 'uses' must be a list of assignment names")
-    if name in uses:
-        raise ValueError(f"{where}: 'uses' names the assignment itself")
+    uses = data.get("uses", {})
+    if not isinstance(uses, dict):
+        raise TypeError(f"{where}: [uses] must be a table of file = [functions]")
+    for file, funcs in {**functions, **uses}.items():
+        if not file.startswith("refmath/") or not file.endswith(".py") or ".." in file:
+            raise ValueError(f"{where}: key {file!r} must be a refmath/...py path")
+        if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) for f in funcs):
+            raise TypeError(f"{where}: {file!r} must map to a non-empty list of function names")
+    both = sorted(f"{file}: {f}" for file, fs in uses.items() for f in fs
+                  if f in functions.get(file, []))
+    if both:
+        raise ValueError(f"{where}: {', '.join(both)} both written by students and kept in [uses]")
     return Manifest(
         name=name, folder=folder, title=_need(data, "title", str, where),
         handout=_need(data, "handout", str, where), functions=functions,
@@ -148,5 +151,5 @@ def load(name: str, root: str | None = None) -> Manifest:
         hidden_tests=_need(data, "hidden_tests", str, where),
         limits=Limits(float(limits["wall_s"]), float(limits["cpu_s"]), int(limits["memory_mb"]),
                       int(limits["output_kb"])),
-        points=dict(points), uses=tuple(uses),
+        points=dict(points), uses={k: list(v) for k, v in uses.items()},
     )
