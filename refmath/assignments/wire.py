@@ -46,7 +46,7 @@ def pack(value):
             a = np.asarray(v)
             if a.dtype.newbyteorder("<").str not in DTYPES:
                 raise TypeError(f"cannot send an array of dtype {a.dtype} (plain numbers only)")
-            arrays.append(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")))
+            arrays.append(a.astype(a.dtype.newbyteorder("<"), order="C", copy=False))
             return {"__array__": len(arrays) - 1}
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
