@@ -138,27 +138,37 @@ def _sdpa_backward_test(*cases):
     return Case(run, dict(cases=[inputs for inputs, _ in cases]), check)
 
 
+def _masked_dropout_case(seed, b, h, t_q, t_k, d, d_v, lengths):
+    """A causal + padding mask and a dropout mask (keep 0.8) for (b, h, t_q, d) queries."""
+    allowed = np.arange(t_k)[None, :] < np.asarray(lengths)[:, None]
+    mask = causal(t_q, t_k)[None, None] + additive(allowed)[:, None, None, :]
+    keep = np.random.default_rng(seed - 1).random((b, h, t_q, t_k)) > 0.2
+    return _sdpa_backward_case(seed, (b, h, t_q, d), (b, h, t_k, d), (b, h, t_k, d_v), mask=mask,
+                               drop=keep / 0.8, what=", causal + padding mask, dropout mask")
+
+
+# Each backward test also runs a large twin of its case: its inputs have so many entries that a
+# gradient by differences (one forward call or more per entry) cannot finish within cpu_s, while
+# the analytic backward takes milliseconds.
+
 @hidden_test("sdpa_backward: causal + padding mask and a dropout mask (torch autograd)")
 def sdpa_backward_masked_dropout():
-    allowed = np.arange(7)[None, :] < np.array([7, 5])[:, None]
-    mask = causal(5, 7)[None, None] + additive(allowed)[:, None, None, :]
-    keep = np.random.default_rng(4).random((2, 3, 5, 7)) > 0.2
-    drop = keep / 0.8
-    return _sdpa_backward_test(
-        _sdpa_backward_case(5, (2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6), mask=mask, drop=drop,
-                            what=", causal + padding mask, dropout mask"))
+    return _sdpa_backward_test(_masked_dropout_case(5, 2, 3, 5, 7, 4, 6, [7, 5]),
+                               _masked_dropout_case(15, 2, 4, 160, 192, 32, 48, [192, 150]))
 
 
 @hidden_test("sdpa_backward: an explicit scale, unbatched (torch autograd)")
 def sdpa_backward_scale():
-    return _sdpa_backward_test(_sdpa_backward_case(6, (4, 5), (6, 5), (6, 3), scale=0.7,
-                                                   what=", scale=0.7"))
+    return _sdpa_backward_test(
+        _sdpa_backward_case(6, (4, 5), (6, 5), (6, 3), scale=0.7, what=", scale=0.7"),
+        _sdpa_backward_case(16, (512, 64), (640, 64), (640, 48), scale=0.7, what=", scale=0.7"))
 
 
 @hidden_test("sdpa_backward: large input, within the time limit (torch autograd)")
 def sdpa_backward_large():
-    return _sdpa_backward_test(_sdpa_backward_case(7, (2, 4, 96, 32), (2, 4, 96, 32), (2, 4, 96, 32),
-                                                   mask=causal(96, 96), what=", causal"))
+    return _sdpa_backward_test(_sdpa_backward_case(7, (2, 4, 192, 32), (2, 4, 192, 32),
+                                                   (2, 4, 192, 32), mask=causal(192, 192),
+                                                   what=", causal"))
 
 
 # ---- gqa_head_map ------------------------------------------------------------------------------
@@ -297,17 +307,19 @@ def _mha_backward_test(*cases):
 
 @hidden_test("mha_backward: GQA with biases and a causal mask, every gradient (torch autograd)")
 def mha_backward_gqa():
-    return _mha_backward_test(_mha_backward_case(20, (2, 5, 8), 6, 2, 3, mask=causal(5, 5),
-                                                 what=", causal"))
+    return _mha_backward_test(
+        _mha_backward_case(20, (2, 5, 8), 6, 2, 3, mask=causal(5, 5), what=", causal"),
+        _mha_backward_case(30, (4, 128, 96), 6, 2, 16, mask=causal(128, 128), what=", causal"))
 
 
 @hidden_test("mha_backward: fused QKV weights, MQA, unbatched (torch autograd)")
 def mha_backward_fused():
-    return _mha_backward_test(_mha_backward_case(21, (6, 8), 4, 1, 2, fused=True,
-                                                 what=", fused w_qkv"))
+    return _mha_backward_test(
+        _mha_backward_case(21, (6, 8), 4, 1, 2, fused=True, what=", fused w_qkv"),
+        _mha_backward_case(31, (256, 128), 8, 1, 16, fused=True, what=", fused w_qkv"))
 
 
 @hidden_test("mha_backward: large input, within the time limit (torch autograd)")
 def mha_backward_large():
-    return _mha_backward_test(_mha_backward_case(22, (2, 64, 64), 8, 2, 8, mask=causal(64, 64),
-                                                 what=", causal"))
+    return _mha_backward_test(_mha_backward_case(22, (4, 128, 128), 8, 2, 16,
+                                                 mask=causal(128, 128), what=", causal"))
