@@ -201,14 +201,21 @@ def _backward_test(*cases):
     return Case(run, dict(cases=[inputs for inputs, _ in cases]), check)
 
 
+# Each backward test also runs a large twin of its case: its inputs have so many entries that a
+# gradient by differences (one forward call or more per entry) cannot finish within cpu_s, while
+# the tiled backward takes a fraction of a second.
+
 @hidden_test("flash_attention_backward: ragged lengths, GQA, o and lse given (torch autograd)")
 def backward_ragged_gqa():
-    return _backward_test(_backward_case(7, 1, 4, 2, 37, 53, 16))
+    return _backward_test(_backward_case(7, 1, 4, 2, 37, 53, 16),
+                          _backward_case(17, 1, 4, 2, 517, 709, 32))
 
 
 @hidden_test("flash_attention_backward: causal sliding window (torch autograd)")
 def backward_causal_window():
-    return _backward_test(_backward_case(8, 2, 2, 1, 41, 41, 8, causal=True, window=9, blocks=(8, 16)))
+    return _backward_test(_backward_case(8, 2, 2, 1, 41, 41, 8, causal=True, window=9, blocks=(8, 16)),
+                          _backward_case(18, 2, 2, 1, 1501, 1501, 16, causal=True, window=9,
+                                         blocks=(8, 16)))
 
 
 @hidden_test("flash attention: tracemalloc peak grows like T, not T^2 (forward and backward)")
