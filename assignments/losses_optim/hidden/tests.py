@@ -35,8 +35,13 @@ def case_out(out, i):
     return {key[len(prefix):]: value for key, value in out.items() if key.startswith(prefix)}
 
 
+# Each test of cross_entropy_backward also runs a large twin of its case: its logits have so many
+# entries that a gradient by differences (one forward call or more per entry) cannot finish within
+# cpu_s, while the analytic backward takes milliseconds.
+
 def _ce_case(seed, shape, vocab, n_ignored=0, smoothing=0.0, backward=False, scale=1.0, what=""):
-    """The inputs of one cross-entropy case, and the check of its outputs (torch)."""
+    """The inputs of one cross-entropy case, and the check of its outputs (torch); a backward's
+    upstream gradient is 1.5."""
     logits = normal(seed, shape + (vocab,)) * scale
     targets = targets_of(seed + 1, shape, vocab, n_ignored)
 
@@ -50,21 +55,21 @@ def _ce_case(seed, shape, vocab, n_ignored=0, smoothing=0.0, backward=False, sca
             verdicts.append(compare("cross_entropy_backward", "dlogits", out, numpy_of(t.grad),
                                     inputs + ", dout=1.5"))
         return all_of(*verdicts)
-    return dict(logits=logits, targets=targets, smoothing=smoothing, backward=backward), check
+    return (dict(logits=logits, targets=targets, options={"label_smoothing": smoothing},
+                 dout=1.5 if backward else None), check)
 
 
 def _ce_test(*cases):
-    """One test of several cross-entropy cases (each a ``_ce_case``); a backward case's upstream
-    gradient is 1.5."""
+    """One test of several cross-entropy cases, each ``(inputs, check)``: the inputs are the logits,
+    the targets, the options of cross_entropy_forward and the upstream gradient (None: no backward)."""
     def run(cases):
         from refmath.losses import cross_entropy_backward, cross_entropy_forward
         out = {}
         for i, c in enumerate(cases):
-            loss, cache = cross_entropy_forward(c["logits"], c["targets"],
-                                                label_smoothing=c["smoothing"])
+            loss, cache = cross_entropy_forward(c["logits"], c["targets"], **c["options"])
             out[f"{i}:loss"] = loss
-            if c["backward"]:
-                out[f"{i}:dlogits"] = cross_entropy_backward(np.float64(1.5), cache)
+            if c["dout"] is not None:
+                out[f"{i}:dlogits"] = cross_entropy_backward(np.float64(c["dout"]), cache)
         return out
 
     def check(out):
@@ -84,71 +89,70 @@ def ce_forward_ignore_smoothing():
 
 @hidden_test("cross_entropy_backward: ignore_index, label smoothing, upstream 1.5 (torch autograd)")
 def ce_backward_ignore_smoothing():
-    return _ce_test(_ce_case(3, (4, 6), 9, n_ignored=5, smoothing=0.2, backward=True))
+    return _ce_test(_ce_case(3, (4, 6), 9, n_ignored=5, smoothing=0.2, backward=True),
+                    _ce_case(13, (16, 64), 256, n_ignored=100, smoothing=0.2, backward=True))
 
 
 @hidden_test("cross_entropy_backward: logits of size 1000, no overflow (torch autograd)")
 def ce_extreme_logits():
-    return _ce_test(_ce_case(4, (5,), 13, backward=True, scale=1000.0, what=", logits ~ 1000"))
+    return _ce_test(_ce_case(4, (5,), 13, backward=True, scale=1000.0, what=", logits ~ 1000"),
+                    _ce_case(14, (1024,), 256, backward=True, scale=1000.0, what=", logits ~ 1000"))
+
+
+def _loss_mask_case(seed, batch, t, vocab, n_prompt):
+    logits = normal(seed, (batch, t, vocab))
+    targets = targets_of(seed + 1, (batch, t), vocab)
+    loss_mask = np.ones((batch, t), dtype=int)
+    loss_mask[:, :n_prompt] = 0  # the prompt
+
+    def check(out):
+        (t_,) = torch_tensors(logits)
+        loss = torch_ce(t_, np.where(loss_mask == 1, targets, IGNORE))
+        loss.backward()
+        inputs = shapes(logits=logits) + f", loss_mask 0 on the first {n_prompt} tokens"
+        return all_of(compare("cross_entropy_forward", "loss", out, numpy_of(loss), inputs),
+                      compare("cross_entropy_backward", "dlogits", out, numpy_of(t_.grad), inputs))
+    return dict(logits=logits, targets=targets, options={"loss_mask": loss_mask}, dout=1.0), check
 
 
 @hidden_test("cross_entropy: loss_mask counts the answer tokens only (torch, masked as ignored)")
 def ce_loss_mask():
-    logits = normal(5, (2, 8, 10))
-    targets = targets_of(6, (2, 8), 10)
-    loss_mask = np.ones((2, 8), dtype=int)
-    loss_mask[:, :3] = 0  # the prompt
-
-    def run(logits, targets, loss_mask):
-        from refmath.losses import cross_entropy_backward, cross_entropy_forward
-        loss, cache = cross_entropy_forward(logits, targets, loss_mask=loss_mask)
-        return {"loss": loss, "dlogits": cross_entropy_backward(np.float64(1.0), cache)}
-
-    def check(out):
-        (t,) = torch_tensors(logits)
-        loss = torch_ce(t, np.where(loss_mask == 1, targets, IGNORE))
-        loss.backward()
-        inputs = shapes(logits=logits) + ", loss_mask 0 on the first 3 tokens"
-        return all_of(compare("cross_entropy_forward", "loss", out, numpy_of(loss), inputs),
-                      compare("cross_entropy_backward", "dlogits", out, numpy_of(t.grad), inputs))
-    return Case(run, dict(logits=logits, targets=targets, loss_mask=loss_mask), check)
+    return _ce_test(_loss_mask_case(5, 2, 8, 10, 3), _loss_mask_case(15, 16, 64, 256, 16))
 
 
-@hidden_test("cross_entropy_backward: a single counted token, the mean of one (torch autograd)")
-def ce_single_counted_token():
-    logits = normal(8, (4, 7))
-    targets = np.array([IGNORE, 3, IGNORE, IGNORE])
-
-    def run(logits, targets):
-        from refmath.losses import cross_entropy_backward, cross_entropy_forward
-        loss, cache = cross_entropy_forward(logits, targets)
-        return {"loss": loss, "dlogits": cross_entropy_backward(np.float64(1.0), cache)}
-
+def _one_counted_case(logits, targets):
     def check(out):
         (t,) = torch_tensors(logits)
         loss = torch_ce(t, targets)
         loss.backward()
-        inputs = shapes(logits=logits) + ", one target counted, three ignored"
+        inputs = shapes(logits=logits) + f", one target counted, {targets.size - 1} ignored"
         return all_of(compare("cross_entropy_forward", "loss", out, numpy_of(loss), inputs),
                       compare("cross_entropy_backward", "dlogits", out, numpy_of(t.grad), inputs))
-    return Case(run, dict(logits=logits, targets=targets), check)
+    return dict(logits=logits, targets=targets, options={}, dout=1.0), check
 
 
-@hidden_test("cross_entropy: nothing counted gives loss 0 and gradient 0, never NaN (property)")
-def ce_nothing_counted():
-    logits = normal(7, (3, 5))
-    targets = np.full(3, IGNORE)
+@hidden_test("cross_entropy_backward: a single counted token, the mean of one (torch autograd)")
+def ce_single_counted_token():
+    large = np.full(1024, IGNORE)
+    large[700] = 31
+    return _ce_test(_one_counted_case(normal(8, (4, 7)), np.array([IGNORE, 3, IGNORE, IGNORE])),
+                    _one_counted_case(normal(18, (1024, 256)), large))
 
-    def run(logits, targets):
-        from refmath.losses import cross_entropy_backward, cross_entropy_forward
-        loss, cache = cross_entropy_forward(logits, targets)
-        return {"loss": loss, "dlogits": cross_entropy_backward(np.float64(1.0), cache)}
+
+def _nothing_counted_case(logits):
+    targets = np.full(logits.shape[0], IGNORE)
 
     def check(out):
         inputs = shapes(logits=logits) + ", every target ignored"
         return all_of(exact("cross_entropy_forward", "loss", out, np.float64(0.0), inputs),
-                      exact("cross_entropy_backward", "dlogits", out, np.zeros((3, 5)), inputs))
-    return Case(run, dict(logits=logits, targets=targets), check)
+                      exact("cross_entropy_backward", "dlogits", out, np.zeros(logits.shape), inputs))
+    return dict(logits=logits, targets=targets, options={}, dout=1.0), check
+
+
+@hidden_test("cross_entropy: nothing counted gives loss 0 and gradient 0, never NaN (property)")
+def ce_nothing_counted():
+    return _ce_test(_nothing_counted_case(normal(7, (3, 5))),
+                    _nothing_counted_case(normal(17, (1024, 256))))
 
 
 # ---- Adam, AdamW -------------------------------------------------------------------------------
