@@ -19,6 +19,10 @@ def grads_of(forward, arrays, dout):
     return [numpy_of(t.grad) for t in tensors]
 
 
+# Each backward test also runs a large twin of its case (or, for the *_large tests, is large): its
+# inputs have so many entries that a gradient by differences (one forward call or more per entry)
+# cannot finish within cpu_s, while the analytic backward takes milliseconds.
+
 def compare_all(function, out, names, expected, inputs, **options):
     return all_of(*(compare(function, n, out, e, inputs, **options) for n, e in zip(names, expected)))
 
@@ -64,12 +68,12 @@ def _layernorm_test(*cases):
 
 @hidden_test("layernorm_backward: rows under three leading axes, every gradient (torch autograd)")
 def layernorm_backward_batched():
-    return _layernorm_test(_layernorm_case(1, (2, 3, 4, 10)))
+    return _layernorm_test(_layernorm_case(1, (2, 3, 4, 10)), _layernorm_case(31, (4, 8, 32, 256)))
 
 
 @hidden_test("layernorm_backward: large input, within the time limit (torch autograd)")
 def layernorm_backward_large():
-    return _layernorm_test(_layernorm_case(2, (8, 128, 64)))
+    return _layernorm_test(_layernorm_case(2, (8, 256, 128)))
 
 
 def torch_rmsnorm(x, gamma, eps=1e-6):
@@ -100,13 +104,17 @@ def _rmsnorm_test(*cases):
 def rmsnorm_backward_batched():
     x = normal(3, (2, 2, 5, 12)) * 2
     gamma, dout = normal(4, (12,), (2, 2, 5, 12))
-    return _rmsnorm_test(_rmsnorm_case(x, gamma, dout))
+    large_x = normal(33, (4, 8, 64, 256)) * 2
+    large_gamma, large_dout = normal(34, (256,), (4, 8, 64, 256))
+    return _rmsnorm_test(_rmsnorm_case(x, gamma, dout), _rmsnorm_case(large_x, large_gamma, large_dout))
 
 
 @hidden_test("rmsnorm_backward: float32 in, float32 out (torch autograd)")
 def rmsnorm_backward_float32():
     x, gamma, dout = normal(5, (6, 32), (32,), (6, 32), dtype=np.float32)
-    return _rmsnorm_test(_rmsnorm_case(x, gamma, dout, ", float32", tol=1e-5, dtype=np.float32))
+    large = normal(35, (64, 8192), (8192,), (64, 8192), dtype=np.float32)  # few rows: dgamma sums 64
+    return _rmsnorm_test(_rmsnorm_case(x, gamma, dout, ", float32", tol=1e-5, dtype=np.float32),
+                         _rmsnorm_case(*large, ", float32", tol=1e-5, dtype=np.float32))
 
 
 # ---- GELU, SwiGLU ------------------------------------------------------------------------------
@@ -132,9 +140,10 @@ def _gelu_test(*cases):
 
 @hidden_test("gelu_backward: exact form, from -30 to 30 (torch autograd)")
 def gelu_backward_exact():
-    x = np.concatenate([normal(6, (40,)) * 3, [0.0, -8.0, 8.0, -30.0, 30.0, 1e-8]])
-    dout = normal(7, x.shape)
-    return _gelu_test(_gelu_case(x, dout))
+    specials = [0.0, -8.0, 8.0, -30.0, 30.0, 1e-8]
+    x = np.concatenate([normal(6, (40,)) * 3, specials])
+    large = np.concatenate([normal(36, (65536,)) * 3, specials])
+    return _gelu_test(_gelu_case(x, normal(7, x.shape)), _gelu_case(large, normal(37, large.shape)))
 
 
 def torch_swiglu(x, w_gate, w_up, w_down):
@@ -169,12 +178,12 @@ def _swiglu_test(*cases):
 
 @hidden_test("swiglu_backward: batched, every gradient (torch autograd)")
 def swiglu_backward_batched():
-    return _swiglu_test(_swiglu_case(8, (2, 3, 6), 10, 5))
+    return _swiglu_test(_swiglu_case(8, (2, 3, 6), 10, 5), _swiglu_case(38, (2, 3, 128, 96), 256, 80))
 
 
 @hidden_test("swiglu_backward: large input, within the time limit (torch autograd)")
 def swiglu_backward_large():
-    return _swiglu_test(_swiglu_case(9, (4, 64, 64), 172, 64))
+    return _swiglu_test(_swiglu_case(9, (8, 64, 128), 344, 128))
 
 
 # ---- RoPE --------------------------------------------------------------------------------------
@@ -250,21 +259,26 @@ def _rope_backward_test(*cases):
 def rope_backward_autograd():
     x = normal(12, (2, 5, 10))
     dout = normal(13, (2, 5, 10))
-    return _rope_backward_test(_rope_case(x, dout, 2))
+    return _rope_backward_test(_rope_case(x, dout, 2), _rope_case(*normal(39, (16, 512, 64), (16, 512, 64)), 2))
+
+
+def _rope_inverse_case(x, offset):
+    def check(out):
+        inputs = shapes(x=x) + f", offset={offset}"
+        return all_of(compare("rope_backward(rope_forward(x))", "x_back", out, x, inputs, tol=1e-13),
+                      compare("rope_forward", "y_norm", out, np.linalg.norm(x, axis=-1), inputs,
+                              tol=1e-13))
+    return dict(x=x, offset=offset), check
 
 
 @hidden_test("rope_backward undoes rope_forward: a rotation's inverse is its transpose (property)")
 def rope_inverse_property():
-    x = normal(14, (3, 16, 32))
-
-    def run(x):
+    def run(cases):
         from refmath.positions import rope_backward, rope_forward
-        y, cache = rope_forward(x, offset=100)
-        return {"x_back": rope_backward(y, cache), "y_norm": np.linalg.norm(y, axis=-1)}
-
-    def check(out):
-        inputs = shapes(x=x) + ", offset=100"
-        return all_of(compare("rope_backward(rope_forward(x))", "x_back", out, x, inputs, tol=1e-13),
-                      compare("rope_forward", "y_norm", out, np.linalg.norm(x, axis=-1), inputs,
-                              tol=1e-13))
-    return Case(run, dict(x=x), check)
+        out = {}
+        for i, c in enumerate(cases):
+            y, cache = rope_forward(c["x"], offset=c["offset"])
+            out[f"{i}:x_back"], out[f"{i}:y_norm"] = rope_backward(y, cache), np.linalg.norm(y, axis=-1)
+        return out
+    return cases_test(run, _rope_inverse_case(normal(14, (3, 16, 32)), 100),
+                      _rope_inverse_case(normal(40, (16, 512, 64)), 100))
