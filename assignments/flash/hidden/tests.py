@@ -3,12 +3,13 @@
 Expected values: dense attention and its autograd in torch (float64), with the mask written from the
 positions; exact properties of the online-softmax state (the empty state is the identity, merging
 is associative and equals one pass over all keys); and tracemalloc's peak, which must grow like T,
-not T^2. ``check`` never imports the submission.
+not T^2. ``check`` never imports the submission; ``run``, whose source and inputs alone reach the
+sandbox, imports the submission's functions itself.
 """
 import numpy as np
 
-from refmath.assignments.checks import (all_of, compare, exact, hidden_test, normal, numpy_of, shapes,
-                                        torch_tensors)
+from refmath.assignments.checks import (Case, all_of, compare, exact, hidden_test, normal, numpy_of,
+                                        shapes, torch_tensors)
 
 
 def visible(t_q, t_k, causal, window):
@@ -37,6 +38,12 @@ def torch_dense(q, k, v, causal=False, window=None, scale=None):
     return torch.matmul(weights, v), lse
 
 
+def case_out(out, i):
+    """The outputs of the i-th case of a run (keys ``"i:name"``) under their own names."""
+    prefix = f"{i}:"
+    return {key[len(prefix):]: value for key, value in out.items() if key.startswith(prefix)}
+
+
 # ---- the online-softmax merge ------------------------------------------------------------------
 
 def _blocks(seed, n_rows, sizes, d_v):
@@ -50,7 +57,7 @@ def merge_equals_one_pass():
     scores, values = _blocks(1, 4, (5, 7), 3)
     scores[1][2] = -np.inf  # row 2 sees nothing in the second block
 
-    def run():
+    def run(scores, values):
         from refmath.softmax import online_softmax_block, online_softmax_merge
         state = online_softmax_merge(*(online_softmax_block(s, v) for s, v in zip(scores, values)))
         return {"m": state.m, "l": state.l, "u": state.u}
@@ -63,14 +70,14 @@ def merge_equals_one_pass():
         return all_of(exact("online_softmax_merge", "m", out, m, inputs),
                       compare("online_softmax_merge", "l", out, weights.sum(axis=1), inputs, tol=1e-14),
                       compare("online_softmax_merge", "u", out, weights @ v, inputs, tol=1e-14))
-    return run, check
+    return Case(run, dict(scores=scores, values=values), check)
 
 
 @hidden_test("online_softmax_merge: the empty state is the identity; empty with empty stays empty")
 def merge_empty_states():
     scores, values = _blocks(2, 3, (6,), 2)
 
-    def run():
+    def run(scores, values):
         from refmath.softmax import online_softmax_block, online_softmax_empty, online_softmax_merge
         block = online_softmax_block(scores[0], values[0])
         empty = online_softmax_empty(3, 2)
@@ -89,14 +96,14 @@ def merge_empty_states():
                      exact("online_softmax_merge", "both_l", out, np.zeros(3), inputs + " (both empty)"),
                      exact("online_softmax_merge", "both_u", out, np.zeros((3, 2)), inputs + " (both empty)")]
         return all_of(*verdicts)
-    return run, check
+    return Case(run, dict(scores=scores, values=values), check)
 
 
 @hidden_test("online_softmax_merge: associative, (a b) c = a (b c) (property)")
 def merge_associative():
     scores, values = _blocks(3, 5, (4, 6, 3), 4)
 
-    def run():
+    def run(scores, values):
         from refmath.softmax import online_softmax_block, online_softmax_merge
         a, b, c = (online_softmax_block(s, v) for s, v in zip(scores, values))
         first, second = online_softmax_merge(online_softmax_merge(a, b), c), online_softmax_merge(a, online_softmax_merge(b, c))
@@ -109,7 +116,7 @@ def merge_associative():
         return all_of(*(compare("online_softmax_merge", f"{order}_{part}", out, expected, inputs, tol=1e-14)
                         for order in ("first", "second")
                         for part, expected in (("u", weights @ v), ("l", weights.sum(axis=1)))))
-    return run, check
+    return Case(run, dict(scores=scores, values=values), check)
 
 
 # ---- the tiled forward and backward ------------------------------------------------------------
@@ -119,7 +126,7 @@ def _forward_test(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks=
     q, k, v = normal(seed, (b, h, t_q, d), (b, g, t_k, d), (b, g, t_k, d), dtype=dtype)
     options = dict(causal=causal, window=window, block_q=blocks[0], block_k=blocks[1])
 
-    def run():
+    def run(q, k, v, options):
         from refmath.flash import flash_attention_forward
         o, lse = flash_attention_forward(q, k, v, **options)
         return {"o": o, "lse": lse}
@@ -130,7 +137,7 @@ def _forward_test(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks=
         kind = None if dtype == np.float64 else dtype
         return all_of(compare("flash_attention_forward", "o", out, numpy_of(o), inputs, tol=tol, dtype=kind),
                       compare("flash_attention_forward", "lse", out, numpy_of(lse), inputs, tol=tol))
-    return run, check
+    return Case(run, dict(q=q, k=k, v=v, options=options), check)
 
 
 @hidden_test("flash_attention_forward: ragged lengths (37 queries, 53 keys), GQA (torch dense)")
@@ -160,16 +167,13 @@ def dense_numpy(q, k, v, causal, window):
     return (weights / total) @ v, (top + np.log(total))[..., 0]
 
 
-def _backward_test(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks=(16, 16)):
+def _backward_case(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks=(16, 16)):
+    """The inputs of one flash_attention_backward case, and the check of its outputs. The backward's
+    o and lse are made here, by the dense formulas, without the submission's forward."""
     q, k, v = normal(seed, (b, h, t_q, d), (b, g, t_k, d), (b, g, t_k, d))
     do = normal(seed + 1, (b, h, t_q, d))
+    o, lse = dense_numpy(q, k, v, causal, window)
     options = dict(causal=causal, window=window, block_q=blocks[0], block_k=blocks[1])
-
-    def run():
-        from refmath.flash import flash_attention_backward
-        o, lse = dense_numpy(q, k, v, causal, window)
-        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, **options)
-        return {"dq": dq, "dk": dk, "dv": dv}
 
     def check(out):
         import torch
@@ -179,30 +183,53 @@ def _backward_test(seed, b, h, g, t_q, t_k, d, causal=False, window=None, blocks
         inputs = shapes(q=q, k=k, v=v) + f", causal={causal}, window={window}, blocks {blocks}"
         return all_of(*(compare("flash_attention_backward", name, out, numpy_of(t.grad), inputs)
                         for name, t in zip(("dq", "dk", "dv"), tensors)))
-    return run, check
+    return dict(do=do, q=q, k=k, v=v, o=o, lse=lse, options=options), check
 
+
+def _backward_test(*cases):
+    """One test of several flash_attention_backward cases (each a ``_backward_case``)."""
+    def run(cases):
+        from refmath.flash import flash_attention_backward
+        out = {}
+        for i, c in enumerate(cases):
+            out[f"{i}:dq"], out[f"{i}:dk"], out[f"{i}:dv"] = flash_attention_backward(
+                c["do"], c["q"], c["k"], c["v"], c["o"], c["lse"], **c["options"])
+        return out
+
+    def check(out):
+        return all_of(*(check_one(case_out(out, i)) for i, (_, check_one) in enumerate(cases)))
+    return Case(run, dict(cases=[inputs for inputs, _ in cases]), check)
+
+
+# Each backward test also runs a large twin of its case: its inputs have so many entries that a
+# gradient by differences (one forward call or more per entry) cannot finish within cpu_s, while
+# the tiled backward takes a fraction of a second.
 
 @hidden_test("flash_attention_backward: ragged lengths, GQA, o and lse given (torch autograd)")
 def backward_ragged_gqa():
-    return _backward_test(7, 1, 4, 2, 37, 53, 16)
+    return _backward_test(_backward_case(7, 1, 4, 2, 37, 53, 16),
+                          _backward_case(17, 1, 4, 2, 517, 709, 32))
 
 
 @hidden_test("flash_attention_backward: causal sliding window (torch autograd)")
 def backward_causal_window():
-    return _backward_test(8, 2, 2, 1, 41, 41, 8, causal=True, window=9, blocks=(8, 16))
+    return _backward_test(_backward_case(8, 2, 2, 1, 41, 41, 8, causal=True, window=9, blocks=(8, 16)),
+                          _backward_case(18, 2, 2, 1, 1501, 1501, 16, causal=True, window=9,
+                                         blocks=(8, 16)))
 
 
 @hidden_test("flash attention: tracemalloc peak grows like T, not T^2 (forward and backward)")
 def memory_is_linear_in_length():
     lengths, h, d, block = (256, 1024), 2, 16, 64
-    inputs = {t: normal(9, (1, h, t, d), (1, h, t, d), (1, h, t, d), (1, h, t, d)) for t in lengths}
+    arrays = [normal(9, (1, h, t, d), (1, h, t, d), (1, h, t, d), (1, h, t, d)) for t in lengths]
 
-    def run():
+    def run(arrays, block):
         import tracemalloc
 
         from refmath.flash import flash_attention_backward, flash_attention_forward
         peaks = {}
-        for t, (q, k, v, do) in inputs.items():
+        for q, k, v, do in arrays:
+            t = q.shape[2]
             tracemalloc.start()
             o, lse = flash_attention_forward(q, k, v, causal=True, block_q=block, block_k=block)
             peaks[f"forward_{t}"] = tracemalloc.get_traced_memory()[1]
@@ -226,4 +253,4 @@ def memory_is_linear_in_length():
                                     f"be < 8x and < {scores / 4 / 2**20:.0f} MiB); q (1, {h}, T, {d}), "
                                     f"blocks {block}"))
         return all_of(*verdicts)
-    return run, check
+    return Case(run, dict(arrays=arrays, block=block), check)

@@ -2,11 +2,13 @@
 
 Expected values: PyTorch autograd in float64 (torch.nn.functional's layer_norm and gelu, RMSNorm and
 SwiGLU written from their equations, RoPE as a complex rotation), and one property (the backward of
-RoPE undoes its forward). ``check`` never imports the submission.
+RoPE undoes its forward). ``check`` never imports the submission; ``run``, whose source and inputs
+alone reach the sandbox, imports the submission's functions itself.
 """
 import numpy as np
 
-from refmath.assignments.checks import all_of, compare, hidden_test, normal, numpy_of, shapes, torch_tensors
+from refmath.assignments.checks import (Case, all_of, compare, hidden_test, normal, numpy_of, shapes,
+                                        torch_tensors)
 
 
 def grads_of(forward, arrays, dout):
@@ -17,21 +19,32 @@ def grads_of(forward, arrays, dout):
     return [numpy_of(t.grad) for t in tensors]
 
 
+# Each backward test also runs a large twin of its case (or, for the *_large tests, is large): its
+# inputs have so many entries that a gradient by differences (one forward call or more per entry)
+# cannot finish within cpu_s, while the analytic backward takes milliseconds.
+
 def compare_all(function, out, names, expected, inputs, **options):
     return all_of(*(compare(function, n, out, e, inputs, **options) for n, e in zip(names, expected)))
 
 
+def case_out(out, i):
+    """The outputs of the i-th case of a run (keys ``"i:name"``) under their own names."""
+    prefix = f"{i}:"
+    return {key[len(prefix):]: value for key, value in out.items() if key.startswith(prefix)}
+
+
+def cases_test(run, *cases):
+    """A Case of several (inputs, check) cases: ``run(cases)`` returns ``"i:name"`` keys."""
+    def check(out):
+        return all_of(*(check_one(case_out(out, i)) for i, (_, check_one) in enumerate(cases)))
+    return Case(run, dict(cases=[inputs for inputs, _ in cases]), check)
+
+
 # ---- LayerNorm, RMSNorm ------------------------------------------------------------------------
 
-def _layernorm_test(seed, shape):
+def _layernorm_case(seed, shape):
     x = normal(seed, shape) * 3 + 1
     gamma, beta, dout = normal(seed + 1, shape[-1:], shape[-1:], shape)
-
-    def run():
-        from refmath.norms import layernorm_backward, layernorm_forward
-        _, cache = layernorm_forward(x, gamma, beta)
-        dx, dgamma, dbeta = layernorm_backward(dout, cache)
-        return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
     def check(out):
         import torch.nn.functional as F
@@ -39,17 +52,28 @@ def _layernorm_test(seed, shape):
                             (x, gamma, beta), dout)
         return compare_all("layernorm_backward", out, ("dx", "dgamma", "dbeta"), expected,
                            shapes(x=x, gamma=gamma))
-    return run, check
+    return dict(x=x, gamma=gamma, beta=beta, dout=dout), check
+
+
+def _layernorm_test(*cases):
+    def run(cases):
+        from refmath.norms import layernorm_backward, layernorm_forward
+        out = {}
+        for i, c in enumerate(cases):
+            _, cache = layernorm_forward(c["x"], c["gamma"], c["beta"])
+            out[f"{i}:dx"], out[f"{i}:dgamma"], out[f"{i}:dbeta"] = layernorm_backward(c["dout"], cache)
+        return out
+    return cases_test(run, *cases)
 
 
 @hidden_test("layernorm_backward: rows under three leading axes, every gradient (torch autograd)")
 def layernorm_backward_batched():
-    return _layernorm_test(1, (2, 3, 4, 10))
+    return _layernorm_test(_layernorm_case(1, (2, 3, 4, 10)), _layernorm_case(31, (4, 8, 32, 256)))
 
 
 @hidden_test("layernorm_backward: large input, within the time limit (torch autograd)")
 def layernorm_backward_large():
-    return _layernorm_test(2, (8, 128, 64))
+    return _layernorm_test(_layernorm_case(2, (8, 256, 128)))
 
 
 def torch_rmsnorm(x, gamma, eps=1e-6):
@@ -57,57 +81,69 @@ def torch_rmsnorm(x, gamma, eps=1e-6):
     return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps) * gamma
 
 
+def _rmsnorm_case(x, gamma, dout, what="", **options):
+    def check(out):
+        expected = grads_of(torch_rmsnorm, (x, gamma), dout)
+        return compare_all("rmsnorm_backward", out, ("dx", "dgamma"), expected,
+                           shapes(x=x, gamma=gamma) + what, **options)
+    return dict(x=x, gamma=gamma, dout=dout), check
+
+
+def _rmsnorm_test(*cases):
+    def run(cases):
+        from refmath.norms import rmsnorm_backward, rmsnorm_forward
+        out = {}
+        for i, c in enumerate(cases):
+            _, cache = rmsnorm_forward(c["x"], c["gamma"])
+            out[f"{i}:dx"], out[f"{i}:dgamma"] = rmsnorm_backward(c["dout"], cache)
+        return out
+    return cases_test(run, *cases)
+
+
 @hidden_test("rmsnorm_backward: rows under three leading axes, every gradient (torch autograd)")
 def rmsnorm_backward_batched():
     x = normal(3, (2, 2, 5, 12)) * 2
     gamma, dout = normal(4, (12,), (2, 2, 5, 12))
-
-    def run():
-        from refmath.norms import rmsnorm_backward, rmsnorm_forward
-        _, cache = rmsnorm_forward(x, gamma)
-        dx, dgamma = rmsnorm_backward(dout, cache)
-        return {"dx": dx, "dgamma": dgamma}
-
-    def check(out):
-        expected = grads_of(torch_rmsnorm, (x, gamma), dout)
-        return compare_all("rmsnorm_backward", out, ("dx", "dgamma"), expected, shapes(x=x, gamma=gamma))
-    return run, check
+    large_x = normal(33, (4, 8, 64, 256)) * 2
+    large_gamma, large_dout = normal(34, (256,), (4, 8, 64, 256))
+    return _rmsnorm_test(_rmsnorm_case(x, gamma, dout), _rmsnorm_case(large_x, large_gamma, large_dout))
 
 
 @hidden_test("rmsnorm_backward: float32 in, float32 out (torch autograd)")
 def rmsnorm_backward_float32():
     x, gamma, dout = normal(5, (6, 32), (32,), (6, 32), dtype=np.float32)
-
-    def run():
-        from refmath.norms import rmsnorm_backward, rmsnorm_forward
-        _, cache = rmsnorm_forward(x, gamma)
-        dx, dgamma = rmsnorm_backward(dout, cache)
-        return {"dx": dx, "dgamma": dgamma}
-
-    def check(out):
-        expected = grads_of(torch_rmsnorm, (x, gamma), dout)
-        return compare_all("rmsnorm_backward", out, ("dx", "dgamma"), expected,
-                           shapes(x=x, gamma=gamma) + ", float32", tol=1e-5, dtype=np.float32)
-    return run, check
+    large = normal(35, (64, 8192), (8192,), (64, 8192), dtype=np.float32)  # few rows: dgamma sums 64
+    return _rmsnorm_test(_rmsnorm_case(x, gamma, dout, ", float32", tol=1e-5, dtype=np.float32),
+                         _rmsnorm_case(*large, ", float32", tol=1e-5, dtype=np.float32))
 
 
 # ---- GELU, SwiGLU ------------------------------------------------------------------------------
 
-@hidden_test("gelu_backward: exact form, from -30 to 30 (torch autograd)")
-def gelu_backward_exact():
-    x = np.concatenate([normal(6, (40,)) * 3, [0.0, -8.0, 8.0, -30.0, 30.0, 1e-8]])
-    dout = normal(7, x.shape)
-
-    def run():
-        from refmath.ffn import gelu_backward, gelu_forward
-        _, cache = gelu_forward(x, approximate=False)
-        return {"dx": gelu_backward(dout, cache)}
-
+def _gelu_case(x, dout, what=""):
     def check(out):
         import torch.nn.functional as F
         (dx,) = grads_of(lambda a: F.gelu(a, approximate="none"), (x,), dout)
-        return compare("gelu_backward", "dx", out, dx, shapes(x=x) + ", approximate=False")
-    return run, check
+        return compare("gelu_backward", "dx", out, dx, shapes(x=x) + ", approximate=False" + what)
+    return dict(x=x, dout=dout), check
+
+
+def _gelu_test(*cases):
+    def run(cases):
+        from refmath.ffn import gelu_backward, gelu_forward
+        out = {}
+        for i, c in enumerate(cases):
+            _, cache = gelu_forward(c["x"], approximate=False)
+            out[f"{i}:dx"] = gelu_backward(c["dout"], cache)
+        return out
+    return cases_test(run, *cases)
+
+
+@hidden_test("gelu_backward: exact form, from -30 to 30 (torch autograd)")
+def gelu_backward_exact():
+    specials = [0.0, -8.0, 8.0, -30.0, 30.0, 1e-8]
+    x = np.concatenate([normal(6, (40,)) * 3, specials])
+    large = np.concatenate([normal(36, (65536,)) * 3, specials])
+    return _gelu_test(_gelu_case(x, normal(7, x.shape)), _gelu_case(large, normal(37, large.shape)))
 
 
 def torch_swiglu(x, w_gate, w_up, w_down):
@@ -115,33 +151,39 @@ def torch_swiglu(x, w_gate, w_up, w_down):
     return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def _swiglu_test(seed, x_shape, d_f, d_out):
+def _swiglu_case(seed, x_shape, d_f, d_out):
     d = x_shape[-1]
     x = normal(seed, x_shape)
     w_gate, w_up, w_down = (a / np.sqrt(a.shape[0]) for a in normal(seed + 1, (d, d_f), (d, d_f), (d_f, d_out)))
     dout = normal(seed + 2, x_shape[:-1] + (d_out,))
 
-    def run():
-        from refmath.ffn import swiglu_backward, swiglu_forward
-        _, cache = swiglu_forward(x, w_gate, w_up, w_down)
-        dx, dw_gate, dw_up, dw_down = swiglu_backward(dout, cache)
-        return {"dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down}
-
     def check(out):
         expected = grads_of(torch_swiglu, (x, w_gate, w_up, w_down), dout)
         return compare_all("swiglu_backward", out, ("dx", "dw_gate", "dw_up", "dw_down"), expected,
                            shapes(x=x, w_gate=w_gate, w_down=w_down))
-    return run, check
+    return dict(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, dout=dout), check
+
+
+def _swiglu_test(*cases):
+    def run(cases):
+        from refmath.ffn import swiglu_backward, swiglu_forward
+        out = {}
+        for i, c in enumerate(cases):
+            _, cache = swiglu_forward(c["x"], c["w_gate"], c["w_up"], c["w_down"])
+            (out[f"{i}:dx"], out[f"{i}:dw_gate"], out[f"{i}:dw_up"],
+             out[f"{i}:dw_down"]) = swiglu_backward(c["dout"], cache)
+        return out
+    return cases_test(run, *cases)
 
 
 @hidden_test("swiglu_backward: batched, every gradient (torch autograd)")
 def swiglu_backward_batched():
-    return _swiglu_test(8, (2, 3, 6), 10, 5)
+    return _swiglu_test(_swiglu_case(8, (2, 3, 6), 10, 5), _swiglu_case(38, (2, 3, 128, 96), 256, 80))
 
 
 @hidden_test("swiglu_backward: large input, within the time limit (torch autograd)")
 def swiglu_backward_large():
-    return _swiglu_test(9, (4, 64, 64), 172, 64)
+    return _swiglu_test(_swiglu_case(9, (8, 64, 128), 344, 128))
 
 
 # ---- RoPE --------------------------------------------------------------------------------------
@@ -164,14 +206,14 @@ def torch_rope(x, positions, base=10000.0, layout="interleaved"):
 def rope_forward_interleaved():
     x = normal(10, (2, 3, 7, 8))
 
-    def run():
+    def run(x):
         from refmath.positions import rope_forward
         return {"y": rope_forward(x, offset=3)[0]}
 
     def check(out):
         y = torch_rope(*torch_tensors(x, grad=False), np.arange(3, 10))
         return compare("rope_forward", "y", out, numpy_of(y), shapes(x=x) + ", offset=3")
-    return run, check
+    return Case(run, dict(x=x), check)
 
 
 @hidden_test("rope_forward: half layout, explicit positions, base 500 (torch, complex rotation)")
@@ -179,7 +221,7 @@ def rope_forward_half_positions():
     x = normal(11, (4, 6))
     positions = np.array([5, 0, 2, 9])
 
-    def run():
+    def run(x, positions):
         from refmath.positions import rope_forward
         return {"y": rope_forward(x, positions=positions, base=500.0, layout="half")[0]}
 
@@ -187,40 +229,56 @@ def rope_forward_half_positions():
         y = torch_rope(*torch_tensors(x, grad=False), positions, base=500.0, layout="half")
         return compare("rope_forward", "y", out, numpy_of(y),
                        shapes(x=x) + ", layout='half', positions [5, 0, 2, 9], base=500")
-    return run, check
+    return Case(run, dict(x=x, positions=positions), check)
+
+
+def _rope_case(x, dout, offset):
+    def check(out):
+        positions = np.arange(offset, offset + x.shape[-2])
+        return all_of(*(compare("rope_backward", f"dx_{layout}", out,
+                                grads_of(lambda a: torch_rope(a, positions, layout=layout),
+                                         (x,), dout)[0],
+                                shapes(x=x) + f", offset={offset}, layout={layout!r}")
+                        for layout in ("interleaved", "half")))
+    return dict(x=x, dout=dout, offset=offset), check
+
+
+def _rope_backward_test(*cases):
+    def run(cases):
+        from refmath.positions import rope_backward, rope_forward
+        out = {}
+        for i, c in enumerate(cases):
+            for layout in ("interleaved", "half"):
+                cache = rope_forward(c["x"], offset=c["offset"], layout=layout)[1]
+                out[f"{i}:dx_{layout}"] = rope_backward(c["dout"], cache)
+        return out
+    return cases_test(run, *cases)
 
 
 @hidden_test("rope_backward: both layouts (torch autograd)")
 def rope_backward_autograd():
     x = normal(12, (2, 5, 10))
     dout = normal(13, (2, 5, 10))
+    return _rope_backward_test(_rope_case(x, dout, 2), _rope_case(*normal(39, (16, 512, 64), (16, 512, 64)), 2))
 
-    def run():
-        from refmath.positions import rope_backward, rope_forward
-        return {f"dx_{layout}": rope_backward(dout, rope_forward(x, offset=2, layout=layout)[1])
-                for layout in ("interleaved", "half")}
 
+def _rope_inverse_case(x, offset):
     def check(out):
-        return all_of(*(compare("rope_backward", f"dx_{layout}", out,
-                                grads_of(lambda a: torch_rope(a, np.arange(2, 7), layout=layout),
-                                         (x,), dout)[0],
-                                shapes(x=x) + f", offset=2, layout={layout!r}")
-                        for layout in ("interleaved", "half")))
-    return run, check
+        inputs = shapes(x=x) + f", offset={offset}"
+        return all_of(compare("rope_backward(rope_forward(x))", "x_back", out, x, inputs, tol=1e-13),
+                      compare("rope_forward", "y_norm", out, np.linalg.norm(x, axis=-1), inputs,
+                              tol=1e-13))
+    return dict(x=x, offset=offset), check
 
 
 @hidden_test("rope_backward undoes rope_forward: a rotation's inverse is its transpose (property)")
 def rope_inverse_property():
-    x = normal(14, (3, 16, 32))
-
-    def run():
+    def run(cases):
         from refmath.positions import rope_backward, rope_forward
-        y, cache = rope_forward(x, offset=100)
-        return {"x_back": rope_backward(y, cache), "y_norm": np.linalg.norm(y, axis=-1)}
-
-    def check(out):
-        inputs = shapes(x=x) + ", offset=100"
-        return all_of(compare("rope_backward(rope_forward(x))", "x_back", out, x, inputs, tol=1e-13),
-                      compare("rope_forward", "y_norm", out, np.linalg.norm(x, axis=-1), inputs,
-                              tol=1e-13))
-    return run, check
+        out = {}
+        for i, c in enumerate(cases):
+            y, cache = rope_forward(c["x"], offset=c["offset"])
+            out[f"{i}:x_back"], out[f"{i}:y_norm"] = rope_backward(y, cache), np.linalg.norm(y, axis=-1)
+        return out
+    return cases_test(run, _rope_inverse_case(normal(14, (3, 16, 32)), 100),
+                      _rope_inverse_case(normal(40, (16, 512, 64)), 100))
