@@ -166,12 +166,16 @@ def test_the_in_place_restatements_are_not_copied(built):
         with open(os.path.join(built["norms_ffn"], tree, "refmath", "fused.py")) as f:
             copy = f.read()
         assert "from refmath.ffn import" in copy and not any(line in copy for line in in_place)
-    # The copy's GPT forward (through the delegating module) gives the library's loss exactly.
+    # The copy's fused forwards (delegating to the reference forms) give the library's values
+    # exactly; the backward passes they delegate to are the assignment's, stubbed in the copy.
     code = ("import numpy as np\n"
-            "from refmath.models import gpt\n"
-            "c = gpt.GPTConfig(vocab_size=7, max_seq_len=4, d_model=8, n_layers=1, n_heads=2)\n"
-            "batch = {'tokens': np.array([[1, 2, 3]]), 'targets': np.array([[2, 3, 4]])}\n"
-            "print(repr(float(gpt.forward(gpt.init_params(c, 0), batch, c)[0])))\n")
+            "from refmath import fused\n"
+            "rng = np.random.default_rng(0)\n"
+            "h, b, g, w = rng.standard_normal((3, 8)), rng.standard_normal(8), rng.standard_normal(8), rng.standard_normal((8, 8))\n"
+            # copies: the library's forms may work in place on their input
+            "print(repr(float(fused.bias_gelu_forward(h.copy(), b, True)[0].sum())),\n"
+            "      repr(float(fused.layernorm_forward(h.copy(), g, b)[0].sum())),\n"
+            "      repr(float(fused.swiglu_forward(h.copy(), w, w, w)[0].sum())))\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(built["norms_ffn"], "student"),
                          capture_output=True, text=True, timeout=120)
     here = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -268,9 +272,9 @@ HOSTILE = {
                      "mha_forward_cross,gqa_head_map_values", 2, "printed"),
     "missing import": ("sdpa_forward", "import a_module_that_is_not_installed",
                        "sdpa_forward_plain,gqa_head_map_values", 2, "ModuleNotFoundError"),
-    # torch's autograd would do the work: the student's process cannot import it
+    # torch's autograd would do the work: the sandbox holds no torch
     "torch import": ("sdpa_backward", "import torch",
-                     "sdpa_backward_scale,gqa_head_map_values", 2, "import of torch halted"),
+                     "sdpa_backward_scale,gqa_head_map_values", 2, "No module named 'torch'"),
     # A backward by central differences of the forward: a plain gradient check passes it.
     "finite differences": ("sdpa_backward", """
 q, k, v, a, dropout_mask, scale = cache
@@ -288,6 +292,25 @@ for x in (q, k, v):
     grads.append(g)
 return tuple(grads)
 """, "sdpa_backward_scale,sdpa_backward_large,gqa_head_map_values", 2, ""),
+    # The complex step, Im f(x + ih) / h: exact to rounding, one forward call per input entry.
+    # Every backward test has inputs too large for that within the CPU limit.
+    "complex step": ("sdpa_backward", """
+q, k, v, a, dropout_mask, scale = cache
+def loss(q, k, v):
+    s = (q @ np.swapaxes(k, -1, -2)) * scale
+    e = np.exp(s - s.real.max(axis=-1, keepdims=True))
+    return np.sum((e / e.sum(axis=-1, keepdims=True)) @ v * dout)
+inputs = [q.astype(complex), k.astype(complex), v.astype(complex)]
+grads = []
+for x in inputs:
+    g = np.zeros(x.shape)
+    for i in np.ndindex(x.shape):
+        x[i] += 1e-30j
+        g[i] = loss(*inputs).imag / 1e-30
+        x[i] -= 1e-30j
+    grads.append(g)
+return tuple(grads)
+""", "sdpa_backward_scale,gqa_head_map_values", 2, ""),
     # A forward that ignores its mask, with the backward that matches it (the cache holds the
     # unmasked weights): consistent, so a gradient check of the pair passes.
     "mask-ignoring forward": ("sdpa_forward", "mask = None",
@@ -302,11 +325,7 @@ def test_hostile_submissions_score_low_and_finish(tmp_path, fixture):
     function, code, only, expected, feedback = HOSTILE[fixture]
     texts = reference_texts(manifest)
     path = manifest.files[0]
-    if fixture == "missing import":
-        texts[path] = texts[path].replace("import numpy as np\n",
-                                          "import numpy as np\nimport a_module_that_is_not_installed\n", 1)
-    else:
-        texts[path] = plant(texts[path], function, code)
+    texts[path] = plant(texts[path], function, code)
     limits = with_time_limit(manifest.limits, 5)
     start = time.perf_counter()
     results = grade(manifest, submission_of(tmp_path / "sub", manifest, texts), ROOT, limits,
@@ -315,8 +334,7 @@ def test_hostile_submissions_score_low_and_finish(tmp_path, fixture):
     failed = [t for t in results["tests"] if not t["score"]]
     print(f"{fixture}: {results['score']:g} / {results['max_score']:g} in {elapsed:.1f} s; "
           + " | ".join(t["output"].splitlines()[0][:90] for t in failed))
-    expected_score = 0 if fixture == "missing import" else expected
-    assert results["score"] == expected_score
+    assert results["score"] == expected
     assert all(feedback in t["output"] for t in failed)
     n_tests = len(results["tests"])
     assert elapsed < n_tests * (limits.wall_s + 10)

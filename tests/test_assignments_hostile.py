@@ -167,7 +167,7 @@ paths += glob.glob("/proc/*/cwd/refmath/attention.py") + glob.glob("/proc/*/root
 paths += glob.glob("/proc/*/cwd/assignments/attention/hidden/tests.py")
 for path in paths:
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             text = f.read()
     except OSError:
         continue
@@ -268,8 +268,11 @@ def sandbox_processes() -> list[int]:
     for status in glob.glob("/proc/[0-9]*/status"):
         try:
             with open(status) as f:
-                uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-        except (OSError, StopIteration, ValueError):
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            uid = int(fields["Uid"].split()[0])
+        except (OSError, KeyError, ValueError):
+            continue
+        if fields["State"].split()[0] == "Z":  # killed, waiting for init to reap it: runs nothing
             continue
         if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + 64:
             alive.append(int(status.split("/")[2]))
@@ -367,3 +370,41 @@ def test_without_a_sandbox_the_reading_attacks_work(batch, server):
         assert results["score"] == ATTENDED, results["tests"][0]["output"]
         assert results["extra_data"]["sandbox"] == "none"
     assert server.connections >= 1
+
+
+# Given code rewritten: prefill and decode_step recompute the whole sequence (they never call the
+# cached attention the assignment asks for), appended to the starter's kv_cache.py.
+RECOMPUTE = '''
+
+def prefill(model, params, config, prompt_ids, all_logits=False, **ignored):
+    from refmath.models.decoder import logits
+    every = logits(params, prompt_ids, config)
+    return (every if all_logits else every[:, -1]), {"tokens": prompt_ids}
+
+
+def decode_step(model, params, config, cache, token_id, **ignored):
+    from refmath.models.decoder import logits
+    cache["tokens"] = np.concatenate([cache["tokens"], np.reshape(token_id, (-1, 1))], axis=1)
+    return logits(params, cache["tokens"], config)[:, -1]
+'''
+
+
+def test_rewritten_given_code_scores_nothing(tmp_path, sandbox, monkeypatch):
+    """Only the listed functions are taken from a submission: a kv_cache.py whose given prefill
+    and decode_step recompute everything scores 0, where laying the whole file over the library
+    (as graders do that take files whole) scores the recomputation tests."""
+    from refmath.assignments import grade as grading
+    m = manifests.load("inference", os.path.join(ROOT, "assignments"))
+    build(m, str(tmp_path / "out"), ROOT)
+    with open(tmp_path / "out" / "student" / "refmath" / "inference" / "kv_cache.py") as f:
+        starter = f.read()
+    submission = tmp_path / "sub" / "refmath" / "inference"
+    submission.mkdir(parents=True)
+    (submission / "kv_cache.py").write_text(starter + RECOMPUTE)
+    only = "cached_logits_equal_recompute,prefill_mqa_half_layout"
+    results = grade(m, str(tmp_path / "sub"), ROOT, only=only, sandbox=sandbox)
+    assert results["score"] == 0, [t["output"] for t in results["tests"]]
+    monkeypatch.setattr(grading, "graded_library",
+                        lambda manifest, base, submitted: ({**base, **submitted}, []))
+    whole = grade(m, str(tmp_path / "sub"), ROOT, only=only, sandbox=sandbox)
+    assert whole["score"] == whole["max_score"] == 4, [t["output"] for t in whole["tests"]]

@@ -31,10 +31,14 @@ def _span(node) -> tuple[int, int]:
 
 
 def _reindent(lines: list[str], old: int, new: int) -> list[str]:
+    """Shift lines indented at least ``old`` by ``new - old`` spaces; leave the others (lines of a
+    multi-line string that start further left, blank lines) as they are."""
+    if old == new:
+        return lines
     out = []
     for line in lines:
-        strip = min(old, len(line) - len(line.lstrip(" ")))
-        out.append(" " * new + line[strip:] if line.strip() else line.strip())
+        lead = len(line) - len(line.lstrip(" "))
+        out.append(" " * (lead - old + new) + line[lead:] if line.strip() and lead >= old else line)
     return out
 
 

@@ -159,11 +159,12 @@ def _signal_name(number: int) -> str:
 
 
 def _kill_user(uid: int) -> None:
-    """Kill every process of ``uid``: a process of that uid sends SIGKILL to all it may signal."""
-    # kill(-1) signals every process the caller may signal: exactly those of its own uid.
-    subprocess.run([shutil.which("kill") or "/bin/kill", "-s", "KILL", "-1"], user=uid, group=uid,
-                   extra_groups=[], timeout=30, stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Kill every process of ``uid``: one more process of that uid calls kill(-1), which signals
+    every process the caller may signal but itself, that is every other process of the uid."""
+    subprocess.run([interpreter(), "-I", "-S", "-c",
+                    "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
+                    "    pass\n"], user=uid, group=uid, extra_groups=[], timeout=30,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 PROBE = '''
