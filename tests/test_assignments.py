@@ -19,6 +19,7 @@ import pytest
 
 from refmath import solutions
 from refmath.assignments import manifest as manifests
+from refmath.assignments import sandbox as sandboxes
 from refmath.assignments.build import LeakError, assemble, build
 from refmath.assignments.grade import grade, with_time_limit
 
@@ -26,6 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = manifests.names(os.path.join(ROOT, "assignments"))
 
 pytest.importorskip("torch", reason="the hidden tests compute expected values with PyTorch")
+try:  # grading runs student code in a sandbox; where none can be made the grader refuses
+    sandboxes.choose()
+except RuntimeError as error:
+    if os.environ.get("REFMATH_REQUIRE_SANDBOX") == "1":
+        raise
+    pytest.skip(str(error), allow_module_level=True)
 
 
 def load(name):

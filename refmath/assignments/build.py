@@ -70,8 +70,13 @@ Submit these files, at these paths:
 
 {files}
 
+Only the functions listed above are taken from the files you submit: everything else in them is
+graded as given. Put any helper function you write, and any import you add, inside the function
+that uses it.
+
 The hidden tests check more cases than the public ones, against values computed independently of
-any solution, with tight tolerances and time limits.
+any solution, with tight tolerances and time limits. Your code runs in a sandbox with NumPy and
+the standard library only (no network, no PyTorch).
 """
 
 SETUP_SH = """\
