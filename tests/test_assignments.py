@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -198,6 +199,24 @@ def test_the_handout_runs_in_the_student_tree(built, name):
     assert run.returncode == 0, run.stderr
     with open(os.path.join(student, "handout.py")) as f:
         assert "BEGIN SOLUTION" not in f.read()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_public_tests_pass_once_the_functions_are_written(built, tmp_path, name):
+    """Every other assignment's solutions are stubbed in a tree: its public tests and handout must
+    need only this assignment's functions (and its [uses])."""
+    manifest = load(name)
+    student = tmp_path / "student"
+    shutil.copytree(os.path.join(built[name], "student"), student)
+    for path, text in reference_texts(manifest).items():
+        (student / path).write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(student), "MPLBACKEND": "Agg"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+                         cwd=student, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stdout[-3000:]
+    handout = subprocess.run([sys.executable, "handout.py"], cwd=student, capture_output=True,
+                             text=True, env=env)
+    assert handout.returncode == 0, handout.stderr[-3000:]
 
 
 @pytest.mark.parametrize("how", ["as a line", "quoted"])
