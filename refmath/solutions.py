@@ -5,7 +5,8 @@ indentation (the nbgrader/otter-grader convention):
 
 - Python: ``# BEGIN SOLUTION`` ... ``# END SOLUTION`` around the lines a student writes;
 - Markdown answers in py:percent files (lessons, handouts): ``# <!-- BEGIN SOLUTION -->`` ...
-  ``# <!-- END SOLUTION -->``, HTML comments, so a rendered lesson shows nothing of them.
+  ``# <!-- END SOLUTION -->``, HTML comments, so a rendered lesson shows nothing of them;
+- C++ (the kernel assignment's ``csrc/teaching``): ``// BEGIN SOLUTION`` ... ``// END SOLUTION``.
 
 Markers are comments: the reference runs unchanged. Stripping a Python region replaces it by one
 statement at the marker's indentation (``raise NotImplementedError(...)`` for a library function);
@@ -23,8 +24,10 @@ from typing import Callable, NamedTuple
 
 PY_BEGIN, PY_END = "# BEGIN SOLUTION", "# END SOLUTION"
 MD_BEGIN, MD_END = "# <!-- BEGIN SOLUTION -->", "# <!-- END SOLUTION -->"
+CPP_BEGIN, CPP_END = "// BEGIN SOLUTION", "// END SOLUTION"
 MARKERS = {PY_BEGIN: ("python", "begin"), PY_END: ("python", "end"),
-           MD_BEGIN: ("markdown", "begin"), MD_END: ("markdown", "end")}
+           MD_BEGIN: ("markdown", "begin"), MD_END: ("markdown", "end"),
+           CPP_BEGIN: ("cpp", "begin"), CPP_END: ("cpp", "end")}
 
 MARKDOWN_PROMPT = "# *Your answer here.*"
 

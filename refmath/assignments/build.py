@@ -21,6 +21,7 @@ import stat
 import zipfile
 
 from refmath import solutions
+from refmath.assignments.extract import cpp_functions
 from refmath.assignments.manifest import MANIFEST, Manifest
 
 # Lines this short ("return dx", "else:", '"""') say nothing about a solution and occur everywhere.
@@ -40,7 +41,7 @@ build-backend = "setuptools.build_meta"
 name = "refmath"
 version = "0.1.0+{name}"
 requires-python = ">=3.10"
-dependencies = ["numpy", "tqdm"]
+dependencies = [{dependencies}]
 
 [project.optional-dependencies]
 test = ["pytest"]
@@ -60,7 +61,7 @@ python -m pytest -q tests
 ```
 
 (or, without installing, `PYTHONPATH=$PWD python -m pytest -q tests`). Until you write them, the
-tests of your functions fail with `NotImplementedError`.
+tests of your functions fail with `NotImplementedError` (`RuntimeError` from a C++ function).
 
 Read `handout.py` first (open it with jupytext / Jupyter, or read it as a script). You write:
 
@@ -84,7 +85,9 @@ SETUP_SH = """\
 # Gradescope runs this once, as root, when the autograder image is built (Ubuntu).
 set -euo pipefail
 apt-get update
-apt-get install -y --no-install-recommends python3 python3-pip python3-venv bubblewrap
+# g++ and python3-dev: the kernel assignment compiles C++ against Python's and pybind11's headers
+apt-get install -y --no-install-recommends python3 python3-pip python3-venv python3-dev g++ \\
+    bubblewrap
 # What a submission may import, for every user (the sandbox runs it as an unprivileged uid).
 python3 -m pip install numpy tqdm "tomli; python_version < '3.11'" ||
     python3 -m pip install --break-system-packages numpy tqdm "tomli; python_version < '3.11'"
@@ -92,6 +95,7 @@ python3 -m pip install numpy tqdm "tomli; python_version < '3.11'" ||
 # where no other user can read it.
 python3 -m venv --system-site-packages /opt/refmath-grader
 /opt/refmath-grader/bin/python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+/opt/refmath-grader/bin/python -m pip install "pybind11>=2.12"
 chmod 700 /opt/refmath-grader
 """
 
@@ -140,6 +144,7 @@ def bias_gelu_backward(da, cache):
     return gelu_backward(da, cache)
 '''}
 _SKIP_FILES = {"_build_info.py", "mistakes.py"}
+TEACHING = "csrc/teaching"
 
 
 class LeakError(RuntimeError):
@@ -147,18 +152,28 @@ class LeakError(RuntimeError):
 
 
 def library_files(src_root: str) -> dict[str, str]:
-    """The Python sources of ``src_root/refmath`` as ``{relative path: text}``."""
+    """The Python sources of ``src_root/refmath`` and the teaching kernel's C++ sources
+    (``csrc/teaching``, the kernel assignment's) as ``{relative path: text}``."""
     files = {}
-    package = os.path.join(src_root, "refmath")
-    for folder, dirs, names in os.walk(package):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
-        for name in sorted(names):
-            if name.endswith(".py") and name not in _SKIP_FILES:
+    for top, suffixes in (("refmath", (".py",)), (TEACHING, (".cpp", ".h"))):
+        for folder, dirs, names in os.walk(os.path.join(src_root, top)):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+            for name in sorted(n for n in names if n.endswith(suffixes) and n not in _SKIP_FILES):
                 path = os.path.join(folder, name)
                 with open(path, encoding="utf-8") as f:
                     files[os.path.relpath(path, src_root).replace(os.sep, "/")] = f.read()
     files.update((path, text) for path, text in REFERENCE_FORMS.items() if path in files)
     return files
+
+
+def cpp_function_regions(text: str, where: str) -> dict[str, list[solutions.Region]]:
+    """The C++ regions of ``text`` grouped by the file-scope function that holds them."""
+    spans = cpp_functions(text)
+    grouped: dict[str, list[solutions.Region]] = {}
+    for region in solutions.find_regions(text, where):
+        name = next((n for n, (a, b) in spans.items() if a < region.begin < b), "")
+        grouped.setdefault(name, []).append(region)
+    return grouped
 
 
 def stub_message(function: str, manifest: Manifest) -> str:
@@ -184,7 +199,8 @@ def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True)
     for file, text in files.items():
         functions = manifest.functions.get(file, [])
         kept = manifest.uses.get(file, [])
-        grouped = solutions.function_regions(text, file)
+        grouped = (cpp_function_regions(text, file) if file.endswith((".cpp", ".h"))
+                   else solutions.function_regions(text, file))
         missing = [f for f in functions + kept if f not in grouped]
         if missing and strict:
             raise ValueError(f"assignment {manifest.name}: no '# BEGIN SOLUTION' region in "
@@ -209,6 +225,8 @@ def stub_library(files: dict[str, str], manifest: Manifest, strict: bool = True)
                 return lines[region.begin + 1:region.end]
             message = (stub_message(function, manifest) if function in functions
                        else f"{function or 'this part'}: not part of assignment {manifest.name}")
+            if region.kind == "cpp":
+                return [f'{region.indent}throw std::logic_error("{message}");']
             if solutions.is_docstring_region(text, region):
                 return [f'{region.indent}"""{message}."""']
             return [f"{region.indent}raise NotImplementedError({message!r})"]
@@ -271,7 +289,11 @@ def assemble(manifest: Manifest, src_root: str) -> tuple[dict[str, str], dict[st
 
     listing = "\n".join(f"- `{f}` in `{file}`" for file, fs in manifest.functions.items() for f in fs)
     student = dict(stubbed)
-    student["pyproject.toml"] = STUDENT_PYPROJECT.format(name=manifest.name)
+    # the kernel assignment's module is compiled against pybind11's headers
+    needs = ["numpy", "tqdm"] + (["pybind11>=2.12"] if any(f.endswith(".cpp") for f in manifest.files)
+                                 else [])
+    student["pyproject.toml"] = STUDENT_PYPROJECT.format(
+        name=manifest.name, dependencies=", ".join(f'"{n}"' for n in needs))
     student["README.md"] = STUDENT_README.format(
         title=manifest.title, functions=listing,
         files="\n".join(f"- `{f}`" for f in manifest.files))

@@ -144,6 +144,34 @@ def compare(function: str, name: str, out: dict, expected, inputs: str, tol: flo
     return Verdict(True, f"{label}: relative error {error:.1e} <= {tol:.0e}")
 
 
+FLOAT32_ROUNDING = 2.0 ** -24  # half an ulp of 1.0 in float32
+
+
+def float32_rule(function: str, name: str, out: dict, expected, plain, inputs: str) -> Verdict:
+    """The kernel tests' rule for float32 results: the worst error against the float64
+    ``expected`` at most twice the worst error of ``plain`` (a plain float32 NumPy computation of
+    the same thing), plus one float32 rounding; infinities must match where expected has them."""
+    label = f"{function}: {name} for {inputs}"
+    if name not in out:
+        return Verdict(False, f"{label}: no result (the test's call returned nothing for it)")
+    got, expected = np.asarray(out[name]), np.asarray(expected, dtype=np.float64)
+    if got.shape != expected.shape:
+        return Verdict(False, f"{label}: shape {got.shape}, expected {expected.shape}")
+    if got.dtype != np.float32:
+        return Verdict(False, f"{label}: dtype {got.dtype}, expected float32")
+    got = got.astype(np.float64)
+    infinite = np.isinf(expected)
+    if not np.array_equal(got[infinite], expected[infinite]) or np.isnan(got).any():
+        return Verdict(False, f"{label}: NaN or infinite entries where none are expected, or "
+                       "missing where a row sees no key")
+    finite = ~infinite
+    bound = 2 * float(np.max(np.abs(np.asarray(plain, np.float64)[finite] - expected[finite]),
+                             initial=0.0)) + FLOAT32_ROUNDING
+    error = float(np.max(np.abs(got[finite] - expected[finite]), initial=0.0))
+    verdict = f"worst error {error:.2e} = {error / bound:.2f} of the float32 bound {bound:.2e}"
+    return Verdict(error <= bound, f"{label}: {verdict}")
+
+
 def exact(function: str, name: str, out: dict, expected, inputs: str) -> Verdict:
     """Integer (or exactly representable) results: equal entry for entry."""
     label = f"{function}: {name} for {inputs}"

@@ -19,19 +19,21 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 import time
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import NamedTuple
 
-from refmath.assignments.build import library_files, stub_library
+from refmath.assignments.build import TEACHING, library_files, stub_library
 from refmath.assignments.checks import Case, Verdict, run_source
 from refmath.assignments.extract import take_functions
 from refmath.assignments.manifest import Limits, Manifest
 from refmath.assignments.sandbox import Sandbox, choose
 
 PRINTED_LINES = 20  # of what a failing test's code printed, quoted in its feedback
+_COMPILED: dict[tuple, bytes] = {}  # the kernel assignment's given half, once per process
 
 
 class HiddenTests(NamedTuple):
@@ -97,6 +99,24 @@ def secret_paths(manifest: Manifest, src_root: str) -> tuple[str, ...]:
     if spec is not None and spec.submodule_search_locations:
         paths.append(spec.submodule_search_locations[0])
     return tuple(paths)
+
+
+def compiled_given_parts(manifest: Manifest, src_root: str) -> dict[str, bytes]:
+    """For an assignment with C++ functions (the kernel), the given pybind11 half compiled here,
+    once per source, from the grader's own copy: the sandbox links the student's file to it
+    (:mod:`refmath.teaching_kernel`) instead of compiling pybind11 for every test."""
+    if not any(path.endswith(".cpp") for path in manifest.functions):
+        return {}
+    from refmath import teaching_kernel
+    folder = os.path.join(src_root, TEACHING)
+    key = folder, *(os.stat(os.path.join(folder, n)).st_mtime_ns
+                    for n in (teaching_kernel.GIVEN, teaching_kernel.HEADER))
+    if key not in _COMPILED:
+        # compiled in a folder of the grader's own, never one a submission could have written to
+        with tempfile.TemporaryDirectory() as out:
+            with open(teaching_kernel.given_object(folder, out), "rb") as f:
+                _COMPILED[key] = f.read()
+    return {f"{TEACHING}/{teaching_kernel.PREBUILT}/{teaching_kernel.GIVEN[:-4]}.o": _COMPILED[key]}
 
 
 def graded_library(manifest: Manifest, base: dict[str, str], submitted: dict[str, str]):
@@ -175,6 +195,7 @@ def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | N
     hidden = hidden or load_hidden_tests(manifest)
     sandbox = sandbox or choose(unreadable=secret_paths(manifest, src_root))
     base, _ = stub_library(library_files(src_root), manifest, strict=False)
+    base.update(compiled_given_parts(manifest, src_root))
     submitted, notes = read_submission(manifest, submission)
     library, extract_notes = graded_library(manifest, base, submitted)
     notes += extract_notes

@@ -136,8 +136,10 @@ def load(name: str, root: str | None = None) -> Manifest:
     if not isinstance(uses, dict):
         raise TypeError(f"{where}: [uses] must be a table of file = [functions]")
     for file, funcs in {**functions, **uses}.items():
-        if not file.startswith("refmath/") or not file.endswith(".py") or ".." in file:
-            raise ValueError(f"{where}: key {file!r} must be a refmath/...py path")
+        if ".." in file or not (file.startswith("refmath/") and file.endswith(".py") or
+                                file.startswith("csrc/teaching/") and file.endswith(".cpp")):
+            raise ValueError(f"{where}: key {file!r} must be a refmath/...py or "
+                             "csrc/teaching/...cpp path")
         if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) for f in funcs):
             raise TypeError(f"{where}: {file!r} must map to a non-empty list of function names")
     both = sorted(f"{file}: {f}" for file, fs in uses.items() for f in fs

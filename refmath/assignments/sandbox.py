@@ -221,10 +221,10 @@ class Sandbox:
         with self._lock:
             self._slots.append(slot)
 
-    def run(self, library: dict[str, str], source: str, function: str, inputs: dict,
+    def run(self, library: dict[str, str | bytes], source: str, function: str, inputs: dict,
             limits: Limits) -> Outcome:
-        """Run ``function`` (defined by ``source``) on ``inputs`` with ``library`` ({path: text},
-        the refmath to import) under ``limits``."""
+        """Run ``function`` (defined by ``source``) on ``inputs`` with ``library`` ({path: text or
+        bytes}, the refmath to import and any given files beside it) under ``limits``."""
         slot = self._slot()
         uid = FIRST_UID + slot if os.geteuid() == 0 and self.mode != "none" else None
         folder = tempfile.mkdtemp(prefix="refmath-grade-")
@@ -237,11 +237,11 @@ class Sandbox:
             self._free(slot)
 
     def _write(self, folder: str, library: dict[str, str], message: bytes) -> None:
-        for path, text in library.items():
+        for path, content in library.items():  # text, or bytes (a compiled given part)
             target = os.path.join(folder, "library", path)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "w", encoding="utf-8") as f:
-                f.write(text)
+            with open(target, "wb") as f:
+                f.write(content if isinstance(content, bytes) else content.encode("utf-8"))
         os.makedirs(os.path.join(folder, "grader"))
         for name in ("driver.py", "wire.py"):
             shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, "grader", name))
@@ -266,8 +266,9 @@ class Sandbox:
                   "--inputs", f"{inside}/inputs.bin", "--library", f"{inside}/library",
                   "--site", site, "--cpu", str(max(1, int(limits.cpu_s))),
                   "--memory", str(limits.memory_mb * 2**20),
-                  # what it prints goes to a file the grader caps after the run
-                  "--file-size", str(max(limits.output_kb * 1024 * 4, 2**20)),
+                  # what it prints goes to a file of the grader's, capped after the run; files in
+                  # the sandbox's /tmp (a compiled module, say) are bounded by its size as well
+                  "--file-size", str(TMP_MB * 2**20),
                   "--processes", str(PROCESSES)]
         options: dict = {"env": environment("/tmp" if self.mode == "bubblewrap" else
                                             os.path.join(folder, "tmp") if self.mode == "user"
