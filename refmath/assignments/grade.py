@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,6 @@ from refmath.assignments.manifest import Limits, Manifest
 from refmath.assignments.sandbox import Sandbox, choose
 
 PRINTED_LINES = 20  # of what a failing test's code printed, quoted in its feedback
-_COMPILED: dict[tuple, bytes] = {}  # the kernel assignment's given half, once per process
 
 
 class HiddenTests(NamedTuple):
@@ -104,19 +102,16 @@ def secret_paths(manifest: Manifest, src_root: str) -> tuple[str, ...]:
 def compiled_given_parts(manifest: Manifest, src_root: str) -> dict[str, bytes]:
     """For an assignment with C++ functions (the kernel), the given pybind11 half compiled here,
     once per source, from the grader's own copy: the sandbox links the student's file to it
-    (:mod:`refmath.teaching_kernel`) instead of compiling pybind11 for every test."""
+    (:mod:`refmath.teaching_kernel`) instead of compiling pybind11 for every test. It is kept
+    under the hash of its source, so a batch, and later runs, compile it once."""
     if not any(path.endswith(".cpp") for path in manifest.functions):
         return {}
     from refmath import teaching_kernel
-    folder = os.path.join(src_root, TEACHING)
-    key = folder, *(os.stat(os.path.join(folder, n)).st_mtime_ns
-                    for n in (teaching_kernel.GIVEN, teaching_kernel.HEADER))
-    if key not in _COMPILED:
-        # compiled in a folder of the grader's own, never one a submission could have written to
-        with tempfile.TemporaryDirectory() as out:
-            with open(teaching_kernel.given_object(folder, out), "rb") as f:
-                _COMPILED[key] = f.read()
-    return {f"{TEACHING}/{teaching_kernel.PREBUILT}/{teaching_kernel.GIVEN[:-4]}.o": _COMPILED[key]}
+    # compiled in the grader's own build folder (0700, checked), which no sandbox can write to
+    built = teaching_kernel.given_object(os.path.join(src_root, TEACHING),
+                                         teaching_kernel.private_folder())
+    with open(built, "rb") as f:
+        return {f"{TEACHING}/{teaching_kernel.PREBUILT}/{teaching_kernel.GIVEN[:-4]}.o": f.read()}
 
 
 def graded_library(manifest: Manifest, base: dict[str, str], submitted: dict[str, str]):
