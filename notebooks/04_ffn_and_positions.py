@@ -361,10 +361,12 @@ check_close("RoPE dx", dx_rope,
                                   rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]),
                                                positions=np.array([2]))[1]),
             rtol=1e-12, atol=1e-15, hint="the same rotation with -theta")
-check_true("the backward undoes the forward",
-           np.allclose(rope_backward(*rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), offset=5)),
-                       [[3.0, 4.0, 1.0, 0.0]], rtol=1e-14),
-           "R^T is orthogonal: rotating by theta then by -theta gives x back")
+check_true("rotating your dx forward gives dy back",
+           lambda dx: np.allclose(rope_forward(np.asarray(dx, dtype=float).reshape(1, 4),
+                                               positions=np.array([2]))[0],
+                                  [[1.0, 0.0, 0.0, 1.0]], rtol=0, atol=1e-14),
+           "R is orthogonal: the backward's rotation by -theta is undone by the forward's +theta",
+           of=dx_rope)
 
 # %%
 xs = rng.standard_normal((5, 6))

@@ -197,17 +197,6 @@ check_close("the last row of dlogits (sum)", last_row_gradient, lambda: grad_sum
 # $m_s = (1-\beta_1)(1 + \beta_1 + \dots + \beta_1^{s-1}) g = (1-\beta_1^s) g$ exactly, so
 # $\hat m_s = g$ and $\hat v_s = g^2$ from the first step (O2).
 
-# %%
-params = {"w": np.array([1.0, -2.0])}
-g = {"w": np.array([0.3, -0.1])}
-adam = Adam(lr=0.1)
-for step in range(1, 4):
-    adam.step(params, g)
-    m_hat, v_hat = adam.corrected_moments("w")
-    print(f"step {step}: m_hat = {m_hat}, v_hat = {v_hat}, w = {params['w']}")
-    np.testing.assert_allclose(m_hat, g["w"], rtol=1e-13)  # equal up to rounding
-    np.testing.assert_allclose(v_hat, g["w"] ** 2, rtol=1e-13)
-
 # %% tags=["exercise"]
 # Your turn: the weights after Adam's *first* step from theta = (1, -2) with the gradient
 # g = (0.3, -0.1), lr 0.1 and the default betas (0.9, 0.999) and eps 1e-8. Use the equations
@@ -229,6 +218,21 @@ def adam_first_step():
 
 check_close("theta after one Adam step", theta_after_one_step, adam_first_step, rtol=1e-12,
             hint="m_hat = g and v_hat = g^2 after one step, so the step is lr * sign(g) (almost)")
+
+# %% [markdown]
+# The library's Adam over three steps of the same gradient: $\hat m_s = g$ and $\hat v_s = g^2$ at
+# every step, as O2 says (printed after the exercise, since its first row is the answer).
+
+# %%
+params = {"w": np.array([1.0, -2.0])}
+g = {"w": np.array([0.3, -0.1])}
+adam = Adam(lr=0.1)
+for step in range(1, 4):
+    adam.step(params, g)
+    m_hat, v_hat = adam.corrected_moments("w")
+    print(f"step {step}: m_hat = {m_hat}, v_hat = {v_hat}, w = {params['w']}")
+    np.testing.assert_allclose(m_hat, g["w"], rtol=1e-13)  # equal up to rounding
+    np.testing.assert_allclose(v_hat, g["w"] ** 2, rtol=1e-13)
 
 # %% [markdown]
 # The first step has size $\eta$ in every coordinate, whatever the size of the gradient: Adam's
@@ -260,10 +264,6 @@ def run(optimiser, steps=50):
 decay = dict(lr=0.1, weight_decay=0.1, decay_of=lambda name: 0.1)
 paths = {"SGD + L2": run(SGD(**decay)), "Adam + L2": run(Adam(**decay)),
          "AdamW": run(AdamW(**decay))}
-for name, path in paths.items():
-    print(f"{name:10s}: after 50 steps {path[-1]:+.4f}")
-print("(1 - 0.01)^50 =", 0.99**50)
-
 fig, ax = plt.subplots(figsize=(5.5, 3.2), layout="constrained")
 for (name, path), style in zip(paths.items(), ("-", "-", "--")):
     ax.plot(path, style, label=name)
@@ -282,6 +282,12 @@ adamw_after_50 = (1 - 0.1 * 0.1) ** 50
 # %%
 check_close("AdamW's weight after 50 steps", adamw_after_50, lambda: paths["AdamW"][-1],
             rtol=1e-12, hint="each step multiplies by (1 - lr * weight_decay); m_hat stays 0")
+
+# %%
+# The three runs' ends, printed after the exercise since AdamW's is its answer: SGD + L2 shrinks
+# exactly as AdamW does, Adam + L2 has crossed 0.
+for name, path in paths.items():
+    print(f"{name:10s}: after 50 steps {path[-1]:+.4f}")
 
 # %% [markdown]
 # ## O6: learning-rate schedules
@@ -322,10 +328,10 @@ check_close("(peak, half-way rate)", schedule_values,
             lambda: (transformer_schedule(4000, d_model=512, warmup=4000),
                      warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5)),
             rtol=1e-12, hint="at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0")
-check_true("the peak is at the end of warmup",
-           transformer_schedule(4000, 512, 4000) > max(transformer_schedule(3999, 512, 4000),
-                                                       transformer_schedule(4001, 512, 4000)),
-           "the rate rises before s = w and falls after")
+check_true("your peak is above the rates one step before and after it",
+           lambda values: values[0] > max(transformer_schedule(3999, 512, 4000),
+                                          transformer_schedule(4001, 512, 4000)),
+           "the rate rises before s = w and falls after", of=schedule_values)
 
 # %% [markdown]
 # ## Exercises

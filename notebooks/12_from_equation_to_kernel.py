@@ -238,8 +238,9 @@ e_cubed = np.ldexp(2.0**f_exp, n_exp)
 # END SOLUTION
 
 # %%
-check_close("n", n_exp, 4, rtol=0, hint="3 log2 e = 4.328")
-check_true("|f| <= 1/2", ... if f_exp is Ellipsis else abs(f_exp) <= 0.5, "f = x - round(x)")
+check_close("n", n_exp, lambda: np.round(3 * LOG2E), rtol=0,
+            hint="round x = 3 log2 e to the nearest integer")
+check_true("|f| <= 1/2", lambda f: abs(f) <= 0.5, "f = x - round(x)", of=f_exp)
 check_close("e^3", e_cubed, lambda: np.exp(3.0), rtol=1e-14)
 
 # %% [markdown]
