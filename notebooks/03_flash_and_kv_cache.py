@@ -47,7 +47,7 @@ from refmath.flash import (
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.models import decoder
 from refmath.sizing import kv_cache_bytes
 from refmath.softmax import (
@@ -106,7 +106,10 @@ merged_m_l = (m_merged, np.exp(a.m - m_merged) * a.l + np.exp(b.m - m_merged) * 
 
 # %%
 check_close("(m, l) of the merge", merged_m_l, lambda: (merged.m, merged.l), rtol=1e-12,
-            hint="rescale each l by e^(its m - the larger m)")
+            hint="rescale each l by e^(its m - the larger m)",
+            slips={"the l added without rescaling them to the larger m": lambda: (merged.m, a.l + b.l),
+                   "rescaled to the smaller m, not the larger": lambda: (
+                       min(a.m, b.m), merged.l * np.exp(max(a.m, b.m) - min(a.m, b.m)))})
 
 # %% [markdown]
 # ## F4-F5: tiles, and the tiles a causal mask lets us skip
@@ -185,7 +188,18 @@ check_close("dQ from the logsumexp", dq_from_lse,
             lambda: flash_attention_backward(do_small, q_small, k_small, v_small, o_small, lse_small,
                                              causal=True, block_q=2, block_k=2)[0],
             rtol=1e-10, atol=1e-14, hint="P = exp(S - lse) at visible pairs, 0 elsewhere; "
-                                         "delta = rowsum(dO * O)")
+                                         "delta = rowsum(dO * O)",
+            slips={**catalogued("flash: delta = rowsum(dO * O) left out", lambda: flash_attention_backward(
+                       do_small, q_small, k_small, v_small, o_small, lse_small, causal=True,
+                       block_q=2, block_k=2)[0]),
+                   **catalogued("flash: causal mask forgotten in the backward",
+                                lambda: flash_attention_backward(
+                       do_small, q_small, k_small, v_small, o_small, lse_small, causal=True,
+                       block_q=2, block_k=2)[0]),
+                   "the scale tau = 1/sqrt(2) missing from dQ (it is in S and in dQ)":
+                       lambda: np.sqrt(2) * flash_attention_backward(
+                       do_small, q_small, k_small, v_small, o_small, lse_small, causal=True,
+                       block_q=2, block_k=2)[0]})
 
 # %% [markdown]
 # And the tiled backward is the gradient of the tiled forward: central differences of
@@ -347,7 +361,16 @@ cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2
 check_close("the cache bytes", cache_bytes,
             lambda: kv_cache_bytes(batch=8, layers=40, tokens=4096, kv_heads=8, head_dim=128,
                                    bytes_per_element=2),
-            rtol=0, hint="2 (K and V) x B x L x T x g x d_h x bytes")
+            rtol=0, hint="2 (K and V) x B x L x T x g x d_h x bytes",
+            slips={"half the cache: is there a 2 for K and V, and 2 bytes per element?": lambda:
+                       kv_cache_bytes(batch=8, layers=40, tokens=4096, kv_heads=8, head_dim=128,
+                                      bytes_per_element=2) / 2,
+                   "one layer only (x 40 layers forgotten)": lambda:
+                       kv_cache_bytes(batch=8, layers=1, tokens=4096, kv_heads=8, head_dim=128,
+                                      bytes_per_element=2),
+                   "one sequence only (x a batch of 8 forgotten)": lambda:
+                       kv_cache_bytes(batch=1, layers=40, tokens=4096, kv_heads=8, head_dim=128,
+                                      bytes_per_element=2)})
 
 # %% [markdown]
 # ## K10: paging

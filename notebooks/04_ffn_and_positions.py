@@ -49,7 +49,7 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
@@ -360,7 +360,10 @@ check_close("RoPE dx", dx_rope,
             lambda: rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
                                   rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]),
                                                positions=np.array([2]))[1]),
-            rtol=1e-12, atol=1e-15, hint="the same rotation with -theta")
+            rtol=1e-12, atol=1e-15, hint="the same rotation with -theta",
+            slips=catalogued("rope: forward rotation used in backward", lambda: rope_backward(
+                np.array([[1.0, 0.0, 0.0, 1.0]]),
+                rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), positions=np.array([2]))[1])))
 check_true("rotating your dx forward gives dy back",
            lambda dx: np.allclose(rope_forward(np.asarray(dx, dtype=float).reshape(1, 4),
                                                positions=np.array([2]))[0],
