@@ -168,8 +168,10 @@ for name, array in (("x", xs), ("gamma", gamma), ("beta", beta)):
 # $$dx = r\,\Big(g - \hat x\, \overline{g \odot \hat x}\Big) = r\,g - r^3\, x\, \overline{g \odot x},
 # \qquad d\gamma = \sum_{\text{rows}} dy \odot \hat x .$$
 #
-# RMSNorm's output does change when $x$ is shifted, so its gradient need not sum to zero; it is
-# still orthogonal to $x$ (scaling $x$ changes nothing).
+# RMSNorm's output does change when $x$ is shifted, so its gradient need not sum to zero; when
+# $\epsilon = 0$ it is still orthogonal to $x$ (scaling $x$ then changes nothing; with
+# $\epsilon > 0$ it changes $r$ slightly, and $dx \cdot x = \epsilon\, r^3\, (g \cdot x)$ is small but
+# not zero).
 
 # %% tags=["exercise"]
 # Your turn: the RMSNorm dx for x = (2, 4, 6, 8), dy = (1, 0, 0, 0), gamma = 1, eps = 0

@@ -323,7 +323,9 @@ for name, path in paths.items():
 # 2023):
 #
 # $$\eta_s = \eta_{\min} + \tfrac12(\eta_{\max} - \eta_{\min})
-# \Big(1 + \cos\big(\pi\,\tfrac{s - w}{T - w}\big)\Big)\quad (w \le s \le T).$$
+# \Big(1 + \cos\big(\pi\,\tfrac{s - w}{S - w}\big)\Big)\quad (w \le s \le S),$$
+#
+# with $S$ the total number of steps ($T$ stays the sequence length, as everywhere else).
 
 # %%
 steps = np.arange(1, 20001)
@@ -371,8 +373,11 @@ check_true("your peak is above the rates one step before and after it",
 # 3. Run Adam *without* bias correction (divide by 1 instead of $1-\beta^s$) on a constant
 #    gradient: how large are the first ten steps compared with $\eta$? Why does $\epsilon$ matter
 #    more then?
-# 4. Give a weight a constant data gradient $g = 1$ and decay $\lambda = 0.1$. Where does it settle
-#    under Adam + L2 and under AdamW? (Hint: Adam + L2 stops where $g + \lambda\theta = 0$.)
+# 4. Give a weight a constant data gradient $g = 0.01$ and decay $\lambda = 0.1$ (lr 0.1). Where
+#    does it settle under Adam + L2 and under AdamW? (Hint: Adam + L2 stops where the gradient it
+#    sees, $g + \lambda\theta$, is zero; AdamW stops where the decay $\eta\lambda\theta$ cancels
+#    Adam's normalised step, about $\eta\,\mathrm{sign}(g)$.) Why would $g = 1$ not tell them
+#    apart?
 # 5. Plot `warmup_cosine` with `warmup=0`: what goes wrong in the first steps of a Post-LN model
 #    (lesson 2)?
 #
