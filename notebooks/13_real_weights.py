@@ -217,8 +217,8 @@ rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)
 
 # %%
 check_true("rows is a permutation of the rows",
-           None if rows is Ellipsis else np.array_equal(np.sort(rows), np.arange(heads * d_h)),
-           "each of the h d_h rows must be used exactly once")
+           lambda r: np.array_equal(np.sort(r), np.arange(heads * d_h)),
+           "each of the h d_h rows must be used exactly once", of=rows)
 check_close("W_Q from q_proj.weight", None if rows is Ellipsis else q_proj[rows].T, w_q, rtol=0,
             hint="within each head: half coordinate r, then r + d_h/2")
 check_close("W_K from k_proj.weight",
@@ -284,8 +284,8 @@ as_float32 = (patterns.astype(np.uint32) << 16).view(np.float32)
 s, e, m = patterns >> 15, (patterns >> 7) & 0xFF, patterns & 0x7F
 assert np.all((e > 0) & (e < 255))  # normal numbers only: the formula holds
 by_fields = (-1.0) ** s * 2.0 ** (e.astype(np.int64) - 127) * (1 + m / 2**7)
-check_true("a float32 array", None if as_float32 is Ellipsis
-           else np.asarray(as_float32).dtype == np.float32, "view the 32-bit patterns as float32")
+check_true("a float32 array", lambda a: np.asarray(a).dtype == np.float32,
+           "view the 32-bit patterns as float32", of=as_float32)
 check_close("the bfloat16 patterns as numbers", as_float32, by_fields, rtol=0,
             hint="shift the 16 bits into the upper half of a uint32")
 print(dict(zip([f"0x{p:04X}" for p in patterns], by_fields)))
