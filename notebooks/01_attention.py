@@ -178,10 +178,12 @@ plt.show()
 # ## A5: the softmax Jacobian
 #
 # $$\frac{\partial a_j}{\partial s_u} = a_j(\delta_{ju} - a_u),\qquad\text{that is}\qquad
-# J = \operatorname{diag}(a) - a^\top a$$
+# J = \operatorname{diag}(a) - a\,a^\top$$
 #
-# for a row vector $a$. Each column sums to zero (the weights always sum to one) and, for a
-# nearly one-hot row, every entry is nearly zero.
+# with $a$ written as a column, as the catalogue and `refmath.softmax.softmax_jacobian` write it:
+# $a\,a^\top$ is the outer product (`np.outer(a, a)`), $J_{ju} = \partial a_j / \partial s_u$. (For
+# the row vectors of the rest of the lesson the same matrix is $a^\top a$.) Each column sums to
+# zero (the weights always sum to one) and, for a nearly one-hot row, every entry is nearly zero.
 
 # %%
 s = np.array([0.5, -1.0, 2.0])
@@ -196,7 +198,7 @@ print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 
 
 # %% tags=["exercise"]
 # Your turn: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
-# diag(a) - a^T a, as a 3 x 3 array.
+# diag(a) - a a^T (a as a column: an outer product), as a 3 x 3 array.
 jacobian_a3 = ...
 # BEGIN SOLUTION
 a3 = np.array([0.25, 0.5, 0.25])
@@ -207,10 +209,10 @@ jacobian_a3 = np.diag(a3) - np.outer(a3, a3)
 check_close("the Jacobian of (1/4, 1/2, 1/4)", jacobian_a3,
             lambda: softmax_jacobian(np.array([0.25, 0.5, 0.25])), rtol=1e-12,
             hint="the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u",
-            slips={"diag(a) alone: the -a^T a term is forgotten": lambda: np.diag([0.25, 0.5, 0.25]),
-                   "a^T a taken as the inner product (a number), not the outer product (a matrix)":
+            slips={"diag(a) alone: the -a a^T term is forgotten": lambda: np.diag([0.25, 0.5, 0.25]),
+                   "a a^T taken as the inner product (a number), not the outer product (a matrix)":
                        lambda: np.diag([0.25, 0.5, 0.25]) - 0.375,
-                   "the sign flipped: a^T a - diag(a)":
+                   "the sign flipped: a a^T - diag(a)":
                        lambda: -softmax_jacobian(np.array([0.25, 0.5, 0.25]))})
 
 # %% [markdown]

@@ -118,8 +118,9 @@ check_close("(m, l) of the merge", merged_m_l, lambda: (merged.m, merged.l), rto
 # builds the $T \times T$ score matrix: the extra memory is $O(T)$, the logsumexp
 # $\mathrm{lse}_i = m_i + \log l_i$ of each row (F4). The arithmetic is the dense one,
 # $O(B h T^2 d_h)$, except that with a causal mask it never visits a tile that lies entirely above
-# the diagonal (F5). The counters say what it did; in the picture, white tiles are
-# skipped, light ones are cut by the diagonal (masked inside) and dark ones are computed in full.
+# the diagonal (F5). The counters say what it did; the picture shows which tiles those are, each
+# tile's state read off the mask and checked against the counters: white tiles are skipped,
+# light ones are cut by the diagonal (masked inside) and dark ones are computed in full.
 
 # %%
 T, D, block = 64, 16, 8
@@ -134,11 +135,24 @@ for causal in (False, True):
           f"numbers (a T x T matrix holds {T * T})")
 np.testing.assert_allclose(o, dense, rtol=1e-12, atol=1e-14)
 
+# Each tile's state read off the mask the loop applies: how many of its block x block pairs are
+# visible (0: skipped, all: computed in full, in between: cut by the diagonal, masked inside).
+# The picture must tell the same story as the counters of the causal run just printed.
 n = T // block
-tile_state = np.array([[2 if j < i else (1 if j == i else 0) for j in range(n)] for i in range(n)])
-fig, ax = plt.subplots(figsize=(3.6, 3.2), layout="constrained")
-ax.imshow(tile_state, cmap="Blues", vmin=0, vmax=2)
-ax.set(title=f"causal {n} x {n} tiles", xlabel="key tile", ylabel="query tile")
+visible = (causal_mask(T) == 0).reshape(n, block, n, block).sum(axis=(1, 3))
+tile_state = np.where(visible == 0, 0, np.where(visible == block * block, 2, 1))
+assert np.count_nonzero(tile_state) == counters.tiles_computed  # visited: cut or full
+assert np.count_nonzero(tile_state == 0) == counters.tiles_skipped
+assert visible[tile_state > 0].size * block * block == counters.score_pairs
+fig, ax = plt.subplots(figsize=(4.6, 3.2), layout="constrained")
+colours = plt.get_cmap("Blues")(np.array([0.0, 0.45, 0.9]))
+ax.imshow(colours[tile_state])
+ax.set(title=f"causal {n} x {n} tiles of {block} x {block}", xlabel="key tile", ylabel="query tile")
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="grey", label=label)
+                   for c, label in zip(colours, (f"skipped ({counters.tiles_skipped})",
+                                                 f"cut by the diagonal ({np.sum(tile_state == 1)})",
+                                                 f"computed in full ({np.sum(tile_state == 2)})"))],
+          loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
 plt.show()
 
 # %% [markdown]

@@ -613,10 +613,21 @@ if HAVE_CPU:
         finally:
             kernels.cpu_vector_lanes(16)
         print(f"T = 1024: 16 lanes {timings['C++ kernel'][-1] * 1e3:.2f} ms, "
-              f"8 lanes {t8 * 1e3:.2f} ms")
+              f"8 lanes {t8 * 1e3:.2f} ms (16-lane time / 8-lane time = "
+              f"{timings['C++ kernel'][-1] / t8:.2f})")
         print("vector lanes after restoring the default:", kernels.cpu_vector_lanes())
 else:
     print("skipped: refmath._C is not built")
+
+# %% [markdown]
+# Read the two times as one measurement, not as a law. Twice the lanes doubles the work per
+# instruction only in the vectorised parts (the $2^x$ polynomial, the multiply-adds of the tile
+# products); the rest of the loop (each row's maximum and rescaling, loading the key and value
+# tiles, the loop's bookkeeping) does not get faster, and some CPUs lower their clock while they
+# run 512-bit instructions. So the 16-lane copy can come out a little faster or a little slower
+# than the 8-lane one: on a shared 2-core machine one run gave 11.98 ms for 16 lanes against
+# 10.78 ms for 8, a gap of the size of the run-to-run noise there. The 8-lane copy is there for
+# CPUs without AVX-512 and for the tests, not for speed.
 
 # %% [markdown]
 # ## F4 and F5: what it buys, in memory
