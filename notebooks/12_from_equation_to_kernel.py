@@ -326,7 +326,9 @@ delta = (do * ref_o).sum(axis=-1)
 
 # %%
 check_close("delta = rowsum(dO * O)", delta, lambda: (P * dP).sum(axis=-1), rtol=1e-10,
-            atol=1e-12, hint="one dot product per row")
+            atol=1e-12, hint="one dot product per row",
+            slips={"rowsum(dO) times rowsum(O): the product goes inside the sum": lambda:
+                       do.sum(axis=-1) * ref_o.sum(axis=-1)})
 
 # %% [markdown] tags=["question"]
 # **Question.** Dense attention's backward (lesson 1) computes $\sum_j A_{ij}\, dA_{ij}$ from the
@@ -442,7 +444,11 @@ o_merged_by_hand = sum(np.exp(part.m - m_all) * part.u for part in parts) / l_al
 # END SOLUTION
 
 # %%
-check_close("merged decode output", o_merged_by_hand, lambda: whole[0], rtol=1e-12, atol=1e-15)
+check_close("merged decode output", o_merged_by_hand, lambda: whole[0], rtol=1e-12, atol=1e-15,
+            slips={"the parts' outputs averaged: each must be weighted by its rescaled l": lambda:
+                       np.mean([online_softmax_result(part) for part in parts], axis=0),
+                   "u and l added without rescaling to the largest m": lambda:
+                       sum(part.u for part in parts) / sum(part.l for part in parts)})
 
 # %% [markdown]
 # Now the kernel on both sequences and all heads. `decode_attention` is one function with three

@@ -87,11 +87,33 @@ PLANTS = {
          "dk_shared = per_head[:, ::2]",
          "dK of the shared heads", "one query head's copy only"),
     ],
+    "09_numerics_and_sampling.py": [
+        ("safe_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a fully masked row: shift by 0\n"
+         "e = np.exp(rows - safe_max)\n"
+         "sums = e.sum(axis=1, keepdims=True)\n"
+         "stable_rows = np.divide(e, sums, out=np.zeros_like(e), where=sums > 0)",
+         "e = np.exp(rows - row_max)\nstable_rows = e / e.sum(axis=1, keepdims=True)",
+         "stable softmax rows", "NaN for the fully masked row"),
+        ("x_sum_overflows = np.log(65504) - np.log(1 + np.exp(-1) + np.exp(-2))",
+         "x_sum_overflows = np.log(65504)", "x where the float16 sum overflows",
+         "the other two terms of the sum"),
+        ("pairs_by_formula = 4 * 5 // 2 + (10 - 4) * 4", "pairs_by_formula = 10 * 4",
+         "visible pairs, T = 10, w = 4", "T w: the first w - 1 rows"),
+        ("top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3]) / 0.7",
+         "top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3])", "top-p, p = 0.6", "not renormalised"),
+    ],
     "10_decode_cost.py": [
         ("seconds_per_token = (2 * 7_504_658_432 + 8192 * 128 * 1024) / 2e12",
          "seconds_per_token = 2 * 7_504_658_432 / 2e12", "lower bound on time per token",
          "the cache forgotten"),
         ("scale_by_hand = 3.5 / 7", "scale_by_hand = 3.5 / 8", "scale", "-7 .. 7, not -8 .. 7"),
+    ],
+    "12_from_equation_to_kernel.py": [
+        ("delta = (do * ref_o).sum(axis=-1)", "delta = do.sum(axis=-1) * ref_o.sum(axis=-1)",
+         "delta = rowsum(dO * O)", "the product goes inside the sum"),
+        ("o_merged_by_hand = sum(np.exp(part.m - m_all) * part.u for part in parts) / l_all",
+         "o_merged_by_hand = sum(part.u for part in parts) / sum(part.l for part in parts)",
+         "merged decode output", "without rescaling to the largest m"),
     ],
     "11_latent_attention_and_memory.py": [
         ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
@@ -161,10 +183,10 @@ def test_planted_slips_are_rejected_and_named(lesson, tmp_path):
 
 
 def test_the_plants_cover_the_lessons_with_slips():
-    # Lessons 01-03 and 05-07 carry three planted slips or more; 04, 08, 10 and 11 fewer, for
+    # Lessons 01-03, 05-07 and 09 carry three planted slips or more; 04, 08 and 10-12 fewer, for
     # fewer of their exercises have a typical slip.
     for lesson, plants in PLANTS.items():
-        wanted = 3 if lesson[:2] in ("01", "02", "03", "05", "06", "07") else 1
+        wanted = 3 if lesson[:2] in ("01", "02", "03", "05", "06", "07", "09") else 1
         assert len(plants) >= wanted, lesson
     with_slips = {p.name for p in NOTEBOOKS.glob("[0-9]*.py") if "slips=" in p.read_text()}
     assert with_slips == set(PLANTS), f"lessons with slips but no plants: {with_slips - set(PLANTS)}"
