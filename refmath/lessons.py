@@ -107,13 +107,18 @@ def _within(have: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> boo
 SLIP_RTOL = 1e-9
 
 
-def _slip_values(slips: Mapping[str, Any]) -> list[tuple[str, np.ndarray]]:
+def _slip_values(name: str, slips: Mapping[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """Each slip's value. For a student, a slip that cannot be computed is not recognised; under
+    ``REFMATH_LESSONS_STRICT=1`` it raises, since a broken slip (a catalogued mistake whose line
+    has changed, a typo) would otherwise go unnoticed."""
     values = []
     for label, value in slips.items():
         try:
             values.append((label, _as_array(value)))
-        except Exception:  # a slip that cannot be computed here is simply not recognised
-            continue
+        except Exception as err:
+            if strict():
+                raise AssertionError(f"{name}: the slip {label!r} cannot be computed "
+                                     f"({type(err).__name__}: {err})") from err
     return values
 
 
@@ -162,10 +167,13 @@ def _ratio(have: np.ndarray, want: np.ndarray) -> float | None:
     return c if np.allclose(have, c * want, rtol=1e-9, atol=0) else None
 
 
-def _ratio_text(c: float, scalar: bool) -> str:
+def _ratio_text(c: float, scalar: bool, rtol: float) -> str:
     if math.isclose(c, -1.0, rel_tol=1e-9):
         return "the sign is flipped" + ("" if scalar else " everywhere")
     what = "got/expected" if scalar else "your answer is the expected one times"
+    if abs(c - 1) < 5e-3:
+        # Three digits would print "1": say how close without handing over the missing digits.
+        return f"{what} 1.00, off by less than 0.5%, beyond the tolerance of {rtol:.2g} relative"
     return f"{what} {c:.3g}"
 
 
@@ -216,7 +224,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     if _not_attempted(got):
         return _unanswered(name)
     want = _as_array(expected)
-    values = _slip_values(slips or {})
+    values = _slip_values(name, slips or {})
     if strict():
         _check_slips_are_told_apart(name, want, values, rtol, atol)
     try:
@@ -253,7 +261,7 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     # A scalar off the mark is always a multiple of the expected value: its ratio is the diagnosis.
     c = _ratio(np.where(nan_want, 0.0, have), np.where(nan_want, 0.0, want))
     if c is not None:
-        return "wrong", _ratio_text(c, have.size == 1)
+        return "wrong", _ratio_text(c, have.size == 1, rtol)
     error = np.where(nan_want, 0.0, np.abs(have - want))
     bound = atol + rtol * np.abs(np.where(nan_want, 0.0, want))
     excess = np.where(error > bound, error - bound, -np.inf)

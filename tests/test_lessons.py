@@ -83,6 +83,10 @@ def test_a_scalar_gets_the_ratio_and_not_the_expected_value(capsys):
     assert "got/expected 2.5" in out and "1.33" not in out
     assert not check_close("the loss", -0.75, 0.75)
     assert "the sign is flipped" in capsys.readouterr().out
+    # a near miss does not print "got/expected 1", nor the digits that would make it right
+    near = check_close("the loss", 0.60502, 0.99**50, rtol=1e-12).line
+    assert "got/expected 1.00, off by less than 0.5%, beyond the tolerance of 1e-12" in near
+    assert "0.605" not in near
 
 
 def test_an_array_that_is_a_multiple_gets_the_factor():
@@ -120,6 +124,8 @@ def test_strict_mode_refuses_a_slip_the_check_cannot_tell_apart(monkeypatch):
     with pytest.raises(AssertionError, match="is reported as"):
         check_close("x", expected, expected, slips={"doubled": 2 * expected, "twice": 2 * expected})
     assert check_close("x", expected, expected, slips={"doubled": 2 * expected})
+    with pytest.raises(AssertionError, match="the slip 'broken' cannot be computed"):
+        check_close("x", expected, expected, slips={"broken": lambda: 1 / 0})
 
 
 def test_a_catalogued_slip_runs_the_library_with_the_mistake():
