@@ -386,12 +386,18 @@ def leaked_lines(instructor: str, student: str, where: str = "<lesson>") -> list
 def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = None) -> list[Path]:
     """Write the student copy of each lesson (default: all of them) into ``out`` under the same
     name, after the leak scan: if any solution line would reach a copy, raise ``ValueError`` listing
-    them and write nothing. ``out`` is created if needed; a file there is refused."""
+    them and write nothing. ``out`` is created if needed; a file there, or the lessons' own folder,
+    is refused with ``ValueError``."""
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out {str(folder)!r} is a file, not a folder")
+    sources = lessons if lessons is not None else lesson_paths()
+    if folder.exists() and any(path.parent.resolve() == folder.resolve() for path in sources):
+        # The copies would replace the lessons they are made from, answers and all.
+        raise ValueError(f"--out {str(folder)!r} is the folder of the instructor lessons; "
+                         "write the student copies elsewhere")
     copies, leaks = {}, []
-    for path in lessons if lessons is not None else lesson_paths():
+    for path in sources:
         text = path.read_text(encoding="utf-8")
         copies[path.name] = copy = student_copy(text, str(path))
         leaks += leaked_lines(text, copy, path.name)

@@ -211,6 +211,8 @@ def test_the_lessons_command_explains_itself_and_its_errors(tmp_path):
     for args, says in [(("lessons", "student", "--out", str(afile)), "is a file, not a folder"),
                        (("lessons", "student", "--out", str(tmp_path / "o"), "--from", str(tmp_path)),
                         "no lesson"),
+                       (("lessons", "student", "--out", str(LESSONS[0].parent)),
+                        "is the folder of the instructor lessons"),
                        (("lessons", "student"), "--out"),
                        (("lessons", "teacher"), "invalid choice")]:
         run = _cli(*args)
