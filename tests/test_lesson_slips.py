@@ -45,7 +45,7 @@ PLANTS = {
          "dS_small = P_small * (do_small[0, 0] @ v_small[0, 0].T)",
          "dQ from the logsumexp", "delta = rowsum(dO * O) left out"),
         ("cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2", "cache_bytes = 8 * 40 * 4096 * 8 * 128 * 2",
-         "the cache bytes", "a 2 for K and V"),
+         "the cache bytes", "the factor 2 for K and V forgotten"),
     ],
     "04_ffn_and_positions.py": [
         ("back = -np.array([2.0, 2.0 / 100])", "back = np.array([2.0, 2.0 / 100])",
@@ -127,6 +127,11 @@ PLANTS = {
         ("rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)",
          "rows = np.arange(heads * d_h)", "W_Q from q_proj.weight", "unpermuted"),
     ],
+    "14_synthesis.py": [
+        ("O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T))",
+         "O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T), scale=1.0)",
+         "logits of the whole decoder", "the 1/sqrt(d_k) scale missing"),
+    ],
     "11_latent_attention_and_memory.py": [
         ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
          "K or V only"),
@@ -203,9 +208,8 @@ def test_planted_slips_are_rejected_and_named(lesson, tmp_path):
 
 
 def test_the_plants_cover_the_lessons_with_slips():
-    # Lessons 01-03, 05-07, 09 and 13 carry three planted slips or more; 04, 08 and 10-12 fewer,
-    # for fewer of their exercises have a typical slip. Lesson 14 has none: its exercises assemble
-    # whole models from the pieces the earlier lessons check.
+    # Lessons 01-03, 05-07, 09 and 13 carry three planted slips or more; 04, 08, 10-12 and 14
+    # fewer, for fewer of their exercises have a typical slip.
     for lesson, plants in PLANTS.items():
         wanted = 3 if lesson[:2] in ("01", "02", "03", "05", "06", "07", "09", "13") else 1
         assert len(plants) >= wanted, lesson
