@@ -125,8 +125,9 @@ p_target = p[0, np.arange(4), tgt[0]].prod()
 # %%
 check_close("p(y | x)", p_target, lambda: np.exp(-4 * float(loss)), rtol=1e-12,
             hint="p[0, t, tgt[0, t]] is the factor of position t",
-            slips={"the mean of the probabilities, not their product": lambda:
-                       p[0, np.arange(4), tgt[0]].mean(),
+            slips={"the mean of the probabilities, not their product": lambda: np.mean(
+                       [np.exp(-float(cross_entropy_forward(z, tgt, loss_mask=np.eye(4)[t][None],
+                                                            reduction="sum")[0])) for t in range(4)]),
                    "the loss exp(-l) of the mean, not of the sum over the 4 tokens": lambda:
                        np.exp(-float(loss))})
 
