@@ -109,7 +109,7 @@ check_close("(m, l) of the merge", merged_m_l, lambda: (merged.m, merged.l), rto
             hint="rescale each l by e^(its m - the larger m)",
             slips={"the l added without rescaling them to the larger m": lambda: (merged.m, a.l + b.l),
                    "rescaled to the smaller m, not the larger": lambda: (
-                       min(a.m, b.m), merged.l * np.exp(max(a.m, b.m) - min(a.m, b.m)))})
+                       min(a.m, b.m), merged.l * np.exp(merged.m - min(a.m, b.m)))})
 
 # %% [markdown]
 # ## F4-F5: tiles, and the tiles a causal mask lets us skip
