@@ -24,9 +24,13 @@ from catalogue_page import write_catalogue  # noqa: E402
 from changelog_page import write_changelog  # noqa: E402
 from citation_page import write_bibtex  # noqa: E402
 from kernel_ladder import write_ladder  # noqa: E402
-from lesson_pages import mirror_lessons  # noqa: E402
+from lesson_pages import answers_wanted, mirror_lessons  # noqa: E402
 from reading_order import write_reading_order  # noqa: E402
 from sphinx.util import logging  # noqa: E402
+
+# The default site is the students': lessons without their answers. REFMATH_DOCS_ANSWERS=1 builds
+# the instructor's site, with them, and says so in every page's title.
+ANSWERS = answers_wanted(os.environ)
 
 project = "refmath"
 author = "The refmath developers"
@@ -67,7 +71,7 @@ napoleon_google_docstring = False     # docstrings are reStructuredText; only Nu
 napoleon_numpy_docstring = True       # would be rewritten, and the library has none today
 
 html_theme = "pydata_sphinx_theme"
-html_title = "refmath"
+html_title = "refmath (instructor build, with answers)" if ANSWERS else "refmath"
 html_theme_options = {
     "navigation_with_keys": False,
     "header_links_before_dropdown": 8,
@@ -84,7 +88,7 @@ html_sidebars = {page: [] for page in ("index", "start/*", "lessons", "catalogue
 def generate_pages(app, config):
     """Write the derived pages before Sphinx looks for documents."""
     generated = DOCS / "_generated"
-    lessons = mirror_lessons(ROOT, DOCS / "lessons")
+    lessons = mirror_lessons(ROOT, DOCS / "lessons", answers=ANSWERS)
     write_reading_order(lessons, generated / "reading_order.md")
     write_api_pages(ROOT, DOCS / "api", generated / "api_index.md")
     write_catalogue(ROOT, generated / "catalogue.md")

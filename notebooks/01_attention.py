@@ -40,7 +40,7 @@ import numpy as np
 
 from refmath.attention import causal_mask, mha_forward, sdpa_backward, sdpa_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.softmax import softmax_forward, softmax_jacobian
 
 np.set_printoptions(precision=4, suppress=True)
@@ -136,7 +136,10 @@ o_masked_by_hand = np.array([[1 / 3 * 1 + 2 / 3 * 0, 1 / 3 * 0 + 2 / 3 * 2]])
 
 # %%
 check_close("the masked output", o_masked_by_hand, lambda: o_masked, rtol=1e-12,
-            hint="o = sum_j a_j v_j with a = (1/3, 2/3, 0)")
+            hint="o = sum_j a_j v_j with a = (1/3, 2/3, 0)",
+            slips={"the unmasked weights (1/4, 1/2, 1/4)": lambda: o,
+                   "the masked weights not renormalised, (1/4, 1/2, 0)":
+                       lambda: np.array([[0.25, 0.5, 0.0]]) @ v})
 
 # %% [markdown]
 # ## A4: why divide by $\sqrt{d_k}$
@@ -175,10 +178,12 @@ plt.show()
 # ## A5: the softmax Jacobian
 #
 # $$\frac{\partial a_j}{\partial s_u} = a_j(\delta_{ju} - a_u),\qquad\text{that is}\qquad
-# J = \operatorname{diag}(a) - a^\top a$$
+# J = \operatorname{diag}(a) - a\,a^\top$$
 #
-# for a row vector $a$. Each column sums to zero (the weights always sum to one) and, for a
-# nearly one-hot row, every entry is nearly zero.
+# with $a$ written as a column, as the catalogue and `refmath.softmax.softmax_jacobian` write it:
+# $a\,a^\top$ is the outer product (`np.outer(a, a)`), $J_{ju} = \partial a_j / \partial s_u$. (For
+# the row vectors of the rest of the lesson the same matrix is $a^\top a$.) Each column sums to
+# zero (the weights always sum to one) and, for a nearly one-hot row, every entry is nearly zero.
 
 # %%
 s = np.array([0.5, -1.0, 2.0])
@@ -193,7 +198,7 @@ print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 
 
 # %% tags=["exercise"]
 # Your turn: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
-# diag(a) - a^T a, as a 3 x 3 array.
+# diag(a) - a a^T (a as a column: an outer product), as a 3 x 3 array.
 jacobian_a3 = ...
 # BEGIN SOLUTION
 a3 = np.array([0.25, 0.5, 0.25])
@@ -203,7 +208,12 @@ jacobian_a3 = np.diag(a3) - np.outer(a3, a3)
 # %%
 check_close("the Jacobian of (1/4, 1/2, 1/4)", jacobian_a3,
             lambda: softmax_jacobian(np.array([0.25, 0.5, 0.25])), rtol=1e-12,
-            hint="the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u")
+            hint="the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u",
+            slips={"diag(a) alone: the -a a^T term is forgotten": lambda: np.diag([0.25, 0.5, 0.25]),
+                   "a a^T taken as the inner product (a number), not the outer product (a matrix)":
+                       lambda: np.diag([0.25, 0.5, 0.25]) - 0.375,
+                   "the sign flipped: a a^T - diag(a)":
+                       lambda: -softmax_jacobian(np.array([0.25, 0.5, 0.25]))})
 
 # %% [markdown]
 # ## A6 and A7: several heads, and attention across two sequences
@@ -300,10 +310,16 @@ dQ_causal = dS_causal @ K / np.sqrt(d_k)
 
 # %%
 check_close("dQ (causal)", dQ_causal, lambda: sdpa_backward(dO, cache_causal)[0], rtol=1e-12,
-            atol=1e-15, hint="the same formula, with the causal weights")
-check_true("dS is zero above the diagonal",
-           None if dS_causal is ... else np.all(np.triu(dS_causal, 1) == 0.0),
-           "A_ij = 0 at a masked pair, and dS_ij carries the factor A_ij")
+            atol=1e-15, hint="the same formula, with the causal weights",
+            slips={**catalogued("sdpa: scale missing from dQ",
+                                lambda: sdpa_backward(dO, cache_causal)[0]),
+                   **catalogued("softmax: sign of the correction flipped",
+                                lambda: sdpa_backward(dO, cache_causal)[0]),
+                   **catalogued("softmax: Jacobian's diagonal only",
+                                lambda: sdpa_backward(dO, cache_causal)[0]),
+                   "the unmasked weights A, not A_causal": lambda: sdpa_backward(dO, cache)[0]})
+check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 0.0),
+           "A_ij = 0 at a masked pair, and dS_ij carries the factor A_ij", of=dS_causal)
 
 # %% [markdown]
 # **Dropout.** In training, attention dropout multiplies the weights by a random mask $D$ (0 for a
@@ -338,7 +354,13 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 # %%
 check_close("(dV, dQ) with dropout", dV_dQ_dropout,
             lambda: np.concatenate([sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]),
-            rtol=1e-12, atol=1e-15, hint="D multiplies A in dV and dA = dO V^T; dS uses A itself")
+            rtol=1e-12, atol=1e-15, hint="D multiplies A in dV and dA = dO V^T; dS uses A itself",
+            slips={**catalogued("sdpa: dropout mask ignored in dA", lambda: np.concatenate(
+                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
+                   **catalogued("sdpa: dV from the weights before dropout", lambda: np.concatenate(
+                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
+                   **catalogued("sdpa: scale missing from dQ", lambda: np.concatenate(
+                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]))})
 
 # %% [markdown]
 # Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of

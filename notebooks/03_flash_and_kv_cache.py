@@ -47,7 +47,7 @@ from refmath.flash import (
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.models import decoder
 from refmath.sizing import kv_cache_bytes
 from refmath.softmax import (
@@ -106,7 +106,10 @@ merged_m_l = (m_merged, np.exp(a.m - m_merged) * a.l + np.exp(b.m - m_merged) * 
 
 # %%
 check_close("(m, l) of the merge", merged_m_l, lambda: (merged.m, merged.l), rtol=1e-12,
-            hint="rescale each l by e^(its m - the larger m)")
+            hint="rescale each l by e^(its m - the larger m)",
+            slips={"the l added without rescaling them to the larger m": lambda: (merged.m, a.l + b.l),
+                   "rescaled to the smaller m, not the larger": lambda: (
+                       min(a.m, b.m), merged.l * np.exp(merged.m - min(a.m, b.m)))})
 
 # %% [markdown]
 # ## F4-F5: tiles, and the tiles a causal mask lets us skip
@@ -115,8 +118,9 @@ check_close("(m, l) of the merge", merged_m_l, lambda: (merged.m, merged.l), rto
 # builds the $T \times T$ score matrix: the extra memory is $O(T)$, the logsumexp
 # $\mathrm{lse}_i = m_i + \log l_i$ of each row (F4). The arithmetic is the dense one,
 # $O(B h T^2 d_h)$, except that with a causal mask it never visits a tile that lies entirely above
-# the diagonal (F5). The counters say what it did; in the picture, white tiles are
-# skipped, light ones are cut by the diagonal (masked inside) and dark ones are computed in full.
+# the diagonal (F5). The counters say what it did; the picture shows which tiles those are, each
+# tile's state read off the mask and checked against the counters: white tiles are skipped,
+# light ones are cut by the diagonal (masked inside) and dark ones are computed in full.
 
 # %%
 T, D, block = 64, 16, 8
@@ -131,11 +135,24 @@ for causal in (False, True):
           f"numbers (a T x T matrix holds {T * T})")
 np.testing.assert_allclose(o, dense, rtol=1e-12, atol=1e-14)
 
+# Each tile's state read off the mask the loop applies: how many of its block x block pairs are
+# visible (0: skipped, all: computed in full, in between: cut by the diagonal, masked inside).
+# The picture must tell the same story as the counters of the causal run just printed.
 n = T // block
-tile_state = np.array([[2 if j < i else (1 if j == i else 0) for j in range(n)] for i in range(n)])
-fig, ax = plt.subplots(figsize=(3.6, 3.2), layout="constrained")
-ax.imshow(tile_state, cmap="Blues", vmin=0, vmax=2)
-ax.set(title=f"causal {n} x {n} tiles", xlabel="key tile", ylabel="query tile")
+visible = (causal_mask(T) == 0).reshape(n, block, n, block).sum(axis=(1, 3))
+tile_state = np.where(visible == 0, 0, np.where(visible == block * block, 2, 1))
+assert np.count_nonzero(tile_state) == counters.tiles_computed  # visited: cut or full
+assert np.count_nonzero(tile_state == 0) == counters.tiles_skipped
+assert visible[tile_state > 0].size * block * block == counters.score_pairs
+fig, ax = plt.subplots(figsize=(4.6, 3.2), layout="constrained")
+colours = plt.get_cmap("Blues")(np.array([0.0, 0.45, 0.9]))
+ax.imshow(colours[tile_state])
+ax.set(title=f"causal {n} x {n} tiles of {block} x {block}", xlabel="key tile", ylabel="query tile")
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="grey", label=label)
+                   for c, label in zip(colours, (f"skipped ({counters.tiles_skipped})",
+                                                 f"cut by the diagonal ({np.sum(tile_state == 1)})",
+                                                 f"computed in full ({np.sum(tile_state == 2)})"))],
+          loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
 plt.show()
 
 # %% [markdown]
@@ -185,7 +202,18 @@ check_close("dQ from the logsumexp", dq_from_lse,
             lambda: flash_attention_backward(do_small, q_small, k_small, v_small, o_small, lse_small,
                                              causal=True, block_q=2, block_k=2)[0],
             rtol=1e-10, atol=1e-14, hint="P = exp(S - lse) at visible pairs, 0 elsewhere; "
-                                         "delta = rowsum(dO * O)")
+                                         "delta = rowsum(dO * O)",
+            slips={**catalogued("flash: delta = rowsum(dO * O) left out", lambda: flash_attention_backward(
+                       do_small, q_small, k_small, v_small, o_small, lse_small, causal=True,
+                       block_q=2, block_k=2)[0]),
+                   **catalogued("flash: causal mask forgotten in the backward",
+                                lambda: flash_attention_backward(
+                       do_small, q_small, k_small, v_small, o_small, lse_small, causal=True,
+                       block_q=2, block_k=2)[0]),
+                   "the scale tau = 1/sqrt(2) missing from dQ (it is in S and in dQ)":
+                       lambda: np.sqrt(2) * flash_attention_backward(
+                       do_small, q_small, k_small, v_small, o_small, lse_small, causal=True,
+                       block_q=2, block_k=2)[0]})
 
 # %% [markdown]
 # And the tiled backward is the gradient of the tiled forward: central differences of
@@ -347,7 +375,16 @@ cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2
 check_close("the cache bytes", cache_bytes,
             lambda: kv_cache_bytes(batch=8, layers=40, tokens=4096, kv_heads=8, head_dim=128,
                                    bytes_per_element=2),
-            rtol=0, hint="2 (K and V) x B x L x T x g x d_h x bytes")
+            rtol=0, hint="2 (K and V) x B x L x T x g x d_h x bytes",
+            slips={**catalogued("kv cache: the factor 2 for K and V forgotten", lambda:
+                       kv_cache_bytes(batch=8, layers=40, tokens=4096, kv_heads=8, head_dim=128,
+                                      bytes_per_element=2)),
+                   "one layer only (x 40 layers forgotten)": lambda:
+                       kv_cache_bytes(batch=8, layers=1, tokens=4096, kv_heads=8, head_dim=128,
+                                      bytes_per_element=2),
+                   "one sequence only (x a batch of 8 forgotten)": lambda:
+                       kv_cache_bytes(batch=1, layers=40, tokens=4096, kv_heads=8, head_dim=128,
+                                      bytes_per_element=2)})
 
 # %% [markdown]
 # ## K10: paging

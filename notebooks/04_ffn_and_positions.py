@@ -49,7 +49,7 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
@@ -360,11 +360,16 @@ check_close("RoPE dx", dx_rope,
             lambda: rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
                                   rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]),
                                                positions=np.array([2]))[1]),
-            rtol=1e-12, atol=1e-15, hint="the same rotation with -theta")
-check_true("the backward undoes the forward",
-           np.allclose(rope_backward(*rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), offset=5)),
-                       [[3.0, 4.0, 1.0, 0.0]], rtol=1e-14),
-           "R^T is orthogonal: rotating by theta then by -theta gives x back")
+            rtol=1e-12, atol=1e-15, hint="the same rotation with -theta",
+            slips=catalogued("rope: forward rotation used in backward", lambda: rope_backward(
+                np.array([[1.0, 0.0, 0.0, 1.0]]),
+                rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), positions=np.array([2]))[1])))
+check_true("rotating your dx forward gives dy back",
+           lambda dx: np.allclose(rope_forward(np.asarray(dx, dtype=float).reshape(1, 4),
+                                               positions=np.array([2]))[0],
+                                  [[1.0, 0.0, 0.0, 1.0]], rtol=0, atol=1e-14),
+           "R is orthogonal: the backward's rotation by -theta is undone by the forward's +theta",
+           of=dx_rope)
 
 # %%
 xs = rng.standard_normal((5, 6))

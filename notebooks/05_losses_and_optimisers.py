@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.losses import cross_entropy_backward, cross_entropy_forward
 from refmath.optim import SGD, Adam, AdamW, transformer_schedule, warmup_cosine
 from refmath.softmax import softmax_forward
@@ -85,7 +85,11 @@ dlogits_by_hand = (p - np.eye(4)[targets]) / 3
 
 # %%
 check_close("dloss/dlogits", dlogits_by_hand, lambda: cross_entropy_backward(1.0, cache),
-            rtol=1e-12, hint="p - onehot(target), divided by the number of positions")
+            rtol=1e-12, hint="p - onehot(target), divided by the number of positions",
+            slips={"not divided by the number of positions (the sum's gradient, not the mean's)":
+                       lambda: 3 * cross_entropy_backward(1.0, cache),
+                   "the one-hot target forgotten: p / T": lambda: p / 3,
+                   "the sign flipped: y - p": lambda: -cross_entropy_backward(1.0, cache)})
 
 # %% [markdown]
 # The library's backward and the formula are the same thing; central differences of the loss
@@ -142,7 +146,13 @@ sft_sum_by_hand = -np.sum(answer_mask * np.log(sft_p[np.arange(6), sft_targets])
 check_close("the summed SFT loss", sft_sum_by_hand,
             lambda: cross_entropy_forward(sft_logits, sft_targets, loss_mask=answer_mask,
                                           reduction="sum")[0],
-            rtol=1e-12, hint="only the answer positions count, and nothing divides the sum")
+            rtol=1e-12, hint="only the answer positions count, and nothing divides the sum",
+            slips={"the mean over the answer tokens, not the sum": lambda: sft_mean,
+                   "the prompt positions counted too": lambda:
+                       cross_entropy_forward(sft_logits, sft_targets, reduction="sum")[0],
+                   "the sign flipped: the sum of log p, not of -log p": lambda:
+                       -cross_entropy_forward(sft_logits, sft_targets, loss_mask=answer_mask,
+                                              reduction="sum")[0]})
 
 # %%
 sft_sum, sum_cache = cross_entropy_forward(sft_logits, sft_targets, loss_mask=answer_mask,
@@ -164,7 +174,9 @@ last_row_gradient = np.array([3 / 6 - 1, 1 / 6, 1 / 6, 1 / 6])
 
 # %%
 check_close("the last row of dlogits (sum)", last_row_gradient, lambda: grad_sum[-1], rtol=1e-12,
-            hint="p - y, with no division: the sum does not divide by the number of tokens")
+            hint="p - y, with no division: the sum does not divide by the number of tokens",
+            slips={"divided by the 3 answer tokens: that is the mean's gradient": lambda: grad_mean[-1],
+                   "the sign flipped: y - p": lambda: -grad_sum[-1]})
 
 # %% [markdown] tags=["question"]
 # **Question.** A batch holds one example with a 2-token answer and one with a 200-token answer.
@@ -197,17 +209,6 @@ check_close("the last row of dlogits (sum)", last_row_gradient, lambda: grad_sum
 # $m_s = (1-\beta_1)(1 + \beta_1 + \dots + \beta_1^{s-1}) g = (1-\beta_1^s) g$ exactly, so
 # $\hat m_s = g$ and $\hat v_s = g^2$ from the first step (O2).
 
-# %%
-params = {"w": np.array([1.0, -2.0])}
-g = {"w": np.array([0.3, -0.1])}
-adam = Adam(lr=0.1)
-for step in range(1, 4):
-    adam.step(params, g)
-    m_hat, v_hat = adam.corrected_moments("w")
-    print(f"step {step}: m_hat = {m_hat}, v_hat = {v_hat}, w = {params['w']}")
-    np.testing.assert_allclose(m_hat, g["w"], rtol=1e-13)  # equal up to rounding
-    np.testing.assert_allclose(v_hat, g["w"] ** 2, rtol=1e-13)
-
 # %% tags=["exercise"]
 # Your turn: the weights after Adam's *first* step from theta = (1, -2) with the gradient
 # g = (0.3, -0.1), lr 0.1 and the default betas (0.9, 0.999) and eps 1e-8. Use the equations
@@ -228,7 +229,25 @@ def adam_first_step():
 
 
 check_close("theta after one Adam step", theta_after_one_step, adam_first_step, rtol=1e-12,
-            hint="m_hat = g and v_hat = g^2 after one step, so the step is lr * sign(g) (almost)")
+            hint="m_hat = g and v_hat = g^2 after one step, so the step is lr * sign(g) (almost)",
+            slips={**catalogued("adam: bias correction missing", adam_first_step),
+                   "a plain gradient step, theta - lr g": lambda:
+                       np.array([1.0, -2.0]) - 0.1 * np.array([0.3, -0.1])})
+
+# %% [markdown]
+# The library's Adam over three steps of the same gradient: $\hat m_s = g$ and $\hat v_s = g^2$ at
+# every step, as O2 says (printed after the exercise, since its first row is the answer).
+
+# %%
+params = {"w": np.array([1.0, -2.0])}
+g = {"w": np.array([0.3, -0.1])}
+adam = Adam(lr=0.1)
+for step in range(1, 4):
+    adam.step(params, g)
+    m_hat, v_hat = adam.corrected_moments("w")
+    print(f"step {step}: m_hat = {m_hat}, v_hat = {v_hat}, w = {params['w']}")
+    np.testing.assert_allclose(m_hat, g["w"], rtol=1e-13)  # equal up to rounding
+    np.testing.assert_allclose(v_hat, g["w"] ** 2, rtol=1e-13)
 
 # %% [markdown]
 # The first step has size $\eta$ in every coordinate, whatever the size of the gradient: Adam's
@@ -260,10 +279,6 @@ def run(optimiser, steps=50):
 decay = dict(lr=0.1, weight_decay=0.1, decay_of=lambda name: 0.1)
 paths = {"SGD + L2": run(SGD(**decay)), "Adam + L2": run(Adam(**decay)),
          "AdamW": run(AdamW(**decay))}
-for name, path in paths.items():
-    print(f"{name:10s}: after 50 steps {path[-1]:+.4f}")
-print("(1 - 0.01)^50 =", 0.99**50)
-
 fig, ax = plt.subplots(figsize=(5.5, 3.2), layout="constrained")
 for (name, path), style in zip(paths.items(), ("-", "-", "--")):
     ax.plot(path, style, label=name)
@@ -281,7 +296,18 @@ adamw_after_50 = (1 - 0.1 * 0.1) ** 50
 
 # %%
 check_close("AdamW's weight after 50 steps", adamw_after_50, lambda: paths["AdamW"][-1],
-            rtol=1e-12, hint="each step multiplies by (1 - lr * weight_decay); m_hat stays 0")
+            rtol=1e-12, hint="each step multiplies by (1 - lr * weight_decay); m_hat stays 0",
+            slips={"(1 - lr lambda)^(n - 1): one step too few": lambda: paths["AdamW"][-2],
+                   **catalogued("adamw: decay not scaled by the learning rate",
+                                lambda: run(AdamW(**decay))[-1]),
+                   **catalogued("adamw: decay also inside the moments",
+                                lambda: run(AdamW(**decay))[-1])})
+
+# %%
+# The three runs' ends, printed after the exercise since AdamW's is its answer: SGD + L2 shrinks
+# exactly as AdamW does, Adam + L2 has crossed 0.
+for name, path in paths.items():
+    print(f"{name:10s}: after 50 steps {path[-1]:+.4f}")
 
 # %% [markdown]
 # ## O6: learning-rate schedules
@@ -295,7 +321,9 @@ check_close("AdamW's weight after 50 steps", adamw_after_50, lambda: paths["Adam
 # 2023):
 #
 # $$\eta_s = \eta_{\min} + \tfrac12(\eta_{\max} - \eta_{\min})
-# \Big(1 + \cos\big(\pi\,\tfrac{s - w}{T - w}\big)\Big)\quad (w \le s \le T).$$
+# \Big(1 + \cos\big(\pi\,\tfrac{s - w}{S - w}\big)\Big)\quad (w \le s \le S),$$
+#
+# with $S$ the total number of steps ($T$ stays the sequence length, as everywhere else).
 
 # %%
 steps = np.arange(1, 20001)
@@ -321,11 +349,16 @@ schedule_values = (512**-0.5 * 4000**-0.5, 3e-5 + 0.5 * (3e-4 - 3e-5))
 check_close("(peak, half-way rate)", schedule_values,
             lambda: (transformer_schedule(4000, d_model=512, warmup=4000),
                      warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5)),
-            rtol=1e-12, hint="at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0")
-check_true("the peak is at the end of warmup",
-           transformer_schedule(4000, 512, 4000) > max(transformer_schedule(3999, 512, 4000),
-                                                       transformer_schedule(4001, 512, 4000)),
-           "the rate rises before s = w and falls after")
+            rtol=1e-12, hint="at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0",
+            slips={**catalogued("warmup-cosine: progress measured over the whole run", lambda: (
+                       transformer_schedule(4000, d_model=512, warmup=4000),
+                       warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5))),
+                   "the floor forgotten: half of max_lr, not half-way from min_lr to max_lr":
+                       lambda: (transformer_schedule(4000, d_model=512, warmup=4000), 0.5 * 3e-4)})
+check_true("your peak is above the rates one step before and after it",
+           lambda values: values[0] > max(transformer_schedule(3999, 512, 4000),
+                                          transformer_schedule(4001, 512, 4000)),
+           "the rate rises before s = w and falls after", of=schedule_values)
 
 # %% [markdown]
 # ## Exercises
@@ -338,8 +371,11 @@ check_true("the peak is at the end of warmup",
 # 3. Run Adam *without* bias correction (divide by 1 instead of $1-\beta^s$) on a constant
 #    gradient: how large are the first ten steps compared with $\eta$? Why does $\epsilon$ matter
 #    more then?
-# 4. Give a weight a constant data gradient $g = 1$ and decay $\lambda = 0.1$. Where does it settle
-#    under Adam + L2 and under AdamW? (Hint: Adam + L2 stops where $g + \lambda\theta = 0$.)
+# 4. Give a weight a constant data gradient $g = 0.01$ and decay $\lambda = 0.1$ (lr 0.1). Where
+#    does it settle under Adam + L2 and under AdamW? (Hint: Adam + L2 stops where the gradient it
+#    sees, $g + \lambda\theta$, is zero; AdamW stops where the decay $\eta\lambda\theta$ cancels
+#    Adam's normalised step, about $\eta\,\mathrm{sign}(g)$.) Why would $g = 1$ not tell them
+#    apart?
 # 5. Plot `warmup_cosine` with `warmup=0`: what goes wrong in the first steps of a Post-LN model
 #    (lesson 2)?
 #

@@ -41,7 +41,7 @@ import numpy as np
 
 from refmath.embedding import embedding_backward, embedding_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.losses import cross_entropy_backward, cross_entropy_forward
 from refmath.models import transformer as tm
 from refmath.softmax import softmax_forward
@@ -90,7 +90,10 @@ shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, :-1]], axis
 
 # %%
 check_close("shifted decoder input", shifted_by_hand,
-            lambda: tm.shift_right(targets_2, bos_id=bos), rtol=0)
+            lambda: tm.shift_right(targets_2, bos_id=bos), rtol=0,
+            slips={"the targets themselves, not shifted": lambda: targets_2,
+                   "shifted the wrong way: the first target dropped, BOS put last": lambda:
+                       np.concatenate([targets_2[:, 1:], np.full((2, 1), bos)], axis=1)})
 
 # %% [markdown]
 # With label smoothing off, the model's loss is the mean of $-\log p(y_t \mid y_{<t}, x)$ over
@@ -121,7 +124,12 @@ p_target = p[0, np.arange(4), tgt[0]].prod()
 
 # %%
 check_close("p(y | x)", p_target, lambda: np.exp(-4 * float(loss)), rtol=1e-12,
-            hint="p[0, t, tgt[0, t]] is the factor of position t")
+            hint="p[0, t, tgt[0, t]] is the factor of position t",
+            slips={"the mean of the probabilities, not their product": lambda: np.mean(
+                       [np.exp(-float(cross_entropy_forward(z, tgt, loss_mask=np.eye(4)[t][None],
+                                                            reduction="sum")[0])) for t in range(4)]),
+                   "the loss exp(-l) of the mean, not of the sum over the 4 tokens": lambda:
+                       np.exp(-float(loss))})
 
 # %% [markdown]
 # ## L4: label smoothing, three conventions
@@ -177,7 +185,9 @@ loss_t2t = float(cross_entropy_forward(z, y, label_smoothing=eps_for_refmath)[0]
 # END SOLUTION
 
 # %%
-check_close("tensor2tensor target", q_t2t, [0.9, 0.025, 0.025, 0.025, 0.025], rtol=1e-12)
+check_close("tensor2tensor target", q_t2t, [0.9, 0.025, 0.025, 0.025, 0.025], rtol=1e-12,
+            slips={"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
+                   "eps / (V - 1) on the others and nothing extra on y": lambda: q[0]})
 check_close("its loss through refmath", loss_t2t,
             lambda: -(np.asarray(q_t2t) * np.log(p[0])).sum(), rtol=1e-12,
             hint="label_smoothing = eps V / (V - 1)")
@@ -334,10 +344,11 @@ np.add.at(d_table, ids, dy)
 # END SOLUTION
 
 # %%
-check_close("dE", d_table, lambda: embedding_backward(dy, emb_cache), rtol=0)
-check_true("row 2 receives (4, 1)",
-           ... if d_table is Ellipsis else np.array_equal(np.asarray(d_table)[2], [4.0, 1.0]),
-           "row 2 is used three times: (1,0) + (1,1) + (2,0)")
+check_close("dE", d_table, lambda: embedding_backward(dy, emb_cache), rtol=0,
+            slips=catalogued("embedding: repeated ids keep one contribution",
+                             lambda: embedding_backward(dy, emb_cache)))
+check_true("row 2 receives (4, 1)", lambda d: np.array_equal(np.asarray(d)[2], [4.0, 1.0]),
+           "row 2 is used three times: (1,0) + (1,1) + (2,0)", of=d_table)
 
 # %% [markdown]
 # In M1 the same table is read three times (source lookup, target lookup, output projection

@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.data import CharLMTask
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.models import gpt
 from refmath.optim import AdamW, clip_grad_norm, takes_weight_decay, warmup_cosine
 from refmath.positions import learned_positions_backward, learned_positions_forward
@@ -92,7 +92,11 @@ dP[1:3] = dy.sum(axis=0)
 
 # %%
 check_close("dP", dP, lambda: learned_positions_backward(dy, pos_cache)[1], rtol=0,
-            hint="row offset + t gets the batch sum of dy[:, t]")
+            hint="row offset + t gets the batch sum of dy[:, t]",
+            slips={**catalogued("learned positions: table gradient averaged over the batch",
+                                lambda: learned_positions_backward(dy, pos_cache)[1]),
+                   **catalogued("learned positions: offset ignored",
+                                lambda: learned_positions_backward(dy, pos_cache)[1])})
 
 # %% [markdown]
 # ## M2: GPT, Post-LN (GPT-1) and Pre-LN (GPT-2)
@@ -146,7 +150,13 @@ gpt2_by_hand = V * d + T_ctx * d + L * per_layer + 2 * d
 # %%
 check_close("GPT-2 small parameters", gpt2_by_hand,
             lambda: n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])), rtol=0,
-            hint="per layer 12 d^2 + 13 d")
+            hint="per layer 12 d^2 + 13 d",
+            slips={"the position table forgotten (T_ctx d)": lambda:
+                       n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])) - 1024 * 768,
+                   "the final LayerNorm forgotten (2 d)": lambda:
+                       n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])) - 2 * 768,
+                   "an untied output matrix counted (V d more: GPT-2 reuses E)": lambda:
+                       n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])) + 50257 * 768})
 
 # %% [markdown]
 # ## N11: initialisation, std 0.02 and residual projections scaled by $1/\sqrt{2L}$
@@ -209,7 +219,10 @@ measured_std = np.mean([params4[f"layers.{i}.attn.w_o"].std() for i in range(4)]
 
 # %%
 # 4 x 4096 draws: the sample std is within a few percent of the true one
-check_close("prescribed std", prescribed_std, 0.02 / math.sqrt(8), rtol=1e-12)
+check_close("prescribed std", prescribed_std, 0.02 / math.sqrt(8), rtol=1e-12,
+            slips={"0.02 / sqrt(L): each layer has two residual writers, attention and the FFN":
+                       0.02 / math.sqrt(4),
+                   "0.02, unscaled: w_o writes into the residual stream": 0.02})
 check_close("measured std of w_o", measured_std, lambda: prescribed_std, rtol=0.03)
 
 # %% [markdown]

@@ -48,7 +48,7 @@ from refmath.inference.quantized import (
     dequantize,
     quantize,
 )
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -253,7 +253,11 @@ seconds_per_token = (2 * 7_504_658_432 + 8192 * 128 * 1024) / 2e12
 # %%
 check_close("lower bound on time per token", seconds_per_token,
             lambda: decode_time_lower_bound(decode_step_traffic(llama, 8192), 2e12), rtol=1e-12,
-            hint="weights are read once per step; add the whole cache")
+            hint="weights are read once per step; add the whole cache",
+            slips={"the cache forgotten: the weights alone": lambda: 2 * 7_504_658_432 / 2e12,
+                   "the weights counted in 1 byte, not 2 (bf16)": lambda:
+                       decode_time_lower_bound(decode_step_traffic(llama, 8192), 2e12)
+                       - 7_504_658_432 / 2e12})
 
 # %% [markdown]
 # ### This machine's roofline, measured now
@@ -360,11 +364,14 @@ x_hat_by_hand = scale_by_hand * np.clip(np.round(x / scale_by_hand), -7, 7)
 # END SOLUTION
 
 # %%
-check_close("scale", scale_by_hand, lambda: quantize(x, bits=4, group_size=4).scales[0], rtol=0)
+check_close("scale", scale_by_hand, lambda: quantize(x, bits=4, group_size=4).scales[0], rtol=0,
+            slips={"max |x| / 8: the symmetric 4-bit range is -7 .. 7, not -8 .. 7": lambda:
+                       quantize(x, bits=4, group_size=4).scales[0] * 7 / 8,
+                   "max |x| / 15: the 16 levels split over both signs": lambda:
+                       quantize(x, bits=4, group_size=4).scales[0] * 7 / 15})
 check_close("x_hat", x_hat_by_hand, lambda: dequantize(quantize(x, bits=4, group_size=4)), rtol=0)
-check_true("error at most half a step",
-           ... if x_hat_by_hand is Ellipsis else np.all(np.abs(x - x_hat_by_hand) <= 0.25),
-           "|x - x_hat| <= s / 2")
+check_true("error at most half a step", lambda x_hat: np.all(np.abs(x - x_hat) <= 0.25),
+           "|x - x_hat| <= s / 2", of=x_hat_by_hand)
 
 # %% [markdown]
 # Smaller groups mean smaller scales (a group's scale is set by its largest entry), hence smaller

@@ -41,7 +41,7 @@ import numpy as np
 from refmath.gradcheck import check_param_gradients
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.models import mla
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -228,9 +228,15 @@ ds_rows = {r.kind: r for r in attention_cache_rows(ds.layers, ds.heads, ds.kv_he
                                                    8192, latent_dim=ds.latent_dim,
                                                    rope_dim=ds.rope_dim)}
 check_close("MLA numbers per token and layer", mla_numbers,
-            lambda: ds_rows["MLA"].bytes_per_token / (ds.layers * 2), rtol=0)
+            lambda: ds_rows["MLA"].bytes_per_token / (ds.layers * 2), rtol=0,
+            slips={"the latent alone: the shared rotary key (64 numbers) is cached too": lambda:
+                       ds_rows["MLA"].bytes_per_token / (ds.layers * 2) - 64,
+                   "x2 for K and V: MLA caches one latent for both": lambda:
+                       2 * ds_rows["MLA"].bytes_per_token / (ds.layers * 2)})
 check_close("MHA numbers per token and layer", mha_numbers,
-            lambda: ds_rows["MHA"].bytes_per_token / (ds.layers * 2), rtol=0)
+            lambda: ds_rows["MHA"].bytes_per_token / (ds.layers * 2), rtol=0,
+            slips={"K or V only: the cache holds both, a factor 2": lambda:
+                       ds_rows["MHA"].bytes_per_token / (ds.layers * 2) / 2})
 check_close("MHA / MLA", ratio_mha_over_mla,
             lambda: ds_rows["MHA"].total / ds_rows["MLA"].total, rtol=1e-12)
 

@@ -217,10 +217,12 @@ rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)
 
 # %%
 check_true("rows is a permutation of the rows",
-           None if rows is Ellipsis else np.array_equal(np.sort(rows), np.arange(heads * d_h)),
-           "each of the h d_h rows must be used exactly once")
+           lambda r: np.array_equal(np.sort(r), np.arange(heads * d_h)),
+           "each of the h d_h rows must be used exactly once", of=rows)
 check_close("W_Q from q_proj.weight", None if rows is Ellipsis else q_proj[rows].T, w_q, rtol=0,
-            hint="within each head: half coordinate r, then r + d_h/2")
+            hint="within each head: half coordinate r, then r + d_h/2",
+            slips={"the rows in Hugging Face's order, unpermuted: its halves layout is not "
+                   "refmath's interleaved one": lambda: q_proj.T})
 check_close("W_K from k_proj.weight",
             None if rows is Ellipsis else k_proj[rows[:config.kv_heads * d_h]].T,
             params["layers.0.attn.w_k"], rtol=0)
@@ -284,10 +286,12 @@ as_float32 = (patterns.astype(np.uint32) << 16).view(np.float32)
 s, e, m = patterns >> 15, (patterns >> 7) & 0xFF, patterns & 0x7F
 assert np.all((e > 0) & (e < 255))  # normal numbers only: the formula holds
 by_fields = (-1.0) ** s * 2.0 ** (e.astype(np.int64) - 127) * (1 + m / 2**7)
-check_true("a float32 array", None if as_float32 is Ellipsis
-           else np.asarray(as_float32).dtype == np.float32, "view the 32-bit patterns as float32")
+check_true("a float32 array", lambda a: np.asarray(a).dtype == np.float32,
+           "view the 32-bit patterns as float32", of=as_float32)
 check_close("the bfloat16 patterns as numbers", as_float32, by_fields, rtol=0,
-            hint="shift the 16 bits into the upper half of a uint32")
+            hint="shift the 16 bits into the upper half of a uint32",
+            slips={"the patterns read as float16: bfloat16 has float32's 8 exponent bits": lambda:
+                       patterns.view(np.float16).astype(np.float32)})
 print(dict(zip([f"0x{p:04X}" for p in patterns], by_fields)))
 
 # %% [markdown]
@@ -429,9 +433,18 @@ check_close("this lesson's parameter count", tiny_count,
             lambda: hf.parameter_count(hf_config), rtol=0)
 check_close("GPT-2 small's parameter count", gpt2_count,
             lambda: hf.parameter_count(gpt2_config), rtol=0,
-            hint="the final LayerNorm and the position table count too")
+            hint="the final LayerNorm and the position table count too",
+            slips={"the position table forgotten (1024 x 768)": lambda:
+                       hf.parameter_count(gpt2_config) - 1024 * 768,
+                   "the final LayerNorm forgotten (2 x 768)": lambda:
+                       hf.parameter_count(gpt2_config) - 2 * 768,
+                   "an output matrix counted: GPT-2 ties it to the token table": lambda:
+                       hf.parameter_count(gpt2_config) + 50257 * 768})
 check_close("GPT-2 small in float32, MiB", gpt2_float32_mib,
-            lambda: 4 * hf.parameter_count(gpt2_config) / 2**20, rtol=1e-12)
+            lambda: 4 * hf.parameter_count(gpt2_config) / 2**20, rtol=1e-12,
+            slips={"MB (10^6 bytes), not MiB (2^20)": lambda: 4 * hf.parameter_count(gpt2_config) / 1e6,
+                   "2 bytes per parameter: that is bfloat16, not float32": lambda:
+                       2 * hf.parameter_count(gpt2_config) / 2**20})
 
 # %% [markdown]
 # GPT-2 small has 124,439,808 parameters: 475 MiB in float32, 237 MiB in bfloat16.

@@ -44,7 +44,7 @@ from refmath.embedding import embedding_forward
 from refmath.ffn import swiglu_forward
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
-from refmath.lessons import check_close, check_true
+from refmath.lessons import catalogued, check_close, check_true
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -130,7 +130,9 @@ my_logits = final @ params["lm_head"]
 
 # %%
 check_close("logits of the whole decoder", my_logits, reference_logits, rtol=1e-10, atol=1e-12,
-            hint="rotate Q and K after splitting heads; values are never rotated")
+            hint="rotate Q and K after splitting heads; values are never rotated",
+            slips=catalogued("sdpa: the 1/sqrt(d_k) scale missing from the scores",
+                             lambda: decoder.logits(params, tokens, config)))
 
 # %% [markdown]
 # ## From the Transformer to an LLM: what each change acts on

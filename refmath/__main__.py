@@ -138,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_assignments_arguments(assignments)
     assignments.set_defaults(run=run_assignments, subparser=assignments)
+
+    from refmath.lessons import add_lessons_arguments, run_lessons
+
+    lessons = commands.add_parser(
+        "lessons",
+        help="the lessons: 'student --out DIR' writes their answer-free copies",
+        description="The step-through lessons of notebooks/: 'student --out DIR' writes the copies "
+        "a student works in, with the answers removed and the leak scan passed.",
+    )
+    add_lessons_arguments(lessons)
+    lessons.set_defaults(run=run_lessons, subparser=lessons)
     return parser
 
 

@@ -19,7 +19,8 @@ Optimisers and schedules have no gradient to check: a wrong step is still a func
 gradient that runs and returns numbers of the right shape. Their mistakes are caught by
 :func:`optimiser_checks`, which recomputes each rule independently (a scalar recurrence written
 from the equations in plain Python floats, the O2 worked example, the clip and schedule
-identities), never by reading refmath's own code.
+identities), never by reading refmath's own code. The cache calculators' mistakes (a forgotten
+factor) are caught the same way by :func:`sizing_checks`.
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ class Mistake:
     ``where`` is ``"module:qualname"`` of the function edited; ``old`` the exact text replaced
     (it must occur once in that function) and ``new`` the wrong text; ``why`` says what is wrong.
     ``cases`` is a glob over registry case names (as ``python -m refmath gradcheck --op``) that
-    exercise the function; ``check`` is ``"gradcheck"`` or, for optimisers and schedules,
-    ``"optimiser"`` (see :func:`optimiser_checks`).
+    exercise the function; ``check`` is ``"gradcheck"``, for optimisers and schedules
+    ``"optimiser"`` (see :func:`optimiser_checks`), or for the cache calculators ``"sizing"`` (see
+    :func:`sizing_checks`).
     """
 
     name: str
@@ -68,6 +70,10 @@ def _g(name, where, old, new, why, cases):
 
 def _o(name, where, old, new, why):
     return Mistake(name, where, old, new, why, check="optimiser")
+
+
+def _s(name, where, old, new, why):
+    return Mistake(name, where, old, new, why, check="sizing")
 
 
 MISTAKES: tuple[Mistake, ...] = (
@@ -144,6 +150,9 @@ MISTAKES: tuple[Mistake, ...] = (
        "return dx, dw_gate, dw_up, dw_down", "return dx, dw_up, dw_gate, dw_down",
        "returned in the wrong order", "swiglu*"),
     # ---- attention (A2, A6-A10) ----
+    _g("sdpa: the 1/sqrt(d_k) scale missing from the scores", "refmath.attention:sdpa_forward",
+       "s = (q * scale) @ np.swapaxes(k, -1, -2)", "s = q @ np.swapaxes(k, -1, -2)",
+       "S = Q K^T / sqrt(d_k): unscaled scores saturate the softmax as d_k grows (A4)", "sdpa*"),
     _g("sdpa: scale missing from dQ", "refmath.attention:sdpa_backward",
        "dq = (ds @ k) * scale", "dq = ds @ k", "S = tau Q K^T: dQ = tau dS K", "sdpa*"),
     _g("sdpa: dropout mask ignored in dA", "refmath.attention:sdpa_backward",
@@ -252,7 +261,16 @@ MISTAKES: tuple[Mistake, ...] = (
     _g("transformer: source embedding gradient dropped", "refmath.models.transformer:backward",
        '"tok_emb": demb_src + demb_tgt', '"tok_emb": demb_tgt',
        "the shared table is read by the encoder too", "transformer*"),
+    # ---- cache sizes (K6): arithmetic, no gradient; sizing_checks catches them ----
+    _s("kv cache: the factor 2 for K and V forgotten", "refmath.sizing:kv_cache_bytes_per_token",
+       "layers * kv_heads * (head_dim + value_dim) * bytes_per_element",
+       "layers * kv_heads * head_dim * bytes_per_element",
+       "every cached token stores a key and a value: 2 L g d_h b bytes"),
     # ---- optimisers and schedules (O1-O7): no gradient; optimiser_checks catches them ----
+    _o("adam: bias correction missing", "refmath.optim:Adam.corrected_moments",
+       'return self.state["m"][name] / (1 - beta1**s), self.state["v"][name] / (1 - beta2**s)',
+       'return self.state["m"][name], self.state["v"][name]',
+       "m and v start at zero: without dividing by 1 - beta^s they are too small early on (O2)"),
     _o("adam: bias correction with beta instead of beta^s", "refmath.optim:Adam.corrected_moments",
        "self.state[\"m\"][name] / (1 - beta1**s)", "self.state[\"m\"][name] / (1 - beta1)",
        "m_s = (1 - beta1^s) g for a constant g: the correction is 1 - beta1^s"),
@@ -450,6 +468,29 @@ def optimiser_checks() -> dict[str, bool]:
         and math.isclose(optim.transformer_schedule(warm // 2, d, warm), peak / 2, rel_tol=1e-12)
         and math.isclose(optim.transformer_schedule(4 * warm, d, warm), peak / 2, rel_tol=1e-12))
     return results
+
+
+def sizing_checks() -> dict[str, bool]:
+    """The cache calculators against figures computed here from K6, ``2 B T L g d_h b``, and a
+    published one (Llama-3-8B: 32 layers, 8 key/value heads of 128, bfloat16: 128 KiB a token);
+    ``{check: passed}``."""
+    from refmath import sizing
+
+    shapes = [(32, 8, 128, 2), (40, 8, 128, 2), (12, 12, 64, 4), (1, 1, 3, 1)]
+    results = {"per token: 2 L g d_h b": all(
+        sizing.kv_cache_bytes_per_token(L, g, d, b) == 2 * L * g * d * b for L, g, d, b in shapes)}
+    results["Llama-3-8B: 128 KiB a token in bf16"] = (
+        sizing.kv_cache_bytes_per_token(32, 8, 128, 2) == 128 * 1024)
+    results["a batch: 2 B T L g d_h b"] = (
+        sizing.kv_cache_bytes(batch=8, layers=40, tokens=4096, kv_heads=8, head_dim=128,
+                              bytes_per_element=2) == 2 * 8 * 4096 * 40 * 8 * 128 * 2)
+    return results
+
+
+def caught_by_sizing_checks(mistake: Mistake) -> list[str]:
+    """The names of the :func:`sizing_checks` that fail with ``mistake`` applied."""
+    with applied(mistake):
+        return [name for name, passed in sizing_checks().items() if not passed]
 
 
 def caught_by_optimiser_checks(mistake: Mistake) -> list[str]:

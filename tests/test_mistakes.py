@@ -1,5 +1,6 @@
 """Every catalogued mistake (refmath.mistakes) is caught: gradient mistakes by refmath.gradcheck
-alone, optimiser and schedule mistakes by the independent optimiser checks.
+alone, optimiser and schedule mistakes by the independent optimiser checks, cache-size mistakes by
+the independent sizing checks.
 
 Run with ``-s`` to see the table of what each mistake produces (the error against the bound).
 """
@@ -12,22 +13,26 @@ from refmath.mistakes import (
     applied,
     caught_by_gradcheck,
     caught_by_optimiser_checks,
+    caught_by_sizing_checks,
     optimiser_checks,
+    sizing_checks,
     wrong_source,
 )
 
 GRADIENT = [m for m in MISTAKES if m.check == "gradcheck"]
 OPTIMISER = [m for m in MISTAKES if m.check == "optimiser"]
+SIZING = [m for m in MISTAKES if m.check == "sizing"]
 
 
 def test_the_catalogue_is_large_and_spans_every_kind():
     assert len(MISTAKES) >= 40
     assert len({m.name for m in MISTAKES}) == len(MISTAKES)
+    assert {m.check for m in MISTAKES} == {"gradcheck", "optimiser", "sizing"}
     modules = {m.module for m in MISTAKES}
     for module in ("refmath.softmax", "refmath.norms", "refmath.ffn", "refmath.attention",
                    "refmath.positions", "refmath.embedding", "refmath.losses", "refmath.flash",
                    "refmath.optim", "refmath.models.gpt", "refmath.models.decoder",
-                   "refmath.models.mla", "refmath.models.transformer"):
+                   "refmath.models.mla", "refmath.models.transformer", "refmath.sizing"):
         assert module in modules, module
 
 
@@ -57,6 +62,18 @@ def test_the_optimiser_checks_catch_it(mistake):
     failed = caught_by_optimiser_checks(mistake)
     assert failed, f"{mistake.name} ({mistake.why}) passed every optimiser check"
     print(f"\n{mistake.name}: fails {failed}")
+
+
+@pytest.mark.parametrize("mistake", SIZING, ids=lambda m: m.name)
+def test_the_sizing_checks_catch_it(mistake):
+    failed = caught_by_sizing_checks(mistake)
+    assert failed, f"{mistake.name} ({mistake.why}) passed every sizing check"
+    print(f"\n{mistake.name}: fails {failed}")
+
+
+def test_the_sizing_checks_pass_on_the_real_code():
+    results = sizing_checks()
+    assert all(results.values()), [name for name, ok in results.items() if not ok]
 
 
 def test_the_optimiser_checks_pass_on_the_real_code():

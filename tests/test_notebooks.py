@@ -45,6 +45,57 @@ def test_lesson_executes(path, monkeypatch, tmp_path):
     client.execute()
     assert _images(notebook) == promised, \
         f"{path.name}: drew {_images(notebook)} figures, its header promises {promised}"
+    _every_check_says_right(path, notebook)
+
+
+CHECK_CALL = re.compile(r"\bcheck_(?:close|true)\(")
+VERDICT = re.compile(r"^(right|wrong|almost|no answer yet): ", re.MULTILINE)
+
+
+def _verdicts(source: str, printed: str) -> tuple[int, list[str]]:
+    """(how many checks the code calls, the verdict lines it printed)."""
+    return len(CHECK_CALL.findall(source)), [m.group(0) + printed[m.end():].split("\n")[0]
+                                             for m in VERDICT.finditer(printed)]
+
+
+def _every_check_says_right(path, notebook):
+    """With the answers in, each check cell prints one "right" line per check, and shows no value
+    after it (a check's Verdict is not displayed: no stray True/False)."""
+    for cell in notebook.cells:
+        if cell.cell_type != "code" or not CHECK_CALL.search(cell.source):
+            continue
+        printed = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+        calls, lines = _verdicts(cell.source, printed)
+        assert len(lines) == calls and all(line.startswith("right: ") for line in lines), \
+            f"{path.name}: check cell {cell.source[:60]!r} printed {lines}, {calls} checks called"
+        shown = [o for o in cell.outputs if o.get("output_type") == "execute_result"]
+        assert not shown, f"{path.name}: check cell {cell.source[:60]!r} displays {shown}"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_an_unanswered_student_copy_runs_and_no_check_says_right(path, tmp_path):
+    """The student copy (answers stripped) runs to the end as a script, and each of its checks says
+    "no answer yet": a check whose verdict does not depend on the student's answer would say
+    "right" here. (Run as a plain script, not a kernel: the verdicts are the same, and it is faster.)"""
+    import os
+    import subprocess
+    import sys
+
+    from refmath.lessons import student_copy
+
+    student = student_copy(path.read_text(), str(path))
+    script = tmp_path / path.name
+    script.write_text(student)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                            "OPENBLAS_NUM_THREADS": "1",
+                                            "REFMATH_LESSONS_STRICT": "0"})
+    assert run.returncode == 0, f"{path.name}: the student copy fails:\n{run.stderr[-2000:]}"
+    calls, lines = _verdicts(student, run.stdout)
+    assert calls >= 3 and len(lines) == calls, \
+        f"{path.name}: {calls} checks in the copy, {len(lines)} verdicts printed: {lines}"
+    answered = [line for line in lines if not line.startswith("no answer yet: ")]
+    assert not answered, f"{path.name}: checks with a verdict before any answer: {answered}"
 
 
 # The shape every lesson shares; notebooks/README.md gives the order.

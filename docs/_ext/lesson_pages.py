@@ -1,5 +1,10 @@
 """Mirror the lessons (``notebooks/[0-9]*.py``) into ``docs/lessons/`` so Sphinx renders them.
 
+The site shows what a student works in: by default each mirrored lesson is its student copy
+(:func:`refmath.lessons.student_copy`: exercises reduced to their ``answer = ...`` lines, questions
+without their answers), passed through the same leak scan as ``python -m refmath lessons
+student``. The instructor build, with the answers, is asked for by ``REFMATH_DOCS_ANSWERS=1``.
+
 The lessons live outside the Sphinx source folder, and Sphinx only reads documents inside it. A
 copy, rewritten only when its text changed, keeps file times steady, so an unchanged lesson is
 neither re-read nor re-executed on the next build; a lesson deleted from ``notebooks/`` is deleted
@@ -24,14 +29,33 @@ def write_if_changed(path: Path, text: str) -> None:
         path.write_text(text, encoding="utf-8")
 
 
-def mirror_lessons(root: Path, target: Path) -> list[Path]:
-    """Copy every lesson into ``target``, remove copies whose lesson is gone; return the copies."""
+def mirror_lessons(root: Path, target: Path, answers: bool = False) -> list[Path]:
+    """Copy every lesson into ``target`` (its student copy unless ``answers``), remove copies whose
+    lesson is gone; return the copies. A solution line that would reach a student copy raises
+    ``ValueError`` (the build stops) before anything is written."""
+    from refmath.lessons import leaked_lines, student_copy
+
     sources = lesson_sources(root)
-    copies = []
+    texts, leaks = {}, []
     for source in sources:
-        copy = target / source.name
-        write_if_changed(copy, source.read_text(encoding="utf-8"))
+        text = source.read_text(encoding="utf-8")
+        if not answers:
+            copy = student_copy(text, str(source))
+            leaks += leaked_lines(text, copy, source.name)
+            text = copy
+        texts[source.name] = text
+    if leaks:
+        raise ValueError("solution lines would reach the student site:\n  " + "\n  ".join(leaks))
+    copies = []
+    for name, text in texts.items():
+        copy = target / name
+        write_if_changed(copy, text)
         copies.append(copy)
     for stale in set(target.glob(LESSON_GLOB)) - set(copies):
         stale.unlink()
     return copies
+
+
+def answers_wanted(environ) -> bool:
+    """Whether the build is the instructor's (``REFMATH_DOCS_ANSWERS`` set to anything but ``0``)."""
+    return environ.get("REFMATH_DOCS_ANSWERS", "") not in ("", "0")

@@ -1,0 +1,50 @@
+"""The lessons on the documentation site: the student copies by default, the answers only in the
+instructor build (``REFMATH_DOCS_ANSWERS=1``), and the leak scan before anything is written.
+
+These tests need no Sphinx: ``docs/_ext/lesson_pages.py`` is what ``docs/conf.py`` calls to put
+the lessons where Sphinx reads them.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+
+import lesson_pages  # noqa: E402
+
+from refmath import lessons  # noqa: E402
+from refmath.solutions import find_regions  # noqa: E402
+
+
+def test_the_default_site_shows_the_student_copies(tmp_path):
+    copies = lesson_pages.mirror_lessons(ROOT, tmp_path)
+    sources = lesson_pages.lesson_sources(ROOT)
+    assert [c.name for c in copies] == [s.name for s in sources] and len(copies) >= 14
+    for source, copy in zip(sources, copies):
+        text, shown = source.read_text(), copy.read_text()
+        assert shown == lessons.student_copy(text, str(source))
+        assert find_regions(shown) == [] and "# BEGIN SOLUTION" not in shown
+        assert lessons.leaked_lines(text, shown, source.name) == []
+
+
+def test_the_instructor_build_shows_the_answers(tmp_path):
+    copies = lesson_pages.mirror_lessons(ROOT, tmp_path, answers=True)
+    for source, copy in zip(lesson_pages.lesson_sources(ROOT), copies):
+        assert copy.read_text() == source.read_text()
+
+
+@pytest.mark.parametrize("value, wanted", [(None, False), ("", False), ("0", False), ("1", True),
+                                           ("yes", True)])
+def test_the_switch_is_one_environment_variable(value, wanted):
+    environ = {} if value is None else {"REFMATH_DOCS_ANSWERS": value}
+    assert lesson_pages.answers_wanted(environ) is wanted
+
+
+def test_a_solution_line_that_would_reach_the_site_stops_the_build(tmp_path, monkeypatch):
+    # A stripping that leaves the answers in (the identity) must be caught, with nothing written.
+    monkeypatch.setattr(lessons, "student_copy", lambda text, where="": text)
+    with pytest.raises(ValueError, match="solution lines would reach the student site"):
+        lesson_pages.mirror_lessons(ROOT, tmp_path / "site")
+    assert not (tmp_path / "site").exists()

@@ -1,0 +1,217 @@
+"""Planted mistakes: typical slips written into a lesson's answers are rejected and named.
+
+Each plant edits one line of an exercise's solution (the answer a student with that slip would
+write), the lesson runs with the plants in place, and the check after each planted exercise must
+print ``wrong: NAME: looks like: SLIP``, naming the slip; the checks of the other exercises still
+say right. A slip's value comes from the check itself (``refmath.lessons.check_close``'s
+``slips``, many of them the catalogued mistakes of ``refmath.mistakes`` applied to the library),
+so this test confirms that the student's way of making the slip and the check's way agree.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+# lesson -> [(solution text, the slip written instead, the check's name, words of the slip's name)]
+PLANTS = {
+    "01_attention.py": [
+        ("np.array([[1 / 3 * 1 + 2 / 3 * 0, 1 / 3 * 0 + 2 / 3 * 2]])",
+         "np.array([[0.25 * 1 + 0.5 * 0, 0.25 * 0 + 0.5 * 2]])",
+         "the masked output", "not renormalised"),
+        ("jacobian_a3 = np.diag(a3) - np.outer(a3, a3)", "jacobian_a3 = np.diag(a3) - a3 @ a3",
+         "the Jacobian of (1/4, 1/2, 1/4)", "inner product"),
+        ("dQ_causal = dS_causal @ K / np.sqrt(d_k)", "dQ_causal = dS_causal @ K",
+         "dQ (causal)", "scale missing from dQ"),
+        ("dA_drop = (dO @ V.T) * D", "dA_drop = dO @ V.T",
+         "(dV, dQ) with dropout", "dropout mask ignored in dA"),
+    ],
+    "02_normalisation.py": [
+        ("dx_layernorm = (direct + through_mean + through_sigma) / sigma",
+         "dx_layernorm = (direct + through_mean) / sigma", "LayerNorm dx", "variance path dropped"),
+        ("dx_rmsnorm = r * dy - r**3 * x * np.mean(dy * x)",
+         "dx_rmsnorm = r * dy - r**2 * x * np.mean(dy * x)", "RMSNorm dx", "r^2 instead of r^3"),
+        ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
+         "dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.mean(upstream, axis=0)])",
+         "(dgamma, dbeta)", "dbeta averaged over rows"),
+    ],
+    "03_flash_and_kv_cache.py": [
+        ("merged_m_l = (m_merged, np.exp(a.m - m_merged) * a.l + np.exp(b.m - m_merged) * b.l)",
+         "merged_m_l = (m_merged, a.l + b.l)", "(m, l) of the merge", "without rescaling"),
+        ("dS_small = P_small * (do_small[0, 0] @ v_small[0, 0].T - delta)",
+         "dS_small = P_small * (do_small[0, 0] @ v_small[0, 0].T)",
+         "dQ from the logsumexp", "delta = rowsum(dO * O) left out"),
+        ("cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2", "cache_bytes = 8 * 40 * 4096 * 8 * 128 * 2",
+         "the cache bytes", "the factor 2 for K and V forgotten"),
+    ],
+    "04_ffn_and_positions.py": [
+        ("back = -np.array([2.0, 2.0 / 100])", "back = np.array([2.0, 2.0 / 100])",
+         "RoPE dx", "forward rotation used in backward"),
+    ],
+    "05_losses_and_optimisers.py": [
+        ("dlogits_by_hand = (p - np.eye(4)[targets]) / 3", "dlogits_by_hand = p - np.eye(4)[targets]",
+         "dloss/dlogits", "not divided by the number of positions"),
+        ("sft_sum_by_hand = -np.sum(answer_mask * np.log(sft_p[np.arange(6), sft_targets]))",
+         "sft_sum_by_hand = -np.sum(answer_mask * np.log(sft_p[np.arange(6), sft_targets])) / 3",
+         "the summed SFT loss", "the mean over the answer tokens"),
+        ("m_hat1, v_hat1 = (1 - 0.9) * g1 / (1 - 0.9), (1 - 0.999) * g1**2 / (1 - 0.999)",
+         "m_hat1, v_hat1 = (1 - 0.9) * g1, (1 - 0.999) * g1**2",
+         "theta after one Adam step", "bias correction missing"),
+        ("adamw_after_50 = (1 - 0.1 * 0.1) ** 50", "adamw_after_50 = (1 - 0.1 * 0.1) ** 49",
+         "AdamW's weight after 50 steps", "(n - 1): one step too few"),
+        ("adamw_after_50 = (1 - 0.1 * 0.1) ** 50", "adamw_after_50 = (1 - 0.1) ** 50",
+         "AdamW's weight after 50 steps", "decay not scaled by the learning rate"),
+    ],
+    "06_encoder_decoder.py": [
+        ("shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, :-1]], axis=1)",
+         "shifted_by_hand = targets_2", "shifted decoder input", "not shifted"),
+        ("p_target = p[0, np.arange(4), tgt[0]].prod()", "p_target = p[0, np.arange(4), tgt[0]].mean()",
+         "p(y | x)", "the mean of the probabilities"),
+        ("np.add.at(d_table, ids, dy)", "d_table[ids] += dy", "dE", "repeated ids keep one contribution"),
+    ],
+    "07_gpt.py": [
+        ("dP[1:3] = dy.sum(axis=0)", "dP[1:3] = dy.mean(axis=0)", "dP", "averaged over the batch"),
+        ("dP[1:3] = dy.sum(axis=0)", "dP[0:2] = dy.sum(axis=0)", "dP", "offset ignored"),
+        ("gpt2_by_hand = V * d + T_ctx * d + L * per_layer + 2 * d",
+         "gpt2_by_hand = V * d + L * per_layer + 2 * d", "GPT-2 small parameters",
+         "the position table forgotten"),
+    ],
+    "08_modern_decoder_and_gqa.py": [
+        ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
+         "dk_shared = per_head.reshape(B, G, H // G, T, D).mean(axis=2)",
+         "dK of the shared heads", "the mean over the sharing query heads"),
+        ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
+         "dk_shared = per_head[:, ::2]",
+         "dK of the shared heads", "one query head's copy only"),
+    ],
+    "09_numerics_and_sampling.py": [
+        ("safe_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a fully masked row: shift by 0\n"
+         "e = np.exp(rows - safe_max)\n"
+         "sums = e.sum(axis=1, keepdims=True)\n"
+         "stable_rows = np.divide(e, sums, out=np.zeros_like(e), where=sums > 0)",
+         "e = np.exp(rows - row_max)\nstable_rows = e / e.sum(axis=1, keepdims=True)",
+         "stable softmax rows", "NaN for the fully masked row"),
+        ("x_sum_overflows = np.log(65504) - np.log(1 + np.exp(-1) + np.exp(-2))",
+         "x_sum_overflows = np.log(65504)", "x where the float16 sum overflows",
+         "the other two terms of the sum"),
+        ("pairs_by_formula = 4 * 5 // 2 + (10 - 4) * 4", "pairs_by_formula = 10 * 4",
+         "visible pairs, T = 10, w = 4", "T w: the first w - 1 rows"),
+        ("top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3]) / 0.7",
+         "top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3])", "top-p, p = 0.6", "not renormalised"),
+    ],
+    "10_decode_cost.py": [
+        ("seconds_per_token = (2 * 7_504_658_432 + 8192 * 128 * 1024) / 2e12",
+         "seconds_per_token = 2 * 7_504_658_432 / 2e12", "lower bound on time per token",
+         "the cache forgotten"),
+        ("scale_by_hand = 3.5 / 7", "scale_by_hand = 3.5 / 8", "scale", "-7 .. 7, not -8 .. 7"),
+    ],
+    "12_from_equation_to_kernel.py": [
+        ("delta = (do * ref_o).sum(axis=-1)", "delta = do.sum(axis=-1) * ref_o.sum(axis=-1)",
+         "delta = rowsum(dO * O)", "the product goes inside the sum"),
+        ("o_merged_by_hand = sum(np.exp(part.m - m_all) * part.u for part in parts) / l_all",
+         "o_merged_by_hand = sum(part.u for part in parts) / sum(part.l for part in parts)",
+         "merged decode output", "without rescaling to the largest m"),
+    ],
+    "13_real_weights.py": [
+        ("as_float32 = (patterns.astype(np.uint32) << 16).view(np.float32)",
+         "as_float32 = patterns.view(np.float16).astype(np.float32)",
+         "the bfloat16 patterns as numbers", "read as float16"),
+        ("gpt2_count = 50257 * dg + 1024 * dg + 12 * gpt2_layer + 2 * dg",
+         "gpt2_count = 50257 * dg + 12 * gpt2_layer + 2 * dg",
+         "GPT-2 small's parameter count", "the position table forgotten"),
+        ("gpt2_float32_mib = 4 * gpt2_count / 2**20", "gpt2_float32_mib = 4 * gpt2_count / 1e6",
+         "GPT-2 small in float32, MiB", "MB (10^6 bytes)"),
+        ("rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)",
+         "rows = np.arange(heads * d_h)", "W_Q from q_proj.weight", "unpermuted"),
+    ],
+    "14_synthesis.py": [
+        ("O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T))",
+         "O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T), scale=1.0)",
+         "logits of the whole decoder", "the 1/sqrt(d_k) scale missing"),
+    ],
+    "11_latent_attention_and_memory.py": [
+        ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
+         "K or V only"),
+        ("mla_numbers = 512 + 64", "mla_numbers = 512", "MLA numbers per token and layer",
+         "the shared rotary key"),
+    ],
+}
+
+# Checks that judge a property of the same answer as the named check.
+ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
+        "RMSNorm dx": ("your RMSNorm dx is orthogonal to x",),
+        "dK of the shared heads": ("your dK holds all of the per-head gradient",),
+        # answers computed from the planted one inherit its slip
+        "dE": ("row 2 receives (4, 1)",),
+        "scale": ("x_hat", "error at most half a step"),
+        "MHA numbers per token and layer": ("MHA / MLA",),
+        "MLA numbers per token and layer": ("MHA / MLA",),
+        "W_Q from q_proj.weight": ("W_K from k_proj.weight",),
+        "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",)}
+
+
+def _run(text, tmp_path, name):
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                             "OPENBLAS_NUM_THREADS": "1",
+                                             "REFMATH_LESSONS_STRICT": "0"})
+
+
+def _apart(a, b):
+    """Whether two plants can share a run: they judge different checks, neither computed from the
+    other's answer."""
+    return a[2] != b[2] and a[2] not in ALSO.get(b[2], ()) and b[2] not in ALSO.get(a[2], ())
+
+
+def _rounds(plants):
+    """The plants in runs of one plant per exercise check (two slips of one answer, or of two
+    answers one computed from the other, go in separate runs)."""
+    rounds = []
+    for plant in plants:
+        for batch in rounds:
+            if all(_apart(p, plant) for p in batch):
+                batch.append(plant)
+                break
+        else:
+            rounds.append([plant])
+    return rounds
+
+
+@pytest.mark.parametrize("lesson", sorted(PLANTS))
+def test_planted_slips_are_rejected_and_named(lesson, tmp_path):
+    original = (NOTEBOOKS / lesson).read_text()
+    for batch in _rounds(PLANTS[lesson]):
+        text = original
+        for right, slip, _, _ in batch:
+            assert text.count(right) == 1, f"{lesson}: the solution line {right!r} has changed"
+            text = text.replace(right, slip)
+        run = _run(text, tmp_path, lesson)
+        assert run.returncode == 0, f"{lesson}: the planted lesson fails:\n{run.stderr[-2000:]}"
+        verdicts = [line for line in run.stdout.splitlines()
+                    if line.startswith(("right: ", "wrong: ", "almost: ", "no answer yet: "))]
+        for _, slip, check, words in batch:
+            said = [v for v in verdicts if v.startswith(f"wrong: {check}: ")]
+            assert said, f"{lesson}: planting {slip!r}, check {check!r} did not say wrong: {verdicts}"
+            assert "looks like: " in said[0] and words in said[0], \
+                f"{lesson}: planting {slip!r}, the check said {said[0]!r}, not the slip {words!r}"
+        # a property check of the same answer (check_true(..., of=answer)) may say wrong as well
+        judged = {check for _, _, check, _ in batch} | {c for plant in batch for c in ALSO.get(plant[2], ())}
+        others = [v for v in verdicts if not any(v.startswith(f"wrong: {c}: ") for c in judged)]
+        assert all(v.startswith("right: ") for v in others), \
+            f"{lesson}: checks of unplanted exercises that are not right: " \
+            f"{[v for v in others if not v.startswith('right: ')]}"
+
+
+def test_the_plants_cover_the_lessons_with_slips():
+    # Lessons 01-03, 05-07, 09 and 13 carry three planted slips or more; 04, 08, 10-12 and 14
+    # fewer, for fewer of their exercises have a typical slip.
+    for lesson, plants in PLANTS.items():
+        wanted = 3 if lesson[:2] in ("01", "02", "03", "05", "06", "07", "09", "13") else 1
+        assert len(plants) >= wanted, lesson
+    with_slips = {p.name for p in NOTEBOOKS.glob("[0-9]*.py") if "slips=" in p.read_text()}
+    assert with_slips == set(PLANTS), f"lessons with slips but no plants: {with_slips - set(PLANTS)}"
