@@ -1,8 +1,9 @@
 """How the assignments' hidden tests score the catalogued mistakes (refmath.mistakes).
 
 For every assignment and every catalogued mistake in a line that students write (inside a solution
-region of a function the assignment lists), the reference file with that one-line edit is graded as a submission (each hidden test in its own limited process,
-as ``python -m refmath assignments grade`` does). A mistake that still gets full points is a hole in
+region of a function the assignment lists), the reference file with that one-line edit is graded
+as a submission (each hidden test in its own sandbox, as ``python -m refmath assignments grade``
+does). A mistake that still gets full points is a hole in
 the hidden tests. The unedited reference is graded first and must get full points.
 
     python benchmarks/assignment_mistakes.py                      # every assignment, ~10-20 min

@@ -134,6 +134,7 @@ def test_list_shows_every_assignment():
 @pytest.mark.parametrize("args, message", [
     (["build", "no_such_assignment", "--out", "x"], "no assignment 'no_such_assignment'"),
     (["grade", "attention", ".", "--jobs", "0"], "jobs must be a positive integer"),
+    (["grade", "attention", ".", "--jobs", "65"], "of at most 64"),
     (["grade", "attention", "no/such/folder"], "is not a directory"),
     (["grade", "attention", ".", "--only", "nothing*"], "no hidden test of attention matches"),
 ])

@@ -274,7 +274,7 @@ def sandbox_processes() -> list[int]:
             continue
         if fields["State"].split()[0] == "Z":  # killed, waiting for init to reap it: runs nothing
             continue
-        if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + 64:
+        if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + sandboxes.SLOTS:
             alive.append(int(status.split("/")[2]))
     return alive
 

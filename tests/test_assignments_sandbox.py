@@ -245,7 +245,7 @@ def test_bubblewrap_confines_network_processes_and_files():
     assert got["passwd"] == 0  # /etc is not there
     assert got["torch"] == 0
     if os.geteuid() == 0:  # one uid per concurrent test
-        assert sandboxes.FIRST_UID <= got["uid"] < sandboxes.FIRST_UID + 64
+        assert sandboxes.FIRST_UID <= got["uid"] < sandboxes.FIRST_UID + sandboxes.SLOTS
     else:
         assert got["uid"] == sandboxes.NOBODY
 
@@ -273,7 +273,7 @@ def sandbox_uid_processes():
             continue
         if fields["State"].split()[0] == "Z":  # killed, waiting for init to reap it: runs nothing
             continue
-        if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + 64 or uid == sandboxes.NOBODY:
+        if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + sandboxes.SLOTS or uid == sandboxes.NOBODY:
             alive.append(status)
     return alive
 

@@ -29,7 +29,7 @@ from refmath.assignments.build import TEACHING, library_files, stub_library
 from refmath.assignments.checks import Case, Verdict, run_source
 from refmath.assignments.extract import take_functions
 from refmath.assignments.manifest import Limits, Manifest
-from refmath.assignments.sandbox import Sandbox, choose
+from refmath.assignments.sandbox import SLOTS, Sandbox, choose
 
 PRINTED_LINES = 20  # of what a failing test's code printed, quoted in its feedback
 
@@ -184,8 +184,8 @@ def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | N
     ``hidden`` to the manifest's hidden tests, loaded now; a batch passes both, made once.
     """
     limits = limits or manifest.limits
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    if not isinstance(jobs, int) or not 1 <= jobs <= SLOTS:
+        raise ValueError(f"jobs must be a positive integer of at most {SLOTS}, got {jobs!r}")
     chosen = select_tests(manifest, only)
     hidden = hidden or load_hidden_tests(manifest)
     sandbox = sandbox or choose(unreadable=secret_paths(manifest, src_root))

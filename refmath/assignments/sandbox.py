@@ -56,6 +56,7 @@ PROCESSES = 32  # per test: the driver needs one, bubblewrap two
 RESULT_MB = 256  # the most that is read back from one test
 TMP_MB = 64  # the sandbox's private /tmp
 NOBODY = 65534
+SLOTS = 64  # tests at once, each with a uid of its own
 
 
 class Outcome(NamedTuple):
@@ -193,7 +194,7 @@ class Sandbox:
         self.mode = mode
         self.unreadable = tuple(unreadable)
         self.site = student_site()
-        self._slots = list(range(64))
+        self._slots = list(range(SLOTS))
         self._lock = threading.Lock()
 
     def probe(self) -> str | None:
@@ -236,7 +237,7 @@ class Sandbox:
             shutil.rmtree(folder, ignore_errors=True)
             self._free(slot)
 
-    def _write(self, folder: str, library: dict[str, str], message: bytes) -> None:
+    def _write(self, folder: str, library: dict[str, str | bytes], message: bytes) -> None:
         for path, content in library.items():  # text, or bytes (a compiled given part)
             target = os.path.join(folder, "library", path)
             os.makedirs(os.path.dirname(target), exist_ok=True)
