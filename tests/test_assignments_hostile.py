@@ -29,6 +29,7 @@ from refmath.assignments import manifest as manifests
 from refmath.assignments import sandbox as sandboxes
 from refmath.assignments.build import build
 from refmath.assignments.grade import grade, load_hidden_tests, secret_paths, with_time_limit
+from test_assignments_sandbox import sandbox_uid_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONLY = "sdpa_forward_plain,gqa_head_map_values"
@@ -262,23 +263,6 @@ def traces() -> list[str]:
     return left
 
 
-def sandbox_processes() -> list[int]:
-    """Processes running as one of the sandbox's uids."""
-    alive = []
-    for status in glob.glob("/proc/[0-9]*/status"):
-        try:
-            with open(status) as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            uid = int(fields["Uid"].split()[0])
-        except (OSError, KeyError, ValueError):
-            continue
-        if fields["State"].split()[0] == "Z":  # killed, waiting for init to reap it: runs nothing
-            continue
-        if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + sandboxes.SLOTS:
-            alive.append(int(status.split("/")[2]))
-    return alive
-
-
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory, server, sandbox):
     """A batch folder: the reference first and last, the starter, and every attack."""
@@ -316,7 +300,7 @@ def test_every_attack_scores_what_it_deserves_through_grade(batch, sandbox, serv
     assert server.connections == 0
     time.sleep(4)  # the escaped process would have written by now
     assert traces() == []
-    assert sandbox_processes() == []
+    assert sandbox_uid_processes() == []
     with open(batch / "zz_reference" / "refmath" / "attention.py") as f:
         assert f.read() == reference_text()
 
@@ -343,7 +327,7 @@ def test_every_attack_in_one_batch_harms_no_other_submission(batch, sandbox, ser
     assert all(json.loads(p.read_text())["score"] == rows.get(p.stem, ATTENDED if "reference"
                                                               in p.stem else 0)
                for p in results.iterdir())
-    assert server.connections == 0 and traces() == [] and sandbox_processes() == []
+    assert server.connections == 0 and traces() == [] and sandbox_uid_processes() == []
 
 
 def test_another_assignments_tree_holds_no_solution_to_copy(tmp_path, sandbox):
