@@ -194,6 +194,8 @@ class Sandbox:
         self.mode = mode
         self.unreadable = tuple(unreadable)
         self.site = student_site()
+        if mode == "user":
+            self.site = self._readable_site()
         self._slots = list(range(SLOTS))
         self._lock = threading.Lock()
 
@@ -213,6 +215,34 @@ class Sandbox:
         if self.mode == "bubblewrap" and bytes(outcome.value["net"]).decode() == "open":
             return "the network was reachable inside the sandbox"
         return None
+
+    def _readable_site(self) -> dict[str, str]:
+        """The student packages where the sandbox uids can read them: a package the grader finds
+        in a folder closed to other users (a root-only virtual environment, say) is copied once
+        into a world-readable folder that lives as long as this sandbox."""
+        probe_uid = FIRST_UID + SLOTS - 1
+        readable = {}
+        for name, folder in self.site.items():
+            check = subprocess.run(
+                [interpreter(), "-I", "-S", "-c",
+                 "import os, sys\nsys.exit(0 if os.access(sys.argv[1], os.R_OK | os.X_OK) else 1)",
+                 folder], user=probe_uid, group=probe_uid, extra_groups=[], timeout=30,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if check.returncode == 0:
+                readable[name] = folder
+                continue
+            if not hasattr(self, "_copies"):
+                self._copies = tempfile.TemporaryDirectory(prefix="refmath-sandbox-site-")
+                os.chmod(self._copies.name, 0o755)
+            readable[name] = os.path.join(self._copies.name, name)
+            shutil.copytree(folder, readable[name], symlinks=True)
+            for root, dirs, files in os.walk(readable[name]):
+                os.chmod(root, 0o755)
+                for file in files:
+                    path = os.path.join(root, file)
+                    if not os.path.islink(path):
+                        os.chmod(path, 0o755 if os.access(path, os.X_OK) else 0o644)
+        return readable
 
     def _slot(self) -> int:
         with self._lock:
