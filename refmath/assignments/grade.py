@@ -125,8 +125,9 @@ def graded_library(manifest: Manifest, base: dict[str, str], submitted: dict[str
 
 
 def quoted(printed: str, lines: int = PRINTED_LINES) -> str:
-    """What the student's code printed, as a labelled block whose every line starts with ``| ``,
-    control characters shown as escapes: nothing in it can pass for a line of the grader's."""
+    """What the student's code printed, as a labelled block whose every line starts with a bar and
+    a space, control characters shown as escapes: nothing in it can pass for a line of the
+    grader's."""
     def clean(line):
         return "".join(c if c == "\t" or unicodedata.category(c)[0] != "C" else
                        repr(c)[1:-1] for c in line)
