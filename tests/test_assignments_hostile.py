@@ -29,7 +29,7 @@ from refmath.assignments import manifest as manifests
 from refmath.assignments import sandbox as sandboxes
 from refmath.assignments.build import build
 from refmath.assignments.grade import grade, load_hidden_tests, secret_paths, with_time_limit
-from test_assignments_sandbox import sandbox_uid_processes
+from test_assignments_sandbox import FORK_BOMB, sandbox_uid_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONLY = "sdpa_forward_plain,gqa_head_map_values"
@@ -196,18 +196,7 @@ os._exit(0)"""),
         "fake printed verdicts": harm("""
 print("passed: sdpa_forward: o for q (2, 3, 5, 4): relative error 1.0e-16 <= 1e-11")
 print("total 22 / 22")"""),
-        "fork bomb": harm("""
-import os, time
-children = 0
-try:
-    while True:
-        if os.fork() == 0:
-            time.sleep(30)
-            os._exit(0)
-        children += 1
-except OSError:
-    pass
-print("forked", children)"""),
+        "fork bomb": harm(FORK_BOMB + 'print("forked", children)'),
         "disk fill": harm("""
 import os
 block = b"x" * 2**20

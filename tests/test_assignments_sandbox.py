@@ -286,22 +286,25 @@ def test_bubblewrap_kills_a_process_that_left_the_session():
     assert sandbox_uid_processes() == before
 
 
+# Forks children that sleep until it cannot fork any more; counts them in `children`.
+FORK_BOMB = """
+import os, time
+children = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        children += 1
+except OSError:
+    pass
+"""
+
+
 def test_the_process_limit_stops_a_fork_bomb():
     sandbox = bubblewrap()
-    bomb = '''
-def probe():
-    import os, time
-    children = 0
-    try:
-        while True:
-            if os.fork() == 0:
-                time.sleep(30)
-                os._exit(0)
-            children += 1
-    except OSError:
-        pass
-    return {"children": np.array(children)}
-'''
+    body = "".join(f"    {line}\n" for line in FORK_BOMB.strip().splitlines())
+    bomb = f"def probe():\n{body}    return {{'children': np.array(children)}}\n"
     start = time.monotonic()
     outcome = run(sandbox, bomb)
     assert outcome.status == "ok", outcome.message
@@ -363,3 +366,5 @@ def test_no_sandbox_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setattr(sandboxes.os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError, match="bubblewrap is not installed.*--no-sandbox"):
         sandboxes.choose()
+    with pytest.raises(ValueError, match="'user' needs a root grader"):
+        sandboxes.Sandbox("user")  # it would run the tests as the grader's own user

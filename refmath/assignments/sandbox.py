@@ -191,7 +191,10 @@ class Sandbox:
     def __init__(self, mode: str, unreadable: tuple[str, ...] = ()):
         if mode not in MODES:
             raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
+        if mode == "user" and os.geteuid() != 0:  # it runs each test as a uid of its own
+            raise ValueError("sandbox mode 'user' needs a root grader")
         self.mode = mode
+        self._copies = None  # the world-readable copies of the student packages (user mode)
         self.unreadable = tuple(unreadable)
         self.site = student_site()
         if mode == "user":
@@ -231,7 +234,7 @@ class Sandbox:
             if check.returncode == 0:
                 readable[name] = folder
                 continue
-            if not hasattr(self, "_copies"):
+            if self._copies is None:
                 self._copies = tempfile.TemporaryDirectory(prefix="refmath-sandbox-site-")
                 os.chmod(self._copies.name, 0o755)
             readable[name] = os.path.join(self._copies.name, name)
@@ -372,8 +375,11 @@ class Sandbox:
         if problem is not None and problem != "eof":
             return Outcome("killed", problem, text, seconds)
         if problem == "eof":
-            if returncode is not None and returncode < 0:
-                name = _signal_name(-returncode)
+            # a signal: the driver's own (negative status), or passed on by bubblewrap as 128 + n
+            number = (-returncode if returncode is not None and returncode < 0 else
+                      returncode - 128 if returncode is not None and returncode > 128 else None)
+            if number is not None:
+                name = _signal_name(number)
                 why = {"SIGXCPU": f"used more than {limits.cpu_s:g} s of CPU time (the limit)",
                        "SIGKILL": f"was killed (CPU time above {limits.cpu_s:g} s or out of memory)",
                        "SIGSEGV": "crashed with a segmentation fault",
@@ -381,9 +387,6 @@ class Sandbox:
                        "SIGFPE": "crashed (floating-point exception)"}.get(name,
                                                                          f"was killed by {name}")
                 return Outcome("killed", why, text, seconds)
-            if returncode is not None and returncode > 128:  # bubblewrap passes a signal on as 128+n
-                return Sandbox._outcome(output_path, limits, None, None, "eof", 128 - returncode,
-                                        seconds)
             return Outcome("killed", f"the process ended (exit status {returncode}) before the "
                            "test finished: os._exit(), a crash, or an exit from native code",
                            text, seconds)
