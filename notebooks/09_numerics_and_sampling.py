@@ -37,13 +37,8 @@ import numpy as np
 
 from refmath.attention import local_window_mask, sdpa_forward
 from refmath.flash import FlashCounters, flash_attention_forward
-from refmath.inference.generate import (
-    generate,
-    next_token_distribution,
-    sample_token,
-    top_k_filter,
-    top_p_filter,
-)
+from refmath.inference.generate import generate
+from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter, top_p_filter
 from refmath.inference.kv_cache import generate_cached
 from refmath.lessons import check_close, check_true
 from refmath.models import decoder

@@ -398,7 +398,7 @@ def test_a_checkpoint_with_nan_parameters_is_refused(saved_run, capsys):
 
 
 def test_nan_logits_are_refused_by_greedy_and_sampled_decoding():
-    from refmath.inference.generate import token_picker
+    from refmath.inference.sampling import token_picker
 
     logits = np.array([0.5, np.nan, 1.0])
     for greedy in (True, False):

@@ -52,7 +52,7 @@ from refmath.embedding import embedding_forward
 from refmath import kernels
 from refmath.ffn import linear_forward
 from refmath.inference.decode import BACKENDS, decode_attention
-from refmath.inference.generate import token_picker
+from refmath.inference.sampling import token_picker
 from refmath.models import decoder, gpt, mla
 from refmath.models.common import sub_params
 from refmath.models.params import check_param_dict

@@ -8,14 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refmath.inference.generate import (
-    generate,
-    generate_seq2seq,
-    next_token_distribution,
-    sample_token,
-    top_k_filter,
-    top_p_filter,
-)
+from refmath.inference.generate import generate, generate_seq2seq
+from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter, top_p_filter
 from refmath.models import gpt, transformer
 
 V = 7

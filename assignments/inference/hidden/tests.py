@@ -76,7 +76,7 @@ def generated_tokens_identical():
     def check(out):
         # naive regeneration with the full causal forward (no cache): the picker draws one uniform
         # number per row and step, rows in order, as generate_cached's loop does
-        from refmath.inference.generate import token_picker
+        from refmath.inference.sampling import token_picker
         from refmath.models.decoder import logits
         pick = token_picker(greedy=False, top_p=None, **options)
         expected = prompt
