@@ -368,3 +368,14 @@ def test_no_sandbox_is_refused_with_the_reason(monkeypatch):
         sandboxes.choose()
     with pytest.raises(ValueError, match="'user' needs a root grader"):
         sandboxes.Sandbox("user")  # it would run the tests as the grader's own user
+
+
+def test_a_python_the_sandbox_uid_cannot_run_is_a_reason_not_a_crash(monkeypatch):
+    # the root-only interpreter of a machine whose Python lives under /root: the user mode is
+    # refused with the reason, and the way out is named
+    if os.geteuid() != 0:
+        pytest.skip("the user mode needs a root grader")
+    monkeypatch.setattr(sandboxes.shutil, "which", lambda name: None)
+    monkeypatch.setenv("REFMATH_SANDBOX_PYTHON", "/nonexistent/python3")
+    with pytest.raises(RuntimeError, match="user: .*nonexistent.*REFMATH_SANDBOX_PYTHON"):
+        sandboxes.choose()

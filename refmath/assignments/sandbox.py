@@ -419,7 +419,12 @@ def choose(unreadable: tuple[str, ...] = ()) -> Sandbox:
             reasons.append("user: the grader is not root, so it cannot run tests as a uid of their "
                            "own")
             continue
-        sandbox = Sandbox(mode, unreadable)
+        try:
+            sandbox = Sandbox(mode, unreadable)
+        except OSError as error:  # e.g. a sandbox uid may not run this Python (one under /root)
+            reasons.append(f"{mode}: {error} (REFMATH_SANDBOX_PYTHON names an interpreter of the "
+                           f"same version that every user can run)")
+            continue
         problem = sandbox.probe()
         if problem is None:
             return sandbox
