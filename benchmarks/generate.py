@@ -21,7 +21,7 @@ import numpy as np
 from _common import interleaved_best_ms
 
 from refmath import kernels, train
-from refmath.models import DECODER_ONLY
+from refmath.models import DECODER_ONLY, model_module
 from refmath.data import make_task
 from refmath.inference.generate import generate
 
@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     print(f"{args.tokens} greedy tokens from a 1-token prompt, float32, tokens/s (x recompute)")
     print(f"{'model':<8}" + "".join(f"{way:>22}" for way in ways))
     for name in args.models:
-        task = make_task(train.MODELS[name].task)
+        task = make_task(train.recipe(name).task)
         config = train.default_config(name, task)
-        params = train.model_module(name).init_params(config, 0, dtype=np.float32)
+        params = model_module(name).init_params(config, 0, dtype=np.float32)
 
         def run(options):
             return lambda: generate(name, params, config, np.array([1]), args.tokens, greedy=True,

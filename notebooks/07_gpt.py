@@ -128,8 +128,8 @@ for position in ("post", "pre"):
     stream_std[position] = np.array(stds)
     print(f"{position}-LN stream std (embeddings, then after each layer): {stream_std[position]}")
 print("parameters only Pre-LN has:",
-      sorted(set(gpt.parameter_shapes(gpt.GPTConfig(norm_position="pre")))
-             - set(gpt.parameter_shapes(gpt.GPTConfig(norm_position="post")))))
+      sorted(set(gpt.param_shapes(gpt.GPTConfig(norm_position="pre")))
+             - set(gpt.param_shapes(gpt.GPTConfig(norm_position="post")))))
 assert np.all(stream_std["post"][1:] > 0.99)
 assert stream_std["pre"][0] < 0.05 and np.all(np.diff(stream_std["pre"]) > 0)
 
@@ -149,14 +149,14 @@ gpt2_by_hand = V * d + T_ctx * d + L * per_layer + 2 * d
 
 # %%
 check_close("GPT-2 small parameters", gpt2_by_hand,
-            lambda: n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])), rtol=0,
+            lambda: n_params(gpt.param_shapes(gpt.GPT_CONFIGS["gpt2-small"])), rtol=0,
             hint="per layer 12 d^2 + 13 d",
             slips={"the position table forgotten (T_ctx d)": lambda:
-                       n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])) - 1024 * 768,
+                       n_params(gpt.param_shapes(gpt.GPT_CONFIGS["gpt2-small"])) - 1024 * 768,
                    "the final LayerNorm forgotten (2 d)": lambda:
-                       n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])) - 2 * 768,
+                       n_params(gpt.param_shapes(gpt.GPT_CONFIGS["gpt2-small"])) - 2 * 768,
                    "an untied output matrix counted (V d more: GPT-2 reuses E)": lambda:
-                       n_params(gpt.parameter_shapes(gpt.GPT_CONFIGS["gpt2-small"])) + 50257 * 768})
+                       n_params(gpt.param_shapes(gpt.GPT_CONFIGS["gpt2-small"])) + 50257 * 768})
 
 # %% [markdown]
 # ## N11: initialisation, std 0.02 and residual projections scaled by $1/\sqrt{2L}$
@@ -314,7 +314,7 @@ np.testing.assert_allclose(z_long[:, :5], z_short, rtol=1e-12, atol=1e-14)
 # token occurs).
 
 # %%
-shapes_of = gpt.parameter_shapes(gpt_config)
+shapes_of = gpt.param_shapes(gpt_config)
 leaves = {}
 for name in shapes_of:
     leaves.setdefault(name.split(".")[-1], takes_weight_decay(name))

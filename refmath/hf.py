@@ -585,8 +585,7 @@ def parameter_count(hf: dict) -> int:
     """Parameters of the refmath model a Hugging Face config loads into (every tensor's size)."""
     name, config = config_from_hf(hf)
     module = model_module(name)
-    shapes = getattr(module, "param_shapes", None) or module.parameter_shapes
-    return sum(math.prod(shape) for shape in shapes(config).values())
+    return sum(math.prod(shape) for shape in module.param_shapes(config).values())
 
 
 def sizing_config(hf: dict):
@@ -804,8 +803,7 @@ def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
         raise TypeError(f"config must be a {config_class(model_name).__name__} for model "
                         f"{model_name!r}, got {type(config).__name__}")
     module = model_module(model_name)
-    shapes = getattr(module, "param_shapes", None) or module.parameter_shapes
-    dtype = check_param_dict(params, shapes(config))
+    dtype = check_param_dict(params, module.param_shapes(config))
     try:
         from safetensors.numpy import save_file
     except ImportError:

@@ -12,8 +12,9 @@ index, see :mod:`refmath.data`), global-norm clipping at ``c`` and the learning 
 :math:`\eta_s` of :func:`refmath.optim.warmup_cosine` (linear warmup, cosine decay to a tenth).
 AdamW decays the weight matrices only (:func:`refmath.optim.takes_weight_decay`).
 
-:data:`MODELS` maps each name to its module, its task and a default configuration small enough
-to learn in a few minutes on two CPU cores in float32:
+Every model of :data:`refmath.models.MODELS` comes with a recipe (its module's
+``TRAINING_RECIPE``, see :func:`recipe`): a task and a default configuration small enough to learn
+in a few minutes on two CPU cores in float32:
 
 - ``transformer`` (M1) reverses digit strings (:class:`refmath.data.ReversalTask`);
 - ``gpt`` (M2), ``llama`` (M3), ``mla`` (M4) model the characters of the generated English of
@@ -51,7 +52,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath import models
+from refmath.models import MODELS, config_class, model_module
+from refmath.models.common import TrainingRecipe
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
@@ -65,75 +67,21 @@ PLOT_FILE = "loss.png"
 EVAL_SEED = 2**31 - 1  # evaluation batches are the same for every training seed
 
 
-# ---- the model registry --------------------------------------------------------------------------
+# ---- the models and their recipes ----------------------------------------------------------------
 
-class ModelSpec(NamedTuple):
-    """How to train one model of :data:`refmath.models.MODELS` by default."""
-
-    task: dict  # the task's settings (see refmath.data.make_task)
-    config: dict  # configuration fields besides vocab_size and max_seq_len
-    steps: int  # training defaults
-    batch_size: int
-    lr: float
-    tasks: tuple  # the names of the tasks it can learn
-
-
-# Sizes chosen by measuring on two busy CPU cores in float32: about 45 s for the transformer (100%
-# exact-match reversals, validation loss 0.0015) and 2.5 min for each decoder (validation loss
-# 0.47 nats/char against 2.91 for the unigram baseline and 0.42 for the entropy rate of the
-# text; a decoder on task "reverse-lm" reaches 100% exact match in 40 s). No dropout: the data is
-# generated, so a short run sees little of it twice.
-_DECODER_TASKS = ("chars", "reverse-lm")
-MODELS = {
-    "transformer": ModelSpec(
-        {"name": "reverse", "max_len": 8},
-        dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, dropout=0.0, label_smoothing=0.0),
-        steps=600, batch_size=64, lr=3e-3, tasks=("reverse",)),
-    "gpt": ModelSpec(
-        {"name": "chars", "seq_len": 64},
-        dict(n_layers=2, d_model=64, n_heads=4, d_ff=256, dropout=0.0),
-        steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
-    "llama": ModelSpec(
-        {"name": "chars", "seq_len": 64},
-        dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_multiple_of=16),
-        steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
-    "mla": ModelSpec(
-        {"name": "chars", "seq_len": 64},
-        dict(n_layers=2, d_model=64, n_heads=4, d_c=32, d_rope=8, ffn_multiple_of=16),
-        steps=1000, batch_size=32, lr=3e-3, tasks=_DECODER_TASKS),
-}
-
-
-def _spec(name: str) -> ModelSpec:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
-    return MODELS[name]
-
-
-def model_module(name: str):
-    """The module of model ``name`` (imported on first use)."""
-    _spec(name)
-    return models.model_module(name)
-
-
-def config_class(name: str):
-    """The configuration dataclass of model ``name``."""
-    _spec(name)
-    return models.config_class(name)
+def recipe(name: str) -> TrainingRecipe:
+    """How model ``name`` (one of :data:`refmath.models.MODELS`) is trained by default: its
+    module's ``TRAINING_RECIPE``."""
+    return model_module(name).TRAINING_RECIPE
 
 
 def default_config(name: str, task):
     """The default configuration of model ``name`` sized for ``task``'s vocabulary and lengths."""
-    spec = _spec(name)
+    spec = recipe(name)
     if task.name not in spec.tasks:
         raise ValueError(f"model {name!r} learns the tasks {list(spec.tasks)}, not {task.name!r}")
     max_seq_len = task.max_len + 1 if isinstance(task, ReversalTask) else task.seq_len
     return config_class(name)(vocab_size=task.vocab_size, max_seq_len=max_seq_len, **spec.config)
-
-
-def _param_shapes(module, config) -> dict:
-    shapes = getattr(module, "param_shapes", None) or getattr(module, "parameter_shapes")
-    return {name: tuple(shape) for name, shape in shapes(config).items()}
 
 
 # ---- settings ------------------------------------------------------------------------------------
@@ -335,7 +283,7 @@ def load_checkpoint(directory, model: str | None = None, config=None) -> Checkpo
         raise CheckpointError(f"{path} and {config_path} describe different runs: {'; '.join(diffs)}")
 
     module = model_module(meta["model"])
-    shapes = _param_shapes(module, saved_config)
+    shapes = module.param_shapes(saved_config)
     params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
     missing = [k for k in shapes if k not in params]
     extra = sorted(set(params) - set(shapes))
@@ -498,7 +446,7 @@ def _resume_run(directory: Path, model, config, task, given: dict) -> _Run:
 def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
     if model is None:
         raise ValueError(f"give the model to train, one of {sorted(MODELS)}")
-    spec = _spec(model)
+    spec = recipe(model)
     if (directory / CHECKPOINT_FILE).exists() or (directory / CONFIG_FILE).exists():
         raise CheckpointError(f"{directory} already holds a run; resume it or choose another "
                               f"output directory")

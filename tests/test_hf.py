@@ -260,9 +260,9 @@ def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path,
     import dataclasses
 
     from refmath.data import make_task
-    from refmath.train import MODELS, default_config, load_checkpoint as load_run, train
+    from refmath.train import default_config, load_checkpoint as load_run, recipe, train
 
-    task = {**MODELS[model_name].task, "seq_len": 16}
+    task = {**recipe(model_name).task, "seq_len": 16}
     config = dataclasses.replace(default_config(model_name, make_task(task)), d_model=32)
     if model_name == "mla":  # deepseek_v3 always normalises its latents, with epsilon 1e-6
         config = dataclasses.replace(config, latent_norm=True, latent_norm_eps=1e-6)

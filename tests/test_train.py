@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from refmath import train as T
-from refmath.models import gpt
+from refmath.models import MODELS, config_class, gpt, model_module, transformer
 from refmath.models.gpt import GPTConfig
 from refmath.models.transformer import TransformerConfig
 
@@ -36,19 +36,19 @@ def run_gpt(directory, steps, dropout=0.0, **kwargs):
 
 # ---- the registry --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(T.MODELS))
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_registry(name):
-    module = T.model_module(name)
-    for function in ("init_params", "forward", "backward", "logits"):
+    module = model_module(name)
+    for function in ("param_shapes", "init_params", "forward", "backward", "logits"):
         assert callable(getattr(module, function))
-    task = T.make_task(T.MODELS[name].task)
+    task = T.make_task(T.recipe(name).task)
     config = T.default_config(name, task)
-    assert isinstance(config, T.config_class(name))
+    assert isinstance(config, config_class(name))
     assert config.vocab_size == task.vocab_size
     assert json.loads(json.dumps(dataclasses.asdict(config))) == dataclasses.asdict(config)
-    assert set(T._param_shapes(module, config)) == set(module.init_params(config, 0))
-    with pytest.raises(ValueError, match="unknown model"):
-        T.model_module("bert")
+    assert set(module.param_shapes(config)) == set(module.init_params(config, 0))
+    with pytest.raises(ValueError, match="model must be one of"):
+        T.recipe("bert")
 
 
 def test_settings():
@@ -243,9 +243,9 @@ def test_parameters_that_do_not_fit_the_config(saved_run):
 @pytest.fixture
 def small_defaults(monkeypatch):
     """The commands' code paths with tiny default models, so that they run in a blink."""
-    monkeypatch.setitem(T.MODELS, "gpt", T.MODELS["gpt"]._replace(
+    monkeypatch.setattr(gpt, "TRAINING_RECIPE", gpt.TRAINING_RECIPE._replace(
         task=CHARS, config=dict(n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0)))
-    monkeypatch.setitem(T.MODELS, "transformer", T.MODELS["transformer"]._replace(
+    monkeypatch.setattr(transformer, "TRAINING_RECIPE", transformer.TRAINING_RECIPE._replace(
         task=REVERSE, config=dict(n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0,
                                   label_smoothing=0.0)))
 

@@ -31,34 +31,29 @@ absorbed form by default: per head :math:`\hat q_r = q^C_r W_{UK,r}^\top`, so
 never expanded. ``mla_path="expanded"`` recomputes :math:`k^C = c W_{UK}` and :math:`v = c W_{UV}`
 from the cached latents instead; both give the same numbers up to rounding.
 
-Supported models: :mod:`refmath.models.gpt` (``"gpt"``), :mod:`refmath.models.decoder`
-(``"llama"``) and :mod:`refmath.models.mla` (``"mla"``), passed as the module or its name in
-:data:`refmath.models.MODELS`. These forwards are for inference only (no dropout, no backward):
-each layer is the model's own, with its cached attention step (``cached_attention`` in GPT,
-``AttentionOps.cached`` in the M3 family) reading and extending the layer's cache through a
-:class:`_Slot`.
+Models: every decoder-only model of :data:`refmath.models.MODELS` (``"gpt"``, ``"llama"``,
+``"mla"``), passed as its module or its name. The model owns its inference step: ``cache_spec``
+(which cache, of which shapes), ``embed``, ``cached_layer`` (one layer on the new rows, its
+attention step reading and extending the layer's cache through a :class:`_Slot`) and ``head``.
+This module keeps the caches, the slot and the prefill and decode loops; these forwards are for
+inference only (no dropout, no backward).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, local_window_mask, sdpa_forward
-from refmath.embedding import embedding_forward
 from refmath import kernels
-from refmath.ffn import linear_forward
 from refmath.inference.decode import BACKENDS, decode_attention
 from refmath.inference.sampling import token_picker
-from refmath.models import decoder, gpt, mla
-from refmath.models.common import sub_params
+from refmath.models import DECODER_ONLY, MODELS, config_class, model_module, model_name
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
-from refmath.norms import layernorm_forward, rmsnorm_forward
-from refmath.positions import learned_positions_forward
 
 MLA_PATHS = ("absorbed", "expanded")
 
@@ -343,129 +338,30 @@ class _Slot(NamedTuple):
         self.cache.counts.record(self.layer, mask)
 
 
-# ---- GPT (M2): learned positions, biased MHA, Pre-LN or Post-LN ----------------------------------
-
-
-def _gpt_embed(params, tokens, config, offset):
-    x, _ = embedding_forward(tokens, params["tok_emb"])
-    # The new rows sit at positions offset.. of the learned table (N9).
-    x, _ = learned_positions_forward(x, params["pos_emb"], offset=offset)
-    return x
-
-
-def _gpt_layer(x, params, layer, config, cache, offset, mla_path):
-    x, _ = gpt.attention_sublayer_forward(x, params, layer, config, slot=_Slot(cache, layer),
-                                          offset=offset)
-    return gpt.ffn_sublayer_forward(x, params, layer, config)[0]  # per token: reused as is
-
-
-def _gpt_head(params, x, config):
-    if config.norm_position == "pre":
-        x, _ = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
-    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out)[0]
-
-
-def _gpt_cache_shapes(config, batch, max_len):
-    shape = (config.n_layers, batch, config.n_heads, max_len, config.head_dim)  # g = h in GPT
-    return shape, shape
-
-
-# ---- the M3 decoder and MLA (M4): RMSNorm, RoPE, SwiGLU ------------------------------------------
-
-
-def _decoder_embed(params, tokens, config, offset):
-    return embedding_forward(tokens, params["tok_emb"])[0]  # positions enter through RoPE only
-
-
-def _decoder_head(params, x, config):
-    x, _ = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
-    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out)[0]
-
-
-def _family_layer(attention):
-    """A layer of the M3 family, with the model's own cached attention step (``attention.cached``
-    of its :class:`refmath.models.decoder.AttentionOps`), residual sublayers and SwiGLU branch."""
-
-    def layer_forward(x, params, layer, config, cache, offset, mla_path):
-        w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
-        p = f"layers.{layer}."
-        options = {"mla_path": mla_path} if attention is mla.MLA else {}
-
-        def branch(u):
-            return attention.cached(u, w, config, _Slot(cache, layer), offset, **options), None
-
-        x, _ = decoder.sublayer_forward(x, params[p + "ln1.gamma"], branch, config.norm_eps)
-        x, _ = decoder.sublayer_forward(x, params[p + "ln2.gamma"],
-                                        lambda u: decoder.ffn_forward(u, ffn), config.norm_eps)
-        return x
-
-    return layer_forward
-
-
-def _decoder_cache_shapes(config, batch, max_len):
-    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
-    return shape, shape
-
-
-def _mla_cache_shapes(config, batch, max_len):
-    return ((config.n_layers, batch, max_len, config.d_c + config.d_rope),)
-
-
-def _no_extras(config):
-    return {}
-
-
 # ---- which model ---------------------------------------------------------------------------------
 
-
-class _Spec(NamedTuple):
-    name: str
-    module: ModuleType
-    config_type: type
-    param_shapes: Callable  # config -> {name: shape}
-    cache_type: type
-    cache_shapes: Callable  # (config, batch, max_len) -> the shapes of the cache's arrays
-    cache_extras: Callable  # config -> the cache's other fields
-    embed: Callable  # (params, tokens, config, offset) -> x (B, n, d)
-    layer: Callable  # (x, params, layer, config, cache, offset, mla_path) -> x
-    head: Callable  # (params, x, config) -> logits (B, n, V)
+# The cache class of each kind a model's cache_spec names (refmath.models.common.CacheSpec).
+_CACHE_TYPES = {"kv": KVCache, "latent": LatentCache}
 
 
-_SPECS = {
-    "gpt": _Spec("gpt", gpt, gpt.GPTConfig, gpt.parameter_shapes, KVCache, _gpt_cache_shapes,
-                 _no_extras, _gpt_embed, _gpt_layer, _gpt_head),
-    "llama": _Spec("llama", decoder, decoder.DecoderConfig, decoder.param_shapes, KVCache,
-                     _decoder_cache_shapes, _no_extras, _decoder_embed, _family_layer(decoder.ROPE_GQA),
-                     _decoder_head),
-    "mla": _Spec("mla", mla, mla.MLAConfig, mla.param_shapes, LatentCache, _mla_cache_shapes,
-                 lambda config: {"d_c": config.d_c}, _decoder_embed, _family_layer(mla.MLA), _decoder_head),
-}
-
-
-
-def _spec(model, config) -> _Spec:
-    """Resolve ``model`` (a supported model module or its name) and check ``config``'s type."""
+def _model(model, config) -> ModuleType:
+    """The module of ``model`` (a decoder-only model module or its name in
+    :data:`refmath.models.MODELS`), with ``config`` checked to be its configuration."""
     if isinstance(model, ModuleType):
-        spec = next((s for s in _SPECS.values() if s.module is model), None)
-        if spec is None:
-            raise ValueError(f"model {model.__name__} has no KV-cache decoding here; supported: "
-                             f"{[s.module.__name__ for s in _SPECS.values()]}")
-    elif isinstance(model, str) and model in _SPECS:
-        spec = _SPECS[model]
+        name = next((n for n in DECODER_ONLY if MODELS[n].module == model.__name__), None)
+        if name is None:
+            raise ValueError(f"model {model.__name__} has no KV-cache decoding here; the "
+                             f"decoder-only models are {[MODELS[n].module for n in DECODER_ONLY]}")
+    elif model in DECODER_ONLY:
+        name = model
     else:
-        raise ValueError(f"model must be one of {', '.join(_SPECS)} or a model module, got "
-                         f"{model!r}")
-    if not isinstance(config, spec.config_type):
-        raise TypeError(f"model {spec.name!r} needs a {spec.config_type.__name__}, "
+        raise ValueError(f"model must be one of {', '.join(DECODER_ONLY)} (the decoder-only models "
+                         f"of refmath.models.MODELS) or its module, got {model!r}")
+    config_type = config_class(name)
+    if not isinstance(config, config_type):
+        raise TypeError(f"model {name!r} needs a {config_type.__name__}, "
                         f"got {type(config).__name__}")
-    return spec
-
-
-def _check_params(params, spec: _Spec, config) -> np.dtype:
-    """Exactly the model's parameter names and shapes, one floating dtype; returns that dtype."""
-    return check_param_dict(params, spec.param_shapes(config))
+    return model_module(name)
 
 
 def _check_mla_path(mla_path) -> None:
@@ -482,7 +378,7 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     for MLA. All memory is allocated here, once: in host memory, or on the GPU for
     ``backend="cuda"``. ``backend`` (``"numpy"``, ``"cpu"`` or ``"cuda"``, see :class:`KVCache`)
     computes attention over it; the kernels take float32 caches."""
-    spec = _spec(model, config)
+    module = _model(model, config)
     batch = check_int("batch", batch, 1)
     max_len = config.max_seq_len if max_len is None else check_int("max_len", max_len, 1,
                                                                     config.max_seq_len)
@@ -490,10 +386,11 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     if not np.issubdtype(dtype, np.floating):
         raise TypeError(f"dtype must be a floating-point type, got {dtype}")
     _check_cache_backend(backend, dtype)
-    shapes = spec.cache_shapes(config, int(batch), int(max_len))
+    spec = module.cache_spec(config, int(batch), int(max_len))
     xp = _array_module(backend)
-    cache = spec.cache_type(*(xp.zeros(shape, dtype) for shape in shapes),
-                            **spec.cache_extras(config))
+    arrays = [xp.zeros(shape, dtype) for shape in spec.shapes]
+    extras = {"d_c": spec.latent_width} if spec.kind == "latent" else {}
+    cache = _CACHE_TYPES[spec.kind](*arrays, **extras)
     if backend != "numpy":
         cache.backend = backend
     return cache
@@ -509,11 +406,14 @@ def _check_cache_backend(backend, dtype: np.dtype) -> None:
                          f"{kernels.cuda_build_info()}")
 
 
-def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
-    """Run ``tokens`` ``(B, n)`` at positions ``cache.length ..`` through every layer, extending the
-    cache; returns the logits ``(B, n, V)``. ``length`` advances once every layer is written."""
+def _forward_rows(module, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
+    """Run ``tokens`` ``(B, n)`` at positions ``cache.length ..`` through every layer of the model
+    ``module`` (its ``embed``, ``cached_layer`` and ``head``), extending the cache; returns the
+    logits ``(B, n, V)``. ``length`` advances once every layer is written."""
     offset, n = cache.length, tokens.shape[1]
-    if spec.cache_type is LatentCache and mla_path == "expanded" and cache.backend != "numpy":
+    # mla_path chooses how a latent cache is read, so only the models that keep one take it
+    options = {"mla_path": mla_path} if isinstance(cache, LatentCache) else {}
+    if options and mla_path == "expanded" and cache.backend != "numpy":
         raise ValueError(f"mla_path='expanded' needs backend='numpy': its keys (width d_k + d_R) and "
                          f"values (width d_v) differ in width, which the kernels do not take; the "
                          f"cache's backend is {cache.backend!r} (mla_path='absorbed' runs on it)")
@@ -523,11 +423,11 @@ def _forward_rows(spec: _Spec, params, config, cache, tokens: np.ndarray, mla_pa
             limit = f"its max_len = {cache.max_len} (the model's {limit})"
         raise ValueError(f"the cache holds {offset} positions and is limited to {limit}: {n} more "
                          f"token(s) would need positions up to {offset + n - 1} (0-based)")
-    x = spec.embed(params, tokens, config, offset)
+    x = module.embed(params, tokens, config, offset)
     for layer in range(config.n_layers):
-        x = spec.layer(x, params, layer, config, cache, offset, mla_path)
+        x = module.cached_layer(x, params, layer, config, _Slot(cache, layer), offset, **options)
     cache.length = offset + n
-    return spec.head(params, x, config)
+    return module.head(params, x, config)
 
 
 def prefill(model, params, config, prompt_ids, all_logits: bool = False,
@@ -545,14 +445,14 @@ def prefill(model, params, config, prompt_ids, all_logits: bool = False,
     ``"cuda"`` (the CUDA kernels, the cache in GPU memory); the kernels need float32 parameters,
     and for MLA the absorbed path.
     """
-    spec = _spec(model, config)
+    module = _model(model, config)
     _check_mla_path(mla_path)
-    dtype = _check_params(params, spec, config)
+    dtype = check_param_dict(params, module.param_shapes(config))
     prompt = np.asarray(prompt_ids)
     unbatched = prompt.ndim == 1
     tokens = check_tokens("prompt_ids", prompt[None] if unbatched else prompt, config)
-    cache = empty_cache(spec.name, config, tokens.shape[0], dtype, max_len, backend)
-    logits = _forward_rows(spec, params, config, cache, tokens, mla_path)
+    cache = empty_cache(module, config, tokens.shape[0], dtype, max_len, backend)
+    logits = _forward_rows(module, params, config, cache, tokens, mla_path)
     logits = logits if all_logits else logits[:, -1]
     return (logits[0] if unbatched else logits), cache
 
@@ -571,10 +471,10 @@ def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbe
     ``(B,)``. The cache is updated in place (``length`` grows by one). Raises ``ValueError`` when
     the cache is full (``max_seq_len`` positions) or an id is outside ``[0, vocab_size)``.
     """
-    spec = _spec(model, config)
+    module = _model(model, config)
     _check_mla_path(mla_path)
-    dtype = _check_params(params, spec, config)
-    _check_cache(cache, spec, config, dtype)
+    dtype = check_param_dict(params, module.param_shapes(config))
+    _check_cache(cache, module, config, dtype)
     ids = np.asarray(token_id)
     unbatched = ids.ndim == 0
     ids = int_array("token_id", ids, config.vocab_size)
@@ -584,17 +484,18 @@ def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbe
     if ids.shape[0] != cache.batch:
         raise ValueError(f"token_id has {ids.shape[0]} token(s) (shape {ids.shape}) but the cache "
                          f"holds B = {cache.batch} sequence(s)")
-    logits = _forward_rows(spec, params, config, cache, ids[:, None], mla_path)[:, 0]
+    logits = _forward_rows(module, params, config, cache, ids[:, None], mla_path)[:, 0]
     return logits[0] if unbatched else logits
 
 
-def _check_cache(cache, spec: _Spec, config, dtype) -> None:
+def _check_cache(cache, module, config, dtype) -> None:
     """The cache must be of the model's kind, sized for its config and in the parameters' dtype."""
-    if not isinstance(cache, spec.cache_type):
-        raise TypeError(f"model {spec.name!r} decodes with a {spec.cache_type.__name__}, got "
+    cache_type = _CACHE_TYPES[module.cache_spec(config, 1, 1).kind]
+    if not isinstance(cache, cache_type):
+        raise TypeError(f"model {model_name(module)!r} decodes with a {cache_type.__name__}, got "
                         f"{type(cache).__name__}")
     have = tuple(a.shape for a in cache._arrays())
-    want = spec.cache_shapes(config, cache.batch, cache.max_len)
+    want = module.cache_spec(config, cache.batch, cache.max_len).shapes
     if have != want or cache.max_len > config.max_seq_len:
         raise ValueError(f"the cache's arrays have shapes {have}, which do not fit the config: "
                          f"expected {want} with max_len <= max_seq_len = {config.max_seq_len}")
@@ -613,7 +514,7 @@ class Generation(NamedTuple):
 
 def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling, next_logits):
     """Shared by both generators: checks, then ``max_new_tokens`` picks from ``next_logits``."""
-    spec = _spec(model, config)
+    module = _model(model, config)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     prompt = np.asarray(prompt_ids)
     unbatched = prompt.ndim == 1
@@ -628,7 +529,7 @@ def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling
     counts = PairCounts.zeros(config.n_layers)
     steps = []
     for step in range(max_new_tokens):
-        z = next_logits(spec.name, tokens, step, counts)
+        z = next_logits(module, tokens, step, counts)
         steps.append(z)
         new = np.array([pick(row) for row in z], dtype=tokens.dtype)
         tokens = np.concatenate([tokens, new[:, None]], axis=1)
@@ -657,12 +558,13 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     state = {}
 
-    def next_logits(name, tokens, step, counts):
+    def next_logits(module, tokens, step, counts):
         if step == 0:
-            z, state["cache"] = prefill(name, params, config, tokens, mla_path=mla_path,
+            z, state["cache"] = prefill(module, params, config, tokens, mla_path=mla_path,
                                         backend=backend)
         else:
-            z = decode_step(name, params, config, state["cache"], tokens[:, -1], mla_path=mla_path)
+            z = decode_step(module, params, config, state["cache"], tokens[:, -1],
+                            mla_path=mla_path)
         if step == max_new_tokens - 1:
             counts.add(state["cache"].counts)
         return z
@@ -684,8 +586,8 @@ def generate_naive(model, params, config, prompt_ids, max_new_tokens: int, *,
     _check_mla_path(mla_path)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
-    def next_logits(name, tokens, step, counts):
-        z, fresh = prefill(name, params, config, tokens, mla_path=mla_path)
+    def next_logits(module, tokens, step, counts):
+        z, fresh = prefill(module, params, config, tokens, mla_path=mla_path)
         counts.add(fresh.counts)
         return z
 

@@ -1,4 +1,5 @@
-"""Plumbing the models share: parameter names under a prefix, and dropout masks.
+"""Plumbing the models share: parameter names under a prefix, dropout masks, and the two shapes a
+model fills in to plug into the rest of refmath (its attention, and its inference cache).
 
 Parameters live in one flat dict with dotted names (``"layers.0.attn.w_q"``); a layer or sublayer
 works on the entries under its prefix with the prefix removed (``"w_q"``), and hands its gradients
@@ -7,6 +8,50 @@ back under the same short names, which the caller prefixes again.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Callable, NamedTuple
+
+
+class AttentionOps(NamedTuple):
+    """What a layer needs from its attention sublayer (GPT's biased MHA, M3's RoPE + GQA, M4's MLA).
+
+    Parameter names here are relative to ``layers.{i}.attn.``.
+    """
+
+    shapes: Callable  # config -> {name: shape} of one layer's attention parameters
+    forward: Callable  # (x, params, config) -> (y, cache); x is (B, T, d)
+    backward: Callable  # (dy, cache) -> (dx, {name: gradient})
+    state: Callable  # cache -> the per-layer tensors an inference (KV) cache would keep
+    # (u, params, config, slot, offset, **options) -> y: the same attention at inference, on new
+    # rows at positions offset.., with the layer's cache ``slot`` (refmath.inference.kv_cache)
+    cached: Callable
+
+
+class TrainingRecipe(NamedTuple):
+    """How ``python -m refmath train`` trains a model by default (its module's
+    ``TRAINING_RECIPE``)."""
+
+    task: dict  # the task's settings (see refmath.data.make_task)
+    config: dict  # configuration fields besides vocab_size and max_seq_len
+    steps: int  # training defaults
+    batch_size: int
+    lr: float
+    tasks: tuple  # the names of the tasks it can learn
+
+
+
+
+class CacheSpec(NamedTuple):
+    """The inference cache a decoder-only model keeps (``cache_spec(config, batch, max_len)``).
+
+    ``kind`` is ``"kv"`` (keys and values per key/value head: a
+    :class:`refmath.inference.kv_cache.KVCache`) or ``"latent"`` (one row per token, a latent of
+    width ``latent_width`` and a shared rotary key: a
+    :class:`refmath.inference.kv_cache.LatentCache`); ``shapes`` are the shapes of its arrays.
+    """
+
+    kind: str
+    shapes: tuple
+    latent_width: int | None = None
 
 
 def sub_params(params: Mapping, prefix: str) -> dict:

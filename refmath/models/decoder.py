@@ -54,7 +54,8 @@ from refmath.ffn import (
 )
 from refmath.fused import swiglu_backward, swiglu_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
-from refmath.models.common import dropout_mask, prefixed, sub_params
+from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask, prefixed,
+                                   sub_params)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
@@ -191,22 +192,14 @@ def preset(name: str, **overrides) -> DecoderConfig:
     return DecoderConfig(**{**PRESETS[name], **overrides})
 
 
+# The default of `python -m refmath train` (as GPT's: about 2.5 min on two busy CPU cores).
+TRAINING_RECIPE = TrainingRecipe(
+    {"name": "chars", "seq_len": 64},
+    dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_multiple_of=16),
+    steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
+
+
 # ---- the attention sublayer as a parameter of the recurrence ---------------------------------------
-
-
-class AttentionOps(NamedTuple):
-    """What a decoder layer needs from its attention (M3's RoPE + GQA, or M4's MLA).
-
-    Parameter names here are relative to ``layers.{i}.attn.``.
-    """
-
-    shapes: Callable  # config -> {name: shape} of one layer's attention parameters
-    forward: Callable  # (x, params, config) -> (y, cache); x is (B, T, d)
-    backward: Callable  # (dy, cache) -> (dx, {name: gradient})
-    state: Callable  # cache -> the per-layer tensors an inference (KV) cache would keep
-    # (u, params, config, slot, offset, **options) -> y: the same attention at inference, on new
-    # rows at positions offset.., with the layer's cache ``slot`` (refmath.inference.kv_cache)
-    cached: Callable
 
 
 class RoPEAttentionCache(NamedTuple):
@@ -586,6 +579,50 @@ def layer_kv(cache: DecoderCache) -> list:
     only (K1).
     """
     return layer_states(cache)
+
+
+# ---- inference with a KV cache: this family's side of refmath.inference.kv_cache (K2, K3) ----------
+
+
+def cache_spec(config: DecoderConfig, batch: int, max_len: int) -> CacheSpec:
+    """Keys and values of ``g`` heads per layer: ``(L, B, g, max_len, d_h)`` each."""
+    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
+    return CacheSpec("kv", (shape, shape))
+
+
+def embed(params, tokens, config, offset: int) -> np.ndarray:
+    """The new rows' embeddings ``(B, n, d)``; positions enter through RoPE only, so ``offset``
+    changes nothing here."""
+    return embedding_forward(tokens, params["tok_emb"])[0]
+
+
+def head(params, x, config) -> np.ndarray:
+    """Final RMSNorm and output projection of the new rows: logits ``(B, n, V)``."""
+    x, _ = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
+    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
+    return linear_forward(x, w_out)[0]
+
+
+def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,
+                        **options) -> np.ndarray:
+    """Layer ``layer`` on the new rows ``x`` ``(B, n, d)`` at positions ``offset..``: the residual
+    sublayers of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
+    reading and extending the layer's cache through ``slot``. ``options`` go to that step."""
+    w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
+    p = f"layers.{layer}."
+
+    def branch(u):
+        return attention.cached(u, w, config, slot, offset, **options), None
+
+    x, _ = sublayer_forward(x, params[p + "ln1.gamma"], branch, config.norm_eps)
+    x, _ = sublayer_forward(x, params[p + "ln2.gamma"], lambda u: ffn_forward(u, ffn),
+                            config.norm_eps)
+    return x
+
+
+def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int) -> np.ndarray:
+    """One M3 layer at inference (see :func:`family_cached_layer`)."""
+    return family_cached_layer(x, params, layer, config, ROPE_GQA, slot, offset)
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

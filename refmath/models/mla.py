@@ -2,7 +2,7 @@ r"""The MLA decoder (catalogue M4): the M3 recurrence with DeepSeek-V2 style lat
 
 Everything but the attention sublayer (embedding, Pre-RMSNorm residual sublayers, SwiGLU, final
 RMSNorm, output head, loss, dropout) is :mod:`refmath.models.decoder`'s; this module supplies the
-multi-head latent attention as an :class:`~refmath.models.decoder.AttentionOps`.
+multi-head latent attention as an :class:`~refmath.models.common.AttentionOps`.
 
 Multi-head latent attention (K8, K9), for a token row :math:`x_j` and head :math:`r`:
 
@@ -58,8 +58,8 @@ from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backwar
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
 from refmath.models.batch import check_tokens
+from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
 from refmath.models.decoder import (
-    AttentionOps,
     DecoderCache,
     SharedWidths,
     check_params,
@@ -161,6 +161,13 @@ def preset(name: str, **overrides) -> MLAConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     return MLAConfig(**{**PRESETS[name], **overrides})
+
+
+# The default of `python -m refmath train` (as GPT's: about 2.5 min on two busy CPU cores).
+TRAINING_RECIPE = TrainingRecipe(
+    {"name": "chars", "seq_len": 64},
+    dict(n_layers=2, d_model=64, n_heads=4, d_c=32, d_rope=8, ffn_multiple_of=16),
+    steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
 
 
 # ---- multi-head latent attention -------------------------------------------------------------------
@@ -378,6 +385,27 @@ def logits(params, tokens, config: MLAConfig) -> np.ndarray:
 def layer_latents(cache: DecoderCache) -> list:
     """Per layer, ``(c, k_r)``: what an MLA inference cache stores (K9), see :func:`mla_state`."""
     return layer_states(cache)
+
+
+# ---- inference with a latent cache: this model's side of refmath.inference.kv_cache (K8, K9) ------
+
+
+def cache_spec(config: MLAConfig, batch: int, max_len: int) -> CacheSpec:
+    r"""Per layer and token one row :math:`[c_j\ k^R_j]`: ``(L, B, max_len, d_c + d_R)``."""
+    return CacheSpec("latent", ((config.n_layers, batch, max_len, config.d_c + config.d_rope),),
+                     latent_width=config.d_c)
+
+
+embed = decoder.embed  # the M3 embedding and head, as in training
+head = decoder.head
+
+
+def cached_layer(x, params, layer: int, config: MLAConfig, slot, offset: int,
+                 mla_path: str = "absorbed") -> np.ndarray:
+    """One M4 layer at inference: M3's layer with :func:`mla_cached` as its attention step
+    (``mla_path``: the absorbed or the expanded attention)."""
+    return decoder.family_cached_layer(x, params, layer, config, MLA, slot, offset,
+                                       mla_path=mla_path)
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from refmath.attention import MHACache, causal_mask, mha_backward, mha_forward, 
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import FFNCache, LinearCache, ffn_backward, ffn_forward, linear_backward, linear_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
-from refmath.models.common import apply_mask, dropout_mask, prefixed, sub_params
+from refmath.models.common import TrainingRecipe, apply_mask, dropout_mask, prefixed, sub_params
 from refmath.models.params import check_param_dict
 from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
@@ -124,6 +124,15 @@ TRANSFORMER_BASE = TransformerConfig(vocab_size=37000, max_seq_len=512, n_layers
 # A model small enough for gradient checks and lessons.
 TRANSFORMER_TINY = TransformerConfig(vocab_size=13, max_seq_len=16, n_layers=2, d_model=16,
                                      n_heads=2, d_ff=32, dropout=0.1, label_smoothing=0.1)
+
+
+# The default of `python -m refmath train`: about 45 s on two busy CPU cores in float32 for 100%
+# exact-match reversals (validation loss 0.0015). No dropout: the data is generated, so a short
+# run sees little of it twice.
+TRAINING_RECIPE = TrainingRecipe(
+    {"name": "reverse", "max_len": 8},
+    dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, dropout=0.0, label_smoothing=0.0),
+    steps=600, batch_size=64, lr=3e-3, tasks=("reverse",))
 
 
 # ---- parameters ----------------------------------------------------------------------------------

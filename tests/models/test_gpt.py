@@ -21,7 +21,7 @@ def _random_params(config, seed):
     path of the network carries a signal of order 1 in the gradient check."""
     rng = np.random.default_rng(seed)
     params = {}
-    for name, shape in gpt.parameter_shapes(config).items():
+    for name, shape in gpt.param_shapes(config).items():
         if name.endswith("gamma"):
             params[name] = 1.0 + 0.2 * rng.standard_normal(shape)
         elif len(shape) == 1:  # biases and LayerNorm shifts
@@ -144,7 +144,7 @@ def test_init_is_seeded_and_takes_a_dtype():
     a = gpt.init_params(SMALL, seed=7)
     b = gpt.init_params(SMALL, seed=7)
     c = gpt.init_params(SMALL, seed=8, dtype=np.float32)
-    assert list(a) == list(gpt.parameter_shapes(SMALL))
+    assert list(a) == list(gpt.param_shapes(SMALL))
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
         assert c[name].dtype == np.float32
@@ -155,7 +155,7 @@ def test_init_is_seeded_and_takes_a_dtype():
 @pytest.mark.parametrize("tied", [True, False])
 def test_parameter_names_and_count_agree_with_sizing(norm_position, tied):
     config = dataclasses.replace(SMALL, norm_position=norm_position, tie_embeddings=tied)
-    names = set(gpt.parameter_shapes(config))
+    names = set(gpt.param_shapes(config))
     assert ("ln_f.gamma" in names) == (norm_position == "pre")
     assert ("lm_head" in names) == (not tied)
     # the same network described to the parameter calculator
@@ -178,7 +178,7 @@ def test_gpt2_small_preset_has_124_439_808_parameters():
     # LayerNorms (2 * 1536), attention 4 * 768^2 + 4 * 768 = 2,362,368, FFN 2 * 768 * 3072 + 3072
     # + 768 = 4,722,432, i.e. 7,087,872 per layer and 85,054,464 for 12; final LayerNorm 1536;
     # tied output 0. Sum: 124,439,808 (the "124M" of the model card).
-    shapes = gpt.parameter_shapes(config)  # counted from the shapes: no 1 GB allocation
+    shapes = gpt.param_shapes(config)  # counted from the shapes: no 1 GB allocation
     assert sum(math.prod(s) for s in shapes.values()) == 124_439_808
     assert sizing.parameter_counts(sizing.PRESETS["gpt2-small"]).total == 124_439_808
     tiny = gpt.GPT_CONFIGS["tiny"]
@@ -189,8 +189,8 @@ def test_gpt2_small_preset_has_124_439_808_parameters():
 
 def test_weight_decay_rule_reads_the_parameter_names():
     config = dataclasses.replace(SMALL, tie_embeddings=False)
-    decayed = {n for n in gpt.parameter_shapes(config) if takes_weight_decay(n)}
-    matrices = {n for n, s in gpt.parameter_shapes(config).items() if len(s) == 2
+    decayed = {n for n in gpt.param_shapes(config) if takes_weight_decay(n)}
+    matrices = {n for n, s in gpt.param_shapes(config).items() if len(s) == 2
                 and n not in ("tok_emb", "pos_emb")}
     assert decayed == matrices
     assert "lm_head" in decayed and "layers.1.ffn.w2" in decayed

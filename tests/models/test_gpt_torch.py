@@ -29,7 +29,7 @@ def _transposed(name: str) -> bool:
 def _random_params(config, seed):
     rng = np.random.default_rng(seed)
     params = {}
-    for name, shape in gpt.parameter_shapes(config).items():
+    for name, shape in gpt.param_shapes(config).items():
         if name.endswith("gamma"):
             params[name] = 1.0 + 0.2 * rng.standard_normal(shape)
         elif len(shape) == 1:
