@@ -27,6 +27,7 @@ from refmath._validate import (
     int_array,
 )
 from refmath.ffn import matmul_rows
+from refmath.kernels import BACKENDS
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
@@ -399,13 +400,16 @@ def _unbatch(x, unbatched: bool):
 
 # ---- causal self-attention with shared key/value heads, on a backend ----------------------------
 
-ATTENTION_BACKENDS = ("numpy", "cpu")
+# Training and evaluation run the model in host memory, so their attention runs on the host too:
+# "cuda" (a cache in GPU memory) is for inference, refmath.inference.kv_cache.
+ATTENTION_BACKENDS = tuple(b for b in BACKENDS if b != "cuda")
 
 
 class CausalAttentionCache(NamedTuple):
     backend: str
     n_kv_heads: int
     saved: tuple  # numpy: the SDPACache; cpu: (q, k, v, o, lse) for the kernel's backward
+    window: int | None = None  # the sliding window the forward applied (the kernel's backward too)
 
 
 def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None = None):
@@ -416,8 +420,8 @@ def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None
               \Big) V_{\pi(r)}
 
     With ``window`` = ``w``, :math:`M` is the sliding-window causal mask (A12,
-    :func:`local_window_mask`): each query sees itself and the ``w - 1`` keys before it (NumPy
-    backend only; the kernel has no window).
+    :func:`local_window_mask`): each query sees itself and the ``w - 1`` keys before it, on either
+    backend (the kernel skips the tiles outside the band).
 
     ``q`` is ``(B, H, T, D)``, ``k`` and ``v`` ``(B, G, T, D)`` with ``G`` dividing ``H``; returns
     ``(O, cache)`` with ``O`` like ``q``. ``backend="numpy"`` is the reference
@@ -427,14 +431,11 @@ def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None
     """
     check_choice("backend", backend, ATTENTION_BACKENDS)
     g = k.shape[1]
-    if window is not None and backend != "numpy":
-        raise ValueError(f"window = {window} needs backend='numpy': the {backend!r} kernel has no "
-                         f"sliding window")
     if backend == "cpu":
         from refmath import kernels
 
-        o, lse = kernels.flash_attention_forward(q, k, v, causal=True)
-        return o, CausalAttentionCache(backend, g, (q, k, v, o, lse))
+        o, lse = kernels.flash_attention_forward(q, k, v, causal=True, window=window)
+        return o, CausalAttentionCache(backend, g, (q, k, v, o, lse), window)
     heads = gqa_head_map(q.shape[1], g)
     t = q.shape[2]
     mask = (causal_mask(t, dtype=q.dtype) if window is None
@@ -452,7 +453,8 @@ def causal_attention_backward(do, cache: CausalAttentionCache):
     if cache.backend == "cpu":
         from refmath import kernels
 
-        return kernels.flash_attention_backward(do, *cache.saved, causal=True)
+        return kernels.flash_attention_backward(do, *cache.saved, causal=True,
+                                                window=cache.window)
     dq, dk_repeated, dv_repeated = sdpa_backward(do, cache.saved)
     b, h, t, _ = dk_repeated.shape
     g = cache.n_kv_heads

@@ -35,6 +35,9 @@ except ImportError:
     BUILD_INFO = None
 
 _KERNEL_DTYPES = (np.float32, np.float64)
+# Who computes attention, everywhere a backend is chosen (training, prefill, decode, the command
+# line): the NumPy reference, the C++ kernels, or the CUDA kernels.
+BACKENDS = ("numpy", "cpu", "cuda")
 
 
 # ---- what is available ----

@@ -31,10 +31,10 @@ import numpy as np
 from refmath._validate import (check_axis, check_choice, check_ndim, check_real, check_same_shape,
                                float_array, int_array)
 from refmath.attention import gqa_head_map, sdpa_forward
+from refmath.kernels import BACKENDS
 from refmath.softmax import (online_softmax_block, online_softmax_empty, online_softmax_merge,
                              online_softmax_result)
 
-BACKENDS = ("numpy", "cpu", "cuda")
 
 
 def _check_backend(backend: str, **arrays) -> None:

@@ -49,7 +49,8 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, local_window_mask, sdpa_forward
 from refmath import kernels
-from refmath.inference.decode import BACKENDS, decode_attention
+from refmath.inference.decode import decode_attention
+from refmath.kernels import BACKENDS
 from refmath.inference.sampling import token_picker
 from refmath.models import DECODER_ONLY, MODELS, config_class, model_module, model_name
 from refmath.models.params import check_param_dict
@@ -236,9 +237,8 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
 
     With a sliding ``window`` (A12) each query sees only itself and the ``window - 1`` positions
     before it: the last rows of :func:`refmath.attention.local_window_mask`, and a decode step
-    reads only the last ``window`` cached rows. A windowed prefill on the ``"cpu"`` and ``"cuda"``
-    backends runs the NumPy reference (the kernel path here has no window); its decode steps run
-    the kernel.
+    reads only the last ``window`` cached rows. On the ``"cpu"`` and ``"cuda"`` backends a prefill
+    is :func:`refmath.kernels.flash_attention_forward` with the same ``window``.
 
     The ``n`` new queries are the last ``n`` of the ``t = offset + n`` positions, so the causal mask
     is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible, and the
@@ -270,9 +270,10 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
                              np.full(b, t), backend=cache.backend)
         return cache.to_host(o)[:, :, None]
     keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
-    if cache.backend != "numpy" and window is None:  # the kernel reads (B, g, t, d_h) blocks
+    if cache.backend != "numpy":  # the kernel reads (B, g, t, d_h) blocks
         o, _ = kernels.flash_attention_forward(xp.asarray(q), xp.ascontiguousarray(keys),
-                                               xp.ascontiguousarray(values), causal=True)
+                                               xp.ascontiguousarray(values), causal=True,
+                                               window=window)
         return cache.to_host(o)
     keys, values = cache.to_host(keys), cache.to_host(values)
     # GQA: the h/g query heads of group u read stored head u (refmath.attention.gqa_head_map), so

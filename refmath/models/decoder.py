@@ -124,7 +124,7 @@ class DecoderConfig(SharedWidths):
     the FlashAttention kernel (float32 parameters). ``qkv_bias`` adds biases to the query, key and
     value projections (Qwen2's ``x W + b``; the output projection keeps none); they start at 0.
     ``sliding_window`` = ``w`` lets each query see only itself and the ``w - 1`` positions before
-    it (A12, Mistral), in training, evaluation and the KV cache alike (NumPy attention only).
+    it (A12, Mistral), in training, evaluation and the KV cache alike, on every backend.
     """
 
     vocab_size: int
@@ -151,10 +151,6 @@ class DecoderConfig(SharedWidths):
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
         check_field(self, "qkv_bias", check_flag)
         check_field(self, "sliding_window", check_int, 1, optional=True)
-        if self.sliding_window is not None and self.attention_backend != "numpy":
-            raise ValueError(f"DecoderConfig.sliding_window = {self.sliding_window} needs "
-                             f"attention_backend = 'numpy' (the kernel has no window), got "
-                             f"{self.attention_backend!r}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
                              f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")

@@ -580,6 +580,29 @@ def on_stand_in_device(kernel):
 
 
 @pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
+def test_a_windowed_prefill_runs_the_kernel_with_the_window(monkeypatch):
+    """A prompt longer than the window: every layer's prefill is the FlashAttention kernel with the
+    window, and its logits are as close to the float64 model's as the float32 reference's."""
+    module, config, params = setup("decoder-gqa", dtype=np.float32)
+    config = dataclasses.replace(config, sliding_window=3)
+    prompt = random_tokens((2, 7), seed=5)
+    windows, kernel = [], kc.kernels.flash_attention_forward
+
+    def counted(*args, **kwargs):
+        windows.append(kwargs.get("window"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(kc.kernels, "flash_attention_forward", counted)
+    on_kernel, _ = prefill(module, params, config, prompt, all_logits=True, backend="cpu")
+    assert windows == [3] * config.n_layers
+    on_numpy, _ = prefill(module, params, config, prompt, all_logits=True)
+    reference = module.logits(setup("decoder-gqa")[2], prompt, config)
+    numpy_err = np.abs(on_numpy - reference).max()
+    kernel_err = np.abs(on_kernel - reference).max()
+    assert kernel_err <= 2 * numpy_err + 4 * np.finfo(np.float32).eps * np.abs(reference).max()
+
+
+@pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
 @pytest.mark.parametrize("name", [*CONFIGS, "decoder-gqa-window"])
 def test_the_cuda_backend_plumbing_on_a_stand_in_device(name, monkeypatch):
     """Runs here, without a GPU: the "cuda" path with host memory posing as the device and the C++

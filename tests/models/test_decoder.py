@@ -375,10 +375,12 @@ def test_half_rope_layout_is_the_same_model_with_permuted_query_and_key_columns(
 
 @pytest.mark.skipif(not __import__("refmath.kernels").kernels.cpu_available(),
                     reason="the C++ module refmath._C is not built")
-def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients():
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(window):
     # float32 through the FlashAttention kernel against float32 through NumPy, both against the
-    # float64 model: the kernel's error is at most twice NumPy's plus a few float32 ulps.
-    config = tiny(n_kv_heads=2)
+    # float64 model: the kernel's error is at most twice NumPy's plus a few float32 ulps, with a
+    # sliding window too (the kernel's own, forward and backward).
+    config = tiny(n_kv_heads=2, sliding_window=window)
     params64, batch = random_params(decoder, config), random_batch()
     params32 = {k: v.astype(np.float32) for k, v in params64.items()}
     loss64, cache64 = decoder.forward(params64, batch, config)
