@@ -21,12 +21,13 @@ to learn in a few minutes on two CPU cores in float32:
   answer-only loss of supervised fine-tuning (L5, :class:`refmath.data.ReversalLMTask`, task
   ``"reverse-lm"``).
 
-A run directory holds ``config.json`` (model, configuration, task and training settings, written
-once when the run starts) and ``checkpoint.npz`` (parameters, AdamW state, step, data position,
-the dropout generator's state and the loss history), rewritten every ``eval_every`` steps. Every
-write goes to a temporary file in the same directory, is flushed to disk and then renamed over the
-old file, so a crash during a write leaves the previous checkpoint intact. Resuming reloads all of
-it, so a run that stops and resumes produces the same losses, bit for bit, as one that does not.
+A run directory holds ``config.json`` (model, configuration, task and training settings, and the
+alphabet of the task's tokenizer, written once when the run starts) and ``checkpoint.npz``
+(parameters, AdamW state, step, data position, the dropout generator's state and the loss
+history), rewritten every ``eval_every`` steps. Every write goes to a temporary file in the same
+directory, is flushed to disk and then renamed over the old file, so a crash during a write leaves
+the previous checkpoint intact. Resuming reloads all of it, so a run that stops and resumes
+produces the same losses, bit for bit, as one that does not.
 
 The matrices here are small: on a machine whose cores are busy, BLAS threads that wait for each
 other can make a step several times slower. ``OPENBLAS_NUM_THREADS=1`` (set before Python starts)
@@ -52,7 +53,7 @@ import numpy as np
 
 from refmath import models
 from refmath._validate import check_field, check_int, check_real
-from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
+from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
 
@@ -235,9 +236,12 @@ class Checkpoint(NamedTuple):
 HISTORY_KEYS = ("train_loss", "lr", "grad_norm", "eval_step", "eval_train", "eval_val")
 
 
-def _meta(model: str, config, task_settings: dict, settings: TrainSettings) -> dict:
+def _meta(model: str, config, task, settings: TrainSettings) -> dict:
+    # The tokenizer is recorded so that a reader of the run (generate, convert) need not rebuild
+    # the task, which for generated English means generating its whole corpus.
     return {"format": FORMAT, "model": model, "config": dataclasses.asdict(config),
-            "task": task_settings, "train": dataclasses.asdict(settings)}
+            "task": task.settings(), "tokenizer": {"alphabet": task.tokenizer.alphabet},
+            "train": dataclasses.asdict(settings)}
 
 
 def _json_bytes(meta: dict) -> bytes:
@@ -362,6 +366,31 @@ def load_checkpoint(directory, model: str | None = None, config=None) -> Checkpo
                               f"{int(optimizer['step'])}, {len(history['train_loss'])} losses)")
     return Checkpoint(meta["model"], saved_config, meta["task"], settings, params, optimizer, step,
                       int(arrays["data_position"]), rng_state, history)
+
+
+def load_tokenizer(directory) -> CharTokenizer:
+    """The tokenizer of the run in ``directory``, from the alphabet its ``config.json`` records.
+
+    A run written before ``config.json`` recorded it gets the tokenizer its task rebuilds (for
+    generated English, by generating the corpus again). Raises :class:`CheckpointError` if the
+    alphabet is malformed or does not give the configuration's vocabulary size.
+    """
+    directory = Path(directory)
+    meta = _read_meta(directory)
+    if "tokenizer" not in meta:
+        return make_task(meta["task"]).tokenizer
+    path = directory / CONFIG_FILE
+    described = meta["tokenizer"]
+    alphabet = described.get("alphabet") if isinstance(described, dict) else None
+    try:
+        tokenizer = CharTokenizer(alphabet)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: \"tokenizer\": {err}") from None
+    vocab_size = meta["config"].get("vocab_size") if isinstance(meta["config"], dict) else None
+    if tokenizer.vocab_size != vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer's {tokenizer.vocab_size} ids do not match "
+                              f"the configuration's vocab_size {vocab_size}")
+    return tokenizer
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -489,8 +518,7 @@ def _resume_run(directory: Path, model, config, task, given: dict) -> _Run:
     rng.bit_generator.state = ckpt.rng_state
     return _Run(ckpt.model, model_module(ckpt.model), ckpt.config, make_task(ckpt.task),
                 ckpt.settings, ckpt.params, optimizer, rng, ckpt.step, ckpt.data_position,
-                {k: list(v) for k, v in ckpt.history.items()},
-                _meta(ckpt.model, ckpt.config, ckpt.task, ckpt.settings))
+                {k: list(v) for k, v in ckpt.history.items()}, _read_meta(directory))
 
 
 def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
@@ -517,7 +545,7 @@ def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
     module = model_module(model)
     params = module.init_params(config, settings.seed, dtype=np.float32)
     rng = np.random.default_rng((settings.seed, 1))  # dropout masks; the batches have their own
-    meta = _meta(model, config, the_task.settings(), settings)
+    meta = _meta(model, config, the_task, settings)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / CONFIG_FILE, lambda f: f.write(_json_bytes(meta)))
     return _Run(model, module, config, the_task, settings, params, _adamw(settings), rng, 0, 0,

@@ -341,6 +341,63 @@ def test_command_errors(tmp_path, capsys):
     assert main(args) == 2
 
 
+def _rewrite_meta(directory, change):
+    """Apply ``change`` to a run's metadata in config.json and in the copy checkpoint.npz embeds."""
+    meta = json.loads((directory / "config.json").read_text())
+    change(meta)
+    (directory / "config.json").write_text(json.dumps(meta))
+    with np.load(directory / "checkpoint.npz") as npz:
+        arrays = dict(npz)
+    arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
+    np.savez(directory / "checkpoint.npz", **arrays)
+
+
+def test_a_run_records_its_tokenizer_so_generate_need_not_rebuild_the_corpus(
+        saved_run, capsys, monkeypatch):
+    from refmath.data import make_task
+
+    meta = json.loads((saved_run / "config.json").read_text())
+    task = make_task(CHARS)
+    assert meta["tokenizer"] == {"alphabet": task.tokenizer.alphabet}
+    assert T.load_tokenizer(saved_run).alphabet == task.tokenizer.alphabet
+
+    def no_corpus(settings):
+        raise AssertionError("the task was rebuilt")
+    with monkeypatch.context() as patched:
+        patched.setattr(T, "make_task", no_corpus)
+        patched.setattr("refmath.data.make_task", no_corpus)
+        assert main(["generate", "--checkpoint", str(saved_run), "--greedy",
+                     "--max-new-tokens", "5"]) == 0
+    recorded = capsys.readouterr().out
+
+    # a run written before config.json held the tokenizer: rebuilt from the task, same text
+    _rewrite_meta(saved_run, lambda meta: meta.pop("tokenizer"))
+    assert T.load_tokenizer(saved_run).alphabet == task.tokenizer.alphabet
+    assert main(["generate", "--checkpoint", str(saved_run), "--greedy",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == recorded
+
+
+def test_a_run_without_a_recorded_tokenizer_resumes_as_it_was_written(tmp_path):
+    run_gpt(tmp_path, 4, stop_after=2, eval_every=2)
+    _rewrite_meta(tmp_path, lambda meta: meta.pop("tokenizer"))
+    T.train(None, tmp_path, resume=True, out=open(os.devnull, "w"))
+    # the checkpoint written on resuming embeds config.json as it is, so the pair still loads
+    assert T.load_checkpoint(tmp_path).step == 4
+    assert "tokenizer" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_a_recorded_tokenizer_that_does_not_fit_is_refused(saved_run, capsys):
+    _rewrite_meta(saved_run, lambda meta: meta.update(tokenizer={"alphabet": "ab"}))
+    with pytest.raises(T.CheckpointError, match="6 ids do not match the configuration's vocab_size 32"):
+        T.load_tokenizer(saved_run)
+    _rewrite_meta(saved_run, lambda meta: meta.update(tokenizer={"alphabet": "aa"}))
+    with pytest.raises(T.CheckpointError, match="must not repeat characters"):
+        T.load_tokenizer(saved_run)
+    assert main(["generate", "--checkpoint", str(saved_run)]) == 2
+    assert capsys.readouterr().err.startswith("refmath generate: ")
+
+
 def test_progress_bar_and_plot(tmp_path, capsys):
     pytest.importorskip("tqdm", reason="the progress bar needs tqdm")
     run_gpt(tmp_path, 3, progress=True)

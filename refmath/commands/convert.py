@@ -24,17 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write OUT_DIR and say what it holds."""
-    from refmath.data import make_task
     from refmath.hf import CONFIG_FILE, TOKENIZER_FILE, save_checkpoint, save_tokenizer
-    from refmath.train import load_checkpoint
+    from refmath.train import load_checkpoint, load_tokenizer
 
     run_dir, out_dir = (Path(p) for p in args.to_hf)
     try:
         if (out_dir / CONFIG_FILE).exists():
             raise CommandError(f"{out_dir / CONFIG_FILE} exists: choose an empty OUT_DIR")
-        ckpt = load_checkpoint(run_dir)
+        ckpt, tokenizer = load_checkpoint(run_dir), load_tokenizer(run_dir)
         save_checkpoint(out_dir, ckpt.model, ckpt.config, ckpt.params)
-        save_tokenizer(out_dir, make_task(ckpt.task).tokenizer)
+        save_tokenizer(out_dir, tokenizer)
     except ImportError as err:  # safetensors or tokenizers missing
         raise CommandError(str(err)) from None
     print(f"{run_dir} ({ckpt.model}, step {ckpt.step}) -> {out_dir} (config.json, "

@@ -87,25 +87,24 @@ def _report_speed(n: int, seconds: float, how: str) -> None:
 def _from_run(args: argparse.Namespace) -> int:
     from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
     from refmath.inference.generate import generate, generate_seq2seq
-    from refmath.train import load_checkpoint
+    from refmath.train import load_checkpoint, load_tokenizer
 
     ckpt = load_checkpoint(args.checkpoint)
-    task = make_task(ckpt.task)
-    tok = task.tokenizer
+    tok = load_tokenizer(args.checkpoint)  # from config.json: the task's corpus is not rebuilt
     _check_sampling_flags(args, tok.alphabet)
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     decoding = dict(cache=not args.no_cache, backend=args.backend)
     start = time.perf_counter()
-    if isinstance(task, (ReversalTask, ReversalLMTask)):
+    if ckpt.task["name"] in (ReversalTask.name, ReversalLMTask.name):
         if args.prompt is None:
             raise CommandError("give --prompt, the digits to reverse")
         n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
-        if isinstance(task, ReversalTask):
+        if ckpt.task["name"] == ReversalTask.name:
             out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
                                    eos_id=EOS_ID, **sampling)
         else:
-            prompt = task.prompt_ids(args.prompt)
+            prompt = make_task(ckpt.task).prompt_ids(args.prompt)  # a reversal has no corpus
             out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
                            **sampling, **decoding)[len(prompt):]
         print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
