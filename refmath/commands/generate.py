@@ -95,16 +95,17 @@ def _from_run(args: argparse.Namespace) -> int:
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     decoding = dict(cache=not args.no_cache, backend=args.backend)
+    task = ckpt.task.get("name")
     start = time.perf_counter()
-    if ckpt.task["name"] in (ReversalTask.name, ReversalLMTask.name):
+    if task in (ReversalTask.name, ReversalLMTask.name):
         if args.prompt is None:
             raise CommandError("give --prompt, the digits to reverse")
         n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
-        if ckpt.task["name"] == ReversalTask.name:
+        if task == ReversalTask.name:
             out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
                                    eos_id=EOS_ID, **sampling)
-        else:
-            prompt = make_task(ckpt.task).prompt_ids(args.prompt)  # a reversal has no corpus
+        else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
+            prompt = make_task(ckpt.task).prompt_ids(args.prompt)
             out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
                            **sampling, **decoding)[len(prompt):]
         print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
