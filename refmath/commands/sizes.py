@@ -140,31 +140,29 @@ def _check_plot_path(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the cache table (and, for a preset, parameters, memory and FLOPs); 2 on bad input."""
+    """Print the cache table (and, for a preset, parameters, memory and FLOPs); every input is
+    checked before anything is printed."""
     out = sys.stdout
-    try:
-        for flag in ("tokens", "batch", "bytes", "layers", "heads", "kv_heads", "head_dim",
-                     "latent_dim", "rope_dim"):
-            value = getattr(args, flag)
-            if value is not None:
-                check_int(f"--{flag.replace('_', '-')}", value, 1)
-        if args.plot:
-            _check_plot_path(args.plot)
-        config = _resolve_config(args)
-        tokens = args.tokens or config.context or DEFAULT_TOKENS
-        latent = args.latent_dim if args.latent_dim is not None else config.latent_dim
-        rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
-        rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
-                                    tokens, args.batch, args.bytes, latent, rope)
-        hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
-        overridden = any(getattr(args, f) is not None
-                         for f in ("layers", "heads", "kv_heads", "head_dim"))
-        if config.is_mla and (args.hf or args.config) and not overridden:
-            from refmath import hf
+    for flag in ("tokens", "batch", "bytes", "layers", "heads", "kv_heads", "head_dim",
+                 "latent_dim", "rope_dim"):
+        value = getattr(args, flag)
+        if value is not None:
+            check_int(f"--{flag.replace('_', '-')}", value, 1)
+    if args.plot:
+        _check_plot_path(args.plot)
+    config = _resolve_config(args)
+    tokens = args.tokens or config.context or DEFAULT_TOKENS
+    latent = args.latent_dim if args.latent_dim is not None else config.latent_dim
+    rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
+    rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
+                                tokens, args.batch, args.bytes, latent, rope)
+    hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
+    overridden = any(getattr(args, f) is not None
+                     for f in ("layers", "heads", "kv_heads", "head_dim"))
+    if config.is_mla and (args.hf or args.config) and not overridden:
+        from refmath import hf
 
-            hf_total = hf.parameter_count(_hf_config(args))
-    except (ValueError, TypeError) as err:
-        raise CommandError(str(err)) from None
+        hf_total = hf.parameter_count(_hf_config(args))
     if args.tokens:
         why = "as given"
     elif config.context:
