@@ -36,8 +36,7 @@ import numpy as np
 from refmath import solutions
 
 __all__ = ["Verdict", "check_close", "check_true", "catalogued", "strict", "student_copy",
-           "leaked_lines", "write_student_copies", "lesson_paths",
-           "add_lessons_arguments", "run_lessons"]
+           "leaked_lines", "write_student_copies", "lesson_paths"]
 
 NOT_YET = "no answer yet"
 
@@ -413,36 +412,3 @@ def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = No
         (folder / name).write_text(copy, encoding="utf-8")
         written.append(folder / name)
     return written
-
-
-# ---- python -m refmath lessons ---------------------------------------------------------------------
-
-def add_lessons_arguments(parser) -> None:
-    """The ``lessons`` command's arguments: ``student --out DIR [--from DIR]``."""
-    actions = parser.add_subparsers(dest="action", metavar="action", required=True)
-    student = actions.add_parser(
-        "student",
-        help="write the answer-free student copies of the lessons",
-        description="Write the student copy of every lesson into --out: each exercise keeps its "
-        "'answer = ...' lines and loses its solution (its check then says 'no answer yet'), each "
-        "question loses its answer. A leak scan compares every line written with the solution "
-        "lines; if any would be written, nothing is. Open the copies with 'jupyter lab DIR'.",
-    )
-    student.add_argument("--out", required=True, metavar="DIR",
-                         help="folder to write the copies into (created if needed)")
-    student.add_argument("--from", dest="source", default=None, metavar="DIR",
-                         help="folder of the instructor lessons (default: the checkout's notebooks/)")
-    student.set_defaults(subparser=student)
-
-
-def run_lessons(args) -> int:
-    """Run ``python -m refmath lessons ...``: 0 on success, 2 with a one-line error on stderr."""
-    import sys
-
-    try:
-        written = write_student_copies(args.out, lesson_paths(args.source))
-    except (ValueError, OSError) as err:
-        print(f"python -m refmath lessons {args.action}: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {len(written)} student lessons to {args.out} (open them with: jupyter lab {args.out})")
-    return 0

@@ -7,15 +7,10 @@ binary units (1 KiB = 1024 bytes, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB), as the wo
 Catalogue IDs: K6, K7 (cache size and its worked table), K9 (MLA cache), K12 (quantised cache
 bytes), N7 (SwiGLU parameter count), S1 (inference rule of thumb), S2 (AdamW training memory),
 S3 (cache ratios), A13 (what grouping saves), K13 (decode bytes, arithmetic intensity, the
-bandwidth bound). ``add_sizes_arguments`` and ``run_sizes`` are the pieces of
-``python -m refmath sizes``.
+bandwidth bound). ``python -m refmath sizes`` prints them (:mod:`refmath.commands.sizes`).
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import os
-import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -622,10 +617,9 @@ def attention_cache_rows(layers: int, heads: int, kv_heads: int, head_dim: int, 
     return rows
 
 
-# ---- the `sizes` command -------------------------------------------------------------------------
+# ---- printing and plotting -----------------------------------------------------------------------
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-DEFAULT_TOKENS = 8192  # T for a shape whose context length is not known
 
 
 def format_bytes(n: float) -> str:
@@ -639,201 +633,7 @@ def format_bytes(n: float) -> str:
     return f"{value:.2f} {_BINARY_UNITS[unit]}"
 
 
-def add_sizes_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``sizes`` options to ``parser`` and set ``run=run_sizes`` as its default action."""
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS),
-                        help="a published configuration; the flags below override its fields")
-    source.add_argument("--hf", metavar="DIR",
-                        help="the config.json of a Hugging Face model directory (any model type "
-                        "refmath.hf loads); the flags below override its fields")
-    source.add_argument("--config", metavar="FILE",
-                        help="a Hugging Face config.json file, as --hf")
-    parser.add_argument("--layers", type=int, help="layers L holding a KV cache")
-    parser.add_argument("--heads", type=int, help="query heads h")
-    parser.add_argument("--kv-heads", type=int, help="key/value heads g (default: h, i.e. MHA)")
-    parser.add_argument("--head-dim", type=int, help="head width d_h")
-    parser.add_argument("--latent-dim", type=int,
-                        help="MLA latent width d_c for the MLA row (default: the preset's, else 4 d_h)")
-    parser.add_argument("--rope-dim", type=int,
-                        help="MLA positional key width d_R (default: the preset's, else d_h/2)")
-    parser.add_argument("--tokens", type=int,
-                        help=f"context length T (default: the preset's own context length, else "
-                        f"{DEFAULT_TOKENS})")
-    parser.add_argument("--batch", type=int, default=1, help="sequences B (default: 1)")
-    parser.add_argument("--bytes", type=int, default=2,
-                        help="bytes per cached element b (default: 2, fp16/bf16)")
-    parser.add_argument("--plot", metavar="PATH",
-                        help="also save a figure of cache size against context length, as .png, "
-                        ".pdf, .svg, ... (needs matplotlib)")
-    parser.set_defaults(run=run_sizes)
-
-
-def _resolve_config(args: argparse.Namespace) -> ModelConfig:
-    flags = {"layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-             "head_dim": args.head_dim}
-    given = {k: v for k, v in flags.items() if v is not None}
-    if args.hf or args.config:
-        from refmath import hf
-
-        config = dataclasses.replace(hf.sizing_config(_hf_config(args)), **given)
-    elif args.preset:
-        config = dataclasses.replace(PRESETS[args.preset], **given)
-    else:
-        missing = [f"--{k.replace('_', '-')}" for k in ("layers", "heads", "head_dim") if k not in given]
-        if missing:
-            raise ValueError(f"without --preset, give {', '.join(missing)}")
-        given.setdefault("kv_heads", given["heads"])
-        # Without a preset d_model is a placeholder: nothing printed for bare flags depends on it.
-        config = ModelConfig("custom", d_model=given["heads"] * given["head_dim"], **given)
-    if config.is_mla:
-        # For an MLA preset the latent flags change the model itself, not just the comparison row.
-        mla = {k: v for k, v in (("latent_dim", args.latent_dim), ("rope_dim", args.rope_dim))
-               if v is not None}
-        config = dataclasses.replace(config, **mla)
-    return config
-
-
-def _hf_config(args: argparse.Namespace) -> dict:
-    from refmath import hf
-
-    if args.hf:
-        return hf.read_config(args.hf)
-    return hf.read_config_file(args.config)
-
-
-def _print_parameters(config: ModelConfig, out, total: int | None = None) -> None:
-    """Parameters by component (N7) and the memory they need; ``total`` alone where the
-    components are not written for this kind of model (MLA)."""
-    if total is None:
-        counts = parameter_counts(config)
-        published = f"; published {config.published_params}" if config.published_params else ""
-        print(f"\nparameters (N7): {counts.total:,} ({counts.total:.3g}{published})", file=out)
-        for name in ("embedding", "positions", "attention", "mlp", "norms", "output"):
-            print(f"  {name:<10} {getattr(counts, name):>16,}", file=out)
-        total = counts.total
-    else:
-        print(f"\nparameters (the loaded model's shapes): {total:,} ({total:.3g})", file=out)
-
-    p = total
-    rule = inference_memory_rule_of_thumb(p)
-    train = adamw_training_memory(p)
-    print("\nmemory (bf16/fp16 weights, 2 bytes per parameter):", file=out)
-    print(f"  weights 2P                                    {format_bytes(rule.weights):>12}", file=out)
-    print(f"  inference, RULE OF THUMB (S1): 2P + ~20%      {format_bytes(rule.total):>12}", file=out)
-    print(f"  AdamW mixed-precision training (S2): 16P      {format_bytes(train.total):>12}", file=out)
-    print(f"    = fp16 weights 2P {format_bytes(train.weights_fp16)} + fp16 grads 2P "
-          f"{format_bytes(train.grads_fp16)} + fp32 master 4P {format_bytes(train.master_fp32)} "
-          f"+ fp32 Adam m, v 8P {format_bytes(train.adam_moments_fp32)} (activations excluded)", file=out)
-
-
-def _print_flops(config: ModelConfig, tokens: int, batch: int, out) -> None:
-    prefill = prefill_flops(config, tokens, batch)
-    step = decode_step_flops(config, tokens, batch)
-    print("\nFLOPs (2 per multiply-add; weight matmuls and attention scores/values only):", file=out)
-    print(f"  prefill of T={tokens}:          weights {prefill.weights:.3e}, "
-          f"attention {prefill.attention:.3e}, total {prefill.total:.3e}", file=out)
-    print(f"  one decode step at T={tokens}:  weights {step.weights:.3e}, "
-          f"attention {step.attention:.3e}, total {step.total:.3e}", file=out)
-
-
-def _check_plot_path(path: str) -> None:
-    """Refuse a --plot path that cannot be written, before any work: a missing matplotlib, a
-    folder that does not exist, or a format matplotlib does not write."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install "
-                         "'refmath[lessons]')") from None
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
-    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
-    extension = os.path.splitext(path)[1].lstrip(".").lower()
-    if extension not in formats:
-        raise ValueError(f"--plot {path}: unsupported format {extension or '(none)'!r}; use one of "
-                         f"{', '.join(sorted(formats))}")
-
-
-def run_sizes(args: argparse.Namespace) -> int:
-    """Print the cache table (and, for a preset, parameters, memory and FLOPs); 2 on bad input."""
-    out = sys.stdout
-    try:
-        for flag in ("tokens", "batch", "bytes", "layers", "heads", "kv_heads", "head_dim",
-                     "latent_dim", "rope_dim"):
-            value = getattr(args, flag)
-            if value is not None:
-                check_int(f"--{flag.replace('_', '-')}", value, 1)
-        if args.plot:
-            _check_plot_path(args.plot)
-        config = _resolve_config(args)
-        tokens = args.tokens or config.context or DEFAULT_TOKENS
-        latent = args.latent_dim if args.latent_dim is not None else config.latent_dim
-        rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
-        rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
-                                    tokens, args.batch, args.bytes, latent, rope)
-        hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
-        overridden = any(getattr(args, f) is not None
-                         for f in ("layers", "heads", "kv_heads", "head_dim"))
-        if config.is_mla and (args.hf or args.config) and not overridden:
-            from refmath import hf
-
-            hf_total = hf.parameter_count(_hf_config(args))
-    except (ValueError, TypeError) as err:
-        print(f"sizes: {err}", file=sys.stderr)
-        return 2
-    if args.tokens:
-        why = "as given"
-    elif config.context:
-        why = f"{config.name}'s own context length"
-    else:
-        why = f"the default: {config.name} states no context length"
-
-    own = _own_design(config)
-    title = config.name + (f" ({config.source})" if config.source else "")
-    print(f"KV cache (K6, K7, K9): {title}", file=out)
-    print(f"  L={config.layers}, h={config.heads}, g={config.kv_heads}, d_h={config.head_dim}; "
-          f"B={args.batch}, b={args.bytes} bytes per element", file=out)
-    print(f"  T = {tokens} tokens ({why})", file=out)
-    print("  units are binary: 1 KiB = 1024 B, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB\n", file=out)
-    print(f"  {'attention':<26} {'per token':>12} {'cache':>12} {'smaller than MHA':>17}", file=out)
-    mha = rows[0].total
-    for row in rows:
-        mark = "*" if row.kind == own else " "
-        print(f"{mark} {row.label:<26} {format_bytes(row.bytes_per_token):>12} "
-              f"{format_bytes(row.total):>12} {mha / row.total:>16.2f}x", file=out)
-    print("  (* this configuration's own attention)", file=out)
-    if not config.is_mla and latent is None:
-        print("  the MLA row is hypothetical here: DeepSeek-V2's proportions d_c = 4 d_h, "
-              "d_R = d_h/2 (set --latent-dim, --rope-dim)", file=out)
-    if config.encoder_layers:
-        print("  decoder self-attention only: cross-attention also keeps the encoder's K and V",
-              file=out)
-    if config.sliding_window:
-        print(f"  counted for all T tokens (K6); a rolling cache of the {config.sliding_window}-token "
-              f"window would cap T there", file=out)
-
-    if config.d_ff is not None and config.vocab is not None and not config.is_mla:
-        _print_parameters(config, out)
-        if not config.encoder_layers:
-            _print_flops(config, tokens, args.batch, out)
-    elif hf_total is not None:
-        _print_parameters(config, out, hf_total)
-    elif args.preset:
-        print(f"\n(no parameter or FLOP count: {config.name} describes only its attention)", file=out)
-
-    if args.plot:
-        try:
-            save_cache_plot(args.plot, config, tokens, args.batch, args.bytes, latent, rope)
-        except OSError as err:
-            print(f"sizes: cannot write --plot {args.plot}: {err.strerror or err}", file=sys.stderr)
-            return 2
-        print(f"\nplot saved to {args.plot}", file=out)
-    return 0
-
-
-def _own_design(config: ModelConfig) -> str:
+def own_design(config: ModelConfig) -> str:
     """The attention design of ``config``: the kind of its row in :func:`attention_cache_rows`."""
     if config.is_mla:
         return "MLA"
@@ -863,7 +663,7 @@ def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
                                         t, batch, bytes_per_element, latent_dim, rope_dim):
             series.setdefault((row.kind, row.label), []).append(row.total / 2**30)
 
-    own = _own_design(config)
+    own = own_design(config)
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

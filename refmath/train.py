@@ -22,12 +22,13 @@ in a few minutes on two CPU cores in float32:
   answer-only loss of supervised fine-tuning (L5, :class:`refmath.data.ReversalLMTask`, task
   ``"reverse-lm"``).
 
-A run directory holds ``config.json`` (model, configuration, task and training settings, written
-once when the run starts) and ``checkpoint.npz`` (parameters, AdamW state, step, data position,
-the dropout generator's state and the loss history), rewritten every ``eval_every`` steps. Every
-write goes to a temporary file in the same directory, is flushed to disk and then renamed over the
-old file, so a crash during a write leaves the previous checkpoint intact. Resuming reloads all of
-it, so a run that stops and resumes produces the same losses, bit for bit, as one that does not.
+A run directory holds ``config.json`` (model, configuration, task and training settings, and the
+alphabet of the task's tokenizer, written once when the run starts) and ``checkpoint.npz``
+(parameters, AdamW state, step, data position, the dropout generator's state and the loss
+history), rewritten every ``eval_every`` steps. Every write goes to a temporary file in the same
+directory, is flushed to disk and then renamed over the old file, so a crash during a write leaves
+the previous checkpoint intact. Resuming reloads all of it, so a run that stops and resumes
+produces the same losses, bit for bit, as one that does not.
 
 The matrices here are small: on a machine whose cores are busy, BLAS threads that wait for each
 other can make a step several times slower. ``OPENBLAS_NUM_THREADS=1`` (set before Python starts)
@@ -35,7 +36,6 @@ avoids that and costs little on an idle machine.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -55,9 +55,8 @@ import numpy as np
 from refmath.models import MODELS, config_class, model_module
 from refmath.models.common import TrainingRecipe
 from refmath._validate import check_field, check_int, check_real
-from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
+from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
-from refmath.malloc import retain_freed_memory
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
 
 FORMAT = "refmath-train/1"
@@ -185,9 +184,12 @@ class Checkpoint(NamedTuple):
 HISTORY_KEYS = ("train_loss", "lr", "grad_norm", "eval_step", "eval_train", "eval_val")
 
 
-def _meta(model: str, config, task_settings: dict, settings: TrainSettings) -> dict:
+def _meta(model: str, config, task, settings: TrainSettings) -> dict:
+    # The tokenizer is recorded so that a reader of the run (generate, convert) need not rebuild
+    # the task, which for generated English means generating its whole corpus.
     return {"format": FORMAT, "model": model, "config": dataclasses.asdict(config),
-            "task": task_settings, "train": dataclasses.asdict(settings)}
+            "task": task.settings(), "tokenizer": {"alphabet": task.tokenizer.alphabet},
+            "train": dataclasses.asdict(settings)}
 
 
 def _json_bytes(meta: dict) -> bytes:
@@ -312,6 +314,31 @@ def load_checkpoint(directory, model: str | None = None, config=None) -> Checkpo
                               f"{int(optimizer['step'])}, {len(history['train_loss'])} losses)")
     return Checkpoint(meta["model"], saved_config, meta["task"], settings, params, optimizer, step,
                       int(arrays["data_position"]), rng_state, history)
+
+
+def load_tokenizer(directory) -> CharTokenizer:
+    """The tokenizer of the run in ``directory``, from the alphabet its ``config.json`` records.
+
+    A run written before ``config.json`` recorded it gets the tokenizer its task rebuilds (for
+    generated English, by generating the corpus again). Raises :class:`CheckpointError` if the
+    alphabet is malformed or does not give the configuration's vocabulary size.
+    """
+    directory = Path(directory)
+    meta = _read_meta(directory)
+    if "tokenizer" not in meta:
+        return make_task(meta["task"]).tokenizer
+    path = directory / CONFIG_FILE
+    described = meta["tokenizer"]
+    alphabet = described.get("alphabet") if isinstance(described, dict) else None
+    try:
+        tokenizer = CharTokenizer(alphabet)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: \"tokenizer\": {err}") from None
+    vocab_size = meta["config"].get("vocab_size") if isinstance(meta["config"], dict) else None
+    if tokenizer.vocab_size != vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer's {tokenizer.vocab_size} ids do not match "
+                              f"the configuration's vocab_size {vocab_size}")
+    return tokenizer
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -439,8 +466,7 @@ def _resume_run(directory: Path, model, config, task, given: dict) -> _Run:
     rng.bit_generator.state = ckpt.rng_state
     return _Run(ckpt.model, model_module(ckpt.model), ckpt.config, make_task(ckpt.task),
                 ckpt.settings, ckpt.params, optimizer, rng, ckpt.step, ckpt.data_position,
-                {k: list(v) for k, v in ckpt.history.items()},
-                _meta(ckpt.model, ckpt.config, ckpt.task, ckpt.settings))
+                {k: list(v) for k, v in ckpt.history.items()}, _read_meta(directory))
 
 
 def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
@@ -467,7 +493,7 @@ def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
     module = model_module(model)
     params = module.init_params(config, settings.seed, dtype=np.float32)
     rng = np.random.default_rng((settings.seed, 1))  # dropout masks; the batches have their own
-    meta = _meta(model, config, the_task.settings(), settings)
+    meta = _meta(model, config, the_task, settings)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / CONFIG_FILE, lambda f: f.write(_json_bytes(meta)))
     return _Run(model, module, config, the_task, settings, params, _adamw(settings), rng, 0, 0,
@@ -623,184 +649,3 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                        title=f"{run.model} on {run.task.name}")
     return TrainResult(run.model, run.step, history, final, baseline, floor, accuracy, seconds,
                        directory)
-
-
-# ---- the `train` and `generate` commands ---------------------------------------------------------
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``train`` options to ``parser`` and set ``run=run_train`` as its default action."""
-    parser.add_argument("--model", choices=sorted(MODELS),
-                        help="transformer: reverse digit strings; gpt, llama, mla: character-level "
-                        "language model of generated English (required for a new run; to "
-                        "resume, --model NAME stands for --out runs/NAME)")
-    parser.add_argument("--task", choices=("chars", "reverse", "reverse-lm"),
-                        help="chars: generated English (the decoders' default); reverse: digit "
-                        "strings (the transformer's only task); reverse-lm: the reversal as prompt "
-                        "and answer for a decoder, loss on the answer only")
-    parser.add_argument("--steps", type=int, help="optimiser steps (default: the model's, 600-1000)")
-    parser.add_argument("--batch-size", type=int, help="sequences per batch (default: the model's)")
-    parser.add_argument("--lr", type=float, help="peak learning rate (default: the model's, 3e-3)")
-    parser.add_argument("--seed", type=int, help="seed of the initialisation and the batches (default: 0)")
-    parser.add_argument("--out", metavar="DIR",
-                        help="run directory for config.json, checkpoint.npz, loss.png "
-                        "(default: runs/<model>)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run saved in --out (its settings are kept)")
-    parser.add_argument("--eval-every", type=int,
-                        help="evaluate and checkpoint every N steps (default: 100; a resumed run "
-                        "keeps its own)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (it is also off when stderr is not a terminal)")
-    parser.set_defaults(run=run_train)
-
-
-def run_train(args: argparse.Namespace) -> int:
-    """Train, then print the final losses next to the baselines; 2 on bad input, 130 if interrupted."""
-    if args.out is None and args.model is None:
-        print("train: --resume needs the run directory: --out DIR, or --model NAME for runs/NAME"
-              if args.resume else f"train: give --model, one of {', '.join(sorted(MODELS))}",
-              file=sys.stderr)
-        return 2
-    out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
-    progress = not args.no_progress and sys.stderr.isatty()
-    retain_freed_memory()  # a training process reuses its large temporaries: see refmath.malloc
-    try:
-        for flag, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_every", 1)):
-            if getattr(args, flag) is not None:
-                check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low)
-        if args.lr is not None:
-            check_real("--lr", args.lr, 0.0, low_open=True)
-        task = None if args.task is None else {"name": args.task}
-        # NumPy's overflow warnings would bury the one line that says where a diverging run stopped
-        with np.errstate(over="ignore", invalid="ignore"):
-            result = train(args.model, out_dir, steps=args.steps, batch_size=args.batch_size,
-                           lr=args.lr, seed=args.seed, task=task, resume=args.resume,
-                           eval_every=args.eval_every, progress=progress)
-    except (ValueError, TypeError) as err:
-        print(f"train: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"train: cannot write the run directory {out_dir}: {err.strerror or err}"
-              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as err:
-        print(f"train: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    print(f"\n{result.model}: {result.step} steps in {result.seconds:.1f} s (this session)")
-    if result.final is not None:
-        print(f"final loss (nats/token): train {result.final['train']:.4f}, "
-              f"validation {result.final['val']:.4f}")
-    print(f"unigram-entropy baseline: {result.unigram_entropy:.4f} nats/token "
-          f"(the loss of predicting the token frequencies, ignoring the context)")
-    if result.entropy_rate > 0:
-        print(f"entropy rate of the generated text: {result.entropy_rate:.4f} nats/char "
-              f"(the floor for an unbounded context)")
-    if result.accuracy is not None:
-        print(f"exact-match accuracy of greedy decoding on held-out sources: {100 * result.accuracy:.1f}%")
-    plot = result.directory / PLOT_FILE
-    print(f"run directory: {result.directory} ({CONFIG_FILE}, {CHECKPOINT_FILE}"
-          f"{', ' + PLOT_FILE if plot.exists() else '; no plot: matplotlib is not installed'})")
-    return 0
-
-
-def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``generate`` options to ``parser`` and set ``run=run_generate``."""
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="a run directory of train")
-    source.add_argument("--hf", metavar="DIR",
-                        help="a Hugging Face model directory (config.json, model.safetensors or "
-                        "its shards, and tokenizer.json for --prompt); see refmath.hf")
-    parser.add_argument("--prompt-ids", metavar="IDS",
-                        help="with --hf: the prompt as comma-separated token ids, e.g. 1,2,3 "
-                        "(when the directory has no tokenizer.json)")
-    parser.add_argument("--prompt", help="text to continue (language models; default: a newline, "
-                        "i.e. a new sentence) or digits to reverse (transformer; required). The "
-                        "language models know lowercase a-z except j, space, '.' and newline; the "
-                        "reversal knows the digits 0-9")
-    parser.add_argument("--max-new-tokens", type=int,
-                        help="tokens to generate (default: 200; transformer: source length + 1)")
-    parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
-    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1)")
-    parser.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
-    parser.add_argument("--top-p", type=float, help="sample from the smallest set of mass >= p")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="recompute the whole prefix at every step instead of decoding with the "
-                        "KV cache (the same tokens, O(T^2) work; the decoders only)")
-    parser.add_argument("--backend", choices=("numpy", "cpu", "cuda"), default="numpy",
-                        help="who computes attention over the KV cache: the NumPy reference, the "
-                        "C++ kernels, or the CUDA kernels with the cache on the GPU (default: "
-                        "numpy; the decoders only)")
-    parser.set_defaults(run=run_generate)
-
-
-def _check_generate_flags(args: argparse.Namespace, alphabet: str | None) -> None:
-    """The checks of the sampling functions, said in terms of the command's flags (and, given an
-    ``alphabet``, that the prompt's characters are in it)."""
-    if not args.greedy and not 0 < args.temperature < math.inf:
-        raise ValueError(f"--temperature must be a finite number > 0, got {args.temperature} "
-                         f"(for argmax decoding use --greedy)")
-    if args.top_k is not None and args.top_k < 1:
-        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    prompt = args.prompt if alphabet is not None and args.prompt else ""
-    for i, c in enumerate(prompt):
-        if c not in alphabet:
-            raise ValueError(f"--prompt holds {c!r} at position {i}, which this model's tokenizer "
-                             f"does not know; it knows {alphabet!r}")
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    """Print the continuation (or the transformer's output); 2 on bad input or a bad checkpoint."""
-    if args.hf is not None:
-        from refmath.hf_cli import run_generate_hf
-
-        return run_generate_hf(args)
-    if args.prompt_ids is not None:
-        print("generate: --prompt-ids goes with --hf; a run directory's model takes --prompt",
-              file=sys.stderr)
-        return 2
-    try:
-        ckpt = load_checkpoint(args.checkpoint)
-        task = make_task(ckpt.task)
-        tok = task.tokenizer
-        _check_generate_flags(args, tok.alphabet)
-        sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed)
-        decoding = dict(cache=not args.no_cache, backend=args.backend)
-        start = time.perf_counter()
-        if isinstance(task, (ReversalTask, ReversalLMTask)):
-            if args.prompt is None:
-                raise ValueError("give --prompt, the digits to reverse")
-            n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
-            if isinstance(task, ReversalTask):
-                out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
-                                       eos_id=EOS_ID, **sampling)
-            else:
-                prompt = task.prompt_ids(args.prompt)
-                out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
-                               **sampling, **decoding)[len(prompt):]
-            print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
-            n = len(out)
-        else:
-            prompt = "\n" if args.prompt is None else args.prompt
-            n = 200 if args.max_new_tokens is None else args.max_new_tokens
-            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
-                           **decoding)
-            print(tok.decode(out, specials="show"))
-            n = len(out) - len(prompt)
-        seconds = time.perf_counter() - start
-        how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
-        if ckpt.model == "transformer":
-            how = "the encoder-decoder recomputes its decoder prefix"
-        print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})",
-              file=sys.stderr)
-    except (ValueError, TypeError) as err:
-        print(f"generate: {err}", file=sys.stderr)
-        return 2
-    return 0

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from refmath.__main__ import main
+from refmath.commands import main
 from refmath.gradcheck import (
     EPS,
     check,

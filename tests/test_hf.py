@@ -24,7 +24,7 @@ transformers = pytest.importorskip(
 pytest.importorskip("safetensors", reason="checkpoints are safetensors (pip install safetensors)")
 
 from refmath import hf  # noqa: E402
-from refmath.__main__ import main  # noqa: E402
+from refmath.commands import main  # noqa: E402
 from refmath.inference.generate import generate  # noqa: E402
 from refmath.models import model_module  # noqa: E402
 

@@ -1,5 +1,4 @@
 """Cache, memory, parameter and FLOP calculators (catalogue K6, K7, K9, K12, N7, S1, S2, S3)."""
-import argparse
 import dataclasses
 import os
 import re
@@ -13,12 +12,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from refmath.commands import main
 from refmath.ffn import swiglu_hidden_size
 from refmath.sizing import (
-    PRESETS, ModelConfig, adamw_training_memory, add_sizes_arguments, attention_cache_rows,
+    PRESETS, ModelConfig, adamw_training_memory, attention_cache_rows,
     decode_step_flops, format_bytes, inference_memory_rule_of_thumb, kv_cache_bytes,
     kv_cache_bytes_per_token, mla_cache_bytes, mla_cache_bytes_per_token, parameter_counts,
-    prefill_flops, quantized_kv_cache_bytes, run_sizes, weights_bytes,
+    prefill_flops, quantized_kv_cache_bytes, weights_bytes,
 )
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
@@ -281,11 +281,7 @@ def test_presets_are_frozen():
 # ---- the `sizes` command ------------------------------------------------------------------------
 
 def _run(argv):
-    parser = argparse.ArgumentParser()
-    add_sizes_arguments(parser)
-    args = parser.parse_args(argv)
-    assert args.run is run_sizes
-    return run_sizes(args)
+    return main(["sizes", *argv])
 
 
 def test_format_bytes_uses_binary_units():

@@ -1,5 +1,4 @@
 """The trainer: registry, learning, exact resume, atomic and checked checkpoints, the commands."""
-import argparse
 import dataclasses
 import json
 import os
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 from refmath import train as T
+from refmath.commands import main
 from refmath.models import MODELS, config_class, gpt, model_module, transformer
 from refmath.models.gpt import GPTConfig
 from refmath.models.transformer import TransformerConfig
@@ -250,23 +250,17 @@ def small_defaults(monkeypatch):
                                   label_smoothing=0.0)))
 
 
-def _parse(add, argv):
-    parser = argparse.ArgumentParser()
-    add(parser)
-    return parser.parse_args(argv)
-
-
 def test_train_and_generate_commands_for_a_decoder(tmp_path, capsys, small_defaults):
     out = tmp_path / "gpt"
-    args = _parse(T.add_train_arguments, ["--model", "gpt", "--steps", "2", "--eval-every", "1",
-                                          "--out", str(out), "--no-progress"])
-    assert args.run(args) == 0
+    args = ["train", "--model", "gpt", "--steps", "2", "--eval-every", "1",
+            "--out", str(out), "--no-progress"]
+    assert main(args) == 0
     printed = capsys.readouterr().out
     assert "validation" in printed and "unigram-entropy baseline" in printed
     assert "entropy rate of the generated text" in printed
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "the ",
-                                             "--max-new-tokens", "12", "--top-k", "5"])
-    assert args.run(args) == 0
+    args = ["generate", "--checkpoint", str(out), "--prompt", "the ",
+            "--max-new-tokens", "12", "--top-k", "5"]
+    assert main(args) == 0
     captured = capsys.readouterr()
     text = captured.out
     # 12 new tokens; a barely trained model may still pick a special id, printed as its name
@@ -275,42 +269,42 @@ def test_train_and_generate_commands_for_a_decoder(tmp_path, capsys, small_defau
     # the C++ kernels and plain recomputation give the same greedy text as the NumPy cache
     texts = {}
     for flags in ([], ["--backend", "cpu"], ["--no-cache"]):
-        args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "the ",
-                                                 "--max-new-tokens", "30", "--greedy", *flags])
-        assert args.run(args) == 0
+        args = ["generate", "--checkpoint", str(out), "--prompt", "the ",
+                "--max-new-tokens", "30", "--greedy", *flags]
+        assert main(args) == 0
         texts[" ".join(flags)] = capsys.readouterr().out
     assert len(set(texts.values())) == 1, texts
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "THE"])
-    assert args.run(args) == 2
+    args = ["generate", "--checkpoint", str(out), "--prompt", "THE"]
+    assert main(args) == 2
     assert "'T' at position 0" in capsys.readouterr().err
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--temperature", "0"])
-    assert args.run(args) == 2
+    args = ["generate", "--checkpoint", str(out), "--temperature", "0"]
+    assert main(args) == 2
     assert "temperature" in capsys.readouterr().err
     # resuming a finished run changes nothing and reports again
-    args = _parse(T.add_train_arguments, ["--out", str(out), "--resume", "--no-progress"])
-    assert args.run(args) == 0
+    args = ["train", "--out", str(out), "--resume", "--no-progress"]
+    assert main(args) == 0
     assert "finished at step 2 of 2: nothing left to do" in capsys.readouterr().out
 
 
 def test_train_and_generate_commands_for_the_transformer(tmp_path, capsys, small_defaults):
     out = tmp_path / "transformer"
-    args = _parse(T.add_train_arguments, ["--model", "transformer", "--steps", "1", "--out", str(out),
-                                          "--no-progress"])
-    assert args.run(args) == 0
+    args = ["train", "--model", "transformer", "--steps", "1", "--out", str(out),
+            "--no-progress"]
+    assert main(args) == 0
     assert "exact-match accuracy of greedy decoding" in capsys.readouterr().out
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "1234", "--greedy"])
-    assert args.run(args) == 0
+    args = ["generate", "--checkpoint", str(out), "--prompt", "1234", "--greedy"]
+    assert main(args) == 0
     assert capsys.readouterr().out.startswith("1234 -> ")
 
 
 def test_generate_command_for_the_reversal_by_a_decoder(tmp_path, capsys, small_defaults):
     out = tmp_path / "rlm"
-    args = _parse(T.add_train_arguments, ["--model", "gpt", "--task", "reverse-lm", "--steps", "1",
-                                          "--out", str(out), "--no-progress"])
-    assert args.run(args) == 0
+    args = ["train", "--model", "gpt", "--task", "reverse-lm", "--steps", "1",
+            "--out", str(out), "--no-progress"]
+    assert main(args) == 0
     assert "exact-match accuracy" in capsys.readouterr().out
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(out), "--prompt", "123", "--greedy"])
-    assert args.run(args) == 0
+    args = ["generate", "--checkpoint", str(out), "--prompt", "123", "--greedy"]
+    assert main(args) == 0
     assert capsys.readouterr().out.startswith("123 -> ")
 
 
@@ -323,28 +317,85 @@ def test_resume_keeps_the_evaluation_interval(tmp_path):
 
 
 def test_command_errors(tmp_path, capsys):
-    args = _parse(T.add_train_arguments, ["--steps", "2"])
-    assert args.run(args) == 2
+    args = ["train", "--steps", "2"]
+    assert main(args) == 2
     assert "give --model, one of gpt, llama, mla, transformer" in capsys.readouterr().err
-    args = _parse(T.add_train_arguments, ["--resume"])
-    assert args.run(args) == 2
+    args = ["train", "--resume"]
+    assert main(args) == 2
     assert "--resume needs the run directory: --out DIR" in capsys.readouterr().err
     for flag, value, message in (("--steps", "0", "--steps must be an int >= 1, got 0"),
                                  ("--lr", "-1", "--lr must be a finite number > 0, got -1.0"),
                                  ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
                                  ("--eval-every", "0", "--eval-every must be an int >= 1, got 0")):
-        args = _parse(T.add_train_arguments, ["--model", "gpt", "--out", str(tmp_path / "x"), flag, value])
-        assert args.run(args) == 2
+        args = ["train", "--model", "gpt", "--out", str(tmp_path / "x"), flag, value]
+        assert main(args) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-    args = _parse(T.add_train_arguments, ["--model", "gpt", "--out", "/proc/refmath_x"])
-    assert args.run(args) == 2
+    args = ["train", "--model", "gpt", "--out", "/proc/refmath_x"]
+    assert main(args) == 2
     assert "cannot write the run directory /proc/refmath_x" in capsys.readouterr().err
-    args = _parse(T.add_train_arguments, ["--out", str(tmp_path / "none"), "--resume"])
-    assert args.run(args) == 2
+    args = ["train", "--out", str(tmp_path / "none"), "--resume"]
+    assert main(args) == 2
     assert "no such file" in capsys.readouterr().err
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(tmp_path)])
-    assert args.run(args) == 2
+    args = ["generate", "--checkpoint", str(tmp_path)]
+    assert main(args) == 2
+
+
+def _rewrite_meta(directory, change):
+    """Apply ``change`` to a run's metadata in config.json and in the copy checkpoint.npz embeds."""
+    meta = json.loads((directory / "config.json").read_text())
+    change(meta)
+    (directory / "config.json").write_text(json.dumps(meta))
+    with np.load(directory / "checkpoint.npz") as npz:
+        arrays = dict(npz)
+    arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
+    np.savez(directory / "checkpoint.npz", **arrays)
+
+
+def test_a_run_records_its_tokenizer_so_generate_need_not_rebuild_the_corpus(
+        saved_run, capsys, monkeypatch):
+    from refmath.data import make_task
+
+    meta = json.loads((saved_run / "config.json").read_text())
+    task = make_task(CHARS)
+    assert meta["tokenizer"] == {"alphabet": task.tokenizer.alphabet}
+    assert T.load_tokenizer(saved_run).alphabet == task.tokenizer.alphabet
+
+    def no_corpus(settings):
+        raise AssertionError("the task was rebuilt")
+    with monkeypatch.context() as patched:
+        patched.setattr(T, "make_task", no_corpus)
+        patched.setattr("refmath.data.make_task", no_corpus)
+        assert main(["generate", "--checkpoint", str(saved_run), "--greedy",
+                     "--max-new-tokens", "5"]) == 0
+    recorded = capsys.readouterr().out
+
+    # a run written before config.json held the tokenizer: rebuilt from the task, same text
+    _rewrite_meta(saved_run, lambda meta: meta.pop("tokenizer"))
+    assert T.load_tokenizer(saved_run).alphabet == task.tokenizer.alphabet
+    assert main(["generate", "--checkpoint", str(saved_run), "--greedy",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == recorded
+
+
+def test_a_run_without_a_recorded_tokenizer_resumes_as_it_was_written(tmp_path):
+    run_gpt(tmp_path, 4, stop_after=2, eval_every=2)
+    _rewrite_meta(tmp_path, lambda meta: meta.pop("tokenizer"))
+    T.train(None, tmp_path, resume=True, out=open(os.devnull, "w"))
+    # the checkpoint written on resuming embeds config.json as it is, so the pair still loads
+    assert T.load_checkpoint(tmp_path).step == 4
+    assert "tokenizer" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_a_recorded_tokenizer_that_does_not_fit_is_refused(saved_run, capsys):
+    _rewrite_meta(saved_run, lambda meta: meta.update(tokenizer={"alphabet": "ab"}))
+    with pytest.raises(T.CheckpointError, match="6 ids do not match the configuration's vocab_size 32"):
+        T.load_tokenizer(saved_run)
+    _rewrite_meta(saved_run, lambda meta: meta.update(tokenizer={"alphabet": "aa"}))
+    with pytest.raises(T.CheckpointError, match="must not repeat characters"):
+        T.load_tokenizer(saved_run)
+    assert main(["generate", "--checkpoint", str(saved_run)]) == 2
+    assert capsys.readouterr().err.startswith("refmath generate: ")
 
 
 def test_progress_bar_and_plot(tmp_path, capsys):
@@ -391,8 +442,8 @@ def test_a_checkpoint_with_nan_parameters_is_refused(saved_run, capsys):
     np.savez(path, **arrays)
     with pytest.raises(T.CheckpointError, match=r"1 parameter array holds NaN or inf \(first: 'pos_emb'\)"):
         T.load_checkpoint(saved_run)
-    args = _parse(T.add_generate_arguments, ["--checkpoint", str(saved_run)])
-    assert args.run(args) == 2
+    args = ["generate", "--checkpoint", str(saved_run)]
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "NaN or inf" in err
 

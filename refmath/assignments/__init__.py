@@ -4,5 +4,6 @@
 the autograder bundle (with the leak check); ``extract`` takes only the listed functions from a
 submitted file; ``sandbox`` runs one hidden test's student side (``driver``) confined, and
 ``wire`` carries its inputs in and its arrays out; ``grade`` scores submissions; ``checks`` is
-what hidden tests are made of and compare with; ``cli`` is the command line.
+what hidden tests are made of and compare with. The command line is
+:mod:`refmath.commands.assignments`.
 """

@@ -110,7 +110,7 @@ cd /autograder/source
 /opt/refmath-grader/bin/python -I -c '
 import sys
 sys.path.insert(0, "/autograder/source")
-from refmath.__main__ import main
+from refmath.commands import main
 sys.exit(main())' assignments grade {name} /autograder/submission \\
     --out /autograder/results/results.json
 """

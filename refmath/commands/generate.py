@@ -1,0 +1,201 @@
+"""``python -m refmath generate``: sample from a run directory of ``train`` (``--checkpoint``) or
+from a Hugging Face model directory (``--hf``), with the sampling rules of
+:mod:`refmath.inference.generate`."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from refmath.commands import CommandError
+from refmath.kernels import BACKENDS
+
+HELP = "sample text from a trained checkpoint or a Hugging Face model directory"
+DESCRIPTION = (
+    "Load a checkpoint written by 'train' (--checkpoint) or a Hugging Face model directory (--hf) "
+    "and generate from a prompt (greedy, temperature, top-k, top-p; seeded).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments: the source (``--checkpoint`` or ``--hf``), the prompt and the sampling
+    and decoding flags."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a run directory of train")
+    source.add_argument("--hf", metavar="DIR",
+                        help="a Hugging Face model directory (config.json, model.safetensors or "
+                        "its shards, and tokenizer.json for --prompt); see refmath.hf")
+    parser.add_argument("--prompt-ids", metavar="IDS",
+                        help="with --hf: the prompt as comma-separated token ids, e.g. 1,2,3 "
+                        "(when the directory has no tokenizer.json)")
+    parser.add_argument("--prompt", help="text to continue (language models; default: a newline, "
+                        "i.e. a new sentence) or digits to reverse (transformer; required). The "
+                        "language models know lowercase a-z except j, space, '.' and newline; the "
+                        "reversal knows the digits 0-9")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="tokens to generate (default: 200; transformer: source length + 1)")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1)")
+    parser.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
+    parser.add_argument("--top-p", type=float, help="sample from the smallest set of mass >= p")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute the whole prefix at every step instead of decoding with the "
+                        "KV cache (the same tokens, O(T^2) work; the decoders only)")
+    parser.add_argument("--backend", choices=BACKENDS, default="numpy",
+                        help="who computes attention over the KV cache: the NumPy reference, the "
+                        "C++ kernels, or the CUDA kernels with the cache on the GPU (default: "
+                        "numpy; the decoders only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the continuation (or the transformer's output), and its speed on stderr."""
+    if args.hf is not None:
+        return _from_hf(args)
+    if args.prompt_ids is not None:
+        raise CommandError("--prompt-ids goes with --hf; a run directory's model takes --prompt")
+    return _from_run(args)
+
+
+def _check_sampling_flags(args: argparse.Namespace, alphabet: str | None) -> None:
+    """The checks of the sampling functions, said in terms of the command's flags (and, given an
+    ``alphabet``, that the prompt's characters are in it)."""
+    if not args.greedy and not 0 < args.temperature < math.inf:
+        raise CommandError(f"--temperature must be a finite number > 0, got {args.temperature} "
+                           f"(for argmax decoding use --greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        raise CommandError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CommandError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CommandError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = args.prompt if alphabet is not None and args.prompt else ""
+    for i, c in enumerate(prompt):
+        if c not in alphabet:
+            raise CommandError(f"--prompt holds {c!r} at position {i}, which this model's "
+                               f"tokenizer does not know; it knows {alphabet!r}")
+
+
+def _report_speed(n: int, seconds: float, how: str) -> None:
+    print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})", file=sys.stderr)
+
+
+# ---- --checkpoint: a run directory of train ------------------------------------------------------
+
+def _from_run(args: argparse.Namespace) -> int:
+    from refmath.data import EOS_ID, ReversalLMTask, ReversalTask, make_task
+    from refmath.inference.generate import generate, generate_seq2seq
+    from refmath.train import load_checkpoint, load_tokenizer
+
+    ckpt = load_checkpoint(args.checkpoint)
+    tok = load_tokenizer(args.checkpoint)  # from config.json: the task's corpus is not rebuilt
+    _check_sampling_flags(args, tok.alphabet)
+    sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed)
+    decoding = dict(cache=not args.no_cache, backend=args.backend)
+    task = ckpt.task.get("name")
+    start = time.perf_counter()
+    if task in (ReversalTask.name, ReversalLMTask.name):
+        if args.prompt is None:
+            raise CommandError("give --prompt, the digits to reverse")
+        n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
+        if task == ReversalTask.name:
+            out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
+                                   eos_id=EOS_ID, **sampling)
+        else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
+            prompt = make_task(ckpt.task).prompt_ids(args.prompt)
+            out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
+                           **sampling, **decoding)[len(prompt):]
+        print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
+        n = len(out)
+    else:
+        prompt = "\n" if args.prompt is None else args.prompt
+        n = 200 if args.max_new_tokens is None else args.max_new_tokens
+        out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
+                       **decoding)
+        print(tok.decode(out, specials="show"))
+        n = len(out) - len(prompt)
+    seconds = time.perf_counter() - start
+    how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
+    if ckpt.model == "transformer":
+        how = "the encoder-decoder recomputes its decoder prefix"
+    _report_speed(n, seconds, how)
+    return 0
+
+
+# ---- --hf: a Hugging Face model directory --------------------------------------------------------
+
+def _prompt_ids(text: str) -> np.ndarray:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise CommandError(f"--prompt-ids must be comma-separated integers such as 1,2,3, got "
+                           f"{text!r}") from None
+    return np.array(ids, dtype=np.int64)
+
+
+def _hf_tokenizer(directory: Path):
+    """The directory's ``tokenizer.json`` through the ``tokenizers`` package, or None if there is
+    no such file."""
+    from refmath.hf import TOKENIZER_FILE
+
+    path = directory / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CommandError(f"{path} needs the tokenizers package: pip install 'refmath[hf]' (or "
+                           f"give --prompt-ids)") from None
+    return Tokenizer.from_file(str(path))
+
+
+def _eos_id(directory: Path):
+    """The config's end-of-sequence id when it names exactly one."""
+    from refmath.hf import read_config
+
+    eos = read_config(directory).get("eos_token_id")
+    if isinstance(eos, list) and len(eos) == 1:
+        eos = eos[0]
+    return eos if isinstance(eos, int) else None
+
+
+def _from_hf(args: argparse.Namespace) -> int:
+    from refmath.hf import TOKENIZER_FILE, config_from_hf, load_checkpoint, read_config
+    from refmath.inference.generate import generate
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise CommandError("give --prompt (text, needs DIR/tokenizer.json) or --prompt-ids "
+                           "(comma-separated token ids), not both")
+    _check_sampling_flags(args, alphabet=None)
+    directory = Path(args.hf)
+    config_from_hf(read_config(directory))  # refuse an unsupported model before any weight
+    tokenizer = _hf_tokenizer(directory)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise CommandError(f"{directory} has no {TOKENIZER_FILE}: give the prompt as "
+                               f"--prompt-ids 1,2,3")
+        prompt = np.array(tokenizer.encode(args.prompt).ids, dtype=np.int64)
+        if prompt.size == 0:
+            raise CommandError(f"--prompt {args.prompt!r} encodes to no tokens")
+    else:
+        prompt = _prompt_ids(args.prompt_ids)
+    model, config, params = load_checkpoint(directory, dtype=np.float32, progress=True)
+    n = 20 if args.max_new_tokens is None else args.max_new_tokens
+    start = time.perf_counter()
+    out = generate(model, params, config, prompt, n, greedy=args.greedy,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, eos_id=_eos_id(directory), cache=not args.no_cache,
+                   backend=args.backend)
+    seconds = time.perf_counter() - start
+    if tokenizer is not None:
+        print(tokenizer.decode(out.tolist()))
+    else:
+        print(",".join(str(i) for i in out))
+    new = len(out) - len(prompt)
+    how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
+    _report_speed(new, seconds, f"{model} model, {how}")
+    return 0
