@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from refmath.gradcheck import numerical_gradient, relative_error, sample_coords
 from refmath.models import decoder
 from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 from refmath.norms import rmsnorm_forward
 from refmath.optim import takes_weight_decay
 from refmath.positions import rope_forward
 from refmath.softmax import log_softmax_forward
+from _support import gradient_check
 
 V, B, T = 11, 2, 7
 
@@ -51,27 +51,6 @@ def random_batch(seed=0, t=T, ignored=True, prompt=0):
         mask[:, :prompt] = 0
         batch["loss_mask"] = mask
     return batch
-
-
-def gradient_check(model, params, batch, config, train=False, seed=None, per_tensor=6):
-    """Largest relative error, per parameter, between backward and five-point differences of the
-    loss on ``per_tensor`` sampled coordinates. With dropout every evaluation redraws the same
-    masks from a generator seeded with ``seed``."""
-    def run():
-        rng = None if seed is None else np.random.default_rng(seed)
-        return model.forward(params, batch, config, train=train, rng=rng)
-
-    _, cache = run()
-    grads = model.backward(cache)
-    assert set(grads) == set(params)
-    pick = np.random.default_rng(1)
-    errors = {}
-    for name, value in params.items():
-        assert grads[name].shape == value.shape and grads[name].dtype == value.dtype
-        coords = sample_coords(value.size, per_tensor, pick)
-        numeric = numerical_gradient(lambda: float(run()[0]), value, coords)
-        errors[name] = float(relative_error(grads[name].reshape(-1)[coords], numeric).max())
-    return errors
 
 
 # ---- gradients -----------------------------------------------------------------------------------
