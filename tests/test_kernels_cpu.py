@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from refmath import kernels
 from refmath.attention import gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.inference.paged import PagedKVCache
+from _support import visible
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
 
@@ -79,19 +80,6 @@ def check_rule(label, kernel, ref64, numpy32, factor, magnitude):
 
 
 # ---- the dense references ------------------------------------------------------------------------
-
-def visible(t_q, t_k, causal, window):
-    """Boolean (t_q, t_k): query i sits at p = i + t_k - t_q; causal keeps j <= p, a window w also
-    j >= p - w + 1."""
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((t_q, t_k), dtype=bool)
-    if causal or window is not None:
-        keep &= j <= pos
-    if window is not None:
-        keep &= j >= pos - window + 1
-    return keep
-
 
 def dense(q, k, v, do, causal, window, scale, dtype):
     """(o, lse, dq, dk, dv) by dense attention in ``dtype``, key/value heads repeated per query head;

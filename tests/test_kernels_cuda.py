@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.attention import gqa_head_map
+from _support import visible
 
 U32 = 2.0**-24
 FLOOR_ULPS = 4
@@ -379,19 +380,6 @@ def check_rule(label, kernel, ref64, plain, factor, magnitude, out_dtype):
 
 
 # ---- references: float64, and the plain computation in the inputs' precision ----
-
-def visible(t_q, t_k, causal, window):
-    """Boolean (t_q, t_k): query i sits at p = i + t_k - t_q; causal keeps j <= p, a window w also
-    j >= p - w + 1 (the rule of refmath.flash, written out independently)."""
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((t_q, t_k), dtype=bool)
-    if causal or window is not None:
-        keep &= j <= pos
-    if window is not None:
-        keep &= j >= pos - window + 1
-    return keep
-
 
 def plain_attention(q, k, v, keep, scale, dtype, do=None):
     """Dense attention as a plain implementation in ``dtype`` computes it: float32 products and sums

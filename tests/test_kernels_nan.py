@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.attention import gqa_head_map
+from _support import visible
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
 
@@ -40,17 +41,6 @@ def vector_lanes(request):
         kernels.cpu_vector_lanes(16)
 
 
-def visible(t_q, t_k, causal, window):
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((t_q, t_k), dtype=bool)
-    if causal or window:
-        keep &= j <= pos
-    if window:
-        keep &= j >= pos - window + 1
-    return keep
-
-
 def masked_sum(vis, products, axis):
     """The sum over ``axis`` of ``products`` (..., t_q, t_k, D) over the visible pairs only."""
     return np.where(vis[..., None], products, 0.0).sum(axis=axis)
@@ -62,7 +52,7 @@ def attention_reference(q, k, v, do, causal, window, scale):
     h, g, t_q, t_k = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     heads = gqa_head_map(h, g)
     kk, vv = k[:, heads], v[:, heads]  # (B, H, T_k, D)
-    vis = visible(t_q, t_k, causal, window)
+    vis = visible(t_q, t_k, causal, window or None)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = np.where(vis, scale * np.einsum("bhid,bhjd->bhij", q, kk), -np.inf)
         m = s.max(axis=-1, keepdims=True)  # NaN if any visible score is NaN
