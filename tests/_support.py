@@ -36,18 +36,20 @@ def float32_rule(label, kernel, ref64, plain, factor=2, floor=0.0, worst=None):
     """Assert ``max |kernel - ref64| <= factor * max |plain - ref64| + floor``.
 
     ``ref64`` is the float64 reference, ``plain`` the same computation in plain float32 NumPy (or
-    the inputs' precision). The maxima run over the entries where ``ref64`` is finite; where it
-    is not (-inf: a row with no visible key) the kernel must return it exactly. Prints the worst
-    error as a fraction of its bound (``pytest -s``), appends ``(fraction, label)`` to ``worst``
-    when given, and returns the bound.
+    the inputs' precision), ``floor`` what the calling file adds for the roundings no summation
+    order avoids. Where ``ref64`` is infinite (-inf: a row with no visible key) the kernel must
+    return it exactly; the maxima run over the other entries (a NaN there fails the check). Prints
+    the worst error as a fraction of its bound (``pytest -s``), appends ``(fraction, label)`` to
+    ``worst`` when given, and returns the bound.
     """
     kernel = np.asarray(kernel, dtype=np.float64)
     plain = np.asarray(plain, dtype=np.float64)
     ref64 = np.asarray(ref64, dtype=np.float64)
-    finite = np.isfinite(ref64)
-    np.testing.assert_array_equal(kernel[~finite], ref64[~finite], err_msg=label)
-    kernel_err = np.abs(kernel[finite] - ref64[finite]).max(initial=0.0)
-    plain_err = np.abs(plain[finite] - ref64[finite]).max(initial=0.0)
+    infinite = np.isinf(ref64)
+    np.testing.assert_array_equal(kernel[infinite], ref64[infinite], err_msg=label)
+    rest = ~infinite
+    kernel_err = np.abs(kernel[rest] - ref64[rest]).max(initial=0.0)
+    plain_err = np.abs(plain[rest] - ref64[rest]).max(initial=0.0)
     bound = factor * plain_err + floor
     fraction = kernel_err / bound if bound > 0 else (0.0 if kernel_err == 0 else np.inf)
     if worst is not None:

@@ -28,7 +28,7 @@ from refmath.flash import (
     flash_attention_forward,
 )
 from refmath.softmax import OnlineSoftmaxState, online_softmax_merge, online_softmax_result
-from _support import visible
+from _support import float32_rule, visible
 
 PROPERTY = settings(max_examples=30, deadline=None)
 U32 = 2.0**-24  # unit roundoff of float32
@@ -426,12 +426,8 @@ def test_float32_stays_float32_and_is_as_accurate_as_dense_float32(seed):
         for name, actual, plain, exact in zip(("o", "lse", "dq", "dk", "dv"), got, dense32, ref):
             assert actual.dtype == np.float32, name
             live = np.isfinite(exact)
-            flash_err = np.abs(actual[live] - exact[live]).max()
-            dense_err = np.abs(plain[live].astype(np.float64) - exact[live]).max()
-            bound = 2 * dense_err + tiling[name] * U32 * max(1.0, np.abs(exact[live]).max())
-            print(f"float32 {name} causal={causal} window={window}: worst error {flash_err:.3g} "
-                  f"= {flash_err / bound:.2f} of bound {bound:.3g}")
-            assert flash_err <= bound
+            float32_rule(f"float32 {name} causal={causal} window={window}", actual, exact, plain,
+                         2, tiling[name] * U32 * max(1.0, np.abs(exact[live]).max()))
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from refmath import kernels
 from refmath.attention import gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.inference.paged import PagedKVCache
-from _support import visible
+from _support import float32_rule, visible
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
 
@@ -60,23 +60,6 @@ def report_worst_case():
     if WORST:
         fraction, label = max(WORST)
         print(f"\nworst kernel error over {len(WORST)} checks: {fraction:.2f} of its bound ({label})")
-
-
-def check_rule(label, kernel, ref64, numpy32, factor, magnitude):
-    """Assert the kernel's error is within ``factor`` times NumPy float32's plus the floor."""
-    kernel = np.asarray(kernel, dtype=np.float64)
-    finite = np.isfinite(ref64)
-    # -inf (a row with no visible key) must come back exactly; only finite entries have errors.
-    np.testing.assert_array_equal(kernel[~finite], ref64[~finite], err_msg=label)
-    kernel_err = np.abs(kernel[finite] - ref64[finite]).max(initial=0.0)
-    numpy_err = np.abs(numpy32.astype(np.float64)[finite] - ref64[finite]).max(initial=0.0)
-    bound = factor * numpy_err + FLOOR_ULPS * U32 * magnitude
-    fraction = kernel_err / bound if bound > 0 else (0.0 if kernel_err == 0 else np.inf)
-    WORST.append((fraction, label))
-    print(f"{label}: error {kernel_err:.3g} = {fraction:.2f} of bound {bound:.3g} "
-          f"(NumPy float32 {numpy_err:.3g})")
-    assert kernel_err <= bound, f"{label}: error {kernel_err:.3g} > bound {bound:.3g}"
-    return bound
 
 
 # ---- the dense references ------------------------------------------------------------------------
@@ -142,7 +125,7 @@ def check_attention(b, h, g, t_q, t_k, d, causal, window, seed=0, scale=None):
         ("dk", dk, ref[3], f32[3], 3, lse_size * mags["dk"]),
         ("dv", dv, ref[4], f32[4], 3, lse_size * mags["dv"]),
     ]:
-        check_rule(f"{name} {label}", out, r, n, factor, magnitude)
+        float32_rule(f"{name} {label}", out, r, n, factor, FLOOR_ULPS * U32 * magnitude, WORST)
     return o, lse
 
 
@@ -259,7 +242,7 @@ def check_decode(label, out, q, k, v, lengths, scale):
     assert np.isfinite(out).all(), f"{label}: NaN or inf leaked into the output"
     ref, magnitude = decode_reference(q, k, v, lengths, scale, np.float64)
     f32, _ = decode_reference(q, k, v, lengths, scale, np.float32)
-    bound = check_rule(label, out, ref, f32, 2, magnitude)
+    bound = float32_rule(label, out, ref, f32, 2, FLOOR_ULPS * U32 * magnitude, WORST)
     np.testing.assert_array_equal(out[np.asarray(lengths) == 0], 0.0)
     return bound
 
