@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.attention import gqa_head_map, sdpa_backward, sdpa_forward
+from refmath.inference.decode import decode_attention
 from refmath.inference.paged import PagedKVCache
 from _support import float32_rule, visible
 
@@ -220,28 +221,15 @@ def test_flash_attention_copies_non_contiguous_input():
 
 # ---- decode over contiguous and paged caches -----------------------------------------------------
 
-def decode_reference(q, k, v, lengths, scale, dtype):
-    """Dense attention of each sequence's query over its first lengths[b] keys, in ``dtype``, and
-    the magnitude M = max sum_j p_j |v_j| of the outputs (see the module docstring)."""
-    b, h, d = q.shape
-    heads = gqa_head_map(h, k.shape[1])
-    out = np.zeros((b, h, d), dtype=dtype)
-    magnitude = 0.0
-    for i, n in enumerate(lengths):
-        if n:
-            v_i = v[i][heads][:, :n].astype(dtype)
-            o, cache = sdpa_forward(q[i][:, None, :].astype(dtype), k[i][heads][:, :n].astype(dtype),
-                                    v_i, scale=scale)
-            out[i] = o[:, 0]
-            magnitude = max(magnitude, float((cache.a @ np.abs(v_i)).max()))
-    return out, magnitude
-
-
 def check_decode(label, out, q, k, v, lengths, scale):
     assert out.dtype == np.float32 and out.shape == q.shape
     assert np.isfinite(out).all(), f"{label}: NaN or inf leaked into the output"
-    ref, magnitude = decode_reference(q, k, v, lengths, scale, np.float64)
-    f32, _ = decode_reference(q, k, v, lengths, scale, np.float32)
+    # The reference is refmath's decode in float64, and the plain computation the same in float32;
+    # M = max sum_j p_j |v_j| (see the module docstring) is that decode with |v| for the values.
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    ref = decode_attention(q64, k64, v64, lengths, scale)
+    magnitude = float(decode_attention(q64, k64, np.abs(v64), lengths, scale).max(initial=0.0))
+    f32 = decode_attention(*(np.asarray(x, dtype=np.float32) for x in (q, k, v)), lengths, scale)
     bound = float32_rule(label, out, ref, f32, 2, FLOOR_ULPS * U32 * magnitude, WORST)
     np.testing.assert_array_equal(out[np.asarray(lengths) == 0], 0.0)
     return bound
