@@ -28,6 +28,7 @@ from refmath.flash import (
     flash_attention_forward,
 )
 from refmath.softmax import OnlineSoftmaxState, online_softmax_merge, online_softmax_result
+from _support import float32_rule, visible
 
 PROPERTY = settings(max_examples=30, deadline=None)
 U32 = 2.0**-24  # unit roundoff of float32
@@ -35,24 +36,11 @@ U32 = 2.0**-24  # unit roundoff of float32
 
 # ---- the dense reference ------------------------------------------------------------------------
 
-def _visible(t_q, t_k, causal=False, window=None):
-    """Boolean (t_q, t_k) from the rule: query i sits at p = i + t_k - t_q; causal keeps j <= p, a
-    window w (causal by definition) also keeps only j >= p - w + 1."""
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    visible = np.ones((t_q, t_k), dtype=bool)
-    if causal or window is not None:
-        visible &= j <= pos
-    if window is not None:
-        visible &= j >= pos - window + 1
-    return visible
-
-
 def _dense(q, k, v, do, causal=False, window=None, scale=None):
     """Return (o, lse, dq, dk, dv) by dense attention with repeated key/value heads."""
     h, g, t_q, t_k = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    mask = np.where(_visible(t_q, t_k, causal, window), 0.0, -np.inf)
+    mask = np.where(visible(t_q, t_k, causal, window), 0.0, -np.inf)
     heads = gqa_head_map(h, g)
     o, cache = sdpa_forward(q, k[:, heads], v[:, heads], mask=mask, scale=scale)
     dq, dk_rep, dv_rep = sdpa_backward(do, cache)
@@ -97,10 +85,10 @@ def _assert_lse(lse, expected):
 
 def test_reference_mask_is_the_library_mask():
     for t_q, t_k in ((5, 5), (3, 7), (1, 4)):
-        np.testing.assert_array_equal(np.where(_visible(t_q, t_k, causal=True), 0.0, -np.inf),
+        np.testing.assert_array_equal(np.where(visible(t_q, t_k, causal=True), 0.0, -np.inf),
                                       causal_mask(t_q, t_k))
     for w in (1, 3, 9):
-        np.testing.assert_array_equal(np.where(_visible(7, 7, window=w), 0.0, -np.inf),
+        np.testing.assert_array_equal(np.where(visible(7, 7, window=w), 0.0, -np.inf),
                                       local_window_mask(7, w))
 
 
@@ -230,11 +218,11 @@ def test_permuting_the_keys_changes_nothing():
 
 def _tile_census(t_q, t_k, block_q, block_k, causal=False, window=None):
     """(pairs, tiles with a visible pair, tiles with none) read off the dense mask, tile by tile."""
-    visible = _visible(t_q, t_k, causal, window)
+    keep = visible(t_q, t_k, causal, window)
     pairs = computed = skipped = 0
     for i0 in range(0, t_q, block_q):
         for j0 in range(0, t_k, block_k):
-            tile = visible[i0:i0 + block_q, j0:j0 + block_k]
+            tile = keep[i0:i0 + block_q, j0:j0 + block_k]
             if tile.any():
                 computed += 1
                 pairs += tile.size
@@ -438,12 +426,8 @@ def test_float32_stays_float32_and_is_as_accurate_as_dense_float32(seed):
         for name, actual, plain, exact in zip(("o", "lse", "dq", "dk", "dv"), got, dense32, ref):
             assert actual.dtype == np.float32, name
             live = np.isfinite(exact)
-            flash_err = np.abs(actual[live] - exact[live]).max()
-            dense_err = np.abs(plain[live].astype(np.float64) - exact[live]).max()
-            bound = 2 * dense_err + tiling[name] * U32 * max(1.0, np.abs(exact[live]).max())
-            print(f"float32 {name} causal={causal} window={window}: worst error {flash_err:.3g} "
-                  f"= {flash_err / bound:.2f} of bound {bound:.3g}")
-            assert flash_err <= bound
+            float32_rule(f"float32 {name} causal={causal} window={window}", actual, exact, plain,
+                         2, tiling[name] * U32 * max(1.0, np.abs(exact[live]).max()))
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.softmax import softmax_forward
+from _support import float32_rule
 
 PROPERTY = settings(max_examples=30, deadline=None)
 REQUIRE_GPU = os.environ.get("REFMATH_REQUIRE_GPU", "").strip().lower() in ("1", "true", "yes", "on")
@@ -47,14 +48,10 @@ def reference(x):
 
 
 def assert_float32_rule(kernel_out, x32, label):
-    ref = reference(x32.astype(np.float64))
-    numpy_err = np.abs(reference(x32) - ref).max(initial=0.0)
-    kernel_err = np.abs(kernel_out.astype(np.float64) - ref).max(initial=0.0)
-    bound = 2 * numpy_err + U32
-    print(f"{label}: float32 worst error {kernel_err:.3g} = {kernel_err / bound:.2f} "
-          f"of bound {bound:.3g}")
+    """The shared float32 rule with a floor of one float32 rounding (u = 2**-24)."""
     assert kernel_out.dtype == np.float32
-    assert kernel_err <= bound
+    float32_rule(f"{label} float32", kernel_out, reference(x32.astype(np.float64)), reference(x32),
+                 2, U32)
 
 
 def assert_float64_close(kernel_out, x, label):

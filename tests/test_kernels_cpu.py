@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.attention import gqa_head_map, sdpa_backward, sdpa_forward
+from refmath.inference.decode import decode_attention
 from refmath.inference.paged import PagedKVCache
+from _support import float32_rule, visible
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
 
@@ -61,37 +63,7 @@ def report_worst_case():
         print(f"\nworst kernel error over {len(WORST)} checks: {fraction:.2f} of its bound ({label})")
 
 
-def check_rule(label, kernel, ref64, numpy32, factor, magnitude):
-    """Assert the kernel's error is within ``factor`` times NumPy float32's plus the floor."""
-    kernel = np.asarray(kernel, dtype=np.float64)
-    finite = np.isfinite(ref64)
-    # -inf (a row with no visible key) must come back exactly; only finite entries have errors.
-    np.testing.assert_array_equal(kernel[~finite], ref64[~finite], err_msg=label)
-    kernel_err = np.abs(kernel[finite] - ref64[finite]).max(initial=0.0)
-    numpy_err = np.abs(numpy32.astype(np.float64)[finite] - ref64[finite]).max(initial=0.0)
-    bound = factor * numpy_err + FLOOR_ULPS * U32 * magnitude
-    fraction = kernel_err / bound if bound > 0 else (0.0 if kernel_err == 0 else np.inf)
-    WORST.append((fraction, label))
-    print(f"{label}: error {kernel_err:.3g} = {fraction:.2f} of bound {bound:.3g} "
-          f"(NumPy float32 {numpy_err:.3g})")
-    assert kernel_err <= bound, f"{label}: error {kernel_err:.3g} > bound {bound:.3g}"
-    return bound
-
-
 # ---- the dense references ------------------------------------------------------------------------
-
-def visible(t_q, t_k, causal, window):
-    """Boolean (t_q, t_k): query i sits at p = i + t_k - t_q; causal keeps j <= p, a window w also
-    j >= p - w + 1."""
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((t_q, t_k), dtype=bool)
-    if causal or window is not None:
-        keep &= j <= pos
-    if window is not None:
-        keep &= j >= pos - window + 1
-    return keep
-
 
 def dense(q, k, v, do, causal, window, scale, dtype):
     """(o, lse, dq, dk, dv) by dense attention in ``dtype``, key/value heads repeated per query head;
@@ -154,7 +126,7 @@ def check_attention(b, h, g, t_q, t_k, d, causal, window, seed=0, scale=None):
         ("dk", dk, ref[3], f32[3], 3, lse_size * mags["dk"]),
         ("dv", dv, ref[4], f32[4], 3, lse_size * mags["dv"]),
     ]:
-        check_rule(f"{name} {label}", out, r, n, factor, magnitude)
+        float32_rule(f"{name} {label}", out, r, n, factor, FLOOR_ULPS * U32 * magnitude, WORST)
     return o, lse
 
 
@@ -249,29 +221,16 @@ def test_flash_attention_copies_non_contiguous_input():
 
 # ---- decode over contiguous and paged caches -----------------------------------------------------
 
-def decode_reference(q, k, v, lengths, scale, dtype):
-    """Dense attention of each sequence's query over its first lengths[b] keys, in ``dtype``, and
-    the magnitude M = max sum_j p_j |v_j| of the outputs (see the module docstring)."""
-    b, h, d = q.shape
-    heads = gqa_head_map(h, k.shape[1])
-    out = np.zeros((b, h, d), dtype=dtype)
-    magnitude = 0.0
-    for i, n in enumerate(lengths):
-        if n:
-            v_i = v[i][heads][:, :n].astype(dtype)
-            o, cache = sdpa_forward(q[i][:, None, :].astype(dtype), k[i][heads][:, :n].astype(dtype),
-                                    v_i, scale=scale)
-            out[i] = o[:, 0]
-            magnitude = max(magnitude, float((cache.a @ np.abs(v_i)).max()))
-    return out, magnitude
-
-
 def check_decode(label, out, q, k, v, lengths, scale):
     assert out.dtype == np.float32 and out.shape == q.shape
     assert np.isfinite(out).all(), f"{label}: NaN or inf leaked into the output"
-    ref, magnitude = decode_reference(q, k, v, lengths, scale, np.float64)
-    f32, _ = decode_reference(q, k, v, lengths, scale, np.float32)
-    bound = check_rule(label, out, ref, f32, 2, magnitude)
+    # The reference is refmath's decode in float64, and the plain computation the same in float32;
+    # M = max sum_j p_j |v_j| (see the module docstring) is that decode with |v| for the values.
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    ref = decode_attention(q64, k64, v64, lengths, scale)
+    magnitude = float(decode_attention(q64, k64, np.abs(v64), lengths, scale).max(initial=0.0))
+    f32 = decode_attention(*(np.asarray(x, dtype=np.float32) for x in (q, k, v)), lengths, scale)
+    bound = float32_rule(label, out, ref, f32, 2, FLOOR_ULPS * U32 * magnitude, WORST)
     np.testing.assert_array_equal(out[np.asarray(lengths) == 0], 0.0)
     return bound
 

@@ -5,7 +5,7 @@ of shapes (lengths 1, 7, 64, 100, 1000; D = 32, 64, 128; 1, 4 or 8 query heads p
 head; no mask, causal, sliding window; batches of more than one; lengths that no tile size
 divides) and are held to the FlashAttention test suite's rule. For each output compute
 
-* the float64 reference: ``refmath.flash`` for attention, ``refmath.inference.paged`` for decode,
+* the float64 reference: ``refmath.flash`` for attention, ``refmath.inference.decode`` for decode,
   on the inputs as the kernel sees them (already rounded to the kernel's dtype);
 * a plain dense computation in the inputs' precision: float32 NumPy for float32 inputs; for
   float16/bfloat16 inputs the same float32 arithmetic with every stored intermediate (the scaled
@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.attention import gqa_head_map
+from _support import float32_rule, visible
 
 U32 = 2.0**-24
 FLOOR_ULPS = 4
@@ -362,36 +363,16 @@ def to_host(cp, a):
 # ---- the rule ----
 
 def check_rule(label, kernel, ref64, plain, factor, magnitude, out_dtype):
-    """Assert ``|kernel - ref| <= factor * |plain - ref| + floor`` (maxima over the entries)."""
-    kernel = np.asarray(kernel, dtype=np.float64)
-    plain = np.asarray(plain, dtype=np.float64)
+    """Assert ``|kernel - ref| <= factor * |plain - ref| + floor`` (maxima over the entries): the
+    shared float32 rule with this file's floor, the rounding of the exact answer to ``out_dtype``
+    plus FLOOR_ULPS float32 roundings of ``magnitude``."""
+    ref64 = np.asarray(ref64, dtype=np.float64)
     finite = np.isfinite(ref64)
-    # -inf (a row with no visible key) must come back exactly; only finite entries have errors.
-    np.testing.assert_array_equal(kernel[~finite], ref64[~finite], err_msg=label)
-    kernel_err = np.abs(kernel[finite] - ref64[finite]).max(initial=0.0)
-    plain_err = np.abs(plain[finite] - ref64[finite]).max(initial=0.0)
     rounding = np.abs(round_to(ref64[finite], out_dtype) - ref64[finite]).max(initial=0.0)
-    bound = factor * plain_err + rounding + FLOOR_ULPS * U32 * magnitude
-    fraction = kernel_err / bound if bound > 0 else (0.0 if kernel_err == 0 else np.inf)
-    WORST.append((fraction, label))
-    print(f"{label}: error {kernel_err:.3g} = {fraction:.2f} of bound {bound:.3g} (plain {plain_err:.3g})")
-    assert kernel_err <= bound, f"{label}: error {kernel_err:.3g} > bound {bound:.3g}"
+    float32_rule(label, kernel, ref64, plain, factor, rounding + FLOOR_ULPS * U32 * magnitude, WORST)
 
 
 # ---- references: float64, and the plain computation in the inputs' precision ----
-
-def visible(t_q, t_k, causal, window):
-    """Boolean (t_q, t_k): query i sits at p = i + t_k - t_q; causal keeps j <= p, a window w also
-    j >= p - w + 1 (the rule of refmath.flash, written out independently)."""
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((t_q, t_k), dtype=bool)
-    if causal or window is not None:
-        keep &= j <= pos
-    if window is not None:
-        keep &= j >= pos - window + 1
-    return keep
-
 
 def plain_attention(q, k, v, keep, scale, dtype, do=None):
     """Dense attention as a plain implementation in ``dtype`` computes it: float32 products and sums
@@ -590,21 +571,20 @@ def test_backward_is_deterministic(cp):
 def check_decode(label, o, q, keys, values, lengths, scale, dtype):
     """o (B, H, D) against the float64 decode of each sequence's first lengths[b] keys, the plain
     computation in ``dtype``, and the floor; keys/values[b] are (G, L_b, D) float32 arrays."""
+    from refmath.inference.decode import decode_attention
+
     b, h, _ = q.shape
     exact = np.zeros((b, h, q.shape[2]))
     plain = np.zeros((b, h, q.shape[2]), dtype=np.float32)
     magnitude = 0.0
     for i in range(b):
-        g = keys[i].shape[0]
-        heads = gqa_head_map(h, g)
-        k64, v64 = keys[i].astype(np.float64)[heads], values[i].astype(np.float64)[heads]  # (H, L, D)
         if lengths[i] == 0:
             continue
-        s = scale * np.einsum("hd,hld->hl", q[i].astype(np.float64), k64)
-        a = np.exp(s - s.max(axis=-1, keepdims=True))
-        a /= a.sum(axis=-1, keepdims=True)
-        exact[i] = np.einsum("hl,hld->hd", a, v64)
-        magnitude = max(magnitude, np.einsum("hl,hld->hd", a, np.abs(v64)).max())
+        # refmath's decode of this one sequence in float64; M = max sum_j p_j |v_j| is the same
+        # decode with |v| for the values.
+        q64, k64, v64 = (x.astype(np.float64)[None] for x in (q[i], keys[i], values[i]))
+        exact[i] = decode_attention(q64, k64, v64, [lengths[i]], scale)[0]
+        magnitude = max(magnitude, decode_attention(q64, k64, np.abs(v64), [lengths[i]], scale).max())
         keep = np.ones((1, lengths[i]), dtype=bool)
         plain[i] = plain_attention(q[i][None, :, None], keys[i][None], values[i][None], keep, scale, dtype)[0][0, :, 0]
     check_rule(label, o, exact, plain, 2, magnitude, dtype)
@@ -836,7 +816,7 @@ def test_attention_nan_pattern_matches_the_reference(cp, case, where):
 @pytest.mark.cuda
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_decode_nan_pattern_matches_the_reference(cp, where):
-    from test_kernels_nan import assert_same_nans, decode_reference
+    from test_kernels_nan import assert_same_nans, decode_nan_reference
 
     rng = np.random.default_rng(3)
     b, h, g, d, t_max = 3, 8, 2, 64, 300
@@ -846,7 +826,7 @@ def test_decode_nan_pattern_matches_the_reference(cp, where):
         k, v = (rng.standard_normal((b, g, t_max, d)).astype(np.float32) for _ in range(2))
         x = {"q": q, "k": k, "v": v}[where].reshape(-1)
         x[rng.integers(x.size)] = np.nan
-        ref = decode_reference(q, k, v, lengths, d**-0.5)
+        ref = decode_nan_reference(q, k, v, lengths, d**-0.5)
         for splits in (1, 4):
             o = kernels.decode(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(lengths),
                                splits=splits)

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 from refmath import kernels
 from refmath.attention import gqa_head_map
+from refmath.inference.decode import decode_attention
+from _support import visible
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
 
@@ -40,17 +42,6 @@ def vector_lanes(request):
         kernels.cpu_vector_lanes(16)
 
 
-def visible(t_q, t_k, causal, window):
-    pos = np.arange(t_q)[:, None] + t_k - t_q
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((t_q, t_k), dtype=bool)
-    if causal or window:
-        keep &= j <= pos
-    if window:
-        keep &= j >= pos - window + 1
-    return keep
-
-
 def masked_sum(vis, products, axis):
     """The sum over ``axis`` of ``products`` (..., t_q, t_k, D) over the visible pairs only."""
     return np.where(vis[..., None], products, 0.0).sum(axis=axis)
@@ -62,7 +53,7 @@ def attention_reference(q, k, v, do, causal, window, scale):
     h, g, t_q, t_k = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     heads = gqa_head_map(h, g)
     kk, vv = k[:, heads], v[:, heads]  # (B, H, T_k, D)
-    vis = visible(t_q, t_k, causal, window)
+    vis = visible(t_q, t_k, causal, window or None)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = np.where(vis, scale * np.einsum("bhid,bhjd->bhij", q, kk), -np.inf)
         m = s.max(axis=-1, keepdims=True)  # NaN if any visible score is NaN
@@ -85,21 +76,11 @@ def attention_reference(q, k, v, do, causal, window, scale):
     return o, lse, dq, dk, dv
 
 
-def decode_reference(q, k, v, lengths, scale):
-    """(B, H, D) in float64 over each sequence's first lengths[b] keys (contiguous caches)."""
-    b, h, d = q.shape
-    heads = gqa_head_map(h, k.shape[1])
-    out = np.zeros((b, h, d))
+def decode_nan_reference(q, k, v, lengths, scale):
+    """(B, H, D) in float64: refmath's decode over each sequence's first lengths[b] keys
+    (contiguous caches). It never reads a slot past a length, so a NaN there changes nothing."""
     with np.errstate(invalid="ignore", over="ignore"):
-        for i in range(b):
-            n = lengths[i]
-            if n == 0:
-                continue
-            kk, vv = k[i, heads, :n].astype(np.float64), v[i, heads, :n].astype(np.float64)
-            s = scale * np.einsum("hd,hjd->hj", q[i].astype(np.float64), kk)
-            e = np.exp(s - s.max(axis=-1, keepdims=True))
-            out[i] = np.einsum("hj,hjd->hd", e / e.sum(axis=-1, keepdims=True), vv)
-    return out
+        return decode_attention(*(np.asarray(x, dtype=np.float64) for x in (q, k, v)), lengths, scale)
 
 
 def assert_same_nans(label, kernel, ref):
@@ -210,7 +191,7 @@ def test_decode_nan_pattern_matches_the_reference(case):
     k = rng.standard_normal((b, g, t_max, d)).astype(np.float32)
     v = rng.standard_normal((b, g, t_max, d)).astype(np.float32)
     put_nan(rng, {"q": q, "k": k, "v": v}[where])
-    ref = decode_reference(q, k, v, lengths, d**-0.5)
+    ref = decode_nan_reference(q, k, v, lengths, d**-0.5)
     out = kernels.decode(q, k, v, lengths, splits=splits or None)
     assert_same_nans(f"decode, NaN in {where}, lengths {lengths.tolist()}, splits {splits}", out, ref)
 
@@ -230,7 +211,7 @@ def test_paged_decode_nan_pattern_matches_the_reference(case, page_size):
     # The contiguous caches the table describes (slots past max_pages * page_size dropped).
     k = k_pages[table].transpose(0, 2, 1, 3, 4).reshape(b, g, -1, d)[:, :, :t_max]
     v = v_pages[table].transpose(0, 2, 1, 3, 4).reshape(b, g, -1, d)[:, :, :t_max]
-    ref = decode_reference(q, k, v, lengths, d**-0.5)
+    ref = decode_nan_reference(q, k, v, lengths, d**-0.5)
     out = kernels.paged_decode(q, k_pages, v_pages, table, lengths, splits=splits or None)
     assert_same_nans(f"paged decode, NaN in {where}, lengths {lengths.tolist()}, page size "
                      f"{page_size}, splits {splits}", out, ref)

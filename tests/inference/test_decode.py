@@ -9,6 +9,7 @@ import pytest
 
 from refmath import kernels
 from refmath.inference.decode import decode_attention, paged_decode_attention
+from _support import float32_rule
 
 needs_cpu_kernels = pytest.mark.skipif(not kernels.cpu_available(),
                                        reason="the C++ module refmath._C is not built")
@@ -43,13 +44,6 @@ def _paged(k, v, lengths, page_size, seed):
     return k_pages, v_pages, table
 
 
-def _within_float32_rule(kernel, ref64, numpy32):
-    kernel_err = np.abs(kernel.astype(np.float64) - ref64).max()
-    numpy_err = np.abs(numpy32.astype(np.float64) - ref64).max()
-    bound = 2 * numpy_err + 4 * U32 * np.abs(ref64).max()
-    assert kernel_err <= bound, f"error {kernel_err:.3g} > bound {bound:.3g}"
-
-
 SHAPES = [  # lengths, H, G, D
     ([5, 0, 17], 4, 4, 8),  # MHA, one empty sequence
     ([33, 1], 6, 2, 16),  # GQA
@@ -75,10 +69,12 @@ def test_the_cpu_backend_matches_the_reference(lengths, h, g, d):
     ref64 = decode_attention(q, k, v, lengths)
     f32 = [x.astype(np.float32) for x in (q, k, v)]
     numpy32 = decode_attention(*f32, lengths)
-    _within_float32_rule(decode_attention(*f32, lengths, backend="cpu"), ref64, numpy32)
+    floor = 4 * U32 * np.abs(ref64).max()
+    float32_rule("cpu backend, contiguous", decode_attention(*f32, lengths, backend="cpu"), ref64,
+                 numpy32, 2, floor)
     k_pages, v_pages, table = _paged(*f32[1:], lengths, 4, seed=4)
     paged32 = paged_decode_attention(f32[0], k_pages, v_pages, table, lengths, backend="cpu")
-    _within_float32_rule(paged32, ref64, numpy32)
+    float32_rule("cpu backend, paged", paged32, ref64, numpy32, 2, floor)
 
 
 def test_a_page_table_entry_a_length_needs_must_be_a_page():

@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from refmath.gradcheck import numerical_gradient, relative_error, sample_coords
 from refmath.models import decoder
 from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 from refmath.norms import rmsnorm_forward
 from refmath.optim import takes_weight_decay
 from refmath.positions import rope_forward
 from refmath.softmax import log_softmax_forward
+from _support import float32_rule, gradient_check
 
 V, B, T = 11, 2, 7
 
@@ -51,27 +51,6 @@ def random_batch(seed=0, t=T, ignored=True, prompt=0):
         mask[:, :prompt] = 0
         batch["loss_mask"] = mask
     return batch
-
-
-def gradient_check(model, params, batch, config, train=False, seed=None, per_tensor=6):
-    """Largest relative error, per parameter, between backward and five-point differences of the
-    loss on ``per_tensor`` sampled coordinates. With dropout every evaluation redraws the same
-    masks from a generator seeded with ``seed``."""
-    def run():
-        rng = None if seed is None else np.random.default_rng(seed)
-        return model.forward(params, batch, config, train=train, rng=rng)
-
-    _, cache = run()
-    grads = model.backward(cache)
-    assert set(grads) == set(params)
-    pick = np.random.default_rng(1)
-    errors = {}
-    for name, value in params.items():
-        assert grads[name].shape == value.shape and grads[name].dtype == value.dtype
-        coords = sample_coords(value.size, per_tensor, pick)
-        numeric = numerical_gradient(lambda: float(run()[0]), value, coords)
-        errors[name] = float(relative_error(grads[name].reshape(-1)[coords], numeric).max())
-    return errors
 
 
 # ---- gradients -----------------------------------------------------------------------------------
@@ -395,7 +374,6 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(window)
     for name in ["loss", *grads64]:
         ref = loss64 if name == "loss" else grads64[name]
         got = {b: (r[0] if name == "loss" else r[1][name]).astype(np.float64) for b, r in runs.items()}
-        numpy_err, cpu_err = (np.abs(got[b] - ref).max() for b in ("numpy", "cpu"))
-        assert cpu_err <= 2 * numpy_err + 4 * u32 * np.abs(ref).max(), (name, cpu_err, numpy_err)
+        float32_rule(name, got["cpu"], ref, got["numpy"], 2, 4 * u32 * np.abs(ref).max())
     with pytest.raises(ValueError, match="attention_backend must be one of 'numpy', 'cpu'"):
         tiny(attention_backend="cuda")

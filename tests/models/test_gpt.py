@@ -11,6 +11,7 @@ from refmath import sizing
 from refmath.gradcheck import numerical_gradient, relative_error, sample_coords
 from refmath.models import gpt
 from refmath.optim import takes_weight_decay
+from _support import float32_rule
 
 SMALL = gpt.GPTConfig(vocab_size=13, max_seq_len=8, n_layers=2, d_model=8, n_heads=2, d_ff=12,
                       dropout=0.2)
@@ -439,7 +440,6 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients():
     for name in ["loss", *runs["cpu"][1]]:
         ref = loss64 if name == "loss" else grads64[name]
         got = {b: np.asarray(r[0] if name == "loss" else r[1][name], np.float64) for b, r in runs.items()}
-        numpy_err, cpu_err = (np.abs(got[b] - ref).max() for b in ("numpy", "cpu"))
-        assert cpu_err <= 2 * numpy_err + 4 * u32 * np.abs(ref).max(), (name, cpu_err, numpy_err)
+        float32_rule(name, got["cpu"], ref, got["numpy"], 2, 4 * u32 * np.abs(ref).max())
     with pytest.raises(ValueError, match="attention_backend = 'cpu' needs dropout = 0"):
         dataclasses.replace(config, attention_backend="cpu", dropout=0.1)

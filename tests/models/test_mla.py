@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from refmath.gradcheck import numerical_gradient, relative_error, sample_coords
 from refmath.models import mla
 from refmath.models.decoder import IGNORE_INDEX
 from refmath.models.mla import MLAConfig
@@ -15,6 +14,7 @@ from refmath.norms import rmsnorm_forward
 from refmath.optim import takes_weight_decay
 from refmath.positions import rope_forward
 from refmath.softmax import log_softmax_forward, softmax_forward
+from _support import gradient_check
 
 V, B, T = 11, 2, 7
 
@@ -52,26 +52,6 @@ def random_batch(seed=0, t=T, ignored=True, prompt=0):
     return batch
 
 
-def gradient_check(params, batch, config, train=False, seed=None, per_tensor=6):
-    """Largest relative error per parameter between backward and five-point differences of the
-    loss on ``per_tensor`` sampled coordinates (dropout masks redrawn from the same seed)."""
-    def run():
-        rng = None if seed is None else np.random.default_rng(seed)
-        return mla.forward(params, batch, config, train=train, rng=rng)
-
-    _, cache = run()
-    grads = mla.backward(cache)
-    assert set(grads) == set(params)
-    pick = np.random.default_rng(1)
-    errors = {}
-    for name, value in params.items():
-        assert grads[name].shape == value.shape and grads[name].dtype == value.dtype
-        coords = sample_coords(value.size, per_tensor, pick)
-        numeric = numerical_gradient(lambda: float(run()[0]), value, coords)
-        errors[name] = float(relative_error(grads[name].reshape(-1)[coords], numeric).max())
-    return errors
-
-
 # ---- gradients -----------------------------------------------------------------------------------
 
 # Query compression without the latent norms is the same code minus the norms; the torch test
@@ -80,14 +60,14 @@ def gradient_check(params, batch, config, train=False, seed=None, per_tensor=6):
                          ids=["queries from x", "query compression and latent norms"])
 def test_every_parameter_gradient_check_m4(overrides):
     config = tiny(**overrides)
-    errors = gradient_check(random_params(config), random_batch(), config)
+    errors = gradient_check(mla, random_params(config), random_batch(), config)
     assert max(errors.values()) < 1e-6, errors
 
 
 def test_gradient_check_train_with_dropout_tied_head_latent_norm_and_loss_mask():
     config = tiny(dropout=0.25, tie_embeddings=True, latent_norm=True, n_layers=1)
     params, batch = random_params(config, seed=3), random_batch(seed=3, prompt=2)
-    errors = gradient_check(params, batch, config, train=True, seed=7)
+    errors = gradient_check(mla, params, batch, config, train=True, seed=7)
     assert "lm_head" not in errors and "layers.0.attn.kv_norm.gamma" in errors
     assert max(errors.values()) < 1e-6, errors
 
