@@ -50,6 +50,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath import hf
+from refmath.sizing import hf_parameter_count
 from refmath.lessons import check_close, check_true
 from refmath.models import decoder
 from refmath.positions import rope_forward
@@ -430,21 +431,21 @@ gpt2_float32_mib = 4 * gpt2_count / 2**20
 gpt2_config = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
                "n_layer": 12, "n_head": 12}
 check_close("this lesson's parameter count", tiny_count,
-            lambda: hf.parameter_count(hf_config), rtol=0)
+            lambda: hf_parameter_count(hf_config), rtol=0)
 check_close("GPT-2 small's parameter count", gpt2_count,
-            lambda: hf.parameter_count(gpt2_config), rtol=0,
+            lambda: hf_parameter_count(gpt2_config), rtol=0,
             hint="the final LayerNorm and the position table count too",
             slips={"the position table forgotten (1024 x 768)": lambda:
-                       hf.parameter_count(gpt2_config) - 1024 * 768,
+                       hf_parameter_count(gpt2_config) - 1024 * 768,
                    "the final LayerNorm forgotten (2 x 768)": lambda:
-                       hf.parameter_count(gpt2_config) - 2 * 768,
+                       hf_parameter_count(gpt2_config) - 2 * 768,
                    "an output matrix counted: GPT-2 ties it to the token table": lambda:
-                       hf.parameter_count(gpt2_config) + 50257 * 768})
+                       hf_parameter_count(gpt2_config) + 50257 * 768})
 check_close("GPT-2 small in float32, MiB", gpt2_float32_mib,
-            lambda: 4 * hf.parameter_count(gpt2_config) / 2**20, rtol=1e-12,
-            slips={"MB (10^6 bytes), not MiB (2^20)": lambda: 4 * hf.parameter_count(gpt2_config) / 1e6,
+            lambda: 4 * hf_parameter_count(gpt2_config) / 2**20, rtol=1e-12,
+            slips={"MB (10^6 bytes), not MiB (2^20)": lambda: 4 * hf_parameter_count(gpt2_config) / 1e6,
                    "2 bytes per parameter: that is bfloat16, not float32": lambda:
-                       2 * hf.parameter_count(gpt2_config) / 2**20})
+                       2 * hf_parameter_count(gpt2_config) / 2**20})
 
 # %% [markdown]
 # GPT-2 small has 124,439,808 parameters: 475 MiB in float32, 237 MiB in bfloat16.
@@ -454,7 +455,7 @@ check_close("GPT-2 small in float32, MiB", gpt2_float32_mib,
 # count, the KV cache per token and the training memory from the directory's own `config.json`.
 
 # %%
-print(f"this lesson's model: {hf.parameter_count(hf_config):,} parameters, "
+print(f"this lesson's model: {hf_parameter_count(hf_config):,} parameters, "
       f"{weights_path.stat().st_size:,} bytes on disk in float64")
 
 # %% [markdown]

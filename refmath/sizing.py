@@ -11,11 +11,14 @@ bandwidth bound). ``python -m refmath sizes`` prints them (:mod:`refmath.command
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from refmath._validate import check_choice, check_field, check_int, check_real
 from refmath.ffn import ffn_parameter_count
+from refmath.hf import config_from_hf
+from refmath.models import model_module
 
 
 def _check_kv_heads_divide(heads: int, kv_heads: int) -> None:
@@ -631,6 +634,28 @@ def format_bytes(n: float) -> str:
         value /= 1024
         unit += 1
     return f"{value:.2f} {_BINARY_UNITS[unit]}"
+
+
+# ---- a Hugging Face config's sizes ----------------------------------------------------------------
+
+def sizing_config(hf: dict) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face config dict, for ``sizes --hf``: the refmath
+    model it loads into (the same refusals as :func:`refmath.hf.load_checkpoint`), described by
+    that model's own ``sizing_fields``, with the context the config was trained for."""
+    name, config = config_from_hf(hf)
+    fields = model_module(name).sizing_fields(config)
+    context = int(hf.get("max_position_embeddings", hf.get("n_positions", config.max_seq_len)))
+    if fields.get("sliding_window") is None and config.max_seq_len < context:
+        # a model capped below its trained context (Qwen2, whose upper layers slide) attends over
+        # at most max_seq_len keys, which is what a window of that width counts
+        fields["sliding_window"] = config.max_seq_len
+    return ModelConfig(name=hf["model_type"], context=context, source="config.json", **fields)
+
+
+def hf_parameter_count(hf: dict) -> int:
+    """Parameters of the refmath model a Hugging Face config loads into (every tensor's size)."""
+    name, config = config_from_hf(hf)
+    return sum(math.prod(shape) for shape in model_module(name).param_shapes(config).values())
 
 
 def own_design(config: ModelConfig) -> str:

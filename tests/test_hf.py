@@ -24,6 +24,7 @@ transformers = pytest.importorskip(
 pytest.importorskip("safetensors", reason="checkpoints are safetensors (pip install safetensors)")
 
 from refmath import hf  # noqa: E402
+from refmath.sizing import hf_parameter_count, sizing_config  # noqa: E402
 from refmath.commands import main  # noqa: E402
 from refmath.inference.generate import generate  # noqa: E402
 from refmath.models import model_module  # noqa: E402
@@ -512,8 +513,8 @@ def test_sizes_count_the_parameters_of_transformers(name, tmp_path):
     from refmath.sizing import parameter_counts
 
     expected = meta_parameter_count(PUBLISHED[name])
-    assert hf.parameter_count(PUBLISHED[name]) == expected
-    assert parameter_counts(hf.sizing_config(PUBLISHED[name])).total == expected
+    assert hf_parameter_count(PUBLISHED[name]) == expected
+    assert parameter_counts(sizing_config(PUBLISHED[name])).total == expected
     (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(PUBLISHED[name]))
     out = io.StringIO()
     with redirect_stdout(out):

@@ -11,8 +11,8 @@ from refmath._validate import check_int
 from refmath.commands import CommandError
 from refmath.sizing import (
     PRESETS, ModelConfig, adamw_training_memory, attention_cache_rows, decode_step_flops,
-    format_bytes, inference_memory_rule_of_thumb, own_design, parameter_counts, prefill_flops,
-    save_cache_plot)
+    format_bytes, hf_parameter_count, inference_memory_rule_of_thumb, own_design, parameter_counts,
+    prefill_flops, save_cache_plot, sizing_config)
 
 HELP = "KV-cache, memory, parameter and FLOP sizes for a preset or a given shape"
 DESCRIPTION = (
@@ -57,9 +57,7 @@ def _resolve_config(args: argparse.Namespace) -> ModelConfig:
              "head_dim": args.head_dim}
     given = {k: v for k, v in flags.items() if v is not None}
     if args.hf or args.config:
-        from refmath import hf
-
-        config = dataclasses.replace(hf.sizing_config(_hf_config(args)), **given)
+        config = dataclasses.replace(sizing_config(_hf_config(args)), **given)
     elif args.preset:
         config = dataclasses.replace(PRESETS[args.preset], **given)
     else:
@@ -160,9 +158,7 @@ def run(args: argparse.Namespace) -> int:
     overridden = any(getattr(args, f) is not None
                      for f in ("layers", "heads", "kv_heads", "head_dim"))
     if config.is_mla and (args.hf or args.config) and not overridden:
-        from refmath import hf
-
-        hf_total = hf.parameter_count(_hf_config(args))
+        hf_total = hf_parameter_count(_hf_config(args))
     if args.tokens:
         why = "as given"
     elif config.context:

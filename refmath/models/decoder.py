@@ -56,6 +56,9 @@ from refmath.fused import swiglu_backward, swiglu_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask, prefixed,
                                    sub_params)
+from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out, refuse_common,
+                                      require, rope_theta, swiglu_layers_to_hf, take_ends,
+                                      take_swiglu_layer)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
@@ -619,6 +622,129 @@ def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, 
 def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int) -> np.ndarray:
     """One M3 layer at inference (see :func:`family_cached_layer`)."""
     return family_cached_layer(x, params, layer, config, ROPE_GQA, slot, offset)
+
+
+# ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
+
+def sizing_fields(config: DecoderConfig) -> dict:
+    """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
+    name and source): what the parameter, memory and FLOP calculators need to know of it."""
+    return dict(layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
+                kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
+                vocab=config.vocab_size, qkv_bias=config.qkv_bias,
+                tied_output=config.tie_embeddings, sliding_window=config.sliding_window)
+
+
+# ---- Hugging Face: llama, mistral and qwen2 (refmath.hf reads and writes the files) --------------
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # RoPE in the "half" layout
+
+
+def _hf_window(hf: dict) -> int | None:
+    """Mistral's sliding window (every layer's), or None where it masks nothing."""
+    window = hf.get("sliding_window")
+    if hf["model_type"] != "mistral" or not window:
+        return None
+    return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
+
+
+def _hf_context(hf: dict) -> int:
+    """``max_seq_len``: the trained context; for a Qwen2 whose upper layers slide, capped at the
+    window.
+
+    Qwen2 slides only the layers from ``max_window_layers`` on, which refmath's decoder (one window
+    for every layer) does not express; but up to ``W`` tokens a window of ``W`` hides nothing, so
+    the plain causal model is exactly the windowed one on every sequence it accepts.
+    """
+    context = int(hf["max_position_embeddings"])
+    if hf["model_type"] == "qwen2" and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
+            return min(context, int(hf["sliding_window"]))
+    return context
+
+
+def config_from_hf(hf: dict) -> DecoderConfig:
+    refuse_common(hf)
+    kind = hf["model_type"]
+    require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
+    if kind != "qwen2":
+        require(hf, "attention_bias", (False,), False, "refmath's decoder has no bias on the "
+                 "output projection (q/k/v biases alone are Qwen2's)")
+    require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
+    heads = int(hf["num_attention_heads"])
+    return DecoderConfig(
+        vocab_size=int(hf["vocab_size"]), max_seq_len=_hf_context(hf),
+        d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        d_ff=int(hf["intermediate_size"]), rope_base=rope_theta(hf),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
+        rope_layout="half", qkv_bias=kind == "qwen2", sliding_window=_hf_window(hf))
+
+
+def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
+    d, f = config.d_model, config.d_f
+    widths = {"q": config.n_heads * config.d_h, "k": config.kv_heads * config.d_h,
+              "v": config.kv_heads * config.d_h}
+    params = {}
+    for i in range(config.n_layers):
+        h, p = f"model.layers.{i}.", f"layers.{i}."
+        for name, width in widths.items():
+            params[p + f"attn.w_{name}"] = weights.take(h + f"self_attn.{name}_proj.weight",
+                                                        (width, d), transpose=True)
+            if config.qkv_bias:
+                params[p + f"attn.b_{name}"] = weights.take(h + f"self_attn.{name}_proj.bias",
+                                                            (width,))
+        params[p + "attn.w_o"] = weights.take(h + "self_attn.o_proj.weight", (d, widths["q"]),
+                                              transpose=True)
+        take_swiglu_layer(weights, params, h, p, d, f)
+        # Older Llama files store RoPE's frequencies as a buffer: derived from rope_theta.
+        if weights.has(h + "self_attn.rotary_emb.inv_freq"):
+            weights.skip(h + "self_attn.rotary_emb.inv_freq")
+    take_ends(weights, params, config)
+    return params
+
+
+def to_hf(config: DecoderConfig, params: dict):
+    if config.qkv_bias and config.sliding_window:
+        raise HFCheckpointError(f"a decoder with q/k/v biases is written as qwen2, whose window "
+                                f"slides only some layers; this config has sliding_window = "
+                                f"{config.sliding_window} on every layer")
+    kind = "qwen2" if config.qkv_bias else "mistral" if config.sliding_window else "llama"
+    architecture = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                    "llama": "LlamaForCausalLM"}[kind]
+    hf = {"model_type": kind, "architectures": [architecture],
+          "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seq_len,
+          "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+          "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
+          "head_dim": config.d_h, "intermediate_size": config.d_f, "hidden_act": "silu",
+          "rms_norm_eps": config.norm_eps,
+          "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+          "tie_word_embeddings": config.tie_embeddings}
+    if kind == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "mistral":
+        hf.update(sliding_window=config.sliding_window)
+    else:
+        hf.update(use_sliding_window=False)
+
+    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
+        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
+
+    tensors = {}
+    for i in range(config.n_layers):
+        h, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
+        tensors[h + "q_proj.weight"] = linear_out(rotated(params[p + "w_q"]))
+        tensors[h + "k_proj.weight"] = linear_out(rotated(params[p + "w_k"]))
+        tensors[h + "v_proj.weight"] = linear_out(params[p + "w_v"])
+        tensors[h + "o_proj.weight"] = linear_out(params[p + "w_o"])
+        if config.qkv_bias:
+            tensors[h + "q_proj.bias"] = rotated(params[p + "b_q"])
+            tensors[h + "k_proj.bias"] = rotated(params[p + "b_k"])
+            tensors[h + "v_proj.bias"] = params[p + "b_v"]
+    swiglu_layers_to_hf(config, params, tensors)
+    return hf, tensors
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

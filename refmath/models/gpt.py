@@ -37,6 +37,7 @@ from refmath.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward,
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
                                    sub_params)
+from refmath.models.hf_layout import HFCheckpointError, linear_out, refuse_common, require, take_head
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import LayerNormCache
@@ -551,6 +552,137 @@ def head(params, x, config: GPTConfig) -> np.ndarray:
         x, _ = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     return linear_forward(x, w_out)[0]
+
+
+# ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
+
+def sizing_fields(config: GPTConfig) -> dict:
+    """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
+    name and source): what the parameter, memory and FLOP calculators need to know of it."""
+    return dict(layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
+                kv_heads=config.n_heads, head_dim=config.head_dim, d_ff=config.d_ff,
+                vocab=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True,
+                mlp_bias=True, tied_output=config.tie_embeddings,
+                learned_positions=config.max_seq_len, final_norm=config.norm_position == "pre")
+
+
+# ---- Hugging Face: gpt2 and openai-gpt (refmath.hf reads and writes the files) -------------------
+
+HF_MODEL_TYPES = ("gpt2", "openai-gpt")  # Pre-LN GPT-2; Post-LN GPT-1, always tied
+
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    refuse_common(hf)
+    d = int(hf["n_embd"])
+    if hf["model_type"] == "gpt2":
+        act = require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu"),
+                       "gelu_new", "refmath's GPT uses GELU (tanh or exact)")
+        require(hf, "scale_attn_weights", (True,), True, "refmath scales scores by 1/sqrt(d_h)")
+        require(hf, "scale_attn_by_inverse_layer_idx", (False,), False,
+                 "refmath does not scale scores by the layer index")
+        return GPTConfig(vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf["n_positions"]),
+                             n_layers=int(hf["n_layer"]), d_model=d, n_heads=int(hf["n_head"]),
+                             d_ff=int(hf.get("n_inner") or 4 * d), norm_position="pre",
+                             tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                             gelu_approximate=act != "gelu", dropout=0.0,
+                             layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+    # OpenAI GPT: transformers' "gelu" for this model is the tanh form (gelu_new); always tied.
+    require(hf, "afn", ("gelu",), "gelu", "refmath's GPT uses GELU")
+    require(hf, "tie_word_embeddings", (True,), True, "OpenAI GPT's head is its token table")
+    return GPTConfig(vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf["n_positions"]),
+                         n_layers=int(hf["n_layer"]), d_model=d, n_heads=int(hf["n_head"]),
+                         d_ff=4 * d, norm_position="post", tie_embeddings=True,
+                         gelu_approximate=True, dropout=0.0,
+                         layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+
+
+def _hf_names(hf: dict, weights) -> dict:
+    """Hugging Face's names for GPT-2 and OpenAI GPT (with or without the ``transformer.``
+    prefix that ``*LMHeadModel`` adds)."""
+    gpt2 = hf["model_type"] == "gpt2"
+    tok, pos = ("wte", "wpe") if gpt2 else ("tokens_embed", "positions_embed")
+    prefix = "transformer." if weights.has(f"transformer.{tok}.weight") else ""
+    return {"prefix": prefix, "tok": prefix + tok + ".weight", "pos": prefix + pos + ".weight"}
+
+
+def params_from_hf(hf: dict, config: GPTConfig, weights) -> dict:
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    names = _hf_names(hf, weights)
+    params = {"tok_emb": weights.take(names["tok"], (v, d)),
+              "pos_emb": weights.take(names["pos"], (config.max_seq_len, d))}
+    for i in range(config.n_layers):
+        h, p = f"{names['prefix']}h.{i}.", f"layers.{i}."
+        # Conv1D weights are (in, out) already; c_attn holds [W_Q W_K W_V] side by side.
+        w_qkv = weights.take(h + "attn.c_attn.weight", (d, 3 * d))
+        b_qkv = weights.take(h + "attn.c_attn.bias", (3 * d,))
+        for j, name in enumerate(("q", "k", "v")):
+            params[p + f"attn.w_{name}"] = np.ascontiguousarray(w_qkv[:, j * d:(j + 1) * d])
+            params[p + f"attn.b_{name}"] = b_qkv[j * d:(j + 1) * d].copy()
+        params[p + "attn.w_o"] = weights.take(h + "attn.c_proj.weight", (d, d))
+        params[p + "attn.b_o"] = weights.take(h + "attn.c_proj.bias", (d,))
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            params[p + f"{ours}.gamma"] = weights.take(h + f"{theirs}.weight", (d,))
+            params[p + f"{ours}.beta"] = weights.take(h + f"{theirs}.bias", (d,))
+        params[p + "ffn.w1"] = weights.take(h + "mlp.c_fc.weight", (d, f))
+        params[p + "ffn.b1"] = weights.take(h + "mlp.c_fc.bias", (f,))
+        params[p + "ffn.w2"] = weights.take(h + "mlp.c_proj.weight", (f, d))
+        params[p + "ffn.b2"] = weights.take(h + "mlp.c_proj.bias", (d,))
+        # The causal mask that older GPT-2 files store as buffers: derived, not parameters.
+        for buffer in ("attn.bias", "attn.masked_bias"):
+            if weights.has(h + buffer):
+                weights.skip(h + buffer)
+    if config.norm_position == "pre":
+        params["ln_f.gamma"] = weights.take(names["prefix"] + "ln_f.weight", (d,))
+        params["ln_f.beta"] = weights.take(names["prefix"] + "ln_f.bias", (d,))
+    take_head(weights, config.tie_embeddings, params, v, d)
+    return params
+
+
+def to_hf(config: GPTConfig, params: dict):
+    d = config.d_model
+    if config.norm_position == "pre":
+        hf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": d,
+              "n_layer": config.n_layers, "n_head": config.n_heads, "n_positions": config.max_seq_len,
+              "n_inner": config.d_ff, "vocab_size": config.vocab_size,
+              "activation_function": "gelu_new" if config.gelu_approximate else "gelu",
+              "layer_norm_epsilon": config.layernorm_eps,
+              "tie_word_embeddings": config.tie_embeddings}
+        prefix, tok, pos = "transformer.", "wte", "wpe"
+    else:
+        why = [f"{field} = {value!r}" for field, value, ok in (
+            ("tie_embeddings", config.tie_embeddings, config.tie_embeddings),
+            ("d_ff", config.d_ff, config.d_ff == 4 * d),
+            ("gelu_approximate", config.gelu_approximate, config.gelu_approximate)) if not ok]
+        if why:
+            raise HFCheckpointError(f"a Post-LN GPT is written as openai-gpt, which has a tied "
+                                    f"head, d_ff = 4 d_model and tanh GELU; this config has "
+                                    f"{', '.join(why)}")
+        hf = {"model_type": "openai-gpt", "architectures": ["OpenAIGPTLMHeadModel"], "n_embd": d,
+              "n_layer": config.n_layers, "n_head": config.n_heads,
+              "n_positions": config.max_seq_len, "vocab_size": config.vocab_size, "afn": "gelu",
+              "layer_norm_epsilon": config.layernorm_eps, "tie_word_embeddings": True}
+        prefix, tok, pos = "transformer.", "tokens_embed", "positions_embed"
+    tensors = {f"{prefix}{tok}.weight": params["tok_emb"], f"{prefix}{pos}.weight": params["pos_emb"]}
+    for i in range(config.n_layers):
+        h, p = f"{prefix}h.{i}.", f"layers.{i}."
+        tensors[h + "attn.c_attn.weight"] = np.concatenate(
+            [params[p + f"attn.w_{n}"] for n in "qkv"], axis=1)
+        tensors[h + "attn.c_attn.bias"] = np.concatenate([params[p + f"attn.b_{n}"] for n in "qkv"])
+        tensors[h + "attn.c_proj.weight"] = params[p + "attn.w_o"]
+        tensors[h + "attn.c_proj.bias"] = params[p + "attn.b_o"]
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            tensors[h + f"{theirs}.weight"] = params[p + f"{ours}.gamma"]
+            tensors[h + f"{theirs}.bias"] = params[p + f"{ours}.beta"]
+        tensors[h + "mlp.c_fc.weight"] = params[p + "ffn.w1"]
+        tensors[h + "mlp.c_fc.bias"] = params[p + "ffn.b1"]
+        tensors[h + "mlp.c_proj.weight"] = params[p + "ffn.w2"]
+        tensors[h + "mlp.c_proj.bias"] = params[p + "ffn.b2"]
+    if config.norm_position == "pre":
+        tensors[prefix + "ln_f.weight"] = params["ln_f.gamma"]
+        tensors[prefix + "ln_f.bias"] = params["ln_f.beta"]
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = linear_out(params["lm_head"])
+    return hf, tensors
 
 
 # ---- gradient-check case -------------------------------------------------------------------------

@@ -57,6 +57,9 @@ from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backwar
                                split_heads)
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
+from refmath.models.hf_layout import (HFCheckpointError, join_heads_columns, linear_out, refuse,
+                                      refuse_common, require, rope_theta, split_heads_columns,
+                                      swiglu_layers_to_hf, take_ends, take_swiglu_layer)
 from refmath.models.batch import check_tokens
 from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
 from refmath.models.decoder import (
@@ -406,6 +409,119 @@ def cached_layer(x, params, layer: int, config: MLAConfig, slot, offset: int,
     (``mla_path``: the absorbed or the expanded attention)."""
     return decoder.family_cached_layer(x, params, layer, config, MLA, slot, offset,
                                        mla_path=mla_path)
+
+
+# ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
+
+def sizing_fields(config: MLAConfig) -> dict:
+    """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
+    name and source): what the parameter, memory and FLOP calculators need to know of it."""
+    return dict(layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
+                kv_heads=config.n_heads, head_dim=config.d_k, d_ff=config.d_f,
+                vocab=config.vocab_size, tied_output=config.tie_embeddings,
+                latent_dim=config.d_c, rope_dim=config.d_rope)
+
+
+# ---- Hugging Face: deepseek_v2 and deepseek_v3, dense (refmath.hf reads and writes the files) ----
+
+HF_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # dense feed-forward layers only
+
+# DeepSeek's released code builds its two latent RMSNorms with this epsilon whatever rms_norm_eps is.
+DEEPSEEK_LATENT_EPS = 1e-6
+
+
+def config_from_hf(hf: dict) -> MLAConfig:
+    refuse_common(hf)
+    layers = int(hf["num_hidden_layers"])
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    if dense < layers and hf.get("n_routed_experts"):
+        refuse(hf, "first_k_dense_replace", dense,
+                f"layers {dense}..{layers - 1} of {layers} would be mixture-of-experts layers "
+                f"(n_routed_experts = {hf['n_routed_experts']}), which refmath does not implement; "
+                f"only all-dense models load (first_k_dense_replace >= num_hidden_layers)")
+    require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
+    require(hf, "attention_bias", (False,), False, "refmath's MLA has no biases")
+    require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
+    # V2 rotates interleaved pairs (complex multiplication); V3 too unless rope_interleave is false.
+    interleaved = hf["model_type"] == "deepseek_v2" or hf.get("rope_interleave", True)
+    return MLAConfig(
+        vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf["max_position_embeddings"]),
+        d_model=int(hf["hidden_size"]), n_layers=layers, n_heads=int(hf["num_attention_heads"]),
+        d_c=int(hf["kv_lora_rank"]), d_rope=int(hf["qk_rope_head_dim"]),
+        head_dim=int(hf["qk_nope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+        q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
+        latent_norm=True, d_ff=int(hf["intermediate_size"]), rope_base=rope_theta(hf),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
+        rope_layout="interleaved" if interleaved else "half", latent_norm_eps=DEEPSEEK_LATENT_EPS)
+
+
+def params_from_hf(hf: dict, config: MLAConfig, weights) -> dict:
+    d, f, h = config.d_model, config.d_f, config.n_heads
+    d_c, d_r, d_k, d_v = config.d_c, config.d_rope, config.d_k, config.d_v
+    params = {}
+    for i in range(config.n_layers):
+        s, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
+        kv_a = weights.take(s + "kv_a_proj_with_mqa.weight", (d_c + d_r, d), transpose=True)
+        params[p + "w_dkv"] = np.ascontiguousarray(kv_a[:, :d_c])
+        params[p + "w_kr"] = np.ascontiguousarray(kv_a[:, d_c:])
+        params[p + "kv_norm.gamma"] = weights.take(s + "kv_a_layernorm.weight", (d_c,))
+        kv_b = weights.take(s + "kv_b_proj.weight", (h * (d_k + d_v), d_c), transpose=True)
+        params[p + "w_uk"], params[p + "w_uv"] = split_heads_columns(kv_b, h, (d_k, d_v))
+        if config.q_lora_rank is None:
+            q = weights.take(s + "q_proj.weight", (h * (d_k + d_r), d), transpose=True)
+            params[p + "w_q"], params[p + "w_qr"] = split_heads_columns(q, h, (d_k, d_r))
+        else:
+            rank = config.q_lora_rank
+            params[p + "w_dq"] = weights.take(s + "q_a_proj.weight", (rank, d), transpose=True)
+            params[p + "q_norm.gamma"] = weights.take(s + "q_a_layernorm.weight", (rank,))
+            q = weights.take(s + "q_b_proj.weight", (h * (d_k + d_r), rank), transpose=True)
+            params[p + "w_uq"], params[p + "w_qr"] = split_heads_columns(q, h, (d_k, d_r))
+        params[p + "w_o"] = weights.take(s + "o_proj.weight", (d, h * d_v), transpose=True)
+        take_swiglu_layer(weights, params, f"model.layers.{i}.", f"layers.{i}.", d, f)
+    take_ends(weights, params, config)
+    return params
+
+
+def to_hf(config: MLAConfig, params: dict):
+    if not config.latent_norm:
+        raise HFCheckpointError("an MLA model is written as deepseek_v3, whose latents are always "
+                                "RMS-normalised; this config has latent_norm = False")
+    if config.latent_eps != DEEPSEEK_LATENT_EPS:
+        raise HFCheckpointError(f"deepseek_v3's latent RMSNorms use epsilon "
+                                f"{DEEPSEEK_LATENT_EPS}; this config has latent_norm_eps = "
+                                f"{config.latent_eps}")
+    h = config.n_heads
+    hf = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+          "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seq_len,
+          "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+          "num_attention_heads": h, "num_key_value_heads": h,
+          "kv_lora_rank": config.d_c, "q_lora_rank": config.q_lora_rank,
+          "qk_rope_head_dim": config.d_rope, "qk_nope_head_dim": config.d_k,
+          "v_head_dim": config.d_v, "intermediate_size": config.d_f, "hidden_act": "silu",
+          "first_k_dense_replace": config.n_layers, "rms_norm_eps": config.norm_eps,
+          "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+          "rope_interleave": config.rope_layout == "interleaved", "attention_bias": False,
+          "tie_word_embeddings": config.tie_embeddings}
+    tensors = {}
+    for i in range(config.n_layers):
+        s, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
+        tensors[s + "kv_a_proj_with_mqa.weight"] = linear_out(
+            np.concatenate([params[p + "w_dkv"], params[p + "w_kr"]], axis=1))
+        tensors[s + "kv_a_layernorm.weight"] = params[p + "kv_norm.gamma"]
+        tensors[s + "kv_b_proj.weight"] = linear_out(
+            join_heads_columns([params[p + "w_uk"], params[p + "w_uv"]], h))
+        if config.q_lora_rank is None:
+            tensors[s + "q_proj.weight"] = linear_out(
+                join_heads_columns([params[p + "w_q"], params[p + "w_qr"]], h))
+        else:
+            tensors[s + "q_a_proj.weight"] = linear_out(params[p + "w_dq"])
+            tensors[s + "q_a_layernorm.weight"] = params[p + "q_norm.gamma"]
+            tensors[s + "q_b_proj.weight"] = linear_out(
+                join_heads_columns([params[p + "w_uq"], params[p + "w_qr"]], h))
+        tensors[s + "o_proj.weight"] = linear_out(params[p + "w_o"])
+    swiglu_layers_to_hf(config, params, tensors)
+    return hf, tensors
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

@@ -134,6 +134,9 @@ TRAINING_RECIPE = TrainingRecipe(
     dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, dropout=0.0, label_smoothing=0.0),
     steps=600, batch_size=64, lr=3e-3, tasks=("reverse",))
 
+# No Hugging Face model type computes this network (the encoder-decoder of refmath.hf's notes).
+HF_MODEL_TYPES = ()
+
 
 # ---- parameters ----------------------------------------------------------------------------------
 

@@ -1,0 +1,140 @@
+r"""Hugging Face's side of refmath's models: the error a mapping raises, the refusals and the tensor
+layouts the mappings share (:mod:`refmath.hf` reads and writes the files).
+
+Each model module maps its own configuration and parameters (``HF_MODEL_TYPES``,
+``config_from_hf``, ``params_from_hf``, ``to_hf``) with these pieces. ``weights`` is the reader
+:mod:`refmath.hf` hands a mapping: ``weights.take(name, shape, transpose=False)`` returns a tensor
+(as refmath stores it) and marks it read, ``weights.has(name)`` and ``weights.skip(name)`` let a
+mapping pass over the buffers a file may hold; every tensor must be taken or skipped.
+
+``torch.nn.Linear`` stores :math:`W^\top` (``out x in``) and computes :math:`x W^\top + b`;
+refmath's row-vector convention stores ``W`` itself (``in x out``), so linear weights are
+transposed on the way in and out (:func:`linear_out`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint refmath cannot load or write: said in one line, naming the file,
+    the field or the tensor and what is wrong."""
+
+
+def refuse(hf: dict, field: str, value, why: str):
+    """Raise :class:`HFCheckpointError`: ``field = value`` of a config of ``hf["model_type"]`` is
+    not supported, because ``why``."""
+    raise HFCheckpointError(f"{hf['model_type']}: config field {field} = {value!r} is not "
+                            f"supported: {why}")
+
+
+def require(hf: dict, field: str, allowed: tuple, default, why: str):
+    """The value of ``field`` (``default`` when absent), refused unless it is one of ``allowed``."""
+    value = hf.get(field, default)
+    if value not in allowed:
+        refuse(hf, field, value, why)
+    return value
+
+
+def refuse_common(hf: dict) -> None:
+    """Fields of any model type that change the function in ways refmath does not implement."""
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(field) is not None:
+            refuse(hf, field, hf[field], "refmath's attention and head have no soft-capping")
+    for field in ("num_local_experts", "num_experts"):
+        if hf.get(field):
+            refuse(hf, field, hf[field], "refmath has no mixture-of-experts layers")
+    if hf.get("add_cross_attention"):
+        refuse(hf, "add_cross_attention", True, "a decoder-only model has no cross-attention")
+
+
+def rope_theta(hf: dict) -> float:
+    """RoPE's base, refusing any rope scaling (refmath's RoPE is the plain rotation, N10)."""
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        refuse(hf, "rope_scaling", scaling, "refmath's RoPE has no scaling (YaRN, Llama 3.1's, "
+                "linear, dynamic, ...)")
+    params = hf.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        refuse(hf, "rope_parameters.rope_type", params["rope_type"],
+                "refmath's RoPE has no scaling (YaRN, Llama 3.1's, linear, dynamic, ...)")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(hf, "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"],
+                "refmath rotates every coordinate of a head")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def take_head(weights, tied: bool, params: dict, v: int, d: int) -> None:
+    """``lm_head`` (transposed to ``(d, V)``), or, when tied, a stored copy that must equal the
+    token table."""
+    if not tied:
+        params["lm_head"] = weights.take("lm_head.weight", (v, d), transpose=True)
+    elif weights.has("lm_head.weight"):
+        if not np.array_equal(weights.take("lm_head.weight", (v, d)), params["tok_emb"]):
+            raise HFCheckpointError(f"{weights.directory}: tie_word_embeddings is true but "
+                                    f"lm_head.weight differs from the token embedding")
+
+
+def take_swiglu_layer(weights, params: dict, h: str, p: str, d: int, f: int) -> None:
+    """The two RMSNorm gains and the SwiGLU of one layer (Llama's names)."""
+    params[p + "ln1.gamma"] = weights.take(h + "input_layernorm.weight", (d,))
+    params[p + "ln2.gamma"] = weights.take(h + "post_attention_layernorm.weight", (d,))
+    params[p + "ffn.w_gate"] = weights.take(h + "mlp.gate_proj.weight", (f, d), transpose=True)
+    params[p + "ffn.w_up"] = weights.take(h + "mlp.up_proj.weight", (f, d), transpose=True)
+    params[p + "ffn.w_down"] = weights.take(h + "mlp.down_proj.weight", (d, f), transpose=True)
+
+
+def take_ends(weights, params: dict, config) -> None:
+    """Token table, final norm and head of the Llama-style models."""
+    d, v = config.d_model, config.vocab_size
+    params["tok_emb"] = weights.take("model.embed_tokens.weight", (v, d))
+    params["ln_f.gamma"] = weights.take("model.norm.weight", (d,))
+    take_head(weights, config.tie_embeddings, params, v, d)
+
+
+def linear_out(w: np.ndarray) -> np.ndarray:
+    """refmath's ``(in, out)`` weight as ``torch.nn.Linear`` stores it, ``(out, in)``."""
+    return np.ascontiguousarray(w.T)
+
+
+def swiglu_layers_to_hf(config, params: dict, tensors: dict) -> None:
+    for i in range(config.n_layers):
+        h, p = f"model.layers.{i}.", f"layers.{i}."
+        tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
+        tensors[h + "post_attention_layernorm.weight"] = params[p + "ln2.gamma"]
+        for name in ("gate", "up", "down"):
+            tensors[h + f"mlp.{name}_proj.weight"] = linear_out(params[p + f"ffn.w_{name}"])
+    tensors["model.embed_tokens.weight"] = params["tok_emb"]
+    tensors["model.norm.weight"] = params["ln_f.gamma"]
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = linear_out(params["lm_head"])
+
+
+def interleaved_to_half(w: np.ndarray, head_dim: int) -> np.ndarray:
+    r"""Columns of a query or key projection (or its bias) permuted within each head from RoPE's
+    ``"interleaved"`` pairs :math:`(x_{2r}, x_{2r+1})` to the ``"half"`` pairs
+    :math:`(x_r, x_{r+d/2})`: head column ``j`` of the result is column :math:`\pi_j` of ``w``,
+    :math:`\pi = [0, 2, 4, \dots, 1, 3, 5, \dots]`. Attention scores are unchanged (module
+    docstring)."""
+    if head_dim % 2 or w.shape[-1] % head_dim:
+        raise ValueError(f"w's last axis ({w.shape[-1]}) must be a multiple of the even head_dim "
+                         f"= {head_dim}")
+    pi = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    heads = w.shape[-1] // head_dim
+    columns = (np.arange(heads)[:, None] * head_dim + pi[None, :]).reshape(-1)
+    return np.ascontiguousarray(w[..., columns])
+
+
+def split_heads_columns(w: np.ndarray, heads: int, widths: tuple) -> list[np.ndarray]:
+    """Columns of ``w`` ``(n, heads * sum(widths))``, per head laid out as consecutive blocks of
+    ``widths``, regrouped as one ``(n, heads * width)`` matrix per block."""
+    per_head = w.reshape(w.shape[0], heads, sum(widths))
+    edges = np.cumsum((0,) + widths)
+    return [np.ascontiguousarray(per_head[:, :, a:b].reshape(w.shape[0], -1))
+            for a, b in zip(edges[:-1], edges[1:])]
+
+
+def join_heads_columns(blocks: list, heads: int) -> np.ndarray:
+    """The inverse of :func:`split_heads_columns`."""
+    n = blocks[0].shape[0]
+    return np.concatenate([b.reshape(n, heads, -1) for b in blocks], axis=2).reshape(n, -1)
