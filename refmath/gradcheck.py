@@ -73,13 +73,15 @@ model tests that report it.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 
 from refmath._validate import check_int
-from refmath.registry import OpCase, ParamCase
+from refmath.models import MODELS
+from refmath.registry import GROUPS, OpCase, ParamCase, registered
 
 STEP = 1e-3
 EPS = float(np.finfo(np.float64).eps)
@@ -331,3 +333,46 @@ def check(case: OpCase | ParamCase, seed: int = 0, max_coords: int | None = 128)
         return check_param_case(case, seed, max_coords)
     return check_case(case, seed, max_coords)
 
+
+# ---- every registered case ----------------------------------------------------------------------
+
+# The op modules that register cases (each at its end, see refmath.registry), in the order of the
+# story; every model of refmath.models.MODELS registers its own after them.
+OP_MODULES = (
+    "refmath.softmax",
+    "refmath.attention",
+    "refmath.norms",
+    "refmath.ffn",
+    "refmath.positions",
+    "refmath.embedding",
+    "refmath.losses",
+    "refmath.flash",
+)
+
+
+def case_modules() -> tuple[str, ...]:
+    """The modules whose import registers cases: :data:`OP_MODULES`, then the models' (M1 to M4)."""
+    return OP_MODULES + tuple(entry.module for entry in MODELS.values())
+
+
+def all_cases(group: str | None = "ops") -> list:
+    """The registered cases of ``group`` (one of :data:`refmath.registry.GROUPS`; ``None`` for
+    all), in the order of :func:`case_modules`.
+
+    The default is the single-equation ops, each an :class:`~refmath.registry.OpCase` with a
+    PyTorch mirror in the oracle tests; ask for the other groups by name.
+    """
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS} or None, got {group!r}")
+    modules = case_modules()
+    for module in modules:
+        importlib.import_module(module)
+
+    def module_order(case) -> int:
+        # modules register as they are imported, which follows their imports of each other; list
+        # the cases in the order of case_modules instead (the order of the story, M1 to M4)
+        defined_in = (case.make if isinstance(case, ParamCase) else case.forward).__module__
+        return modules.index(defined_in) if defined_in in modules else len(modules)
+
+    cases = [case for case in registered() if group is None or case.group == group]
+    return sorted(cases, key=module_order)  # stable: within a module, the order of registration

@@ -347,7 +347,7 @@ def caught_by_gradcheck(mistake: Mistake, seed: int = 0):
     match ``mistake.cases`` (every group) and return the first failing result, or None if every
     one passes. A case whose forward or backward raises counts as caught, with the exception."""
     from refmath.gradcheck import check
-    from refmath.registry import all_cases
+    from refmath.gradcheck import all_cases
 
     cases = [c for c in all_cases(group=None) if fnmatch.fnmatch(c.name, mistake.cases)]
     if not cases:

@@ -9,32 +9,15 @@ they exercise. The cases come in three groups:
 - ``"models"``: a whole network's loss against its parameter dict, a :class:`ParamCase`.
 
 The gradient-check suite, the PyTorch oracle tests and ``python -m refmath gradcheck`` iterate over
-:func:`all_cases`, so a new op is checked everywhere once it is registered here, with no
-hand-written list per test.
+:func:`refmath.gradcheck.all_cases`, so a new op is checked everywhere once it is registered here,
+with no hand-written list per test.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-
-# Modules that register cases; importing them fills the registry.
-OP_MODULES = (
-    "refmath.softmax",
-    "refmath.attention",
-    "refmath.norms",
-    "refmath.ffn",
-    "refmath.positions",
-    "refmath.embedding",
-    "refmath.losses",
-    "refmath.flash",
-    "refmath.models.transformer",
-    "refmath.models.gpt",
-    "refmath.models.decoder",
-    "refmath.models.mla",
-)
 
 GROUPS = ("ops", "attention execution", "models")
 
@@ -130,23 +113,7 @@ def register_case(case: OpCase | ParamCase) -> OpCase | ParamCase:
     return case
 
 
-def all_cases(group: str | None = "ops") -> list:
-    """The registered cases of ``group`` (one of :data:`GROUPS`; ``None`` for all), in the order of
-    :data:`OP_MODULES`.
-
-    The default is the single-equation ops, each an :class:`OpCase` with a PyTorch mirror in the
-    oracle tests; ask for the other groups by name.
-    """
-    if group is not None and group not in GROUPS:
-        raise ValueError(f"group must be one of {GROUPS} or None, got {group!r}")
-    for module in OP_MODULES:
-        importlib.import_module(module)
-
-    def module_order(case) -> int:
-        # modules register as they are imported, which follows their imports of each other; list
-        # the cases in the order of OP_MODULES instead (the order of the story, M1 to M4)
-        defined_in = (case.make if isinstance(case, ParamCase) else case.forward).__module__
-        return OP_MODULES.index(defined_in) if defined_in in OP_MODULES else len(OP_MODULES)
-
-    cases = [case for case in _CASES.values() if group is None or case.group == group]
-    return sorted(cases, key=module_order)  # stable: within a module, the order of registration
+def registered() -> list:
+    """Every case registered so far, in the order of registration (the modules that register
+    cases are imported by :func:`refmath.gradcheck.all_cases`, which lists them in order)."""
+    return list(_CASES.values())

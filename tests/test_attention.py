@@ -17,7 +17,7 @@ from refmath.attention import (
     sdpa_forward,
 )
 from refmath.gradcheck import check_case
-from refmath.registry import all_cases
+from refmath.gradcheck import all_cases
 
 PROPERTY = settings(max_examples=30, deadline=None)
 

@@ -13,7 +13,8 @@ from refmath.gradcheck import (
     relative_error,
     stencil_error,
 )
-from refmath.registry import GROUPS, OpCase, all_cases
+from refmath.gradcheck import all_cases
+from refmath.registry import GROUPS, OpCase
 
 CASES = all_cases()  # the ops: each has a PyTorch mirror and keeps dtype
 EVERY_CASE = all_cases(group=None)

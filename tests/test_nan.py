@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from refmath.flash import flash_attention_backward, flash_attention_forward
-from refmath.registry import OpCase, all_cases
+from refmath.gradcheck import all_cases
+from refmath.registry import OpCase
 from refmath.softmax import (online_softmax_block, online_softmax_empty, online_softmax_logsumexp,
                              online_softmax_merge, online_softmax_result)
 

@@ -10,7 +10,7 @@ torch is an optional test dependency (the ``oracle`` extra): without it this mod
 import numpy as np
 import pytest
 
-from refmath.registry import all_cases
+from refmath.gradcheck import all_cases
 
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
 F = torch.nn.functional

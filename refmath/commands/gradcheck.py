@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print one row per case; 1 if any check fails."""
-    from refmath.gradcheck import check
-    from refmath.registry import GROUPS, all_cases
+    from refmath.gradcheck import all_cases, check
+    from refmath.registry import GROUPS
 
     if args.max_coords < 1:  # a check of 0 coordinates would check nothing and report "passed"
         raise CommandError(f"--max-coords must be at least 1, got {args.max_coords}")
