@@ -100,7 +100,7 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     pick = token_picker(greedy, temperature, top_k, top_p, seed)
     window = config.max_seq_len
     if check_flag("cache", cache) and _has_kv_cache(module):
-        next_logits = _cached_next_logits(module, params, config, window, backend)
+        next_logits = kv_cache.sliding_next_logits(module, params, config, window, backend)
     else:
         def next_logits(tokens):
             return module.logits(params, tokens[:, -window:], config)[:, -1, :]
@@ -112,23 +112,6 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
 
 def _has_kv_cache(module) -> bool:
     return getattr(module, "__name__", "") in {MODELS[name].module for name in DECODER_ONLY}
-
-
-def _cached_next_logits(module, params, config, window: int, backend: str):
-    """``next_logits(tokens)`` for :func:`_decode_loop` through a KV cache: one decode step while
-    the cache holds every token but the newest, a fresh prefill of the last ``window`` tokens
-    otherwise (the first call, and every call once the window slides)."""
-    state = {"cache": None}
-
-    def next_logits(tokens):
-        cache = state["cache"]
-        if cache is not None and cache.length == tokens.shape[1] - 1 < window:
-            return kv_cache.decode_step(module, params, config, cache, tokens[:, -1])
-        z, state["cache"] = kv_cache.prefill(module, params, config, tokens[:, -window:],
-                                             backend=backend)
-        return z
-
-    return next_logits
 
 
 def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_lengths=None,

@@ -485,8 +485,15 @@ def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbe
     if ids.shape[0] != cache.batch:
         raise ValueError(f"token_id has {ids.shape[0]} token(s) (shape {ids.shape}) but the cache "
                          f"holds B = {cache.batch} sequence(s)")
-    logits = _forward_rows(module, params, config, cache, ids[:, None], mla_path)[:, 0]
+    logits = _step(module, params, config, cache, ids, mla_path)
     return logits[0] if unbatched else logits
+
+
+def _step(module, params, config, cache, ids: np.ndarray, mla_path) -> np.ndarray:
+    """One decode step past the door's checks: ``ids`` ``(B,)``, the logits ``(B, V)``. The
+    generators check the model, the parameters and the cache once, at their prefill, and then
+    step with this: the ids they feed are their own picks."""
+    return _forward_rows(module, params, config, cache, ids[:, None], mla_path)[:, 0]
 
 
 def _check_cache(cache, module, config, dtype) -> None:
@@ -564,8 +571,7 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
             z, state["cache"] = prefill(module, params, config, tokens, mla_path=mla_path,
                                         backend=backend)
         else:
-            z = decode_step(module, params, config, state["cache"], tokens[:, -1],
-                            mla_path=mla_path)
+            z = _step(module, params, config, state["cache"], tokens[:, -1], mla_path)
         if step == max_new_tokens - 1:
             counts.add(state["cache"].counts)
         return z
@@ -594,3 +600,23 @@ def generate_naive(model, params, config, prompt_ids, max_new_tokens: int, *,
 
     return _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling,
                             next_logits)
+
+
+def sliding_next_logits(model, params, config, window: int, backend: str = "numpy"):
+    """``next_logits(tokens)`` for a decoding loop that feeds at most the last ``window`` tokens
+    (:func:`refmath.inference.generate.generate`): the logits ``(B, V)`` of the token after each
+    row of ``tokens`` ``(B, T)``. One decode step while the cache holds every token but the newest;
+    a fresh :func:`prefill` of the last ``window`` tokens otherwise (the first call, and every call
+    once the window slides, since then the positions of every kept token change). The model and
+    the parameters are checked at each prefill, not at each step."""
+    module = _model(model, config)
+    state = {"cache": None}
+
+    def next_logits(tokens):
+        cache = state["cache"]
+        if cache is not None and cache.length == tokens.shape[1] - 1 < window:
+            return _step(module, params, config, cache, tokens[:, -1], "absorbed")
+        z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend)
+        return z
+
+    return next_logits
