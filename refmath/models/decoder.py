@@ -95,8 +95,27 @@ def ffn_width(config) -> int:
     return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
 
 
-class SharedWidths:
-    """The widths that M3's and M4's configurations derive alike from their shared fields."""
+@dataclass(frozen=True, kw_only=True)
+class FamilyConfig:
+    """The fields every decoder of this family has (M3's :class:`DecoderConfig` and M4's
+    :class:`refmath.models.mla.MLAConfig`), checked by :func:`check_shared_fields`, and the widths
+    both derive from them. Keyword-only, so that each model adds its own fields in any order."""
+
+    vocab_size: int
+    max_seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    head_dim: int | None = None
+    d_ff: int | None = None
+    ffn_multiple_of: int = 256
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    rope_layout: str = "interleaved"
+    attention_backend: str = "numpy"
 
     @property
     def query_key_width(self) -> int:
@@ -109,8 +128,8 @@ class SharedWidths:
         return ffn_width(self)
 
 
-@dataclass(frozen=True)
-class DecoderConfig(SharedWidths):
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig(FamilyConfig):
     """Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``n_kv_heads`` (``g``) defaults to ``n_heads`` (MHA); ``g = 1`` is MQA, anything between that
@@ -130,22 +149,7 @@ class DecoderConfig(SharedWidths):
     it (A12, Mistral), in training, evaluation and the KV cache alike, on every backend.
     """
 
-    vocab_size: int
-    max_seq_len: int
-    d_model: int
-    n_layers: int
-    n_heads: int
     n_kv_heads: int | None = None
-    head_dim: int | None = None
-    d_ff: int | None = None
-    ffn_multiple_of: int = 256
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    init_std: float = 0.02
-    rope_layout: str = "interleaved"
-    attention_backend: str = "numpy"
     qkv_bias: bool = False
     sliding_window: int | None = None
 

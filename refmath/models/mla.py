@@ -64,7 +64,7 @@ from refmath.models.batch import check_tokens
 from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
 from refmath.models.decoder import (
     DecoderCache,
-    SharedWidths,
+    FamilyConfig,
     check_params,
     check_shared_fields,
     decoder_forward,
@@ -78,8 +78,8 @@ from refmath.positions import RoPECache, rope_backward, rope_forward
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
-@dataclass(frozen=True)
-class MLAConfig(SharedWidths):
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig(FamilyConfig):
     """Sizes and options of the M4 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``d_c`` is the key/value latent width, ``d_rope`` the width :math:`d_R` of the rotary query and
@@ -92,27 +92,12 @@ class MLAConfig(SharedWidths):
     :class:`refmath.models.decoder.DecoderConfig`.
     """
 
-    vocab_size: int
-    max_seq_len: int
-    d_model: int
-    n_layers: int
-    n_heads: int
     d_c: int
     d_rope: int
-    head_dim: int | None = None
     v_head_dim: int | None = None
     q_lora_rank: int | None = None
     latent_norm: bool = False
-    d_ff: int | None = None
-    ffn_multiple_of: int = 256
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    init_std: float = 0.02
-    rope_layout: str = "interleaved"
     latent_norm_eps: float | None = None
-    attention_backend: str = "numpy"
 
     def __post_init__(self):
         check_shared_fields(self)
