@@ -54,8 +54,8 @@ from refmath.ffn import (
 )
 from refmath.fused import swiglu_backward, swiglu_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
-from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask, prefixed,
-                                   sub_params)
+from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
+                                   prefixed, sub_params)
 from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out, refuse_common,
                                       require, rope_theta, swiglu_layers_to_hf, take_ends,
                                       take_swiglu_layer)
@@ -385,9 +385,7 @@ def sublayer_forward(x, gamma, branch_forward: Callable, eps: float, drop=None):
     """
     h, norm = rmsnorm_forward(x, gamma, eps)
     f, branch = branch_forward(h)
-    if drop is not None:
-        f = f * drop
-    return x + f, SublayerCache(norm, branch, drop)
+    return x + apply_mask(f, drop), SublayerCache(norm, branch, drop)
 
 
 def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
@@ -396,7 +394,7 @@ def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
     The identity path passes ``dout`` straight through (the point of Pre-LN, N4's :math:`I + J_F
     J_{LN}`); the branch path goes back through the dropout mask, the branch and the norm.
     """
-    df = dout if cache.drop is None else dout * cache.drop
+    df = apply_mask(dout, cache.drop)
     dh, branch_grads = branch_backward(df, cache.branch)
     dx, dgamma = rmsnorm_backward(dh, cache.norm)
     return dout + dx, dgamma, branch_grads
