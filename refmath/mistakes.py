@@ -250,7 +250,7 @@ MISTAKES: tuple[Mistake, ...] = (
        "queries were rotated after the projection: rotate their gradient back",
        "rope_attention*"),
     _g("decoder: residual dropout mask ignored", "refmath.models.decoder:sublayer_backward",
-       "df = dout if cache.drop is None else dout * cache.drop", "df = dout",
+       "df = apply_mask(dout, cache.drop)", "df = dout",
        "the branch's output was multiplied by the mask", "decoder*"),
     _g("mla: shared rotary key's gradient averaged over heads", "refmath.models.mla:mla_backward",
        "dk[..., d_k:].sum(axis=1)", "dk[..., d_k:].mean(axis=1)",
