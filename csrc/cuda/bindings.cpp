@@ -13,6 +13,7 @@
 #include <string>
 #include <utility>
 
+#include "flash_ladder.h"
 #include "launch.h"
 
 namespace py = pybind11;
