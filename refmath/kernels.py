@@ -391,24 +391,32 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
 
 class FlashRung(NamedTuple):
     """One rung of the CUDA FlashAttention forward ladder, as its table in
-    ``csrc/cuda/flash_ladder.h`` gives it (through ``refmath._cuda.flash_versions()``)."""
+    ``csrc/cuda/flash_ladder.h`` gives it (through ``refmath._cuda.flash_versions()``).
 
-    name: str                  # "v1": the file csrc/cuda/flash_v1.cu, chosen with version="v1"
-    adds: str                  # what it adds to the rung before, in a line
-    dtypes: tuple[str, ...]    # the GPU dtypes it takes
-    head_dims: tuple[int, ...]  # the head widths D its kernel is compiled for
-    pads_head_dim: bool        # True: any D up to max(head_dims) runs; False: only those widths
-    compute_capability: int    # the major compute capability it needs (0: any)
-    alignment: int             # bytes that q, k, v and o must be aligned to
-    tensor_cores: bool         # whether its products run on the tensor cores
-    default: bool              # whether version=None may choose it (the newest such that fits)
+    ``name`` (``"v1"``: the file ``csrc/cuda/flash_v1.cu``, run with ``version="v1"``); ``adds``,
+    what it adds to the rung before, in a line; ``dtypes``, the GPU dtypes it takes;
+    ``head_dims``, the head widths its kernel is compiled for, and ``pads_head_dim``, whether any
+    ``D`` up to the widest runs (on the next width up) or only those widths; ``compute_capability``,
+    the major version it needs (0: any); ``alignment``, the bytes that ``q``, ``k``, ``v`` and
+    ``o`` must be aligned to; ``tensor_cores``, whether its products run on the tensor cores;
+    ``default``, whether ``version=None`` may choose it (the newest such rung that takes the input).
+    """
+
+    name: str
+    adds: str
+    dtypes: tuple[str, ...]
+    head_dims: tuple[int, ...]
+    pads_head_dim: bool
+    compute_capability: int
+    alignment: int
+    tensor_cores: bool
+    default: bool
 
     def takes_head_dim(self, d: int) -> bool:
         """Whether this rung runs inputs of head width ``d``."""
         return d in self.head_dims or (self.pads_head_dim and 1 <= d <= max(self.head_dims))
 
 
-@functools.cache
 def flash_ladder() -> tuple[FlashRung, ...]:
     """The rungs of the CUDA FlashAttention forward ladder built into ``refmath._cuda``, oldest
     first (see :class:`FlashRung`); empty without the CUDA module.
@@ -419,9 +427,13 @@ def flash_ladder() -> tuple[FlashRung, ...]:
     first, with an ImportError that says why it was not built); on the CPU ``version`` is ignored.
     A Python copy of the names would be the second list that drifts from the C++ one, and would
     list as available rungs that this install cannot run."""
-    if _cuda is None:
-        return ()
-    return tuple(FlashRung(**rung) for rung in _cuda.flash_versions())
+    return _flash_ladder()
+
+
+@functools.cache
+def _flash_ladder() -> tuple[FlashRung, ...]:
+    # Read once: the table is compiled into the module, and the GPU path consults it every call.
+    return () if _cuda is None else tuple(FlashRung(**rung) for rung in _cuda.flash_versions())
 
 
 def flash_versions() -> tuple[str, ...]:
