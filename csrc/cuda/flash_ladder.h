@@ -45,10 +45,10 @@ constexpr RungNeeds kCudaCoreNeeds = {
 constexpr RungNeeds kTensorCoreNeeds = {
     dtype_bit(kFloat16) | dtype_bit(kBFloat16), {64, 128, 0, 0}, false, 8, 16, true};
 
-// The ladder. RUNG(name, needs, default, what the rung adds). `default`: a rung that
-// flash_attention_forward(version=None) may choose; it takes the newest default rung that takes
-// the input (v3 for float16/bfloat16 with D = 64 or 128, else v2). v4 is chosen by name until it
-// has been measured against v3 on a GPU.
+// The ladder. RUNG(name, needs, default, what the rung adds). `default`: whether
+// flash_attention_forward(version=None) may choose the rung; it runs the newest default rung that
+// takes the input (v3 for float16/bfloat16 with D = 64 or 128, else v2). v4 is chosen by name
+// until it has been measured against v3 on a GPU.
 #define REFMATH_FLASH_LADDER(RUNG)                                                                 \
     RUNG(v1, kCudaCoreNeeds, false, "one thread per query row: the online softmax, nothing shared") \
     RUNG(v2, kCudaCoreNeeds, true, "K/V tiles in shared memory, read by a whole block of rows")     \
