@@ -65,7 +65,7 @@ struct FlashForwardArgs {
     float* lse = nullptr;   // natural-log logsumexp of the scaled scores, per query row
 };
 
-// The forward ladder's launchers, flash_forward_v1 ... flash_forward_v4, are declared by the table of
+// The forward ladder's launchers, flash_forward_<name> for each rung, are declared by the table of
 // its rungs, flash_ladder.h (one line a rung: its name, what it takes and needs, what it adds).
 
 // The backward pass, FlashAttention-2 style, in float32: problem.dtype must be kFloat32 and every
