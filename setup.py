@@ -288,10 +288,10 @@ class BuildExt(build_ext):
         archs = os.environ.get("REFMATH_CUDA_ARCH", "90")
         self.info.update(cuda_toolkit=root, cuda_arch=archs)
         if all(int(n) < 80 for n in _arch_numbers(archs)) and _arch_numbers(archs):
-            # The build works (v1, v2, the backward and decode run anywhere), but v3's mma needs
-            # compute_80 code: its launcher refuses to run the code of this build.
-            _say(f"REFMATH_CUDA_ARCH={archs} is below 80: flash_forward_v3 (tensor cores) will "
-                 "refuse to run; add 80 or newer to use it")
+            # The build works (v1, v2, the backward and decode run anywhere), but the tensor-core
+            # rungs' mma needs compute_80 code: their launchers refuse to run the code of this build.
+            _say(f"REFMATH_CUDA_ARCH={archs} is below 80: the tensor-core versions of the "
+                 "FlashAttention ladder will refuse to run; add 80 or newer to use them")
 
         ext.extra_compile_args += ["-O3"]
         ext.include_dirs += [os.path.join(root, "include")]

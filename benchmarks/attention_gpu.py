@@ -119,11 +119,11 @@ def raw_forward(cp, version, q, k, v, causal=True):
     g, t_k = k.shape[1], k.shape[2]
     o = cp.empty_like(q)
     lse = cp.empty((b, h, t_q), dtype=cp.float32)
-    launch = getattr(module, f"flash_forward_{version}")
     code = kernels._dtype_code(module, q)
     stream = cp.cuda.get_current_stream().ptr
-    return lambda: launch(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, b, h, g,
-                          t_q, t_k, d, causal, 0, d**-0.5, code, stream)
+    return lambda: module.flash_forward(version, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
+                                        lse.data.ptr, b, h, g, t_q, t_k, d, causal, 0, d**-0.5, code,
+                                        stream)
 
 
 def forward_table(cp, dtype, lengths, budget_s):
@@ -259,11 +259,12 @@ def smoke(cp):
 
     calls = 0
     for dtype in dtypes:
-        for version in kernels.flash_versions():
-            tensor_cores = version in ("v3", "v4")
-            for d in (64, 128) if tensor_cores else (40, 128):
-                if tensor_cores and dtype == np.float32:
-                    continue
+        for rung in kernels.flash_ladder():
+            if str(np.dtype(dtype)) not in rung.dtypes:
+                continue
+            version = rung.name
+            # Two head widths each rung takes; where it pads, one between its compiled widths.
+            for d in (40, 128) if rung.pads_head_dim else rung.head_dims:
                 # T_q > T_k, a window and GQA: every masking and bounds path in one small call.
                 q, k, v = arr((2, 4, 70, d), dtype), arr((2, 2, 67, d), dtype), arr((2, 2, 67, d), dtype)
                 kernels.flash_attention_forward(q, k, v, causal=True, window=20, version=version)

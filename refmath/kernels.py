@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -391,12 +392,58 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
     return _cpu().paged_decode(q, k_pages, v_pages, table, lengths, scale, splits or 0)
 
 
+class FlashRung(NamedTuple):
+    """One rung of the CUDA FlashAttention forward ladder, as its table in
+    ``csrc/cuda/flash_ladder.h`` gives it (through ``refmath._cuda.flash_versions()``).
+
+    ``name`` (``"v1"``: the file ``csrc/cuda/flash_v1.cu``, run with ``version="v1"``); ``adds``,
+    what it adds to the rung before, in a line; ``dtypes``, the GPU dtypes it takes;
+    ``head_dims``, the head widths its kernel is compiled for, and ``pads_head_dim``, whether any
+    ``D`` up to the widest runs (on the next width up) or only those widths; ``compute_capability``,
+    the major version it needs (0: any); ``alignment``, the bytes that ``q``, ``k``, ``v`` and
+    ``o`` must be aligned to; ``tensor_cores``, whether its products run on the tensor cores;
+    ``default``, whether ``version=None`` may choose it (the newest such rung that takes the input).
+    """
+
+    name: str
+    adds: str
+    dtypes: tuple[str, ...]
+    head_dims: tuple[int, ...]
+    pads_head_dim: bool
+    compute_capability: int
+    alignment: int
+    tensor_cores: bool
+    default: bool
+
+    def takes_head_dim(self, d: int) -> bool:
+        """Whether this rung runs inputs of head width ``d``."""
+        return d in self.head_dims or (self.pads_head_dim and 1 <= d <= max(self.head_dims))
+
+
+def flash_ladder() -> tuple[FlashRung, ...]:
+    """The rungs of the CUDA FlashAttention forward ladder built into ``refmath._cuda``, oldest
+    first (see :class:`FlashRung`); empty without the CUDA module.
+
+    The list lives in one place, the table in ``csrc/cuda/flash_ladder.h``, and is read from the
+    module. Without it there is deliberately no copy here: a version can be run, and a version
+    name is checked, only on the GPU path, which needs the module (a GPU array without it fails
+    first, with an ImportError that says why it was not built); on the CPU ``version`` is ignored.
+    A Python copy of the names would be the second list that drifts from the C++ one, and would
+    list as available rungs that this install cannot run."""
+    return _flash_ladder()
+
+
+@functools.cache
+def _flash_ladder() -> tuple[FlashRung, ...]:
+    # Read once: the table is compiled into the module, and the GPU path consults it every call.
+    return () if _cuda is None else tuple(FlashRung(**rung) for rung in _cuda.flash_versions())
+
+
 def flash_versions() -> tuple[str, ...]:
-    """The names of the CUDA FlashAttention versions built into ``refmath._cuda`` (for example
-    ``("v1", "v2", "v3", "v4")``); empty without the CUDA module. The CPU has one kernel and no versions."""
-    if _cuda is None:
-        return ()
-    return tuple(_cuda_flash_versions())  # defined with the CUDA dispatch below
+    """The names of the CUDA FlashAttention versions built into ``refmath._cuda``, oldest first
+    (for example ``("v1", "v2", "v3", "v4")``; :func:`flash_ladder` gives what each takes and adds);
+    empty without the CUDA module. The CPU has one kernel and no versions."""
+    return tuple(rung.name for rung in flash_ladder())
 
 
 def _on_gpu(**arrays) -> bool:
@@ -523,24 +570,16 @@ def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:
 # ---- CUDA dispatch for attention and decode ----
 # The public functions above validate every argument, then hand CuPy arrays to the helpers below.
 #
-# The kernels are in csrc/cuda/: the forward as a ladder of versions, each a file that says what it
-# changes and why it is faster (flash_v1.cu one thread per query row, flash_v2.cu K/V tiles shared
-# in shared memory, flash_v3.cu tensor cores, flash_v4.cu the same math fed by ldmatrix and
-# double-buffered cp.async), flash_backward.cu and paged_decode.cu (split-K plus
-# a merge kernel). Each helper allocates its outputs and workspace with CuPy on the inputs' device
+# The kernels are in csrc/cuda/: the forward as a ladder of versions, each a file flash_<name>.cu
+# that says what it changes and why it is faster, all listed in one table, flash_ladder.h (what
+# each takes, needs and adds; flash_ladder() reads it), and bound as one
+# flash_forward(version, ...); flash_backward.cu and paged_decode.cu (split-K plus a merge kernel). Each helper allocates its outputs and workspace with CuPy on the inputs' device
 # and queues the kernels on CuPy's current stream; the launchers check the arguments again and a
 # refusal or a failed launch comes back as a RuntimeError.
 
-_FLASH_LADDER = ("v1", "v2", "v3", "v4")  # csrc/cuda/flash_<version>.cu, bound as flash_forward_<version>
-_CUDA_MAX_HEAD_DIM = 256  # v1, v2, the backward and decode: any D up to this
-_V3_HEAD_DIMS = (64, 128)  # the tensor-core kernels (v3, v4) are compiled for these widths only
-_V3_DTYPES = ("float16", "bfloat16")  # mma.sync takes 16-bit inputs (fp32 accumulation)
+_CUDA_MAX_HEAD_DIM = 256  # the backward and decode: any D up to this
 _DECODE_HEADS_PER_BLOCK = 8  # query heads of one GQA group that a decode block serves (paged_decode.cu)
 _DECODE_BLOCKS_PER_SM = 10  # the automatic split count aims at this many decode blocks per multiprocessor
-
-
-def _cuda_flash_versions() -> list[str]:
-    return [v for v in _FLASH_LADDER if hasattr(_cuda, f"flash_forward_{v}")]
 
 
 def _dtype_code(module, x) -> int:
@@ -551,44 +590,68 @@ def _stream(cp) -> int:
     return cp.cuda.get_current_stream().ptr
 
 
-def _cuda_version(version, q) -> str:
-    """The version to run: the one asked for, checked against what it supports, or the default
-    (v3 where it applies, else v2; v4 is chosen by name until it has been measured against v3)."""
+def _or(names) -> str:
+    """"a", "a or b", "a, b or c"."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _refusal(rung: FlashRung, q) -> Exception | None:
+    """Why ``rung`` cannot take ``q`` (its dtype or head width), or None: the launcher's own checks
+    (csrc/cuda/flash_forward.cuh), made here with the array's shape in the message."""
     d, dtype = q.shape[-1], str(q.dtype)
+    if dtype not in rung.dtypes:
+        others = [f"{r.name!r}" for r in flash_ladder() if dtype in r.dtypes]
+        what = " (tensor cores)" if rung.tensor_cores else ""
+        return TypeError(f"version {rung.name!r}{what} takes {_or(rung.dtypes)} inputs, got dtype "
+                         f"{dtype} with q.shape = {q.shape}" +
+                         (f"; use {_or(others)} for {dtype}" if others else ""))
+    if not rung.takes_head_dim(d):
+        others = [f"{r.name!r}" for r in flash_ladder() if r.takes_head_dim(d) and dtype in r.dtypes]
+        widths = (f"head widths up to D = {max(rung.head_dims)}" if rung.pads_head_dim else
+                  f"the head widths D = {' and '.join(map(str, rung.head_dims))} only")
+        return ValueError(f"version {rung.name!r} supports {widths}, got D = {d} (q.shape = {q.shape})" +
+                          (f"; use {_or(others)}" if others else ""))
+    return None
+
+
+def _cuda_rung(version, q) -> FlashRung:
+    """The rung to run: the one asked for, checked against what it takes, or the default, the
+    newest rung marked default that takes q (v3 for float16/bfloat16 with D = 64 or 128, else v2).
+    The names, what each takes and which are defaults come from the ladder, :func:`flash_ladder`."""
+    rungs = {rung.name: rung for rung in flash_ladder()}
     if version is None:
-        return "v3" if dtype in _V3_DTYPES and d in _V3_HEAD_DIMS else "v2"
-    if version not in _FLASH_LADDER:
-        raise ValueError(f"version must be one of {', '.join(_FLASH_LADDER)} or None, got {version!r}")
-    if version in ("v3", "v4"):
-        if dtype not in _V3_DTYPES:
-            raise TypeError(f"version {version!r} (tensor cores) takes float16 or bfloat16 inputs, got "
-                            f"dtype {dtype} with q.shape = {q.shape}; use 'v1' or 'v2' for float32")
-        if d not in _V3_HEAD_DIMS:
-            raise ValueError(f"version {version!r} supports the head widths D = 64 and 128 only, got "
-                             f"D = {d} (q.shape = {q.shape}); use 'v1' or 'v2'")
-    elif d > _CUDA_MAX_HEAD_DIM:
-        raise ValueError(f"the CUDA kernels support head widths up to D = {_CUDA_MAX_HEAD_DIM}, got "
-                         f"D = {d} (q.shape = {q.shape})")
-    return version
+        defaults = [rung for rung in reversed(flash_ladder()) if rung.default]
+        for rung in defaults:
+            if _refusal(rung, q) is None:
+                return rung
+        raise _refusal(defaults[-1], q)  # why the oldest, most general default cannot take it
+    if version not in rungs:
+        raise ValueError(f"version must be one of {', '.join(rungs)} or None, got {version!r}")
+    error = _refusal(rungs[version], q)
+    if error is not None:
+        raise error
+    return rungs[version]
 
 
-def _aligned(x):
-    # v3 and v4 read 16-byte vectors; a fresh CuPy allocation always qualifies, an offset view may not.
-    return x if x.data.ptr % 16 == 0 else x.copy()
+def _aligned(x, alignment: int):
+    # The rung's alignment: 16 bytes for v3 and v4, which move 16-byte vectors. A fresh CuPy
+    # allocation always qualifies, an offset view may not.
+    return x if x.data.ptr % alignment == 0 else x.copy()
 
 
 def _cuda_flash_forward(q, k, v, causal, window, scale, version):
     cp, module = _cupy(), _gpu()
-    version = _cuda_version(version, q)
+    rung = _cuda_rung(version, q)
     b, h, t_q, d = q.shape
     g, t_k = k.shape[1], k.shape[2]
     with q.device:
-        q, k, v = (_aligned(x) for x in (q, k, v))
+        q, k, v = (_aligned(x, rung.alignment) for x in (q, k, v))
         o = cp.empty(q.shape, dtype=q.dtype)
         lse = cp.empty((b, h, t_q), dtype=cp.float32)
-        getattr(module, f"flash_forward_{version}")(
-            q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, b, h, g, t_q, t_k, d,
-            bool(causal), window or 0, scale, _dtype_code(module, q), _stream(cp))
+        module.flash_forward(
+            rung.name, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, b, h, g, t_q,
+            t_k, d, bool(causal), window or 0, scale, _dtype_code(module, q), _stream(cp))
     return o, lse
 
 

@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -52,11 +53,29 @@ from _support import float32_rule, visible
 U32 = 2.0**-24
 FLOOR_ULPS = 4
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-VERSIONS = ("v1", "v2", "v3", "v4")
-TENSOR_CORE = ("v3", "v4")  # float16/bfloat16 with D = 64 or 128 only
+LADDER_TABLE = ROOT / "csrc" / "cuda" / "flash_ladder.h"
+
+
+def ladder_in_source():
+    """(name, needs, default, adds) of each RUNG(...) line of the ladder's table, as written."""
+    line = r'^\s*RUNG\((\w+), (\w+), (true|false), "((?:[^"\\]|\\.)*)"\)'
+    return [(m[1], m[2], m[3] == "true", m[4])
+            for m in re.finditer(line, LADDER_TABLE.read_text(encoding="utf-8"), re.M)]
+
+
+# The versions under test come from the ladder's one table: as compiled into the module, or where
+# it is not built, as written (so that the compile-only tests below still run with nvcc alone).
+RUNGS = {rung.name: rung for rung in kernels.flash_ladder()}
+VERSIONS = tuple(RUNGS) or tuple(name for name, *_ in ladder_in_source())
+TENSOR_CORE = (tuple(name for name, rung in RUNGS.items() if rung.tensor_cores) or
+               tuple(name for name, needs, *_ in ladder_in_source() if needs == "kTensorCoreNeeds"))
 DTYPES = ("float32", "float16", "bfloat16")
-V3_DTYPES = ("float16", "bfloat16")
-V3_DIMS = (64, 128)
+
+
+def takes(version, dtype, d):
+    """Whether the rung `version` takes inputs of `dtype` with head width d."""
+    return dtype in RUNGS[version].dtypes and RUNGS[version].takes_head_dim(d)
+
 FUZZ = settings(max_examples=25, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 WORST = []  # (fraction of bound, label)
@@ -124,16 +143,66 @@ def report_worst_case():
 
 # ---- always (given the built module): the ladder is listed, bound and checks its arguments ----
 
-def test_every_version_is_listed_and_bound():
+def test_the_ladder_is_one_list():
+    """csrc/cuda/flash_ladder.h's table is the ladder: a file flash_<name>.cu for each of its lines,
+    and where the module is built, refmath.kernels lists exactly those lines (names, order,
+    defaults, what each adds, which use the tensor cores), all bound as the one flash_forward."""
+    source = ladder_in_source()
+    names = [name for name, *_ in source]
+    files = {p.stem.removeprefix("flash_") for p in (ROOT / "csrc" / "cuda").glob("flash_*.cu")}
+    assert names and sorted(names) == sorted(files - {"backward"}), (names, files)
     if kernels._cuda is None:
-        assert kernels.flash_versions() == ()
+        assert kernels.flash_versions() == () and kernels.flash_ladder() == ()
         skip_cuda(kernels.cuda_build_info())
-    assert kernels.flash_versions() == VERSIONS
-    for version in VERSIONS:
-        assert callable(getattr(kernels._cuda, f"flash_forward_{version}")), version
-        assert (ROOT / "csrc" / "cuda" / f"flash_{version}.cu").is_file(), version
-    for name in ("flash_backward", "paged_decode"):
+    assert kernels.flash_versions() == tuple(names) == VERSIONS
+    for rung, (name, needs, default, adds) in zip(kernels.flash_ladder(), source, strict=True):
+        assert (rung.name, rung.default, rung.adds) == (name, default, adds)
+        assert rung.tensor_cores == (needs == "kTensorCoreNeeds"), name
+    assert sorted(kernels._cuda.flash_versions()[0]) == sorted(kernels.FlashRung._fields)
+    assert not [n for n in dir(kernels._cuda) if n.startswith("flash_forward_")]  # one binding
+    for name in ("flash_forward", "flash_backward", "paged_decode"):
         assert callable(getattr(kernels._cuda, name)), name
+
+
+class _Query(NamedTuple):  # what kernels._cuda_rung reads of q, without CuPy or a GPU
+    shape: tuple
+    dtype: str
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 8, 32, 40, 64, 96, 128, 200, 256, 257, 300])
+def test_python_checks_agree_with_the_launchers(dtype, d):
+    """refmath.kernels refuses a version for a dtype or head width exactly where the C++ launcher
+    does, both reading the ladder's table: with null pointers, a launcher that accepts them stops
+    at the pointers (before any CUDA call, so this runs without a GPU)."""
+    if kernels._cuda is None:
+        skip_cuda(kernels.cuda_build_info())
+    c = kernels._cuda
+    code = {"float32": c.FLOAT32, "float16": c.FLOAT16, "bfloat16": c.BFLOAT16}[dtype]
+    q = _Query((1, 2, 4, d), dtype)
+    for version in VERSIONS:
+        with pytest.raises(RuntimeError) as launcher:
+            c.flash_forward(version, 0, 0, 0, 0, 0, 1, 2, 2, 4, 4, d, False, 0, 0.125, code, 0)
+        accepted = "null pointer" in str(launcher.value)
+        refusal = kernels._refusal(RUNGS[version], q)
+        assert (refusal is None) == accepted == takes(version, dtype, d), (version, launcher.value, refusal)
+        if not accepted:
+            assert f"flash_forward_{version}: " in str(launcher.value)
+            assert f"version {version!r}" in str(refusal)
+
+
+def test_the_default_version_is_the_newest_default_rung_that_fits():
+    if kernels._cuda is None:
+        skip_cuda(kernels.cuda_build_info())
+    pick = lambda dtype, d: kernels._cuda_rung(None, _Query((1, 1, 4, d), dtype)).name
+    assert [pick("float16", 64), pick("bfloat16", 128), pick("float16", 96), pick("float32", 64),
+            pick("float32", 256)] == ["v3", "v3", "v2", "v2", "v2"]
+    with pytest.raises(ValueError, match=r"version 'v2' supports head widths up to D = 256, got D = 300"):
+        pick("float16", 300)
+    with pytest.raises(ValueError, match=r"version must be one of v1, v2, v3, v4 or None, got 'v5'"):
+        kernels._cuda_rung("v5", _Query((1, 1, 4, 64), "float16"))
+    with pytest.raises(ValueError, match=r"version must be one of v1, v2, v3, v4, got 'v5'"):
+        kernels._cuda.flash_forward("v5", 0, 0, 0, 0, 0, 1, 2, 2, 4, 4, 64, False, 0, 0.125, 0, 0)
 
 
 def test_bindings_refuse_bad_arguments_before_touching_the_device():
@@ -144,8 +213,8 @@ def test_bindings_refuse_bad_arguments_before_touching_the_device():
     c = kernels._cuda
 
     def forward(version="v2", ptr=0, b=1, h=2, g=2, t_q=4, t_k=4, d=64, window=0, dtype=c.FLOAT32):
-        getattr(c, f"flash_forward_{version}")(ptr, ptr, ptr, ptr, ptr, b, h, g, t_q, t_k, d, False,
-                                               window, 0.125, dtype, 0)
+        c.flash_forward(version, ptr, ptr, ptr, ptr, ptr, b, h, g, t_q, t_k, d, False, window, 0.125,
+                        dtype, 0)
 
     with pytest.raises(RuntimeError, match=r"flash_forward_v2: .*G=3 must be >= 1 and divide the query heads H=2"):
         forward(g=3)
@@ -208,9 +277,8 @@ def _cuda_entry_points(c):
     """name -> a call of each compiled entry point with sizes to fill in (null pointers: every call
     below must be refused before anything is dereferenced)."""
     def forward(version):
-        return lambda b=1, h=2, g=2, t=4, d=64, window=0, dtype=c.FLOAT16: getattr(
-            c, f"flash_forward_{version}")(0, 0, 0, 0, 0, b, h, g, t, t, d, False, window, 0.125,
-                                          dtype, 0)
+        return lambda b=1, h=2, g=2, t=4, d=64, window=0, dtype=c.FLOAT16: c.flash_forward(
+            version, 0, 0, 0, 0, 0, b, h, g, t, t, d, False, window, 0.125, dtype, 0)
 
     def backward(b=1, h=2, g=2, t=4, d=64, window=0, dtype=None):
         c.flash_backward(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, b, h, g, t, t, d, True, window, 0.125, 0)
@@ -218,12 +286,11 @@ def _cuda_entry_points(c):
     def decode(b=1, h=2, g=2, t=4, d=64, window=0, dtype=c.FLOAT16):
         c.paged_decode(0, 0, 0, 0, 0, 0, 0, b, h, g, d, 4, 16, t, 1, 0.125, dtype, 0)
 
-    return {"v1": forward("v1"), "v2": forward("v2"), "v3": forward("v3"), "v4": forward("v4"),
-            "backward": backward,
+    return {**{version: forward(version) for version in VERSIONS}, "backward": backward,
             "paged_decode": decode}
 
 
-@pytest.mark.parametrize("entry", ["v1", "v2", "v3", "v4", "backward", "paged_decode"])
+@pytest.mark.parametrize("entry", [*VERSIONS, "backward", "paged_decode"])
 @pytest.mark.parametrize("sizes, match", [
     (dict(h=0, g=0), r"G=0 must be >= 1"),
     (dict(h=2, g=0), r"G=0 must be >= 1"),
@@ -494,8 +561,8 @@ def check_forward(cp, version, dtype, case, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_forward_matches_reference(cp, version, dtype, case):
-    if version in TENSOR_CORE and (dtype not in V3_DTYPES or case[5] not in V3_DIMS):
-        pytest.skip(f"{version} takes float16/bfloat16 with D = 64 or 128 (the refusal is tested below)")
+    if not takes(version, dtype, case[5]):
+        pytest.skip(f"{version} does not take {dtype} with D = {case[5]} (the refusal is tested below)")
     need_dtype(dtype)
     check_forward(cp, version, dtype, case)
 
@@ -505,9 +572,9 @@ def test_forward_matches_reference(cp, version, dtype, case):
 @given(data=st.data())
 def test_forward_on_random_shapes(cp, data):
     version = data.draw(st.sampled_from(VERSIONS), label="version")
-    dtype = data.draw(st.sampled_from(V3_DTYPES if version in TENSOR_CORE else DTYPES), label="dtype")
+    dtype = data.draw(st.sampled_from([t for t in DTYPES if t in RUNGS[version].dtypes]), label="dtype")
     need_dtype(dtype)
-    d = data.draw(st.sampled_from(V3_DIMS if version in TENSOR_CORE else (8, 40, 64, 96, 128, 256)),
+    d = data.draw(st.sampled_from([d for d in (8, 40, 64, 96, 128, 256) if takes(version, dtype, d)]),
                   label="D")
     g = data.draw(st.integers(1, 3), label="G")
     h = g * data.draw(st.sampled_from([1, 2, 5]), label="H/G")
@@ -799,7 +866,8 @@ def test_attention_nan_pattern_matches_the_reference(cp, case, where):
         x = {"q": q, "k": k, "v": v, "do": do}[where].reshape(-1)
         x[rng.integers(x.size)] = np.nan
         ref = attention_reference(q, k, v, do, causal, window, d**-0.5)
-        for version, dtype in (("v1", "float32"), ("v2", "float32"), ("v3", "float16"), ("v4", "float16")):
+        for version in VERSIONS:
+            dtype = "float32" if "float32" in RUNGS[version].dtypes else "float16"
             o, lse = kernels.flash_attention_forward(
                 to_device(cp, q, dtype), to_device(cp, k, dtype), to_device(cp, v, dtype),
                 causal=causal, window=window or None, version=version)

@@ -143,16 +143,6 @@ inline std::string launch_status(const char* kernel) {
     return status == cudaSuccess ? std::string() : cuda_message(kernel, status);
 }
 
-inline const char* dtype_name(DType dtype) {
-    switch (dtype) {
-        case kFloat32: return "float32";
-        case kFloat64: return "float64";
-        case kFloat16: return "float16";
-        case kBFloat16: return "bfloat16";
-    }
-    return "an unknown dtype code";
-}
-
 // The checks every attention launcher shares; "" if the problem is well formed.
 inline std::string check_problem(const AttentionProblem& p, std::int64_t max_dim) {
     auto num = [](std::int64_t x) { return std::to_string(x); };

@@ -13,6 +13,7 @@
 #include <string>
 #include <utility>
 
+#include "flash_ladder.h"
 #include "launch.h"
 
 namespace py = pybind11;
@@ -90,13 +91,22 @@ refmath_cuda::AttentionProblem make_problem(std::int64_t batch, std::int64_t hea
     return p;
 }
 
-using ForwardLauncher = std::string (*)(const refmath_cuda::FlashForwardArgs&, cudaStream_t);
+// The rung of the ladder (flash_ladder.h) called `version`; a ValueError naming the rungs if none is.
+const refmath_cuda::FlashRung& find_rung(const std::string& version) {
+    std::string names;
+    for (const refmath_cuda::FlashRung& rung : refmath_cuda::kFlashLadder) {
+        if (version == rung.name) return rung;
+        names += (names.empty() ? "" : ", ") + std::string(rung.name);
+    }
+    throw py::value_error("version must be one of " + names + ", got '" + version + "'");
+}
 
-void flash_forward(ForwardLauncher launcher, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
-                   std::uintptr_t o, std::uintptr_t lse, std::int64_t batch, std::int64_t heads,
-                   std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim,
-                   bool causal, std::int64_t window, double scale, int dtype_code,
-                   std::uintptr_t stream) {
+void flash_forward(const std::string& version, std::uintptr_t q, std::uintptr_t k,
+                   std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse, std::int64_t batch,
+                   std::int64_t heads, std::int64_t kv_heads, std::int64_t t_q, std::int64_t t_k,
+                   std::int64_t head_dim, bool causal, std::int64_t window, double scale,
+                   int dtype_code, std::uintptr_t stream) {
+    const refmath_cuda::FlashRung& rung = find_rung(version);
     refmath_cuda::FlashForwardArgs args;
     args.problem = make_problem(batch, heads, kv_heads, t_q, t_k, head_dim, causal, window, scale,
                                 dtype_code);
@@ -108,9 +118,35 @@ void flash_forward(ForwardLauncher launcher, std::uintptr_t q, std::uintptr_t k,
     std::string error;
     {
         py::gil_scoped_release release;
-        error = launcher(args, reinterpret_cast<cudaStream_t>(stream));
+        error = rung.launch(args, reinterpret_cast<cudaStream_t>(stream));
     }
     raise_if_failed(error);
+}
+
+// The ladder for Python, one dict a rung, oldest first: refmath.kernels.flash_ladder() reads it.
+py::list flash_versions() {
+    py::list rungs;
+    for (const refmath_cuda::FlashRung& rung : refmath_cuda::kFlashLadder) {
+        const refmath_cuda::RungNeeds& needs = rung.needs;
+        py::list dtypes, head_dims;
+        for (refmath_cuda::DType t : {refmath_cuda::kFloat32, refmath_cuda::kFloat64,
+                                      refmath_cuda::kFloat16, refmath_cuda::kBFloat16})
+            if (needs.dtypes & refmath_cuda::dtype_bit(t)) dtypes.append(refmath_cuda::dtype_name(t));
+        for (int width : needs.head_dims)
+            if (width) head_dims.append(width);
+        py::dict entry;
+        entry["name"] = rung.name;
+        entry["adds"] = rung.adds;
+        entry["dtypes"] = py::tuple(dtypes);
+        entry["head_dims"] = py::tuple(head_dims);
+        entry["pads_head_dim"] = needs.pads_head_dim;
+        entry["compute_capability"] = needs.compute_capability;
+        entry["alignment"] = needs.alignment;
+        entry["tensor_cores"] = needs.tensor_cores;
+        entry["default"] = rung.is_default;
+        rungs.append(entry);
+    }
+    return rungs;
 }
 
 void flash_backward(std::uintptr_t dout, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
@@ -171,15 +207,6 @@ void paged_decode(std::uintptr_t q, std::uintptr_t k_pages, std::uintptr_t v_pag
     raise_if_failed(error);
 }
 
-// The keyword names of the forward bindings, shared by the three versions.
-template <typename F>
-void def_forward(py::module_& m, const char* name, F&& f, const char* doc) {
-    m.def(name, std::forward<F>(f), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
-          py::arg("lse"), py::arg("batch"), py::arg("heads"), py::arg("kv_heads"), py::arg("t_q"),
-          py::arg("t_k"), py::arg("head_dim"), py::arg("causal"), py::arg("window"), py::arg("scale"),
-          py::arg("dtype_code"), py::arg("stream") = 0, doc);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
@@ -200,48 +227,23 @@ PYBIND11_MODULE(_cuda, m) {
           "on `stream` (a cudaStream_t as int; 0 is the legacy default stream). dtype_code: "
           "FLOAT32 or FLOAT64. Raises RuntimeError with CUDA's message if the launch fails.");
 
-    // FlashAttention forward, one binding per version of the ladder (csrc/cuda/flash_v*.cu).
-    const char* forward_doc =
-        "FlashAttention forward of C-contiguous device arrays q (B, H, T_q, D), k and v "
-        "(B, G, T_k, D) into o (like q) and lse (B, H, T_q, float32), queued on `stream`. "
-        "window = 0 means no window. Raises RuntimeError with the reason if the arguments are "
-        "refused or the launch fails.";
-    def_forward(m, "flash_forward_v1",
-                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
-                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
-                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
-                    flash_forward(refmath_cuda::flash_forward_v1, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
-                },
-                forward_doc);
-    def_forward(m, "flash_forward_v2",
-                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
-                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
-                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
-                    flash_forward(refmath_cuda::flash_forward_v2, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
-                },
-                forward_doc);
-    def_forward(m, "flash_forward_v3",
-                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
-                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
-                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
-                    flash_forward(refmath_cuda::flash_forward_v3, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
-                },
-                forward_doc);
-    def_forward(m, "flash_forward_v4",
-                [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o,
-                   std::uintptr_t lse, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                   std::int64_t t_q, std::int64_t t_k, std::int64_t head_dim, bool causal,
-                   std::int64_t window, double scale, int dtype_code, std::uintptr_t stream) {
-                    flash_forward(refmath_cuda::flash_forward_v4, q, k, v, o, lse, batch, heads,
-                                  kv_heads, t_q, t_k, head_dim, causal, window, scale, dtype_code, stream);
-                },
-                forward_doc);
+    // FlashAttention forward: one binding for every rung of the ladder (flash_ladder.h).
+    m.def("flash_forward", &flash_forward, py::arg("version"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("batch"), py::arg("heads"),
+          py::arg("kv_heads"), py::arg("t_q"), py::arg("t_k"), py::arg("head_dim"),
+          py::arg("causal"), py::arg("window"), py::arg("scale"), py::arg("dtype_code"),
+          py::arg("stream") = 0,
+          "FlashAttention forward by the rung `version` of the ladder (one of flash_versions()) "
+          "of C-contiguous device arrays q (B, H, T_q, D), k and v (B, G, T_k, D) into o (like q) "
+          "and lse (B, H, T_q, float32), queued on `stream`. window = 0 means no window. Raises "
+          "ValueError for an unknown version, RuntimeError with the reason if the arguments are "
+          "refused or the launch fails.");
+    m.def("flash_versions", &flash_versions,
+          "The rungs of the FlashAttention forward ladder, oldest first, one dict each: name, "
+          "adds (what it adds to the rung before), dtypes (names) and head_dims (what it takes; "
+          "with pads_head_dim any D up to the widest), compute_capability (the major version "
+          "it needs, 0: any), alignment (bytes, of q, k, v, o), tensor_cores, default (whether "
+          "version=None may choose it).");
 
     m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),

@@ -19,7 +19,7 @@
 // memory. That spill is the lesson, not an accident: benchmarks/ptxas_spills.sh lists it (D_MAX =
 // 128 and 256) as its one allowed spill, with this reason.
 // Version 2 stages K/V tiles in shared memory and shares them between a block of query rows.
-#include "attention_common.cuh"
+#include "flash_forward.cuh"
 
 namespace refmath_cuda {
 namespace {
@@ -93,38 +93,15 @@ std::string launch_v1(const FlashForwardArgs& a, const Band& band, int blocks, c
     return launch_status("flash_forward_v1");
 }
 
-template <typename T>
-std::string launch_v1_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
-    const std::int64_t d = a.problem.head_dim;
-    if (d <= 32) return launch_v1<T, 32>(a, band, blocks, s);
-    if (d <= 64) return launch_v1<T, 64>(a, band, blocks, s);
-    if (d <= 128) return launch_v1<T, 128>(a, band, blocks, s);
-    return launch_v1<T, 256>(a, band, blocks, s);
-}
-
 }  // namespace
 
+// The checks against v1's line of the ladder (flash_ladder.h), the grid and the choice of the
+// instance for the dtype and head width: launch_forward, flash_forward.cuh.
 std::string flash_forward_v1(const FlashForwardArgs& a, cudaStream_t stream) {
-    const AttentionProblem& p = a.problem;
-    std::string error = check_problem(p, kMaxHeadDim);
-    if (!error.empty()) return "flash_forward_v1: " + error;
-    if (p.dtype != kFloat32 && p.dtype != kFloat16 && p.dtype != kBFloat16)
-        return std::string("flash_forward_v1: dtype must be float32, float16 or bfloat16, got ") +
-               dtype_name(p.dtype);
-    const std::int64_t rows = p.batch * p.heads * p.t_q;
-    if (rows == 0) return "";  // nothing to compute (a zero-sized grid is a launch error)
-    if (!a.q || !a.o || !a.lse || (p.t_k > 0 && (!a.k || !a.v)))
-        return "flash_forward_v1: a null pointer for a non-empty array";
-    const std::int64_t blocks = p.batch * p.heads * ceil_div(static_cast<int>(p.t_q), kThreadsV1);
-    error = check_grid(blocks, "flash_forward_v1");
-    if (!error.empty()) return error;
-    const Band band = make_band(p);
-    const int n = static_cast<int>(blocks);
-    switch (p.dtype) {
-        case kFloat32: return launch_v1_dim<float>(a, band, n, stream);
-        case kFloat16: return launch_v1_dim<__half>(a, band, n, stream);
-        default: return launch_v1_dim<__nv_bfloat16>(a, band, n, stream);
-    }
+    auto launch = [&](auto element, auto width, const Band& band, int blocks) {
+        return launch_v1<decltype(element), decltype(width)::value>(a, band, blocks, stream);
+    };
+    return launch_forward<Rung::v1>(a, kThreadsV1, launch);
 }
 
 }  // namespace refmath_cuda

@@ -23,7 +23,7 @@
 // What v2 still leaves on the table: the arithmetic runs on the ordinary FP32 units, a few percent
 // of what the tensor cores deliver on fp16/bf16 inputs. Version 3 moves both products (Q K^T and
 // P V) onto the tensor cores.
-#include "attention_common.cuh"
+#include "flash_forward.cuh"
 
 namespace refmath_cuda {
 namespace {
@@ -195,37 +195,15 @@ std::string launch_v2(const FlashForwardArgs& a, const Band& band, int blocks, c
     return launch_status("flash_forward_v2");
 }
 
-template <typename T>
-std::string launch_v2_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
-    const std::int64_t d = a.problem.head_dim;
-    if (d <= 32) return launch_v2<T, 32>(a, band, blocks, s);
-    if (d <= 64) return launch_v2<T, 64>(a, band, blocks, s);
-    if (d <= 128) return launch_v2<T, 128>(a, band, blocks, s);
-    return launch_v2<T, 256>(a, band, blocks, s);
-}
-
 }  // namespace
 
+// The checks against v2's line of the ladder (flash_ladder.h), the grid and the choice of the
+// instance for the dtype and head width: launch_forward, flash_forward.cuh.
 std::string flash_forward_v2(const FlashForwardArgs& a, cudaStream_t stream) {
-    const AttentionProblem& p = a.problem;
-    std::string error = check_problem(p, kMaxHeadDim);
-    if (!error.empty()) return "flash_forward_v2: " + error;
-    if (p.dtype != kFloat32 && p.dtype != kFloat16 && p.dtype != kBFloat16)
-        return std::string("flash_forward_v2: dtype must be float32, float16 or bfloat16, got ") +
-               dtype_name(p.dtype);
-    if (p.batch * p.heads * p.t_q == 0) return "";
-    if (!a.q || !a.o || !a.lse || (p.t_k > 0 && (!a.k || !a.v)))
-        return "flash_forward_v2: a null pointer for a non-empty array";
-    const std::int64_t blocks = p.batch * p.heads * ceil_div(static_cast<int>(p.t_q), kBlockQV2);
-    error = check_grid(blocks, "flash_forward_v2");
-    if (!error.empty()) return error;
-    const Band band = make_band(p);
-    const int n = static_cast<int>(blocks);
-    switch (p.dtype) {
-        case kFloat32: return launch_v2_dim<float>(a, band, n, stream);
-        case kFloat16: return launch_v2_dim<__half>(a, band, n, stream);
-        default: return launch_v2_dim<__nv_bfloat16>(a, band, n, stream);
-    }
+    auto launch = [&](auto element, auto width, const Band& band, int blocks) {
+        return launch_v2<decltype(element), decltype(width)::value>(a, band, blocks, stream);
+    };
+    return launch_forward<Rung::v2>(a, kBlockQV2, launch);
 }
 
 }  // namespace refmath_cuda

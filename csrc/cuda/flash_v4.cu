@@ -36,7 +36,7 @@
 //
 // Needs compute capability 8.0 (cp.async, mma.m16n8k16; ldmatrix is 7.5). A build for an older
 // target compiles with bodies that trap, and the launcher refuses such code (check_compiled_for).
-#include "attention_common.cuh"
+#include "flash_forward.cuh"
 #include "mma_layout.h"
 
 namespace refmath_cuda {
@@ -443,38 +443,15 @@ std::string launch_v4(const FlashForwardArgs& a, const Band& band, int blocks, c
     return launch_status("flash_forward_v4");
 }
 
-template <typename T>
-std::string launch_v4_dim(const FlashForwardArgs& a, const Band& band, int blocks, cudaStream_t s) {
-    return a.problem.head_dim == 64 ? launch_v4<T, 64>(a, band, blocks, s)
-                                    : launch_v4<T, 128>(a, band, blocks, s);
-}
-
 }  // namespace
 
+// The checks against v4's line of the ladder (flash_ladder.h), the grid and the choice of the
+// instance for the dtype and head width: launch_forward, flash_forward.cuh.
 std::string flash_forward_v4(const FlashForwardArgs& a, cudaStream_t stream) {
-    const AttentionProblem& p = a.problem;
-    std::string error = check_problem(p, kMaxHeadDim);
-    if (!error.empty()) return "flash_forward_v4: " + error;
-    if (p.head_dim != 64 && p.head_dim != 128)
-        return "flash_forward_v4: the tensor-core kernel supports D = 64 or 128, got D=" +
-               std::to_string(p.head_dim) + " (use v1 or v2)";
-    if (p.dtype != kFloat16 && p.dtype != kBFloat16)
-        return std::string("flash_forward_v4: dtype must be float16 or bfloat16, got ") +
-               dtype_name(p.dtype) + " (use v1 or v2)";
-    if (p.batch * p.heads * p.t_q == 0) return "";
-    if (!a.q || !a.o || !a.lse || (p.t_k > 0 && (!a.k || !a.v)))
-        return "flash_forward_v4: a null pointer for a non-empty array";
-    if (!aligned16(a.q) || !aligned16(a.o) || (p.t_k > 0 && (!aligned16(a.k) || !aligned16(a.v))))
-        return "flash_forward_v4: q, k, v and o must be 16-byte aligned (16-byte copies)";
-    error = check_compute_capability(8, "flash_forward_v4 (cp.async, ldmatrix, mma.sync)");
-    if (!error.empty()) return error;
-    const std::int64_t blocks = p.batch * p.heads * ceil_div(static_cast<int>(p.t_q), kBlockQ);
-    error = check_grid(blocks, "flash_forward_v4");
-    if (!error.empty()) return error;
-    const Band band = make_band(p);
-    const int n = static_cast<int>(blocks);
-    return p.dtype == kFloat16 ? launch_v4_dim<__half>(a, band, n, stream)
-                               : launch_v4_dim<__nv_bfloat16>(a, band, n, stream);
+    auto launch = [&](auto element, auto width, const Band& band, int blocks) {
+        return launch_v4<decltype(element), decltype(width)::value>(a, band, blocks, stream);
+    };
+    return launch_forward<Rung::v4>(a, kBlockQ, launch);
 }
 
 }  // namespace refmath_cuda

@@ -22,6 +22,16 @@ namespace refmath_cuda {
 // Element types the launchers accept; the Python side passes these codes.
 enum DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 
+inline const char* dtype_name(DType dtype) {
+    switch (dtype) {
+        case kFloat32: return "float32";
+        case kFloat64: return "float64";
+        case kFloat16: return "float16";
+        case kBFloat16: return "bfloat16";
+    }
+    return "an unknown dtype code";
+}
+
 // out[r, :] = softmax(in[r, :]) for `rows` rows of `cols` contiguous values, on `stream`.
 // Fully masked rows (all -inf) give zeros. Returns the launch status (cudaSuccess if queued);
 // errors during the kernel's run surface at the next synchronising call, as usual in CUDA.
@@ -55,15 +65,8 @@ struct FlashForwardArgs {
     float* lse = nullptr;   // natural-log logsumexp of the scaled scores, per query row
 };
 
-// The forward ladder. Each returns "" when queued, else what is wrong.
-//   v1: float32, float16, bfloat16; any D <= 256.
-//   v2: float32, float16, bfloat16; any D <= 256.
-//   v3: float16, bfloat16; D = 64 or 128; q, k, v, o 16-byte aligned.
-//   v4: as v3 (the same math, operands fed by ldmatrix and double-buffered cp.async).
-std::string flash_forward_v1(const FlashForwardArgs& args, cudaStream_t stream);
-std::string flash_forward_v2(const FlashForwardArgs& args, cudaStream_t stream);
-std::string flash_forward_v3(const FlashForwardArgs& args, cudaStream_t stream);
-std::string flash_forward_v4(const FlashForwardArgs& args, cudaStream_t stream);
+// The forward ladder's launchers, flash_forward_<name> for each rung, are declared by the table of
+// its rungs, flash_ladder.h (one line a rung: its name, what it takes and needs, what it adds).
 
 // The backward pass, FlashAttention-2 style, in float32: problem.dtype must be kFloat32 and every
 // array float32. do_ and o are (B, H, T_q, D); lse (B, H, T_q) from the forward; dq, dk, dv have
