@@ -536,18 +536,17 @@ def _torch_expected(oracle, trials, names):
     backward exercise ``oracle`` is a torch function of the case's inputs, and the expected
     gradients are its vector-Jacobian product with the trial's ``dout`` (``torch.autograd``);
     otherwise ``oracle`` takes the exercise's arguments and returns the expected value itself."""
+    if trials[0].case is None:
+        try:
+            return [_outputs(_call(oracle, trial), names, trial) for trial in trials], ""
+        except ImportError:
+            return None, "torch is not installed: its check is skipped"
     try:
         import torch
     except ImportError:
         return None, "torch is not installed: its check is skipped"
     expected = []
     for trial in trials:
-        if trial.case is None:
-            value = _call(oracle, trial)
-            value = [v.detach().numpy() if isinstance(v, torch.Tensor) else v
-                     for v in (value if isinstance(value, (tuple, list)) else [value])]
-            expected.append(_outputs(value if len(value) > 1 else value[0], names, trial))
-            continue
         tensors = {}
         for key, value in trial.inputs.items():
             if key in trial.case.wrt:
@@ -570,7 +569,7 @@ def _torch_expected(oracle, trials, names):
 def check_function(name: str, func: Any, reference: Callable, *, case: Any = None,
                    inputs: Any = None, seeds: tuple[int, ...] = (0,), outputs=None,
                    slips: Mapping[str, Callable] | None = None, oracle: Callable | None = None,
-                   rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
+                   oracle_name: str = "torch", rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
                    hint: str = "") -> Verdict:
     r"""Print whether the student's function ``func`` computes what ``reference`` does.
 
@@ -587,8 +586,8 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
     - **a forward function** (``inputs=``): the student's function and ``reference`` are called on
       each argument tuple (or dict of keyword arguments) of ``inputs``, and their outputs
       compared; ``oracle``, when given, is an independent function of the same arguments (torch's
-      optimiser step, say) whose outputs must agree as well. A missing torch skips it, an
-      ``ImportError`` from the oracle too.
+      optimiser step, say) whose outputs must agree as well; an ``ImportError`` from it (torch is
+      not installed) skips it.
 
     Every function is called on a private copy of the arguments. The verdict is
 
@@ -629,7 +628,9 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         :mod:`refmath.mistakes` and the library function it edits. Under
         ``REFMATH_LESSONS_STRICT=1`` each must be rejected and named as itself.
     oracle : callable, optional
-        The torch oracle (see above).
+        The independent oracle (see above).
+    oracle_name : str
+        What the verdict calls the oracle of a forward exercise ("torch's AdamW").
     rtol, atol : float
         The tolerance; ``atol=None`` is ``rtol`` times the largest entry of each expected output.
     max_coords : int or None
@@ -704,10 +705,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
     failed_checks = [(label, r) for label, r in checks if isinstance(r, str) or not r.passed]
     torch_note, torch_difference = "", None
     if oracle is not None:
-        try:
-            from_torch, torch_note = _torch_expected(oracle, trials, names)
-        except ImportError as err:  # an oracle of a module torch lacks
-            from_torch, torch_note = None, f"the torch check is skipped ({err})"
+        from_torch, torch_note = _torch_expected(oracle, trials, names)
         if from_torch is not None:
             torch_difference = _first_difference(have, from_torch, names, trials, rtol, atol)
     difference = _first_difference(have, want, names, trials, rtol, atol)
@@ -721,7 +719,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
                         f"bound {worst.bound:.1g})")
         against = f"refmath's {getattr(reference, '__name__', 'reference')}"
         if oracle is not None and not torch_note:
-            against += " and torch" + (" autograd" if case is not None else "")
+            against += " and torch autograd" if case is not None else f" and {oracle_name}"
         said.append(f"agrees with {against} on {len(trials)} input{'s' if len(trials) > 1 else ''}")
         if torch_note:
             said.append(torch_note)
@@ -735,7 +733,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
     if failed_checks:
         said.append(_gradient_check_text(*failed_checks[0]))
     if slip is None and difference is None and torch_difference is not None:
-        said.append(f"against torch, {torch_difference}")
+        said.append(f"against {'torch' if case is not None else oracle_name}, {torch_difference}")
     detail = "; ".join(said) + (f" ({hint})" if hint else "")
     return _verdict("wrong", name, detail)
 

@@ -28,6 +28,12 @@ PLANTS = {
          "dQ (causal)", "scale missing from dQ"),
         ("dA_drop = (dO @ V.T) * D", "dA_drop = dO @ V.T",
          "(dV, dQ) with dropout", "dropout mask ignored in dA"),
+        # the write-the-function exercises: a slip in the student's own function
+        ("dx = a * (dout - row_mean)", "dx = a * dout", "your softmax backward",
+         "Jacobian's diagonal only"),
+        ("row_mean = np.sum(a * dout, axis=-1, keepdims=True)",
+         "row_mean = np.sum(a * dout, axis=0, keepdims=True)", "your softmax backward",
+         "sum over the wrong axis"),
     ],
     "02_normalisation.py": [
         ("dx_layernorm = (direct + through_mean + through_sigma) / sigma",
