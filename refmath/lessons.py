@@ -438,26 +438,32 @@ def _evaluate(func: Callable, trials: list[_Trial], names) -> list[list[np.ndarr
     return results
 
 
-def _atol(want: np.ndarray, rtol: float, atol: float | None) -> float:
-    """The absolute tolerance: ``atol``, or by default ``rtol`` times the largest entry of the
-    expected output (an entry near 0 that a sum of larger terms cancels to is rounded to the
-    size of those terms, not to its own)."""
+def _atols(want: list[list[np.ndarray]], rtol: float, atol: float | None) -> list[float]:
+    """The absolute tolerance of each output: ``atol``, or by default ``rtol`` times the output's
+    largest entry over every trial (an entry near 0 that a sum of larger terms cancels to is
+    rounded to the size of those terms, not to its own; a case where an output is 0 throughout,
+    LayerNorm's dx at d = 1, is rounded to the size it has elsewhere)."""
     if atol is not None:
-        return atol
-    finite = np.abs(want[np.isfinite(want)])
-    return rtol * float(finite.max(initial=0.0))
+        return [atol] * len(want[0])
+    scales = [0.0] * len(want[0])
+    for outputs in want:
+        for j, w in enumerate(outputs):
+            finite = np.abs(w[np.isfinite(w)])
+            scales[j] = max(scales[j], float(finite.max(initial=0.0)))
+    return [rtol * s for s in scales]
 
 
 def _same(have, want, rtol, atol) -> bool:
-    return all(_within(h, w, rtol, _atol(w, rtol, atol)) for hs, ws in zip(have, want)
-               for h, w in zip(hs, ws))
+    tols = _atols(want, rtol, atol)
+    return all(_within(h, w, rtol, tol) for hs, ws in zip(have, want)
+               for h, w, tol in zip(hs, ws, tols))
 
 
 def _first_difference(have, want, names, trials, rtol, atol) -> str | None:
     """Where ``have`` first differs from ``want``, diagnosed as :func:`check_close` does."""
+    tols = _atols(want, rtol, atol)
     for trial, hs, ws in zip(trials, have, want):
-        for name, h, w in zip(names, hs, ws):
-            tol = _atol(w, rtol, atol)
+        for name, h, w, tol in zip(names, hs, ws, tols):
             if not _within(h, w, rtol, tol):
                 return f"{name} on {trial.label}: {_diagnose(h, w, [], rtol, tol)[1]}"
     return None
@@ -632,7 +638,8 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
     oracle_name : str
         What the verdict calls the oracle of a forward exercise ("torch's AdamW").
     rtol, atol : float
-        The tolerance; ``atol=None`` is ``rtol`` times the largest entry of each expected output.
+        The tolerance; ``atol=None`` is ``rtol`` times the largest entry of each expected output
+        over all the inputs.
     max_coords : int or None
         The coordinates sampled per input by the gradient check.
     hint : str

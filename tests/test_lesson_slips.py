@@ -43,6 +43,10 @@ PLANTS = {
         ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
          "dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.mean(upstream, axis=0)])",
          "(dgamma, dbeta)", "dbeta averaged over rows"),
+        ("dx = cache.rstd * (g - g_mean - cache.xhat * g_along_xhat)",
+         "dx = cache.rstd * (g - g_mean)", "your LayerNorm backward", "variance path dropped"),
+        ("rows = tuple(range(dout.ndim - 1))  # every leading axis",
+         "rows = (0, 1)[:dout.ndim - 1]", "your LayerNorm backward", "over the first two axes only"),
     ],
     "03_flash_and_kv_cache.py": [
         ("merged_m_l = (m_merged, np.exp(a.m - m_merged) * a.l + np.exp(b.m - m_merged) * b.l)",
