@@ -97,6 +97,13 @@ def _as_array(value: Any) -> np.ndarray:
     return np.asarray(value() if callable(value) else value, dtype=np.float64)
 
 
+def _errors(have: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """``|have - want|``, 0 where both are NaN or both the same infinity (an empty state's
+    ``m = -inf``: ``-inf - (-inf)`` would be NaN)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(want) | (have == want), 0.0, np.abs(have - want))
+
+
 def _within(have: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
     """Elementwise ``|have - want| <= atol + rtol |want|``, NaN matching NaN, shapes equal."""
     if have.shape != want.shape:
@@ -104,8 +111,8 @@ def _within(have: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> boo
     nan_want = np.isnan(want)
     if np.any(np.isnan(have) != nan_want):
         return False
-    error = np.where(nan_want, 0.0, np.abs(have - want))
-    return bool(np.all(error <= atol + rtol * np.abs(np.where(nan_want, 0.0, want))))
+    scale = np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
+    return bool(np.all(_errors(have, want) <= atol + rtol * scale))
 
 
 # A slip is recognised with at least this relative tolerance: the check's own can be 1e-12, and a
@@ -247,8 +254,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     """(status, detail) of ``have`` against ``want``: see :func:`check_close`."""
     if _within(have, want, rtol, atol):
-        nan_want = np.isnan(want)
-        worst = float(np.where(nan_want, 0.0, np.abs(have - want)).max()) if have.size else 0.0
+        worst = float(_errors(have, want).max()) if have.size else 0.0
         return "right", f"max error {worst:.2g}"
     slip = _matching_slip(have, values, rtol, atol)
     if slip is not None:
@@ -269,8 +275,8 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     c = _ratio(np.where(nan_want, 0.0, have), np.where(nan_want, 0.0, want))
     if c is not None:
         return "wrong", _ratio_text(c, have.size == 1, rtol)
-    error = np.where(nan_want, 0.0, np.abs(have - want))
-    bound = atol + rtol * np.abs(np.where(nan_want, 0.0, want))
+    error = _errors(have, want)
+    bound = atol + rtol * np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
     excess = np.where(error > bound, error - bound, -np.inf)
     index = tuple(int(i) for i in np.unravel_index(np.argmax(excess), have.shape)) if have.ndim else ()
     return "wrong", (f"error {float(error[index]):.3g} at index {index}, tolerance "

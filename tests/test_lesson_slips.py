@@ -56,6 +56,10 @@ PLANTS = {
          "dQ from the logsumexp", "delta = rowsum(dO * O) left out"),
         ("cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2", "cache_bytes = 8 * 40 * 4096 * 8 * 128 * 2",
          "the cache bytes", "the factor 2 for K and V forgotten"),
+        ("shift = np.where(np.isneginf(m), 0.0, m)", "shift = m", "your online-softmax merge",
+         "no guard for two empty sides"),
+        ("u = alpha[..., None] * a.u + beta[..., None] * b.u", "u = a.u + b.u",
+         "your online-softmax merge", "u added without rescaling"),
     ],
     "04_ffn_and_positions.py": [
         ("back = -np.array([2.0, 2.0 / 100])", "back = np.array([2.0, 2.0 / 100])",

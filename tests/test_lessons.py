@@ -50,6 +50,9 @@ def test_shape_nan_and_unanswered_are_each_explained(capsys):
 
 def test_nan_expected_where_nan_is_given_is_right():
     assert check_close("masked row", [np.nan, 2.0], [np.nan, 2.0])
+    # the same infinity is no error (an empty state's m = -inf), another one is
+    assert check_close("m", [-np.inf, 1.0], [-np.inf, 1.0]).line == "right: m: max error 0"
+    assert not check_close("m", [np.inf, 1.0], [-np.inf, 1.0])
 
 
 def test_strict_mode_raises_on_a_wrong_answer(monkeypatch):
