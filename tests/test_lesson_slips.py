@@ -64,6 +64,14 @@ PLANTS = {
     "04_ffn_and_positions.py": [
         ("back = -np.array([2.0, 2.0 / 100])", "back = np.array([2.0, 2.0 / 100])",
          "RoPE dx", "forward rotation used in backward"),
+        ("derivative = gate + x * np.exp(-x**2 / 2) / np.sqrt(2 * np.pi)", "derivative = gate",
+         "your GELU backward", "x phi(x) term dropped"),
+        ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
+         "dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 0.044715 * x**2)",
+         "your GELU backward", "the 3 of d(x^3)/dx forgotten"),
+        ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
+         "dt = (1 - gate**2) * float(np.float32(np.sqrt(2 / np.pi))) * (1 + 3 * 0.044715 * x**2)",
+         "your GELU backward", "sqrt(2/pi) rounded to float32"),
     ],
     "05_losses_and_optimisers.py": [
         ("dlogits_by_hand = (p - np.eye(4)[targets]) / 3", "dlogits_by_hand = p - np.eye(4)[targets]",
