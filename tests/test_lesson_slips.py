@@ -86,6 +86,11 @@ PLANTS = {
          "AdamW's weight after 50 steps", "(n - 1): one step too few"),
         ("adamw_after_50 = (1 - 0.1 * 0.1) ** 50", "adamw_after_50 = (1 - 0.1) ** 50",
          "AdamW's weight after 50 steps", "decay not scaled by the learning rate"),
+        ("per_token = per_token / max(cache.n_counted, 1)",
+         "per_token = per_token / max(cache.n_counted, 2)", "your cross-entropy backward",
+         "mean over max(n, 2)"),
+        ("dlogits = dout * np.where(cache.counted[..., None], per_token, 0.0)",
+         "dlogits = dout * per_token", "your cross-entropy backward", "ignored tokens get a gradient"),
     ],
     "06_encoder_decoder.py": [
         ("shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, :-1]], axis=1)",
