@@ -98,6 +98,12 @@ PLANTS = {
         ("p_target = p[0, np.arange(4), tgt[0]].prod()", "p_target = p[0, np.arange(4), tgt[0]].mean()",
          "p(y | x)", "the mean of the probabilities"),
         ("np.add.at(d_table, ids, dy)", "d_table[ids] += dy", "dE", "repeated ids keep one contribution"),
+        ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
+         "q = np.eye(vocab)[cache.targets]", "your smoothed cross-entropy backward",
+         "label smoothing left out of the gradient"),
+        ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
+         "q = (1 - eps) * np.eye(vocab)[cache.targets] + (1 - np.eye(vocab)[cache.targets]) * eps / "
+         "max(vocab - 1, 1)", "your smoothed cross-entropy backward", "tensor2tensor's target"),
     ],
     "07_gpt.py": [
         ("dP[1:3] = dy.sum(axis=0)", "dP[1:3] = dy.mean(axis=0)", "dP", "averaged over the batch"),
