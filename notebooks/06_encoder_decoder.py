@@ -242,6 +242,8 @@ check_function("your smoothed cross-entropy backward", my_smoothed_cross_entropy
                hint="p - q with q = (1 - eps) onehot + eps / V, on the counted rows",
                slips={**catalogued("cross-entropy: label smoothing left out of the gradient",
                                    cross_entropy_backward),
+                      "no smoothing at all: the one-hot target, p - y": lambda dout, cache:
+                          cross_entropy_backward(dout, cache._replace(label_smoothing=0.0)),
                       "tensor2tensor's target: eps / (V - 1) on the wrong tokens":
                           tensor2tensor_target,
                       **catalogued("cross-entropy: ignored tokens get a gradient",

@@ -581,7 +581,8 @@ def _torch_expected(oracle, trials, names):
 def check_function(name: str, func: Any, reference: Callable, *, case: Any = None,
                    inputs: Any = None, seeds: tuple[int, ...] = (0,), outputs=None,
                    slips: Mapping[str, Callable] | None = None, oracle: Callable | None = None,
-                   oracle_name: str = "torch", rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
+                   oracle_name: str = "torch", reference_name: str | None = None,
+                   rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
                    hint: str = "") -> Verdict:
     r"""Print whether the student's function ``func`` computes what ``reference`` does.
 
@@ -642,7 +643,9 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
     oracle : callable, optional
         The independent oracle (see above).
     oracle_name : str
-        What the verdict calls the oracle of a forward exercise ("torch's AdamW").
+        What the verdict calls the oracle of a forward exercise ("torch.optim.AdamW").
+    reference_name : str, optional
+        What the verdict calls the reference (default: ``refmath's <its __name__>``).
     rtol, atol : float
         The tolerance; ``atol=None`` is ``rtol`` times the largest entry of each expected output
         over all the inputs.
@@ -730,7 +733,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
             said.append(f"passes the gradient check on {len(checks)} case"
                         f"{'s' if len(checks) > 1 else ''} (largest error {worst.max_error:.1g}, "
                         f"bound {worst.bound:.1g})")
-        against = f"refmath's {getattr(reference, '__name__', 'reference')}"
+        against = reference_name or f"refmath's {getattr(reference, '__name__', 'reference')}"
         if oracle is not None and not torch_note:
             against += " and torch autograd" if case is not None else f" and {oracle_name}"
         said.append(f"agrees with {against} on {len(trials)} input{'s' if len(trials) > 1 else ''}")
