@@ -129,6 +129,9 @@ PLANTS = {
         ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
          "dk_shared = per_head[:, ::2]",
          "dK of the shared heads", "one query head's copy only"),
+        ("du = dm * s\n", "du = dm * g\n", "your SwiGLU backward", "du uses the gate's input"),
+        ("dg = dm * u * sig * (1 + g * (1 - sig))", "dg = dm * u * sig * (1 - sig)",
+         "your SwiGLU backward", "product rule forgotten"),
     ],
     "09_numerics_and_sampling.py": [
         ("safe_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a fully masked row: shift by 0\n"
