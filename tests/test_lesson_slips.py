@@ -147,6 +147,11 @@ PLANTS = {
          "visible pairs, T = 10, w = 4", "T w: the first w - 1 rows"),
         ("top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3]) / 0.7",
          "top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3])", "top-p, p = 0.6", "not renormalised"),
+        ("keep[order[mass_before < p]] = True", "keep[order[mass_before <= p]] = True",
+         "your top-p filter", "the test is mass before < p, not <="),
+        ("mass_before = np.cumsum(probs[order]) - probs[order]",
+         "mass_before = np.cumsum(probs[order])", "your top-p filter",
+         "the token whose mass crosses p dropped"),
     ],
     "10_decode_cost.py": [
         ("seconds_per_token = (2 * 7_504_658_432 + 8192 * 128 * 1024) / 2e12",
