@@ -158,6 +158,10 @@ PLANTS = {
          "seconds_per_token = 2 * 7_504_658_432 / 2e12", "lower bound on time per token",
          "the cache forgotten"),
         ("scale_by_hand = 3.5 / 7", "scale_by_hand = 3.5 / 8", "scale", "-7 .. 7, not -8 .. 7"),
+        ("visible = np.arange(T_max)[None, None, :] < np.asarray(lengths)[:, None, None]",
+         "visible = np.ones((B, 1, T_max), dtype=bool)", "your decode attention", "the padding read"),
+        ("heads = np.arange(H) // (H // G)", "heads = np.arange(H) % G", "your decode attention",
+         "GQA heads interleaved"),
     ],
     "12_from_equation_to_kernel.py": [
         ("delta = (do * ref_o).sum(axis=-1)", "delta = do.sum(axis=-1) * ref_o.sum(axis=-1)",
