@@ -169,6 +169,10 @@ PLANTS = {
         ("o_merged_by_hand = sum(np.exp(part.m - m_all) * part.u for part in parts) / l_all",
          "o_merged_by_hand = sum(part.u for part in parts) / sum(part.l for part in parts)",
          "merged decode output", "without rescaling to the largest m"),
+        ("shift = np.where(np.isneginf(m_new), 0.0, m_new)  # no key seen yet: shift by 0",
+         "shift = m_new", "your tile step", "NaN for a row that has seen no key"),
+        ("alpha = 2.0 ** (m - shift)  # 0 where m = -inf", "alpha = np.where(np.isneginf(m), 0.0, 1.0)",
+         "your tile step", "not rescaled to the new maximum"),
     ],
     "13_real_weights.py": [
         ("as_float32 = (patterns.astype(np.uint32) << 16).view(np.float32)",
