@@ -196,6 +196,11 @@ PLANTS = {
          "K or V only"),
         ("mla_numbers = 512 + 64", "mla_numbers = 512", "MLA numbers per token and layer",
          "the shared rotary key"),
+        ("scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])",
+         "scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1])",
+         "your absorbed MLA decode", "the rotary width counts too"),
+        ('out = np.einsum("hc,hcv->hv", weights @ c, w_uv)', "out = weights @ c",
+         "your absorbed MLA decode", "W_UV forgotten"),
     ],
 }
 
