@@ -185,6 +185,10 @@ PLANTS = {
          "GPT-2 small in float32, MiB", "MB (10^6 bytes)"),
         ("rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)",
          "rows = np.arange(heads * d_h)", "W_Q from q_proj.weight", "unpermuted"),
+        ("within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)",
+         "within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])",
+         "your half_to_interleaved", "not its inverse"),
+        ("out = w[..., columns]", "out = w", "your half_to_interleaved", "left in the half layout"),
     ],
     "14_synthesis.py": [
         ("O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T))",
