@@ -194,6 +194,10 @@ PLANTS = {
         ("O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T))",
          "O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T), scale=1.0)",
          "logits of the whole decoder", "the 1/sqrt(d_k) scale missing"),
+        ("tokens = context if shape.sliding_window is None else min(context, shape.sliding_window)",
+         "tokens = context", "your cache bytes", "the sliding window ignored"),
+        ("total = numbers * bits / 8 + 2 * numbers / 32", "total = numbers * bits / 8",
+         "your cache bytes", "the quantisation scales left out"),
     ],
     "11_latent_attention_and_memory.py": [
         ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
