@@ -6,6 +6,8 @@ print ``wrong: NAME: looks like: SLIP``, naming the slip; the checks of the othe
 say right. A slip's value comes from the check itself (``refmath.lessons.check_close``'s
 ``slips``, many of them the catalogued mistakes of ``refmath.mistakes`` applied to the library),
 so this test confirms that the student's way of making the slip and the check's way agree.
+The write-the-function exercises are planted the same way: one line of the student's function is
+edited, and ``refmath.lessons.check_function`` must name the slip function it now matches.
 """
 import os
 import subprocess
