@@ -201,6 +201,15 @@ PLANTS = {
         ("total = numbers * bits / 8 + 2 * numbers / 32", "total = numbers * bits / 8",
          "your cache bytes", "the quantisation scales left out"),
     ],
+    "15_capstone.py": [
+        # Adam's steps do not change when one parameter's gradient is scaled: the model still
+        # learns with either slip, and only the checks see them
+        ("    dbeta = np.sum(dout, axis=rows)\n", "    dbeta = np.mean(dout, axis=rows)\n",
+         "your LayerNorm backward", "dbeta averaged over rows"),
+        ("per_token = per_token / max(cache.n_counted, 1)",
+         "per_token = per_token / max(cache.n_counted, 2)", "your cross-entropy backward",
+         "mean over max(n, 2)"),
+    ],
     "11_latent_attention_and_memory.py": [
         ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
          "K or V only"),
@@ -224,7 +233,10 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "MHA numbers per token and layer": ("MHA / MLA",),
         "MLA numbers per token and layer": ("MHA / MLA",),
         "W_Q from q_proj.weight": ("W_K from k_proj.weight",),
-        "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",)}
+        "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",),
+        # the capstone's model runs with the student's LayerNorm backward
+        "your LayerNorm backward": ("the gradient check of the whole model, with your backward passes",
+                                    "your model's gradients against the library's")}
 
 
 def _run(text, tmp_path, name):
