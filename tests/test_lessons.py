@@ -349,6 +349,16 @@ def test_the_torch_oracle_is_used_where_torch_is_there_and_skipped_where_not(mon
                           oracle=torch_softmax).line
     assert line.startswith("right: f: ") and line.endswith("torch is not installed: its check is skipped")
 
+    def torch_doubling(x):  # a forward oracle that needs torch: skipped, not an error
+        import torch
+        return torch.tensor(x).mul(2).numpy()
+
+    line = check_function("double", lambda x: 2 * x, lambda x: x + x, inputs=[(np.arange(3.0),)],
+                          oracle=torch_doubling, oracle_name="torch's mul",
+                          reference_name="the sum x + x").line
+    assert line == ("right: double: agrees with the sum x + x on 1 input; torch is not installed: "
+                    "its check is skipped")
+
 
 def test_strict_mode_refuses_a_function_slip_the_check_cannot_tell_apart(monkeypatch):
     from refmath.softmax import softmax_backward
