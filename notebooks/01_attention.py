@@ -40,8 +40,8 @@ import numpy as np
 
 from refmath.attention import causal_mask, mha_forward, sdpa_backward, sdpa_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_true
-from refmath.softmax import softmax_forward, softmax_jacobian
+from refmath.lessons import catalogued, check_close, check_function, check_true
+from refmath.softmax import softmax_backward, softmax_forward, softmax_jacobian
 
 np.set_printoptions(precision=4, suppress=True)
 
@@ -214,6 +214,49 @@ check_close("the Jacobian of (1/4, 1/2, 1/4)", jacobian_a3,
                        lambda: np.diag([0.25, 0.5, 0.25]) - 0.375,
                    "the sign flipped: a a^T - diag(a)":
                        lambda: -softmax_jacobian(np.array([0.25, 0.5, 0.25]))})
+
+# %% [markdown]
+# A backward pass never builds $J$: for an upstream gradient $da$ (a row), the gradient of the
+# scores is the row-vector product $da\,J$, and with $J = \operatorname{diag}(a) - a\,a^\top$ it
+# folds into one line with no $n \times n$ matrix in it:
+#
+# $$ds_u = \sum_j da_j\, a_j (\delta_{ju} - a_u) = a_u\Big(da_u - \sum_j a_j\, da_j\Big).$$
+#
+# That is `refmath.softmax.softmax_backward`, the function every attention backward in this
+# library calls. Now write it yourself, for rows with any number of leading axes (a batch of
+# heads of queries) and with masked entries (where $a = 0$).
+
+# %% tags=["exercise"]
+# Your turn: write the softmax backward. `cache.a` is the softmax output a, of shape (..., n)
+# (0 at masked entries and on fully masked rows); `dout` has the same shape. Return dx, the
+# product dout J of every row, without building J. The check runs your function as the backward
+# of the library's softmax_forward: a gradient check (central differences) on five cases, up to
+# 4-D, masked rows included, and a comparison with softmax_backward (and with torch, if installed).
+def my_softmax_backward(dout, cache):
+    dx = ...
+    # BEGIN SOLUTION
+    a = cache.a
+    row_mean = np.sum(a * dout, axis=-1, keepdims=True)  # <a, dout>, one per row
+    dx = a * (dout - row_mean)
+    # END SOLUTION
+    return dx
+
+
+# %%
+def torch_softmax(x):
+    """The oracle: torch's softmax, as refmath treats masked rows (used only where torch is)."""
+    import torch
+
+    return torch.softmax(x.clamp(min=torch.finfo(x.dtype).min), -1) * ~torch.isneginf(x)
+
+
+check_function("your softmax backward", my_softmax_backward, softmax_backward, case="softmax[*",
+               oracle=torch_softmax, hint="dx = a * (dout - <a, dout>), the sum over the last axis",
+               slips={**catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+                      **catalogued("softmax: sign of the correction flipped", softmax_backward),
+                      **catalogued("softmax: sum over the wrong axis", softmax_backward),
+                      "the sum over the row without the weights a: dout - sum(dout)":
+                          lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True))})
 
 # %% [markdown]
 # ## A6 and A7: several heads, and attention across two sequences

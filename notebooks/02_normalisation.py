@@ -46,7 +46,7 @@ import numpy as np
 
 from refmath.data import CharLMTask
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import gpt
 from refmath.norms import layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward
 from refmath.optim import Adam
@@ -227,6 +227,51 @@ check_close("(dgamma, dbeta)", dgamma_dbeta,
                        layernorm_backward(upstream, layernorm_forward(xs, gamma, beta)[1])[:0:-1]),
                    "dgamma from x instead of xhat": lambda: np.stack(
                        [np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])})
+
+# %% [markdown]
+# The three pieces make one function: `layernorm_backward(dout, cache)`, with the cache holding
+# what the forward pass stored for it, $\hat x$, $1/\sigma$ (`rstd`, one per row) and $\gamma$.
+# Written once for every shape: $x$ may be one row, a batch $(B, T, d)$ or anything with more
+# leading axes, and $\gamma$, $\beta$ are shared by every row of all of them.
+
+# %% tags=["exercise"]
+# Your turn: write the whole LayerNorm backward. `cache` is the LayerNormCache of
+# layernorm_forward: `cache.xhat` (..., d), `cache.rstd` (..., 1) = 1 / sigma, `cache.gamma` (d,).
+# Return (dx, dgamma, dbeta) for a `dout` of the shape of x, with any number of leading axes. The
+# check runs it as the backward of layernorm_forward on the registry's five cases (one row to 4
+# leading axes, d = 1 included) under the gradient check, and against layernorm_backward (and
+# torch's layer_norm, if installed).
+def my_layernorm_backward(dout, cache):
+    dx = dgamma = dbeta = ...
+    # BEGIN SOLUTION
+    rows = tuple(range(dout.ndim - 1))  # every leading axis
+    dgamma = np.sum(dout * cache.xhat, axis=rows)
+    dbeta = np.sum(dout, axis=rows)
+    g = dout * cache.gamma
+    g_mean = g.mean(axis=-1, keepdims=True)
+    g_along_xhat = np.mean(g * cache.xhat, axis=-1, keepdims=True)
+    dx = cache.rstd * (g - g_mean - cache.xhat * g_along_xhat)
+    # END SOLUTION
+    return dx, dgamma, dbeta
+
+
+# %%
+def torch_layernorm(x, gamma, beta):
+    """The oracle (used only where torch is installed): torch's own LayerNorm."""
+    import torch
+
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-5)
+
+
+check_function("your LayerNorm backward", my_layernorm_backward, layernorm_backward,
+               case="layernorm[*", oracle=torch_layernorm,
+               hint="dx = rstd (g - mean(g) - xhat mean(g xhat)), g = gamma dout; "
+                    "dgamma and dbeta sum over every leading axis",
+               slips={**catalogued("layernorm: variance path dropped", layernorm_backward),
+                      **catalogued("layernorm: gamma left out of dx", layernorm_backward),
+                      **catalogued("layernorm: dbeta averaged over rows", layernorm_backward),
+                      **catalogued("layernorm: dgamma/dbeta sum over the first two axes only",
+                                   layernorm_backward)})
 
 # %% [markdown] tags=["question"]
 # **Question.** Why must the LayerNorm input gradient sum to zero over the features of each row,

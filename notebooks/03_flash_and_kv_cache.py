@@ -47,10 +47,11 @@ from refmath.flash import (
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import decoder
 from refmath.sizing import kv_cache_bytes
 from refmath.softmax import (
+    OnlineSoftmaxState,
     online_softmax_block,
     online_softmax_empty,
     online_softmax_merge,
@@ -110,6 +111,56 @@ check_close("(m, l) of the merge", merged_m_l, lambda: (merged.m, merged.l), rto
             slips={"the l added without rescaling them to the larger m": lambda: (merged.m, a.l + b.l),
                    "rescaled to the smaller m, not the larger": lambda: (
                        min(a.m, b.m), merged.l * np.exp(merged.m - min(a.m, b.m)))})
+
+# %% [markdown]
+# The kernels merge whole tiles of query rows at once, and some of those rows have seen no key
+# yet: a causal tile above the diagonal, a padded sequence, a split of the keys that holds
+# nothing visible for that query. Such a row is the empty state $m = -\infty$, $l = 0$, $u = 0$,
+# and a merge must keep it exact: with one empty side, $e^{-\infty - m} = 0$ drops it; with both
+# sides empty, $m = -\infty$ and $m_A - m$ is $-\infty - (-\infty)$, which is NaN.
+
+# %% tags=["exercise"]
+# Your turn: write the merge F3 as a function of two OnlineSoftmaxState (m and l of shape
+# (...,), u of shape (..., d_v)), for any shape of query rows. It must return the empty state
+# (not NaN) for a row where both sides are empty. The check compares it with
+# online_softmax_merge on the blocks above and on a batch of rows with empty sides.
+def my_online_softmax_merge(a, b):
+    m = l = u = ...
+    # BEGIN SOLUTION
+    m = np.maximum(a.m, b.m)
+    shift = np.where(np.isneginf(m), 0.0, m)  # both sides empty: shift by 0, never by -inf
+    alpha, beta = np.exp(a.m - shift), np.exp(b.m - shift)
+    l = alpha * a.l + beta * b.l
+    u = alpha[..., None] * a.u + beta[..., None] * b.u
+    # END SOLUTION
+    return OnlineSoftmaxState(m, l, u)
+
+
+# %%
+def merge_inputs():
+    """The blocks A and B above, and four query rows split into 3 + 5 keys: row 0 sees all of
+    them, row 1 only the first block, row 2 nothing, row 3 only the second block."""
+    first, second = rng.standard_normal((4, 3)), rng.standard_normal((4, 5))
+    first[2:3], second[1:3] = -np.inf, -np.inf
+    block_a = online_softmax_block(first, rng.standard_normal((3, 2)))
+    block_b = online_softmax_block(second, rng.standard_normal((5, 2)))
+    return [(a, b), (block_a, block_b), (block_b, block_a)]
+
+
+def nan_where_both_empty(state, a, b):
+    both = np.isneginf(a.m) & np.isneginf(b.m)
+    return OnlineSoftmaxState(state.m, np.where(both, np.nan, state.l),
+                              np.where(both[..., None], np.nan, state.u))
+
+
+check_function("your online-softmax merge", my_online_softmax_merge, online_softmax_merge,
+               inputs=merge_inputs, hint="rescale both sides to the larger m; guard m = -inf",
+               slips={"l and u added without rescaling them to the larger m": lambda a, b:
+                          OnlineSoftmaxState(np.maximum(a.m, b.m), a.l + b.l, a.u + b.u),
+                      "u added without rescaling (l is rescaled)": lambda a, b:
+                          online_softmax_merge(a, b)._replace(u=a.u + b.u),
+                      "no guard for two empty sides: e^(-inf - (-inf)) is NaN": lambda a, b:
+                          nan_where_both_empty(online_softmax_merge(a, b), a, b)})
 
 # %% [markdown]
 # ## F4-F5: tiles, and the tiles a causal mask lets us skip

@@ -49,7 +49,7 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
@@ -158,6 +158,43 @@ for form in (False, True):
         analytic, lambda: float(np.sum(gelu_forward(xs, approximate=form)[0] * upstream)), xs)
     print(f"GELU ({'tanh' if form else 'exact'}) backward against central differences: {error:.1e}")
     assert error < 1e-8
+
+# %% tags=["exercise"]
+# Your turn: write the GELU backward for both forms. `cache` is the GELUCache of gelu_forward:
+# `cache.x` (any shape), `cache.approximate` (True for the tanh form) and `cache.gate`, which holds
+# Phi(x) for the exact form and t = tanh(sqrt(2/pi) (x + 0.044715 x^3)) for the tanh form. Return
+# dx = dout * GELU'(x). The check runs it as the backward of gelu_forward under the gradient check
+# (both forms, 2-D and 5-D inputs), and compares it with gelu_backward (and torch's gelu).
+def my_gelu_backward(dout, cache):
+    dx = ...
+    # BEGIN SOLUTION
+    x, gate = cache.x, cache.gate
+    if cache.approximate:
+        dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)  # d t / d x
+        derivative = 0.5 * (1 + gate) + 0.5 * x * dt
+    else:
+        derivative = gate + x * np.exp(-x**2 / 2) / np.sqrt(2 * np.pi)
+    dx = dout * derivative
+    # END SOLUTION
+    return dx
+
+
+# %%
+def torch_gelu(x, approximate):
+    """The oracle (used only where torch is installed): torch's GELU, in the same form."""
+    import torch
+
+    return torch.nn.functional.gelu(x, approximate="tanh" if approximate else "none")
+
+
+check_function("your GELU backward", my_gelu_backward, gelu_backward, case="gelu[*",
+               oracle=torch_gelu, hint="Phi(x) + x phi(x); for tanh, the chain rule through t",
+               slips={**catalogued("gelu exact: x phi(x) term dropped", gelu_backward),
+                      **catalogued("gelu tanh: the 3 of d(x^3)/dx forgotten", gelu_backward),
+                      **catalogued("gelu tanh: sqrt(2/pi) rounded to float32", gelu_backward),
+                      **catalogued("gelu tanh: 0.044715 rounded to float32", gelu_backward),
+                      "the exact form used for both": lambda dout, cache: gelu_backward(
+                          dout, gelu_forward(cache.x)[1])})
 
 # %% [markdown]
 # ## N7: SwiGLU, its backward, and its width

@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.losses import cross_entropy_backward, cross_entropy_forward
 from refmath.optim import SGD, Adam, AdamW, transformer_schedule, warmup_cosine
 from refmath.softmax import softmax_forward
@@ -177,6 +177,62 @@ check_close("the last row of dlogits (sum)", last_row_gradient, lambda: grad_sum
             hint="p - y, with no division: the sum does not divide by the number of tokens",
             slips={"divided by the 3 answer tokens: that is the mean's gradient": lambda: grad_mean[-1],
                    "the sign flipped: y - p": lambda: -grad_sum[-1]})
+
+# %% [markdown]
+# All of it is one function, `cross_entropy_backward(dout, cache)`: $p - y$ on every counted row,
+# zero on the others (padding marked with `ignore_index`, or a loss mask of 0), divided by the
+# number $n$ of counted tokens for the mean and not for the sum, times the scalar upstream
+# gradient `dout` (1 when the loss is the last thing computed).
+
+# %% tags=["exercise"]
+# Your turn: write the cross-entropy backward (no label smoothing here; lesson 6 adds it).
+# `cache` is the CrossEntropyCache of cross_entropy_forward: `cache.probs` (..., V) = softmax of
+# the logits, `cache.targets` (...) (0 at uncounted positions, so they index safely),
+# `cache.counted` (...) True where the token is in the loss, `cache.n_counted`, and
+# `cache.reduction` ("mean" or "sum"). Return dlogits, the shape of probs. The check runs it as
+# the backward of cross_entropy_forward on seven cases of the registry (padding, loss masks, the
+# sum, a single counted token, 3 leading axes) under the gradient check, and against
+# cross_entropy_backward (and torch's cross_entropy, if installed).
+def my_cross_entropy_backward(dout, cache):
+    dlogits = ...
+    # BEGIN SOLUTION
+    onehot = np.eye(cache.probs.shape[-1])[cache.targets]
+    per_token = cache.probs - onehot
+    if cache.reduction == "mean":
+        per_token = per_token / max(cache.n_counted, 1)
+    dlogits = dout * np.where(cache.counted[..., None], per_token, 0.0)
+    # END SOLUTION
+    return dlogits
+
+
+# %%
+def torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, reduction="mean"):
+    """The oracle (used only where torch is installed): torch's cross_entropy, with the loss
+    mask written as ignored targets."""
+    import torch
+
+    if loss_mask is not None:
+        targets = torch.where(loss_mask.bool(), targets, ignore_index)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1), ignore_index=ignore_index,
+                                             reduction=reduction)
+
+
+without_smoothing = [f"cross_entropy[{label}]" for label in (
+    "(T, V) = (4, 6)", "ignore_index -100, 2 of 5 ignored",
+    "loss_mask on a 2-token prompt, ignore_index -1", "one counted token of 4",
+    "3 leading axes (2, 1, 3, V=4), loss mask, 1 ignored", "V = 1",
+    "reduction sum, loss_mask on a 2-token prompt")]
+check_function("your cross-entropy backward", my_cross_entropy_backward, cross_entropy_backward,
+               case=without_smoothing, oracle=torch_cross_entropy,
+               hint="p - y on the counted rows, 0 elsewhere; the mean divides by n_counted",
+               slips={**catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
+                      **catalogued("cross-entropy: mean over every position, ignored ones too",
+                                   cross_entropy_backward),
+                      **catalogued("cross-entropy: ignored tokens get a gradient",
+                                   cross_entropy_backward),
+                      "the mean not divided by n (the sum's gradient)": lambda dout, cache:
+                          cross_entropy_backward(dout, cache._replace(reduction="sum"))})
 
 # %% [markdown] tags=["question"]
 # **Question.** A batch holds one example with a 2-token answer and one with a 200-token answer.

@@ -41,7 +41,7 @@ import numpy as np
 
 from refmath.embedding import embedding_backward, embedding_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.losses import cross_entropy_backward, cross_entropy_forward
 from refmath.models import transformer as tm
 from refmath.softmax import softmax_forward
@@ -191,6 +191,64 @@ check_close("tensor2tensor target", q_t2t, [0.9, 0.025, 0.025, 0.025, 0.025], rt
 check_close("its loss through refmath", loss_t2t,
             lambda: -(np.asarray(q_t2t) * np.log(p[0])).sum(), rtol=1e-12,
             hint="label_smoothing = eps V / (V - 1)")
+
+# %% [markdown]
+# Since the gradient is $p - q$, smoothing changes one thing in the backward pass of lesson 5:
+# the one-hot target becomes $q$.
+
+# %% tags=["exercise"]
+# Your turn: write the cross-entropy backward with label smoothing (start from your lesson-5
+# function). `cache.label_smoothing` is eps; the other fields are lesson 5's: `probs` (..., V),
+# `targets`, `counted`, `n_counted`, `reduction`. Return dlogits. The check runs it as the
+# backward of cross_entropy_forward on all eleven cross-entropy cases of the registry (with and
+# without smoothing, padding, loss masks, mean and sum) under the gradient check, and against
+# cross_entropy_backward (and torch's cross_entropy with label_smoothing, if installed).
+def my_smoothed_cross_entropy_backward(dout, cache):
+    dlogits = ...
+    # BEGIN SOLUTION
+    vocab, eps = cache.probs.shape[-1], cache.label_smoothing
+    q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab  # the smoothed target
+    per_token = cache.probs - q
+    if cache.reduction == "mean":
+        per_token = per_token / max(cache.n_counted, 1)
+    dlogits = dout * np.where(cache.counted[..., None], per_token, 0.0)
+    # END SOLUTION
+    return dlogits
+
+
+# %%
+def torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0,
+                        reduction="mean"):
+    """The oracle (used only where torch is installed): torch's cross_entropy, with the loss
+    mask written as ignored targets."""
+    import torch
+
+    if loss_mask is not None:
+        targets = torch.where(loss_mask.bool(), targets, ignore_index)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction)
+
+
+def tensor2tensor_target(dout, cache):
+    """A slip: 1 - eps on the right token and eps / (V - 1) on each other one."""
+    vocab = cache.probs.shape[-1]
+    eps = cache.label_smoothing * vocab / max(vocab - 1, 1)
+    return cross_entropy_backward(dout, cache._replace(label_smoothing=eps))
+
+
+check_function("your smoothed cross-entropy backward", my_smoothed_cross_entropy_backward,
+               cross_entropy_backward, case="cross_entropy[*", oracle=torch_cross_entropy,
+               hint="p - q with q = (1 - eps) onehot + eps / V, on the counted rows",
+               slips={**catalogued("cross-entropy: label smoothing left out of the gradient",
+                                   cross_entropy_backward),
+                      "no smoothing at all: the one-hot target, p - y": lambda dout, cache:
+                          cross_entropy_backward(dout, cache._replace(label_smoothing=0.0)),
+                      "tensor2tensor's target: eps / (V - 1) on the wrong tokens":
+                          tensor2tensor_target,
+                      **catalogued("cross-entropy: ignored tokens get a gradient",
+                                   cross_entropy_backward),
+                      **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward)})
 
 # %% [markdown]
 # What smoothing changes: without it, the loss keeps falling as the right logit runs away from the

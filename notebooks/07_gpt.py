@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.data import CharLMTask
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import gpt
 from refmath.optim import AdamW, clip_grad_norm, takes_weight_decay, warmup_cosine
 from refmath.positions import learned_positions_backward, learned_positions_forward
@@ -347,6 +347,98 @@ check_close("parameters after one AdamW step",
             None if predicted is Ellipsis else
             np.concatenate([predicted[n].ravel() for n in sorted(predicted)]),
             one_adamw_step, rtol=1e-15)
+
+# %% [markdown]
+# With a gradient, the step is lesson 5's AdamW (O1, O2, O4) with this lesson's rule for the
+# decay (O5): with $g$ the parameter's gradient and $s$ the number of the step (1 for the first),
+#
+# $$m_s = \beta_1 m_{s-1} + (1 - \beta_1) g,\quad v_s = \beta_2 v_{s-1} + (1 - \beta_2) g^2,\quad
+# \theta_s = (1 - \eta\lambda)\,\theta_{s-1} - \eta\,\frac{m_s / (1 - \beta_1^s)}
+# {\sqrt{v_s / (1 - \beta_2^s)} + \epsilon},$$
+#
+# with $\lambda = 0$ for the parameters `takes_weight_decay` leaves alone. The settings are
+# GPT-3's: $\beta = (0.9, 0.95)$, $\lambda = 0.1$.
+
+# %% tags=["exercise"]
+# Your turn: write one AdamW step for one parameter: its name (for the decay rule), its value
+# theta, its gradient g, the moments m and v before the step, and the step number s (1, 2, ...).
+# Return (new theta, new m, new v), without changing the arrays you are given. The check compares
+# it with refmath's AdamW and with torch.optim.AdamW (if installed) on five parameters, at the
+# first step and later ones, with gradients from 1e-4 to 3 (so that eps matters).
+LR, BETAS, EPS, WD = 0.01, (0.9, 0.95), 1e-8, 0.1
+
+
+def my_adamw_step(name, theta, g, m, v, s):
+    new_theta = new_m = new_v = ...
+    # BEGIN SOLUTION
+    beta1, beta2 = BETAS
+    new_m = beta1 * m + (1 - beta1) * g
+    new_v = beta2 * v + (1 - beta2) * g * g
+    m_hat, v_hat = new_m / (1 - beta1**s), new_v / (1 - beta2**s)
+    decay = WD if takes_weight_decay(name) else 0.0
+    new_theta = theta * (1 - LR * decay) - LR * m_hat / (np.sqrt(v_hat) + EPS)
+    # END SOLUTION
+    return new_theta, new_m, new_v
+
+
+# %%
+def library_adamw_step(name, theta, g, m, v, s):
+    """refmath's AdamW, its moments set to m, v and its counter to s - 1, taking one step."""
+    optimiser = AdamW(LR, BETAS, EPS, weight_decay=WD)
+    optimiser.state["m"][name], optimiser.state["v"][name] = m, v
+    optimiser.step_count = s - 1
+    params = {name: theta}
+    optimiser.step(params, {name: g})
+    return params[name], optimiser.state["m"][name], optimiser.state["v"][name]
+
+
+def torch_adamw_step(name, theta, g, m, v, s):
+    """The oracle (used only where torch is installed): torch.optim.AdamW from the same state."""
+    import torch
+
+    p = torch.tensor(theta, requires_grad=True)
+    optimiser = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WD if takes_weight_decay(name) else 0.0)
+    optimiser.state[p] = {"step": torch.tensor(float(s - 1)), "exp_avg": torch.tensor(m),
+                          "exp_avg_sq": torch.tensor(v)}
+    p.grad = torch.tensor(g)
+    optimiser.step()
+    state = optimiser.state[p]
+    return p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy()
+
+
+def adamw_inputs():
+    draw = np.random.default_rng(7)
+    scales = np.array([1e-4, 1e-2, 1.0, 3.0, 0.1, 1e-3])
+    inputs = []
+    for name, s in (("layers.0.attn.w_q", 1), ("layers.0.attn.w_q", 5), ("layers.1.ln1.gamma", 3),
+                    ("tok_emb", 2), ("layers.1.ffn.b1", 4)):
+        g = scales * draw.standard_normal(6)
+        m = 0.0 if s == 1 else 0.5 * scales * draw.standard_normal(6)
+        v = 0.0 if s == 1 else (scales * draw.standard_normal(6)) ** 2
+        inputs.append((name, draw.standard_normal(6), g, np.zeros(6) + m, np.zeros(6) + v, s))
+    return inputs
+
+
+def decay_everything(name, theta, g, m, v, s):
+    """A slip: the decay applied to biases, norm gains and embeddings too."""
+    return library_adamw_step("layers.0.attn.w_q", theta, g, m, v, s)
+
+
+check_function("your AdamW step", my_adamw_step, library_adamw_step, inputs=adamw_inputs,
+               outputs=("theta", "m", "v"), oracle=torch_adamw_step,
+               reference_name="refmath's AdamW", oracle_name="torch.optim.AdamW", rtol=1e-12,
+               hint="bias-correct both moments with beta^s; decay (1 - lr wd) only where "
+                    "takes_weight_decay says so",
+               slips={**catalogued("adam: bias correction missing", library_adamw_step),
+                      **catalogued("adam: bias correction with beta instead of beta^s",
+                                   library_adamw_step),
+                      **catalogued("adam: eps inside the square root", library_adamw_step),
+                      **catalogued("adamw: decay not scaled by the learning rate",
+                                   library_adamw_step),
+                      **catalogued("adamw: decay also inside the moments", library_adamw_step),
+                      "the decay applied to every parameter (biases, gains, embeddings too)":
+                          decay_everything})
 
 # %% [markdown]
 # ## GPT learns

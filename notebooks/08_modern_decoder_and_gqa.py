@@ -48,7 +48,8 @@ from refmath.attention import (
     sdpa_forward,
 )
 from refmath.gradcheck import check_param_gradients, numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.ffn import swiglu_backward
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import decoder
 from refmath.sizing import attention_design_cost, attention_parameter_count
 
@@ -102,6 +103,59 @@ print(f"loss {float(loss):.4f} (log 32 = {np.log(32):.4f}); gradient check passe
       f"{result.passed}, worst {result.worst} with error {result.errors[result.worst]:.1e} "
       f"against the bound {result.bound:.1e}")
 assert result.passed
+
+# %% [markdown]
+# The layer's backward is its two halves run in reverse, each the backward of a function you
+# have met. The FFN half is SwiGLU (lesson 4, N7): with $g = z W_{\text{gate}}$,
+# $u = z W_{\text{up}}$, $s = \mathrm{SiLU}(g)$ and $m = s \odot u$, the chain rule gives
+#
+# $$dm = dy\, W_{\text{down}}^\top,\quad du = dm \odot s,\quad
+# dg = (dm \odot u) \odot \mathrm{SiLU}'(g),\quad dz = dg\, W_{\text{gate}}^\top + du\,
+# W_{\text{up}}^\top,$$
+#
+# with $\mathrm{SiLU}'(g) = \sigma(g)\,\big(1 + g\,(1 - \sigma(g))\big)$, and each weight's
+# gradient its input transposed times its output's gradient, summed over every row of the batch.
+
+# %% tags=["exercise"]
+# Your turn: write the SwiGLU backward. `cache` is the SwiGLUCache of swiglu_forward: `x` (..., d),
+# `w_gate`, `w_up` (d, d_f), `w_down` (d_f, d), `gate.x` = g = x W_gate and `gate.sig` = sigma(g),
+# `up` = u = x W_up, `hidden` = m. Return (dx, dw_gate, dw_up, dw_down) for a `dout` of shape
+# (..., d), with any number of leading axes. The check runs it as the backward of swiglu_forward
+# on the registry's three cases (2-D to 5-D) under the gradient check, and against
+# swiglu_backward (and torch autograd, if installed).
+def my_swiglu_backward(dout, cache):
+    dx = dw_gate = dw_up = dw_down = ...
+    # BEGIN SOLUTION
+    g, sig, u = cache.gate.x, cache.gate.sig, cache.up
+    s = g * sig  # SiLU(g)
+    d, d_f = cache.w_gate.shape
+    x_rows = cache.x.reshape(-1, d)  # every row of every leading axis is one sample
+    dw_down = cache.hidden.reshape(-1, d_f).T @ dout.reshape(-1, cache.w_down.shape[1])
+    dm = dout @ cache.w_down.T
+    dg = dm * u * sig * (1 + g * (1 - sig))  # SiLU'(g) = sigma + g sigma (1 - sigma)
+    du = dm * s
+    dw_gate = x_rows.T @ dg.reshape(-1, d_f)
+    dw_up = x_rows.T @ du.reshape(-1, d_f)
+    dx = dg @ cache.w_gate.T + du @ cache.w_up.T
+    # END SOLUTION
+    return dx, dw_gate, dw_up, dw_down
+
+
+# %%
+def torch_swiglu(x, w_gate, w_up, w_down):
+    """The oracle (used only where torch is installed): SwiGLU in torch, differentiated by autograd."""
+    import torch
+
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+check_function("your SwiGLU backward", my_swiglu_backward, swiglu_backward, case="swiglu[*",
+               oracle=torch_swiglu, hint="du = dm * SiLU(g), dg = dm * u * SiLU'(g); "
+                                         "weight gradients sum over every row",
+               slips={**catalogued("swiglu: du uses the gate's input, not SiLU of it",
+                                   swiglu_backward),
+                      **catalogued("silu: product rule forgotten", swiglu_backward),
+                      **catalogued("swiglu: gate and up weight gradients swapped", swiglu_backward)})
 
 # %% [markdown]
 # ## A9: one fused projection equals three

@@ -40,7 +40,7 @@ from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.inference.generate import generate
 from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter, top_p_filter
 from refmath.inference.kv_cache import generate_cached
-from refmath.lessons import check_close, check_true
+from refmath.lessons import check_close, check_function, check_true
 from refmath.models import decoder
 from refmath.softmax import softmax_forward
 
@@ -394,6 +394,49 @@ check_close("top-p, p = 0.6", top_p_by_hand, lambda: top_p_filter(pi4, 0.6), rto
                        top_p_filter(pi4, 0.6) * 0.7,
                    "only the most likely token: top-p keeps tokens until their mass reaches p":
                        np.array([0.0, 1.0, 0.0, 0.0])})
+
+# %% tags=["exercise"]
+# Your turn: write top-p filtering as a function of a distribution `probs` (V,) (summing to one,
+# in any order) and p in (0, 1]: keep the most probable tokens, in decreasing order, while the
+# mass before each is below p; zero the others; renormalise; keep every number at its token.
+# The check compares it with top_p_filter on five distributions, one with a token whose mass
+# before it is exactly p (0.5 + 0.3 = 0.8: it is not kept) and one where the first token alone
+# reaches p.
+def my_top_p_filter(probs, p):
+    filtered = ...
+    # BEGIN SOLUTION
+    order = np.argsort(-probs, kind="stable")  # most probable first
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    keep = np.zeros(probs.shape, dtype=bool)
+    keep[order[mass_before < p]] = True
+    kept = np.where(keep, probs, 0.0)
+    filtered = kept / kept.sum()
+    # END SOLUTION
+    return filtered
+
+
+# %%
+def without_the_crossing_token(probs, p):
+    """A slip: the least probable kept token (the one whose mass reaches p) dropped as well,
+    leaving nothing (0 / 0) when the first token alone reaches p."""
+    kept = top_p_filter(probs, p) > 0
+    kept[np.flatnonzero(kept)[np.argmin(probs[kept])]] = False
+    with np.errstate(invalid="ignore"):
+        return np.where(kept, probs, 0.0) / np.where(kept, probs, 0.0).sum()
+
+
+top_p_inputs = [(pi, 0.8), (pi4, 0.6), (np.array([0.5, 0.3, 0.2]), 0.8),
+                (np.array([0.05, 0.7, 0.25]), 0.5), (np.array([0.125, 0.375, 0.5]), 1.0)]
+check_function("your top-p filter", my_top_p_filter, top_p_filter, inputs=top_p_inputs,
+               rtol=1e-14, hint="sort, keep while the mass before is below p, renormalise, unsort",
+               slips={"the kept probabilities not renormalised to sum to one": lambda probs, p:
+                          np.where(top_p_filter(probs, p) > 0, probs, 0.0),
+                      "the token whose mass crosses p dropped: it is the one that reaches p":
+                          without_the_crossing_token,
+                      "a token whose preceding mass equals p kept: the test is mass before < p, "
+                      "not <=": lambda probs, p: top_p_filter(probs, min(np.nextafter(p, 2.0), 1.0)),
+                      "left in sorted order, not put back at their tokens": lambda probs, p:
+                          np.sort(top_p_filter(probs, p))[::-1]})
 
 # %% [markdown]
 # A sampler draws a uniform number $u$ and returns the first token whose cumulative probability

@@ -41,6 +41,7 @@ import numpy as np
 
 from refmath import kernels
 from refmath.attention import sdpa_forward
+from refmath.inference.decode import decode_attention
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.quantized import (
     QuantizedKVCache,
@@ -48,7 +49,7 @@ from refmath.inference.quantized import (
     dequantize,
     quantize,
 )
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -62,6 +63,7 @@ from refmath.sizing import (
     prefill_traffic,
     quantized_kv_cache_bytes,
 )
+from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -124,6 +126,70 @@ keys_by_hand, _ = rope_forward(raw, base=config.rope_base)  # row j rotated by p
 # %%
 check_close("cached keys of layer 0", keys_by_hand, cached_keys, rtol=1e-12, atol=1e-15,
             hint="rotate after splitting into heads, at positions 0..5")
+
+# %% [markdown]
+# What a decode step does with the cache is the equation at the top for one new query per
+# sequence: a batch of sequences of different lengths shares one cache array of $T_{\max}$ rows,
+# sequence $b$ holding its keys in the first $L_b$ rows (the rest is padding, whatever it holds),
+# and query head $r$ reads key/value head $\pi(r) = \lfloor r / (h/g) \rfloor$ (A10). That is
+# `refmath.inference.decode.decode_attention(q, k_cache, v_cache, lengths)`, the function the
+# C++ and CUDA decode kernels are checked against.
+
+# %% tags=["exercise"]
+# Your turn: write one decode step of attention over a padded cache. `q` is (B, H, D), one query
+# per sequence and head; `k_cache` and `v_cache` are (B, G, T_max, D); `lengths` (B,) says how
+# many rows of each sequence are real. Return o (B, H, D), with o = 0 for a sequence of length 0.
+# The check compares it with decode_attention on GQA, MQA and MHA caches whose padding holds
+# large numbers.
+def my_decode_attention(q, k_cache, v_cache, lengths):
+    out = ...
+    # BEGIN SOLUTION
+    B, H, D = q.shape
+    G, T_max = k_cache.shape[1], k_cache.shape[2]
+    heads = np.arange(H) // (H // G)  # query head r reads key/value head r // (H / G)
+    k, v = k_cache[:, heads], v_cache[:, heads]  # (B, H, T_max, D)
+    scores = np.einsum("bhd,bhtd->bht", q, k) / np.sqrt(D)
+    visible = np.arange(T_max)[None, None, :] < np.asarray(lengths)[:, None, None]
+    weights, _ = softmax_forward(np.where(visible, scores, -np.inf))  # no key: a row of zeros
+    out = np.einsum("bht,bhtd->bhd", weights, v)
+    # END SOLUTION
+    return out
+
+
+# %%
+def decode_inputs():
+    draw = np.random.default_rng(3)
+    inputs = []
+    for heads, kv_heads, lengths in ((4, 2, [5, 2, 0]), (4, 1, [6, 3, 1]), (2, 2, [4, 6, 2])):
+        k = draw.standard_normal((3, kv_heads, 6, 8))
+        v = draw.standard_normal((3, kv_heads, 6, 8))
+        for b, length in enumerate(lengths):  # padding: large numbers that must not be read
+            k[b, :, length:], v[b, :, length:] = 50.0, -50.0
+        inputs.append((draw.standard_normal((3, heads, 8)), k, v, np.array(lengths)))
+    return inputs
+
+
+def interleaved_heads(q, k_cache, v_cache, lengths):
+    """A slip: query head r reads key/value head r % g instead of r // (h / g)."""
+    heads = np.arange(q.shape[1]) % k_cache.shape[1]
+    return decode_attention(q, k_cache[:, heads], v_cache[:, heads], lengths)
+
+
+def nan_for_empty(q, k_cache, v_cache, lengths):
+    """A slip: a sequence with no key divides 0 by 0."""
+    out = decode_attention(q, k_cache, v_cache, lengths)
+    return np.where(np.asarray(lengths)[:, None, None] == 0, np.nan, out)
+
+
+check_function("your decode attention", my_decode_attention, decode_attention, inputs=decode_inputs,
+               rtol=1e-12, hint="mask the rows at or past each length; query head r reads "
+                                "r // (H / G)",
+               slips={"the padding read: every sequence attends to all T_max rows":
+                          lambda q, k, v, lengths: decode_attention(q, k, v, np.full(len(lengths), 6)),
+                      "no 1/sqrt(D) scale": lambda q, k, v, lengths:
+                          decode_attention(q, k, v, lengths, scale=1.0),
+                      "GQA heads interleaved: head r reads r % g, not r // (h/g)": interleaved_heads,
+                      "an empty sequence gives NaN (0 / 0), not 0": nan_for_empty})
 
 # %% [markdown]
 # ## K5: the prompt is quadratic, each new token linear

@@ -41,7 +41,7 @@ import numpy as np
 from refmath.gradcheck import check_param_gradients
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import mla
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -194,6 +194,65 @@ mha_arrays = [np.zeros((1, h, slots, d_k)) for _ in range(2 * mla_config.n_layer
 assert mha_equivalent == sum(a.nbytes for a in mha_arrays)
 assert mha_equivalent / cache_abs.nbytes == 2 * h * d_k / (mla_config.d_c + mla_config.d_rope)
 assert mha_equivalent / cache_abs.nbytes == 128 / 40 == 3.2
+
+# %% [markdown]
+# Put together, one decode step of one MLA layer reads only the cache. Per head $r$, with the
+# absorbed query $\hat q_r = q^C_r W_{UK,r}^\top$ (width $d_c$),
+#
+# $$s_{j,r} = \frac{\hat q_r\, c_j^\top + q^R_r\, (k^R_j)^\top}{\sqrt{d_k + d_R}},\qquad
+# a_r = \mathrm{softmax}(s_r),\qquad o_r = \Big(\sum_j a_{j,r}\, c_j\Big)\, W_{UV,r},$$
+#
+# and no $k_j$ or $v_j$ is ever formed.
+
+# %% tags=["exercise"]
+# Your turn: write the absorbed decode step for one token and h heads. `q_c` (h, d_k) and `q_r`
+# (h, d_R) are the new token's content and rotary queries; `c` (T, d_c) and `k_r` (T, d_R) are
+# the cache (the rotary keys are shared by every head); `w_uk` (h, d_c, d_k) and `w_uv`
+# (h, d_c, d_v) are the per-head up-projections. Return o (h, d_v). The check compares it with
+# the expanded computation (every head's keys and values built from the cache) on three caches.
+def my_absorbed_attention(q_c, q_r, c, k_r, w_uk, w_uv):
+    out = ...
+    # BEGIN SOLUTION
+    q_hat = np.einsum("hk,hck->hc", q_c, w_uk)  # q^C W_UK^T, per head
+    scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])  # (h, T)
+    weights, _ = softmax_forward(scores)
+    out = np.einsum("hc,hcv->hv", weights @ c, w_uv)  # (sum_j a_j c_j) W_UV, per head
+    # END SOLUTION
+    return out
+
+
+# %%
+def expanded_attention(q_c, q_r, c, k_r, w_uk, w_uv, scale=None):
+    """The reference: each head's content keys c W_UK and values c W_UV built, then attention."""
+    keys = np.einsum("tc,hck->htk", c, w_uk)
+    values = np.einsum("tc,hcv->htv", c, w_uv)
+    scale = 1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1]) if scale is None else scale
+    scores = scale * (np.einsum("hk,htk->ht", q_c, keys) + q_r @ k_r.T)
+    return np.einsum("ht,htv->hv", softmax_forward(scores)[0], values)
+
+
+def mla_decode_inputs():
+    draw = np.random.default_rng(11)
+    return [tuple(draw.standard_normal(shape) for shape in
+                  ((h, d_k), (h, d_r), (t, d_c), (t, d_r), (h, d_c, d_k), (h, d_c, d_v)))
+            for h, d_k, d_r, d_c, d_v, t in ((4, 8, 4, 16, 8, 5), (2, 3, 2, 6, 5, 1),
+                                             (3, 4, 2, 5, 4, 9))]
+
+
+check_function("your absorbed MLA decode", my_absorbed_attention, expanded_attention,
+               inputs=mla_decode_inputs, rtol=1e-12,
+               reference_name="the expanded attention (keys and values built per head)",
+               hint="q_hat = q_c W_UK^T per head; scale by 1/sqrt(d_k + d_R); W_UV after the sum",
+               slips={"the scale 1/sqrt(d_k): the rotary width counts too": lambda q_c, q_r, c, k_r,
+                          w_uk, w_uv: expanded_attention(q_c, q_r, c, k_r, w_uk, w_uv,
+                                                         scale=1 / np.sqrt(q_c.shape[-1])),
+                      "the rotary part left out of the scores": lambda q_c, q_r, c, k_r, w_uk, w_uv:
+                          expanded_attention(q_c, 0 * q_r, c, k_r, w_uk, w_uv,
+                                             scale=1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1])),
+                      "W_UV forgotten: the weighted sum of the latents, not of the values":
+                          lambda q_c, q_r, c, k_r, w_uk, w_uv: expanded_attention(
+                              q_c, q_r, c, k_r, w_uk, np.broadcast_to(np.eye(c.shape[1]),
+                                                                      (len(q_c),) + (c.shape[1],) * 2))})
 
 
 # %% [markdown]

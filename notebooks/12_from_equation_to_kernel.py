@@ -53,8 +53,13 @@ import numpy as np
 from refmath import flash, kernels
 from refmath.attention import causal_mask, gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.inference.decode import decode_attention
-from refmath.lessons import check_close, check_true
-from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
+from refmath.lessons import check_close, check_function, check_true
+from refmath.softmax import (
+    OnlineSoftmaxState,
+    online_softmax_block,
+    online_softmax_merge,
+    online_softmax_result,
+)
 
 try:
     from threadpoolctl import threadpool_limits
@@ -281,6 +286,76 @@ axes[0].set(xlabel="keys folded in", ylabel="m (base 2)", title="running maximum
 axes[1].step(keys_seen, ls, where="post", color="tab:orange")
 axes[1].set(xlabel="keys folded in", ylabel="l = sum 2^(s - m)", title="running sum, rescaled")
 plt.show()
+
+# %% [markdown]
+# The kernel runs that loop body for a whole tile of query rows at once, and some of them see
+# nothing in a tile (the causal mask gives them $-\infty$ scores there), or have seen nothing yet
+# ($m = -\infty$, $l = 0$, $u = 0$): for a row with neither, $m - m'$ is $-\infty - (-\infty)$.
+
+# %% tags=["exercise"]
+# Your turn: write one tile step of the kernel's loop, in base 2, for R query rows at once: the
+# running state m (R,), l (R,), u (R, D), the tile's base-2 scores s_tile (R, n) (-inf where
+# masked) and its values v_tile (n, D). Return the new (m, l, u). A row that has seen no visible
+# key, before or in this tile, must stay the empty state (no NaN). The check compares it with
+# online_softmax_merge of lesson 3 (in base e, converted) on a first tile and a later causal one.
+def my_tile_step(m, l, u, s_tile, v_tile):
+    m_new = l_new = u_new = ...
+    # BEGIN SOLUTION
+    m_new = np.maximum(m, s_tile.max(axis=1))
+    shift = np.where(np.isneginf(m_new), 0.0, m_new)  # no key seen yet: shift by 0
+    alpha = 2.0 ** (m - shift)  # 0 where m = -inf
+    p = 2.0 ** (s_tile - shift[:, None])
+    l_new = alpha * l + p.sum(axis=1)
+    u_new = alpha[:, None] * u + p @ v_tile
+    # END SOLUTION
+    return m_new, l_new, u_new
+
+
+# %%
+def library_tile_step(m, l, u, s_tile, v_tile):
+    """Lesson 3's merge of the state with the tile's block, in base e: a base-2 score s is the
+    base-e score s ln 2, and l and u are the same sums in either base."""
+    merged = online_softmax_merge(OnlineSoftmaxState(m * np.log(2), l, u),
+                                  online_softmax_block(s_tile * np.log(2), v_tile))
+    return merged.m / np.log(2), merged.l, merged.u
+
+
+def tile_inputs():
+    draw = np.random.default_rng(5)
+    first = draw.standard_normal((4, 6))
+    first[2] = -np.inf  # row 2 sees nothing in the first tile
+    later = draw.standard_normal((4, 6)) + np.array([[3.0], [-3.0], [0.0], [0.0]])
+    later[np.triu(np.ones((4, 6), dtype=bool), 3)] = -np.inf  # causal: later keys hidden
+    later[3] = -np.inf  # row 3 sees nothing here either...
+    v_first, v_later = draw.standard_normal((6, 3)), draw.standard_normal((6, 3))
+    empty = (np.full(4, -np.inf), np.zeros(4), np.zeros((4, 3)))
+    m1, l1, u1 = library_tile_step(*empty, first, v_first)
+    m1[3], l1[3], u1[3] = -np.inf, 0.0, 0.0  # ...and nothing before it
+    return [(*empty, first, v_first), (m1, l1, u1, later, v_later)]
+
+
+def old_sums_not_rescaled(m, l, u, s_tile, v_tile):
+    """A slip: the tile's weights against the new maximum, the old sums left as they were."""
+    m_new, l_new, u_new = library_tile_step(m, l, u, s_tile, v_tile)
+    alpha = np.where(np.isneginf(m), 0.0, 2.0 ** (m - np.where(np.isneginf(m_new), 0.0, m_new)))
+    return m_new, l_new - alpha * l + l, u_new - alpha[:, None] * u + u
+
+
+def nan_for_rows_with_no_key(m, l, u, s_tile, v_tile):
+    """A slip: -inf - (-inf) for a row that has seen no key."""
+    m_new, l_new, u_new = library_tile_step(m, l, u, s_tile, v_tile)
+    none = np.isneginf(m_new)
+    return m_new, np.where(none, np.nan, l_new), np.where(none[:, None], np.nan, u_new)
+
+
+check_function("your tile step", my_tile_step, library_tile_step, inputs=tile_inputs,
+               outputs=("m", "l", "u"), rtol=1e-12, reference_name="lesson 3's online_softmax_merge",
+               hint="m' = max(m, tile max); rescale l and u by 2^(m - m'); guard m' = -inf",
+               slips={"natural exponentials of base-2 scores": lambda m, l, u, s, v: tuple(
+                          online_softmax_merge(OnlineSoftmaxState(m, l, u),
+                                               online_softmax_block(s, v))),
+                      "the old l and u not rescaled to the new maximum": old_sums_not_rescaled,
+                      "NaN for a row that has seen no key: -inf - (-inf)": nan_for_rows_with_no_key})
 
 # %% [markdown]
 # ## F4: the backward pass from the logsumexp

@@ -51,7 +51,7 @@ import numpy as np
 
 from refmath import hf
 from refmath.sizing import hf_parameter_count
-from refmath.lessons import check_close, check_true
+from refmath.lessons import check_close, check_function, check_true
 from refmath.models import decoder
 from refmath.positions import rope_forward
 
@@ -227,6 +227,42 @@ check_close("W_Q from q_proj.weight", None if rows is Ellipsis else q_proj[rows]
 check_close("W_K from k_proj.weight",
             None if rows is Ellipsis else k_proj[rows[:config.kv_heads * d_h]].T,
             params["layers.0.attn.w_k"], rtol=0)
+
+# %% tags=["exercise"]
+# Your turn: write the loader's permutation as a function: `my_half_to_interleaved(w, head_dim)`
+# takes the columns of a query or key projection in the "half" layout (last axis n * head_dim, n
+# heads; a bias (n * head_dim,) too) and returns them in the interleaved layout, the inverse of
+# `hf.interleaved_to_half`. The check compares it with that inverse on this checkpoint's q_proj
+# and k_proj (transposed), a bias, a single head and head widths 4 to 16.
+def my_half_to_interleaved(w, head_dim):
+    out = ...
+    # BEGIN SOLUTION
+    half = head_dim // 2
+    within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    n_heads = w.shape[-1] // head_dim
+    columns = (np.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+    out = w[..., columns]
+    # END SOLUTION
+    return out
+
+
+# %%
+def undo_interleaved_to_half(w, head_dim):
+    """The reference: the inverse of the library's permutation, found by applying it to 0, 1, ..."""
+    moved = hf.interleaved_to_half(np.arange(w.shape[-1]), head_dim)  # half column j <- moved[j]
+    return w[..., np.argsort(moved)]
+
+
+layout_inputs = [(q_proj.T, d_h), (k_proj.T, d_h), (rng.standard_normal(3 * 4), 4),
+                 (rng.standard_normal((5, 16)), 16), (rng.standard_normal((2, 3, 24)), 12)]
+check_function("your half_to_interleaved", my_half_to_interleaved, undo_interleaved_to_half,
+               inputs=layout_inputs, rtol=0, reference_name="the inverse of hf.interleaved_to_half",
+               hint="within each head, interleaved coordinate 2r is half coordinate r, 2r + 1 is "
+                    "r + head_dim / 2",
+               slips={"interleaved_to_half itself, not its inverse": hf.interleaved_to_half,
+                      "the permutation taken over the whole width, not within each head":
+                          lambda w, head_dim: undo_interleaved_to_half(w, w.shape[-1]),
+                      "the columns left in the half layout": lambda w, head_dim: w})
 
 # %% [markdown] tags=["question"]
 # **Question.** `save_checkpoint` permutes the columns of $W_Q$ and $W_K$ but leaves $W_V$ and
@@ -461,9 +497,9 @@ print(f"this lesson's model: {hf_parameter_count(hf_config):,} parameters, "
 # %% [markdown]
 # ## Exercises
 #
-# 1. Write `half_to_interleaved(w, head_dim)`, the inverse of `hf.interleaved_to_half`, check
-#    that the two compose to the identity on a $(d, h d_h)$ matrix, and use it to load this
-#    lesson's checkpoint into a model with `rope_layout="interleaved"` that gives the same logits.
+# 1. Check that your `my_half_to_interleaved` and `hf.interleaved_to_half` compose to the
+#    identity on a $(d, h d_h)$ matrix, and use it to load this lesson's checkpoint into a model
+#    with `rope_layout="interleaved"` that gives the same logits.
 # 2. Round float32 to bfloat16 by truncation (drop the low 16 bits) instead of to nearest even.
 #    Show on the figure's values that the worst relative error doubles to $2^{-7}$ and that every
 #    error has the sign that moves the value towards zero: a bias that rounding to nearest avoids.
@@ -472,7 +508,7 @@ print(f"this lesson's model: {hf_parameter_count(hf_config):,} parameters, "
 #    with `hf.load_checkpoint` and measure how far its logits move from the float64 model's.
 # 4. From Llama 2 7B's configuration (Touvron et al., 2023: $V = 32000$, $d = 4096$, $L = 32$,
 #    $h = g = 32$, $d_f = 11008$, untied output) count its parameters by hand, check the count with
-#    `hf.parameter_count`, and give its size in bfloat16 in GiB.
+#    `hf_parameter_count`, and give its size in bfloat16 in GiB.
 # 5. A shard of a large checkpoint has a header of 40 kB and tensors of 2 GB. Estimate how many
 #    bytes reading one $4096 \times 4096$ bfloat16 matrix from it through a memory map touches,
 #    and compare with loading the same shard from a pickled PyTorch `.bin` file with `torch.load`,

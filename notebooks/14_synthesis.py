@@ -44,7 +44,7 @@ from refmath.embedding import embedding_forward
 from refmath.ffn import swiglu_forward
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
-from refmath.lessons import catalogued, check_close, check_true
+from refmath.lessons import catalogued, check_close, check_function, check_true
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -236,6 +236,57 @@ def speedup_from_first_principles():
 
 
 check_close("bound on the speed-up", speedup_bound, speedup_from_first_principles, rtol=1e-12)
+
+# %% tags=["exercise"]
+# Your turn: write the cache side of that picture as one function, for any decoder shape of
+# `PRESETS` (fields `layers`, `kv_heads`, `head_dim`, `sliding_window`: None or w): the bytes of
+# the KV cache a decode step of `batch` sequences at `context` tokens reads, in bf16 (bits=None)
+# or quantised to `bits` bits in groups of 32 with one 2-byte scale per group. A sliding window
+# of w tokens caches only the last w. The check compares it with decode_step_traffic and
+# quantized_kv_cache_bytes on Llama-3-8B's shape (MHA, GQA, int8, int4), Mistral-7B's window
+# and GPT-2 small.
+def my_cache_bytes(shape, context, batch, bits=None):
+    total = ...
+    # BEGIN SOLUTION
+    tokens = context if shape.sliding_window is None else min(context, shape.sliding_window)
+    numbers = 2 * batch * tokens * shape.layers * shape.kv_heads * shape.head_dim  # K and V
+    if bits is None:
+        total = 2 * numbers  # bf16: 2 bytes a number
+    else:
+        total = numbers * bits / 8 + 2 * numbers / 32  # the payload, and a scale per 32
+    # END SOLUTION
+    return total
+
+
+# %%
+def library_cache_bytes(shape, context, batch, bits=None):
+    if bits is None:
+        return decode_step_traffic(shape, context, batch).cache_bytes
+    kept = min(context, shape.sliding_window or context)
+    return quantized_kv_cache_bytes(batch, shape.layers, kept, shape.kv_heads, shape.head_dim,
+                                    bits=bits, group_size=32).total
+
+
+mistral, gpt2 = PRESETS["mistral-7b"], PRESETS["gpt2-small"]
+cache_inputs = [(dataclasses.replace(llama, kv_heads=32), 8192, 16), (llama, 8192, 16),
+                (llama, 8192, 16, 8), (llama, 8192, 16, 4), (mistral, 8192, 4),
+                (mistral, 2048, 4, 4), (gpt2, 1024, 1)]
+check_function("your cache bytes", my_cache_bytes, library_cache_bytes, inputs=cache_inputs,
+               rtol=1e-12, reference_name="decode_step_traffic and quantized_kv_cache_bytes",
+               hint="2 B T' L g d_h numbers; T' = min(T, w); int: bits/8 a number plus 2 bytes a group",
+               slips={"K or V only: the factor 2 forgotten": lambda *args:
+                          library_cache_bytes(*args) / 2,
+                      "the sliding window ignored": lambda shape, *rest: library_cache_bytes(
+                          dataclasses.replace(shape, sliding_window=None), *rest),
+                      "the query heads counted, not the key/value heads": lambda shape, *rest:
+                          library_cache_bytes(dataclasses.replace(shape, kv_heads=shape.heads),
+                                              *rest),
+                      "the quantisation scales left out": lambda shape, context, batch, bits=None:
+                          library_cache_bytes(shape, context, batch, bits) if bits is None else
+                          quantized_kv_cache_bytes(batch, shape.layers,
+                                                   min(context, shape.sliding_window or context),
+                                                   shape.kv_heads, shape.head_dim, bits=bits,
+                                                   group_size=32).payload})
 
 # %%
 labels = list(designs)

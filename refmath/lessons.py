@@ -11,6 +11,13 @@ calls one of these functions, which prints a single line about the student's ans
   was given, such as a catalogued mistake of :mod:`refmath.mistakes`), the ratio got/expected
   when the answer is a multiple of the expected one, or else the largest error and where it is.
 
+A write-the-function exercise asks for a whole forward or backward function instead, and
+:func:`check_function` judges the student's code: a backward against central differences of the
+forward (:func:`refmath.gradcheck.check_case` on the registry's cases, with the student's function
+as the backward), every function against the library's own on the same inputs and, where torch is
+importable, against torch; a wrong function is diagnosed by the known slips' functions it matches
+(the catalogued mistakes of :mod:`refmath.mistakes` among them).
+
 The expected array itself is never printed, so the check does not give the answer away. A check
 returns a :class:`Verdict`, true when right, which Jupyter does not display: the cell shows the
 verdict line only.
@@ -29,14 +36,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
 from refmath import solutions
 
-__all__ = ["Verdict", "check_close", "check_true", "catalogued", "strict", "student_copy",
-           "leaked_lines", "write_student_copies", "lesson_paths"]
+__all__ = ["Verdict", "check_close", "check_true", "check_function", "catalogued", "strict",
+           "student_copy", "leaked_lines", "write_student_copies", "lesson_paths"]
 
 NOT_YET = "no answer yet"
 
@@ -89,6 +96,13 @@ def _as_array(value: Any) -> np.ndarray:
     return np.asarray(value() if callable(value) else value, dtype=np.float64)
 
 
+def _errors(have: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """``|have - want|``, 0 where both are NaN or both the same infinity (an empty state's
+    ``m = -inf``: ``-inf - (-inf)`` would be NaN)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(want) | (have == want), 0.0, np.abs(have - want))
+
+
 def _within(have: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
     """Elementwise ``|have - want| <= atol + rtol |want|``, NaN matching NaN, shapes equal."""
     if have.shape != want.shape:
@@ -96,8 +110,8 @@ def _within(have: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> boo
     nan_want = np.isnan(want)
     if np.any(np.isnan(have) != nan_want):
         return False
-    error = np.where(nan_want, 0.0, np.abs(have - want))
-    return bool(np.all(error <= atol + rtol * np.abs(np.where(nan_want, 0.0, want))))
+    scale = np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
+    return bool(np.all(_errors(have, want) <= atol + rtol * scale))
 
 
 # A slip is recognised with at least this relative tolerance: the check's own can be 1e-12, and a
@@ -239,8 +253,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     """(status, detail) of ``have`` against ``want``: see :func:`check_close`."""
     if _within(have, want, rtol, atol):
-        nan_want = np.isnan(want)
-        worst = float(np.where(nan_want, 0.0, np.abs(have - want)).max()) if have.size else 0.0
+        worst = float(_errors(have, want).max()) if have.size else 0.0
         return "right", f"max error {worst:.2g}"
     slip = _matching_slip(have, values, rtol, atol)
     if slip is not None:
@@ -261,8 +274,8 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     c = _ratio(np.where(nan_want, 0.0, have), np.where(nan_want, 0.0, want))
     if c is not None:
         return "wrong", _ratio_text(c, have.size == 1, rtol)
-    error = np.where(nan_want, 0.0, np.abs(have - want))
-    bound = atol + rtol * np.abs(np.where(nan_want, 0.0, want))
+    error = _errors(have, want)
+    bound = atol + rtol * np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
     excess = np.where(error > bound, error - bound, -np.inf)
     index = tuple(int(i) for i in np.unravel_index(np.argmax(excess), have.shape)) if have.ndim else ()
     return "wrong", (f"error {float(error[index]):.3g} at index {index}, tolerance "
@@ -310,10 +323,15 @@ def check_true(name: str, condition: Any, why: str, *, of: Any = _ABSENT) -> Ver
     return _verdict("right" if ok else "wrong", name, "" if ok else why)
 
 
-def catalogued(mistake: str, compute: Callable[[], Any]) -> dict[str, Callable[[], Any]]:
-    """A slip for :func:`check_close` from :mod:`refmath.mistakes`: ``compute()`` (a call of the
-    library function the mistake edits) evaluated with the mistake applied, under the label
-    ``"<mistake name> (<why>)"``. Raises ``ValueError`` for a name the catalogue lacks."""
+def catalogued(mistake: str, compute: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """A slip from :mod:`refmath.mistakes`, under the label ``"<mistake name> (<why>)"``: a
+    function that calls ``compute`` with the mistake applied, passing its arguments on.
+
+    For :func:`check_close`, ``compute`` takes no argument (a call of the library function the
+    mistake edits: ``lambda: layernorm_backward(dy, cache)[0]``) and the slip is its value; for
+    :func:`check_function`, ``compute`` is the library function itself (``layernorm_backward``)
+    and the slip is the wrong function, evaluated on the inputs the student's is. Raises
+    ``ValueError`` for a name the catalogue lacks."""
     try:
         from refmath.mistakes import MISTAKES, applied
     except ImportError as err:  # the assignments' student copies of refmath leave the catalogue out
@@ -325,11 +343,415 @@ def catalogued(mistake: str, compute: Callable[[], Any]) -> dict[str, Callable[[
     if not callable(compute):
         raise TypeError(f"catalogued: compute must be callable, got {type(compute).__name__}")
 
-    def with_the_mistake():
+    def with_the_mistake(*args, **kwargs):
         with applied(found[0]):
-            return compute()
+            return compute(*args, **kwargs)
 
     return {f"{found[0].name} ({found[0].why})": with_the_mistake}
+
+
+# ---- write-the-function exercises ------------------------------------------------------------------
+
+class _Trial(NamedTuple):
+    """One set of arguments a function exercise is called with."""
+
+    label: str  # where, for the verdict: a registry case's name, or "input 2"
+    args: tuple
+    kwargs: dict
+    case: Any = None  # the registry's OpCase (a backward exercise)
+    seed: int = 0
+    inputs: dict | None = None  # the case's forward inputs (for the torch oracle)
+    dout: np.ndarray | None = None
+
+
+class _Failed(Exception):
+    """A function of the exercise could not be evaluated on a trial; the message says why."""
+
+
+def _unwritten(value: Any) -> bool:
+    """The stub of a lesson's function returns its ``answer = ...`` names unchanged: ``...``, or a
+    tuple or dict holding one."""
+    if value is None or value is Ellipsis:
+        return True
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return any(part is Ellipsis for part in parts)
+
+
+def _output_names(value: Any, names) -> tuple[str, ...]:
+    """The names of a reference function's outputs: a named tuple's fields, a dict's keys, else
+    ``names`` (the check's ``outputs``) or their positions."""
+    if names is not None:
+        return tuple(names)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return tuple(value._fields)
+    if isinstance(value, dict):
+        return tuple(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(f"output {i}" for i in range(len(value)))
+    return ("the output",)
+
+
+def _outputs(value: Any, names: tuple[str, ...], trial: _Trial) -> list[np.ndarray]:
+    """``value`` as float64 arrays in the order of ``names``; raises :class:`_Failed` when its
+    kind or count does not fit."""
+    if trial.case is not None:
+        try:
+            value = list(trial.case.grads_by_name(value).values())
+        except (ValueError, KeyError, TypeError) as err:
+            raise _Failed(f"returns the wrong gradients: {err}; expected {', '.join(names)}") from err
+    elif isinstance(value, dict):
+        missing = [n for n in names if n not in value]
+        if missing:
+            raise _Failed(f"returns no output named {missing[0]!r} (expected {', '.join(names)})")
+        value = [value[n] for n in names]
+    elif isinstance(value, (tuple, list)):
+        if len(value) != len(names):
+            raise _Failed(f"returns {len(value)} values, expected {len(names)} ({', '.join(names)})")
+    else:
+        if len(names) != 1:
+            raise _Failed(f"returns one value, expected {len(names)} ({', '.join(names)})")
+        value = [value]
+    arrays = []
+    for name, part in zip(names, value):
+        try:
+            arrays.append(np.asarray(part, dtype=np.float64))
+        except (TypeError, ValueError) as err:
+            raise _Failed(f"{name} is not an array of real numbers ({err})") from err
+    return arrays
+
+
+def _call(func: Callable, trial: _Trial) -> Any:
+    """``func`` on a private copy of the trial's arguments (a function that updates its arguments
+    in place must not change what the next function sees)."""
+    import copy
+
+    return func(*copy.deepcopy(trial.args), **copy.deepcopy(trial.kwargs))
+
+
+def _evaluate(func: Callable, trials: list[_Trial], names) -> list[list[np.ndarray]]:
+    results = []
+    for trial in trials:
+        try:
+            value = _call(func, trial)
+        except _Failed:
+            raise
+        except Exception as err:
+            raise _Failed(f"raised {type(err).__name__}: {err} (on {trial.label})") from err
+        if _unwritten(value):
+            raise _Failed(f"returns ... (on {trial.label}): some of its answers are not written yet")
+        results.append(_outputs(value, names, trial))
+    return results
+
+
+def _atols(want: list[list[np.ndarray]], rtol: float, atol: float | None) -> list[float]:
+    """The absolute tolerance of each output: ``atol``, or by default ``rtol`` times the output's
+    largest entry over every trial (an entry near 0 that a sum of larger terms cancels to is
+    rounded to the size of those terms, not to its own; a case where an output is 0 throughout,
+    LayerNorm's dx at d = 1, is rounded to the size it has elsewhere)."""
+    if atol is not None:
+        return [atol] * len(want[0])
+    scales = [0.0] * len(want[0])
+    for outputs in want:
+        for j, w in enumerate(outputs):
+            finite = np.abs(w[np.isfinite(w)])
+            scales[j] = max(scales[j], float(finite.max(initial=0.0)))
+    return [rtol * s for s in scales]
+
+
+def _same(have, want, rtol, atol) -> bool:
+    tols = _atols(want, rtol, atol)
+    return all(_within(h, w, rtol, tol) for hs, ws in zip(have, want)
+               for h, w, tol in zip(hs, ws, tols))
+
+
+def _first_difference(have, want, names, trials, rtol, atol) -> str | None:
+    """Where ``have`` first differs from ``want``, diagnosed as :func:`check_close` does."""
+    tols = _atols(want, rtol, atol)
+    for trial, hs, ws in zip(trials, have, want):
+        for name, h, w, tol in zip(names, hs, ws, tols):
+            if not _within(h, w, rtol, tol):
+                return f"{name} on {trial.label}: {_diagnose(h, w, [], rtol, tol)[1]}"
+    return None
+
+
+def _trials_of_cases(cases, seeds) -> list[_Trial]:
+    """One trial per case and seed, drawn as :func:`refmath.gradcheck.check_case` draws them: the
+    case's inputs, then the upstream gradient; the backward is called on ``(dout, cache)``."""
+    trials = []
+    for case in cases:
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            inputs = case.make_inputs(rng)
+            for name in case.wrt:
+                inputs[name] = np.ascontiguousarray(inputs[name], dtype=np.float64)
+            out, cache = case.forward(**inputs)
+            dout = rng.standard_normal(np.shape(out))
+            label = case.name if len(seeds) == 1 else f"{case.name}, seed {seed}"
+            trials.append(_Trial(label, (dout, cache), {}, case, seed, inputs, dout))
+    return trials
+
+
+def _resolve_cases(case) -> list:
+    import fnmatch
+
+    from refmath.gradcheck import all_cases
+    from refmath.registry import OpCase
+
+    wanted = [case] if isinstance(case, (str, OpCase)) else list(case)
+    found = []
+    for item in wanted:
+        if isinstance(item, OpCase):
+            found.append(item)
+            continue
+        if not isinstance(item, str):
+            raise TypeError(f"check_function: case must be an OpCase or a glob over registry case "
+                            f"names, got {type(item).__name__}")
+        # a case's name holds brackets ("layernorm[rows (3, 8)]"): they are literal, only * and ?
+        # are wildcards
+        pattern = item.replace("[", "[[]")
+        matches = [c for c in all_cases(group=None) if fnmatch.fnmatchcase(c.name, pattern)]
+        if not matches or not all(isinstance(c, OpCase) for c in matches):
+            raise ValueError(f"check_function: {item!r} matches no op case of the registry "
+                             "(python -m refmath gradcheck --list names them)")
+        found += matches
+    return found
+
+
+def _gradient_checks(func, trials, max_coords) -> list[tuple[str, Any]]:
+    """``refmath.gradcheck.check_case`` of each trial's case with ``func`` as its backward:
+    ``(case name, CheckResult)``, once per case and seed."""
+    import dataclasses
+
+    from refmath.gradcheck import check_case
+
+    results = []
+    for trial in trials:
+        case = dataclasses.replace(trial.case, backward=func)
+        try:
+            results.append((trial.label, check_case(case, seed=trial.seed, max_coords=max_coords)))
+        except Exception as err:  # it ran on the trial; a perturbed input can still break it
+            results.append((trial.label, f"raised {type(err).__name__}: {err}"))
+    return results
+
+
+def _gradient_check_text(label: str, result) -> str:
+    if isinstance(result, str):
+        return f"the gradient check on {label} {result}"
+    if result.problem:
+        return f"the gradient check fails on {label}: {result.problem}"
+    return (f"the gradient check fails on {label}: d{result.worst} has relative error "
+            f"{result.errors[result.worst]:.2g}, bound {result.bound:.2g}")
+
+
+def _torch_expected(oracle, trials, names):
+    """The torch oracle's outputs on every trial, or a note saying why there are none. For a
+    backward exercise ``oracle`` is a torch function of the case's inputs, and the expected
+    gradients are its vector-Jacobian product with the trial's ``dout`` (``torch.autograd``);
+    otherwise ``oracle`` takes the exercise's arguments and returns the expected value itself."""
+    if trials[0].case is None:
+        try:
+            return [_outputs(_call(oracle, trial), names, trial) for trial in trials], ""
+        except ImportError:
+            return None, "torch is not installed: its check is skipped"
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed: its check is skipped"
+    expected = []
+    for trial in trials:
+        tensors = {}
+        for key, value in trial.inputs.items():
+            if key in trial.case.wrt:
+                tensors[key] = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+            elif isinstance(value, np.ndarray):
+                tensors[key] = torch.from_numpy(value.copy())
+            else:
+                tensors[key] = value
+        out = oracle(**tensors)
+        finite = torch.isfinite(out.detach())
+        # entries that are not finite (-inf at masked logits) are constants: no gradient from them
+        upstream = torch.where(finite, torch.from_numpy(trial.dout), torch.zeros((), dtype=out.dtype))
+        grads = torch.autograd.grad(torch.where(finite, out, 0.0), [tensors[k] for k in trial.case.wrt],
+                                    upstream, allow_unused=True)
+        expected.append([np.zeros(trial.inputs[k].shape) if g is None else g.numpy()
+                         for k, g in zip(trial.case.wrt, grads)])
+    return expected, ""
+
+
+def check_function(name: str, func: Any, reference: Callable, *, case: Any = None,
+                   inputs: Any = None, seeds: tuple[int, ...] = (0,), outputs=None,
+                   slips: Mapping[str, Callable] | None = None, oracle: Callable | None = None,
+                   oracle_name: str = "torch", reference_name: str | None = None,
+                   rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
+                   hint: str = "") -> Verdict:
+    r"""Print whether the student's function ``func`` computes what ``reference`` does.
+
+    The write-the-function exercise: the student writes a whole forward or backward function, and
+    this check judges the code itself, on inputs of its own choosing, three ways:
+
+    - **a backward** (``case=``): each registered :class:`refmath.registry.OpCase` that ``case``
+      names is run with the student's function as its backward, through
+      :func:`refmath.gradcheck.check_case` (a vector-Jacobian check against central differences
+      of the case's forward, in float64, with the derived bound); the student's gradients are also
+      compared with ``reference``'s (the library's backward) on the same ``(dout, cache)``, and,
+      where torch is importable, with torch autograd of ``oracle`` (a torch function of the case's
+      inputs, by name);
+    - **a forward function** (``inputs=``): the student's function and ``reference`` are called on
+      each argument tuple (or dict of keyword arguments) of ``inputs``, and their outputs
+      compared; ``oracle``, when given, is an independent function of the same arguments (torch's
+      optimiser step, say) whose outputs must agree as well; an ``ImportError`` from it (torch is
+      not installed) skips it.
+
+    Every function is called on a private copy of the arguments. The verdict is
+
+    - ``no answer yet`` while the function raises ``NotImplementedError``, or returns ``...``
+      (the lesson's stub: ``dx = ...`` and ``return dx``), or any of its outputs is ``...``;
+    - ``right`` when the gradient check passes and the outputs agree with the reference (and
+      torch) within ``|got - want| <= atol + rtol |want|``, output by output, NaN matching NaN;
+    - ``wrong`` otherwise, diagnosed: the first of ``slips`` whose function the student's matches
+      on every input (``looks like: ...``), else the first output that differs and how
+      (:func:`check_close`'s diagnosis: a ratio, a flipped sign, the largest error and where), and
+      the failing gradient check; or the exception the function raised and on which input.
+
+    The expected values are never printed.
+
+    Parameters
+    ----------
+    name : str
+        What the student wrote, as the verdict names it ("your LayerNorm backward").
+    func : callable, or ``...``/``None`` while not written
+        The student's function.
+    reference : callable
+        The library's function with the same signature: for a backward,
+        ``reference(dout, cache)`` returns the gradients of the case's ``wrt`` inputs.
+    case : str, OpCase or a list of them
+        Registry cases whose backward the student's function replaces: the cases themselves, or
+        patterns over their names in which ``*`` and ``?`` are wildcards (``"layernorm[rows*"``;
+        brackets are literal). Exactly one of ``case`` and ``inputs``.
+    inputs : list of tuples or dicts, or a callable returning one
+        The arguments of a forward exercise; a callable is called only once the function is
+        written.
+    seeds : tuple of int
+        The seeds of each case's inputs and upstream gradient (a backward exercise).
+    outputs : sequence of str, optional
+        Names of the outputs of a function returning a plain tuple (a named tuple names its own).
+    slips : mapping of str to callable, optional
+        Typical wrong functions with the signature of ``reference``, by what the slip is: a
+        function written with the slip, or :func:`catalogued` of a mistake of
+        :mod:`refmath.mistakes` and the library function it edits. Under
+        ``REFMATH_LESSONS_STRICT=1`` each must be rejected and named as itself.
+    oracle : callable, optional
+        The independent oracle (see above).
+    oracle_name : str
+        What the verdict calls the oracle of a forward exercise ("torch.optim.AdamW").
+    reference_name : str, optional
+        What the verdict calls the reference (default: ``refmath's <its __name__>``).
+    rtol, atol : float
+        The tolerance; ``atol=None`` is ``rtol`` times the largest entry of each expected output
+        over all the inputs.
+    max_coords : int or None
+        The coordinates sampled per input by the gradient check.
+    hint : str
+        Printed after a wrong verdict: where to look.
+
+    Returns
+    -------
+    Verdict
+        True when right. Under ``REFMATH_LESSONS_STRICT=1`` a verdict that is not right raises
+        AssertionError.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"check_function: name must be a non-empty str, got {name!r}")
+    if not callable(reference):
+        raise TypeError(f"check_function: reference must be callable, got {type(reference).__name__}")
+    if (case is None) == (inputs is None):
+        raise ValueError("check_function: give exactly one of case= (a backward) and inputs= "
+                         "(the arguments of a forward function)")
+    if not (rtol >= 0 and (atol is None or atol >= 0)):
+        raise ValueError(f"check_function: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    if slips is not None and not (isinstance(slips, Mapping) and all(map(callable, slips.values()))):
+        raise TypeError("check_function: slips must be a mapping of str to functions")
+    if _not_attempted(func):
+        return _unanswered(name)
+    if not callable(func):
+        return _verdict("wrong", name, f"not a function but a {type(func).__name__}")
+
+    if case is not None:
+        cases = _resolve_cases(case)
+        trials = _trials_of_cases(cases, tuple(seeds))
+        names = tuple(f"d{w}" for w in cases[0].wrt)
+    else:
+        given = inputs() if callable(inputs) else inputs
+        trials = [_Trial(f"input {i + 1}", tuple(a), {}) if isinstance(a, (tuple, list))
+                  else _Trial(f"input {i + 1}", (), dict(a)) for i, a in enumerate(given)]
+        if not trials:
+            raise ValueError("check_function: inputs is empty")
+        names = _output_names(_call(reference, trials[0]), outputs)
+
+    try:
+        unwritten = _unwritten(_call(func, trials[0]))
+    except NotImplementedError:
+        unwritten = True
+    except Exception:
+        unwritten = False  # reported below, with the input it failed on
+    if unwritten:
+        return _verdict(NOT_YET, name, "write the body of the function (it still returns ...)")
+    try:
+        have = _evaluate(func, trials, names)
+    except _Failed as failure:
+        return _verdict("wrong", name, f"your function {failure}" + (f" ({hint})" if hint else ""))
+
+    want = _evaluate(reference, trials, names)
+    slip_values = []
+    for label, slip in (slips or {}).items():
+        try:
+            slip_values.append((label, _evaluate(slip, trials, names)))
+        except _Failed as failure:
+            if strict():
+                raise AssertionError(f"{name}: the slip {label!r} cannot be computed ({failure})")
+    if strict():
+        for label, value in slip_values:
+            if _same(value, want, rtol, atol):
+                raise AssertionError(f"{name}: the slip {label!r} passes as the right function")
+            first = next(lab for lab, v in slip_values if _same(value, v, max(rtol, SLIP_RTOL), atol))
+            if first != label:
+                raise AssertionError(f"{name}: the slip {label!r} is reported as {first!r}")
+
+    checks = _gradient_checks(func, trials, max_coords) if case is not None else []
+    failed_checks = [(label, r) for label, r in checks if isinstance(r, str) or not r.passed]
+    torch_note, torch_difference = "", None
+    if oracle is not None:
+        from_torch, torch_note = _torch_expected(oracle, trials, names)
+        if from_torch is not None:
+            torch_difference = _first_difference(have, from_torch, names, trials, rtol, atol)
+    difference = _first_difference(have, want, names, trials, rtol, atol)
+
+    if difference is None and torch_difference is None and not failed_checks:
+        said = []
+        if checks:
+            worst = max((r for _, r in checks), key=lambda r: r.max_error / max(r.bound, 1e-300))
+            said.append(f"passes the gradient check on {len(checks)} case"
+                        f"{'s' if len(checks) > 1 else ''} (largest error {worst.max_error:.1g}, "
+                        f"bound {worst.bound:.1g})")
+        against = reference_name or f"refmath's {getattr(reference, '__name__', 'reference')}"
+        if oracle is not None and not torch_note:
+            against += " and torch autograd" if case is not None else f" and {oracle_name}"
+        said.append(f"agrees with {against} on {len(trials)} input{'s' if len(trials) > 1 else ''}")
+        if torch_note:
+            said.append(torch_note)
+        return _verdict("right", name, "; ".join(said))
+
+    slip = next((label for label, value in slip_values
+                 if _same(have, value, max(rtol, SLIP_RTOL), atol)), None)
+    said = [f"looks like: {slip}"] if slip is not None else []
+    if slip is None and difference is not None:
+        said.append(difference)
+    if failed_checks:
+        said.append(_gradient_check_text(*failed_checks[0]))
+    if slip is None and difference is None and torch_difference is not None:
+        said.append(f"against {'torch' if case is not None else oracle_name}, {torch_difference}")
+    detail = "; ".join(said) + (f" ({hint})" if hint else "")
+    return _verdict("wrong", name, detail)
 
 
 # ---- the student copies ----------------------------------------------------------------------------

@@ -6,6 +6,8 @@ print ``wrong: NAME: looks like: SLIP``, naming the slip; the checks of the othe
 say right. A slip's value comes from the check itself (``refmath.lessons.check_close``'s
 ``slips``, many of them the catalogued mistakes of ``refmath.mistakes`` applied to the library),
 so this test confirms that the student's way of making the slip and the check's way agree.
+The write-the-function exercises are planted the same way: one line of the student's function is
+edited, and ``refmath.lessons.check_function`` must name the slip function it now matches.
 """
 import os
 import subprocess
@@ -28,6 +30,12 @@ PLANTS = {
          "dQ (causal)", "scale missing from dQ"),
         ("dA_drop = (dO @ V.T) * D", "dA_drop = dO @ V.T",
          "(dV, dQ) with dropout", "dropout mask ignored in dA"),
+        # the write-the-function exercises: a slip in the student's own function
+        ("dx = a * (dout - row_mean)", "dx = a * dout", "your softmax backward",
+         "Jacobian's diagonal only"),
+        ("row_mean = np.sum(a * dout, axis=-1, keepdims=True)",
+         "row_mean = np.sum(a * dout, axis=0, keepdims=True)", "your softmax backward",
+         "sum over the wrong axis"),
     ],
     "02_normalisation.py": [
         ("dx_layernorm = (direct + through_mean + through_sigma) / sigma",
@@ -37,6 +45,10 @@ PLANTS = {
         ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
          "dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.mean(upstream, axis=0)])",
          "(dgamma, dbeta)", "dbeta averaged over rows"),
+        ("dx = cache.rstd * (g - g_mean - cache.xhat * g_along_xhat)",
+         "dx = cache.rstd * (g - g_mean)", "your LayerNorm backward", "variance path dropped"),
+        ("rows = tuple(range(dout.ndim - 1))  # every leading axis",
+         "rows = (0, 1)[:dout.ndim - 1]", "your LayerNorm backward", "over the first two axes only"),
     ],
     "03_flash_and_kv_cache.py": [
         ("merged_m_l = (m_merged, np.exp(a.m - m_merged) * a.l + np.exp(b.m - m_merged) * b.l)",
@@ -46,10 +58,22 @@ PLANTS = {
          "dQ from the logsumexp", "delta = rowsum(dO * O) left out"),
         ("cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2", "cache_bytes = 8 * 40 * 4096 * 8 * 128 * 2",
          "the cache bytes", "the factor 2 for K and V forgotten"),
+        ("shift = np.where(np.isneginf(m), 0.0, m)", "shift = m", "your online-softmax merge",
+         "no guard for two empty sides"),
+        ("u = alpha[..., None] * a.u + beta[..., None] * b.u", "u = a.u + b.u",
+         "your online-softmax merge", "u added without rescaling"),
     ],
     "04_ffn_and_positions.py": [
         ("back = -np.array([2.0, 2.0 / 100])", "back = np.array([2.0, 2.0 / 100])",
          "RoPE dx", "forward rotation used in backward"),
+        ("derivative = gate + x * np.exp(-x**2 / 2) / np.sqrt(2 * np.pi)", "derivative = gate",
+         "your GELU backward", "x phi(x) term dropped"),
+        ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
+         "dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 0.044715 * x**2)",
+         "your GELU backward", "the 3 of d(x^3)/dx forgotten"),
+        ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
+         "dt = (1 - gate**2) * float(np.float32(np.sqrt(2 / np.pi))) * (1 + 3 * 0.044715 * x**2)",
+         "your GELU backward", "sqrt(2/pi) rounded to float32"),
     ],
     "05_losses_and_optimisers.py": [
         ("dlogits_by_hand = (p - np.eye(4)[targets]) / 3", "dlogits_by_hand = p - np.eye(4)[targets]",
@@ -64,6 +88,11 @@ PLANTS = {
          "AdamW's weight after 50 steps", "(n - 1): one step too few"),
         ("adamw_after_50 = (1 - 0.1 * 0.1) ** 50", "adamw_after_50 = (1 - 0.1) ** 50",
          "AdamW's weight after 50 steps", "decay not scaled by the learning rate"),
+        ("per_token = per_token / max(cache.n_counted, 1)",
+         "per_token = per_token / max(cache.n_counted, 2)", "your cross-entropy backward",
+         "mean over max(n, 2)"),
+        ("dlogits = dout * np.where(cache.counted[..., None], per_token, 0.0)",
+         "dlogits = dout * per_token", "your cross-entropy backward", "ignored tokens get a gradient"),
     ],
     "06_encoder_decoder.py": [
         ("shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, :-1]], axis=1)",
@@ -71,6 +100,15 @@ PLANTS = {
         ("p_target = p[0, np.arange(4), tgt[0]].prod()", "p_target = p[0, np.arange(4), tgt[0]].mean()",
          "p(y | x)", "the mean of the probabilities"),
         ("np.add.at(d_table, ids, dy)", "d_table[ids] += dy", "dE", "repeated ids keep one contribution"),
+        ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
+         "q = (1 - eps) * np.eye(vocab)[cache.targets]", "your smoothed cross-entropy backward",
+         "label smoothing left out of the gradient"),
+        ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
+         "q = np.eye(vocab)[cache.targets]", "your smoothed cross-entropy backward",
+         "no smoothing at all"),
+        ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
+         "q = (1 - eps) * np.eye(vocab)[cache.targets] + (1 - np.eye(vocab)[cache.targets]) * eps / "
+         "max(vocab - 1, 1)", "your smoothed cross-entropy backward", "tensor2tensor's target"),
     ],
     "07_gpt.py": [
         ("dP[1:3] = dy.sum(axis=0)", "dP[1:3] = dy.mean(axis=0)", "dP", "averaged over the batch"),
@@ -78,6 +116,13 @@ PLANTS = {
         ("gpt2_by_hand = V * d + T_ctx * d + L * per_layer + 2 * d",
          "gpt2_by_hand = V * d + L * per_layer + 2 * d", "GPT-2 small parameters",
          "the position table forgotten"),
+        ("decay = WD if takes_weight_decay(name) else 0.0", "decay = WD", "your AdamW step",
+         "the decay applied to every parameter"),
+        ("m_hat, v_hat = new_m / (1 - beta1**s), new_v / (1 - beta2**s)", "m_hat, v_hat = new_m, new_v",
+         "your AdamW step", "bias correction missing"),
+        ("new_theta = theta * (1 - LR * decay) - LR * m_hat / (np.sqrt(v_hat) + EPS)",
+         "new_theta = theta * (1 - LR * decay) - LR * m_hat / np.sqrt(v_hat + EPS)",
+         "your AdamW step", "eps inside the square root"),
     ],
     "08_modern_decoder_and_gqa.py": [
         ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
@@ -86,6 +131,9 @@ PLANTS = {
         ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
          "dk_shared = per_head[:, ::2]",
          "dK of the shared heads", "one query head's copy only"),
+        ("du = dm * s\n", "du = dm * g\n", "your SwiGLU backward", "du uses the gate's input"),
+        ("dg = dm * u * sig * (1 + g * (1 - sig))", "dg = dm * u * sig * (1 - sig)",
+         "your SwiGLU backward", "product rule forgotten"),
     ],
     "09_numerics_and_sampling.py": [
         ("safe_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a fully masked row: shift by 0\n"
@@ -101,12 +149,21 @@ PLANTS = {
          "visible pairs, T = 10, w = 4", "T w: the first w - 1 rows"),
         ("top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3]) / 0.7",
          "top_p_by_hand = np.array([0.0, 0.4, 0.0, 0.3])", "top-p, p = 0.6", "not renormalised"),
+        ("keep[order[mass_before < p]] = True", "keep[order[mass_before <= p]] = True",
+         "your top-p filter", "the test is mass before < p, not <="),
+        ("mass_before = np.cumsum(probs[order]) - probs[order]",
+         "mass_before = np.cumsum(probs[order])", "your top-p filter",
+         "the token whose mass crosses p dropped"),
     ],
     "10_decode_cost.py": [
         ("seconds_per_token = (2 * 7_504_658_432 + 8192 * 128 * 1024) / 2e12",
          "seconds_per_token = 2 * 7_504_658_432 / 2e12", "lower bound on time per token",
          "the cache forgotten"),
         ("scale_by_hand = 3.5 / 7", "scale_by_hand = 3.5 / 8", "scale", "-7 .. 7, not -8 .. 7"),
+        ("visible = np.arange(T_max)[None, None, :] < np.asarray(lengths)[:, None, None]",
+         "visible = np.ones((B, 1, T_max), dtype=bool)", "your decode attention", "the padding read"),
+        ("heads = np.arange(H) // (H // G)", "heads = np.arange(H) % G", "your decode attention",
+         "GQA heads interleaved"),
     ],
     "12_from_equation_to_kernel.py": [
         ("delta = (do * ref_o).sum(axis=-1)", "delta = do.sum(axis=-1) * ref_o.sum(axis=-1)",
@@ -114,6 +171,10 @@ PLANTS = {
         ("o_merged_by_hand = sum(np.exp(part.m - m_all) * part.u for part in parts) / l_all",
          "o_merged_by_hand = sum(part.u for part in parts) / sum(part.l for part in parts)",
          "merged decode output", "without rescaling to the largest m"),
+        ("shift = np.where(np.isneginf(m_new), 0.0, m_new)  # no key seen yet: shift by 0",
+         "shift = m_new", "your tile step", "NaN for a row that has seen no key"),
+        ("alpha = 2.0 ** (m - shift)  # 0 where m = -inf", "alpha = np.where(np.isneginf(m), 0.0, 1.0)",
+         "your tile step", "not rescaled to the new maximum"),
     ],
     "13_real_weights.py": [
         ("as_float32 = (patterns.astype(np.uint32) << 16).view(np.float32)",
@@ -126,17 +187,39 @@ PLANTS = {
          "GPT-2 small in float32, MiB", "MB (10^6 bytes)"),
         ("rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)",
          "rows = np.arange(heads * d_h)", "W_Q from q_proj.weight", "unpermuted"),
+        ("within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)",
+         "within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])",
+         "your half_to_interleaved", "not its inverse"),
+        ("out = w[..., columns]", "out = w", "your half_to_interleaved", "left in the half layout"),
     ],
     "14_synthesis.py": [
         ("O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T))",
          "O, _ = sdpa_forward(Q, K[:, shared], V[:, shared], mask=causal_mask(T), scale=1.0)",
          "logits of the whole decoder", "the 1/sqrt(d_k) scale missing"),
+        ("tokens = context if shape.sliding_window is None else min(context, shape.sliding_window)",
+         "tokens = context", "your cache bytes", "the sliding window ignored"),
+        ("total = numbers * bits / 8 + 2 * numbers / 32", "total = numbers * bits / 8",
+         "your cache bytes", "the quantisation scales left out"),
+    ],
+    "15_capstone.py": [
+        # Adam's steps do not change when one parameter's gradient is scaled: the model still
+        # learns with either slip, and only the checks see them
+        ("    dbeta = np.sum(dout, axis=rows)\n", "    dbeta = np.mean(dout, axis=rows)\n",
+         "your LayerNorm backward", "dbeta averaged over rows"),
+        ("per_token = per_token / max(cache.n_counted, 1)",
+         "per_token = per_token / max(cache.n_counted, 2)", "your cross-entropy backward",
+         "mean over max(n, 2)"),
     ],
     "11_latent_attention_and_memory.py": [
         ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
          "K or V only"),
         ("mla_numbers = 512 + 64", "mla_numbers = 512", "MLA numbers per token and layer",
          "the shared rotary key"),
+        ("scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])",
+         "scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1])",
+         "your absorbed MLA decode", "the rotary width counts too"),
+        ('out = np.einsum("hc,hcv->hv", weights @ c, w_uv)', "out = weights @ c",
+         "your absorbed MLA decode", "W_UV forgotten"),
     ],
 }
 
@@ -150,7 +233,10 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "MHA numbers per token and layer": ("MHA / MLA",),
         "MLA numbers per token and layer": ("MHA / MLA",),
         "W_Q from q_proj.weight": ("W_K from k_proj.weight",),
-        "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",)}
+        "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",),
+        # the capstone's model runs with the student's LayerNorm backward
+        "your LayerNorm backward": ("the gradient check of the whole model, with your backward passes",
+                                    "your model's gradients against the library's")}
 
 
 def _run(text, tmp_path, name):

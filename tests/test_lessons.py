@@ -11,6 +11,7 @@ from refmath.lessons import (
     Verdict,
     catalogued,
     check_close,
+    check_function,
     check_true,
     leaked_lines,
     lesson_paths,
@@ -49,6 +50,9 @@ def test_shape_nan_and_unanswered_are_each_explained(capsys):
 
 def test_nan_expected_where_nan_is_given_is_right():
     assert check_close("masked row", [np.nan, 2.0], [np.nan, 2.0])
+    # the same infinity is no error (an empty state's m = -inf), another one is
+    assert check_close("m", [-np.inf, 1.0], [-np.inf, 1.0]).line == "right: m: max error 0"
+    assert not check_close("m", [np.inf, 1.0], [-np.inf, 1.0])
 
 
 def test_strict_mode_raises_on_a_wrong_answer(monkeypatch):
@@ -219,3 +223,167 @@ def test_the_lessons_command_explains_itself_and_its_errors(tmp_path):
         assert run.returncode == 2 and says in run.stderr, (args, run.stderr)
         assert len(run.stderr.strip().splitlines()[-1]) > 0 and "Traceback" not in run.stderr
     assert not (tmp_path / "o").exists()
+
+
+# ---- write-the-function exercises -------------------------------------------------------------------
+
+def _softmax_backward_by_hand(dout, cache):
+    a = cache.a
+    return a * (dout - np.sum(a * dout, axis=-1, keepdims=True))
+
+
+def test_a_right_backward_passes_the_gradient_check_and_agrees_with_the_library(capsys):
+    from refmath.softmax import softmax_backward
+
+    verdict = check_function("your softmax backward", _softmax_backward_by_hand, softmax_backward,
+                             case="softmax[rows*")
+    assert verdict and verdict.line.startswith(
+        "right: your softmax backward: passes the gradient check on 1 case (largest error")
+    assert "agrees with refmath's softmax_backward on 1 input" in verdict.line
+    assert capsys.readouterr().out.strip() == verdict.line
+
+
+def test_an_unwritten_function_has_no_answer_yet():
+    from refmath.softmax import softmax_backward
+
+    def stub(dout, cache):
+        dx = ...
+        return dx
+
+    def raises(dout, cache):
+        raise NotImplementedError("write this part")
+
+    def half_written(x):
+        m, l = x, ...
+        return m, l
+
+    for func in (stub, raises, ..., None):
+        line = check_function("f", func, softmax_backward, case="softmax[rows*").line
+        assert line.startswith("no answer yet: f"), line
+    assert check_function("f", half_written, lambda x: (x, x), inputs=[(1.0,)]).line.startswith(
+        "no answer yet: f")
+
+
+def test_a_wrong_backward_names_its_slip_and_the_failing_gradient_check():
+    from refmath.norms import layernorm_backward
+
+    slips = {**catalogued("layernorm: dbeta averaged over rows", layernorm_backward),
+             **catalogued("layernorm: gamma left out of dx", layernorm_backward)}
+
+    def averaged(dout, cache):
+        dx, dgamma, dbeta = layernorm_backward(dout, cache)
+        return dx, dgamma, dbeta / 3  # the case has 3 rows: the mean is the sum / 3
+
+    verdict = check_function("LN", averaged, layernorm_backward, case="layernorm[rows (3, 8)]",
+                             slips=slips)
+    assert not verdict
+    assert verdict.line.startswith("wrong: LN: looks like: layernorm: dbeta averaged over rows (")
+    assert "the gradient check fails on layernorm[rows (3, 8)]: dbeta has relative error" in verdict.line
+    # without the slip the diagnosis is the ratio of the output that differs
+    plain = check_function("LN", averaged, layernorm_backward, case="layernorm[rows (3, 8)]").line
+    assert "dbeta on layernorm[rows (3, 8)]: your answer is the expected one times 0.333" in plain
+
+
+def test_a_function_that_raises_or_returns_the_wrong_kind_is_wrong_and_says_where():
+    from refmath.norms import layernorm_backward
+
+    def two_d_only(dout, cache):
+        if dout.ndim != 2:
+            raise IndexError("only (N, d)")
+        return layernorm_backward(dout, cache)
+
+    line = check_function("LN", two_d_only, layernorm_backward,
+                          case=["layernorm[rows*", "layernorm[one row*"]).line
+    assert line == ("wrong: LN: your function raised IndexError: only (N, d) "
+                    "(on layernorm[one row (6,)])"), line
+    line = check_function("LN", lambda d, c: layernorm_backward(d, c)[:2], layernorm_backward,
+                          case="layernorm[rows*").line
+    assert line.startswith("wrong: LN: your function returns the wrong gradients: ") and \
+        "dx, dgamma, dbeta" in line
+
+
+def test_a_forward_function_is_called_on_copies_and_its_named_outputs_compared():
+    from refmath.softmax import online_softmax_block, online_softmax_merge
+
+    rng = np.random.default_rng(0)
+    pairs = [(online_softmax_block(rng.standard_normal((2, 3)), rng.standard_normal((3, 2))),
+              online_softmax_block(rng.standard_normal((2, 4)), rng.standard_normal((4, 2))))]
+
+    def unrescaled(a, b):
+        a.u[...] = 0.0  # an update in place reaches neither the reference nor the next call
+        return type(a)(np.maximum(a.m, b.m), a.l + b.l, b.u)
+
+    def unrescaled_slip(a, b):
+        return type(a)(np.maximum(a.m, b.m), a.l + b.l, a.u + b.u)
+
+    assert check_function("merge", online_softmax_merge, online_softmax_merge, inputs=pairs)
+    line = check_function("merge", unrescaled, online_softmax_merge, inputs=pairs).line
+    assert line.startswith("wrong: merge: l on input 1: "), line
+    line = check_function("merge", unrescaled_slip, online_softmax_merge, inputs=lambda: pairs,
+                          slips={"no rescaling": unrescaled_slip}).line
+    assert line == "wrong: merge: looks like: no rescaling"
+
+
+def test_the_torch_oracle_is_used_where_torch_is_there_and_skipped_where_not(monkeypatch):
+    from refmath.softmax import softmax_backward
+
+    def torch_softmax(x):
+        import torch
+        return torch.softmax(x, -1)
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        line = check_function("f", _softmax_backward_by_hand, softmax_backward,
+                              case="softmax[rows*", oracle=torch_softmax).line
+        assert "agrees with refmath's softmax_backward and torch autograd" in line
+        # the oracle is independent: a reference that is wrong disagrees with it
+        wrong = check_function("f", _softmax_backward_by_hand, lambda d, c: _softmax_backward_by_hand(d, c),
+                               case="softmax[rows*", oracle=lambda x: 2 * torch_softmax(x)).line
+        assert wrong.startswith("wrong: f: against torch, dx on softmax[rows (3, 7)]: ") and \
+            "times 0.5" in wrong
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    line = check_function("f", _softmax_backward_by_hand, softmax_backward, case="softmax[rows*",
+                          oracle=torch_softmax).line
+    assert line.startswith("right: f: ") and line.endswith("torch is not installed: its check is skipped")
+
+    def torch_doubling(x):  # a forward oracle that needs torch: skipped, not an error
+        import torch
+        return torch.tensor(x).mul(2).numpy()
+
+    line = check_function("double", lambda x: 2 * x, lambda x: x + x, inputs=[(np.arange(3.0),)],
+                          oracle=torch_doubling, oracle_name="torch's mul",
+                          reference_name="the sum x + x").line
+    assert line == ("right: double: agrees with the sum x + x on 1 input; torch is not installed: "
+                    "its check is skipped")
+
+
+def test_strict_mode_refuses_a_function_slip_the_check_cannot_tell_apart(monkeypatch):
+    from refmath.softmax import softmax_backward
+
+    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
+    with pytest.raises(AssertionError, match="passes as the right function"):
+        check_function("f", softmax_backward, softmax_backward, case="softmax[rows*",
+                       slips={"the same": _softmax_backward_by_hand})
+    doubled = {"doubled": lambda d, c: 2 * softmax_backward(d, c),
+               "twice": lambda d, c: softmax_backward(d, c) * 2}
+    with pytest.raises(AssertionError, match="the slip 'twice' is reported as 'doubled'"):
+        check_function("f", softmax_backward, softmax_backward, case="softmax[rows*", slips=doubled)
+    with pytest.raises(AssertionError, match="wrong: f: looks like: doubled"):
+        check_function("f", doubled["doubled"], softmax_backward, case="softmax[rows*",
+                       slips={"doubled": doubled["doubled"]})
+
+
+def test_check_function_refuses_bad_arguments():
+    from refmath.softmax import softmax_backward
+
+    with pytest.raises(ValueError, match="exactly one of case= .* and inputs="):
+        check_function("f", softmax_backward, softmax_backward)
+    with pytest.raises(ValueError, match="matches no op case"):
+        check_function("f", softmax_backward, softmax_backward, case="no such op*")
+    with pytest.raises(TypeError, match="slips must be a mapping"):
+        check_function("f", softmax_backward, softmax_backward, case="softmax*", slips={"x": 1})
+    assert check_function("f", 3, softmax_backward, case="softmax[rows*").line == \
+        "wrong: f: not a function but a int"

@@ -48,7 +48,7 @@ def test_lesson_executes(path, monkeypatch, tmp_path):
     _every_check_says_right(path, notebook)
 
 
-CHECK_CALL = re.compile(r"\bcheck_(?:close|true)\(")
+CHECK_CALL = re.compile(r"\bcheck_(?:close|true|function)\(")
 VERDICT = re.compile(r"^(right|wrong|almost|no answer yet): ", re.MULTILINE)
 
 
@@ -138,7 +138,7 @@ def test_lesson_has_a_header_exercises_questions_and_references(path):
     for i in exercises:
         assert "# BEGIN SOLUTION" in code[i].source and "# END SOLUTION" in code[i].source, \
             f"{path.name}: exercise cell {code[i].source[:60]!r} has no solution region"
-        assert i + 1 < len(code) and re.search(r"\bcheck_(close|true)\(", code[i + 1].source), \
+        assert i + 1 < len(code) and re.search(r"\bcheck_(close|true|function)\(", code[i + 1].source), \
             f"{path.name}: the code cell after exercise {code[i].source[:60]!r} checks nothing"
     questions = [c for c in notebook.cells if c.cell_type == "markdown" and "question" in _tags(c)]
     assert questions, f"{path.name}: no inline question (a markdown cell tagged 'question')"
