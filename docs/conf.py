@@ -119,9 +119,9 @@ def describe_named_tuple_fields(app, what, name, obj, options, lines):
         return
     owner_name, _, field = name.rpartition(".")
     module_name, _, class_name = owner_name.rpartition(".")
-    comment = field_comments(module_name, class_name).get(field)
-    if comment:
-        lines[:] = [comment]
+    comments = field_comments(module_name, class_name)
+    if field in comments:
+        lines[:] = [comments[field]]
 
 
 def setup(app):
