@@ -25,7 +25,8 @@
 # passes of elementwise and row-wise maps); rotations in the plane.
 #
 # **Goals:** see why the FFN needs its nonlinearity; write exact and tanh GELU and their
-# derivatives; derive the SwiGLU backward; explain the $8d/3$ width and why rounding it adds
+# derivatives; find where a SiLU "gate" leaves $[0, 1]$; derive the SwiGLU backward; explain the
+# $8d/3$ width and why rounding it adds
 # parameters; compute a RoPE rotation by hand, show that scores depend on the offset only, and
 # that the RoPE backward is the inverse rotation; relate the two pair layouts used in practice.
 #
@@ -114,6 +115,62 @@ ax.plot(u, silu, label=r"SiLU, $u\,\sigma(u)$")
 ax.set(xlabel="u", ylabel="activation", title="smooth relatives of ReLU")
 ax.legend()
 plt.show()
+
+# %% [markdown]
+# **A gate is not a probability.** SwiGLU (N7, below) calls $\mathrm{SiLU}(x W_g)$ its *gate*,
+# but unlike the sigmoid inside it, SiLU is not confined to $[0, 1]$: it is negative for every
+# $u < 0$ and grows without bound for $u > 0$, so the gated product can amplify a feature as
+# well as damp or flip it. Since $\sigma(-u) = 1 - \sigma(u)$,
+#
+# $$\mathrm{SiLU}(u) - \mathrm{SiLU}(-u) = u\,\sigma(u) + u\,(1 - \sigma(u)) = u ,$$
+#
+# so the curve's two branches differ by exactly the line $u$: the point where SiLU crosses 1 and
+# the point of its minimum mirror each other.
+
+# %% tags=["exercise"]
+# Your turn: the u > 0 where SiLU(u) = 1, to 1e-9 (bisection on silu_forward over [0, 4] is
+# enough), and the smallest value SiLU takes anywhere (use the identity above).
+u_one = ...
+silu_min = ...
+# BEGIN SOLUTION
+low, high = 0.0, 4.0
+while high - low > 1e-12:
+    middle = (low + high) / 2
+    low, high = (middle, high) if silu_forward(np.array(middle))[0] < 1 else (low, middle)
+u_one = (low + high) / 2
+silu_min = 1 - u_one  # SiLU(-u_one) = SiLU(u_one) - u_one, at the minimum's place -u_one
+# END SOLUTION
+
+
+# %%
+def newton_silu_one():
+    """SiLU(u) = 1 by Newton's method from u = 1, with SiLU'(u) = sigma (1 + u (1 - sigma))."""
+    u = 1.0
+    for _ in range(50):
+        sigma = 1 / (1 + np.exp(-u))
+        u -= (u * sigma - 1) / (sigma * (1 + u * (1 - sigma)))
+    return u
+
+
+check_close("the u where SiLU(u) = 1", u_one, newton_silu_one, rtol=1e-9,
+            hint="SiLU is increasing for u > 0: halve the interval [0, 4] until it is 1e-9 wide",
+            slips={"sigma(u) = 1/2 (the sigmoid's midpoint, u = 0)": 0.0,
+                   "u = 1 (SiLU read as the identity)": 1.0})
+check_close("the smallest value of SiLU", silu_min, lambda: 1 - newton_silu_one(), rtol=1e-8,
+            hint="SiLU(-u) = SiLU(u) - u; the minimum sits at minus the crossing point",
+            slips={"0 (SiLU read as a ReLU that stops at 0)": 0.0,
+                   "the minimum's place, not its value": lambda: -newton_silu_one()})
+
+# %% [markdown] tags=["question"]
+# **Question.** In SwiGLU the gate multiplies the up-projection feature by feature. What can a
+# gate value of 2.9 (SiLU(3)) or of -0.28 do to a feature that a sigmoid gate cannot?
+#
+# <!-- BEGIN SOLUTION -->
+# A sigmoid gate lies in $(0, 1)$: it can only pass a feature through partly, never enlarge it or
+# change its sign. A SiLU gate of 2.9 amplifies the feature almost threefold, and a negative gate
+# flips its sign (by at most 0.28 of its size), so the "gate" is a learned, input-dependent scale,
+# not a probability of letting the feature through.
+# <!-- END SOLUTION -->
 
 # %% [markdown]
 # **The GELU backward.** Both forms are elementwise, so the backward multiplies the upstream

@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 2
-#     minutes: 40
+#     minutes: 45
 #     ids: [M2, N9, N11, L6, K1, O5]
 # ---
 
@@ -27,11 +27,12 @@
 #
 # **Goals:** derive the backward of a learned position table; count GPT-2 small's 124,439,808
 # parameters by hand; explain why the residual writers start smaller; check L6 and K1 by brute
-# force; predict an AdamW step from the weight-decay groups.
+# force; write a task as a prompt and instruction tuning as a loss mask; predict an AdamW step from
+# the weight-decay groups.
 #
 # **Catalogue IDs:** M2, N9, N11, L6, K1, O5
 #
-# **Duration:** about 40 minutes.
+# **Duration:** about 45 minutes.
 
 # %%
 import math
@@ -263,6 +264,87 @@ mean_of_prefixes = np.mean(prefix_losses)
 
 # %%
 check_close("mean of the prefix losses", mean_of_prefixes, lambda: float(parallel), rtol=1e-13)
+
+# %% [markdown]
+# ## The prefix is the conditioning: tasks, instructions, preferences
+#
+# The encoder-decoder of lesson 6 conditions on a source through cross-attention; GPT has no
+# source and no cross-attention, so whatever it should condition on has to be written into the
+# prefix. "Decoder-only" names exactly that: the causal computation and the missing encoder, not a
+# model that stops representing its input. Because the targets are the text shifted by one,
+# ordinary text is training data, and a task becomes part of the prompt:
+#
+# $$p_\theta(\text{answer} \mid \text{instruction}, \text{examples}, \text{question}).$$
+#
+# GPT-3 (Brown et al., 2020) solved tasks from such prompts, examples included, without a
+# gradient step per task; that is a measured result, not a theorem that scale must produce it.
+# Instruction tuning keeps the model and the loss and changes the data to (question, answer)
+# pairs, counting only the answer's tokens (L5, lesson 5):
+#
+# $$\mathcal L_{\mathrm{SFT}} = -\frac{1}{|a|}\sum_t \log p_\theta(a_t \mid q, a_{<t}).$$
+#
+# Preference training (RLHF, as in InstructGPT, Ouyang et al., 2022) then shifts which answers get
+# the higher probability; the model still generates by sampling its next-token distribution.
+#
+# **Your turn.** Below, a question `q` of 4 tokens and an answer `a` of 3 for the GPT above. The
+# model reads `q + a` shifted by one. Compute the SFT loss yourself from `gpt.logits` (a log
+# softmax, then the answer's targets), and the `loss_mask` with which `gpt.forward` counts the
+# same tokens.
+
+# %%
+q_ids, a_ids = rng.integers(0, 32, 4), rng.integers(0, 32, 3)
+sequence = np.concatenate([q_ids, a_ids])[None]  # (1, 7)
+sft_batch = {"tokens": sequence[:, :-1], "targets": sequence[:, 1:]}
+sft_logits = gpt.logits(params, sft_batch["tokens"], gpt_config)  # (1, 6, 32)
+
+# %% tags=["exercise"]
+sft_loss = ...
+answer_mask = ...
+# BEGIN SOLUTION
+log_p = sft_logits - np.log(np.exp(sft_logits).sum(axis=-1, keepdims=True))
+# the target at position t is sequence[t + 1]: an answer token from t = len(q) - 1 on
+first = len(q_ids) - 1
+picked = log_p[0, np.arange(first, sequence.shape[1] - 1), sft_batch["targets"][0, first:]]
+sft_loss = -picked.mean()
+answer_mask = np.zeros(sft_batch["tokens"].shape, dtype=int)
+answer_mask[:, first:] = 1
+# END SOLUTION
+
+
+# %%
+def sft_reference(mask_from):
+    """gpt.forward's loss with the loss mask counting the targets from position mask_from on."""
+    mask = np.zeros(sft_batch["tokens"].shape, dtype=int)
+    mask[:, mask_from:] = 1
+    return float(gpt.forward(params, {**sft_batch, "loss_mask": mask}, gpt_config)[0])
+
+
+check_close("the SFT loss", sft_loss, lambda: sft_reference(len(q_ids) - 1), rtol=1e-12,
+            hint="the first answer token is the target of the question's last position",
+            slips={"the question's tokens counted too (the plain language-model loss)":
+                   lambda: float(gpt.forward(params, sft_batch, gpt_config)[0]),
+                   "the first answer token left out (the mask starts one position late)":
+                   lambda: sft_reference(len(q_ids)),
+                   "summed instead of averaged": lambda: 3 * sft_reference(len(q_ids) - 1)})
+check_close("the loss of gpt.forward with your answer_mask",
+            None if answer_mask is ... else float(gpt.forward(
+                params, {**sft_batch, "loss_mask": answer_mask}, gpt_config)[0]),
+            lambda: sft_reference(len(q_ids) - 1), rtol=1e-12,
+            hint="1 on the positions whose target is an answer token, 0 elsewhere")
+
+# %% [markdown] tags=["question"]
+# **Question.** Instruction tuning changed neither the network nor the loss function, only the
+# data and which tokens count. Why is that enough for the model to answer instructions, and why
+# does a preference-trained model still need a sampling rule at generation time?
+#
+# <!-- BEGIN SOLUTION -->
+# The model is trained to predict what follows a prefix; if the training text is instructions
+# followed by good answers, the continuation it learns for an instruction is an answer. The loss
+# mask only keeps the gradient from teaching it to produce the questions. Preference training
+# moves probability between candidate answers, but what the model outputs is still a
+# distribution over the next token, so generation still picks from it one token at a time
+# (greedy, temperature, top-k, top-p: lesson 9).
+# <!-- END SOLUTION -->
 
 # %% [markdown]
 # ## K1: appending tokens changes nothing that came before
@@ -510,3 +592,7 @@ plt.show()
 # - Xiong, R., et al. (2020). On Layer Normalization in the Transformer Architecture.
 # - Loshchilov, I., and Hutter, F. (2017). Decoupled Weight Decay Regularization. (AdamW.)
 # - Vaswani, A., et al. (2017). Attention Is All You Need. (The causal mask of the decoder.)
+# - Brown, T., et al. (2020). Language Models are Few-Shot Learners. (GPT-3: tasks from prompts
+#   and examples, without a gradient step per task.)
+# - Ouyang, L., et al. (2022). Training language models to follow instructions with human
+#   feedback. (InstructGPT: supervised fine-tuning, then RLHF.)
