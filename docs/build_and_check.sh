@@ -18,6 +18,14 @@ start=$(date +%s)
 python -m sphinx -W -q -b html docs docs/_build/html
 echo "site built in $(( $(date +%s) - start )) s: docs/_build/html/index.html"
 python docs/check_links.py docs/_build/html
+# The default build is the students' site: no line of a lesson's solutions may reach its pages.
+answers=$(python -c 'import os, sys; sys.path.insert(0, "docs/_ext")
+from lesson_pages import answers_wanted; print(int(answers_wanted(os.environ)))')
+if [ "$answers" = 1 ]; then
+    echo "instructor build (REFMATH_DOCS_ANSWERS): the answers are shown on purpose, no leak scan"
+else
+    python docs/check_student_site.py --site docs/_build/html
+fi
 
 [ "$browser" = 1 ] || exit 0
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

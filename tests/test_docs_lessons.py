@@ -48,3 +48,26 @@ def test_a_solution_line_that_would_reach_the_site_stops_the_build(tmp_path, mon
     with pytest.raises(ValueError, match="solution lines would reach the student site"):
         lesson_pages.mirror_lessons(ROOT, tmp_path / "site")
     assert not (tmp_path / "site").exists()
+
+
+def test_the_built_student_site_is_scanned_for_answers(tmp_path):
+    # docs/check_student_site.py reads the built pages: an answer that reached a page's code cell
+    # (split into highlighted spans, as Pygments writes it) is found; the student page is clean
+    sys.path.insert(0, str(ROOT / "docs"))
+    import check_student_site
+
+    lesson = ROOT / "notebooks" / "04_ffn_and_positions.py"
+    regions = find_regions(lesson.read_text(encoding="utf-8"), str(lesson))
+    secret = next(line for line in lesson.read_text(encoding="utf-8").splitlines()[
+        regions[0].begin + 1:regions[0].end] if len(line.strip()) > 20).strip()
+    pages = tmp_path / "lessons"
+    pages.mkdir()
+    student = lessons.student_copy(lesson.read_text(encoding="utf-8"), str(lesson))
+    (pages / lesson.with_suffix(".html").name).write_text(
+        "<html><body><pre>" + student.replace("<", "&lt;") + "</pre></body></html>")
+    assert check_student_site.leaks(tmp_path) == (1, [])
+    spans = "".join(f"<span class=\"n\">{part}</span> " for part in secret.replace("<", "&lt;").split())
+    (pages / lesson.with_suffix(".html").name).write_text(
+        f"<html><body><div class=\"highlight\"><pre>{spans}</pre></div></body></html>")
+    checked, found = check_student_site.leaks(tmp_path)
+    assert checked == 1 and len(found) == 1 and secret.split()[0] in found[0]
