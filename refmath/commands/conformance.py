@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attn.add_argument("--adapter", required=True, choices=tuple(ADAPTERS),
                       help="the calling convention of the kernel")
     attn.add_argument("--quick", action="store_true", help="the quick sweep (a few seconds)")
+    attn.add_argument("--long", action="store_true",
+                      help="add the T = 32k cases (forward and decode; tens of seconds)")
     attn.add_argument("--dtype", nargs="+", default=None, choices=tuple(DTYPES), metavar="DTYPE",
                       help="the input dtypes (default: float32, or the adapter's first)")
     attn.add_argument("--contract", nargs="+", default=None, choices=CONTRACTS, metavar="CONTRACT",
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     contracts = tuple(args.contract) if args.contract else adapter.contracts
     bar = _progress()
     start = time.perf_counter()
-    results = check_attention(fn, adapter, quick=args.quick, dtypes=dtypes, contracts=contracts,
+    results = check_attention(fn, adapter, quick=args.quick, long=args.long, dtypes=dtypes,
+                              contracts=contracts,
                               masked_rows=args.masked_rows, timeout=args.timeout,
                               allow_nan_leaks=args.allow_nan_leaks, fail_fast=args.fail_fast,
                               progress=bar.update if bar else None)

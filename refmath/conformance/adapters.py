@@ -16,6 +16,8 @@ outputs in the oracle's shapes, checking shape, dtype and device on the way
 ``flash_attn``            ``flash_attn_func(q, k, v, softmax_scale=, causal=, window_size=,
                           softcap=, alibi_slopes=, return_attn_probs=)`` on ``(B, T, H, D)``,
                           bottom-right; gradients by autograd
+``flash_attn_varlen``     ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, ...)`` on packed ``(total, H, D)``
 ``flash_attn_kvcache``    ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=,
                           block_table=, softmax_scale=)``: decode and paged decode
 ``refmath``               :func:`refmath.kernels.flash_attention_forward`:
@@ -50,6 +52,7 @@ class Adapter:
     dtypes: tuple[str, ...] = ("float32",)
     masked_rows = "zero"  # what the convention gives a row with no visible key: "zero" or "nan"
     framework = "numpy"
+    varlen = False  # takes packed batches (a block-diagonal mask, or cu_seqlens)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -60,8 +63,8 @@ class Adapter:
             return f"the {self.name} adapter has no {case.contract} contract"
         if case.dtype not in self.dtypes:
             return f"the {self.name} adapter takes {', '.join(self.dtypes)}, not {case.dtype}"
-        if case.cu_seqlens is not None:
-            return "no variable-length batches in this convention"
+        if case.varlen is not None and not self.varlen:
+            return "no variable-length packed batches in this convention"
         return self.supports_options(case)
 
     def supports_options(self, case: Case) -> str | None:
@@ -178,6 +181,7 @@ class NumpyAdapter(Adapter):
     name = "numpy"
     contracts = ("forward",)
     dtypes = ("float32", "bfloat16", "float16")
+    varlen = True  # as a block-diagonal mask
 
     def supports_options(self, case):
         if case.softcap is not None or case.alibi:
@@ -200,6 +204,7 @@ class SDPAAdapter(Adapter):
     contracts = ("forward", "backward")
     dtypes = ("float32", "bfloat16", "float16")
     framework = "torch"
+    varlen = True  # as a block-diagonal attn_mask
 
     def supports_options(self, case):
         if case.softcap is not None:
@@ -211,6 +216,7 @@ class SDPAAdapter(Adapter):
         ``T_q = T_k``, and nothing else masked), else a boolean mask, or a float one for ALiBi."""
         torch = _torch()
         plain_causal = (case.causal and case.window is None and case.lengths is None
+                        and case.varlen is None
                         and (case.alignment == "top-left" or case.t_q == case.t_k))
         if plain_causal and not case.alibi:
             return True, None
@@ -294,6 +300,39 @@ class FlashAttnAdapter(Adapter):
         return got
 
 
+class FlashAttnVarlenAdapter(Adapter):
+    """flash-attention's ``flash_attn_varlen_func``: ``q`` ``(total_q, H, D)``, ``k``/``v``
+    ``(total_k, G, D)``, ``cu_seqlens_q``/``cu_seqlens_k`` int32, ``max_seqlen_q``/``_k``; each
+    sequence bottom-right aligned; the lse ``(H, total_q)`` by ``return_attn_probs=True``."""
+
+    name = "flash_attn_varlen"
+    contracts = ("forward",)
+    dtypes = ("bfloat16", "float16")
+    framework = "torch"
+    varlen = True
+
+    def supports_options(self, case):
+        if case.varlen is None:
+            return "flash_attn_varlen_func takes packed batches (the varlen cases)"
+        if case.causal and case.alignment != "bottom-right":
+            return "flash-attention (>= 2.1) aligns causal masks bottom-right"
+        return None
+
+    def call(self, fn, case, inputs):
+        torch = _torch()
+        q, k, v = self.arrays(case, _bthd(inputs.q)[0], _bthd(inputs.k)[0], _bthd(inputs.v)[0])
+        cu_q, cu_k = (torch.from_dlpack(x).to(self.device) for x in (case.cu_seqlens_q, case.cu_seqlens_k))
+        window = case.window if case.window is not None else (-1, -1)
+        out = fn(q, k, v, cu_q, cu_k, max(a for a, _ in case.varlen), max(b for _, b in case.varlen),
+                 softmax_scale=case.scale_value, causal=case.causal, window_size=tuple(window),
+                 softcap=case.softcap or 0.0, return_attn_probs=True)
+        o, lse = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+        got = {"o": _bthd(self.result("o", o, _bthd(inputs.q).shape[1:], case)[None])}
+        if lse is not None:
+            got["lse"] = self.result("lse", lse, inputs.q.shape[1:3], case, dtype="any")[None]
+        return got
+
+
 class FlashAttnKVCacheAdapter(Adapter):
     """flash-attention's ``flash_attn_with_kvcache`` for decode: ``q`` ``(B, 1, H, D)``, the cache
     ``(B, T, G, D)`` or paged ``(n_pages, p, G, D)`` with ``block_table``; ``cache_seqlens``."""
@@ -323,7 +362,8 @@ def _torch():
     return torch
 
 
-ADAPTERS = {a.name: a for a in (SDPAAdapter, FlashAttnAdapter, FlashAttnKVCacheAdapter, RefmathAdapter,
+ADAPTERS = {a.name: a for a in (SDPAAdapter, FlashAttnAdapter, FlashAttnVarlenAdapter,
+                                FlashAttnKVCacheAdapter, RefmathAdapter,
                                 RefmathBackwardAdapter, RefmathDecodeAdapter, RefmathPagedAdapter,
                                 NumpyAdapter)}
 

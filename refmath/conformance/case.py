@@ -48,8 +48,10 @@ class Case:
     (padding for the forward, the cache lengths for decode). ``page_size``, ``shared_pages``: the
     paged pool (pages are always permuted, the last page of a sequence may be partial, and every
     slot and page no sequence owns is NaN). ``strided``: the arrays reach the kernel as
-    non-contiguous views. ``cu_seqlens``: a variable-length packed batch (``b = 1``, the sequences
-    back to back, each with its own alignment).
+    non-contiguous views. ``varlen``: a variable-length packed batch, ``((T_q, T_k), ...)`` per
+    sequence, packed back to back along the length axes of a batch of one (``t_q``, ``t_k`` are
+    set to the totals); each sequence sees only its own keys, with its own alignment
+    (flash-attention's ``cu_seqlens``: :attr:`cu_seqlens_q`, :attr:`cu_seqlens_k`).
     """
 
     contract: str
@@ -65,7 +67,7 @@ class Case:
     alignment: str = "bottom-right"
     window: tuple[int, int] | None = None
     lengths: tuple[int, ...] | None = None
-    cu_seqlens: tuple[int, ...] | None = None
+    varlen: tuple[tuple[int, int], ...] | None = None
     scale: float | None = None
     softcap: float | None = None
     alibi: bool = False
@@ -86,6 +88,21 @@ class Case:
             raise ValueError(f"inputs must be one of {INPUTS}, got {self.inputs!r}")
         if self.g < 1 or self.h % self.g:
             raise ValueError(f"g = {self.g} must divide h = {self.h}")
+        if self.varlen is not None:
+            if self.b != 1 or self.lengths is not None or self.alibi:
+                raise ValueError("varlen packs the batch into one sequence: b must be 1, with no "
+                                 f"lengths or ALiBi, got b = {self.b}")
+            object.__setattr__(self, "t_q", sum(q for q, _ in self.varlen))
+            object.__setattr__(self, "t_k", sum(k for _, k in self.varlen))
+
+    @property
+    def cu_seqlens_q(self) -> np.ndarray:
+        """Where each packed sequence's queries start, and the total: ``(n + 1,)`` int32."""
+        return np.concatenate([[0], np.cumsum([q for q, _ in self.varlen])]).astype(np.int32)
+
+    @property
+    def cu_seqlens_k(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([k for _, k in self.varlen])]).astype(np.int32)
 
     @property
     def id(self) -> str:
@@ -97,7 +114,8 @@ class Case:
 
     @property
     def has_mask(self) -> bool:
-        return self.causal or self.window is not None or self.lengths is not None
+        return (self.causal or self.window is not None or self.lengths is not None
+                or self.varlen is not None)
 
     def describe(self) -> str:
         """The case in one line: shapes and every option that is set."""
@@ -108,8 +126,8 @@ class Case:
             parts.append(f"window {self.window}")
         if self.lengths is not None:
             parts.append(f"lengths {list(self.lengths)}")
-        if self.cu_seqlens is not None:
-            parts.append(f"cu_seqlens {list(self.cu_seqlens)}")
+        if self.varlen is not None:
+            parts.append(f"varlen {[list(x) for x in self.varlen]}")
         if self.scale is not None:
             parts.append(f"scale {self.scale:g}")
         if self.softcap is not None:
@@ -137,13 +155,31 @@ def query_positions(case: Case, t_q: int | None = None, t_k: int | None = None) 
     return np.arange(t_q) + offset
 
 
+def _packed_positions(case: Case):
+    """For a varlen case: each query's sequence and key position within it, each key's sequence
+    and position within it."""
+    seq_q = np.repeat(np.arange(len(case.varlen)), [q for q, _ in case.varlen])
+    seq_k = np.repeat(np.arange(len(case.varlen)), [k for _, k in case.varlen])
+    j = np.arange(case.t_k) - case.cu_seqlens_k[seq_k]
+    i = np.arange(case.t_q) - case.cu_seqlens_q[seq_q]
+    if case.alignment == "bottom-right":
+        lq, lk = np.diff(case.cu_seqlens_q), np.diff(case.cu_seqlens_k)
+        i = i + (lk - lq)[seq_q]
+    return seq_q, i, seq_k, j
+
+
 def visible(case: Case, b: int = 0, rows: slice = slice(None), t_q: int | None = None,
             t_k: int | None = None) -> np.ndarray:
     """Boolean ``(rows, T_k)``: which keys the query rows ``rows`` of sequence ``b`` see."""
     t_k = case.t_k if t_k is None else t_k
-    p = query_positions(case, t_q, t_k)[rows][:, None]
-    j = np.arange(t_k)[None, :]
-    keep = np.ones((p.shape[0], t_k), dtype=bool)
+    if case.varlen is not None:
+        seq_q, p, seq_k, j = _packed_positions(case)
+        keep = seq_q[rows][:, None] == seq_k[None, :]
+        p, j = p[rows][:, None], j[None, :]
+    else:
+        p = query_positions(case, t_q, t_k)[rows][:, None]
+        j = np.arange(t_k)[None, :]
+        keep = np.ones((p.shape[0], t_k), dtype=bool)
     if case.causal:
         keep &= j <= p
     if case.window is not None:
@@ -332,7 +368,11 @@ def forward_cases(dtype: str, quick: bool = False) -> list[Case]:
     for kind in kinds:
         cases.append(F(f"{kind} causal", t_q=65, t_k=65, causal=True, inputs=kind))
     cases.append(F("nan padding", b=2, t_q=33, t_k=33, lengths=(33, 17), inputs="nan"))
+    cases += [F("varlen", h=4, g=2, varlen=((5, 5), (17, 17), (64, 64), (1, 1), (30, 30))),
+              F("varlen causal", h=4, g=2, varlen=((5, 5), (17, 17), (65, 65), (1, 1)), causal=True),
+              F("varlen causal Tq!=Tk", varlen=((3, 20), (16, 16), (33, 70)), causal=True)]
     if not quick:
+        cases.append(F("varlen window", varlen=((40, 40), (70, 70)), window=(15, 0), causal=True))
         for kind in ("large", "nan"):
             cases.append(F(f"{kind} window", t_q=65, t_k=65, window=(15, 0), causal=True, inputs=kind))
         cases.append(F("long", b=1, h=2, g=1, t_q=2048, t_k=2048, causal=True))
@@ -405,13 +445,30 @@ _BUILDERS = {"forward": forward_cases, "backward": backward_cases, "decode": dec
              "paged": paged_cases}
 
 
-def sweep(contracts=CONTRACTS, dtypes=("float32",), quick: bool = False) -> list[Case]:
+LONG = 32768
+
+
+def long_cases(dtype: str) -> dict[str, list[Case]]:
+    """``T = 32k``: the lengths of long-context prefill and decode (the oracle takes about ten
+    seconds for the causal forward on one core)."""
+    return {"forward": [Case("forward", "T=32k causal", dtype=dtype, h=1, g=1, t_q=LONG, t_k=LONG,
+                             causal=True)],
+            "decode": [Case("decode", "T=32k", dtype=dtype, b=2, h=8, g=1, t_q=1, t_k=LONG,
+                            lengths=(LONG, LONG // 2 + 1))]}
+
+
+def sweep(contracts=CONTRACTS, dtypes=("float32",), quick: bool = False,
+          long: bool = False) -> list[Case]:
     """Every case of the sweep for the given contracts and dtypes (``quick``: a subset that still
-    crosses every kind of boundary, for a fast first look and for tests)."""
+    crosses every kind of boundary, for a fast first look and for tests; ``long``: add the
+    ``T = 32k`` cases)."""
     for c in contracts:
         if c not in CONTRACTS:
             raise ValueError(f"contracts must be drawn from {CONTRACTS}, got {c!r}")
     for dt in dtypes:
         if dt not in DTYPES:
             raise ValueError(f"dtypes must be drawn from {tuple(DTYPES)}, got {dt!r}")
-    return [case for c in contracts for dt in dtypes for case in _BUILDERS[c](dt, quick)]
+    cases = [case for c in contracts for dt in dtypes for case in _BUILDERS[c](dt, quick)]
+    if long:
+        cases += [case for dt in dtypes for c in contracts for case in long_cases(dt).get(c, [])]
+    return cases

@@ -80,12 +80,17 @@ def attention(case: Case, inputs: Inputs, precision: str = "float64",
         for i0 in range(0, t_q, rows_per_chunk):
             rows = slice(i0, min(t_q, i0 + rows_per_chunk))
             vis = visible(case, b, rows)
+            # Only the keys some row of the chunk sees: hidden keys add nothing (and causal
+            # attention costs half), exactly as a kernel skips the tiles a mask hides.
+            seen = np.flatnonzero(vis.any(axis=0))
+            keys = slice(int(seen[0]), int(seen[-1]) + 1) if seen.size else slice(0, 0)
+            vis = vis[:, keys]
             bias = None
             if slopes is not None:
-                bias = -np.abs(positions[rows][:, None] - np.arange(t_k)[None, :]).astype(work)
+                bias = -np.abs(positions[rows][:, None] - np.arange(t_k)[None, keys]).astype(work)
             for r in range(h):
                 u = r // group
-                kk, vv, qq = k[b, u], v[b, u], q[b, r, rows]
+                kk, vv, qq = k[b, u, keys], v[b, u, keys], q[b, r, rows]
                 with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
                     raw = rnd(qq @ kk.T) * tau
                     s = raw
@@ -96,7 +101,7 @@ def attention(case: Case, inputs: Inputs, precision: str = "float64",
                     if bias is not None:
                         s = s + work(slopes[r]) * bias
                     s = np.where(vis, s, -np.inf)
-                    m = s.max(axis=-1, keepdims=True)  # NaN propagates
+                    m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # NaN propagates
                     m_safe = np.where(np.isneginf(m), 0.0, m)
                     e = np.exp(s - m_safe)
                     l = e.sum(axis=-1, keepdims=True)
@@ -113,14 +118,14 @@ def attention(case: Case, inputs: Inputs, precision: str = "float64",
                             p = p * (1.0 + saved_lse_rounding * np.abs(
                                 np.where(np.isfinite(lse[b, r, rows]), lse[b, r, rows], 0.0)))[:, None]
                         delta = (do * o_rows).sum(axis=-1, keepdims=True)
-                        dv32[b, u] += _masked_matmul(p.T, vis.T, do, work)
+                        dv32[b, u, keys] += _masked_matmul(p.T, vis.T, do, work)
                         dp = rnd(_dp(do, vv, vis, work))
                         ds = np.where(vis, p * (dp - delta), 0.0)
                         if case.softcap is not None:
                             ds = ds * (1.0 - t * t)
                         ds = rnd(ds)
                         dq[b, r, rows] = rnd(tau * _masked_matmul(ds, vis, kk, work))
-                        dk32[b, u] += tau * _masked_matmul(ds.T, vis.T, qq, work)
+                        dk32[b, u, keys] += tau * _masked_matmul(ds.T, vis.T, qq, work)
     out = {"o": o.astype(np.float64), "lse": lse.astype(np.float64), "empty": empty}
     if backward:
         out.update(dq=dq.astype(np.float64), dk=rnd(dk32).astype(np.float64),

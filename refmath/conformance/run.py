@@ -234,18 +234,20 @@ def check_case(fn, adapter: Adapter | str, case: Case, masked_rows: str | None =
 def check_attention(fn, adapter: str = "sdpa", quick: bool = False, dtypes=("float32",),
                     contracts=None, masked_rows: str | None = None, device: str = "cpu",
                     timeout: float = DEFAULT_TIMEOUT, progress=None, cases=None,
-                    fail_fast: bool = False, allow_nan_leaks: bool = False) -> list[CaseResult]:
+                    fail_fast: bool = False, allow_nan_leaks: bool = False,
+                    long: bool = False) -> list[CaseResult]:
     """Run ``fn`` through the sweep (:func:`refmath.conformance.case.sweep`) with the adapter
     named ``adapter``; returns one :class:`CaseResult` per case, skips included. ``contracts``
     defaults to the adapter's own; ``progress`` is called as ``progress(done, total, result)``
     after each case; ``cases`` replaces the sweep; ``fail_fast`` stops at the first failure;
-    ``masked_rows`` and ``allow_nan_leaks`` are :func:`check_case`'s."""
+    ``masked_rows`` and ``allow_nan_leaks`` are :func:`check_case`'s; ``long`` adds the
+    ``T = 32k`` cases."""
     if not callable(fn):
         raise TypeError(f"fn must be a callable kernel, got {type(fn).__name__}")
     adapter_obj = get_adapter(adapter, device) if isinstance(adapter, str) else adapter
     if cases is None:
         contracts = adapter_obj.contracts if contracts is None else tuple(contracts)
-        cases = sweep(contracts, tuple(dtypes), quick)
+        cases = sweep(contracts, tuple(dtypes), quick, long)
     results = []
     for i, case in enumerate(cases):
         results.append(check_case(fn, adapter_obj, case, masked_rows, timeout, allow_nan_leaks))
