@@ -11,7 +11,7 @@ from refmath.attention import gqa_head_map, sdpa_backward, sdpa_forward
 from refmath.conformance import bounds, oracle
 from refmath.conformance.arrays import describe, to_framework, to_host
 from refmath.conformance.bugs import numpy_attention
-from refmath.conformance.case import Case, make_inputs, sweep, visible
+from refmath.conformance.case import AttentionCase, make_inputs, sweep, visible
 from refmath.conformance.precision import numpy_dtype, unit_roundoff
 from refmath.conformance.run import check_attention, check_case
 
@@ -43,11 +43,11 @@ def _dense_reference(case, inputs):
 
 
 ORACLE_CASES = [
-    Case("backward", "gqa causal", h=4, g=2, t_q=33, t_k=33, causal=True),
-    Case("backward", "top-left Tq<Tk", t_q=9, t_k=40, causal=True, alignment="top-left"),
-    Case("backward", "window left+right", t_q=30, t_k=30, window=(5, 3)),
-    Case("backward", "padding", b=2, t_q=20, t_k=20, lengths=(20, 7)),
-    Case("backward", "alibi", h=4, g=4, t_q=20, t_k=20, alibi=True, causal=True),
+    AttentionCase("backward", "gqa causal", h=4, g=2, t_q=33, t_k=33, causal=True),
+    AttentionCase("backward", "top-left Tq<Tk", t_q=9, t_k=40, causal=True, alignment="top-left"),
+    AttentionCase("backward", "window left+right", t_q=30, t_k=30, window=(5, 3)),
+    AttentionCase("backward", "padding", b=2, t_q=20, t_k=20, lengths=(20, 7)),
+    AttentionCase("backward", "alibi", h=4, g=4, t_q=20, t_k=20, alibi=True, causal=True),
 ]
 
 
@@ -62,7 +62,7 @@ def test_the_oracle_equals_the_dense_reference_forward_and_backward(case):
 
 
 def test_the_soft_cap_is_cap_tanh_of_the_scores_and_its_gradient_by_differences():
-    case = Case("backward", "softcap", t_q=6, t_k=7, d=8, softcap=2.0, causal=True)
+    case = AttentionCase("backward", "softcap", t_q=6, t_k=7, d=8, softcap=2.0, causal=True)
     inputs = make_inputs(case)
     ref = oracle.attention(case, inputs)
     s = 2.0 * np.tanh(case.scale_value * inputs.q[0, 0] @ inputs.k[0, 0].T / 2.0)
@@ -81,7 +81,7 @@ def test_the_soft_cap_is_cap_tanh_of_the_scores_and_its_gradient_by_differences(
 
 
 def test_chunks_of_query_rows_give_the_same_numbers(monkeypatch):
-    case = Case("backward", "chunks", t_q=50, t_k=70, causal=True, inputs="nan")
+    case = AttentionCase("backward", "chunks", t_q=50, t_k=70, causal=True, inputs="nan")
     inputs = make_inputs(case)
     whole = oracle.attention(case, inputs)
     monkeypatch.setattr(oracle, "CHUNK_ELEMENTS", 70 * 7)  # seven rows per chunk
@@ -92,7 +92,7 @@ def test_chunks_of_query_rows_give_the_same_numbers(monkeypatch):
 
 
 def test_nan_reaches_exactly_the_rows_that_see_it():
-    case = Case("forward", "nan", t_q=20, t_k=20, causal=True, inputs="nan")
+    case = AttentionCase("forward", "nan", t_q=20, t_k=20, causal=True, inputs="nan")
     inputs = make_inputs(case)
     ref = oracle.attention(case, inputs)
     k_bad = np.isnan(inputs.k[0, 0]).any(axis=1)
@@ -133,7 +133,7 @@ def test_the_plain_numpy_kernel_passes_in_every_dtype(quick_results):
 
 
 def test_tolerance_is_c_times_the_plain_error_or_the_ulp_floor():
-    case = Case("forward", "x", dtype="bfloat16")
+    case = AttentionCase("forward", "x", dtype="bfloat16")
     assert bounds.tolerance(case, "o", 0.01, 1.0) == pytest.approx(2 * 0.01)
     assert bounds.tolerance(case, "dq", 0.01, 1.0) == pytest.approx(3 * 0.01)
     assert bounds.tolerance(case, "o", 0.0, 4.0) == pytest.approx(2 * 2**-8 * 4.0)
@@ -152,7 +152,7 @@ def test_the_a_priori_bound_holds_for_the_plain_implementation():
 def test_the_wrong_causal_kernel_of_mlir_air_1427_passes_atol_half_but_fails_here():
     from refmath.conformance.bugs import causal_ignored
 
-    case = Case("forward", "mlir-air", t_q=64, t_k=64, causal=True, inputs="uniform")
+    case = AttentionCase("forward", "mlir-air", t_q=64, t_k=64, causal=True, inputs="uniform")
     inputs = make_inputs(case)
     q, k, v = (x.astype(np.float32) for x in (inputs.q, inputs.k, inputs.v))
     o, _ = causal_ignored(q, k, v, causal=True)
@@ -266,7 +266,7 @@ def test_a_result_on_another_device_fails_its_case(sdpa):
     def on_meta(q, k, v, **kw):
         return torch.empty(q.shape, dtype=q.dtype, device="meta")
 
-    result = check_case(on_meta, "sdpa", Case("forward", "meta"))
+    result = check_case(on_meta, "sdpa", AttentionCase("forward", "meta"))
     assert result.status == "fail" and "is on meta" in result.reason
 
 
@@ -278,12 +278,12 @@ def test_a_nondeterministic_kernel_fails_the_determinism_check():
         o = numpy_attention(q, k, v, **kw)
         return (o * np.float32(1 + 2**-23 * (len(calls) % 2))).astype(o.dtype)
 
-    result = check_case(jitter, "numpy", Case("forward", "x"))
+    result = check_case(jitter, "numpy", AttentionCase("forward", "x"))
     assert result.status == "fail" and result.deterministic is False
 
 
 def test_the_all_masked_row_convention_is_selectable():
-    case = Case("forward", "empty rows", t_q=20, t_k=8, causal=True)  # 12 rows see nothing
+    case = AttentionCase("forward", "empty rows", t_q=20, t_k=8, causal=True)  # 12 rows see nothing
     assert check_case(numpy_attention, "numpy", case).status == "pass"
     result = check_case(numpy_attention, "numpy", case, masked_rows="nan")
     assert result.status == "fail" and "should be NaN" in result.reason
@@ -291,15 +291,15 @@ def test_the_all_masked_row_convention_is_selectable():
 
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="contract"):
-        Case("prefill", "x")
+        AttentionCase("prefill", "x")
     with pytest.raises(ValueError, match="g = 3 must divide h = 4"):
-        Case("forward", "x", h=4, g=3)
+        AttentionCase("forward", "x", h=4, g=3)
     with pytest.raises(ValueError, match="adapter must be one of"):
         conformance.get_adapter("flashinfer")
     with pytest.raises(TypeError, match="fn must be a callable"):
         check_attention("not a kernel", "numpy")
     with pytest.raises(ValueError, match="masked_rows"):
-        check_case(numpy_attention, "numpy", Case("forward", "x"), masked_rows="inf")
+        check_case(numpy_attention, "numpy", AttentionCase("forward", "x"), masked_rows="inf")
     with pytest.raises(ValueError, match="dtypes"):
         sweep(dtypes=("float128",))
 
@@ -314,7 +314,7 @@ def test_the_report_writes_markdown_json_and_a_figure(tmp_path):
     import json
 
     results = check_attention(numpy_attention, "numpy", cases=sweep(("forward",), quick=True)[:4]
-                              + [Case("forward", "alibi", alibi=True)])
+                              + [AttentionCase("forward", "alibi", alibi=True)])
     for name in ("r.md", "r.json", "r.png"):
         conformance.report.write(results, tmp_path / name, kernel="numpy_attention")
     md = (tmp_path / "r.md").read_text()

@@ -1,7 +1,7 @@
-"""The planted-bug catalogue (refmath.conformance.bugs): every bug is caught by the default sweep,
-and each correct kernel it is planted in passes. The sweep stops at a bug's first catch, so this
-stays fast (tests/test_conformance.py shows the kernels they are planted in pass); `python -m refmath conformance attention ... --adapter ...` on a bug shows every case
-that catches it."""
+"""The planted-bug catalogue (refmath.conformance.bugs): every bug is caught by the default sweep.
+The sweep stops at a bug's first catch, so this stays fast; tests/test_conformance.py shows that
+the kernels they are planted in pass, and `python -m refmath conformance attention
+refmath.conformance.bugs:NAME --adapter ADAPTER` shows every case that catches one."""
 import pytest
 
 from refmath import kernels

@@ -21,11 +21,13 @@ implementation), :mod:`~refmath.conformance.bounds` (the tolerance and its deriv
 :mod:`~refmath.conformance.pytest_support` (the sweep inside a kernel's own pytest suite:
 :func:`cases` for ``pytest.mark.parametrize``, :func:`assert_conforms`).
 """
-from refmath.conformance.adapters import ADAPTERS, Adapter, get_adapter
-from refmath.conformance.case import Case, sweep
+# The functions a kernel's test needs, by their short names; the classes (AttentionCase, CaseResult,
+# Adapter) stay in their modules, so that each is documented, and cross-referenced, once.
+from refmath.conformance.adapters import ADAPTERS, get_adapter
+from refmath.conformance.case import sweep
 from refmath.conformance.pytest_support import assert_conforms, cases
 from refmath.conformance.report import table
-from refmath.conformance.run import CaseResult, check_attention, check_case
+from refmath.conformance.run import check_attention, check_case
 
-__all__ = ["ADAPTERS", "Adapter", "Case", "CaseResult", "assert_conforms", "cases",
-           "check_attention", "check_case", "get_adapter", "sweep", "table"]
+__all__ = ["ADAPTERS", "assert_conforms", "cases", "check_attention", "check_case", "get_adapter",
+           "sweep", "table"]

@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.conformance.arrays import BadOutput, describe, to_framework, to_host
-from refmath.conformance.case import Case, Inputs, alibi_slopes, visible
+from refmath.conformance.case import AttentionCase, Inputs, alibi_slopes, visible
 
 
 class Adapter:
@@ -56,8 +56,12 @@ class Adapter:
 
     def __init__(self, device: str = "cpu"):
         self.device = device
+        if self.framework == "numpy" and device != "cpu" and self.name.startswith("refmath"):
+            # refmath's CUDA kernels: CuPy arrays, float32 and the 16-bit formats
+            self.framework = "cupy"
+            self.dtypes = ("float32", "float16", "bfloat16")
 
-    def supports(self, case: Case) -> str | None:
+    def supports(self, case: AttentionCase) -> str | None:
         """None when the case applies, else the reason it does not."""
         if case.contract not in self.contracts:
             return f"the {self.name} adapter has no {case.contract} contract"
@@ -67,18 +71,18 @@ class Adapter:
             return "no variable-length packed batches in this convention"
         return self.supports_options(case)
 
-    def supports_options(self, case: Case) -> str | None:
+    def supports_options(self, case: AttentionCase) -> str | None:
         return None
 
-    def call(self, fn, case: Case, inputs: Inputs) -> dict:
+    def call(self, fn, case: AttentionCase, inputs: Inputs) -> dict:
         raise NotImplementedError
 
     # helpers shared by the adapters
-    def arrays(self, case: Case, *xs, strided: bool | None = None):
+    def arrays(self, case: AttentionCase, *xs, strided: bool | None = None):
         strided = case.strided if strided is None else strided
         return [to_framework(x, case.dtype, self.framework, self.device, strided) for x in xs]
 
-    def result(self, name: str, y, shape: tuple, case: Case, dtype: str | None = None) -> np.ndarray:
+    def result(self, name: str, y, shape: tuple, case: AttentionCase, dtype: str | None = None) -> np.ndarray:
         """``y`` checked (an array, of ``shape``, of the case's dtype, on the inputs' device) and
         brought to the host in float64."""
         if not hasattr(y, "shape"):
@@ -95,7 +99,7 @@ class Adapter:
         return to_host(y)
 
 
-def _window_of(case: Case):
+def _window_of(case: AttentionCase):
     """refmath's window ``w`` (keys ``p - w + 1 .. p``) of a left-only causal window."""
     if case.window is None:
         return None

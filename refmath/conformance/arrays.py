@@ -14,7 +14,7 @@ import numpy as np
 
 from refmath.conformance.precision import numpy_dtype
 
-FRAMEWORKS = ("numpy", "torch")
+FRAMEWORKS = ("numpy", "torch", "cupy")
 
 
 class BadOutput(Exception):
@@ -47,6 +47,13 @@ def to_framework(x: np.ndarray, dtype: str, framework: str = "numpy", device: st
         if strided:
             out = np.ascontiguousarray(np.swapaxes(out, -1, -2)).swapaxes(-1, -2)
         return out
+    if framework == "cupy":  # refmath's CUDA kernels take CuPy arrays
+        import cupy
+
+        host = np.asarray(x).astype(numpy_dtype(dtype))
+        if strided:
+            return cupy.ascontiguousarray(cupy.asarray(np.swapaxes(host, -1, -2))).swapaxes(-1, -2)
+        return cupy.asarray(host)
     if framework == "torch":
         torch = _torch()
         base = np.ascontiguousarray(x, dtype=np.float32)

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.conformance.case import Case, Inputs, visible
+from refmath.conformance.case import AttentionCase, Inputs, visible
 from refmath.conformance.precision import U32, unit_roundoff
 
 C_FORWARD = 2.0  # the factor of rule (a) for o and lse
@@ -76,15 +76,23 @@ def _gamma(n, u=U32):
     return n * u / (1.0 - n * u)
 
 
-def tolerance(case: Case, name: str, plain_error: float, magnitude: float,
+def tolerance(case: AttentionCase, name: str, plain_error: float, magnitude: float,
               scale_shift: float = 0.0) -> float:
-    """Rule (a): ``max(c plain_error, 2 u magnitude) + scale_shift``; ``magnitude`` is
-    ``max |o*|`` and ``scale_shift`` the oracle's own change when ``tau`` is moved by
-    :data:`SCALE_ROUNDING` (see the module docstring)."""
+    r"""The tolerance of rule (a) for one output (catalogue C1): with ``o*`` the float64 oracle,
+    ``o_p`` the plain implementation in the kernel's dtype (unit roundoff ``u``) and ``c`` 2 for
+    ``o`` and ``lse``, 3 for the gradients,
+
+    .. math::
+        \max |o_k - o^*| \;\le\; \max\big(c \max |o_p - o^*|,\ 2u \max |o^*|\big)
+        + \max \big|o^*\big(\tau (1 + 2u_{32})\big) - o^*(\tau)\big|
+
+    ``plain_error`` is ``max |o_p - o*|``, ``magnitude`` is ``max |o*|`` and ``scale_shift`` the
+    last term, the oracle's own change when ``tau`` is moved by :data:`SCALE_ROUNDING` (and, for
+    the gradients, when the saved lse is rounded). The module docstring derives each part."""
     return max(factor(name) * plain_error, 2.0 * unit_roundoff(case.dtype) * magnitude) + scale_shift
 
 
-def apriori(case: Case, inputs: Inputs, ref: dict) -> dict[str, float]:
+def apriori(case: AttentionCase, inputs: Inputs, ref: dict) -> dict[str, float]:
     """Rule (b) for ``o`` and ``lse``: the largest per-row bound over the rows (see the module
     docstring); rows that are all masked or hold NaN have none."""
     u = unit_roundoff(case.dtype)

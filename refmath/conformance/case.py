@@ -1,6 +1,6 @@
 r"""The cases of the attention conformance sweep: what each one asks of a kernel, and its inputs.
 
-A :class:`Case` is one call of a kernel under one contract:
+A :class:`AttentionCase` is one call of a kernel under one contract:
 
 * ``"forward"``: prefill/training attention, ``o = softmax(tau q k^T + bias, masked) v`` (and the
   log-sum-exp where the kernel returns one);
@@ -39,7 +39,7 @@ MASKED_ROWS = ("zero", "nan")
 
 
 @dataclass(frozen=True)
-class Case:
+class AttentionCase:
     """One call of a kernel: the contract, the shapes, the mask, the options and the inputs' kind.
 
     ``b, h, g, t_q, t_k, d``: batch, query heads, key/value heads (``g`` divides ``h``; query head
@@ -141,13 +141,13 @@ class Case:
         parts.append(self.inputs)
         return ", ".join(parts)
 
-    def replace(self, **changes) -> "Case":
+    def replace(self, **changes) -> "AttentionCase":
         return dataclasses.replace(self, **changes)
 
 
 # ---- which keys each query sees ------------------------------------------------------------------
 
-def query_positions(case: Case, t_q: int | None = None, t_k: int | None = None) -> np.ndarray:
+def query_positions(case: AttentionCase, t_q: int | None = None, t_k: int | None = None) -> np.ndarray:
     """``p_i``, the key position of each query under the case's alignment."""
     t_q = case.t_q if t_q is None else t_q
     t_k = case.t_k if t_k is None else t_k
@@ -155,7 +155,7 @@ def query_positions(case: Case, t_q: int | None = None, t_k: int | None = None) 
     return np.arange(t_q) + offset
 
 
-def _packed_positions(case: Case):
+def _packed_positions(case: AttentionCase):
     """For a varlen case: each query's sequence and key position within it, each key's sequence
     and position within it."""
     seq_q = np.repeat(np.arange(len(case.varlen)), [q for q, _ in case.varlen])
@@ -168,7 +168,7 @@ def _packed_positions(case: Case):
     return seq_q, i, seq_k, j
 
 
-def visible(case: Case, b: int = 0, rows: slice = slice(None), t_q: int | None = None,
+def visible(case: AttentionCase, b: int = 0, rows: slice = slice(None), t_q: int | None = None,
             t_k: int | None = None) -> np.ndarray:
     """Boolean ``(rows, T_k)``: which keys the query rows ``rows`` of sequence ``b`` see."""
     t_k = case.t_k if t_k is None else t_k
@@ -221,7 +221,7 @@ class Inputs:
     extra: dict = field(default_factory=dict)
 
 
-def make_inputs(case: Case) -> Inputs:
+def make_inputs(case: AttentionCase) -> Inputs:
     """The arrays of ``case``, drawn from its seed (the same case gives the same arrays)."""
     rng = np.random.default_rng([case.seed, case.t_q, case.t_k, case.d, case.h, case.g])
     b, h, g, t_q, t_k, d = case.b, case.h, case.g, case.t_q, case.t_k, case.d
@@ -256,7 +256,7 @@ def make_inputs(case: Case) -> Inputs:
     return inputs
 
 
-def _plant_nan(case: Case, rng, q, k, v) -> None:
+def _plant_nan(case: AttentionCase, rng, q, k, v) -> None:
     """NaN in one key seen by some queries only (it must reach exactly those rows), one query row
     (it must stay in its row), and NaN in keys and values no query sees (it must reach none)."""
     seen = visible(case, 0).any(axis=0)
@@ -270,7 +270,7 @@ def _plant_nan(case: Case, rng, q, k, v) -> None:
     _plant_masked(case, k, v, np.nan)
 
 
-def _plant_masked(case: Case, k, v, value) -> None:
+def _plant_masked(case: AttentionCase, k, v, value) -> None:
     """``value`` in every key and value that no query of its sequence sees."""
     for b in range(case.b):
         hidden = ~visible(case, b).any(axis=0)
@@ -278,14 +278,14 @@ def _plant_masked(case: Case, k, v, value) -> None:
         v[b, :, hidden] = value
 
 
-def _fill_past_lengths(case: Case, inputs: Inputs) -> None:
+def _fill_past_lengths(case: AttentionCase, inputs: Inputs) -> None:
     """Slots past each sequence's length hold NaN, as vLLM's tests fill them (vLLM #641)."""
     for b, n in enumerate(case.lengths):
         inputs.k[b, :, n:] = np.nan
         inputs.v[b, :, n:] = np.nan
 
 
-def _page(case: Case, inputs: Inputs, rng) -> None:
+def _page(case: AttentionCase, inputs: Inputs, rng) -> None:
     """The caches as a pool of pages ``(n_pages, G, p, D)`` and a table ``(B, max_pages)``.
 
     Page 0 is NaN and owned by nobody; the table's unneeded entries point at it, so that a kernel
@@ -336,9 +336,9 @@ def _boundary_lengths(quick: bool) -> list[int]:
     return sorted(out)
 
 
-def forward_cases(dtype: str, quick: bool = False) -> list[Case]:
+def forward_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
     """The prefill/training attention cases in one dtype."""
-    F = lambda label, **kw: Case("forward", label, dtype=dtype, **kw)  # noqa: E731
+    F = lambda label, **kw: AttentionCase("forward", label, dtype=dtype, **kw)  # noqa: E731
     cases = [
         F("mha", b=2, h=4, g=4, t_q=128, t_k=128),
         F("causal", b=2, h=4, g=4, t_q=128, t_k=128, causal=True),
@@ -380,9 +380,9 @@ def forward_cases(dtype: str, quick: bool = False) -> list[Case]:
     return cases
 
 
-def backward_cases(dtype: str, quick: bool = False) -> list[Case]:
+def backward_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
     """The gradient cases: dq, dk, dv for a random dout."""
-    B = lambda label, **kw: Case("backward", label, dtype=dtype, **kw)  # noqa: E731
+    B = lambda label, **kw: AttentionCase("backward", label, dtype=dtype, **kw)  # noqa: E731
     cases = [
         B("mha", b=2, h=2, g=2, t_q=64, t_k=64),
         B("causal", t_q=70, t_k=70, causal=True),
@@ -402,9 +402,9 @@ def backward_cases(dtype: str, quick: bool = False) -> list[Case]:
     return cases
 
 
-def decode_cases(dtype: str, quick: bool = False) -> list[Case]:
+def decode_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
     """One query per sequence over a contiguous cache, lengths at tile boundaries and 0."""
-    D = lambda label, **kw: Case("decode", label, dtype=dtype, t_q=1, **kw)  # noqa: E731
+    D = lambda label, **kw: AttentionCase("decode", label, dtype=dtype, t_q=1, **kw)  # noqa: E731
     lengths = (1, 15, 16, 17, 63, 64, 65, 300) if not quick else (1, 16, 17, 65)
     cases = [
         D("gqa", b=len(lengths), h=8, g=2, t_k=320, lengths=lengths),
@@ -420,10 +420,10 @@ def decode_cases(dtype: str, quick: bool = False) -> list[Case]:
     return cases
 
 
-def paged_cases(dtype: str, quick: bool = False) -> list[Case]:
+def paged_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
     """Paged decode: page sizes 1 to 64, permuted and shared pages, a partial last page, NaN in
     every slot and page no sequence owns."""
-    P = lambda label, **kw: Case("paged", label, dtype=dtype, t_q=1, **kw)  # noqa: E731
+    P = lambda label, **kw: AttentionCase("paged", label, dtype=dtype, t_q=1, **kw)  # noqa: E731
     cases = [
         P("page 16", b=4, h=8, g=2, t_k=128, page_size=16, lengths=(1, 16, 17, 128)),
         P("page 16 shared", b=3, h=4, g=2, t_k=96, page_size=16, lengths=(70, 90, 5),
@@ -448,17 +448,17 @@ _BUILDERS = {"forward": forward_cases, "backward": backward_cases, "decode": dec
 LONG = 32768
 
 
-def long_cases(dtype: str) -> dict[str, list[Case]]:
+def long_cases(dtype: str) -> dict[str, list[AttentionCase]]:
     """``T = 32k``: the lengths of long-context prefill and decode (the oracle takes about ten
     seconds for the causal forward on one core)."""
-    return {"forward": [Case("forward", "T=32k causal", dtype=dtype, h=1, g=1, t_q=LONG, t_k=LONG,
+    return {"forward": [AttentionCase("forward", "T=32k causal", dtype=dtype, h=1, g=1, t_q=LONG, t_k=LONG,
                              causal=True)],
-            "decode": [Case("decode", "T=32k", dtype=dtype, b=2, h=8, g=1, t_q=1, t_k=LONG,
+            "decode": [AttentionCase("decode", "T=32k", dtype=dtype, b=2, h=8, g=1, t_q=1, t_k=LONG,
                             lengths=(LONG, LONG // 2 + 1))]}
 
 
 def sweep(contracts=CONTRACTS, dtypes=("float32",), quick: bool = False,
-          long: bool = False) -> list[Case]:
+          long: bool = False) -> list[AttentionCase]:
     """Every case of the sweep for the given contracts and dtypes (``quick``: a subset that still
     crosses every kind of boundary, for a fast first look and for tests; ``long``: add the
     ``T = 32k`` cases)."""

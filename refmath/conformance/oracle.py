@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.conformance.case import Case, Inputs, alibi_slopes, query_positions, visible
+from refmath.conformance.case import AttentionCase, Inputs, alibi_slopes, query_positions, visible
 from refmath.conformance.precision import round32
 
 CHUNK_ELEMENTS = 1 << 21  # scores per chunk of rows: 16 MiB in float64 per temporary
@@ -46,7 +46,7 @@ def _masked_matmul(a, allowed, b, work):
     return out
 
 
-def attention(case: Case, inputs: Inputs, precision: str = "float64",
+def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
               saved_lse_rounding: float = 0.0) -> dict:
     """``o``, ``lse`` and ``empty`` (and ``dq``, ``dk``, ``dv`` for a backward case) of ``case`` at
     ``precision`` (see the module docstring); all returned in float64.

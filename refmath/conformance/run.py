@@ -26,7 +26,7 @@ import numpy as np
 from refmath.conformance import bounds
 from refmath.conformance.adapters import Adapter, get_adapter
 from refmath.conformance.arrays import BadOutput
-from refmath.conformance.case import MASKED_ROWS, Case, make_inputs, sweep
+from refmath.conformance.case import MASKED_ROWS, AttentionCase, make_inputs, sweep
 from refmath.conformance.oracle import attention
 
 OUTPUTS = {"forward": ("o", "lse"), "backward": ("dq", "dk", "dv"), "decode": ("o",),
@@ -58,7 +58,7 @@ class CaseResult:
     """The verdict of one case: ``status`` is ``"pass"``, ``"fail"`` or ``"skip"`` (the case does
     not apply to the adapter; ``reason`` says why)."""
 
-    case: Case
+    case: AttentionCase
     status: str
     reason: str = ""
     checks: list[Check] = field(default_factory=list)
@@ -85,7 +85,7 @@ class _Timeout(Exception):
     pass
 
 
-def _call(adapter: Adapter, fn, case: Case, inputs, timeout: float) -> dict:
+def _call(adapter: Adapter, fn, case: AttentionCase, inputs, timeout: float) -> dict:
     box = {}
 
     def target():
@@ -110,7 +110,7 @@ def _copy_inputs(inputs):
     return copy.deepcopy(inputs)
 
 
-def _expected(case: Case, ref: dict, name: str, masked_rows: str) -> np.ndarray:
+def _expected(case: AttentionCase, ref: dict, name: str, masked_rows: str) -> np.ndarray:
     want = ref[name].copy()
     if name in ("o",) and masked_rows == "nan":
         want[ref["empty"]] = np.nan
@@ -167,7 +167,7 @@ def _judge(case, name, got, want, plain, ref, shifted, allow_nan_leaks=False, no
     return None, check
 
 
-def check_case(fn, adapter: Adapter | str, case: Case, masked_rows: str | None = None,
+def check_case(fn, adapter: Adapter | str, case: AttentionCase, masked_rows: str | None = None,
                timeout: float = DEFAULT_TIMEOUT, allow_nan_leaks: bool = False) -> CaseResult:
     """Run ``fn`` through one case and return its verdict (see the module docstring).
 
