@@ -359,3 +359,50 @@ def test_the_command_refuses_a_kernel_it_cannot_load(spec, words, capsys):
     assert main(["conformance", "attention", spec, "--adapter", "numpy"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("refmath conformance: ") and words in err
+
+
+# ---- an adapter of one's own: a decode kernel over fp8 caches ------------------------------------
+
+class Fp8DecodeAdapter(conformance.adapters.Adapter):
+    """``f(q, k_cache, v_cache, lengths) -> o``: q bfloat16 ``(B, H, D)``, caches fp8."""
+
+    name = "fp8 decode"
+    contracts = ("decode",)
+    dtypes = ("bfloat16",)
+    kv_dtypes = ("float8_e4m3fn", "float8_e5m2")
+
+    def call(self, fn, case, inputs):
+        (q,) = self.arrays(case, inputs.q[:, :, 0])
+        k, v = self.arrays(case, inputs.k, inputs.v, dtype=case.cache_dtype)
+        o = fn(q, k, v, np.asarray(case.lengths))
+        return {"o": self.result("o", o, inputs.q.shape[:2] + inputs.q.shape[3:], case)[:, :, None]}
+
+
+def _fp8_decode(q, k_cache, v_cache, lengths, query_in_cache_format=False):
+    """Dequantise each sequence's cached keys and values and attend in float32; the bug variant
+    rounds the query to the cache's fp8 format first (scores computed in fp8)."""
+    out = np.zeros(q.shape, dtype=np.float32)
+    heads = gqa_head_map(q.shape[1], k_cache.shape[1])
+    for b, n in enumerate(lengths):
+        qb = q[b].astype(k_cache.dtype) if query_in_cache_format else q[b]
+        k, v = (x[b, heads, :n].astype(np.float32) for x in (k_cache, v_cache))
+        s = np.einsum("hd,hjd->hj", qb.astype(np.float32), k) / np.float32(math.sqrt(q.shape[-1]))
+        if n:
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[b] = np.einsum("hj,hjd->hd", p / p.sum(axis=1, keepdims=True), v)
+    return out.astype(q.dtype)
+
+
+def test_an_adapter_of_ones_own_runs_the_fp8_cache_cases():
+    adapter = Fp8DecodeAdapter()
+    results = check_attention(_fp8_decode, adapter, quick=True, dtypes=("bfloat16",))
+    ran = [r for r in results if r.status != "skip"]
+    assert {r.case.kv_dtype for r in ran} == {None, "float8_e4m3fn", "float8_e5m2"}
+    assert all(r.status == "pass" for r in ran), [(r.case.id, r.reason) for r in ran]
+
+    def scores_in_fp8(*args):
+        return _fp8_decode(*args, query_in_cache_format=True)
+
+    caught = check_attention(scores_in_fp8, adapter, quick=True, dtypes=("bfloat16",))
+    fp8 = [r for r in caught if r.case.kv_dtype]
+    assert fp8 and all(r.status == "fail" and "error" in r.reason for r in fp8)

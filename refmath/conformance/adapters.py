@@ -53,6 +53,7 @@ class Adapter:
     masked_rows = "zero"  # what the convention gives a row with no visible key: "zero" or "nan"
     framework = "numpy"
     varlen = False  # takes packed batches (a block-diagonal mask, or cu_seqlens)
+    kv_dtypes: tuple[str, ...] = ()  # cache formats other than the queries' (fp8)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -67,6 +68,8 @@ class Adapter:
             return f"the {self.name} adapter has no {case.contract} contract"
         if case.dtype not in self.dtypes:
             return f"the {self.name} adapter takes {', '.join(self.dtypes)}, not {case.dtype}"
+        if case.kv_dtype is not None and case.kv_dtype not in self.kv_dtypes:
+            return f"the {self.name} adapter takes no {case.kv_dtype} cache"
         if case.varlen is not None and not self.varlen:
             return "no variable-length packed batches in this convention"
         return self.supports_options(case)
@@ -78,9 +81,12 @@ class Adapter:
         raise NotImplementedError
 
     # helpers shared by the adapters
-    def arrays(self, case: AttentionCase, *xs, strided: bool | None = None):
+    def arrays(self, case: AttentionCase, *xs, strided: bool | None = None, dtype: str | None = None):
+        """``xs`` as the framework's arrays of ``dtype`` (default the case's; ``case.cache_dtype``
+        for keys and values), on the adapter's device, strided if the case says so."""
         strided = case.strided if strided is None else strided
-        return [to_framework(x, case.dtype, self.framework, self.device, strided) for x in xs]
+        dtype = case.dtype if dtype is None else dtype
+        return [to_framework(x, dtype, self.framework, self.device, strided) for x in xs]
 
     def result(self, name: str, y, shape: tuple, case: AttentionCase, dtype: str | None = None) -> np.ndarray:
         """``y`` checked (an array, of ``shape``, of the case's dtype, on the inputs' device) and
@@ -352,10 +358,10 @@ class FlashAttnKVCacheAdapter(Adapter):
         lengths = torch.tensor(case.lengths, dtype=torch.int32, device=self.device)
         kwargs = dict(cache_seqlens=lengths, softmax_scale=case.scale_value)
         if case.contract == "paged":
-            k, v = self.arrays(case, _bthd(inputs.k_pages), _bthd(inputs.v_pages))
+            k, v = self.arrays(case, _bthd(inputs.k_pages), _bthd(inputs.v_pages), dtype=case.cache_dtype)
             kwargs["block_table"] = torch.from_dlpack(inputs.page_table.copy()).to(self.device)
         else:
-            k, v = self.arrays(case, _bthd(inputs.k), _bthd(inputs.v))
+            k, v = self.arrays(case, _bthd(inputs.k), _bthd(inputs.v), dtype=case.cache_dtype)
         o = fn(q, k, v, **kwargs)
         return {"o": _bthd(self.result("o", o, _bthd(inputs.q).shape, case))}
 

@@ -47,7 +47,10 @@ class AttentionCase:
     ``t_q = 1`` and ``t_k`` is the cache capacity; ``lengths`` are the key lengths per sequence
     (padding for the forward, the cache lengths for decode). ``page_size``, ``shared_pages``: the
     paged pool (pages are always permuted, the last page of a sequence may be partial, and every
-    slot and page no sequence owns is NaN). ``strided``: the arrays reach the kernel as
+    slot and page no sequence owns is NaN). ``kv_dtype``: the format of the cached keys and values
+    where it differs from the queries' (fp8 caches: ``float8_e4m3fn``, ``float8_e5m2``; their
+    values are exactly representable in every wider format, so the oracle and the plain
+    implementation work on them as they are). ``strided``: the arrays reach the kernel as
     non-contiguous views. ``varlen``: a variable-length packed batch, ``((T_q, T_k), ...)`` per
     sequence, packed back to back along the length axes of a batch of one (``t_q``, ``t_k`` are
     set to the totals); each sequence sees only its own keys, with its own alignment
@@ -75,6 +78,7 @@ class AttentionCase:
     strided: bool = False
     page_size: int | None = None
     shared_pages: bool = False
+    kv_dtype: str | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -88,6 +92,8 @@ class AttentionCase:
             raise ValueError(f"inputs must be one of {INPUTS}, got {self.inputs!r}")
         if self.g < 1 or self.h % self.g:
             raise ValueError(f"g = {self.g} must divide h = {self.h}")
+        if self.kv_dtype is not None and self.kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype must be one of {tuple(DTYPES)} or None, got {self.kv_dtype!r}")
         if self.varlen is not None:
             if self.b != 1 or self.lengths is not None or self.alibi:
                 raise ValueError("varlen packs the batch into one sequence: b must be 1, with no "
@@ -106,7 +112,13 @@ class AttentionCase:
 
     @property
     def id(self) -> str:
-        return f"{self.contract}/{self.label}/{self.dtype}"
+        kv = f"+{self.kv_dtype}" if self.kv_dtype else ""
+        return f"{self.contract}/{self.label}/{self.dtype}{kv}"
+
+    @property
+    def cache_dtype(self) -> str:
+        """The format of ``k`` and ``v``: ``kv_dtype``, else ``dtype``."""
+        return self.kv_dtype or self.dtype
 
     @property
     def scale_value(self) -> float:
@@ -242,7 +254,8 @@ def make_inputs(case: AttentionCase) -> Inputs:
     elif kind == "outliers":  # a few entries of V a thousand times the rest
         spots = rng.random(v.shape) < 0.01
         v = np.where(spots, 1000.0 * np.sign(v), v)
-    q, k, v = (round_to(x, case.dtype) for x in (q, k, v))
+    q = round_to(q, case.dtype)
+    k, v = (round_to(round_to(x, case.dtype), case.cache_dtype) for x in (k, v))
     if kind == "nan":
         _plant_nan(case, rng, q, k, v)
     elif kind == "inf-masked":
@@ -414,6 +427,9 @@ def decode_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         D("large", b=2, h=4, g=2, t_k=64, lengths=(64, 33), inputs="large"),
         D("nan", b=2, h=4, g=2, t_k=64, lengths=(64, 33), inputs="nan"),
     ]
+    if dtype in ("bfloat16", "float16"):  # fp8 caches under 16-bit queries
+        cases += [D("fp8 cache", b=3, h=8, g=2, t_k=100, lengths=(100, 17, 64), kv_dtype=kv)
+                  for kv in ("float8_e4m3fn", "float8_e5m2")]
     if not quick:
         cases.append(D("long", b=2, h=4, g=1, t_k=8192, lengths=(8192, 5000)))
         cases.append(D("head dim 256", b=2, h=4, g=2, t_k=70, d=256, lengths=(70, 9)))
@@ -433,6 +449,9 @@ def paged_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         P("empty sequence", b=2, h=2, g=2, t_k=32, page_size=16, lengths=(0, 32)),
         P("nan", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 21), inputs="nan"),
     ]
+    if dtype in ("bfloat16", "float16"):
+        cases += [P("fp8 cache", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 21), kv_dtype=kv)
+                  for kv in ("float8_e4m3fn", "float8_e5m2")]
     if not quick:
         cases += [P("page 256", b=2, h=4, g=1, t_k=1024, page_size=256, lengths=(1024, 257)),
                   P("page 32 head dim 128", b=3, h=8, g=2, t_k=128, d=128, page_size=32,
