@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         write(results, path, kernel=args.kernel, adapter=args.adapter, dtypes=list(dtypes),
               quick=args.quick, seconds=round(seconds, 2))
         print(f"wrote {path}")
+    if not any(r.status != "skip" for r in results):
+        raise CommandError(f"no case applies to the {args.adapter} adapter with {', '.join(dtypes)} "
+                           f"and {', '.join(contracts)}: nothing was checked (see --show-skips)")
     return 1 if any(r.status == "fail" for r in results) else 0
 
 
