@@ -246,7 +246,7 @@ def _raises(q, k, v, **kw):
 
 
 def _hangs(q, k, v, **kw):
-    time.sleep(3)
+    time.sleep(5)
     return numpy_attention(q, k, v, **kw)
 
 
@@ -259,7 +259,8 @@ def _not_an_array(q, k, v, **kw):
                                        (_hangs, "did not return within"), (_not_an_array, "not an array")])
 def test_a_bad_kernel_fails_its_cases_with_the_reason(fn, words):
     cases = sweep(("forward",), ("float32",), quick=True)[:2]
-    results = check_attention(fn, "numpy", cases=cases, timeout=0.5)
+    # A short limit only for the one that hangs: on a busy machine a working call may take a while.
+    results = check_attention(fn, "numpy", cases=cases, timeout=1.0 if fn is _hangs else 60.0)
     assert [r.status for r in results] == ["fail", "fail"]
     assert all(words in r.reason for r in results), [r.reason for r in results]
 
@@ -335,10 +336,10 @@ def test_the_command_exits_0_when_every_case_passes_and_writes_the_reports(tmp_p
 
     md, js = tmp_path / "r.md", tmp_path / "r.json"
     status = main(["conformance", "attention", "refmath.conformance.bugs:numpy_attention",
-                   "--adapter", "numpy", "--quick", "--dtype", "bfloat16", "--report", str(md), str(js)])
+                   "--adapter", "numpy", "--quick", "--report", str(md), str(js)])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "forward/causal Tq<Tk bottom-right/bfloat16" in out and "0 failed" in out
+    assert "forward/causal Tq<Tk bottom-right/float32" in out and "0 failed" in out
     assert md.exists() and js.exists()
 
 
