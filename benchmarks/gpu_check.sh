@@ -14,6 +14,9 @@
 #   4. compute-sanitizer memcheck and racecheck on one small call of every kernel; a sanitizer that
 #      refuses the device ("Device not supported") is reported SKIPPED with its reason
 #   5. the GPU benchmarks (benchmarks/attention_gpu.py): kernel-only and call-level figures
+#   6. the attention conformance sweep (benchmarks/conformance_gpu.py): refmath's CUDA rungs,
+#      decode and paged decode, and PyTorch's SDPA on CUDA (as dispatched and on its flash
+#      backend), every case against the float64 oracle
 #
 # Every step ends with one word: ok, FAILED, TIMED OUT or SKIPPED (with the reason). Each step has a
 # time limit and all share one budget (GPU_CHECK_BUDGET seconds: 450 by default, 170 with --quick),
@@ -219,6 +222,12 @@ done
 run benchmarks $([ $QUICK -eq 1 ] && echo 60 || echo 150) "$PY" benchmarks/attention_gpu.py \
     $([ $QUICK -eq 1 ] && echo --quick)
 cat "$LOGS/benchmarks.log" >> "$SUMMARY"
+
+# ---- 6. the conformance sweep on the GPU ----
+run conformance $([ $QUICK -eq 1 ] && echo 60 || echo 150) "$PY" benchmarks/conformance_gpu.py \
+    $([ $QUICK -eq 1 ] && echo --quick)
+grep -E "^(refmath|torch|conformance)|FAIL" "$LOGS/conformance.log" | head -n 40 | sed 's/^/   /' \
+    | tee -a "$SUMMARY"
 
 # ---- the words ----
 say ""

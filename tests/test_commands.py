@@ -1,7 +1,7 @@
 """The command line as a whole: every command answers --help, says bad input in the one format, and
 keeps argparse's usage errors under its own name. (Each command's own behaviour is tested beside
 the library it drives: test_gradcheck, test_sizing, test_train, test_hf, test_assignments,
-test_lessons.)"""
+test_lessons, test_conformance.)"""
 import ast
 import importlib
 import re
@@ -13,7 +13,8 @@ from refmath import commands
 from refmath.commands import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
-ACTIONS = {"assignments": ("list", "build", "grade"), "lessons": ("student",)}
+ACTIONS = {"assignments": ("list", "build", "grade"), "lessons": ("student",),
+           "conformance": ("attention",)}
 
 
 def test_the_package_lists_every_command_module_once():
@@ -57,6 +58,7 @@ def _bad_inputs(tmp_path):
         "convert": ["--to-hf", str(tmp_path / "no_run"), str(tmp_path / "out")],
         "assignments": ["build", "no_such_assignment", "--out", str(tmp_path / "built")],
         "lessons": ["student", "--out", str(a_file)],
+        "conformance": ["attention", "no_such_module:attention", "--adapter", "numpy"],
     }
 
 

@@ -19,7 +19,8 @@ import os
 import sys
 
 PROG = "python -m refmath"
-COMMANDS = ("gradcheck", "sizes", "train", "generate", "convert", "assignments", "lessons")
+COMMANDS = ("gradcheck", "sizes", "train", "generate", "convert", "assignments", "lessons",
+            "conformance")
 
 
 class CommandError(Exception):
