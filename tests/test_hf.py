@@ -79,6 +79,14 @@ SCALED = {
     "llama-yarn-mscale": ("llama", rope("yarn", factor=4.0, original_max_position_embeddings=16,
                                         mscale=1.0, mscale_all_dim=0.5)),
     "qwen3-yarn": ("qwen3", rope("yarn", factor=4.0, original_max_position_embeddings=16)),
+    # DeepSeek-V2's and V3's own terms: mscale = mscale_all_dim leaves m = 1 on the rotation and
+    # moves the temperature into the softmax scale
+    "deepseek_v2-yarn": ("deepseek_v2", rope("yarn", factor=40.0, original_max_position_embeddings=4,
+                                             beta_fast=4, beta_slow=1, mscale=0.707,
+                                             mscale_all_dim=0.707)),
+    "deepseek_v3-yarn": ("deepseek_v3", rope("yarn", factor=40.0, original_max_position_embeddings=4,
+                                             beta_fast=4, beta_slow=1, mscale=1.0,
+                                             mscale_all_dim=0.5)),
 }
 VARIANTS = {  # id -> (model_type, config overrides)
     **{t: (t, {}) for t in MODEL_TYPES},
@@ -142,6 +150,8 @@ class _Float64Torch:
 def _scaled_rope_cos_sin(module, x, position_ids):
     # the rotary embedding's forward in float64; transformers' dynamic_rope_update wraps it below
     freqs = _angles(module.inv_freq.to(torch.float64), position_ids)
+    if type(module).__name__ == "DeepseekV2RotaryEmbedding":  # its complex form
+        return torch.polar(torch.full_like(freqs, module.attention_scaling), freqs)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * module.attention_scaling, emb.sin() * module.attention_scaling
 
@@ -434,6 +444,12 @@ def refmath_configs():
         "gpt2 (untied, exact GELU)": ("gpt", gpt.GPTConfig(
             vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4, d_ff=48,
             tie_embeddings=False, gelu_approximate=False, dropout=0.0, layernorm_eps=1e-6)),
+        "deepseek_v3 (YaRN with mscale_all_dim)": ("mla", mla.MLAConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
+            d_rope=4, head_dim=6, v_head_dim=10, latent_norm=True, d_ff=40,
+            latent_norm_eps=1e-6, norm_eps=1e-5, rope_scaling=dict(
+                rope_type="yarn", factor=8.0, original_max_seq_len=4, mscale=1.0,
+                mscale_all_dim=1.0))),
         "deepseek_v3 (query compression, half RoPE)": ("mla", mla.MLAConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
             d_rope=4, head_dim=6, v_head_dim=10, q_lora_rank=8, latent_norm=True, d_ff=40,

@@ -48,24 +48,6 @@ def refuse_common(hf: dict) -> None:
         refuse(hf, "add_cross_attention", True, "a decoder-only model has no cross-attention")
 
 
-def rope_theta(hf: dict) -> float:
-    """RoPE's base, refusing any rope scaling (refmath's RoPE is the plain rotation, N10)."""
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        refuse(hf, "rope_scaling", scaling, "refmath's RoPE has no scaling (YaRN, Llama 3.1's, "
-                "linear, dynamic, ...)")
-    params = hf.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
-        refuse(hf, "rope_parameters.rope_type", params["rope_type"],
-                "refmath's RoPE has no scaling (YaRN, Llama 3.1's, linear, dynamic, ...)")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(hf, "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"],
-                "refmath rotates every coordinate of a head")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-# Hugging Face's rope_parameters keys for RopeScaling's fields (the others share their names)
-_HF_ROPE_NAMES = {"original_max_seq_len": "original_max_position_embeddings"}
 _HF_ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 
 
