@@ -1,12 +1,14 @@
 """Open the built site in headless Chromium and check that it renders: maths typeset by MathJax,
-no raw TeX left, every image loaded; save a screenshot of each page checked.
+no raw TeX left, every image loaded, no code or output wider than its column; save a screenshot of
+each page checked.
 
 Usage: python docs/browser_check.py [--site docs/_build/html] [--out docs/screenshots]
 
 The site is served from 127.0.0.1 only. Chromium (Debian's ``chromium`` package) is driven over
 the DevTools protocol on a pipe (``--remote-debugging-pipe``), so nothing beyond the standard
 library is needed. Pages checked: the landing page, every lesson (each cell that calls
-``plt.show()`` must show its figure), the API page of ``refmath.attention`` and the catalogue.
+``plt.show()`` must show its figure), the architecture diagrams, the API page of
+``refmath.attention`` and the catalogue.
 Exit status 0 when every check passes, 1 when one fails, 2 when no Chromium is found.
 """
 from __future__ import annotations
@@ -54,6 +56,9 @@ INSPECT_PAGE = """
       const code = cell.querySelector('.cell_input');
       return code && code.textContent.includes('plt.show()') && !cell.querySelector('.cell_output img');
     }).length,
+    // Code or output wider than the column it sits in: cut off at the column's right edge.
+    overflowing: [...document.querySelectorAll('div.highlight pre, div.cell_output pre')]
+      .filter(pre => pre.scrollWidth > pre.clientWidth + 1).length,
     height: document.documentElement.scrollHeight,
   };
 })()
@@ -139,11 +144,13 @@ def serve(site: Path) -> http.server.ThreadingHTTPServer:
 
 
 def pages_to_check(site: Path) -> list[str]:
-    """The landing page, every lesson, the API page of refmath.attention, the catalogue."""
+    """The landing page, every lesson, the architecture diagrams, the API page of
+    refmath.attention, the catalogue."""
     lessons = sorted((site / "lessons").glob("*.html"))
     api = next((p for p in sorted((site / "api").glob("*.html"))
                 if 'id="refmath.attention.sdpa_forward"' in p.read_text(encoding="utf-8")), None)
-    found = [site / "index.html", *lessons, api, site / "catalogue.html"]
+    found = [site / "index.html", *lessons, site / "architecture.html", api,
+             site / "catalogue.html"]
     return [str(p.relative_to(site)) for p in found if p is not None and p.exists()]
 
 
@@ -162,6 +169,8 @@ def problems_with(page: str, report: dict) -> list[str]:
     problems += [f"image not loaded: {img['src']}" for img in report["images"] if img["width"] == 0]
     if report["cellsWithoutFigure"]:
         problems.append(f"{report['cellsWithoutFigure']} cells call plt.show() and show no figure")
+    if report["overflowing"]:
+        problems.append(f"{report['overflowing']} code blocks or outputs wider than their column")
     return problems
 
 

@@ -24,6 +24,7 @@ from catalogue_page import write_catalogue  # noqa: E402
 from changelog_page import write_changelog  # noqa: E402
 from citation_page import write_bibtex  # noqa: E402
 from kernel_ladder import write_ladder  # noqa: E402
+from field_comments import field_comments  # noqa: E402
 from lesson_pages import answers_wanted, mirror_lessons  # noqa: E402
 from reading_order import write_reading_order  # noqa: E402
 from sphinx.util import logging  # noqa: E402
@@ -67,10 +68,16 @@ myst_heading_anchors = 3              # lesson sections are linked from the cata
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+autodoc_preserve_defaults = True      # dtype=np.float64 as written, not <class 'numpy.float64'>
 napoleon_google_docstring = False     # docstrings are reStructuredText; only NumPy-style sections
 napoleon_numpy_docstring = True       # would be rewritten, and the library has none today
 
+# MathJax draws \top as a thin bar that all but vanishes at 1x: the transpose is an upright T
+mathjax3_config = {"tex": {"macros": {"top": r"{\mathsf{T}}"}}}
+
 html_theme = "pydata_sphinx_theme"
+html_static_path = ["_static"]
+html_css_files = ["refmath.css"]
 html_title = "refmath (instructor build, with answers)" if ANSWERS else "refmath"
 html_theme_options = {
     "navigation_with_keys": False,
@@ -81,8 +88,8 @@ html_theme_options = {
 }
 # Single pages have no section to navigate: without the empty left sidebar, their wide tables and
 # kernel headers get the room. The lessons and the API pages keep it (it lists their siblings).
-html_sidebars = {page: [] for page in ("index", "start/*", "lessons", "catalogue", "api", "kernels",
-                                       "changelog", "cite")}
+html_sidebars = {page: [] for page in ("index", "start/*", "lessons", "architecture", "catalogue",
+                                       "api", "layout", "kernels", "changelog", "cite")}
 
 
 def generate_pages(app, config):
@@ -105,6 +112,19 @@ def warn_on_missing_catalogue_link(app, env, node, contnode):
             "catalogue: %s is not documented on any API page", node["reftarget"], location=node)
 
 
+def describe_named_tuple_fields(app, what, name, obj, options, lines):
+    """A NamedTuple's field says what its source comment says (``q: np.ndarray  # (..., t_q, d_k)``)
+    instead of autodoc's "Alias for field number 0"."""
+    if what != "attribute" or not lines or not lines[0].startswith("Alias for field number"):
+        return
+    owner_name, _, field = name.rpartition(".")
+    module_name, _, class_name = owner_name.rpartition(".")
+    comments = field_comments(module_name, class_name)
+    if field in comments:
+        lines[:] = [comments[field]]
+
+
 def setup(app):
     app.connect("config-inited", generate_pages)
+    app.connect("autodoc-process-docstring", describe_named_tuple_fields)
     app.connect("missing-reference", warn_on_missing_catalogue_link)

@@ -249,7 +249,7 @@ llama, mistral = PRESETS["llama-3-8b"], PRESETS["mistral-7b"]
 contexts = np.linspace(1, 65536, 257).astype(int)
 llama_steps = [decode_step_flops(llama, int(t)) for t in contexts]
 mistral_steps = [decode_step_flops(mistral, int(t)) for t in contexts]
-per_key = 4 * llama.layers * llama.heads * llama.head_dim
+per_key = 4 * llama.n_layers * llama.n_heads * llama.head_dim
 crossover = llama_steps[0].weights / per_key
 print(f"Llama-3-8B: weights {llama_steps[0].weights / 1e9:.2f} GFLOP per token, attention "
       f"{per_key / 1e6:.3f} MFLOP per cached token; equal at t = {crossover:.0f}")

@@ -283,19 +283,19 @@ ratio_mha_over_mla = mha_numbers / mla_numbers
 
 # %%
 ds = PRESETS["deepseek-v2"]
-ds_rows = {r.kind: r for r in attention_cache_rows(ds.layers, ds.heads, ds.kv_heads, ds.head_dim,
-                                                   8192, latent_dim=ds.latent_dim,
-                                                   rope_dim=ds.rope_dim)}
+ds_rows = {r.kind: r for r in attention_cache_rows(ds.n_layers, ds.n_heads, ds.kv_heads,
+                                                   ds.head_dim, 8192, latent_dim=ds.d_c,
+                                                   rope_dim=ds.d_rope)}
 check_close("MLA numbers per token and layer", mla_numbers,
-            lambda: ds_rows["MLA"].bytes_per_token / (ds.layers * 2), rtol=0,
+            lambda: ds_rows["MLA"].bytes_per_token / (ds.n_layers * 2), rtol=0,
             slips={"the latent alone: the shared rotary key (64 numbers) is cached too": lambda:
-                       ds_rows["MLA"].bytes_per_token / (ds.layers * 2) - 64,
+                       ds_rows["MLA"].bytes_per_token / (ds.n_layers * 2) - 64,
                    "x2 for K and V: MLA caches one latent for both": lambda:
-                       2 * ds_rows["MLA"].bytes_per_token / (ds.layers * 2)})
+                       2 * ds_rows["MLA"].bytes_per_token / (ds.n_layers * 2)})
 check_close("MHA numbers per token and layer", mha_numbers,
-            lambda: ds_rows["MHA"].bytes_per_token / (ds.layers * 2), rtol=0,
+            lambda: ds_rows["MHA"].bytes_per_token / (ds.n_layers * 2), rtol=0,
             slips={"K or V only: the cache holds both, a factor 2": lambda:
-                       ds_rows["MHA"].bytes_per_token / (ds.layers * 2) / 2})
+                       ds_rows["MHA"].bytes_per_token / (ds.n_layers * 2) / 2})
 check_close("MHA / MLA", ratio_mha_over_mla,
             lambda: ds_rows["MHA"].total / ds_rows["MLA"].total, rtol=1e-12)
 
@@ -308,22 +308,22 @@ check_close("MHA / MLA", ratio_mha_over_mla,
 llama = PRESETS["llama-3-8b"]
 for name in ("llama-3-8b", "deepseek-v2"):
     cfg = PRESETS[name]
-    rows = attention_cache_rows(cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, tokens=8192,
-                                latent_dim=cfg.latent_dim, rope_dim=cfg.rope_dim)
+    rows = attention_cache_rows(cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.head_dim, tokens=8192,
+                                latent_dim=cfg.d_c, rope_dim=cfg.d_rope)
     mha = rows[0].total
     print(f"{name} at T = 8192, bf16:")
     for row in rows:
         print(f"   {row.label:24s} {format_bytes(row.total):>11s}   "
               f"MHA / this = {mha / row.total:6.2f}")
-gqa8 = kv_cache_bytes(1, ds.layers, 8192, 8, ds.head_dim, 2)
+gqa8 = kv_cache_bytes(1, ds.n_layers, 8192, 8, ds.head_dim, 2)
 print(f"DeepSeek-V2 shape: GQA (g=8) / MLA = {gqa8 / ds_rows['MLA'].total:.2f}")
-llama_rows = {r.kind: r for r in attention_cache_rows(llama.layers, llama.heads, llama.kv_heads,
+llama_rows = {r.kind: r for r in attention_cache_rows(llama.n_layers, llama.n_heads, llama.kv_heads,
                                                       llama.head_dim, 8192)}
 assert llama_rows["MHA"].total == 4 * llama_rows["GQA"].total  # h / g = 32 / 8
 
 fig, ax = plt.subplots(figsize=(6, 3.4), layout="constrained")
 labels = ["MHA (g=128)", "GQA (g=8)", "MLA", "MQA (g=1)"]
-per_token = [ds_rows["MHA"].bytes_per_token, kv_cache_bytes(1, ds.layers, 1, 8, ds.head_dim, 2),
+per_token = [ds_rows["MHA"].bytes_per_token, kv_cache_bytes(1, ds.n_layers, 1, 8, ds.head_dim, 2),
              ds_rows["MLA"].bytes_per_token, ds_rows["MQA"].bytes_per_token]
 ax.bar(labels, [b / 1024 for b in per_token],
        color=["tab:red", "tab:orange", "tab:green", "tab:blue"])
@@ -486,7 +486,7 @@ check_close("AdamW training state", train_bytes, lambda: adamw_training_memory(1
 P_llama = parameter_counts(llama).total
 serve = inference_memory_rule_of_thumb(P_llama)
 train = adamw_training_memory(P_llama)
-per_token = kv_cache_bytes(1, llama.layers, 1, llama.kv_heads, llama.head_dim, 2)
+per_token = kv_cache_bytes(1, llama.n_layers, 1, llama.kv_heads, llama.head_dim, 2)
 covered = serve.allowance / per_token
 print(f"P = {P_llama:.3e}: weights {format_bytes(serve.weights)}, rule of thumb "
       f"{format_bytes(serve.total)}, AdamW training {format_bytes(train.total)}")

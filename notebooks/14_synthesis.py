@@ -211,7 +211,7 @@ for label, kv_heads, bits in (("MHA, bf16", 32, None), ("GQA g=8, bf16", 8, None
     shape = dataclasses.replace(llama, kv_heads=kv_heads)
     step = decode_step_traffic(shape, context, batch)
     cache = step.cache_bytes if bits is None else quantized_kv_cache_bytes(
-        batch, shape.layers, context, kv_heads, shape.head_dim, bits=bits, group_size=32).total
+        batch, shape.n_layers, context, kv_heads, shape.head_dim, bits=bits, group_size=32).total
     designs[label] = (step.weight_bytes, cache)
     print(f"{label:15s}: weights {format_bytes(step.weight_bytes)}, cache {format_bytes(cache)}")
 
@@ -249,7 +249,7 @@ def my_cache_bytes(shape, context, batch, bits=None):
     total = ...
     # BEGIN SOLUTION
     tokens = context if shape.sliding_window is None else min(context, shape.sliding_window)
-    numbers = 2 * batch * tokens * shape.layers * shape.kv_heads * shape.head_dim  # K and V
+    numbers = 2 * batch * tokens * shape.n_layers * shape.kv_heads * shape.head_dim  # K and V
     if bits is None:
         total = 2 * numbers  # bf16: 2 bytes a number
     else:
@@ -263,7 +263,7 @@ def library_cache_bytes(shape, context, batch, bits=None):
     if bits is None:
         return decode_step_traffic(shape, context, batch).cache_bytes
     kept = min(context, shape.sliding_window or context)
-    return quantized_kv_cache_bytes(batch, shape.layers, kept, shape.kv_heads, shape.head_dim,
+    return quantized_kv_cache_bytes(batch, shape.n_layers, kept, shape.kv_heads, shape.head_dim,
                                     bits=bits, group_size=32).total
 
 
@@ -279,11 +279,11 @@ check_function("your cache bytes", my_cache_bytes, library_cache_bytes, inputs=c
                       "the sliding window ignored": lambda shape, *rest: library_cache_bytes(
                           dataclasses.replace(shape, sliding_window=None), *rest),
                       "the query heads counted, not the key/value heads": lambda shape, *rest:
-                          library_cache_bytes(dataclasses.replace(shape, kv_heads=shape.heads),
+                          library_cache_bytes(dataclasses.replace(shape, kv_heads=shape.n_heads),
                                               *rest),
                       "the quantisation scales left out": lambda shape, context, batch, bits=None:
                           library_cache_bytes(shape, context, batch, bits) if bits is None else
-                          quantized_kv_cache_bytes(batch, shape.layers,
+                          quantized_kv_cache_bytes(batch, shape.n_layers,
                                                    min(context, shape.sliding_window or context),
                                                    shape.kv_heads, shape.head_dim, bits=bits,
                                                    group_size=32).payload})

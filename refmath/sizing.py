@@ -195,53 +195,57 @@ _NORM_KINDS = ("rmsnorm", "layernorm")
 class ModelConfig:
     """The sizes of a Transformer that matter for counting; validated on construction.
 
-    ``layers`` counts the layers that hold a KV cache (the decoder's). ``encoder_layers > 0``
-    makes an encoder-decoder with one embedding shared by source, target and (if tied) output, as
-    in the original Transformer. ``latent_dim``/``rope_dim`` set an MLA cache (catalogue K9).
-    ``d_ff``/``vocab`` may be ``None`` for a preset that only describes its attention.
-    ``context`` is the sequence length the model was trained for, where its source gives one.
+    The fields that the models' configurations have too carry their names (``n_layers``,
+    ``n_heads``, ``vocab_size``, ``tie_embeddings``, ``d_c``, ``d_rope``; ``kv_heads`` and
+    ``head_dim`` are the resolved widths, the decoder's ``kv_heads`` and ``d_h``), so a model's
+    ``sizing_fields`` passes them through as they are. ``n_layers`` counts the layers that hold a
+    KV cache (the decoder's). ``encoder_layers > 0`` makes an encoder-decoder with one embedding
+    shared by source, target and (if tied) output, as in the original Transformer.
+    ``d_c``/``d_rope`` set an MLA cache (catalogue K9). ``d_ff``/``vocab_size`` may be ``None`` for a preset that only
+    describes its attention. ``context`` is the sequence length the model was trained for, where
+    its source gives one.
     """
 
     name: str
-    layers: int
+    n_layers: int
     d_model: int
-    heads: int
+    n_heads: int
     kv_heads: int
     head_dim: int
     d_ff: int | None = None
-    vocab: int | None = None
+    vocab_size: int | None = None
     mlp: str = "swiglu"              # "swiglu": 3 d d_f; "gelu"/"relu": 2 d d_f
     norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases
     attention_bias: bool = False     # biases on Q, K, V and the output projection (GPT-2)
     qkv_bias: bool = False           # biases on Q, K and V only (Qwen2)
     mlp_bias: bool = False           # biases on the FFN's layers (GPT-2, original Transformer)
-    tied_output: bool = False        # the output projection reuses the embedding matrix
+    tie_embeddings: bool = False     # the output projection reuses the embedding matrix
     learned_positions: int = 0       # rows of a learned position table (GPT-2: 1024)
     final_norm: bool = True          # one norm after the last layer (Pre-LN models)
     encoder_layers: int = 0
-    latent_dim: int | None = None    # MLA d_c
-    rope_dim: int | None = None      # MLA d_R
+    d_c: int | None = None           # MLA's latent width
+    d_rope: int | None = None        # MLA's rotary key width d_R
     sliding_window: int | None = None
     context: int | None = None       # trained context length, as published
     published_params: str = ""       # the total as published, e.g. "6.74e9"; "" if not compared
     source: str = ""
 
     def __post_init__(self):
-        for field in ("layers", "d_model", "heads", "kv_heads", "head_dim"):
+        for field in ("n_layers", "d_model", "n_heads", "kv_heads", "head_dim"):
             check_field(self, field, check_int, 1)
-        for field in ("d_ff", "vocab", "latent_dim", "rope_dim", "sliding_window", "context"):
+        for field in ("d_ff", "vocab_size", "d_c", "d_rope", "sliding_window", "context"):
             check_field(self, field, check_int, 1, optional=True)
         for field in ("learned_positions", "encoder_layers"):
             check_field(self, field, check_int, 0)
-        _check_kv_heads_divide(self.heads, self.kv_heads)
-        if (self.latent_dim is None) != (self.rope_dim is None):
-            raise ValueError("latent_dim and rope_dim must be given together (an MLA cache holds both)")
+        _check_kv_heads_divide(self.n_heads, self.kv_heads)
+        if (self.d_c is None) != (self.d_rope is None):
+            raise ValueError("d_c and d_rope must be given together (an MLA cache holds both)")
         check_field(self, "mlp", check_choice, _MLP_KINDS)
         check_field(self, "norm", check_choice, _NORM_KINDS)
 
     @property
     def is_mla(self) -> bool:
-        return self.latent_dim is not None
+        return self.d_c is not None
 
 
 # Published configurations. Only numbers from the cited paper or model card; the published total
@@ -254,43 +258,43 @@ PRESETS: dict[str, ModelConfig] = {
         # writes the FFN with biases (x W1 + b1) and the attention projections as plain matrices
         # (Q W^Q), as refmath.models.transformer builds them: 63,045,632 parameters with 37,000
         # tokens. The paper's 65e6 needs about 3,800 more vocabulary rows; it does not say more.
-        ModelConfig("transformer-base", layers=6, encoder_layers=6, d_model=512, heads=8,
-                    kv_heads=8, head_dim=64, d_ff=2048, vocab=37000, mlp="relu",
-                    norm="layernorm", mlp_bias=True, tied_output=True, final_norm=False,
+        ModelConfig("transformer-base", n_layers=6, encoder_layers=6, d_model=512, n_heads=8,
+                    kv_heads=8, head_dim=64, d_ff=2048, vocab_size=37000, mlp="relu",
+                    norm="layernorm", mlp_bias=True, tie_embeddings=True, final_norm=False,
                     published_params="65e6", source="Vaswani et al. 2017, Table 3"),
         # Radford et al. 2019 (GPT-2) with the released hparams: n_layer=12, n_embd=768,
         # n_head=12, n_ctx=1024, vocab 50257; the model card (openai-community/gpt2) says 124M.
-        ModelConfig("gpt2-small", layers=12, d_model=768, heads=12, kv_heads=12, head_dim=64,
-                    d_ff=3072, vocab=50257, mlp="gelu", norm="layernorm", attention_bias=True,
-                    mlp_bias=True,
-                    tied_output=True, learned_positions=1024, context=1024, published_params="124e6",
+        ModelConfig("gpt2-small", n_layers=12, d_model=768, n_heads=12, kv_heads=12, head_dim=64,
+                    d_ff=3072, vocab_size=50257, mlp="gelu", norm="layernorm", attention_bias=True,
+                    mlp_bias=True, tie_embeddings=True, learned_positions=1024, context=1024,
+                    published_params="124e6",
                     source="GPT-2 model card (openai-community/gpt2)"),
         # Llama 2 paper (Touvron et al. 2023b) and params.json: dim 4096, 32 layers, 32 heads,
         # no GQA at 7B, SwiGLU width 11008, vocab 32000, untied output, context 4096 (the paper's
         # Table 1: 4k). 6.74e9 is the released checkpoint's count (the LLaMA-1 paper lists this
         # same shape as 6.7B).
-        ModelConfig("llama-2-7b", layers=32, d_model=4096, heads=32, kv_heads=32, head_dim=128,
-                    d_ff=11008, vocab=32000, context=4096, published_params="6.74e9",
+        ModelConfig("llama-2-7b", n_layers=32, d_model=4096, n_heads=32, kv_heads=32, head_dim=128,
+                    d_ff=11008, vocab_size=32000, context=4096, published_params="6.74e9",
                     source="Llama 2 paper / model card (meta-llama/Llama-2-7b)"),
         # Llama 3 model card and params.json: dim 4096, 32 layers, 32 heads, 8 KV heads,
         # d_ff 14336 (ffn_dim_multiplier 1.3, multiple_of 1024), vocab 128256, context 8k;
         # 8.03e9 parameters.
-        ModelConfig("llama-3-8b", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
-                    d_ff=14336, vocab=128256, context=8192, published_params="8.03e9",
+        ModelConfig("llama-3-8b", n_layers=32, d_model=4096, n_heads=32, kv_heads=8, head_dim=128,
+                    d_ff=14336, vocab_size=128256, context=8192, published_params="8.03e9",
                     source="Llama 3 model card (meta-llama/Meta-Llama-3-8B)"),
         # Jiang et al. 2023, "Mistral 7B", Table 1: dim 4096, 32 layers, head_dim 128, hidden 14336,
         # 32 heads, 8 KV heads, window 4096, context_len 8192, vocab 32000. "7.3B" is Mistral AI's
         # announcement.
-        ModelConfig("mistral-7b", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
-                    d_ff=14336, vocab=32000, sliding_window=4096, context=8192,
+        ModelConfig("mistral-7b", n_layers=32, d_model=4096, n_heads=32, kv_heads=8, head_dim=128,
+                    d_ff=14336, vocab_size=32000, sliding_window=4096, context=8192,
                     published_params="7.3e9",
                     source="Mistral 7B paper, Table 1"),
         # DeepSeek-V2 report (arXiv:2405.04434), Sec. 3.1 settings: 60 layers, d=5120, 128 heads of
         # d_h=128, d_c=512, d_R=64; a context of 128K tokens (the abstract). Its MoE feed-forward
         # (236e9 total parameters) is not modelled here, so d_ff and vocab are left out and no
         # parameter count is made.
-        ModelConfig("deepseek-v2", layers=60, d_model=5120, heads=128, kv_heads=128, head_dim=128,
-                    latent_dim=512, rope_dim=64, context=128 * 1024,
+        ModelConfig("deepseek-v2", n_layers=60, d_model=5120, n_heads=128, kv_heads=128,
+                    head_dim=128, d_c=512, d_rope=64, context=128 * 1024,
                     source="DeepSeek-V2 report, Sec. 3.1"),
     )
 }
@@ -331,9 +335,9 @@ def _norm_count(config: ModelConfig) -> int:
 
 
 def _require_dense(config: ModelConfig, what: str) -> None:
-    if config.d_ff is None or config.vocab is None:
-        raise ValueError(f"{what} needs d_ff and vocab; config {config.name!r} describes only its "
-                         f"attention (d_ff={config.d_ff}, vocab={config.vocab})")
+    if config.d_ff is None or config.vocab_size is None:
+        raise ValueError(f"{what} needs d_ff and vocab_size; config {config.name!r} describes only "
+                         f"its attention (d_ff={config.d_ff}, vocab_size={config.vocab_size})")
     if config.is_mla:
         raise ValueError(f"{what} is not written for MLA projections (config {config.name!r})")
 
@@ -349,11 +353,11 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     norm per stack when ``final_norm``, and :math:`d V` for an untied output projection.
     """
     _require_dense(config, "parameter_counts")
-    d, L = config.d_model, config.layers
-    attn = attention_parameter_count(d, config.heads, config.kv_heads, config.head_dim,
+    d, L = config.d_model, config.n_layers
+    attn = attention_parameter_count(d, config.n_heads, config.kv_heads, config.head_dim,
                                      config.attention_bias)
     if config.qkv_bias:
-        attn += (config.heads + 2 * config.kv_heads) * config.head_dim
+        attn += (config.n_heads + 2 * config.kv_heads) * config.head_dim
     mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp == "swiglu", biases=config.mlp_bias)
     norm = _norm_count(config)
 
@@ -368,9 +372,9 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     stacks = 2 if config.encoder_layers else 1
     norms += stacks * norm if config.final_norm else 0
 
-    embedding = config.vocab * d
+    embedding = config.vocab_size * d
     positions = config.learned_positions * d
-    output = 0 if config.tied_output else d * config.vocab
+    output = 0 if config.tie_embeddings else d * config.vocab_size
     total = embedding + positions + attention + mlps + norms + output
     return ParamCounts(embedding, positions, attention, mlps, norms, output, total)
 
@@ -385,10 +389,10 @@ class FlopCount(NamedTuple):
 
 def _weight_macs_per_token(config: ModelConfig) -> int:
     # Multiply-adds of every weight matmul for one token through all layers (logits excluded).
-    d, h, g, dh = config.d_model, config.heads, config.kv_heads, config.head_dim
+    d, h, g, dh = config.d_model, config.n_heads, config.kv_heads, config.head_dim
     attention = d * h * dh + 2 * d * g * dh + h * dh * d
     mlp = (3 if config.mlp == "swiglu" else 2) * d * config.d_ff
-    return config.layers * (attention + mlp)
+    return config.n_layers * (attention + mlp)
 
 
 def _attended_keys(query_position: int, window: int | None) -> int:
@@ -429,9 +433,9 @@ def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
     batch = check_int("batch", batch, 1)
     logit_rows = tokens if all_logits else 1
     weights = 2 * batch * (tokens * _weight_macs_per_token(config)
-                           + logit_rows * config.d_model * config.vocab)
+                           + logit_rows * config.d_model * config.vocab_size)
     pairs = _causal_pairs(tokens, config.sliding_window)
-    attention = 4 * batch * config.layers * config.heads * config.head_dim * pairs
+    attention = 4 * batch * config.n_layers * config.n_heads * config.head_dim * pairs
     return FlopCount(weights, attention, weights + attention)
 
 
@@ -445,9 +449,9 @@ def decode_step_flops(config: ModelConfig, context: int, batch: int = 1) -> Flop
     _decoder_only(config, "decode_step_flops")
     context = check_int("context", context, 1)
     batch = check_int("batch", batch, 1)
-    weights = 2 * batch * (_weight_macs_per_token(config) + config.d_model * config.vocab)
+    weights = 2 * batch * (_weight_macs_per_token(config) + config.d_model * config.vocab_size)
     keys = _attended_keys(context, config.sliding_window)
-    attention = 4 * batch * config.layers * config.heads * config.head_dim * keys
+    attention = 4 * batch * config.n_layers * config.n_heads * config.head_dim * keys
     return FlopCount(weights, attention, weights + attention)
 
 
@@ -504,7 +508,7 @@ class StepTraffic(NamedTuple):
 
 def _matrix_weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
     # The weight matrices one token passes through, logits included: the weight FLOPs / 2 per token.
-    return bytes_per_element * (_weight_macs_per_token(config) + config.d_model * config.vocab)
+    return bytes_per_element * (_weight_macs_per_token(config) + config.d_model * config.vocab_size)
 
 
 def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
@@ -530,7 +534,7 @@ def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
     flops = decode_step_flops(config, context, batch).total
     keys = _attended_keys(check_int("context", context, 1), config.sliding_window)
     weights = _matrix_weight_bytes(config, b)
-    cache = batch * keys * kv_cache_bytes_per_token(config.layers, config.kv_heads,
+    cache = batch * keys * kv_cache_bytes_per_token(config.n_layers, config.kv_heads,
                                                     config.head_dim, b)
     return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
 
@@ -550,7 +554,7 @@ def prefill_traffic(config: ModelConfig, tokens: int, batch: int = 1,
     b = check_int("bytes_per_element", bytes_per_element, 1)
     flops = prefill_flops(config, tokens, batch).total
     weights = _matrix_weight_bytes(config, b)
-    cache = batch * tokens * kv_cache_bytes_per_token(config.layers, config.kv_heads,
+    cache = batch * tokens * kv_cache_bytes_per_token(config.n_layers, config.kv_heads,
                                                       config.head_dim, b)
     return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
 
@@ -662,7 +666,7 @@ def own_design(config: ModelConfig) -> str:
     """The attention design of ``config``: the kind of its row in :func:`attention_cache_rows`."""
     if config.is_mla:
         return "MLA"
-    return "MHA" if config.kv_heads == config.heads else "MQA" if config.kv_heads == 1 else "GQA"
+    return "MHA" if config.kv_heads == config.n_heads else "MQA" if config.kv_heads == 1 else "GQA"
 
 
 def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
@@ -676,16 +680,17 @@ def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    latent_dim = config.latent_dim if latent_dim is None else latent_dim
-    rope_dim = config.rope_dim if rope_dim is None else rope_dim
+    latent_dim = config.d_c if latent_dim is None else latent_dim
+    rope_dim = config.d_rope if rope_dim is None else rope_dim
 
     # Log-log axes: every choice is a line of slope 1 (the cache is linear in T), and the vertical
     # gap between two lines is their constant ratio, visible even when one is 100x smaller.
     lengths = sorted({2**k for k in range(tokens.bit_length()) if 2**k <= tokens} | {tokens})
     series = {}
     for t in lengths:
-        for row in attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
-                                        t, batch, bytes_per_element, latent_dim, rope_dim):
+        for row in attention_cache_rows(config.n_layers, config.n_heads, config.kv_heads,
+                                        config.head_dim, t, batch, bytes_per_element, latent_dim,
+                                        rope_dim):
             series.setdefault((row.kind, row.label), []).append(row.total / 2**30)
 
     own = own_design(config)
@@ -699,8 +704,8 @@ def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
             ax.plot(lengths, sizes, label=f"{label}: same shape, other attention", linestyle="--")
     ax.set_xlabel("context length T (tokens)")
     ax.set_ylabel("KV cache (GiB, binary: 2^30 bytes)")
-    ax.set_title(f"{config.name}: KV cache of L={config.layers} layers, h={config.heads} heads of "
-                 f"d_h={config.head_dim}\nbatch B={batch}, {bytes_per_element} bytes per element")
+    ax.set_title(f"{config.name}: KV cache of L={config.n_layers} layers, h={config.n_heads} heads "
+                 f"of d_h={config.head_dim}\nbatch B={batch}, {bytes_per_element} bytes per element")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)

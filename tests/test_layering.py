@@ -132,3 +132,24 @@ def test_the_checks_see_a_deferred_import(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from refmath.hf import read_config\n    return read_config\n")
     assert imports("refmath.sizing", source, KNOWN) == {"refmath.hf"}
+
+
+def test_no_model_is_named_outside_the_models():
+    # A table of models outside refmath/models/ shows up as a model's name in code: every other
+    # module reads refmath.models.MODELS (docstrings may name them)
+    from refmath.models import MODELS
+
+    named = []
+    for module, path in KNOWN.items():
+        if module == "refmath.models" or module.startswith("refmath.models."):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                           ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        named += [f"{module}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in MODELS
+                  and id(node) not in docstrings]
+    assert not named, f"model names in code outside refmath/models/: {named}"

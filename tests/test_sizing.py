@@ -90,9 +90,9 @@ def test_inference_rule_of_thumb_s1():
 @pytest.mark.parametrize("name", ["llama-3-8b", "mistral-7b"])
 def test_gqa_ratio_is_h_over_g_s3(name):
     c = PRESETS[name]
-    rows = {r.kind: r.total for r in attention_cache_rows(c.layers, c.heads, c.kv_heads, c.head_dim, 8192)}
+    rows = {r.kind: r.total for r in attention_cache_rows(c.n_layers, c.n_heads, c.kv_heads, c.head_dim, 8192)}
     ratio = Fraction(rows["MHA"], rows["GQA"])
-    assert ratio == Fraction(c.heads, c.kv_heads)
+    assert ratio == Fraction(c.n_heads, c.kv_heads)
     assert 4 <= ratio <= 8  # the cheat sheet's "4x-8x fewer KV heads" (both presets are at 4x)
 
 
@@ -102,10 +102,10 @@ def test_mla_vs_mha_for_deepseek_v2_s3():
     # 56.9x: the claim does not hold against an MHA of the same shape. We assert the computed figure
     # and record that it lies outside the claimed range rather than adjusting anything.
     c = PRESETS["deepseek-v2"]
-    rows = {r.kind: r for r in attention_cache_rows(c.layers, c.heads, c.kv_heads, c.head_dim, 8192,
-                                                     latent_dim=c.latent_dim, rope_dim=c.rope_dim)}
+    rows = {r.kind: r for r in attention_cache_rows(c.n_layers, c.n_heads, c.kv_heads, c.head_dim, 8192,
+                                                     latent_dim=c.d_c, rope_dim=c.d_rope)}
     ratio = Fraction(rows["MHA"].total, rows["MLA"].total)
-    assert ratio == Fraction(2 * c.heads * c.head_dim, c.latent_dim + c.rope_dim) == Fraction(512, 9)
+    assert ratio == Fraction(2 * c.n_heads * c.head_dim, c.d_c + c.d_rope) == Fraction(512, 9)
     assert not 5 <= ratio <= 10
 
 
@@ -115,8 +115,8 @@ def test_swiglu_width_rounding_n7():
     # 8 * 4096 / 3 = 10922.67, rounded up to a multiple of 256: 43 * 256 = 11008, Llama-2-7B's d_f
     assert swiglu_hidden_size(4096, 256) == 11008 == PRESETS["llama-2-7b"].d_ff
     # SwiGLU at that width has about the budget of a 4d GELU FFN: 3 d d_f vs 2 d (4d)
-    gelu = ModelConfig("g", layers=1, d_model=4096, heads=32, kv_heads=32, head_dim=128,
-                       d_ff=4 * 4096, vocab=1, mlp="gelu")
+    gelu = ModelConfig("g", n_layers=1, d_model=4096, n_heads=32, kv_heads=32, head_dim=128,
+                       d_ff=4 * 4096, vocab_size=1, mlp="gelu")
     swiglu = dataclasses.replace(gelu, d_ff=11008, mlp="swiglu")
     assert parameter_counts(gelu).mlp == 2 * 4096 * 4 * 4096
     assert parameter_counts(swiglu).mlp == 3 * 4096 * 11008
@@ -211,9 +211,9 @@ def test_prefill_weight_flops_are_2_per_weight_per_token():
     f = prefill_flops(c, T, all_logits=True)
     assert f.weights == 2 * T * (counts.total - counts.embedding - counts.norms)
     # only the last position's logits (generation) saves (T - 1) rows of 2 d V
-    assert prefill_flops(c, T).weights == f.weights - 2 * (T - 1) * c.d_model * c.vocab
+    assert prefill_flops(c, T).weights == f.weights - 2 * (T - 1) * c.d_model * c.vocab_size
     # causal attention: T(T+1)/2 pairs, 4 d_h FLOPs per pair and head (scores + values), per layer
-    assert f.attention == 4 * c.layers * c.heads * c.head_dim * T * (T + 1) // 2
+    assert f.attention == 4 * c.n_layers * c.n_heads * c.head_dim * T * (T + 1) // 2
     assert f.total == f.weights + f.attention
 
 
@@ -221,7 +221,7 @@ def test_decode_step_attention_is_linear_in_context_k5():
     c = PRESETS["llama-3-8b"]
     steps = [decode_step_flops(c, t) for t in (1, 10, 1000)]
     assert all(s.weights == steps[0].weights for s in steps)  # independent of t at fixed widths
-    assert [s.attention for s in steps] == [4 * c.layers * c.heads * c.head_dim * t for t in (1, 10, 1000)]
+    assert [s.attention for s in steps] == [4 * c.n_layers * c.n_heads * c.head_dim * t for t in (1, 10, 1000)]
     # a batch of B sequences costs B times as much
     assert decode_step_flops(c, 10, batch=3).total == 3 * steps[1].total
 
@@ -231,7 +231,7 @@ def test_sliding_window_caps_attended_keys():
     # w(w+1)/2 + (T - w) w pairs
     c = PRESETS["mistral-7b"]
     w, T = 4096, 6000
-    per_pair = 4 * c.layers * c.heads * c.head_dim
+    per_pair = 4 * c.n_layers * c.n_heads * c.head_dim
     assert prefill_flops(c, T).attention == per_pair * (w * (w + 1) // 2 + (T - w) * w)
     assert decode_step_flops(c, T).attention == per_pair * w
     full = dataclasses.replace(c, sliding_window=None)
@@ -275,7 +275,7 @@ def test_kv_heads_must_divide_heads():
 
 def test_presets_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        PRESETS["llama-3-8b"].layers = 1
+        PRESETS["llama-3-8b"].n_layers = 1
 
 
 # ---- the `sizes` command ------------------------------------------------------------------------

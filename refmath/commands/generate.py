@@ -13,6 +13,7 @@ import numpy as np
 
 from refmath.commands import CommandError
 from refmath.kernels import BACKENDS
+from refmath.models import MODELS
 
 HELP = "sample text from a trained checkpoint or a Hugging Face model directory"
 DESCRIPTION = (
@@ -120,7 +121,7 @@ def _from_run(args: argparse.Namespace) -> int:
         n = len(out) - len(prompt)
     seconds = time.perf_counter() - start
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
-    if ckpt.model == "transformer":
+    if not MODELS[ckpt.model].decoder_only:
         how = "the encoder-decoder recomputes its decoder prefix"
     _report_speed(n, seconds, how)
     return 0

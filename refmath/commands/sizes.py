@@ -53,23 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_config(args: argparse.Namespace) -> ModelConfig:
-    flags = {"layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-             "head_dim": args.head_dim}
-    given = {k: v for k, v in flags.items() if v is not None}
+    # the flags' fields of refmath.sizing.ModelConfig, and the flags that set them
+    flags = {"n_layers": ("--layers", args.layers), "n_heads": ("--heads", args.heads),
+             "kv_heads": ("--kv-heads", args.kv_heads), "head_dim": ("--head-dim", args.head_dim)}
+    given = {field: value for field, (_, value) in flags.items() if value is not None}
     if args.hf or args.config:
         config = dataclasses.replace(sizing_config(_hf_config(args)), **given)
     elif args.preset:
         config = dataclasses.replace(PRESETS[args.preset], **given)
     else:
-        missing = [f"--{k.replace('_', '-')}" for k in ("layers", "heads", "head_dim") if k not in given]
+        missing = [flags[k][0] for k in ("n_layers", "n_heads", "head_dim") if k not in given]
         if missing:
             raise ValueError(f"without --preset, give {', '.join(missing)}")
-        given.setdefault("kv_heads", given["heads"])
+        given.setdefault("kv_heads", given["n_heads"])
         # Without a preset d_model is a placeholder: nothing printed for bare flags depends on it.
-        config = ModelConfig("custom", d_model=given["heads"] * given["head_dim"], **given)
+        config = ModelConfig("custom", d_model=given["n_heads"] * given["head_dim"], **given)
     if config.is_mla:
         # For an MLA preset the latent flags change the model itself, not just the comparison row.
-        mla = {k: v for k, v in (("latent_dim", args.latent_dim), ("rope_dim", args.rope_dim))
+        mla = {k: v for k, v in (("d_c", args.latent_dim), ("d_rope", args.rope_dim))
                if v is not None}
         config = dataclasses.replace(config, **mla)
     return config
@@ -150,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
         _check_plot_path(args.plot)
     config = _resolve_config(args)
     tokens = args.tokens or config.context or DEFAULT_TOKENS
-    latent = args.latent_dim if args.latent_dim is not None else config.latent_dim
-    rope = args.rope_dim if args.rope_dim is not None else config.rope_dim
-    rows = attention_cache_rows(config.layers, config.heads, config.kv_heads, config.head_dim,
+    latent = args.latent_dim if args.latent_dim is not None else config.d_c
+    rope = args.rope_dim if args.rope_dim is not None else config.d_rope
+    rows = attention_cache_rows(config.n_layers, config.n_heads, config.kv_heads, config.head_dim,
                                 tokens, args.batch, args.bytes, latent, rope)
     hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
     overridden = any(getattr(args, f) is not None
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     own = own_design(config)
     title = config.name + (f" ({config.source})" if config.source else "")
     print(f"KV cache (K6, K7, K9): {title}", file=out)
-    print(f"  L={config.layers}, h={config.heads}, g={config.kv_heads}, d_h={config.head_dim}; "
+    print(f"  L={config.n_layers}, h={config.n_heads}, g={config.kv_heads}, d_h={config.head_dim}; "
           f"B={args.batch}, b={args.bytes} bytes per element", file=out)
     print(f"  T = {tokens} tokens ({why})", file=out)
     print("  units are binary: 1 KiB = 1024 B, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB\n", file=out)
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  counted for all T tokens (K6); a rolling cache of the {config.sliding_window}-token "
               f"window would cap T there", file=out)
 
-    if config.d_ff is not None and config.vocab is not None and not config.is_mla:
+    if config.d_ff is not None and config.vocab_size is not None and not config.is_mla:
         _print_parameters(config, out)
         if not config.encoder_layers:
             _print_flops(config, tokens, args.batch, out)

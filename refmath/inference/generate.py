@@ -56,7 +56,8 @@ def _decode_loop(next_logits, start: np.ndarray, max_new_tokens: int, pick, eos_
 def _resolve(model) -> ModuleType:
     if isinstance(model, str):
         if model not in DECODER_ONLY:
-            hint = "; use generate_seq2seq for the encoder-decoder" if model == "transformer" else ""
+            seq2seq = model in MODELS and not MODELS[model].decoder_only
+            hint = "; use generate_seq2seq for the encoder-decoder" if seq2seq else ""
             raise ValueError(f"model must be one of {', '.join(DECODER_ONLY)} or a model module, "
                              f"got {model!r}{hint}")
         return model_module(model)

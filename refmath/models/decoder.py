@@ -729,10 +729,10 @@ def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int
 def sizing_fields(config: DecoderConfig) -> dict:
     """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
     name and source): what the parameter, memory and FLOP calculators need to know of it."""
-    return dict(layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
+    return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
-                vocab=config.vocab_size, qkv_bias=config.qkv_bias,
-                tied_output=config.tie_embeddings, sliding_window=config.sliding_window)
+                vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
+                tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window)
 
 
 # ---- Hugging Face: llama, mistral, qwen2 and qwen3 (refmath.hf reads and writes the files) -------

@@ -559,10 +559,10 @@ def head(params, x, config: GPTConfig) -> np.ndarray:
 def sizing_fields(config: GPTConfig) -> dict:
     """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
     name and source): what the parameter, memory and FLOP calculators need to know of it."""
-    return dict(layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
+    return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.n_heads, head_dim=config.head_dim, d_ff=config.d_ff,
-                vocab=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True,
-                mlp_bias=True, tied_output=config.tie_embeddings,
+                vocab_size=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True,
+                mlp_bias=True, tie_embeddings=config.tie_embeddings,
                 learned_positions=config.max_seq_len, final_norm=config.norm_position == "pre")
 
 

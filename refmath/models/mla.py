@@ -429,10 +429,10 @@ def cached_layer(x, params, layer: int, config: MLAConfig, slot, offset: int,
 def sizing_fields(config: MLAConfig) -> dict:
     """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
     name and source): what the parameter, memory and FLOP calculators need to know of it."""
-    return dict(layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
+    return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.n_heads, head_dim=config.d_k, d_ff=config.d_f,
-                vocab=config.vocab_size, tied_output=config.tie_embeddings,
-                latent_dim=config.d_c, rope_dim=config.d_rope)
+                vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
+                d_c=config.d_c, d_rope=config.d_rope)
 
 
 # ---- Hugging Face: deepseek_v2 and deepseek_v3, dense (refmath.hf reads and writes the files) ----

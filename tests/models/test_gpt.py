@@ -159,13 +159,8 @@ def test_parameter_names_and_count_agree_with_sizing(norm_position, tied):
     names = set(gpt.param_shapes(config))
     assert ("ln_f.gamma" in names) == (norm_position == "pre")
     assert ("lm_head" in names) == (not tied)
-    # the same network described to the parameter calculator
-    described = sizing.ModelConfig(
-        "gpt-test", layers=config.n_layers, d_model=config.d_model, heads=config.n_heads,
-        kv_heads=config.n_heads, head_dim=config.head_dim, d_ff=config.d_ff,
-        vocab=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True, mlp_bias=True,
-        tied_output=tied,
-        learned_positions=config.max_seq_len, final_norm=norm_position == "pre")
+    # the same network as the model describes itself to the parameter calculator
+    described = sizing.ModelConfig("gpt-test", **gpt.sizing_fields(config))
     total = sum(v.size for v in gpt.init_params(config).values())
     assert total == sizing.parameter_counts(described).total
 
