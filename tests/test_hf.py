@@ -651,6 +651,18 @@ PUBLISHED = {
                      num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
                      rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False,
                      max_window_layers=28, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, tie_word_embeddings=False,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                     attention_bias=False, use_sliding_window=False),
     "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
                  n_head=12, activation_function="gelu_new", layer_norm_epsilon=1e-5),
 }
@@ -663,6 +675,17 @@ def meta_parameter_count(config: dict) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     return sum(p.numel() for p in model.parameters())
+
+
+def test_the_presets_are_the_published_configs():
+    """refmath.sizing's Llama-3.1-8B and Qwen3-8B presets count what their config.json loads."""
+    from refmath.sizing import PRESETS, parameter_counts
+
+    for name in ("llama-3.1-8b", "qwen3-8b"):
+        assert parameter_counts(PRESETS[name]).total == meta_parameter_count(PUBLISHED[name])
+    _, config = hf.config_from_hf(PUBLISHED["llama-3.1-8b"])
+    assert (config.rope_scaling.rope_type, config.rope_scaling.original_max_seq_len,
+            config.max_seq_len) == ("llama3", 8192, 131072)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

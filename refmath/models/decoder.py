@@ -732,7 +732,8 @@ def sizing_fields(config: DecoderConfig) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
-                tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window)
+                tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window,
+                qk_norm=config.qk_norm)
 
 
 # ---- Hugging Face: llama, mistral, qwen2 and qwen3 (refmath.hf reads and writes the files) -------
