@@ -79,6 +79,10 @@ SCALED = {
     "llama-yarn-mscale": ("llama", rope("yarn", factor=4.0, original_max_position_embeddings=16,
                                         mscale=1.0, mscale_all_dim=0.5)),
     "qwen3-yarn": ("qwen3", rope("yarn", factor=4.0, original_max_position_embeddings=16)),
+    # Phi-3's per-pair factors, the long ones past 8 tokens
+    "llama-longrope": ("llama", rope("longrope", factor=4.0, original_max_position_embeddings=8,
+                                     short_factor=[1.0, 1.2, 1.5, 2.0],
+                                     long_factor=[1.0, 2.0, 5.0, 9.0])),
     # DeepSeek-V2's and V3's own terms: mscale = mscale_all_dim leaves m = 1 on the rotation and
     # moves the temperature into the softmax scale
     "deepseek_v2-yarn": ("deepseek_v2", rope("yarn", factor=40.0, original_max_position_embeddings=4,
@@ -156,12 +160,25 @@ def _scaled_rope_cos_sin(module, x, position_ids):
     return emb.cos() * module.attention_scaling, emb.sin() * module.attention_scaling
 
 
+def _longrope64(initialiser, config, device=None, seq_len=None, layer_type=None):
+    """transformers' LongRoPE frequencies, 1 / (f_r base^(2r/d)), in float64; its factor m."""
+    _, m = initialiser(config, device, seq_len=seq_len, layer_type=layer_type)
+    p = config.rope_parameters
+    dim = config.head_dim
+    long = seq_len is not None and seq_len > p["original_max_position_embeddings"]
+    factors = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=torch.float64)
+    return 1.0 / (factors * p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), m
+
+
 def _float64_scaled_rope(module, monkeypatch):
     """A rotary embedding with a rope scaling: transformers' own initialiser and its per-length
     update (dynamic NTK), evaluated in float64."""
     from transformers import modeling_rope_utils as utils
 
     monkeypatch.setattr(utils, "torch", _Float64Torch())
+    if module.rope_type == "longrope":  # its exponents are cast with Tensor.float(): redone here
+        monkeypatch.setitem(utils.ROPE_INIT_FUNCTIONS, "longrope", functools.partial(
+            _longrope64, utils.ROPE_INIT_FUNCTIONS["longrope"]))
     inv_freq, module.attention_scaling = utils.ROPE_INIT_FUNCTIONS[module.rope_type](module.config)
     module.register_buffer("inv_freq", inv_freq, persistent=False)
     module.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
@@ -224,6 +241,8 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
+    if variant in SCALED or variant == "qwen3":  # float64 rounding (~1e-15), with room to spare
+        assert error < 1e-13
 
 
 @pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED])
@@ -236,9 +255,9 @@ def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, m
     ours = generate(name, params, config, prompt, 16, greedy=True)  # through the KV cache
     float64_internals(model, monkeypatch)
     model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
-    # transformers' cache keeps the keys a dynamic NTK rotated at shorter lengths (stale past
-    # max_position_embeddings, K3); refmath prefills afresh there, which is recomputing
-    use_cache = variant != "llama-dynamic"
+    # transformers' cache keeps the keys a dynamic NTK (or LongRoPE) rotated at shorter lengths
+    # (stale past the trained context, K3); refmath prefills afresh there, which is recomputing
+    use_cache = variant not in ("llama-dynamic", "llama-longrope")
     with torch.no_grad():
         theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
                                 pad_token_id=0, use_cache=use_cache)[0].numpy()
@@ -259,7 +278,7 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
     module = model_module(name)
     tokens = TOKENS[:, :12]
     full = module.logits(params, tokens, config)
-    if variant == "llama-dynamic":
+    if variant in ("llama-dynamic", "llama-longrope"):
         z, cache = prefill(name, params, config, tokens[:, :8], all_logits=True)
         np.testing.assert_allclose(z, module.logits(params, tokens[:, :8], config), rtol=1e-12,
                                    atol=1e-12)
