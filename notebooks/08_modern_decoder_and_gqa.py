@@ -7,9 +7,9 @@
 #     language: python
 #     name: python3
 #   refmath:
-#     figures: 1
-#     minutes: 40
-#     ids: [M3, A9, A10, A13]
+#     figures: 2
+#     minutes: 45
+#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18]
 # ---
 
 # %% [markdown]
@@ -20,17 +20,20 @@
 # query heads (grouped-query attention, GQA; Ainslie et al., 2023). This lesson builds the layer
 # (M3), fuses its three projections into one (A9), maps query heads to key/value heads (A10),
 # derives by hand why a shared key/value head's gradient is a *sum* over the query heads that read
-# it, and counts what grouping saves and what it does not (A13).
+# it, and counts what grouping saves and what it does not (A13). It ends with two options of the
+# same layer: context extension by rescaling RoPE's frequencies (N13-N17) and QK-norm (N18).
 #
 # **Prerequisites:** lessons 1 (attention backward, A8), 2 (RMSNorm), 4 (SwiGLU, RoPE) and 7 (GPT).
 #
 # **Goals:** read the shapes of an M3 layer; show that one fused projection equals three; derive
 # the head-sum in $dK$ and $dV$ and check it by central differences; count, per decode step, the
-# FLOPs and bytes of MHA, GQA and MQA, and say why GQA leaves the score arithmetic unchanged.
+# FLOPs and bytes of MHA, GQA and MQA, and say why GQA leaves the score arithmetic unchanged; say
+# why RoPE does not extrapolate past its training context and how interpolation, NTK, Llama 3.1's
+# rule and YaRN each slow its pairs; see why QK-norm bounds the scores.
 #
-# **Catalogue IDs:** M3, A9, A10, A13
+# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18
 #
-# **Duration:** about 40 minutes.
+# **Duration:** about 45 minutes.
 
 # %%
 import math
@@ -399,6 +402,123 @@ plt.show()
 # group and then uptraining, continuing pre-training for about 5% of its original compute.
 
 # %% [markdown]
+# ## N13-N17: context extension, rescaling RoPE's frequencies
+#
+# **Why RoPE does not extrapolate.** Pair $r$ turns at $\omega_r = b^{-2r/d_h}$ radians per token,
+# a wavelength $\lambda_r = 2\pi/\omega_r$. Over a training context of $L$ tokens the fast pairs turn
+# many times, but every pair with $\lambda_r > L$ never completes a turn: past $L$ its angles (and
+# the score patterns they make with every other pair) were never seen in training. The
+# relative-position identity still holds; what fails is that the model never learned what those
+# angles mean. Every fix slows some pairs down so that the longer context $sL$ maps onto angles
+# seen in training:
+#
+# - **position interpolation** (linear, N13; Chen et al., 2023): $\omega'_r = \omega_r/s$ for
+#   every pair. Nothing new is seen, but the fast pairs, which tell neighbours apart, are
+#   squeezed $s$ times too;
+# - **NTK-aware / dynamic NTK** (N14; bloc97 and emozilla, 2023): grow the base,
+#   $b' = b\,(s\ell/L - (s-1))^{d_h/(d_h-2)}$ at length $\ell$, which leaves pair 0 alone and slows
+#   the slow pairs most; "dynamic" recomputes $b'$ from the current length, so it is exactly RoPE
+#   up to $L$;
+# - **Llama 3.1's rule** (N15; Grattafiori et al., 2024): keep the pairs with
+#   $\lambda_r < L/\beta$, divide those with $\lambda_r > L/\alpha$ by $s$, and blend between;
+# - **YaRN** (N16; Peng et al., 2023): the same idea counted in rotations, a linear ramp between
+#   the pair that turns $\beta_{\text{fast}}$ times over $L$ (kept) and the one that turns
+#   $\beta_{\text{slow}}$ times (interpolated), plus a temperature: queries and keys are scaled by
+#   $m = 0.1\ln s + 1$, so every score by $m^2$. DeepSeek moves that temperature into the softmax
+#   scale, $\mu(s;\text{mscale\_all\_dim})^2/\sqrt{d_k}$;
+# - **LongRoPE** (N17; Ding et al., 2024, Phi-3): a searched divisor per pair, one set for short
+#   and one for long sequences, and $m = \sqrt{1 + \ln s/\ln L}$.
+
+# %%
+from refmath.positions import rope_forward, rope_frequencies_change, rope_inv_freq
+
+d_h, base, L, s = 128, 500000.0, 8192, 8.0  # Llama 3.1's head width, base and trained context
+omega, _ = rope_inv_freq(d_h, base)
+rules = {
+    "position interpolation": dict(rope_type="linear", factor=s),
+    "dynamic NTK at 8L": dict(rope_type="dynamic", factor=s, original_max_seq_len=L),
+    "llama3": dict(rope_type="llama3", factor=s, original_max_seq_len=L),
+    "YaRN": dict(rope_type="yarn", factor=s, original_max_seq_len=L),
+}
+print(f"pairs that never complete a turn in {L} tokens: {int(np.sum(2 * np.pi / omega > L))} "
+      f"of {d_h // 2}")
+fig, ax = plt.subplots(figsize=(6, 3.4), layout="constrained")
+for label, rule in rules.items():
+    scaled, m = rope_inv_freq(d_h, base, rule, seq_len=int(s * L))
+    ax.plot(2 * np.pi / omega, scaled / omega, ".-", label=f"{label} (m = {m:.3f})")
+ax.axvline(L, color="grey", lw=0.8, ls="--")
+ax.text(L * 1.1, 0.6, "wavelength = L", fontsize=8, color="grey")
+ax.set(xscale="log", yscale="log", xlabel=r"wavelength $\lambda_r = 2\pi/\omega_r$ (tokens)",
+       ylabel=r"$\omega'_r / \omega_r$", title="how each rule slows RoPE's pairs (s = 8)")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# **Your turn.** Llama 3.1's rule by hand for $d_h = 8$, $b = 500$, $L = 32$, $s = 8$, $\alpha = 1$,
+# $\beta = 4$. The frequencies are $\omega_r = 500^{-r/4}$; a pair whose wavelength is under
+# $L/\beta = 8$ keeps $\omega_r$, one over $L/\alpha = 32$ gets $\omega_r/8$, and one between gets
+# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$ with $\gamma = (L/\lambda_r - \alpha)/(\beta - \alpha)$.
+
+# %% tags=["exercise"]
+llama3_by_hand = ...
+# BEGIN SOLUTION
+w = 500.0 ** (-np.arange(4) / 4)
+lam = 2 * np.pi / w
+gamma = (32 / lam - 1) / (4 - 1)
+llama3_by_hand = np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w))
+# END SOLUTION
+
+# %%
+check_close("llama3 frequencies", llama3_by_hand,
+            lambda: rope_inv_freq(8, 500.0, dict(rope_type="llama3", factor=8.0,
+                                                  original_max_seq_len=32))[0],
+            rtol=1e-12, hint="pair 0 (wavelength 6.3) is kept; pair 1 (wavelength 30) is blended")
+
+# %% [markdown]
+# **A length-dependent rule invalidates the cache.** Keys are cached already rotated (K3). Dynamic
+# NTK's frequencies change with the current length once it passes $L$, so a key rotated when the
+# sequence was shorter no longer matches the one a full recomputation would make: past $L$ every
+# decode step would mix two sets of frequencies. refmath's cached step refuses there, and
+# `generate` prefills afresh (Hugging Face keeps the stale keys).
+
+# %%
+dynamic = dict(rope_type="dynamic", factor=4.0, original_max_seq_len=16)
+key = rng.standard_normal((1, 8))
+at = {length: rope_forward(key, positions=np.array([3]),
+                           inv_freq=rope_inv_freq(8, 500.0, dynamic, length)[0])[0]
+      for length in (10, 16, 17)}
+print("key at position 3, rotated at lengths 10 and 16 differ by", np.abs(at[10] - at[16]).max())
+print("... at lengths 16 and 17 differ by", np.abs(at[16] - at[17]).max())
+print("stale from 16 to 17 tokens:", rope_frequencies_change(dynamic, 16, 17),
+      "; from 10 to 16:", rope_frequencies_change(dynamic, 10, 16))
+
+# %% [markdown]
+# ## N18: QK-norm
+#
+# Qwen3 and Gemma 3 RMS-normalise each head's query and key (over its $d_h$ coordinates, with one
+# learned gain of width $d_h$ shared by the heads) after the projections and before RoPE; OLMo 2
+# normalises the whole query and key projections ($h d_h$ and $g d_h$ wide) instead. Then
+# $|\hat q \cdot \hat k| \le d_h \max_j |\gamma_{q,j}\gamma_{k,j}|$, whatever the weights, which
+# keeps the logits of attention from growing without bound in training (Dehghani et al., 2023).
+# The backward is RMSNorm's (N2), the gain's gradient summed over heads and tokens:
+# `decoder.DecoderConfig(qk_norm="head")`, and `"projection"` for OLMo 2's form.
+
+# %%
+qk_config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
+                                  n_heads=4, n_kv_heads=2, qk_norm="head")
+qk_params = {name[len("layers.0.attn."):]: value
+             for name, value in decoder.init_params(qk_config, seed=3).items()
+             if name.startswith("layers.0.attn.")}
+big = {**qk_params, "w_q": 100.0 * qk_params["w_q"]}  # a query projection grown 100-fold
+xq = rng.standard_normal((1, 5, 16))
+q_small, _, _ = decoder.queries_keys(xq, qk_params, qk_config)
+q_big, _, _ = decoder.queries_keys(xq, big, qk_config)
+change = np.abs(q_big - q_small).max() / np.abs(q_small).max()
+print(f"a 100x larger W_Q changes the normalised, rotated queries by {change:.1e} of their size "
+      f"(only through eps)")
+assert change < 1e-3
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Derive $dQ$ for GQA. Why does $dQ$ need no sum over heads, while $dK$ and $dV$ do?
@@ -410,6 +530,10 @@ plt.show()
 #    `mha_forward` that the layer's attention output does not change.
 # 5. The tiny M3 above has $g = 2$. Convert it to $g = 1$ by mean-pooling `w_k` and `w_v` over the
 #    two heads, and measure how much the loss on the same batch changes.
+# 6. Show that dynamic NTK's base gives pair $r = d_h/2 - 1$ exactly the frequency of linear
+#    interpolation at the length $sL$, and that pair 0 keeps its frequency at every length.
+# 7. With `rope_inv_freq`, find the pair indices where YaRN's ramp starts and ends for Llama 3.1's
+#    shape ($d_h = 128$, $b = 500000$, $L = 8192$); how many pairs are fully interpolated?
 #
 # ## References
 #
@@ -422,3 +546,17 @@ plt.show()
 # - Zhang, B., and Sennrich, R. (2019). Root Mean Square Layer Normalization.
 # - Shazeer, N. (2020). GLU Variants Improve Transformer.
 # - Su, J., et al. (2021). RoFormer: Enhanced Transformer with Rotary Position Embedding.
+# - Chen, S., et al. (2023). Extending Context Window of Large Language Models via Positional
+#   Interpolation. arXiv:2306.15595. (Linear position interpolation.)
+# - bloc97 (2023), "NTK-Aware Scaled RoPE", and emozilla (2023), "Dynamically Scaled RoPE"
+#   (r/LocalLLaMA posts; the base-growth rule and its dynamic form).
+# - Peng, B., Quesnelle, J., Fan, H., and Shippole, E. (2023). YaRN: Efficient Context Window
+#   Extension of Large Language Models. arXiv:2309.00071. (The ramp and the temperature.)
+# - Grattafiori, A., et al. (2024). The Llama 3 Herd of Models. arXiv:2407.21783. (The llama3
+#   frequency rule of Llama 3.1.)
+# - Ding, Y., et al. (2024). LongRoPE: Extending LLM Context Window Beyond 2 Million Tokens.
+#   arXiv:2402.13753. (Per-pair factors, used by Phi-3.)
+# - Dehghani, M., et al. (2023). Scaling Vision Transformers to 22 Billion Parameters.
+#   arXiv:2302.05442. (QK-norm against growing attention logits.) Yang, A., et al. (2025).
+#   Qwen3 Technical Report. arXiv:2505.09388. OLMo Team (2024). 2 OLMo 2 Furious.
+#   arXiv:2501.00656.

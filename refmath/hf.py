@@ -17,6 +17,7 @@ format.
 ``qwen2``                           ``"llama"``      plus biases on the query, key and value
                                                      projections; a window on some layers caps the
                                                      context at the window
+``qwen3``                           ``"llama"``      plus QK-norm (``qk_norm="head"``)
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense feed-forward layers only (no experts)
 ==================================  ===============  =============================================
 
@@ -24,9 +25,12 @@ The encoder-decoder (``marian``) is not converted: Marian's attention projection
 its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, and its sinusoid
 table puts every sine before every cosine; refmath's encoder-decoder, the paper's, has none of these.
 
-Anything else is refused with a message that names the field and its value (mixture-of-experts
-layers, rope scaling such as YaRN or Llama 3.1's, soft-capping, biases refmath's models do not
-have, ...): a checkpoint is never loaded into a model that would compute a different function.
+The ``"llama"`` types load with their rope scaling (``rope_parameters.rope_type`` ``linear``,
+``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``DecoderConfig.rope_scaling``), the
+``"mla"`` types with the length-independent ones (``linear``, ``llama3``, ``yarn``, with
+DeepSeek's ``mscale_all_dim``). Anything else is refused with a message that names the field and
+its value (mixture-of-experts layers, another rope scaling, soft-capping, biases refmath's models
+do not have, ...): a checkpoint is never loaded into a model that would compute a different function.
 
 Weight layout. ``torch.nn.Linear`` stores :math:`W^\top` (``out x in``) and computes
 :math:`x W^\top + b`; refmath's row-vector convention stores ``W`` itself (``in x out``), so linear

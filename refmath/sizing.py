@@ -229,6 +229,8 @@ class ModelConfig:
     context: int | None = None       # trained context length, as published
     published_params: str = ""       # the total as published, e.g. "6.74e9"; "" if not compared
     source: str = ""
+    qk_norm: str | None = None       # QK-norm gains per layer: "head" 2 d_h (Qwen3), "projection"
+                                     # (h + g) d_h (OLMo 2), None: none
 
     def __post_init__(self):
         for field in ("n_layers", "d_model", "n_heads", "kv_heads", "head_dim"):
@@ -242,6 +244,7 @@ class ModelConfig:
             raise ValueError("d_c and d_rope must be given together (an MLA cache holds both)")
         check_field(self, "mlp", check_choice, _MLP_KINDS)
         check_field(self, "norm", check_choice, _NORM_KINDS)
+        check_field(self, "qk_norm", check_choice, ("head", "projection"), optional=True)
 
     @property
     def is_mla(self) -> bool:
@@ -289,6 +292,22 @@ PRESETS: dict[str, ModelConfig] = {
                     d_ff=14336, vocab_size=32000, sliding_window=4096, context=8192,
                     published_params="7.3e9",
                     source="Mistral 7B paper, Table 1"),
+        # Llama 3.1 model card and config.json (meta-llama/Llama-3.1-8B): the Llama 3 8B shape
+        # (dim 4096, 32 layers, 32 heads, 8 KV heads, d_ff 14336, vocab 128256, untied) with
+        # rope_scaling llama3 (factor 8, low/high frequency factors 1 and 4, original context
+        # 8192) and max_position_embeddings 131072, the 128K context of the card; the Hub lists
+        # 8.03B parameters.
+        ModelConfig("llama-3.1-8b", n_layers=32, d_model=4096, n_heads=32, kv_heads=8,
+                    head_dim=128, d_ff=14336, vocab_size=128256, context=131072,
+                    published_params="8.03e9",
+                    source="Llama 3.1 model card / config.json (meta-llama/Llama-3.1-8B)"),
+        # Qwen3 model card and config.json (Qwen/Qwen3-8B): hidden 4096, 36 layers, 32 query and
+        # 8 KV heads of head_dim 128, intermediate 12288, vocab 151936, untied, QK-norm on every
+        # head; the card: 8.2B parameters (6.95B non-embedding), 32,768 tokens natively (131,072
+        # with YaRN).
+        ModelConfig("qwen3-8b", n_layers=36, d_model=4096, n_heads=32, kv_heads=8, head_dim=128,
+                    d_ff=12288, vocab_size=151936, context=32768, qk_norm="head",
+                    published_params="8.2e9", source="Qwen3-8B model card (Qwen/Qwen3-8B)"),
         # DeepSeek-V2 report (arXiv:2405.04434), Sec. 3.1 settings: 60 layers, d=5120, 128 heads of
         # d_h=128, d_c=512, d_R=64; a context of 128K tokens (the abstract). Its MoE feed-forward
         # (236e9 total parameters) is not modelled here, so d_ff and vocab are left out and no
@@ -364,6 +383,10 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     attention = L * attn
     mlps = L * mlp
     norms = L * 2 * norm
+    if config.qk_norm == "head":  # one gain of d_h for the queries, one for the keys (N18)
+        norms += L * 2 * config.head_dim
+    elif config.qk_norm == "projection":
+        norms += L * (config.n_heads + config.kv_heads) * config.head_dim
     if config.encoder_layers:
         # Decoder layers add cross-attention and its norm; encoder layers are self-attention + MLP.
         attention += L * attn + config.encoder_layers * attn

@@ -51,15 +51,50 @@ def hf_config(model_type: str, **overrides):
         "llama": (transformers.LlamaConfig, llama),
         "mistral": (transformers.MistralConfig, dict(llama, sliding_window=5)),
         "qwen2": (transformers.Qwen2Config, dict(llama, tie_word_embeddings=True)),
+        "qwen3": (transformers.Qwen3Config, dict(llama, head_dim=8)),
         "deepseek_v2": (transformers.DeepseekV2Config, dict(mla, q_lora_rank=None)),
         "deepseek_v3": (transformers.DeepseekV3Config, dict(mla, q_lora_rank=12)),
     }[model_type]
     return fields[0](**{**fields[1], **overrides})
 
 
-MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
+MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
+               "deepseek_v3")
+
+
+def rope(rope_type, **fields):
+    return {"rope_parameters": {"rope_type": rope_type, "rope_theta": 500.0, **fields}}
+
+
+# Context extension (N13-N17): head_dim 8 and base 500 give wavelengths 6.3, 30, 140 and 660
+# tokens, so each rule moves some pairs and keeps others within the tests' 13 tokens.
+SCALED = {
+    "llama-linear": ("llama", rope("linear", factor=4.0)),
+    # max_position_embeddings 8 < 13 tokens: the base stretches with the length
+    "llama-dynamic": ("llama", dict(max_position_embeddings=8, **rope("dynamic", factor=4.0))),
+    "llama-llama3": ("llama", rope("llama3", factor=8.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "llama-yarn": ("llama", rope("yarn", factor=4.0, original_max_position_embeddings=16,
+                                 beta_fast=8.0, beta_slow=0.5)),
+    "llama-yarn-mscale": ("llama", rope("yarn", factor=4.0, original_max_position_embeddings=16,
+                                        mscale=1.0, mscale_all_dim=0.5)),
+    "qwen3-yarn": ("qwen3", rope("yarn", factor=4.0, original_max_position_embeddings=16)),
+    # Phi-3's per-pair factors, the long ones past 8 tokens
+    "llama-longrope": ("llama", rope("longrope", factor=4.0, original_max_position_embeddings=8,
+                                     short_factor=[1.0, 1.2, 1.5, 2.0],
+                                     long_factor=[1.0, 2.0, 5.0, 9.0])),
+    # DeepSeek-V2's and V3's own terms: mscale = mscale_all_dim leaves m = 1 on the rotation and
+    # moves the temperature into the softmax scale
+    "deepseek_v2-yarn": ("deepseek_v2", rope("yarn", factor=40.0, original_max_position_embeddings=4,
+                                             beta_fast=4, beta_slow=1, mscale=0.707,
+                                             mscale_all_dim=0.707)),
+    "deepseek_v3-yarn": ("deepseek_v3", rope("yarn", factor=40.0, original_max_position_embeddings=4,
+                                             beta_fast=4, beta_slow=1, mscale=1.0,
+                                             mscale_all_dim=0.5)),
+}
 VARIANTS = {  # id -> (model_type, config overrides)
     **{t: (t, {}) for t in MODEL_TYPES},
+    **SCALED,
     "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
     "deepseek_v3-half-rope": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None)),
 }
@@ -106,12 +141,68 @@ def _apply_rotary_complex(xq, xk, freqs_cis):
     return rotate(xq), rotate(xk)
 
 
+class _Float64Torch:
+    """torch, but with float32 meaning float64: transformers' rope initialisers
+    (``modeling_rope_utils``) run under it compute their frequencies in float64."""
+    float = torch.float64
+    float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _scaled_rope_cos_sin(module, x, position_ids):
+    # the rotary embedding's forward in float64; transformers' dynamic_rope_update wraps it below
+    freqs = _angles(module.inv_freq.to(torch.float64), position_ids)
+    if type(module).__name__ == "DeepseekV2RotaryEmbedding":  # its complex form
+        return torch.polar(torch.full_like(freqs, module.attention_scaling), freqs)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * module.attention_scaling, emb.sin() * module.attention_scaling
+
+
+def _longrope64(initialiser, config, device=None, seq_len=None, layer_type=None):
+    """transformers' LongRoPE frequencies, 1 / (f_r base^(2r/d)), in float64; its factor m."""
+    _, m = initialiser(config, device, seq_len=seq_len, layer_type=layer_type)
+    p = config.rope_parameters
+    dim = config.head_dim
+    long = seq_len is not None and seq_len > p["original_max_position_embeddings"]
+    factors = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=torch.float64)
+    return 1.0 / (factors * p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), m
+
+
+def _float64_scaled_rope(module, monkeypatch):
+    """A rotary embedding with a rope scaling: transformers' own initialiser and its per-length
+    update (dynamic NTK), evaluated in float64."""
+    from transformers import modeling_rope_utils as utils
+
+    monkeypatch.setattr(utils, "torch", _Float64Torch())
+    if module.rope_type == "longrope":  # its exponents are cast with Tensor.float(): redone here
+        monkeypatch.setitem(utils.ROPE_INIT_FUNCTIONS, "longrope", functools.partial(
+            _longrope64, utils.ROPE_INIT_FUNCTIONS["longrope"]))
+    inv_freq, module.attention_scaling = utils.ROPE_INIT_FUNCTIONS[module.rope_type](module.config)
+    module.register_buffer("inv_freq", inv_freq, persistent=False)
+    module.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+    update = functools.partial(utils.dynamic_rope_update(_scaled_rope_cos_sin), module)
+
+    def forward(x, position_ids):
+        # dynamic NTK's stretched base is (int tensor) * float: of torch's default dtype
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return update(x, position_ids)
+        finally:
+            torch.set_default_dtype(default)
+    module.forward = forward
+
+
 def float64_internals(model, monkeypatch):
     """Evaluate transformers' RMSNorm and RoPE angles in float64 (see the module docstring)."""
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             module.forward = functools.partial(_rms_norm, module)
+        elif name.endswith("RotaryEmbedding") and getattr(module, "rope_type", "default") != "default":
+            _float64_scaled_rope(module, monkeypatch)
         elif name.endswith("RotaryEmbedding"):
             dim = 2 * module.inv_freq.numel()
             theta = module.config.rope_parameters["rope_theta"]
@@ -150,21 +241,66 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
+    if variant in SCALED or variant == "qwen3":  # float64 rounding (~1e-15), with room to spare
+        assert error < 1e-13
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_greedy_generation_gives_the_tokens_of_transformers(model_type, tmp_path, monkeypatch):
-    model = random_model(model_type, seed=1)
+@pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED])
+def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, monkeypatch):
+    model_type, overrides = VARIANTS[variant]
+    model = random_model(model_type, seed=1, **overrides)
     model.save_pretrained(tmp_path, safe_serialization=True)
     name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
     prompt = TOKENS[0, :6]
     ours = generate(name, params, config, prompt, 16, greedy=True)  # through the KV cache
     float64_internals(model, monkeypatch)
     model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
+    # transformers' cache keeps the keys a dynamic NTK (or LongRoPE) rotated at shorter lengths
+    # (stale past the trained context, K3); refmath prefills afresh there, which is recomputing
+    use_cache = variant not in ("llama-dynamic", "llama-longrope")
     with torch.no_grad():
         theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
-                                pad_token_id=0)[0].numpy()
+                                pad_token_id=0, use_cache=use_cache)[0].numpy()
     np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("variant", sorted(SCALED))
+def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
+    """Prefill then one decode step per token gives the logits of the whole sequence run at once;
+    for dynamic NTK the step past the trained context is refused as stale (K3), and generate
+    prefills afresh there."""
+    from refmath.inference.kv_cache import decode_step, prefill
+
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, seed=4, **overrides).save_pretrained(tmp_path,
+                                                                  safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    module = model_module(name)
+    tokens = TOKENS[:, :12]
+    full = module.logits(params, tokens, config)
+    if variant in ("llama-dynamic", "llama-longrope"):
+        z, cache = prefill(name, params, config, tokens[:, :8], all_logits=True)
+        np.testing.assert_allclose(z, module.logits(params, tokens[:, :8], config), rtol=1e-12,
+                                   atol=1e-12)
+        with pytest.raises(ValueError, match="stale"):
+            decode_step(name, params, config, cache, tokens[:, 8])
+        return
+    _, cache = prefill(name, params, config, tokens[:, :5])
+    for t in range(5, 12):
+        z = decode_step(name, params, config, cache, tokens[:, t])
+        np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("variant", ["qwen3", *sorted(SCALED)])
+def test_generate_hf_runs_each_new_type(variant, tmp_path):
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, seed=6, **overrides).save_pretrained(tmp_path,
+                                                                  safe_serialization=True)
+    status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
+                                 "--greedy", "--max-new-tokens", "12"])
+    assert status == 0, err
+    ids = [int(i) for i in out.strip().split(",")]  # it may stop early at the config's eos
+    assert ids[:3] == [1, 2, 3] and 3 < len(ids) <= 15
 
 
 def test_mistral_window_is_the_models_window(tmp_path):
@@ -306,6 +442,18 @@ def refmath_configs():
         "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
             d_ff=40, qkv_bias=True, tie_embeddings=True, rope_base=300.0)),
+        "qwen3 (QK-norm, YaRN, interleaved RoPE)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qk_norm="head", rope_base=300.0,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_seq_len=8))),
+        "llama (llama3 scaling, half RoPE)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, rope_base=300.0, rope_layout="half",
+            rope_scaling=dict(rope_type="llama3", factor=8.0, original_max_seq_len=16))),
+        "llama (dynamic NTK past 8 tokens)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, rope_base=300.0,
+            rope_scaling=dict(rope_type="dynamic", factor=4.0, original_max_seq_len=8))),
         "mistral (sliding window 4, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
             d_ff=40, sliding_window=4)),
@@ -315,6 +463,12 @@ def refmath_configs():
         "gpt2 (untied, exact GELU)": ("gpt", gpt.GPTConfig(
             vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4, d_ff=48,
             tie_embeddings=False, gelu_approximate=False, dropout=0.0, layernorm_eps=1e-6)),
+        "deepseek_v3 (YaRN with mscale_all_dim)": ("mla", mla.MLAConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
+            d_rope=4, head_dim=6, v_head_dim=10, latent_norm=True, d_ff=40,
+            latent_norm_eps=1e-6, norm_eps=1e-5, rope_scaling=dict(
+                rope_type="yarn", factor=8.0, original_max_seq_len=4, mscale=1.0,
+                mscale_all_dim=1.0))),
         "deepseek_v3 (query compression, half RoPE)": ("mla", mla.MLAConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
             d_rope=4, head_dim=6, v_head_dim=10, q_lora_rank=8, latent_norm=True, d_ff=40,
@@ -356,7 +510,12 @@ def test_interleaved_to_half_keeps_every_score():
 
 
 def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
-    from refmath.models import gpt, mla, transformer
+    from refmath.models import decoder, gpt, mla, transformer
+
+    config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
+                                   n_heads=2, qk_norm="projection")
+    with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection'"):
+        hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
 
     config = transformer.TransformerConfig(vocab_size=11, max_seq_len=8, n_layers=1, d_model=16,
                                            n_heads=2, d_ff=32)
@@ -402,14 +561,31 @@ def test_refuses_an_unsupported_model_type(llama_dir):
     assert "model_type = 'mixtral' is not supported" in one_line_error(llama_dir)
 
 
-def test_refuses_rope_scaling(llama_dir):
-    edit_config(llama_dir, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
-    assert "rope_parameters.rope_type = 'llama3'" in one_line_error(llama_dir)
+def test_refuses_an_unknown_rope_scaling(llama_dir):
+    edit_config(llama_dir, rope_parameters={"rope_type": "su", "rope_theta": 5e5, "factor": 8.0})
+    message = one_line_error(llama_dir)
+    assert "rope_parameters.rope_type = 'su'" in message and "yarn" in message
 
 
-def test_refuses_legacy_rope_scaling(llama_dir):
-    edit_config(llama_dir, rope_scaling={"type": "linear", "factor": 2.0})
-    assert "rope_scaling = {'type': 'linear', 'factor': 2.0}" in one_line_error(llama_dir)
+@pytest.mark.parametrize("factor", [0.0, -2.0, "4"])
+def test_refuses_a_rope_scaling_factor_that_is_not_positive(llama_dir, factor):
+    edit_config(llama_dir, rope_parameters={"rope_type": "linear", "rope_theta": 5e5,
+                                            "factor": factor})
+    assert f"rope_parameters.factor = {factor!r}" in one_line_error(llama_dir)
+
+
+def test_legacy_rope_scaling_loads_like_rope_parameters(llama_dir):
+    edit_config(llama_dir, rope_parameters=None, rope_theta=500.0,
+                rope_scaling={"type": "linear", "factor": 2.0})
+    _, config, _ = hf.load_checkpoint(llama_dir)
+    assert (config.rope_base, config.rope_scaling.rope_type, config.rope_scaling.factor) == (
+        500.0, "linear", 2.0)
+
+
+def test_refuses_partial_rotary(llama_dir):
+    edit_config(llama_dir, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                            "partial_rotary_factor": 0.5})
+    assert "partial_rotary_factor = 0.5" in one_line_error(llama_dir)
 
 
 def test_refuses_a_config_without_a_needed_field(llama_dir):
@@ -494,6 +670,18 @@ PUBLISHED = {
                      num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
                      rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False,
                      max_window_layers=28, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, tie_word_embeddings=False,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                     attention_bias=False, use_sliding_window=False),
     "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
                  n_head=12, activation_function="gelu_new", layer_norm_epsilon=1e-5),
 }
@@ -506,6 +694,17 @@ def meta_parameter_count(config: dict) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     return sum(p.numel() for p in model.parameters())
+
+
+def test_the_presets_are_the_published_configs():
+    """refmath.sizing's Llama-3.1-8B and Qwen3-8B presets count what their config.json loads."""
+    from refmath.sizing import PRESETS, parameter_counts
+
+    for name in ("llama-3.1-8b", "qwen3-8b"):
+        assert parameter_counts(PRESETS[name]).total == meta_parameter_count(PUBLISHED[name])
+    _, config = hf.config_from_hf(PUBLISHED["llama-3.1-8b"])
+    assert (config.rope_scaling.rope_type, config.rope_scaling.original_max_seq_len,
+            config.max_seq_len) == ("llama3", 8192, 131072)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

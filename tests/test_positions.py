@@ -184,3 +184,171 @@ def test_half_layout_gradient():
                   rope_forward, rope_backward, ("x",))
     result = check_case(case)
     assert result.passed, result.errors
+
+
+# ---- context extension: rescaled frequencies (N13-N17) --------------------------------------------
+
+from refmath.positions import (RopeScaling, rope_frequencies_change, rope_inv_freq,  # noqa: E402
+                               rope_softmax_scale, yarn_mscale)
+
+RULES = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0, original_max_seq_len=64),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_seq_len=64),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_seq_len=64, beta_fast=32.0,
+                 beta_slow=1.0),
+    "yarn-deepseek": dict(rope_type="yarn", factor=40.0, original_max_seq_len=64, mscale=0.707,
+                          mscale_all_dim=0.707),
+    "longrope": dict(rope_type="longrope", factor=4.0, original_max_seq_len=64,
+                     short_factor=tuple(np.linspace(1, 2, 8)),
+                     long_factor=tuple(np.linspace(1, 9, 8))),
+}
+
+
+def test_inv_freq_worked_example_n13_n15():
+    omega, m = rope_inv_freq(4, 10000.0)
+    np.testing.assert_allclose(omega, [1.0, 0.01], rtol=1e-15)
+    assert m == 1.0
+    np.testing.assert_allclose(rope_inv_freq(4, 10000.0, RULES["linear"])[0], [0.25, 0.0025],
+                               rtol=1e-15)
+    np.testing.assert_allclose(rope_inv_freq(4, 10000.0, RULES["llama3"])[0], [1.0, 0.00125],
+                               rtol=1e-15)
+
+
+def test_dynamic_ntk_is_plain_rope_up_to_the_trained_context_n14():
+    omega = rope_inv_freq(16, 500.0)[0]
+    for length in (None, 1, 64):
+        np.testing.assert_array_equal(rope_inv_freq(16, 500.0, RULES["dynamic"], length)[0], omega)
+    longer = rope_inv_freq(16, 500.0, RULES["dynamic"], 128)[0]
+    assert longer[0] == omega[0] and np.all(longer[1:] < omega[1:])  # the fastest pair is kept
+    # at length l: b' = b (s l / L - (s - 1))^(d / (d - 2)); at 128 = 2L with s = 4 that is 5
+    np.testing.assert_allclose(longer, (500.0 * 5 ** (16 / 14)) ** -(np.arange(8) * 2 / 16),
+                               rtol=1e-14)
+
+
+def test_llama3_keeps_fast_pairs_divides_slow_pairs_and_blends_between_n15():
+    omega = rope_inv_freq(64, 10000.0)[0]
+    scaled = rope_inv_freq(64, 10000.0, RULES["llama3"])[0]
+    wavelength = 2 * np.pi / omega
+    fast, slow = wavelength < 64 / 4, wavelength > 64 / 1
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    np.testing.assert_array_equal(scaled[fast], omega[fast])
+    np.testing.assert_allclose(scaled[slow], omega[slow] / 8, rtol=1e-15)
+    ratio = scaled[~fast & ~slow] / omega[~fast & ~slow]
+    assert np.all((1 / 8 < ratio) & (ratio < 1)) and np.all(np.diff(ratio) < 0)
+
+
+def test_yarn_ramp_endpoints_and_temperature_n16():
+    d, base, L = 32, 10000.0, 64
+    omega = rope_inv_freq(d, base)[0]
+    scaled, m = rope_inv_freq(d, base, RULES["yarn"])
+    turns = L * omega / (2 * np.pi)  # rotations of each pair over the trained context
+    np.testing.assert_array_equal(scaled[turns > 32], omega[turns > 32])  # extrapolated
+    np.testing.assert_allclose(scaled[turns < 1], omega[turns < 1] / 4, rtol=1e-15)  # interpolated
+    assert m == pytest.approx(0.1 * math.log(4) + 1, rel=1e-15)
+    # DeepSeek: mscale = mscale_all_dim cancels in m and moves into the softmax scale
+    _, m_ds = rope_inv_freq(d, base, RULES["yarn-deepseek"])
+    assert m_ds == 1.0
+    assert rope_softmax_scale(d, RULES["yarn-deepseek"]) == pytest.approx(
+        (0.1 * 0.707 * math.log(40) + 1) ** 2 / math.sqrt(d), rel=1e-15)
+    assert rope_softmax_scale(d) == 1 / math.sqrt(d)
+    assert yarn_mscale(1.0) == 1.0 and yarn_mscale(0.5, 3.0) == 1.0
+
+
+def test_longrope_switches_factors_past_the_trained_context_n17():
+    omega = rope_inv_freq(16, 10000.0)[0]
+    short, m = rope_inv_freq(16, 10000.0, RULES["longrope"], seq_len=64)
+    long, _ = rope_inv_freq(16, 10000.0, RULES["longrope"], seq_len=65)
+    np.testing.assert_allclose(short, omega / np.linspace(1, 2, 8), rtol=1e-15)
+    np.testing.assert_allclose(long, omega / np.linspace(1, 9, 8), rtol=1e-15)
+    assert m == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)), rel=1e-15)
+
+
+@pytest.mark.parametrize("rule", ["linear", "llama3", "yarn"])
+def test_scaled_rope_scores_still_depend_only_on_the_offset(rule):
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((1, 16)), rng.standard_normal((1, 16))
+    freq, m = rope_inv_freq(16, 10000.0, RULES[rule])
+
+    def score(i, j):
+        qi = rope_forward(q, positions=np.array([i]), inv_freq=freq, attention_factor=m)[0]
+        kj = rope_forward(k, positions=np.array([j]), inv_freq=freq, attention_factor=m)[0]
+        return float((qi @ kj.T)[0, 0])
+
+    assert score(3, 10) == pytest.approx(score(103, 110), rel=1e-11)
+    # the attention factor scales every score by m^2
+    plain = rope_forward(q, inv_freq=freq)[0] @ rope_forward(k, inv_freq=freq)[0].T
+    scaled = rope_forward(q, inv_freq=freq, attention_factor=m)[0] @ rope_forward(
+        k, inv_freq=freq, attention_factor=m)[0].T
+    np.testing.assert_allclose(scaled, m * m * plain, rtol=1e-14)
+
+
+def test_inv_freq_of_the_plain_rule_is_rope_forwards_default():
+    x = np.random.default_rng(0).standard_normal((2, 5, 8))
+    default = rope_forward(x, offset=3, base=500.0)[0]
+    given = rope_forward(x, offset=3, inv_freq=rope_inv_freq(8, 500.0)[0])[0]
+    np.testing.assert_allclose(given, default, rtol=1e-14, atol=1e-15)
+
+
+def test_a_length_dependent_rule_invalidates_cached_keys_k3():
+    """The seed's rule: keys are cached rotated at their positions (K3), so a scaling rule that
+    depends on the current length rotates the same key differently once the length grows."""
+    dynamic = RopeScaling(**RULES["dynamic"])
+    assert not rope_frequencies_change(dynamic, 10, 64)  # within L: the plain frequencies
+    assert rope_frequencies_change(dynamic, 10, 65) and rope_frequencies_change(dynamic, 70, 71)
+    assert rope_frequencies_change(RULES["longrope"], 64, 65)
+    assert not rope_frequencies_change(RULES["longrope"], 65, 90)
+    for rule in ("linear", "llama3", "yarn"):
+        assert not rope_frequencies_change(RULES[rule], 10, 10_000)
+    key = np.random.default_rng(1).standard_normal((1, 16))
+    cached = rope_forward(key, positions=np.array([5]),
+                          inv_freq=rope_inv_freq(16, 10000.0, dynamic, 64)[0])[0]
+    recomputed = rope_forward(key, positions=np.array([5]),
+                              inv_freq=rope_inv_freq(16, 10000.0, dynamic, 65)[0])[0]
+    assert np.abs(cached - recomputed).max() > 1e-6
+
+
+def test_bad_scaling_names_the_field():
+    with pytest.raises(ValueError, match=r"rope_scaling.rope_type must be one of .*got 'ntk'"):
+        RopeScaling(rope_type="ntk", factor=2.0)
+    for factor in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"rope_scaling.factor must be .*> 0.*got"):
+            RopeScaling(rope_type="linear", factor=factor)
+    with pytest.raises(ValueError, match="rope_scaling.original_max_seq_len"):
+        RopeScaling(rope_type="yarn", factor=2.0)
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        RopeScaling(rope_type="llama3", factor=8.0, original_max_seq_len=8, low_freq_factor=4.0,
+                    high_freq_factor=1.0)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['scale'\]"):
+        rope_inv_freq(8, scaling={"rope_type": "linear", "scale": 2.0})
+    with pytest.raises(ValueError, match="long_factor has 8 entries; d_k = 8 needs 4"):
+        rope_inv_freq(8, scaling=RULES["longrope"], seq_len=100)
+    with pytest.raises(ValueError, match=r"inv_freq must have shape \(4,\)"):
+        rope_forward(np.zeros((3, 8)), inv_freq=np.ones(3))
+    with pytest.raises(ValueError, match="attention_factor"):
+        rope_forward(np.zeros((3, 8)), attention_factor=0.0)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_inv_freq_equals_transformers(rule):
+    """Hugging Face's rope initialisers (float32 there) give the same frequencies and factor."""
+    pytest.importorskip("torch", reason="the comparison needs torch")
+    transformers = pytest.importorskip("transformers", reason="the comparison needs transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = dict(RULES[rule])
+    params = {"rope_type": fields.pop("rope_type"), "rope_theta": 10000.0, **fields}
+    if "original_max_seq_len" in params:
+        params["original_max_position_embeddings"] = params.pop("original_max_seq_len")
+    for name in ("short_factor", "long_factor"):
+        if name in params:
+            params[name] = list(params[name])
+    context = params.get("original_max_position_embeddings", 64)
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                      max_position_embeddings=context, rope_parameters=params)
+    for seq_len in (context, 2 * context):
+        theirs, m = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, seq_len=seq_len)
+        ours, our_m = rope_inv_freq(16, 10000.0, RULES[rule], seq_len)
+        np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=3e-7)
+        assert our_m == pytest.approx(m, rel=1e-12)

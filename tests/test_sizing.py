@@ -162,10 +162,12 @@ def _rounds_to(count: int, published: str) -> bool:
     return abs(Decimal(count) - value) <= half_unit
 
 
-@pytest.mark.parametrize("name", ["gpt2-small", "llama-2-7b", "llama-3-8b"])
+@pytest.mark.parametrize("name", ["gpt2-small", "llama-2-7b", "llama-3-8b", "llama-3.1-8b",
+                                  "qwen3-8b"])
 def test_parameter_count_rounds_to_the_published_total(name):
     # The tolerance is the published figure's own rounding, nothing looser. Counts:
-    # gpt2-small 124,439,808; llama-2-7b 6,738,415,616; llama-3-8b 8,030,261,248.
+    # gpt2-small 124,439,808; llama-2-7b 6,738,415,616; llama-3-8b and llama-3.1-8b
+    # 8,030,261,248; qwen3-8b 8,190,735,360.
     config = PRESETS[name]
     total = parameter_counts(config).total
     assert _rounds_to(total, config.published_params), (name, total, config.published_params)
@@ -440,3 +442,14 @@ def test_time_lower_bound_is_bytes_over_bandwidth_k13():
         decode_time_lower_bound(step.total_bytes, 1e12)
     with pytest.raises(ValueError, match="d_ff and vocab"):
         decode_step_traffic(PRESETS["deepseek-v2"], 10)
+
+
+def test_qwen3_8b_counts_its_qk_norm_gains_and_the_cards_non_embedding_total():
+    qwen3 = PRESETS["qwen3-8b"]
+    counts = parameter_counts(qwen3)
+    assert counts.total == 8_190_735_360
+    # QK-norm adds one gain of d_h for the queries and one for the keys in each of the 36 layers
+    without = parameter_counts(dataclasses.replace(qwen3, qk_norm=None))
+    assert counts.total - without.total == 36 * 2 * 128
+    # the card's 6.95B non-embedding parameters: all but the embedding and the untied head
+    assert _rounds_to(counts.total - counts.embedding - counts.output, "6.95e9")

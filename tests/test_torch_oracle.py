@@ -54,13 +54,16 @@ def _mha(x, n_heads, n_kv_heads, context=None, mask=None, dropout_mask=None, **p
     return F.linear(o.transpose(-3, -2).flatten(-2), p["w_o"].T, p.get("b_o"))
 
 
-def _rope(x, offset=0, base=10000.0, positions=None):
+def _rope(x, offset=0, base=10000.0, positions=None, inv_freq=None, attention_factor=1.0):
     """RoPE as complex multiplication (LLaMA's formulation): the pair (x_2r, x_2r+1) is the complex
-    number x_2r + i x_2r+1, multiplied by e^{i p omega_r} with omega_r = base^(-2r/d_k)."""
+    number x_2r + i x_2r+1, multiplied by m e^{i p omega_r} with omega_r = base^(-2r/d_k) (or the
+    given inv_freq of a context-extension rule, with its attention factor m)."""
     if positions is None:
         positions = torch.arange(offset, offset + x.shape[-2])
-    omega = 1.0 / base ** (torch.arange(0, x.shape[-1], 2, dtype=x.dtype) / x.shape[-1])
-    rotation = torch.polar(torch.ones((), dtype=x.dtype), torch.outer(positions.to(x.dtype), omega))
+    omega = (1.0 / base ** (torch.arange(0, x.shape[-1], 2, dtype=x.dtype) / x.shape[-1])
+             if inv_freq is None else inv_freq)
+    rotation = torch.polar(torch.full((), attention_factor, dtype=x.dtype),
+                           torch.outer(positions.to(x.dtype), omega))
     pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
     return torch.view_as_real(pairs * rotation).reshape(x.shape)
 

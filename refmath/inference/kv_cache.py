@@ -607,14 +607,18 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
     (:func:`refmath.inference.generate.generate`): the logits ``(B, V)`` of the token after each
     row of ``tokens`` ``(B, T)``. One decode step while the cache holds every token but the newest;
     a fresh :func:`prefill` of the last ``window`` tokens otherwise (the first call, and every call
-    once the window slides, since then the positions of every kept token change). The model and
-    the parameters are checked at each prefill, not at each step."""
+    once the window slides, since then the positions of every kept token change, and whenever the
+    model's ``cache_stale(config, length, 1)`` says a length-dependent rope scaling changed its
+    frequencies, which invalidates the cached keys). The model and the parameters are checked at
+    each prefill, not at each step."""
     module = _model(model, config)
     state = {"cache": None}
+    stale = getattr(module, "cache_stale", None)
 
     def next_logits(tokens):
         cache = state["cache"]
-        if cache is not None and cache.length == tokens.shape[1] - 1 < window:
+        if (cache is not None and cache.length == tokens.shape[1] - 1 < window
+                and not (stale is not None and stale(config, cache.length, 1))):
             return _step(module, params, config, cache, tokens[:, -1], "absorbed")
         z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend)
         return z

@@ -56,13 +56,15 @@ from refmath.fused import swiglu_backward, swiglu_forward
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
                                    prefixed, sub_params)
-from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out, refuse_common,
-                                      require, rope_theta, swiglu_layers_to_hf, take_ends,
+from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out,
+                                      refuse_common, require, rope_context, rope_from_hf,
+                                      rope_to_hf, swiglu_layers_to_hf, take_ends,
                                       take_swiglu_layer)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
-from refmath.positions import ROPE_LAYOUTS, RoPECache, rope_backward, rope_forward
+from refmath.positions import (ROPE_LAYOUTS, RoPECache, RopeScaling, as_rope_scaling,
+                               rope_backward, rope_forward, rope_frequencies_change, rope_inv_freq)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
@@ -128,6 +130,9 @@ class FamilyConfig:
         return ffn_width(self)
 
 
+QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig(FamilyConfig):
     """Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
@@ -147,17 +152,28 @@ class DecoderConfig(FamilyConfig):
     value projections (Qwen2's ``x W + b``; the output projection keeps none); they start at 0.
     ``sliding_window`` = ``w`` lets each query see only itself and the ``w - 1`` positions before
     it (A12, Mistral), in training, evaluation and the KV cache alike, on every backend.
+    ``rope_scaling`` is a context-extension rule for RoPE's frequencies
+    (:class:`refmath.positions.RopeScaling` or a dict of its fields: linear, dynamic NTK, Llama 3.1's
+    llama3, YaRN, LongRoPE; N13-N17). ``qk_norm`` RMS-normalises queries and keys before RoPE
+    (N18): ``"head"`` over each head's ``d_h`` coordinates with one gain of ``d_h`` shared by the
+    heads (Qwen3, Gemma 3), ``"projection"`` over the whole query (``h d_h``) and key (``g d_h``)
+    projections (OLMo 2); ``None`` (the default) normalises neither.
     """
 
     n_kv_heads: int | None = None
     qkv_bias: bool = False
     sliding_window: int | None = None
+    rope_scaling: RopeScaling | None = None
+    qk_norm: str | None = None
 
     def __post_init__(self):
         check_shared_fields(self)
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
         check_field(self, "qkv_bias", check_flag)
         check_field(self, "sliding_window", check_int, 1, optional=True)
+        object.__setattr__(self, "rope_scaling",
+                           as_rope_scaling(self.rope_scaling, "DecoderConfig.rope_scaling"))
+        check_field(self, "qk_norm", check_choice, QK_NORMS, optional=True)
         if self.n_heads % self.kv_heads:
             raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
                              f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
@@ -214,6 +230,10 @@ class RoPEAttentionCache(NamedTuple):
     attn: CausalAttentionCache  # of the rotated queries and keys, and the values
     out: LinearCache  # [O_1 ... O_h] W_O
     n_heads: int
+    q_norm: RMSNormCache | None = None  # QK-norm (N18), when the config has it
+    k_norm: RMSNormCache | None = None
+    qk_norm: str | None = None
+    kv_heads: int | None = None
 
 
 def rope_attention_shapes(config: DecoderConfig) -> dict:
@@ -221,7 +241,51 @@ def rope_attention_shapes(config: DecoderConfig) -> dict:
     shapes = {"w_q": (d, h * d_h), "w_k": (d, g * d_h), "w_v": (d, g * d_h), "w_o": (h * d_h, d)}
     if config.qkv_bias:
         shapes.update({"b_q": (h * d_h,), "b_k": (g * d_h,), "b_v": (g * d_h,)})
+    if config.qk_norm == "head":
+        shapes.update({"q_norm.gamma": (d_h,), "k_norm.gamma": (d_h,)})
+    elif config.qk_norm == "projection":
+        shapes.update({"q_norm.gamma": (h * d_h,), "k_norm.gamma": (g * d_h,)})
     return shapes
+
+
+def rope_options(config: DecoderConfig, offset: int, length: int) -> dict:
+    """The keyword arguments of :func:`refmath.positions.rope_forward` for rows at positions
+    ``offset..`` of a sequence ``length`` tokens long: the plain rotation, or the frequencies and
+    attention factor of ``config.rope_scaling`` (N13-N17) at that length."""
+    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
+    if config.rope_scaling is not None:
+        inv_freq, factor = rope_inv_freq(config.d_h, config.rope_base, config.rope_scaling, length)
+        rope.update(inv_freq=inv_freq, attention_factor=factor)
+    return rope
+
+
+def queries_keys(x, params: dict, config: DecoderConfig, offset: int = 0, length: int | None = None):
+    r"""The rotated queries ``(B, h, n, d_h)`` and keys ``(B, g, n, d_h)`` of the rows ``x``
+    ``(B, n, d)`` at positions ``offset..``, and what their backward needs.
+
+    .. math::
+        Q = X W_Q\,[+\,b_Q],\quad \hat Q = \operatorname{RMSNorm}_{\gamma_q}(Q)\ \text{(QK-norm,
+        N18)},\quad \tilde Q = m\,\operatorname{RoPE}_{\omega'}(\hat Q)
+
+    and the same for keys; ``length`` (default ``offset + n``) is the sequence length a
+    length-dependent rope scaling sees. Returns ``(q, k, caches)`` with ``caches`` the tuple
+    ``(q_proj, k_proj, q_norm, k_norm, q_rope, k_rope)``.
+    """
+    h, g, n = config.n_heads, config.kv_heads, x.shape[-2]
+    q, q_proj = linear_forward(x, params["w_q"], params.get("b_q"))
+    k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"))
+    q_norm = k_norm = None
+    if config.qk_norm == "projection":  # OLMo 2: the whole projection, before the heads split
+        q, q_norm = rmsnorm_forward(q, params["q_norm.gamma"], config.norm_eps)
+        k, k_norm = rmsnorm_forward(k, params["k_norm.gamma"], config.norm_eps)
+    q, k = split_heads(q, h), split_heads(k, g)
+    if config.qk_norm == "head":  # Qwen3, Gemma 3: each head's d_h coordinates, one shared gain
+        q, q_norm = rmsnorm_forward(q, params["q_norm.gamma"], config.norm_eps)
+        k, k_norm = rmsnorm_forward(k, params["k_norm.gamma"], config.norm_eps)
+    rope = rope_options(config, offset, offset + n if length is None else length)
+    q, q_rope = rope_forward(q, **rope)
+    k, k_rope = rope_forward(k, **rope)
+    return q, k, (q_proj, k_proj, q_norm, k_norm, q_rope, k_rope)
 
 
 def rope_attention_forward(x, params: dict, config: DecoderConfig):
@@ -235,18 +299,19 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
 
     RoPE rotates each head's queries and keys after the projections and before the scores; values
     are never rotated. :func:`refmath.attention.mha_forward` has no place for that rotation, so the
-    sublayer is assembled here from the same ops. ``x`` is ``(B, T, d)``; returns ``(Y, cache)``.
+    sublayer is assembled here from the same ops. With ``config.qk_norm`` the queries and keys are
+    RMS-normalised before the rotation (N18), and ``config.rope_scaling`` rotates them at rescaled
+    frequencies, times its attention factor (N13-N17; :func:`queries_keys`). ``x`` is
+    ``(B, T, d)``; returns ``(Y, cache)``.
     """
     h, g = config.n_heads, config.kv_heads
-    q, q_proj = linear_forward(x, params["w_q"], params.get("b_q"))
-    k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"))
+    q, k, (q_proj, k_proj, q_norm, k_norm, q_rope, k_rope) = queries_keys(x, params, config)
     v, v_proj = linear_forward(x, params["w_v"], params.get("b_v"))
-    q, q_rope = rope_forward(split_heads(q, h), base=config.rope_base, layout=config.rope_layout)
-    k, k_rope = rope_forward(split_heads(k, g), base=config.rope_base, layout=config.rope_layout)
     o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend,
                                        window=config.sliding_window)
     y, out = linear_forward(merge_heads(o), params["w_o"])
-    return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h)
+    return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h, q_norm,
+                                 k_norm, config.qk_norm, g)
 
 
 def rope_attention_backward(dy, cache: RoPEAttentionCache):
@@ -254,17 +319,26 @@ def rope_attention_backward(dy, cache: RoPEAttentionCache):
     plus ``"b_q", "b_k", "b_v"`` when the projections have biases.
 
     The forward in reverse: output projection, attention (A8), the sum over each key/value head's
-    group of query heads, the inverse rotation (RoPE's backward), then the three projections, whose
-    input gradients add up because all three read ``x``.
+    group of query heads, the inverse rotation (RoPE's backward), QK-norm's RMSNorm backward (N2,
+    its gain's gradient summed over heads and tokens), then the three projections, whose input
+    gradients add up because all three read ``x``.
     """
     d_merged, dw_o, _ = linear_backward(dy, cache.out)
     dq, dk, dv = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
     dk = rope_backward(dk, cache.k_rope)
     dq = rope_backward(dq, cache.q_rope)
-    dx_q, dw_q, db_q = linear_backward(merge_heads(dq), cache.q_proj)
-    dx_k, dw_k, db_k = linear_backward(merge_heads(dk), cache.k_proj)
+    grads = {}
+    if cache.qk_norm == "head":
+        dq, grads["q_norm.gamma"] = rmsnorm_backward(dq, cache.q_norm)
+        dk, grads["k_norm.gamma"] = rmsnorm_backward(dk, cache.k_norm)
+    dq, dk = merge_heads(dq), merge_heads(dk)
+    if cache.qk_norm == "projection":
+        dq, grads["q_norm.gamma"] = rmsnorm_backward(dq, cache.q_norm)
+        dk, grads["k_norm.gamma"] = rmsnorm_backward(dk, cache.k_norm)
+    dx_q, dw_q, db_q = linear_backward(dq, cache.q_proj)
+    dx_k, dw_k, db_k = linear_backward(dk, cache.k_proj)
     dx_v, dw_v, db_v = linear_backward(merge_heads(dv), cache.v_proj)
-    grads = {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
+    grads.update({"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o})
     if cache.q_proj.has_bias:
         grads.update({"b_q": db_q, "b_k": db_k, "b_v": db_v})
     return dx_q + dx_k + dx_v, grads
@@ -283,8 +357,23 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset, window)``
     appends the keys and values to the layer's cache and attends over every cached position (the
     last ``sliding_window`` of them, with a window). Returns
-    ``(B, n, d)``."""
+    ``(B, n, d)``.
+
+    QK-norm and a rope scaling (N13-N18) go through :func:`queries_keys`. A length-dependent
+    scaling whose frequencies change between ``offset`` and ``offset + n`` tokens makes the cached
+    keys stale (they were rotated at other frequencies, K3): that raises ``ValueError``, and
+    :func:`cache_stale` lets a decoding loop prefill afresh instead.
+    """
+    if cache_stale(config, offset, u.shape[-2]):
+        raise ValueError(f"rope_scaling {config.rope_scaling.rope_type!r} changes RoPE's "
+                         f"frequencies between {offset} and {offset + u.shape[-2]} tokens: the "
+                         f"keys cached for positions 0..{offset - 1} are stale; prefill afresh")
     # BEGIN SOLUTION
+    if config.qk_norm is not None or config.rope_scaling is not None:
+        q, k, _ = queries_keys(u, params, config, offset)
+        v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], config.kv_heads)
+        o = slot.attend(q, k, v, offset, window=config.sliding_window)
+        return linear_forward(merge_heads(o), params["w_o"])[0]
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
     q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"], params.get("b_q"))[0], h), **rope)
@@ -297,6 +386,15 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
 
 ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,
                         rope_attention_state, rope_attention_cached)
+
+
+def cache_stale(config, length: int, n: int) -> bool:
+    """Whether appending ``n`` rows to a KV cache of ``length`` positions would mix keys rotated at
+    different frequencies: true only for a length-dependent ``rope_scaling`` (dynamic NTK,
+    LongRoPE) whose frequencies differ between the two lengths
+    (:func:`refmath.positions.rope_frequencies_change`)."""
+    scaling = getattr(config, "rope_scaling", None)
+    return rope_frequencies_change(scaling, length, length + n)
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -634,12 +732,14 @@ def sizing_fields(config: DecoderConfig) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
-                tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window)
+                tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window,
+                qk_norm=config.qk_norm)
 
 
-# ---- Hugging Face: llama, mistral and qwen2 (refmath.hf reads and writes the files) --------------
+# ---- Hugging Face: llama, mistral, qwen2 and qwen3 (refmath.hf reads and writes the files) -------
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # RoPE in the "half" layout
+# RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _hf_window(hf: dict) -> int | None:
@@ -658,8 +758,9 @@ def _hf_context(hf: dict) -> int:
     for every layer) does not express; but up to ``W`` tokens a window of ``W`` hides nothing, so
     the plain causal model is exactly the windowed one on every sequence it accepts.
     """
-    context = int(hf["max_position_embeddings"])
-    if hf["model_type"] == "qwen2" and hf.get("use_sliding_window") and hf.get("sliding_window"):
+    context = rope_context(hf, rope_from_hf(hf)[1])
+    if (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window")
+            and hf.get("sliding_window")):
         if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
             return min(context, int(hf["sliding_window"]))
     return context
@@ -674,12 +775,13 @@ def config_from_hf(hf: dict) -> DecoderConfig:
                  "output projection (q/k/v biases alone are Qwen2's)")
     require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
     heads = int(hf["num_attention_heads"])
-    return DecoderConfig(
+    base, scaling = rope_from_hf(hf)
+    return DecoderConfig(rope_scaling=scaling, qk_norm="head" if kind == "qwen3" else None,
         vocab_size=int(hf["vocab_size"]), max_seq_len=_hf_context(hf),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        d_ff=int(hf["intermediate_size"]), rope_base=rope_theta(hf),
+        d_ff=int(hf["intermediate_size"]), rope_base=base,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
         rope_layout="half", qkv_bias=kind == "qwen2", sliding_window=_hf_window(hf))
@@ -700,6 +802,10 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
                                                             (width,))
         params[p + "attn.w_o"] = weights.take(h + "self_attn.o_proj.weight", (d, widths["q"]),
                                               transpose=True)
+        if config.qk_norm == "head":  # qwen3's q_norm and k_norm, one (d_h,) gain each
+            for name in ("q", "k"):
+                params[p + f"attn.{name}_norm.gamma"] = weights.take(
+                    h + f"self_attn.{name}_norm.weight", (config.d_h,))
         take_swiglu_layer(weights, params, h, p, d, f)
         # Older Llama files store RoPE's frequencies as a buffer: derived from rope_theta.
         if weights.has(h + "self_attn.rotary_emb.inv_freq"):
@@ -713,19 +819,33 @@ def to_hf(config: DecoderConfig, params: dict):
         raise HFCheckpointError(f"a decoder with q/k/v biases is written as qwen2, whose window "
                                 f"slides only some layers; this config has sliding_window = "
                                 f"{config.sliding_window} on every layer")
-    kind = "qwen2" if config.qkv_bias else "mistral" if config.sliding_window else "llama"
+    if config.qk_norm == "projection":
+        raise HFCheckpointError("qk_norm = 'projection' (OLMo 2's) has no Hugging Face "
+                                "counterpart here: olmo2 also moves its layer norms after the "
+                                "sublayers, which refmath's decoder does not")
+    if config.qk_norm and (config.qkv_bias or config.sliding_window):
+        raise HFCheckpointError(f"a decoder with qk_norm is written as qwen3, which has no q/k/v "
+                                f"biases without an output bias and slides only some layers; "
+                                f"this config has qkv_bias = {config.qkv_bias}, sliding_window = "
+                                f"{config.sliding_window}")
+    kind = ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
+            else "mistral" if config.sliding_window else "llama")
     architecture = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                    "llama": "LlamaForCausalLM"}[kind]
+                    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
     hf = {"model_type": kind, "architectures": [architecture],
-          "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seq_len,
+          "vocab_size": config.vocab_size,
+          "max_position_embeddings": config.max_seq_len if context is None else context,
           "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
           "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
           "head_dim": config.d_h, "intermediate_size": config.d_f, "hidden_act": "silu",
           "rms_norm_eps": config.norm_eps,
-          "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+          "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
     if kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "qwen3":
+        hf.update(attention_bias=False, use_sliding_window=False)
     elif kind == "mistral":
         hf.update(sliding_window=config.sliding_window)
     else:
@@ -745,6 +865,9 @@ def to_hf(config: DecoderConfig, params: dict):
             tensors[h + "q_proj.bias"] = rotated(params[p + "b_q"])
             tensors[h + "k_proj.bias"] = rotated(params[p + "b_k"])
             tensors[h + "v_proj.bias"] = params[p + "b_v"]
+        if config.qk_norm:  # a (d_h,) gain, permuted within the head like the columns it scales
+            for name in ("q", "k"):
+                tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
     swiglu_layers_to_hf(config, params, tensors)
     return hf, tensors
 
@@ -817,4 +940,32 @@ register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, l
                         model_case_maker(forward, init_params,
                                          DecoderConfig(**_TINY, n_kv_heads=2, dropout=0.25,
                                                        tie_embeddings=True), train=True),
+                        backward, max_coords=2, step=2.5e-4))
+# QK-norm (N18) and the context-extension rules (N13-N17) as options of the same sublayer
+_OPTIONS = {
+    "QK-norm per head (Qwen3)": (dict(qk_norm="head"), ("N18", "N2")),
+    "QK-norm on the projections (OLMo 2)": (dict(qk_norm="projection"), ("N18", "N2")),
+    "linear scaling s=2": (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), ("N13",)),
+    "dynamic NTK past 3 tokens": (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0,
+                                                         original_max_seq_len=3)), ("N14",)),
+    "llama3 scaling": (dict(rope_scaling=dict(rope_type="llama3", factor=8.0,
+                                              original_max_seq_len=4)), ("N15",)),
+    "YaRN with temperature, QK-norm": (dict(qk_norm="head", rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5)),
+        ("N16", "N18")),
+}
+for _label, (_fields, _ids) in _OPTIONS.items():
+    _config = DecoderConfig(**_TINY, n_kv_heads=2, **_fields)
+    register_case(OpCase("rope_attention", f"h=4 g=2 causal (2, 5, 16), {_label}",
+                         ("N10", "A10", "A8", *_ids), _rope_attention_inputs(_config),
+                         *layer_case_ops(rope_attention_forward, rope_attention_backward),
+                         ("x", *rope_attention_shapes(_config)), group="attention execution",
+                         max_coords=12))
+register_case(ParamCase("decoder", "GQA h=4 g=2, QK-norm, YaRN, 2 layers", ("M3", "N16", "N18"),
+                        model_case_maker(forward, init_params,
+                                         DecoderConfig(**_TINY, n_kv_heads=2, qk_norm="head",
+                                                       rope_scaling=dict(
+                                                           rope_type="yarn", factor=4.0,
+                                                           original_max_seq_len=4)),
+                                         train=False),
                         backward, max_coords=2, step=2.5e-4))

@@ -48,20 +48,88 @@ def refuse_common(hf: dict) -> None:
         refuse(hf, "add_cross_attention", True, "a decoder-only model has no cross-attention")
 
 
-def rope_theta(hf: dict) -> float:
-    """RoPE's base, refusing any rope scaling (refmath's RoPE is the plain rotation, N10)."""
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        refuse(hf, "rope_scaling", scaling, "refmath's RoPE has no scaling (YaRN, Llama 3.1's, "
-                "linear, dynamic, ...)")
-    params = hf.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
-        refuse(hf, "rope_parameters.rope_type", params["rope_type"],
-                "refmath's RoPE has no scaling (YaRN, Llama 3.1's, linear, dynamic, ...)")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(hf, "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"],
-                "refmath rotates every coordinate of a head")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+_HF_ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
+    """RoPE's base and its context-extension rule (the fields of
+    :class:`refmath.positions.RopeScaling`, or None for the plain rotation), from
+    ``rope_parameters`` (transformers 5) or the older ``rope_scaling`` and ``rope_theta``.
+
+    Hugging Face's dynamic NTK takes ``max_position_embeddings`` as the pretrained context and
+    stretches past it; refmath records that context as ``original_max_seq_len`` and accepts
+    ``factor`` times as many tokens (:func:`rope_context`).
+    """
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    if legacy.get("rope_type", legacy.get("type")) not in (None, "default"):
+        params = {**legacy, **{k: v for k, v in params.items() if k in ("rope_theta",)}}
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        refuse(hf, "rope_parameters.partial_rotary_factor",
+               params.get("partial_rotary_factor", hf.get("partial_rotary_factor")),
+               "refmath rotates every coordinate of a head")
+    if kind == "default":
+        return theta, None
+    if kind not in _HF_ROPE_TYPES:
+        refuse(hf, "rope_parameters.rope_type", kind,
+               f"refmath's RoPE scalings are {', '.join(_HF_ROPE_TYPES)}")
+    context = int(hf["max_position_embeddings"])
+    original = params.get("original_max_position_embeddings", hf.get(
+        "original_max_position_embeddings"))
+    if kind == "dynamic" or (original is None and kind != "linear"):
+        original = context
+    factor = params.get("factor")
+    if factor is None:
+        if kind in ("yarn", "longrope"):
+            factor = context / int(original)
+        else:
+            refuse(hf, "rope_parameters.factor", None, f"rope_type {kind!r} needs a factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        refuse(hf, "rope_parameters.factor", factor, "the scaling factor must be a number > 0")
+    scaling = {"rope_type": kind, "factor": float(factor)}
+    if kind != "linear":
+        scaling["original_max_seq_len"] = int(original)
+    fields = {"llama3": ("low_freq_factor", "high_freq_factor"),
+              "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                       "truncate"),
+              "longrope": ("short_factor", "long_factor", "attention_factor")}.get(kind, ())
+    for name in fields:
+        if params.get(name) is not None:
+            scaling[name] = tuple(params[name]) if isinstance(params[name], list) else params[name]
+    return theta, scaling
+
+
+def rope_context(hf: dict, scaling: dict | None) -> int:
+    """``max_seq_len`` of a RoPE model: ``max_position_embeddings``, or for dynamic NTK (whose
+    ``max_position_embeddings`` is the pretrained context) ``factor`` times it."""
+    context = int(hf["max_position_embeddings"])
+    if scaling is not None and scaling["rope_type"] == "dynamic":
+        return int(scaling["factor"] * context)
+    return context
+
+
+def rope_to_hf(base: float, scaling) -> tuple[dict, int | None]:
+    """``rope_parameters`` for a base and a :class:`refmath.positions.RopeScaling` (or None), and
+    for dynamic NTK the ``max_position_embeddings`` to write (its pretrained context)."""
+    params = {"rope_type": "default", "rope_theta": base}
+    if scaling is None:
+        return params, None
+    params["rope_type"] = scaling.rope_type
+    params["factor"] = scaling.factor
+    if scaling.rope_type in ("llama3", "yarn", "longrope"):
+        params["original_max_position_embeddings"] = scaling.original_max_seq_len
+    fields = {"llama3": ("low_freq_factor", "high_freq_factor"),
+              "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                       "truncate"),
+              "longrope": ("short_factor", "long_factor", "attention_factor")}
+    for name in fields.get(scaling.rope_type, ()):
+        value = getattr(scaling, name)
+        if value is not None:
+            params[name] = list(value) if isinstance(value, tuple) else value
+    context = scaling.original_max_seq_len if scaling.rope_type == "dynamic" else None
+    return params, context
 
 
 def take_head(weights, tied: bool, params: dict, v: int, d: int) -> None:

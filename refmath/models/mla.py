@@ -46,7 +46,6 @@ Attention parameters, relative to ``layers.{i}.attn.`` (``rank`` = ``q_lora_rank
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,7 +57,8 @@ from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backwar
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
 from refmath.models.hf_layout import (HFCheckpointError, join_heads_columns, linear_out, refuse,
-                                      refuse_common, require, rope_theta, split_heads_columns,
+                                      refuse_common, require, rope_from_hf, rope_to_hf,
+                                      split_heads_columns,
                                       swiglu_layers_to_hf, take_ends, take_swiglu_layer)
 from refmath.models.batch import check_tokens
 from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
@@ -74,13 +74,14 @@ from refmath.models.decoder import (
     lm_forward,
 )
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
-from refmath.positions import RoPECache, rope_backward, rope_forward
+from refmath.positions import (RoPECache, RopeScaling, as_rope_scaling, rope_backward,
+                               rope_forward, rope_inv_freq, rope_softmax_scale)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
 @dataclass(frozen=True, kw_only=True)
 class MLAConfig(FamilyConfig):
-    """Sizes and options of the M4 decoder. ``dataclasses.asdict`` round-trips through JSON.
+    r"""Sizes and options of the M4 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``d_c`` is the key/value latent width, ``d_rope`` the width :math:`d_R` of the rotary query and
     key parts (even). ``head_dim`` (:math:`d_k`, the content query/key width per head) defaults to
@@ -88,8 +89,12 @@ class MLAConfig(FamilyConfig):
     width of the compressed query :math:`c^Q`, or None for queries projected straight from ``x``.
     ``latent_norm`` adds RMSNorms on the latents (see the module docstring), with epsilon
     ``latent_norm_eps`` (default: ``norm_eps``; DeepSeek-V2's released code fixes it at 1e-6
-    whatever its other norms use). The other fields mean what they mean in
-    :class:`refmath.models.decoder.DecoderConfig`.
+    whatever its other norms use). ``rope_scaling`` rescales the rotary part's frequencies
+    (N13, N15, N16); with YaRN's ``mscale_all_dim`` it also multiplies the softmax scale
+    :math:`1/\sqrt{d_k + d_R}` by :math:`\mu(s;\text{mscale\_all\_dim})^2`, DeepSeek's correction
+    (:func:`refmath.positions.rope_softmax_scale`). The length-dependent rules (dynamic NTK,
+    LongRoPE) are refused: the latent cache keeps rotated keys too. The other fields mean what they
+    mean in :class:`refmath.models.decoder.DecoderConfig`.
     """
 
     d_c: int
@@ -98,9 +103,16 @@ class MLAConfig(FamilyConfig):
     q_lora_rank: int | None = None
     latent_norm: bool = False
     latent_norm_eps: float | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         check_shared_fields(self)
+        object.__setattr__(self, "rope_scaling",
+                           as_rope_scaling(self.rope_scaling, "MLAConfig.rope_scaling"))
+        if self.rope_scaling is not None and self.rope_scaling.length_dependent:
+            raise ValueError(f"MLAConfig.rope_scaling: rope_type {self.rope_scaling.rope_type!r} "
+                             f"depends on the sequence length, which MLA's cache of rotated keys "
+                             f"does not follow; use 'linear', 'llama3' or 'yarn'")
         if self.attention_backend != "numpy":
             raise ValueError(f"MLAConfig.attention_backend = {self.attention_backend!r} is not "
                              f"available: MLA's keys (d_k + d_R wide) and values (d_v wide) differ "
@@ -195,10 +207,25 @@ def mla_shapes(config: MLAConfig) -> dict:
     return shapes
 
 
+def mla_rope(config: MLAConfig, offset: int = 0) -> dict:
+    """``rope_forward``'s keyword arguments for the rotary part (width ``d_rope``): the plain
+    rotation, or ``config.rope_scaling``'s frequencies and attention factor."""
+    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
+    if config.rope_scaling is not None:
+        inv_freq, factor = rope_inv_freq(config.d_rope, config.rope_base, config.rope_scaling)
+        rope.update(inv_freq=inv_freq, attention_factor=factor)
+    return rope
+
+
+def mla_scale(config: MLAConfig) -> float:
+    r"""The softmax scale :math:`1/\sqrt{d_k + d_R}`, times DeepSeek's YaRN correction (N16)."""
+    return rope_softmax_scale(config.d_k + config.d_rope, config.rope_scaling)
+
+
 def mla_forward(x, params: dict, config: MLAConfig):
     r"""Causal multi-head latent attention, expanded path (catalogue K8, K9; equations in the module
     docstring). ``x`` is ``(B, T, d)``; returns ``(Y, cache)`` with ``Y`` ``(B, T, d)``."""
-    h, eps, base = config.n_heads, config.latent_eps, config.rope_base
+    h, eps, rope = config.n_heads, config.latent_eps, mla_rope(config)
     # Keys and values: one latent row per token, expanded per head; one rotary key for all heads.
     c, kv_down = linear_forward(x, params["w_dkv"])
     kv_norm = None
@@ -207,7 +234,7 @@ def mla_forward(x, params: dict, config: MLAConfig):
     k_c, k_up = linear_forward(c, params["w_uk"])
     v, v_up = linear_forward(c, params["w_uv"])
     k_r, kr_proj = linear_forward(x, params["w_kr"])
-    k_r, kr_rope = rope_forward(k_r, base=base, layout=config.rope_layout)  # (B, T, d_R): the sequence axis is -2
+    k_r, kr_rope = rope_forward(k_r, **rope)  # (B, T, d_R): the sequence axis is -2
     # Queries, from x or from the compressed query.
     q_down = q_norm = None
     u = x
@@ -217,13 +244,14 @@ def mla_forward(x, params: dict, config: MLAConfig):
             u, q_norm = rmsnorm_forward(u, params["q_norm.gamma"], eps)
     q_c, qc_proj = linear_forward(u, params["w_q" if config.q_lora_rank is None else "w_uq"])
     q_r, qr_proj = linear_forward(u, params["w_qr"])
-    q_r, qr_rope = rope_forward(split_heads(q_r, h), base=base, layout=config.rope_layout)
+    q_r, qr_rope = rope_forward(split_heads(q_r, h), **rope)
     # Scores (q^C k^C^T + q^R k^R^T) / sqrt(d_k + d_R) as one product of concatenations (K9).
     b, t, _ = x.shape
     q = np.concatenate([split_heads(q_c, h), q_r], axis=-1)
     k_r_heads = np.broadcast_to(k_r[:, None], (b, h, t, config.d_rope))
     k = np.concatenate([split_heads(k_c, h), k_r_heads], axis=-1)
-    o, attn = sdpa_forward(q, k, split_heads(v, h), mask=causal_mask(t, dtype=x.dtype))
+    o, attn = sdpa_forward(q, k, split_heads(v, h), mask=causal_mask(t, dtype=x.dtype),
+                           scale=mla_scale(config))
     y, out = linear_forward(merge_heads(o), params["w_o"])
     return y, MLACache(kv_down, kv_norm, k_up, v_up, kr_proj, kr_rope, q_down, q_norm, qc_proj,
                        qr_proj, qr_rope, attn, out)
@@ -289,7 +317,7 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
     """
     h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
     eps = config.latent_eps
-    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
+    rope = mla_rope(config, offset)
     n = u.shape[1]
     t = offset + n
     # The new rows' latents and rotary keys, stored; then the whole filled cache is read back.
@@ -308,7 +336,7 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
 
     b = u.shape[0]
     mask = causal_mask(n, t, dtype=u.dtype)
-    scale = 1.0 / math.sqrt(d_k + d_r)
+    scale = mla_scale(config)
     if mla_path == "absorbed":
         w_uk = w["w_uk"].reshape(-1, h, d_k)  # column block r of W_UK is W_UK,r (d_c x d_k)
         q_hat = np.einsum("bhnk,chk->bhnc", q_c, w_uk)  # q^C_r W_UK,r^T
@@ -429,13 +457,17 @@ def config_from_hf(hf: dict) -> MLAConfig:
     require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
     # V2 rotates interleaved pairs (complex multiplication); V3 too unless rope_interleave is false.
     interleaved = hf["model_type"] == "deepseek_v2" or hf.get("rope_interleave", True)
-    return MLAConfig(
+    base, scaling = rope_from_hf(hf)
+    if scaling is not None and scaling["rope_type"] in ("dynamic", "longrope"):
+        refuse(hf, "rope_parameters.rope_type", scaling["rope_type"],
+               "refmath's MLA takes the length-independent scalings (linear, llama3, yarn)")
+    return MLAConfig(rope_scaling=scaling,
         vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf["max_position_embeddings"]),
         d_model=int(hf["hidden_size"]), n_layers=layers, n_heads=int(hf["num_attention_heads"]),
         d_c=int(hf["kv_lora_rank"]), d_rope=int(hf["qk_rope_head_dim"]),
         head_dim=int(hf["qk_nope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
         q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
-        latent_norm=True, d_ff=int(hf["intermediate_size"]), rope_base=rope_theta(hf),
+        latent_norm=True, d_ff=int(hf["intermediate_size"]), rope_base=base,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
         rope_layout="interleaved" if interleaved else "half", latent_norm_eps=DEEPSEEK_LATENT_EPS)
@@ -485,7 +517,7 @@ def to_hf(config: MLAConfig, params: dict):
           "qk_rope_head_dim": config.d_rope, "qk_nope_head_dim": config.d_k,
           "v_head_dim": config.d_v, "intermediate_size": config.d_f, "hidden_act": "silu",
           "first_k_dense_replace": config.n_layers, "rms_norm_eps": config.norm_eps,
-          "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+          "rope_parameters": rope_to_hf(config.rope_base, config.rope_scaling)[0],
           "rope_interleave": config.rope_layout == "interleaved", "attention_bias": False,
           "tie_word_embeddings": config.tie_embeddings}
     tensors = {}
@@ -536,3 +568,12 @@ register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropo
                                                  MLAConfig(**_TINY, q_lora_rank=5, latent_norm=True,
                                                            dropout=0.25), train=True),
                         backward, max_coords=1, step=2.5e-4))
+# DeepSeek's YaRN: rescaled rotary frequencies, and mscale_all_dim's correction of the softmax scale
+_YARN = dict(rope_type="yarn", factor=40.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5,
+             mscale=0.707, mscale_all_dim=0.5)
+register_case(OpCase("mla_attention", "YaRN with DeepSeek's mscale terms (2, 5, 16)",
+                     ("K8", "K9", "A8", "N16"),
+                     _mla_inputs(MLAConfig(**_TINY, rope_scaling=_YARN)),
+                     *layer_case_ops(mla_forward, mla_backward),
+                     ("x",) + tuple(mla_shapes(MLAConfig(**_TINY))), group="attention execution",
+                     max_coords=12))

@@ -4,7 +4,10 @@ The torch side is an independent formulation: RoPE as multiplication by unit com
 (``torch.polar``, ``torch.view_as_complex``) instead of refmath's pairwise rotation formulas,
 ``F.rms_norm``, ``F.silu``, ``F.linear`` with the weights transposed to torch's ``out x in``,
 ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` for the grouped heads, and
-``F.cross_entropy`` with the loss mask turned into ignored targets.
+``F.cross_entropy`` with the loss mask turned into ignored targets. QK-norm (N18) is ``F.rms_norm``
+over each head or the whole projection; a rope scaling (N13-N17) enters as its frequencies and
+attention factor (from :func:`refmath.positions.rope_inv_freq`, which ``tests/test_positions.py``
+checks against transformers' initialisers), the rotation and its gradient stay torch's.
 """
 import numpy as np
 import pytest
@@ -18,13 +21,19 @@ F = torch.nn.functional
 V, B, T = 13, 2, 6
 
 
-def rope_complex(x, base):
+def rope_complex(x, base, scaling=None):
     """Rotate pair ``(x_2r, x_2r+1)`` at position ``p`` by multiplying ``x_2r + i x_2r+1`` with
-    ``exp(i p base^(-2r/d))``; ``x`` is ``(..., T, d)``."""
+    ``m exp(i p omega_r)``, ``omega_r = base^(-2r/d)`` or a scaling's; ``x`` is ``(..., T, d)``."""
+    from refmath.positions import rope_inv_freq
+
     t, d = x.shape[-2:]
     freqs = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    m = 1.0
+    if scaling is not None:
+        freqs, m = rope_inv_freq(d, base, scaling, t)
+        freqs = torch.as_tensor(freqs)
     angles = torch.outer(torch.arange(t, dtype=torch.float64), freqs)
-    rotation = torch.polar(torch.ones_like(angles), angles)
+    rotation = torch.polar(torch.full_like(angles, m), angles)
     pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], d // 2, 2).contiguous())
     return torch.view_as_real(pairs * rotation).reshape(x.shape)
 
@@ -38,12 +47,20 @@ def torch_decoder(P, tokens, config, drops):
         def p(name):
             return P[f"layers.{i}.{name}"]
 
-        def heads(w, n):
-            return F.linear(hn, p(w).T).view(b, t, n, d_h).transpose(1, 2)
+        def heads(w, n, norm=None):
+            y = F.linear(hn, p(w).T)
+            if config.qk_norm == "projection" and norm:
+                y = F.rms_norm(y, (n * d_h,), p(norm), eps)
+            y = y.view(b, t, n, d_h).transpose(1, 2)
+            if config.qk_norm == "head" and norm:
+                y = F.rms_norm(y, (d_h,), p(norm), eps)
+            return y
 
         hn = F.rms_norm(x, (d,), p("ln1.gamma"), eps)
-        q = rope_complex(heads("attn.w_q", h), config.rope_base)
-        k = rope_complex(heads("attn.w_k", g), config.rope_base)
+        q = rope_complex(heads("attn.w_q", h, "attn.q_norm.gamma"), config.rope_base,
+                         config.rope_scaling)
+        k = rope_complex(heads("attn.w_k", g, "attn.k_norm.gamma"), config.rope_base,
+                         config.rope_scaling)
         o = F.scaled_dot_product_attention(q, k, heads("attn.w_v", g), is_causal=True,
                                            enable_gqa=True)
         a = F.linear(o.transpose(1, 2).reshape(b, t, h * d_h), p("attn.w_o").T)
@@ -70,6 +87,19 @@ CASES = {
     "MQA g=1, head_dim 6": dict(n_kv_heads=1, head_dim=6),
     "GQA, tied head, dropout, loss mask, rope_base 500": dict(n_kv_heads=2, tie_embeddings=True,
                                                               dropout=0.2, rope_base=500.0),
+    "QK-norm per head (Qwen3)": dict(n_kv_heads=2, qk_norm="head"),
+    "QK-norm on the projections (OLMo 2)": dict(n_kv_heads=2, qk_norm="projection"),
+    "linear scaling": dict(n_kv_heads=2, rope_scaling=dict(rope_type="linear", factor=4.0)),
+    "dynamic NTK past 4 tokens": dict(n_kv_heads=2, rope_scaling=dict(
+        rope_type="dynamic", factor=2.0, original_max_seq_len=4)),
+    "llama3 scaling": dict(n_kv_heads=2, rope_base=500.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, original_max_seq_len=4)),
+    "YaRN, DeepSeek's mscale terms, QK-norm": dict(n_kv_heads=2, qk_norm="head", rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5,
+        mscale=1.0, mscale_all_dim=0.5)),
+    "LongRoPE past 4 tokens": dict(n_kv_heads=2, rope_scaling=dict(
+        rope_type="longrope", factor=4.0, original_max_seq_len=4, short_factor=(1.0, 2.0),
+        long_factor=(1.5, 5.0))),
 }
 
 

@@ -22,13 +22,20 @@ F = torch.nn.functional
 V, B, T = 13, 2, 6
 
 
-def rope_complex(x, base):
+def rope_complex(x, base, scaling=None):
     """Rotate pair ``(x_2r, x_2r+1)`` at position ``p`` by multiplying ``x_2r + i x_2r+1`` with
-    ``exp(i p base^(-2r/d))``; ``x`` is ``(..., T, d)``."""
+    ``m exp(i p omega_r)``, ``omega_r = base^(-2r/d)`` or a scaling's (its frequencies and factor
+    from refmath.positions.rope_inv_freq, checked against transformers in test_positions.py);
+    ``x`` is ``(..., T, d)``."""
+    from refmath.positions import rope_inv_freq
+
     t, d = x.shape[-2:]
-    freqs = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs, m = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0
+    if scaling is not None:
+        freqs, m = rope_inv_freq(d, base, scaling)
+        freqs = torch.as_tensor(freqs)
     angles = torch.outer(torch.arange(t, dtype=torch.float64), freqs)
-    rotation = torch.polar(torch.ones_like(angles), angles)
+    rotation = torch.polar(torch.full_like(angles, m), angles)
     pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], d // 2, 2).contiguous())
     return torch.view_as_real(pairs * rotation).reshape(x.shape)
 
@@ -47,7 +54,7 @@ def torch_mla(x, p, config):
         c = F.rms_norm(c, (config.d_c,), p("kv_norm.gamma"), eps)
     k_c = heads(F.linear(c, p("w_uk").T), d_k)
     v = heads(F.linear(c, p("w_uv").T), d_v)
-    k_r = rope_complex(F.linear(x, p("w_kr").T), base)  # (B, T, d_R), one for all heads
+    k_r = rope_complex(F.linear(x, p("w_kr").T), base, config.rope_scaling)  # (B, T, d_R), one for all heads
     if config.q_lora_rank is None:
         u, w_qc = x, p("w_q")
     else:
@@ -55,9 +62,13 @@ def torch_mla(x, p, config):
         if config.latent_norm:
             u = F.rms_norm(u, (config.q_lora_rank,), p("q_norm.gamma"), eps)
     q_c = heads(F.linear(u, w_qc.T), d_k)
-    q_r = rope_complex(heads(F.linear(u, p("w_qr").T), config.d_rope), base)
+    q_r = rope_complex(heads(F.linear(u, p("w_qr").T), config.d_rope), base, config.rope_scaling)
     s = (q_c @ k_c.transpose(-1, -2) + q_r @ k_r.unsqueeze(1).transpose(-1, -2))
     s = s / math.sqrt(d_k + config.d_rope)
+    if config.rope_scaling is not None and config.rope_scaling.mscale_all_dim:
+        # DeepSeek's YaRN: the softmax scale times (0.1 mscale_all_dim ln s + 1)^2
+        s = s * (0.1 * config.rope_scaling.mscale_all_dim * math.log(config.rope_scaling.factor)
+                 + 1) ** 2
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     a = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
     return F.linear((a @ v).transpose(1, 2).reshape(b, t, h * d_v), p("w_o").T)
@@ -86,6 +97,9 @@ CASES = {
     "query compression and latent norms": dict(q_lora_rank=5, latent_norm=True),
     "latent norm, tied head, dropout, loss mask, d_v = d_k": dict(latent_norm=True, v_head_dim=None,
                                                                   tie_embeddings=True, dropout=0.2),
+    "YaRN with DeepSeek's mscale terms": dict(q_lora_rank=5, latent_norm=True, rope_scaling=dict(
+        rope_type="yarn", factor=40.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5,
+        mscale=0.707, mscale_all_dim=0.5)),
 }
 
 
