@@ -31,8 +31,9 @@ the previous checkpoint intact. Resuming reloads all of it, so a run that stops 
 produces the same losses, bit for bit, as one that does not.
 
 The matrices here are small: on a machine whose cores are busy, BLAS threads that wait for each
-other can make a step several times slower. ``OPENBLAS_NUM_THREADS=1`` (set before Python starts)
-avoids that and costs little on an idle machine.
+other can make a step several times slower. So :func:`train` chooses the BLAS threads from the
+size of a step's largest product (:mod:`refmath._threads`: one thread for the default models), and
+``threads`` overrides the choice.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ import numpy as np
 
 from refmath.models import MODELS, config_class, model_module
 from refmath.models.common import TrainingRecipe
+from refmath._threads import blas_threads, choose_blas_threads, largest_product
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
@@ -551,7 +553,8 @@ def _finish_step_on_interrupt():
 def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: int | None = None,
           lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
           resume: bool = False, eval_every: int | None = None, progress: bool = False,
-          stop_after: int | None = None, accuracy_examples: int = 500, out=None) -> TrainResult:
+          stop_after: int | None = None, accuracy_examples: int = 500, out=None,
+          threads: int | None = None) -> TrainResult:
     """Train ``model`` in run directory ``out_dir`` (created if needed); see the module docstring.
 
     Fresh run: ``config`` (default :func:`default_config`) and ``task`` settings (default the
@@ -565,8 +568,14 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     a checkpoint) once that many steps are done, as an interruption would. Ctrl-C finishes the
     current step, saves a checkpoint and raises ``KeyboardInterrupt``. ``progress`` shows a tqdm
     bar on stderr; the evaluation lines go to ``out`` (default stdout).
+
+    ``threads``: BLAS threads for the run (default: chosen by
+    :func:`refmath._threads.choose_blas_threads` from the largest product of a step, batch rows
+    times the widest weight matrix).
     """
     out = sys.stdout if out is None else out
+    if threads is not None:
+        check_int("threads", threads, 1)
     directory = Path(out_dir)
     given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
              "eval_every": eval_every}
@@ -598,9 +607,11 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                         run.rng, {k: np.asarray(v) for k, v in run.history.items()})
         saved_step = run.step
 
+    rows = settings.batch_size * run.config.max_seq_len
+    pool = blas_threads(choose_blas_threads(largest_product(rows, run.params), threads))
     start = time.perf_counter()
     try:
-        with _finish_step_on_interrupt() as interrupted:
+        with pool, _finish_step_on_interrupt() as interrupted:
             while run.step < last and not interrupted:
                 loss = _train_step(run)
                 if bar is not None:

@@ -49,10 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who computes attention over the KV cache: the NumPy reference, the "
                         "C++ kernels, or the CUDA kernels with the cache on the GPU (default: "
                         "numpy; the decoders only)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="BLAS threads (default: chosen from the size of the matrix products: "
+                        "one for decoding with the KV cache, whose per-token products run slower "
+                        "on many threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the continuation (or the transformer's output), and its speed on stderr."""
+    if args.threads is not None and args.threads < 1:
+        raise CommandError(f"--threads must be >= 1, got {args.threads}")
     if args.hf is not None:
         return _from_hf(args)
     if args.prompt_ids is not None:
@@ -79,6 +85,15 @@ def _check_sampling_flags(args: argparse.Namespace, alphabet: str | None) -> Non
                                f"tokenizer does not know; it knows {alphabet!r}")
 
 
+def _threads(args: argparse.Namespace, params: dict, prompt_len: int, n: int):
+    """The BLAS threads of the run (:mod:`refmath._threads`): the largest product of a step has one
+    row per token decoded with the cache, the whole sequence's rows without it."""
+    from refmath._threads import blas_threads, choose_blas_threads, largest_product
+
+    rows = prompt_len + n if args.no_cache else 1
+    return blas_threads(choose_blas_threads(largest_product(rows, params), args.threads))
+
+
 def _report_speed(n: int, seconds: float, how: str) -> None:
     print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})", file=sys.stderr)
 
@@ -97,27 +112,28 @@ def _from_run(args: argparse.Namespace) -> int:
                     top_p=args.top_p, seed=args.seed)
     decoding = dict(cache=not args.no_cache, backend=args.backend)
     task = ckpt.task.get("name")
-    start = time.perf_counter()
-    if task in (ReversalTask.name, ReversalLMTask.name):
-        if args.prompt is None:
-            raise CommandError("give --prompt, the digits to reverse")
-        n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
-        if task == ReversalTask.name:
-            out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
-                                   eos_id=EOS_ID, **sampling)
-        else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
-            prompt = make_task(ckpt.task).prompt_ids(args.prompt)
-            out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
-                           **sampling, **decoding)[len(prompt):]
-        print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
-        n = len(out)
-    else:
-        prompt = "\n" if args.prompt is None else args.prompt
-        n = 200 if args.max_new_tokens is None else args.max_new_tokens
-        out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
-                       **decoding)
-        print(tok.decode(out, specials="show"))
-        n = len(out) - len(prompt)
+    with _threads(args, ckpt.params, len(args.prompt or "\n"), args.max_new_tokens or 200):
+        start = time.perf_counter()
+        if task in (ReversalTask.name, ReversalLMTask.name):
+            if args.prompt is None:
+                raise CommandError("give --prompt, the digits to reverse")
+            n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
+            if task == ReversalTask.name:
+                out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
+                                       eos_id=EOS_ID, **sampling)
+            else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
+                prompt = make_task(ckpt.task).prompt_ids(args.prompt)
+                out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
+                               **sampling, **decoding)[len(prompt):]
+            print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
+            n = len(out)
+        else:
+            prompt = "\n" if args.prompt is None else args.prompt
+            n = 200 if args.max_new_tokens is None else args.max_new_tokens
+            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
+                           **decoding)
+            print(tok.decode(out, specials="show"))
+            n = len(out) - len(prompt)
     seconds = time.perf_counter() - start
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
     if ckpt.model == "transformer":
@@ -185,12 +201,13 @@ def _from_hf(args: argparse.Namespace) -> int:
         prompt = _prompt_ids(args.prompt_ids)
     model, config, params = load_checkpoint(directory, dtype=np.float32, progress=True)
     n = 20 if args.max_new_tokens is None else args.max_new_tokens
-    start = time.perf_counter()
-    out = generate(model, params, config, prompt, n, greedy=args.greedy,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, eos_id=_eos_id(directory), cache=not args.no_cache,
-                   backend=args.backend)
-    seconds = time.perf_counter() - start
+    with _threads(args, params, len(prompt), n):
+        start = time.perf_counter()
+        out = generate(model, params, config, prompt, n, greedy=args.greedy,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, eos_id=_eos_id(directory), cache=not args.no_cache,
+                       backend=args.backend)
+        seconds = time.perf_counter() - start
     if tokenizer is not None:
         print(tokenizer.decode(out.tolist()))
     else:
