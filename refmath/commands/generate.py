@@ -27,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoint", metavar="DIR", help="a run directory of train")
     source.add_argument("--hf", metavar="DIR",
                         help="a Hugging Face model directory (config.json, model.safetensors or "
-                        "its shards, and tokenizer.json for --prompt); see refmath.hf")
+                        "its shards, and tokenizer.json for --prompt); see refmath.hf. Generation "
+                        "stops at config.json's eos_token_id, at any of them when it lists "
+                        "several; an id outside the vocabulary can never be generated and is "
+                        "ignored, with a warning")
     parser.add_argument("--prompt-ids", metavar="IDS",
                         help="with --hf: the prompt as comma-separated token ids, e.g. 1,2,3 "
                         "(when the directory has no tokenizer.json)")
@@ -36,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "language models know lowercase a-z except j, space, '.' and newline; the "
                         "reversal knows the digits 0-9")
     parser.add_argument("--max-new-tokens", type=int,
-                        help="tokens to generate (default: 200; transformer: source length + 1)")
+                        help="tokens to generate (default: 200; --hf: 20; transformer: source "
+                        "length + 1). Past the model's context the window slides (each token sees "
+                        "the last max_seq_len tokens), and generate says so once")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1)")
     parser.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
@@ -134,6 +139,7 @@ def _from_run(args: argparse.Namespace) -> int:
                            **decoding)
             print(tok.decode(out, specials="show"))
             n = len(out) - len(prompt)
+            _note_context(len(out), ckpt.config.max_seq_len)
     seconds = time.perf_counter() - start
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
     if ckpt.model == "transformer":
@@ -169,14 +175,30 @@ def _hf_tokenizer(directory: Path):
     return Tokenizer.from_file(str(path))
 
 
-def _eos_id(directory: Path):
-    """The config's end-of-sequence id when it names exactly one."""
+def _eos_ids(directory: Path, vocab_size: int) -> list[int] | None:
+    """The config's end-of-sequence ids, as transformers reads ``eos_token_id``: one id or a list,
+    any of which ends the generation. An id outside the vocabulary can never be generated: it is
+    dropped, with one warning line (None when no id is left)."""
     from refmath.hf import read_config
 
     eos = read_config(directory).get("eos_token_id")
-    if isinstance(eos, list) and len(eos) == 1:
-        eos = eos[0]
-    return eos if isinstance(eos, int) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        print(f"refmath generate: warning: {directory / 'config.json'}: eos_token_id "
+              f"{', '.join(map(str, outside))} lies outside the vocabulary of {vocab_size} tokens, "
+              f"so no generated token can end the sequence there", file=sys.stderr)
+    ids = [i for i in ids if 0 <= i < vocab_size]
+    return ids or None
+
+
+def _note_context(length: int, context: int) -> None:
+    """One line when the sequence outgrew the model's context (generate's window then slides)."""
+    if length > context:
+        print(f"refmath generate: note: the sequence ({length} tokens) outgrew the model's context "
+              f"of {context} tokens; past it each token was predicted from the last {context} "
+              f"tokens only (a sliding window)", file=sys.stderr)
 
 
 def _from_hf(args: argparse.Namespace) -> int:
@@ -205,9 +227,11 @@ def _from_hf(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         out = generate(model, params, config, prompt, n, greedy=args.greedy,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, eos_id=_eos_id(directory), cache=not args.no_cache,
+                       seed=args.seed, eos_id=_eos_ids(directory, config.vocab_size),
+                       cache=not args.no_cache,
                        backend=args.backend)
         seconds = time.perf_counter() - start
+    _note_context(len(out), config.max_seq_len)
     if tokenizer is not None:
         print(tokenizer.decode(out.tolist()))
     else:
