@@ -455,3 +455,26 @@ def test_nan_logits_are_refused_by_greedy_and_sampled_decoding():
     for greedy in (True, False):
         with pytest.raises(ValueError, match="NaN or \\+inf"):
             token_picker(greedy, 1.0, None, None, 0)(logits)
+
+
+# ---- every default run converts to Hugging Face ----------------------------------------------------
+
+@pytest.mark.parametrize("name", [n for n in sorted(MODELS) if model_module(n).HF_MODEL_TYPES])
+def test_a_default_run_of_every_model_that_has_a_hf_type_converts(name, tmp_path, capsys):
+    """``train --model NAME`` with the recipe's configuration, then ``convert --to-hf``: the
+    converted directory loads back as the same function (same logits, up to float32 rounding:
+    the RoPE layout may be permuted on the way)."""
+    pytest.importorskip("safetensors", reason="convert writes safetensors")
+    from refmath import hf
+
+    run = T.train(name, tmp_path / "run", steps=1, accuracy_examples=0, out=open(os.devnull, "w"))
+    assert run.step == 1
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0, \
+        capsys.readouterr().err
+    ckpt = T.load_checkpoint(tmp_path / "run")
+    loaded, config, params = hf.load_checkpoint(tmp_path / "hf", dtype=np.float32)
+    assert loaded == name
+    tokens = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, (2, 12))
+    module = model_module(name)
+    np.testing.assert_allclose(module.logits(params, tokens, config),
+                               module.logits(ckpt.params, tokens, ckpt.config), rtol=0, atol=1e-5)
