@@ -136,6 +136,41 @@ def test_a_lesson_runs_as_a_plain_script_as_the_readme_says(tmp_path):
     assert "equals sdpa_backward" in run.stdout
 
 
+# ---- the editable install, seen from the folder that holds the clone ----
+
+def _editable_install_of_this_checkout() -> bool:
+    """Whether the refmath that pip installed is ``pip install -e`` of this checkout."""
+    import json
+    from importlib import metadata
+
+    try:
+        text = metadata.distribution("refmath").read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return False
+    url = json.loads(text or "{}")
+    return (url.get("dir_info", {}).get("editable", False)
+            and url.get("url", "").rstrip("/") == ROOT.as_uri())
+
+
+def test_the_editable_install_is_a_path_entry():
+    """With the package folder at the top said as ``package-dir = {"" = "."}``, setuptools writes a
+    .pth path entry rather than its import hook, which comes after every path on sys.path."""
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"": "."}
+
+
+def test_the_cli_runs_from_the_folder_that_holds_the_clone(tmp_path):
+    """``cd parent-of-clone && python -m refmath --help``: the clone folder, named refmath, is a
+    namespace package there, which the editable install's regular package must beat."""
+    if not _editable_install_of_this_checkout():
+        pytest.skip("refmath is not installed with pip install -e from this checkout")
+    (tmp_path / "refmath").symlink_to(ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    run = subprocess.run([sys.executable, "-m", "refmath", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage: python -m refmath")
+
+
 # ---- setup.py: the opening message and the flags chosen by compiler ----
 
 @pytest.fixture
