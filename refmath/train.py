@@ -554,7 +554,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
           lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
           resume: bool = False, eval_every: int | None = None, progress: bool = False,
           stop_after: int | None = None, accuracy_examples: int = 500, out=None,
-          threads: int | None = None) -> TrainResult:
+          threads: int | None = None, status_every: float = 30.0) -> TrainResult:
     """Train ``model`` in run directory ``out_dir`` (created if needed); see the module docstring.
 
     Fresh run: ``config`` (default :func:`default_config`) and ``task`` settings (default the
@@ -567,7 +567,10 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     Evaluates and checkpoints every ``eval_every`` steps and at the end; ``stop_after`` stops (with
     a checkpoint) once that many steps are done, as an interruption would. Ctrl-C finishes the
     current step, saves a checkpoint and raises ``KeyboardInterrupt``. ``progress`` shows a tqdm
-    bar on stderr; the evaluation lines go to ``out`` (default stdout).
+    bar on stderr; the evaluation lines go to ``out`` (default stdout). Without the bar a status
+    line (step, loss, seconds) goes there too once ``status_every`` seconds have passed since the
+    last line, so a run whose output is a file or a pipe is never silent for long. A resumed run
+    says the step it resumes from.
 
     ``threads``: BLAS threads for the run (default: chosen by
     :func:`refmath._threads.choose_blas_threads` from the largest product of a step, batch rows
@@ -576,6 +579,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     out = sys.stdout if out is None else out
     if threads is not None:
         check_int("threads", threads, 1)
+    status_every = check_real("status_every", status_every, 0.0)
     directory = Path(out_dir)
     given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
              "eval_every": eval_every}
@@ -591,6 +595,8 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         bar = tqdm(total=settings.steps, initial=run.step, desc=run.model, dynamic_ncols=True,
                    file=sys.stderr)
     say = bar.write if bar is not None else (lambda line: print(line, file=out, flush=True))
+    if resume and run.step < settings.steps:
+        say(f"resuming the run in {directory} at step {run.step} of {settings.steps}")
     if run.step == settings.steps:
         say(f"the run in {directory} finished at step {run.step} of {settings.steps}: "
             f"nothing left to do")
@@ -610,6 +616,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     rows = settings.batch_size * run.config.max_seq_len
     pool = blas_threads(choose_blas_threads(largest_product(rows, run.params), threads))
     start = time.perf_counter()
+    last_line = start
     try:
         with pool, _finish_step_on_interrupt() as interrupted:
             while run.step < last and not interrupted:
@@ -617,6 +624,10 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}")
+                elif time.perf_counter() - last_line >= status_every and run.step % eval_every:
+                    say(f"step {run.step:>6} of {settings.steps}  loss {loss:.4f}  "
+                        f"({time.perf_counter() - start:.0f} s)")
+                    last_line = time.perf_counter()
                 if run.step % eval_every == 0 or run.step == settings.steps:
                     losses = evaluate(run.module, run.params, run.config, run.task,
                                       settings.eval_batches, settings.batch_size)
@@ -630,6 +641,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                     say(f"step {run.step:>6}  lr {run.history['lr'][-1]:.2e}  "
                         f"train {losses['train']:.4f}  val {losses['val']:.4f}  "
                         f"(unigram entropy {baseline:.4f})")
+                    last_line = time.perf_counter()
                     save()
         if run.step % eval_every and run.step != settings.steps:
             save()  # stopped between two evaluations

@@ -478,3 +478,25 @@ def test_a_default_run_of_every_model_that_has_a_hf_type_converts(name, tmp_path
     module = model_module(name)
     np.testing.assert_allclose(module.logits(params, tokens, config),
                                module.logits(ckpt.params, tokens, ckpt.config), rtol=0, atol=1e-5)
+
+
+# ---- a run without a progress bar is never silent for long ----------------------------------------
+
+def test_without_a_bar_a_status_line_comes_every_status_every_seconds_and_resume_says_its_step(
+        tmp_path):
+    import io
+
+    out = io.StringIO()
+    T.train("gpt", tmp_path, steps=6, batch_size=4, lr=2e-2, task=CHARS, config=tiny_gpt(),
+            eval_every=3, status_every=0.0, stop_after=4, out=out)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[:4] for line in lines if "loss" in line] == [
+        ["step", "1", "of", "6"], ["step", "2", "of", "6"], ["step", "4", "of", "6"]]
+    assert sum(line.split()[:2] == ["step", "3"] and "val" in line for line in lines) == 1
+    out = io.StringIO()
+    T.train(None, tmp_path, resume=True, status_every=3600.0, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"resuming the run in {tmp_path} at step 4 of 6"
+    assert not any("loss" in line for line in lines)  # nothing but evaluations within an hour
+    with pytest.raises(ValueError, match="status_every"):
+        T.train("gpt", tmp_path / "other", steps=1, status_every=-1.0)

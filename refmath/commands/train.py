@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "one for the default models, whose small products run slower on many "
                         "threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (it is also off when stderr is not a terminal)")
+                        help="no progress bar (it is also off when stderr is not a terminal); "
+                        "without it a status line is printed every 30 s between evaluations")
 
 
 def run(args: argparse.Namespace) -> int:
