@@ -122,6 +122,8 @@ def test_lessons_extra_and_the_command_that_opens_them():
              PYPROJECT["project"]["optional-dependencies"]["lessons"]}
     assert {"matplotlib", "jupyterlab", "jupytext"} <= extra
     assert 'pip install -e ".[lessons]" && jupyter lab notebooks/' in README
+    if "jupytext --to ipynb --execute" in README:  # jupytext executes through nbconvert
+        assert "nbconvert" in extra
 
 
 def test_a_lesson_runs_as_a_plain_script_as_the_readme_says(tmp_path):
