@@ -145,13 +145,14 @@ def _editable_install_of_this_checkout() -> bool:
     import json
     from importlib import metadata
 
-    try:
-        text = metadata.distribution("refmath").read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        return False
-    url = json.loads(text or "{}")
-    return (url.get("dir_info", {}).get("editable", False)
-            and url.get("url", "").rstrip("/") == ROOT.as_uri())
+    # Every distribution of that name: the checkout's own refmath.egg-info, left by a build, has no
+    # direct_url.json and may come first on sys.path.
+    for dist in metadata.distributions(name="refmath"):
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        if (url.get("dir_info", {}).get("editable", False)
+                and url.get("url", "").rstrip("/") == ROOT.as_uri()):
+            return True
+    return False
 
 
 def test_the_editable_install_is_a_path_entry():
@@ -253,3 +254,49 @@ def test_clang_gets_the_same_flags_and_openmp_only_if_it_links(setup_py, monkeyp
     flags, openmp = _configured_flags(setup_py)
     tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-O3"]
     assert flags[flags.index("-std=c++17") + 1:] == tail + (["-fopenmp"] if openmp else []), flags
+
+
+def test_a_rebuild_with_unchanged_sources_and_flags_reuses_the_module(setup_py, monkeypatch,
+                                                                      tmp_path):
+    """pip builds in a fresh temporary folder each time: without the module cache, adding an
+    extra (pip install -e ".[hf]") recompiled both modules. A changed source or flag rebuilds."""
+    import copy
+
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    monkeypatch.setenv("REFMATH_BUILD_CACHE", str(tmp_path / "cache"))
+    BuildExt = setup_py["BuildExt"]
+    compiled = []
+
+    def compile_for_the_test(self, ext):  # stands in for the compiler: writes a distinct module
+        compiled.append(ext.name)
+        with open(self.get_ext_fullpath(ext.name), "w") as f:
+            f.write(f"module {len(compiled)}")
+    monkeypatch.setattr(BuildExt.__mro__[1], "build_extension", compile_for_the_test)
+    compiler = new_compiler()
+    customize_compiler(compiler)
+
+    def build(ext, folder):
+        command = BuildExt.__new__(BuildExt)
+        command.compiler, command.force = compiler, False
+        (tmp_path / folder).mkdir(exist_ok=True)
+        command.get_ext_fullpath = lambda name: str(tmp_path / folder / f"{name}.so")
+        command.build_extension(ext)
+        return (tmp_path / folder / f"{ext.name}.so").read_text()
+
+    ext = copy.deepcopy(setup_py["ext_modules"][0])
+    assert build(ext, "first") == "module 1"
+    assert build(ext, "second") == "module 1" and len(compiled) == 1  # copied from the cache
+    flagged = copy.deepcopy(ext)
+    flagged.extra_compile_args.append("-O1")
+    assert build(flagged, "third") == "module 2"
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f() { return 1; }\n")
+    own = copy.deepcopy(ext)
+    own.sources = [str(source)]
+    assert build(own, "fourth") == "module 3" and build(own, "fifth") == "module 3"
+    source.write_text("int f() { return 2; }\n")
+    assert build(own, "sixth") == "module 4"
+    monkeypatch.setenv("REFMATH_BUILD_CACHE", "0")
+    assert build(ext, "seventh") == "module 5"
