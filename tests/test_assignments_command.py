@@ -63,3 +63,12 @@ def test_build_refuses_a_folder_that_holds_files_unless_force(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["assignments", "build", "attention", "--out", str(empty)]) == 0
+
+
+def test_list_says_each_assignments_time_limits(capsys):
+    assert main(["assignments", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in manifests.names():
+        limits = manifests.load(name).limits
+        assert f"within {limits.wall_s:g} s wall-clock, {limits.cpu_s:g} s CPU)" in \
+            next(line for line in out.splitlines() if line.startswith(f"{name}: "))

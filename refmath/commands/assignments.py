@@ -86,7 +86,8 @@ def _list(args) -> int:
         raise CommandError(f"no assignments under {args.root or manifests.default_root()}", status=1)
     for name in names:
         m = manifests.load(name, args.root)
-        print(f"{name}: {m.title} ({m.total_points:g} points, {len(m.points)} hidden tests)")
+        print(f"{name}: {m.title} ({m.total_points:g} points, {len(m.points)} hidden tests; each "
+              f"within {m.limits.wall_s:g} s wall-clock, {m.limits.cpu_s:g} s CPU)")
         for file, functions in m.functions.items():
             print(f"    {file}: {', '.join(functions)}")
     return 0
