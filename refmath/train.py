@@ -614,7 +614,8 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         saved_step = run.step
 
     rows = settings.batch_size * run.config.max_seq_len
-    pool = blas_threads(choose_blas_threads(largest_product(rows, run.params), threads))
+    chosen = choose_blas_threads(largest_product(rows, run.params), threads)
+    pool = blas_threads(chosen)
     start = time.perf_counter()
     last_line = start
     try:
@@ -665,8 +666,9 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         final = {"train": float(history["eval_train"][-1]), "val": float(history["eval_val"][-1])}
     accuracy = None
     if done and isinstance(run.task, (ReversalTask, ReversalLMTask)) and accuracy_examples:
-        accuracy = reversal_accuracy(run.params, run.config, run.task, accuracy_examples,
-                                     model=run.model)
+        with blas_threads(chosen):
+            accuracy = reversal_accuracy(run.params, run.config, run.task, accuracy_examples,
+                                         model=run.model)
     with contextlib.suppress(ImportError):
         save_loss_plot(directory / PLOT_FILE, history, baseline, floor,
                        title=f"{run.model} on {run.task.name}")
