@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -197,6 +199,81 @@ class BuildExt(build_ext):
             for job in jobs:
                 job.result()  # re-raises a build error here
 
+    # ---- the module cache: a reinstall (an extra added, say) compiles nothing unchanged ----
+    #
+    # pip builds in a fresh temporary directory every time, so setuptools never finds the objects of
+    # the last build. Each module built is kept in build/refmath-cache (REFMATH_BUILD_CACHE=DIR
+    # elsewhere, =0 not at all) under a digest of everything its compilation reads: the sources and
+    # headers, the compiler commands and flags, the macros, libraries, Python and pybind11 versions
+    # and, for CUDA, the toolkit and architectures. A build whose digest is there copies the module.
+
+    @staticmethod
+    def _cache_dir() -> str | None:
+        where = os.environ.get("REFMATH_BUILD_CACHE", "").strip()
+        if where.lower() in ("0", "false", "no", "off"):
+            return None
+        return where or os.path.join(HERE, "build", "refmath-cache")
+
+    def _cache_key(self, ext) -> str:
+        import pybind11
+
+        digest = hashlib.sha256()
+        for path in sorted(set(ext.sources + ext.depends)):
+            digest.update(path.encode() + b"\0")
+            with open(os.path.join(HERE, path), "rb") as f:
+                digest.update(f.read())
+        # pybind11's headers come from pip's temporary build environment: its version, not its path.
+        includes = [f"pybind11-{pybind11.__version__}" if "pybind11" in d else d
+                    for d in ext.include_dirs]
+        compiler = [getattr(self.compiler, name, None)
+                    for name in ("compiler_so", "compiler_cxx", "linker_so")]
+        facts = [compiler, ext.extra_compile_args, ext.extra_link_args, ext.define_macros,
+                 ext.undef_macros, ext.libraries, ext.library_dirs, includes,
+                 getattr(ext, "cache_facts", None), sys.version, sys.platform,
+                 sysconfig.get_config_var("EXT_SUFFIX"), os.environ.get("CC"),
+                 os.environ.get("CXX"), os.environ.get("CFLAGS"), os.environ.get("LDFLAGS")]
+        digest.update(repr(facts).encode())
+        return digest.hexdigest()[:24]
+
+    def _cached(self, ext) -> str | None:
+        where = self._cache_dir()
+        if where is None:
+            return None
+        return os.path.join(where, f"{ext.name}-{self._cache_key(ext)}"
+                                   f"{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}")
+
+    def _restore(self, ext) -> bool:
+        """Copy the cached module of ``ext`` to where the build puts it; False if there is none."""
+        cached = None if self.force else self._cached(ext)
+        if cached is None or not os.path.exists(cached):
+            return False
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        shutil.copy2(cached, target)
+        _say(f"{ext.name}: sources and flags unchanged since {os.path.relpath(cached, HERE)}; "
+             f"reused, not recompiled")
+        return True
+
+    def _store(self, ext) -> None:
+        cached = self._cached(ext)
+        target = self.get_ext_fullpath(ext.name)
+        if cached is None or not os.path.exists(target):
+            return
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        shutil.copy2(target, cached + ".part")
+        os.replace(cached + ".part", cached)
+        # Keep the three newest builds of each module (a few configurations side by side).
+        older = sorted(glob.glob(os.path.join(os.path.dirname(cached), f"{ext.name}-*")),
+                       key=os.path.getmtime)[:-3]
+        for path in older:
+            os.remove(path)
+
+    def build_extension(self, ext):
+        if self._restore(ext):
+            return
+        super().build_extension(ext)
+        self._store(ext)
+
     # ---- CPU ----
 
     def _probe(self, code: str, compile_args: list[str], link_args: list[str] | None = None) -> bool:
@@ -299,8 +376,11 @@ class BuildExt(build_ext):
         # The static runtime loads the driver (libcuda.so) only when first used, so the module
         # imports on machines without a GPU; it needs these three system libraries itself.
         ext.libraries += ["cudart_static", "dl", "rt", "pthread"]
+        ext.cache_facts = (root, archs, os.environ.get("REFMATH_CUDA_ARCH"))
         try:
-            if self.force or self._outdated(ext):
+            if self._restore(ext):
+                pass  # build_extension below finds it again: no nvcc
+            elif self.force or self._outdated(ext):
                 # nvcc keeps one core busy per file and the files are independent: compile them
                 # side by side (a GPU machine with many cores builds in the time of the slowest).
                 gencode = _gencode_flags(archs)

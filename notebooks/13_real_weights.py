@@ -412,14 +412,21 @@ plt.show()
 # here only: importing them takes several seconds.)
 
 # %%
-try:
-    import torch
-    import transformers
-except ImportError:
-    torch = transformers = None
-    print("transformers is not installed (pip install transformers): the comparison with it is "
-          "skipped here; tests/test_hf.py makes it for every supported model type")
+import warnings
+
+# transformers draws a loading bar with tqdm, which in a notebook without ipywidgets only warns
+# that it cannot (when transformers is imported): no bar, and no such warning.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        torch = transformers = None
+        print("transformers is not installed (pip install transformers): the comparison with it "
+              "is skipped here; tests/test_hf.py makes it for every supported model type")
 if transformers is not None:
+    transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
     with torch.no_grad():
         z_theirs = model(torch.as_tensor(tokens)).logits.numpy()

@@ -52,6 +52,7 @@ float16 tensors are converted exactly (every 16-bit value is a float32 value).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -262,13 +263,71 @@ def _model_of(hf: dict) -> str:
     return _hf_model_types()[kind]
 
 
+class _TextField(str):
+    """A config value that JSON gives as a string: itself wherever a string is read, and refused,
+    naming its field, where a number is (``int("2")`` would quietly accept ``"2"``)."""
+
+    field = ""
+
+    def _refuse(self, *_):
+        raise HFCheckpointError(f"config field {self.field} must be a number, got the string "
+                                f"{str(self)!r}")
+
+    __int__ = __float__ = __index__ = _refuse
+
+
+class _RealField(float):
+    """A config value that JSON gives as a real number: refused, naming its field, where an
+    integer is read and it has a fraction (``int(2.5)`` would quietly read 2)."""
+
+    field = ""
+
+    def __int__(self):
+        if not self.is_integer():
+            raise HFCheckpointError(f"config field {self.field} must be an integer, got "
+                                    f"{float(self)!r}")
+        return int(float(self))
+
+    __index__ = __int__
+
+
+def _typed(hf: dict, prefix: str = "") -> dict:
+    """``hf`` with its strings and real numbers (nested dicts too) wrapped so that a mapping's
+    ``int(hf[...])``/``float(hf[...])`` refuses the wrong type instead of converting it."""
+    out = {}
+    for key, value in hf.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            value = _typed(value, f"{name}.")
+        elif isinstance(value, str):
+            value = _TextField(value)
+            value.field = name
+        elif isinstance(value, float):
+            value = _RealField(value)
+            value.field = name
+        out[key] = value
+    return out
+
+
+def _plain(value):
+    """A config's value with the wrappers of :func:`_typed` taken off."""
+    if isinstance(value, _TextField):
+        return str(value)
+    if isinstance(value, _RealField):
+        return float(value)
+    return value
+
+
 def config_from_hf(hf: dict):
     """``(model_name, config)``: the refmath model and configuration of a Hugging Face config
     dict (its module's ``config_from_hf``), or :class:`HFCheckpointError` naming the first field
-    refmath does not implement."""
+    refmath does not implement, or one whose value has the wrong type (a number written as a
+    string, an integer with a fraction)."""
     model = _model_of(hf)
     try:
-        return model, model_module(model).config_from_hf(hf)
+        config = model_module(model).config_from_hf(_typed(hf))
+        return model, dataclasses.replace(config, **{
+            f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)})
     except KeyError as err:
         raise HFCheckpointError(f"{hf['model_type']}: config has no field {err.args[0]!r}") from None
 

@@ -390,12 +390,56 @@ def _sgd_by_hand(theta, grads, lr, momentum, wd):
     return theta
 
 
+def _by_hand(rule: str, theta, grads, wd):
+    lr, b1, b2, eps = 0.1, 0.9, 0.99, 1e-8  # optimiser_checks' settings
+    if rule == "sgd":
+        return _sgd_by_hand(theta, grads, lr, 0.9, wd)
+    return _adam_by_hand(theta, grads, lr, b1, b2, eps, wd, decoupled=rule == "adamw")
+
+
+def _torch_optimiser_checks(theta0, steps, lr, b1, b2, eps, wd, run, close) -> dict[str, bool]:
+    """Adam, AdamW and SGD with momentum against ``torch.optim`` in float64 over the same steps,
+    in two parameter groups (the matrix decays, the bias does not); {} without torch."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    from refmath import optim
+
+    def torch_run(make):
+        tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+                   for k, v in theta0.items()}
+        opt = make([{"params": [tensors["w"]], "weight_decay": wd},
+                    {"params": [tensors["b"]], "weight_decay": 0.0}])
+        for grads in steps:
+            for k, t in tensors.items():
+                t.grad = torch.tensor(grads[k], dtype=torch.float64)
+            opt.step()
+        return {k: t.detach().numpy() for k, t in tensors.items()}
+
+    return {
+        "Adam (L2 inside), two groups = torch.optim.Adam": close(
+            run(optim.Adam(lr, (b1, b2), eps, weight_decay=wd)),
+            torch_run(lambda g: torch.optim.Adam(g, lr=lr, betas=(b1, b2), eps=eps))),
+        "AdamW, two groups = torch.optim.AdamW": close(
+            run(optim.AdamW(lr, (b1, b2), eps, weight_decay=wd)),
+            torch_run(lambda g: torch.optim.AdamW(g, lr=lr, betas=(b1, b2), eps=eps))),
+        "SGD with momentum and L2, two groups = torch.optim.SGD": close(
+            run(optim.SGD(lr, momentum=0.9, weight_decay=wd)),
+            torch_run(lambda g: torch.optim.SGD(g, lr=lr, momentum=0.9))),
+    }
+
+
 def optimiser_checks() -> dict[str, bool]:
     """Each optimiser and schedule against an independent computation; ``{check: passed}``.
 
     - Adam, AdamW and SGD over four steps on a small parameter dict against scalar recurrences
       written from the equations (``rtol 1e-12``; gradients from 1e-4 to 3 so that ``eps`` and the
-      decay matter; the matrix ``w`` decays and the bias ``b`` does not, O5);
+      decay matter; the matrix ``w`` decays and the bias ``b`` does not, O5), again without weight
+      decay, and with explicit parameter groups (``decay_of``) that decay both differently;
+    - the same three against ``torch.optim`` in float64 with two parameter groups, where torch is
+      installed;
+    - O4 and O7 worked examples: on a zero gradient AdamW and SGD + L2 decay by ``1 - lr wd``;
     - O2: for a constant gradient the corrected moments are exactly ``g`` and ``g^2``;
     - clipping: the clipped global norm is ``max_norm * n / (n + 1e-6)``, the direction unchanged;
     - schedules: warmup-cosine is ``max_lr`` at ``w``, the midpoint at ``(w + T) / 2``, ``min_lr``
@@ -433,6 +477,36 @@ def optimiser_checks() -> dict[str, bool]:
     results["SGD with momentum and L2 = its recurrence"] = close(
         run(optim.SGD(lr, momentum=0.9, weight_decay=wd)),
         by_hand(lambda t, gs, wd: _sgd_by_hand(t, gs, lr, 0.9, wd)))
+
+    for name, make, rule in (
+            ("Adam", lambda d: optim.Adam(lr, (b1, b2), eps, weight_decay=d), "adam"),
+            ("AdamW", lambda d: optim.AdamW(lr, (b1, b2), eps, weight_decay=d), "adamw"),
+            ("SGD with momentum", lambda d: optim.SGD(lr, momentum=0.9, weight_decay=d), "sgd")):
+        results[f"{name}, no weight decay = its recurrence"] = close(
+            run(make(0.0)), by_hand(lambda t, gs, _, rule=rule: _by_hand(rule, t, gs, 0.0)))
+    # O5, explicit parameter groups: every parameter its own coefficient, the bias's not zero
+    groups = {"w": wd, "b": 0.05}
+    for name, opt, rule in (
+            ("Adam", optim.Adam(lr, (b1, b2), eps, decay_of=groups), "adam"),
+            ("AdamW", optim.AdamW(lr, (b1, b2), eps, decay_of=groups), "adamw"),
+            ("SGD with momentum", optim.SGD(lr, momentum=0.9, decay_of=groups), "sgd")):
+        expected = {k: np.vectorize(lambda t, *gs, k=k: _by_hand(rule, t, gs, groups[k]))(
+                        theta0[k], *[g[k] for g in steps]) for k in theta0}
+        results[f"{name}, parameter groups (decay 0.3 and 0.05) = its recurrence"] = close(
+            run(opt), expected)
+    results.update(_torch_optimiser_checks(theta0, steps, lr, b1, b2, eps, wd, run, close))
+
+    # O4 and O7, the worked examples: on a zero gradient AdamW's step is exactly theta (1 - lr wd)
+    # each step (its moments stay 0), and SGD + L2 (no momentum) the same multiplicative decay.
+    for name, opt in (("O4: AdamW on a zero gradient decays by (1 - lr wd)",
+                       optim.AdamW(lr, (b1, b2), eps, weight_decay=wd)),
+                      ("O7: SGD + L2 on a zero gradient decays by (1 - lr wd)",
+                       optim.SGD(lr, weight_decay=wd))):
+        params = {"w": theta0["w"].copy()}
+        for _ in range(3):
+            opt.step(params, {"w": np.zeros_like(params["w"])})
+        results[name] = bool(np.allclose(params["w"], theta0["w"] * (1 - lr * wd) ** 3,
+                                         rtol=1e-14, atol=0))
 
     adam = optim.Adam(0.01, (b1, b2))
     params, g = {"p": np.ones(3)}, np.array([0.3, -2.0, 1e-3])

@@ -31,8 +31,9 @@ the previous checkpoint intact. Resuming reloads all of it, so a run that stops 
 produces the same losses, bit for bit, as one that does not.
 
 The matrices here are small: on a machine whose cores are busy, BLAS threads that wait for each
-other can make a step several times slower. ``OPENBLAS_NUM_THREADS=1`` (set before Python starts)
-avoids that and costs little on an idle machine.
+other can make a step several times slower. So :func:`train` chooses the BLAS threads from the
+size of a step's largest product (:mod:`refmath._threads`: one thread for the default models), and
+``threads`` overrides the choice.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ import numpy as np
 
 from refmath.models import MODELS, config_class, model_module
 from refmath.models.common import TrainingRecipe
+from refmath._threads import blas_threads, choose_blas_threads, largest_product
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
 from refmath.inference.generate import generate, generate_seq2seq
@@ -551,7 +553,8 @@ def _finish_step_on_interrupt():
 def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: int | None = None,
           lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
           resume: bool = False, eval_every: int | None = None, progress: bool = False,
-          stop_after: int | None = None, accuracy_examples: int = 500, out=None) -> TrainResult:
+          stop_after: int | None = None, accuracy_examples: int = 500, out=None,
+          threads: int | None = None, status_every: float = 30.0) -> TrainResult:
     """Train ``model`` in run directory ``out_dir`` (created if needed); see the module docstring.
 
     Fresh run: ``config`` (default :func:`default_config`) and ``task`` settings (default the
@@ -564,9 +567,19 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     Evaluates and checkpoints every ``eval_every`` steps and at the end; ``stop_after`` stops (with
     a checkpoint) once that many steps are done, as an interruption would. Ctrl-C finishes the
     current step, saves a checkpoint and raises ``KeyboardInterrupt``. ``progress`` shows a tqdm
-    bar on stderr; the evaluation lines go to ``out`` (default stdout).
+    bar on stderr; the evaluation lines go to ``out`` (default stdout). Without the bar a status
+    line (step, loss, seconds) goes there too once ``status_every`` seconds have passed since the
+    last line, so a run whose output is a file or a pipe is never silent for long. A resumed run
+    says the step it resumes from.
+
+    ``threads``: BLAS threads for the run (default: chosen by
+    :func:`refmath._threads.choose_blas_threads` from the largest product of a step, batch rows
+    times the widest weight matrix).
     """
     out = sys.stdout if out is None else out
+    if threads is not None:
+        check_int("threads", threads, 1)
+    status_every = check_real("status_every", status_every, 0.0)
     directory = Path(out_dir)
     given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
              "eval_every": eval_every}
@@ -582,6 +595,8 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         bar = tqdm(total=settings.steps, initial=run.step, desc=run.model, dynamic_ncols=True,
                    file=sys.stderr)
     say = bar.write if bar is not None else (lambda line: print(line, file=out, flush=True))
+    if resume and run.step < settings.steps:
+        say(f"resuming the run in {directory} at step {run.step} of {settings.steps}")
     if run.step == settings.steps:
         say(f"the run in {directory} finished at step {run.step} of {settings.steps}: "
             f"nothing left to do")
@@ -598,14 +613,22 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                         run.rng, {k: np.asarray(v) for k, v in run.history.items()})
         saved_step = run.step
 
+    rows = settings.batch_size * run.config.max_seq_len
+    chosen = choose_blas_threads(largest_product(rows, run.params), threads)
+    pool = blas_threads(chosen)
     start = time.perf_counter()
+    last_line = start
     try:
-        with _finish_step_on_interrupt() as interrupted:
+        with pool, _finish_step_on_interrupt() as interrupted:
             while run.step < last and not interrupted:
                 loss = _train_step(run)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}")
+                elif time.perf_counter() - last_line >= status_every and run.step % eval_every:
+                    say(f"step {run.step:>6} of {settings.steps}  loss {loss:.4f}  "
+                        f"({time.perf_counter() - start:.0f} s)")
+                    last_line = time.perf_counter()
                 if run.step % eval_every == 0 or run.step == settings.steps:
                     losses = evaluate(run.module, run.params, run.config, run.task,
                                       settings.eval_batches, settings.batch_size)
@@ -619,6 +642,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                     say(f"step {run.step:>6}  lr {run.history['lr'][-1]:.2e}  "
                         f"train {losses['train']:.4f}  val {losses['val']:.4f}  "
                         f"(unigram entropy {baseline:.4f})")
+                    last_line = time.perf_counter()
                     save()
         if run.step % eval_every and run.step != settings.steps:
             save()  # stopped between two evaluations
@@ -642,8 +666,9 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         final = {"train": float(history["eval_train"][-1]), "val": float(history["eval_val"][-1])}
     accuracy = None
     if done and isinstance(run.task, (ReversalTask, ReversalLMTask)) and accuracy_examples:
-        accuracy = reversal_accuracy(run.params, run.config, run.task, accuracy_examples,
-                                     model=run.model)
+        with blas_threads(chosen):
+            accuracy = reversal_accuracy(run.params, run.config, run.task, accuracy_examples,
+                                         model=run.model)
     with contextlib.suppress(ImportError):
         save_loss_plot(directory / PLOT_FILE, history, baseline, floor,
                        title=f"{run.model} on {run.task.name}")

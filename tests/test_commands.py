@@ -80,3 +80,56 @@ def test_usage_errors_are_argparses_under_the_commands_name(name, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"usage: {commands.PROG} {name}") and f"{commands.PROG} {name}" in err
     assert re.search(rf"^{re.escape(commands.PROG)} {name}( \w+)?: error: ", err, re.M), err
+
+
+# ---- generate --hf: the config's eos_token_id, and the model's context ----------------------------
+
+def _tiny_hf_gpt(directory, **config_fields):
+    import json
+
+    import numpy as np
+
+    pytest.importorskip("safetensors", reason="a Hugging Face directory needs safetensors")
+    from refmath import hf
+    from refmath.models import gpt
+
+    config = gpt.GPTConfig(vocab_size=12, max_seq_len=8, n_layers=1, d_model=8, n_heads=2, d_ff=16)
+    rng = np.random.default_rng(3)
+    params = {k: v + 0.5 * rng.standard_normal(v.shape).astype(v.dtype)
+              for k, v in gpt.init_params(config, seed=3).items()}
+    hf.save_checkpoint(directory, "gpt", config, params)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config_fields}))
+    return gpt, config, params
+
+
+def _generate_ids(directory, capsys, n=6):
+    assert main(["generate", "--hf", str(directory), "--prompt-ids", "1", "--greedy",
+                 "--max-new-tokens", str(n)]) == 0
+    captured = capsys.readouterr()
+    return [int(i) for i in captured.out.strip().split(",")], captured.err
+
+
+def test_generate_hf_stops_at_any_listed_eos_and_ignores_an_unreachable_one(tmp_path, capsys):
+    _tiny_hf_gpt(tmp_path, eos_token_id=None)
+    free, _ = _generate_ids(tmp_path, capsys)
+    assert len(free) == 7
+    never = next(i for i in range(12) if i not in free)
+    _tiny_hf_gpt(tmp_path, eos_token_id=[never, free[2]])  # a list, as Llama 3's configs have
+    ids, err = _generate_ids(tmp_path, capsys)
+    assert ids == free[:free.index(free[2], 1) + 1] and len(ids) < len(free)
+    assert "warning" not in err
+
+    _tiny_hf_gpt(tmp_path, eos_token_id=50256)  # GPT-2's default, outside a vocabulary of 12
+    ids, err = _generate_ids(tmp_path, capsys)
+    assert ids == free
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "eos_token_id 50256" in warnings[0] and "12 tokens" in warnings[0]
+
+
+def test_generate_says_once_that_the_sequence_outgrew_the_context(tmp_path, capsys):
+    _tiny_hf_gpt(tmp_path, eos_token_id=None)
+    ids, err = _generate_ids(tmp_path, capsys, n=7)  # 8 tokens: exactly the context
+    assert "context" not in err
+    ids, err = _generate_ids(tmp_path, capsys, n=12)
+    assert len(ids) == 13 and err.count("outgrew the model's context of 8 tokens") == 1

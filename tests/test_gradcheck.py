@@ -205,3 +205,35 @@ def test_command_reports_a_backward_that_raises_as_a_failure(capsys, monkeypatch
     assert main(["gradcheck", "--op", "relu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL (raised ValueError: shapes" in out and "0 passed, 2 failed" in out
+
+
+# ---- the command's optimiser group ---------------------------------------------------------------
+
+def test_the_command_checks_the_optimisers_and_catches_every_optimiser_mistake(capsys):
+    """gradcheck alone had no optimiser in it: a wrong Adam passed `python -m refmath gradcheck`.
+    Its 'optimisers' group runs refmath.mistakes.optimiser_checks, which catch each one."""
+    from refmath.mistakes import MISTAKES, applied, optimiser_checks
+
+    assert main(["gradcheck", "--op", "optimisers"]) == 0
+    out = capsys.readouterr().out
+    assert "# optimisers" in out
+    for name in optimiser_checks():
+        assert any(line.startswith(name) and line.endswith("pass") for line in out.splitlines())
+    for name in ("no weight decay", "parameter groups", "O4:", "O7:", "O2:"):
+        assert name in out
+    assert main(["gradcheck", "--op", "optimisers", "--list"]) == 0
+    assert "AdamW (decoupled) = its recurrence" in capsys.readouterr().out
+    wrong = [m for m in MISTAKES if m.check == "optimiser"]
+    assert len(wrong) >= 10
+    for mistake in wrong:
+        with applied(mistake):
+            assert main(["gradcheck", "--op", "optim*"]) == 1, mistake.name
+        assert "FAIL" in capsys.readouterr().out
+
+
+def test_the_optimiser_group_compares_with_torch_where_it_is_installed():
+    pytest.importorskip("torch", reason="the torch.optim comparison needs torch")
+    from refmath.mistakes import optimiser_checks
+
+    torch_checks = {k: v for k, v in optimiser_checks().items() if "torch.optim" in k}
+    assert len(torch_checks) == 3 and all(torch_checks.values()), torch_checks

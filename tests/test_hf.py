@@ -595,6 +595,24 @@ def test_refuses_a_config_without_a_needed_field(llama_dir):
     assert "llama: config has no field 'hidden_size'" in one_line_error(llama_dir)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", "2", "config field num_hidden_layers must be a number, got the string '2'"),
+    ("rms_norm_eps", "1e-5", "config field rms_norm_eps must be a number, got the string '1e-5'"),
+    ("hidden_size", 32.5, "config field hidden_size must be an integer, got 32.5"),
+])
+def test_refuses_a_number_of_the_wrong_type(llama_dir, field, value, message):
+    edit_config(llama_dir, **{field: value})
+    assert message in one_line_error(llama_dir)
+
+
+def test_an_integer_written_as_a_real_number_is_read(llama_dir):
+    config = json.loads((llama_dir / hf.CONFIG_FILE).read_text())
+    edit_config(llama_dir, num_hidden_layers=float(config["num_hidden_layers"]))
+    name, ours = hf.config_from_hf(hf.read_config(llama_dir))
+    assert ours.n_layers == config["num_hidden_layers"] and type(ours.n_layers) is int
+    assert type(ours.norm_eps) is float
+
+
 def test_refuses_a_dtype_that_is_not_floating(llama_dir):
     with pytest.raises(TypeError, match="dtype must be a floating-point type, got int32"):
         hf.load_checkpoint(llama_dir, dtype=np.int32)

@@ -46,6 +46,10 @@ def test_lesson_executes(path, monkeypatch, tmp_path):
     assert _images(notebook) == promised, \
         f"{path.name}: drew {_images(notebook)} figures, its header promises {promised}"
     _every_check_says_right(path, notebook)
+    for cell in notebook.cells:  # e.g. tqdm's, when a library draws a bar without ipywidgets
+        err = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                      if o.get("output_type") == "stream" and o.get("name") == "stderr")
+        assert "IProgress not found" not in err, f"{path.name}: cell {cell.source[:60]!r}: {err}"
 
 
 CHECK_CALL = re.compile(r"\bcheck_(?:close|true|function)\(")

@@ -122,6 +122,8 @@ def test_lessons_extra_and_the_command_that_opens_them():
              PYPROJECT["project"]["optional-dependencies"]["lessons"]}
     assert {"matplotlib", "jupyterlab", "jupytext"} <= extra
     assert 'pip install -e ".[lessons]" && jupyter lab notebooks/' in README
+    if "jupytext --to ipynb --execute" in README:  # jupytext executes through nbconvert
+        assert "nbconvert" in extra
 
 
 def test_a_lesson_runs_as_a_plain_script_as_the_readme_says(tmp_path):
@@ -134,6 +136,42 @@ def test_a_lesson_runs_as_a_plain_script_as_the_readme_says(tmp_path):
                          env={**os.environ, "MPLBACKEND": "Agg"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "equals sdpa_backward" in run.stdout
+
+
+# ---- the editable install, seen from the folder that holds the clone ----
+
+def _editable_install_of_this_checkout() -> bool:
+    """Whether the refmath that pip installed is ``pip install -e`` of this checkout."""
+    import json
+    from importlib import metadata
+
+    # Every distribution of that name: the checkout's own refmath.egg-info, left by a build, has no
+    # direct_url.json and may come first on sys.path.
+    for dist in metadata.distributions(name="refmath"):
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        if (url.get("dir_info", {}).get("editable", False)
+                and url.get("url", "").rstrip("/") == ROOT.as_uri()):
+            return True
+    return False
+
+
+def test_the_editable_install_is_a_path_entry():
+    """With the package folder at the top said as ``package-dir = {"" = "."}``, setuptools writes a
+    .pth path entry rather than its import hook, which comes after every path on sys.path."""
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"": "."}
+
+
+def test_the_cli_runs_from_the_folder_that_holds_the_clone(tmp_path):
+    """``cd parent-of-clone && python -m refmath --help``: the clone folder, named refmath, is a
+    namespace package there, which the editable install's regular package must beat."""
+    if not _editable_install_of_this_checkout():
+        pytest.skip("refmath is not installed with pip install -e from this checkout")
+    (tmp_path / "refmath").symlink_to(ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    run = subprocess.run([sys.executable, "-m", "refmath", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage: python -m refmath")
 
 
 # ---- setup.py: the opening message and the flags chosen by compiler ----
@@ -216,3 +254,49 @@ def test_clang_gets_the_same_flags_and_openmp_only_if_it_links(setup_py, monkeyp
     flags, openmp = _configured_flags(setup_py)
     tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-O3"]
     assert flags[flags.index("-std=c++17") + 1:] == tail + (["-fopenmp"] if openmp else []), flags
+
+
+def test_a_rebuild_with_unchanged_sources_and_flags_reuses_the_module(setup_py, monkeypatch,
+                                                                      tmp_path):
+    """pip builds in a fresh temporary folder each time: without the module cache, adding an
+    extra (pip install -e ".[hf]") recompiled both modules. A changed source or flag rebuilds."""
+    import copy
+
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    monkeypatch.setenv("REFMATH_BUILD_CACHE", str(tmp_path / "cache"))
+    BuildExt = setup_py["BuildExt"]
+    compiled = []
+
+    def compile_for_the_test(self, ext):  # stands in for the compiler: writes a distinct module
+        compiled.append(ext.name)
+        with open(self.get_ext_fullpath(ext.name), "w") as f:
+            f.write(f"module {len(compiled)}")
+    monkeypatch.setattr(BuildExt.__mro__[1], "build_extension", compile_for_the_test)
+    compiler = new_compiler()
+    customize_compiler(compiler)
+
+    def build(ext, folder):
+        command = BuildExt.__new__(BuildExt)
+        command.compiler, command.force = compiler, False
+        (tmp_path / folder).mkdir(exist_ok=True)
+        command.get_ext_fullpath = lambda name: str(tmp_path / folder / f"{name}.so")
+        command.build_extension(ext)
+        return (tmp_path / folder / f"{ext.name}.so").read_text()
+
+    ext = copy.deepcopy(setup_py["ext_modules"][0])
+    assert build(ext, "first") == "module 1"
+    assert build(ext, "second") == "module 1" and len(compiled) == 1  # copied from the cache
+    flagged = copy.deepcopy(ext)
+    flagged.extra_compile_args.append("-O1")
+    assert build(flagged, "third") == "module 2"
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f() { return 1; }\n")
+    own = copy.deepcopy(ext)
+    own.sources = [str(source)]
+    assert build(own, "fourth") == "module 3" and build(own, "fifth") == "module 3"
+    source.write_text("int f() { return 2; }\n")
+    assert build(own, "sixth") == "module 4"
+    monkeypatch.setenv("REFMATH_BUILD_CACHE", "0")
+    assert build(ext, "seventh") == "module 5"

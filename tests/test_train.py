@@ -455,3 +455,48 @@ def test_nan_logits_are_refused_by_greedy_and_sampled_decoding():
     for greedy in (True, False):
         with pytest.raises(ValueError, match="NaN or \\+inf"):
             token_picker(greedy, 1.0, None, None, 0)(logits)
+
+
+# ---- every default run converts to Hugging Face ----------------------------------------------------
+
+@pytest.mark.parametrize("name", [n for n in sorted(MODELS) if model_module(n).HF_MODEL_TYPES])
+def test_a_default_run_of_every_model_that_has_a_hf_type_converts(name, tmp_path, capsys):
+    """``train --model NAME`` with the recipe's configuration, then ``convert --to-hf``: the
+    converted directory loads back as the same function (same logits, up to float32 rounding:
+    the RoPE layout may be permuted on the way)."""
+    pytest.importorskip("safetensors", reason="convert writes safetensors")
+    from refmath import hf
+
+    run = T.train(name, tmp_path / "run", steps=1, accuracy_examples=0, out=open(os.devnull, "w"))
+    assert run.step == 1
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0, \
+        capsys.readouterr().err
+    ckpt = T.load_checkpoint(tmp_path / "run")
+    loaded, config, params = hf.load_checkpoint(tmp_path / "hf", dtype=np.float32)
+    assert loaded == name
+    tokens = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, (2, 12))
+    module = model_module(name)
+    np.testing.assert_allclose(module.logits(params, tokens, config),
+                               module.logits(ckpt.params, tokens, ckpt.config), rtol=0, atol=1e-5)
+
+
+# ---- a run without a progress bar is never silent for long ----------------------------------------
+
+def test_without_a_bar_a_status_line_comes_every_status_every_seconds_and_resume_says_its_step(
+        tmp_path):
+    import io
+
+    out = io.StringIO()
+    T.train("gpt", tmp_path, steps=6, batch_size=4, lr=2e-2, task=CHARS, config=tiny_gpt(),
+            eval_every=3, status_every=0.0, stop_after=4, out=out)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[:4] for line in lines if "loss" in line] == [
+        ["step", "1", "of", "6"], ["step", "2", "of", "6"], ["step", "4", "of", "6"]]
+    assert sum(line.split()[:2] == ["step", "3"] and "val" in line for line in lines) == 1
+    out = io.StringIO()
+    T.train(None, tmp_path, resume=True, status_every=3600.0, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"resuming the run in {tmp_path} at step 4 of 6"
+    assert not any("loss" in line for line in lines)  # nothing but evaluations within an hour
+    with pytest.raises(ValueError, match="status_every"):
+        T.train("gpt", tmp_path / "other", steps=1, status_every=-1.0)

@@ -19,12 +19,14 @@ import importlib.util
 import json
 import os
 import sys
+import textwrap
 import time
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import NamedTuple
 
+from refmath._validate import check_real
 from refmath.assignments.build import TEACHING, library_files, stub_library
 from refmath.assignments.checks import Case, Verdict, run_source
 from refmath.assignments.extract import take_functions
@@ -214,13 +216,17 @@ def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | N
 
 
 def summary(results: dict, width: int = 100) -> str:
-    """A readable table of ``results``: one line per test, then the total."""
+    """A readable table of ``results``: one line per test, then the total. A lost point's
+    feedback (the first line of the test's output) follows its test, indented and wrapped at
+    ``width`` characters between words, never cut: its end is where the tolerance is."""
     lines = []
+    indent = " " * 11
     for test in results["tests"]:
-        first = test["output"].splitlines()[0]
+        first = test["output"].splitlines()[0] if test["output"] else ""
         lines.append(f"{test['score']:>5g}/{test['max_score']:<4g} {test['name']}")
-        if test["score"] < test["max_score"]:
-            lines.append(f"           {first[:width]}")
+        if test["score"] < test["max_score"] and first:
+            lines += textwrap.wrap(first, width, initial_indent=indent, subsequent_indent=indent,
+                                   break_long_words=False, break_on_hyphens=False)
     lines += results.get("output", "").splitlines()[1:]  # the notes
     lines.append(f"total {results['score']:g} / {results['max_score']:g} "
                  f"({results['execution_time']:.1f} s, sandbox: {results['extra_data']['sandbox']})")
@@ -267,7 +273,9 @@ def grade_batch(manifest: Manifest, folder: str, csv_path: str, src_root: str,
 
 
 def with_time_limit(limits: Limits, seconds: float | None) -> Limits:
-    """``limits`` with the wall-clock and CPU limits lowered to ``seconds`` (for quick runs)."""
+    """``limits`` with each hidden test's wall-clock and CPU limits set to ``seconds`` (lower for
+    quick runs and code that may never return, higher for a slow machine); None keeps them."""
     if seconds is None:
         return limits
-    return replace(limits, wall_s=min(limits.wall_s, seconds), cpu_s=min(limits.cpu_s, seconds))
+    seconds = check_real("time limit", seconds, 0.0, low_open=True)
+    return replace(limits, wall_s=seconds, cpu_s=seconds)

@@ -32,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "handout, public tests) and OUT/autograder (hidden tests, grading entry point, "
         "gradescope.zip). Nothing is written if any line of a solution would be.")
     build.add_argument("name", help="the assignment (see 'list')")
-    build.add_argument("--out", required=True, help="output folder")
+    build.add_argument("--out", required=True,
+                       help="output folder; one that already holds files is refused unless "
+                       "--force")
+    build.add_argument("--force", action="store_true",
+                       help="replace the student/ and autograder/ of an --out that is not empty")
     build.set_defaults(subparser=build)
 
     grade = actions.add_parser(
@@ -51,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grade.add_argument("--jobs", type=int, default=1, metavar="N",
                        help="run N hidden tests at once, each in its own process (default 1)")
     grade.add_argument("--time-limit", type=float, default=None, metavar="S",
-                       help="lower each test's wall-clock and CPU limits to S seconds")
+                       help="set each hidden test's wall-clock and CPU limits to S seconds "
+                       "(default: the manifest's [limits], else 30 s wall-clock and 20 s CPU); "
+                       "each test runs separately, so code that never returns costs every test "
+                       "that calls it its limit")
     grade.add_argument("--no-sandbox", action="store_true",
                        help="run the student code without a sandbox (limits only), for code you "
                        "trust; results.json records it")
@@ -79,7 +86,8 @@ def _list(args) -> int:
         raise CommandError(f"no assignments under {args.root or manifests.default_root()}", status=1)
     for name in names:
         m = manifests.load(name, args.root)
-        print(f"{name}: {m.title} ({m.total_points:g} points, {len(m.points)} hidden tests)")
+        print(f"{name}: {m.title} ({m.total_points:g} points, {len(m.points)} hidden tests; each "
+              f"within {m.limits.wall_s:g} s wall-clock, {m.limits.cpu_s:g} s CPU)")
         for file, functions in m.functions.items():
             print(f"    {file}: {', '.join(functions)}")
     return 0
@@ -89,6 +97,11 @@ def _build(args) -> int:
     from refmath.assignments.build import LeakError, build
 
     m = manifests.load(args.name, args.root)
+    if os.path.isdir(args.out) and os.listdir(args.out) and not args.force:
+        raise CommandError(f"--out {args.out} is not empty: give --force to replace its student/ "
+                           f"and autograder/, or choose another folder")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CommandError(f"--out {args.out} is a file, not a folder")
     try:
         counts = build(m, args.out, _src_root())
     except LeakError as error:
@@ -104,6 +117,9 @@ def _grade(args) -> int:
     from refmath.assignments.sandbox import Sandbox
 
     m = manifests.load(args.name, args.root)
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        raise CommandError(f"--time-limit must be a finite number of seconds > 0, got "
+                           f"{args.time_limit}")
     limits = with_time_limit(m.limits, args.time_limit)
     sandbox = Sandbox("none") if args.no_sandbox else None
     if args.batch:

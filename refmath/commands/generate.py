@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoint", metavar="DIR", help="a run directory of train")
     source.add_argument("--hf", metavar="DIR",
                         help="a Hugging Face model directory (config.json, model.safetensors or "
-                        "its shards, and tokenizer.json for --prompt); see refmath.hf")
+                        "its shards, and tokenizer.json for --prompt); see refmath.hf. Generation "
+                        "stops at config.json's eos_token_id, at any of them when it lists "
+                        "several; an id outside the vocabulary can never be generated and is "
+                        "ignored, with a warning")
     parser.add_argument("--prompt-ids", metavar="IDS",
                         help="with --hf: the prompt as comma-separated token ids, e.g. 1,2,3 "
                         "(when the directory has no tokenizer.json)")
@@ -37,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "language models know lowercase a-z except j, space, '.' and newline; the "
                         "reversal knows the digits 0-9")
     parser.add_argument("--max-new-tokens", type=int,
-                        help="tokens to generate (default: 200; transformer: source length + 1)")
+                        help="tokens to generate (default: 200; --hf: 20; transformer: source "
+                        "length + 1). Past the model's context the window slides (each token sees "
+                        "the last max_seq_len tokens), and generate says so once")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1)")
     parser.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
@@ -50,10 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who computes attention over the KV cache: the NumPy reference, the "
                         "C++ kernels, or the CUDA kernels with the cache on the GPU (default: "
                         "numpy; the decoders only)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="BLAS threads (default: chosen from the size of the matrix products: "
+                        "one for decoding with the KV cache, whose per-token products run slower "
+                        "on many threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the continuation (or the transformer's output), and its speed on stderr."""
+    if args.threads is not None and args.threads < 1:
+        raise CommandError(f"--threads must be >= 1, got {args.threads}")
     if args.hf is not None:
         return _from_hf(args)
     if args.prompt_ids is not None:
@@ -80,6 +91,15 @@ def _check_sampling_flags(args: argparse.Namespace, alphabet: str | None) -> Non
                                f"tokenizer does not know; it knows {alphabet!r}")
 
 
+def _threads(args: argparse.Namespace, params: dict, prompt_len: int, n: int):
+    """The BLAS threads of the run (:mod:`refmath._threads`): the largest product of a step has one
+    row per token decoded with the cache, the whole sequence's rows without it."""
+    from refmath._threads import blas_threads, choose_blas_threads, largest_product
+
+    rows = prompt_len + n if args.no_cache else 1
+    return blas_threads(choose_blas_threads(largest_product(rows, params), args.threads))
+
+
 def _report_speed(n: int, seconds: float, how: str) -> None:
     print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})", file=sys.stderr)
 
@@ -98,27 +118,29 @@ def _from_run(args: argparse.Namespace) -> int:
                     top_p=args.top_p, seed=args.seed)
     decoding = dict(cache=not args.no_cache, backend=args.backend)
     task = ckpt.task.get("name")
-    start = time.perf_counter()
-    if task in (ReversalTask.name, ReversalLMTask.name):
-        if args.prompt is None:
-            raise CommandError("give --prompt, the digits to reverse")
-        n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
-        if task == ReversalTask.name:
-            out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
-                                   eos_id=EOS_ID, **sampling)
-        else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
-            prompt = make_task(ckpt.task).prompt_ids(args.prompt)
-            out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
-                           **sampling, **decoding)[len(prompt):]
-        print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
-        n = len(out)
-    else:
-        prompt = "\n" if args.prompt is None else args.prompt
-        n = 200 if args.max_new_tokens is None else args.max_new_tokens
-        out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
-                       **decoding)
-        print(tok.decode(out, specials="show"))
-        n = len(out) - len(prompt)
+    with _threads(args, ckpt.params, len(args.prompt or "\n"), args.max_new_tokens or 200):
+        start = time.perf_counter()
+        if task in (ReversalTask.name, ReversalLMTask.name):
+            if args.prompt is None:
+                raise CommandError("give --prompt, the digits to reverse")
+            n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
+            if task == ReversalTask.name:
+                out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
+                                       eos_id=EOS_ID, **sampling)
+            else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
+                prompt = make_task(ckpt.task).prompt_ids(args.prompt)
+                out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
+                               **sampling, **decoding)[len(prompt):]
+            print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
+            n = len(out)
+        else:
+            prompt = "\n" if args.prompt is None else args.prompt
+            n = 200 if args.max_new_tokens is None else args.max_new_tokens
+            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
+                           **decoding)
+            print(tok.decode(out, specials="show"))
+            n = len(out) - len(prompt)
+            _note_context(len(out), ckpt.config.max_seq_len)
     seconds = time.perf_counter() - start
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
     if not MODELS[ckpt.model].decoder_only:
@@ -154,14 +176,30 @@ def _hf_tokenizer(directory: Path):
     return Tokenizer.from_file(str(path))
 
 
-def _eos_id(directory: Path):
-    """The config's end-of-sequence id when it names exactly one."""
+def _eos_ids(directory: Path, vocab_size: int) -> list[int] | None:
+    """The config's end-of-sequence ids, as transformers reads ``eos_token_id``: one id or a list,
+    any of which ends the generation. An id outside the vocabulary can never be generated: it is
+    dropped, with one warning line (None when no id is left)."""
     from refmath.hf import read_config
 
     eos = read_config(directory).get("eos_token_id")
-    if isinstance(eos, list) and len(eos) == 1:
-        eos = eos[0]
-    return eos if isinstance(eos, int) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        print(f"refmath generate: warning: {directory / 'config.json'}: eos_token_id "
+              f"{', '.join(map(str, outside))} lies outside the vocabulary of {vocab_size} tokens, "
+              f"so no generated token can end the sequence there", file=sys.stderr)
+    ids = [i for i in ids if 0 <= i < vocab_size]
+    return ids or None
+
+
+def _note_context(length: int, context: int) -> None:
+    """One line when the sequence outgrew the model's context (generate's window then slides)."""
+    if length > context:
+        print(f"refmath generate: note: the sequence ({length} tokens) outgrew the model's context "
+              f"of {context} tokens; past it each token was predicted from the last {context} "
+              f"tokens only (a sliding window)", file=sys.stderr)
 
 
 def _from_hf(args: argparse.Namespace) -> int:
@@ -186,12 +224,15 @@ def _from_hf(args: argparse.Namespace) -> int:
         prompt = _prompt_ids(args.prompt_ids)
     model, config, params = load_checkpoint(directory, dtype=np.float32, progress=True)
     n = 20 if args.max_new_tokens is None else args.max_new_tokens
-    start = time.perf_counter()
-    out = generate(model, params, config, prompt, n, greedy=args.greedy,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, eos_id=_eos_id(directory), cache=not args.no_cache,
-                   backend=args.backend)
-    seconds = time.perf_counter() - start
+    with _threads(args, params, len(prompt), n):
+        start = time.perf_counter()
+        out = generate(model, params, config, prompt, n, greedy=args.greedy,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, eos_id=_eos_ids(directory, config.vocab_size),
+                       cache=not args.no_cache,
+                       backend=args.backend)
+        seconds = time.perf_counter() - start
+    _note_context(len(out), config.max_seq_len)
     if tokenizer is not None:
         print(tokenizer.decode(out.tolist()))
     else:

@@ -9,20 +9,26 @@ import time
 from refmath.commands import CommandError
 
 HELP = ("check every hand-written gradient (ops, attention execution, models) against central "
-        "differences (float64)")
+        "differences (float64), and the optimisers and schedules against independent computations")
 DESCRIPTION = (
     "Check every registered hand-written gradient: the single-equation ops, attention as it is "
     "executed (the FlashAttention reference, RoPE and MLA attention) and the whole models' "
     "parameter gradients. Ops are checked as vector-Jacobian products: the analytic gradient "
     "against five-point central differences of sum(f(x) * dout) for a random dout, in float64; "
     "models against differences of their loss. Prints one row per case with the largest and the "
-    "median error and the bound derived from the stencil's own error; exits with status 1 if any "
-    "check fails.")
+    "median error and the bound derived from the stencil's own error. Optimisers and schedules "
+    "have no gradient to check: the 'optimisers' group runs SGD, Adam, AdamW, clipping and the "
+    "schedules against recurrences written from the equations in float64, the catalogue's worked "
+    "examples (O2, O4, O7) and, where torch is installed, torch.optim, over several steps, with "
+    "weight decay on and off and in parameter groups (refmath.mistakes.optimiser_checks). Exits "
+    "with status 1 if any check fails.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments: ``--op``, ``--seed``, ``--max-coords``, ``--list``."""
-    parser.add_argument("--op", default="*", help="glob over op names, e.g. 'rope' or 'mha*' (default: all)")
+    parser.add_argument("--op", default="*",
+                        help="glob over op names, e.g. 'rope' or 'mha*', or 'optimisers' for the "
+                        "optimiser group alone (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed for inputs, dout and sampling (default: 0)")
     parser.add_argument("--max-coords", type=int, default=128,
                         help="coordinates checked per input before sampling kicks in (default: 128; "
@@ -39,12 +45,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--max-coords must be at least 1, got {args.max_coords}")
     every = all_cases(group=None)
     cases = [c for c in every if fnmatch.fnmatch(c.op, args.op) or fnmatch.fnmatch(c.name, args.op)]
-    if not cases:
+    optimisers = _optimiser_checks_wanted(args.op)
+    if not cases and not optimisers:
         names = sorted({c.op for c in every})
-        raise CommandError(f"no case matches --op {args.op!r}; known names: {', '.join(names)} "
-                           "(a glob such as 'mha*' or 'layernorm[*' also works)")
-    width = max(len(case.name) for case in cases)
-    id_width = max(len(','.join(case.ids)) for case in cases)
+        raise CommandError(f"no case matches --op {args.op!r}; known names: {', '.join(names)}, "
+                           f"{OPTIMISER_GROUP} (a glob such as 'mha*' or 'layernorm[*' also works)")
+    width = max([len(case.name) for case in cases] + [4])
+    id_width = max([len(','.join(case.ids)) for case in cases] + [3])
     groups = [(g, [c for c in cases if c.group == g]) for g in GROUPS]
     if args.list:
         for group, members in groups:
@@ -52,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {group}")
             for case in members:
                 print(f"{case.name:<{width}}  {','.join(case.ids)}")
+        if optimisers:
+            print(f"# {OPTIMISER_GROUP}")
+            for name in _run_optimiser_checks():
+                print(name)
         return 0
 
     print(f"{'case':<{width}}  {'ids':<{id_width}} {'max err':>8} {'median':>8} {'bound':>8}  result")
@@ -74,7 +85,34 @@ def run(args: argparse.Namespace) -> int:
                 verdict = f"FAIL ({result.problem})"
             print(f"{case.name:<{width}}  {','.join(case.ids):<{id_width}} {result.max_error:>8.1e} "
                   f"{result.typical:>8.1e} {result.bound:>8.1e}  {verdict}", flush=True)
+    if optimisers:
+        print(f"# {OPTIMISER_GROUP} (catalogue O1-O7, against independent computations in float64)")
+        results = _run_optimiser_checks()
+        own = max(len(name) for name in results)
+        for name, passed in results.items():
+            failures += not passed
+            print(f"{name:<{own}}  {'pass' if passed else 'FAIL'}", flush=True)
     elapsed = time.perf_counter() - start
-    print(f"{len(cases) - failures} passed, {failures} failed ({elapsed:.1f} s, float64, seed {args.seed}); "
+    total = len(cases) + (len(results) if optimisers else 0)
+    print(f"{total - failures} passed, {failures} failed ({elapsed:.1f} s, float64, seed {args.seed}); "
           "err = |a - n| / max(|a| + |n|, median), bound = the stencil's own error (refmath.gradcheck)")
     return 1 if failures else 0
+
+
+OPTIMISER_GROUP = "optimisers"
+
+
+def _run_optimiser_checks() -> dict[str, bool]:
+    """``{check: passed}``, a check that raises counted as failed."""
+    from refmath.mistakes import optimiser_checks
+
+    try:
+        return optimiser_checks()
+    except Exception as error:  # an optimiser that raises fails its group, it does not end the run
+        return {f"optimiser checks (raised {type(error).__name__}: {error})": False}
+
+
+def _optimiser_checks_wanted(pattern: str) -> bool:
+    """Whether ``--op`` selects the optimiser group: a glob that matches its name ('*',
+    'optim*', 'optimisers')."""
+    return fnmatch.fnmatch(OPTIMISER_GROUP, pattern)

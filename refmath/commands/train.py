@@ -42,8 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int,
                         help="evaluate and checkpoint every N steps (default: 100; a resumed run "
                         "keeps its own)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="BLAS threads (default: chosen from the size of the matrix products: "
+                        "one for the default models, whose small products run slower on many "
+                        "threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (it is also off when stderr is not a terminal)")
+                        help="no progress bar (it is also off when stderr is not a terminal); "
+                        "without it a status line is printed every 30 s between evaluations")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                            f"give --model, one of {', '.join(sorted(MODELS))}")
     out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
     progress = not args.no_progress and sys.stderr.isatty()
-    for flag, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_every", 1)):
+    for flag, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_every", 1),
+                      ("threads", 1)):
         if getattr(args, flag) is not None:
             check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low)
     if args.lr is not None:
@@ -66,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         with np.errstate(over="ignore", invalid="ignore"):
             result = train(args.model, out_dir, steps=args.steps, batch_size=args.batch_size,
                            lr=args.lr, seed=args.seed, task=task, resume=args.resume,
-                           eval_every=args.eval_every, progress=progress)
+                           eval_every=args.eval_every, progress=progress,
+                           threads=args.threads)
     except OSError as err:
         raise CommandError(f"cannot write the run directory {out_dir}: {err.strerror or err}"
                            f"{f' ({err.filename})' if err.filename else ''}") from None

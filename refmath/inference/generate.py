@@ -12,6 +12,7 @@ top-k and top-p).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
@@ -33,20 +34,34 @@ def _check_ids(name: str, ids, vocab_size: int) -> np.ndarray:
     return ids
 
 
-def _decode_loop(next_logits, start: np.ndarray, max_new_tokens: int, pick, eos_id):
+def _eos_ids(eos_id, vocab_size: int) -> np.ndarray:
+    """``eos_id`` (None, one id or a sequence of ids, as Llama 3's configs list two) as a 1-D array
+    of ids in ``[0, vocab_size)`` (empty for None)."""
+    if eos_id is None:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.asarray(eos_id)
+    if ids.ndim > 1 or (ids.ndim == 1 and ids.size == 0):
+        raise ValueError(f"eos_id must be a token id or a non-empty list of them, got {eos_id!r}")
+    return _check_ids("eos_id", ids, vocab_size).reshape(-1).astype(np.int64)
+
+
+def _decode_loop(next_logits, start: np.ndarray, max_new_tokens: int, pick, eos_ids: np.ndarray):
     """Append up to ``max_new_tokens`` tokens to each row of ``start`` ``(B, T0)``.
 
     ``next_logits(tokens)`` gives the ``(B, V)`` logits of the token after each row. A row that
-    has produced ``eos_id`` keeps repeating it; the loop ends early once every row has.
+    has produced one of ``eos_ids`` keeps repeating that id; the loop ends early once every row
+    has.
     """
     tokens = start
     done = np.zeros(start.shape[0], dtype=bool)
+    last = np.zeros(start.shape[0], dtype=start.dtype)
     for _ in range(max_new_tokens):
         z = next_logits(tokens)
         new = np.array([pick(row) for row in z], dtype=start.dtype)
-        if eos_id is not None:
-            new[done] = eos_id
-            done |= new == eos_id
+        if eos_ids.size:
+            new[done] = last[done]
+            done |= np.isin(new, eos_ids)
+            last = new
         tokens = np.concatenate([tokens, new[:, None]], axis=1)
         if done.all():
             break
@@ -69,7 +84,7 @@ def _resolve(model) -> ModuleType:
 
 def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | None = None, seed=0, cache: bool = True,
+             eos_id: int | Sequence[int] | None = None, seed=0, cache: bool = True,
              backend: str = "numpy") -> np.ndarray:
     r"""Continue ``prompt_ids`` with a decoder-only model (L7).
 
@@ -77,7 +92,8 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     ``logits(params, tokens, config)``. ``prompt_ids`` is ``(T0,)`` or a batch ``(B, T0)`` with
     ``1 <= T0 <= config.max_seq_len``. Once the sequence outgrows ``max_seq_len`` only its last
     ``max_seq_len`` tokens are fed (a sliding window). Generation stops after ``max_new_tokens``
-    tokens, or as soon as every row has produced ``eos_id`` (a finished row repeats ``eos_id``).
+    tokens, or as soon as every row has produced ``eos_id``: one id or a list of them, any of which
+    ends a row, as transformers does (a finished row repeats the id it ended with).
     ``seed``: an int or a ``numpy.random.Generator`` (used only when sampling).
 
     With ``cache=True`` (the default, for refmath's three decoders) the prompt is prefilled once
@@ -96,8 +112,7 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
         raise ValueError(f"prompt_ids has {length} tokens (shape {prompt.shape}); it needs "
                          f"between 1 and max_seq_len = {config.max_seq_len}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
-    if eos_id is not None:
-        _check_ids("eos_id", eos_id, config.vocab_size)
+    eos_ids = _eos_ids(eos_id, config.vocab_size)
     pick = token_picker(greedy, temperature, top_k, top_p, seed)
     window = config.max_seq_len
     if check_flag("cache", cache) and _has_kv_cache(module):
@@ -107,7 +122,7 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
             return module.logits(params, tokens[:, -window:], config)[:, -1, :]
 
     out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens, pick,
-                       eos_id)
+                       eos_ids)
     return out[0] if prompt.ndim == 1 else out
 
 
@@ -117,7 +132,8 @@ def _has_kv_cache(module) -> bool:
 
 def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_lengths=None,
                      greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                     top_p: float | None = None, eos_id: int | None = None, seed=0) -> np.ndarray:
+                     top_p: float | None = None, eos_id: int | Sequence[int] | None = None,
+                     seed=0) -> np.ndarray:
     r"""Decode a target for ``src_ids`` with the encoder-decoder (L1, L7): :math:`y_{t+1} \sim
     p(\cdot \mid y_{\le t}, x)`, the decoder input starting with ``config.bos_id``.
 
@@ -142,8 +158,7 @@ def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_length
     if max_new_tokens > config.max_seq_len:
         raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds max_seq_len = "
                          f"{config.max_seq_len}, the longest decoder input")
-    if eos_id is not None:
-        _check_ids("eos_id", eos_id, config.vocab_size)
+    eos_ids = _eos_ids(eos_id, config.vocab_size)
     pick = token_picker(greedy, temperature, top_k, top_p, seed)
     memory = transformer.encode(params, src2, src_lengths, config)
 
@@ -151,5 +166,5 @@ def generate_seq2seq(params, config, src_ids, max_new_tokens: int, *, src_length
         return transformer.decode(params, memory, src_lengths, tokens, config)[:, -1, :]
 
     start = np.full((src2.shape[0], 1), config.bos_id, dtype=np.int64)
-    out = _decode_loop(next_logits, start, max_new_tokens, pick, eos_id)[:, 1:]
+    out = _decode_loop(next_logits, start, max_new_tokens, pick, eos_ids)[:, 1:]
     return out[0] if src.ndim == 1 else out

@@ -166,7 +166,9 @@ def preset(name: str, **overrides) -> MLAConfig:
 # The default of `python -m refmath train` (as GPT's: about 2.5 min on two busy CPU cores).
 TRAINING_RECIPE = TrainingRecipe(
     {"name": "chars", "seq_len": 64},
-    dict(n_layers=2, d_model=64, n_heads=4, d_c=32, d_rope=8, ffn_multiple_of=16),
+    # The latent norms, with deepseek_v3's epsilon (DEEPSEEK_LATENT_EPS): the run converts to it.
+    dict(n_layers=2, d_model=64, n_heads=4, d_c=32, d_rope=8, ffn_multiple_of=16,
+         latent_norm=True, latent_norm_eps=1e-6),
     steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
 
 

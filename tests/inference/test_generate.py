@@ -179,6 +179,25 @@ def test_stops_at_eos_and_finished_rows_repeat_it():
     np.testing.assert_array_equal(out, [[4, 5, 5, 5, 5], [1, 2, 3, 4, 5]])
 
 
+def test_any_listed_eos_ends_a_row_and_the_row_repeats_its_own():
+    """``eos_id=[5, 3]``, as Llama 3's configs list two: the first of either ends the row."""
+    table = np.full((V, V), -5.0)
+    for a in range(V):
+        table[a, (a + 1) % V] = 5.0
+    params, config = {"table": table}, SimpleNamespace(vocab_size=V, max_seq_len=6)
+    model = _bigram_model(table)
+    np.testing.assert_array_equal(generate(model, params, config, [1], 10, greedy=True,
+                                           eos_id=[5, 3]), [1, 2, 3])
+    out = generate(model, params, config, [[4], [1]], 10, greedy=True, eos_id=(5, 3))
+    np.testing.assert_array_equal(out, [[4, 5, 5], [1, 2, 3]])
+    np.testing.assert_array_equal(generate(model, params, config, [1], 10, greedy=True,
+                                           eos_id=[6]), [1, 2, 3, 4, 5, 6])
+    for bad, error in (([], ValueError), ([[1]], ValueError), ([1, 7], ValueError),
+                       ([1.0], TypeError)):
+        with pytest.raises(error, match="eos_id"):
+            generate(model, params, config, [1], 3, eos_id=bad)
+
+
 def test_sliding_window_past_max_seq_len():
     params, config = _bigram_setup(1)
     model = _bigram_model(params["table"])
