@@ -95,6 +95,10 @@ def main(argv=None) -> int:
         return run.returncode
     script = next((Path(part).stem for part in command if part.endswith((".py", ".sh"))), "run")
     path = RESULTS / f"{now:%Y-%m-%d-%H%M}-{script}.md"
+    for n in range(2, 100):  # two runs of one script in the same minute keep both records
+        if not path.exists():
+            break
+        path = RESULTS / f"{now:%Y-%m-%d-%H%M}-{script}-{n}.md"
     lines = [f"# {script}, {now:%Y-%m-%d %H:%M} UTC", "",
              f"- machine: {machine()}", f"- vector width: {vector_width()}",
              f"- load average (1, 5, 15 min): {load_before} before, {load()} after",
