@@ -36,6 +36,17 @@ Fairness: every timed call starts from the same state, whoever runs it.
 * Order: the peers take turns, and the order rotates every round; every peer's median and
   minimum are printed, and the ratios use the medians (minima beside them).
 
+    python benchmarks/decode.py
+    python benchmarks/decode.py --quick             # one short context, a few calls (seconds)
+    python benchmarks/decode.py --contexts 4096 32768 --repeats 10
+    OMP_NUM_THREADS=1 python benchmarks/decode.py   # every peer on one thread
+    OMP_WAIT_POLICY=passive python benchmarks/decode.py  # a machine other jobs keep busy
+
+On a machine whose other jobs keep the cores busy, OpenMP's spinning waits (both runtimes' default)
+let a thread that lost its core hold up the other at every barrier, which costs refmath's many
+short parallel regions more than torch's: there, compare at one thread, or with
+OMP_WAIT_POLICY=passive (read by both runtimes alike).
+
 Nothing is asserted: the figures depend on the machine (and on its load, printed first).
 """
 from __future__ import annotations
