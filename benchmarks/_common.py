@@ -47,6 +47,54 @@ def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bo
     return {name: 1e3 * pick(t) for name, t in times.items()}
 
 
+def rotated_times(fns: dict, repeats: int = 5, warmup: int = 1, before=None) -> dict:
+    """Seconds of each of ``repeats`` timed calls per peer, ``{name: [s, ...]}``. The peers take
+    turns, and the order of the turns rotates every round (a b c, b c a, c a b, ...), so that no
+    peer always runs first after the untimed ``before(name)`` (called before every timed call: an
+    eviction, a wake-up of that peer's thread pool) or always after the same neighbour."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            if before is not None:
+                before(name)
+            fns[name]()
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            if before is not None:
+                before(name)
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_min_ms(seconds) -> tuple[float, float]:
+    """``(median, minimum)`` in milliseconds: the median for a machine whose load comes and goes,
+    the minimum for what the code can do when nothing else gets in its way."""
+    return 1e3 * statistics.median(seconds), 1e3 * min(seconds)
+
+
+def neutral_reader(mib: float):
+    """An untimed eviction that warms nobody's threads: a single-threaded NumPy read of ``mib`` of
+    other memory (None for 0). Reading with one peer's thread pool (refmath.kernels.stream_sum)
+    would leave that pool's threads spinning and its caches primed for the call that follows."""
+    import numpy as np
+
+    other = np.ones(int(mib * 2**20) // 4, dtype=np.float32)
+    if not other.size:
+        return None
+    return lambda: float(np.add.reduce(other))
+
+
+def load_average() -> str:
+    if not hasattr(os, "getloadavg"):
+        return "load average unknown"
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
+
+
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:

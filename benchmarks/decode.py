@@ -13,21 +13,39 @@ Peers, float32, on the same number of threads:
 * refmath.kernels.decode: contiguous caches (B, G, T, D), split-K chosen automatically;
 * refmath.kernels.paged_decode: the same keys and values in pages of --page-size slots, the page
   table a random permutation of the pool (so consecutive pages are not neighbours in memory);
-* torch.nn.functional.scaled_dot_product_attention on q (B, H, 1, D) and the contiguous caches with
-  enable_gqa=True (PyTorch's own GQA, no repeated copy of K and V made by us).
+* torch grouped, the peer at its best: torch.nn.functional.scaled_dot_product_attention with the
+  query regrouped as (B, G, H/G, D), the H/G query heads of a key/value head taking the place of
+  query positions, against the contiguous caches: one matrix product per group, no copy of K and V;
+* torch enable_gqa: the same call on q (B, H, 1, D) with enable_gqa=True, PyTorch's own GQA form,
+  which torch 2.13 runs several times slower; shown beside the best form, not instead of it.
+Before timing, every peer's output is checked against refmath's (printed: largest difference).
 
 Shapes: B = 1, H = 32 query heads, G = 8 key/value heads, D = 128, contexts from --contexts.
 
-Caches: by default every timed call starts from a cold cache: an untimed stream_sum over
---evict-mib of other memory runs before it. That is the state a model's decode step finds a
-layer's cache in (every other layer's cache was read since), and it keeps the peers' order from
-mattering: without it, a short context (32 MiB at 4096, the size of a server's last-level cache)
-is still partly cached from the peer timed just before, over the same arrays for the contiguous
-decode and the bandwidth probe, but not for the paged copy. --evict-mib 0 times them warm.
+Fairness: every timed call starts from the same state, whoever runs it.
+* Caches: an untimed read of --evict-mib of other memory runs before every timed call, so each
+  finds K and V out of the CPU's caches, as a model's decode step finds a layer's cache (every
+  other layer's was read since). The reader is neutral (--evict-by numpy, the default): one
+  thread, NumPy's own reduction, nobody's thread pool. --evict-by stream_sum is the old eviction,
+  refmath's multi-threaded stream_sum, which leaves refmath's OpenMP threads spinning and hot for
+  the call that follows (kept to show what it changed); --evict-mib 0 times them warm.
+* Thread pools: refmath's kernels and torch each have an OpenMP pool of their own. With --pools
+  awake (the default) each timed call is preceded, after the eviction, by a tiny parallel call
+  on its own pool (refmath: stream_sum of 256 KiB; torch: a sum of 256 KiB), so both start with
+  their threads awake, as in a model's step; --pools asleep skips it.
+* Order: the peers take turns, and the order rotates every round; every peer's median and
+  minimum are printed, and the ratios use the medians (minima beside them).
 
     python benchmarks/decode.py
+    python benchmarks/decode.py --quick             # one short context, a few calls (seconds)
     python benchmarks/decode.py --contexts 4096 32768 --repeats 10
     OMP_NUM_THREADS=1 python benchmarks/decode.py   # every peer on one thread
+    OMP_WAIT_POLICY=passive python benchmarks/decode.py  # a machine other jobs keep busy
+
+On a machine whose other jobs keep the cores busy, OpenMP's spinning waits (both runtimes' default)
+let a thread that lost its core hold up the other at every barrier, which costs refmath's many
+short parallel regions more than torch's: there, compare at one thread, or with
+OMP_WAIT_POLICY=passive (read by both runtimes alike).
 
 Nothing is asserted: the figures depend on the machine (and on its load, printed first).
 """
@@ -36,7 +54,8 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import best_ms, choose_vector_width, interleaved_best_ms, machine_line, print_table
+from _common import (best_ms, choose_vector_width, load_average, machine_line, median_min_ms,
+                     neutral_reader, print_table, rotated_times)
 
 from refmath import kernels
 
@@ -58,14 +77,28 @@ def parse_args(argv=None):
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--narrow", action="store_true",
                         help="run refmath's 8-lane (AVX2) kernels even where the CPU has AVX-512")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per peer (best kept)")
-    parser.add_argument("--median", action="store_true",
-                        help="keep the median call of each peer instead of the best (a loaded machine)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="timed calls per peer (median and minimum printed)")
     parser.add_argument("--probe-gib", type=float, default=1.0, help="size of the bandwidth probe")
     parser.add_argument("--evict-mib", type=float, default=128.0,
                         help="memory read before every timed call, so each starts with a cold "
                              "cache (0: none)")
-    return parser.parse_args(argv)
+    parser.add_argument("--evict-by", choices=("numpy", "stream_sum"), default="numpy",
+                        help="the eviction's reader: numpy, one thread, nobody's pool (neutral); "
+                             "stream_sum, refmath's own threads (the old form, for comparison)")
+    parser.add_argument("--pools", choices=("awake", "asleep"), default="awake",
+                        help="awake: wake each peer's own thread pool with a tiny call just "
+                             "before its timed call; asleep: do not")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run of a few seconds: T = 4096, 3 calls, a 256 MiB probe")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.repeats, args.probe_gib = [4096], 3, 0.25
+    if args.repeats < 1 or any(t < 1 for t in args.contexts):
+        parser.error("--repeats and --contexts must be positive")
+    if args.heads % args.kv_heads:
+        parser.error("--kv-heads must divide --heads")
+    return args
 
 
 def read_bandwidth(gib: float, repeats: int) -> float:
@@ -89,6 +122,32 @@ def paged_copy(k, v, page_size, rng):
     return k_pages, v_pages, order[None, :].astype(np.int32)
 
 
+REFMATH_POOL = ("read", "contiguous", "paged")
+LABELS = {"read": "read (stream_sum)", "contiguous": "refmath contiguous", "paged": "refmath paged",
+          "torch grouped": "torch grouped (best)", "torch enable_gqa": "torch enable_gqa"}
+
+
+def before_each(args):
+    """The untimed work before every timed call of peer ``name``: evict, then wake its pool."""
+    if args.evict_by == "stream_sum":
+        other = np.ones(int(args.evict_mib * 2**20) // 4, dtype=np.float32)
+        evict = (lambda: kernels.stream_sum(other)) if other.size else None
+    else:
+        evict = neutral_reader(args.evict_mib)
+    small = np.ones(2**16, np.float32)  # 256 KiB: wakes a pool, evicts nothing that matters
+    small_t = torch.from_numpy(small) if torch is not None else None
+
+    def before(name):
+        if evict is not None:
+            evict()
+        if args.pools == "awake":
+            if name in REFMATH_POOL:
+                kernels.stream_sum(small)
+            else:
+                small_t.sum()
+    return before
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not kernels.cpu_available():
@@ -97,15 +156,17 @@ def main(argv=None):
     if torch is not None:
         torch.set_num_threads(threads)
     print(machine_line(threads))
+    print(load_average())
     print(choose_vector_width(args.narrow))
-    bandwidth = read_bandwidth(args.probe_gib, args.repeats)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)" if torch is not None
+          else "torch is not installed: its columns are missing")
+    bandwidth = read_bandwidth(args.probe_gib, 3)
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s (refmath.kernels.stream_sum over "
-          f"{args.probe_gib:g} GiB, {threads} thread(s))")
+          f"{args.probe_gib:g} GiB, {threads} thread(s), best of 3)")
     h, g, d, p = args.heads, args.kv_heads, args.dim, args.page_size
     rng = np.random.default_rng(0)
-    other = np.ones(int(args.evict_mib * 2**20) // 4, dtype=np.float32)
-    evict = (lambda: kernels.stream_sum(other)) if other.size else None
-    rows = []
+    before = before_each(args)
+    rows, ratio_rows = [], []
     for t in args.contexts:
         q = rng.standard_normal((1, h, d)).astype(np.float32)
         k, v = (rng.standard_normal((1, g, t, d)).astype(np.float32) for _ in range(2))
@@ -116,32 +177,55 @@ def main(argv=None):
             "contiguous": lambda: kernels.decode(q, k, v, lengths),
             "paged": lambda: kernels.paged_decode(q, k_pages, v_pages, table, lengths),
         }
+        outputs = {"paged": lambda: peers["paged"]()}
         if torch is not None:
-            tq, tk, tv = torch.from_numpy(q)[:, :, None], torch.from_numpy(k), torch.from_numpy(v)
-            peers["torch"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-        ms = interleaved_best_ms(peers, args.repeats, median=args.median, before=evict)
+            tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+            tq_gqa = torch.from_numpy(q)[:, :, None]                    # (1, H, 1, D)
+            tq_grouped = torch.from_numpy(q).view(1, g, h // g, d)     # (1, G, H/G, D)
+            peers["torch grouped"] = lambda: F.scaled_dot_product_attention(tq_grouped, tk, tv)
+            peers["torch enable_gqa"] = lambda: F.scaled_dot_product_attention(
+                tq_gqa, tk, tv, enable_gqa=True)
+            outputs["torch grouped"] = lambda: peers["torch grouped"]().reshape(1, h, d).numpy()
+            outputs["torch enable_gqa"] = lambda: peers["torch enable_gqa"]()[:, :, 0].numpy()
+        ours = np.asarray(peers["contiguous"]())
+        worst = max(float(np.abs(np.asarray(f()) - ours).max()) for f in outputs.values())
+        if worst > 1e-4:
+            raise SystemExit(f"T={t}: the peers disagree with refmath's decode by {worst:.1e}")
+        times = rotated_times(peers, args.repeats, before=before)
+        ms = {name: median_min_ms(s) for name, s in times.items()}
         kv_bytes = k.nbytes + v.nbytes
-        ceiling = kv_bytes / (ms["read"] * 1e-3)
-        row = [t, f"{kv_bytes / 2**20:.0f}", f"{ceiling / 1e9:.1f}"]
-        for name in ("contiguous", "paged", "torch"):
-            if name not in ms:
-                row += ["-", "-", "-"]
-                continue
-            rate = kv_bytes / (ms[name] * 1e-3)
-            row += [f"{ms[name]:.2f}", f"{rate / 1e9:.1f}", f"{100 * rate / ceiling:.0f}%"]
-        row.append(f"{ms['contiguous'] / ms['paged']:.2f}")
-        row.append(f"{ms['torch'] / ms['contiguous']:.2f}" if "torch" in ms else "-")
-        rows.append(row)
-        print(f"  T={t} done", flush=True)
+        ceiling = kv_bytes / (ms["read"][0] * 1e-3)
+        for name, (med, low) in ms.items():
+            rate = kv_bytes / (med * 1e-3)
+            vs = "-" if name == "read" else f"{med / ms['contiguous'][0]:.2f} ({low / ms['contiguous'][1]:.2f})"
+            rows.append([t, LABELS[name], f"{med:.2f}", f"{low:.2f}", f"{rate / 1e9:.1f}",
+                         f"{100 * rate / ceiling:.0f}%", vs])
+        ratio = [t, f"{kv_bytes / 2**20:.0f}", f"{ms['paged'][0] / ms['contiguous'][0]:.2f}"]
+        for name in ("torch grouped", "torch enable_gqa"):
+            ratio.append(f"{ms[name][0] / ms['contiguous'][0]:.2f} ({ms[name][1] / ms['contiguous'][1]:.2f})"
+                         if name in ms else "-")
+        ratio_rows.append(ratio)
+        print(f"  T={t} done (largest difference from refmath's output {worst:.1e})", flush=True)
         del k, v, k_pages, v_pages
     print()
-    print_table(["T", "K+V MiB", "read GB/s", "refmath ms", "GB/s", "of bw", "paged ms", "GB/s",
-                 "of bw", "torch ms", "GB/s", "of bw", "paged vs contiguous", "speed vs torch"], rows,
+    evicted = (f"each after an untimed read of {args.evict_mib:g} MiB of other memory by "
+               + ("NumPy on one thread (neutral)" if args.evict_by == "numpy"
+                  else "refmath's stream_sum on its own threads (the old, non-neutral eviction)")
+               if args.evict_mib else "warm cache")
+    pools = ("each peer's thread pool woken by a tiny call of its own just before"
+             if args.pools == "awake" else "thread pools not woken")
+    print_table(["T", "peer", "median ms", "min ms", "GB/s", "of read", "time / refmath"], rows,
                 title=f"decode, B=1 H={h} G={g} D={d}, float32, page size {p}, {threads} thread(s); "
-                      "'of bw': of 'read GB/s', stream_sum over the same K and V in the same turns; "
-                      f"{'median' if args.median else 'best'} of {args.repeats} calls, "
-                      + (f"each after reading {args.evict_mib:g} MiB of other memory (cold cache)"
-                         if evict else "warm cache"))
+                      f"{args.repeats} calls per peer in rotating turns, {evicted}; {pools}. "
+                      "GB/s and 'of read' from the median; 'of read': of the stream_sum row (the "
+                      "same K and V, same turns); time / refmath: median (minimum) over refmath "
+                      "contiguous's")
+    print()
+    print_table(["T", "K+V MiB", "paged / contiguous", "torch grouped / refmath",
+                 "torch enable_gqa / refmath"], ratio_rows,
+                title="time ratios, median (minimum); above 1 refmath's contiguous decode is faster "
+                      "(torch grouped is torch at its best)")
+    print(load_average() + " at the end")
 
 
 if __name__ == "__main__":

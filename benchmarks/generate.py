@@ -1,69 +1,309 @@
-"""Tokens per second of `python -m refmath generate` for each decoder: recomputation against the KV
-cache on each backend (K2, K4).
+"""Greedy generation, tokens per second: refmath against transformers' generate on the same
+checkpoint, and both against the weight-streaming bound.
 
-Each decoder of `python -m refmath train`'s defaults (float32, random weights: the speed does not
-depend on training) continues a 1-token prompt by N greedy tokens three ways: recomputing the
-whole prefix at every step (`--no-cache`), and decoding with the KV cache with attention in NumPy
-or in the C++ kernels (`--backend cpu`). The table gives tokens per second (best of a few runs,
-interleaved) and each figure as a ratio to the recomputation. Nothing is asserted: the figures
-belong to the machine. At these widths (64) most of a decode step is the model's other matrix
-products and Python's cost per op; attention is a small share, so the two backends are close
-(the kernels run calls this small on one thread). On a busy machine, OPENBLAS_NUM_THREADS=1 keeps
-NumPy's matrix products from waiting for each other's threads.
+For each shape (--shapes), the script writes a checkpoint with random float32 weights
+(refmath.hf.save_checkpoint: the speed does not depend on training) into a temporary directory,
+loads that one directory into both sides (refmath.hf.load_checkpoint, and transformers'
+AutoModelForCausalLM.from_pretrained), and continues the same random --prompt-tokens prompt by
+--tokens greedy tokens on each:
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/generate.py --tokens 63
+* refmath: refmath.inference.generate.generate(..., greedy=True) with the KV cache, attention on
+  --backend (default cpu, the C++ decode kernels);
+* transformers: model.generate(do_sample=False) with its default cache and attention (SDPA),
+  under torch.inference_mode, no end-of-sequence stop (neither side stops early).
+
+The generated token ids must be identical (printed: yes, or the first position where they part).
+
+Shapes:
+* gpt2-124m: refmath.models.gpt.GPT_CONFIGS["gpt2-small"] (12 layers, width 768, vocab 50257,
+  tied head), written as transformers' gpt2;
+* llama-small: a Llama-shaped decoder of about the same size (12 layers, width 768, 12 query and
+  4 key/value heads, SwiGLU 2048, vocab 32000, untied head), written as transformers' llama.
+
+The bound. Decoding one token reads every weight once (the embedding tables: one row, unless the
+head reuses the table) and the whole KV cache so far, so a token cannot come faster than those
+bytes over the machine's read bandwidth. The script measures that bandwidth in the same run
+(refmath.kernels.stream_sum over --probe-gib, with the run's thread count) and prints each side's
+tokens/s as a fraction of the bound. Compute is not the bound at batch 1: 2 FLOPs per 4-byte weight.
+
+Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
+pools, torch.set_num_threads for torch) and printed. Timing: --repeats runs of each side in turns
+whose order alternates; tokens/s from the median run and from the fastest.
+
+Then, unless --no-self, the old table: refmath against itself on the tiny default models of
+`python -m refmath train` (recomputing every prefix, the KV cache in NumPy, in the C++ kernels).
+
+    python benchmarks/generate.py --quick                  # tiny shapes, seconds
+    python benchmarks/generate.py --threads 1 2            # GPT-2-124M and llama-small, 64 tokens
+    OPENBLAS_NUM_THREADS=1 python benchmarks/generate.py --threads 1
+
+Nothing is asserted: the figures belong to the machine (and its load, printed first and last).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
 
 import numpy as np
-from _common import interleaved_best_ms
+from _common import fmt_bytes, interleaved_best_ms, load_average
 
-from refmath import kernels, train
-from refmath.models import DECODER_ONLY, model_module
+from refmath import hf, kernels, train
 from refmath.data import make_task
 from refmath.inference.generate import generate
+from refmath.models import DECODER_ONLY, decoder, gpt, model_module
+
+SHAPES = {
+    "gpt2-124m": ("gpt", dataclasses.replace(gpt.GPT_CONFIGS["gpt2-small"], dropout=0.0)),
+    "llama-small": ("llama", decoder.DecoderConfig(
+        vocab_size=32000, max_seq_len=2048, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+        d_ff=2048, tie_embeddings=False, rope_layout="half", norm_eps=1e-5)),
+}
+QUICK_SHAPES = {
+    "gpt2-tiny": ("gpt", gpt.GPTConfig(vocab_size=512, max_seq_len=128, n_layers=2, d_model=64,
+                                        n_heads=4, d_ff=256, norm_position="pre",
+                                        tie_embeddings=True, gelu_approximate=True, dropout=0.0)),
+    "llama-tiny": ("llama", decoder.DecoderConfig(
+        vocab_size=512, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        d_ff=128, tie_embeddings=False, rope_layout="half", norm_eps=1e-5)),
+}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=63,
-                        help="tokens to generate (the default models hold 64 positions)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the best is shown)")
-    parser.add_argument("--models", nargs="+", choices=DECODER_ONLY,
-                        default=list(DECODER_ONLY))
+    parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens to generate")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="length of the random prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each side")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="thread counts to run at, on both sides (default: as started)")
+    parser.add_argument("--backend", choices=("numpy", "cpu"), default="cpu",
+                        help="refmath's attention over the KV cache")
+    parser.add_argument("--probe-gib", type=float, default=1.0,
+                        help="size of the read-bandwidth probe")
+    parser.add_argument("--no-self", action="store_true",
+                        help="skip the old table (refmath against itself on the tiny models)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run of seconds: tiny shapes, 16 tokens, 2 repeats")
     args = parser.parse_args(argv)
-    if args.tokens < 1 or args.repeats < 1:
-        parser.error("--tokens and --repeats must be positive")
+    if args.quick:
+        args.tokens, args.repeats, args.probe_gib = 16, 2, 0.25
+    if args.tokens < 1 or args.repeats < 1 or args.prompt_tokens < 1:
+        parser.error("--tokens, --prompt-tokens and --repeats must be positive")
+    if args.threads and min(args.threads) < 1:
+        parser.error("--threads must be positive")
     return args
+
+
+# ---- the bound -------------------------------------------------------------------------------------
+
+def read_bandwidth(gib: float) -> float:
+    """Bytes per second of a streaming read with the current OpenMP threads (best of 3)."""
+    x = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    kernels.stream_sum(x)
+    best = min(_seconds(lambda: kernels.stream_sum(x)) for _ in range(3))
+    return x.nbytes / best
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bytes_read(model: str, config, params: dict, prompt: int, tokens: int) -> tuple[int, int]:
+    """``(weight bytes per token, KV bytes over the whole run)``. Every weight is read once per
+    token, except the embedding tables, of which a token reads one row (the tied head reads the
+    whole token table). The KV read at the j-th forward pass covers prompt + j positions."""
+    row = {name: params[name].nbytes // params[name].shape[0] for name in ("tok_emb", "pos_emb")
+           if name in params}
+    weights = sum(v.nbytes for v in params.values())
+    for name, one in row.items():
+        if not (name == "tok_emb" and config.tie_embeddings):
+            weights += one - params[name].nbytes
+    if model == "gpt":
+        per_position = 2 * config.n_layers * config.n_heads * config.head_dim * 4
+    else:
+        per_position = 2 * config.n_layers * config.kv_heads * config.d_h * 4
+    positions = tokens * prompt + tokens * (tokens - 1) // 2
+    return weights, per_position * positions
+
+
+# ---- the two sides ----------------------------------------------------------------------------------
+
+def load_both(model: str, config, directory):
+    """The one checkpoint, loaded by refmath and by transformers."""
+    import torch
+    import transformers
+
+    name, r_config, r_params = hf.load_checkpoint(directory)
+    if name != model:
+        raise SystemExit(f"the checkpoint loaded as {name!r}, expected {model!r}")
+    t_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return r_config, r_params, t_model
+
+
+def sides(model, config, params, t_model, prompt, tokens, backend):
+    import torch
+    import transformers
+
+    ids = torch.from_numpy(prompt[None].astype(np.int64))
+    mask = torch.ones_like(ids)
+    # no end-of-sequence token: both sides generate exactly `tokens`, and nobody's logits are edited
+    generation = transformers.GenerationConfig(max_new_tokens=tokens, do_sample=False, num_beams=1,
+                                               pad_token_id=0, eos_token_id=None)
+    t_model.generation_config = generation
+
+    def ours():
+        return generate(model, params, config, prompt, tokens, greedy=True, backend=backend)[-tokens:]
+
+    def theirs():
+        with torch.inference_mode():
+            out = t_model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
+        return out[0, -tokens:].numpy()
+    return {"refmath": ours, "transformers": theirs}
+
+
+def time_sides(fns: dict, repeats: int) -> dict:
+    """Seconds of each run per side, the two taking turns in alternating order."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(_seconds(fns[name]))
+    return times
+
+
+def limit_threads(n: int):
+    """Both sides on ``n`` threads: NumPy's BLAS and every OpenMP pool (threadpoolctl), torch."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    limiter = threadpool_limits(limits=n)
+    torch.set_num_threads(n)
+    return limiter
+
+
+def thread_line() -> str:
+    import torch
+    from threadpoolctl import threadpool_info
+
+    blas = [p["num_threads"] for p in threadpool_info() if p.get("user_api") == "blas"]
+    return (f"threads: NumPy BLAS {blas[0] if blas else '?'}, refmath kernels "
+            f"{kernels.cpu_threads()}, torch {torch.get_num_threads()}")
+
+
+def run_shape(label: str, model: str, config, args, rows: list, bandwidths: dict) -> None:
+    rng = np.random.default_rng(0)
+    params = model_module(model).init_params(config, seed=0, dtype=np.float32)
+    prompt = rng.integers(0, config.vocab_size, args.prompt_tokens)
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_checkpoint(directory, model, config, params)
+        del params
+        r_config, r_params, t_model = load_both(model, config, directory)
+    n_params = sum(v.size for v in r_params.values())
+    weights, kv = bytes_read(model, r_config, r_params, args.prompt_tokens, args.tokens)
+    fns = sides(model, r_config, r_params, t_model, prompt, args.tokens, args.backend)
+    ours, theirs = fns["refmath"](), fns["transformers"]()  # also the warm-up
+    same = np.array_equal(ours, theirs)
+    parted = "yes" if same else f"no (from token {int(np.argmax(ours != theirs))})"
+    print(f"{label}: {n_params:,} parameters; {fmt_bytes(weights)} of weights read per token, "
+          f"{fmt_bytes(kv // args.tokens)} of KV per token on average; identical ids: {parted}",
+          flush=True)
+    for threads in args.threads or [None]:
+        limiter = limit_threads(threads) if threads else None
+        try:
+            if threads not in bandwidths:
+                bandwidths[threads] = read_bandwidth(args.probe_gib)
+            bandwidth = bandwidths[threads]
+            print(f"  {thread_line()}; read bandwidth {bandwidth / 1e9:.1f} GB/s; {load_average()}",
+                  flush=True)
+            times = time_sides(fns, args.repeats)
+        finally:
+            if limiter is not None:
+                limiter.restore_original_limits()
+        bound = args.tokens * bandwidth / (args.tokens * weights + kv)  # tokens/s at the bound
+        med = {name: args.tokens / statistics.median(t) for name, t in times.items()}
+        best = {name: args.tokens / min(t) for name, t in times.items()}
+        rows.append([label, threads or kernels.cpu_threads(),
+                     f"{med['refmath']:.1f} ({best['refmath']:.1f})",
+                     f"{med['transformers']:.1f} ({best['transformers']:.1f})",
+                     f"{med['refmath'] / med['transformers']:.2f} "
+                     f"({best['refmath'] / best['transformers']:.2f})",
+                     "yes" if same else "no", f"{bound:.1f}",
+                     f"{100 * med['refmath'] / bound:.0f}%", f"{100 * med['transformers'] / bound:.0f}%"])
+
+
+def print_table(headers, rows, title):
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def self_comparison(tokens: int, repeats: int) -> None:
+    """The old table: refmath's generate against itself on the tiny default models."""
+    ways = {"recompute": dict(cache=False), "cache numpy": dict(backend="numpy")}
+    if kernels.cpu_available():
+        ways["cache cpu"] = dict(backend="cpu")
+    print(f"\nrefmath against itself (no external peer), the default models of `python -m refmath "
+          f"train`: {tokens} greedy tokens from a 1-token prompt, tokens/s (x recompute), best of "
+          f"{repeats}")
+    print(f"{'model':<8}" + "".join(f"{way:>22}" for way in ways))
+    for name in DECODER_ONLY:
+        task = make_task(train.recipe(name).task)
+        config = train.default_config(name, task)
+        params = model_module(name).init_params(config, 0, dtype=np.float32)
+        n = min(tokens, config.max_seq_len - 1)
+
+        def run(options):
+            return lambda: generate(name, params, config, np.array([1]), n, greedy=True, **options)
+
+        times = interleaved_best_ms({way: run(o) for way, o in ways.items()}, repeats=repeats)
+        base = times["recompute"]
+        print(f"{name:<8}" + "".join(f"{1e3 * n / times[way]:>12.0f} ({base / times[way]:4.1f}x)"
+                                     .rjust(22) for way in ways))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ways = {"recompute": dict(cache=False), "cache numpy": dict(backend="numpy")}
-    if kernels.cpu_available():
-        ways["cache cpu"] = dict(backend="cpu")
-    if kernels.cuda_available():
-        ways["cache cuda"] = dict(backend="cuda")
-    print(f"{args.tokens} greedy tokens from a 1-token prompt, float32, tokens/s (x recompute)")
-    print(f"{'model':<8}" + "".join(f"{way:>22}" for way in ways))
-    for name in args.models:
-        task = make_task(train.recipe(name).task)
-        config = train.default_config(name, task)
-        params = model_module(name).init_params(config, 0, dtype=np.float32)
-
-        def run(options):
-            return lambda: generate(name, params, config, np.array([1]), args.tokens, greedy=True,
-                                    **options)
-
-        timed = {way: run(options) for way, options in ways.items()}
-        times = interleaved_best_ms(timed, repeats=args.repeats)
-        base = times["recompute"]
-        cells = [f"{1e3 * args.tokens / times[way]:>12.0f} ({base / times[way]:4.1f}x)"
-                 if way in times else f"{'-':>22}" for way in ways]
-        print(f"{name:<8}" + "".join(f"{cell:>22}" for cell in cells))
+    try:
+        import threadpoolctl  # noqa: F401
+        import torch
+        import transformers
+    except ImportError as error:
+        raise SystemExit(f"this benchmark compares with transformers: {error} "
+                         "(pip install -e '.[oracle,hf]' transformers threadpoolctl)")
+    transformers.logging.set_verbosity_error()  # random weights: no warnings about special tokens
+    transformers.utils.logging.disable_progress_bar()
+    if not kernels.cpu_available() and args.backend == "cpu":
+        raise SystemExit("refmath._C is not built: run pip install -e . first, or --backend numpy")
+    print(f"{os.cpu_count()} CPUs; {load_average()}; refmath's CPU kernels: "
+          f"{kernels.cpu_vector_lanes()} float32 lanes; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; {thread_line()}")
+    print(f"{args.tokens} greedy tokens after a {args.prompt_tokens}-token random prompt, float32, "
+          f"batch 1, refmath attention on {args.backend}")
+    shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
+    rows, bandwidths = [], {}
+    for label, (model, config) in shapes.items():
+        run_shape(label, model, config, args, rows, bandwidths)
+    print()
+    print_table(["shape", "threads", "refmath tok/s", "transformers tok/s", "refmath / transformers",
+                 "same ids", "bound tok/s", "refmath of bound", "transformers of bound"], rows,
+                title=f"tokens/s from the median run (from the fastest), {args.repeats} runs per "
+                      "side in alternating turns; bound: bandwidth / (weights + KV read per token); "
+                      "'of bound' from the medians")
+    if not args.no_self:
+        self_comparison(min(args.tokens, 63), max(2, args.repeats))
+    print(load_average() + " at the end")
     return 0
 
 

@@ -10,10 +10,18 @@ Run from the repository root::
 
     python benchmarks/train_step.py                  # d=256, L=4, T=256, B=8, vocab 256
     python benchmarks/train_step.py --models gpt --repeats 10 --d-model 128
+    python benchmarks/train_step.py --quick          # small sizes, a few steps (seconds)
 
 Timings are printed, never asserted. Each step is timed per phase (forward, backward, optimiser
-step); every figure is the median over ``--repeats`` steps after ``--warmup`` untimed ones, with
-the two implementations taking turns. The thread count is the same on both sides, but only the
+step); every figure is the median over ``--repeats`` steps after ``--warmup`` untimed ones (the
+minimum beside it), with the two implementations taking turns in an order that alternates.
+
+The optimiser peer is torch at its best. torch.optim.AdamW's default on the CPU is a Python loop
+over the tensors, one small kernel each; ``foreach=True`` updates them in batches and
+``fused=True`` in one fused kernel. Before the steps, the script times one optimiser step alone
+for refmath's AdamW and the three torch forms on the same gradients (rotating turns, median and
+minimum), prints all of them, and the whole-step comparison then uses the fastest torch form
+(``--torch-optimizer`` picks one instead). The thread count is the same on both sides, but only the
 matrix products use it in NumPy (its elementwise operations run on one thread), while torch spreads
 every operation over its threads: ``--threads 1`` compares the arithmetic alone. On a machine that
 other processes keep busy, ``--threads 1 --clock cpu`` (CPU time instead of elapsed time) gives
@@ -247,7 +255,8 @@ def check_same_function(module, config, params, P, batch, torch_loss) -> str:
 
 
 def time_steps(steps: dict, warmup: int, repeats: int) -> dict:
-    """Median seconds of each phase and of the whole step, per implementation.
+    """Median seconds of each phase and of the whole step (and the fastest step), per
+    implementation.
 
     ``steps`` maps a name to a function that runs one step and returns its phase times. The
     implementations take turns step by step, so that a change in the machine's load (other
@@ -257,13 +266,16 @@ def time_steps(steps: dict, warmup: int, repeats: int) -> dict:
         for step in steps.values():
             step()
     runs = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            runs[name].append(step())
+    names = list(steps)
+    for r in range(repeats):
+        shift = r % len(names)  # the order rotates: nobody always runs first
+        for name in names[shift:] + names[:shift]:
+            runs[name].append(steps[name]())
     medians = {}
     for name, phases in runs.items():
         medians[name] = {phase: statistics.median(r[i] for r in phases) for i, phase in enumerate(PHASES)}
         medians[name]["step"] = statistics.median(sum(r) for r in phases)
+        medians[name]["step min"] = min(sum(r) for r in phases)
     return medians
 
 
@@ -295,11 +307,53 @@ def torch_step(torch_loss, P, batch, optimizer, clock):
     return step
 
 
-def torch_adamw(P: dict):
-    """torch's AdamW with refmath's decay rule (matrices decay; biases, norms, embeddings do not)."""
+TORCH_ADAMW_FORMS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def torch_adamw(P: dict, form: str = "default"):
+    """torch's AdamW with refmath's decay rule (matrices decay; biases, norms, embeddings do not),
+    in one of its implementations: ``default`` (a loop over the tensors on the CPU), ``foreach``
+    (batched over the tensors), ``fused`` (one fused kernel)."""
     groups = [{"params": [t for n, t in P.items() if takes_weight_decay(n)], "weight_decay": WEIGHT_DECAY},
               {"params": [t for n, t in P.items() if not takes_weight_decay(n)], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR)
+    return torch.optim.AdamW(groups, lr=LR, **TORCH_ADAMW_FORMS[form])
+
+
+def time_optimizers(module, config, params, batch, torch_loss, clock, args) -> dict:
+    """Seconds of one AdamW step alone, ``{name: [s, ...]}``: refmath's and each torch form, on
+    copies of the same parameters with the same gradients, in rotating turns."""
+    _, cache = module.forward(params, batch, config, train=True)
+    grads = module.backward(cache)
+    del cache
+    ours = {n: v.copy() for n, v in params.items()}
+    P = to_torch(params)
+    torch_loss(P, torch.from_numpy(batch["tokens"]), torch.from_numpy(batch["targets"])).backward()
+    forms = {}
+    for form in TORCH_ADAMW_FORMS:
+        copy = {n: t.detach().clone().requires_grad_(True) for n, t in P.items()}
+        for n, t in copy.items():
+            t.grad = P[n].grad.clone()
+        forms[form] = torch_adamw(copy, form)
+    optimizer = AdamW(LR, weight_decay=WEIGHT_DECAY)
+
+    def timed(step):
+        def run():
+            t0 = clock()
+            step()
+            return clock() - t0
+        return run
+    steps = {"refmath": timed(lambda: optimizer.step(ours, grads))}
+    steps.update({f"torch {form}": timed(opt.step) for form, opt in forms.items()})
+    names = list(steps)
+    for _ in range(max(1, args.warmup)):
+        for step in steps.values():
+            step()
+    runs = {name: [] for name in names}
+    for r in range(args.repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            runs[name].append(steps[name]())
+    return runs
 
 
 def run_model(model: str, args) -> dict:
@@ -313,18 +367,38 @@ def run_model(model: str, args) -> dict:
     print(f"\n{describe}; {n_params:,} parameters")
     print("  " + check_same_function(module, config, params, P, batch, torch_loss))
     clock = CLOCKS[args.clock]
+    runs = time_optimizers(module, config, params, batch, torch_loss, clock, args)
+    ms = {name: (1e3 * statistics.median(r), 1e3 * min(r)) for name, r in runs.items()}
+    print(f"  AdamW step alone, {args.repeats} rotating turns: " + "; ".join(
+        f"{name} {med:.2f} ms (min {low:.2f})" for name, (med, low) in ms.items()))
+    forms = {form: ms[f"torch {form}"][0] for form in TORCH_ADAMW_FORMS}
+    form = args.torch_optimizer or min(forms, key=forms.get)
+    print(f"  refmath / torch: {ms['refmath'][0] / forms['default']:.2f}x the default's time, "
+          f"{ms['refmath'][0] / forms['foreach']:.2f}x foreach's, "
+          f"{ms['refmath'][0] / forms['fused']:.2f}x fused's (medians); the steps below use torch "
+          f"{form}" + ("" if args.torch_optimizer else " (the fastest)"))
     steps = {"ours": refmath_step(module, config, params, batch, AdamW(LR, weight_decay=WEIGHT_DECAY),
                                   clock),
-             "theirs": torch_step(torch_loss, P, batch, torch_adamw(P), clock)}
-    return time_steps(steps, args.warmup, args.repeats)
+             "theirs": torch_step(torch_loss, P, batch, torch_adamw(P, form), clock)}
+    result = time_steps(steps, args.warmup, args.repeats)
+    result["optimizers"] = ms
+    result["torch form"] = form
+    return result
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'model':<9} {'phase':<10} {'refmath ms':>11} {'torch ms':>9} {'refmath/torch':>14}")
+    print("\nmedians (the fastest step beside the median step); refmath/torch above 1: torch is "
+          "faster; torch's optimiser is the form named after the model")
+    print(f"{'model':<17} {'phase':<13} {'refmath ms':>11} {'torch ms':>9} {'refmath/torch':>14}")
     for model, r in results.items():
-        for phase in PHASES + ("step",):
+        label = f"{model} ({r['torch form']})"
+        for phase in PHASES + ("step", "step min"):
             ours, theirs = 1e3 * r["ours"][phase], 1e3 * r["theirs"][phase]
-            print(f"{model:<9} {phase:<10} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>13.2f}x")
+            print(f"{label:<17} {phase:<13} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>13.2f}x")
+        opt = r["optimizers"]
+        for form in TORCH_ADAMW_FORMS:
+            ours, theirs = opt["refmath"][0], opt[f"torch {form}"][0]
+            print(f"{label:<17} {'AdamW ' + form:<13} {ours:>11.2f} {theirs:>9.2f} {ours / theirs:>13.2f}x")
 
 
 def parse_args(argv=None):
@@ -357,9 +431,17 @@ def parse_args(argv=None):
     parser.add_argument("--torch-attention", choices=("sdpa", "explicit"), default="sdpa",
                         help="torch side: F.scaled_dot_product_attention (default) or an explicit "
                              "masked softmax like refmath's")
+    parser.add_argument("--torch-optimizer", choices=tuple(TORCH_ADAMW_FORMS), default=None,
+                        help="torch's AdamW form in the whole steps (default: the fastest of "
+                             "default, foreach and fused in the optimiser-alone timing)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run of seconds: d=64, L=2, T=64, B=2, 1 warmup, 3 repeats")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc thresholds as they are (see refmath.malloc)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.d_model, args.n_layers, args.seq_len, args.batch = 64, 2, 64, 2
+        args.warmup, args.repeats = 1, 3
     for name in ("d_model", "n_layers", "heads", "kv_heads", "seq_len", "batch", "vocab", "repeats",
                  "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -380,6 +462,8 @@ def main(argv=None) -> None:
     threads, blas = blas_info()
     torch.set_num_threads(threads)
     print(f"NumPy {np.__version__} ({blas}); torch {torch.__version__} with {threads} threads")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print(f"load average {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on {os.cpu_count()} CPUs")
     # Both sides allocate through malloc in this one process; keeping freed blocks (as python -m
     # refmath train does) spares NumPy a page fault per 4 KiB of every large temporary.
     if not args.default_malloc:
