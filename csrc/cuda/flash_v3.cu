@@ -31,7 +31,13 @@
 //   B (16 x 8, k x n), 2 registers: b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]
 //   C, D (16 x 8, fp32), 4 floats: c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
 // The lower-numbered column of a pair sits in the low 16 bits of its register.
+//
+// The math on those fragments, which v4 reuses as it stands (the mma, the mask, the online
+// softmax, P as the next A operand, the NaN-safe P V), is written once in flash_mma_math.cuh; this
+// file keeps what is v3's own: the tiles' loads and the fragments built from them, the loop, the
+// output.
 #include "flash_forward.cuh"
+#include "flash_mma_math.cuh"
 
 namespace refmath_cuda {
 namespace {
@@ -41,48 +47,6 @@ constexpr int kThreadsV3 = kWarpsV3 * kWarpSize;
 constexpr int kBlockQV3 = kWarpsV3 * 16;  // 64 query rows per block, 16 per warp
 constexpr int kBlockKV3 = 64;             // keys per tile
 constexpr int kPadV3 = 8;                 // elements (16 bytes) of padding per shared row
-
-template <typename T> struct MmaType;
-template <> struct MmaType<__half> {
-    static __device__ std::uint32_t pack(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);  // .x (lo) in the low 16 bits
-        return *reinterpret_cast<std::uint32_t*>(&h);
-    }
-};
-template <> struct MmaType<__nv_bfloat16> {
-    static __device__ std::uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<std::uint32_t*>(&h);
-    }
-};
-
-// d += a b for one 16 x 16 by 16 x 8 product, fp32 accumulation.
-// m16n8k16 needs code compiled for compute capability 8.0 or newer. A build for an older target
-// (REFMATH_CUDA_ARCH=75) still compiles, with a body that traps: the launcher refuses to run such
-// code (check_compiled_for), and should it run anyway the kernel fails loudly rather than return
-// the garbage of a product never computed.
-__device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                 std::uint32_t b1, __half) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("trap;");
-#endif
-}
-__device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                 std::uint32_t b1, __nv_bfloat16) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("trap;");
-#endif
-}
 
 // Two consecutive 16-bit elements of a shared row as one register (the address must be even).
 template <typename T>
@@ -95,15 +59,6 @@ __device__ inline std::uint32_t load_column_pair(const T* p, int stride) {
     const std::uint32_t lo = *reinterpret_cast<const std::uint16_t*>(p);
     const std::uint32_t hi = *reinterpret_cast<const std::uint16_t*>(p + stride);
     return lo | (hi << 16);
-}
-
-// Whether either 16-bit element of a register is infinite or NaN (every exponent bit set).
-template <typename T> __device__ inline bool nonfinite_pair(std::uint32_t w);
-template <> __device__ inline bool nonfinite_pair<__half>(std::uint32_t w) {
-    return (w & 0x7C00u) == 0x7C00u || (w & 0x7C000000u) == 0x7C000000u;
-}
-template <> __device__ inline bool nonfinite_pair<__nv_bfloat16>(std::uint32_t w) {
-    return (w & 0x7F80u) == 0x7F80u || (w & 0x7F800000u) == 0x7F800000u;
 }
 
 // Copy rows [r0, r0 + 64) of a (rows, D) matrix into a padded shared tile; rows >= r_end are zero.
@@ -205,78 +160,19 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const bool whole_tile = w0 < w1 && j0 + kBlockKV3 <= hi && band.visible(w0, j_last) &&
                                 band.visible(w1 - 1, j0) && band.visible(w0, j0) &&
                                 band.visible(w1 - 1, j_last);
-#pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] *= scale_log2;
-                if (!whole_tile) {
-                    const int i = rows[e / 2], j = j0 + nt * 8 + 2 * t + (e % 2);
-                    if (i >= q1 || j >= hi || !band.visible(i, j)) s[nt][e] = -INFINITY;
-                }
-            }
+        scale_and_mask(s, scale_log2, whole_tile, band, rows, q1, j0, hi, t);
 
-        // Online softmax (F3) for the two rows of this thread; the 4 threads of a row are the
-        // lanes 4g .. 4g + 3, so xor-shuffles by 1 and 2 reduce over the row.
+        // Online softmax (F3) on the accumulator fragments: two shuffles per row maximum, P in place
+        // of S, then u rescaled.
         float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float tile_max = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt)  // nan_max: a NaN score makes the row NaN
-                tile_max = nan_max(tile_max, nan_max(s[nt][2 * r], s[nt][2 * r + 1]));
-            tile_max = nan_max(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = nan_max(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float m_new = nan_max(m[r], tile_max);
-            // While a row has seen nothing (m_new = -inf) use 0 as its reference: every
-            // exponential below is then exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
-            const float ref = m_new == -INFINITY ? 0.0f : m_new;
-            correction[r] = exp2f(m[r] - ref);
-            float row_sum = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt) {
-                s[nt][2 * r] = exp2f(s[nt][2 * r] - ref);
-                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - ref);
-                row_sum += s[nt][2 * r] + s[nt][2 * r + 1];
-            }
-            // l is kept per thread (its 16 columns of the row) and summed over the 4 at the end.
-            l[r] = l[r] * correction[r] + row_sum;
-            m[r] = m_new;
-        }
-#pragma unroll
-        for (int dn = 0; dn < kDimTiles; ++dn) {
-            acc[dn][0] *= correction[0];
-            acc[dn][1] *= correction[0];
-            acc[dn][2] *= correction[1];
-            acc[dn][3] *= correction[1];
-        }
+        online_softmax(s, m, l, correction);
+        rescale(acc, correction);
 
         if (only_visible) {  // block-uniform: the barrier below is reached by every thread or none
-            // The rare path: P (rounded to T, as the mma would see it) goes to shared memory, in
-            // k_s's place, and each thread sums its accumulator entries over the visible keys.
+            // The rare path: P goes to shared memory, in k_s's place, and each thread sums its
+            // accumulator entries over the visible keys.
             __syncthreads();  // every warp is done reading k_s
-            T* p_s = k_s;     // [64 rows][kStride]: row 16 warp + g (+ 8) holds this thread's rows
-#pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    p_s[(warp * 16 + g + 8 * (e / 2)) * kStride + nt * 8 + 2 * t + (e % 2)] =
-                        from_float<T>(s[nt][e]);
-            __syncwarp();  // each warp reads back its own 16 rows only
-#pragma unroll
-            for (int dn = 0; dn < kDimTiles; ++dn)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = rows[e / 2], c = dn * 8 + 2 * t + (e % 2);
-                    const T* p_row = p_s + (warp * 16 + g + 8 * (e / 2)) * kStride;
-                    float sum = 0.0f;
-                    for (int jj = 0; jj < kBlockKV3; ++jj) {
-                        const int j = j0 + jj;
-                        if (i < q1 && j < hi && band.visible(i, j))
-                            sum += to_float(p_row[jj]) * to_float(v_s[jj * kStride + c]);
-                    }
-                    acc[dn][e] += sum;
-                }
+            pv_visible_only<T, kStride>(acc, s, k_s, v_s, band, rows, q1, j0, hi, warp, g, t);
             continue;
         }
 
@@ -285,10 +181,7 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
         for (int kk = 0; kk < kKeyChunks; ++kk) {
             std::uint32_t pa[4];
-            pa[0] = MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            p_operand<T>(pa, s, kk);
             const T* v_rows = v_s + (kk * 16 + 2 * t) * kStride + g;  // B[k = key][n = d] = V[key][d]
 #pragma unroll
             for (int dn = 0; dn < kDimTiles; ++dn) {
@@ -300,11 +193,7 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     }
 
     // F1. Sum l over the 4 threads of each row, then o = u / l; lse = (m + log2 l) ln 2.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
+    sum_row_threads(l);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = rows[r];
@@ -314,7 +203,7 @@ flash_v3_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         T* o_row = o + row * D;
 #pragma unroll
         for (int dn = 0; dn < kDimTiles; ++dn) {
-            const std::uint32_t pair = MmaType<T>::pack(acc[dn][2 * r] * inv_l, acc[dn][2 * r + 1] * inv_l);
+            const std::uint32_t pair = pack_pair<T>(acc[dn][2 * r] * inv_l, acc[dn][2 * r + 1] * inv_l);
             *reinterpret_cast<std::uint32_t*>(o_row + dn * 8 + 2 * t) = pair;
         }
         if (t == 0) lse[row] = l[r] != 0.0f ? (m[r] + log2f(l[r])) * 0.69314718055994531f : -INFINITY;

@@ -3,7 +3,8 @@
 // Inputs fp16 or bf16, products accumulated in fp32, softmax statistics in fp32; D = 64 or 128.
 // The arithmetic (the mma.m16n8k16 products, the online softmax on the accumulator fragments, P
 // kept in registers as the next A operand, exponentials in base 2, the unmasked fast path and the
-// NaN rules) is v3's, line for line. What changes is how the operands reach the tensor cores.
+// NaN rules) is v3's, the same functions of flash_mma_math.cuh. What changes is how the operands
+// reach the tensor cores.
 //
 // What changes from v3, and why it is faster:
 //
@@ -37,6 +38,7 @@
 // Needs compute capability 8.0 (cp.async, mma.m16n8k16; ldmatrix is 7.5). A build for an older
 // target compiles with bodies that trap, and the launcher refuses such code (check_compiled_for).
 #include "flash_forward.cuh"
+#include "flash_mma_math.cuh"
 #include "mma_layout.h"
 
 namespace refmath_cuda {
@@ -53,44 +55,6 @@ using v4::kWarps;
 #else
 #define REFMATH_V4_HAS_SM80 0
 #endif
-
-template <typename T> struct Pack;
-template <> struct Pack<__half> {
-    static __device__ std::uint32_t two(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);  // .x (lo) in the low 16 bits
-        return *reinterpret_cast<std::uint32_t*>(&h);
-    }
-};
-template <> struct Pack<__nv_bfloat16> {
-    static __device__ std::uint32_t two(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<std::uint32_t*>(&h);
-    }
-};
-
-// d += a b, one m16n8k16 product with fp32 accumulation (v3's mma_16816).
-__device__ inline void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                           std::uint32_t b1, __half) {
-#if REFMATH_V4_HAS_SM80
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("trap;");
-#endif
-}
-__device__ inline void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                           std::uint32_t b1, __nv_bfloat16) {
-#if REFMATH_V4_HAS_SM80
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("trap;");
-#endif
-}
 
 __device__ inline std::uint32_t shared_address(const void* p) {
     return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
@@ -143,15 +107,6 @@ __device__ inline void copy_wait() {
 #if REFMATH_V4_HAS_SM80
     asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
 #endif
-}
-
-// Whether either 16-bit element of a register is infinite or NaN (every exponent bit set).
-template <typename T> __device__ inline bool nonfinite_pair(std::uint32_t w);
-template <> __device__ inline bool nonfinite_pair<__half>(std::uint32_t w) {
-    return (w & 0x7C00u) == 0x7C00u || (w & 0x7C000000u) == 0x7C000000u;
-}
-template <> __device__ inline bool nonfinite_pair<__nv_bfloat16>(std::uint32_t w) {
-    return (w & 0x7F80u) == 0x7F80u || (w & 0x7F800000u) == 0x7F800000u;
 }
 
 // Request rows [r0, r0 + rows) of a (?, D) matrix into a padded shared tile (rows >= r_end: zeros).
@@ -288,8 +243,8 @@ flash_v4_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             for (int kc = 0; kc < kDChunks; kc += 2) {
                 std::uint32_t kb[4];  // b0, b1 of k-step kc, then of kc + 1
                 ldmatrix_x4(kb, k_rows + kc * 16);
-                mma(s[nt], qa[kc], kb[0], kb[1], T());
-                mma(s[nt], qa[kc + 1], kb[2], kb[3], T());
+                mma_16816(s[nt], qa[kc], kb[0], kb[1], T());
+                mma_16816(s[nt], qa[kc + 1], kb[2], kb[3], T());
             }
         }
 
@@ -298,74 +253,18 @@ flash_v4_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const bool whole_tile = w0 < w1 && j0 + kBlockK <= hi && band.visible(w0, j_last) &&
                                 band.visible(w1 - 1, j0) && band.visible(w0, j0) &&
                                 band.visible(w1 - 1, j_last);
-#pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] *= scale_log2;
-                if (!whole_tile) {
-                    const int i = rows[e / 2], j = j0 + nt * 8 + 2 * t + (e % 2);
-                    if (i >= q1 || j >= hi || !band.visible(i, j)) s[nt][e] = -INFINITY;
-                }
-            }
+        scale_and_mask(s, scale_log2, whole_tile, band, rows, q1, j0, hi, t);
 
         // Online softmax (F3) for the two rows of this thread (as v3).
         float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float tile_max = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt)
-                tile_max = nan_max(tile_max, nan_max(s[nt][2 * r], s[nt][2 * r + 1]));
-            tile_max = nan_max(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = nan_max(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float m_new = nan_max(m[r], tile_max);
-            const float ref = m_new == -INFINITY ? 0.0f : m_new;
-            correction[r] = exp2f(m[r] - ref);
-            float row_sum = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt) {
-                s[nt][2 * r] = exp2f(s[nt][2 * r] - ref);
-                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - ref);
-                row_sum += s[nt][2 * r] + s[nt][2 * r + 1];
-            }
-            l[r] = l[r] * correction[r] + row_sum;
-            m[r] = m_new;
-        }
-#pragma unroll
-        for (int dn = 0; dn < kDimTiles; ++dn) {
-            acc[dn][0] *= correction[0];
-            acc[dn][1] *= correction[0];
-            acc[dn][2] *= correction[1];
-            acc[dn][3] *= correction[1];
-        }
+        online_softmax(s, m, l, correction);
+        rescale(acc, correction);
 
         if (only_visible) {  // block-uniform: the barrier below is reached by every thread or none
             // The rare path (v3's): P, rounded to T, goes to shared memory in this stage's K
             // buffer, and each thread sums its accumulator entries over the visible keys.
             __syncthreads();  // every warp is done reading k_s
-            T* p_s = k_s;
-#pragma unroll
-            for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    p_s[(warp * 16 + g + 8 * (e / 2)) * kStride + nt * 8 + 2 * t + (e % 2)] =
-                        from_float<T>(s[nt][e]);
-            __syncwarp();  // each warp reads back its own 16 rows only
-#pragma unroll
-            for (int dn = 0; dn < kDimTiles; ++dn)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = rows[e / 2], c = dn * 8 + 2 * t + (e % 2);
-                    const T* p_row = p_s + (warp * 16 + g + 8 * (e / 2)) * kStride;
-                    float sum = 0.0f;
-                    for (int jj = 0; jj < kBlockK; ++jj) {
-                        const int j = j0 + jj;
-                        if (i < q1 && j < hi && band.visible(i, j))
-                            sum += to_float(p_row[jj]) * to_float(v_s[jj * kStride + c]);
-                    }
-                    acc[dn][e] += sum;
-                }
+            pv_visible_only<T, kStride>(acc, s, k_s, v_s, band, rows, q1, j0, hi, warp, g, t);
             continue;
         }
 
@@ -373,27 +272,20 @@ flash_v4_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
         for (int kk = 0; kk < kKeyChunks; ++kk) {
             std::uint32_t pa[4];
-            pa[0] = Pack<T>::two(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = Pack<T>::two(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            p_operand<T>(pa, s, kk);
             const T* v_rows = v_s + (kk * 16 + v_at.row) * kStride + v_at.col;
 #pragma unroll
             for (int dn = 0; dn < kDimTiles; dn += 2) {
                 std::uint32_t vb[4];  // b0, b1 of n-tile dn, then of dn + 1
                 ldmatrix_x4_trans(vb, v_rows + dn * 8);
-                mma(acc[dn], pa, vb[0], vb[1], T());
-                mma(acc[dn + 1], pa, vb[2], vb[3], T());
+                mma_16816(acc[dn], pa, vb[0], vb[1], T());
+                mma_16816(acc[dn + 1], pa, vb[2], vb[3], T());
             }
         }
     }
 
     // F1. Sum l over the 4 threads of each row, then o = u / l; lse = (m + log2 l) ln 2.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
+    sum_row_threads(l);
     const float inv_l[2] = {l[0] != 0.0f ? 1.0f / l[0] : 0.0f, l[1] != 0.0f ? 1.0f / l[1] : 0.0f};
     // The output tile goes through stage 0's K buffer, 16 rows per warp. Other warps may still be
     // reading it (their last tile), hence the barrier; no copy is in flight any more.
@@ -405,7 +297,7 @@ flash_v4_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int r = 0; r < 2; ++r) {
             const v4::RowCol at = v4::c_fragment(lane, 2 * r);
             *reinterpret_cast<std::uint32_t*>(o_s + at.row * kStride + dn * 8 + at.col) =
-                Pack<T>::two(acc[dn][2 * r] * inv_l[r], acc[dn][2 * r + 1] * inv_l[r]);
+                pack_pair<T>(acc[dn][2 * r] * inv_l[r], acc[dn][2 * r + 1] * inv_l[r]);
         }
     __syncwarp();
     T* o_warp = o + (static_cast<std::int64_t>(bh) * band.t_q + w0) * D;
