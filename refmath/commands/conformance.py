@@ -12,7 +12,7 @@ from refmath.commands import CommandError
 from refmath.conformance import ADAPTERS, check_attention, get_adapter
 from refmath.conformance.case import CONTRACTS, MASKED_ROWS
 from refmath.conformance.precision import DTYPES
-from refmath.conformance.report import print_table, summary, write
+from refmath.conformance.report import print_table, write
 
 HELP = "run an attention kernel through the conformance sweep against the float64 oracle"
 DESCRIPTION = (
