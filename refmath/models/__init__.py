@@ -1,9 +1,18 @@
 """Whole networks composed from the ops of refmath, each with a hand-written forward and backward.
 
 :data:`MODELS` is the one list of them, under the one name each has everywhere (training,
-generation, the KV cache, the command line): the module path of its file and the name of its
-configuration class. Every model file offers ``param_shapes``, ``init_params``, ``forward``,
-``backward`` and ``logits``.
+generation, the KV cache, the Hugging Face reader and writer, the sizes, the gradient checks, the
+command line): the module path of its file and the name of its configuration class. Each model is
+defined in its own file, which offers:
+
+- ``param_shapes``, ``init_params``, ``forward``, ``backward`` and ``logits`` (training and
+  evaluation), and its gradient cases (:mod:`refmath.registry`);
+- ``TRAINING_RECIPE`` (:class:`refmath.models.common.TrainingRecipe`: how ``train`` trains it);
+- ``HF_MODEL_TYPES`` (empty when no Hugging Face type computes it) and, when not empty,
+  ``config_from_hf``, ``params_from_hf``, ``to_hf`` and ``sizing_fields``;
+- for a decoder-only model, its inference step: ``cache_spec`` (a
+  :class:`refmath.models.common.CacheSpec`), ``embed``, ``cached_layer`` and ``head``, which
+  :mod:`refmath.inference.kv_cache` runs.
 """
 from __future__ import annotations
 
