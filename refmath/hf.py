@@ -71,12 +71,9 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _hf_model_types() -> dict[str, str]:
-    """``{model_type: refmath model}``: every model's ``HF_MODEL_TYPES``, read from its module."""
-    return {kind: name for name in MODELS for kind in model_module(name).HF_MODEL_TYPES}
-
-
-SUPPORTED_MODEL_TYPES = tuple(_hf_model_types())
+# {model_type: refmath model}: every model's HF_MODEL_TYPES, read once from its module
+_MODEL_OF_TYPE = {kind: name for name in MODELS for kind in model_module(name).HF_MODEL_TYPES}
+SUPPORTED_MODEL_TYPES = tuple(_MODEL_OF_TYPE)
 
 
 # ---- reading safetensors files ------------------------------------------------------------------
@@ -260,7 +257,7 @@ def _model_of(hf: dict) -> str:
     if kind not in SUPPORTED_MODEL_TYPES:
         raise HFCheckpointError(f"config field model_type = {kind!r} is not supported; refmath "
                                 f"loads {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return _hf_model_types()[kind]
+    return _MODEL_OF_TYPE[kind]
 
 
 class _TextField(str):
