@@ -15,10 +15,11 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from refmath._validate import check_choice, check_field, check_int, check_real
+from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.ffn import ffn_parameter_count
 from refmath.hf import config_from_hf
 from refmath.models import model_module
+from refmath.moe import MoEConfig, as_moe_config
 
 
 def _check_kv_heads_divide(heads: int, kv_heads: int) -> None:
@@ -187,8 +188,8 @@ def adamw_training_memory(params: int) -> TrainingMemory:
 
 # ---- model configurations and presets -----------------------------------------------------------
 
-_MLP_KINDS = ("swiglu", "gelu", "relu")
-_NORM_KINDS = ("rmsnorm", "layernorm")
+_MLP_KINDS = ("swiglu", "geglu", "gelu", "relu")
+_NORM_KINDS = ("rmsnorm", "layernorm", "layernorm_no_bias")
 
 
 @dataclass(frozen=True)
@@ -196,14 +197,26 @@ class ModelConfig:
     """The sizes of a Transformer that matter for counting; validated on construction.
 
     The fields that the models' configurations have too carry their names (``n_layers``,
-    ``n_heads``, ``vocab_size``, ``tie_embeddings``, ``d_c``, ``d_rope``; ``kv_heads`` and
-    ``head_dim`` are the resolved widths, the decoder's ``kv_heads`` and ``d_h``), so a model's
-    ``sizing_fields`` passes them through as they are. ``n_layers`` counts the layers that hold a
-    KV cache (the decoder's). ``encoder_layers > 0`` makes an encoder-decoder with one embedding
-    shared by source, target and (if tied) output, as in the original Transformer.
-    ``d_c``/``d_rope`` set an MLA cache (catalogue K9). ``d_ff``/``vocab_size`` may be ``None`` for a preset that only
-    describes its attention. ``context`` is the sequence length the model was trained for, where
-    its source gives one.
+    ``n_heads``, ``vocab_size``, ``tie_embeddings``, ``d_c``, ``d_rope``, ``q_lora_rank``,
+    ``v_head_dim``, ``latent_norm``, ``moe``; ``kv_heads`` and ``head_dim`` are the resolved
+    widths, the decoder's ``kv_heads`` and ``d_h``), so a model's ``sizing_fields`` passes them
+    through as they are. ``n_layers`` counts the layers that hold a KV cache (the decoder's).
+    ``encoder_layers > 0`` makes an encoder-decoder with one embedding shared by source, target and
+    (if tied) output, as in the original Transformer. ``d_c``/``d_rope`` make the attention MLA
+    (catalogue K8, K9): ``head_dim`` is then its content query/key width :math:`d_k`,
+    ``v_head_dim`` its value width :math:`d_v` (default :math:`d_k`), ``q_lora_rank`` the width of
+    its compressed query (None: queries projected from :math:`x`), and ``latent_norm`` adds the
+    RMSNorm gains of the latents (:math:`d_c`, and ``q_lora_rank`` with it), as
+    :class:`refmath.models.mla.MLAConfig` has them. ``moe`` makes the feed-forward of some layers a
+    mixture of experts (:class:`refmath.moe.MoEConfig` or a dict of its fields; None: every layer
+    dense): its ``is_moe_layer`` picks the layers, the others keep the dense ``d_ff``.
+    ``norms_per_layer`` is the number of norms in each layer: 2 for the usual Pre-LN (or Post-LN)
+    layer, 1 for a parallel block whose attention and MLP read one norm (GPT-J, Falcon-7B, PaLM), 4
+    for Gemma 2's norms before and after both sublayers. ``d_ff``/``vocab_size`` may be ``None`` for
+    a preset that only describes its attention (``d_ff`` also when every layer is an MoE layer).
+    ``context`` is the sequence length the model was trained for, where its source gives one.
+    ``published_params`` and ``published_active`` are the total and the active parameters per
+    token as published, as strings (see :func:`active_parameters`).
     """
 
     name: str
@@ -214,8 +227,9 @@ class ModelConfig:
     head_dim: int
     d_ff: int | None = None
     vocab_size: int | None = None
-    mlp: str = "swiglu"              # "swiglu": 3 d d_f; "gelu"/"relu": 2 d d_f
-    norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases
+    mlp: str = "swiglu"              # "swiglu"/"geglu": 3 d d_f; "gelu"/"relu": 2 d d_f
+    norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases;
+                                     # "layernorm_no_bias": d gains (PaLM)
     attention_bias: bool = False     # biases on Q, K, V and the output projection (GPT-2)
     qkv_bias: bool = False           # biases on Q, K and V only (Qwen2)
     mlp_bias: bool = False           # biases on the FFN's layers (GPT-2, original Transformer)
@@ -231,13 +245,20 @@ class ModelConfig:
     source: str = ""
     qk_norm: str | None = None       # QK-norm gains per layer: "head" 2 d_h (Qwen3), "projection"
                                      # (h + g) d_h (OLMo 2), None: none
+    norms_per_layer: int = 2         # 1: a parallel block (Falcon-7B, PaLM); 4: Gemma 2's sandwich
+    q_lora_rank: int | None = None   # MLA's compressed-query width; None: W_Q straight from x
+    v_head_dim: int | None = None    # MLA's value width d_v; None: head_dim
+    latent_norm: bool = False        # MLA's RMSNorm gains on the latents (d_c, q_lora_rank)
+    moe: MoEConfig | None = None     # the mixture-of-experts feed-forward; None: dense
+    published_active: str = ""       # active parameters per token as published, e.g. "37e9"
 
     def __post_init__(self):
         for field in ("n_layers", "d_model", "n_heads", "kv_heads", "head_dim"):
             check_field(self, field, check_int, 1)
-        for field in ("d_ff", "vocab_size", "d_c", "d_rope", "sliding_window", "context"):
+        for field in ("d_ff", "vocab_size", "d_c", "d_rope", "sliding_window", "context",
+                      "q_lora_rank", "v_head_dim"):
             check_field(self, field, check_int, 1, optional=True)
-        for field in ("learned_positions", "encoder_layers"):
+        for field in ("learned_positions", "encoder_layers", "norms_per_layer"):
             check_field(self, field, check_int, 0)
         _check_kv_heads_divide(self.n_heads, self.kv_heads)
         if (self.d_c is None) != (self.d_rope is None):
@@ -245,10 +266,51 @@ class ModelConfig:
         check_field(self, "mlp", check_choice, _MLP_KINDS)
         check_field(self, "norm", check_choice, _NORM_KINDS)
         check_field(self, "qk_norm", check_choice, ("head", "projection"), optional=True)
+        check_field(self, "latent_norm", check_flag)
+        object.__setattr__(self, "moe", as_moe_config(self.moe, "ModelConfig.moe"))
+        self._check_mla()
+        self._check_moe()
+
+    def _check_mla(self) -> None:
+        if not self.is_mla:
+            mla_only = [f for f in ("q_lora_rank", "v_head_dim") if getattr(self, f) is not None]
+            mla_only += ["latent_norm"] if self.latent_norm else []
+            if mla_only:
+                raise ValueError(f"ModelConfig.{mla_only[0]} describes MLA attention; give d_c "
+                                 f"and d_rope too (config {self.name!r})")
+            return
+        # The counts are written for DeepSeek's MLA: plain projections, one stack.
+        for field in ("attention_bias", "qkv_bias", "qk_norm", "encoder_layers"):
+            if getattr(self, field):
+                raise ValueError(f"ModelConfig.{field} = {getattr(self, field)!r} is not counted "
+                                 f"for MLA attention (d_c = {self.d_c}); config {self.name!r}")
+
+    def _check_moe(self) -> None:
+        if self.moe is None:
+            return
+        if self.mlp != "swiglu" or self.mlp_bias:
+            raise ValueError(f"ModelConfig.moe: the experts are SwiGLUs without biases "
+                             f"(refmath.moe), so mlp must be 'swiglu' and mlp_bias False; got "
+                             f"mlp = {self.mlp!r}, mlp_bias = {self.mlp_bias} (config {self.name!r})")
+        if self.encoder_layers:
+            raise ValueError(f"ModelConfig.moe is written for decoder-only models; config "
+                             f"{self.name!r} has encoder_layers = {self.encoder_layers}")
 
     @property
     def is_mla(self) -> bool:
         return self.d_c is not None
+
+    @property
+    def value_dim(self) -> int:
+        """The value width per head: MLA's ``v_head_dim`` if given, else ``head_dim``."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        """How many of the ``n_layers`` layers have the mixture-of-experts feed-forward."""
+        if self.moe is None:
+            return 0
+        return sum(self.moe.is_moe_layer(i) for i in range(self.n_layers))
 
 
 # Published configurations. Only numbers from the cited paper or model card; the published total
@@ -308,13 +370,100 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("qwen3-8b", n_layers=36, d_model=4096, n_heads=32, kv_heads=8, head_dim=128,
                     d_ff=12288, vocab_size=151936, context=32768, qk_norm="head",
                     published_params="8.2e9", source="Qwen3-8B model card (Qwen/Qwen3-8B)"),
-        # DeepSeek-V2 report (arXiv:2405.04434), Sec. 3.1 settings: 60 layers, d=5120, 128 heads of
-        # d_h=128, d_c=512, d_R=64; a context of 128K tokens (the abstract). Its MoE feed-forward
-        # (236e9 total parameters) is not modelled here, so d_ff and vocab are left out and no
-        # parameter count is made.
+        # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 175B): 96
+        # layers, d_model 12288, 96 heads of 128, d_ff = 4 d_model, context 2048; Sec. 2.1: the
+        # GPT-2 architecture (learned positions, Pre-LN LayerNorm, GELU, biases, tied output, the
+        # 50257-token vocabulary) with dense and locally banded sparse attention alternating in
+        # the layers, which changes which keys are attended, not the counts. 174,604,259,328.
+        ModelConfig("gpt-3-175b", n_layers=96, d_model=12288, n_heads=96, kv_heads=96,
+                    head_dim=128, d_ff=4 * 12288, vocab_size=50257, mlp="gelu", norm="layernorm",
+                    attention_bias=True, mlp_bias=True, tie_embeddings=True,
+                    learned_positions=2048, context=2048, published_params="175e9",
+                    source="Brown et al. 2020, Table 2.1"),
+        # Qwen2.5-7B model card and config.json (Qwen/Qwen2.5-7B): hidden 3584, 28 layers, 28
+        # query and 4 KV heads of 128, intermediate 18944, vocab 152064, biases on Q, K, V only,
+        # untied, context 131,072. The card says 7.61B (6.53B non-embedding); the count is
+        # 7,615,616,512, which rounds to 7.62B: the card's total is truncated, its non-embedding
+        # 6,525,621,760 rounds to 6.53B as it should.
+        ModelConfig("qwen2.5-7b", n_layers=28, d_model=3584, n_heads=28, kv_heads=4, head_dim=128,
+                    d_ff=18944, vocab_size=152064, qkv_bias=True, context=131072,
+                    published_params="7.61e9", source="Qwen2.5-7B model card (Qwen/Qwen2.5-7B)"),
+        # Falcon-7B model card and config.json (tiiuae/falcon-7b): hidden 4544, 32 layers, 71
+        # heads of 64, multi-query attention (one key/value head), a 4 d = 18176 GELU MLP, vocab
+        # 65024, rotary positions, context 2048; attention and MLP in parallel on the output of
+        # ONE LayerNorm (with bias) per layer, no biases in the linear layers, tied output. The
+        # card says 7B; the count is 6,921,720,704 (6.92B).
+        ModelConfig("falcon-7b", n_layers=32, d_model=4544, n_heads=71, kv_heads=1, head_dim=64,
+                    d_ff=4 * 4544, vocab_size=65024, mlp="gelu", norm="layernorm",
+                    norms_per_layer=1, tie_embeddings=True, context=2048, published_params="7e9",
+                    source="Falcon-7B model card (tiiuae/falcon-7b)"),
+        # Gemma 2 report (Gemma Team 2024, arXiv:2408.00118), Tables 1-2, and config.json
+        # (google/gemma-2-9b): d_model 3584, 42 layers, 16 query and 8 KV heads of 256, GeGLU
+        # of width 14336 (three matrices; Table 1's "28672" counts gate and up together), tied
+        # embeddings, RMSNorm before and after both sublayers (4 per layer), context 8192. Every
+        # other layer slides a 4096-token window, which changes no count (the cache rows here
+        # treat every layer as global). Table 2's 8,324,201,984 non-embedding parameters are this
+        # count exactly; its embedding, 917,962,752, has Table 1's 256,128 rows, while
+        # config.json's table has 256,000 (used here): 9.24B either way.
+        ModelConfig("gemma-2-9b", n_layers=42, d_model=3584, n_heads=16, kv_heads=8, head_dim=256,
+                    d_ff=14336, vocab_size=256000, mlp="geglu", norms_per_layer=4,
+                    tie_embeddings=True, context=8192, published_params="9.24e9",
+                    source="Gemma 2 report, Tables 1-2 (google/gemma-2-9b)"),
+        # Chowdhery et al. 2022, "PaLM", Table 1 and Sec. 2: 118 layers, d_model 18432, 48 heads
+        # of 256, multi-query attention, SwiGLU of width 4 d_model, "parallel" layers (attention
+        # and MLP read one LayerNorm), no biases in the dense layers or the layer norms, a 256k
+        # SentencePiece vocabulary (256,000) shared by input and output, context 2048. The
+        # weights were never released. Table 1 says 540.35B; the exact count is 540,356,474,880
+        # (540.36B), and 540,354,281,472 (540.35B) without the 119 layer-norm scales: the paper's
+        # totals leave those out (its 8.63B and 62.50B come out either way).
+        ModelConfig("palm-540b", n_layers=118, d_model=18432, n_heads=48, kv_heads=1,
+                    head_dim=256, d_ff=4 * 18432, vocab_size=256000, norm="layernorm_no_bias",
+                    norms_per_layer=1, tie_embeddings=True, context=2048,
+                    published_params="540.35e9", source="Chowdhery et al. 2022, Table 1"),
+        # Mixtral of experts (Jiang et al. 2024) and config.json (mistralai/Mixtral-8x7B-v0.1):
+        # Mistral 7B's attention (hidden 4096, 32 layers, 32 query and 8 KV heads of 128, vocab
+        # 32000, untied, rope_theta 1e6, no sliding window) with, in every layer, 8 SwiGLU experts
+        # of width 14336 and a softmax router choosing 2; context 32768. Mistral AI's announcement:
+        # 46.7B total, 12.9B used per token (the paper rounds them to 47B and 13B).
+        ModelConfig("mixtral-8x7b", n_layers=32, d_model=4096, n_heads=32, kv_heads=8,
+                    head_dim=128, d_ff=14336, vocab_size=32000, context=32768,
+                    moe=MoEConfig(n_experts=8, top_k=2, d_expert=14336, norm_topk=True),
+                    published_params="46.7e9", published_active="12.9e9",
+                    source="Mixtral paper / config.json (mistralai/Mixtral-8x7B-v0.1)"),
+        # DeepSeek-V2 report (arXiv:2405.04434), Sec. 3.1, and config.json (deepseek-ai/
+        # DeepSeek-V2): 60 layers, d=5120, vocab 102400, untied; MLA with 128 heads of d_k = d_v =
+        # 128, d_R = 64, d_c = 512, q_lora_rank 1536, RMSNorms on both latents; layer 0 dense
+        # (intermediate 12288), the other 59 DeepSeekMoE: 2 shared and 160 routed experts of
+        # width 1536, 6 chosen per token from the best 3 of 8 groups; context 128K (the
+        # abstract). Published: 236B total, 21B activated per token.
         ModelConfig("deepseek-v2", n_layers=60, d_model=5120, n_heads=128, kv_heads=128,
-                    head_dim=128, d_c=512, d_rope=64, context=128 * 1024,
-                    source="DeepSeek-V2 report, Sec. 3.1"),
+                    head_dim=128, v_head_dim=128, d_c=512, d_rope=64, q_lora_rank=1536,
+                    latent_norm=True, d_ff=12288, vocab_size=102400, context=128 * 1024,
+                    moe=MoEConfig(n_experts=160, top_k=6, d_expert=1536, n_shared=2,
+                                  routing="group_limited_greedy", n_groups=8, topk_groups=3,
+                                  first_dense=1),
+                    published_params="236e9", published_active="21e9",
+                    source="DeepSeek-V2 report, Sec. 3.1 / config.json"),
+        # DeepSeek-V3 report (arXiv:2412.19437), Sec. 4.2, and config.json (deepseek-ai/
+        # DeepSeek-V3): 61 layers, d=7168, vocab 129280, untied; MLA as DeepSeek-V2's (128 heads,
+        # d_k = d_v = 128, d_R = 64, d_c = 512, q_lora_rank 1536, latent norms); layers 0-2 dense
+        # (intermediate 18432), the other 58 with 1 shared and 256 routed experts of width 2048,
+        # 8 chosen per token by sigmoid scores plus the selection bias, from at most 4 of 8 groups
+        # (node-limited routing: each group is a node). The context is extended to 128K (Sec.
+        # 4.3); config.json's max_position_embeddings 163840 is YaRN's factor 40 over 4096.
+        # Published: 671B total and 37B activated per token, the main model only: the Hub's
+        # 685B adds the multi-token-prediction module (one more MoE layer and its projection;
+        # "14B" in the repository's README, 11.5B of its own in README_WEIGHTS.md, which shares
+        # the embedding and output head), which is not counted here.
+        ModelConfig("deepseek-v3", n_layers=61, d_model=7168, n_heads=128, kv_heads=128,
+                    head_dim=128, v_head_dim=128, d_c=512, d_rope=64, q_lora_rank=1536,
+                    latent_norm=True, d_ff=18432, vocab_size=129280, context=128 * 1024,
+                    moe=MoEConfig(n_experts=256, top_k=8, d_expert=2048, n_shared=1,
+                                  scoring="sigmoid", routing="noaux_tc", n_groups=8,
+                                  topk_groups=4, norm_topk=True, scaling=2.5, score_bias=True,
+                                  first_dense=3),
+                    published_params="671e9", published_active="37e9",
+                    source="DeepSeek-V3 report, Sec. 4.2 / config.json"),
     )
 }
 
@@ -349,49 +498,138 @@ def attention_parameter_count(d_model: int, heads: int, kv_heads: int, head_dim:
     return count
 
 
+def mla_attention_parameter_count(d_model: int, heads: int, head_dim: int, value_dim: int,
+                                  latent_dim: int, rope_dim: int, q_lora_rank: int | None = None,
+                                  latent_norm: bool = False) -> int:
+    r"""Parameters of one multi-head latent attention block (catalogue K8, K9).
+
+    With :math:`d_k` = ``head_dim`` (content query/key width), :math:`d_v` = ``value_dim``,
+    :math:`d_c` = ``latent_dim``, :math:`d_R` = ``rope_dim`` and :math:`r` = ``q_lora_rank``:
+
+    .. math::
+        \underbrace{d\,(d_c + d_R)}_{W_{DKV},\,W_{KR}}
+        + \underbrace{d_c\,h\,(d_k + d_v)}_{W_{UK},\,W_{UV}}
+        + \underbrace{h\,d_v\,d}_{W_O}
+        + \begin{cases} d\,h\,(d_k + d_R) & W_Q,\,W_{QR}\ \text{(no query compression)}\\
+                        d\,r + r\,h\,(d_k + d_R) & W_{DQ},\,W_{UQ},\,W_{QR} \end{cases}
+        \ \big(+\ d_c\ [+\ r]\ \text{latent RMSNorm gains}\big)
+
+    the shapes of :func:`refmath.models.mla.param_shapes` (DeepSeek's checkpoints store
+    :math:`W_{DKV}` and :math:`W_{KR}` as one ``kv_a_proj_with_mqa`` of width :math:`d_c + d_R`, and
+    :math:`W_{UK}, W_{UV}` as one ``kv_b_proj``: the same numbers). ``latent_norm`` adds the gains
+    of the RMSNorms on :math:`c` and :math:`c^Q`. MLA has no biases.
+    """
+    d = check_int("d_model", d_model, 1)
+    h = check_int("heads", heads, 1)
+    d_k = check_int("head_dim", head_dim, 1)
+    d_v = check_int("value_dim", value_dim, 1)
+    d_c = check_int("latent_dim", latent_dim, 1)
+    d_r = check_int("rope_dim", rope_dim, 1)
+    latent_norm = check_flag("latent_norm", latent_norm)
+    count = d * (d_c + d_r) + d_c * h * (d_k + d_v) + h * d_v * d
+    if q_lora_rank is None:
+        count += d * h * (d_k + d_r)
+    else:
+        r = check_int("q_lora_rank", q_lora_rank, 1)
+        count += d * r + r * h * (d_k + d_r) + (r if latent_norm else 0)
+    return count + (d_c if latent_norm else 0)
+
+
+class MoEParamCounts(NamedTuple):
+    router: int   # d E router weights, + E selection biases with score_bias
+    routed: int   # the E routed experts, 3 d d_e each
+    shared: int   # the shared experts' SwiGLU 3 d d_s, + d for its gate
+    total: int
+
+
+def moe_parameter_count(d_model: int, moe: MoEConfig) -> MoEParamCounts:
+    r"""Parameters of one mixture-of-experts feed-forward (:mod:`refmath.moe`; N7 per expert).
+
+    .. math:: \underbrace{d E\ (+E)}_{\text{router (+ selection bias)}}
+              + \underbrace{E \cdot 3 d d_e}_{\text{routed experts}}
+              + \underbrace{3 d d_s\ (+d)}_{\text{shared SwiGLU (+ its gate)}}
+
+    equal to the sizes of :func:`refmath.moe.moe_param_shapes`. The selection bias of
+    DeepSeek-V3 (``score_bias``: :math:`E` numbers, updated outside the gradient) counts as a
+    parameter: the checkpoint stores it (``e_score_correction_bias``) and refmath's parameter dict
+    holds it; transformers registers it as a buffer instead, so its ``model.parameters()`` has
+    :math:`E` fewer per MoE layer (DeepSeek-V3: 14,848 fewer of 671,026,419,200; both 671B).
+    """
+    d = check_int("d_model", d_model, 1)
+    if not isinstance(moe, MoEConfig):
+        raise TypeError(f"moe must be a refmath.moe.MoEConfig, got {type(moe).__name__}")
+    e = moe.n_experts
+    router = d * e + (e if moe.score_bias else 0)
+    routed = e * 3 * d * moe.d_expert
+    shared = 3 * d * moe.shared_width + (d if moe.shared_gate else 0)
+    return MoEParamCounts(router, routed, shared, router + routed + shared)
+
+
 def _norm_count(config: ModelConfig) -> int:
     return config.d_model * (2 if config.norm == "layernorm" else 1)
 
 
-def _require_dense(config: ModelConfig, what: str) -> None:
-    if config.d_ff is None or config.vocab_size is None:
+def _require_sizes(config: ModelConfig, what: str) -> None:
+    dense_layers = config.n_layers - config.moe_layers + config.encoder_layers
+    if config.vocab_size is None or (config.d_ff is None and dense_layers):
         raise ValueError(f"{what} needs d_ff and vocab_size; config {config.name!r} describes only "
                          f"its attention (d_ff={config.d_ff}, vocab_size={config.vocab_size})")
+
+
+def _attention_count(config: ModelConfig) -> int:
+    # One self-attention block's weights and biases; MLA's latent norm gains go to the norms.
     if config.is_mla:
-        raise ValueError(f"{what} is not written for MLA projections (config {config.name!r})")
+        return mla_attention_parameter_count(config.d_model, config.n_heads, config.head_dim,
+                                             config.value_dim, config.d_c, config.d_rope,
+                                             config.q_lora_rank)
+    attn = attention_parameter_count(config.d_model, config.n_heads, config.kv_heads,
+                                     config.head_dim, config.attention_bias)
+    if config.qkv_bias:
+        attn += (config.n_heads + 2 * config.kv_heads) * config.head_dim
+    return attn
 
 
 def parameter_counts(config: ModelConfig) -> ParamCounts:
     r"""Parameters of a decoder (or the original encoder-decoder), by component (catalogue N7).
 
-    Per decoder layer: attention (:func:`attention_parameter_count`), MLP (:math:`3 d d_f` for
-    SwiGLU, :math:`2 d d_f` for GELU/ReLU, via :func:`refmath.ffn.ffn_parameter_count`), and two
-    norms (:math:`d` each for RMSNorm, :math:`2d` for LayerNorm). An encoder-decoder adds, per
-    decoder layer, a cross-attention block and a third norm, and per encoder layer one attention,
-    one MLP and two norms. Plus :math:`V d` for the embedding, the learned position table, a final
-    norm per stack when ``final_norm``, and :math:`d V` for an untied output projection.
+    Per decoder layer: attention (:func:`attention_parameter_count`, or
+    :func:`mla_attention_parameter_count` for MLA), a feed-forward and ``norms_per_layer`` norms
+    (:math:`d` each for RMSNorm or a LayerNorm without bias, :math:`2d` for LayerNorm). The
+    feed-forward is the dense MLP (:math:`3 d d_f` for SwiGLU and GeGLU, :math:`2 d d_f` for
+    GELU/ReLU, via :func:`refmath.ffn.ffn_parameter_count`) or, in the layers ``moe`` picks, the
+    mixture of experts of :func:`moe_parameter_count`. An encoder-decoder adds, per decoder layer, a
+    cross-attention block and one more norm, and per encoder layer one attention, one MLP and
+    ``norms_per_layer`` norms. Plus :math:`V d` for the embedding, the learned position table, a
+    final norm per stack when ``final_norm``, and :math:`d V` for an untied output projection.
+    ``norms`` also holds QK-norm's and MLA's latent gains; ``mlp`` holds every feed-forward,
+    routers and experts included.
     """
-    _require_dense(config, "parameter_counts")
+    _require_sizes(config, "parameter_counts")
     d, L = config.d_model, config.n_layers
-    attn = attention_parameter_count(d, config.n_heads, config.kv_heads, config.head_dim,
-                                     config.attention_bias)
-    if config.qkv_bias:
-        attn += (config.n_heads + 2 * config.kv_heads) * config.head_dim
-    mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp == "swiglu", biases=config.mlp_bias)
+    attn = _attention_count(config)
+    mlp = 0
+    if config.d_ff is not None:
+        mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp in ("swiglu", "geglu"),
+                                  biases=config.mlp_bias)
     norm = _norm_count(config)
 
     attention = L * attn
-    mlps = L * mlp
-    norms = L * 2 * norm
+    moe_layers = config.moe_layers
+    mlps = (L - moe_layers) * mlp
+    if moe_layers:
+        mlps += moe_layers * moe_parameter_count(d, config.moe).total
+    norms = L * config.norms_per_layer * norm
     if config.qk_norm == "head":  # one gain of d_h for the queries, one for the keys (N18)
         norms += L * 2 * config.head_dim
     elif config.qk_norm == "projection":
         norms += L * (config.n_heads + config.kv_heads) * config.head_dim
+    if config.latent_norm:  # MLA's RMSNorms on c (d_c) and on c^Q (q_lora_rank)
+        norms += L * (config.d_c + (config.q_lora_rank or 0))
     if config.encoder_layers:
         # Decoder layers add cross-attention and its norm; encoder layers are self-attention + MLP.
         attention += L * attn + config.encoder_layers * attn
         mlps += config.encoder_layers * mlp
-        norms += L * norm + config.encoder_layers * 2 * norm
+        norms += L * norm + config.encoder_layers * config.norms_per_layer * norm
     stacks = 2 if config.encoder_layers else 1
     norms += stacks * norm if config.final_norm else 0
 
@@ -402,6 +640,50 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     return ParamCounts(embedding, positions, attention, mlps, norms, output, total)
 
 
+class ActiveParams(NamedTuple):
+    total: int    # every parameter: parameter_counts(config).total
+    active: int   # what one token's forward reads: all but the routed experts it does not choose
+    matmul: int   # the weights one token multiplies by, logits included: 2 x matmul FLOPs a token
+
+
+def active_parameters(config: ModelConfig) -> ActiveParams:
+    r"""Total and active parameters per token of a mixture-of-experts model (any model: dense
+    ones are all active).
+
+    .. math::
+        P_{\text{active}} = P - L_{\text{MoE}}\,(E - k)\,3 d d_e,\qquad
+        \text{matmul} = P_{\text{matmul}} + d V
+                      = P_{\text{active}} - V d - \text{(positions, norm gains, biases)}
+
+    :math:`P_{\text{active}}` is the convention of the published "active" counts: everything but
+    the :math:`E - k` routed experts a token does not choose in each of the :math:`L_{\text{MoE}}`
+    MoE layers, the whole embedding table and output matrix included, though a token reads one
+    row of the embedding (a lookup, no arithmetic). ``matmul`` is what a token multiplies
+    by: :math:`P_{\text{matmul}}`, the layers' matrices (attention's, the router, the token's
+    :math:`k` experts and the shared ones), plus the logits' :math:`d V` (the embedding matrix
+    itself when tied), so one token costs :math:`2\,(P_{\text{matmul}} + d V)` FLOPs of weights.
+
+    Against the published figures (each string's last digit is its rounding): Mixtral-8x7B's
+    12.9B is :math:`P_{\text{active}}` = 12,879,925,248 (the matmul count, 12,748,587,008, would
+    be 12.7B), and DeepSeek-V2's 21B is either (21.38B, 20.85B). DeepSeek-V3's 37B is not
+    :math:`P_{\text{active}}` = 37,552,297,472 rounded (that is 38B): it is ``matmul`` =
+    36,624,596,992 rounded, or :math:`P_{\text{active}}` cut off. DeepSeek's weights README says
+    36.7B including the embedding and output head, close to neither. So no one convention
+    reproduces every published figure; ``active`` keeps the one that Mixtral's, the only figure
+    given to three digits, needs.
+    """
+    if config.encoder_layers:
+        raise ValueError(f"active_parameters is written for decoder-only models; {config.name!r} "
+                         f"has an encoder")
+    total = parameter_counts(config).total
+    unchosen = 0
+    if config.moe_layers:
+        moe = config.moe
+        unchosen = config.moe_layers * (moe.n_experts - moe.top_k) * 3 * config.d_model * moe.d_expert
+    matmul = _weight_macs_per_token(config) + config.d_model * config.vocab_size
+    return ActiveParams(total, total - unchosen, matmul)
+
+
 # ---- FLOPs ---------------------------------------------------------------------------------------
 
 class FlopCount(NamedTuple):
@@ -410,12 +692,36 @@ class FlopCount(NamedTuple):
     total: int
 
 
+def _attention_macs(config: ModelConfig) -> int:
+    # Multiply-adds of one token through one attention block's weight matrices (no biases, norms).
+    d, h, g, dh = config.d_model, config.n_heads, config.kv_heads, config.head_dim
+    if config.is_mla:
+        # Each matrix once: in the absorbed decode too, W_UK acts on the query and W_UV on the output.
+        return mla_attention_parameter_count(d, h, dh, config.value_dim, config.d_c,
+                                             config.d_rope, config.q_lora_rank)
+    return d * h * dh + 2 * d * g * dh + h * dh * d
+
+
+def _ffn_macs(config: ModelConfig, experts: int | None = None) -> int:
+    # Multiply-adds of the feed-forwards of all layers for one token, with `experts` routed experts
+    # per MoE layer (default top_k: one token's; a batch reads more, see _matrix_weight_bytes).
+    d = config.d_model
+    dense_layers = config.n_layers - config.moe_layers
+    macs = 0
+    if dense_layers:
+        macs += dense_layers * (3 if config.mlp in ("swiglu", "geglu") else 2) * d * config.d_ff
+    if config.moe_layers:
+        moe = config.moe
+        experts = moe.top_k if experts is None else experts
+        per_layer = (d * moe.n_experts + experts * 3 * d * moe.d_expert
+                     + 3 * d * moe.shared_width + (d if moe.shared_gate else 0))
+        macs += config.moe_layers * per_layer
+    return macs
+
+
 def _weight_macs_per_token(config: ModelConfig) -> int:
     # Multiply-adds of every weight matmul for one token through all layers (logits excluded).
-    d, h, g, dh = config.d_model, config.n_heads, config.kv_heads, config.head_dim
-    attention = d * h * dh + 2 * d * g * dh + h * dh * d
-    mlp = (3 if config.mlp == "swiglu" else 2) * d * config.d_ff
-    return config.n_layers * (attention + mlp)
+    return config.n_layers * _attention_macs(config) + _ffn_macs(config)
 
 
 def _attended_keys(query_position: int, window: int | None) -> int:
@@ -431,9 +737,13 @@ def _causal_pairs(tokens: int, window: int | None) -> int:
 
 
 def _decoder_only(config: ModelConfig, what: str) -> None:
-    _require_dense(config, what)
+    _require_sizes(config, what)
     if config.encoder_layers:
         raise ValueError(f"{what} is written for decoder-only models; {config.name!r} has an encoder")
+    if config.is_mla:
+        raise ValueError(f"{what} does not count MLA attention ({config.name!r}): its scores run on "
+                         f"the latent cache, which these formulas do not model; "
+                         f"active_parameters counts its weights")
 
 
 def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
@@ -446,7 +756,9 @@ def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
     sums :math:`a V`, each :math:`2 d_h` FLOPs per head per allowed query-key pair. A causal
     implementation skips masked pairs, so a prompt of :math:`T` tokens has :math:`T(T+1)/2` pairs
     (fewer with a sliding window). Not counted: softmax, norms, activations, RoPE, residual adds,
-    biases, the embedding lookup.
+    biases, the embedding lookup. With a mixture of experts :math:`P_{\text{matmul}}` holds the
+    router, the :math:`k` experts each token chooses and the shared ones (the active weights of
+    :func:`active_parameters`); MLA attention is refused.
 
     .. math:: \text{weights} = 2\,B\,T\,P_{\text{matmul}} + 2\,B\,d\,V,\qquad
               \text{attention} = 4\,B\,L\,h\,d_h \sum_{i=1}^{T} \min(i, w)
@@ -529,9 +841,13 @@ class StepTraffic(NamedTuple):
     intensity: float      # flops / total_bytes: FLOPs per byte moved
 
 
-def _matrix_weight_bytes(config: ModelConfig, bytes_per_element: int) -> int:
-    # The weight matrices one token passes through, logits included: the weight FLOPs / 2 per token.
-    return bytes_per_element * (_weight_macs_per_token(config) + config.d_model * config.vocab_size)
+def _matrix_weight_bytes(config: ModelConfig, bytes_per_element: int, tokens: int) -> int:
+    # The weight matrices a step of `tokens` tokens passes through, logits included, each read once.
+    # Dense: the weight FLOPs / 2 of one token. MoE: each token reads its own top_k experts, so the
+    # step reads k experts per MoE layer for one token and at most min(E, tokens k) for more.
+    experts = None if config.moe is None else min(config.moe.n_experts, tokens * config.moe.top_k)
+    macs = config.n_layers * _attention_macs(config) + _ffn_macs(config, experts)
+    return bytes_per_element * (macs + config.d_model * config.vocab_size)
 
 
 def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
@@ -551,12 +867,20 @@ def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
     about one FLOP per byte, far below what a processor can do per byte of memory traffic: its time
     is bounded by bandwidth (see :func:`decode_time_lower_bound`). Activations and norm gains are
     not counted.
+
+    With a mixture of experts, :math:`P_{\text{matmul}}` holds the experts the step reads: at
+    batch 1 the :math:`k` chosen in each MoE layer (the active weights of
+    :func:`active_parameters`); a batch reads the union of its tokens' choices, counted here at
+    its most, :math:`\min(E, B k)` experts a layer (every token choosing others; up to all
+    :math:`E`), which balanced routing approaches at large batches. The fewest is :math:`k` (all
+    tokens agreeing), so for :math:`B > 1` the bytes are a worst case, not a lower bound. The
+    FLOPs are each token's own :math:`k` experts either way.
     """
     _decoder_only(config, "decode_step_traffic")
     b = check_int("bytes_per_element", bytes_per_element, 1)
     flops = decode_step_flops(config, context, batch).total
     keys = _attended_keys(check_int("context", context, 1), config.sliding_window)
-    weights = _matrix_weight_bytes(config, b)
+    weights = _matrix_weight_bytes(config, b, batch)
     cache = batch * keys * kv_cache_bytes_per_token(config.n_layers, config.kv_heads,
                                                     config.head_dim, b)
     return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
@@ -572,11 +896,14 @@ def prefill_traffic(config: ModelConfig, tokens: int, batch: int = 1,
     .. math::
         I = \frac{2 B T P_{\text{matmul}} + \dots}{b P_{\text{matmul}} + B T\, 2 L g d_h b}
           \approx \frac{2 B T}{b}\quad(\text{for a short prompt})
+
+    A mixture of experts reads at most :math:`\min(E, B T k)` experts a layer (see
+    :func:`decode_step_traffic`): all of them for any but the shortest prompts.
     """
     _decoder_only(config, "prefill_traffic")
     b = check_int("bytes_per_element", bytes_per_element, 1)
     flops = prefill_flops(config, tokens, batch).total
-    weights = _matrix_weight_bytes(config, b)
+    weights = _matrix_weight_bytes(config, b, batch * tokens)
     cache = batch * tokens * kv_cache_bytes_per_token(config.n_layers, config.kv_heads,
                                                       config.head_dim, b)
     return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
@@ -601,6 +928,116 @@ def decode_time_lower_bound(traffic: StepTraffic, bandwidth: float,
         return memory_time
     peak_flops = check_real("peak_flops", peak_flops, 0.0, low_open=True)
     return max(memory_time, traffic.flops / peak_flops)
+
+
+# ---- a mixture of experts: memory against compute, expert-parallel traffic ----------------------
+
+class MemoryAgainstCompute(NamedTuple):
+    total: int            # parameters held
+    active: int           # parameters one token's forward reads (active_parameters)
+    weight_bytes: int     # every parameter at b bytes: what the devices must hold
+    expert_bytes: int     # the routed experts' share of weight_bytes
+    token_flops: int      # FLOPs of one token through the weights: 2 x active matmul weights
+    bytes_per_flop: float  # weight_bytes / token_flops
+
+
+def memory_against_compute(config: ModelConfig, bytes_per_element: int = 2) -> MemoryAgainstCompute:
+    r"""The weights a model must hold against the arithmetic of one token (any model; the gap is
+    a mixture of experts').
+
+    .. math::
+        M = b\,P,\qquad M_{\text{experts}} = b\,L_{\text{MoE}}\,E\cdot 3 d d_e,\qquad
+        F_{\text{token}} = 2\,(P_{\text{matmul}} + d V)
+
+    with the counts of :func:`active_parameters` (attention scores are not in
+    :math:`F_{\text{token}}`: they depend on the context). A dense model holds about
+    :math:`b/2` bytes of weights per FLOP of a token; a mixture of experts holds every expert but
+    computes with :math:`k` of them (DeepSeek-V3 in bf16: 1.22 TiB of weights, 7.3e10 FLOPs a
+    token, 18 bytes per FLOP, against 1.07 for Llama-3-8B).
+    """
+    b = check_int("bytes_per_element", bytes_per_element, 1)
+    counts = active_parameters(config)
+    experts = 0
+    if config.moe_layers:
+        experts = config.moe_layers * moe_parameter_count(config.d_model, config.moe).routed
+    flops = 2 * counts.matmul
+    return MemoryAgainstCompute(counts.total, counts.active, b * counts.total, b * experts, flops,
+                                b * counts.total / flops)
+
+
+def expert_parallel_bytes(d_model: int, top_k: int, devices: int, bytes_per_element: int = 2,
+                          max_devices: int | None = None) -> float:
+    r"""All-to-all bytes one token sends and receives in one MoE layer under expert parallelism.
+
+    The experts are spread evenly over :math:`D` devices and the token's hidden row (:math:`d`
+    numbers of :math:`b` bytes) lives on one of them. Dispatch sends the row to each chosen expert
+    on another device, and combine sends that expert's :math:`d`-wide output back. The token's
+    device is the device of a given chosen expert with probability :math:`1/D` (uniform routing,
+    or a token on a uniformly chosen device), so the expected traffic is
+
+    .. math:: 2\,k\,\Big(1 - \frac{1}{D}\Big)\,d\,b \quad\text{bytes per MoE layer.}
+
+    ``max_devices`` :math:`M` is group-limited routing with one group of experts on each device
+    (:class:`refmath.moe.MoEConfig`'s ``topk_groups`` of ``n_groups``: DeepSeek-V2's
+    device-limited routing, :math:`M = 3`; DeepSeek-V3's node-limited routing, 4 of 8 nodes): the
+    token's experts lie on at most :math:`M` devices, and it is sent once to each of them, its
+    outputs there summed before they come back, so the traffic is at most
+
+    .. math:: 2\,\min(k, M)\,\Big(1 - \frac{1}{D}\Big)\,d\,b
+
+    (exactly this when its experts span :math:`\min(k, M)` devices; fewer devices, less). Not
+    counted: the expert indices and gate weights that travel with the row, padding to a fixed
+    capacity, the token's own device's copy. DeepSeek-V3 dispatches in FP8 and combines in BF16,
+    which is :math:`b = 1` one way and 2 the other.
+    """
+    d = check_int("d_model", d_model, 1)
+    k = check_int("top_k", top_k, 1)
+    D = check_int("devices", devices, 1)
+    b = check_int("bytes_per_element", bytes_per_element, 1)
+    sends = k
+    if max_devices is not None:
+        M = check_int("max_devices", max_devices, 1, D)
+        sends = min(k, M)
+    return 2 * sends * (1 - 1 / D) * d * b
+
+
+class ExpertParallelTraffic(NamedTuple):
+    devices: int               # D
+    max_devices: int | None    # M, node-limited routing's cap (None: none)
+    per_layer: float           # bytes of one token in one MoE layer (expert_parallel_bytes)
+    per_token: float           # bytes of one token through all its MoE layers
+
+
+def expert_parallel_traffic(config: ModelConfig, devices: int | None = None,
+                            bytes_per_element: int = 2,
+                            node_limited: bool = False) -> ExpertParallelTraffic:
+    r""":func:`expert_parallel_bytes` for ``config``'s mixture of experts, per layer and per token
+    (:math:`L_{\text{MoE}}` layers).
+
+    ``devices`` defaults to :math:`E`, one expert on each device. ``node_limited`` takes the
+    routing's groups as the devices (:math:`D` = ``n_groups``) and caps the devices a token
+    reaches at :math:`M` = ``topk_groups``, as DeepSeek-V3's node-limited routing does with nodes
+    (8 nodes, at most 4 a token) and DeepSeek-V2's with devices (at most 3); the routing must then
+    be group-limited.
+    """
+    if config.moe is None:
+        raise ValueError(f"expert_parallel_traffic needs a mixture of experts; config "
+                         f"{config.name!r} has moe = None")
+    moe = config.moe
+    node_limited = check_flag("node_limited", node_limited)
+    if node_limited:
+        if moe.routing == "greedy":
+            raise ValueError(f"node_limited needs group-limited routing; config {config.name!r} "
+                             f"has moe.routing = 'greedy'")
+        if devices is not None and devices != moe.n_groups:
+            raise ValueError(f"node_limited puts each of the n_groups = {moe.n_groups} groups on "
+                             f"its own device; devices = {devices} differs")
+        devices, cap = moe.n_groups, moe.topk_groups
+    else:
+        devices = moe.n_experts if devices is None else check_int("devices", devices, 1)
+        cap = None
+    per_layer = expert_parallel_bytes(config.d_model, moe.top_k, devices, bytes_per_element, cap)
+    return ExpertParallelTraffic(devices, cap, per_layer, config.moe_layers * per_layer)
 
 
 # ---- comparing attention choices (S3) -----------------------------------------------------------

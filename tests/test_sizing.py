@@ -14,11 +14,13 @@ from hypothesis import given, settings, strategies as st
 
 from refmath.commands import main
 from refmath.ffn import swiglu_hidden_size
+from refmath.moe import MoEConfig, moe_param_shapes
 from refmath.sizing import (
-    PRESETS, ModelConfig, adamw_training_memory, attention_cache_rows,
-    decode_step_flops, format_bytes, inference_memory_rule_of_thumb, kv_cache_bytes,
-    kv_cache_bytes_per_token, mla_cache_bytes, mla_cache_bytes_per_token, parameter_counts,
-    prefill_flops, quantized_kv_cache_bytes, weights_bytes,
+    PRESETS, ModelConfig, active_parameters, adamw_training_memory, attention_cache_rows,
+    decode_step_flops, expert_parallel_bytes, expert_parallel_traffic, format_bytes,
+    inference_memory_rule_of_thumb, kv_cache_bytes, kv_cache_bytes_per_token, mla_cache_bytes,
+    mla_cache_bytes_per_token, memory_against_compute, parameter_counts, prefill_flops,
+    quantized_kv_cache_bytes, weights_bytes,
 )
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
@@ -163,11 +165,15 @@ def _rounds_to(count: int, published: str) -> bool:
 
 
 @pytest.mark.parametrize("name", ["gpt2-small", "llama-2-7b", "llama-3-8b", "llama-3.1-8b",
-                                  "qwen3-8b"])
+                                  "qwen3-8b", "gpt-3-175b", "falcon-7b", "gemma-2-9b",
+                                  "mixtral-8x7b", "deepseek-v2", "deepseek-v3"])
 def test_parameter_count_rounds_to_the_published_total(name):
     # The tolerance is the published figure's own rounding, nothing looser. Counts:
     # gpt2-small 124,439,808; llama-2-7b 6,738,415,616; llama-3-8b and llama-3.1-8b
-    # 8,030,261,248; qwen3-8b 8,190,735,360.
+    # 8,030,261,248; qwen3-8b 8,190,735,360; gpt-3-175b 174,604,259,328; falcon-7b
+    # 6,921,720,704; gemma-2-9b 9,241,705,984; mixtral-8x7b 46,702,792,704; deepseek-v2
+    # 235,741,434,880; deepseek-v3 671,026,419,200 (those with a Hugging Face model are also
+    # transformers' own counts: test_presets_count_what_transformers_builds).
     config = PRESETS[name]
     total = parameter_counts(config).total
     assert _rounds_to(total, config.published_params), (name, total, config.published_params)
@@ -197,9 +203,15 @@ def test_transformer_base_preset_counts_what_the_model_holds():
         sum(int(np.prod(s)) for s in shapes.values()) == 63_045_632
 
 
-def test_attention_only_preset_has_no_parameter_count():
-    with pytest.raises(ValueError, match="deepseek-v2.*d_ff"):
-        parameter_counts(PRESETS["deepseek-v2"])
+def test_attention_only_config_has_no_parameter_count():
+    attention_only = dataclasses.replace(PRESETS["llama-3-8b"], name="attention-only", d_ff=None)
+    with pytest.raises(ValueError, match="attention-only.*d_ff"):
+        parameter_counts(attention_only)
+    # an MoE model whose every layer is an MoE layer needs no dense width
+    mixtral = dataclasses.replace(PRESETS["mixtral-8x7b"], d_ff=None)
+    assert parameter_counts(mixtral) == parameter_counts(PRESETS["mixtral-8x7b"])
+    with pytest.raises(ValueError, match="d_ff"):
+        parameter_counts(dataclasses.replace(PRESETS["deepseek-v3"], d_ff=None))  # 3 dense layers
 
 
 # ---- FLOPs --------------------------------------------------------------------------------------
@@ -441,7 +453,7 @@ def test_time_lower_bound_is_bytes_over_bandwidth_k13():
     with pytest.raises(TypeError, match="traffic"):
         decode_time_lower_bound(step.total_bytes, 1e12)
     with pytest.raises(ValueError, match="d_ff and vocab"):
-        decode_step_traffic(PRESETS["deepseek-v2"], 10)
+        decode_step_traffic(dataclasses.replace(c, d_ff=None), 10)
 
 
 def test_qwen3_8b_counts_its_qk_norm_gains_and_the_cards_non_embedding_total():
@@ -453,3 +465,398 @@ def test_qwen3_8b_counts_its_qk_norm_gains_and_the_cards_non_embedding_total():
     assert counts.total - without.total == 36 * 2 * 128
     # the card's 6.95B non-embedding parameters: all but the embedding and the untied head
     assert _rounds_to(counts.total - counts.embedding - counts.output, "6.95e9")
+
+
+# ---- MLA and mixture-of-experts parameters (K8, K9, N7 per expert) -------------------------------
+
+def _shape_total(shapes) -> int:
+    return sum(int(np.prod(s)) for s in shapes.values())
+
+
+# d_k = 4, d_v = 3, d_R = 4, d_c = 6, rank 5: every width distinct, so a mixed-up width cannot pass
+_TINY_MLA = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=3, n_heads=2, d_c=6, d_rope=4,
+                 head_dim=4, v_head_dim=3, ffn_multiple_of=8)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(q_lora_rank=5), dict(latent_norm=True),
+                                   dict(q_lora_rank=5, latent_norm=True, tie_embeddings=True),
+                                   dict(v_head_dim=None, head_dim=None)])
+def test_mla_count_is_the_sum_of_the_models_shapes_k9(extra):
+    from refmath.models import mla
+
+    config = mla.MLAConfig(**{**_TINY_MLA, **extra})
+    described = ModelConfig("mla-test", **mla.sizing_fields(config))
+    assert parameter_counts(described).total == _shape_total(mla.param_shapes(config))
+
+
+def test_mla_attention_count_by_hand_k9():
+    from refmath.sizing import mla_attention_parameter_count
+
+    # DeepSeek-V3's block: W_DQ 7168 x 1536, q norm 1536, W_UQ and W_QR 1536 x 128 (128 + 64),
+    # W_DKV and W_KR 7168 x (512 + 64), kv norm 512, W_UK and W_UV 512 x 128 (128 + 128),
+    # W_O 128 * 128 x 7168: transformers' q_a_proj, q_a_layernorm, q_b_proj,
+    # kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    by_hand = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256
+               + 128 * 128 * 7168)
+    assert mla_attention_parameter_count(7168, 128, 128, 128, 512, 64, 1536, True) == by_hand
+    assert by_hand == 187_107_328
+    # without query compression the queries come from x: d h (d_k + d_R) in place of the three
+    assert (mla_attention_parameter_count(16, 2, 4, 3, 6, 4)
+            == 16 * 10 + 6 * 2 * 7 + 2 * 3 * 16 + 16 * 2 * 8)
+    with pytest.raises(ValueError, match="q_lora_rank must be an int >= 1, got 0"):
+        mla_attention_parameter_count(16, 2, 4, 3, 6, 4, q_lora_rank=0)
+
+
+def _with_moe_ffn(shapes: dict, config, moe: MoEConfig) -> dict:
+    # The dense decoder's shapes with each MoE layer's ffn.* replaced by refmath.moe's shapes.
+    out = {k: v for k, v in shapes.items()
+           if not any(k.startswith(f"layers.{i}.ffn.") for i in range(config.n_layers)
+                      if moe.is_moe_layer(i))}
+    for i in range(config.n_layers):
+        if moe.is_moe_layer(i):
+            out.update({f"layers.{i}.ffn.{k}": v for k, v in moe_param_shapes(config.d_model, moe).items()})
+    return out
+
+
+# every optional part on: shared experts with their gate, the selection bias, a dense first layer,
+# every other layer after it
+_MOES = [MoEConfig(n_experts=4, top_k=2, d_expert=6),
+         MoEConfig(n_experts=4, top_k=1, d_expert=6, n_shared=2, shared_gate=True, score_bias=True,
+                   first_dense=1),
+         MoEConfig(n_experts=6, top_k=2, d_expert=5, d_shared=7, first_dense=1, every=2)]
+
+
+@pytest.mark.parametrize("moe", _MOES)
+@pytest.mark.parametrize("model", ["decoder", "mla"])
+def test_moe_count_is_the_sum_of_the_moe_shapes(model, moe):
+    from refmath.models import decoder, mla
+
+    if model == "decoder":
+        module, config = decoder, decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16,
+                                                        n_layers=3, n_heads=4, n_kv_heads=2,
+                                                        ffn_multiple_of=8)
+    else:
+        module, config = mla, mla.MLAConfig(**_TINY_MLA, q_lora_rank=5, latent_norm=True)
+    described = ModelConfig("moe-test", **{**module.sizing_fields(config), "moe": moe})
+    expected = _with_moe_ffn(module.param_shapes(config), config, moe)
+    counts = parameter_counts(described)
+    assert counts.total == _shape_total(expected)
+    # the per-layer breakdown is the moe shapes' own sizes
+    from refmath.sizing import moe_parameter_count
+    layer = moe_parameter_count(16, moe)
+    assert layer.total == _shape_total(moe_param_shapes(16, moe))
+    assert layer.routed == moe.n_experts * 3 * 16 * moe.d_expert
+
+
+@pytest.mark.parametrize("model", ["decoder", "mla"])
+def test_moe_count_is_the_models_own_once_it_has_moe_layers(model):
+    from refmath.models import decoder, mla
+
+    config_class = decoder.DecoderConfig if model == "decoder" else mla.MLAConfig
+    if "moe" not in config_class.__dataclass_fields__:
+        pytest.skip(f"{config_class.__name__} has no moe field: the model has no MoE layers to "
+                    f"compare with (test_moe_count_is_the_sum_of_the_moe_shapes checks the layers)")
+    moe = _MOES[1]
+    if model == "decoder":
+        module, config = decoder, decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16,
+                                                        n_layers=3, n_heads=4, n_kv_heads=2,
+                                                        ffn_multiple_of=8, moe=moe)
+    else:
+        module, config = mla, mla.MLAConfig(**_TINY_MLA, q_lora_rank=5, latent_norm=True, moe=moe)
+    described = ModelConfig("moe-test", **module.sizing_fields(config))
+    assert described.moe == moe
+    assert parameter_counts(described).total == _shape_total(module.param_shapes(config))
+
+
+def test_moe_config_fields_are_checked():
+    base = dict(name="m", n_layers=2, d_model=16, n_heads=2, kv_heads=2, head_dim=8, d_ff=32,
+                vocab_size=10)
+    # a dict of MoEConfig's fields is converted
+    config = ModelConfig(**base, moe=dict(n_experts=4, top_k=2, d_expert=8))
+    assert config.moe == MoEConfig(n_experts=4, top_k=2, d_expert=8) and config.moe_layers == 2
+    with pytest.raises(TypeError, match="ModelConfig.moe must be a MoEConfig"):
+        ModelConfig(**base, moe=[4, 2, 8])
+    with pytest.raises(ValueError, match="experts are SwiGLUs"):
+        ModelConfig(**base, mlp="gelu", moe=dict(n_experts=4, top_k=2, d_expert=8))
+    with pytest.raises(ValueError, match=r"ModelConfig.q_lora_rank describes MLA.*d_c"):
+        ModelConfig(**base, q_lora_rank=4)
+    with pytest.raises(ValueError, match=r"ModelConfig.latent_norm describes MLA"):
+        ModelConfig(**base, latent_norm=True)
+    with pytest.raises(ValueError, match=r"ModelConfig.qkv_bias = True is not counted for MLA"):
+        ModelConfig(**base, d_c=8, d_rope=4, qkv_bias=True)
+    with pytest.raises(ValueError, match=r"ModelConfig.norms_per_layer must be an int >= 0"):
+        ModelConfig(**base, norms_per_layer=-1)
+
+
+# ---- the published presets ----------------------------------------------------------------------
+
+def _meta_count(model_type: str, **fields) -> int:
+    """Parameters of the transformers model of ``fields``, built on the meta device (no memory),
+    with DeepSeek-V3's selection bias, which transformers keeps as a buffer, counted."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers' model")
+    torch = pytest.importorskip("torch", reason="transformers' models need torch")
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    bias = sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in model.parameters()) + bias
+
+
+_DEEPSEEK_MLA = dict(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                     tie_word_embeddings=False)
+# The published config.json fields (the layers cut where noted, to keep the models small: one
+# count per layer kind is what is compared).
+_HF_CONFIGS = {
+    "gpt-3-175b": ("gpt2", dict(vocab_size=50257, n_positions=2048, n_embd=12288, n_layer=96,
+                                n_head=96)),
+    "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                 num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4, tie_word_embeddings=False)),
+    "falcon-7b": ("falcon", dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32,
+                                 num_attention_heads=71, multi_query=True, parallel_attn=True,
+                                 bias=False, new_decoder_architecture=False, alibi=False)),
+    "gemma-2-9b": ("gemma2", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                                  num_hidden_layers=42, num_attention_heads=16,
+                                  num_key_value_heads=8, head_dim=256, tie_word_embeddings=True)),
+    "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_local_experts=8,
+                                     num_experts_per_tok=2, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128,
+                                     tie_word_embeddings=False)),
+    # 3 of 60 layers: the dense first one and two MoE layers
+    "deepseek-v2": ("deepseek_v2", dict(_DEEPSEEK_MLA, vocab_size=102400, hidden_size=5120,
+                                        num_hidden_layers=3, first_k_dense_replace=1,
+                                        intermediate_size=12288, moe_intermediate_size=1536,
+                                        n_routed_experts=160, n_shared_experts=2,
+                                        num_experts_per_tok=6, n_group=8, topk_group=3)),
+    # 4 of 61 layers: the 3 dense ones and one MoE layer
+    "deepseek-v3": ("deepseek_v3", dict(_DEEPSEEK_MLA, vocab_size=129280, hidden_size=7168,
+                                        num_hidden_layers=4, first_k_dense_replace=3,
+                                        intermediate_size=18432, moe_intermediate_size=2048,
+                                        n_routed_experts=256, n_shared_experts=1,
+                                        num_experts_per_tok=8, n_group=8, topk_group=4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_HF_CONFIGS))
+def test_presets_count_what_transformers_builds(name):
+    model_type, fields = _HF_CONFIGS[name]
+    layers = fields.get("num_hidden_layers", fields.get("n_layer"))
+    preset = dataclasses.replace(PRESETS[name], n_layers=layers)
+    assert parameter_counts(preset).total == _meta_count(model_type, **fields)
+
+
+def test_deepseek_v3_whole_count_by_layer_kind():
+    # 61 layers: 3 dense (MLA + SwiGLU 3 d 18432 + 2 RMSNorms), 58 MoE (router 7168 x 256 and its
+    # 256 biases, 256 + 1 experts of 3 d 2048); embedding and untied head 129280 x 7168; final norm
+    d, attn, norms = 7168, 187_107_328, 2 * 7168
+    dense = attn + 3 * d * 18432 + norms
+    moe = attn + d * 256 + 256 + 257 * 3 * d * 2048 + norms
+    total = 3 * dense + 58 * moe + 2 * 129280 * d + d
+    assert parameter_counts(PRESETS["deepseek-v3"]).total == total == 671_026_419_200
+
+
+def test_published_totals_explained_where_the_count_does_not_round_to_them():
+    # Qwen2.5-7B: 7,615,616,512 parameters round to 7.62B; the card's 7.61B is that number cut
+    # off, while its 6.53B without the embedding and the untied head rounds as it should.
+    qwen = parameter_counts(PRESETS["qwen2.5-7b"])
+    assert qwen.total == 7_615_616_512 and not _rounds_to(qwen.total, "7.61e9")
+    assert int(qwen.total // 10**7) == 761
+    assert _rounds_to(qwen.total - qwen.embedding - qwen.output, "6.53e9")
+    # PaLM: Table 1's 540.35B, 62.50B and 8.63B all round from the count without the layer norms'
+    # scales (one per layer and the final one); with them 540B comes to 540.36B.
+    palm = PRESETS["palm-540b"]
+    counts = parameter_counts(palm)
+    assert counts.norms == 119 * 18432
+    assert not _rounds_to(counts.total, "540.35e9")
+    assert _rounds_to(counts.total - counts.norms, "540.35e9")
+    for layers, d, heads, published in ((64, 8192, 32, "62.50e9"), (32, 4096, 16, "8.63e9")):
+        smaller = parameter_counts(dataclasses.replace(palm, n_layers=layers, d_model=d,
+                                                       n_heads=heads, d_ff=4 * d))
+        assert _rounds_to(smaller.total - smaller.norms, published)
+        assert _rounds_to(smaller.total, published)
+    # Gemma 2 9B: the report's 8,324,201,984 non-embedding parameters exactly; its embedding
+    # 917,962,752 has 256,128 rows where config.json's has 256,000
+    gemma = parameter_counts(PRESETS["gemma-2-9b"])
+    assert gemma.total - gemma.embedding == 8_324_201_984
+    assert 256128 * 3584 == 917_962_752 and gemma.embedding == 256000 * 3584
+
+
+def test_norms_per_layer_and_the_bias_free_layernorm():
+    falcon, gemma, palm = (parameter_counts(PRESETS[n]) for n in ("falcon-7b", "gemma-2-9b",
+                                                                   "palm-540b"))
+    assert falcon.norms == 32 * 2 * 4544 + 2 * 4544  # one LayerNorm (gain, bias) a layer + final
+    assert gemma.norms == 42 * 4 * 3584 + 3584       # four RMSNorms a layer + final
+    assert palm.norms == 118 * 18432 + 18432         # one gain-only LayerNorm a layer + final
+
+
+# ---- active parameters, memory against compute -------------------------------------------------
+
+def test_active_parameters_of_the_moe_presets():
+    # active = total - L_MoE (E - k) 3 d d_e; matmul = active - V d - norm gains - selection biases
+    v3 = PRESETS["deepseek-v3"]
+    counts, active = parameter_counts(v3), active_parameters(v3)
+    assert active.total == counts.total
+    assert active.active == counts.total - 58 * (256 - 8) * 3 * 7168 * 2048 == 37_552_297_472
+    assert active.matmul == active.active - counts.embedding - counts.norms - 58 * 256
+    mixtral = PRESETS["mixtral-8x7b"]
+    counts, active = parameter_counts(mixtral), active_parameters(mixtral)
+    assert active.active == counts.total - 32 * (8 - 2) * 3 * 4096 * 14336 == 12_879_925_248
+    assert active.matmul == active.active - counts.embedding - counts.norms
+    # a dense model is all active
+    llama = active_parameters(PRESETS["llama-2-7b"])
+    counts = parameter_counts(PRESETS["llama-2-7b"])
+    assert llama.active == llama.total and llama.matmul == counts.total - counts.embedding - counts.norms
+
+
+def test_published_active_counts_and_their_conventions():
+    # Mixtral's 12.9B (three digits) needs the embedding counted: the matmul count is 12.7B
+    mixtral = active_parameters(PRESETS["mixtral-8x7b"])
+    assert _rounds_to(mixtral.active, PRESETS["mixtral-8x7b"].published_active)
+    assert not _rounds_to(mixtral.matmul, "12.9e9")
+    # DeepSeek-V2's 21B: either count
+    v2 = active_parameters(PRESETS["deepseek-v2"])
+    assert _rounds_to(v2.active, "21e9") and _rounds_to(v2.matmul, "21e9")
+    # DeepSeek-V3's 37B: the matmul count (36.62B) rounds to it, the count with the embedding
+    # (37.55B) only when cut off; no one convention gives both published figures
+    v3 = active_parameters(PRESETS["deepseek-v3"])
+    assert PRESETS["deepseek-v3"].published_active == "37e9"
+    assert _rounds_to(v3.matmul, "37e9") and not _rounds_to(v3.active, "37e9")
+    assert v3.active // 10**9 == 37
+
+
+def test_memory_against_compute_of_a_mixture_of_experts():
+    v3 = PRESETS["deepseek-v3"]
+    m = memory_against_compute(v3, bytes_per_element=2)
+    active = active_parameters(v3)
+    assert m.weight_bytes == 2 * m.total == 2 * 671_026_419_200
+    assert m.expert_bytes == 2 * 58 * 256 * 3 * 7168 * 2048
+    assert m.token_flops == 2 * active.matmul
+    assert m.bytes_per_flop == m.weight_bytes / m.token_flops
+    # a dense model holds about b/2 bytes per FLOP of a token; DeepSeek-V3 over 17 times that
+    dense = memory_against_compute(PRESETS["llama-3-8b"])
+    assert dense.expert_bytes == 0 and 1 < dense.bytes_per_flop < 1.1
+    assert m.bytes_per_flop > 17 * dense.bytes_per_flop
+    assert memory_against_compute(v3, 1).weight_bytes * 2 == m.weight_bytes
+
+
+def test_moe_decode_reads_the_chosen_experts_and_a_batch_reads_more_k13():
+    from refmath.sizing import decode_step_traffic, prefill_traffic
+    mixtral = PRESETS["mixtral-8x7b"]
+    counts, active = parameter_counts(mixtral), active_parameters(mixtral)
+    expert = 3 * 4096 * 14336
+    # batch 1: the 2 chosen experts of each layer, i.e. the active matmul weights, 2 bytes each
+    one = decode_step_traffic(mixtral, 100)
+    assert one.weight_bytes == 2 * active.matmul
+    assert decode_step_flops(mixtral, 100).weights == 2 * active.matmul
+    # batch 2: at most 4 distinct experts a layer; batch 4 or more: all 8, i.e. every weight but
+    # the embedding table and the norm gains (Mixtral has no biases)
+    assert decode_step_traffic(mixtral, 100, batch=2).weight_bytes == 2 * (active.matmul + 32 * 2 * expert)
+    every_weight = 2 * (counts.total - counts.embedding - counts.norms)
+    assert decode_step_traffic(mixtral, 100, batch=4).weight_bytes == every_weight
+    assert decode_step_traffic(mixtral, 100, batch=64).weight_bytes == every_weight
+    assert prefill_traffic(mixtral, 16).weight_bytes == every_weight
+    # the FLOPs stay each token's own k experts
+    assert decode_step_flops(mixtral, 100, batch=64).weights == 64 * 2 * active.matmul
+
+
+def test_mla_flops_are_refused_in_one_line():
+    from refmath.sizing import decode_step_traffic
+    for call in (lambda c: decode_step_flops(c, 10), lambda c: prefill_flops(c, 10),
+                 lambda c: decode_step_traffic(c, 10)):
+        with pytest.raises(ValueError, match=r"does not count MLA attention \('deepseek-v3'\)") as err:
+            call(PRESETS["deepseek-v3"])
+        assert "\n" not in str(err.value)
+
+
+# ---- expert-parallel all-to-all --------------------------------------------------------------
+
+def test_expert_parallel_bytes_by_hand():
+    # d = 4096, k = 2 experts on D = 8 devices, 2 bytes: each chosen expert is elsewhere with
+    # probability 7/8; d b = 8192 bytes go there and back: 2 * 2 * 7/8 * 8192 = 28,672
+    assert expert_parallel_bytes(4096, 2, 8, 2) == 28_672
+    assert expert_parallel_bytes(4096, 2, 1, 2) == 0  # one device: nothing leaves it
+    # DeepSeek-V3, one expert a device: 2 * 8 * 255/256 * 7168 * 2 = 228,480
+    assert expert_parallel_bytes(7168, 8, 256, 2) == 228_480
+    # node-limited: 8 nodes, at most 4 a token, one send to each: 2 * 4 * 7/8 * 7168 * 2 = 100,352
+    assert expert_parallel_bytes(7168, 8, 8, 2, max_devices=4) == 100_352
+    assert expert_parallel_bytes(7168, 2, 8, 2, max_devices=4) == expert_parallel_bytes(7168, 2, 8, 2)
+    with pytest.raises(ValueError, match="max_devices must be an int in"):
+        expert_parallel_bytes(7168, 8, 8, 2, max_devices=9)
+    with pytest.raises(ValueError, match="devices must be an int >= 1, got 0"):
+        expert_parallel_bytes(7168, 8, 0)
+
+
+def test_expert_parallel_bytes_is_the_average_over_every_routing():
+    # E = 8 experts, 2 on each of D = 4 devices; a token on each device, choosing each pair of
+    # experts: the average number of chosen experts off its device is k (1 - 1/D) = 3/2
+    from itertools import combinations
+    E, D, k, d, b = 8, 4, 2, 3, 2
+    device = [e // (E // D) for e in range(E)]
+    routings = [(home, chosen) for home in range(D) for chosen in combinations(range(E), k)]
+    remote = Fraction(sum(sum(device[e] != home for e in chosen) for home, chosen in routings),
+                      len(routings))
+    assert 2 * remote * d * b == expert_parallel_bytes(d, k, D, b) == 2 * k * Fraction(3, 4) * d * b
+    # one send per device reached: with at most M = 2 devices (k = 4 experts), the average over the
+    # routings that reach exactly 2 is M (1 - 1/D); a routing that reaches one device sends less
+    k, M = 4, 2
+    routings = [(home, {device[e] for e in chosen}) for home in range(D)
+                for chosen in combinations(range(E), k) if len({device[e] for e in chosen}) <= M]
+    spanning = [(home, devs) for home, devs in routings if len(devs) == M]
+    remote = Fraction(sum(len(devs - {home}) for home, devs in spanning), len(spanning))
+    assert 2 * remote * d * b == expert_parallel_bytes(d, k, D, b, max_devices=M)
+    assert all(2 * len(devs - {home}) * d * b <= 2 * M * d * b for home, devs in routings)
+
+
+def test_expert_parallel_traffic_of_the_presets():
+    v3 = PRESETS["deepseek-v3"]
+    plain = expert_parallel_traffic(v3)
+    assert (plain.devices, plain.max_devices) == (256, None)
+    assert plain.per_token == 58 * plain.per_layer == 58 * 228_480
+    node = expert_parallel_traffic(v3, node_limited=True)
+    assert (node.devices, node.max_devices, node.per_layer) == (8, 4, 100_352)
+    assert expert_parallel_traffic(v3, devices=64).per_layer == 2 * 8 * Fraction(63, 64) * 7168 * 2
+    with pytest.raises(ValueError, match="node_limited needs group-limited routing"):
+        expert_parallel_traffic(PRESETS["mixtral-8x7b"], node_limited=True)
+    with pytest.raises(ValueError, match="needs a mixture of experts"):
+        expert_parallel_traffic(PRESETS["llama-3-8b"])
+
+
+# ---- the `sizes` command for the MoE presets ---------------------------------------------------
+
+def test_sizes_for_deepseek_v3_prints_active_parameters_memory_and_all_to_all(capsys):
+    assert _run(["--preset", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters (N7): 671,026,419,200 (6.71e+11; published 671e9)" in out
+    assert "active parameters per token: 37,552,297,472 (3.76e+10; published 37e9)" in out
+    assert "58 of 61 layers; 8 of 256 routed experts per token, 1 shared" in out
+    # 2 * 58 * 256 * 3 * 7168 * 2048 bytes = 1.19 TiB of the 2 * 671,026,419,200 = 1.22 TiB
+    assert "all weights 1.22 TiB, of which the 58 x 256 routed experts 1.19 TiB" in out
+    assert f"2 x 36,624,596,992 active matmul weights = {2 * 36_624_596_992:.3e} FLOPs" in out
+    assert "2 k (1 - 1/D) d b = 2 x 8 x (1 - 1/256) x 7168 x 2 = 228,480 B per MoE layer" in out
+    assert f"x 58 layers = {format_bytes(58 * 228_480)}" in out
+    assert "M = topk_groups = 4" in out and "100,352 B per MoE layer at most" in out
+    assert "no prefill or decode attention count: MLA" in out
+
+
+def test_sizes_for_mixtral_prints_its_active_parameters_and_decode_flops(capsys):
+    assert _run(["--preset", "mixtral-8x7b", "--tokens", "1000", "--bytes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "active parameters per token: 12,879,925,248 (1.29e+10; published 12.9e9)" in out
+    assert "all weights 43.50 GiB" in out  # 46,702,792,704 bytes at b = 1
+    # 2 * 2 * 7/8 * 4096 * 1 = 14,336 bytes a layer; no group-limited line for greedy routing
+    assert "= 14,336 B per MoE layer" in out and "group-limited" not in out
+    # the decode step's weight FLOPs are one token's active matmul weights
+    step = decode_step_flops(PRESETS["mixtral-8x7b"], 1000)
+    assert step.weights == 2 * active_parameters(PRESETS["mixtral-8x7b"]).matmul
+    assert f"weights {step.weights:.3e}, attention {step.attention:.3e}" in out
+
+
+def test_sizes_help_describes_the_moe_figures(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sizes", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "active parameters per token" in out and "all-to-all" in out
+    assert "deepseek-v3" in out and "mixtral-8x7b" in out

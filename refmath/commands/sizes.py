@@ -10,15 +10,19 @@ import sys
 from refmath._validate import check_int
 from refmath.commands import CommandError
 from refmath.sizing import (
-    PRESETS, ModelConfig, adamw_training_memory, attention_cache_rows, decode_step_flops,
-    format_bytes, hf_parameter_count, inference_memory_rule_of_thumb, own_design, parameter_counts,
+    PRESETS, ModelConfig, active_parameters, adamw_training_memory, attention_cache_rows,
+    decode_step_flops, expert_parallel_traffic, format_bytes, hf_parameter_count,
+    inference_memory_rule_of_thumb, memory_against_compute, own_design, parameter_counts,
     prefill_flops, save_cache_plot, sizing_config)
 
 HELP = "KV-cache, memory, parameter and FLOP sizes for a preset or a given shape"
 DESCRIPTION = (
     "Sizes of the KV cache (MHA/GQA/MQA/MLA, optionally quantised), weights, inference and "
-    "training memory, parameters and FLOPs, for a published preset or for explicit flags. Units "
-    "are binary (KiB, MiB, GiB).")
+    "training memory, parameters and FLOPs, for a published preset or for explicit flags. For a "
+    "mixture of experts (--preset deepseek-v3, deepseek-v2, mixtral-8x7b) also the active "
+    "parameters per token, the memory of all the experts against the FLOPs of one token, and the "
+    "all-to-all bytes per token of expert parallelism (one expert per device, and with DeepSeek's "
+    "group-limited routing one group per device). Units are binary (KiB, MiB, GiB).")
 DEFAULT_TOKENS = 8192  # T for a shape whose context length is not known
 
 
@@ -46,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_TOKENS})")
     parser.add_argument("--batch", type=int, default=1, help="sequences B (default: 1)")
     parser.add_argument("--bytes", type=int, default=2,
-                        help="bytes per cached element b (default: 2, fp16/bf16)")
+                        help="bytes per element b: of the cache, and for a mixture of experts of "
+                        "its weights and of the rows sent to the experts (default: 2, fp16/bf16)")
     parser.add_argument("--plot", metavar="PATH",
                         help="also save a figure of cache size against context length, as .png, "
                         ".pdf, .svg, ... (needs matplotlib)")
@@ -107,6 +112,41 @@ def _print_parameters(config: ModelConfig, out, total: int | None = None) -> Non
     print(f"    = fp16 weights 2P {format_bytes(train.weights_fp16)} + fp16 grads 2P "
           f"{format_bytes(train.grads_fp16)} + fp32 master 4P {format_bytes(train.master_fp32)} "
           f"+ fp32 Adam m, v 8P {format_bytes(train.adam_moments_fp32)} (activations excluded)", file=out)
+
+
+def _print_moe(config: ModelConfig, b: int, out) -> None:
+    """Active parameters, the experts' memory against one token's FLOPs, and the expert-parallel
+    all-to-all traffic of a mixture of experts."""
+    moe, d = config.moe, config.d_model
+    L = config.moe_layers
+    budget = memory_against_compute(config, b)
+    active = active_parameters(config)
+    shared = f", {moe.n_shared} shared" if moe.n_shared else ""
+    print(f"\nmixture of experts: {L} of {config.n_layers} layers; {moe.top_k} of "
+          f"{moe.n_experts} routed experts per token{shared} (d_e = {moe.d_expert})", file=out)
+    published = f"; published {config.published_active}" if config.published_active else ""
+    print(f"  active parameters per token: {active.active:,} ({active.active:.3g}{published}) of "
+          f"{active.total:,}", file=out)
+    print(f"    = all but {L} layers x ({moe.n_experts} - {moe.top_k}) unchosen experts x 3 d d_e; "
+          f"the embedding and output matrices counted whole", file=out)
+    print(f"  memory, b={b} bytes per parameter: all weights {format_bytes(budget.weight_bytes)}, "
+          f"of which the {L} x {moe.n_experts} routed experts {format_bytes(budget.expert_bytes)}",
+          file=out)
+    print(f"  compute: one token through the weights, 2 x {active.matmul:,} active matmul weights "
+          f"= {budget.token_flops:.3e} FLOPs (attention scores excluded)", file=out)
+    print(f"    {budget.bytes_per_flop:.2f} bytes of weights held per FLOP of a token", file=out)
+    print(f"  expert-parallel all-to-all per token (dispatch + combine of the d = {d} row, "
+          f"b={b} bytes):", file=out)
+    plain = expert_parallel_traffic(config, bytes_per_element=b)
+    print(f"    D = E = {plain.devices} devices: 2 k (1 - 1/D) d b = 2 x {moe.top_k} x "
+          f"(1 - 1/{plain.devices}) x {d} x {b} = {plain.per_layer:,.0f} B per MoE layer; "
+          f"x {L} layers = {format_bytes(plain.per_token)}", file=out)
+    if moe.routing != "greedy":
+        node = expert_parallel_traffic(config, bytes_per_element=b, node_limited=True)
+        print(f"    group-limited routing, one group a device: D = n_groups = {node.devices}, "
+              f"at most M = topk_groups = {node.max_devices} a token, one send to each: "
+              f"2 min(k, M) (1 - 1/D) d b = {node.per_layer:,.0f} B per MoE layer at most; "
+              f"x {L} layers = {format_bytes(node.per_token)}", file=out)
 
 
 def _print_flops(config: ModelConfig, tokens: int, batch: int, out) -> None:
@@ -191,12 +231,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  counted for all T tokens (K6); a rolling cache of the {config.sliding_window}-token "
               f"window would cap T there", file=out)
 
-    if config.d_ff is not None and config.vocab_size is not None and not config.is_mla:
-        _print_parameters(config, out)
-        if not config.encoder_layers:
-            _print_flops(config, tokens, args.batch, out)
-    elif hf_total is not None:
+    countable = config.vocab_size is not None and (
+        config.d_ff is not None or config.moe_layers == config.n_layers)
+    if hf_total is not None or countable:
         _print_parameters(config, out, hf_total)
+        if config.moe is not None:
+            _print_moe(config, args.bytes, out)
+        if config.is_mla:
+            matmul = active_parameters(config).matmul
+            print(f"\nFLOPs (2 per multiply-add): one token through the weights, 2 x {matmul:,} = "
+                  f"{2 * matmul:.3e}; no prefill or decode attention count: MLA's scores run on "
+                  f"the latent cache, which these formulas do not model", file=out)
+        elif not config.encoder_layers:
+            _print_flops(config, tokens, args.batch, out)
     elif args.preset:
         print(f"\n(no parameter or FLOP count: {config.name} describes only its attention)", file=out)
 

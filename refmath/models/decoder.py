@@ -733,7 +733,8 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window,
-                qk_norm=config.qk_norm)
+                qk_norm=config.qk_norm,
+                moe=getattr(config, "moe", None))  # None: dense feed-forwards
 
 
 # ---- Hugging Face: llama, mistral, qwen2 and qwen3 (refmath.hf reads and writes the files) -------

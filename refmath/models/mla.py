@@ -432,9 +432,11 @@ def sizing_fields(config: MLAConfig) -> dict:
     """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
     name and source): what the parameter, memory and FLOP calculators need to know of it."""
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
-                kv_heads=config.n_heads, head_dim=config.d_k, d_ff=config.d_f,
-                vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
-                d_c=config.d_c, d_rope=config.d_rope)
+                kv_heads=config.n_heads, head_dim=config.d_k, v_head_dim=config.d_v,
+                d_ff=config.d_f, vocab_size=config.vocab_size,
+                tie_embeddings=config.tie_embeddings, d_c=config.d_c, d_rope=config.d_rope,
+                q_lora_rank=config.q_lora_rank, latent_norm=config.latent_norm,
+                moe=getattr(config, "moe", None))  # None: dense feed-forwards
 
 
 # ---- Hugging Face: deepseek_v2 and deepseek_v3, dense (refmath.hf reads and writes the files) ----
