@@ -4,10 +4,13 @@ Every calculator is a small pure function on integers, so a learner can check ea
 and a test can compare exact byte counts. Units: bytes are plain integers; the printed tables use
 binary units (1 KiB = 1024 bytes, 1 MiB = 1024 KiB, 1 GiB = 1024 MiB), as the worked examples do.
 
-Catalogue IDs: K6, K7 (cache size and its worked table), K9 (MLA cache), K12 (quantised cache
-bytes), N7 (SwiGLU parameter count), S1 (inference rule of thumb), S2 (AdamW training memory),
-S3 (cache ratios), A13 (what grouping saves), K13 (decode bytes, arithmetic intensity, the
-bandwidth bound). ``python -m refmath sizes`` prints them (:mod:`refmath.commands.sizes`).
+Catalogue IDs: K6, K7 (cache size and its worked table), K8, K9 (MLA cache and projections), K12
+(quantised cache bytes), N7 (SwiGLU parameter count, dense and per expert), S1 (inference rule
+of thumb), S2 (AdamW training memory), S3 (cache ratios), A13 (what grouping saves), K13 (decode
+bytes, arithmetic intensity, the bandwidth bound). For a mixture of experts (:mod:`refmath.moe`):
+the active parameters per token, the experts' memory against one token's FLOPs, and the
+all-to-all traffic of expert parallelism. ``python -m refmath sizes`` prints them
+(:mod:`refmath.commands.sizes`).
 """
 from __future__ import annotations
 
