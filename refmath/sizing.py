@@ -294,7 +294,8 @@ class ModelConfig:
         if self.mlp != "swiglu" or self.mlp_bias:
             raise ValueError(f"ModelConfig.moe: the experts are SwiGLUs without biases "
                              f"(refmath.moe), so mlp must be 'swiglu' and mlp_bias False; got "
-                             f"mlp = {self.mlp!r}, mlp_bias = {self.mlp_bias} (config {self.name!r})")
+                             f"mlp = {self.mlp!r}, mlp_bias = {self.mlp_bias} "
+                             f"(config {self.name!r})")
         if self.encoder_layers:
             raise ValueError(f"ModelConfig.moe is written for decoder-only models; config "
                              f"{self.name!r} has encoder_layers = {self.encoder_layers}")
@@ -682,7 +683,8 @@ def active_parameters(config: ModelConfig) -> ActiveParams:
     unchosen = 0
     if config.moe_layers:
         moe = config.moe
-        unchosen = config.moe_layers * (moe.n_experts - moe.top_k) * 3 * config.d_model * moe.d_expert
+        expert = 3 * config.d_model * moe.d_expert
+        unchosen = config.moe_layers * (moe.n_experts - moe.top_k) * expert
     matmul = _weight_macs_per_token(config) + config.d_model * config.vocab_size
     return ActiveParams(total, total - unchosen, matmul)
 
@@ -699,7 +701,7 @@ def _attention_macs(config: ModelConfig) -> int:
     # Multiply-adds of one token through one attention block's weight matrices (no biases, norms).
     d, h, g, dh = config.d_model, config.n_heads, config.kv_heads, config.head_dim
     if config.is_mla:
-        # Each matrix once: in the absorbed decode too, W_UK acts on the query and W_UV on the output.
+        # Each matrix once: in the absorbed decode too, W_UK acts on the query, W_UV on the output.
         return mla_attention_parameter_count(d, h, dh, config.value_dim, config.d_c,
                                              config.d_rope, config.q_lora_rank)
     return d * h * dh + 2 * d * g * dh + h * dh * d
@@ -744,8 +746,8 @@ def _decoder_only(config: ModelConfig, what: str) -> None:
     if config.encoder_layers:
         raise ValueError(f"{what} is written for decoder-only models; {config.name!r} has an encoder")
     if config.is_mla:
-        raise ValueError(f"{what} does not count MLA attention ({config.name!r}): its scores run on "
-                         f"the latent cache, which these formulas do not model; "
+        raise ValueError(f"{what} does not count MLA attention ({config.name!r}): its scores run "
+                         f"on the latent cache, which these formulas do not model; "
                          f"active_parameters counts its weights")
 
 
