@@ -207,8 +207,8 @@ assert err_rounded_p < 1e-3 < 3e-2 < err_all_half
 #
 # <!-- BEGIN SOLUTION -->
 # Rounding a weight changes that one term by a relative $2^{-11}$ (float16) or $2^{-8}$
-# (bfloat16), and the output, a weighted average, by at most as much: the error does not grow with
-# the number of keys. A running sum is rounded at every addition by a relative $u$ of the *sum*,
+# (bfloat16), so the output, a weighted average of the values, moves by at most that fraction of
+# the largest value, however many keys there are. A running sum is rounded at every addition by a relative $u$ of the *sum*,
 # which grows; once it is large next to the terms, whole terms are lost, and the error grows with
 # $T$. So every accumulator ($Q K^\top$ over $D$, $l$ and $u$ over the keys, $dK$, $dV$, $dQ$ in
 # the backward) stays float32, and so does the logsumexp, from which the backward rebuilds every
@@ -308,7 +308,7 @@ if source.exists():
                      source.read_text())
     expression = " ".join(line.group(1).split())  # the forward pass's, the first in the file
     print("csrc/flash_cpu.cpp: per_thread = padded_floats(" + expression + ")")
-    for d in (32, 64, 128, 256):
+    for d in (32, 64, 128, 256):  # C++ arithmetic on three names, which Python reads alike
         floats = eval(expression, {}, {"kBlockQ": 128, "kBlockK": 128,
                                        "shape": type("Shape", (), {"head_dim": d})})
         assert 4 * (-(-floats // 16) * 16) == forward_scratch_bytes(d), d
@@ -327,8 +327,8 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# About 200 KB at $D = 64$ and 330 KB at $D = 128$: a current x86 core's level-2 cache, which is
-# how the tile sizes were chosen. On a GPU the same count decides how many thread blocks fit on a
+# About 200 KB at $D = 64$ and 330 KB at $D = 128$, about the size of a current x86 core's
+# level-2 cache, where a thread's tile stays while the thread works on it. On a GPU the same count decides how many thread blocks fit on a
 # multiprocessor: CUDA v2 keeps $Q$ (float32) for 32 rows, a 32-key tile of $K$ and of $V$ and the
 # $32 \times 32$ weights in shared memory, 36,992 bytes for fp16 at $D = 128$, where an H100 or
 # H200 multiprocessor has at most 228 KB.
@@ -565,8 +565,8 @@ else:
 # latency. The CUDA decode (`_auto_splits`, `refmath/kernels.py`) aims at 10 blocks per
 # multiprocessor and no split under 256 tokens: on a 132-multiprocessor H200, one sequence of
 # 32768 tokens with 8 key/value heads gets $\min(\lceil 1320/8 \rceil, 32768/256) = 128$ splits,
-# where 16 CPU threads take 16. The paged kernel (`kernels.paged_decode`, K10) cuts its list of
-# pages the same way.
+# where 16 CPU threads take 16. The paged kernel (`kernels.paged_decode`, K10) splits its list of
+# pages instead of its keys, by a rule of the same kind.
 #
 # ## F4: what it buys in time, with 8 and 16 lanes
 #
@@ -671,7 +671,7 @@ print(kernels.cuda_build_info())
 #    thread (`flash_backward_cpu`). Name its buffers from `backward_kv_tile_impl`, compute the bytes
 #    at $D = 64$ and 128, and say whether they fit a 512 KiB level-2 cache.
 # 2. Bound the relative error of the degree-7 polynomial for $2^f$ on $|f| \le 1/2$ by the first
-#    omitted Taylor term; compare with the measured $7 \times 10^{-9}$ and with $u = 2^{-24}$.
+#    omitted Taylor term; compare it with the error measured above and with $u = 2^{-24}$.
 # 3. On a 132-multiprocessor GPU, how many splits does `_auto_splits` choose for 64 sequences of
 #    2048 tokens with 8 key/value heads? From what batch size on does it stop splitting?
 # 4. From your timings, estimate the exponent $k$ in $t \propto T^k$ between $T = 512$ and 1024
@@ -680,10 +680,10 @@ print(kernels.cuda_build_info())
 # ## References
 #
 # - Dao, T., et al. (2022). FlashAttention: Fast and Memory-Efficient Exact Attention with
-#   IO-Awareness. (Tiling, the online softmax, the test rule against a plain low-precision
-#   implementation.)
+#   IO-Awareness. (Tiling and the online softmax; the flash-attention repository's tests hold the
+#   kernel to twice the error of a plain implementation in the same precision.)
 # - Dao, T. (2023). FlashAttention-2: Faster Attention with Better Parallelism and Work
-#   Partitioning. (Work split across threads; float32 accumulation on the tensor cores.)
+#   Partitioning. (The work split across thread blocks and warps.)
 # - Dao, T., Haziza, D., Massa, F., and Sizov, G. (2023). Flash-Decoding for long-context
 #   inference. (Splitting the keys of a decode step and merging the pieces.)
 # - Milakov, M., and Gimelshein, N. (2018). Online normalizer calculation for softmax.
