@@ -3,6 +3,10 @@
 ``docs/equations.md`` stays the single source (``tests/test_catalogue.py`` reads it too); this
 module only renders it. Each ID gets
 
+* a heading of its ID and its "What" cell, whose formulas the cell writes as ``$...$`` inline maths
+  (MyST's dollarmath renders them, so the headings set their formulas as the bodies do); the
+  label ``(a5)=`` above each heading is the entry's anchor, ``catalogue.html#a5``, whatever the
+  heading says;
 * its statement from the shared catalogue (``../shared/EQUATIONS.md`` beside the checkout), its
   plain-text formulas turned into LaTeX, or this project's one-line description when the shared
   catalogue is absent;
@@ -132,11 +136,26 @@ def _lesson_link(lesson: str, eq_id: str, root: Path) -> str:
     return f"[{Path(lesson).stem}]({target})"
 
 
+def heading(row: CatalogueRow) -> list[str]:
+    """The label and the heading of an entry: ``(a5)=`` and ``## A5: softmax Jacobian $...$``.
+
+    A ``$`` left open, or a formula that begins or ends with a space (which MyST's dollarmath does
+    not take for maths), would print the LaTeX as text: ``ValueError`` naming the ID."""
+    where = f"docs/equations.md, {row.eq_id}: the What cell {row.what!r}"
+    if row.what.count("$") % 2:
+        raise ValueError(f"{where} leaves a $ unclosed")
+    for formula in re.findall(r"\$([^$]*)\$", row.what):
+        if not formula.strip() or formula != formula.strip():
+            raise ValueError(f"{where} has the formula ${formula}$, empty or with a space inside "
+                             "its $ signs, which MyST does not render as maths")
+    return [f"({row.eq_id.lower()})=", f"## {row.eq_id}: {row.what}"]
+
+
 def render_catalogue(rows: list[CatalogueRow], shared: dict[str, str], root: Path) -> str:
     """The MyST markdown of the catalogue entries, one section per ID."""
     out = []
     for row in rows:
-        out += [f"({row.eq_id.lower()})=", f"## {row.eq_id}: {row.what}", ""]
+        out += [*heading(row), ""]
         if row.eq_id in shared:
             out += [markdown_with_math(shared[row.eq_id]), ""]
         if row.later:
