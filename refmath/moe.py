@@ -258,8 +258,8 @@ def router_scores_backward(dscores, cache: RouterScoresCache, dlogits=None):
 # ---- E2, E3: selection and gates -----------------------------------------------------------------
 
 # DeepSeek-V3's code in transformers adds 1e-20 to the sum of the chosen sigmoid scores before
-# dividing by it: k sigmoids can all underflow to 0 (logits below about -745), whereas the top-k
-# of a softmax sum to at least 1/E. The same guard, for the same scores, keeps us equal to it.
+# dividing by it, since k sigmoids can all underflow to 0 (logits below about -745 in float64).
+# Mixtral's and Qwen2-MoE's divide the softmax's top k by their sum as it is. We do the same.
 _SIGMOID_NORM_EPS = 1e-20
 
 
@@ -379,8 +379,8 @@ def route(scores, moe, bias=None):
 
 
 def route_backward(dgates, cache: RouteCache):
-    r"""Gradient of :func:`route`'s gates with respect to the scores: returns ``dscores``
-    ``(N, E)``, dense, zero for every expert a token did not choose.
+    r"""Gradient of :func:`route`'s gates with respect to the scores (catalogue E3): returns
+    ``dscores`` ``(N, E)``, dense, zero for every expert a token did not choose.
 
     Without renormalisation a gate is :math:`\rho` times its score. With it,
     :math:`g_j = \rho s_j / D` with :math:`D = \sum_l s_l + \varepsilon` over the chosen, so
@@ -394,8 +394,9 @@ def route_backward(dgates, cache: RouteCache):
     scores (and of the bias): its derivative is zero wherever it is defined, which is everywhere
     except where two candidates tie (the k-th and (k+1)-th expert, or the last kept and the first
     dropped group). So the gates carry the whole gradient, and the bias gets none. At a tie the
-    derivative does not exist; we return the gradient of the selection actually made (ties
-    broken towards the lower index), which is one of the one-sided derivatives. A gradient check
+    derivative does not exist (the output jumps as another expert comes in); we return the
+    gradient of the selection actually made (ties broken towards the lower index), that is the
+    one-sided derivative from the side where the same experts are chosen. A gradient check
     must therefore keep the inputs farther from every tie than the finite differences reach
     (:func:`routing_margin`). A token whose scores held a NaN gets a row of NaN.
     """
@@ -1042,4 +1043,4 @@ _LAYERS = {
 for _label, (_moe, _shape) in _LAYERS.items():
     register_case(OpCase("moe", _label, ("E1", "E2", "E3", "E4", "E5"), _moe_inputs(_moe, _shape),
                          _moe_case_forward, _moe_case_backward,
-                         ("x", *moe_param_shapes(_shape[-1], _moe)), max_coords=16))
+                         ("x", *moe_param_shapes(_shape[-1], _moe)), max_coords=12))
