@@ -1041,6 +1041,7 @@ _LAYERS = {
                   score_bias=True, balance_coef=0.1), (2, 3, 8)),
 }
 for _label, (_moe, _shape) in _LAYERS.items():
-    register_case(OpCase("moe", _label, ("E1", "E2", "E3", "E4", "E5"), _moe_inputs(_moe, _shape),
-                         _moe_case_forward, _moe_case_backward,
+    _aux = _moe.balance_coef or _moe.device_balance_coef or _moe.z_coef
+    register_case(OpCase("moe", _label, ("E1", "E2", "E3", "E4") + (("E5",) if _aux else ()),
+                         _moe_inputs(_moe, _shape), _moe_case_forward, _moe_case_backward,
                          ("x", *moe_param_shapes(_shape[-1], _moe)), max_coords=12))
