@@ -496,8 +496,8 @@ def expert_balance_loss(probs, load, top_k: int):
     loss is then 1; it grows as probability and load pile on the same experts.
 
     Switch Transformer's and Mixtral's form, ``load_balancing_loss_func`` in transformers, is
-    :math:`\frac{E}{N} \sum_i \text{load}_i P_i`, which is ``k`` times this (``tests/test_moe_torch.py``
-    checks the relation on the same logits).
+    :math:`\frac{E}{N} \sum_i \text{load}_i P_i`, which is ``k`` times this
+    (``tests/test_moe_torch.py`` checks the relation on the same logits).
 
     :math:`f` is a count of a selection, piecewise constant in the scores: no gradient flows
     through it, only through :math:`P`. Returns ``(loss, cache)``, ``loss`` a scalar of the dtype
@@ -613,7 +613,8 @@ def balance_bias_update(bias, load, speed: float):
     lower the selection bias of every overloaded expert and raise that of every underloaded one.
 
     .. math::
-        b_i \leftarrow b_i - \gamma\,\operatorname{sign}\!\big(\text{load}_i - \overline{\text{load}}\big)
+        b_i \leftarrow b_i
+            - \gamma\,\operatorname{sign}\!\big(\text{load}_i - \overline{\text{load}}\big)
 
     ``speed`` is the bias update speed :math:`\gamma` (0.001 for most of DeepSeek-V3's
     training), ``load`` the tokens each expert received in the step (:func:`expert_load`, or
@@ -637,7 +638,8 @@ def balance_bias_update(bias, load, speed: float):
 # ---- E4: the MoE feed-forward --------------------------------------------------------------------
 
 _LAYOUTS = {"router.w": "(d, n_experts)", "router.bias": "(n_experts,)",
-            "experts.w_gate": "(n_experts, d, d_expert)", "experts.w_up": "(n_experts, d, d_expert)",
+            "experts.w_gate": "(n_experts, d, d_expert)",
+            "experts.w_up": "(n_experts, d, d_expert)",
             "experts.w_down": "(n_experts, d_expert, d)", "shared.w_gate": "(d, d_shared)",
             "shared.w_up": "(d, d_shared)", "shared.w_down": "(d_shared, d)",
             "shared_gate.w": "(d, 1)"}
@@ -752,7 +754,8 @@ def moe_forward(x, params, moe):
     np.put_along_axis(weight, indices, gates, axis=1)
     weight[routing.invalid] = np.nan
 
-    w_gate, w_up, w_down = params["experts.w_gate"], params["experts.w_up"], params["experts.w_down"]
+    w_gate, w_up = params["experts.w_gate"], params["experts.w_up"]
+    w_down = params["experts.w_down"]
     y = np.zeros((n, d), dtype=np.result_type(rows, w_down, gates))
     experts = []
     for e in range(moe.n_experts):
@@ -861,7 +864,9 @@ def moe_backward(dy, cache: MoECache, daux=1.0):
             dlogits = grad
             continue
         probs, total = cache.balance_probs  # a balance loss: its gradient is on the probabilities
-        dscores = dscores + (grad if total is None else _token_normalise_backward(grad, probs, total))
+        if total is not None:  # sigmoid scores: back through their per-token normalisation
+            grad = _token_normalise_backward(grad, probs, total)
+        dscores = dscores + grad
     dx_router, dw_router = router_scores_backward(dscores, router, dlogits)
     dx += dx_router
     grads = {"router.w": dw_router, **grads}

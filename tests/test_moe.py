@@ -219,8 +219,8 @@ def test_e4_output_is_each_tokens_gated_sum_of_its_experts(family):
     for n, row in enumerate(rows):
         expected = np.zeros(8)
         for e, g in zip(cache.indices[n], cache.gates[n]):
-            expected += g * swiglu_forward(row, params["experts.w_gate"][e],
-                                           params["experts.w_up"][e], params["experts.w_down"][e])[0]
+            expert = [params[f"experts.{name}"][e] for name in ("w_gate", "w_up", "w_down")]
+            expected += g * swiglu_forward(row, *expert)[0]
         if moe.shared_width:
             shared = swiglu_forward(row, params["shared.w_gate"], params["shared.w_up"],
                                     params["shared.w_down"])[0]

@@ -36,7 +36,8 @@ def _changed(a, b, tolerance=0.0):
     return ~same
 
 
-def assert_nan_propagates(run, arrays: dict, targets, label: str, rng, rounding: float = 0.0) -> None:
+def assert_nan_propagates(run, arrays: dict, targets, label: str, rng,
+                          rounding: float = 0.0) -> None:
     """For each ``(name, flat index)`` in ``targets``: every entry of ``run(arrays)`` (a flat float
     vector, or a list of arrays) that changes as ``arrays[name].flat[index]`` takes a few finite
     values must be NaN when that entry is NaN. With ``rounding``, a change of at most ``rounding``

@@ -112,8 +112,8 @@ def _moe(x, config, **p):
         h = F.silu(rows[token] @ p["experts.w_gate"][e]) * (rows[token] @ p["experts.w_up"][e])
         y = y.index_add(0, token, gates[token, slot, None] * (h @ p["experts.w_down"][e]))
     if "shared.w_gate" in p:
-        shared = F.linear(F.silu(F.linear(rows, p["shared.w_gate"].T)) * F.linear(rows, p["shared.w_up"].T),
-                          p["shared.w_down"].T)
+        hidden = F.silu(F.linear(rows, p["shared.w_gate"].T)) * F.linear(rows, p["shared.w_up"].T)
+        shared = F.linear(hidden, p["shared.w_down"].T)
         y = y + (torch.sigmoid(F.linear(rows, p["shared_gate.w"].T)) * shared
                  if "shared_gate.w" in p else shared)
     load = torch.bincount(indices.reshape(-1), minlength=moe.n_experts).to(rows.dtype)
