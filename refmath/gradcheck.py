@@ -343,6 +343,7 @@ OP_MODULES = (
     "refmath.attention",
     "refmath.norms",
     "refmath.ffn",
+    "refmath.moe",
     "refmath.positions",
     "refmath.embedding",
     "refmath.losses",

@@ -20,28 +20,49 @@ from refmath.softmax import (online_softmax_block, online_softmax_empty, online_
 CASES = [case for case in all_cases(None) if isinstance(case, OpCase)]
 PROBES = 3  # finite values tried at each entry
 ENTRIES = 4  # entries tried per input
+# The MoE layer runs each expert's matrix products over the tokens routed to it. A probe that
+# re-routes one token hands the other tokens of those experts to BLAS in a batch of another size,
+# whose blocking can change their last bits although they do not depend on the probed entry. For
+# these ops a change counts as a dependence only above ROUNDING times the largest magnitude of its
+# array (the output or one gradient); a real dependence moves an entry by far more.
+ROUTED_OPS = {"moe"}
+ROUNDING = 1e-12
 
 
-def _changed(a, b):
-    return ~((a == b) | (np.isnan(a) & np.isnan(b)))
+def _changed(a, b, tolerance=0.0):
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    if np.any(tolerance):
+        same |= np.abs(a - b) <= tolerance
+    return ~same
 
 
-def assert_nan_propagates(run, arrays: dict, targets, label: str, rng) -> None:
+def assert_nan_propagates(run, arrays: dict, targets, label: str, rng,
+                          rounding: float = 0.0) -> None:
     """For each ``(name, flat index)`` in ``targets``: every entry of ``run(arrays)`` (a flat float
-    vector) that changes as ``arrays[name].flat[index]`` takes a few finite values must be NaN when
-    that entry is NaN."""
+    vector, or a list of arrays) that changes as ``arrays[name].flat[index]`` takes a few finite
+    values must be NaN when that entry is NaN. With ``rounding``, a change of at most ``rounding``
+    times the largest magnitude of its array is not a change."""
+    def flat_run(a):
+        parts = run(a)
+        parts = [parts] if isinstance(parts, np.ndarray) else parts
+        magnitudes = (np.concatenate([np.full(np.size(p), np.abs(p).max(initial=0.0))
+                                      for p in parts]) if rounding else 0.0)
+        return np.concatenate([np.ravel(p) for p in parts]), magnitudes
+
     for name, index in targets:
         trial = {k: (np.array(v, dtype=np.float64) if k == name else v) for k, v in arrays.items()}
         target = trial[name]
-        probes = []
+        probes, scale = [], 0.0
         for value in rng.standard_normal(PROBES):
             target.flat[index] = value
-            probes.append(run(trial))
+            values, magnitudes = flat_run(trial)
+            probes.append(values)
+            scale = np.maximum(scale, magnitudes)
         depends = np.zeros(probes[0].shape, dtype=bool)
         for other in probes[1:]:
-            depends |= _changed(probes[0], other)
+            depends |= _changed(probes[0], other, rounding * scale)
         target.flat[index] = np.nan
-        finite = depends & ~np.isnan(run(trial))
+        finite = depends & ~np.isnan(flat_run(trial)[0])
         assert not finite.any(), (
             f"{label}: NaN at {name}.flat[{index}] left {finite.sum()} of the {depends.sum()} "
             f"dependent outputs/gradients finite (e.g. flat {np.flatnonzero(finite)[:5]})"
@@ -66,10 +87,11 @@ def test_registered_op(case):
         dout = a.pop("dout")
         out, cache = case.forward(**a)
         grads = case.grads_by_name(case.backward(dout, cache))
-        return np.concatenate([np.ravel(out)] + [np.ravel(grads[name]) for name in case.wrt])
+        return [np.asarray(out)] + [grads[name] for name in case.wrt]
 
     rng = np.random.default_rng(1)
-    assert_nan_propagates(run, arrays, _some_entries(arrays, rng), case.name, rng)
+    assert_nan_propagates(run, arrays, _some_entries(arrays, rng), case.name, rng,
+                          rounding=ROUNDING if case.op in ROUTED_OPS else 0.0)
 
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 3)])
