@@ -110,8 +110,14 @@ class SDPACache(NamedTuple):
     a: np.ndarray  # attention weights before dropout, (..., t_q, t_k)
     dropout_mask: np.ndarray | None  # multiplier on a, broadcastable to (..., t_q, t_k)
     scale: float
-    softcap: float | None = None  # the logit cap c, None when the scores are not capped
-    capped: SoftcapCache | None = None  # tanh(tau q k^T / c), for the cap's slope in backward
+
+
+class SoftcapSDPACache(NamedTuple):
+    """The cache of soft-capped attention (N19): the attention's own and the cap's. A type of its
+    own rather than more fields of :class:`SDPACache`, whose six fields code may unpack."""
+
+    attn: SDPACache  # q, k, v, the weights of the capped scores, dropout mask, scale
+    capped: SoftcapCache  # tanh(tau q k^T / c), for the cap's slope in backward
 
 
 def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = None,
@@ -140,7 +146,8 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
     average every value instead of giving a zero row.
 
     Without dropout each output row is a convex combination of the visible values; a query with no
-    visible key gets a zero row. Returns ``(O, cache)``.
+    visible key gets a zero row. Returns ``(O, cache)``: an :class:`SDPACache`, or with a cap a
+    :class:`SoftcapSDPACache`.
     """
     q = float_array("q", q)
     k = float_array("k", k)
@@ -177,11 +184,12 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
         dropout_mask = float_array("dropout_mask", dropout_mask).astype(s.dtype, copy=False)
         _check_broadcasts_to("dropout_mask", dropout_mask, s.shape, "the scores q k^T")
         weights = a * dropout_mask
-    return weights @ v, SDPACache(q, k, v, a, dropout_mask, scale, softcap, capped)
+    cache = SDPACache(q, k, v, a, dropout_mask, scale)
+    return weights @ v, (cache if capped is None else SoftcapSDPACache(cache, capped))
     # END SOLUTION
 
 
-def sdpa_backward(dout, cache: SDPACache):
+def sdpa_backward(dout, cache: SDPACache | SoftcapSDPACache):
     # BEGIN SOLUTION
     r"""Gradients of scaled dot-product attention: returns ``(dq, dk, dv)`` (catalogue A8).
 
@@ -204,7 +212,10 @@ def sdpa_backward(dout, cache: SDPACache):
 
     A masked entry has :math:`dS = 0`, so it stays 0.
     """
-    q, k, v, a, dropout_mask, scale, _, capped = cache
+    capped = None
+    if isinstance(cache, SoftcapSDPACache):
+        cache, capped = cache
+    q, k, v, a, dropout_mask, scale = cache
     weights = a if dropout_mask is None else a * dropout_mask
     dv = np.swapaxes(weights, -1, -2) @ dout
     da = dout @ np.swapaxes(v, -1, -2)
@@ -440,7 +451,7 @@ ATTENTION_BACKENDS = tuple(b for b in BACKENDS if b != "cuda")
 class CausalAttentionCache(NamedTuple):
     backend: str
     n_kv_heads: int
-    saved: tuple  # numpy: the SDPACache; cpu: (q, k, v, o, lse) for the kernel's backward
+    saved: tuple  # numpy: sdpa_forward's cache; cpu: (q, k, v, o, lse) for the kernel's backward
     window: int | None = None  # the sliding window the forward applied (the kernel's backward too)
     scale: float | None = None  # the score scale the forward applied (None: 1/sqrt(D))
 
@@ -505,8 +516,9 @@ def causal_attention_kv(cache: CausalAttentionCache):
     """The ``(k, v)`` the attention read, each ``(B, G, T, D)``: the rows a KV cache stores."""
     if cache.backend == "cpu":
         return cache.saved[1], cache.saved[2]
-    step = cache.saved.q.shape[1] // cache.n_kv_heads  # query head u H/G holds kv head u
-    return cache.saved.k[:, ::step], cache.saved.v[:, ::step]
+    attn = cache.saved.attn if isinstance(cache.saved, SoftcapSDPACache) else cache.saved
+    step = attn.q.shape[1] // cache.n_kv_heads  # query head u H/G holds kv head u
+    return attn.k[:, ::step], attn.v[:, ::step]
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------

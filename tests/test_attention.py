@@ -16,6 +16,7 @@ from refmath.attention import (
     mha_backward,
     mha_forward,
     padding_mask,
+    SoftcapSDPACache,
     sdpa_backward,
     sdpa_forward,
 )
@@ -208,7 +209,11 @@ def test_softcapped_scores_worked_example_n19():
     o, cache = sdpa_forward(q, k, v, mask=np.array([0.0, -np.inf, 0.0]), scale=1.0, softcap=2.0)
     np.testing.assert_allclose(o[0], np.array([1.0, 0.0, 1 / math.e]) / (1 + 1 / math.e),
                                rtol=1e-14)
-    assert o[0, 1] == 0.0 and cache.a[0, 1] == 0.0
+    assert o[0, 1] == 0.0 and cache.attn.a[0, 1] == 0.0
+    # the cap's state travels in a cache of its own: an uncapped cache still has its six fields
+    assert isinstance(cache, SoftcapSDPACache)
+    _, _, _, a, dropout_mask, scale = sdpa_forward(q, k, v, scale=1.0)[1]
+    assert dropout_mask is None and scale == 1.0
 
 
 def test_the_cap_comes_before_the_mask_so_hidden_keys_stay_hidden_n19():
@@ -223,7 +228,7 @@ def test_the_cap_comes_before_the_mask_so_hidden_keys_stay_hidden_n19():
     dq, dk, dv = sdpa_backward(rng.standard_normal(o.shape), cache)
     alone, _ = sdpa_forward(q[0], k[0, :3], v[0, :3], scale=1.0, softcap=1.0)
     np.testing.assert_allclose(o[0], alone, rtol=1e-14, atol=1e-15)
-    assert np.all(cache.a[0, :, 3:] == 0) and np.all(dk[0, 3:] == 0) and np.all(dv[0, 3:] == 0)
+    assert np.all(cache.attn.a[0, :, 3:] == 0) and np.all(dk[0, 3:] == 0) and np.all(dv[0, 3:] == 0)
     for x in (o[1], dq[1], dk[1], dv[1]):
         np.testing.assert_array_equal(x, 0.0)
 
@@ -234,8 +239,8 @@ def test_with_a_cap_masked_keys_still_get_zero_weight_and_zero_gradient_n19(prob
     q, k, v, mask, visible, scale = problem
     o, cache = sdpa_forward(q, k, v, mask=mask, scale=scale, softcap=cap)
     dq, dk, dv = sdpa_backward(np.random.default_rng(seed).standard_normal(o.shape), cache)
-    assert np.all(cache.a[~visible] == 0)
-    np.testing.assert_allclose(cache.a.sum(axis=-1), 1.0, rtol=1e-14)
+    assert np.all(cache.attn.a[~visible] == 0)
+    np.testing.assert_allclose(cache.attn.a.sum(axis=-1), 1.0, rtol=1e-14)
     hidden_everywhere = ~visible.any(axis=0)
     assert np.all(dk[hidden_everywhere] == 0) and np.all(dv[hidden_everywhere] == 0)
 
