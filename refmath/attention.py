@@ -26,7 +26,8 @@ from refmath._validate import (
     float_array,
     int_array,
 )
-from refmath.ffn import matmul_rows
+from refmath.ffn import (SoftcapCache, check_softcap, matmul_rows, softcap_backward,
+                         softcap_forward)
 from refmath.kernels import BACKENDS
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
@@ -111,20 +112,42 @@ class SDPACache(NamedTuple):
     scale: float
 
 
-def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = None):
-    r"""Scaled dot-product attention (catalogue A2).
+class SoftcapSDPACache(NamedTuple):
+    """The cache of soft-capped attention (N19): the attention's own and the cap's. A type of its
+    own rather than more fields of :class:`SDPACache`, whose six fields code may unpack."""
+
+    attn: SDPACache  # q, k, v, the weights of the capped scores, dropout mask, scale
+    capped: SoftcapCache  # tanh(tau q k^T / c), for the cap's slope in backward
+
+
+def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = None,
+                 softcap: float | None = None):
+    r"""Scaled dot-product attention (catalogue A2), with an optional logit cap (N19).
 
     .. math::
-        S = \frac{Q K^\top}{\sqrt{d_k}} + M,\qquad A = \operatorname{softmax}_{\text{rows}}(S),
+        S = \tau\, Q K^\top + M,\qquad A = \operatorname{softmax}_{\text{rows}}(S),
         \qquad O = (A \odot D)\, V
 
     Shapes: ``q`` is ``(..., t_q, d_k)``, ``k`` is ``(..., t_k, d_k)``, ``v`` is ``(..., t_k, d_v)``
     with the same leading dimensions; ``O`` is ``(..., t_q, d_v)``. ``mask`` (additive ``M``, 0 or
     ``-inf``) and ``dropout_mask`` (``D``: 0 for dropped weights, ``1/(1-p)`` for kept ones) must
-    broadcast to the ``(..., t_q, t_k)`` scores. ``scale`` defaults to :math:`1/\sqrt{d_k}`.
+    broadcast to the ``(..., t_q, t_k)`` scores. ``scale`` is :math:`\tau`, by default
+    :math:`1/\sqrt{d_k}` (Gemma's ``query_pre_attn_scalar`` ``s`` sets :math:`\tau = s^{-1/2}`).
+
+    With ``softcap`` = ``c`` (Gemma 2's ``attn_logit_softcapping``) the scores are soft-capped
+    before the mask is added (:func:`refmath.ffn.softcap_forward`):
+
+    .. math::
+        S = c \tanh\big(\tau\, Q K^\top / c\big) + M
+
+    The order matters: capping after the mask would turn a hidden key's :math:`-\infty` into
+    :math:`c \tanh(-\infty) = -c`, a finite score: the hidden key would get at least
+    :math:`e^{-2c}` times the best key's weight instead of 0, and a query with no visible key would
+    average every value instead of giving a zero row.
 
     Without dropout each output row is a convex combination of the visible values; a query with no
-    visible key gets a zero row. Returns ``(O, cache)``.
+    visible key gets a zero row. Returns ``(O, cache)``: an :class:`SDPACache`, or with a cap a
+    :class:`SoftcapSDPACache`.
     """
     q = float_array("q", q)
     k = float_array("k", k)
@@ -142,11 +165,15 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
             )
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real("scale", scale)
+    softcap = None if softcap is None else check_softcap("softcap", softcap)
 
     # BEGIN SOLUTION
     # (tau Q) K^T rather than tau (Q K^T): the same scores, scaling the (t_q, d_k) queries instead
     # of the larger (t_q, t_k) score matrix
     s = (q * scale) @ np.swapaxes(k, -1, -2)
+    capped = None
+    if softcap is not None:  # before the mask: c tanh(-inf / c) would be -c, not -inf
+        s, capped = softcap_forward(s, softcap)
     if mask is not None:
         mask = float_array("mask", mask)
         _check_broadcasts_to("mask", mask, s.shape, "the scores q k^T")
@@ -157,11 +184,12 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
         dropout_mask = float_array("dropout_mask", dropout_mask).astype(s.dtype, copy=False)
         _check_broadcasts_to("dropout_mask", dropout_mask, s.shape, "the scores q k^T")
         weights = a * dropout_mask
-    return weights @ v, SDPACache(q, k, v, a, dropout_mask, scale)
+    cache = SDPACache(q, k, v, a, dropout_mask, scale)
+    return weights @ v, (cache if capped is None else SoftcapSDPACache(cache, capped))
     # END SOLUTION
 
 
-def sdpa_backward(dout, cache: SDPACache):
+def sdpa_backward(dout, cache: SDPACache | SoftcapSDPACache):
     # BEGIN SOLUTION
     r"""Gradients of scaled dot-product attention: returns ``(dq, dk, dv)`` (catalogue A8).
 
@@ -173,7 +201,20 @@ def sdpa_backward(dout, cache: SDPACache):
     with :math:`\tau` the scale (:math:`1/\sqrt{d_k}` by default). Dropout enters through its mask
     ``D``, which is why the cache keeps it. A masked key has ``A = 0`` in every row, so its rows of
     ``dK`` and ``dV`` are exactly zero.
+
+    With a logit cap ``c`` the scores were :math:`S = c \tanh(R / c) + M` with
+    :math:`R = \tau Q K^\top`; one more step of the chain rule sits between the softmax and the
+    scale (N19):
+
+    .. math::
+        dR = dS \odot \big(1 - \tanh^2(R / c)\big),\qquad dQ = \tau\, dR\, K,\quad
+        dK = \tau\, dR^\top Q
+
+    A masked entry has :math:`dS = 0`, so it stays 0.
     """
+    capped = None
+    if isinstance(cache, SoftcapSDPACache):
+        cache, capped = cache
     q, k, v, a, dropout_mask, scale = cache
     weights = a if dropout_mask is None else a * dropout_mask
     dv = np.swapaxes(weights, -1, -2) @ dout
@@ -181,6 +222,8 @@ def sdpa_backward(dout, cache: SDPACache):
     if dropout_mask is not None:
         da = da * dropout_mask
     ds = softmax_backward(da, SoftmaxCache(a))
+    if capped is not None:
+        ds = softcap_backward(ds, capped)
     dq = (ds @ k) * scale
     dk = (np.swapaxes(ds, -1, -2) @ q) * scale
     return dq, dk, dv
@@ -408,20 +451,25 @@ ATTENTION_BACKENDS = tuple(b for b in BACKENDS if b != "cuda")
 class CausalAttentionCache(NamedTuple):
     backend: str
     n_kv_heads: int
-    saved: tuple  # numpy: the SDPACache; cpu: (q, k, v, o, lse) for the kernel's backward
+    saved: tuple  # numpy: sdpa_forward's cache; cpu: (q, k, v, o, lse) for the kernel's backward
     window: int | None = None  # the sliding window the forward applied (the kernel's backward too)
+    scale: float | None = None  # the score scale the forward applied (None: 1/sqrt(D))
 
 
-def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None = None):
+def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None = None,
+                             scale: float | None = None, softcap: float | None = None):
     r"""Causal self-attention of ``H`` query heads over ``G`` shared key/value heads (A2, A10).
 
     .. math::
-        O_r = \operatorname{softmax}\Big(\frac{Q_r K_{\pi(r)}^\top}{\sqrt{D}} + M_{\text{causal}}
-              \Big) V_{\pi(r)}
+        O_r = \operatorname{softmax}\big(\tau\, Q_r K_{\pi(r)}^\top + M_{\text{causal}}\big)
+              V_{\pi(r)}
 
-    With ``window`` = ``w``, :math:`M` is the sliding-window causal mask (A12,
-    :func:`local_window_mask`): each query sees itself and the ``w - 1`` keys before it, on either
-    backend (the kernel skips the tiles outside the band).
+    with :math:`\tau` the ``scale``, :math:`1/\sqrt{D}` by default. With ``window`` = ``w``,
+    :math:`M` is the sliding-window causal mask (A12, :func:`local_window_mask`): each query sees
+    itself and the ``w - 1`` keys before it, on either backend (the kernel skips the tiles outside
+    the band). With ``softcap`` = ``c`` the scores are :math:`c \tanh(\tau Q K^\top / c)` before
+    the mask (N19, as in :func:`sdpa_forward`); only the reference has it, and the ``"cpu"``
+    backend refuses it.
 
     ``q`` is ``(B, H, T, D)``, ``k`` and ``v`` ``(B, G, T, D)`` with ``G`` dividing ``H``; returns
     ``(O, cache)`` with ``O`` like ``q``. ``backend="numpy"`` is the reference
@@ -434,14 +482,15 @@ def causal_attention_forward(q, k, v, backend: str = "numpy", window: int | None
     if backend == "cpu":
         from refmath import kernels
 
-        o, lse = kernels.flash_attention_forward(q, k, v, causal=True, window=window)
-        return o, CausalAttentionCache(backend, g, (q, k, v, o, lse), window)
+        o, lse = kernels.flash_attention_forward(q, k, v, causal=True, window=window, scale=scale,
+                                                 softcap=softcap)
+        return o, CausalAttentionCache(backend, g, (q, k, v, o, lse), window, scale)
     heads = gqa_head_map(q.shape[1], g)
     t = q.shape[2]
     mask = (causal_mask(t, dtype=q.dtype) if window is None
             else local_window_mask(t, window, dtype=q.dtype))
-    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=mask)
-    return o, CausalAttentionCache(backend, g, attn)
+    o, attn = sdpa_forward(q, k[:, heads], v[:, heads], mask=mask, scale=scale, softcap=softcap)
+    return o, CausalAttentionCache(backend, g, attn, window, scale)
 
 
 def causal_attention_backward(do, cache: CausalAttentionCache):
@@ -454,7 +503,7 @@ def causal_attention_backward(do, cache: CausalAttentionCache):
         from refmath import kernels
 
         return kernels.flash_attention_backward(do, *cache.saved, causal=True,
-                                                window=cache.window)
+                                                window=cache.window, scale=cache.scale)
     dq, dk_repeated, dv_repeated = sdpa_backward(do, cache.saved)
     b, h, t, _ = dk_repeated.shape
     g = cache.n_kv_heads
@@ -467,13 +516,14 @@ def causal_attention_kv(cache: CausalAttentionCache):
     """The ``(k, v)`` the attention read, each ``(B, G, T, D)``: the rows a KV cache stores."""
     if cache.backend == "cpu":
         return cache.saved[1], cache.saved[2]
-    step = cache.saved.q.shape[1] // cache.n_kv_heads  # query head u H/G holds kv head u
-    return cache.saved.k[:, ::step], cache.saved.v[:, ::step]
+    attn = cache.saved.attn if isinstance(cache.saved, SoftcapSDPACache) else cache.saved
+    step = attn.q.shape[1] // cache.n_kv_heads  # query head u H/G holds kv head u
+    return attn.k[:, ::step], attn.v[:, ::step]
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
 
-def _sdpa_inputs(lead, t_q, t_k, d_k, d_v, mask=None, keep_prob=None, scale=None):
+def _sdpa_inputs(lead, t_q, t_k, d_k, d_v, mask=None, keep_prob=None, scale=None, softcap=None):
     def make(rng):
         inputs = {
             "q": rng.standard_normal(lead + (t_q, d_k)),
@@ -487,6 +537,8 @@ def _sdpa_inputs(lead, t_q, t_k, d_k, d_v, mask=None, keep_prob=None, scale=None
             inputs["dropout_mask"] = keep / keep_prob
         if scale is not None:
             inputs["scale"] = scale
+        if softcap is not None:
+            inputs["softcap"] = softcap
         return inputs
     return make
 
@@ -507,6 +559,41 @@ for _label, _make in (
 ):
     register_case(OpCase("sdpa", _label, _SDPA_IDS, _make, sdpa_forward, sdpa_backward,
                          ("q", "k", "v")))
+# Logit soft-capping (N19, Gemma 2). The scores have std about 1 (d_k = 3, the default scale) or
+# 0.8 sqrt(3) ~ 1.4 (scale 0.8), against caps of 1 to 2: in tanh's bend, where the cap's slope
+# 1 - tanh^2 is far from 1 and a backward that skipped it would be far off.
+for _label, _make in (
+    ("causal, softcap 1.5", _sdpa_inputs((2, 2), 4, 4, 3, 3, mask=causal_mask(4), softcap=1.5)),
+    ("padding with one empty sequence, scale 0.8, softcap 2",
+     _sdpa_inputs((2, 1), 2, 3, 3, 2, mask=padding_mask([3, 0], 3), scale=0.8, softcap=2.0)),
+    ("causal with dropout mask p=0.3, softcap 1", _sdpa_inputs((2, 2), 4, 4, 3, 3, causal_mask(4),
+                                                               0.7, softcap=1.0)),
+    ("decode-style t_q=2 < t_k=5, no mask, softcap 1.5", _sdpa_inputs((2,), 2, 5, 3, 4,
+                                                                      softcap=1.5)),
+):
+    register_case(OpCase("sdpa", _label, _SDPA_IDS + ("N19",), _make, sdpa_forward, sdpa_backward,
+                         ("q", "k", "v")))
+
+
+def _causal_attention_inputs(b, h, g, t, d, window=None, scale=None, softcap=None):
+    def make(rng):
+        return {"q": rng.standard_normal((b, h, t, d)), "k": rng.standard_normal((b, g, t, d)),
+                "v": rng.standard_normal((b, g, t, d)), "window": window, "scale": scale,
+                "softcap": softcap}
+    return make
+
+
+def _causal_attention_case_forward(q, k, v, window, scale, softcap):
+    return causal_attention_forward(q, k, v, "numpy", window, scale, softcap)
+
+
+# The training path's attention on the reference backend: GQA's summed key/value gradients under
+# the sliding window, a scale of its own and the logit cap, together (Gemma 2's local layers).
+register_case(OpCase("causal_attention", "GQA h=4 g=2, window 3, scale 0.8, softcap 1.5, T=5",
+                     ("A2", "A8", "A10", "A12", "N19"),
+                     _causal_attention_inputs(2, 4, 2, 5, 3, window=3, scale=0.8, softcap=1.5),
+                     _causal_attention_case_forward, causal_attention_backward, ("q", "k", "v"),
+                     group="attention execution"))
 
 
 def _mha_case_forward(x, n_heads, n_kv_heads, context=None, mask=None, dropout_mask=None, **params):

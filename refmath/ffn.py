@@ -1,4 +1,5 @@
-"""Position-wise feature transforms: linear maps, activations, the two-layer FFN and SwiGLU.
+"""Position-wise feature transforms: linear maps, activations, soft-capping, the two-layer FFN, and
+the gated FFNs SwiGLU and GeGLU.
 
 Every op here acts on each row (token) separately, so any leading batch dimensions are allowed.
 Row vectors throughout: ``y = x @ W + b`` with ``W`` shaped ``(d_in, d_out)``.
@@ -11,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_min_ndim,
-                               check_ndim, float_array)
+                               check_ndim, check_real, float_array)
 from refmath.registry import OpCase, register_case
 
 # ---- linear map ----------------------------------------------------------------------------------
@@ -256,6 +257,57 @@ def silu_backward(dout, cache: SiLUCache):
     return dout * sig * (1.0 + x * (1.0 - sig))
 
 
+# ---- soft-capping --------------------------------------------------------------------------------
+
+
+def check_softcap(name: str, cap) -> float:
+    """A cap is a finite number above 0: ``c tanh(x / c)`` means nothing at ``c = 0``, and a
+    negative ``c`` gives the function of ``|c|`` (tanh is odd), so it is refused as a likely slip.
+    Returns it as a plain float, which keeps float32 arrays float32."""
+    return check_real(name, cap, 0.0, low_open=True)
+
+
+class SoftcapCache(NamedTuple):
+    tanh: np.ndarray  # tanh(x / c): the derivative 1 - tanh^2 needs nothing else
+
+
+def softcap_forward(x, cap):
+    r"""Soft-capping (catalogue N19): squash ``x`` smoothly into ``[-c, c]``.
+
+    .. math::
+        \operatorname{softcap}_c(x) = c \tanh(x / c)
+
+    Near 0 it is the identity to first order: :math:`\tanh u = u - u^3/3 + O(u^5)` gives
+    :math:`\operatorname{softcap}_c(x) = x - x^3 / (3 c^2) + O(x^5 / c^4)`, so values well inside
+    the cap pass almost unchanged, while large ones saturate at :math:`\pm c` instead of growing.
+    Gemma 2 caps its attention scores (``attn_logit_softcapping``, ``c = 50``; see
+    :func:`refmath.attention.sdpa_forward`) and its final logits (``final_logit_softcapping``,
+    ``c = 30``) this way. :math:`x = \pm\infty` gives :math:`\pm c`: a cap must therefore come
+    before an additive ``-inf`` mask, never after it.
+
+    ``x`` is any float array, ``cap`` a number above 0. Returns ``(y, cache)`` with ``y`` of the
+    shape and dtype of ``x``.
+    """
+    x = float_array("x", x)
+    cap = check_softcap("cap", cap)
+    t = np.tanh(x / cap)
+    return cap * t, SoftcapCache(t)
+
+
+def softcap_backward(dout, cache: SoftcapCache):
+    r"""Gradient of soft-capping: returns ``dx``.
+
+    .. math::
+        \frac{d}{dx}\, c \tanh(x / c) = c \cdot \frac{1}{c}\,\big(1 - \tanh^2(x / c)\big)
+            = 1 - \tanh^2(x / c) = 1 - (y / c)^2
+
+    The ``c`` of the outside and the ``1/c`` of the chain rule cancel, so the slope is 1 at 0
+    (the identity to first order) and falls to 0 as ``y`` nears the cap.
+    """
+    t = cache.tanh
+    return dout * (1.0 - t * t)
+
+
 def _identity_forward(x):
     return float_array("x", x), None
 
@@ -332,6 +384,22 @@ def ffn_backward(dout, cache: FFNCache):
 # ---- SwiGLU --------------------------------------------------------------------------------------
 
 
+def _check_gated(x, w_gate, w_up, w_down):
+    """The checks of a gated FFN (SwiGLU, GeGLU): ``x`` ``(..., d)``, ``w_gate`` and ``w_up`` both
+    ``(d, d_f)``, ``w_down`` ``(d_f, d_out)``; returns the four as float arrays."""
+    x, w_gate, _ = _check_linear(x, w_gate, None, "x", "w_gate")
+    x, w_up, _ = _check_linear(x, w_up, None, "x", "w_up")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(
+            f"w_gate and w_up must have the same shape (d, d_f), "
+            f"got w_gate.shape = {w_gate.shape} and w_up.shape = {w_up.shape}"
+        )
+    w_down = float_array("w_down", w_down)
+    check_ndim("w_down", w_down, 2, "(d_f, d_out)")
+    check_axis("w_down", w_down, 0, w_gate.shape[1], f"w_gate.shape = {w_gate.shape} (d_f)")
+    return x, w_gate, w_up, w_down
+
+
 class SwiGLUCache(NamedTuple):
     x: np.ndarray
     w_gate: np.ndarray
@@ -355,16 +423,7 @@ def swiglu_forward(x, w_gate, w_up, w_down):
     Shapes: ``x`` ``(..., d)``, ``w_gate`` and ``w_up`` ``(d, d_f)``, ``w_down`` ``(d_f, d_out)``.
     Returns ``(y, cache)`` with ``y`` of shape ``(..., d_out)``.
     """
-    x, w_gate, _ = _check_linear(x, w_gate, None, "x", "w_gate")
-    x, w_up, _ = _check_linear(x, w_up, None, "x", "w_up")
-    if w_up.shape != w_gate.shape:
-        raise ValueError(
-            f"w_gate and w_up must have the same shape (d, d_f), "
-            f"got w_gate.shape = {w_gate.shape} and w_up.shape = {w_up.shape}"
-        )
-    w_down = float_array("w_down", w_down)
-    check_ndim("w_down", w_down, 2, "(d_f, d_out)")
-    check_axis("w_down", w_down, 0, w_gate.shape[1], f"w_gate.shape = {w_gate.shape} (d_f)")
+    x, w_gate, w_up, w_down = _check_gated(x, w_gate, w_up, w_down)
     g, gate = silu_forward(matmul_rows(x, w_gate))
     up = matmul_rows(x, w_up)
     hidden = g * up
@@ -392,6 +451,69 @@ def swiglu_backward(dout, cache: SwiGLUCache):
     s = gate.x * gate.sig  # SiLU(g), recomputed instead of cached
     dg = silu_backward(dm * up, gate)
     du = dm * s
+    x_rows = x.reshape(-1, d)
+    dw_gate = x_rows.T @ dg.reshape(-1, d_f)
+    dw_up = x_rows.T @ du.reshape(-1, d_f)
+    dx = matmul_rows(dg, w_gate.T) + matmul_rows(du, w_up.T)
+    return dx, dw_gate, dw_up, dw_down
+    # END SOLUTION
+
+
+# ---- GeGLU ---------------------------------------------------------------------------------------
+
+
+class GeGLUCache(NamedTuple):
+    x: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+    gate: GELUCache  # x W_g and its tanh(sqrt(2/pi) (g + 0.044715 g^3)), the tanh form
+    up: np.ndarray  # x W_u
+    hidden: np.ndarray  # GELU_tanh(x W_g) * (x W_u), the input of W_d
+
+
+def geglu_forward(x, w_gate, w_up, w_down):
+    r"""GeGLU feed-forward network without biases (catalogue N20; the MLP of Gemma 1, 2 and 3).
+
+    .. math::
+        F(x) = \big[\operatorname{GELU}_{\tanh}(x W_g) \odot (x W_u)\big]\, W_d
+
+    SwiGLU (N7) with the tanh form of GELU (N6, :func:`gelu_forward` with
+    ``approximate="tanh"``; Hugging Face's ``gelu_pytorch_tanh``) in place of SiLU as the gate's
+    activation. The shapes, the ``3 d d_f`` parameters and the cache's layout are SwiGLU's.
+
+    Shapes: ``x`` ``(..., d)``, ``w_gate`` and ``w_up`` ``(d, d_f)``, ``w_down`` ``(d_f, d_out)``.
+    Returns ``(y, cache)`` with ``y`` of shape ``(..., d_out)``.
+    """
+    x, w_gate, w_up, w_down = _check_gated(x, w_gate, w_up, w_down)
+    a, gate = gelu_forward(matmul_rows(x, w_gate), approximate="tanh")
+    up = matmul_rows(x, w_up)
+    hidden = a * up
+    return matmul_rows(hidden, w_down), GeGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
+
+
+def geglu_backward(dout, cache: GeGLUCache):
+    # BEGIN SOLUTION
+    # (a region, like swiglu_backward's: the same chain would give that assignment away)
+    r"""Gradients of GeGLU: returns ``(dx, dw_gate, dw_up, dw_down)``.
+
+    With :math:`g = x W_g`, :math:`u = x W_u`, :math:`a = \operatorname{GELU}_{\tanh}(g)`,
+    :math:`m = a \odot u`, the SwiGLU chain with the GELU's slope (:func:`gelu_backward`):
+
+    .. math::
+        dm = dy\,W_d^\top,\quad da = dm \odot u,\quad du = dm \odot a,\quad
+        dg = da \odot \operatorname{GELU}_{\tanh}'(g),\quad dx = dg\,W_g^\top + du\,W_u^\top
+
+    and each weight gradient is its input transposed times its output gradient, summed over rows.
+    """
+    x, w_gate, w_up, w_down, gate, up, hidden = cache
+    d, d_f = w_gate.shape
+    dout_rows = dout.reshape(-1, w_down.shape[1])
+    dw_down = hidden.reshape(-1, d_f).T @ dout_rows
+    dm = matmul_rows(dout, w_down.T)
+    a = 0.5 * gate.x * (1.0 + gate.gate)  # GELU_tanh(g), recomputed from the cached tanh
+    dg = gelu_backward(dm * up, gate)
+    du = dm * a
     x_rows = x.reshape(-1, d)
     dw_gate = x_rows.T @ dg.reshape(-1, d_f)
     dw_up = x_rows.T @ du.reshape(-1, d_f)
@@ -532,11 +654,12 @@ register_case(OpCase("ffn", "relu no bias (3, 4) d_f=6", ("N5",), _ffn_inputs((3
                      ffn_forward, _ffn_case_backward, ("x", "w1", "w2")))
 
 
-def _swiglu_inputs(shape, d_f):
+def _swiglu_inputs(shape, d_f, x_std=1.0):
     def make(rng):
         d = shape[-1]
         scale = 1.0 / math.sqrt(d)
-        return {"x": rng.standard_normal(shape), "w_gate": scale * rng.standard_normal((d, d_f)),
+        return {"x": x_std * rng.standard_normal(shape),
+                "w_gate": scale * rng.standard_normal((d, d_f)),
                 "w_up": scale * rng.standard_normal((d, d_f)),
                 "w_down": scale * rng.standard_normal((d_f, d))}
     return make
@@ -549,3 +672,18 @@ register_case(OpCase("swiglu", "batch (2, 3, 4) d_f=5", ("N7",), _swiglu_inputs(
 register_case(OpCase("swiglu", "4 leading axes (2, 1, 2, 2, 4) d_f=3", ("N7",),
                      _swiglu_inputs((2, 1, 2, 2, 4), 3), swiglu_forward, swiglu_backward,
                      ("x", "w_gate", "w_up", "w_down")))
+# GeGLU takes SwiGLU's inputs; x of std 2 puts many gate entries g in GELU's curved part, |g| ~ 1-2
+for _label, _shape, _d_f in (("(3, 4) d_f=6", (3, 4), 6), ("batch (2, 3, 4) d_f=5", (2, 3, 4), 5),
+                             ("4 leading axes (2, 1, 2, 2, 4) d_f=3", (2, 1, 2, 2, 4), 3)):
+    register_case(OpCase("geglu", _label, ("N20", "N6"), _swiglu_inputs(_shape, _d_f, x_std=2.0),
+                         geglu_forward, geglu_backward, ("x", "w_gate", "w_up", "w_down")))
+
+# Soft-capping: inputs of std 2 against caps of 1.5 and 4 cover the linear part, the bend and the
+# saturated tails; a cap of 50 (Gemma 2's attention cap) on the same inputs is nearly the identity.
+for _label, _shape, _cap in (("(3, 7) cap 1.5", (3, 7), 1.5),
+                             ("(2, 1, 2, 3, 4) cap 4", (2, 1, 2, 3, 4), 4.0),
+                             ("(3, 7) cap 50", (3, 7), 50.0)):
+    register_case(OpCase("softcap", _label, ("N19",),
+                         lambda rng, shape=_shape, cap=_cap: {"x": 2.0 * rng.standard_normal(shape),
+                                                              "cap": cap},
+                         softcap_forward, softcap_backward, ("x",)))

@@ -34,8 +34,8 @@ gradients.
 
 The gradient-check registry holds these functions in its "attention execution" group (the cases
 at the end of this file: tiles that do not divide the lengths, causal, sliding-window, GQA and MQA,
-queries with no visible key), and ``tests/test_flash.py`` compares them with the dense reference
-:func:`refmath.attention.sdpa_backward` to float64 rounding.
+queries with no visible key, soft-capped scores), and ``tests/test_flash.py`` compares them with
+the dense reference :func:`refmath.attention.sdpa_backward` to float64 rounding.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath._validate import check_axis, check_flag, check_int, check_ndim, check_real, float_array
+from refmath.ffn import check_softcap
 from refmath.registry import OpCase, register_case
 from refmath.softmax import (
     online_softmax_block,
@@ -195,7 +196,7 @@ def _check_qkv(q, k, v):
     return q, k, v
 
 
-def _check_options(causal, window, scale, block_q, block_k, d):
+def _check_options(causal, window, scale, softcap, block_q, block_k, d):
     causal = check_flag("causal", causal)
     if window is not None:
         window = check_int("window", window, 1)
@@ -203,8 +204,9 @@ def _check_options(causal, window, scale, block_q, block_k, d):
     block_k = check_int("block_k", block_k, 1)
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
     scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale)
+    softcap = None if softcap is None else check_softcap("softcap", softcap)
     # The sliding window is causal by definition (A12).
-    return bool(causal) or window is not None, window, scale, block_q, block_k
+    return bool(causal) or window is not None, window, scale, softcap, block_q, block_k
 
 
 def _grouped(x: np.ndarray, g: int) -> np.ndarray:
@@ -217,7 +219,7 @@ def _grouped(x: np.ndarray, g: int) -> np.ndarray:
 
 def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = None,
                             scale: float | None = None, block_q: int = 16, block_k: int = 16,
-                            counters: FlashCounters | None = None):
+                            counters: FlashCounters | None = None, softcap: float | None = None):
     r"""Exact attention, one ``block_q x block_k`` tile of scores at a time (catalogue F1-F5, A12).
 
     For each query tile, start from the empty state (``m = -inf, l = 0, u = 0``) and, for each key
@@ -234,7 +236,10 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
 
     and at the end :math:`O_i = u / l` (F1) and :math:`\mathrm{lse}_i = m + \log l`. The factors
     :math:`e^{m - m'} \le 1` rescale what was accumulated against the old maximum so that no
-    exponential ever exceeds 1. ``tau`` is ``scale``, :math:`1/\sqrt{D}` by default.
+    exponential ever exceeds 1. ``tau`` is ``scale``, :math:`1/\sqrt{D}` by default. With a
+    ``softcap`` ``c`` each tile's scores are capped before the mask hides any of them,
+    :math:`S = c \tanh(\tau Q_i K_j^\top / c)` (N19, as in :func:`refmath.attention.sdpa_forward`):
+    the cap acts on one score at a time, so it changes nothing in the tiling.
 
     Why the logsumexp is returned: it is the one number per row that the backward pass needs to
     recompute any weight exactly, :math:`P_{ij} = e^{S_{ij} - \mathrm{lse}_i}`, so nothing of size
@@ -251,8 +256,8 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
     ``lse`` ``(B, H, T_q)``, ``-inf`` for a row with no visible key (whose output is 0).
     """
     q, k, v = _check_qkv(q, k, v)
-    causal, window, scale, block_q, block_k = _check_options(causal, window, scale, block_q,
-                                                             block_k, q.shape[-1])
+    causal, window, scale, softcap, block_q, block_k = _check_options(
+        causal, window, scale, softcap, block_q, block_k, q.shape[-1])
     counters = FlashCounters() if counters is None else counters
     dtype = np.result_type(q, k, v)
     b, h, t_q, _ = q.shape
@@ -278,6 +283,8 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
             v_j = v[:, :, None, None, j0:j1]  # (B, G, 1, 1, bk, D_v): a view, broadcast to every row
             counters.elements_read += k_j.size + v_j.size  # loaded again for every query tile
             s = (q_i @ np.swapaxes(k_j, -1, -2)) * scale  # (B, G, H/G, bq, bk)
+            if softcap is not None:  # before the mask, which must stay -inf
+                s = softcap * np.tanh(s / softcap)
             visible = band.tile_mask(i0, i1, j0, j1)
             if visible is not None:  # a tile cut by the mask's edge: hide its invisible pairs
                 s = np.where(visible, s, -np.inf)
@@ -374,7 +381,7 @@ def attention_memory_traffic(batch: int, heads: int, t_q: int, t_k: int, head_di
 
 def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: int | None = None,
                              scale: float | None = None, block_q: int = 16, block_k: int = 16,
-                             counters: FlashCounters | None = None):
+                             counters: FlashCounters | None = None, softcap: float | None = None):
     # BEGIN SOLUTION
     r"""Gradients of :func:`flash_attention_forward`, FlashAttention-2 style: returns
     ``(dq, dk, dv)`` (catalogue F4, A8).
@@ -408,6 +415,16 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
 
       a dot product of two ``D_v``-vectors that the forward pass already left behind.
 
+    With a ``softcap`` ``c`` the tile recomputes its capped scores,
+    :math:`S = c \tanh(R / c)` with :math:`R = \tau Q_i K_j^\top`, and the cap's slope enters
+    between :math:`dS` and the scale (N19):
+
+    .. math::
+        dR = dS \odot \big(1 - \tanh^2(R / c)\big),\qquad dQ_i \mathrel{+}= \tau\, dR\, K_j,
+        \qquad dK_j \mathrel{+}= \tau\, dR^\top Q_i
+
+    (:math:`\delta_i` is unchanged: it comes from ``O`` and ``dO`` alone.)
+
     With GQA each key/value head receives the sum of the gradients of the ``H/G`` query heads that
     share it. Rows with no visible key have ``P = 0`` and contribute nothing.
 
@@ -417,8 +434,8 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     """
     # END SOLUTION
     q, k, v = _check_qkv(q, k, v)
-    causal, window, scale, block_q, block_k = _check_options(causal, window, scale, block_q,
-                                                             block_k, q.shape[-1])
+    causal, window, scale, softcap, block_q, block_k = _check_options(
+        causal, window, scale, softcap, block_q, block_k, q.shape[-1])
     do = float_array("do", do)
     o = float_array("o", o)
     lse = float_array("lse", lse)
@@ -467,6 +484,10 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
         for i0, i1 in tiles_i:
             q_i, do_i = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]  # (B, G, H/G, bq, .)
             s = (q_i @ np.swapaxes(k_j, -1, -2)) * scale  # (B, G, H/G, bq, bk)
+            t = None
+            if softcap is not None:  # the forward's capped scores, recomputed as they were
+                t = np.tanh(s / softcap)
+                s = softcap * t
             visible = band.tile_mask(i0, i1, j0, j1)
             if visible is not None:
                 s = np.where(visible, s, -np.inf)
@@ -476,13 +497,15 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
             dv_j += dv_part.sum(axis=2)
             dp = do_i @ np.swapaxes(v_j, -1, -2)  # (B, G, H/G, bq, bk)
             ds = p * (dp - delta[:, :, :, i0:i1, None])
+            if t is not None:
+                ds *= 1.0 - t * t  # through the cap: d(c tanh(r / c)) / dr
             dq_part = (ds @ k_j) * scale  # (B, G, H/G, bq, D)
             dq[:, :, :, i0:i1] += dq_part
             dk_part = np.swapaxes(ds, -1, -2) @ q_i  # (B, G, H/G, bk, D)
             dk_j += dk_part.sum(axis=2) * scale
             counters.tiles_computed += 1
             counters.score_pairs += (i1 - i0) * (j1 - j0)
-            counters.note(s, visible, p, dv_part, dp, ds, dq_part, dk_part)
+            counters.note(s, t, visible, p, dv_part, dp, ds, dq_part, dk_part)
         dk[:, :, j0:j1] = dk_j
         dv[:, :, j0:j1] = dv_j
     return dq.reshape(q.shape), dk, dv
@@ -522,6 +545,9 @@ for _label, _make in (
     ("decode-style T_q=2 < T_k=7, scale 0.6", _flash_inputs(2, 2, 1, 2, 7, 4, 3, causal=True,
                                                             scale=0.6, block_q=4, block_k=3)),
     ("T=1, D=1", _flash_inputs(2, 2, 2, 1, 1, 1, 1)),
+    # scores of std 0.9 sqrt(3) ~ 1.6 and a cap of 1.5: in tanh's bend, where a wrong slope shows
+    ("GQA h=4 g=2, window 4, scale 0.9, softcap 1.5, T=7, blocks 3x2",
+     _flash_inputs(1, 4, 2, 7, 7, 3, 3, window=4, scale=0.9, softcap=1.5, block_q=3, block_k=2)),
 ):
     register_case(OpCase("flash_attention", _label, ("F1", "F3", "F4", "A8"), _make,
                          _flash_case_forward, _flash_case_backward, ("q", "k", "v"),

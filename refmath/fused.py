@@ -11,6 +11,8 @@ for operation in the same order and the same dtype, so the results are equal bit
   :func:`refmath.ffn.linear_forward`'s bias followed by :func:`refmath.ffn.gelu_forward`.
 - :func:`swiglu_forward` / :func:`swiglu_backward`: :func:`refmath.ffn.swiglu_forward` and
   :func:`refmath.ffn.swiglu_backward` (N7), with the same cache.
+- :func:`geglu_forward` / :func:`geglu_backward`: :func:`refmath.ffn.geglu_forward` and
+  :func:`refmath.ffn.geglu_backward` (N20, Gemma's MLP), with the same cache.
 - :func:`layernorm_forward` / :func:`layernorm_backward`: :func:`refmath.norms.layernorm_forward`
   and :func:`refmath.norms.layernorm_backward` (N1), with the same cache.
 
@@ -24,12 +26,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath.ffn import (_GELU_TANH_CUBIC, _INV_SQRT_2PI, _SQRT_2_OVER_PI, SiLUCache, SwiGLUCache,
-                         matmul_rows, standard_normal_cdf)
+from refmath.ffn import (_GELU_TANH_CUBIC, _INV_SQRT_2PI, _SQRT_2_OVER_PI, GeGLUCache, GELUCache,
+                         SiLUCache, SwiGLUCache, matmul_rows, standard_normal_cdf)
 from refmath.norms import LayerNormCache
 
 __all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
-           "swiglu_backward", "layernorm_forward", "layernorm_backward"]
+           "swiglu_backward", "geglu_forward", "geglu_backward", "layernorm_forward",
+           "layernorm_backward"]
 
 
 # Elementwise chains run over blocks of rows, each pass over a block while it is still in the
@@ -49,6 +52,34 @@ def _row_blocks(rows: int, width: int):
 def _rows(x: np.ndarray) -> np.ndarray:
     """``x`` as a ``(rows, width)`` matrix: a view when ``x`` is contiguous."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: unresolvable at width 0
+
+
+def _tanh_gate(z: np.ndarray, out: np.ndarray) -> None:
+    """``out = tanh(sqrt(2/pi) (z + 0.044715 z^3))``, the tanh GELU's gate, with the operations of
+    :func:`refmath.ffn.gelu_forward` in its order (``z^3`` as ``(z z) z``)."""
+    np.multiply(z, z, out=out)
+    out *= z
+    out *= _GELU_TANH_CUBIC
+    out += z
+    out *= _SQRT_2_OVER_PI
+    np.tanh(out, out=out)
+
+
+def _tanh_gelu_slope(z: np.ndarray, t: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = the tanh GELU's derivative at ``z`` from its gate ``t``, with the operations of
+    :func:`refmath.ffn.gelu_backward` in its order:
+    ``0.5 (1 + t + z (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 z^2))``."""
+    np.multiply(t, t, out=out)
+    np.subtract(1.0, out, out=out)
+    out *= _SQRT_2_OVER_PI
+    slope = np.multiply(z, 3.0 * _GELU_TANH_CUBIC)
+    slope *= z
+    slope += 1.0
+    out *= slope  # d tanh(...) / dz
+    np.multiply(z, out, out=slope)
+    np.add(t, 1.0, out=out)
+    out += slope
+    out *= 0.5
 
 
 class BiasGELUCache(NamedTuple):
@@ -73,12 +104,7 @@ def bias_gelu_forward(h: np.ndarray, b: np.ndarray | None, approximate: bool):
         if b is not None:
             zb += b
         if approximate:
-            np.multiply(zb, zb, out=gb)
-            gb *= zb
-            gb *= _GELU_TANH_CUBIC
-            gb += zb
-            gb *= _SQRT_2_OVER_PI
-            np.tanh(gb, out=gb)
+            _tanh_gate(zb, out=gb)
             np.multiply(zb, 0.5, out=ab)
             ab *= gb + 1.0
         else:
@@ -102,17 +128,7 @@ def bias_gelu_backward(da: np.ndarray, cache: BiasGELUCache):
     for rows in _row_blocks(*z.shape):
         zb, gb, local = z[rows], gate[rows], dh[rows]
         if approximate:
-            np.multiply(gb, gb, out=local)
-            np.subtract(1.0, local, out=local)
-            local *= _SQRT_2_OVER_PI
-            slope = np.multiply(zb, 3.0 * _GELU_TANH_CUBIC)
-            slope *= zb
-            slope += 1.0
-            local *= slope  # d tanh(...) / dz
-            np.multiply(zb, local, out=slope)
-            np.add(gb, 1.0, out=local)
-            local += slope
-            local *= 0.5
+            _tanh_gelu_slope(zb, gb, out=local)
         else:
             np.multiply(zb, -0.5, out=local)
             local *= zb
@@ -177,6 +193,58 @@ def swiglu_backward(dout, cache: SwiGLUCache):
         dgb *= slope  # dm u SiLU'(g)
         np.multiply(gb, sb, out=slope)  # du: SiLU(g), recomputed instead of cached
         slope *= dm[rows]
+    x_rows = _rows(x)
+    dw_gate = x_rows.T @ dg
+    dw_up = x_rows.T @ du
+    dx = matmul_rows(dg, w_gate.T)
+    dx += matmul_rows(du, w_up.T)
+    return dx.reshape(x.shape), dw_gate, dw_up, dw_down
+
+
+def geglu_forward(x, w_gate, w_up, w_down):
+    r""":math:`[\operatorname{GELU}_{\tanh}(x W_g) \odot (x W_u)]\, W_d`, as
+    :func:`refmath.ffn.geglu_forward` (whose checks the caller has made: float arrays of matching
+    shapes); returns ``(y, cache)`` with the same :class:`refmath.ffn.GeGLUCache`.
+
+    The gate is :func:`refmath.ffn.gelu_forward`'s tanh form,
+    :math:`\tfrac12 g (1 + t)` with :math:`t = \tanh(\sqrt{2/\pi}(g + 0.044715 g^3))`.
+    """
+    g = matmul_rows(x, w_gate)
+    up = matmul_rows(x, w_up)
+    shape = g.shape
+    g, up = _rows(g), _rows(up)
+    t, hidden = np.empty_like(g), np.empty_like(g)
+    for rows in _row_blocks(*g.shape):
+        gb, tb, hb = g[rows], t[rows], hidden[rows]
+        _tanh_gate(gb, out=tb)
+        np.multiply(gb, 0.5, out=hb)
+        hb *= tb + 1.0  # GELU_tanh(g)
+        hb *= up[rows]
+    g, t, up, hidden = (x.reshape(shape) for x in (g, t, up, hidden))
+    return matmul_rows(hidden, w_down), GeGLUCache(x, w_gate, w_up, w_down, GELUCache(g, t, True),
+                                                   up, hidden)
+
+
+def geglu_backward(dout, cache: GeGLUCache):
+    r"""Gradients of :func:`geglu_forward`: ``(dx, dw_gate, dw_up, dw_down)``, as
+    :func:`refmath.ffn.geglu_backward`: :math:`dm = dy\,W_d^\top`,
+    :math:`dg = dm \odot u \odot \operatorname{GELU}_{\tanh}'(g)`,
+    :math:`du = dm \odot \operatorname{GELU}_{\tanh}(g)`, :math:`dx = dg\,W_g^\top + du\,W_u^\top`.
+    """
+    x, w_gate, w_up, w_down, gate, up, hidden = cache
+    dw_down = _rows(hidden).T @ _rows(dout)
+    dm = _rows(matmul_rows(dout, w_down.T))
+    g, t = _rows(gate.x), _rows(gate.gate)
+    up = _rows(up)
+    dg, du = np.empty_like(dm), np.empty_like(dm)
+    for rows in _row_blocks(*dm.shape):
+        dgb, dub, gb, tb = dg[rows], du[rows], g[rows], t[rows]
+        _tanh_gelu_slope(gb, tb, out=dgb)
+        np.multiply(dm[rows], up[rows], out=dub)  # dm u, the GELU's upstream gradient
+        dgb *= dub
+        np.multiply(gb, 0.5, out=dub)  # du: GELU_tanh(g), recomputed instead of cached
+        dub *= tb + 1.0
+        dub *= dm[rows]
     x_rows = _rows(x)
     dw_gate = x_rows.T @ dg
     dw_up = x_rows.T @ du

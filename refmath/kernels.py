@@ -218,7 +218,8 @@ _GPU_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = None,
-                            scale: float | None = None, version: str | None = None):
+                            scale: float | None = None, version: str | None = None,
+                            softcap: float | None = None):
     r"""Exact attention by tiles with an online softmax (catalogue F1-F5, A10, A12): ``(o, lse)``.
 
     .. math::
@@ -235,8 +236,10 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
     NumPy arrays (float32) run on the CPU kernel; CuPy arrays on the CUDA kernel named by
     ``version`` (see :func:`flash_versions`; ``None`` picks the default). ``version`` is ignored on
     the CPU. Returns ``o`` like ``q`` and ``lse`` ``(B, H, T_q)`` float32, as the same kind of array.
+    A ``softcap`` is refused: the kernels do not cap scores (the reference does).
     """
     gpu = _on_gpu(q=q, k=k, v=v)
+    _refuse_softcap(softcap, gpu)
     q, k, v = _float_inputs(gpu, q=q, k=k, v=v)
     _check_attention_shapes(q, k, v)
     causal, window, scale = _attention_options(causal, window, scale, q.shape[-1])
@@ -248,7 +251,7 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
 
 
 def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: int | None = None,
-                             scale: float | None = None):
+                             scale: float | None = None, softcap: float | None = None):
     r"""Gradients of :func:`flash_attention_forward`, FlashAttention-2 style: ``(dq, dk, dv)``
     (catalogue F4, A8).
 
@@ -262,9 +265,10 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     with each key/value head receiving the sum over the query heads that read it (GQA). ``do`` and
     ``o`` are ``(B, H, T_q, D)``, ``lse`` ``(B, H, T_q)`` (float32 also for half-precision GPU
     inputs), the rest and the options as given to the forward. The reference is
-    :func:`refmath.flash.flash_attention_backward`.
+    :func:`refmath.flash.flash_attention_backward`. A ``softcap`` is refused, as in the forward.
     """
     gpu = _on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    _refuse_softcap(softcap, gpu)
     do, q, k, v, o = _float_inputs(gpu, do=do, q=q, k=k, v=v, o=o)
     (lse,) = _float_inputs(gpu, float32_only=True, lse=lse)
     _check_attention_shapes(q, k, v)
@@ -280,7 +284,8 @@ def flash_attention_backward(do, q, k, v, o, lse, causal: bool = False, window: 
     return _cpu().flash_backward(do, q, k, v, o, lse, causal, window or 0, scale)
 
 
-def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int | None = None):
+def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int | None = None,
+           softcap: float | None = None):
     r"""One decode step over contiguous caches: each sequence's query attends to its cached keys
     (catalogue A10, F3).
 
@@ -299,8 +304,10 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
     On the GPU, ``lengths`` given as a CuPy array are checked by the kernel rather than copied back
     (see :func:`paged_decode`): a length outside ``[0, T_max]`` gives that sequence NaN rows.
     The reference is :func:`refmath.attention.sdpa_forward` over each sequence's first ``L_b`` keys.
+    A ``softcap`` is refused: the kernels do not cap scores (the reference does).
     """
     gpu = _on_gpu(q=q, k_cache=k_cache, v_cache=v_cache)
+    _refuse_softcap(softcap, gpu)
     q, k_cache, v_cache = _float_inputs(gpu, q=q, k_cache=k_cache, v_cache=v_cache)
     _check_decode_query(q)
     check_ndim("k_cache", k_cache, 4, "(B, G, T_max, D)")
@@ -325,7 +332,7 @@ def decode(q, k_cache, v_cache, lengths, scale: float | None = None, splits: int
 
 
 def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None = None,
-                 splits: int | None = None):
+                 splits: int | None = None, softcap: float | None = None):
     r"""One decode step over a paged cache (catalogue K10, A10, F3): :func:`decode` with each
     sequence's keys and values found through its page table.
 
@@ -342,9 +349,11 @@ def paged_decode(q, k_pages, v_pages, page_table, lengths, scale: float | None =
     checked (that would synchronise every decode step): the kernel checks each entry it reads, and a
     sequence with a page id outside ``[0, n_pages)`` or a length outside
     ``[0, max_pages * page_size]`` gets NaN output rows. NumPy tables and lengths are checked here
-    first, as on the CPU, with a ``ValueError`` naming the entry.
+    first, as on the CPU, with a ``ValueError`` naming the entry. A ``softcap`` is refused, as in
+    :func:`decode`.
     """
     gpu = _on_gpu(q=q, k_pages=k_pages, v_pages=v_pages)
+    _refuse_softcap(softcap, gpu)
     q, k_pages, v_pages = _float_inputs(gpu, q=q, k_pages=k_pages, v_pages=v_pages)
     _check_decode_query(q)
     check_ndim("k_pages", k_pages, 4, "(n_pages, G, page_size, D)")
@@ -513,6 +522,15 @@ def _attention_options(causal, window, scale, d: int):
     if window is not None:
         window = check_int("window", window, 1)
     return causal or window is not None, window, _scale(scale, d)
+
+
+def _refuse_softcap(softcap, gpu: bool) -> None:
+    """The compiled kernels have no logit soft-capping (catalogue N19): a cap is refused rather than
+    ignored, since ignoring it would give other numbers than the reference without a word."""
+    if softcap is not None:
+        backend = "cuda" if gpu else "cpu"
+        raise ValueError(f"softcap = {softcap!r} is not supported on backend={backend!r} (the "
+                         f"compiled kernels do not cap scores); use backend='numpy'")
 
 
 def _splits(splits) -> int | None:

@@ -6,20 +6,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refmath import kernels
 from refmath.attention import (
+    causal_attention_backward,
+    causal_attention_forward,
     causal_mask,
     gqa_head_map,
     local_window_mask,
     mha_backward,
     mha_forward,
     padding_mask,
+    SoftcapSDPACache,
     sdpa_backward,
     sdpa_forward,
 )
 from refmath.gradcheck import check_case
 from refmath.gradcheck import all_cases
+from _support import float32_rule
 
 PROPERTY = settings(max_examples=30, deadline=None)
+needs_cpu_kernels = pytest.mark.skipif(not kernels.cpu_available(),
+                                       reason="the C++ module refmath._C is not built")
 
 
 def _params(rng, d, h, g, d_h, d_ctx=None, biases=False):
@@ -184,6 +191,141 @@ def test_dropout_mask_of_ones_is_no_dropout_and_zeros_drop_a_value():
 def test_a8_backward_matches_central_differences(case):
     result = check_case(case)
     assert result.passed, f"{case.name}: {result.errors}"
+
+
+# ---- logit soft-capping and the query scale (N19, Gemma 2) --------------------------------------
+
+def test_softcapped_scores_worked_example_n19():
+    # d_k = 1, scale 1, cap 2: the raw scores q k_j = (0, ln 3, -ln 3) are capped to
+    # 2 tanh(s / 2) = (0, 1, -1), since tanh(ln 3 / 2) = (3 - 1) / (3 + 1) = 1/2. With v = I the
+    # output is the weight vector, e^(0, 1, -1) / (1 + e + 1/e).
+    q = np.array([[1.0]])
+    k = np.array([[0.0], [math.log(3.0)], [-math.log(3.0)]])
+    v = np.eye(3)
+    o, _ = sdpa_forward(q, k, v, scale=1.0, softcap=2.0)
+    e = np.exp([0.0, 1.0, -1.0])
+    np.testing.assert_allclose(o[0], e / e.sum(), rtol=1e-14)
+    # hiding the second key renormalises the other two capped scores: (1, 0, 1/e) / (1 + 1/e)
+    o, cache = sdpa_forward(q, k, v, mask=np.array([0.0, -np.inf, 0.0]), scale=1.0, softcap=2.0)
+    np.testing.assert_allclose(o[0], np.array([1.0, 0.0, 1 / math.e]) / (1 + 1 / math.e),
+                               rtol=1e-14)
+    assert o[0, 1] == 0.0 and cache.attn.a[0, 1] == 0.0
+    # the cap's state travels in a cache of its own: an uncapped cache still has its six fields
+    assert isinstance(cache, SoftcapSDPACache)
+    _, _, _, a, dropout_mask, scale = sdpa_forward(q, k, v, scale=1.0)[1]
+    assert dropout_mask is None and scale == 1.0
+
+
+def test_the_cap_comes_before_the_mask_so_hidden_keys_stay_hidden_n19():
+    # Capping after the mask would give a hidden key the score -c and a share of the weight; with
+    # the cap first, padded attention equals attention over the visible keys alone, and a sequence
+    # with no visible key gets zero rows and zero gradients. Scale 1 makes the raw scores (std 2)
+    # large against the cap of 1, so the cap is strongly in effect.
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 3, 4), (2, 5, 4), (2, 5, 3)))
+    mask = np.where(np.arange(5) < np.array([[3], [0]]), 0.0, -np.inf)[:, None, :]  # lengths 3, 0
+    o, cache = sdpa_forward(q, k, v, mask=mask, scale=1.0, softcap=1.0)
+    dq, dk, dv = sdpa_backward(rng.standard_normal(o.shape), cache)
+    alone, _ = sdpa_forward(q[0], k[0, :3], v[0, :3], scale=1.0, softcap=1.0)
+    np.testing.assert_allclose(o[0], alone, rtol=1e-14, atol=1e-15)
+    assert np.all(cache.attn.a[0, :, 3:] == 0) and np.all(dk[0, 3:] == 0) and np.all(dv[0, 3:] == 0)
+    for x in (o[1], dq[1], dk[1], dv[1]):
+        np.testing.assert_array_equal(x, 0.0)
+
+
+@PROPERTY
+@given(_attention_problem(), st.sampled_from([0.5, 2.0, 50.0]), st.integers(0, 2**32 - 1))
+def test_with_a_cap_masked_keys_still_get_zero_weight_and_zero_gradient_n19(problem, cap, seed):
+    q, k, v, mask, visible, scale = problem
+    o, cache = sdpa_forward(q, k, v, mask=mask, scale=scale, softcap=cap)
+    dq, dk, dv = sdpa_backward(np.random.default_rng(seed).standard_normal(o.shape), cache)
+    assert np.all(cache.attn.a[~visible] == 0)
+    np.testing.assert_allclose(cache.attn.a.sum(axis=-1), 1.0, rtol=1e-14)
+    hidden_everywhere = ~visible.any(axis=0)
+    assert np.all(dk[hidden_everywhere] == 0) and np.all(dv[hidden_everywhere] == 0)
+
+
+def test_a_cap_far_above_the_scores_moves_the_output_by_a_third_order_amount_n19():
+    # |c tanh(s/c) - s| <= |s|^3 / (3 c^2) =: delta (test_ffn). Every score moving by at most
+    # delta moves each log-weight by at most 2 delta, so |dA_ij| <= A_ij (e^{2 delta} - 1) and
+    # |dO| <= (e^{2 delta} - 1) max |v|.
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 6), (2, 7, 6), (2, 7, 3)))
+    cap = 1e3
+    plain, cache = sdpa_forward(q, k, v, mask=causal_mask(4, 7))
+    capped, _ = sdpa_forward(q, k, v, mask=causal_mask(4, 7), softcap=cap)
+    s = (q @ np.swapaxes(k, -1, -2)) / math.sqrt(6)
+    delta = np.abs(s).max() ** 3 / (3 * cap**2)
+    bound = np.expm1(2 * delta) * np.abs(v).max() + 1e-15
+    assert 0 < np.abs(capped - plain).max() <= bound
+
+
+def test_causal_attention_with_scale_and_softcap_equals_gemma2_eager_attention_in_torch():
+    """The training path's attention against transformers' Gemma 2 eager attention, written out in
+    torch: scores q k^T times the scale (query_pre_attn_scalar^-1/2), divided by the cap, tanh,
+    times the cap, then the causal or sliding-window mask, softmax, times the values; keys and
+    values repeated to every query head of their group (repeat_kv). Gradients by autograd."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
+    rng = np.random.default_rng(6)
+    b, h, g, t, d = 2, 4, 2, 6, 8
+    q, k, v = (rng.standard_normal(s) for s in ((b, h, t, d), (b, g, t, d), (b, g, t, d)))
+    do = rng.standard_normal((b, h, t, d))
+    scaling, cap = 4.0**-0.5, 2.0  # query_pre_attn_scalar = 4, not the head width 8
+    for window in (None, 3):
+        o, cache = causal_attention_forward(q, k, v, "numpy", window, scaling, cap)
+        grads = causal_attention_backward(do, cache)
+
+        tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+        key, value = tk.repeat_interleave(h // g, dim=1), tv.repeat_interleave(h // g, dim=1)
+        weights = torch.matmul(tq, key.transpose(2, 3)) * scaling
+        weights = torch.tanh(weights / cap) * cap
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        allowed = (j <= i) if window is None else (j <= i) & (i - j < window)
+        weights = weights + torch.where(allowed, 0.0, -torch.inf).to(weights.dtype)
+        out = torch.matmul(torch.softmax(weights, dim=-1), value)
+        out.backward(torch.tensor(do))
+        np.testing.assert_allclose(o, out.detach().numpy(), rtol=1e-12, atol=1e-14)
+        for name, got, want in zip("qkv", grads, (tq.grad, tk.grad, tv.grad)):
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-11, atol=1e-13,
+                                       err_msg=f"window {window}: d{name}")
+
+
+def test_the_cpu_backend_refuses_a_softcap_in_one_line():
+    q = np.zeros((1, 2, 3, 4), dtype=np.float32)
+    k = np.zeros((1, 1, 3, 4), dtype=np.float32)
+    message = (r"^softcap = 50.0 is not supported on backend='cpu' \(the compiled kernels do not "
+               r"cap scores\); use backend='numpy'$")
+    with pytest.raises(ValueError, match=message):
+        causal_attention_forward(q, k, k, backend="cpu", softcap=50.0)
+
+
+@needs_cpu_kernels
+def test_the_cpu_backend_applies_the_scale():
+    rng = np.random.default_rng(7)
+    q, k, v, do = (rng.standard_normal(s) for s in ((2, 4, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8),
+                                                    (2, 4, 9, 8)))
+    scale = 0.7  # twice 1/sqrt(8): the kernel's default would give other weights
+    f32 = [x.astype(np.float32) for x in (q, k, v, do)]
+    for window in (None, 4):
+        o64, cache64 = causal_attention_forward(q, k, v, "numpy", window, scale)
+        o32, cache32 = causal_attention_forward(*f32[:3], "numpy", window, scale)
+        o_cpu, cache_cpu = causal_attention_forward(*f32[:3], "cpu", window, scale)
+        floor = 4 * 2.0**-24 * np.abs(o64).max()
+        float32_rule(f"cpu o, window {window}", o_cpu, o64, o32, 2, floor)
+        for name, g_cpu, g64, g32 in zip("qkv", causal_attention_backward(f32[3], cache_cpu),
+                                         causal_attention_backward(do, cache64),
+                                         causal_attention_backward(f32[3], cache32)):
+            float32_rule(f"cpu d{name}, window {window}", g_cpu, g64, g32, 2,
+                         4 * 2.0**-24 * np.abs(g64).max())
+
+
+def test_a_bad_softcap_names_the_argument():
+    q = np.ones((2, 3))
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match=r"softcap must be a finite number > 0, got"):
+            sdpa_forward(q, q, q, softcap=bad)
+    with pytest.raises(TypeError, match=r"softcap must be a number, got '50' of type str"):
+        sdpa_forward(q, q, q, softcap="50")
 
 
 # ---- masks (A12) -------------------------------------------------------------------------------

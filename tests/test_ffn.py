@@ -6,12 +6,15 @@ import pytest
 from refmath.ffn import (
     ffn_forward,
     ffn_parameter_count,
+    geglu_forward,
     gelu_backward,
     gelu_forward,
     linear_backward,
     linear_forward,
     silu_backward,
     silu_forward,
+    softcap_backward,
+    softcap_forward,
     standard_normal_cdf,
     swiglu_forward,
     swiglu_hidden_size,
@@ -102,6 +105,56 @@ def test_swiglu_is_the_catalogue_formula_n7():
     np.testing.assert_allclose(y, expected, rtol=1e-13, atol=1e-13)
 
 
+def test_geglu_is_the_catalogue_formula_n20():
+    # Gemma's MLP: [GELU_tanh(x W_g) * (x W_u)] W_d, the tanh GELU written out (N6)
+    rng = np.random.default_rng(3)
+    x = 2.0 * rng.standard_normal((2, 3, 4))
+    w_gate, w_up, w_down = (rng.standard_normal(s) for s in ((4, 6), (4, 6), (6, 4)))
+    y, _ = geglu_forward(x, w_gate, w_up, w_down)
+    g = x @ w_gate
+    gelu = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    np.testing.assert_allclose(y, (gelu * (x @ w_up)) @ w_down, rtol=1e-13, atol=1e-13)
+
+
+def test_softcap_worked_example_n19():
+    # c = 2, x = ln 3: tanh(ln 3 / 2) = (3 - 1) / (3 + 1) = 1/2, so y = 1 and the slope 1 - (1/2)^2
+    y, cache = softcap_forward(np.array([math.log(3.0), 0.0, -math.log(3.0)]), 2.0)
+    np.testing.assert_allclose(y, [1.0, 0.0, -1.0], rtol=1e-15, atol=0)
+    np.testing.assert_allclose(softcap_backward(np.ones(3), cache), [0.75, 1.0, 0.75], rtol=1e-15)
+
+
+def test_softcap_is_the_identity_to_first_order_and_bounded_by_the_cap_n19():
+    cap = 30.0
+    # For 0 <= u: u - u^3/3 <= tanh u <= u, so 0 <= x - c tanh(x/c) <= x^3 / (3 c^2) for x >= 0
+    # (and the mirror image for x < 0): the error of the identity is third order in x / c.
+    x = np.linspace(-3.0, 3.0, 61)  # |x| <= c / 10
+    y, cache = softcap_forward(x, cap)
+    gap = np.abs(x - y)
+    assert np.all(gap <= np.abs(x) ** 3 / (3 * cap**2) * (1 + 1e-12) + 1e-15)
+    assert np.all(np.sign(x - y) == np.sign(x))  # it pulls towards 0, never past the identity
+    # the slope 1 - tanh^2(x/c) is 1 at 0 and within (x/c)^2 of it nearby
+    slope = softcap_backward(np.ones_like(x), cache)
+    assert slope[30] == 1.0 and np.all((1.0 - slope) <= (x / cap) ** 2 + 1e-15)
+    # however large the input, the output stays within the cap, reaching it at infinity
+    big = np.array([-np.inf, -1e300, -1e3, 1e3, 1e300, np.inf])
+    y_big, cache_big = softcap_forward(big, cap)
+    assert np.all(np.abs(y_big) <= cap)
+    np.testing.assert_array_equal(y_big[[0, -1]], [-cap, cap])
+    np.testing.assert_array_equal(softcap_backward(np.ones(6), cache_big), np.zeros(6))
+
+
+def test_softcap_keeps_float32_and_refuses_a_bad_cap():
+    y, cache = softcap_forward(np.ones(3, dtype=np.float32), 50.0)
+    assert y.dtype == softcap_backward(np.ones(3, dtype=np.float32), cache).dtype == np.float32
+    for bad in (0.0, -5.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"cap must be a finite number > 0, got"):
+            softcap_forward(np.ones(3), bad)
+    with pytest.raises(TypeError, match=r"cap must be a number, got True of type bool"):
+        softcap_forward(np.ones(3), True)
+    with pytest.raises(TypeError, match=r"x must be a floating-point array"):
+        softcap_forward(np.arange(3), 1.0)
+
+
 def test_swiglu_parameter_counts_n7():
     d, d_f = 6, 10
     assert ffn_parameter_count(d, d_f) == 2 * d * d_f == 120
@@ -150,6 +203,10 @@ def test_bad_inputs_name_the_arguments_and_shapes():
         swiglu_forward(x, w1, np.zeros((4, 5)), np.zeros((6, 4)))
     with pytest.raises(ValueError, match=r"w_down.shape\[0\] must be 6"):
         swiglu_forward(x, w1, w1, np.zeros((5, 4)))
+    with pytest.raises(ValueError, match=r"w_gate and w_up must have the same shape.*\(4, 6\).*\(4, 5\)"):
+        geglu_forward(x, w1, np.zeros((4, 5)), np.zeros((6, 4)))
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] must equal w_gate.shape\[0\]"):
+        geglu_forward(np.zeros((2, 3)), w1, w1, np.zeros((6, 4)))
     with pytest.raises(TypeError, match=r"x must be a floating-point array"):
         gelu_forward(np.arange(3))
     with pytest.raises(ValueError, match=r"d must be an int >= 1, got 0"):

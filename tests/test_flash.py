@@ -36,20 +36,23 @@ U32 = 2.0**-24  # unit roundoff of float32
 
 # ---- the dense reference ------------------------------------------------------------------------
 
-def _dense(q, k, v, do, causal=False, window=None, scale=None):
-    """Return (o, lse, dq, dk, dv) by dense attention with repeated key/value heads."""
+def _dense(q, k, v, do, causal=False, window=None, scale=None, softcap=None):
+    """Return (o, lse, dq, dk, dv) by dense attention with repeated key/value heads; with a
+    ``softcap`` c the scores are c tanh(s / c) before the mask (sdpa_forward's order)."""
     h, g, t_q, t_k = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     mask = np.where(visible(t_q, t_k, causal, window), 0.0, -np.inf)
     heads = gqa_head_map(h, g)
-    o, cache = sdpa_forward(q, k[:, heads], v[:, heads], mask=mask, scale=scale)
+    o, cache = sdpa_forward(q, k[:, heads], v[:, heads], mask=mask, scale=scale, softcap=softcap)
     dq, dk_rep, dv_rep = sdpa_backward(do, cache)
     dk, dv = np.zeros_like(k), np.zeros_like(v)
     for r in range(h):  # each query head's gradient goes to the key/value head it read
         dk[:, heads[r]] += dk_rep[:, r]
         dv[:, heads[r]] += dv_rep[:, r]
-    scores = (q @ np.swapaxes(k[:, heads], -1, -2)) * scale + mask
-    lse = np.logaddexp.reduce(scores, axis=-1)  # -inf for a row of -inf
+    scores = (q @ np.swapaxes(k[:, heads], -1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    lse = np.logaddexp.reduce(scores + mask, axis=-1)  # -inf for a row of -inf
     return o, lse, dq, dk, dv
 
 
@@ -127,6 +130,26 @@ def test_explicit_scale():
     for name, actual, expected in zip(("o", "lse", "dq", "dk", "dv"), got,
                                       _dense(q, k, v, do, causal=True, scale=0.37)):
         _assert_close(actual, expected, name)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 5)])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5]],
+                         ids=lambda s: "B{}H{}G{}Tq{}Tk{}D{}Dv{}bq{}bk{}".format(*s))
+def test_flash_with_a_softcap_equals_dense_n19(shape, causal, window):
+    # Scores of std about 1 against a cap of 1: most of them in tanh's bend, where a tile that
+    # capped after masking, or a backward without the cap's slope, would be far off.
+    b, h, g, t_q, t_k, d, d_v, block_q, block_k = shape
+    q, k, v, do = _inputs(sum(shape) + 1, b, h, g, t_q, t_k, d, d_v)
+    options = dict(causal=causal, window=window, block_q=block_q, block_k=block_k)
+    got = _flash(q, k, v, do, softcap=1.0, **options)
+    want = _dense(q, k, v, do, causal, window, softcap=1.0)
+    for name, actual, expected in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        if name == "lse":
+            _assert_lse(actual, expected)
+        else:
+            _assert_close(actual, expected, name)
+    # the cap is in effect: without it the output differs by far more than rounding
+    assert np.abs(got[0] - _dense(q, k, v, do, causal, window)[0]).max() > 1e-3
 
 
 @PROPERTY
@@ -461,6 +484,9 @@ def test_bad_input_forward():
         flash_attention_forward(q, k, v, block_k=0)
     with pytest.raises(TypeError, match=r"causal must be True or False"):
         flash_attention_forward(q, k, v, causal="yes")
+    for softcap in (0.0, -30.0):
+        with pytest.raises(ValueError, match=r"softcap must be a finite number > 0"):
+            flash_attention_forward(q, k, v, softcap=softcap)
 
 
 def test_bad_input_backward():

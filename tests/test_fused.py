@@ -1,4 +1,5 @@
-"""refmath.fused computes exactly what the reference ops compute: equal bit for bit."""
+"""refmath.fused computes exactly what the reference ops compute: equal bit for bit (and GeGLU,
+new to the models, also against torch)."""
 import numpy as np
 import pytest
 
@@ -64,6 +65,60 @@ def test_swiglu_equals_the_reference_bit_for_bit(dtype, shape):
     for got, want in zip(fused.swiglu_backward(dy, cache), ffn.swiglu_backward(dy, cache_ref)):
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["one-block", "many-blocks"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_geglu_equals_the_reference_bit_for_bit(dtype, shape):
+    from refmath import ffn, fused
+
+    b, t, d, d_f = shape
+    rng = np.random.default_rng(6)
+    x = (3 * rng.standard_normal((b, t, d))).astype(dtype)
+    w_gate, w_up = (rng.standard_normal((d, d_f)).astype(dtype) for _ in range(2))
+    w_down = rng.standard_normal((d_f, d)).astype(dtype)
+    dy = rng.standard_normal((b, t, d)).astype(dtype)
+    y_ref, cache_ref = ffn.geglu_forward(x, w_gate, w_up, w_down)
+    y, cache = fused.geglu_forward(x, w_gate, w_up, w_down)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, y_ref)
+    for got, want in zip((cache.gate.x, cache.gate.gate, cache.up, cache.hidden),
+                         (cache_ref.gate.x, cache_ref.gate.gate, cache_ref.up, cache_ref.hidden)):
+        np.testing.assert_array_equal(got, want)
+    assert cache.gate.approximate and cache_ref.gate.approximate
+    for got, want in zip(fused.geglu_backward(dy, cache), ffn.geglu_backward(dy, cache_ref)):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_geglu_matches_a_torch_mlp_with_tanh_gelu():
+    """Gemma's MLP in torch, down(gelu_pytorch_tanh(gate(x)) * up(x)), with refmath's (in, out)
+    weights handed to F.linear transposed; gradients by autograd."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
+    from refmath import fused
+
+    F = torch.nn.functional
+    rng = np.random.default_rng(7)
+    x = 2.0 * rng.standard_normal((2, 5, 6))
+    weights = [rng.standard_normal(s) / np.sqrt(s[0]) for s in ((6, 10), (6, 10), (10, 6))]
+    dy = rng.standard_normal((2, 5, 6))
+    y, cache = fused.geglu_forward(x, *weights)
+    grads = fused.geglu_backward(dy, cache)
+    tx, tg, tu, td = (torch.tensor(a, requires_grad=True) for a in (x, *weights))
+    ty = F.linear(F.gelu(F.linear(tx, tg.T), approximate="tanh") * F.linear(tx, tu.T), td.T)
+    ty.backward(torch.tensor(dy))
+    np.testing.assert_allclose(y, ty.detach().numpy(), rtol=1e-12, atol=1e-13)
+    for name, got, want in zip(("x", "w_gate", "w_up", "w_down"), grads, (tx, tg, tu, td)):
+        np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_geglu_nan_stays_nan():
+    from refmath import fused
+
+    x = np.array([[np.nan, 1.0], [0.5, -1.0]])
+    y, cache = fused.geglu_forward(x, np.ones((2, 3)), np.ones((2, 3)), np.ones((3, 2)))
+    dx, *_ = fused.geglu_backward(np.ones_like(y), cache)
+    assert np.isnan(y[0]).all() and np.isnan(dx[0]).all() and np.isfinite(y[1]).all()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

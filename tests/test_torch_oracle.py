@@ -23,14 +23,19 @@ def _softmax(x):
     return torch.softmax(x.clamp(min=torch.finfo(x.dtype).min), -1) * ~torch.isneginf(x)
 
 
-def _sdpa(q, k, v, mask=None, dropout_mask=None, scale=None):
+def _sdpa(q, k, v, mask=None, dropout_mask=None, scale=None, softcap=None):
     """torch's own SDPA, which also gives a zero row to a query that sees no key. With a dropout
-    mask the weights are formed explicitly, since torch would draw its own mask."""
-    if dropout_mask is None:
+    mask or a logit cap the weights are formed explicitly, since torch would draw its own mask and
+    has no cap; the cap is Gemma 2's eager attention in transformers: scores times the scale,
+    divided by the cap, tanh, times the cap, and only then the mask."""
+    if dropout_mask is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * scale + (0.0 if mask is None else mask)
-    return (_softmax(scores) * dropout_mask) @ v
+    scores = q @ k.transpose(-2, -1) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = _softmax(scores + (0.0 if mask is None else mask))
+    return weights @ v if dropout_mask is None else (weights * dropout_mask) @ v
 
 
 def _mha(x, n_heads, n_kv_heads, context=None, mask=None, dropout_mask=None, **p):
@@ -149,6 +154,10 @@ MIRRORS = {
          "identity": lambda h: h}[activation](F.linear(x, w1.T, b1)), w2.T, b2),
     "swiglu": lambda x, w_gate, w_up, w_down: F.linear(
         F.silu(F.linear(x, w_gate.T)) * F.linear(x, w_up.T), w_down.T),
+    # Gemma's MLP: down(gelu_pytorch_tanh(gate(x)) * up(x))
+    "geglu": lambda x, w_gate, w_up, w_down: F.linear(
+        F.gelu(F.linear(x, w_gate.T), approximate="tanh") * F.linear(x, w_up.T), w_down.T),
+    "softcap": lambda x, cap: torch.tanh(x / cap) * cap,
     "learned_positions": lambda x, table, offset: x + table[offset:offset + x.shape[-2]],
     "rope": _rope,
     "embedding": lambda ids, table, scale_by_sqrt_d: F.embedding(ids, table) * (

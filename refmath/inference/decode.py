@@ -8,7 +8,9 @@ its cache holds:
     V_{b,\pi(r)}[{:}L_b]
 
 with ``pi`` the GQA head map (A10), ``tau`` the scale (:math:`1/\sqrt D` by default) and ``L_b``
-the number of positions sequence ``b`` has cached. The cache is either contiguous,
+the number of positions sequence ``b`` has cached. A ``softcap`` ``c`` (N19, Gemma 2) replaces each
+score ``s`` by :math:`c \tanh(s / c)` before the softmax; only the reference has it, and the
+kernels refuse it. The cache is either contiguous,
 ``(B, G, T_max, D)`` per layer (the layout of :class:`refmath.inference.kv_cache.KVCache` and of
 the compiled kernels), or paged: a pool ``(n_pages, G, p, D)`` and a page table (K10).
 
@@ -31,6 +33,7 @@ import numpy as np
 from refmath._validate import (check_axis, check_choice, check_ndim, check_real, check_same_shape,
                                float_array, int_array)
 from refmath.attention import gqa_head_map, sdpa_forward
+from refmath.ffn import check_softcap
 from refmath.kernels import BACKENDS
 from refmath.softmax import (online_softmax_block, online_softmax_empty, online_softmax_merge,
                              online_softmax_result)
@@ -63,13 +66,14 @@ def _scale(scale, d: int) -> float:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None,
-                     backend: str = "numpy"):
+                     backend: str = "numpy", softcap: float | None = None):
     r"""One decode step over contiguous caches (catalogue K2, A10; the module docstring has the
     equation).
 
     ``q`` is ``(B, H, D)``; ``k_cache`` and ``v_cache`` are ``(B, G, T_max, D)`` with ``G``
     dividing ``H``; ``lengths`` holds ``B`` integers in ``[0, T_max]`` (a length of 0 gives
-    ``o = 0``). Returns ``(B, H, D)``.
+    ``o = 0``). ``scale`` is :math:`\tau`; ``softcap`` (a number above 0, or None) caps the
+    scores, on ``backend="numpy"`` only. Returns ``(B, H, D)``.
 
     The reference runs :func:`refmath.attention.sdpa_forward` over each sequence's first ``L_b``
     keys, read through the GQA head map (no copy of the shared heads).
@@ -78,7 +82,7 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None,
     if backend != "numpy":
         from refmath import kernels
 
-        return kernels.decode(q, k_cache, v_cache, lengths, scale=scale)
+        return kernels.decode(q, k_cache, v_cache, lengths, scale=scale, softcap=softcap)
     q, k_cache, v_cache = (float_array(n, x) for n, x in
                            (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
     check_ndim("k_cache", k_cache, 4, "(B, G, T_max, D)")
@@ -95,21 +99,21 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None,
     for b, length in enumerate(lengths):
         k = k_cache[b, heads, :length]  # (H, L_b, D): query head r reads key head pi(r)
         v = v_cache[b, heads, :length]
-        out[b] = sdpa_forward(q[b][:, None, :], k, v, scale=scale)[0][:, 0]
+        out[b] = sdpa_forward(q[b][:, None, :], k, v, scale=scale, softcap=softcap)[0][:, 0]
     return out
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale: float | None = None,
-                           backend: str = "numpy"):
+                           backend: str = "numpy", softcap: float | None = None):
     r"""One decode step over a paged cache (catalogue K10, A10, F2, F3): :func:`decode_attention`
     with each sequence's keys and values found through its page table.
 
     ``k_pages`` and ``v_pages`` are the pool ``(n_pages, G, p, D)``; ``page_table`` is
     ``(B, max_pages)``, row ``b`` the physical pages of sequence ``b`` in logical order (entries
     past the pages its length needs may hold anything, e.g. -1); token ``j`` of sequence ``b`` is
-    slot ``j % p`` of page ``page_table[b, j // p]``. ``q``, ``lengths``, ``scale`` and the result
-    are as in :func:`decode_attention`. :meth:`refmath.inference.paged.PagedKVCache.decode` builds
-    the table from a cache.
+    slot ``j % p`` of page ``page_table[b, j // p]``. ``q``, ``lengths``, ``scale``, ``softcap``
+    and the result are as in :func:`decode_attention`.
+    :meth:`refmath.inference.paged.PagedKVCache.decode` builds the table from a cache.
 
     The reference reads the pool the way a kernel does: one page at a time, each giving block
     statistics ``(m, l, u)`` (F2) merged into a running state (F3), ``o = u / l`` at the end, never
@@ -119,7 +123,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale: floa
     if backend != "numpy":
         from refmath import kernels
 
-        return kernels.paged_decode(q, k_pages, v_pages, page_table, lengths, scale=scale)
+        return kernels.paged_decode(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                                    softcap=softcap)
     q, k_pages, v_pages = (float_array(n, x) for n, x in
                            (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)))
     check_ndim("k_pages", k_pages, 4, "(n_pages, G, page_size, D)")
@@ -136,6 +141,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale: floa
     check_ndim("lengths", lengths, 1, "(B,)")
     check_axis("lengths", lengths, 0, q.shape[0], f"the batch size B of q.shape = {q.shape}")
     scale = _scale(scale, q.shape[-1])
+    softcap = None if softcap is None else check_softcap("softcap", softcap)
     h, d = q.shape[1], q.shape[2]
     heads = gqa_head_map(h, k_pages.shape[1])
 
@@ -151,6 +157,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale: floa
             k = k_pages[page, :, :n][heads]  # (H, n, D)
             v = v_pages[page, :, :n][heads]
             scores = (k @ q[b][:, :, None])[:, :, 0] * scale  # (H, n)
+            if softcap is not None:  # each score on its own, so page by page is the same
+                scores = softcap * np.tanh(scores / softcap)
             state = online_softmax_merge(state, online_softmax_block(scores, v))
         out[b] = online_softmax_result(state)
     return out

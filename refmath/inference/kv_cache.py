@@ -231,7 +231,8 @@ class LatentCache(_Contiguous):
 
 
 def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
-                      window: int | None = None):
+                      window: int | None = None, scale: float | None = None,
+                      softcap: float | None = None):
     """Append ``k``, ``v`` ``(B, g, n, d_h)`` at positions ``offset..offset+n-1`` of ``layer`` and
     attend with ``q`` ``(B, h, n, d_h)`` over every filled position. Returns ``(B, h, n, d_h)``.
 
@@ -239,6 +240,10 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     before it: the last rows of :func:`refmath.attention.local_window_mask`, and a decode step
     reads only the last ``window`` cached rows. On the ``"cpu"`` and ``"cuda"`` backends a prefill
     is :func:`refmath.kernels.flash_attention_forward` with the same ``window``.
+
+    ``scale`` is the score scale (``1/sqrt(d_h)`` by default) and ``softcap`` the logit cap
+    of :func:`refmath.attention.sdpa_forward` (N19), on the ``"numpy"`` backend only: the kernels
+    refuse a cap.
 
     The ``n`` new queries are the last ``n`` of the ``t = offset + n`` positions, so the causal mask
     is ``causal_mask(n, t)``: for a decode step (``n = 1``) every cached key is visible, and the
@@ -263,17 +268,17 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
         if cache.backend != "numpy":
             keys, values = xp.ascontiguousarray(keys), xp.ascontiguousarray(values)
         o = decode_attention(xp.asarray(q[:, :, 0]), keys, values, np.full(b, window),
-                             backend=cache.backend)
+                             scale=scale, backend=cache.backend, softcap=softcap)
         return cache.to_host(o)[:, :, None]
     if n == 1:
         o = decode_attention(xp.asarray(q[:, :, 0]), cache.keys[layer], cache.values[layer],
-                             np.full(b, t), backend=cache.backend)
+                             np.full(b, t), scale=scale, backend=cache.backend, softcap=softcap)
         return cache.to_host(o)[:, :, None]
     keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
     if cache.backend != "numpy":  # the kernel reads (B, g, t, d_h) blocks
         o, _ = kernels.flash_attention_forward(xp.asarray(q), xp.ascontiguousarray(keys),
                                                xp.ascontiguousarray(values), causal=True,
-                                               window=window)
+                                               window=window, scale=scale, softcap=softcap)
         return cache.to_host(o)
     keys, values = cache.to_host(keys), cache.to_host(values)
     # GQA: the h/g query heads of group u read stored head u (refmath.attention.gqa_head_map), so
@@ -282,7 +287,7 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     q = q.reshape(b, g, h // g, n, d_h)
     keys = np.broadcast_to(keys[:, :, None], (b, g, h // g, t, d_h))
     values = np.broadcast_to(values[:, :, None], (b, g, h // g, t, values.shape[-1]))
-    o, _ = sdpa_forward(q, keys, values, mask=mask)
+    o, _ = sdpa_forward(q, keys, values, mask=mask, scale=scale, softcap=softcap)
     return o.reshape(b, h, n, -1)
     # END SOLUTION
 
@@ -293,10 +298,11 @@ class _Slot(NamedTuple):
     cache: object  # a KVCache or a LatentCache
     layer: int
 
-    def attend(self, q, k, v, offset: int, window: int | None = None):
+    def attend(self, q, k, v, offset: int, window: int | None = None, scale: float | None = None,
+               softcap: float | None = None):
         """KVCache: append ``k``, ``v`` at ``offset..`` and attend with ``q`` (see
         :func:`_cached_attention`)."""
-        return _cached_attention(self.cache, self.layer, q, k, v, offset, window)
+        return _cached_attention(self.cache, self.layer, q, k, v, offset, window, scale, softcap)
 
     def store(self, c, k_r, offset: int):
         """LatentCache: append the latents ``c`` and rotary keys ``k_r`` ``(B, n, .)`` at

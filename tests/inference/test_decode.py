@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from refmath import kernels
+from refmath.attention import sdpa_forward
 from refmath.inference.decode import decode_attention, paged_decode_attention
 from _support import float32_rule
 
@@ -60,6 +61,36 @@ def test_paged_reference_equals_the_contiguous_reference(lengths, h, g, d):
     for page_size in (1, 4, 16):
         paged = paged_decode_attention(q, *_paged(k, v, lengths, page_size, seed=2), lengths)
         np.testing.assert_allclose(paged, out, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("lengths, h, g, d", SHAPES)
+def test_a_softcap_caps_each_score_contiguous_and_paged_alike_n19(lengths, h, g, d):
+    # scale 1 makes the raw scores (std sqrt(D)) large against the cap of 2: the cap is in effect
+    q, k, v = _cache(8, lengths, h, g, d, max(lengths) + 3)
+    out = decode_attention(q, k, v, lengths, scale=1.0, softcap=2.0)
+    for b, n in enumerate(lengths):  # sequence by sequence: dense attention with the same cap
+        heads = np.arange(h) // (h // g)
+        want = sdpa_forward(q[b][:, None], k[b, heads, :n], v[b, heads, :n], scale=1.0,
+                            softcap=2.0)[0][:, 0]
+        np.testing.assert_allclose(out[b], want, rtol=1e-13, atol=1e-15)
+    assert np.abs(out - decode_attention(q, k, v, lengths, scale=1.0)).max() > 1e-2
+    for page_size in (1, 4):
+        paged = paged_decode_attention(q, *_paged(k, v, lengths, page_size, seed=9), lengths,
+                                       scale=1.0, softcap=2.0)
+        np.testing.assert_allclose(paged, out, rtol=1e-12, atol=1e-14)
+
+
+def test_the_kernels_refuse_a_softcap_in_one_line():
+    q, k, v = (x.astype(np.float32) for x in _cache(10, [3], 2, 1, 4, 4))
+    k_pages, v_pages, table = _paged(k, v, [3], 2, seed=11)
+    message = (r"^softcap = 30.0 is not supported on backend='cpu' \(the compiled kernels do not "
+               r"cap scores\); use backend='numpy'$")
+    with pytest.raises(ValueError, match=message):
+        decode_attention(q, k, v, [3], backend="cpu", softcap=30.0)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(q, k_pages, v_pages, table, [3], backend="cpu", softcap=30.0)
+    with pytest.raises(ValueError, match=r"softcap must be a finite number > 0, got 0"):
+        paged_decode_attention(q, k_pages, v_pages, table, [3], softcap=0)
 
 
 @needs_cpu_kernels

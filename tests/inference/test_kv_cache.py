@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refmath import sizing
+from refmath.attention import causal_attention_forward
 from refmath.inference import generate as no_cache
 from refmath.inference import kv_cache as kc
 from refmath.inference.kv_cache import (
@@ -632,3 +633,34 @@ def test_the_cuda_backend_plumbing_on_a_stand_in_device(name, monkeypatch):
     assert cuda.counts == cpu.counts
     _, cache = prefill(module, params, config, prompt, backend="cuda")
     assert all(isinstance(a, StandInDeviceArray) for a in cache._arrays())
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_prefill_then_decode_with_a_scale_and_softcap_equals_dense_attention_n19(window):
+    """One layer of a GQA cache: a prefill of 3 positions, then 4 decode steps, through
+    ``_Slot.attend`` with a query scale and a logit cap (Gemma 2), equal the causal attention
+    over all 7 positions with the same options. With the window of 3 the last decode steps read
+    only the window's rows."""
+    rng = np.random.default_rng(12)
+    b, h, g, t, d, prompt = 2, 4, 2, 7, 4, 3
+    q = rng.standard_normal((b, h, t, d))
+    k, v = rng.standard_normal((2, b, g, t, d))
+    slot = kc._Slot(KVCache(np.zeros((1, b, g, t, d)), np.zeros((1, b, g, t, d))), 0)
+    options = dict(window=window, scale=0.8, softcap=1.5)
+    rows = [slot.attend(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], 0, **options)]
+    for pos in range(prompt, t):
+        step = slice(pos, pos + 1)
+        rows.append(slot.attend(q[:, :, step], k[:, :, step], v[:, :, step], pos, **options))
+    want, _ = causal_attention_forward(q, k, v, "numpy", window, 0.8, 1.5)
+    np.testing.assert_allclose(np.concatenate(rows, axis=2), want, rtol=1e-13, atol=1e-15)
+    uncapped, _ = causal_attention_forward(q, k, v, "numpy", window, 0.8)
+    assert np.abs(want - uncapped).max() > 1e-2  # the cap is in effect
+
+
+def test_a_kernel_cache_refuses_a_softcap():
+    cache = KVCache(np.zeros((1, 1, 1, 4, 2), np.float32), np.zeros((1, 1, 1, 4, 2), np.float32),
+                    backend="cpu")
+    for n in (2, 1):  # a prefill (the FlashAttention kernel), then a decode step (decode)
+        x = np.ones((1, 1, n, 2), np.float32)
+        with pytest.raises(ValueError, match=r"softcap = 50.0 is not supported on backend='cpu'"):
+            kc._Slot(cache, 0).attend(x, x, x, 0, softcap=50.0)
