@@ -18,7 +18,20 @@ format.
                                                      projections; a window on some layers caps the
                                                      context at the window
 ``qwen3``                           ``"llama"``      plus QK-norm (``qk_norm="head"``)
-``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense feed-forward layers only (no experts)
+``mixtral``                         ``"llama"``      Mistral with a mixture of experts
+                                                     (``DecoderConfig.moe``: softmax, top-k,
+                                                     renormalised)
+``qwen2_moe``, ``qwen3_moe``        ``"llama"``      Qwen2 / Qwen3 with experts; Qwen2-MoE's
+                                                     shared expert behind its sigmoid gate
+``gemma``                           ``"llama"``      ``(1 + w)`` norms, embeddings times
+                                                     :math:`\sqrt d`, GeGLU
+``gemma2``                          ``"llama"``      plus sandwich norms, capped scores and
+                                                     logits, ``query_pre_attn_scalar``, local and
+                                                     global layers (``window_layers``)
+``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
+``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
+                                                     ones (V2: softmax, group-limited; V3:
+                                                     sigmoid, chosen with its bias)
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
@@ -29,8 +42,8 @@ The ``"llama"`` types load with their rope scaling (``rope_parameters.rope_type`
 ``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``DecoderConfig.rope_scaling``), the
 ``"mla"`` types with the length-independent ones (``linear``, ``llama3``, ``yarn``, with
 DeepSeek's ``mscale_all_dim``). Anything else is refused with a message that names the field and
-its value (mixture-of-experts layers, another rope scaling, soft-capping, biases refmath's models
-do not have, ...): a checkpoint is never loaded into a model that would compute a different function.
+its value (a router or layer placement transformers does not compute, another rope scaling,
+biases refmath's models do not have, ...): a checkpoint is never loaded into a model that would compute a different function.
 
 Weight layout. ``torch.nn.Linear`` stores :math:`W^\top` (``out x in``) and computes
 :math:`x W^\top + b`; refmath's row-vector convention stores ``W`` itself (``in x out``), so linear
@@ -307,11 +320,15 @@ def _typed(hf: dict, prefix: str = "") -> dict:
 
 
 def _plain(value):
-    """A config's value with the wrappers of :func:`_typed` taken off."""
+    """A config's value with the wrappers of :func:`_typed` taken off (inside a nested
+    configuration, such as a mixture of experts' or a rope scaling's, too)."""
     if isinstance(value, _TextField):
         return str(value)
     if isinstance(value, _RealField):
         return float(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _plain(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
     return value
 
 
@@ -327,6 +344,10 @@ def config_from_hf(hf: dict):
             f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)})
     except KeyError as err:
         raise HFCheckpointError(f"{hf['model_type']}: config has no field {err.args[0]!r}") from None
+    except HFCheckpointError:
+        raise
+    except ValueError as err:  # fields that contradict each other, as the configuration says it
+        raise HFCheckpointError(f"{hf['model_type']}: {err}") from None
 
 
 def load_checkpoint(directory, dtype=np.float32, progress: bool = False):

@@ -129,11 +129,13 @@ REFERENCE_FORMS = {"refmath/fused.py": '''"""The models' fused blocks, delegatin
 (The full library computes these in place; this copy calls the reference functions.)
 """
 from refmath.ffn import GELUCache as BiasGELUCache
-from refmath.ffn import gelu_backward, gelu_forward, swiglu_backward, swiglu_forward
+from refmath.ffn import (geglu_backward, geglu_forward, gelu_backward, gelu_forward,
+                         swiglu_backward, swiglu_forward)
 from refmath.norms import layernorm_backward, layernorm_forward
 
 __all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
-           "swiglu_backward", "layernorm_forward", "layernorm_backward"]
+           "swiglu_backward", "geglu_forward", "geglu_backward", "layernorm_forward",
+           "layernorm_backward"]
 
 
 def bias_gelu_forward(h, b, approximate):

@@ -29,11 +29,15 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
     layers.{i}.ffn.w_gate        (d, d_f)
     layers.{i}.ffn.w_up          (d, d_f)
     layers.{i}.ffn.w_down        (d_f, d)
+    layers.{i}.ffn.router.w, ...  on a mixture-of-experts layer (moe), instead of the three above:
+                                 the router and experts of refmath.moe
     ln_f.gamma                   (d,)
     lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -53,13 +57,18 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.fused import swiglu_backward, swiglu_forward
+from refmath import ffn as ffn_ops
+from refmath import fused as fused_ops
+from refmath import moe as moe_ops
+from refmath.moe import MoEConfig, as_moe_config
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
                                    prefixed, sub_params)
-from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out,
-                                      refuse_common, require, rope_context, rope_from_hf,
-                                      rope_to_hf, swiglu_layers_to_hf, take_ends,
-                                      take_swiglu_layer)
+from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
+                                      interleaved_to_half, linear_out, refuse, refuse_common,
+                                      require, rope_context, rope_from_hf, rope_to_hf,
+                                      swiglu_layers_to_hf, take_ends, take_feed_forward_layer,
+                                      take_swiglu)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
@@ -72,7 +81,8 @@ from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 
 def check_shared_fields(config) -> None:
-    """Validate the fields every decoder of this family has (M3 and M4 alike)."""
+    """Validate the fields every decoder of this family has (M3 and M4 alike); ``moe`` given as a
+    dict of its fields is made a :class:`refmath.moe.MoEConfig`."""
     for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "ffn_multiple_of"):
         check_field(config, name, check_int, 1)
     check_field(config, "d_ff", check_int, 1, optional=True)
@@ -84,6 +94,8 @@ def check_shared_fields(config) -> None:
     check_field(config, "tie_embeddings", check_flag)
     check_field(config, "head_dim", check_int, 1, optional=True)
     check_field(config, "attention_backend", check_choice, ATTENTION_BACKENDS)
+    # a dict of MoEConfig's fields (asdict's JSON form) becomes a MoEConfig
+    object.__setattr__(config, "moe", as_moe_config(config.moe, f"{type(config).__name__}.moe"))
     if config.head_dim is None and config.d_model % config.n_heads:
         raise ValueError(f"{type(config).__name__}.d_model = {config.d_model} is not divisible by "
                          f"n_heads = {config.n_heads}; give head_dim explicitly")
@@ -101,7 +113,12 @@ def ffn_width(config) -> int:
 class FamilyConfig:
     """The fields every decoder of this family has (M3's :class:`DecoderConfig` and M4's
     :class:`refmath.models.mla.MLAConfig`), checked by :func:`check_shared_fields`, and the widths
-    both derive from them. Keyword-only, so that each model adds its own fields in any order."""
+    both derive from them. Keyword-only, so that each model adds its own fields in any order.
+
+    ``moe`` (a :class:`refmath.moe.MoEConfig`, a dict of its fields, or None) makes the
+    feed-forward of the layers it selects (``moe.is_moe_layer``) a mixture of experts (E1-E6); the
+    other layers keep the dense SwiGLU of width ``d_f``.
+    """
 
     vocab_size: int
     max_seq_len: int
@@ -118,6 +135,7 @@ class FamilyConfig:
     init_std: float = 0.02
     rope_layout: str = "interleaved"
     attention_backend: str = "numpy"
+    moe: MoEConfig | None = None
 
     @property
     def query_key_width(self) -> int:
@@ -131,11 +149,12 @@ class FamilyConfig:
 
 
 QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated FFN: SwiGLU (N7) or GeGLU
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig(FamilyConfig):
-    """Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
+    r"""Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``n_kv_heads`` (``g``) defaults to ``n_heads`` (MHA); ``g = 1`` is MQA, anything between that
     divides ``n_heads`` is GQA (A10). ``head_dim`` (``d_h``) defaults to ``d_model // n_heads`` and
@@ -158,6 +177,18 @@ class DecoderConfig(FamilyConfig):
     (N18): ``"head"`` over each head's ``d_h`` coordinates with one gain of ``d_h`` shared by the
     heads (Qwen3, Gemma 3), ``"projection"`` over the whole query (``h d_h``) and key (``g d_h``)
     projections (OLMo 2); ``None`` (the default) normalises neither.
+
+    Per-layer attention: with ``window_layers`` (one flag per layer) only the flagged layers slide
+    their window of ``sliding_window``, the others attend to every earlier position (Gemma 2's
+    alternation, Gemma 3's five local layers per global one, GPT-3's banded and dense layers);
+    ``local_rope_base`` gives the sliding layers their own RoPE base, without ``rope_scaling``
+    (Gemma 3). Gemma's options: ``norm_offset`` = 1 makes every RMSNorm gain ``1 + gamma`` (the
+    stored gain starts at 0); ``embed_scale`` multiplies the embeddings by :math:`\sqrt d` (the
+    tied head still reads the unscaled table); ``ffn_activation`` ``"gelu_tanh"`` makes the gated
+    FFN a GeGLU; ``query_pre_attn_scalar`` = ``s`` scales the scores by :math:`1/\sqrt s` instead
+    of :math:`1/\sqrt{d_h}`; ``attn_softcap`` and ``final_softcap`` = ``c`` cap the attention
+    scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
+    on each sublayer's output before the residual sum (Gemma 2 and 3).
     """
 
     n_kv_heads: int | None = None
@@ -165,12 +196,40 @@ class DecoderConfig(FamilyConfig):
     sliding_window: int | None = None
     rope_scaling: RopeScaling | None = None
     qk_norm: str | None = None
+    window_layers: tuple | None = None
+    local_rope_base: float | None = None
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    ffn_activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sandwich_norms: bool = False
 
     def __post_init__(self):
         check_shared_fields(self)
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
         check_field(self, "qkv_bias", check_flag)
         check_field(self, "sliding_window", check_int, 1, optional=True)
+        if self.window_layers is not None:  # JSON gives a list; a tuple keeps the config hashable
+            object.__setattr__(self, "window_layers", tuple(self.window_layers))
+            if len(self.window_layers) != self.n_layers or not all(
+                    isinstance(flag, bool) for flag in self.window_layers):
+                raise ValueError(f"DecoderConfig.window_layers must hold one True/False per layer "
+                                 f"(n_layers = {self.n_layers}), got {self.window_layers}")
+            if self.sliding_window is None:
+                raise ValueError("DecoderConfig.window_layers flags the layers that slide "
+                                 "sliding_window, which is None")
+        check_field(self, "local_rope_base", check_real, 1.0, low_open=True, optional=True)
+        if self.local_rope_base is not None and self.window_layers is None:
+            raise ValueError("DecoderConfig.local_rope_base is the RoPE base of the sliding layers "
+                             "of window_layers, which is None")
+        check_field(self, "norm_offset", check_real)
+        check_field(self, "embed_scale", check_flag)
+        check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
+        check_field(self, "sandwich_norms", check_flag)
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+            check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         object.__setattr__(self, "rope_scaling",
                            as_rope_scaling(self.rope_scaling, "DecoderConfig.rope_scaling"))
         check_field(self, "qk_norm", check_choice, QK_NORMS, optional=True)
@@ -191,6 +250,50 @@ class DecoderConfig(FamilyConfig):
     def d_h(self) -> int:
         """The head width (queries, keys and values alike)."""
         return self.query_key_width
+
+    @property
+    def score_scale(self) -> float:
+        r"""The factor of the attention scores: :math:`1/\sqrt{d_h}`, or
+        :math:`1/\sqrt{s}` with ``query_pre_attn_scalar`` = ``s``."""
+        return (self.d_h if self.query_pre_attn_scalar is None
+                else self.query_pre_attn_scalar) ** -0.5
+
+
+def gain(config, gamma):
+    """An RMSNorm's gain as the model applies it: ``gamma``, or ``norm_offset + gamma`` (Gemma
+    stores ``w`` and scales by ``1 + w``)."""
+    offset = getattr(config, "norm_offset", 0.0)
+    return offset + gamma if offset else gamma
+
+
+def attention_options(config) -> dict:
+    """What a layer's attention is told besides ``q``, ``k``, ``v``: its ``window`` and, where
+    the config sets them, Gemma's ``scale`` (``query_pre_attn_scalar``) and ``softcap``."""
+    options = {"window": config.sliding_window}
+    if getattr(config, "query_pre_attn_scalar", None) is not None:
+        options["scale"] = config.score_scale
+    if getattr(config, "attn_softcap", None) is not None:
+        options["softcap"] = config.attn_softcap
+    return options
+
+
+def layer_config(config, layer: int):
+    """The configuration layer ``layer`` computes with: ``config`` itself, or, with
+    ``window_layers``, ``config`` with that layer's window (``sliding_window`` or None) and RoPE
+    (``local_rope_base`` without scaling on a sliding layer). Built once per layer and kept."""
+    if getattr(config, "window_layers", None) is None:
+        return config
+    return _layer_config(config, layer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_config(config, layer: int):
+    slides = config.window_layers[layer]
+    fields = dict(window_layers=None, local_rope_base=None,
+                  sliding_window=config.sliding_window if slides else None)
+    if slides and config.local_rope_base is not None:
+        fields.update(rope_base=config.local_rope_base, rope_scaling=None)
+    return dataclasses.replace(config, **fields)
 
 
 PRESETS = {
@@ -276,12 +379,12 @@ def queries_keys(x, params: dict, config: DecoderConfig, offset: int = 0, length
     k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"))
     q_norm = k_norm = None
     if config.qk_norm == "projection":  # OLMo 2: the whole projection, before the heads split
-        q, q_norm = rmsnorm_forward(q, params["q_norm.gamma"], config.norm_eps)
-        k, k_norm = rmsnorm_forward(k, params["k_norm.gamma"], config.norm_eps)
+        q, q_norm = rmsnorm_forward(q, gain(config, params["q_norm.gamma"]), config.norm_eps)
+        k, k_norm = rmsnorm_forward(k, gain(config, params["k_norm.gamma"]), config.norm_eps)
     q, k = split_heads(q, h), split_heads(k, g)
     if config.qk_norm == "head":  # Qwen3, Gemma 3: each head's d_h coordinates, one shared gain
-        q, q_norm = rmsnorm_forward(q, params["q_norm.gamma"], config.norm_eps)
-        k, k_norm = rmsnorm_forward(k, params["k_norm.gamma"], config.norm_eps)
+        q, q_norm = rmsnorm_forward(q, gain(config, params["q_norm.gamma"]), config.norm_eps)
+        k, k_norm = rmsnorm_forward(k, gain(config, params["k_norm.gamma"]), config.norm_eps)
     rope = rope_options(config, offset, offset + n if length is None else length)
     q, q_rope = rope_forward(q, **rope)
     k, k_rope = rope_forward(k, **rope)
@@ -308,7 +411,7 @@ def rope_attention_forward(x, params: dict, config: DecoderConfig):
     q, k, (q_proj, k_proj, q_norm, k_norm, q_rope, k_rope) = queries_keys(x, params, config)
     v, v_proj = linear_forward(x, params["w_v"], params.get("b_v"))
     o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend,
-                                       window=config.sliding_window)
+                                       **attention_options(config))
     y, out = linear_forward(merge_heads(o), params["w_o"])
     return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h, q_norm,
                                  k_norm, config.qk_norm, g)
@@ -372,14 +475,14 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     if config.qk_norm is not None or config.rope_scaling is not None:
         q, k, _ = queries_keys(u, params, config, offset)
         v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], config.kv_heads)
-        o = slot.attend(q, k, v, offset, window=config.sliding_window)
+        o = slot.attend(q, k, v, offset, **attention_options(config))
         return linear_forward(merge_heads(o), params["w_o"])[0]
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
     q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"], params.get("b_q"))[0], h), **rope)
     k, _ = rope_forward(split_heads(linear_forward(u, params["w_k"], params.get("b_k"))[0], g), **rope)
     v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], g)
-    o = slot.attend(q, k, v, offset, window=config.sliding_window)
+    o = slot.attend(q, k, v, offset, **attention_options(config))
     return linear_forward(merge_heads(o), params["w_o"])[0]
     # END SOLUTION
 
@@ -399,22 +502,40 @@ def cache_stale(config, length: int, n: int) -> bool:
 
 # ---- parameters ----------------------------------------------------------------------------------
 
-RESIDUAL_OUTPUTS = ("attn.w_o", "ffn.w_down")  # the projections that write into the residual stream
+# the projections that write into the residual stream (a mixture of experts' routed and shared ones)
+RESIDUAL_OUTPUTS = ("attn.w_o", "ffn.w_down", "ffn.experts.w_down", "ffn.shared.w_down")
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Whether layer ``layer``'s feed-forward is ``config.moe``'s mixture of experts."""
+    return config.moe is not None and config.moe.is_moe_layer(layer)
+
+
+def ffn_shapes(config, layer: int) -> dict:
+    """``{name: shape}`` of layer ``layer``'s feed-forward, relative to its ``ffn.`` prefix: the
+    dense SwiGLU's three matrices, or the mixture of experts' (:func:`refmath.moe.moe_param_shapes`)."""
+    if is_moe_layer(config, layer):
+        return moe_ops.moe_param_shapes(config.d_model, config.moe)
+    d, d_f = config.d_model, config.d_f
+    return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
 
 
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
-    d, d_f, vocab = config.d_model, config.d_f, config.vocab_size
+    d, vocab = config.d_model, config.vocab_size
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
         shapes[prefix + "ln1.gamma"] = (d,)
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
+        if getattr(config, "sandwich_norms", False):
+            shapes[prefix + "ln1_post.gamma"] = (d,)
         shapes[prefix + "ln2.gamma"] = (d,)
-        shapes[prefix + "ffn.w_gate"] = (d, d_f)
-        shapes[prefix + "ffn.w_up"] = (d, d_f)
-        shapes[prefix + "ffn.w_down"] = (d_f, d)
+        if getattr(config, "sandwich_norms", False):
+            shapes[prefix + "ln2_post.gamma"] = (d,)
+        for name, shape in ffn_shapes(config, i).items():
+            shapes[prefix + "ffn." + name] = shape
     shapes["ln_f.gamma"] = (d,)
     if not config.tie_embeddings:
         shapes["lm_head"] = (d, vocab)
@@ -430,9 +551,9 @@ def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
     residual_std = config.init_std / math.sqrt(2 * config.n_layers)
     params = {}
     for name, shape in decoder_param_shapes(config, attention).items():
-        if name.endswith(".gamma"):
-            value = np.ones(shape)
-        elif len(shape) == 1:  # biases
+        if name.endswith(".gamma"):  # the applied gain starts at 1 (Gemma's stored w at 0)
+            value = np.full(shape, 1.0 - getattr(config, "norm_offset", 0.0))
+        elif len(shape) == 1:  # biases, and a mixture of experts' selection bias
             value = np.zeros(shape)
         elif name.endswith(RESIDUAL_OUTPUTS):
             value = rng.normal(0.0, residual_std, shape)
@@ -460,7 +581,8 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     :math:`\sigma` = ``config.init_std`` (0.02, the GPT-2/Llama choice); the two projections that
     write into the residual stream (``attn.w_o``, ``ffn.w_down``) use :math:`\sigma/\sqrt{2L}`
     (N11), our documented choice so that the variance added by ``2L`` residual branches stays
-    independent of depth. RMSNorm gains start at 1, biases (``qkv_bias``) at 0.
+    independent of depth (with ``moe``: each expert's and the shared experts' ``w_down`` too).
+    RMSNorm gains start at 1, biases (``qkv_bias``, a router's selection bias) at 0.
     """
     _check_config(config)
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
@@ -498,9 +620,12 @@ def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
     return dout + dx, dgamma, branch_grads
 
 
-def ffn_forward(h, params: dict):
+def ffn_forward(h, params: dict, activation: str = "silu"):
     """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``: the numbers of
-    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fused.swiglu_forward`."""
+    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fused.swiglu_forward`;
+    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fused.geglu_forward`)."""
+    if activation == "gelu_tanh":
+        return fused_ops.geglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
     return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
 
 
@@ -510,34 +635,99 @@ def ffn_backward(dy, cache: SwiGLUCache):
     return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
 
 
+def geglu_ffn_backward(dy, cache):
+    """Gradients of :func:`ffn_forward` with ``activation="gelu_tanh"``: ``(dh, {"w_gate",
+    "w_up", "w_down"})``."""
+    dh, dw_gate, dw_up, dw_down = fused_ops.geglu_backward(dy, cache)
+    return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
+
+
+def layer_ffn_forward(h, params: dict, config, layer: int):
+    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense SwiGLU, or the
+    mixture of experts (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects.
+    Returns ``(y, cache)``."""
+    if is_moe_layer(config, layer):
+        return moe_ops.moe_forward(h, params, config.moe)
+    return ffn_forward(h, params, getattr(config, "ffn_activation", "silu"))
+
+
 class LayerCache(NamedTuple):
     attn: SublayerCache  # its branch cache is the attention's cache
-    ffn: SublayerCache  # its branch cache is a SwiGLUCache
+    ffn: SublayerCache  # its branch cache is a SwiGLUCache, or a mixture of experts' cache
+    moe: bool = False  # whether the feed-forward was the mixture of experts
+    sandwich: bool = False  # whether each branch ended in its own RMSNorm (PostNormCache)
+    geglu: bool = False  # whether the dense FFN gated with tanh-GELU
 
 
-def layer_forward(x, params: dict, config, attention: AttentionOps, drops=(None, None)):
-    r"""One decoder layer: :math:`x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x))`, then
-    :math:`x'' = x' + \operatorname{SwiGLU}(\operatorname{RMSNorm}(x'))`.
+class PostNormCache(NamedTuple):
+    branch: object  # the branch's cache
+    norm: RMSNormCache  # of the RMSNorm on its output
+
+
+def post_normed(branch_forward: Callable, gamma, eps: float) -> Callable:
+    r"""The branch followed by an RMSNorm of its output (Gemma 2/3's sandwich,
+    :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`)."""
+    def forward(h):
+        y, branch = branch_forward(h)
+        z, norm = rmsnorm_forward(y, gamma, eps)
+        return z, PostNormCache(branch, norm)
+    return forward
+
+
+def post_normed_backward(branch_backward: Callable, grads: dict, name: str) -> Callable:
+    """The backward of :func:`post_normed`; the output norm's gain gradient goes to
+    ``grads[name]``."""
+    def backward(dz, cache: PostNormCache):
+        dy, grads[name] = rmsnorm_backward(dz, cache.norm)
+        return branch_backward(dy, cache.branch)
+    return backward
+
+
+def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
+                  drops=(None, None)):
+    r"""Decoder layer ``layer``: :math:`x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x))`,
+    then :math:`x'' = x' + \operatorname{FFN}(\operatorname{RMSNorm}(x'))` with the SwiGLU or, on
+    a layer ``config.moe`` selects, the mixture of experts as FFN.
 
     ``params`` are this layer's parameters without the ``layers.{i}.`` prefix; ``drops`` the two
     residual dropout multipliers. Returns ``(x'', cache)``.
     """
+    config = layer_config(config, layer)
     attn_params, ffn_params = sub_params(params, "attn"), sub_params(params, "ffn")
-    x, attn = sublayer_forward(x, params["ln1.gamma"],
-                               lambda h: attention.forward(h, attn_params, config),
+    attn_branch = lambda h: attention.forward(h, attn_params, config)  # noqa: E731
+    ffn_branch = lambda h: layer_ffn_forward(h, ffn_params, config, layer)  # noqa: E731
+    sandwich = getattr(config, "sandwich_norms", False)
+    if sandwich:
+        attn_branch = post_normed(attn_branch, gain(config, params["ln1_post.gamma"]),
+                                  config.norm_eps)
+        ffn_branch = post_normed(ffn_branch, gain(config, params["ln2_post.gamma"]),
+                                 config.norm_eps)
+    x, attn = sublayer_forward(x, gain(config, params["ln1.gamma"]), attn_branch,
                                config.norm_eps, drops[0])
-    x, ffn = sublayer_forward(x, params["ln2.gamma"], lambda h: ffn_forward(h, ffn_params),
+    x, ffn = sublayer_forward(x, gain(config, params["ln2.gamma"]), ffn_branch,
                               config.norm_eps, drops[1])
-    return x, LayerCache(attn, ffn)
+    moe = is_moe_layer(config, layer)
+    geglu = not moe and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
+    return x, LayerCache(attn, ffn, moe, sandwich, geglu)
 
 
 def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
-    """Gradients of :func:`layer_forward`: ``(dx, grads)`` with names relative to ``layers.{i}.``."""
-    dx, dgamma2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_backward)
-    dx, dgamma1, attn_grads = sublayer_backward(dx, cache.attn, attention.backward)
+    """Gradients of :func:`layer_forward`: ``(dx, grads)`` with names relative to ``layers.{i}.``.
+
+    A mixture of experts' backward also carries the gradient of its auxiliary losses, which
+    :func:`lm_forward` added to the loss."""
+    ffn_back = (moe_ops.moe_backward if cache.moe else
+                geglu_ffn_backward if cache.geglu else ffn_backward)
+    attn_back, post_grads = attention.backward, {}
+    if cache.sandwich:
+        ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post.gamma")
+        attn_back = post_normed_backward(attn_back, post_grads, "ln1_post.gamma")
+    dx, dgamma2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
+    dx, dgamma1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
     grads = {"ln1.gamma": dgamma1, **prefixed("attn", attn_grads), "ln2.gamma": dgamma2,
-             **prefixed("ffn", ffn_grads)}
+             **prefixed("ffn", ffn_grads), **post_grads}
     return dx, grads
+
 
 
 # ---- the whole network ---------------------------------------------------------------------------
@@ -551,6 +741,8 @@ class DecoderCache(NamedTuple):
     head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
     tied: bool
     loss: CrossEntropyCache | None  # None when the cache came from a logits-only pass
+    embed_scale: np.ndarray | None = None  # sqrt(d) times the embeddings (Gemma), or None
+    softcap: object = None  # the final logits' soft-capping cache (Gemma 2), or None
 
 
 def _dropout_masks(rng, shape, p: float, dtype, n_layers: int):
@@ -581,14 +773,29 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
         shape = tokens.shape + (config.d_model,)
         drops = _dropout_masks(rng, shape, config.dropout, table.dtype, config.n_layers)
     x, emb = embedding_forward(tokens, table)
+    scale = embedding_scale(config, table.dtype)
+    if scale is not None:
+        x = x * scale
     layers = []
     for i in range(config.n_layers):
-        x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), config, attention, drops[i])
+        x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), i, config, attention,
+                                 drops[i])
         layers.append(layer)
-    x, norm_f = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
+    x, norm_f = rmsnorm_forward(x, gain(config, params["ln_f.gamma"]), config.norm_eps)
     w_out = table.T if config.tie_embeddings else params["lm_head"]
     z, head = linear_forward(x, w_out)
-    return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None)
+    cap = None
+    if getattr(config, "final_softcap", None) is not None:
+        z, cap = ffn_ops.softcap_forward(z, config.final_softcap)
+    return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None,
+                           scale, cap)
+
+
+def embedding_scale(config, dtype):
+    r"""The factor of the embeddings, :math:`\sqrt d` in the parameters' dtype (Gemma), or None."""
+    if not getattr(config, "embed_scale", False):
+        return None
+    return np.asarray(math.sqrt(config.d_model), dtype=dtype)
 
 
 def decoder_backward(dz, cache: DecoderCache) -> dict:
@@ -596,12 +803,16 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
 
     With tied embeddings the table gets both its lookup gradient and the head's (transposed).
     """
+    if cache.softcap is not None:
+        dz = ffn_ops.softcap_backward(dz, cache.softcap)
     dx, dw_out, _ = linear_backward(dz, cache.head)
     dx, dgamma_f = rmsnorm_backward(dx, cache.norm_f)
     grads = {"ln_f.gamma": dgamma_f}
     for i in reversed(range(len(cache.layers))):
         dx, layer_grads = layer_backward(dx, cache.layers[i], cache.attention)
         grads.update(prefixed(f"layers.{i}", layer_grads))
+    if cache.embed_scale is not None:
+        dx = dx * cache.embed_scale
     dtable = embedding_backward(dx, cache.emb)
     if cache.tied:
         grads["tok_emb"] = dtable + dw_out.T
@@ -612,12 +823,27 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
 
 
 def lm_forward(params, batch, config, attention: AttentionOps, train=False, rng=None):
-    """Mean cross-entropy of the next-token predictions (L2, L5): ``(loss, cache)``."""
+    """Mean cross-entropy of the next-token predictions (L2, L5), plus the auxiliary losses of
+    the mixture-of-experts layers (E5, weighted by ``config.moe``'s coefficients; 0 without):
+    ``(loss, cache)``."""
     check_params(params, config, attention)
     tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = decoder_forward(params, tokens, config, attention, train, rng)
     loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
+    if config.moe is not None:
+        loss = (loss + moe_aux_loss(cache)).astype(loss.dtype)
     return loss, cache._replace(loss=ce)
+
+
+def moe_aux_loss(cache: DecoderCache) -> float:
+    """The auxiliary losses of every mixture-of-experts layer of a forward pass, summed (E5)."""
+    return sum(float(layer.ffn.branch.aux_loss) for layer in cache.layers if layer.moe)
+
+
+def expert_loads(cache: DecoderCache) -> dict:
+    """``{layer: tokens routed to each expert}`` of a forward pass's mixture-of-experts layers:
+    what a training log plots, and what DeepSeek-V3's bias balancing reads (E6)."""
+    return {i: layer.ffn.branch.load for i, layer in enumerate(cache.layers) if layer.moe}
 
 
 def layer_states(cache: DecoderCache) -> list:
@@ -692,14 +918,19 @@ def cache_spec(config: DecoderConfig, batch: int, max_len: int) -> CacheSpec:
 def embed(params, tokens, config, offset: int) -> np.ndarray:
     """The new rows' embeddings ``(B, n, d)``; positions enter through RoPE only, so ``offset``
     changes nothing here."""
-    return embedding_forward(tokens, params["tok_emb"])[0]
+    x = embedding_forward(tokens, params["tok_emb"])[0]
+    scale = embedding_scale(config, x.dtype)
+    return x if scale is None else x * scale
 
 
 def head(params, x, config) -> np.ndarray:
     """Final RMSNorm and output projection of the new rows: logits ``(B, n, V)``."""
-    x, _ = rmsnorm_forward(x, params["ln_f.gamma"], config.norm_eps)
+    x, _ = rmsnorm_forward(x, gain(config, params["ln_f.gamma"]), config.norm_eps)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out)[0]
+    z = linear_forward(x, w_out)[0]
+    if getattr(config, "final_softcap", None) is not None:
+        z = ffn_ops.softcap_forward(z, config.final_softcap)[0]
+    return z
 
 
 def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,
@@ -707,15 +938,23 @@ def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, 
     """Layer ``layer`` on the new rows ``x`` ``(B, n, d)`` at positions ``offset..``: the residual
     sublayers of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
     reading and extending the layer's cache through ``slot``. ``options`` go to that step."""
+    config = layer_config(config, layer)
     w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
     p = f"layers.{layer}."
 
-    def branch(u):
+    def attn_branch(u):
         return attention.cached(u, w, config, slot, offset, **options), None
 
-    x, _ = sublayer_forward(x, params[p + "ln1.gamma"], branch, config.norm_eps)
-    x, _ = sublayer_forward(x, params[p + "ln2.gamma"], lambda u: ffn_forward(u, ffn),
-                            config.norm_eps)
+    def ffn_branch(u):
+        return layer_ffn_forward(u, ffn, config, layer)
+
+    if getattr(config, "sandwich_norms", False):
+        attn_branch = post_normed(attn_branch, gain(config, params[p + "ln1_post.gamma"]),
+                                  config.norm_eps)
+        ffn_branch = post_normed(ffn_branch, gain(config, params[p + "ln2_post.gamma"]),
+                                 config.norm_eps)
+    x, _ = sublayer_forward(x, gain(config, params[p + "ln1.gamma"]), attn_branch, config.norm_eps)
+    x, _ = sublayer_forward(x, gain(config, params[p + "ln2.gamma"]), ffn_branch, config.norm_eps)
     return x
 
 
@@ -732,21 +971,31 @@ def sizing_fields(config: DecoderConfig) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
-                tie_embeddings=config.tie_embeddings, sliding_window=config.sliding_window,
-                qk_norm=config.qk_norm,
-                moe=getattr(config, "moe", None))  # None: dense feed-forwards
+                tie_embeddings=config.tie_embeddings,
+                # a window on some layers only is counted as none (the calculators take one
+                # window for every layer): an upper bound on the cache
+                sliding_window=config.sliding_window if config.window_layers is None else None,
+                qk_norm=config.qk_norm, moe=config.moe,
+                mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
+                norms_per_layer=4 if config.sandwich_norms else 2)
 
 
-# ---- Hugging Face: llama, mistral, qwen2 and qwen3 (refmath.hf reads and writes the files) -------
+# ---- Hugging Face: llama, mistral, qwen2, qwen3 and their mixtures of experts ----------------------
 
-# RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
+# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4)
+# gemma, gemma2 and gemma3_text with Gemma's options
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                  "gemma", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+_EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
+                   "qwen3_moe": QWEN_MOE_EXPERTS}
 
 
 def _hf_window(hf: dict) -> int | None:
-    """Mistral's sliding window (every layer's), or None where it masks nothing."""
+    """Mistral's and Mixtral's sliding window (every layer's), or None where it masks nothing."""
     window = hf.get("sliding_window")
-    if hf["model_type"] != "mistral" or not window:
+    if hf["model_type"] not in ("mistral", "mixtral") or not window:
         return None
     return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
 
@@ -760,36 +1009,132 @@ def _hf_context(hf: dict) -> int:
     the plain causal model is exactly the windowed one on every sequence it accepts.
     """
     context = rope_context(hf, rope_from_hf(hf)[1])
-    if (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window")
+    if (hf["model_type"] in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window")
             and hf.get("sliding_window")):
         if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
             return min(context, int(hf["sliding_window"]))
     return context
 
 
-def config_from_hf(hf: dict) -> DecoderConfig:
-    refuse_common(hf)
+def _moe_from_hf(hf: dict) -> MoEConfig | None:
+    """The mixture of experts of a mixtral, qwen2_moe or qwen3_moe config (None for the others).
+
+    Mixtral renormalises its top-k softmax scores; the Qwen MoEs do so with ``norm_topk_prob``,
+    and Qwen2-MoE adds one shared expert behind a sigmoid gate. The auxiliary-loss coefficient is a
+    training choice, and transformers adds its loss (over all layers' routers at once) only with
+    ``output_router_logits``: a loaded model's loss is the cross-entropy alone (``balance_coef``
+    0).
+    """
     kind = hf["model_type"]
-    require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
-    if kind != "qwen2":
+    if kind not in _EXPERT_LAYOUTS:
+        return None
+    n = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    if n < 1:
+        refuse(hf, "num_local_experts", n, f"a {kind} checkpoint needs routed experts")
+    moe = dict(n_experts=n, top_k=int(hf["num_experts_per_tok"]))
+    if kind == "mixtral":
+        if float(hf.get("router_jitter_noise") or 0.0):
+            refuse(hf, "router_jitter_noise", hf["router_jitter_noise"], "refmath's router adds "
+                   "no noise to its input (transformers does it only while training)")
+        return MoEConfig(**moe, d_expert=int(hf["intermediate_size"]), norm_topk=True)
+    step, only = int(hf.get("decoder_sparse_step", 1)), sorted(hf.get("mlp_only_layers") or [])
+    if step != 1:
+        refuse(hf, "decoder_sparse_step", step, "refmath places experts on every layer from "
+               "its dense first ones on (decoder_sparse_step 1)")
+    if only != list(range(len(only))):
+        refuse(hf, "mlp_only_layers", only, "refmath's dense layers are the first ones")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    return MoEConfig(**moe, d_expert=int(hf["moe_intermediate_size"]),
+                     norm_topk=bool(hf.get("norm_topk_prob", False)), first_dense=len(only),
+                     d_shared=shared, shared_gate=shared > 0)
+
+
+def _gemma_from_hf(hf: dict) -> dict:
+    r"""The DecoderConfig fields of a gemma, gemma2 or gemma3_text config (none for the others).
+
+    Every Gemma scales its norms by ``1 + w`` and its embeddings by :math:`\sqrt d`, and gates
+    its FFN with tanh-GELU (Gemma 1's legacy ``hidden_act="gelu"`` meant that too, as transformers
+    reads it). Gemma 2 and 3 add the sandwich norms, ``query_pre_attn_scalar`` and local layers
+    (``layer_types``, or the released alternation when absent); Gemma 2 caps its scores and logits,
+    Gemma 3 normalises each head's queries and keys and gives its local layers their own RoPE.
+    """
+    kind = hf["model_type"]
+    if kind not in GEMMA_TYPES:
+        return {}
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu") or (act == "gelu" and kind != "gemma"):
+        refuse(hf, "hidden_activation", act, "refmath's GeGLU gates with tanh-GELU")
+    fields = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    if kind == "gemma":
+        return fields
+    if hf.get("use_bidirectional_attention"):
+        refuse(hf, "use_bidirectional_attention", True, "refmath's decoder is causal")
+    layers = int(hf["num_hidden_layers"])
+    pattern = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern",
+                                                     hf.get("_sliding_window_pattern", 6)))
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
+                                      "full_attention" for i in range(layers)]
+    slides = tuple(t == "sliding_attention" for t in types)
+    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
+        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
+               "per layer")
+    fields.update(sandwich_norms=True,
+                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or
+                                              int(hf.get("head_dim") or 256)),
+                  attn_softcap=hf.get("attn_logit_softcapping"),
+                  final_softcap=hf.get("final_logit_softcapping"))
+    if any(slides):
+        fields.update(sliding_window=int(hf["sliding_window"]),
+                      window_layers=None if all(slides) else slides)
+    if kind == "gemma3_text":
+        fields["qk_norm"] = "head"
+        rope = hf.get("rope_parameters") or {}
+        if "sliding_attention" in rope:  # transformers 5: one rope per layer type
+            local = rope_from_hf({**hf, "rope_parameters": rope["sliding_attention"]})
+            fields["rope"] = rope_from_hf({**hf, "rope_parameters": rope["full_attention"]})
+        else:
+            local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
+            fields["rope"] = rope_from_hf(hf)
+        if local[1] is not None:
+            refuse(hf, "rope_parameters.sliding_attention", rope["sliding_attention"],
+                   "refmath's local layers rotate at their own base without a scaling")
+        if fields.get("window_layers") is not None:
+            fields["local_rope_base"] = local[0]
+        elif all(slides):  # every layer is local: the local rope is the rope
+            fields["rope"] = local
+    return fields
+
+
+def config_from_hf(hf: dict) -> DecoderConfig:
+    kind = hf["model_type"]
+    refuse_common(hf, experts=kind in _EXPERT_LAYOUTS, softcap=kind in ("gemma2", "gemma3_text"))
+    gemma = _gemma_from_hf(hf)
+    if not gemma:
+        require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
+    if kind not in ("qwen2", "qwen2_moe"):
         require(hf, "attention_bias", (False,), False, "refmath's decoder has no bias on the "
                  "output projection (q/k/v biases alone are Qwen2's)")
     require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
     heads = int(hf["num_attention_heads"])
-    base, scaling = rope_from_hf(hf)
-    return DecoderConfig(rope_scaling=scaling, qk_norm="head" if kind == "qwen3" else None,
+    base, scaling = gemma.pop("rope", None) or rope_from_hf(hf)
+    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+    fields = dict(qk_norm="head" if kind in ("qwen3", "qwen3_moe") else None,
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  sliding_window=_hf_window(hf))
+    fields.update(gemma)
+    return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
         vocab_size=int(hf["vocab_size"]), max_seq_len=_hf_context(hf),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         d_ff=int(hf["intermediate_size"]), rope_base=base,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
-        rope_layout="half", qkv_bias=kind == "qwen2", sliding_window=_hf_window(hf))
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), dropout=0.0,
+        rope_layout="half", qkv_bias=qkv_bias)
 
 
 def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
-    d, f = config.d_model, config.d_f
+    d = config.d_model
     widths = {"q": config.n_heads * config.d_h, "k": config.kv_heads * config.d_h,
               "v": config.kv_heads * config.d_h}
     params = {}
@@ -807,7 +1152,15 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
             for name in ("q", "k"):
                 params[p + f"attn.{name}_norm.gamma"] = weights.take(
                     h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        take_swiglu_layer(weights, params, h, p, d, f)
+        if config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
+            names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm")
+            for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
+                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
+            take_swiglu(weights, params, h, p, d, config.d_f)
+        else:
+            take_feed_forward_layer(weights, params, h, p, config, i,
+                                    _EXPERT_LAYOUTS.get(hf["model_type"]))
         # Older Llama files store RoPE's frequencies as a buffer: derived from rope_theta.
         if weights.has(h + "self_attn.rotary_emb.inv_freq"):
             weights.skip(h + "self_attn.rotary_emb.inv_freq")
@@ -815,24 +1168,132 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
     return params
 
 
-def to_hf(config: DecoderConfig, params: dict):
+def _moe_kind(config: DecoderConfig) -> str:
+    """The Hugging Face type a decoder with a mixture of experts is written as: qwen2_moe (a gated
+    shared expert), qwen3_moe (QK-norm) or mixtral; what none of them holds is refused."""
+    moe = config.moe
+
+    def refuse_moe(field, why):
+        raise HFCheckpointError(f"a decoder with moe.{field} = {getattr(moe, field)!r} has no "
+                                f"Hugging Face counterpart here: {why}")
+
+    for field, plain, why in (("scoring", "softmax", "mixtral and the Qwen MoEs score by softmax"),
+                              ("routing", "greedy", "mixtral and the Qwen MoEs route greedily"),
+                              ("scaling", 1.0, "mixtral and the Qwen MoEs do not scale the gates"),
+                              ("score_bias", False, "only deepseek_v3 biases the choice"),
+                              ("every", 1, "mixtral and the Qwen MoEs put experts on every layer")):
+        if getattr(moe, field) != plain:
+            refuse_moe(field, why)
+    if moe.shared_width and not moe.shared_gate:
+        refuse_moe("n_shared", "only deepseek's shared experts are ungated (write it as mla)")
+    if moe.shared_gate:
+        if config.qk_norm or config.sliding_window:
+            refuse_moe("shared_gate", "qwen2_moe has no QK-norm and slides only some layers")
+        return "qwen2_moe"
+    if config.qkv_bias:
+        raise HFCheckpointError("a decoder with q/k/v biases and experts is written as "
+                                "qwen2_moe, which also needs its gated shared expert "
+                                "(moe.shared_gate)")
+    if config.qk_norm:
+        if config.sliding_window:
+            raise HFCheckpointError("qwen3_moe slides only some layers; this config has "
+                                    f"sliding_window = {config.sliding_window} on every layer")
+        return "qwen3_moe"
+    if not moe.norm_topk:
+        refuse_moe("norm_topk", "mixtral renormalises its top-k scores")
+    if moe.first_dense:
+        refuse_moe("first_dense", "mixtral has no dense layers")
+    return "mixtral"
+
+
+def _gemma_kind(config: DecoderConfig) -> str | None:
+    """gemma, gemma2 or gemma3_text for a config with Gemma's options (None without any of them);
+    a mixture of Gemma's options and others no Gemma has is refused."""
+    options = dict(norm_offset=config.norm_offset != 0.0, embed_scale=config.embed_scale,
+                   ffn_activation=config.ffn_activation != "silu",
+                   sandwich_norms=config.sandwich_norms,
+                   query_pre_attn_scalar=config.query_pre_attn_scalar is not None,
+                   attn_softcap=config.attn_softcap is not None,
+                   final_softcap=config.final_softcap is not None,
+                   window_layers=config.window_layers is not None)
+    if not any(options.values()):
+        return None
+    kind = ("gemma3_text" if config.qk_norm == "head" else "gemma2" if config.sandwich_norms
+            else "gemma")
+    needed = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+                  tie_embeddings=True, moe=None, qkv_bias=False)
+    if kind == "gemma":
+        needed.update(query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
+                      sliding_window=None)
+    else:
+        needed.update(sandwich_norms=True, qk_norm="head" if kind == "gemma3_text" else None)
+    for field, value in needed.items():
+        if getattr(config, field) != value:
+            raise HFCheckpointError(f"a decoder with Gemma's options is written as {kind}, which "
+                                    f"needs {field} = {value!r}; this config has "
+                                    f"{getattr(config, field)!r}")
+    return kind
+
+
+def _gemma_to_hf(config: DecoderConfig, kind: str, hf: dict) -> None:
+    """The fields a gemma, gemma2 or gemma3_text config adds to the Llama ones in ``hf``."""
+    if kind == "gemma":
+        hf.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
+        return
+    slides = config.window_layers or (config.sliding_window is not None,) * config.n_layers
+    hf.pop("hidden_act")
+    scalar = (config.d_h if config.query_pre_attn_scalar is None
+              else config.query_pre_attn_scalar)
+    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+              # transformers' Gemma configs take an integer where it is one
+              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+              attn_logit_softcapping=config.attn_softcap,
+              final_logit_softcapping=config.final_softcap,
+              sliding_window=config.sliding_window or config.max_seq_len,
+              layer_types=["sliding_attention" if f else "full_attention" for f in slides])
+    if kind == "gemma3_text":
+        local = config.rope_base if config.local_rope_base is None else config.local_rope_base
+        hf.update(use_bidirectional_attention=False, rope_parameters={
+            "full_attention": hf["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                  "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _llama_kind(config: DecoderConfig) -> str:
+    """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
+    qwen2 (q/k/v biases), qwen3 (QK-norm) or, with experts, mixtral or a Qwen MoE."""
+    if config.window_layers is not None:
+        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
+                                "gemma2 or gemma3_text, which need Gemma's other options too")
+    if config.moe is not None:
+        return _moe_kind(config)
     if config.qkv_bias and config.sliding_window:
         raise HFCheckpointError(f"a decoder with q/k/v biases is written as qwen2, whose window "
                                 f"slides only some layers; this config has sliding_window = "
                                 f"{config.sliding_window} on every layer")
-    if config.qk_norm == "projection":
-        raise HFCheckpointError("qk_norm = 'projection' (OLMo 2's) has no Hugging Face "
-                                "counterpart here: olmo2 also moves its layer norms after the "
-                                "sublayers, which refmath's decoder does not")
     if config.qk_norm and (config.qkv_bias or config.sliding_window):
         raise HFCheckpointError(f"a decoder with qk_norm is written as qwen3, which has no q/k/v "
                                 f"biases without an output bias and slides only some layers; "
                                 f"this config has qkv_bias = {config.qkv_bias}, sliding_window = "
                                 f"{config.sliding_window}")
-    kind = ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
+    return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
             else "mistral" if config.sliding_window else "llama")
-    architecture = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+
+
+def to_hf(config: DecoderConfig, params: dict):
+    if config.qk_norm == "projection":
+        raise HFCheckpointError("qk_norm = 'projection' (OLMo 2's) has no Hugging Face "
+                                "counterpart here: olmo2 also moves its layer norms after the "
+                                "sublayers, which refmath's decoder does not")
+    gemma = _gemma_kind(config)
+    kind = gemma or _llama_kind(config)
+    architecture = _ARCHITECTURES[kind]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
     hf = {"model_type": kind, "architectures": [architecture],
           "vocab_size": config.vocab_size,
@@ -843,12 +1304,28 @@ def to_hf(config: DecoderConfig, params: dict):
           "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
-    if kind == "llama":
+    if gemma:
+        _gemma_to_hf(config, kind, hf)
+    elif kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
     elif kind == "qwen3":
         hf.update(attention_bias=False, use_sliding_window=False)
     elif kind == "mistral":
         hf.update(sliding_window=config.sliding_window)
+    elif kind == "mixtral":
+        hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.n_experts,
+                  num_experts_per_tok=config.moe.top_k, intermediate_size=config.moe.d_expert,
+                  router_jitter_noise=0.0, output_router_logits=False)
+    elif kind in ("qwen2_moe", "qwen3_moe"):
+        moe = config.moe
+        hf.update(use_sliding_window=False, num_experts=moe.n_experts,
+                  num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.d_expert,
+                  norm_topk_prob=moe.norm_topk, decoder_sparse_step=1,
+                  mlp_only_layers=list(range(moe.first_dense)), output_router_logits=False)
+        if kind == "qwen2_moe":
+            hf.update(qkv_bias=config.qkv_bias, shared_expert_intermediate_size=moe.shared_width)
+        else:
+            hf.update(attention_bias=False)
     else:
         hf.update(use_sliding_window=False)
 
@@ -869,7 +1346,7 @@ def to_hf(config: DecoderConfig, params: dict):
         if config.qk_norm:  # a (d_h,) gain, permuted within the head like the columns it scales
             for name in ("q", "k"):
                 tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
-    swiglu_layers_to_hf(config, params, tensors)
+    swiglu_layers_to_hf(config, params, tensors, _EXPERT_LAYOUTS.get(kind))
     return hf, tensors
 
 
@@ -906,6 +1383,54 @@ def model_case_maker(model_forward, model_init_params, config, train: bool):
             return model_forward(p, batch, config, train=train,
                                  rng=np.random.default_rng(7) if train else None)
         return params, loss
+    return make
+
+
+def routed_experts(cache: DecoderCache) -> tuple:
+    """The experts every mixture-of-experts layer of a forward pass chose, per token."""
+    return tuple(layer.ffn.branch.indices for layer in cache.layers if layer.moe)
+
+
+def routing_margin(cache: DecoderCache, params: dict) -> float:
+    """The smallest routing margin (:func:`refmath.moe.routing_margin`) of a forward pass's
+    mixture-of-experts layers: how near its selection is to changing."""
+    return min(moe_ops.routing_margin(layer.ffn.branch.router.scores, layer.ffn.branch.moe,
+                                      params.get(f"layers.{i}.ffn.router.bias"))
+               for i, layer in enumerate(cache.layers) if layer.moe)
+
+
+class SelectionChanged(RuntimeError):
+    """A gradient check's probe changed an expert selection: its finite differences would straddle
+    a jump of the loss."""
+
+
+def moe_case_maker(model_forward, model_init_params, config, margin: float = 0.01):
+    """:func:`model_case_maker` for a decoder with experts: the selection is piecewise constant,
+    so the check must not probe across a change of it. The parameters are drawn again until every
+    router's margin exceeds ``margin`` (the stencil moves one entry by at most 1e-3, which moves a
+    router logit by 1e-3 times an entry of the other factor, normalised rows of order 1, and a
+    score by at most half that), and every probe is compared with the selection at the drawn
+    point: a probe that changes it raises :class:`SelectionChanged` rather than give a wrong
+    difference, so a passing check never straddled a jump."""
+    base = model_case_maker(model_forward, model_init_params, config, train=False)
+
+    def make(rng):
+        for _ in range(200):
+            params, loss = base(rng)
+            cache = loss(params)[1]
+            if routing_margin(cache, params) > margin:
+                break
+        else:
+            raise RuntimeError(f"no draw in 200 had a routing margin above {margin}")
+        chosen = routed_experts(cache)
+
+        def checked(p):
+            value, cache = loss(p)
+            if any(not np.array_equal(a, b) for a, b in zip(routed_experts(cache), chosen)):
+                raise SelectionChanged("a probe of the gradient check changed an expert "
+                                       "selection; draw the case with a larger margin")
+            return value, cache
+        return params, checked
     return make
 
 
@@ -954,6 +1479,8 @@ _OPTIONS = {
     "YaRN with temperature, QK-norm": (dict(qk_norm="head", rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5)),
         ("N16", "N18")),
+    "Gemma 2's score scale and cap": (dict(query_pre_attn_scalar=6.0, attn_softcap=1.5),
+                                      ("N19",)),
 }
 for _label, (_fields, _ids) in _OPTIONS.items():
     _config = DecoderConfig(**_TINY, n_kv_heads=2, **_fields)
@@ -962,6 +1489,37 @@ for _label, (_fields, _ids) in _OPTIONS.items():
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", *rope_attention_shapes(_config)), group="attention execution",
                          max_coords=12))
+# Gemma's options (N19, N20): the whole network, its capped logits and local layers included
+_GEMMA = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh", tie_embeddings=True,
+              sandwich_norms=True, sliding_window=3)
+register_case(ParamCase("decoder", "Gemma 2: GeGLU, (1 + w) and sandwich norms, caps, a local "
+                        "layer", ("M3", "N19", "N20", "A12"),
+                        model_case_maker(forward, init_params, DecoderConfig(
+                            **_TINY, **_GEMMA, n_kv_heads=2, query_pre_attn_scalar=6.0,
+                            attn_softcap=1.5, final_softcap=2.0, window_layers=(True, False)),
+                            train=False),
+                        backward, max_coords=2, step=2.5e-4))
+register_case(ParamCase("decoder", "Gemma 3: QK-norm, the local layer's own RoPE base, linear "
+                        "scaling on the global one", ("M3", "N13", "N18", "N20"),
+                        model_case_maker(forward, init_params, DecoderConfig(
+                            **_TINY, **_GEMMA, n_kv_heads=2, qk_norm="head",
+                            window_layers=(False, True), local_rope_base=100.0,
+                            rope_scaling=dict(rope_type="linear", factor=4.0)), train=False),
+                        backward, max_coords=2, step=2.5e-4))
+
+# Mixtures of experts (E1-E5) as the decoder's feed-forward, their auxiliary losses in the loss
+_EXPERT_CASES = {
+    "Mixtral: 4 experts, top 2 renormalised, balance and z-losses": dict(moe=dict(
+        n_experts=4, top_k=2, d_expert=8, norm_topk=True, balance_coef=0.05, z_coef=0.01)),
+    "Qwen2-MoE: gated shared expert, dense first layer, q/k/v biases": dict(qkv_bias=True, moe=dict(
+        n_experts=4, top_k=2, d_expert=8, d_shared=12, shared_gate=True, first_dense=1,
+        balance_coef=0.05)),
+}
+for _label, _fields in _EXPERT_CASES.items():
+    register_case(ParamCase("decoder", f"GQA h=4 g=2, 2 layers, {_label}", ("M3", "E4", "E5"),
+                            moe_case_maker(forward, init_params,
+                                           DecoderConfig(**_TINY, n_kv_heads=2, **_fields)),
+                            backward, max_coords=2, step=2.5e-4))
 register_case(ParamCase("decoder", "GQA h=4 g=2, QK-norm, YaRN, 2 layers", ("M3", "N16", "N18"),
                         model_case_maker(forward, init_params,
                                          DecoderConfig(**_TINY, n_kv_heads=2, qk_norm="head",

@@ -13,6 +13,8 @@ transposed on the way in and out (:func:`linear_out`).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
@@ -36,14 +38,16 @@ def require(hf: dict, field: str, allowed: tuple, default, why: str):
     return value
 
 
-def refuse_common(hf: dict) -> None:
-    """Fields of any model type that change the function in ways refmath does not implement."""
+def refuse_common(hf: dict, experts: bool = False, softcap: bool = False) -> None:
+    """Fields of any model type that change the function in ways refmath does not implement;
+    ``experts``: the mapping reads a mixture of experts; ``softcap``: it reads soft-capping."""
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(field) is not None:
+        if hf.get(field) is not None and not softcap:
             refuse(hf, field, hf[field], "refmath's attention and head have no soft-capping")
     for field in ("num_local_experts", "num_experts"):
-        if hf.get(field):
-            refuse(hf, field, hf[field], "refmath has no mixture-of-experts layers")
+        if hf.get(field) and not experts:
+            refuse(hf, field, hf[field], f"refmath reads no mixture-of-experts layers in a "
+                                         f"{hf['model_type']} checkpoint")
     if hf.get("add_cross_attention"):
         refuse(hf, "add_cross_attention", True, "a decoder-only model has no cross-attention")
 
@@ -143,13 +147,93 @@ def take_head(weights, tied: bool, params: dict, v: int, d: int) -> None:
                                     f"lm_head.weight differs from the token embedding")
 
 
+class ExpertLayout(NamedTuple):
+    """Where a family's checkpoint keeps a mixture-of-experts feed-forward (E4) of a layer
+    ``model.layers.{i}.``: the block's name, each expert's SwiGLU matrices (gate, up, down) under
+    ``{block}.experts.{j}.``, and the shared experts' block (None: there are none)."""
+
+    block: str
+    expert: tuple[str, str, str]
+    shared: str | None
+
+
+MIXTRAL_EXPERTS = ExpertLayout("block_sparse_moe", ("w1", "w3", "w2"), None)
+QWEN_MOE_EXPERTS = ExpertLayout("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_expert")
+DEEPSEEK_EXPERTS = ExpertLayout("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts")
+
+_SWIGLU = ("w_gate", "w_up", "w_down")
+
+
+def _moe_layer(config, layer: int) -> bool:
+    return config.moe is not None and config.moe.is_moe_layer(layer)
+
+
+def take_moe(weights, params: dict, h: str, p: str, config, layout: ExpertLayout) -> None:
+    """One layer's mixture of experts: the router ``gate.weight`` (and DeepSeek-V3's
+    ``gate.e_score_correction_bias``), every expert's SwiGLU stacked on a first axis of ``E``, the
+    shared experts and Qwen2-MoE's ``shared_expert_gate``."""
+    moe, d = config.moe, config.d_model
+    e, f, s = moe.n_experts, moe.d_expert, moe.shared_width
+    block = f"{h}{layout.block}."
+    params[p + "ffn.router.w"] = weights.take(block + "gate.weight", (e, d), transpose=True)
+    if moe.score_bias:
+        params[p + "ffn.router.bias"] = weights.take(block + "gate.e_score_correction_bias", (e,))
+    for ours, theirs, shape in zip(_SWIGLU, layout.expert, ((f, d), (f, d), (d, f))):
+        params[p + f"ffn.experts.{ours}"] = np.stack([
+            weights.take(f"{block}experts.{j}.{theirs}.weight", shape, transpose=True)
+            for j in range(e)])
+    if s:
+        for ours, theirs, shape in zip(_SWIGLU, ("gate_proj", "up_proj", "down_proj"),
+                                       ((s, d), (s, d), (d, s))):
+            params[p + f"ffn.shared.{ours}"] = weights.take(
+                f"{block}{layout.shared}.{theirs}.weight", shape, transpose=True)
+    if moe.shared_gate:
+        params[p + "ffn.shared_gate.w"] = weights.take(block + "shared_expert_gate.weight", (1, d),
+                                                       transpose=True)
+
+
+def moe_to_hf(params: dict, tensors: dict, h: str, p: str, config, layout: ExpertLayout) -> None:
+    """The inverse of :func:`take_moe`: one layer's mixture of experts under Hugging Face's names."""
+    moe, block = config.moe, f"{h}{layout.block}."
+    tensors[block + "gate.weight"] = linear_out(params[p + "ffn.router.w"])
+    if moe.score_bias:
+        tensors[block + "gate.e_score_correction_bias"] = params[p + "ffn.router.bias"]
+    for ours, theirs in zip(_SWIGLU, layout.expert):
+        for j, w in enumerate(params[p + f"ffn.experts.{ours}"]):
+            tensors[f"{block}experts.{j}.{theirs}.weight"] = linear_out(w)
+    if moe.shared_width:
+        for ours, theirs in zip(_SWIGLU, ("gate_proj", "up_proj", "down_proj")):
+            tensors[f"{block}{layout.shared}.{theirs}.weight"] = linear_out(
+                params[p + f"ffn.shared.{ours}"])
+    if moe.shared_gate:
+        tensors[block + "shared_expert_gate.weight"] = linear_out(params[p + "ffn.shared_gate.w"])
+
+
 def take_swiglu_layer(weights, params: dict, h: str, p: str, d: int, f: int) -> None:
     """The two RMSNorm gains and the SwiGLU of one layer (Llama's names)."""
     params[p + "ln1.gamma"] = weights.take(h + "input_layernorm.weight", (d,))
     params[p + "ln2.gamma"] = weights.take(h + "post_attention_layernorm.weight", (d,))
+    take_swiglu(weights, params, h, p, d, f)
+
+
+def take_swiglu(weights, params: dict, h: str, p: str, d: int, f: int) -> None:
+    """The gated FFN of one layer (Llama's names)."""
     params[p + "ffn.w_gate"] = weights.take(h + "mlp.gate_proj.weight", (f, d), transpose=True)
     params[p + "ffn.w_up"] = weights.take(h + "mlp.up_proj.weight", (f, d), transpose=True)
     params[p + "ffn.w_down"] = weights.take(h + "mlp.down_proj.weight", (d, f), transpose=True)
+
+
+def take_feed_forward_layer(weights, params: dict, h: str, p: str, config, layer: int,
+                            layout: ExpertLayout | None) -> None:
+    """The two RMSNorm gains and the feed-forward of layer ``layer``: its mixture of experts in
+    ``layout`` on a layer ``config.moe`` selects, else the dense SwiGLU (Llama's names)."""
+    d = config.d_model
+    if not _moe_layer(config, layer):
+        take_swiglu_layer(weights, params, h, p, d, config.d_f)
+        return
+    params[p + "ln1.gamma"] = weights.take(h + "input_layernorm.weight", (d,))
+    params[p + "ln2.gamma"] = weights.take(h + "post_attention_layernorm.weight", (d,))
+    take_moe(weights, params, h, p, config, layout)
 
 
 def take_ends(weights, params: dict, config) -> None:
@@ -165,11 +249,22 @@ def linear_out(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.T)
 
 
-def swiglu_layers_to_hf(config, params: dict, tensors: dict) -> None:
+def swiglu_layers_to_hf(config, params: dict, tensors: dict,
+                        layout: ExpertLayout | None = None) -> None:
+    """Every layer's norms and feed-forward (a mixture of experts in ``layout`` where
+    ``config.moe`` has one), the token table, the final norm and the head, under Llama's names."""
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
         tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
-        tensors[h + "post_attention_layernorm.weight"] = params[p + "ln2.gamma"]
+        if getattr(config, "sandwich_norms", False):  # Gemma 2/3's names for the four norms
+            tensors[h + "post_attention_layernorm.weight"] = params[p + "ln1_post.gamma"]
+            tensors[h + "pre_feedforward_layernorm.weight"] = params[p + "ln2.gamma"]
+            tensors[h + "post_feedforward_layernorm.weight"] = params[p + "ln2_post.gamma"]
+        else:
+            tensors[h + "post_attention_layernorm.weight"] = params[p + "ln2.gamma"]
+        if _moe_layer(config, i):
+            moe_to_hf(params, tensors, h, p, config, layout)
+            continue
         for name in ("gate", "up", "down"):
             tensors[h + f"mlp.{name}_proj.weight"] = linear_out(params[p + f"ffn.w_{name}"])
     tensors["model.embed_tokens.weight"] = params["tok_emb"]

@@ -56,10 +56,11 @@ from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backwar
                                split_heads)
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.models import decoder
-from refmath.models.hf_layout import (HFCheckpointError, join_heads_columns, linear_out, refuse,
-                                      refuse_common, require, rope_from_hf, rope_to_hf,
-                                      split_heads_columns,
-                                      swiglu_layers_to_hf, take_ends, take_swiglu_layer)
+from refmath.models.hf_layout import (DEEPSEEK_EXPERTS, HFCheckpointError, join_heads_columns,
+                                      linear_out, refuse, refuse_common, require, rope_from_hf,
+                                      rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
+                                      take_ends, take_feed_forward_layer)
+from refmath.moe import MoEConfig
 from refmath.models.batch import check_tokens
 from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
 from refmath.models.decoder import (
@@ -436,26 +437,62 @@ def sizing_fields(config: MLAConfig) -> dict:
                 d_ff=config.d_f, vocab_size=config.vocab_size,
                 tie_embeddings=config.tie_embeddings, d_c=config.d_c, d_rope=config.d_rope,
                 q_lora_rank=config.q_lora_rank, latent_norm=config.latent_norm,
-                moe=getattr(config, "moe", None))  # None: dense feed-forwards
+                moe=config.moe)
 
 
-# ---- Hugging Face: deepseek_v2 and deepseek_v3, dense (refmath.hf reads and writes the files) ----
+# ---- Hugging Face: deepseek_v2 and deepseek_v3 (refmath.hf reads and writes the files) ------------
 
-HF_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # dense feed-forward layers only
+# with their mixtures of experts (E1-E4) after the first_k_dense_replace dense layers
+HF_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 # DeepSeek's released code builds its two latent RMSNorms with this epsilon whatever rms_norm_eps is.
 DEEPSEEK_LATENT_EPS = 1e-6
 
 
+def _moe_from_hf(hf: dict) -> MoEConfig | None:
+    """DeepSeek's mixture of experts after its ``first_k_dense_replace`` dense layers (None when
+    every layer is dense), as transformers computes it.
+
+    V2 scores by softmax and routes greedily or group-limited (groups ranked by their best score),
+    never renormalising; V3 scores by sigmoid, chooses with ``e_score_correction_bias`` among the
+    ``topk_group`` groups of best top-2 sum, and renormalises with ``norm_topk_prob``. Both scale
+    the gates by ``routed_scaling_factor`` and add ``n_shared_experts`` always-on experts. The
+    released configs' ``scoring_func``, ``topk_method`` and ``moe_layer_freq`` must say what
+    transformers does; the auxiliary-loss weights are training choices, 0 here.
+    """
+    layers, dense = int(hf["num_hidden_layers"]), int(hf.get("first_k_dense_replace") or 0)
+    n = int(hf.get("n_routed_experts") or 0)
+    if dense >= layers or n == 0:
+        return None
+    v3 = hf["model_type"] == "deepseek_v3"
+    require(hf, "moe_layer_freq", (1, None), 1, "transformers puts experts on every layer from "
+            "first_k_dense_replace on")
+    require(hf, "scoring_func", ("sigmoid" if v3 else "softmax", None), None,
+            f"transformers' {hf['model_type']} scores by {'sigmoid' if v3 else 'softmax'}")
+    if v3:
+        require(hf, "topk_method", ("noaux_tc", None), None, "transformers' deepseek_v3 routes "
+                "by noaux_tc (biased choice among the best groups)")
+        routing = "noaux_tc"
+    else:
+        routing = require(hf, "topk_method", ("greedy", "group_limited_greedy"), "greedy",
+                          "transformers' deepseek_v2 routes greedy or group_limited_greedy")
+        require(hf, "norm_topk_prob", (False, None), False, "transformers' deepseek_v2 never "
+                "renormalises the chosen scores")
+    grouped = routing != "greedy"
+    return MoEConfig(n_experts=n, top_k=int(hf["num_experts_per_tok"]),
+                     d_expert=int(hf["moe_intermediate_size"]),
+                     scoring="sigmoid" if v3 else "softmax", routing=routing,
+                     n_groups=int(hf["n_group"]) if grouped else 1,
+                     topk_groups=int(hf["topk_group"]) if grouped else 1,
+                     norm_topk=v3 and bool(hf.get("norm_topk_prob", False)),
+                     scaling=float(hf.get("routed_scaling_factor") or 1.0),
+                     n_shared=int(hf.get("n_shared_experts") or 0), score_bias=v3,
+                     first_dense=dense)
+
+
 def config_from_hf(hf: dict) -> MLAConfig:
-    refuse_common(hf)
+    refuse_common(hf, experts=True)
     layers = int(hf["num_hidden_layers"])
-    dense = int(hf.get("first_k_dense_replace") or 0)
-    if dense < layers and hf.get("n_routed_experts"):
-        refuse(hf, "first_k_dense_replace", dense,
-                f"layers {dense}..{layers - 1} of {layers} would be mixture-of-experts layers "
-                f"(n_routed_experts = {hf['n_routed_experts']}), which refmath does not implement; "
-                f"only all-dense models load (first_k_dense_replace >= num_hidden_layers)")
     require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
     require(hf, "attention_bias", (False,), False, "refmath's MLA has no biases")
     require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
@@ -465,7 +502,7 @@ def config_from_hf(hf: dict) -> MLAConfig:
     if scaling is not None and scaling["rope_type"] in ("dynamic", "longrope"):
         refuse(hf, "rope_parameters.rope_type", scaling["rope_type"],
                "refmath's MLA takes the length-independent scalings (linear, llama3, yarn)")
-    return MLAConfig(rope_scaling=scaling,
+    return MLAConfig(rope_scaling=scaling, moe=_moe_from_hf(hf),
         vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf["max_position_embeddings"]),
         d_model=int(hf["hidden_size"]), n_layers=layers, n_heads=int(hf["num_attention_heads"]),
         d_c=int(hf["kv_lora_rank"]), d_rope=int(hf["qk_rope_head_dim"]),
@@ -478,7 +515,7 @@ def config_from_hf(hf: dict) -> MLAConfig:
 
 
 def params_from_hf(hf: dict, config: MLAConfig, weights) -> dict:
-    d, f, h = config.d_model, config.d_f, config.n_heads
+    d, h = config.d_model, config.n_heads
     d_c, d_r, d_k, d_v = config.d_c, config.d_rope, config.d_k, config.d_v
     params = {}
     for i in range(config.n_layers):
@@ -499,7 +536,8 @@ def params_from_hf(hf: dict, config: MLAConfig, weights) -> dict:
             q = weights.take(s + "q_b_proj.weight", (h * (d_k + d_r), rank), transpose=True)
             params[p + "w_uq"], params[p + "w_qr"] = split_heads_columns(q, h, (d_k, d_r))
         params[p + "w_o"] = weights.take(s + "o_proj.weight", (d, h * d_v), transpose=True)
-        take_swiglu_layer(weights, params, f"model.layers.{i}.", f"layers.{i}.", d, f)
+        take_feed_forward_layer(weights, params, f"model.layers.{i}.", f"layers.{i}.", config, i,
+                                DEEPSEEK_EXPERTS)
     take_ends(weights, params, config)
     return params
 
@@ -512,8 +550,11 @@ def to_hf(config: MLAConfig, params: dict):
         raise HFCheckpointError(f"deepseek_v3's latent RMSNorms use epsilon "
                                 f"{DEEPSEEK_LATENT_EPS}; this config has latent_norm_eps = "
                                 f"{config.latent_eps}")
+    kind = "deepseek_v3" if config.moe is None else _deepseek_kind(config)
     h = config.n_heads
-    hf = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    hf = {"model_type": kind,
+          "architectures": ["DeepseekV3ForCausalLM" if kind == "deepseek_v3"
+                            else "DeepseekV2ForCausalLM"],
           "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seq_len,
           "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
           "num_attention_heads": h, "num_key_value_heads": h,
@@ -524,6 +565,13 @@ def to_hf(config: MLAConfig, params: dict):
           "rope_parameters": rope_to_hf(config.rope_base, config.rope_scaling)[0],
           "rope_interleave": config.rope_layout == "interleaved", "attention_bias": False,
           "tie_word_embeddings": config.tie_embeddings}
+    if config.moe is not None:
+        moe = config.moe
+        hf.update(first_k_dense_replace=moe.first_dense, n_routed_experts=moe.n_experts,
+                  num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.d_expert,
+                  n_shared_experts=moe.n_shared, routed_scaling_factor=moe.scaling,
+                  norm_topk_prob=moe.norm_topk, topk_method=moe.routing,
+                  n_group=moe.n_groups, topk_group=moe.topk_groups, output_router_logits=False)
     tensors = {}
     for i in range(config.n_layers):
         s, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
@@ -541,8 +589,31 @@ def to_hf(config: MLAConfig, params: dict):
             tensors[s + "q_b_proj.weight"] = linear_out(
                 join_heads_columns([params[p + "w_uq"], params[p + "w_qr"]], h))
         tensors[s + "o_proj.weight"] = linear_out(params[p + "w_o"])
-    swiglu_layers_to_hf(config, params, tensors)
+    swiglu_layers_to_hf(config, params, tensors, DEEPSEEK_EXPERTS)
     return hf, tensors
+
+
+def _deepseek_kind(config: MLAConfig) -> str:
+    """deepseek_v3 for a sigmoid-scored, bias-chosen mixture of experts, deepseek_v2 for a
+    softmax-scored one; what neither computes is refused."""
+    moe = config.moe
+    v3 = moe.scoring == "sigmoid"
+    wanted = (dict(routing="noaux_tc", score_bias=True) if v3 else
+              dict(score_bias=False, norm_topk=False, shared_gate=False))
+    wanted.update(every=1, shared_gate=False, d_shared=None)
+    for field, value in wanted.items():
+        if getattr(moe, field) != value:
+            raise HFCheckpointError(
+                f"an MLA decoder with moe.scoring = {moe.scoring!r} is written as "
+                f"{'deepseek_v3' if v3 else 'deepseek_v2'}, which needs moe.{field} = {value!r}; "
+                f"this config has {getattr(moe, field)!r}")
+    if not v3 and moe.routing == "noaux_tc":
+        raise HFCheckpointError("moe.routing = 'noaux_tc' is deepseek_v3's, which scores by "
+                                "sigmoid; this config scores by softmax")
+    if not v3 and config.rope_layout != "interleaved":
+        raise HFCheckpointError("deepseek_v2 rotates interleaved pairs; this config has "
+                                f"rope_layout = {config.rope_layout!r}")
+    return "deepseek_v3" if v3 else "deepseek_v2"
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
@@ -575,6 +646,23 @@ register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropo
 # DeepSeek's YaRN: rescaled rotary frequencies, and mscale_all_dim's correction of the softmax scale
 _YARN = dict(rope_type="yarn", factor=40.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5,
              mscale=0.707, mscale_all_dim=0.5)
+register_case(ParamCase("mla", "DeepSeek-V3's experts: sigmoid, 2 of 4 groups chosen with a "
+                        "bias, shared expert, dense first layer, balance losses", ("M4", "E4", "E5"),
+                        decoder.moe_case_maker(forward, init_params, MLAConfig(
+                            **_TINY, q_lora_rank=5, latent_norm=True, moe=dict(
+                                n_experts=8, top_k=2, d_expert=6, scoring="sigmoid",
+                                routing="noaux_tc", n_groups=4, topk_groups=2, n_shared=1,
+                                norm_topk=True, scaling=2.5, score_bias=True, first_dense=1,
+                                balance_coef=0.05, device_balance_coef=0.05, n_devices=2))),
+                        backward, max_coords=2, step=2.5e-4))
+register_case(ParamCase("mla", "DeepSeek-V2's experts: softmax, group-limited, two shared "
+                        "experts, scaled", ("M4", "E4"),
+                        decoder.moe_case_maker(forward, init_params, MLAConfig(
+                            **_TINY, latent_norm=True, moe=dict(
+                                n_experts=8, top_k=3, d_expert=6,
+                                routing="group_limited_greedy", n_groups=4, topk_groups=2,
+                                n_shared=2, scaling=1.5))),
+                        backward, max_coords=2, step=2.5e-4))
 register_case(OpCase("mla_attention", "YaRN with DeepSeek's mscale terms (2, 5, 16)",
                      ("K8", "K9", "A8", "N16"),
                      _mla_inputs(MLAConfig(**_TINY, rope_scaling=_YARN)),

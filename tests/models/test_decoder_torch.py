@@ -1,4 +1,4 @@
-"""The M3 decoder against the same network written with PyTorch functions and autograd.
+r"""The M3 decoder against the same network written with PyTorch functions and autograd.
 
 The torch side is an independent formulation: RoPE as multiplication by unit complex numbers
 (``torch.polar``, ``torch.view_as_complex``) instead of refmath's pairwise rotation formulas,
@@ -8,6 +8,11 @@ The torch side is an independent formulation: RoPE as multiplication by unit com
 over each head or the whole projection; a rope scaling (N13-N17) enters as its frequencies and
 attention factor (from :func:`refmath.positions.rope_inv_freq`, which ``tests/test_positions.py``
 checks against transformers' initialisers), the rotation and its gradient stay torch's.
+Gemma's options are written as Gemma's own code writes them: ``(1 + w)`` gains, the embedding
+times :math:`\sqrt d`, ``F.gelu(approximate="tanh")`` as the gate, the scores as an explicit
+product with ``cap * tanh(s / cap)`` before the mask (SDPA has no cap), an RMSNorm on each
+sublayer's output, and per-layer windows and RoPE bases. A mixture-of-experts layer is
+``tests/_torch_moe.py``'s (``torch.topk``, ``index_add``), its auxiliary losses added to the loss.
 """
 import numpy as np
 import pytest
@@ -17,6 +22,8 @@ from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
 F = torch.nn.functional
+
+from _torch_moe import torch_moe  # noqa: E402  (needs torch)
 
 V, B, T = 13, 2, 6
 
@@ -38,40 +45,80 @@ def rope_complex(x, base, scaling=None):
     return torch.view_as_real(pairs * rotation).reshape(x.shape)
 
 
+def attention(q, k, v, config, window):
+    """Causal attention; Gemma's scale, cap and a window as explicit scores, else torch's SDPA."""
+    if config.query_pre_attn_scalar is None and config.attn_softcap is None and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) / (config.query_pre_attn_scalar or q.shape[-1]) ** 0.5
+    if config.attn_softcap is not None:
+        s = config.attn_softcap * torch.tanh(s / config.attn_softcap)
+    t = q.shape[-2]
+    behind = torch.arange(t)[:, None] - torch.arange(t)[None, :]  # query minus key position
+    visible = (behind >= 0) & (behind < (t if window is None else window))
+    return torch.softmax(s.masked_fill(~visible, -torch.inf), dim=-1) @ v
+
+
 def torch_decoder(P, tokens, config, drops):
-    """Logits of the M3 network from torch tensors ``P`` (refmath's names and layouts)."""
+    """Logits of the M3 network from torch tensors ``P`` (refmath's names and layouts), and the
+    sum of its mixture-of-experts layers' auxiliary losses."""
     h, g, d_h, eps = config.n_heads, config.kv_heads, config.d_h, config.norm_eps
+
+    def norm(x, gamma, width):
+        return F.rms_norm(x, (width,), config.norm_offset + gamma, eps)
+
     x = F.embedding(tokens, P["tok_emb"])
     b, t, d = x.shape
+    aux = torch.zeros((), dtype=x.dtype)
+    if config.embed_scale:
+        x = x * d ** 0.5
     for i in range(config.n_layers):
         def p(name):
             return P[f"layers.{i}.{name}"]
 
-        def heads(w, n, norm=None):
-            y = F.linear(hn, p(w).T)
-            if config.qk_norm == "projection" and norm:
-                y = F.rms_norm(y, (n * d_h,), p(norm), eps)
+        def heads(w, n, gamma=None):
+            y = F.linear(hn, p(w).T, P.get(f"layers.{i}.{w.replace('.w_', '.b_')}"))  # Qwen2's
+            if config.qk_norm == "projection" and gamma:
+                y = norm(y, p(gamma), n * d_h)
             y = y.view(b, t, n, d_h).transpose(1, 2)
-            if config.qk_norm == "head" and norm:
-                y = F.rms_norm(y, (d_h,), p(norm), eps)
+            if config.qk_norm == "head" and gamma:
+                y = norm(y, p(gamma), d_h)
             return y
 
-        hn = F.rms_norm(x, (d,), p("ln1.gamma"), eps)
-        q = rope_complex(heads("attn.w_q", h, "attn.q_norm.gamma"), config.rope_base,
-                         config.rope_scaling)
-        k = rope_complex(heads("attn.w_k", g, "attn.k_norm.gamma"), config.rope_base,
-                         config.rope_scaling)
-        o = F.scaled_dot_product_attention(q, k, heads("attn.w_v", g), is_causal=True,
-                                           enable_gqa=True)
+        local = config.window_layers is not None and config.window_layers[i]
+        window = config.sliding_window if config.window_layers is None or local else None
+        base, scaling = config.rope_base, config.rope_scaling
+        if local and config.local_rope_base is not None:
+            base, scaling = config.local_rope_base, None
+        hn = norm(x, p("ln1.gamma"), d)
+        q = rope_complex(heads("attn.w_q", h, "attn.q_norm.gamma"), base, scaling)
+        k = rope_complex(heads("attn.w_k", g, "attn.k_norm.gamma"), base, scaling)
+        o = attention(q, k, heads("attn.w_v", g), config, window)
         a = F.linear(o.transpose(1, 2).reshape(b, t, h * d_h), p("attn.w_o").T)
+        if config.sandwich_norms:
+            a = norm(a, p("ln1_post.gamma"), d)
         x = x + (a if drops[i][0] is None else a * drops[i][0])
-        hn = F.rms_norm(x, (d,), p("ln2.gamma"), eps)
-        f = F.linear(F.silu(F.linear(hn, p("ffn.w_gate").T)) * F.linear(hn, p("ffn.w_up").T),
-                     p("ffn.w_down").T)
+        hn = norm(x, p("ln2.gamma"), d)
+        if config.moe is not None and config.moe.is_moe_layer(i):
+            prefix = f"layers.{i}.ffn."
+            f, layer_aux = torch_moe(hn, config.moe, {name[len(prefix):]: value for name, value
+                                                      in P.items() if name.startswith(prefix)})
+            aux = aux + layer_aux
+        else:
+            gate = F.linear(hn, p("ffn.w_gate").T)
+            gate = (F.gelu(gate, approximate="tanh") if config.ffn_activation == "gelu_tanh"
+                    else F.silu(gate))
+            f = F.linear(gate * F.linear(hn, p("ffn.w_up").T), p("ffn.w_down").T)
+        if config.sandwich_norms:
+            f = norm(f, p("ln2_post.gamma"), d)
         x = x + (f if drops[i][1] is None else f * drops[i][1])
-    x = F.rms_norm(x, (d,), P["ln_f.gamma"], eps)
+    x = norm(x, P["ln_f.gamma"], d)
     # torch's (out x in) head weight is the (V, d) embedding table itself when tied.
-    return F.linear(x, P["tok_emb"] if config.tie_embeddings else P["lm_head"].T)
+    z = F.linear(x, P["tok_emb"] if config.tie_embeddings else P["lm_head"].T)
+    if config.final_softcap is not None:
+        z = config.final_softcap * torch.tanh(z / config.final_softcap)
+    return z, aux
 
 
 def torch_loss(z, batch):
@@ -100,6 +147,24 @@ CASES = {
     "LongRoPE past 4 tokens": dict(n_kv_heads=2, rope_scaling=dict(
         rope_type="longrope", factor=4.0, original_max_seq_len=4, short_factor=(1.0, 2.0),
         long_factor=(1.5, 5.0))),
+    "Gemma: GeGLU, (1 + w) gains, scaled embeddings, tied": dict(
+        n_kv_heads=1, head_dim=6, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+        tie_embeddings=True),
+    "Gemma 2: caps, sandwich norms, a local layer, dropout": dict(
+        n_kv_heads=2, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+        sandwich_norms=True, query_pre_attn_scalar=6.0, attn_softcap=1.5, final_softcap=2.0,
+        sliding_window=3, window_layers=(True, False), dropout=0.2),
+    "Gemma 3: QK-norm, local layer with its own RoPE base": dict(
+        n_kv_heads=2, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+        sandwich_norms=True, qk_norm="head", sliding_window=3, window_layers=(False, True),
+        local_rope_base=100.0, rope_scaling=dict(rope_type="linear", factor=4.0)),
+    "Mixtral's experts: top 2 of 4 renormalised, balance and z-losses": dict(
+        n_kv_heads=2, moe=dict(n_experts=4, top_k=2, d_expert=8, norm_topk=True,
+                               balance_coef=0.05, z_coef=0.01)),
+    "Qwen2-MoE's gated shared expert, dense first layer, q/k/v biases": dict(
+        n_kv_heads=2, qkv_bias=True, moe=dict(n_experts=4, top_k=2, d_expert=8, d_shared=12,
+                                              shared_gate=True, first_dense=1,
+                                              balance_coef=0.05)),
 }
 
 
@@ -110,8 +175,8 @@ def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
     rng = np.random.default_rng(0)
     params = decoder.init_params(config, seed=1)
     for name in params:
-        if name.endswith(".gamma"):
-            params[name] = 1.0 + 0.2 * rng.standard_normal(params[name].shape)
+        if name.endswith(".gamma"):  # an applied gain near 1 (a stored w near 0 for Gemma)
+            params[name] = (1.0 - config.norm_offset) + 0.2 * rng.standard_normal(params[name].shape)
     batch = {"tokens": rng.integers(0, V, (B, T)), "targets": rng.integers(0, V, (B, T))}
     batch["targets"][1, 0] = IGNORE_INDEX
     train = config.dropout > 0
@@ -126,8 +191,8 @@ def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
              for lc in cache.layers]
 
     P = {name: torch.tensor(value, requires_grad=True) for name, value in params.items()}
-    z = torch_decoder(P, torch.as_tensor(batch["tokens"]), config, drops)
-    t_loss = torch_loss(z, batch)
+    z, aux = torch_decoder(P, torch.as_tensor(batch["tokens"]), config, drops)
+    t_loss = torch_loss(z, batch) + aux
     t_loss.backward()
 
     np.testing.assert_allclose(loss, t_loss.item(), rtol=1e-12)
@@ -136,5 +201,8 @@ def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
                                    z.detach().numpy(), rtol=1e-10, atol=1e-12)
     assert set(grads) == set(P)
     for name, value in P.items():
+        if name.endswith("router.bias"):  # it only chooses: no gradient reaches it in torch
+            assert value.grad is None and not grads[name].any()
+            continue
         np.testing.assert_allclose(grads[name], value.grad.numpy(), rtol=1e-9, atol=1e-12,
                                    err_msg=name)

@@ -19,6 +19,8 @@ from refmath.models.mla import MLAConfig
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
 F = torch.nn.functional
 
+from _torch_moe import torch_moe  # noqa: E402  (needs torch)
+
 V, B, T = 13, 2, 6
 
 
@@ -75,8 +77,11 @@ def torch_mla(x, p, config):
 
 
 def torch_decoder(P, tokens, config, drops):
+    """Logits of the M4 network, and the sum of its mixture-of-experts layers' auxiliary losses
+    (their layers are ``tests/_torch_moe.py``'s)."""
     x = F.embedding(tokens, P["tok_emb"])
     d, eps = config.d_model, config.norm_eps
+    aux = torch.zeros((), dtype=x.dtype)
     for i in range(config.n_layers):
         def p(name):
             return P[f"layers.{i}.{name}"]
@@ -84,11 +89,17 @@ def torch_decoder(P, tokens, config, drops):
         a = torch_mla(F.rms_norm(x, (d,), p("ln1.gamma"), eps), lambda n: p("attn." + n), config)
         x = x + (a if drops[i][0] is None else a * drops[i][0])
         hn = F.rms_norm(x, (d,), p("ln2.gamma"), eps)
-        f = F.linear(F.silu(F.linear(hn, p("ffn.w_gate").T)) * F.linear(hn, p("ffn.w_up").T),
-                     p("ffn.w_down").T)
+        if config.moe is not None and config.moe.is_moe_layer(i):
+            prefix = f"layers.{i}.ffn."
+            f, layer_aux = torch_moe(hn, config.moe, {name[len(prefix):]: value for name, value
+                                                      in P.items() if name.startswith(prefix)})
+            aux = aux + layer_aux
+        else:
+            f = F.linear(F.silu(F.linear(hn, p("ffn.w_gate").T)) * F.linear(hn, p("ffn.w_up").T),
+                         p("ffn.w_down").T)
         x = x + (f if drops[i][1] is None else f * drops[i][1])
     x = F.rms_norm(x, (d,), P["ln_f.gamma"], eps)
-    return F.linear(x, P["tok_emb"] if config.tie_embeddings else P["lm_head"].T)
+    return F.linear(x, P["tok_emb"] if config.tie_embeddings else P["lm_head"].T), aux
 
 
 CASES = {
@@ -100,6 +111,15 @@ CASES = {
     "YaRN with DeepSeek's mscale terms": dict(q_lora_rank=5, latent_norm=True, rope_scaling=dict(
         rope_type="yarn", factor=40.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5,
         mscale=0.707, mscale_all_dim=0.5)),
+    "DeepSeek-V3's experts: sigmoid, grouped with a bias, shared, balance losses": dict(
+        q_lora_rank=5, latent_norm=True, moe=dict(
+            n_experts=8, top_k=2, d_expert=6, scoring="sigmoid", routing="noaux_tc", n_groups=4,
+            topk_groups=2, n_shared=1, norm_topk=True, scaling=2.5, score_bias=True,
+            first_dense=1, balance_coef=0.05, device_balance_coef=0.05, n_devices=2)),
+    "DeepSeek-V2's experts: softmax, group-limited, two shared, z-loss": dict(
+        latent_norm=True, moe=dict(n_experts=8, top_k=3, d_expert=6,
+                                   routing="group_limited_greedy", n_groups=4, topk_groups=2,
+                                   n_shared=2, scaling=1.5, z_coef=0.01)),
 }
 
 
@@ -126,11 +146,12 @@ def test_loss_logits_and_every_gradient_equal_torch_m4(overrides):
              for lc in cache.layers]
 
     P = {name: torch.tensor(value, requires_grad=True) for name, value in params.items()}
-    z = torch_decoder(P, torch.as_tensor(batch["tokens"]), config, drops)
+    z, aux = torch_decoder(P, torch.as_tensor(batch["tokens"]), config, drops)
     targets = torch.as_tensor(batch["targets"])
     if train:
         targets = torch.where(torch.as_tensor(batch["loss_mask"]) == 1, targets, IGNORE_INDEX)
-    t_loss = F.cross_entropy(z.reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    t_loss = (F.cross_entropy(z.reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+              + aux)
     t_loss.backward()
 
     np.testing.assert_allclose(loss, t_loss.item(), rtol=1e-12)
@@ -139,5 +160,8 @@ def test_loss_logits_and_every_gradient_equal_torch_m4(overrides):
                                    rtol=1e-10, atol=1e-12)
     assert set(grads) == set(P)
     for name, value in P.items():
+        if name.endswith("router.bias"):  # it only chooses: no gradient reaches it in torch
+            assert value.grad is None and not grads[name].any()
+            continue
         np.testing.assert_allclose(grads[name], value.grad.numpy(), rtol=1e-9, atol=1e-12,
                                    err_msg=name)
