@@ -13,6 +13,11 @@ them (a parameter joining late would get the wrong Adam bias correction).
 Weight decay per parameter (O5): by default only weight matrices decay (see
 :func:`takes_weight_decay`); pass ``decay_of`` to choose the coefficient per name, or subclass and
 override :meth:`Optimizer.decay_of`.
+
+:class:`SGD`, :class:`Adam` and :class:`AdamW` update one parameter at a time, each equation one
+line: the form to read. :class:`FlatAdamW` is AdamW again, bit for bit, with every parameter and
+moment in one contiguous buffer, updated by a few vectorised calls: the form training uses. It
+takes the parameters when it is built, and the caller's dict then holds views into its buffer.
 """
 from __future__ import annotations
 
