@@ -19,7 +19,7 @@ minimum beside it), with the two implementations taking turns in an order that a
 The optimiser peer is torch at its best. torch.optim.AdamW's default on the CPU is a Python loop
 over the tensors, one small kernel each; ``foreach=True`` updates them in batches and
 ``fused=True`` in one fused kernel. Before the steps, the script times one optimiser step alone on
-the same gradients (rotating turns, median and minimum): refmath's :class:`~refmath.optim.FlatAdamW`
+the same gradients (rotating turns, median and minimum): refmath's :class:`~refmath.flat_adamw.FlatAdamW`
 (the training form, one buffer) and per-parameter :class:`~refmath.optim.AdamW` (the readable
 form), the three torch forms and, as the floor no AdamW step can beat, one NumPy pass that moves as
 many bytes as an AdamW step must: 28 per float32 parameter (p, g, m, v read, p, m, v written), here
@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refmath.models import decoder, gpt  # noqa: E402
 from refmath.malloc import retain_freed_memory  # noqa: E402
-from refmath.optim import AdamW, FlatAdamW, takes_weight_decay  # noqa: E402
+from refmath.flat_adamw import FlatAdamW  # noqa: E402
+from refmath.optim import AdamW, takes_weight_decay  # noqa: E402
 
 try:
     import torch

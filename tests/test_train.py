@@ -13,7 +13,8 @@ from refmath.commands import main
 from refmath.models import MODELS, config_class, gpt, model_module, transformer
 from refmath.models.gpt import GPTConfig
 from refmath.models.transformer import TransformerConfig
-from refmath.optim import AdamW, FlatAdamW
+from refmath.flat_adamw import FlatAdamW
+from refmath.optim import AdamW
 
 CHARS = {"name": "chars", "seq_len": 16, "n_sentences": 300}
 REVERSE = {"name": "reverse", "max_len": 4}
