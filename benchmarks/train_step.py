@@ -18,14 +18,19 @@ minimum beside it), with the two implementations taking turns in an order that a
 
 The optimiser peer is torch at its best. torch.optim.AdamW's default on the CPU is a Python loop
 over the tensors, one small kernel each; ``foreach=True`` updates them in batches and
-``fused=True`` in one fused kernel. Before the steps, the script times one optimiser step alone
-for refmath's AdamW and the three torch forms on the same gradients (rotating turns, median and
-minimum), prints all of them, and the whole-step comparison then uses the fastest torch form
-(``--torch-optimizer`` picks one instead). The thread count is the same on both sides, but only the
-matrix products use it in NumPy (its elementwise operations run on one thread), while torch spreads
-every operation over its threads: ``--threads 1`` compares the arithmetic alone. On a machine that
-other processes keep busy, ``--threads 1 --clock cpu`` (CPU time instead of elapsed time) gives
-steadier figures.
+``fused=True`` in one fused kernel. Before the steps, the script times one optimiser step alone on
+the same gradients (rotating turns, median and minimum): refmath's :class:`~refmath.flat_adamw.FlatAdamW`
+(the training form, one buffer) and per-parameter :class:`~refmath.optim.AdamW` (the readable
+form), the three torch forms and, as the floor no AdamW step can beat, one NumPy pass that moves as
+many bytes as an AdamW step must: 28 per float32 parameter (p, g, m, v read, p, m, v written), here
+14 read and written back in place, as AdamW writes back what it read (a copy into another array
+would also read its target into the cache first, and take half as long again). It prints all of
+them, and the whole-step comparison then uses FlatAdamW against the fastest torch form
+(``--torch-optimizer`` picks one instead). The thread count is the same on both sides: NumPy's
+matrix products use it and FlatAdamW splits its buffer over that many threads, but NumPy's other
+element-wise operations run on one thread, while torch spreads every operation over its threads:
+``--threads 1`` compares the arithmetic alone. On a machine that other processes keep busy,
+``--threads 1 --clock cpu`` (CPU time instead of elapsed time) gives steadier figures.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refmath.models import decoder, gpt  # noqa: E402
 from refmath.malloc import retain_freed_memory  # noqa: E402
+from refmath.flat_adamw import FlatAdamW  # noqa: E402
 from refmath.optim import AdamW, takes_weight_decay  # noqa: E402
 
 try:
@@ -319,13 +325,19 @@ def torch_adamw(P: dict, form: str = "default"):
     return torch.optim.AdamW(groups, lr=LR, **TORCH_ADAMW_FORMS[form])
 
 
-def time_optimizers(module, config, params, batch, torch_loss, clock, args) -> dict:
-    """Seconds of one AdamW step alone, ``{name: [s, ...]}``: refmath's and each torch form, on
-    copies of the same parameters with the same gradients, in rotating turns."""
+def time_optimizers(module, config, params, batch, torch_loss, clock, args, threads: int) -> dict:
+    """Seconds of one AdamW step alone, ``{name: [s, ...]}``: refmath's two forms, each torch form
+    (on copies of the same parameters with the same gradients) and one pass over as many bytes as
+    a step moves, in rotating turns."""
     _, cache = module.forward(params, batch, config, train=True)
     grads = module.backward(cache)
     del cache
-    ours = {n: v.copy() for n, v in params.items()}
+    per_parameter = {n: v.copy() for n, v in params.items()}
+    flat_params = {n: v.copy() for n, v in params.items()}
+    flat = FlatAdamW(flat_params, LR, weight_decay=WEIGHT_DECAY, threads=threads)
+    # 28 bytes per parameter: negating 3.5 float32 per parameter in place reads 14 and writes 14
+    n_params = sum(p.size for p in params.values())
+    stream = np.ones(7 * n_params // 2, np.float32)
     P = to_torch(params)
     torch_loss(P, torch.from_numpy(batch["tokens"]), torch.from_numpy(batch["targets"])).backward()
     forms = {}
@@ -342,8 +354,10 @@ def time_optimizers(module, config, params, batch, torch_loss, clock, args) -> d
             step()
             return clock() - t0
         return run
-    steps = {"refmath": timed(lambda: optimizer.step(ours, grads))}
+    steps = {"refmath flat": timed(lambda: flat.step(flat_params, grads)),
+             "refmath per-parameter": timed(lambda: optimizer.step(per_parameter, grads))}
     steps.update({f"torch {form}": timed(opt.step) for form, opt in forms.items()})
+    steps[FLOOR] = timed(lambda: np.negative(stream, out=stream))
     names = list(steps)
     for _ in range(max(1, args.warmup)):
         for step in steps.values():
@@ -356,7 +370,10 @@ def time_optimizers(module, config, params, batch, torch_loss, clock, args) -> d
     return runs
 
 
-def run_model(model: str, args) -> dict:
+FLOOR = "28 B/parameter in place"
+
+
+def run_model(model: str, args, threads: int) -> dict:
     module, config, describe, torch_loss = build(model, args)
     params = module.init_params(config, seed=0, dtype=np.float32)
     rng = np.random.default_rng(1)
@@ -367,18 +384,23 @@ def run_model(model: str, args) -> dict:
     print(f"\n{describe}; {n_params:,} parameters")
     print("  " + check_same_function(module, config, params, P, batch, torch_loss))
     clock = CLOCKS[args.clock]
-    runs = time_optimizers(module, config, params, batch, torch_loss, clock, args)
+    runs = time_optimizers(module, config, params, batch, torch_loss, clock, args, threads)
     ms = {name: (1e3 * statistics.median(r), 1e3 * min(r)) for name, r in runs.items()}
     print(f"  AdamW step alone, {args.repeats} rotating turns: " + "; ".join(
-        f"{name} {med:.2f} ms (min {low:.2f})" for name, (med, low) in ms.items()))
+        f"{name} {med:.2f} ms (min {low:.2f})" for name, (med, low) in ms.items() if name != FLOOR))
+    floor, floor_min = ms[FLOOR]
+    print(f"  the memory floor: one NumPy pass moving an AdamW step's 28 bytes per parameter takes "
+          f"{floor:.2f} ms (min {floor_min:.2f}, {28 * n_params / floor_min / 1e6:.1f} GB/s)")
     forms = {form: ms[f"torch {form}"][0] for form in TORCH_ADAMW_FORMS}
     form = args.torch_optimizer or min(forms, key=forms.get)
-    print(f"  refmath / torch: {ms['refmath'][0] / forms['default']:.2f}x the default's time, "
-          f"{ms['refmath'][0] / forms['foreach']:.2f}x foreach's, "
-          f"{ms['refmath'][0] / forms['fused']:.2f}x fused's (medians); the steps below use torch "
-          f"{form}" + ("" if args.torch_optimizer else " (the fastest)"))
-    steps = {"ours": refmath_step(module, config, params, batch, AdamW(LR, weight_decay=WEIGHT_DECAY),
-                                  clock),
+    flat = ms["refmath flat"][0]
+    print(f"  refmath flat / torch: {flat / forms['default']:.2f}x the default's time, "
+          f"{flat / forms['foreach']:.2f}x foreach's, {flat / forms['fused']:.2f}x fused's, "
+          f"{flat / floor:.2f}x the floor's (medians; per-parameter / flat "
+          f"{ms['refmath per-parameter'][0] / flat:.2f}x); the steps below use torch {form}"
+          + ("" if args.torch_optimizer else " (the fastest)"))
+    optimizer = FlatAdamW(params, LR, weight_decay=WEIGHT_DECAY, threads=threads)  # params: views
+    steps = {"ours": refmath_step(module, config, params, batch, optimizer, clock),
              "theirs": torch_step(torch_loss, P, batch, torch_adamw(P, form), clock)}
     result = time_steps(steps, args.warmup, args.repeats)
     result["optimizers"] = ms
@@ -397,7 +419,7 @@ def print_table(results: dict) -> None:
             print(f"{label:<17} {phase:<13} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>13.2f}x")
         opt = r["optimizers"]
         for form in TORCH_ADAMW_FORMS:
-            ours, theirs = opt["refmath"][0], opt[f"torch {form}"][0]
+            ours, theirs = opt["refmath flat"][0], opt[f"torch {form}"][0]
             print(f"{label:<17} {'AdamW ' + form:<13} {ours:>11.2f} {theirs:>9.2f} {ours / theirs:>13.2f}x")
 
 
@@ -476,7 +498,7 @@ def main(argv=None) -> None:
           f"{args.repeats} steps after {args.warmup} warmup; {args.clock} clock; torch attention: "
           f"{args.torch_attention}")
     try:
-        results = {model: run_model(model, args) for model in args.models}
+        results = {model: run_model(model, args, threads) for model in args.models}
     except ValueError as error:  # sizes the model configs reject, e.g. heads not dividing d
         sys.exit(f"error: {error}")
     print_table(results)

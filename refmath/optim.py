@@ -13,6 +13,9 @@ them (a parameter joining late would get the wrong Adam bias correction).
 Weight decay per parameter (O5): by default only weight matrices decay (see
 :func:`takes_weight_decay`); pass ``decay_of`` to choose the coefficient per name, or subclass and
 override :meth:`Optimizer.decay_of`.
+
+These classes update one parameter at a time, each equation one line: the form to read. Training
+uses :class:`refmath.flat_adamw.FlatAdamW`, the same AdamW bit for bit over one flat buffer.
 """
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ One training step (catalogue O4, O5, O6):
 with ``batch`` number ``s-1`` of the task's training split (a pure function of the seed and the
 index, see :mod:`refmath.data`), global-norm clipping at ``c`` and the learning rate
 :math:`\eta_s` of :func:`refmath.optim.warmup_cosine` (linear warmup, cosine decay to a tenth).
-AdamW decays the weight matrices only (:func:`refmath.optim.takes_weight_decay`).
+AdamW decays the weight matrices only (:func:`refmath.optim.takes_weight_decay`). The parameters
+live in the one flat buffer of :class:`refmath.flat_adamw.FlatAdamW`, which updates them bit for
+bit as :class:`refmath.optim.AdamW` does, in a few vectorised calls instead of a loop over the
+tensors.
 
 Every model of :data:`refmath.models.MODELS` comes with a recipe (its module's
 ``TRAINING_RECIPE``, see :func:`recipe`): a task and a default configuration small enough to learn
@@ -58,6 +61,7 @@ from refmath.models.common import TrainingRecipe
 from refmath._threads import blas_threads, choose_blas_threads, largest_product
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
+from refmath.flat_adamw import FlatAdamW
 from refmath.inference.generate import generate, generate_seq2seq
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
 
@@ -176,7 +180,7 @@ class Checkpoint(NamedTuple):
     task: dict
     settings: TrainSettings
     params: dict
-    optimizer: dict  # AdamW.state_dict()
+    optimizer: dict  # AdamW.state_dict(), which FlatAdamW.state_dict() also gives
     step: int
     data_position: int  # training batches consumed
     rng_state: dict  # the dropout Generator's bit_generator.state
@@ -445,8 +449,10 @@ class _Run:
     meta: dict  # the content of config.json
 
 
-def _adamw(settings: TrainSettings) -> AdamW:
-    return AdamW(settings.lr, (settings.beta1, settings.beta2), weight_decay=settings.weight_decay)
+def _adamw(settings: TrainSettings, params: dict) -> AdamW:
+    """The run's optimiser; from here on ``params`` holds views into its flat buffer."""
+    return FlatAdamW(params, settings.lr, (settings.beta1, settings.beta2),
+                     weight_decay=settings.weight_decay)
 
 
 def _check_same(name: str, given, saved, path: Path) -> None:
@@ -462,7 +468,7 @@ def _resume_run(directory: Path, model, config, task, given: dict) -> _Run:
         raise CheckpointError(f"{config_path}: task {task} differs from the run's {ckpt.task}")
     for name, value in given.items():
         _check_same(name, value, getattr(ckpt.settings, name), config_path)
-    optimizer = _adamw(ckpt.settings)
+    optimizer = _adamw(ckpt.settings, ckpt.params)
     optimizer.load_state_dict(ckpt.optimizer)
     rng = np.random.default_rng()
     rng.bit_generator.state = ckpt.rng_state
@@ -498,8 +504,8 @@ def _fresh_run(directory: Path, model, config, task, given: dict) -> _Run:
     meta = _meta(model, config, the_task, settings)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / CONFIG_FILE, lambda f: f.write(_json_bytes(meta)))
-    return _Run(model, module, config, the_task, settings, params, _adamw(settings), rng, 0, 0,
-                {k: [] for k in HISTORY_KEYS}, meta)
+    return _Run(model, module, config, the_task, settings, params, _adamw(settings, params), rng,
+                0, 0, {k: [] for k in HISTORY_KEYS}, meta)
 
 
 class TrainingDiverged(RuntimeError):

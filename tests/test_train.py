@@ -13,6 +13,8 @@ from refmath.commands import main
 from refmath.models import MODELS, config_class, gpt, model_module, transformer
 from refmath.models.gpt import GPTConfig
 from refmath.models.transformer import TransformerConfig
+from refmath.flat_adamw import FlatAdamW
+from refmath.optim import AdamW
 
 CHARS = {"name": "chars", "seq_len": 16, "n_sentences": 300}
 REVERSE = {"name": "reverse", "max_len": 4}
@@ -116,6 +118,43 @@ def test_resume_is_exact(tmp_path):
         np.testing.assert_array_equal(a.optimizer[key], b.optimizer[key], err_msg=key)
     assert a.rng_state == b.rng_state and a.data_position == b.data_position == 12
 
+
+
+def test_a_checkpoint_of_the_per_parameter_adamw_resumes_exactly_with_the_flat_one(
+        tmp_path, monkeypatch):
+    # Runs saved before training moved to FlatAdamW hold the per-parameter AdamW's state, under
+    # the same keys. Here the first half of a run trains with that AdamW and the rest resumes with
+    # FlatAdamW: as the two update bit for bit alike, the run equals one with FlatAdamW throughout.
+    real_adamw, built = T._adamw, []
+
+    def per_parameter(settings, params):
+        built.append(AdamW)
+        return AdamW(settings.lr, (settings.beta1, settings.beta2),
+                     weight_decay=settings.weight_decay)
+
+    def recorded(settings, params):
+        optimizer = real_adamw(settings, params)
+        built.append(type(optimizer))
+        return optimizer
+
+    monkeypatch.setattr(T, "_adamw", recorded)
+    straight = run_gpt(tmp_path / "straight", 12, dropout=0.1, eval_every=4)
+    monkeypatch.setattr(T, "_adamw", per_parameter)
+    run_gpt(tmp_path / "split", 12, dropout=0.1, eval_every=4, stop_after=6)
+    old = T.load_checkpoint(tmp_path / "split")
+    assert old.step == 6
+    assert sorted(old.optimizer) == sorted(["step"] + [f"{b}.{n}" for b in "mv" for n in old.params])
+    monkeypatch.setattr(T, "_adamw", recorded)
+    resumed = T.train(None, tmp_path / "split", resume=True, eval_every=4, out=open(os.devnull, "w"))
+    assert built == [FlatAdamW, AdamW, FlatAdamW] and resumed.step == 12
+    for key in T.HISTORY_KEYS:
+        np.testing.assert_array_equal(resumed.history[key], straight.history[key], err_msg=key)
+    a, b = T.load_checkpoint(tmp_path / "straight"), T.load_checkpoint(tmp_path / "split")
+    for name in a.params:
+        np.testing.assert_array_equal(b.params[name], a.params[name], err_msg=name)
+    assert sorted(a.optimizer) == sorted(b.optimizer)
+    for key in a.optimizer:
+        np.testing.assert_array_equal(b.optimizer[key], a.optimizer[key], err_msg=key)
 
 def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tmp_path, monkeypatch):
     straight = run_gpt(tmp_path / "straight", 8, dropout=0.1, eval_every=4)
