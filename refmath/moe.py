@@ -68,7 +68,7 @@ ROUTINGS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """The mixture-of-experts feed-forward of a decoder. ``dataclasses.asdict`` round-trips.
+    r"""The mixture-of-experts feed-forward of a decoder. ``dataclasses.asdict`` round-trips.
 
     ``n_experts`` routed experts (``E``), each a SwiGLU of hidden width ``d_expert``; ``top_k``
     of them per token. ``scoring`` turns router logits into scores (``"softmax"`` over the
@@ -87,7 +87,8 @@ class MoEConfig:
     ``moe_layer_freq``); the others keep the dense SwiGLU. ``balance_coef`` weights the
     expert-level load-balancing loss, ``device_balance_coef`` the device-level one over
     ``n_devices`` equal groups of experts, ``z_coef`` the router z-loss; all three are added to the
-    training loss.
+    training loss. ``bias_speed`` (:math:`\gamma`, with ``score_bias``) is how far training moves
+    each selection bias after a step (:func:`balance_bias_update`; 0: the bias stays as loaded).
     """
 
     n_experts: int
@@ -109,6 +110,7 @@ class MoEConfig:
     device_balance_coef: float = 0.0
     n_devices: int = 1
     z_coef: float = 0.0
+    bias_speed: float = 0.0
 
     def __post_init__(self):
         for name in ("n_experts", "top_k", "d_expert", "n_groups", "topk_groups", "every",
@@ -122,8 +124,11 @@ class MoEConfig:
         for name in ("norm_topk", "shared_gate", "score_bias"):
             check_field(self, name, check_flag)
         check_field(self, "scaling", check_real, 0.0, low_open=True)
-        for name in ("balance_coef", "device_balance_coef", "z_coef"):
+        for name in ("balance_coef", "device_balance_coef", "z_coef", "bias_speed"):
             check_field(self, name, check_real, 0.0)
+        if self.bias_speed and not self.score_bias:
+            raise ValueError(f"MoEConfig.bias_speed = {self.bias_speed} moves the selection bias, "
+                             f"which needs score_bias")
         if self.top_k > self.n_experts:
             raise ValueError(f"MoEConfig.top_k = {self.top_k} is larger than n_experts = "
                              f"{self.n_experts}")

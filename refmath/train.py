@@ -58,6 +58,8 @@ import numpy as np
 
 from refmath.models import MODELS, config_class, model_module
 from refmath.models.common import TrainingRecipe
+from refmath.models.decoder import expert_loads, moe_aux_loss
+from refmath.moe import MoEConfig, balance_bias_update
 from refmath._threads import blas_threads, choose_blas_threads, largest_product
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
@@ -87,6 +89,26 @@ def default_config(name: str, task):
         raise ValueError(f"model {name!r} learns the tasks {list(spec.tasks)}, not {task.name!r}")
     max_seq_len = task.max_len + 1 if isinstance(task, ReversalTask) else task.seq_len
     return config_class(name)(vocab_size=task.vocab_size, max_seq_len=max_seq_len, **spec.config)
+
+
+def with_experts(config, n_experts: int, top_k: int = 2, balance_coef: float = 0.01):
+    r"""``config`` with every layer's feed-forward a mixture of ``n_experts`` SwiGLU experts
+    (E1-E5), ``top_k`` of them per token.
+
+    Each expert is :math:`d_f / k` wide (rounded up to a multiple of 8), so that a token's
+    feed-forward multiplies about as many weights as the dense one did while the layer holds
+    :math:`E / k` times as many; the router is a softmax whose top-k scores are renormalised
+    (Mixtral's), and the expert-level balance loss is added to the loss at weight
+    ``balance_coef`` (0.01, Switch Transformer's). Only the decoder family (``llama``, ``mla``)
+    takes experts.
+    """
+    if not hasattr(config, "moe"):
+        raise ValueError(f"a {type(config).__name__} has no mixture-of-experts layers; experts go "
+                         f"in the decoders' configurations (DecoderConfig, MLAConfig)")
+    width = -(-config.d_f // top_k)
+    moe = MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=-(-width // 8) * 8, norm_topk=True,
+                    balance_coef=balance_coef)
+    return dataclasses.replace(config, moe=moe)
 
 
 # ---- settings ------------------------------------------------------------------------------------
@@ -350,11 +372,15 @@ def load_tokenizer(directory) -> CharTokenizer:
 # ---- evaluation ----------------------------------------------------------------------------------
 
 def evaluate(module, params, config, task, n_batches: int, batch_size: int) -> dict[str, float]:
-    """Mean loss (eval mode, no dropout) over ``n_batches`` fixed batches of each split."""
+    """Mean cross-entropy (eval mode, no dropout) over ``n_batches`` fixed batches of each split
+    (a mixture of experts' auxiliary losses left out)."""
     out = {}
     for split in ("train", "val"):
-        losses = [float(module.forward(params, task.batch(split, i, batch_size, EVAL_SEED), config)[0])
-                  for i in range(n_batches)]
+        losses = []
+        for i in range(n_batches):
+            loss, cache = module.forward(params, task.batch(split, i, batch_size, EVAL_SEED), config)
+            experts = getattr(config, "moe", None) is not None
+            losses.append(float(loss) - (moe_aux_loss(cache) if experts else 0.0))
         out[split] = float(np.mean(losses))
     return out
 
@@ -447,6 +473,7 @@ class _Run:
     data_position: int
     history: dict  # name -> list
     meta: dict  # the content of config.json
+    experts: tuple | None = None  # the last step's auxiliary loss and expert loads, with experts
 
 
 def _adamw(settings: TrainSettings, params: dict) -> AdamW:
@@ -513,7 +540,8 @@ class TrainingDiverged(RuntimeError):
 
 
 def _train_step(run: _Run) -> float:
-    """One optimiser step on the next training batch; returns the batch's loss.
+    """One optimiser step on the next training batch; returns the batch's cross-entropy (the loss
+    it minimised, less a mixture of experts' auxiliary losses, which the log shows apart).
 
     Raises :class:`TrainingDiverged`, before anything is updated, if the loss or the gradient norm
     is not finite: one NaN step would make every parameter NaN.
@@ -528,10 +556,35 @@ def _train_step(run: _Run) -> float:
             raise TrainingDiverged(f"step {run.step + 1}: the {quantity} is {value} at learning "
                                    f"rate {lr:.3g}")
     run.optimizer.step(run.params, grads, lr)
+    if getattr(run.config, "moe", None) is not None:
+        _balance_experts(run, cache)
     run.step, run.data_position = run.step + 1, run.data_position + 1
-    for key, value in (("train_loss", float(loss)), ("lr", lr), ("grad_norm", norm)):
+    cross_entropy = float(loss) - (run.experts[0] if run.experts is not None else 0.0)
+    for key, value in (("train_loss", cross_entropy), ("lr", lr), ("grad_norm", norm)):
         run.history[key].append(value)
-    return float(loss)
+    return cross_entropy
+
+
+def _balance_experts(run: _Run, cache) -> None:
+    """After a step of a model with experts: keep its auxiliary loss and loads for the log, and
+    move DeepSeek-V3's selection biases against the loads (E6, ``moe.bias_speed``), in place."""
+    loads = expert_loads(cache)
+    run.experts = (moe_aux_loss(cache), loads)
+    moe = run.config.moe
+    if moe.score_bias and moe.bias_speed:
+        for layer, load in loads.items():
+            bias = run.params[f"layers.{layer}.ffn.router.bias"]
+            bias[...] = balance_bias_update(bias, load, moe.bias_speed)
+
+
+def _experts_line(run: _Run) -> str:
+    """The log's word on the experts: the auxiliary loss and the busiest expert's load against
+    the mean, over the last step's MoE layers."""
+    if run.experts is None:
+        return ""
+    aux, loads = run.experts
+    busiest = max(float(load.max() / load.mean()) for load in loads.values())
+    return f"  aux {aux:.4f}  busiest expert {busiest:.2f}x the mean load"
 
 
 @contextlib.contextmanager
@@ -560,7 +613,8 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
           lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
           resume: bool = False, eval_every: int | None = None, progress: bool = False,
           stop_after: int | None = None, accuracy_examples: int = 500, out=None,
-          threads: int | None = None, status_every: float = 30.0) -> TrainResult:
+          threads: int | None = None, status_every: float = 30.0, experts: int | None = None,
+          top_k: int = 2) -> TrainResult:
     """Train ``model`` in run directory ``out_dir`` (created if needed); see the module docstring.
 
     Fresh run: ``config`` (default :func:`default_config`) and ``task`` settings (default the
@@ -581,6 +635,10 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     ``threads``: BLAS threads for the run (default: chosen by
     :func:`refmath._threads.choose_blas_threads` from the largest product of a step, batch rows
     times the widest weight matrix).
+
+    ``experts`` (a fresh ``llama`` or ``mla`` run): every feed-forward a mixture of that many
+    experts, ``top_k`` per token (:func:`with_experts`); the log shows the auxiliary loss and how
+    far the busiest expert's load is above the mean.
     """
     out = sys.stdout if out is None else out
     if threads is not None:
@@ -589,6 +647,15 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
     directory = Path(out_dir)
     given = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
              "eval_every": eval_every}
+    if experts is not None:
+        check_int("experts", experts, 1)
+        if resume:
+            raise ValueError("experts: a resumed run keeps the configuration it was started with")
+        if model is None:
+            raise ValueError(f"give the model to train, one of {sorted(MODELS)}")
+        if config is None:
+            config = default_config(model, make_task(recipe(model).task if task is None else task))
+        config = with_experts(config, experts, check_int("top_k", top_k, 1))
     run = (_resume_run if resume else _fresh_run)(directory, model, config, task, given)
     settings = run.settings
     eval_every = settings.eval_every
@@ -647,7 +714,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
                     run.history["eval_step"].append(run.step)
                     say(f"step {run.step:>6}  lr {run.history['lr'][-1]:.2e}  "
                         f"train {losses['train']:.4f}  val {losses['val']:.4f}  "
-                        f"(unigram entropy {baseline:.4f})")
+                        f"(unigram entropy {baseline:.4f}){_experts_line(run)}")
                     last_line = time.perf_counter()
                     save()
         if run.step % eval_every and run.step != settings.steps:

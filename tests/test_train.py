@@ -539,3 +539,74 @@ def test_without_a_bar_a_status_line_comes_every_status_every_seconds_and_resume
     assert not any("loss" in line for line in lines)  # nothing but evaluations within an hour
     with pytest.raises(ValueError, match="status_every"):
         T.train("gpt", tmp_path / "other", steps=1, status_every=-1.0)
+
+
+# ---- mixtures of experts -------------------------------------------------------------------------
+
+def tiny_llama(**fields):
+    from refmath.models.decoder import DecoderConfig
+
+    return DecoderConfig(vocab_size=32, max_seq_len=16, d_model=16, n_layers=2, n_heads=2,
+                         n_kv_heads=1, d_ff=32, **fields)
+
+
+def test_a_decoder_with_experts_learns_logs_its_balance_and_resumes_exactly(tmp_path):
+    """--experts: the log shows the balance loss and the busiest expert's load, the losses are
+    cross-entropies (the auxiliary loss left out, it is added only to what is minimised), and a
+    resumed run is the straight run bit for bit."""
+    config = T.with_experts(tiny_llama(), 4, top_k=2)
+    assert config.moe.n_experts == 4 and config.moe.d_expert == 16  # d_f / k, a multiple of 8
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        straight = T.train("llama", tmp_path / "straight", steps=30, batch_size=8, lr=2e-2,
+                           task=CHARS, config=config, eval_every=10, out=out)
+    lines = [line for line in log.read_text().splitlines() if line.startswith("step")]
+    assert len(lines) == 3 and all("aux 0.0" in line and "busiest expert" in line
+                                   for line in lines)
+    assert straight.history["eval_val"][-1] < straight.unigram_entropy
+    T.train("llama", tmp_path / "split", steps=30, batch_size=8, lr=2e-2, task=CHARS,
+            config=config, eval_every=10, stop_after=20, out=open(os.devnull, "w"))
+    resumed = T.train(None, tmp_path / "split", resume=True, out=open(os.devnull, "w"))
+    for key in T.HISTORY_KEYS:
+        np.testing.assert_array_equal(resumed.history[key], straight.history[key], err_msg=key)
+    saved = T.load_checkpoint(tmp_path / "split")
+    assert saved.config.moe == config.moe  # the experts round-trip through config.json
+
+
+def test_the_selection_bias_moves_against_the_load_after_each_step(tmp_path):
+    """DeepSeek-V3's auxiliary-loss-free balancing (E6): the optimiser leaves the bias alone (its
+    gradient is zero), and each step moves it by bias_speed against that step's load; without a
+    speed it stays where it started."""
+    from refmath.moe import balance_bias_update
+
+    moe = dict(n_experts=4, top_k=2, d_expert=16, scoring="sigmoid", routing="noaux_tc",
+               n_groups=2, topk_groups=1, norm_topk=True, score_bias=True)
+    for speed in (0.0, 1e-3):
+        config = tiny_llama(moe=dict(moe, bias_speed=speed))
+        directory = tmp_path / f"speed{speed}"
+        T.train("llama", directory, steps=3, batch_size=8, lr=1e-2, task=CHARS, config=config,
+                eval_every=3, out=open(os.devnull, "w"))
+        bias = T.load_checkpoint(directory).params["layers.0.ffn.router.bias"]
+        if speed == 0.0:
+            assert not bias.any()
+        else:  # three steps of +-speed, or 0 at exactly the mean load
+            steps = np.round(bias / np.float32(speed))
+            assert np.allclose(bias, steps * np.float32(speed), atol=1e-9) and np.abs(steps).max() <= 3
+            assert np.abs(steps).max() >= 1
+    # the rule itself: over- and underloaded experts, one exactly at the mean
+    np.testing.assert_array_equal(
+        balance_bias_update(np.zeros(3, np.float32), np.array([5.0, 1.0, 3.0]), 0.5),
+        np.array([-0.5, 0.5, 0.0], np.float32))
+
+
+def test_the_experts_flag(tmp_path, capsys):
+    out = tmp_path / "moe"
+    assert main(["train", "--model", "gpt", "--experts", "4", "--out", str(out),
+                 "--no-progress"]) == 2
+    assert "--experts: a GPTConfig has no mixture-of-experts layers" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--experts", "4", "--top-k", "5", "--out", str(out),
+                 "--no-progress"]) == 2
+    assert "top_k = 5 is larger than n_experts = 4" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--experts", "0", "--out", str(out),
+                 "--no-progress"]) == 2
+    assert "--experts" in capsys.readouterr().err

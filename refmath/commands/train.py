@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BLAS threads (default: chosen from the size of the matrix products: "
                         "one for the default models, whose small products run slower on many "
                         "threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
+    parser.add_argument("--experts", type=int, metavar="E",
+                        help="llama, mla: make every feed-forward a mixture of E SwiGLU experts "
+                        "(a new run only); the log shows the balance loss and the busiest "
+                        "expert's load")
+    parser.add_argument("--top-k", type=int, default=2, metavar="K",
+                        help="with --experts: experts per token (default: 2)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is also off when stderr is not a terminal); "
                         "without it a status line is printed every 30 s between evaluations")
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out if args.out is not None else os.path.join("runs", args.model)
     progress = not args.no_progress and sys.stderr.isatty()
     for flag, low in (("steps", 1), ("batch_size", 1), ("seed", 0), ("eval_every", 1),
-                      ("threads", 1)):
+                      ("threads", 1), ("experts", 1), ("top_k", 1)):
         if getattr(args, flag) is not None:
             check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low)
     if args.lr is not None:
@@ -73,12 +79,16 @@ def run(args: argparse.Namespace) -> int:
             result = train(args.model, out_dir, steps=args.steps, batch_size=args.batch_size,
                            lr=args.lr, seed=args.seed, task=task, resume=args.resume,
                            eval_every=args.eval_every, progress=progress,
-                           threads=args.threads)
+                           threads=args.threads, experts=args.experts, top_k=args.top_k)
     except OSError as err:
         raise CommandError(f"cannot write the run directory {out_dir}: {err.strerror or err}"
                            f"{f' ({err.filename})' if err.filename else ''}") from None
     except TrainingDiverged as err:
         raise CommandError(str(err), status=1) from None
+    except ValueError as err:
+        if args.experts is None:
+            raise
+        raise CommandError(f"--experts: {err}") from None
     except KeyboardInterrupt:
         return 130
     print(f"\n{result.model}: {result.step} steps in {result.seconds:.1f} s (this session)")
