@@ -892,7 +892,35 @@ PUBLISHED = {
                      attention_bias=False, use_sliding_window=False),
     "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
                  n_head=12, activation_function="gelu_new", layer_norm_epsilon=1e-5),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                         rope_theta=1000000.0, sliding_window=None, num_local_experts=8,
+                         num_experts_per_tok=2, tie_word_embeddings=False),
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+                        qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+                        num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1,
+                        norm_topk_prob=True, scoring_func="sigmoid",
+                        max_position_embeddings=163840, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False,
+                        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32,
+                                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "original_max_position_embeddings": 4096}),
+    "gemma-2-9b": dict(model_type="gemma2", vocab_size=256000, hidden_size=3584,
+                       intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=4096, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, max_position_embeddings=8192,
+                       rms_norm_eps=1e-6, rope_theta=10000.0,
+                       hidden_activation="gelu_pytorch_tanh"),
 }
+# refmath counts DeepSeek-V3's selection bias as a parameter (the checkpoint stores it, the
+# model reads it); transformers keeps it as a buffer: one per expert of each of its 58 MoE layers
+BUFFERS_AS_PARAMETERS = {"deepseek-v3": 58 * 256}
 
 
 def meta_parameter_count(config: dict) -> int:
@@ -905,11 +933,16 @@ def meta_parameter_count(config: dict) -> int:
 
 
 def test_the_presets_are_the_published_configs():
-    """refmath.sizing's Llama-3.1-8B and Qwen3-8B presets count what their config.json loads."""
-    from refmath.sizing import PRESETS, parameter_counts
+    """refmath.sizing's presets count what their config.json loads, and a mixture of experts'
+    active parameters are the preset's (DeepSeek-V3: 37.55e9 of 671.03e9)."""
+    from refmath.sizing import PRESETS, active_parameters, parameter_counts
 
-    for name in ("llama-3.1-8b", "qwen3-8b"):
-        assert parameter_counts(PRESETS[name]).total == meta_parameter_count(PUBLISHED[name])
+    for name in ("llama-3.1-8b", "qwen3-8b", "mixtral-8x7b", "deepseek-v3", "gemma-2-9b"):
+        expected = meta_parameter_count(PUBLISHED[name]) + BUFFERS_AS_PARAMETERS.get(name, 0)
+        assert parameter_counts(PRESETS[name]).total == expected, name
+    for name in ("mixtral-8x7b", "deepseek-v3"):
+        assert active_parameters(sizing_config(PUBLISHED[name])) == active_parameters(
+            PRESETS[name])
     _, config = hf.config_from_hf(PUBLISHED["llama-3.1-8b"])
     assert (config.rope_scaling.rope_type, config.rope_scaling.original_max_seq_len,
             config.max_seq_len) == ("llama3", 8192, 131072)
@@ -919,14 +952,15 @@ def test_the_presets_are_the_published_configs():
 def test_sizes_count_the_parameters_of_transformers(name, tmp_path):
     from refmath.sizing import parameter_counts
 
-    expected = meta_parameter_count(PUBLISHED[name])
+    expected = meta_parameter_count(PUBLISHED[name]) + BUFFERS_AS_PARAMETERS.get(name, 0)
     assert hf_parameter_count(PUBLISHED[name]) == expected
     assert parameter_counts(sizing_config(PUBLISHED[name])).total == expected
     (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(PUBLISHED[name]))
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["sizes", "--hf", str(tmp_path)]) == 0
-    assert f"parameters (N7): {expected:,}" in out.getvalue()
+    counted = out.getvalue().split("\nparameters (", 1)[1].splitlines()[0]  # N7, or MLA's shapes
+    assert f"): {expected:,}" in counted
 
 
 def test_sizes_of_a_deepseek_config(tmp_path):
