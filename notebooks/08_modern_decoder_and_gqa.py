@@ -7,9 +7,9 @@
 #     language: python
 #     name: python3
 #   refmath:
-#     figures: 2
+#     figures: 3
 #     minutes: 45
-#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18]
+#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20]
 # ---
 
 # %% [markdown]
@@ -20,8 +20,9 @@
 # query heads (grouped-query attention, GQA; Ainslie et al., 2023). This lesson builds the layer
 # (M3), fuses its three projections into one (A9), maps query heads to key/value heads (A10),
 # derives by hand why a shared key/value head's gradient is a *sum* over the query heads that read
-# it, and counts what grouping saves and what it does not (A13). It ends with two options of the
-# same layer: context extension by rescaling RoPE's frequencies (N13-N17) and QK-norm (N18).
+# it, and counts what grouping saves and what it does not (A13). It ends with options of the
+# same layer: context extension by rescaling RoPE's frequencies (N13-N17), QK-norm (N18), and
+# Gemma's soft-capped scores, GeGLU and local layers (N19, N20).
 #
 # **Prerequisites:** lessons 1 (attention backward, A8), 2 (RMSNorm), 4 (SwiGLU, RoPE) and 7 (GPT).
 #
@@ -29,9 +30,10 @@
 # the head-sum in $dK$ and $dV$ and check it by central differences; count, per decode step, the
 # FLOPs and bytes of MHA, GQA and MQA, and say why GQA leaves the score arithmetic unchanged; say
 # why RoPE does not extrapolate past its training context and how interpolation, NTK, Llama 3.1's
-# rule and YaRN each slow its pairs; see why QK-norm bounds the scores.
+# rule and YaRN each slow its pairs; see why QK-norm bounds the scores, and what a soft cap does
+# to a score and to its gradient.
 #
-# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18
+# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20
 #
 # **Duration:** about 45 minutes.
 
@@ -519,6 +521,71 @@ print(f"a 100x larger W_Q changes the normalised, rotated queries by {change:.1e
 assert change < 1e-3
 
 # %% [markdown]
+# ## N19, N20: Gemma's soft caps, GeGLU and local layers
+#
+# Gemma 2 (Gemma Team, 2024) bounds its attention scores and its logits with a **soft cap**,
+#
+# $$ y = c \tanh(x / c), \qquad \frac{\partial y}{\partial x} = 1 - \tanh^2(x/c) = 1 - (y/c)^2 , $$
+#
+# with $c = 50$ on the scores (after the $1/\sqrt{s}$ scale, *before* the mask, so a masked
+# $-\infty$ stays $-\infty$) and $c = 30$ on the final logits. Below $c$ it is almost the
+# identity ($y = x - x^3/(3c^2) + \dots$); far above, the output flattens at $c$ and so does the
+# gradient: a score that has run away stops growing, and stops being pushed. Its backward is one
+# multiplication by the slope, which the cache keeps as $y$. Gemma's feed-forward is **GeGLU**,
+# SwiGLU with a tanh-GELU gate, $[\operatorname{GELU}_{\tanh}(x W_g) \odot x W_u] W_d$ (N20);
+# every RMSNorm gain is $1 + w$ with $w$ stored, the embeddings are multiplied by $\sqrt d$, and
+# Gemma 2 and 3 also normalise each sublayer's *output* ("sandwich" norms). Their layers alternate
+# between **local** ones, which slide a window of 4096 tokens (Gemma 3: 1024, five local layers
+# per global one, the local ones with their own RoPE base), and **global** ones, which see the
+# whole context: `DecoderConfig(window_layers=..., local_rope_base=...)`, each layer computing
+# with its own `decoder.layer_config`.
+
+# %%
+from refmath.ffn import softcap_forward
+
+x = np.linspace(-150, 150, 601)
+y, _ = softcap_forward(x, 50.0)
+fig, (left, right) = plt.subplots(1, 2, figsize=(7, 2.8), layout="constrained")
+left.plot(x, x, color="grey", lw=0.8, ls="--", label="identity")
+left.plot(x, y, label="$50 \\tanh(x/50)$")
+left.set(xlabel="score $x$", ylabel="capped score", title="the cap")
+left.legend(fontsize=8)
+right.plot(x, 1 - (y / 50) ** 2)
+right.set(xlabel="score $x$", ylabel="$\\partial y / \\partial x$", title="its slope")
+plt.show()
+gemma = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=4, n_heads=4,
+                              n_kv_heads=2, sliding_window=4, window_layers=(True, True, True, False),
+                              local_rope_base=100.0, rope_base=10000.0)
+for i in range(gemma.n_layers):
+    layer = decoder.layer_config(gemma, i)
+    print(f"layer {i}: window {layer.sliding_window}, RoPE base {layer.rope_base:g}")
+
+# %% [markdown]
+# **Your turn.** Scores $(0, 25, 50, 100)$ under Gemma 2's cap $c = 50$: write the capped scores
+# `capped` and the slopes `slope` $= \partial y/\partial x$ at each score.
+
+# %% tags=["exercise"]
+capped = ...
+slope = ...
+# BEGIN SOLUTION
+scores = np.array([0.0, 25.0, 50.0, 100.0])
+capped = 50.0 * np.tanh(scores / 50.0)
+slope = 1.0 - np.tanh(scores / 50.0) ** 2
+# END SOLUTION
+
+# %%
+scores = np.array([0.0, 25.0, 50.0, 100.0])
+check_close("the capped scores", capped, lambda: softcap_forward(scores, 50.0)[0], rtol=1e-12,
+            hint="y = c tanh(x / c): at x = c it is c tanh(1), about 0.76 c",
+            slips={"tanh(x / c) without the factor c": np.tanh(scores / 50.0),
+                   "c tanh(x), the score not divided by c": 50.0 * np.tanh(scores)})
+check_close("the slopes", slope,
+            lambda: 1.0 - (softcap_forward(scores, 50.0)[0] / 50.0) ** 2, rtol=1e-12,
+            hint="the derivative of c tanh(x / c) is 1 - tanh^2(x / c)",
+            slips={"1 - tanh(x / c), not squared": 1.0 - np.tanh(scores / 50.0),
+                   "the slope of tanh(x), not divided by c": 1.0 - np.tanh(scores) ** 2})
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Derive $dQ$ for GQA. Why does $dQ$ need no sum over heads, while $dK$ and $dV$ do?
@@ -534,6 +601,8 @@ assert change < 1e-3
 #    interpolation at the length $sL$, and that pair 0 keeps its frequency at every length.
 # 7. With `rope_inv_freq`, find the pair indices where YaRN's ramp starts and ends for Llama 3.1's
 #    shape ($d_h = 128$, $b = 500000$, $L = 8192$); how many pairs are fully interpolated?
+# 8. Why must the soft cap come before the additive mask and not after it? What would a cap after
+#    the mask do to a masked key's weight?
 #
 # ## References
 #
@@ -560,3 +629,7 @@ assert change < 1e-3
 #   arXiv:2302.05442. (QK-norm against growing attention logits.) Yang, A., et al. (2025).
 #   Qwen3 Technical Report. arXiv:2505.09388. OLMo Team (2024). 2 OLMo 2 Furious.
 #   arXiv:2501.00656.
+# - Gemma Team (2024). Gemma 2: Improving Open Language Models at a Practical Size.
+#   arXiv:2408.00118. (Soft-capping, sandwich norms, alternating local and global layers.)
+#   Gemma Team (2025). Gemma 3 Technical Report. arXiv:2503.19786. (Five local layers per global
+#   one, QK-norm.)
