@@ -214,7 +214,7 @@ PLANTS = {
         ("total = numbers * bits / 8 + 2 * numbers / 32", "total = numbers * bits / 8",
          "your cache bytes", "the quantisation scales left out"),
     ],
-    "15_capstone.py": [
+    "16_capstone.py": [
         # Adam's steps do not change when one parameter's gradient is scaled: the model still
         # learns with either slip, and only the checks see them
         ("    dbeta = np.sum(dout, axis=rows)\n", "    dbeta = np.mean(dout, axis=rows)\n",
