@@ -300,6 +300,27 @@ MISTAKES: tuple[Mistake, ...] = (
     _o("transformer schedule: warmup^-0.5 in the linear branch", "refmath.optim:transformer_schedule",
        "step * warmup**-1.5", "step * warmup**-0.5",
        "the branches must meet at s = w: s w^-1.5 = s^-0.5 there"),
+    # ---- mixture of experts (E3-E5) ----
+    # ("[[]" is a literal bracket in the glob: "moe_route*" would match moe_router too)
+    _g("moe route: renormalisation's Jacobian dropped", "refmath.moe:route_backward",
+       "dg = (dg - np.sum(dg * chosen, axis=-1, keepdims=True) / denominator) / denominator",
+       "dg = dg / denominator",
+       "g_j = s_j / D and D sums every chosen score: ds_i = (dg_i - sum_j dg_j g_j) / D",
+       "moe_route[[]*"),
+    _g("moe route: scaling left out of the backward", "refmath.moe:route_backward",
+       "dg = dgates * scaling", "dg = dgates",
+       "g_j = rho s_j (/ D): the routed scaling factor rho multiplies the gradient too",
+       "moe_route[[]*"),
+    _g("moe: an expert's gradient not scaled by its gate", "refmath.moe:moe_backward",
+       "fused.swiglu_backward(expert.gates[:, None] * dy_e,", "fused.swiglu_backward(dy_e,",
+       "y = sum_j g_j E_j(x): the expert's output reaches y times its gate", "moe[[]*"),
+    _g("moe: no gradient to the router through the gates", "refmath.moe:moe_backward",
+       "dweight[expert.tokens, e] = np.sum(dy_e * expert.out, axis=-1)",
+       "dweight[expert.tokens, e] = 0.0",
+       "the choice has no gradient, the gates do: dg_j = <dy, E_j(x)>", "moe[[]*"),
+    _g("moe balance loss: gradient not divided by the tokens",
+       "refmath.moe:expert_balance_loss_backward", "dloss * f / n", "dloss * f",
+       "P_i is a mean over the N tokens: dL/dp_ni = f_i / N", "moe_balance_loss[[]*"),
 )
 
 

@@ -214,7 +214,43 @@ PLANTS = {
         ("total = numbers * bits / 8 + 2 * numbers / 32", "total = numbers * bits / 8",
          "your cache bytes", "the quantisation scales left out"),
     ],
-    "15_capstone.py": [
+    "15_mixture_of_experts.py": [
+        ("probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [2, 2, 2, 2]]) / 8",
+         "probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [2, 2, 2, 2]])",
+         "the probabilities", "without dividing by its sum"),
+        ("top2_by_hand = np.array([[0, 1], [3, 2], [1, 2], [0, 1]])",
+         "top2_by_hand = np.array([[0, 1], [3, 2], [2, 1], [3, 2]])",
+         "the top-2 experts", "ties go to the higher index"),
+        ("gates_by_hand = np.array([[2 / 3, 1 / 3], [2 / 3, 1 / 3], [1 / 2, 1 / 2], [1 / 2, 1 / 2]])",
+         "gates_by_hand = np.array([[1 / 2, 1 / 4], [1 / 2, 1 / 4], [3 / 8, 3 / 8], [1 / 4, 1 / 4]])",
+         "the gates", "not renormalised"),
+        # the write-the-function exercise: the gates' backward
+        ("dg = dgates * cache.scaling", "dg = dgates", "your gates backward",
+         "scaling left out of the backward"),
+        ("dg = (dg - np.sum(dg * cache.chosen, axis=-1, keepdims=True) / d_sum) / d_sum",
+         "dg = dg / d_sum", "your gates backward", "renormalisation's Jacobian dropped"),
+        ("dg = (dg - np.sum(dg * cache.chosen, axis=-1, keepdims=True) / d_sum) / d_sum",
+         "dg = dg - np.sum(dg * cache.chosen, axis=-1, keepdims=True) / d_sum",
+         "your gates backward", "the outer 1/D forgotten"),
+        ("load6_by_hand = np.array([4, 4, 3, 1])", "load6_by_hand = np.array([3, 2, 0, 1])",
+         "the load", "the first choice only"),
+        ("f6 = 4 / (2 * 6) * load6_by_hand", "f6 = load6_by_hand", "L_ExpBal", "without E / (k N)"),
+        ("f6 = 4 / (2 * 6) * load6_by_hand", "f6 = 4 / 6 * load6_by_hand", "L_ExpBal",
+         "k times DeepSeek's"),
+        ("bias_after_by_hand = bias_before - 0.001 * np.array([1.0, -1.0, 0.0, 0.0])",
+         "bias_after_by_hand = bias_before + 0.001 * np.array([1.0, -1.0, 0.0, 0.0])",
+         "the biases after one update", "the sign flipped"),
+        ("per_layer = 4 * 256**2 + 2 * 256 + 256 * 8 + 8 * expert + expert",
+         "per_layer = 4 * 256**2 + 2 * 256 + 256 * 8 + 8 * expert", "the total",
+         "the shared expert forgotten"),
+        ("toy_active = toy_total - 4 * (8 - 2) * expert", "toy_active = toy_total - 4 * 8 * expert",
+         "the active parameters", "the k chosen ones too"),
+        ("bytes_64_devices = 2 * 8 * (1 - 1 / 64) * 7168 * 2",
+         "bytes_64_devices = 8 * (1 - 1 / 64) * 7168 * 2", "bytes on 64 devices", "one way only"),
+        ("bytes_node_limited = 2 * min(8, 4) * (1 - 1 / 8) * 7168 * 2",
+         "bytes_node_limited = 2 * 8 * (1 - 1 / 8) * 7168 * 2", "bytes, node-limited", "k sends"),
+    ],
+    "16_capstone.py": [
         # Adam's steps do not change when one parameter's gradient is scaled: the model still
         # learns with either slip, and only the checks see them
         ("    dbeta = np.sum(dout, axis=rows)\n", "    dbeta = np.mean(dout, axis=rows)\n",
@@ -247,6 +283,8 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "MLA numbers per token and layer": ("MHA / MLA",),
         "W_Q from q_proj.weight": ("W_K from k_proj.weight",),
         "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",),
+        "the load": ("L_ExpBal",),
+        "the total": ("the active parameters",),
         # the capstone's model runs with the student's LayerNorm backward
         "your LayerNorm backward": ("the gradient check of the whole model, with your backward passes",
                                     "your model's gradients against the library's")}
@@ -307,10 +345,11 @@ def test_planted_slips_are_rejected_and_named(lesson, tmp_path):
 
 
 def test_the_plants_cover_the_lessons_with_slips():
-    # Lessons 01-03, 05-07, 09, 12 and 13 carry three planted slips or more; 04, 08, 10, 11 and 14
-    # fewer, for fewer of their exercises have a typical slip.
+    # Lessons 01-03, 05-07, 09, 12, 13 and 15 carry three planted slips or more; 04, 08, 10, 11
+    # and 14 fewer, for fewer of their exercises have a typical slip.
     for lesson, plants in PLANTS.items():
-        wanted = 3 if lesson[:2] in ("01", "02", "03", "05", "06", "07", "09", "12", "13") else 1
+        wanted = 3 if lesson[:2] in ("01", "02", "03", "05", "06", "07", "09", "12", "13",
+                                     "15") else 1
         assert len(plants) >= wanted, lesson
     with_slips = {p.name for p in NOTEBOOKS.glob("[0-9]*.py") if "slips=" in p.read_text()}
     assert with_slips == set(PLANTS), f"lessons with slips but no plants: {with_slips - set(PLANTS)}"

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 15: the capstone, a GPT trained with your own backward passes
+# # Lesson 16: the capstone, a GPT trained with your own backward passes
 #
 # Lessons 1, 2, 4 and 5 each asked you to write one backward pass, and a gradient check judged
 # it. Here the four of them go into one model: a two-layer GPT written in this notebook from the
