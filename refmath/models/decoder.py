@@ -972,9 +972,7 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings,
-                # a window on some layers only is counted as none (the calculators take one
-                # window for every layer): an upper bound on the cache
-                sliding_window=config.sliding_window if config.window_layers is None else None,
+                sliding_window=config.sliding_window, window_layers=config.window_layers,
                 qk_norm=config.qk_norm, moe=config.moe,
                 mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
                 norms_per_layer=4 if config.sandwich_norms else 2)
