@@ -910,9 +910,12 @@ def layer_kv(cache: DecoderCache) -> list:
 
 
 def cache_spec(config: DecoderConfig, batch: int, max_len: int) -> CacheSpec:
-    """Keys and values of ``g`` heads per layer: ``(L, B, g, max_len, d_h)`` each."""
+    """Keys and values of ``g`` heads per layer: ``(L, B, g, max_len, d_h)`` each, of which a
+    sliding layer keeps only its window's rows (its ``sliding_window`` of :func:`layer_config`)."""
     shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
-    return CacheSpec("kv", (shape, shape))
+    windows = tuple(layer_config(config, i).sliding_window for i in range(config.n_layers))
+    return CacheSpec("kv", (shape, shape),
+                     windows=windows if any(w is not None for w in windows) else None)
 
 
 def embed(params, tokens, config, offset: int) -> np.ndarray:
