@@ -217,6 +217,12 @@ class ModelConfig:
     layer, 1 for a parallel block whose attention and MLP read one norm (GPT-J, Falcon-7B, PaLM), 4
     for Gemma 2's norms before and after both sublayers. ``d_ff``/``vocab_size`` may be ``None`` for
     a preset that only describes its attention (``d_ff`` also when every layer is an MoE layer).
+    ``sliding_window`` = ``w`` makes the attention of some layers local (A12): a query sees only
+    itself and the ``w - 1`` positions before it, and the layer's cache keeps only the last ``w``
+    tokens. ``window_layers`` (one True/False per layer, as :class:`refmath.models.decoder.
+    DecoderConfig` has it) says which layers slide; None: every layer does (Mistral).
+    :attr:`layer_windows` is each layer's window, and the cache, decode and prefill calculators
+    count layer by layer with it.
     ``context`` is the sequence length the model was trained for, where its source gives one.
     ``published_params`` and ``published_active`` are the total and the active parameters per
     token as published, as strings (see :func:`active_parameters`).
@@ -242,7 +248,8 @@ class ModelConfig:
     encoder_layers: int = 0
     d_c: int | None = None           # MLA's latent width
     d_rope: int | None = None        # MLA's rotary key width d_R
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # w: a sliding layer's query sees the last w positions
+    window_layers: tuple | None = None  # which layers slide w; None: all, when w is given
     context: int | None = None       # trained context length, as published
     published_params: str = ""       # the total as published, e.g. "6.74e9"; "" if not compared
     source: str = ""
@@ -264,6 +271,7 @@ class ModelConfig:
         for field in ("learned_positions", "encoder_layers", "norms_per_layer"):
             check_field(self, field, check_int, 0)
         _check_kv_heads_divide(self.n_heads, self.kv_heads)
+        self._check_windows()
         if (self.d_c is None) != (self.d_rope is None):
             raise ValueError("d_c and d_rope must be given together (an MLA cache holds both)")
         check_field(self, "mlp", check_choice, _MLP_KINDS)
@@ -273,6 +281,26 @@ class ModelConfig:
         object.__setattr__(self, "moe", as_moe_config(self.moe, "ModelConfig.moe"))
         self._check_mla()
         self._check_moe()
+
+    def _check_windows(self) -> None:
+        if self.window_layers is None:
+            return
+        flags = tuple(self.window_layers)  # a list from JSON; a tuple keeps the config hashable
+        if len(flags) != self.n_layers or not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"ModelConfig.window_layers must hold one True/False per layer "
+                             f"(n_layers = {self.n_layers}), got {len(flags)} entries "
+                             f"{flags[:4]}... (config {self.name!r})")
+        if self.sliding_window is None:
+            raise ValueError(f"ModelConfig.window_layers flags the layers that slide "
+                             f"sliding_window, which is None (config {self.name!r})")
+        object.__setattr__(self, "window_layers", flags)
+
+    @property
+    def layer_windows(self) -> tuple:
+        """Each layer's sliding window: ``sliding_window`` on the layers ``window_layers`` flags
+        (on every layer when it is None), None on the layers that attend to every position."""
+        flags = self.window_layers or (True,) * self.n_layers
+        return tuple(self.sliding_window if slides else None for slides in flags)
 
     def _check_mla(self) -> None:
         if not self.is_mla:
@@ -315,6 +343,13 @@ class ModelConfig:
         if self.moe is None:
             return 0
         return sum(self.moe.is_moe_layer(i) for i in range(self.n_layers))
+
+
+def _local_and_global(n_layers: int, period: int) -> tuple:
+    """``window_layers`` of a stack whose every ``period``-th layer (the ``period``-th, the
+    ``2 period``-th, ...) attends globally and the others slide: Gemma 2's period 2 (alternating,
+    the first layer local), Gemma 3's 6 (five local layers for each global one)."""
+    return tuple((i + 1) % period != 0 for i in range(n_layers))
 
 
 # Published configurations. Only numbers from the cited paper or model card; the published total
@@ -378,7 +413,10 @@ PRESETS: dict[str, ModelConfig] = {
         # layers, d_model 12288, 96 heads of 128, d_ff = 4 d_model, context 2048; Sec. 2.1: the
         # GPT-2 architecture (learned positions, Pre-LN LayerNorm, GELU, biases, tied output, the
         # 50257-token vocabulary) with dense and locally banded sparse attention alternating in
-        # the layers, which changes which keys are attended, not the counts. 174,604,259,328.
+        # the layers, which changes which keys are attended, not the parameter counts.
+        # 174,604,259,328. The paper does not give the width of the bands, so every layer is
+        # counted here as dense (no window_layers): the cache, decode and prefill figures are
+        # upper bounds for the banded half of the layers.
         ModelConfig("gpt-3-175b", n_layers=96, d_model=12288, n_heads=96, kv_heads=96,
                     head_dim=128, d_ff=4 * 12288, vocab_size=50257, mlp="gelu", norm="layernorm",
                     attention_bias=True, mlp_bias=True, tie_embeddings=True,
@@ -405,14 +443,31 @@ PRESETS: dict[str, ModelConfig] = {
         # (google/gemma-2-9b): d_model 3584, 42 layers, 16 query and 8 KV heads of 256, GeGLU
         # of width 14336 (three matrices; Table 1's "28672" counts gate and up together), tied
         # embeddings, RMSNorm before and after both sublayers (4 per layer), context 8192. Every
-        # other layer slides a 4096-token window, which changes no count (the cache rows here
-        # treat every layer as global). Table 2's 8,324,201,984 non-embedding parameters are this
+        # other layer, from the first on, slides a 4096-token window (config.json's
+        # sliding_window; layer_types alternate sliding and full attention), which changes no
+        # parameter count but halves those layers' caches at 8192 tokens. Table 2's
+        # 8,324,201,984 non-embedding parameters are this
         # count exactly; its embedding, 917,962,752, has Table 1's 256,128 rows, while
         # config.json's table has 256,000 (used here): 9.24B either way.
         ModelConfig("gemma-2-9b", n_layers=42, d_model=3584, n_heads=16, kv_heads=8, head_dim=256,
                     d_ff=14336, vocab_size=256000, mlp="geglu", norms_per_layer=4,
-                    tie_embeddings=True, context=8192, published_params="9.24e9",
+                    tie_embeddings=True, context=8192, sliding_window=4096,
+                    window_layers=_local_and_global(42, 2), published_params="9.24e9",
                     source="Gemma 2 report, Tables 1-2 (google/gemma-2-9b)"),
+        # Gemma 3 report (Gemma Team 2025, arXiv:2503.19786) and the text config of config.json
+        # (google/gemma-3-12b-pt): d_model 3840, 48 layers, 16 query and 8 KV heads of 256,
+        # GeGLU of width 15360, QK-norm on every head, Gemma 2's four RMSNorms a layer, tied
+        # embeddings of 262,208 rows, context 128K (131,072). Five local layers for every global
+        # one, the first local, each local layer sliding a 1024-token window: 40 of the 48
+        # layers keep at most 1024 tokens, so the cache at 128K is 8.3 GiB instead of 48 GiB in
+        # bf16. The published 12B includes the vision encoder, which is not counted here (no
+        # published_params); the count's 10,759,155,456 parameters besides the embedding are the
+        # report's "10,759M" non-embedding parameters.
+        ModelConfig("gemma-3-12b", n_layers=48, d_model=3840, n_heads=16, kv_heads=8,
+                    head_dim=256, d_ff=15360, vocab_size=262208, mlp="geglu", norms_per_layer=4,
+                    qk_norm="head", tie_embeddings=True, context=131072, sliding_window=1024,
+                    window_layers=_local_and_global(48, 6),
+                    source="Gemma 3 report / config.json (google/gemma-3-12b-pt)"),
         # Chowdhery et al. 2022, "PaLM", Table 1 and Sec. 2: 118 layers, d_model 18432, 48 heads
         # of 256, multi-query attention, SwiGLU of width 4 d_model, "parallel" layers (attention
         # and MLP read one LayerNorm), no biases in the dense layers or the layer norms, a 256k
@@ -689,6 +744,82 @@ def active_parameters(config: ModelConfig) -> ActiveParams:
     return ActiveParams(total, total - unchosen, matmul)
 
 
+# ---- a model's cache, layer by layer (K6, A12) -------------------------------------------------
+
+def _windows_per_layer(windows, layers: int) -> tuple:
+    # One window (an int >= 1) or None per layer; None for the whole: no layer slides.
+    if windows is None:
+        return (None,) * layers
+    windows = tuple(windows)
+    if len(windows) != layers:
+        raise ValueError(f"windows must give one window (or None) per layer: {layers} layers, "
+                         f"got {len(windows)}")
+    return tuple(None if w is None else check_int(f"windows[{i}]", w, 1)
+                 for i, w in enumerate(windows))
+
+
+def kept_positions(tokens: int, windows) -> int:
+    r"""Positions one sequence of ``tokens`` tokens leaves in the cache, summed over the layers
+    (K6 with A12): a layer that slides a window :math:`w_l` keeps only the last :math:`w_l`.
+
+    .. math:: \sum_{l=1}^{L} \min(T, w_l)\qquad (w_l = \infty \text{ where a layer does not slide})
+
+    ``windows`` holds one window or None per layer. It is :math:`L T` without windows, and it is
+    also the number of keys a decode step at context :math:`T` reads, summed over the layers.
+    """
+    tokens = check_int("tokens", tokens, 1)
+    return sum(tokens if w is None else min(tokens, w) for w in windows)
+
+
+def _layer_groups(tokens: int, windows) -> dict:
+    # {positions kept: how many layers keep that many}; Gemma 2 at 8192: {4096: 21, 8192: 21}
+    groups = {}
+    for w in windows:
+        kept = tokens if w is None else min(tokens, w)
+        groups[kept] = groups.get(kept, 0) + 1
+    return groups
+
+
+def cache_bytes_by_layer(config: ModelConfig, tokens: int, batch: int = 1,
+                         bytes_per_element: int = 2) -> tuple:
+    r"""Bytes of each layer's cache for ``batch`` sequences of ``tokens`` tokens (K6, K9, A12).
+
+    .. math:: M_l = B \min(T, w_l)\, g\,(d_k + d_v)\, b
+              \quad\text{or, for MLA,}\quad B \min(T, w_l)\,(d_c + d_R)\, b
+
+    a layer that slides a window :math:`w_l` (:attr:`ModelConfig.layer_windows`) keeping only its
+    last :math:`w_l` tokens, as :class:`refmath.inference.kv_cache.KVCache` does (its
+    ``keys[l].nbytes + values[l].nbytes``). The decoder's self-attention only (an encoder-decoder's
+    cross-attention keeps the encoder's keys and values besides).
+    """
+    batch = check_int("batch", batch, 1)
+    tokens = check_int("tokens", tokens, 1)
+    b = check_int("bytes_per_element", bytes_per_element, 1)
+    sizes = []
+    for w in config.layer_windows:
+        kept = tokens if w is None else min(tokens, w)
+        if config.is_mla:
+            sizes.append(mla_cache_bytes(batch, 1, kept, config.d_c, config.d_rope, b))
+        else:
+            sizes.append(kv_cache_bytes(batch, 1, kept, config.kv_heads, config.head_dim, b,
+                                        config.value_dim))
+    return tuple(sizes)
+
+
+def model_cache_bytes(config: ModelConfig, tokens: int, batch: int = 1,
+                      bytes_per_element: int = 2) -> int:
+    r"""Bytes of the whole cache of ``config`` for ``batch`` sequences of ``tokens`` tokens: the
+    sum of :func:`cache_bytes_by_layer`,
+
+    .. math:: M_{KV} = \sum_{l=1}^{L} 2\,B \min(T, w_l)\, g\, d_h\, b
+
+    which is :func:`kv_cache_bytes` (:math:`2 B L T g d_h b`) when no layer slides. Gemma 2 9B
+    at :math:`T = 8192` in bf16: 21 layers keep 4096 tokens and 21 keep 8192, 1.97 GiB instead
+    of the 2.62 GiB of a cache that kept every token in every layer.
+    """
+    return sum(cache_bytes_by_layer(config, tokens, batch, bytes_per_element))
+
+
 # ---- FLOPs ---------------------------------------------------------------------------------------
 
 class FlopCount(NamedTuple):
@@ -729,11 +860,6 @@ def _weight_macs_per_token(config: ModelConfig) -> int:
     return config.n_layers * _attention_macs(config) + _ffn_macs(config)
 
 
-def _attended_keys(query_position: int, window: int | None) -> int:
-    # Keys a causal query at 1-based position i sees: i, or min(i, w) with a sliding window (A12).
-    return query_position if window is None else min(query_position, window)
-
-
 def _causal_pairs(tokens: int, window: int | None) -> int:
     # sum_{i=1}^{T} min(i, w) in closed form: T(T+1)/2 while T <= w, then w more pairs per token.
     if window is None or tokens <= window:
@@ -760,13 +886,14 @@ def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
     positions with ``all_logits``) and, separately, attention's scores :math:`q k^\top` and value
     sums :math:`a V`, each :math:`2 d_h` FLOPs per head per allowed query-key pair. A causal
     implementation skips masked pairs, so a prompt of :math:`T` tokens has :math:`T(T+1)/2` pairs
-    (fewer with a sliding window). Not counted: softmax, norms, activations, RoPE, residual adds,
-    biases, the embedding lookup. With a mixture of experts :math:`P_{\text{matmul}}` holds the
-    router, the :math:`k` experts each token chooses and the shared ones (the active weights of
-    :func:`active_parameters`); MLA attention is refused.
+    (fewer in a layer that slides a window :math:`w_l`: :attr:`ModelConfig.layer_windows`). Not
+    counted: softmax, norms, activations, RoPE, residual adds, biases, the embedding lookup. With a
+    mixture of experts :math:`P_{\text{matmul}}` holds the router, the :math:`k` experts each
+    token chooses and the shared ones (the active weights of :func:`active_parameters`); MLA
+    attention is refused.
 
     .. math:: \text{weights} = 2\,B\,T\,P_{\text{matmul}} + 2\,B\,d\,V,\qquad
-              \text{attention} = 4\,B\,L\,h\,d_h \sum_{i=1}^{T} \min(i, w)
+              \text{attention} = 4\,B\,h\,d_h \sum_{l=1}^{L} \sum_{i=1}^{T} \min(i, w_l)
     """
     _decoder_only(config, "prefill_flops")
     tokens = check_int("tokens", tokens, 1)
@@ -774,8 +901,8 @@ def prefill_flops(config: ModelConfig, tokens: int, batch: int = 1,
     logit_rows = tokens if all_logits else 1
     weights = 2 * batch * (tokens * _weight_macs_per_token(config)
                            + logit_rows * config.d_model * config.vocab_size)
-    pairs = _causal_pairs(tokens, config.sliding_window)
-    attention = 4 * batch * config.n_layers * config.n_heads * config.head_dim * pairs
+    pairs = sum(_causal_pairs(tokens, w) for w in config.layer_windows)  # over the layers
+    attention = 4 * batch * config.n_heads * config.head_dim * pairs
     return FlopCount(weights, attention, weights + attention)
 
 
@@ -783,15 +910,16 @@ def decode_step_flops(config: ModelConfig, context: int, batch: int = 1) -> Flop
     r"""FLOPs of one decode step whose new query attends to ``context`` keys (cache + itself) (K5).
 
     Same convention as :func:`prefill_flops`: one token through every weight matmul plus its
-    logits, and :math:`4 L h d_h t` FLOPs of attention for :math:`t` attended keys, the
-    :math:`O(t h d_h)` per layer of catalogue K5.
+    logits, and :math:`4 h d_h t` FLOPs of attention per layer for :math:`t` attended keys, the
+    :math:`O(t h d_h)` per layer of catalogue K5; a layer that slides a window :math:`w_l` attends
+    :math:`\min(t, w_l)` keys (:func:`kept_positions` sums them).
     """
     _decoder_only(config, "decode_step_flops")
     context = check_int("context", context, 1)
     batch = check_int("batch", batch, 1)
     weights = 2 * batch * (_weight_macs_per_token(config) + config.d_model * config.vocab_size)
-    keys = _attended_keys(context, config.sliding_window)
-    attention = 4 * batch * config.n_layers * config.n_heads * config.head_dim * keys
+    keys = kept_positions(context, config.layer_windows)  # summed over the layers
+    attention = 4 * batch * config.n_heads * config.head_dim * keys
     return FlopCount(weights, attention, weights + attention)
 
 
@@ -859,11 +987,13 @@ def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
                         bytes_per_element: int = 2) -> StepTraffic:
     r"""FLOPs and bytes of one decode step of ``batch`` sequences at ``context`` keys (K13).
 
-    The weights are read once per step, whatever the batch; each sequence reads its own cache of
-    :math:`t' = \min(t, w)` tokens (:math:`w` the sliding window, if any):
+    The weights are read once per step, whatever the batch; each sequence reads its own cache,
+    :math:`\min(t, w_l)` tokens in a layer that slides a window :math:`w_l` and :math:`t` in the
+    others (:func:`model_cache_bytes` at :math:`T = t`):
 
     .. math::
-        \text{bytes} = b\,\Big(P_{\text{matmul}} + d V\Big) + B\, t'\; 2 L g d_h b,\qquad
+        \text{bytes} = b\,\Big(P_{\text{matmul}} + d V\Big)
+          + B \sum_{l=1}^{L} \min(t, w_l)\; 2 g d_h b,\qquad
         I = \frac{\text{FLOPs}}{\text{bytes}}
           \approx \frac{2 B P_{\text{matmul}}}{b P_{\text{matmul}}} = \frac{2B}{b}
 
@@ -884,10 +1014,8 @@ def decode_step_traffic(config: ModelConfig, context: int, batch: int = 1,
     _decoder_only(config, "decode_step_traffic")
     b = check_int("bytes_per_element", bytes_per_element, 1)
     flops = decode_step_flops(config, context, batch).total
-    keys = _attended_keys(check_int("context", context, 1), config.sliding_window)
     weights = _matrix_weight_bytes(config, b, batch)
-    cache = batch * keys * kv_cache_bytes_per_token(config.n_layers, config.kv_heads,
-                                                    config.head_dim, b)
+    cache = model_cache_bytes(config, check_int("context", context, 1), batch, b)
     return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
 
 
@@ -895,8 +1023,9 @@ def prefill_traffic(config: ModelConfig, tokens: int, batch: int = 1,
                     bytes_per_element: int = 2) -> StepTraffic:
     r"""FLOPs and bytes of a prefill of ``batch`` prompts of ``tokens`` tokens (K13).
 
-    The weights are read once for all :math:`B T` tokens and the cache of :math:`B T` tokens is
-    written once, so the intensity grows with the prompt:
+    The weights are read once for all :math:`B T` tokens and the cache the prompt leaves is
+    written once (:func:`model_cache_bytes`: a layer that slides a window :math:`w_l` keeps only
+    :math:`\min(T, w_l)` of its tokens), so the intensity grows with the prompt:
 
     .. math::
         I = \frac{2 B T P_{\text{matmul}} + \dots}{b P_{\text{matmul}} + B T\, 2 L g d_h b}
@@ -909,8 +1038,7 @@ def prefill_traffic(config: ModelConfig, tokens: int, batch: int = 1,
     b = check_int("bytes_per_element", bytes_per_element, 1)
     flops = prefill_flops(config, tokens, batch).total
     weights = _matrix_weight_bytes(config, b, batch * tokens)
-    cache = batch * tokens * kv_cache_bytes_per_token(config.n_layers, config.kv_heads,
-                                                      config.head_dim, b)
+    cache = model_cache_bytes(config, tokens, batch, b)
     return StepTraffic(flops, weights, cache, weights + cache, flops / (weights + cache))
 
 
@@ -1050,24 +1178,32 @@ def expert_parallel_traffic(config: ModelConfig, devices: int | None = None,
 class CacheRow(NamedTuple):
     kind: str             # "MHA", "GQA", "MQA" or "MLA"
     label: str            # e.g. "GQA (g=8)"
-    bytes_per_token: int  # one sequence, all layers
-    total: int            # batch x tokens
+    bytes_per_token: int  # one sequence, all layers: a token that every layer holds (K6)
+    total: int            # batch x tokens, a sliding layer holding at most its window
 
 
 def attention_cache_rows(layers: int, heads: int, kv_heads: int, head_dim: int, tokens: int,
                          batch: int = 1, bytes_per_element: int = 2, latent_dim: int | None = None,
-                         rope_dim: int | None = None) -> list[CacheRow]:
+                         rope_dim: int | None = None, windows=None) -> list[CacheRow]:
     r"""KV cache of MHA, GQA, MQA and MLA at one shape, for comparison (catalogue K7, K9, S3).
 
     MHA has :math:`g = h`, MQA :math:`g = 1`, and the GQA row (shown when :math:`1 < g < h`) uses
     ``kv_heads``. The MLA row uses ``latent_dim`` and ``rope_dim`` when given; otherwise DeepSeek-V2's
     proportions :math:`d_c = 4 d_h` and :math:`d_R = d_h / 2`, i.e. the same bytes as GQA with 2.25
     KV heads.
+
+    ``windows`` (one sliding window or None per layer, as :attr:`ModelConfig.layer_windows`) makes
+    each row's ``total`` count :math:`\min(T, w_l)` tokens in layer :math:`l`
+    (:func:`kept_positions`); the windows cap what every design keeps, whatever it keeps per token.
+    ``bytes_per_token`` stays the K6 figure of a token that every layer holds.
     """
+    layers = check_int("layers", layers, 1)
     heads = check_int("heads", heads, 1)
     kv_heads = check_int("kv_heads", kv_heads, 1)
     head_dim = check_int("head_dim", head_dim, 1)
+    tokens = check_int("tokens", tokens, 1)
     _check_kv_heads_divide(heads, kv_heads)
+    groups = _layer_groups(tokens, _windows_per_layer(windows, layers))  # {tokens kept: layers}
     if latent_dim is None:
         latent_dim = 4 * head_dim
     if rope_dim is None:
@@ -1081,11 +1217,13 @@ def attention_cache_rows(layers: int, heads: int, kv_heads: int, head_dim: int, 
         choices.append(("MQA", "MQA (g=1)", 1))
     for kind, label, g in choices:
         per_token = kv_cache_bytes_per_token(layers, g, head_dim, bytes_per_element)
-        rows.append(CacheRow(kind, label, per_token,
-                             kv_cache_bytes(batch, layers, tokens, g, head_dim, bytes_per_element)))
+        total = sum(kv_cache_bytes(batch, n, kept, g, head_dim, bytes_per_element)
+                    for kept, n in groups.items())
+        rows.append(CacheRow(kind, label, per_token, total))
     per_token = mla_cache_bytes_per_token(layers, latent_dim, rope_dim, bytes_per_element)
-    rows.append(CacheRow("MLA", f"MLA (d_c={latent_dim}, d_R={rope_dim})", per_token,
-                         mla_cache_bytes(batch, layers, tokens, latent_dim, rope_dim, bytes_per_element)))
+    total = sum(mla_cache_bytes(batch, n, kept, latent_dim, rope_dim, bytes_per_element)
+                for kept, n in groups.items())
+    rows.append(CacheRow("MLA", f"MLA (d_c={latent_dim}, d_R={rope_dim})", per_token, total))
     return rows
 
 
@@ -1116,7 +1254,7 @@ def sizing_config(hf: dict) -> ModelConfig:
     context = int(hf.get("max_position_embeddings", hf.get("n_positions", config.max_seq_len)))
     if fields.get("sliding_window") is None and config.max_seq_len < context:
         # a model capped below its trained context (Qwen2, whose upper layers slide) attends over
-        # at most max_seq_len keys, which is what a window of that width counts
+        # at most max_seq_len keys, which is what a window of that width on every layer counts
         fields["sliding_window"] = config.max_seq_len
     return ModelConfig(name=hf["model_type"], context=context, source="config.json", **fields)
 
@@ -1148,14 +1286,15 @@ def save_cache_plot(path, config: ModelConfig, tokens: int, batch: int = 1,
     latent_dim = config.d_c if latent_dim is None else latent_dim
     rope_dim = config.d_rope if rope_dim is None else rope_dim
 
-    # Log-log axes: every choice is a line of slope 1 (the cache is linear in T), and the vertical
-    # gap between two lines is their constant ratio, visible even when one is 100x smaller.
+    # Log-log axes: every choice is a line of slope 1 (the cache is linear in T) until T passes a
+    # sliding layer's window, where it bends flatter (that layer stops growing); the vertical gap
+    # between two lines is their constant ratio, visible even when one is 100x smaller.
     lengths = sorted({2**k for k in range(tokens.bit_length()) if 2**k <= tokens} | {tokens})
     series = {}
     for t in lengths:
         for row in attention_cache_rows(config.n_layers, config.n_heads, config.kv_heads,
                                         config.head_dim, t, batch, bytes_per_element, latent_dim,
-                                        rope_dim):
+                                        rope_dim, config.layer_windows):
             series.setdefault((row.kind, row.label), []).append(row.total / 2**30)
 
     own = own_design(config)

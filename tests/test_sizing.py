@@ -1,5 +1,6 @@
 """Cache, memory, parameter and FLOP calculators (catalogue K6, K7, K9, K12, N7, S1, S2, S3)."""
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -860,3 +861,133 @@ def test_sizes_help_describes_the_moe_figures(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "active parameters per token" in out and "all-to-all" in out
     assert "deepseek-v3" in out and "mixtral-8x7b" in out
+
+
+# ---- per-layer windows: a sliding layer caches only its window (K6, A12) -------------------------
+
+def _mixed(**fields):
+    """4 layers, 2 KV heads of 8 (4 query heads), a window of 5 on layers 0, 2 and 3."""
+    return ModelConfig("mixed", n_layers=4, d_model=32, n_heads=4, kv_heads=2, head_dim=8,
+                       d_ff=64, vocab_size=50, sliding_window=5,
+                       window_layers=(True, False, True, True), **fields)
+
+
+def test_a_mixed_config_counts_its_cache_layer_by_layer():
+    from refmath.sizing import (cache_bytes_by_layer, decode_step_traffic, kept_positions,
+                                model_cache_bytes, prefill_traffic)
+    c = _mixed()
+    assert c.layer_windows == (5, None, 5, 5)
+    # One layer and position of one sequence: a key and a value of 2 heads x 8 numbers x 2 bytes
+    # = 64 bytes. T = 3 is inside the window: every layer keeps 3 positions, as without windows.
+    assert model_cache_bytes(c, 3) == 4 * 3 * 64 == kv_cache_bytes(1, 4, 3, 2, 8, 2)
+    # T = 12: the sliding layers keep 5 positions, the dense one 12: 3 x 5 + 12 = 27 positions.
+    assert kept_positions(12, c.layer_windows) == 27
+    assert cache_bytes_by_layer(c, 12, batch=2) == (2 * 5 * 64, 2 * 12 * 64, 640, 640)
+    assert model_cache_bytes(c, 12, batch=2) == 2 * 27 * 64 == 3456
+    # A decode step at 12 keys reads the same 27 positions and scores them with 4 heads of 8
+    # (4 FLOPs per head, key and coordinate); a prefill of 12 scores sum_{i=1}^{12} min(i, 5)
+    # = 15 + 7 x 5 = 50 pairs in a sliding layer and 12 x 13 / 2 = 78 in the dense one.
+    assert decode_step_flops(c, 12, batch=2).attention == 4 * 2 * 4 * 8 * 27
+    assert prefill_flops(c, 12).attention == 4 * 4 * 8 * (3 * 50 + 78)
+    assert decode_step_traffic(c, 12, batch=2).cache_bytes == 3456
+    assert prefill_traffic(c, 12, batch=2).cache_bytes == 3456
+    # The comparison rows keep the windows: GQA is this model, MLA keeps 27 rows of d_c + d_R.
+    rows = {r.kind: r for r in attention_cache_rows(4, 4, 2, 8, 12, batch=2,
+                                                    windows=c.layer_windows)}
+    assert rows["GQA"].total == 3456 and rows["GQA"].bytes_per_token == 4 * 64
+    assert rows["MHA"].total == 2 * 3456
+    assert rows["MLA"].total == 2 * 27 * (32 + 4) * 2  # the default d_c = 4 d_h, d_R = d_h / 2
+    # Without windows every layer keeps all 12 tokens.
+    dense = dataclasses.replace(c, sliding_window=None, window_layers=None)
+    assert model_cache_bytes(dense, 12, batch=2) == kv_cache_bytes(2, 4, 12, 2, 8, 2) == 6144
+
+
+def test_the_presets_with_local_layers_count_their_cache():
+    from refmath.sizing import cache_bytes_by_layer, model_cache_bytes
+    # Gemma 2 9B at 8192 tokens, bf16: 2 x 8 heads x 256 x 2 bytes = 8 KiB a layer and position;
+    # the 21 sliding layers (0, 2, ..., 40) keep 4096 positions, the other 21 all 8192.
+    gemma2 = PRESETS["gemma-2-9b"]
+    assert gemma2.layer_windows[:3] == (4096, None, 4096) and gemma2.layer_windows[-1] is None
+    assert cache_bytes_by_layer(gemma2, 8192)[:2] == (4096 * 8 * KiB, 8192 * 8 * KiB)
+    assert model_cache_bytes(gemma2, 8192) == 21 * (4096 + 8192) * 8 * KiB == 2_113_929_216
+    # Gemma 3 12B at its 128K context: 40 local layers (all but 5, 11, ..., 47) keep 1024
+    # positions, 8 global ones 131072: 8.3125 GiB, where every layer keeping all would be 48 GiB.
+    gemma3 = PRESETS["gemma-3-12b"]
+    assert [i for i, w in enumerate(gemma3.layer_windows) if w is None] == list(range(5, 48, 6))
+    assert model_cache_bytes(gemma3, 131072) == (40 * 1024 + 8 * 131072) * 8 * KiB
+    assert model_cache_bytes(gemma3, 131072) / GiB == 8.3125
+    assert model_cache_bytes(gemma3, 1024) == kv_cache_bytes(1, 48, 1024, 8, 256, 2)
+    # Its count besides the embedding: the Gemma 3 report's 10,759M non-embedding parameters.
+    counts = parameter_counts(gemma3)
+    assert counts.total - counts.embedding == 10_759_155_456
+    # GPT-3's banded layers have no published width: counted dense.
+    assert PRESETS["gpt-3-175b"].layer_windows == (None,) * 96
+
+
+def test_window_layers_are_checked():
+    with pytest.raises(ValueError, match=r"window_layers must hold one True/False per layer "
+                                         r"\(n_layers = 4\), got 3 entries"):
+        ModelConfig("x", n_layers=4, d_model=32, n_heads=4, kv_heads=2, head_dim=8,
+                    sliding_window=5, window_layers=(True, False, True))
+    with pytest.raises(ValueError, match="the layers that slide sliding_window, which is None"):
+        ModelConfig("x", n_layers=2, d_model=32, n_heads=4, kv_heads=2, head_dim=8,
+                    window_layers=(True, False))
+    with pytest.raises(ValueError, match="one window .* per layer: 4 layers, got 2"):
+        attention_cache_rows(4, 4, 2, 8, 12, windows=(5, None))
+    with pytest.raises(ValueError, match=r"windows\[1\] must be an int >= 1, got 0"):
+        attention_cache_rows(2, 4, 2, 8, 12, windows=(5, 0))
+    assert _mixed(context=10).window_layers == (True, False, True, True)  # a list becomes a tuple
+    assert ModelConfig("y", n_layers=2, d_model=8, n_heads=1, kv_heads=1, head_dim=8,
+                       sliding_window=3, window_layers=[False, True]).window_layers == (False, True)
+
+
+# config.json of google/gemma-2-9b and the text config of google/gemma-3-12b-pt, as published
+_GEMMA_CONFIGS = {
+    "gemma2": dict(model_type="gemma2", vocab_size=256000, hidden_size=3584,
+                   intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                   query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=3840,
+                        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0},
+                        sliding_window=1024, sliding_window_pattern=6,
+                        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
+}
+
+
+@pytest.mark.parametrize("model_type, preset, lines", [
+    ("gemma2", "gemma-2-9b", ["21 of 42 layers slide a 4096-token window and keep min(T, 4096) "
+                              "= 4096 tokens; 21 keep all T = 8192",
+                              "layer by layer: 1.97 GiB (the cache column), against 2.62 GiB"]),
+    ("gemma3_text", "gemma-3-12b", ["40 of 48 layers slide a 1024-token window and keep "
+                                    "min(T, 1024) = 1024 tokens; 8 keep all T = 131072",
+                                    "layer by layer: 8.31 GiB (the cache column), against "
+                                    "48.00 GiB"]),
+])
+def test_sizes_of_a_gemma_config_count_the_cache_per_layer(model_type, preset, lines, tmp_path,
+                                                           capsys):
+    """``sizes --config`` on a Gemma config: the decoder's window_layers reach the calculators
+    (the same layers slide as in the preset) and the table counts each layer's window."""
+    from refmath.sizing import model_cache_bytes, sizing_config
+    hf = _GEMMA_CONFIGS[model_type]
+    sized = sizing_config(hf)
+    assert sized.layer_windows == PRESETS[preset].layer_windows
+    assert parameter_counts(sized).total == parameter_counts(PRESETS[preset]).total
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    assert _run(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for line in lines:
+        assert line in out, out
+    own = format_bytes(model_cache_bytes(sized, hf["max_position_embeddings"]))
+    assert any(line.startswith("* GQA (g=8)") and own in line for line in out.splitlines())
+
+
+def test_sizes_refuses_layers_for_a_config_with_per_layer_windows(capsys):
+    assert _run(["--preset", "gemma-2-9b", "--layers", "4"]) == 2
+    assert "--layers 4: gemma-2-9b flags which of its 42 layers slide" in capsys.readouterr().err
+    assert _run(["--preset", "mistral-7b", "--layers", "4"]) == 0  # one window for every layer

@@ -12,8 +12,8 @@ from refmath.commands import CommandError
 from refmath.sizing import (
     PRESETS, ModelConfig, active_parameters, adamw_training_memory, attention_cache_rows,
     decode_step_flops, expert_parallel_traffic, format_bytes, hf_parameter_count,
-    inference_memory_rule_of_thumb, memory_against_compute, own_design, parameter_counts,
-    prefill_flops, save_cache_plot, sizing_config)
+    inference_memory_rule_of_thumb, memory_against_compute, model_cache_bytes, own_design,
+    parameter_counts, prefill_flops, save_cache_plot, sizing_config)
 
 HELP = "KV-cache, memory, parameter and FLOP sizes for a preset or a given shape"
 DESCRIPTION = (
@@ -63,9 +63,9 @@ def _resolve_config(args: argparse.Namespace) -> ModelConfig:
              "kv_heads": ("--kv-heads", args.kv_heads), "head_dim": ("--head-dim", args.head_dim)}
     given = {field: value for field, (_, value) in flags.items() if value is not None}
     if args.hf or args.config:
-        config = dataclasses.replace(sizing_config(_hf_config(args)), **given)
+        config = _with_fields(sizing_config(_hf_config(args)), given)
     elif args.preset:
-        config = dataclasses.replace(PRESETS[args.preset], **given)
+        config = _with_fields(PRESETS[args.preset], given)
     else:
         missing = [flags[k][0] for k in ("n_layers", "n_heads", "head_dim") if k not in given]
         if missing:
@@ -79,6 +79,38 @@ def _resolve_config(args: argparse.Namespace) -> ModelConfig:
                if v is not None}
         config = dataclasses.replace(config, **mla)
     return config
+
+
+def _with_fields(config: ModelConfig, given: dict) -> ModelConfig:
+    """``config`` with the flags' fields; refused where ``--layers`` would leave its per-layer
+    windows without their layers."""
+    layers = given.get("n_layers", config.n_layers)
+    if config.window_layers is not None and layers != config.n_layers:
+        raise ValueError(f"--layers {layers}: {config.name} flags which of its {config.n_layers} "
+                         f"layers slide a window (window_layers); there are no such flags for "
+                         f"{layers} layers")
+    return dataclasses.replace(config, **given)
+
+
+def _print_windows(config: ModelConfig, tokens: int, batch: int, b: int, out) -> None:
+    """How many layers slide which window, and what that saves at ``tokens`` tokens."""
+    windows = config.layer_windows
+    sliding = {}
+    for w in windows:
+        if w is not None:
+            sliding[w] = sliding.get(w, 0) + 1
+    dense = windows.count(None)
+    parts = [f"{n} of {config.n_layers} layers slide a {w}-token window and keep "
+             f"min(T, {w}) = {min(tokens, w)} tokens" for w, n in sorted(sliding.items())]
+    if dense:
+        parts.append(f"{dense} keep all T = {tokens}")
+    own = model_cache_bytes(config, tokens, batch, b)
+    every = model_cache_bytes(dataclasses.replace(config, sliding_window=None, window_layers=None),
+                              tokens, batch, b)
+    print(f"  sliding layers (A12): {'; '.join(parts)}", file=out)
+    print(f"  this model's cache, layer by layer: {format_bytes(own)} (the cache column), against "
+          f"{format_bytes(every)} if every layer kept all T tokens; per token: a token that "
+          f"every layer still holds", file=out)
 
 
 def _hf_config(args: argparse.Namespace) -> dict:
@@ -194,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     latent = args.latent_dim if args.latent_dim is not None else config.d_c
     rope = args.rope_dim if args.rope_dim is not None else config.d_rope
     rows = attention_cache_rows(config.n_layers, config.n_heads, config.kv_heads, config.head_dim,
-                                tokens, args.batch, args.bytes, latent, rope)
+                                tokens, args.batch, args.bytes, latent, rope, config.layer_windows)
     hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
     overridden = any(getattr(args, f) is not None
                      for f in ("layers", "heads", "kv_heads", "head_dim"))
@@ -228,8 +260,7 @@ def run(args: argparse.Namespace) -> int:
         print("  decoder self-attention only: cross-attention also keeps the encoder's K and V",
               file=out)
     if config.sliding_window:
-        print(f"  counted for all T tokens (K6); a rolling cache of the {config.sliding_window}-token "
-              f"window would cap T there", file=out)
+        _print_windows(config, tokens, args.batch, args.bytes, out)
 
     countable = config.vocab_size is not None and (
         config.d_ff is not None or config.moe_layers == config.n_layers)

@@ -23,6 +23,15 @@ Prefill of ``P`` tokens: ``P^2`` scores of which ``P(P+1)/2`` are causal (visibl
 layer. Generating ``N`` positions from one prompt token by recomputing the prefix every step costs
 :math:`\sum_t t^2 = N(N+1)(2N+1)/6` scores, with the cache :math:`\sum_t t = N(N+1)/2`.
 
+Sliding layers (A12). A layer whose queries see only the last ``w`` positions keeps only those:
+its keys and values are a ring of ``w`` rows, position ``j`` in row ``j mod w``, so a model whose
+layers slide windows :math:`w_l` (Mistral's every layer, Gemma 2's every other one, Gemma 3's five
+of six) caches :math:`\sum_l 2 B g d_h b \min(T, w_l)` bytes instead of :math:`2 B L T g d_h b`.
+A decode step reads the ring as it is (a sum over keys does not care about their order);
+several new rows at once are attended over the window's rows laid out in position order
+(:func:`_ring_attention`). The paged and quantised caches (:mod:`refmath.inference.paged`,
+:mod:`refmath.inference.quantized`) keep every position they are given.
+
 MLA (K8, K9). The :class:`LatentCache` keeps, per layer and token, only the latent :math:`c_j`
 (width :math:`d_c`) and the shared rotated key :math:`k^R_j` (width :math:`d_R`). Decode uses the
 absorbed form by default: per head :math:`\hat q_r = q^C_r W_{UK,r}^\top`, so
@@ -72,7 +81,9 @@ class PairCounts:
     - ``visible[l]``: of those, the pairs the causal mask leaves visible (key position <= query
       position), the work of a kernel that skips masked pairs: ``P(P+1)/2`` for a prefill.
 
-    A decode step with ``t`` positions in the cache (the new one included) adds ``t`` to both. Every
+    A decode step with ``t`` positions in the cache (the new one included) adds ``t`` to both, or
+    ``min(t, w)`` in a layer that keeps only its window of ``w`` (the keys it reads); a chunk of
+    ``n`` rows added to such a layer computes ``n`` times the rows of its scratch block. Every
     query head and every sequence of a batch evaluates the same pairs, so the totals over a batch of
     ``B`` and ``h`` heads are ``B h`` times these.
     """
@@ -110,8 +121,8 @@ def _array_module(backend: str):
 
 
 class _Contiguous:
-    """What both caches share: arrays with the layer first and the batch second, a capacity
-    ``max_len`` (the position axis) and a fill level ``length``."""
+    """What both caches share: a capacity ``max_len`` (positions), a fill level ``length``, the
+    pair counts, and arrays in the memory of the backend that attends over them."""
 
     length: int
     counts: PairCounts
@@ -133,56 +144,93 @@ class _Contiguous:
         return x.get() if self.backend == "cuda" else x
 
     @property
-    def n_layers(self) -> int:
-        return self._arrays()[0].shape[0]
-
-    @property
-    def batch(self) -> int:
-        return self._arrays()[0].shape[1]
-
-    @property
     def dtype(self) -> np.dtype:
         return self._arrays()[0].dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the preallocated storage (all ``max_len`` slots, filled or not)."""
+        """Bytes of the preallocated storage (every row, filled or not)."""
         return sum(a.nbytes for a in self._arrays())
-
 
 
 @dataclass(eq=False)
 class KVCache(_Contiguous):
-    r"""Contiguous KV cache of a GPT or M3 decoder, preallocated to ``max_len`` positions (K2, K6).
+    r"""Contiguous KV cache of a GPT or M3 decoder, for up to ``max_len`` positions (K2, K6).
 
-    ``keys`` and ``values`` are ``(L, B, g, max_len, d_h)``: one block per layer, ``g`` key/value
-    heads (``g = h`` for MHA and GPT, fewer for GQA/MQA: the query heads of a group share one
-    stored head). Rows ``0 .. length-1`` are filled; keys are stored after RoPE, rotated at their
-    own positions (K3). ``nbytes`` is :math:`2 B L T_{\max} g d_h b`
-    (:func:`refmath.sizing.kv_cache_bytes`). The cache is mutable: prefill and decode write into
-    it and advance ``length``. ``backend`` says who computes attention over it: ``"numpy"`` (the
-    reference), ``"cpu"`` (the C++ kernels, for a float32 cache: FlashAttention for a prefill,
+    ``keys[l]`` and ``values[l]`` are layer ``l``'s ``(B, g, rows, d_h)`` blocks, allocated once:
+    ``g`` key/value heads (``g = h`` for MHA and GPT, fewer for GQA/MQA: the query heads of a group
+    share one stored head). A layer that attends to every earlier position has ``rows = max_len``
+    and keeps position ``j`` in row ``j``. A layer that slides a window ``w < max_len`` (A12) has
+    ``rows = w`` (:meth:`ring_size`): none of its queries reads a key more than ``w - 1``
+    positions back, so it keeps only the last ``w`` positions, as a ring, position ``j`` in row
+    ``j mod w``, each new position overwriting the one ``w`` before it (:func:`_ring_attention`).
+    Keys are stored after RoPE, rotated at their own positions (K3). ``nbytes`` is
+    :math:`\sum_l 2 B g d_h b \min(T_{\max}, w_l)`, which is :math:`2 B L T_{\max} g d_h b` when no
+    layer slides (:func:`refmath.sizing.kv_cache_bytes`; per layer
+    :func:`refmath.sizing.cache_bytes_by_layer`).
+
+    The cache is mutable: prefill and decode write into it and advance ``length``. ``backend``
+    says who computes attention over it: ``"numpy"`` (the reference), ``"cpu"`` (the C++ kernels,
+    for a float32 cache: FlashAttention for a prefill,
     :func:`refmath.inference.decode.decode_attention` for a decode step) or ``"cuda"`` (the CUDA
-    kernels, the same calls; ``keys`` and ``values`` are then CuPy arrays in GPU memory, while
-    the rest of the model runs in NumPy on the host).
+    kernels, the same calls; ``keys`` and ``values`` are then CuPy arrays in GPU memory, while the
+    rest of the model runs in NumPy on the host).
     """
 
-    keys: np.ndarray
-    values: np.ndarray
+    keys: tuple
+    values: tuple
+    max_len: int
     length: int = 0
     counts: PairCounts = field(default=None)
     backend: str = "numpy"  # who attends over it: see refmath.inference.decode
 
+    def __post_init__(self):
+        self.keys, self.values = tuple(self.keys), tuple(self.values)
+        self.max_len = check_int("max_len", self.max_len, 1)
+        if not self.keys or len(self.keys) != len(self.values):
+            raise ValueError(f"KVCache needs one key and one value block per layer, got "
+                             f"{len(self.keys)} key and {len(self.values)} value block(s)")
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+                raise ValueError(f"layer {layer}'s keys {k.shape} and values {v.shape} must be "
+                                 f"(B, g, rows, d) blocks with the same B, g and rows")
+            if not 1 <= k.shape[2] <= self.max_len or k.shape[:2] != self.keys[0].shape[:2]:
+                raise ValueError(f"layer {layer}'s keys {k.shape} must have the B and g of layer "
+                                 f"0's {self.keys[0].shape} and 1..max_len = {self.max_len} rows")
+        super().__post_init__()
+
     def _arrays(self) -> tuple:
-        return self.keys, self.values
+        return self.keys + self.values
 
     @property
-    def max_len(self) -> int:
-        return self.keys.shape[3]
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+    def ring_size(self, i: int) -> int | None:
+        """The window ``w`` whose last positions layer ``i`` keeps in a ring of ``w`` rows, or None
+        where the layer keeps every position (its rows are ``max_len``)."""
+        rows = self.keys[i].shape[2]
+        return rows if rows < self.max_len else None
+
+    def first_kept(self, i: int) -> int:
+        """The oldest position layer ``i`` still holds: 0, or ``length - w`` for a ring once more
+        than ``w`` positions have passed."""
+        w = self.ring_size(i)
+        return 0 if w is None else max(0, self.length - w)
 
     def layer(self, i: int):
-        """Layer ``i``'s filled ``(k, v)``, each ``(B, g, length, d_h)`` (views, not copies)."""
-        return self.keys[i, :, :, :self.length], self.values[i, :, :, :self.length]
+        """Layer ``i``'s kept ``(k, v)`` in position order, each ``(B, g, n, d_h)``: positions
+        ``first_kept(i) .. length - 1``. Views of the cache, except for a ring that has wrapped
+        (then a copy, its rows put back in position order)."""
+        k, v, w = self.keys[i], self.values[i], self.ring_size(i)
+        if w is None or self.length <= w:
+            return k[:, :, :self.length], v[:, :, :self.length]
+        order = self.xp.asarray(np.arange(self.length - w, self.length) % w)
+        return k[:, :, order], v[:, :, order]
 
 
 @dataclass(eq=False)
@@ -207,6 +255,14 @@ class LatentCache(_Contiguous):
 
     def _arrays(self) -> tuple:
         return (self.rows,)
+
+    @property
+    def n_layers(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.rows.shape[1]
 
     @property
     def latents(self) -> np.ndarray:
@@ -236,6 +292,10 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     """Append ``k``, ``v`` ``(B, g, n, d_h)`` at positions ``offset..offset+n-1`` of ``layer`` and
     attend with ``q`` ``(B, h, n, d_h)`` over every filled position. Returns ``(B, h, n, d_h)``.
 
+    The layer keeps every position: its block ``cache.keys[layer]`` is ``(B, g, T_max, d_h)``,
+    position ``j`` in row ``j`` (a sliding layer that keeps only its window goes through
+    :func:`_ring_attention`, which lays the rows out this way and calls this function).
+
     With a sliding ``window`` (A12) each query sees only itself and the ``window - 1`` positions
     before it: the last rows of :func:`refmath.attention.local_window_mask`, and a decode step
     reads only the last ``window`` cached rows. On the ``"cpu"`` and ``"cuda"`` backends a prefill
@@ -254,8 +314,9 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     b, h, n, d_h = q.shape
     g, t = k.shape[1], offset + n
     xp = cache.xp  # the cache's memory: NumPy, or CuPy on backend="cuda"
-    cache.keys[layer, :, :, offset:t] = xp.asarray(k)
-    cache.values[layer, :, :, offset:t] = xp.asarray(v)
+    block_k, block_v = cache.keys[layer], cache.values[layer]
+    block_k[:, :, offset:t] = xp.asarray(k)
+    block_v[:, :, offset:t] = xp.asarray(v)
     if window is None:
         mask = causal_mask(n, t, dtype=q.dtype)
     else:
@@ -264,17 +325,17 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     if n == 1 and window is not None and t > window:
         # the window's rows only, copied contiguous for the kernel (the reference reads the view)
         first = t - window
-        keys, values = cache.keys[layer, :, :, first:t], cache.values[layer, :, :, first:t]
+        keys, values = block_k[:, :, first:t], block_v[:, :, first:t]
         if cache.backend != "numpy":
             keys, values = xp.ascontiguousarray(keys), xp.ascontiguousarray(values)
         o = decode_attention(xp.asarray(q[:, :, 0]), keys, values, np.full(b, window),
                              scale=scale, backend=cache.backend, softcap=softcap)
         return cache.to_host(o)[:, :, None]
     if n == 1:
-        o = decode_attention(xp.asarray(q[:, :, 0]), cache.keys[layer], cache.values[layer],
-                             np.full(b, t), scale=scale, backend=cache.backend, softcap=softcap)
+        o = decode_attention(xp.asarray(q[:, :, 0]), block_k, block_v, np.full(b, t),
+                             scale=scale, backend=cache.backend, softcap=softcap)
         return cache.to_host(o)[:, :, None]
-    keys, values = cache.keys[layer, :, :, :t], cache.values[layer, :, :, :t]
+    keys, values = block_k[:, :, :t], block_v[:, :, :t]
     if cache.backend != "numpy":  # the kernel reads (B, g, t, d_h) blocks
         o, _ = kernels.flash_attention_forward(xp.asarray(q), xp.ascontiguousarray(keys),
                                                xp.ascontiguousarray(values), causal=True,
@@ -292,6 +353,62 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     # END SOLUTION
 
 
+def _ring_attention(cache: KVCache, layer: int, q, k, v, offset: int, window: int,
+                    scale: float | None = None, softcap: float | None = None):
+    r""":func:`_cached_attention` for a layer that keeps only its last ``w = window`` positions,
+    in a ring of ``w`` rows: position ``j`` lives in row ``j mod w``. Same arguments and result.
+
+    A decode step (``n = 1``, the new position ``t - 1 = offset``) overwrites the row of position
+    ``offset - w``, the one key its query no longer sees, and the query reads every filled row:
+    positions :math:`\max(0, t - w) .. t - 1`, ``min(t, w)`` of them. They sit in the ring out of
+    position order, which changes nothing: the softmax and the weighted sum of the values are sums
+    over the keys, and each key was rotated at its own position when it was stored (K3). So the
+    step is :func:`refmath.inference.decode.decode_attention` over the ring as it is, without a
+    copy, on any backend.
+
+    Several new rows (a prefill, or a chunk that extends the cache) need masks by position: the
+    query at ``offset + i`` sees positions back to ``offset + i - w + 1``, and writing the chunk
+    into the ring first would overwrite keys that its earlier queries still read. So the kept
+    positions from :math:`p_0 = \max(0, 	ext{offset} - w + 1)` on (the oldest any new query sees)
+    are laid out in position order in a scratch block of ``t - p_0`` rows, the chunk is attended
+    there as by a layer that keeps every position (:func:`_cached_attention` at offset
+    ``offset - p_0``, whose window mask :math:`0 \le i - j < w` depends on position differences
+    only, so it is the mask from position :math:`p_0` on), and then the newest
+    ``min(n, w)`` rows go into the ring.
+    """
+    b, n = q.shape[0], q.shape[2]
+    t, xp = offset + n, cache.xp
+    ring_k, ring_v = cache.keys[layer], cache.values[layer]
+    w = ring_k.shape[2]
+    if window != w:
+        raise ValueError(f"layer {layer} of the cache keeps the last {w} positions (a sliding "
+                         f"window of {w}); its attention was called with window = {window}")
+    if n == 1:
+        ring_k[:, :, offset % w] = xp.asarray(k[:, :, 0])
+        ring_v[:, :, offset % w] = xp.asarray(v[:, :, 0])
+        seen = min(t, w)
+        cache.counts.record(layer, np.zeros((1, seen), q.dtype))  # one query, every key visible
+        o = decode_attention(xp.asarray(q[:, :, 0]), ring_k, ring_v, np.full(b, seen),
+                             scale=scale, backend=cache.backend, softcap=softcap)
+        return cache.to_host(o)[:, :, None]
+    first = max(0, offset - w + 1)
+    block = KVCache((xp.zeros(ring_k.shape[:2] + (t - first, ring_k.shape[3]), ring_k.dtype),),
+                    (xp.zeros(ring_v.shape[:2] + (t - first, ring_v.shape[3]), ring_v.dtype),),
+                    max_len=t - first, counts=PairCounts.zeros(1), backend=cache.backend)
+    if offset > first:  # the kept positions first..offset-1, from their ring rows
+        rows = xp.asarray(np.arange(first, offset) % w)
+        block.keys[0][:, :, :offset - first] = ring_k[:, :, rows]
+        block.values[0][:, :, :offset - first] = ring_v[:, :, rows]
+    o = _cached_attention(block, 0, q, k, v, offset - first, window, scale, softcap)
+    cache.counts.scores[layer] += block.counts.scores[0]
+    cache.counts.visible[layer] += block.counts.visible[0]
+    kept = min(n, w)  # positions t - kept .. t - 1: the block's last rows
+    rows = xp.asarray(np.arange(t - kept, t) % w)
+    ring_k[:, :, rows] = block.keys[0][:, :, -kept:]
+    ring_v[:, :, rows] = block.values[0][:, :, -kept:]
+    return o
+
+
 class _Slot(NamedTuple):
     """One layer of a cache, as the models' cached attention steps use it."""
 
@@ -301,7 +418,10 @@ class _Slot(NamedTuple):
     def attend(self, q, k, v, offset: int, window: int | None = None, scale: float | None = None,
                softcap: float | None = None):
         """KVCache: append ``k``, ``v`` at ``offset..`` and attend with ``q`` (see
-        :func:`_cached_attention`)."""
+        :func:`_cached_attention`, and :func:`_ring_attention` for a layer that keeps only its
+        window)."""
+        if self.cache.ring_size(self.layer) is not None:
+            return _ring_attention(self.cache, self.layer, q, k, v, offset, window, scale, softcap)
         return _cached_attention(self.cache, self.layer, q, k, v, offset, window, scale, softcap)
 
     def store(self, c, k_r, offset: int):
@@ -395,12 +515,25 @@ def empty_cache(model, config, batch: int = 1, dtype=np.float64, max_len: int | 
     _check_cache_backend(backend, dtype)
     spec = module.cache_spec(config, int(batch), int(max_len))
     xp = _array_module(backend)
-    arrays = [xp.zeros(shape, dtype) for shape in spec.shapes]
-    extras = {"d_c": spec.latent_width} if spec.kind == "latent" else {}
-    cache = _CACHE_TYPES[spec.kind](*arrays, **extras)
+    arrays = [xp.zeros(shape, dtype) for shape in _array_shapes(spec)]
+    if spec.kind == "kv":
+        layers = len(arrays) // 2  # every layer's keys, then every layer's values
+        cache = KVCache(tuple(arrays[:layers]), tuple(arrays[layers:]), max_len=int(max_len))
+    else:
+        cache = LatentCache(*arrays, d_c=spec.latent_width)
     if backend != "numpy":
         cache.backend = backend
     return cache
+
+
+def _array_shapes(spec) -> tuple:
+    """The shapes of a cache's arrays in the order of its ``_arrays()``: a KV cache's blocks layer
+    by layer (keys, then values; a sliding layer's of its window's rows), a latent cache's one
+    array."""
+    if spec.kind == "kv":
+        keys, values = spec.layer_shapes()
+        return keys + values
+    return spec.shapes
 
 
 def _check_cache_backend(backend, dtype: np.dtype) -> None:
@@ -509,7 +642,7 @@ def _check_cache(cache, module, config, dtype) -> None:
         raise TypeError(f"model {model_name(module)!r} decodes with a {cache_type.__name__}, got "
                         f"{type(cache).__name__}")
     have = tuple(a.shape for a in cache._arrays())
-    want = module.cache_spec(config, cache.batch, cache.max_len).shapes
+    want = _array_shapes(module.cache_spec(config, cache.batch, cache.max_len))
     if have != want or cache.max_len > config.max_seq_len:
         raise ValueError(f"the cache's arrays have shapes {have}, which do not fit the config: "
                          f"expected {want} with max_len <= max_seq_len = {config.max_seq_len}")

@@ -28,6 +28,10 @@ the same model parameters and the same settings (positional encoding, precision,
 stores numbers and cannot check any of that; it is the caller's responsibility. A common *suffix*
 after different earlier text is not shareable: its keys and values depend on everything before it.
 
+The pool keeps every position appended to a sequence: a layer that slides a window needs only its
+last ``w`` (the contiguous :class:`refmath.inference.kv_cache.KVCache` keeps only those), and a
+caller here would free the pages that fall out of the window itself.
+
 Every method checks its input before it changes anything, so a call that raises leaves the
 allocator and the cache exactly as they were.
 """

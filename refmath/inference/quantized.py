@@ -27,7 +27,8 @@ Three conventions a real cache also has to choose, made explicit here:
   Packing is per row of :math:`d_h` codes; an odd row gets a zero high nibble in its last byte.
 
 Layout of the cache: ``(B, g, T, d_h)`` per layer, with ``g`` key/value heads, as in
-:mod:`refmath.attention`. The payload and scale bytes match
+:mod:`refmath.attention`; every appended position is kept (a sliding layer's window is not
+applied to the storage here, as :class:`refmath.inference.kv_cache.KVCache` applies it). The payload and scale bytes match
 :func:`refmath.sizing.quantized_kv_cache_bytes`.
 """
 from __future__ import annotations

@@ -41,17 +41,38 @@ class TrainingRecipe(NamedTuple):
 
 
 class CacheSpec(NamedTuple):
-    """The inference cache a decoder-only model keeps (``cache_spec(config, batch, max_len)``).
+    r"""The inference cache a decoder-only model keeps (``cache_spec(config, batch, max_len)``).
 
     ``kind`` is ``"kv"`` (keys and values per key/value head: a
     :class:`refmath.inference.kv_cache.KVCache`) or ``"latent"`` (one row per token, a latent of
     width ``latent_width`` and a shared rotary key: a
-    :class:`refmath.inference.kv_cache.LatentCache`); ``shapes`` are the shapes of its arrays.
+    :class:`refmath.inference.kv_cache.LatentCache`); ``shapes`` are the shapes of its arrays, for
+    ``"kv"`` the keys' and the values' ``(L, B, g, max_len, d_h)`` as if every layer kept every
+    position.
+
+    ``windows`` (``"kv"`` only) gives each layer's sliding window ``w``, or None for a layer that
+    attends to every earlier position; None for the whole tuple: no layer slides. A query of a
+    sliding layer never reads a key more than ``w - 1`` positions back, so the layer keeps only
+    ``min(w, max_len)`` rows (:meth:`layer_shapes`): the cache's bytes are
+    :math:`\sum_l 2 B g d_h b \min(T_{\max}, w_l)`.
     """
 
     kind: str
     shapes: tuple
     latent_width: int | None = None
+    windows: tuple | None = None
+
+    def layer_shapes(self) -> tuple:
+        """``"kv"``: ``(key_shapes, value_shapes)``, one ``(B, g, rows, d)`` per layer, with
+        ``rows = min(w, max_len)`` for a sliding layer and ``max_len`` for the others."""
+        windows = self.windows or (None,) * self.shapes[0][0]
+
+        def per_layer(shape):
+            _, batch, heads, max_len, width = shape
+            return tuple((batch, heads, max_len if w is None else min(w, max_len), width)
+                         for w in windows)
+
+        return per_layer(self.shapes[0]), per_layer(self.shapes[1])
 
 
 def sub_params(params: Mapping, prefix: str) -> dict:

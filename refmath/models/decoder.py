@@ -910,9 +910,12 @@ def layer_kv(cache: DecoderCache) -> list:
 
 
 def cache_spec(config: DecoderConfig, batch: int, max_len: int) -> CacheSpec:
-    """Keys and values of ``g`` heads per layer: ``(L, B, g, max_len, d_h)`` each."""
+    """Keys and values of ``g`` heads per layer: ``(L, B, g, max_len, d_h)`` each, of which a
+    sliding layer keeps only its window's rows (its ``sliding_window`` of :func:`layer_config`)."""
     shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
-    return CacheSpec("kv", (shape, shape))
+    windows = tuple(layer_config(config, i).sliding_window for i in range(config.n_layers))
+    return CacheSpec("kv", (shape, shape),
+                     windows=windows if any(w is not None for w in windows) else None)
 
 
 def embed(params, tokens, config, offset: int) -> np.ndarray:
@@ -972,9 +975,7 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings,
-                # a window on some layers only is counted as none (the calculators take one
-                # window for every layer): an upper bound on the cache
-                sliding_window=config.sliding_window if config.window_layers is None else None,
+                sliding_window=config.sliding_window, window_layers=config.window_layers,
                 qk_norm=config.qk_norm, moe=config.moe,
                 mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
                 norms_per_layer=4 if config.sandwich_norms else 2)

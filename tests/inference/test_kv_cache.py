@@ -57,6 +57,22 @@ CONFIGS = {
                                            ffn_multiple_of=8, init_std=0.3, rope_layout="half",
                                            latent_norm_eps=1e-3)),
 }
+# Sliding layers (A12): their caches keep only the window's rows, so every test of the contents
+# above (which reads positions 0..T-1 back) would not apply; the tests below are theirs. Layers 0
+# and 2 slide a window of 3 with their own RoPE base (Gemma 2's alternation, Gemma 3's local
+# base); "decoder-all-slide" slides every layer (Mistral).
+WINDOWED = {
+    "decoder-windows": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX,
+                                                       d_model=16, n_layers=3, n_heads=4,
+                                                       n_kv_heads=2, ffn_multiple_of=8,
+                                                       init_std=0.3, sliding_window=3,
+                                                       window_layers=(True, False, True),
+                                                       local_rope_base=100.0)),
+    "decoder-all-slide": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX,
+                                                         d_model=16, n_layers=2, n_heads=4,
+                                                         n_kv_heads=1, ffn_multiple_of=8,
+                                                         init_std=0.3, sliding_window=4)),
+}
 # Every model, and for MLA each decode path.
 MODEL_PATHS = [(name, "absorbed") for name in CONFIGS] + \
               [(name, "expanded") for name in CONFIGS if name.startswith("mla")]
@@ -64,7 +80,7 @@ RTOL = 1e-10  # float64: both sides differ only in the order of rounding
 
 
 def setup(name, seed=0, dtype=np.float64):
-    module, config = CONFIGS[name]
+    module, config = {**CONFIGS, **WINDOWED}[name]
     params = module.init_params(config, seed, dtype)
     rng = np.random.default_rng(seed + 100)
     for key, value in params.items():  # gains away from 1, so that a skipped norm would show
@@ -269,7 +285,7 @@ def test_cache_bytes_equal_sizing_formulas(name, dtype):
                                          config.kv_heads, config.d_h, b)
     assert cache.nbytes == expected
     if module is decoder:  # g heads stored, not h
-        assert cache.keys.shape[2] == config.kv_heads < config.n_heads
+        assert cache.keys[0].shape[1] == config.kv_heads < config.n_heads
 
 
 # ---- K4, K5: counting query-key pairs ------------------------------------------------------------
@@ -603,7 +619,7 @@ def test_a_windowed_prefill_runs_the_kernel_with_the_window(monkeypatch):
 
 
 @pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
-@pytest.mark.parametrize("name", [*CONFIGS, "decoder-gqa-window"])
+@pytest.mark.parametrize("name", [*CONFIGS, "decoder-gqa-window", "decoder-windows"])
 def test_the_cuda_backend_plumbing_on_a_stand_in_device(name, monkeypatch):
     """Runs here, without a GPU: the "cuda" path with host memory posing as the device and the C++
     kernels posing as the CUDA ones. The cache must live on the device, every kernel must get
@@ -612,6 +628,9 @@ def test_the_cuda_backend_plumbing_on_a_stand_in_device(name, monkeypatch):
     if name == "decoder-gqa-window":
         module, config, params = setup("decoder-gqa", dtype=np.float32)
         config = dataclasses.replace(config, sliding_window=4)  # a windowed prefill, then decode
+        prompt = random_tokens((2, 5), seed=3)
+    elif name in WINDOWED:  # a prefill past the window into the rings, then decode steps
+        module, config, params = setup(name, dtype=np.float32)
         prompt = random_tokens((2, 5), seed=3)
     else:
         module, config, params = setup(name, dtype=np.float32)
@@ -645,7 +664,7 @@ def test_prefill_then_decode_with_a_scale_and_softcap_equals_dense_attention_n19
     b, h, g, t, d, prompt = 2, 4, 2, 7, 4, 3
     q = rng.standard_normal((b, h, t, d))
     k, v = rng.standard_normal((2, b, g, t, d))
-    slot = kc._Slot(KVCache(np.zeros((1, b, g, t, d)), np.zeros((1, b, g, t, d))), 0)
+    slot = kc._Slot(KVCache((np.zeros((b, g, t, d)),), (np.zeros((b, g, t, d)),), max_len=t), 0)
     options = dict(window=window, scale=0.8, softcap=1.5)
     rows = [slot.attend(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], 0, **options)]
     for pos in range(prompt, t):
@@ -658,9 +677,163 @@ def test_prefill_then_decode_with_a_scale_and_softcap_equals_dense_attention_n19
 
 
 def test_a_kernel_cache_refuses_a_softcap():
-    cache = KVCache(np.zeros((1, 1, 1, 4, 2), np.float32), np.zeros((1, 1, 1, 4, 2), np.float32),
-                    backend="cpu")
+    cache = KVCache((np.zeros((1, 1, 4, 2), np.float32),), (np.zeros((1, 1, 4, 2), np.float32),),
+                    max_len=4, backend="cpu")
     for n in (2, 1):  # a prefill (the FlashAttention kernel), then a decode step (decode)
         x = np.ones((1, 1, n, 2), np.float32)
         with pytest.raises(ValueError, match=r"softcap = 50.0 is not supported on backend='cpu'"):
             kc._Slot(cache, 0).attend(x, x, x, 0, softcap=50.0)
+
+
+# ---- sliding layers keep only their window (A12, K6) ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+@pytest.mark.parametrize("p", [1, 3, 5, T_MAX - 1])
+def test_sliding_layers_keep_their_window_and_decode_equals_recomputation(name, p):
+    """Prompts shorter than, equal to and longer than the window of 3 (4), then decode steps up to
+    max_seq_len = 9, past it: every logit equals the model's own forward on the whole prefix (its
+    per-layer window masks, checked against PyTorch in tests/models/test_decoder_torch.py), though
+    a sliding layer's cache holds only the window's rows."""
+    module, config, params = setup(name)
+    tokens = random_tokens((2, T_MAX), seed=21)
+    z, cache = prefill(module, params, config, tokens[:, :p], all_logits=True)
+    windows = [decoder.layer_config(config, i).sliding_window for i in range(config.n_layers)]
+    assert [cache.keys[i].shape[2] for i in range(config.n_layers)] == \
+        [T_MAX if w is None else w for w in windows]
+    assert [cache.ring_size(i) for i in range(config.n_layers)] == windows
+    np.testing.assert_allclose(z, module.logits(params, tokens[:, :p], config), rtol=RTOL, atol=0)
+    for t in range(p, T_MAX):
+        z_t = decode_step(module, params, config, cache, tokens[:, t])
+        expected = module.logits(params, tokens[:, :t + 1], config)[:, -1]
+        np.testing.assert_allclose(z_t, expected, rtol=RTOL, atol=0)
+    # What each layer still holds is the model's own keys and values of its last positions.
+    train = decoder.layer_kv(model_cache(module, params, config, tokens))
+    for i, (k_ref, v_ref) in enumerate(train):
+        first = 0 if windows[i] is None else T_MAX - windows[i]
+        assert cache.first_kept(i) == first
+        k, v = cache.layer(i)
+        np.testing.assert_allclose(k, k_ref[:, :, first:], rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(v, v_ref[:, :, first:], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("chunks", [(2, 4, 1, 2), (5, 4), (1, 1, 7), (3, 3, 3)])
+def test_a_chunked_prefill_across_the_wrap_equals_recomputation(chunks):
+    """The cache extended by several rows at a time: chunks that stay inside the ring, wrap
+    around it, or are longer than the window of 3. Every position's logits equal the model's."""
+    module, config, params = setup("decoder-windows")
+    tokens = random_tokens((2, T_MAX), seed=22)
+    cache = kc.empty_cache(module, config, batch=2)
+    expected = module.logits(params, tokens, config)
+    offset = 0
+    for n in chunks:
+        z = kc._forward_rows(module, params, config, cache, tokens[:, offset:offset + n],
+                             "absorbed")
+        np.testing.assert_allclose(z, expected[:, offset:offset + n], rtol=RTOL, atol=0)
+        offset += n
+    assert cache.length == T_MAX
+
+
+def test_a_sliding_layer_counts_the_pairs_of_its_window_k5():
+    """Prefill of 5 with the window w = 3: the reference computes the full 5 x 5 scores, of which
+    sum_{i=1}^{5} min(i, 3) = 1 + 2 + 3 + 3 + 3 = 12 are visible; each decode step's query reads
+    the min(t, 3) = 3 kept keys. The dense layer counts as without a window."""
+    module, config, params = setup("decoder-windows")
+    _, cache = prefill(module, params, config, random_tokens((2, 5), seed=23))
+    assert cache.counts.scores == [25, 25, 25]
+    assert cache.counts.visible == [12, 15, 12]  # dense: 5 * 6 / 2
+    decode_step(module, params, config, cache, np.array([0, 1]))  # position 5: t = 6 keys
+    assert cache.counts.scores == [28, 31, 28] and cache.counts.visible == [15, 21, 15]
+
+
+def test_a_windowed_cache_has_the_bytes_of_the_sizing_calculator_k6():
+    """3 sequences, float64, g = 2 heads of d_h = 4, max_len 9: each sliding layer keeps 3 rows,
+    2 * 3 * 2 * 4 * 8 * 3 = 1152 bytes; the dense one 9 rows, 3456 bytes: 5760 in all, what
+    refmath.sizing counts for the model's sizing fields."""
+    module, config, _ = setup("decoder-windows")
+    cache = kc.empty_cache(module, config, batch=3)
+    by_layer = [a.nbytes + b.nbytes for a, b in zip(cache.keys, cache.values)]
+    assert by_layer == [1152, 3456, 1152] and cache.nbytes == 5760
+    sized = sizing.ModelConfig("decoder-windows", **decoder.sizing_fields(config))
+    assert sizing.cache_bytes_by_layer(sized, T_MAX, 3, 8) == (1152, 3456, 1152)
+    assert sizing.model_cache_bytes(sized, T_MAX, batch=3, bytes_per_element=8) == 5760
+    # Every layer sliding (Mistral-like, window 4): 2 layers x 2 x 3 x 1 x 4 x 8 x 4 rows.
+    module, config, _ = setup("decoder-all-slide")
+    cache = kc.empty_cache(module, config, batch=3)
+    sized = sizing.ModelConfig("decoder-all-slide", **decoder.sizing_fields(config))
+    assert cache.nbytes == sizing.model_cache_bytes(sized, T_MAX, 3, 8) == 2 * 2 * 3 * 4 * 8 * 4
+    # A cache no longer than the window keeps every row: nothing to slide.
+    short = kc.empty_cache(module, config, batch=3, max_len=4)
+    assert short.ring_size(0) is None and short.nbytes == 2 * 2 * 3 * 4 * 8 * 4
+
+
+@pytest.mark.parametrize("storage", ["ring", "every row"])
+@settings(max_examples=25, deadline=None)
+@given(w=st.integers(1, 5), chunks=st.lists(st.integers(1, 6), min_size=1, max_size=6),
+       seed=st.integers(0, 10**6))
+def test_a_sliding_layer_attends_as_its_window_mask_over_any_chunks(storage, w, chunks, seed):
+    """One GQA layer through _Slot.attend, the positions fed in any chunks, with a query scale and
+    a logit cap: equal to the causal attention with the window over all positions at once. The
+    ring (w rows) holds the last min(t, w) positions' keys; over any chunking the visible pairs
+    total sum_{i=1}^{t} min(i, w)."""
+    rng = np.random.default_rng(seed)
+    b, h, g, d, t = 2, 4, 2, 3, sum(chunks)
+    q = rng.standard_normal((b, h, t, d))
+    k, v = rng.standard_normal((2, b, g, t, d))
+    max_len = max(t, w + 1)  # longer than the window: the layer slides
+    rows = w if storage == "ring" else max_len
+    cache = KVCache((np.zeros((b, g, rows, d)),), (np.zeros((b, g, rows, d)),), max_len=max_len)
+    assert cache.ring_size(0) == (w if storage == "ring" else None)
+    slot, out, offset = kc._Slot(cache, 0), [], 0
+    for n in chunks:
+        step = slice(offset, offset + n)
+        out.append(slot.attend(q[:, :, step], k[:, :, step], v[:, :, step], offset, window=w,
+                               scale=0.8, softcap=1.5))
+        offset += n
+        cache.length = offset
+    want, _ = causal_attention_forward(q, k, v, "numpy", w, 0.8, 1.5)
+    np.testing.assert_allclose(np.concatenate(out, axis=2), want, rtol=1e-13, atol=1e-15)
+    kept_k, kept_v = cache.layer(0)
+    first = max(0, t - w) if storage == "ring" else 0
+    np.testing.assert_array_equal(kept_k, k[:, :, first:])
+    np.testing.assert_array_equal(kept_v, v[:, :, first:])
+    assert cache.counts.visible == [sum(min(i, w) for i in range(1, t + 1))]
+
+
+@pytest.mark.skipif(not kc.kernels.cpu_available(), reason="the C++ module refmath._C is not built")
+def test_a_ring_on_the_cpu_kernels_in_chunks():
+    """The same ring on backend="cpu" (float32): a chunk gives FlashAttention a block of the
+    window's rows in position order, a decode step gives decode_attention the ring as it is. The
+    error against float64 stays within twice that of the float32 NumPy reference."""
+    rng = np.random.default_rng(24)
+    b, h, g, d, w, chunks = 2, 4, 2, 8, 3, (4, 1, 1, 5, 2, 1)
+    t = sum(chunks)
+    q, k, v = (rng.standard_normal((b, heads, t, d)) for heads in (h, g, g))
+    outputs = {}
+    for backend, dtype in (("cpu", np.float32), ("numpy", np.float32), ("numpy", np.float64)):
+        zeros = np.zeros((b, g, w, d), dtype)
+        cache = KVCache((zeros,), (zeros.copy(),), max_len=t, backend=backend)
+        out, offset = [], 0
+        for n in chunks:
+            step = slice(offset, offset + n)
+            out.append(kc._Slot(cache, 0).attend(*(x[:, :, step].astype(dtype) for x in (q, k, v)),
+                                                 offset, window=w))
+            offset += n
+        outputs[backend, np.dtype(dtype).name] = np.concatenate(out, axis=2)
+    reference = outputs["numpy", "float64"]
+    np.testing.assert_allclose(reference, causal_attention_forward(q, k, v, "numpy", w)[0],
+                               rtol=1e-13, atol=1e-15)
+    float32_rule("ring on the cpu kernels", outputs["cpu", "float32"], reference,
+                 outputs["numpy", "float32"], 2, 4 * np.finfo(np.float32).eps)
+
+
+def test_a_ring_refuses_another_window():
+    cache = KVCache((np.zeros((1, 1, 3, 2)),), (np.zeros((1, 1, 3, 2)),), max_len=8)
+    x = np.ones((1, 1, 1, 2))
+    for window in (None, 4):
+        with pytest.raises(ValueError, match=rf"keeps the last 3 positions .* window = {window}"):
+            kc._Slot(cache, 0).attend(x, x, x, 0, window=window)
+    with pytest.raises(ValueError, match="1..max_len = 2 rows"):
+        KVCache((np.zeros((1, 1, 3, 2)),), (np.zeros((1, 1, 3, 2)),), max_len=2)
+    with pytest.raises(ValueError, match="one key and one value block per layer"):
+        KVCache((np.zeros((1, 1, 3, 2)),), (), max_len=4)
