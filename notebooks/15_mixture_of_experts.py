@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 4
 #     minutes: 45
-#     ids: [E1, E2, E3, E4, E5, E6, E7]
+#     ids: [E1, E2, E3, E4, E5, E6, E7, E8, E9, E10]
 # ---
 
 # %% [markdown]
@@ -32,7 +32,7 @@
 # DeepSeek-V3's selection bias; count total and active parameters; weigh the memory an MoE holds
 # against the arithmetic it does, and the bytes a token sends between devices.
 #
-# **Catalogue IDs:** E1, E2, E3, E4, E5, E6, E7
+# **Catalogue IDs:** E1, E2, E3, E4, E5, E6, E7, E8, E9, E10
 #
 # **Duration:** about 45 minutes.
 
@@ -616,7 +616,7 @@ plt.show()
 # <!-- END SOLUTION -->
 
 # %% [markdown]
-# ## Total against active parameters
+# ## E8: total against active parameters
 #
 # Per MoE layer, a token multiplies by the router ($d E$), its $k$ routed experts ($3 d d_e$
 # each) and the shared ones; the other $E - k$ experts sit idle for it. The published "active"
@@ -687,7 +687,7 @@ print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
 assert parameter_counts(toy).total == toy_counts.total
 
 # %% [markdown]
-# ## The memory against the compute, and the all-to-all
+# ## E9, E10: the memory against the compute, and the all-to-all
 #
 # An MoE computes like a dense model of its active size and must hold all of its total. Per
 # token, the weights' FLOPs are $F = 2\,(P_{\text{matmul}} + d V)$ while the devices hold

@@ -707,7 +707,7 @@ class ActiveParams(NamedTuple):
 
 def active_parameters(config: ModelConfig) -> ActiveParams:
     r"""Total and active parameters per token of a mixture-of-experts model (any model: dense
-    ones are all active).
+    ones are all active; catalogue E8).
 
     .. math::
         P_{\text{active}} = P - L_{\text{MoE}}\,(E - k)\,3 d d_e,\qquad
@@ -1076,7 +1076,7 @@ class MemoryAgainstCompute(NamedTuple):
 
 def memory_against_compute(config: ModelConfig, bytes_per_element: int = 2) -> MemoryAgainstCompute:
     r"""The weights a model must hold against the arithmetic of one token (any model; the gap is
-    a mixture of experts').
+    a mixture of experts'; catalogue E9).
 
     .. math::
         M = b\,P,\qquad M_{\text{experts}} = b\,L_{\text{MoE}}\,E\cdot 3 d d_e,\qquad
@@ -1100,7 +1100,8 @@ def memory_against_compute(config: ModelConfig, bytes_per_element: int = 2) -> M
 
 def expert_parallel_bytes(d_model: int, top_k: int, devices: int, bytes_per_element: int = 2,
                           max_devices: int | None = None) -> float:
-    r"""All-to-all bytes one token sends and receives in one MoE layer under expert parallelism.
+    r"""All-to-all bytes one token sends and receives in one MoE layer under expert parallelism
+    (catalogue E10).
 
     The experts are spread evenly over :math:`D` devices and the token's hidden row (:math:`d`
     numbers of :math:`b` bytes) lives on one of them. Dispatch sends the row to each chosen expert
