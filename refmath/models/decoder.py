@@ -8,8 +8,12 @@ A layer maps the residual stream ``x`` (one row per token) to
 
 and the network is token embedding, ``L`` such layers, a final RMSNorm and an output head
 (untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
-biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no learned or fixed position table: positions enter only through the rotation
-of queries and keys (RoPE, N10) inside attention.
+biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no
+learned or fixed position table: positions enter only through the rotation of queries and keys
+(RoPE, N10) inside attention. The configuration also reshapes the block (:class:`DecoderConfig`):
+attention and FFN side by side on one input (the parallel block of GPT-J, PaLM and Falcon, N21),
+norms after the sublayers instead of before them (OLMo 2, N22), LayerNorm for RMSNorm and the plain
+GELU FFN for SwiGLU (Falcon).
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
 parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
@@ -31,8 +35,14 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
     layers.{i}.ffn.w_down        (d_f, d)
     layers.{i}.ffn.router.w, ...  on a mixture-of-experts layer (moe), instead of the three above:
                                  the router and experts of refmath.moe
+    layers.{i}.ffn.w_up, w_down  (d, d_f), (d_f, d)   the plain FFN's two (ffn_gated False)
     ln_f.gamma                   (d,)
     lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
+
+A LayerNorm (``norm="layernorm"``) adds its bias ``.beta`` ``(d,)`` beside every ``.gamma``;
+``sandwich_norms`` adds ``layers.{i}.ln1_post`` and ``ln2_post`` (the norms after the sublayers),
+``pre_norms`` False removes ``ln1`` and ``ln2``, and a parallel block with one norm has no
+``ln2``.
 """
 from __future__ import annotations
 
@@ -56,7 +66,7 @@ from refmath.ffn import (
     linear_forward,
     swiglu_hidden_size,
 )
-from refmath.fused import swiglu_backward, swiglu_forward
+from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
 from refmath import ffn as ffn_ops
 from refmath import fused as fused_ops
 from refmath import moe as moe_ops
@@ -71,7 +81,7 @@ from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheck
                                       take_swiglu)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
-from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
+from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (ROPE_LAYOUTS, RoPECache, RopeScaling, as_rope_scaling,
                                rope_backward, rope_forward, rope_frequencies_change, rope_inv_freq)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
@@ -102,10 +112,13 @@ def check_shared_fields(config) -> None:
 
 
 def ffn_width(config) -> int:
-    """The SwiGLU hidden width ``d_f``: ``d_ff`` if given, else ``8d/3`` rounded up to a multiple of
-    ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`)."""
+    """The FFN's hidden width ``d_f``: ``d_ff`` if given, else, for the gated FFN, ``8d/3`` rounded
+    up to a multiple of ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), which
+    has as many parameters as the plain FFN's ``4d`` (N5) that ``ffn_gated = False`` defaults to."""
     if config.d_ff is not None:
         return config.d_ff
+    if not getattr(config, "ffn_gated", True):
+        return 4 * config.d_model
     return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
 
 
@@ -144,12 +157,18 @@ class FamilyConfig:
 
     @property
     def d_f(self) -> int:
-        """The SwiGLU hidden width."""
+        """The FFN's hidden width (:func:`ffn_width`)."""
         return ffn_width(self)
 
 
 QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
-FFN_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated FFN: SwiGLU (N7) or GeGLU
+# the FFN's activation: the gate of SwiGLU (N7) or GeGLU (N20), or the nonlinearity of the plain
+# two-layer FFN (N5, N6: exact GELU for Falcon, tanh-GELU for GPT-J)
+FFN_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh")
+# the layer norms: RMSNorm (N2), LayerNorm with its bias (N1, Falcon) or without one (PaLM)
+NORMS = ("rmsnorm", "layernorm", "layernorm_no_bias")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +208,18 @@ class DecoderConfig(FamilyConfig):
     of :math:`1/\sqrt{d_h}`; ``attn_softcap`` and ``final_softcap`` = ``c`` cap the attention
     scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
     on each sublayer's output before the residual sum (Gemma 2 and 3).
+
+    The block's shape: ``parallel_block`` makes attention and FFN read the same input and add to
+    the residual together, :math:`x' = x + \operatorname{Attn}(N_1(x)) + \operatorname{FFN}(N_2(x))`
+    (GPT-J, PaLM, Falcon; N21), with one norm :math:`N_2 = N_1` (``parallel_norms`` = 1: GPT-J,
+    PaLM, Falcon-7B) or two (``parallel_norms`` = 2: Falcon-40B's ``ln_attn`` and ``ln_mlp``).
+    ``pre_norms`` = False (with ``sandwich_norms``) drops the norms before the sublayers and keeps
+    those after them, :math:`x' = x + \operatorname{RMSNorm}(F(x))` (OLMo 2; N22). ``norm`` is every
+    layer norm of the blocks and the final one (QK-norm stays RMSNorm): ``"rmsnorm"``,
+    ``"layernorm"`` (with its bias ``beta``, Falcon) or ``"layernorm_no_bias"`` (PaLM).
+    ``ffn_gated`` = False makes the FFN the plain two-layer one without biases,
+    :math:`\phi(x W_1) W_2` with ``ffn_activation`` :math:`\phi` ``"gelu"`` (exact, Falcon) or
+    ``"gelu_tanh"`` (GPT-J), of default width ``4 d``.
     """
 
     n_kv_heads: int | None = None
@@ -205,6 +236,11 @@ class DecoderConfig(FamilyConfig):
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sandwich_norms: bool = False
+    parallel_block: bool = False
+    parallel_norms: int = 1
+    pre_norms: bool = True
+    norm: str = "rmsnorm"
+    ffn_gated: bool = True
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -228,6 +264,7 @@ class DecoderConfig(FamilyConfig):
         check_field(self, "embed_scale", check_flag)
         check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
         check_field(self, "sandwich_norms", check_flag)
+        self._check_block()
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
             check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         object.__setattr__(self, "rope_scaling",
@@ -240,6 +277,29 @@ class DecoderConfig(FamilyConfig):
             source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
             raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "
                              f"for RoPE's coordinate pairs")
+
+    def _check_block(self) -> None:
+        """The fields of the block's shape (its norms, their place, the FFN), and their mixtures
+        that no model has."""
+        for name in ("parallel_block", "pre_norms", "ffn_gated"):
+            check_field(self, name, check_flag)
+        check_field(self, "parallel_norms", check_choice, (1, 2))
+        check_field(self, "norm", check_choice, NORMS)
+        if self.parallel_norms == 2 and not self.parallel_block:
+            raise ValueError("DecoderConfig.parallel_norms = 2 gives the FFN of a parallel block "
+                             "its own norm; parallel_block is False")
+        if self.parallel_block and (self.sandwich_norms or not self.pre_norms):
+            raise ValueError("DecoderConfig.parallel_block normalises the block's input only; "
+                             f"sandwich_norms = {self.sandwich_norms} and pre_norms = "
+                             f"{self.pre_norms} ask for norms after the sublayers")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("DecoderConfig.pre_norms = False moves the norms after the sublayers "
+                             "(OLMo 2), which needs sandwich_norms = True")
+        allowed = GATED_ACTIVATIONS if self.ffn_gated else PLAIN_ACTIVATIONS
+        if self.ffn_activation not in allowed:
+            kind = "gated FFN" if self.ffn_gated else "plain FFN (ffn_gated = False)"
+            raise ValueError(f"DecoderConfig.ffn_activation = {self.ffn_activation!r} is not one "
+                             f"of the {kind}'s: {', '.join(map(repr, allowed))}")
 
     @property
     def kv_heads(self) -> int:
@@ -296,6 +356,12 @@ def _layer_config(config, layer: int):
     return dataclasses.replace(config, **fields)
 
 
+# PaLM's block (Chowdhery et al. 2022, Sec. 2): attention and a SwiGLU FFN in parallel on one
+# LayerNorm without bias, multi-query attention, no biases anywhere, the output projection shared
+# with the input embedding. PaLM's weights were never released, so no checkpoint loads into it;
+# refmath.sizing's "palm-540b" counts the published model.
+_PALM = dict(parallel_block=True, n_kv_heads=1, norm="layernorm_no_bias", tie_embeddings=True)
+
 PRESETS = {
     # For lessons and quick training runs on a CPU: byte-level vocabulary, GQA with g = h/2.
     "tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
@@ -304,6 +370,9 @@ PRESETS = {
     # released checkpoint: 32k vocabulary, d_h = 64, GQA with g = 4 of h = 12.
     "llama-small": dict(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12,
                         n_kv_heads=4, ffn_multiple_of=256, norm_eps=1e-5),
+    # PaLM's recipe at the size of "tiny": its SwiGLU is 4d wide (PaLM-540B's 73728 = 4 x 18432)
+    "palm-tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+                      d_ff=256, norm_eps=1e-5, **_PALM),
 }
 
 
@@ -513,30 +582,38 @@ def is_moe_layer(config, layer: int) -> bool:
 
 def ffn_shapes(config, layer: int) -> dict:
     """``{name: shape}`` of layer ``layer``'s feed-forward, relative to its ``ffn.`` prefix: the
-    dense SwiGLU's three matrices, or the mixture of experts' (:func:`refmath.moe.moe_param_shapes`)."""
+    dense gated FFN's three matrices, the plain FFN's two (``ffn_gated`` False), or the mixture of
+    experts' (:func:`refmath.moe.moe_param_shapes`)."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_param_shapes(config.d_model, config.moe)
     d, d_f = config.d_model, config.d_f
+    if not getattr(config, "ffn_gated", True):
+        return {"w_up": (d, d_f), "w_down": (d_f, d)}
     return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
 
 
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
+    sandwich, pre = getattr(config, "sandwich_norms", False), getattr(config, "pre_norms", True)
+    # a parallel block with one norm has no ln2: its FFN reads ln1's output
+    ffn_norm = pre and (not getattr(config, "parallel_block", False) or config.parallel_norms == 2)
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
-        shapes[prefix + "ln1.gamma"] = (d,)
+        if pre:
+            shapes.update(norm_shapes(config, prefix + "ln1"))
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
-        if getattr(config, "sandwich_norms", False):
-            shapes[prefix + "ln1_post.gamma"] = (d,)
-        shapes[prefix + "ln2.gamma"] = (d,)
-        if getattr(config, "sandwich_norms", False):
-            shapes[prefix + "ln2_post.gamma"] = (d,)
+        if sandwich:
+            shapes.update(norm_shapes(config, prefix + "ln1_post"))
+        if ffn_norm:
+            shapes.update(norm_shapes(config, prefix + "ln2"))
+        if sandwich:
+            shapes.update(norm_shapes(config, prefix + "ln2_post"))
         for name, shape in ffn_shapes(config, i).items():
             shapes[prefix + "ffn." + name] = shape
-    shapes["ln_f.gamma"] = (d,)
+    shapes.update(norm_shapes(config, "ln_f"))
     if not config.tie_embeddings:
         shapes["lm_head"] = (d, vocab)
     return shapes
@@ -553,7 +630,7 @@ def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
     for name, shape in decoder_param_shapes(config, attention).items():
         if name.endswith(".gamma"):  # the applied gain starts at 1 (Gemma's stored w at 0)
             value = np.full(shape, 1.0 - getattr(config, "norm_offset", 0.0))
-        elif len(shape) == 1:  # biases, and a mixture of experts' selection bias
+        elif len(shape) == 1:  # biases (a LayerNorm's too), a mixture of experts' selection bias
             value = np.zeros(shape)
         elif name.endswith(RESIDUAL_OUTPUTS):
             value = rng.normal(0.0, residual_std, shape)
@@ -588,36 +665,141 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
 
 
-# ---- blocks: the pre-norm residual sublayer, the FFN, a layer --------------------------------------
+# ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer ----------------
+
+
+class LayerNormNoBiasCache(NamedTuple):
+    ln: LayerNormCache  # of a LayerNorm whose bias is 0 and no parameter (PaLM)
+
+
+def norm_shapes(config, name: str) -> dict:
+    """``{name.gamma: (d,)}`` of the layer norm ``name``, and ``name.beta`` for a LayerNorm with its
+    bias."""
+    shapes = {name + ".gamma": (config.d_model,)}
+    if getattr(config, "norm", "rmsnorm") == "layernorm":
+        shapes[name + ".beta"] = (config.d_model,)
+    return shapes
+
+
+def norm_forward(x, params: dict, name: str, config):
+    r"""The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, as
+    ``config.norm`` says: RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fused.layernorm_forward`)
+
+    .. math::
+        \operatorname{RMSNorm}(x) = \gamma \odot \frac{x}{\operatorname{rms}(x)},\qquad
+        \operatorname{LN}(x) = \gamma \odot \frac{x - \mu}{\sigma} + \beta
+
+    with :math:`\beta = 0` and no parameter for ``"layernorm_no_bias"``; the gain as :func:`gain`
+    applies it. Returns ``(y, cache)``.
+    """
+    gamma = gain(config, params[name + ".gamma"])
+    kind = getattr(config, "norm", "rmsnorm")
+    if kind == "rmsnorm":
+        return rmsnorm_forward(x, gamma, config.norm_eps)
+    if kind == "layernorm":
+        return fused_ops.layernorm_forward(x, gamma, params[name + ".beta"], config.norm_eps)
+    y, ln = fused_ops.layernorm_forward(x, gamma, 0.0, config.norm_eps)
+    return y, LayerNormNoBiasCache(ln)
+
+
+def norm_backward(dy, cache):
+    """Gradients of :func:`norm_forward`: ``(dx, {"gamma": ...})``, with ``"beta"`` for a LayerNorm
+    with its bias. Without a norm (``cache`` None: the branch read ``x`` itself) ``dy`` passes
+    through."""
+    if cache is None:
+        return dy, {}
+    if isinstance(cache, RMSNormCache):
+        dx, dgamma = rmsnorm_backward(dy, cache)
+        return dx, {"gamma": dgamma}
+    if isinstance(cache, LayerNormNoBiasCache):
+        dx, dgamma, _ = fused_ops.layernorm_backward(dy, cache.ln)
+        return dx, {"gamma": dgamma}
+    dx, dgamma, dbeta = fused_ops.layernorm_backward(dy, cache)
+    return dx, {"gamma": dgamma, "beta": dbeta}
+
+
+def layer_norm(params: dict, name: str, config) -> Callable:
+    """The layer norm ``name`` of ``params`` as a function of the rows: ``x -> (y, cache)``."""
+    return lambda x: norm_forward(x, params, name, config)
 
 
 class SublayerCache(NamedTuple):
-    norm: RMSNormCache
+    norm: object  # the pre-norm's cache (RMSNorm's or LayerNorm's); None where there is none
     branch: object  # the branch's own cache (attention or FFN)
     drop: np.ndarray | None  # residual dropout multiplier: 0 (dropped) or 1/(1-p), or None
 
 
-def sublayer_forward(x, gamma, branch_forward: Callable, eps: float, drop=None):
-    r"""A pre-norm residual sublayer (N2, N4): :math:`y = x + D \odot F(\operatorname{RMSNorm}(x))`.
+def sublayer_forward(x, norm: Callable | None, branch_forward: Callable, drop=None):
+    r"""A residual sublayer (N2, N4): :math:`y = x + D \odot F(N(x))` with the pre-norm
+    :math:`N` (``norm(x) -> (N(x), cache)``, from :func:`layer_norm`), or, with ``norm`` None,
+    :math:`y = x + D \odot F(x)` (OLMo 2, whose branch normalises its output instead).
 
     ``branch_forward(h) -> (F(h), cache)`` is the attention or the FFN; ``drop`` is the residual
     dropout multiplier ``D`` (None: no dropout). Returns ``(y, cache)``.
     """
-    h, norm = rmsnorm_forward(x, gamma, eps)
+    h, norm_cache = (x, None) if norm is None else norm(x)
     f, branch = branch_forward(h)
-    return x + apply_mask(f, drop), SublayerCache(norm, branch, drop)
+    return x + apply_mask(f, drop), SublayerCache(norm_cache, branch, drop)
 
 
 def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
-    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, dgamma, branch_grads)``.
+    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, norm_grads, branch_grads)``, the
+    norm's gradients keyed ``"gamma"`` (and ``"beta"``).
 
     The identity path passes ``dout`` straight through (the point of Pre-LN, N4's :math:`I + J_F
     J_{LN}`); the branch path goes back through the dropout mask, the branch and the norm.
     """
     df = apply_mask(dout, cache.drop)
     dh, branch_grads = branch_backward(df, cache.branch)
-    dx, dgamma = rmsnorm_backward(dh, cache.norm)
-    return dout + dx, dgamma, branch_grads
+    dx, norm_grads = norm_backward(dh, cache.norm)
+    return dout + dx, norm_grads, branch_grads
+
+
+def parallel_forward(x, norms: tuple, branches: tuple, drops=(None, None)):
+    r"""A parallel block (N21; GPT-J, PaLM, Falcon): attention and FFN read the block's input and
+    add to the residual together,
+
+    .. math::
+        x' = x + D_1 \odot \operatorname{Attn}(N_1(x)) + D_2 \odot \operatorname{FFN}(N_2(x))
+
+    ``norms`` = ``(N_1, N_2)`` as :func:`sublayer_forward` takes a norm, ``N_2`` None when the FFN
+    reads :math:`N_1(x)` too (one norm: GPT-J, PaLM, Falcon-7B; two: Falcon-40B); ``branches`` the
+    attention and FFN forwards, ``drops`` their residual dropout multipliers (one per branch, as
+    for the sequential sublayers; Falcon drops their sum with one). Returns ``(x', attn, ffn)``,
+    each a :class:`SublayerCache` (the FFN's without a norm cache when it shares the attention's).
+    """
+    attn_norm, ffn_norm = norms
+    h, attn_norm_cache = attn_norm(x)
+    u, ffn_norm_cache = (h, None) if ffn_norm is None else ffn_norm(x)
+    a, attn = branches[0](h)
+    f, ffn = branches[1](u)
+    y = x + apply_mask(a, drops[0]) + apply_mask(f, drops[1])
+    return (y, SublayerCache(attn_norm_cache, attn, drops[0]),
+            SublayerCache(ffn_norm_cache, ffn, drops[1]))
+
+
+def parallel_backward(dout, attn: SublayerCache, ffn: SublayerCache, backwards: tuple,
+                      shared: bool):
+    r"""Gradients of :func:`parallel_forward`: ``(dx, attn_norm_grads, ffn_norm_grads,
+    attn_grads, ffn_grads)``.
+
+    ``x`` feeds three paths, the identity and both branches, so their gradients add up:
+
+    .. math::
+        dx = dx' + J_{N_1}^\top\, dh + J_{N_2}^\top\, du,\qquad
+        dh = J_{\text{Attn}}^\top (D_1 \odot dx'),\quad du = J_{\text{FFN}}^\top (D_2 \odot dx')
+
+    and with one norm (``shared``) both branches read :math:`h = N(x)`: :math:`dx = dx' +
+    J_N^\top (dh + du)`, one backward through the norm.
+    """
+    dh, attn_grads = backwards[0](apply_mask(dout, attn.drop), attn.branch)
+    du, ffn_grads = backwards[1](apply_mask(dout, ffn.drop), ffn.branch)
+    if shared:
+        dx, attn_norm_grads = norm_backward(dh + du, attn.norm)
+        return dout + dx, attn_norm_grads, {}, attn_grads, ffn_grads
+    dx_attn, attn_norm_grads = norm_backward(dh, attn.norm)
+    dx_ffn, ffn_norm_grads = norm_backward(du, ffn.norm)
+    return dout + dx_attn + dx_ffn, attn_norm_grads, ffn_norm_grads, attn_grads, ffn_grads
 
 
 def ffn_forward(h, params: dict, activation: str = "silu"):
@@ -642,73 +824,131 @@ def geglu_ffn_backward(dy, cache):
     return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
 
 
+class PlainFFNCache(NamedTuple):
+    first: LinearCache  # z = h W_1
+    act: BiasGELUCache  # GELU(z), exact or in its tanh form
+    second: LinearCache  # y = a W_2
+
+
+def plain_ffn_forward(h, params: dict, approximate: bool):
+    r"""The plain two-layer FFN without biases (N5, N6; Falcon, GPT-J), with this layer's ``w_up``
+    (:math:`W_1`, ``(d, d_f)``) and ``w_down`` (:math:`W_2`, ``(d_f, d)``):
+
+    .. math::
+        F(h) = \operatorname{GELU}(h W_1)\, W_2
+
+    the GELU exact or, with ``approximate``, in its tanh form
+    (:func:`refmath.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
+    Returns ``(y, cache)``.
+    """
+    z, first = linear_forward(h, params["w_up"])
+    a, act = fused_ops.bias_gelu_forward(z, None, approximate)
+    y, second = linear_forward(a, params["w_down"])
+    return y, PlainFFNCache(first, act, second)
+
+
+def plain_ffn_backward(dy, cache: PlainFFNCache):
+    r"""Gradients of :func:`plain_ffn_forward`: ``(dh, {"w_up", "w_down"})``; with :math:`z = h
+    W_1`, :math:`a = \operatorname{GELU}(z)`: :math:`da = dy\, W_2^\top`, :math:`dz = da \odot
+    \operatorname{GELU}'(z)`, :math:`dh = dz\, W_1^\top`."""
+    da, dw_down, _ = linear_backward(dy, cache.second)
+    dz = fused_ops.bias_gelu_backward(da, cache.act)
+    dh, dw_up, _ = linear_backward(dz, cache.first)
+    return dh, {"w_up": dw_up, "w_down": dw_down}
+
+
 def layer_ffn_forward(h, params: dict, config, layer: int):
-    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense SwiGLU, or the
-    mixture of experts (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects.
-    Returns ``(y, cache)``."""
+    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense gated FFN
+    (SwiGLU, GeGLU), the plain GELU FFN (``ffn_gated`` False), or the mixture of experts
+    (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_forward(h, params, config.moe)
-    return ffn_forward(h, params, getattr(config, "ffn_activation", "silu"))
+    activation = getattr(config, "ffn_activation", "silu")
+    if not getattr(config, "ffn_gated", True):
+        return plain_ffn_forward(h, params, approximate=activation == "gelu_tanh")
+    return ffn_forward(h, params, activation)
 
 
 class LayerCache(NamedTuple):
     attn: SublayerCache  # its branch cache is the attention's cache
     ffn: SublayerCache  # its branch cache is a SwiGLUCache, or a mixture of experts' cache
     moe: bool = False  # whether the feed-forward was the mixture of experts
-    sandwich: bool = False  # whether each branch ended in its own RMSNorm (PostNormCache)
+    sandwich: bool = False  # whether each branch ended in its own norm (PostNormCache)
     geglu: bool = False  # whether the dense FFN gated with tanh-GELU
+    parallel: int = 0  # 0: sequential sublayers; 1 or 2: a parallel block with that many norms
+    plain_ffn: bool = False  # whether the dense FFN was the plain GELU one (PlainFFNCache)
 
 
 class PostNormCache(NamedTuple):
     branch: object  # the branch's cache
-    norm: RMSNormCache  # of the RMSNorm on its output
+    norm: object  # of the norm on its output
 
 
-def post_normed(branch_forward: Callable, gamma, eps: float) -> Callable:
-    r"""The branch followed by an RMSNorm of its output (Gemma 2/3's sandwich,
-    :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`)."""
+def post_normed(branch_forward: Callable, norm: Callable) -> Callable:
+    r"""The branch followed by a norm of its output (``norm``, from :func:`layer_norm`): Gemma 2/3's
+    sandwich :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`, or, without the
+    pre-norm, OLMo 2's :math:`x + \operatorname{RMSNorm}(F(x))` (N22)."""
     def forward(h):
         y, branch = branch_forward(h)
-        z, norm = rmsnorm_forward(y, gamma, eps)
-        return z, PostNormCache(branch, norm)
+        z, norm_cache = norm(y)
+        return z, PostNormCache(branch, norm_cache)
     return forward
 
 
 def post_normed_backward(branch_backward: Callable, grads: dict, name: str) -> Callable:
-    """The backward of :func:`post_normed`; the output norm's gain gradient goes to
-    ``grads[name]``."""
+    """The backward of :func:`post_normed`; the output norm's gradients go to ``grads`` under
+    ``name`` (``name.gamma``, ...)."""
     def backward(dz, cache: PostNormCache):
-        dy, grads[name] = rmsnorm_backward(dz, cache.norm)
+        dy, norm_grads = norm_backward(dz, cache.norm)
+        grads.update(prefixed(name, norm_grads))
         return branch_backward(dy, cache.branch)
     return backward
+
+
+def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
+                  drops=(None, None)):
+    r"""The residual block around a layer's attention and FFN branches, with the norms where
+    ``config`` places them: Pre-norm sublayers one after the other (N2, N4), each branch's output
+    normalised too (``sandwich_norms``) or only that (``pre_norms`` False, N22), or a parallel
+    block (N21). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
+    ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
+    """
+    if getattr(config, "sandwich_norms", False):
+        attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
+        ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
+    if getattr(config, "parallel_block", False):
+        ffn_norm = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
+        return parallel_forward(x, (layer_norm(params, "ln1", config), ffn_norm),
+                                (attn_branch, ffn_branch), drops)
+    pre = getattr(config, "pre_norms", True)
+    x, attn = sublayer_forward(x, layer_norm(params, "ln1", config) if pre else None, attn_branch,
+                               drops[0])
+    x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config) if pre else None, ffn_branch,
+                              drops[1])
+    return x, attn, ffn
 
 
 def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
                   drops=(None, None)):
     r"""Decoder layer ``layer``: :math:`x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x))`,
     then :math:`x'' = x' + \operatorname{FFN}(\operatorname{RMSNorm}(x'))` with the SwiGLU or, on
-    a layer ``config.moe`` selects, the mixture of experts as FFN.
+    a layer ``config.moe`` selects, the mixture of experts as FFN; the norms and the block's shape
+    as ``config`` says (:func:`block_forward`).
 
     ``params`` are this layer's parameters without the ``layers.{i}.`` prefix; ``drops`` the two
     residual dropout multipliers. Returns ``(x'', cache)``.
     """
     config = layer_config(config, layer)
     attn_params, ffn_params = sub_params(params, "attn"), sub_params(params, "ffn")
-    attn_branch = lambda h: attention.forward(h, attn_params, config)  # noqa: E731
-    ffn_branch = lambda h: layer_ffn_forward(h, ffn_params, config, layer)  # noqa: E731
-    sandwich = getattr(config, "sandwich_norms", False)
-    if sandwich:
-        attn_branch = post_normed(attn_branch, gain(config, params["ln1_post.gamma"]),
-                                  config.norm_eps)
-        ffn_branch = post_normed(ffn_branch, gain(config, params["ln2_post.gamma"]),
-                                 config.norm_eps)
-    x, attn = sublayer_forward(x, gain(config, params["ln1.gamma"]), attn_branch,
-                               config.norm_eps, drops[0])
-    x, ffn = sublayer_forward(x, gain(config, params["ln2.gamma"]), ffn_branch,
-                              config.norm_eps, drops[1])
+    x, attn, ffn = block_forward(
+        x, params, config, lambda h: attention.forward(h, attn_params, config),
+        lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
     moe = is_moe_layer(config, layer)
-    geglu = not moe and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
-    return x, LayerCache(attn, ffn, moe, sandwich, geglu)
+    plain = not moe and not getattr(config, "ffn_gated", True)
+    geglu = not moe and not plain and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
+    parallel = config.parallel_norms if getattr(config, "parallel_block", False) else 0
+    return x, LayerCache(attn, ffn, moe, getattr(config, "sandwich_norms", False), geglu,
+                         parallel, plain)
 
 
 def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
@@ -716,18 +956,21 @@ def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
 
     A mixture of experts' backward also carries the gradient of its auxiliary losses, which
     :func:`lm_forward` added to the loss."""
-    ffn_back = (moe_ops.moe_backward if cache.moe else
-                geglu_ffn_backward if cache.geglu else ffn_backward)
+    ffn_back = (moe_ops.moe_backward if cache.moe else plain_ffn_backward if cache.plain_ffn
+                else geglu_ffn_backward if cache.geglu else ffn_backward)
     attn_back, post_grads = attention.backward, {}
     if cache.sandwich:
-        ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post.gamma")
-        attn_back = post_normed_backward(attn_back, post_grads, "ln1_post.gamma")
-    dx, dgamma2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
-    dx, dgamma1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
-    grads = {"ln1.gamma": dgamma1, **prefixed("attn", attn_grads), "ln2.gamma": dgamma2,
+        ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post")
+        attn_back = post_normed_backward(attn_back, post_grads, "ln1_post")
+    if cache.parallel:
+        dx, norm1, norm2, attn_grads, ffn_grads = parallel_backward(
+            dout, cache.attn, cache.ffn, (attn_back, ffn_back), shared=cache.parallel == 1)
+    else:
+        dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
+        dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
+    grads = {**prefixed("ln1", norm1), **prefixed("attn", attn_grads), **prefixed("ln2", norm2),
              **prefixed("ffn", ffn_grads), **post_grads}
     return dx, grads
-
 
 
 # ---- the whole network ---------------------------------------------------------------------------
@@ -737,7 +980,7 @@ class DecoderCache(NamedTuple):
     attention: AttentionOps  # which attention ran, so that backward needs only the cache
     emb: EmbeddingCache
     layers: tuple  # one LayerCache per layer
-    norm_f: RMSNormCache
+    norm_f: object  # the final norm's cache (RMSNorm's or LayerNorm's)
     head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
     tied: bool
     loss: CrossEntropyCache | None  # None when the cache came from a logits-only pass
@@ -781,7 +1024,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
         x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), i, config, attention,
                                  drops[i])
         layers.append(layer)
-    x, norm_f = rmsnorm_forward(x, gain(config, params["ln_f.gamma"]), config.norm_eps)
+    x, norm_f = norm_forward(x, params, "ln_f", config)
     w_out = table.T if config.tie_embeddings else params["lm_head"]
     z, head = linear_forward(x, w_out)
     cap = None
@@ -806,8 +1049,8 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
     if cache.softcap is not None:
         dz = ffn_ops.softcap_backward(dz, cache.softcap)
     dx, dw_out, _ = linear_backward(dz, cache.head)
-    dx, dgamma_f = rmsnorm_backward(dx, cache.norm_f)
-    grads = {"ln_f.gamma": dgamma_f}
+    dx, norm_grads = norm_backward(dx, cache.norm_f)
+    grads = prefixed("ln_f", norm_grads)
     for i in reversed(range(len(cache.layers))):
         dx, layer_grads = layer_backward(dx, cache.layers[i], cache.attention)
         grads.update(prefixed(f"layers.{i}", layer_grads))
@@ -924,8 +1167,8 @@ def embed(params, tokens, config, offset: int) -> np.ndarray:
 
 
 def head(params, x, config) -> np.ndarray:
-    """Final RMSNorm and output projection of the new rows: logits ``(B, n, V)``."""
-    x, _ = rmsnorm_forward(x, gain(config, params["ln_f.gamma"]), config.norm_eps)
+    """Final norm and output projection of the new rows: logits ``(B, n, V)``."""
+    x, _ = norm_forward(x, params, "ln_f", config)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     z = linear_forward(x, w_out)[0]
     if getattr(config, "final_softcap", None) is not None:
@@ -936,11 +1179,11 @@ def head(params, x, config) -> np.ndarray:
 def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,
                         **options) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` ``(B, n, d)`` at positions ``offset..``: the residual
-    sublayers of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
+    block of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
     reading and extending the layer's cache through ``slot``. ``options`` go to that step."""
     config = layer_config(config, layer)
-    w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
-    p = f"layers.{layer}."
+    p = sub_params(params, f"layers.{layer}")
+    w, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
 
     def attn_branch(u):
         return attention.cached(u, w, config, slot, offset, **options), None
@@ -948,14 +1191,7 @@ def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, 
     def ffn_branch(u):
         return layer_ffn_forward(u, ffn, config, layer)
 
-    if getattr(config, "sandwich_norms", False):
-        attn_branch = post_normed(attn_branch, gain(config, params[p + "ln1_post.gamma"]),
-                                  config.norm_eps)
-        ffn_branch = post_normed(ffn_branch, gain(config, params[p + "ln2_post.gamma"]),
-                                 config.norm_eps)
-    x, _ = sublayer_forward(x, gain(config, params[p + "ln1.gamma"]), attn_branch, config.norm_eps)
-    x, _ = sublayer_forward(x, gain(config, params[p + "ln2.gamma"]), ffn_branch, config.norm_eps)
-    return x
+    return block_forward(x, p, config, attn_branch, ffn_branch)[0]
 
 
 def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int) -> np.ndarray:
@@ -1287,6 +1523,11 @@ def _llama_kind(config: DecoderConfig) -> str:
 
 
 def to_hf(config: DecoderConfig, params: dict):
+    for field, plain in (("parallel_block", False), ("pre_norms", True), ("norm", "rmsnorm"),
+                         ("ffn_gated", True)):
+        if getattr(config, field) != plain:
+            raise HFCheckpointError(f"a decoder with {field} = {getattr(config, field)!r} has no "
+                                    f"Hugging Face counterpart here")
     if config.qk_norm == "projection":
         raise HFCheckpointError("qk_norm = 'projection' (OLMo 2's) has no Hugging Face "
                                 "counterpart here: olmo2 also moves its layer norms after the "
@@ -1353,11 +1594,14 @@ def to_hf(config: DecoderConfig, params: dict):
 # ---- gradient-check cases ------------------------------------------------------------------------
 
 def case_params(init_params, config, rng) -> dict:
-    """``init_params`` with the norm gains moved off 1, so that their gradients are generic too."""
+    """``init_params`` with the norm gains moved off 1 and LayerNorm biases off 0, so that their
+    gradients are generic too."""
     params = init_params(config, seed=int(rng.integers(1 << 31)))
     for name, value in params.items():
         if name.endswith(".gamma"):
             params[name] = 1.0 + 0.2 * rng.standard_normal(value.shape)
+        elif name.endswith(".beta"):
+            params[name] = 0.2 * rng.standard_normal(value.shape)
     return params
 
 
@@ -1506,6 +1750,27 @@ register_case(ParamCase("decoder", "Gemma 3: QK-norm, the local layer's own RoPE
                             window_layers=(False, True), local_rope_base=100.0,
                             rope_scaling=dict(rope_type="linear", factor=4.0)), train=False),
                         backward, max_coords=2, step=2.5e-4))
+
+# The block's shapes: parallel (N21) and normalised after the sublayers (N22), with LayerNorm (N1)
+# and the plain GELU FFN (N5, N6)
+_BLOCKS = {
+    "Falcon-7B: parallel block, one LayerNorm, MQA, exact-GELU MLP, tied": (dict(
+        n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu", tie_embeddings=True), ("N21", "N1", "N6"), False),
+    "Falcon-40B: parallel block, two LayerNorms, GQA, tanh-GELU MLP, dropout 0.25": (dict(
+        n_kv_heads=2, parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu_tanh", d_ff=24, dropout=0.25), ("N21", "N1", "N6"), True),
+    "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": (
+        _PALM, ("N21", "N1", "N7"), False),
+    "OLMo 2: RMSNorm after each sublayer only, QK-norm on the projections": (dict(
+        n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
+        ("N22", "N18"), False),
+}
+for _label, (_fields, _ids, _train) in _BLOCKS.items():
+    register_case(ParamCase("decoder", _label, ("M3", *_ids),
+                            model_case_maker(forward, init_params,
+                                             DecoderConfig(**{**_TINY, **_fields}), train=_train),
+                            backward, max_coords=2, step=2.5e-4))
 
 # Mixtures of experts (E1-E5) as the decoder's feed-forward, their auxiliary losses in the loss
 _EXPERT_CASES = {
