@@ -29,6 +29,12 @@ format.
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``window_layers``)
 ``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
+``falcon``                          ``"llama"``      the parallel block (``parallel_block``) of
+                                                     LayerNorms and a plain GELU MLP; 7B's
+                                                     multi-query layout (one norm), 40B's grouped
+                                                     one (``ln_attn``, ``ln_mlp``), the sequential
+                                                     block; the fused ``query_key_value`` split
+                                                     into ``w_q``, ``w_k``, ``w_v``; no ALiBi
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
                                                      ones (V2: softmax, group-limited; V3:
                                                      sigmoid, chosen with its bias)

@@ -50,6 +50,11 @@ def hf_config(model_type: str, **overrides):
                         topk_group=2, n_shared_experts=2)
     gpt = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+    # Falcon-7B's layout: multi-query attention, one LayerNorm before the parallel block
+    falcon = dict(vocab_size=VOCAB, hidden_size=32, ffn_hidden_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, layer_norm_epsilon=1e-5,
+                  initializer_range=0.2, bos_token_id=0, eos_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     fields = {
         "gpt2": (transformers.GPT2Config, gpt),
         "openai-gpt": (transformers.OpenAIGPTConfig, gpt),
@@ -76,6 +81,10 @@ def hf_config(model_type: str, **overrides):
             mlp_only_layers=[0], tie_word_embeddings=True)),
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(llama, **experts, head_dim=8,
                                                         num_experts=4, norm_topk_prob=True)),
+        "falcon": (transformers.FalconConfig, falcon),
+        # Falcon-40B's: grouped query_key_value (2 KV heads), ln_attn and ln_mlp
+        "falcon-40b": (transformers.FalconConfig, dict(falcon, new_decoder_architecture=True,
+                                                       num_kv_heads=2)),
         "deepseek_v2-moe": (transformers.DeepseekV2Config, dict(
             deepseek_moe, q_lora_rank=None, num_experts_per_tok=3,
             topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
@@ -87,8 +96,15 @@ def hf_config(model_type: str, **overrides):
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text")
+               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "falcon", "falcon-40b")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+# Falcon's layouts: 7B's and 40B's, 40B's with one norm, the old one with a key and value per head
+# (untied, tanh-GELU), and its sequential block
+FALCONS = {"falcon": ("falcon", {}), "falcon-40b": ("falcon-40b", {}),
+           "falcon-40b-one-norm": ("falcon-40b", dict(num_ln_in_parallel_attn=1)),
+           "falcon-mha-untied-tanh": ("falcon", dict(multi_query=False, tie_word_embeddings=False,
+                                                     activation="gelu_pytorch_tanh")),
+           "falcon-sequential": ("falcon", dict(parallel_attn=False))}
 EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe", "deepseek_v3-moe")
 
 
@@ -125,6 +141,8 @@ SCALED = {
 VARIANTS = {  # id -> (model_type, config overrides)
     **{t: (t, {}) for t in MODEL_TYPES},
     **SCALED,
+    **FALCONS,
+    "falcon-linear": ("falcon", rope("linear", factor=4.0)),
     "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
     "deepseek_v3-half-rope": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None)),
 }
@@ -346,8 +364,8 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS):  # float64 rounding (~1e-15), with
-        assert error < 1e-13                                  # room to spare
+    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *FALCONS):  # float64 rounding
+        assert error < 1e-13                                         # (~1e-15), with room to spare
 
 
 @pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED])
@@ -396,14 +414,16 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS])
+@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *FALCONS])
 def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path):
     """Each decode step routes its one new token as the whole sequence routed it (E4 on one row);
     Gemma's capped scores, local and global layers and their two RoPEs are the same one row at a
-    time."""
+    time; so is Falcon's parallel block."""
     from refmath.inference.kv_cache import decode_step, prefill
 
-    random_model(variant, seed=4).save_pretrained(tmp_path, safe_serialization=True)
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, seed=4, **overrides).save_pretrained(tmp_path,
+                                                                  safe_serialization=True)
     name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
     tokens = TOKENS[:, :12]
     full = model_module(name).logits(params, tokens, config)
@@ -413,7 +433,7 @@ def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", ["qwen3", *EXPERTS, *GEMMAS, *sorted(SCALED)])
+@pytest.mark.parametrize("variant", ["qwen3", *EXPERTS, *GEMMAS, *sorted(SCALED), "falcon-40b"])
 def test_generate_hf_runs_each_new_type(variant, tmp_path):
     model_type, overrides = VARIANTS[variant]
     random_model(model_type, seed=6, **overrides).save_pretrained(tmp_path,
@@ -563,6 +583,9 @@ def refmath_configs():
     gemma = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
                  n_kv_heads=2, head_dim=6, d_ff=40, rope_base=300.0, norm_offset=1.0,
                  embed_scale=True, ffn_activation="gelu_tanh", tie_embeddings=True)
+    falcon = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=40,
+                  rope_base=300.0, parallel_block=True, norm="layernorm", ffn_gated=False,
+                  ffn_activation="gelu", norm_eps=1e-5)
     return {
         "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
@@ -608,6 +631,14 @@ def refmath_configs():
             **gemma, sandwich_norms=True, qk_norm="head", query_pre_attn_scalar=10.0,
             sliding_window=4, window_layers=(True, False), local_rope_base=100.0,
             rope_scaling=dict(rope_type="linear", factor=4.0))),
+        "falcon (parallel block, one LayerNorm, MQA, interleaved RoPE)": (
+            "llama", decoder.DecoderConfig(**falcon, n_kv_heads=1, tie_embeddings=True)),
+        "falcon (two LayerNorms, GQA, untied, tanh GELU, half RoPE)": (
+            "llama", decoder.DecoderConfig(**dict(falcon, ffn_activation="gelu_tanh"), n_kv_heads=2,
+                                           parallel_norms=2, rope_layout="half")),
+        "falcon (sequential block, MHA, linear scaling)": ("llama", decoder.DecoderConfig(
+            **dict(falcon, parallel_block=False), rope_scaling=dict(rope_type="linear",
+                                                                    factor=2.0))),
         "mixtral (4 experts, top 2, sliding window 4)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
             d_ff=40, sliding_window=4, moe=dict(n_experts=4, top_k=2, d_expert=12,
@@ -653,8 +684,9 @@ def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp
     error = relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens))
     print(f"{label}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if getattr(config, "moe", None) or getattr(config, "embed_scale", False):  # float64 rounding,
-        assert error < 1e-13  # with room to spare
+    if (getattr(config, "moe", None) or getattr(config, "embed_scale", False)
+            or getattr(config, "parallel_block", False)):  # float64 rounding, with room to spare
+        assert error < 1e-13
 
 
 def test_interleaved_to_half_keeps_every_score():
@@ -681,6 +713,18 @@ def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
                                    n_heads=2, qk_norm="projection")
     with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection'"):
         hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+
+    falcon = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2,
+                  parallel_block=True, norm="layernorm", ffn_gated=False, ffn_activation="gelu")
+    for fields, message in ((dict(norm="layernorm_no_bias"), "falcon, which needs norm = 'layernorm'"),
+                            (dict(qkv_bias=True), "qkv_bias = False"),
+                            (dict(ffn_gated=True, ffn_activation="silu"), "ffn_gated = False"),
+                            (dict(head_dim=4), "head_dim = 4"),
+                            (dict(parallel_block=False, n_heads=4, n_kv_heads=2),
+                             "n_kv_heads = 2")):
+        config = decoder.DecoderConfig(**{**falcon, **fields})
+        with pytest.raises(hf.HFCheckpointError, match=message):
+            hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
 
     config = transformer.TransformerConfig(vocab_size=11, max_seq_len=8, n_layers=1, d_model=16,
                                            n_heads=2, d_ff=32)
@@ -800,6 +844,39 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
     assert message in one_line_error(tmp_path)
 
 
+@pytest.mark.parametrize("variant, fields, message", [
+    ("falcon", dict(alibi=True), "alibi = True"),
+    ("falcon", dict(bias=True), "bias = True"),
+    ("falcon", dict(activation="relu"), "activation = 'relu'"),
+    ("falcon-40b", dict(parallel_attn=False), "parallel_attn = False"),
+    ("falcon", dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn = 2"),
+    ("falcon", dict(multi_query=False, num_kv_heads=2), "num_kv_heads = 2"),
+])
+def test_refuses_what_its_falcon_does_not_compute(variant, fields, message, tmp_path):
+    random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
+    edit_config(tmp_path, **fields)
+    assert message in one_line_error(tmp_path)
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("falcon", (1, True, 1, "gelu", True)),
+    ("falcon-40b", (2, True, 2, "gelu", True)),
+    ("falcon-40b-one-norm", (2, True, 1, "gelu", True)),
+    ("falcon-mha-untied-tanh", (4, True, 1, "gelu_tanh", False)),
+    ("falcon-sequential", (1, False, 1, "gelu", True)),
+])
+def test_falcon_layouts_load_as_their_blocks(variant, expected, tmp_path):
+    """(key/value heads, parallel block, its norms, GELU, tied) of each Falcon layout: the
+    logits tests above hold them to transformers' numbers."""
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, **overrides).save_pretrained(tmp_path, safe_serialization=True)
+    _, config, _ = hf.load_checkpoint(tmp_path)
+    assert (config.kv_heads, config.parallel_block, config.parallel_norms, config.ffn_activation,
+            config.tie_embeddings) == expected
+    assert (config.norm, config.ffn_gated, config.d_f, config.rope_layout) == (
+        "layernorm", False, 48, "half")
+
+
 def test_refuses_a_missing_or_mis_shaped_expert(tmp_path):
     random_model("mixtral").save_pretrained(tmp_path, safe_serialization=True)
     name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
@@ -902,6 +979,27 @@ def meta_parameter_count(config: dict) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     return sum(p.numel() for p in model.parameters())
+
+
+# Falcon-7B's and Falcon-40B's config.json (tiiuae/falcon-7b, tiiuae/falcon-40b, in transformers'
+# falcon format): multi-query against 8 grouped key/value heads, one norm against two.
+FALCONS_PUBLISHED = {
+    "falcon-7b": dict(model_type="falcon", vocab_size=65024, hidden_size=4544,
+                      num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+                      parallel_attn=True, new_decoder_architecture=False, bias=False,
+                      alibi=False, layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+    "falcon-40b": dict(model_type="falcon", vocab_size=65024, hidden_size=8192,
+                       num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
+                       new_decoder_architecture=True, parallel_attn=True, bias=False,
+                       alibi=False, layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FALCONS_PUBLISHED))
+def test_falcons_published_configs_load_with_transformers_parameters(name):
+    """The loaded model holds every parameter transformers builds, and no other."""
+    config = FALCONS_PUBLISHED[name]
+    assert hf_parameter_count(config) == meta_parameter_count(config)
 
 
 def test_the_presets_are_the_published_configs():
