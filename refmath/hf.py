@@ -29,6 +29,9 @@ format.
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``window_layers``)
 ``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
+``olmo2``                           ``"llama"``      RMSNorm after each sublayer and none before
+                                                     (``pre_norms=False``), QK-norm over the
+                                                     whole projections (``"projection"``)
 ``falcon``                          ``"llama"``      the parallel block (``parallel_block``) of
                                                      LayerNorms and a plain GELU MLP; 7B's
                                                      multi-query layout (one norm), 40B's grouped

@@ -81,6 +81,7 @@ def hf_config(model_type: str, **overrides):
             mlp_only_layers=[0], tie_word_embeddings=True)),
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(llama, **experts, head_dim=8,
                                                         num_experts=4, norm_topk_prob=True)),
+        "olmo2": (transformers.Olmo2Config, dict(llama, pad_token_id=0, eos_token_id=0)),
         "falcon": (transformers.FalconConfig, falcon),
         # Falcon-40B's: grouped query_key_value (2 KV heads), ln_attn and ln_mlp
         "falcon-40b": (transformers.FalconConfig, dict(falcon, new_decoder_architecture=True,
@@ -96,7 +97,7 @@ def hf_config(model_type: str, **overrides):
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "falcon", "falcon-40b")
+               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "falcon", "falcon-40b")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # Falcon's layouts: 7B's and 40B's, 40B's with one norm, the old one with a key and value per head
 # (untied, tanh-GELU), and its sequential block
@@ -364,7 +365,7 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *FALCONS):  # float64 rounding
+    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *FALCONS, "olmo2"):  # rounding
         assert error < 1e-13                                         # (~1e-15), with room to spare
 
 
@@ -414,11 +415,11 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *FALCONS])
+@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *FALCONS, "olmo2"])
 def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path):
     """Each decode step routes its one new token as the whole sequence routed it (E4 on one row);
     Gemma's capped scores, local and global layers and their two RoPEs are the same one row at a
-    time; so is Falcon's parallel block."""
+    time; so are Falcon's parallel block and OLMo 2's norms after the sublayers."""
     from refmath.inference.kv_cache import decode_step, prefill
 
     model_type, overrides = VARIANTS[variant]
@@ -639,6 +640,11 @@ def refmath_configs():
         "falcon (sequential block, MHA, linear scaling)": ("llama", decoder.DecoderConfig(
             **dict(falcon, parallel_block=False), rope_scaling=dict(rope_type="linear",
                                                                     factor=2.0))),
+        "olmo2 (norms after the sublayers, QK-norm on the projections, interleaved RoPE)": (
+            "llama", decoder.DecoderConfig(
+                vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                d_ff=40, rope_base=300.0, qk_norm="projection", sandwich_norms=True,
+                pre_norms=False, tie_embeddings=True)),
         "mixtral (4 experts, top 2, sliding window 4)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
             d_ff=40, sliding_window=4, moe=dict(n_experts=4, top_k=2, d_expert=12,
@@ -711,7 +717,11 @@ def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
 
     config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
                                    n_heads=2, qk_norm="projection")
-    with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection'"):
+    with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection' is OLMo 2's"):
+        hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+    config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
+                                   n_heads=2, sandwich_norms=True, pre_norms=False)
+    with pytest.raises(hf.HFCheckpointError, match="olmo2, which needs qk_norm = 'projection'"):
         hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
 
     falcon = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2,
@@ -845,6 +855,8 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
 
 
 @pytest.mark.parametrize("variant, fields, message", [
+    ("olmo2", dict(attention_bias=True), "attention_bias = True"),
+    ("olmo2", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
     ("falcon", dict(alibi=True), "alibi = True"),
     ("falcon", dict(bias=True), "bias = True"),
     ("falcon", dict(activation="relu"), "activation = 'relu'"),
@@ -852,7 +864,7 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
     ("falcon", dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn = 2"),
     ("falcon", dict(multi_query=False, num_kv_heads=2), "num_kv_heads = 2"),
 ])
-def test_refuses_what_its_falcon_does_not_compute(variant, fields, message, tmp_path):
+def test_refuses_what_its_falcon_and_olmo2_do_not_compute(variant, fields, message, tmp_path):
     random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     edit_config(tmp_path, **fields)
     assert message in one_line_error(tmp_path)
@@ -981,9 +993,10 @@ def meta_parameter_count(config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# Falcon-7B's and Falcon-40B's config.json (tiiuae/falcon-7b, tiiuae/falcon-40b, in transformers'
-# falcon format): multi-query against 8 grouped key/value heads, one norm against two.
-FALCONS_PUBLISHED = {
+# Published config.json files written out (tiiuae/falcon-7b and tiiuae/falcon-40b in
+# transformers' falcon format, allenai/OLMo-2-1124-7B): multi-query against 8 grouped key/value
+# heads and one norm against two; OLMo 2's norms after the sublayers and its QK-norm gains.
+LOADED_PUBLISHED = {
     "falcon-7b": dict(model_type="falcon", vocab_size=65024, hidden_size=4544,
                       num_hidden_layers=32, num_attention_heads=71, multi_query=True,
                       parallel_attn=True, new_decoder_architecture=False, bias=False,
@@ -992,13 +1005,17 @@ FALCONS_PUBLISHED = {
                        num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
                        new_decoder_architecture=True, parallel_attn=True, bias=False,
                        alibi=False, layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+    "olmo-2-7b": dict(model_type="olmo2", vocab_size=100352, hidden_size=4096,
+                      intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                      rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False),
 }
 
 
-@pytest.mark.parametrize("name", sorted(FALCONS_PUBLISHED))
-def test_falcons_published_configs_load_with_transformers_parameters(name):
+@pytest.mark.parametrize("name", sorted(LOADED_PUBLISHED))
+def test_published_configs_load_with_transformers_parameters(name):
     """The loaded model holds every parameter transformers builds, and no other."""
-    config = FALCONS_PUBLISHED[name]
+    config = LOADED_PUBLISHED[name]
     assert hf_parameter_count(config) == meta_parameter_count(config)
 
 

@@ -1220,10 +1220,11 @@ def sizing_fields(config: DecoderConfig) -> dict:
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
 # mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4)
-# gemma, gemma2 and gemma3_text with Gemma's options; falcon with its parallel block of
+# gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
+# and QK-norm on the projections; falcon with its parallel block of
 # LayerNorms and its plain GELU MLP (its own section below)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text", "falcon")
+                  "gemma", "gemma2", "gemma3_text", "olmo2", "falcon")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
@@ -1362,6 +1363,8 @@ def config_from_hf(hf: dict) -> DecoderConfig:
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   sliding_window=_hf_window(hf))
     fields.update(gemma)
+    if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
+        fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
     return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
         vocab_size=int(hf["vocab_size"]), max_seq_len=_hf_context(hf),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
@@ -1393,7 +1396,16 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
             for name in ("q", "k"):
                 params[p + f"attn.{name}_norm.gamma"] = weights.take(
                     h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        if config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
+        elif config.qk_norm == "projection":  # olmo2's, over the whole projections
+            for name in ("q", "k"):
+                params[p + f"attn.{name}_norm.gamma"] = weights.take(
+                    h + f"self_attn.{name}_norm.weight", (widths[name],))
+        if not config.pre_norms:  # OLMo 2: its post_attention_layernorm is the attention's output
+            for ours, theirs in (("ln1_post", "post_attention_layernorm"),
+                                 ("ln2_post", "post_feedforward_layernorm")):
+                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
+            take_swiglu(weights, params, h, p, d, config.d_f)
+        elif config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
             names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm")
             for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
@@ -1503,7 +1515,8 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
@@ -1531,14 +1544,16 @@ def to_hf(config: DecoderConfig, params: dict):
     if config.parallel_block or config.norm != "rmsnorm" or not config.ffn_gated:
         return _falcon_to_hf(config, params)
     if not config.pre_norms:
-        raise HFCheckpointError("a decoder with pre_norms = False has no Hugging Face "
-                                "counterpart here")
-    if config.qk_norm == "projection":
-        raise HFCheckpointError("qk_norm = 'projection' (OLMo 2's) has no Hugging Face "
-                                "counterpart here: olmo2 also moves its layer norms after the "
-                                "sublayers, which refmath's decoder does not")
-    gemma = _gemma_kind(config)
-    kind = gemma or _llama_kind(config)
+        kind = "olmo2"
+        _require_fields(config, kind, "norms after the sublayers only (pre_norms = False)",
+                        dict(_LLAMA_PLAIN, qk_norm="projection", ffn_activation="silu"))
+    elif config.qk_norm == "projection":
+        raise HFCheckpointError("qk_norm = 'projection' is OLMo 2's, which normalises after the "
+                                "sublayers only (sandwich_norms with pre_norms = False); this "
+                                "config has its norms before them")
+    else:
+        kind = _gemma_kind(config) or _llama_kind(config)
+    gemma = kind if kind in GEMMA_TYPES else None
     architecture = _ARCHITECTURES[kind]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
     hf = {"model_type": kind, "architectures": [architecture],
@@ -1552,7 +1567,7 @@ def to_hf(config: DecoderConfig, params: dict):
           "tie_word_embeddings": config.tie_embeddings}
     if gemma:
         _gemma_to_hf(config, kind, hf)
-    elif kind == "llama":
+    elif kind in ("llama", "olmo2"):
         hf.update(attention_bias=False, mlp_bias=False)
     elif kind == "qwen3":
         hf.update(attention_bias=False, use_sliding_window=False)
