@@ -32,6 +32,10 @@ format.
 ``olmo2``                           ``"llama"``      RMSNorm after each sublayer and none before
                                                      (``pre_norms=False``), QK-norm over the
                                                      whole projections (``"projection"``)
+``phi3``                            ``"llama"``      Llama with fused ``qkv_proj`` and
+                                                     ``gate_up_proj`` (split on the way in),
+                                                     LongRoPE, a window on every layer; a decoder
+                                                     with LongRoPE is written as ``phi3``
 ``falcon``                          ``"llama"``      the parallel block (``parallel_block``) of
                                                      LayerNorms and a plain GELU MLP; 7B's
                                                      multi-query layout (one norm), 40B's grouped

@@ -9,6 +9,7 @@ be compared at a relative 1e-9.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -82,6 +83,9 @@ def hf_config(model_type: str, **overrides):
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(llama, **experts, head_dim=8,
                                                         num_experts=4, norm_topk_prob=True)),
         "olmo2": (transformers.Olmo2Config, dict(llama, pad_token_id=0, eos_token_id=0)),
+        # Phi-3: head_dim d/h (its config has no other), a window of 5 on every layer
+        "phi3": (transformers.Phi3Config, dict(llama, sliding_window=5, pad_token_id=0,
+                                               eos_token_id=0, bos_token_id=0)),
         "falcon": (transformers.FalconConfig, falcon),
         # Falcon-40B's: grouped query_key_value (2 KV heads), ln_attn and ln_mlp
         "falcon-40b": (transformers.FalconConfig, dict(falcon, new_decoder_architecture=True,
@@ -97,7 +101,7 @@ def hf_config(model_type: str, **overrides):
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "falcon", "falcon-40b")
+               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon", "falcon-40b")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # Falcon's layouts: 7B's and 40B's, 40B's with one norm, the old one with a key and value per head
 # (untied, tanh-GELU), and its sequential block
@@ -130,6 +134,11 @@ SCALED = {
     "llama-longrope": ("llama", rope("longrope", factor=4.0, original_max_position_embeddings=8,
                                      short_factor=[1.0, 1.2, 1.5, 2.0],
                                      long_factor=[1.0, 2.0, 5.0, 9.0])),
+    "phi3-longrope": ("phi3", dict(sliding_window=None, original_max_position_embeddings=8,
+                                   **rope("longrope", factor=4.0,
+                                          original_max_position_embeddings=8,
+                                          short_factor=[1.0, 1.2, 1.5, 2.0],
+                                          long_factor=[1.0, 2.0, 5.0, 9.0]))),
     # DeepSeek-V2's and V3's own terms: mscale = mscale_all_dim leaves m = 1 on the rotation and
     # moves the temperature into the softmax scale
     "deepseek_v2-yarn": ("deepseek_v2", rope("yarn", factor=40.0, original_max_position_embeddings=4,
@@ -242,7 +251,7 @@ def _longrope64(initialiser, config, device=None, seq_len=None, layer_type=None)
     """transformers' LongRoPE frequencies, 1 / (f_r base^(2r/d)), in float64; its factor m."""
     _, m = initialiser(config, device, seq_len=seq_len, layer_type=layer_type)
     p = config.rope_parameters
-    dim = config.head_dim
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     long = seq_len is not None and seq_len > p["original_max_position_embeddings"]
     factors = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=torch.float64)
     return 1.0 / (factors * p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), m
@@ -381,7 +390,7 @@ def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, m
     model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
     # transformers' cache keeps the keys a dynamic NTK (or LongRoPE) rotated at shorter lengths
     # (stale past the trained context, K3); refmath prefills afresh there, which is recomputing
-    use_cache = variant not in ("llama-dynamic", "llama-longrope")
+    use_cache = variant not in ("llama-dynamic", "llama-longrope", "phi3-longrope")
     with torch.no_grad():
         theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
                                 pad_token_id=0, use_cache=use_cache)[0].numpy()
@@ -402,7 +411,7 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
     module = model_module(name)
     tokens = TOKENS[:, :12]
     full = module.logits(params, tokens, config)
-    if variant in ("llama-dynamic", "llama-longrope"):
+    if variant in ("llama-dynamic", "llama-longrope", "phi3-longrope"):
         z, cache = prefill(name, params, config, tokens[:, :8], all_logits=True)
         np.testing.assert_allclose(z, module.logits(params, tokens[:, :8], config), rtol=1e-12,
                                    atol=1e-12)
@@ -645,6 +654,12 @@ def refmath_configs():
                 vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                 d_ff=40, rope_base=300.0, qk_norm="projection", sandwich_norms=True,
                 pre_norms=False, tie_embeddings=True)),
+        "phi3 (LongRoPE past 8 tokens, sliding window 4, interleaved RoPE)": (
+            "llama", decoder.DecoderConfig(
+                vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                d_ff=40, rope_base=300.0, sliding_window=4, rope_scaling=dict(
+                    rope_type="longrope", factor=4.0, original_max_seq_len=8,
+                    short_factor=(1.0, 1.2, 1.5, 2.0), long_factor=(1.0, 2.0, 5.0, 9.0)))),
         "mixtral (4 experts, top 2, sliding window 4)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
             d_ff=40, sliding_window=4, moe=dict(n_experts=4, top_k=2, d_expert=12,
@@ -693,6 +708,28 @@ def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp
     if (getattr(config, "moe", None) or getattr(config, "embed_scale", False)
             or getattr(config, "parallel_block", False)):  # float64 rounding, with room to spare
         assert error < 1e-13
+
+
+def test_longrope_is_written_as_phi3_with_its_fused_projections(tmp_path):
+    """Phi-3 stacks the query, key and value rows into qkv_proj and the gate and up rows into
+    gate_up_proj; the logits test above holds the stacking to transformers' reading of it.
+    Heads not d_model / n_heads wide have no Phi-3 (it sizes LongRoPE's factors by that width)
+    and stay llama."""
+    from safetensors.numpy import load_file
+
+    name, config = refmath_configs()["phi3 (LongRoPE past 8 tokens, sliding window 4, "
+                                      "interleaved RoPE)"]
+    hf.save_checkpoint(tmp_path, name, config, model_module(name).init_params(config))
+    written = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
+    tensors = load_file(str(tmp_path / hf.WEIGHTS_FILE))
+    assert (written["model_type"], written["sliding_window"]) == ("phi3", 4)
+    assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 32)
+    assert tensors["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 40, 32)
+    assert not any(key.endswith("q_proj.weight") for key in tensors)
+    wide = dataclasses.replace(config, head_dim=6, rope_scaling=dataclasses.replace(
+        config.rope_scaling, short_factor=(1.0, 1.5, 2.0), long_factor=(2.0, 6.0, 9.0)))
+    hf.save_checkpoint(tmp_path / "wide", name, wide, model_module(name).init_params(wide))
+    assert json.loads((tmp_path / "wide" / hf.CONFIG_FILE).read_text())["model_type"] == "mistral"
 
 
 def test_interleaved_to_half_keeps_every_score():
@@ -857,6 +894,8 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
 @pytest.mark.parametrize("variant, fields, message", [
     ("olmo2", dict(attention_bias=True), "attention_bias = True"),
     ("olmo2", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                   "partial_rotary_factor": 0.5}), "partial_rotary_factor = 0.5"),
     ("falcon", dict(alibi=True), "alibi = True"),
     ("falcon", dict(bias=True), "bias = True"),
     ("falcon", dict(activation="relu"), "activation = 'relu'"),
@@ -864,7 +903,7 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
     ("falcon", dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn = 2"),
     ("falcon", dict(multi_query=False, num_kv_heads=2), "num_kv_heads = 2"),
 ])
-def test_refuses_what_its_falcon_and_olmo2_do_not_compute(variant, fields, message, tmp_path):
+def test_refuses_what_falcon_olmo2_and_phi3_do_not_compute(variant, fields, message, tmp_path):
     random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     edit_config(tmp_path, **fields)
     assert message in one_line_error(tmp_path)
@@ -994,8 +1033,9 @@ def meta_parameter_count(config: dict) -> int:
 
 
 # Published config.json files written out (tiiuae/falcon-7b and tiiuae/falcon-40b in
-# transformers' falcon format, allenai/OLMo-2-1124-7B): multi-query against 8 grouped key/value
-# heads and one norm against two; OLMo 2's norms after the sublayers and its QK-norm gains.
+# transformers' falcon format, allenai/OLMo-2-1124-7B, microsoft/Phi-3-mini-4k-instruct):
+# Falcon's multi-query against 8 grouped key/value heads and one norm against two, OLMo 2's norms
+# after the sublayers and its QK-norm gains, Phi-3's fused projections.
 LOADED_PUBLISHED = {
     "falcon-7b": dict(model_type="falcon", vocab_size=65024, hidden_size=4544,
                       num_hidden_layers=32, num_attention_heads=71, multi_query=True,
@@ -1009,6 +1049,11 @@ LOADED_PUBLISHED = {
                       intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
                       rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False),
+    "phi-3-mini-4k": dict(model_type="phi3", vocab_size=32064, hidden_size=3072,
+                          intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=32, max_position_embeddings=4096,
+                          original_max_position_embeddings=4096, sliding_window=2047,
+                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
 }
 
 

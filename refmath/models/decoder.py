@@ -78,7 +78,8 @@ from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheck
                                       interleaved_to_half, join_heads_columns, linear_out, refuse,
                                       refuse_common, require, rope_context, rope_from_hf,
                                       rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
-                                      take_ends, take_feed_forward_layer, take_head, take_swiglu)
+                                      take_ends, take_feed_forward_layer, take_head,
+                                      take_phi3_layer, take_swiglu, fuse_phi3)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
@@ -1221,19 +1222,20 @@ def sizing_fields(config: DecoderConfig) -> dict:
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
 # mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4)
 # gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
-# and QK-norm on the projections; falcon with its parallel block of
+# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its parallel block of
 # LayerNorms and its plain GELU MLP (its own section below)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text", "olmo2", "falcon")
+                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
 
 
 def _hf_window(hf: dict) -> int | None:
-    """Mistral's and Mixtral's sliding window (every layer's), or None where it masks nothing."""
+    """Mistral's, Mixtral's and Phi-3's sliding window (every layer's), or None where it masks
+    nothing."""
     window = hf.get("sliding_window")
-    if hf["model_type"] not in ("mistral", "mixtral") or not window:
+    if hf["model_type"] not in ("mistral", "mixtral", "phi3") or not window:
         return None
     return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
 
@@ -1384,6 +1386,9 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
     params = {}
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
+        if hf["model_type"] == "phi3":  # its fused qkv_proj and gate_up_proj
+            take_phi3_layer(weights, params, h, p, config)
+            continue
         for name, width in widths.items():
             params[p + f"attn.w_{name}"] = weights.take(h + f"self_attn.{name}_proj.weight",
                                                         (width, d), transpose=True)
@@ -1516,12 +1521,13 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM"}
+                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
     """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
-    qwen2 (q/k/v biases), qwen3 (QK-norm) or, with experts, mixtral or a Qwen MoE."""
+    qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
+    MoE."""
     if config.window_layers is not None:
         raise HFCheckpointError("window_layers (a window on some layers only) is written as "
                                 "gemma2 or gemma3_text, which need Gemma's other options too")
@@ -1536,6 +1542,10 @@ def _llama_kind(config: DecoderConfig) -> str:
                                 f"biases without an output bias and slides only some layers; "
                                 f"this config has qkv_bias = {config.qkv_bias}, sliding_window = "
                                 f"{config.sliding_window}")
+    if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
+            and not config.qk_norm and not config.qkv_bias
+            and config.d_h * config.n_heads == config.d_model):
+        return "phi3"  # LongRoPE's home; phi3 sizes its factors by d_model / n_heads, else llama
     return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
             else "mistral" if config.sliding_window else "llama")
 
@@ -1565,10 +1575,15 @@ def to_hf(config: DecoderConfig, params: dict):
           "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
+    if kind in ("olmo2", "phi3"):  # their defaults name ids a small vocabulary may not have; a
+        hf.update(_NO_TOKEN_IDS)   # tokenizer saved beside the weights sets them (save_tokenizer)
     if gemma:
         _gemma_to_hf(config, kind, hf)
     elif kind in ("llama", "olmo2"):
         hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "phi3":
+        hf.update(sliding_window=config.sliding_window,
+                  original_max_position_embeddings=config.rope_scaling.original_max_seq_len)
     elif kind == "qwen3":
         hf.update(attention_bias=False, use_sliding_window=False)
     elif kind == "mistral":
@@ -1608,6 +1623,8 @@ def to_hf(config: DecoderConfig, params: dict):
             for name in ("q", "k"):
                 tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
     swiglu_layers_to_hf(config, params, tensors, _EXPERT_LAYOUTS.get(kind))
+    if kind == "phi3":
+        fuse_phi3(tensors, config.n_layers)
     return hf, tensors
 
 
@@ -1718,6 +1735,9 @@ def _require_fields(config: DecoderConfig, kind: str, why: str, needed: dict) ->
                                     f"{getattr(config, field)!r}")
 
 
+# Special-token ids are the tokenizer's to give: None rather than a type's defaults
+_NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
 # What only the Gemmas, the Qwens, Mistral and the mixtures of experts have: the plain value that
 # the types without it need
 _LLAMA_PLAIN = dict(qkv_bias=False, qk_norm=None, sliding_window=None, window_layers=None,
@@ -1746,7 +1766,7 @@ def _falcon_to_hf(config: DecoderConfig, params: dict):
           "bias": False, "activation": activation, "ffn_hidden_size": config.d_f,
           "layer_norm_epsilon": config.norm_eps, "rope_parameters": rope_parameters,
           "max_position_embeddings": config.max_seq_len if context is None else context,
-          "tie_word_embeddings": config.tie_embeddings}
+          "tie_word_embeddings": config.tie_embeddings, **_NO_TOKEN_IDS}
 
     def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
         return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
