@@ -15,9 +15,11 @@ format.
 ``llama``, ``mistral``              ``"llama"``      RoPE in the ``"half"`` layout (see below);
                                                      Mistral's window is the model's ``sliding_window``
 ``qwen2``                           ``"llama"``      plus biases on the query, key and value
-                                                     projections; a window on some layers caps the
-                                                     context at the window
-``qwen3``                           ``"llama"``      plus QK-norm (``qk_norm="head"``)
+                                                     projections; its window on the layers
+                                                     ``layer_types`` (or ``max_window_layers``)
+                                                     slide: ``window_layers``
+``qwen3``                           ``"llama"``      plus QK-norm (``qk_norm="head"``), its
+                                                     window as Qwen2's
 ``mixtral``                         ``"llama"``      Mistral with a mixture of experts
                                                      (``DecoderConfig.moe``: softmax, top-k,
                                                      renormalised)

@@ -148,11 +148,23 @@ SCALED = {
                                              beta_fast=4, beta_slow=1, mscale=1.0,
                                              mscale_all_dim=0.5)),
 }
+# Qwen's windows of 4 (the tests run 13 tokens): Qwen2's on the layers from max_window_layers on,
+# Qwen3's on every layer, Qwen2-MoE's on the even layers below max_window_layers, Qwen3-MoE's on
+# every layer whatever its layer types
+QWEN_WINDOWS = {
+    "qwen2-upper-window": ("qwen2", dict(use_sliding_window=True, sliding_window=4,
+                                         max_window_layers=1)),
+    "qwen3-window": ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+    "qwen2_moe-window": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=2)),
+    "qwen3_moe-window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4)),
+}
 VARIANTS = {  # id -> (model_type, config overrides)
     **{t: (t, {}) for t in MODEL_TYPES},
     **SCALED,
     **FALCONS,
     "falcon-linear": ("falcon", rope("linear", factor=4.0)),
+    **QWEN_WINDOWS,
     "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
     "deepseek_v3-half-rope": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None)),
 }
@@ -374,11 +386,12 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *FALCONS, "olmo2"):  # rounding
+    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *FALCONS, *QWEN_WINDOWS,
+                                        "olmo2"):  # float64 rounding
         assert error < 1e-13                                         # (~1e-15), with room to spare
 
 
-@pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED])
+@pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED, *QWEN_WINDOWS])
 def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, monkeypatch):
     model_type, overrides = VARIANTS[variant]
     model = random_model(model_type, seed=1, **overrides)
@@ -424,7 +437,7 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *FALCONS, "olmo2"])
+@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *FALCONS, "olmo2", *QWEN_WINDOWS])
 def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path):
     """Each decode step routes its one new token as the whole sequence routed it (E4 on one row);
     Gemma's capped scores, local and global layers and their two RoPEs are the same one row at a
@@ -481,15 +494,23 @@ def test_windowed_decoding_on_the_cpu_kernels(tmp_path):
     np.testing.assert_array_equal(runs[2], runs[0])
 
 
-def test_qwen2_window_on_upper_layers_caps_the_context(tmp_path):
-    """Qwen2 slides only its layers from max_window_layers on; up to the window nothing is
-    hidden, so refmath runs it with its context capped at the window."""
-    random_model("qwen2", use_sliding_window=True, sliding_window=8,
-                 max_window_layers=1).save_pretrained(tmp_path, safe_serialization=True)
-    name, config, params = hf.load_checkpoint(tmp_path)
-    assert (config.sliding_window, config.max_seq_len) == (None, 8)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model_module(name).logits(params, np.zeros((1, 9), np.int64), config)
+@pytest.mark.parametrize("variant, expected", [
+    ("qwen2-upper-window", (4, (False, True))), ("qwen3-window", (4, None)),
+    ("qwen2_moe-window", (4, (True, False))), ("qwen3_moe-window", (4, None)),
+])
+def test_qwens_windows_slide_the_layers_transformers_slides(variant, expected, tmp_path):
+    """Qwen slides its window on some layers: those layers, and only those, slide here too,
+    over the whole trained context (the logits, generation and cached-decode tests above run 13
+    tokens through these windows of 4)."""
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, **overrides).save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    assert (config.sliding_window, config.window_layers, config.max_seq_len) == (*expected, 64)
+    unwindowed = dataclasses.replace(config, sliding_window=None, window_layers=None)
+    z = model_module(name).logits(params, TOKENS, config)
+    z_full = model_module(name).logits(params, TOKENS, unwindowed)
+    np.testing.assert_array_equal(z[:, :4], z_full[:, :4])
+    assert np.abs(z[:, 4:] - z_full[:, 4:]).min() > 0
 
 
 @pytest.mark.parametrize("torch_dtype,ours", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])
@@ -660,6 +681,15 @@ def refmath_configs():
                 d_ff=40, rope_base=300.0, sliding_window=4, rope_scaling=dict(
                     rope_type="longrope", factor=4.0, original_max_seq_len=8,
                     short_factor=(1.0, 1.2, 1.5, 2.0), long_factor=(1.0, 2.0, 5.0, 9.0)))),
+        "qwen2 (a window on the upper layer, q/k/v biases)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qkv_bias=True, sliding_window=4, window_layers=(False, True))),
+        "qwen2 (a window on the lower layer only)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qkv_bias=True, sliding_window=4, window_layers=(True, False))),
+        "qwen3 (QK-norm, a window on every layer)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qk_norm="head", sliding_window=4)),
         "mixtral (4 experts, top 2, sliding window 4)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
             d_ff=40, sliding_window=4, moe=dict(n_experts=4, top_k=2, d_expert=12,
@@ -770,6 +800,17 @@ def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
                             (dict(parallel_block=False, n_heads=4, n_kv_heads=2),
                              "n_kv_heads = 2")):
         config = decoder.DecoderConfig(**{**falcon, **fields})
+        with pytest.raises(hf.HFCheckpointError, match=message):
+            hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+
+    plain = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=2)
+    for fields, message in ((dict(sliding_window=4, window_layers=(False, True)),
+                             r"written as qwen2 \(with qkv_bias\), qwen3"),
+                            (dict(qk_norm="head", qkv_bias=True), "qkv_bias = True"),
+                            (dict(qkv_bias=True, sliding_window=4, window_layers=(False, True),
+                                  moe=dict(n_experts=2, top_k=1, d_expert=4, d_shared=4,
+                                           shared_gate=True)), "window_layers = ")):
+        config = decoder.DecoderConfig(**plain, **fields)
         with pytest.raises(hf.HFCheckpointError, match=message):
             hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
 

@@ -1240,20 +1240,34 @@ def _hf_window(hf: dict) -> int | None:
     return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
 
 
-def _hf_context(hf: dict) -> int:
-    """``max_seq_len``: the trained context; for a Qwen2 whose upper layers slide, capped at the
-    window.
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
-    Qwen2 slides only the layers from ``max_window_layers`` on, which refmath's decoder (one window
-    for every layer) does not express; but up to ``W`` tokens a window of ``W`` hides nothing, so
-    the plain causal model is exactly the windowed one on every sequence it accepts.
-    """
-    context = rope_context(hf, rope_from_hf(hf)[1])
-    if (hf["model_type"] in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window")
-            and hf.get("sliding_window")):
-        if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
-            return min(context, int(hf["sliding_window"]))
-    return context
+
+def _qwen_windows(hf: dict) -> tuple:
+    """``(sliding_window, window_layers)`` of a Qwen config: its window on the layers
+    ``layer_types`` marks ``"sliding_attention"`` (as transformers derives them when the file has
+    none: Qwen2 and Qwen3 slide the layers from ``max_window_layers`` on, Qwen2-MoE the even ones
+    below it), on every layer of a Qwen3-MoE (whose attention reads no layer types), or
+    ``(None, None)`` without ``use_sliding_window`` or where the window hides nothing."""
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return None, None
+    window, layers, kind = int(window), int(hf["num_hidden_layers"]), hf["model_type"]
+    if window >= rope_context(hf, rope_from_hf(hf)[1]):
+        return None, None
+    if kind == "qwen3_moe":
+        return window, None
+    first = int(hf.get("max_window_layers", 28))
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i >= first if kind != "qwen2_moe" else i < first and i % 2 == 0)
+        else "full_attention" for i in range(layers)]
+    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
+        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
+               "per layer")
+    slides = tuple(t == "sliding_attention" for t in types)
+    if not any(slides):
+        return None, None
+    return window, None if all(slides) else slides
 
 
 def _moe_from_hf(hf: dict) -> MoEConfig | None:
@@ -1364,11 +1378,13 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     fields = dict(qk_norm="head" if kind in ("qwen3", "qwen3_moe") else None,
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   sliding_window=_hf_window(hf))
+    if kind in QWEN_TYPES:
+        fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
     fields.update(gemma)
     if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
         fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
     return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
-        vocab_size=int(hf["vocab_size"]), max_seq_len=_hf_context(hf),
+        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
@@ -1473,7 +1489,7 @@ def _gemma_kind(config: DecoderConfig) -> str | None:
                    query_pre_attn_scalar=config.query_pre_attn_scalar is not None,
                    attn_softcap=config.attn_softcap is not None,
                    final_softcap=config.final_softcap is not None,
-                   window_layers=config.window_layers is not None)
+                   local_rope_base=config.local_rope_base is not None)
     if not any(options.values()):
         return None
     kind = ("gemma3_text" if config.qk_norm == "head" else "gemma2" if config.sandwich_norms
@@ -1527,27 +1543,41 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
 def _llama_kind(config: DecoderConfig) -> str:
     """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
     qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
-    MoE."""
-    if config.window_layers is not None:
-        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
-                                "gemma2 or gemma3_text, which need Gemma's other options too")
+    MoE. Qwen2 and Qwen3 slide their window on the layers their ``layer_types`` name, so they
+    take a window on every layer or on some (``window_layers``)."""
     if config.moe is not None:
+        if config.window_layers is not None:
+            raise HFCheckpointError("a decoder with experts is written here with one window for "
+                                    "every layer or none; this config has window_layers = "
+                                    f"{config.window_layers}")
         return _moe_kind(config)
-    if config.qkv_bias and config.sliding_window:
-        raise HFCheckpointError(f"a decoder with q/k/v biases is written as qwen2, whose window "
-                                f"slides only some layers; this config has sliding_window = "
-                                f"{config.sliding_window} on every layer")
-    if config.qk_norm and (config.qkv_bias or config.sliding_window):
-        raise HFCheckpointError(f"a decoder with qk_norm is written as qwen3, which has no q/k/v "
-                                f"biases without an output bias and slides only some layers; "
-                                f"this config has qkv_bias = {config.qkv_bias}, sliding_window = "
-                                f"{config.sliding_window}")
+    if config.qk_norm and config.qkv_bias:
+        raise HFCheckpointError("a decoder with qk_norm is written as qwen3, which has no q/k/v "
+                                "biases without an output bias; this config has qkv_bias = True")
+    if config.window_layers is not None and not (config.qk_norm or config.qkv_bias):
+        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
+                                "qwen2 (with qkv_bias), qwen3 (with qk_norm), or gemma2 and "
+                                "gemma3_text (with Gemma's other options)")
     if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
             and not config.qk_norm and not config.qkv_bias
             and config.d_h * config.n_heads == config.d_model):
         return "phi3"  # LongRoPE's home; phi3 sizes its factors by d_model / n_heads, else llama
     return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
             else "mistral" if config.sliding_window else "llama")
+
+
+def _qwen_window_fields(config: DecoderConfig) -> dict:
+    """The window fields of a qwen2 or qwen3 config: its layers' types, and, where the sliding
+    layers are the upper ones, the first of them as ``max_window_layers``."""
+    if config.sliding_window is None:
+        return dict(use_sliding_window=False)
+    slides = config.window_layers or (True,) * config.n_layers
+    first = slides.index(True)
+    fields = dict(use_sliding_window=True, sliding_window=config.sliding_window,
+                  layer_types=["sliding_attention" if f else "full_attention" for f in slides])
+    if all(slides[first:]):
+        fields["max_window_layers"] = first
+    return fields
 
 
 def to_hf(config: DecoderConfig, params: dict):
@@ -1585,7 +1615,7 @@ def to_hf(config: DecoderConfig, params: dict):
         hf.update(sliding_window=config.sliding_window,
                   original_max_position_embeddings=config.rope_scaling.original_max_seq_len)
     elif kind == "qwen3":
-        hf.update(attention_bias=False, use_sliding_window=False)
+        hf.update(attention_bias=False, **_qwen_window_fields(config))
     elif kind == "mistral":
         hf.update(sliding_window=config.sliding_window)
     elif kind == "mixtral":
@@ -1603,7 +1633,7 @@ def to_hf(config: DecoderConfig, params: dict):
         else:
             hf.update(attention_bias=False)
     else:
-        hf.update(use_sliding_window=False)
+        hf.update(_qwen_window_fields(config))
 
     def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
         return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
