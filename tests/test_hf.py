@@ -101,7 +101,8 @@ def hf_config(model_type: str, **overrides):
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon", "falcon-40b")
+               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon",
+               "falcon-40b")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # Falcon's layouts: 7B's and 40B's, 40B's with one norm, the old one with a key and value per head
 # (untied, tanh-GELU), and its sequential block
@@ -793,7 +794,8 @@ def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
 
     falcon = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2,
                   parallel_block=True, norm="layernorm", ffn_gated=False, ffn_activation="gelu")
-    for fields, message in ((dict(norm="layernorm_no_bias"), "falcon, which needs norm = 'layernorm'"),
+    for fields, message in ((dict(norm="layernorm_no_bias"),
+                             "falcon, which needs norm = 'layernorm'"),
                             (dict(qkv_bias=True), "qkv_bias = False"),
                             (dict(ffn_gated=True, ffn_activation="silu"), "ffn_gated = False"),
                             (dict(head_dim=4), "head_dim = 4"),

@@ -78,8 +78,8 @@ from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheck
                                       interleaved_to_half, join_heads_columns, linear_out, refuse,
                                       refuse_common, require, rope_context, rope_from_hf,
                                       rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
-                                      take_ends, take_feed_forward_layer, take_head,
-                                      take_phi3_layer, take_swiglu, fuse_phi3)
+                                      fuse_phi3, take_ends, take_feed_forward_layer, take_head,
+                                      take_phi3_layer, take_swiglu)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
@@ -114,8 +114,8 @@ def check_shared_fields(config) -> None:
 
 def ffn_width(config) -> int:
     """The FFN's hidden width ``d_f``: ``d_ff`` if given, else, for the gated FFN, ``8d/3`` rounded
-    up to a multiple of ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), which
-    has as many parameters as the plain FFN's ``4d`` (N5) that ``ffn_gated = False`` defaults to."""
+    up to a multiple of ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), about as
+    many parameters as the plain FFN's ``4d`` (N5), which ``ffn_gated = False`` defaults to."""
     if config.d_ff is not None:
         return config.d_ff
     if not getattr(config, "ffn_gated", True):
@@ -666,7 +666,7 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
 
 
-# ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer ----------------
+# ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer -------------
 
 
 class LayerNormNoBiasCache(NamedTuple):
@@ -1217,13 +1217,13 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 norms_per_layer=4 if config.sandwich_norms else 2)
 
 
-# ---- Hugging Face: llama, mistral, qwen2, qwen3 and their mixtures of experts ----------------------
+# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, gemma, olmo2, phi3 ----
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
-# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4)
+# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
 # gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
-# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its parallel block of
-# LayerNorms and its plain GELU MLP (its own section below)
+# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its
+# parallel block of LayerNorms and its plain GELU MLP (its own section below)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                   "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")

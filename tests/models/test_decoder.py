@@ -383,7 +383,7 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(window)
         tiny(attention_backend="cuda")
 
 
-# ---- the block's shapes: parallel (N21), norms after the sublayers (N22), LayerNorm, plain FFN ----
+# ---- the block's shapes: parallel (N21), norms after the sublayers (N22), LayerNorm, plain FFN
 
 FALCON_7B = dict(n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
                  ffn_activation="gelu")
@@ -395,7 +395,8 @@ def test_parameters_of_each_block_shape():
     d, layer = 16, "layers.1."
     one = decoder.param_shapes(tiny(**FALCON_7B))
     # one LayerNorm (gain and bias) feeds both branches: no ln2; the plain FFN is 4d wide
-    assert [n for n in one if n.startswith(layer + "ln")] == [layer + "ln1.gamma", layer + "ln1.beta"]
+    assert [n for n in one if n.startswith(layer + "ln")] == [layer + "ln1.gamma",
+                                                              layer + "ln1.beta"]
     assert one[layer + "ffn.w_up"] == (d, 4 * d) and one[layer + "ffn.w_down"] == (4 * d, d)
     assert layer + "ffn.w_gate" not in one and one["ln_f.beta"] == (d,)
     two = decoder.param_shapes(tiny(**FALCON_40B))

@@ -72,7 +72,7 @@ def torch_decoder(P, tokens, config, drops):
     def norm(x, gamma, width):
         return F.rms_norm(x, (width,), config.norm_offset + gamma, eps)
 
-    def layer_norm(x, name):  # a block's or the final norm: RMSNorm, or LayerNorm with or without bias
+    def layer_norm(x, name):  # a block's or the final norm: RMSNorm, LayerNorm with or without bias
         gamma = config.norm_offset + P[name + ".gamma"]
         if config.norm == "rmsnorm":
             return F.rms_norm(x, (d,), gamma, eps)
