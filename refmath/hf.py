@@ -15,9 +15,11 @@ format.
 ``llama``, ``mistral``              ``"llama"``      RoPE in the ``"half"`` layout (see below);
                                                      Mistral's window is the model's ``sliding_window``
 ``qwen2``                           ``"llama"``      plus biases on the query, key and value
-                                                     projections; a window on some layers caps the
-                                                     context at the window
-``qwen3``                           ``"llama"``      plus QK-norm (``qk_norm="head"``)
+                                                     projections; its window on the layers
+                                                     ``layer_types`` (or ``max_window_layers``)
+                                                     slide: ``window_layers``
+``qwen3``                           ``"llama"``      plus QK-norm (``qk_norm="head"``), its
+                                                     window as Qwen2's
 ``mixtral``                         ``"llama"``      Mistral with a mixture of experts
                                                      (``DecoderConfig.moe``: softmax, top-k,
                                                      renormalised)
@@ -29,6 +31,19 @@ format.
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``window_layers``)
 ``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
+``olmo2``                           ``"llama"``      RMSNorm after each sublayer and none before
+                                                     (``pre_norms=False``), QK-norm over the
+                                                     whole projections (``"projection"``)
+``phi3``                            ``"llama"``      Llama with fused ``qkv_proj`` and
+                                                     ``gate_up_proj`` (split on the way in),
+                                                     LongRoPE, a window on every layer; a decoder
+                                                     with LongRoPE is written as ``phi3``
+``falcon``                          ``"llama"``      the parallel block (``parallel_block``) of
+                                                     LayerNorms and a plain GELU MLP; 7B's
+                                                     multi-query layout (one norm), 40B's grouped
+                                                     one (``ln_attn``, ``ln_mlp``), the sequential
+                                                     block; the fused ``query_key_value`` split
+                                                     into ``w_q``, ``w_k``, ``w_v``; no ALiBi
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
                                                      ones (V2: softmax, group-limited; V3:
                                                      sigmoid, chosen with its bias)

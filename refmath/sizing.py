@@ -1253,10 +1253,6 @@ def sizing_config(hf: dict) -> ModelConfig:
     name, config = config_from_hf(hf)
     fields = model_module(name).sizing_fields(config)
     context = int(hf.get("max_position_embeddings", hf.get("n_positions", config.max_seq_len)))
-    if fields.get("sliding_window") is None and config.max_seq_len < context:
-        # a model capped below its trained context (Qwen2, whose upper layers slide) attends over
-        # at most max_seq_len keys, which is what a window of that width on every layer counts
-        fields["sliding_window"] = config.max_seq_len
     return ModelConfig(name=hf["model_type"], context=context, source="config.json", **fields)
 
 

@@ -9,6 +9,7 @@ be compared at a relative 1e-9.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -50,6 +51,11 @@ def hf_config(model_type: str, **overrides):
                         topk_group=2, n_shared_experts=2)
     gpt = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+    # Falcon-7B's layout: multi-query attention, one LayerNorm before the parallel block
+    falcon = dict(vocab_size=VOCAB, hidden_size=32, ffn_hidden_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, layer_norm_epsilon=1e-5,
+                  initializer_range=0.2, bos_token_id=0, eos_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     fields = {
         "gpt2": (transformers.GPT2Config, gpt),
         "openai-gpt": (transformers.OpenAIGPTConfig, gpt),
@@ -76,6 +82,14 @@ def hf_config(model_type: str, **overrides):
             mlp_only_layers=[0], tie_word_embeddings=True)),
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(llama, **experts, head_dim=8,
                                                         num_experts=4, norm_topk_prob=True)),
+        "olmo2": (transformers.Olmo2Config, dict(llama, pad_token_id=0, eos_token_id=0)),
+        # Phi-3: head_dim d/h (its config has no other), a window of 5 on every layer
+        "phi3": (transformers.Phi3Config, dict(llama, sliding_window=5, pad_token_id=0,
+                                               eos_token_id=0, bos_token_id=0)),
+        "falcon": (transformers.FalconConfig, falcon),
+        # Falcon-40B's: grouped query_key_value (2 KV heads), ln_attn and ln_mlp
+        "falcon-40b": (transformers.FalconConfig, dict(falcon, new_decoder_architecture=True,
+                                                       num_kv_heads=2)),
         "deepseek_v2-moe": (transformers.DeepseekV2Config, dict(
             deepseek_moe, q_lora_rank=None, num_experts_per_tok=3,
             topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
@@ -87,8 +101,16 @@ def hf_config(model_type: str, **overrides):
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text")
+               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon",
+               "falcon-40b")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+# Falcon's layouts: 7B's and 40B's, 40B's with one norm, the old one with a key and value per head
+# (untied, tanh-GELU), and its sequential block
+FALCONS = {"falcon": ("falcon", {}), "falcon-40b": ("falcon-40b", {}),
+           "falcon-40b-one-norm": ("falcon-40b", dict(num_ln_in_parallel_attn=1)),
+           "falcon-mha-untied-tanh": ("falcon", dict(multi_query=False, tie_word_embeddings=False,
+                                                     activation="gelu_pytorch_tanh")),
+           "falcon-sequential": ("falcon", dict(parallel_attn=False))}
 EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe", "deepseek_v3-moe")
 
 
@@ -113,6 +135,11 @@ SCALED = {
     "llama-longrope": ("llama", rope("longrope", factor=4.0, original_max_position_embeddings=8,
                                      short_factor=[1.0, 1.2, 1.5, 2.0],
                                      long_factor=[1.0, 2.0, 5.0, 9.0])),
+    "phi3-longrope": ("phi3", dict(sliding_window=None, original_max_position_embeddings=8,
+                                   **rope("longrope", factor=4.0,
+                                          original_max_position_embeddings=8,
+                                          short_factor=[1.0, 1.2, 1.5, 2.0],
+                                          long_factor=[1.0, 2.0, 5.0, 9.0]))),
     # DeepSeek-V2's and V3's own terms: mscale = mscale_all_dim leaves m = 1 on the rotation and
     # moves the temperature into the softmax scale
     "deepseek_v2-yarn": ("deepseek_v2", rope("yarn", factor=40.0, original_max_position_embeddings=4,
@@ -122,9 +149,23 @@ SCALED = {
                                              beta_fast=4, beta_slow=1, mscale=1.0,
                                              mscale_all_dim=0.5)),
 }
+# Qwen's windows of 4 (the tests run 13 tokens): Qwen2's on the layers from max_window_layers on,
+# Qwen3's on every layer, Qwen2-MoE's on the even layers below max_window_layers, Qwen3-MoE's on
+# every layer whatever its layer types
+QWEN_WINDOWS = {
+    "qwen2-upper-window": ("qwen2", dict(use_sliding_window=True, sliding_window=4,
+                                         max_window_layers=1)),
+    "qwen3-window": ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+    "qwen2_moe-window": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=2)),
+    "qwen3_moe-window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4)),
+}
 VARIANTS = {  # id -> (model_type, config overrides)
     **{t: (t, {}) for t in MODEL_TYPES},
     **SCALED,
+    **FALCONS,
+    "falcon-linear": ("falcon", rope("linear", factor=4.0)),
+    **QWEN_WINDOWS,
     "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
     "deepseek_v3-half-rope": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None)),
 }
@@ -223,7 +264,7 @@ def _longrope64(initialiser, config, device=None, seq_len=None, layer_type=None)
     """transformers' LongRoPE frequencies, 1 / (f_r base^(2r/d)), in float64; its factor m."""
     _, m = initialiser(config, device, seq_len=seq_len, layer_type=layer_type)
     p = config.rope_parameters
-    dim = config.head_dim
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     long = seq_len is not None and seq_len > p["original_max_position_embeddings"]
     factors = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=torch.float64)
     return 1.0 / (factors * p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), m
@@ -346,11 +387,12 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS):  # float64 rounding (~1e-15), with
-        assert error < 1e-13                                  # room to spare
+    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *FALCONS, *QWEN_WINDOWS,
+                                        "olmo2"):  # float64 rounding
+        assert error < 1e-13                                         # (~1e-15), with room to spare
 
 
-@pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED])
+@pytest.mark.parametrize("variant", [*MODEL_TYPES, *SCALED, *QWEN_WINDOWS])
 def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, monkeypatch):
     model_type, overrides = VARIANTS[variant]
     model = random_model(model_type, seed=1, **overrides)
@@ -362,7 +404,7 @@ def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, m
     model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
     # transformers' cache keeps the keys a dynamic NTK (or LongRoPE) rotated at shorter lengths
     # (stale past the trained context, K3); refmath prefills afresh there, which is recomputing
-    use_cache = variant not in ("llama-dynamic", "llama-longrope")
+    use_cache = variant not in ("llama-dynamic", "llama-longrope", "phi3-longrope")
     with torch.no_grad():
         theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
                                 pad_token_id=0, use_cache=use_cache)[0].numpy()
@@ -383,7 +425,7 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
     module = model_module(name)
     tokens = TOKENS[:, :12]
     full = module.logits(params, tokens, config)
-    if variant in ("llama-dynamic", "llama-longrope"):
+    if variant in ("llama-dynamic", "llama-longrope", "phi3-longrope"):
         z, cache = prefill(name, params, config, tokens[:, :8], all_logits=True)
         np.testing.assert_allclose(z, module.logits(params, tokens[:, :8], config), rtol=1e-12,
                                    atol=1e-12)
@@ -396,14 +438,16 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS])
+@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *FALCONS, "olmo2", *QWEN_WINDOWS])
 def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path):
     """Each decode step routes its one new token as the whole sequence routed it (E4 on one row);
     Gemma's capped scores, local and global layers and their two RoPEs are the same one row at a
-    time."""
+    time; so are Falcon's parallel block and OLMo 2's norms after the sublayers."""
     from refmath.inference.kv_cache import decode_step, prefill
 
-    random_model(variant, seed=4).save_pretrained(tmp_path, safe_serialization=True)
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, seed=4, **overrides).save_pretrained(tmp_path,
+                                                                  safe_serialization=True)
     name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
     tokens = TOKENS[:, :12]
     full = model_module(name).logits(params, tokens, config)
@@ -413,7 +457,7 @@ def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", ["qwen3", *EXPERTS, *GEMMAS, *sorted(SCALED)])
+@pytest.mark.parametrize("variant", ["qwen3", *EXPERTS, *GEMMAS, *sorted(SCALED), "falcon-40b"])
 def test_generate_hf_runs_each_new_type(variant, tmp_path):
     model_type, overrides = VARIANTS[variant]
     random_model(model_type, seed=6, **overrides).save_pretrained(tmp_path,
@@ -451,15 +495,23 @@ def test_windowed_decoding_on_the_cpu_kernels(tmp_path):
     np.testing.assert_array_equal(runs[2], runs[0])
 
 
-def test_qwen2_window_on_upper_layers_caps_the_context(tmp_path):
-    """Qwen2 slides only its layers from max_window_layers on; up to the window nothing is
-    hidden, so refmath runs it with its context capped at the window."""
-    random_model("qwen2", use_sliding_window=True, sliding_window=8,
-                 max_window_layers=1).save_pretrained(tmp_path, safe_serialization=True)
-    name, config, params = hf.load_checkpoint(tmp_path)
-    assert (config.sliding_window, config.max_seq_len) == (None, 8)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model_module(name).logits(params, np.zeros((1, 9), np.int64), config)
+@pytest.mark.parametrize("variant, expected", [
+    ("qwen2-upper-window", (4, (False, True))), ("qwen3-window", (4, None)),
+    ("qwen2_moe-window", (4, (True, False))), ("qwen3_moe-window", (4, None)),
+])
+def test_qwens_windows_slide_the_layers_transformers_slides(variant, expected, tmp_path):
+    """Qwen slides its window on some layers: those layers, and only those, slide here too,
+    over the whole trained context (the logits, generation and cached-decode tests above run 13
+    tokens through these windows of 4)."""
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, **overrides).save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    assert (config.sliding_window, config.window_layers, config.max_seq_len) == (*expected, 64)
+    unwindowed = dataclasses.replace(config, sliding_window=None, window_layers=None)
+    z = model_module(name).logits(params, TOKENS, config)
+    z_full = model_module(name).logits(params, TOKENS, unwindowed)
+    np.testing.assert_array_equal(z[:, :4], z_full[:, :4])
+    assert np.abs(z[:, 4:] - z_full[:, 4:]).min() > 0
 
 
 @pytest.mark.parametrize("torch_dtype,ours", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])
@@ -563,6 +615,9 @@ def refmath_configs():
     gemma = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
                  n_kv_heads=2, head_dim=6, d_ff=40, rope_base=300.0, norm_offset=1.0,
                  embed_scale=True, ffn_activation="gelu_tanh", tie_embeddings=True)
+    falcon = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=40,
+                  rope_base=300.0, parallel_block=True, norm="layernorm", ffn_gated=False,
+                  ffn_activation="gelu", norm_eps=1e-5)
     return {
         "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
@@ -608,6 +663,34 @@ def refmath_configs():
             **gemma, sandwich_norms=True, qk_norm="head", query_pre_attn_scalar=10.0,
             sliding_window=4, window_layers=(True, False), local_rope_base=100.0,
             rope_scaling=dict(rope_type="linear", factor=4.0))),
+        "falcon (parallel block, one LayerNorm, MQA, interleaved RoPE)": (
+            "llama", decoder.DecoderConfig(**falcon, n_kv_heads=1, tie_embeddings=True)),
+        "falcon (two LayerNorms, GQA, untied, tanh GELU, half RoPE)": (
+            "llama", decoder.DecoderConfig(**dict(falcon, ffn_activation="gelu_tanh"), n_kv_heads=2,
+                                           parallel_norms=2, rope_layout="half")),
+        "falcon (sequential block, MHA, linear scaling)": ("llama", decoder.DecoderConfig(
+            **dict(falcon, parallel_block=False), rope_scaling=dict(rope_type="linear",
+                                                                    factor=2.0))),
+        "olmo2 (norms after the sublayers, QK-norm on the projections, interleaved RoPE)": (
+            "llama", decoder.DecoderConfig(
+                vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                d_ff=40, rope_base=300.0, qk_norm="projection", sandwich_norms=True,
+                pre_norms=False, tie_embeddings=True)),
+        "phi3 (LongRoPE past 8 tokens, sliding window 4, interleaved RoPE)": (
+            "llama", decoder.DecoderConfig(
+                vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                d_ff=40, rope_base=300.0, sliding_window=4, rope_scaling=dict(
+                    rope_type="longrope", factor=4.0, original_max_seq_len=8,
+                    short_factor=(1.0, 1.2, 1.5, 2.0), long_factor=(1.0, 2.0, 5.0, 9.0)))),
+        "qwen2 (a window on the upper layer, q/k/v biases)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qkv_bias=True, sliding_window=4, window_layers=(False, True))),
+        "qwen2 (a window on the lower layer only)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qkv_bias=True, sliding_window=4, window_layers=(True, False))),
+        "qwen3 (QK-norm, a window on every layer)": ("llama", decoder.DecoderConfig(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+            d_ff=40, qk_norm="head", sliding_window=4)),
         "mixtral (4 experts, top 2, sliding window 4)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
             d_ff=40, sliding_window=4, moe=dict(n_experts=4, top_k=2, d_expert=12,
@@ -653,8 +736,31 @@ def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp
     error = relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens))
     print(f"{label}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if getattr(config, "moe", None) or getattr(config, "embed_scale", False):  # float64 rounding,
-        assert error < 1e-13  # with room to spare
+    if (getattr(config, "moe", None) or getattr(config, "embed_scale", False)
+            or getattr(config, "parallel_block", False)):  # float64 rounding, with room to spare
+        assert error < 1e-13
+
+
+def test_longrope_is_written_as_phi3_with_its_fused_projections(tmp_path):
+    """Phi-3 stacks the query, key and value rows into qkv_proj and the gate and up rows into
+    gate_up_proj; the logits test above holds the stacking to transformers' reading of it.
+    Heads not d_model / n_heads wide have no Phi-3 (it sizes LongRoPE's factors by that width)
+    and stay llama."""
+    from safetensors.numpy import load_file
+
+    name, config = refmath_configs()["phi3 (LongRoPE past 8 tokens, sliding window 4, "
+                                      "interleaved RoPE)"]
+    hf.save_checkpoint(tmp_path, name, config, model_module(name).init_params(config))
+    written = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
+    tensors = load_file(str(tmp_path / hf.WEIGHTS_FILE))
+    assert (written["model_type"], written["sliding_window"]) == ("phi3", 4)
+    assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 32)
+    assert tensors["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 40, 32)
+    assert not any(key.endswith("q_proj.weight") for key in tensors)
+    wide = dataclasses.replace(config, head_dim=6, rope_scaling=dataclasses.replace(
+        config.rope_scaling, short_factor=(1.0, 1.5, 2.0), long_factor=(2.0, 6.0, 9.0)))
+    hf.save_checkpoint(tmp_path / "wide", name, wide, model_module(name).init_params(wide))
+    assert json.loads((tmp_path / "wide" / hf.CONFIG_FILE).read_text())["model_type"] == "mistral"
 
 
 def test_interleaved_to_half_keeps_every_score():
@@ -679,8 +785,36 @@ def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
 
     config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
                                    n_heads=2, qk_norm="projection")
-    with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection'"):
+    with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection' is OLMo 2's"):
         hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+    config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
+                                   n_heads=2, sandwich_norms=True, pre_norms=False)
+    with pytest.raises(hf.HFCheckpointError, match="olmo2, which needs qk_norm = 'projection'"):
+        hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+
+    falcon = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2,
+                  parallel_block=True, norm="layernorm", ffn_gated=False, ffn_activation="gelu")
+    for fields, message in ((dict(norm="layernorm_no_bias"),
+                             "falcon, which needs norm = 'layernorm'"),
+                            (dict(qkv_bias=True), "qkv_bias = False"),
+                            (dict(ffn_gated=True, ffn_activation="silu"), "ffn_gated = False"),
+                            (dict(head_dim=4), "head_dim = 4"),
+                            (dict(parallel_block=False, n_heads=4, n_kv_heads=2),
+                             "n_kv_heads = 2")):
+        config = decoder.DecoderConfig(**{**falcon, **fields})
+        with pytest.raises(hf.HFCheckpointError, match=message):
+            hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+
+    plain = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=2)
+    for fields, message in ((dict(sliding_window=4, window_layers=(False, True)),
+                             r"written as qwen2 \(with qkv_bias\), qwen3"),
+                            (dict(qk_norm="head", qkv_bias=True), "qkv_bias = True"),
+                            (dict(qkv_bias=True, sliding_window=4, window_layers=(False, True),
+                                  moe=dict(n_experts=2, top_k=1, d_expert=4, d_shared=4,
+                                           shared_gate=True)), "window_layers = ")):
+        config = decoder.DecoderConfig(**plain, **fields)
+        with pytest.raises(hf.HFCheckpointError, match=message):
+            hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
 
     config = transformer.TransformerConfig(vocab_size=11, max_seq_len=8, n_layers=1, d_model=16,
                                            n_heads=2, d_ff=32)
@@ -798,6 +932,43 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
     random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     edit_config(tmp_path, **fields)
     assert message in one_line_error(tmp_path)
+
+
+@pytest.mark.parametrize("variant, fields, message", [
+    ("olmo2", dict(attention_bias=True), "attention_bias = True"),
+    ("olmo2", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                   "partial_rotary_factor": 0.5}), "partial_rotary_factor = 0.5"),
+    ("falcon", dict(alibi=True), "alibi = True"),
+    ("falcon", dict(bias=True), "bias = True"),
+    ("falcon", dict(activation="relu"), "activation = 'relu'"),
+    ("falcon-40b", dict(parallel_attn=False), "parallel_attn = False"),
+    ("falcon", dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn = 2"),
+    ("falcon", dict(multi_query=False, num_kv_heads=2), "num_kv_heads = 2"),
+])
+def test_refuses_what_falcon_olmo2_and_phi3_do_not_compute(variant, fields, message, tmp_path):
+    random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
+    edit_config(tmp_path, **fields)
+    assert message in one_line_error(tmp_path)
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("falcon", (1, True, 1, "gelu", True)),
+    ("falcon-40b", (2, True, 2, "gelu", True)),
+    ("falcon-40b-one-norm", (2, True, 1, "gelu", True)),
+    ("falcon-mha-untied-tanh", (4, True, 1, "gelu_tanh", False)),
+    ("falcon-sequential", (1, False, 1, "gelu", True)),
+])
+def test_falcon_layouts_load_as_their_blocks(variant, expected, tmp_path):
+    """(key/value heads, parallel block, its norms, GELU, tied) of each Falcon layout: the
+    logits tests above hold them to transformers' numbers."""
+    model_type, overrides = VARIANTS[variant]
+    random_model(model_type, **overrides).save_pretrained(tmp_path, safe_serialization=True)
+    _, config, _ = hf.load_checkpoint(tmp_path)
+    assert (config.kv_heads, config.parallel_block, config.parallel_norms, config.ffn_activation,
+            config.tie_embeddings) == expected
+    assert (config.norm, config.ffn_gated, config.d_f, config.rope_layout) == (
+        "layernorm", False, 48, "half")
 
 
 def test_refuses_a_missing_or_mis_shaped_expert(tmp_path):
@@ -930,6 +1101,43 @@ def meta_parameter_count(config: dict) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     return sum(p.numel() for p in model.parameters())
+
+
+# Published config.json files written out (tiiuae/falcon-7b and tiiuae/falcon-40b in
+# transformers' falcon format, allenai/OLMo-2-1124-7B, microsoft/Phi-3-mini-4k-instruct):
+# Falcon's multi-query against 8 grouped key/value heads and one norm against two, OLMo 2's norms
+# after the sublayers and its QK-norm gains, Phi-3's fused projections.
+LOADED_PUBLISHED = {
+    "falcon-7b": dict(model_type="falcon", vocab_size=65024, hidden_size=4544,
+                      num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+                      parallel_attn=True, new_decoder_architecture=False, bias=False,
+                      alibi=False, layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+    "falcon-40b": dict(model_type="falcon", vocab_size=65024, hidden_size=8192,
+                       num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
+                       new_decoder_architecture=True, parallel_attn=True, bias=False,
+                       alibi=False, layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+    "olmo-2-7b": dict(model_type="olmo2", vocab_size=100352, hidden_size=4096,
+                      intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                      rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False),
+    "phi-3-mini-4k": dict(model_type="phi3", vocab_size=32064, hidden_size=3072,
+                          intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=32, max_position_embeddings=4096,
+                          original_max_position_embeddings=4096, sliding_window=2047,
+                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOADED_PUBLISHED))
+def test_published_configs_load_with_transformers_parameters(name):
+    """The loaded model holds every parameter transformers builds, and no other, and the sizing
+    calculator's count of it (sizes --hf) is the same."""
+    from refmath.sizing import parameter_counts
+
+    config = LOADED_PUBLISHED[name]
+    expected = meta_parameter_count(config)
+    assert hf_parameter_count(config) == expected
+    assert parameter_counts(sizing_config(config)).total == expected
 
 
 def test_the_presets_are_the_published_configs():

@@ -8,8 +8,12 @@ A layer maps the residual stream ``x`` (one row per token) to
 
 and the network is token embedding, ``L`` such layers, a final RMSNorm and an output head
 (untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
-biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no learned or fixed position table: positions enter only through the rotation
-of queries and keys (RoPE, N10) inside attention.
+biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no
+learned or fixed position table: positions enter only through the rotation of queries and keys
+(RoPE, N10) inside attention. The configuration also reshapes the block (:class:`DecoderConfig`):
+attention and FFN side by side on one input (the parallel block of GPT-J, PaLM and Falcon, N21),
+norms after the sublayers instead of before them (OLMo 2, N22), LayerNorm for RMSNorm and the plain
+GELU FFN for SwiGLU (Falcon).
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
 parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
@@ -31,8 +35,14 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
     layers.{i}.ffn.w_down        (d_f, d)
     layers.{i}.ffn.router.w, ...  on a mixture-of-experts layer (moe), instead of the three above:
                                  the router and experts of refmath.moe
+    layers.{i}.ffn.w_up, w_down  (d, d_f), (d_f, d)   the plain FFN's two (ffn_gated False)
     ln_f.gamma                   (d,)
     lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
+
+A LayerNorm (``norm="layernorm"``) adds its bias ``.beta`` ``(d,)`` beside every ``.gamma``;
+``sandwich_norms`` adds ``layers.{i}.ln1_post`` and ``ln2_post`` (the norms after the sublayers),
+``pre_norms`` False removes ``ln1`` and ``ln2``, and a parallel block with one norm has no
+``ln2``.
 """
 from __future__ import annotations
 
@@ -56,7 +66,7 @@ from refmath.ffn import (
     linear_forward,
     swiglu_hidden_size,
 )
-from refmath.fused import swiglu_backward, swiglu_forward
+from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
 from refmath import ffn as ffn_ops
 from refmath import fused as fused_ops
 from refmath import moe as moe_ops
@@ -65,13 +75,14 @@ from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backwa
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
                                    prefixed, sub_params)
 from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
-                                      interleaved_to_half, linear_out, refuse, refuse_common,
-                                      require, rope_context, rope_from_hf, rope_to_hf,
-                                      swiglu_layers_to_hf, take_ends, take_feed_forward_layer,
-                                      take_swiglu)
+                                      interleaved_to_half, join_heads_columns, linear_out, refuse,
+                                      refuse_common, require, rope_context, rope_from_hf,
+                                      rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
+                                      fuse_phi3, take_ends, take_feed_forward_layer, take_head,
+                                      take_phi3_layer, take_swiglu)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
-from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
+from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (ROPE_LAYOUTS, RoPECache, RopeScaling, as_rope_scaling,
                                rope_backward, rope_forward, rope_frequencies_change, rope_inv_freq)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
@@ -102,10 +113,13 @@ def check_shared_fields(config) -> None:
 
 
 def ffn_width(config) -> int:
-    """The SwiGLU hidden width ``d_f``: ``d_ff`` if given, else ``8d/3`` rounded up to a multiple of
-    ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`)."""
+    """The FFN's hidden width ``d_f``: ``d_ff`` if given, else, for the gated FFN, ``8d/3`` rounded
+    up to a multiple of ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), about as
+    many parameters as the plain FFN's ``4d`` (N5), which ``ffn_gated = False`` defaults to."""
     if config.d_ff is not None:
         return config.d_ff
+    if not getattr(config, "ffn_gated", True):
+        return 4 * config.d_model
     return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
 
 
@@ -144,12 +158,18 @@ class FamilyConfig:
 
     @property
     def d_f(self) -> int:
-        """The SwiGLU hidden width."""
+        """The FFN's hidden width (:func:`ffn_width`)."""
         return ffn_width(self)
 
 
 QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
-FFN_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated FFN: SwiGLU (N7) or GeGLU
+# the FFN's activation: the gate of SwiGLU (N7) or GeGLU (N20), or the nonlinearity of the plain
+# two-layer FFN (N5, N6: exact GELU for Falcon, tanh-GELU for GPT-J)
+FFN_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh")
+# the layer norms: RMSNorm (N2), LayerNorm with its bias (N1, Falcon) or without one (PaLM)
+NORMS = ("rmsnorm", "layernorm", "layernorm_no_bias")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +209,18 @@ class DecoderConfig(FamilyConfig):
     of :math:`1/\sqrt{d_h}`; ``attn_softcap`` and ``final_softcap`` = ``c`` cap the attention
     scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
     on each sublayer's output before the residual sum (Gemma 2 and 3).
+
+    The block's shape: ``parallel_block`` makes attention and FFN read the same input and add to
+    the residual together, :math:`x' = x + \operatorname{Attn}(N_1(x)) + \operatorname{FFN}(N_2(x))`
+    (GPT-J, PaLM, Falcon; N21), with one norm :math:`N_2 = N_1` (``parallel_norms`` = 1: GPT-J,
+    PaLM, Falcon-7B) or two (``parallel_norms`` = 2: Falcon-40B's ``ln_attn`` and ``ln_mlp``).
+    ``pre_norms`` = False (with ``sandwich_norms``) drops the norms before the sublayers and keeps
+    those after them, :math:`x' = x + \operatorname{RMSNorm}(F(x))` (OLMo 2; N22). ``norm`` is every
+    layer norm of the blocks and the final one (QK-norm stays RMSNorm): ``"rmsnorm"``,
+    ``"layernorm"`` (with its bias ``beta``, Falcon) or ``"layernorm_no_bias"`` (PaLM).
+    ``ffn_gated`` = False makes the FFN the plain two-layer one without biases,
+    :math:`\phi(x W_1) W_2` with ``ffn_activation`` :math:`\phi` ``"gelu"`` (exact, Falcon) or
+    ``"gelu_tanh"`` (GPT-J), of default width ``4 d``.
     """
 
     n_kv_heads: int | None = None
@@ -205,6 +237,11 @@ class DecoderConfig(FamilyConfig):
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sandwich_norms: bool = False
+    parallel_block: bool = False
+    parallel_norms: int = 1
+    pre_norms: bool = True
+    norm: str = "rmsnorm"
+    ffn_gated: bool = True
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -228,6 +265,7 @@ class DecoderConfig(FamilyConfig):
         check_field(self, "embed_scale", check_flag)
         check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
         check_field(self, "sandwich_norms", check_flag)
+        self._check_block()
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
             check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         object.__setattr__(self, "rope_scaling",
@@ -240,6 +278,29 @@ class DecoderConfig(FamilyConfig):
             source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
             raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "
                              f"for RoPE's coordinate pairs")
+
+    def _check_block(self) -> None:
+        """The fields of the block's shape (its norms, their place, the FFN), and their mixtures
+        that no model has."""
+        for name in ("parallel_block", "pre_norms", "ffn_gated"):
+            check_field(self, name, check_flag)
+        check_field(self, "parallel_norms", check_choice, (1, 2))
+        check_field(self, "norm", check_choice, NORMS)
+        if self.parallel_norms == 2 and not self.parallel_block:
+            raise ValueError("DecoderConfig.parallel_norms = 2 gives the FFN of a parallel block "
+                             "its own norm; parallel_block is False")
+        if self.parallel_block and (self.sandwich_norms or not self.pre_norms):
+            raise ValueError("DecoderConfig.parallel_block normalises the block's input only; "
+                             f"sandwich_norms = {self.sandwich_norms} and pre_norms = "
+                             f"{self.pre_norms} ask for norms after the sublayers")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("DecoderConfig.pre_norms = False moves the norms after the sublayers "
+                             "(OLMo 2), which needs sandwich_norms = True")
+        allowed = GATED_ACTIVATIONS if self.ffn_gated else PLAIN_ACTIVATIONS
+        if self.ffn_activation not in allowed:
+            kind = "gated FFN" if self.ffn_gated else "plain FFN (ffn_gated = False)"
+            raise ValueError(f"DecoderConfig.ffn_activation = {self.ffn_activation!r} is not one "
+                             f"of the {kind}'s: {', '.join(map(repr, allowed))}")
 
     @property
     def kv_heads(self) -> int:
@@ -296,6 +357,12 @@ def _layer_config(config, layer: int):
     return dataclasses.replace(config, **fields)
 
 
+# PaLM's block (Chowdhery et al. 2022, Sec. 2): attention and a SwiGLU FFN in parallel on one
+# LayerNorm without bias, multi-query attention, no biases anywhere, the output projection shared
+# with the input embedding. PaLM's weights were never released, so no checkpoint loads into it;
+# refmath.sizing's "palm-540b" counts the published model.
+_PALM = dict(parallel_block=True, n_kv_heads=1, norm="layernorm_no_bias", tie_embeddings=True)
+
 PRESETS = {
     # For lessons and quick training runs on a CPU: byte-level vocabulary, GQA with g = h/2.
     "tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
@@ -304,6 +371,9 @@ PRESETS = {
     # released checkpoint: 32k vocabulary, d_h = 64, GQA with g = 4 of h = 12.
     "llama-small": dict(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12,
                         n_kv_heads=4, ffn_multiple_of=256, norm_eps=1e-5),
+    # PaLM's recipe at the size of "tiny": its SwiGLU is 4d wide (PaLM-540B's 73728 = 4 x 18432)
+    "palm-tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+                      d_ff=256, norm_eps=1e-5, **_PALM),
 }
 
 
@@ -513,30 +583,38 @@ def is_moe_layer(config, layer: int) -> bool:
 
 def ffn_shapes(config, layer: int) -> dict:
     """``{name: shape}`` of layer ``layer``'s feed-forward, relative to its ``ffn.`` prefix: the
-    dense SwiGLU's three matrices, or the mixture of experts' (:func:`refmath.moe.moe_param_shapes`)."""
+    dense gated FFN's three matrices, the plain FFN's two (``ffn_gated`` False), or the mixture of
+    experts' (:func:`refmath.moe.moe_param_shapes`)."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_param_shapes(config.d_model, config.moe)
     d, d_f = config.d_model, config.d_f
+    if not getattr(config, "ffn_gated", True):
+        return {"w_up": (d, d_f), "w_down": (d_f, d)}
     return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
 
 
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
+    sandwich, pre = getattr(config, "sandwich_norms", False), getattr(config, "pre_norms", True)
+    # a parallel block with one norm has no ln2: its FFN reads ln1's output
+    ffn_norm = pre and (not getattr(config, "parallel_block", False) or config.parallel_norms == 2)
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
-        shapes[prefix + "ln1.gamma"] = (d,)
+        if pre:
+            shapes.update(norm_shapes(config, prefix + "ln1"))
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
-        if getattr(config, "sandwich_norms", False):
-            shapes[prefix + "ln1_post.gamma"] = (d,)
-        shapes[prefix + "ln2.gamma"] = (d,)
-        if getattr(config, "sandwich_norms", False):
-            shapes[prefix + "ln2_post.gamma"] = (d,)
+        if sandwich:
+            shapes.update(norm_shapes(config, prefix + "ln1_post"))
+        if ffn_norm:
+            shapes.update(norm_shapes(config, prefix + "ln2"))
+        if sandwich:
+            shapes.update(norm_shapes(config, prefix + "ln2_post"))
         for name, shape in ffn_shapes(config, i).items():
             shapes[prefix + "ffn." + name] = shape
-    shapes["ln_f.gamma"] = (d,)
+    shapes.update(norm_shapes(config, "ln_f"))
     if not config.tie_embeddings:
         shapes["lm_head"] = (d, vocab)
     return shapes
@@ -553,7 +631,7 @@ def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
     for name, shape in decoder_param_shapes(config, attention).items():
         if name.endswith(".gamma"):  # the applied gain starts at 1 (Gemma's stored w at 0)
             value = np.full(shape, 1.0 - getattr(config, "norm_offset", 0.0))
-        elif len(shape) == 1:  # biases, and a mixture of experts' selection bias
+        elif len(shape) == 1:  # biases (a LayerNorm's too), a mixture of experts' selection bias
             value = np.zeros(shape)
         elif name.endswith(RESIDUAL_OUTPUTS):
             value = rng.normal(0.0, residual_std, shape)
@@ -588,36 +666,141 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
 
 
-# ---- blocks: the pre-norm residual sublayer, the FFN, a layer --------------------------------------
+# ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer -------------
+
+
+class LayerNormNoBiasCache(NamedTuple):
+    ln: LayerNormCache  # of a LayerNorm whose bias is 0 and no parameter (PaLM)
+
+
+def norm_shapes(config, name: str) -> dict:
+    """``{name.gamma: (d,)}`` of the layer norm ``name``, and ``name.beta`` for a LayerNorm with its
+    bias."""
+    shapes = {name + ".gamma": (config.d_model,)}
+    if getattr(config, "norm", "rmsnorm") == "layernorm":
+        shapes[name + ".beta"] = (config.d_model,)
+    return shapes
+
+
+def norm_forward(x, params: dict, name: str, config):
+    r"""The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, as
+    ``config.norm`` says: RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fused.layernorm_forward`)
+
+    .. math::
+        \operatorname{RMSNorm}(x) = \gamma \odot \frac{x}{\operatorname{rms}(x)},\qquad
+        \operatorname{LN}(x) = \gamma \odot \frac{x - \mu}{\sigma} + \beta
+
+    with :math:`\beta = 0` and no parameter for ``"layernorm_no_bias"``; the gain as :func:`gain`
+    applies it. Returns ``(y, cache)``.
+    """
+    gamma = gain(config, params[name + ".gamma"])
+    kind = getattr(config, "norm", "rmsnorm")
+    if kind == "rmsnorm":
+        return rmsnorm_forward(x, gamma, config.norm_eps)
+    if kind == "layernorm":
+        return fused_ops.layernorm_forward(x, gamma, params[name + ".beta"], config.norm_eps)
+    y, ln = fused_ops.layernorm_forward(x, gamma, 0.0, config.norm_eps)
+    return y, LayerNormNoBiasCache(ln)
+
+
+def norm_backward(dy, cache):
+    """Gradients of :func:`norm_forward`: ``(dx, {"gamma": ...})``, with ``"beta"`` for a LayerNorm
+    with its bias. Without a norm (``cache`` None: the branch read ``x`` itself) ``dy`` passes
+    through."""
+    if cache is None:
+        return dy, {}
+    if isinstance(cache, RMSNormCache):
+        dx, dgamma = rmsnorm_backward(dy, cache)
+        return dx, {"gamma": dgamma}
+    if isinstance(cache, LayerNormNoBiasCache):
+        dx, dgamma, _ = fused_ops.layernorm_backward(dy, cache.ln)
+        return dx, {"gamma": dgamma}
+    dx, dgamma, dbeta = fused_ops.layernorm_backward(dy, cache)
+    return dx, {"gamma": dgamma, "beta": dbeta}
+
+
+def layer_norm(params: dict, name: str, config) -> Callable:
+    """The layer norm ``name`` of ``params`` as a function of the rows: ``x -> (y, cache)``."""
+    return lambda x: norm_forward(x, params, name, config)
 
 
 class SublayerCache(NamedTuple):
-    norm: RMSNormCache
+    norm: object  # the pre-norm's cache (RMSNorm's or LayerNorm's); None where there is none
     branch: object  # the branch's own cache (attention or FFN)
     drop: np.ndarray | None  # residual dropout multiplier: 0 (dropped) or 1/(1-p), or None
 
 
-def sublayer_forward(x, gamma, branch_forward: Callable, eps: float, drop=None):
-    r"""A pre-norm residual sublayer (N2, N4): :math:`y = x + D \odot F(\operatorname{RMSNorm}(x))`.
+def sublayer_forward(x, norm: Callable | None, branch_forward: Callable, drop=None):
+    r"""A residual sublayer (N2, N4): :math:`y = x + D \odot F(N(x))` with the pre-norm
+    :math:`N` (``norm(x) -> (N(x), cache)``, from :func:`layer_norm`), or, with ``norm`` None,
+    :math:`y = x + D \odot F(x)` (OLMo 2, whose branch normalises its output instead).
 
     ``branch_forward(h) -> (F(h), cache)`` is the attention or the FFN; ``drop`` is the residual
     dropout multiplier ``D`` (None: no dropout). Returns ``(y, cache)``.
     """
-    h, norm = rmsnorm_forward(x, gamma, eps)
+    h, norm_cache = (x, None) if norm is None else norm(x)
     f, branch = branch_forward(h)
-    return x + apply_mask(f, drop), SublayerCache(norm, branch, drop)
+    return x + apply_mask(f, drop), SublayerCache(norm_cache, branch, drop)
 
 
 def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
-    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, dgamma, branch_grads)``.
+    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, norm_grads, branch_grads)``, the
+    norm's gradients keyed ``"gamma"`` (and ``"beta"``).
 
     The identity path passes ``dout`` straight through (the point of Pre-LN, N4's :math:`I + J_F
     J_{LN}`); the branch path goes back through the dropout mask, the branch and the norm.
     """
     df = apply_mask(dout, cache.drop)
     dh, branch_grads = branch_backward(df, cache.branch)
-    dx, dgamma = rmsnorm_backward(dh, cache.norm)
-    return dout + dx, dgamma, branch_grads
+    dx, norm_grads = norm_backward(dh, cache.norm)
+    return dout + dx, norm_grads, branch_grads
+
+
+def parallel_forward(x, norms: tuple, branches: tuple, drops=(None, None)):
+    r"""A parallel block (N21; GPT-J, PaLM, Falcon): attention and FFN read the block's input and
+    add to the residual together,
+
+    .. math::
+        x' = x + D_1 \odot \operatorname{Attn}(N_1(x)) + D_2 \odot \operatorname{FFN}(N_2(x))
+
+    ``norms`` = ``(N_1, N_2)`` as :func:`sublayer_forward` takes a norm, ``N_2`` None when the FFN
+    reads :math:`N_1(x)` too (one norm: GPT-J, PaLM, Falcon-7B; two: Falcon-40B); ``branches`` the
+    attention and FFN forwards, ``drops`` their residual dropout multipliers (one per branch, as
+    for the sequential sublayers; Falcon drops their sum with one). Returns ``(x', attn, ffn)``,
+    each a :class:`SublayerCache` (the FFN's without a norm cache when it shares the attention's).
+    """
+    attn_norm, ffn_norm = norms
+    h, attn_norm_cache = attn_norm(x)
+    u, ffn_norm_cache = (h, None) if ffn_norm is None else ffn_norm(x)
+    a, attn = branches[0](h)
+    f, ffn = branches[1](u)
+    y = x + apply_mask(a, drops[0]) + apply_mask(f, drops[1])
+    return (y, SublayerCache(attn_norm_cache, attn, drops[0]),
+            SublayerCache(ffn_norm_cache, ffn, drops[1]))
+
+
+def parallel_backward(dout, attn: SublayerCache, ffn: SublayerCache, backwards: tuple,
+                      shared: bool):
+    r"""Gradients of :func:`parallel_forward`: ``(dx, attn_norm_grads, ffn_norm_grads,
+    attn_grads, ffn_grads)``.
+
+    ``x`` feeds three paths, the identity and both branches, so their gradients add up:
+
+    .. math::
+        dx = dx' + J_{N_1}^\top\, dh + J_{N_2}^\top\, du,\qquad
+        dh = J_{\text{Attn}}^\top (D_1 \odot dx'),\quad du = J_{\text{FFN}}^\top (D_2 \odot dx')
+
+    and with one norm (``shared``) both branches read :math:`h = N(x)`: :math:`dx = dx' +
+    J_N^\top (dh + du)`, one backward through the norm.
+    """
+    dh, attn_grads = backwards[0](apply_mask(dout, attn.drop), attn.branch)
+    du, ffn_grads = backwards[1](apply_mask(dout, ffn.drop), ffn.branch)
+    if shared:
+        dx, attn_norm_grads = norm_backward(dh + du, attn.norm)
+        return dout + dx, attn_norm_grads, {}, attn_grads, ffn_grads
+    dx_attn, attn_norm_grads = norm_backward(dh, attn.norm)
+    dx_ffn, ffn_norm_grads = norm_backward(du, ffn.norm)
+    return dout + dx_attn + dx_ffn, attn_norm_grads, ffn_norm_grads, attn_grads, ffn_grads
 
 
 def ffn_forward(h, params: dict, activation: str = "silu"):
@@ -642,73 +825,131 @@ def geglu_ffn_backward(dy, cache):
     return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
 
 
+class PlainFFNCache(NamedTuple):
+    first: LinearCache  # z = h W_1
+    act: BiasGELUCache  # GELU(z), exact or in its tanh form
+    second: LinearCache  # y = a W_2
+
+
+def plain_ffn_forward(h, params: dict, approximate: bool):
+    r"""The plain two-layer FFN without biases (N5, N6; Falcon, GPT-J), with this layer's ``w_up``
+    (:math:`W_1`, ``(d, d_f)``) and ``w_down`` (:math:`W_2`, ``(d_f, d)``):
+
+    .. math::
+        F(h) = \operatorname{GELU}(h W_1)\, W_2
+
+    the GELU exact or, with ``approximate``, in its tanh form
+    (:func:`refmath.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
+    Returns ``(y, cache)``.
+    """
+    z, first = linear_forward(h, params["w_up"])
+    a, act = fused_ops.bias_gelu_forward(z, None, approximate)
+    y, second = linear_forward(a, params["w_down"])
+    return y, PlainFFNCache(first, act, second)
+
+
+def plain_ffn_backward(dy, cache: PlainFFNCache):
+    r"""Gradients of :func:`plain_ffn_forward`: ``(dh, {"w_up", "w_down"})``; with :math:`z = h
+    W_1`, :math:`a = \operatorname{GELU}(z)`: :math:`da = dy\, W_2^\top`, :math:`dz = da \odot
+    \operatorname{GELU}'(z)`, :math:`dh = dz\, W_1^\top`."""
+    da, dw_down, _ = linear_backward(dy, cache.second)
+    dz = fused_ops.bias_gelu_backward(da, cache.act)
+    dh, dw_up, _ = linear_backward(dz, cache.first)
+    return dh, {"w_up": dw_up, "w_down": dw_down}
+
+
 def layer_ffn_forward(h, params: dict, config, layer: int):
-    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense SwiGLU, or the
-    mixture of experts (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects.
-    Returns ``(y, cache)``."""
+    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense gated FFN
+    (SwiGLU, GeGLU), the plain GELU FFN (``ffn_gated`` False), or the mixture of experts
+    (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_forward(h, params, config.moe)
-    return ffn_forward(h, params, getattr(config, "ffn_activation", "silu"))
+    activation = getattr(config, "ffn_activation", "silu")
+    if not getattr(config, "ffn_gated", True):
+        return plain_ffn_forward(h, params, approximate=activation == "gelu_tanh")
+    return ffn_forward(h, params, activation)
 
 
 class LayerCache(NamedTuple):
     attn: SublayerCache  # its branch cache is the attention's cache
     ffn: SublayerCache  # its branch cache is a SwiGLUCache, or a mixture of experts' cache
     moe: bool = False  # whether the feed-forward was the mixture of experts
-    sandwich: bool = False  # whether each branch ended in its own RMSNorm (PostNormCache)
+    sandwich: bool = False  # whether each branch ended in its own norm (PostNormCache)
     geglu: bool = False  # whether the dense FFN gated with tanh-GELU
+    parallel: int = 0  # 0: sequential sublayers; 1 or 2: a parallel block with that many norms
+    plain_ffn: bool = False  # whether the dense FFN was the plain GELU one (PlainFFNCache)
 
 
 class PostNormCache(NamedTuple):
     branch: object  # the branch's cache
-    norm: RMSNormCache  # of the RMSNorm on its output
+    norm: object  # of the norm on its output
 
 
-def post_normed(branch_forward: Callable, gamma, eps: float) -> Callable:
-    r"""The branch followed by an RMSNorm of its output (Gemma 2/3's sandwich,
-    :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`)."""
+def post_normed(branch_forward: Callable, norm: Callable) -> Callable:
+    r"""The branch followed by a norm of its output (``norm``, from :func:`layer_norm`): Gemma 2/3's
+    sandwich :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`, or, without the
+    pre-norm, OLMo 2's :math:`x + \operatorname{RMSNorm}(F(x))` (N22)."""
     def forward(h):
         y, branch = branch_forward(h)
-        z, norm = rmsnorm_forward(y, gamma, eps)
-        return z, PostNormCache(branch, norm)
+        z, norm_cache = norm(y)
+        return z, PostNormCache(branch, norm_cache)
     return forward
 
 
 def post_normed_backward(branch_backward: Callable, grads: dict, name: str) -> Callable:
-    """The backward of :func:`post_normed`; the output norm's gain gradient goes to
-    ``grads[name]``."""
+    """The backward of :func:`post_normed`; the output norm's gradients go to ``grads`` under
+    ``name`` (``name.gamma``, ...)."""
     def backward(dz, cache: PostNormCache):
-        dy, grads[name] = rmsnorm_backward(dz, cache.norm)
+        dy, norm_grads = norm_backward(dz, cache.norm)
+        grads.update(prefixed(name, norm_grads))
         return branch_backward(dy, cache.branch)
     return backward
+
+
+def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
+                  drops=(None, None)):
+    r"""The residual block around a layer's attention and FFN branches, with the norms where
+    ``config`` places them: Pre-norm sublayers one after the other (N2, N4), each branch's output
+    normalised too (``sandwich_norms``) or only that (``pre_norms`` False, N22), or a parallel
+    block (N21). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
+    ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
+    """
+    if getattr(config, "sandwich_norms", False):
+        attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
+        ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
+    if getattr(config, "parallel_block", False):
+        ffn_norm = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
+        return parallel_forward(x, (layer_norm(params, "ln1", config), ffn_norm),
+                                (attn_branch, ffn_branch), drops)
+    pre = getattr(config, "pre_norms", True)
+    x, attn = sublayer_forward(x, layer_norm(params, "ln1", config) if pre else None, attn_branch,
+                               drops[0])
+    x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config) if pre else None, ffn_branch,
+                              drops[1])
+    return x, attn, ffn
 
 
 def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
                   drops=(None, None)):
     r"""Decoder layer ``layer``: :math:`x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x))`,
     then :math:`x'' = x' + \operatorname{FFN}(\operatorname{RMSNorm}(x'))` with the SwiGLU or, on
-    a layer ``config.moe`` selects, the mixture of experts as FFN.
+    a layer ``config.moe`` selects, the mixture of experts as FFN; the norms and the block's shape
+    as ``config`` says (:func:`block_forward`).
 
     ``params`` are this layer's parameters without the ``layers.{i}.`` prefix; ``drops`` the two
     residual dropout multipliers. Returns ``(x'', cache)``.
     """
     config = layer_config(config, layer)
     attn_params, ffn_params = sub_params(params, "attn"), sub_params(params, "ffn")
-    attn_branch = lambda h: attention.forward(h, attn_params, config)  # noqa: E731
-    ffn_branch = lambda h: layer_ffn_forward(h, ffn_params, config, layer)  # noqa: E731
-    sandwich = getattr(config, "sandwich_norms", False)
-    if sandwich:
-        attn_branch = post_normed(attn_branch, gain(config, params["ln1_post.gamma"]),
-                                  config.norm_eps)
-        ffn_branch = post_normed(ffn_branch, gain(config, params["ln2_post.gamma"]),
-                                 config.norm_eps)
-    x, attn = sublayer_forward(x, gain(config, params["ln1.gamma"]), attn_branch,
-                               config.norm_eps, drops[0])
-    x, ffn = sublayer_forward(x, gain(config, params["ln2.gamma"]), ffn_branch,
-                              config.norm_eps, drops[1])
+    x, attn, ffn = block_forward(
+        x, params, config, lambda h: attention.forward(h, attn_params, config),
+        lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
     moe = is_moe_layer(config, layer)
-    geglu = not moe and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
-    return x, LayerCache(attn, ffn, moe, sandwich, geglu)
+    plain = not moe and not getattr(config, "ffn_gated", True)
+    geglu = not moe and not plain and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
+    parallel = config.parallel_norms if getattr(config, "parallel_block", False) else 0
+    return x, LayerCache(attn, ffn, moe, getattr(config, "sandwich_norms", False), geglu,
+                         parallel, plain)
 
 
 def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
@@ -716,18 +957,21 @@ def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
 
     A mixture of experts' backward also carries the gradient of its auxiliary losses, which
     :func:`lm_forward` added to the loss."""
-    ffn_back = (moe_ops.moe_backward if cache.moe else
-                geglu_ffn_backward if cache.geglu else ffn_backward)
+    ffn_back = (moe_ops.moe_backward if cache.moe else plain_ffn_backward if cache.plain_ffn
+                else geglu_ffn_backward if cache.geglu else ffn_backward)
     attn_back, post_grads = attention.backward, {}
     if cache.sandwich:
-        ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post.gamma")
-        attn_back = post_normed_backward(attn_back, post_grads, "ln1_post.gamma")
-    dx, dgamma2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
-    dx, dgamma1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
-    grads = {"ln1.gamma": dgamma1, **prefixed("attn", attn_grads), "ln2.gamma": dgamma2,
+        ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post")
+        attn_back = post_normed_backward(attn_back, post_grads, "ln1_post")
+    if cache.parallel:
+        dx, norm1, norm2, attn_grads, ffn_grads = parallel_backward(
+            dout, cache.attn, cache.ffn, (attn_back, ffn_back), shared=cache.parallel == 1)
+    else:
+        dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
+        dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
+    grads = {**prefixed("ln1", norm1), **prefixed("attn", attn_grads), **prefixed("ln2", norm2),
              **prefixed("ffn", ffn_grads), **post_grads}
     return dx, grads
-
 
 
 # ---- the whole network ---------------------------------------------------------------------------
@@ -737,7 +981,7 @@ class DecoderCache(NamedTuple):
     attention: AttentionOps  # which attention ran, so that backward needs only the cache
     emb: EmbeddingCache
     layers: tuple  # one LayerCache per layer
-    norm_f: RMSNormCache
+    norm_f: object  # the final norm's cache (RMSNorm's or LayerNorm's)
     head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
     tied: bool
     loss: CrossEntropyCache | None  # None when the cache came from a logits-only pass
@@ -781,7 +1025,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
         x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), i, config, attention,
                                  drops[i])
         layers.append(layer)
-    x, norm_f = rmsnorm_forward(x, gain(config, params["ln_f.gamma"]), config.norm_eps)
+    x, norm_f = norm_forward(x, params, "ln_f", config)
     w_out = table.T if config.tie_embeddings else params["lm_head"]
     z, head = linear_forward(x, w_out)
     cap = None
@@ -806,8 +1050,8 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
     if cache.softcap is not None:
         dz = ffn_ops.softcap_backward(dz, cache.softcap)
     dx, dw_out, _ = linear_backward(dz, cache.head)
-    dx, dgamma_f = rmsnorm_backward(dx, cache.norm_f)
-    grads = {"ln_f.gamma": dgamma_f}
+    dx, norm_grads = norm_backward(dx, cache.norm_f)
+    grads = prefixed("ln_f", norm_grads)
     for i in reversed(range(len(cache.layers))):
         dx, layer_grads = layer_backward(dx, cache.layers[i], cache.attention)
         grads.update(prefixed(f"layers.{i}", layer_grads))
@@ -927,8 +1171,8 @@ def embed(params, tokens, config, offset: int) -> np.ndarray:
 
 
 def head(params, x, config) -> np.ndarray:
-    """Final RMSNorm and output projection of the new rows: logits ``(B, n, V)``."""
-    x, _ = rmsnorm_forward(x, gain(config, params["ln_f.gamma"]), config.norm_eps)
+    """Final norm and output projection of the new rows: logits ``(B, n, V)``."""
+    x, _ = norm_forward(x, params, "ln_f", config)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     z = linear_forward(x, w_out)[0]
     if getattr(config, "final_softcap", None) is not None:
@@ -939,11 +1183,11 @@ def head(params, x, config) -> np.ndarray:
 def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,
                         **options) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` ``(B, n, d)`` at positions ``offset..``: the residual
-    sublayers of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
+    block of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
     reading and extending the layer's cache through ``slot``. ``options`` go to that step."""
     config = layer_config(config, layer)
-    w, ffn = sub_params(params, f"layers.{layer}.attn"), sub_params(params, f"layers.{layer}.ffn")
-    p = f"layers.{layer}."
+    p = sub_params(params, f"layers.{layer}")
+    w, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
 
     def attn_branch(u):
         return attention.cached(u, w, config, slot, offset, **options), None
@@ -951,14 +1195,7 @@ def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, 
     def ffn_branch(u):
         return layer_ffn_forward(u, ffn, config, layer)
 
-    if getattr(config, "sandwich_norms", False):
-        attn_branch = post_normed(attn_branch, gain(config, params[p + "ln1_post.gamma"]),
-                                  config.norm_eps)
-        ffn_branch = post_normed(ffn_branch, gain(config, params[p + "ln2_post.gamma"]),
-                                 config.norm_eps)
-    x, _ = sublayer_forward(x, gain(config, params[p + "ln1.gamma"]), attn_branch, config.norm_eps)
-    x, _ = sublayer_forward(x, gain(config, params[p + "ln2.gamma"]), ffn_branch, config.norm_eps)
-    return x
+    return block_forward(x, p, config, attn_branch, ffn_branch)[0]
 
 
 def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int) -> np.ndarray:
@@ -976,45 +1213,64 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings,
                 sliding_window=config.sliding_window, window_layers=config.window_layers,
-                qk_norm=config.qk_norm, moe=config.moe,
-                mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
-                norms_per_layer=4 if config.sandwich_norms else 2)
+                qk_norm=config.qk_norm, moe=config.moe, norm=config.norm,
+                mlp=(("geglu" if config.ffn_activation == "gelu_tanh" else "swiglu")
+                     if config.ffn_gated else "gelu"),  # "gelu": the plain 2 d d_f FFN
+                norms_per_layer=(config.parallel_norms if config.parallel_block else
+                                 2 * config.pre_norms + 2 * config.sandwich_norms))
 
 
-# ---- Hugging Face: llama, mistral, qwen2, qwen3 and their mixtures of experts ----------------------
+# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, gemma, olmo2, phi3 ----
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
-# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4)
-# gemma, gemma2 and gemma3_text with Gemma's options
+# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
+# gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
+# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its
+# parallel block of LayerNorms and its plain GELU MLP (its own section below)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text")
+                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
 
 
 def _hf_window(hf: dict) -> int | None:
-    """Mistral's and Mixtral's sliding window (every layer's), or None where it masks nothing."""
+    """Mistral's, Mixtral's and Phi-3's sliding window (every layer's), or None where it masks
+    nothing."""
     window = hf.get("sliding_window")
-    if hf["model_type"] not in ("mistral", "mixtral") or not window:
+    if hf["model_type"] not in ("mistral", "mixtral", "phi3") or not window:
         return None
     return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
 
 
-def _hf_context(hf: dict) -> int:
-    """``max_seq_len``: the trained context; for a Qwen2 whose upper layers slide, capped at the
-    window.
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
-    Qwen2 slides only the layers from ``max_window_layers`` on, which refmath's decoder (one window
-    for every layer) does not express; but up to ``W`` tokens a window of ``W`` hides nothing, so
-    the plain causal model is exactly the windowed one on every sequence it accepts.
-    """
-    context = rope_context(hf, rope_from_hf(hf)[1])
-    if (hf["model_type"] in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window")
-            and hf.get("sliding_window")):
-        if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
-            return min(context, int(hf["sliding_window"]))
-    return context
+
+def _qwen_windows(hf: dict) -> tuple:
+    """``(sliding_window, window_layers)`` of a Qwen config: its window on the layers
+    ``layer_types`` marks ``"sliding_attention"`` (as transformers derives them when the file has
+    none: Qwen2 and Qwen3 slide the layers from ``max_window_layers`` on, Qwen2-MoE the even ones
+    below it), on every layer of a Qwen3-MoE (whose attention reads no layer types), or
+    ``(None, None)`` without ``use_sliding_window`` or where the window hides nothing."""
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return None, None
+    window, layers, kind = int(window), int(hf["num_hidden_layers"]), hf["model_type"]
+    if window >= rope_context(hf, rope_from_hf(hf)[1]):
+        return None, None
+    if kind == "qwen3_moe":
+        return window, None
+    first = int(hf.get("max_window_layers", 28))
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i >= first if kind != "qwen2_moe" else i < first and i % 2 == 0)
+        else "full_attention" for i in range(layers)]
+    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
+        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
+               "per layer")
+    slides = tuple(t == "sliding_attention" for t in types)
+    if not any(slides):
+        return None, None
+    return window, None if all(slides) else slides
 
 
 def _moe_from_hf(hf: dict) -> MoEConfig | None:
@@ -1110,6 +1366,8 @@ def _gemma_from_hf(hf: dict) -> dict:
 def config_from_hf(hf: dict) -> DecoderConfig:
     kind = hf["model_type"]
     refuse_common(hf, experts=kind in _EXPERT_LAYOUTS, softcap=kind in ("gemma2", "gemma3_text"))
+    if kind == "falcon":
+        return _falcon_from_hf(hf)
     gemma = _gemma_from_hf(hf)
     if not gemma:
         require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
@@ -1123,9 +1381,13 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     fields = dict(qk_norm="head" if kind in ("qwen3", "qwen3_moe") else None,
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   sliding_window=_hf_window(hf))
+    if kind in QWEN_TYPES:
+        fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
     fields.update(gemma)
+    if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
+        fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
     return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
-        vocab_size=int(hf["vocab_size"]), max_seq_len=_hf_context(hf),
+        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
@@ -1135,12 +1397,17 @@ def config_from_hf(hf: dict) -> DecoderConfig:
 
 
 def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
+    if hf["model_type"] == "falcon":
+        return _falcon_params(config, weights)
     d = config.d_model
     widths = {"q": config.n_heads * config.d_h, "k": config.kv_heads * config.d_h,
               "v": config.kv_heads * config.d_h}
     params = {}
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
+        if hf["model_type"] == "phi3":  # its fused qkv_proj and gate_up_proj
+            take_phi3_layer(weights, params, h, p, config)
+            continue
         for name, width in widths.items():
             params[p + f"attn.w_{name}"] = weights.take(h + f"self_attn.{name}_proj.weight",
                                                         (width, d), transpose=True)
@@ -1153,7 +1420,16 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
             for name in ("q", "k"):
                 params[p + f"attn.{name}_norm.gamma"] = weights.take(
                     h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        if config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
+        elif config.qk_norm == "projection":  # olmo2's, over the whole projections
+            for name in ("q", "k"):
+                params[p + f"attn.{name}_norm.gamma"] = weights.take(
+                    h + f"self_attn.{name}_norm.weight", (widths[name],))
+        if not config.pre_norms:  # OLMo 2: its post_attention_layernorm is the attention's output
+            for ours, theirs in (("ln1_post", "post_attention_layernorm"),
+                                 ("ln2_post", "post_feedforward_layernorm")):
+                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
+            take_swiglu(weights, params, h, p, d, config.d_f)
+        elif config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
             names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm")
             for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
@@ -1216,7 +1492,7 @@ def _gemma_kind(config: DecoderConfig) -> str | None:
                    query_pre_attn_scalar=config.query_pre_attn_scalar is not None,
                    attn_softcap=config.attn_softcap is not None,
                    final_softcap=config.final_softcap is not None,
-                   window_layers=config.window_layers is not None)
+                   local_rope_base=config.local_rope_base is not None)
     if not any(options.values()):
         return None
     kind = ("gemma3_text" if config.qk_norm == "head" else "gemma2" if config.sandwich_norms
@@ -1263,37 +1539,64 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
     """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
-    qwen2 (q/k/v biases), qwen3 (QK-norm) or, with experts, mixtral or a Qwen MoE."""
-    if config.window_layers is not None:
-        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
-                                "gemma2 or gemma3_text, which need Gemma's other options too")
+    qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
+    MoE. Qwen2 and Qwen3 slide their window on the layers their ``layer_types`` name, so they
+    take a window on every layer or on some (``window_layers``)."""
     if config.moe is not None:
+        if config.window_layers is not None:
+            raise HFCheckpointError("a decoder with experts is written here with one window for "
+                                    "every layer or none; this config has window_layers = "
+                                    f"{config.window_layers}")
         return _moe_kind(config)
-    if config.qkv_bias and config.sliding_window:
-        raise HFCheckpointError(f"a decoder with q/k/v biases is written as qwen2, whose window "
-                                f"slides only some layers; this config has sliding_window = "
-                                f"{config.sliding_window} on every layer")
-    if config.qk_norm and (config.qkv_bias or config.sliding_window):
-        raise HFCheckpointError(f"a decoder with qk_norm is written as qwen3, which has no q/k/v "
-                                f"biases without an output bias and slides only some layers; "
-                                f"this config has qkv_bias = {config.qkv_bias}, sliding_window = "
-                                f"{config.sliding_window}")
+    if config.qk_norm and config.qkv_bias:
+        raise HFCheckpointError("a decoder with qk_norm is written as qwen3, which has no q/k/v "
+                                "biases without an output bias; this config has qkv_bias = True")
+    if config.window_layers is not None and not (config.qk_norm or config.qkv_bias):
+        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
+                                "qwen2 (with qkv_bias), qwen3 (with qk_norm), or gemma2 and "
+                                "gemma3_text (with Gemma's other options)")
+    if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
+            and not config.qk_norm and not config.qkv_bias
+            and config.d_h * config.n_heads == config.d_model):
+        return "phi3"  # LongRoPE's home; phi3 sizes its factors by d_model / n_heads, else llama
     return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
             else "mistral" if config.sliding_window else "llama")
 
 
+def _qwen_window_fields(config: DecoderConfig) -> dict:
+    """The window fields of a qwen2 or qwen3 config: its layers' types, and, where the sliding
+    layers are the upper ones, the first of them as ``max_window_layers``."""
+    if config.sliding_window is None:
+        return dict(use_sliding_window=False)
+    slides = config.window_layers or (True,) * config.n_layers
+    first = slides.index(True)
+    fields = dict(use_sliding_window=True, sliding_window=config.sliding_window,
+                  layer_types=["sliding_attention" if f else "full_attention" for f in slides])
+    if all(slides[first:]):
+        fields["max_window_layers"] = first
+    return fields
+
+
 def to_hf(config: DecoderConfig, params: dict):
-    if config.qk_norm == "projection":
-        raise HFCheckpointError("qk_norm = 'projection' (OLMo 2's) has no Hugging Face "
-                                "counterpart here: olmo2 also moves its layer norms after the "
-                                "sublayers, which refmath's decoder does not")
-    gemma = _gemma_kind(config)
-    kind = gemma or _llama_kind(config)
+    if config.parallel_block or config.norm != "rmsnorm" or not config.ffn_gated:
+        return _falcon_to_hf(config, params)
+    if not config.pre_norms:
+        kind = "olmo2"
+        _require_fields(config, kind, "norms after the sublayers only (pre_norms = False)",
+                        dict(_LLAMA_PLAIN, qk_norm="projection", ffn_activation="silu"))
+    elif config.qk_norm == "projection":
+        raise HFCheckpointError("qk_norm = 'projection' is OLMo 2's, which normalises after the "
+                                "sublayers only (sandwich_norms with pre_norms = False); this "
+                                "config has its norms before them")
+    else:
+        kind = _gemma_kind(config) or _llama_kind(config)
+    gemma = kind if kind in GEMMA_TYPES else None
     architecture = _ARCHITECTURES[kind]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
     hf = {"model_type": kind, "architectures": [architecture],
@@ -1305,12 +1608,17 @@ def to_hf(config: DecoderConfig, params: dict):
           "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
+    if kind in ("olmo2", "phi3"):  # their defaults name ids a small vocabulary may not have; a
+        hf.update(_NO_TOKEN_IDS)   # tokenizer saved beside the weights sets them (save_tokenizer)
     if gemma:
         _gemma_to_hf(config, kind, hf)
-    elif kind == "llama":
+    elif kind in ("llama", "olmo2"):
         hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "phi3":
+        hf.update(sliding_window=config.sliding_window,
+                  original_max_position_embeddings=config.rope_scaling.original_max_seq_len)
     elif kind == "qwen3":
-        hf.update(attention_bias=False, use_sliding_window=False)
+        hf.update(attention_bias=False, **_qwen_window_fields(config))
     elif kind == "mistral":
         hf.update(sliding_window=config.sliding_window)
     elif kind == "mixtral":
@@ -1328,7 +1636,7 @@ def to_hf(config: DecoderConfig, params: dict):
         else:
             hf.update(attention_bias=False)
     else:
-        hf.update(use_sliding_window=False)
+        hf.update(_qwen_window_fields(config))
 
     def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
         return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
@@ -1348,17 +1656,186 @@ def to_hf(config: DecoderConfig, params: dict):
             for name in ("q", "k"):
                 tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
     swiglu_layers_to_hf(config, params, tensors, _EXPERT_LAYOUTS.get(kind))
+    if kind == "phi3":
+        fuse_phi3(tensors, config.n_layers)
+    return hf, tensors
+
+
+# ---- Hugging Face: Falcon ------------------------------------------------------------------------
+
+# Falcon's activation names: exact GELU, or its tanh form under either of transformers' names
+_FALCON_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def _falcon_layout(config: DecoderConfig) -> dict:
+    """The fields of a falcon config that fix its block and its ``query_key_value`` layout.
+
+    transformers' new decoder architecture (Falcon-40B) groups the fused projection by key/value
+    head, ``[q_1 .. q_{h/g}, k, v]`` per group, and runs the parallel block with one norm or two
+    (``ln_attn``, ``ln_mlp``); the old one (Falcon-7B) lays it out as ``[q_1 .. q_h, k, v]``
+    (``multi_query``, ``g = 1``) or ``[q, k, v]`` per head (``g = h``), and also runs the
+    sequential block (``parallel_attn`` False). The two old layouts are the grouped one with
+    ``g = 1`` and ``g = h``, so one rule reads them all.
+    """
+    old = not config.parallel_block or (config.kv_heads == 1 and config.parallel_norms == 1)
+    return dict(new_decoder_architecture=not old, multi_query=config.kv_heads == 1,
+                parallel_attn=config.parallel_block,
+                num_ln_in_parallel_attn=None if old else config.parallel_norms)
+
+
+def _falcon_norm_names(config: DecoderConfig) -> dict:
+    """``{refmath norm: Falcon's}`` of one layer."""
+    if not config.parallel_block:
+        return {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    if config.parallel_norms == 2:
+        return {"ln1": "ln_attn", "ln2": "ln_mlp"}
+    return {"ln1": "input_layernorm"}
+
+
+def _falcon_from_hf(hf: dict) -> DecoderConfig:
+    """A falcon config: the parallel block of LayerNorms and a plain GELU MLP, RoPE (``"half"``),
+    no biases; ALiBi (Falcon-RW) and biased projections are refused."""
+    if hf.get("alibi"):
+        refuse(hf, "alibi", True, "refmath's decoder places positions by RoPE, not ALiBi's biases")
+    if hf.get("bias"):
+        refuse(hf, "bias", True, "refmath's Falcon has no biases on its projections and MLP")
+    act = hf.get("activation", "gelu")
+    if act not in _FALCON_ACTIVATIONS:
+        refuse(hf, "activation", act, "refmath's plain FFN takes GELU, exact or tanh")
+    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    new, parallel = bool(hf.get("new_decoder_architecture")), bool(hf.get("parallel_attn", True))
+    norms = hf.get("num_ln_in_parallel_attn")
+    if new:
+        if not parallel:
+            refuse(hf, "parallel_attn", False, "the new decoder architecture runs the parallel "
+                   "block only (transformers builds no post_attention_layernorm for it)")
+        norms = 2 if norms is None else int(norms)
+        if norms not in (1, 2):
+            refuse(hf, "num_ln_in_parallel_attn", norms, "a parallel block has one norm or two")
+        kv_heads = int(hf.get("num_kv_heads") or heads)
+    else:
+        if norms not in (None, 1):
+            refuse(hf, "num_ln_in_parallel_attn", norms, "transformers' old decoder "
+                   "architecture reads input_layernorm alone")
+        norms = 1
+        kv_heads = 1 if hf.get("multi_query", True) else heads
+        if kv_heads == heads and int(hf.get("num_kv_heads") or heads) != heads:
+            refuse(hf, "num_kv_heads", hf["num_kv_heads"], "the old decoder architecture "
+                   "without multi_query has a key and a value per head")
+    base, scaling = rope_from_hf(hf)
+    return DecoderConfig(
+        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, scaling), d_model=d,
+        n_layers=int(hf["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv_heads,
+        d_ff=int(hf.get("ffn_hidden_size") or 4 * d), rope_base=base, rope_scaling=scaling,
+        rope_layout="half", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        ffn_gated=False, ffn_activation=_FALCON_ACTIVATIONS[act], parallel_block=parallel,
+        parallel_norms=norms if parallel else 1,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
+
+
+def _falcon_params(config: DecoderConfig, weights) -> dict:
+    d, h, g, d_h, f = config.d_model, config.n_heads, config.kv_heads, config.d_h, config.d_f
+    params = {}
+    for i in range(config.n_layers):
+        t, p = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in _falcon_norm_names(config).items():
+            params[p + ours + ".gamma"] = weights.take(t + theirs + ".weight", (d,))
+            params[p + ours + ".beta"] = weights.take(t + theirs + ".bias", (d,))
+        fused = weights.take(t + "self_attention.query_key_value.weight", ((h + 2 * g) * d_h, d),
+                             transpose=True)
+        # per key/value group: its h/g queries, then its key and its value (_falcon_layout)
+        params[p + "attn.w_q"], params[p + "attn.w_k"], params[p + "attn.w_v"] = \
+            split_heads_columns(fused, g, ((h // g) * d_h, d_h, d_h))
+        params[p + "attn.w_o"] = weights.take(t + "self_attention.dense.weight", (d, h * d_h),
+                                              transpose=True)
+        params[p + "ffn.w_up"] = weights.take(t + "mlp.dense_h_to_4h.weight", (f, d),
+                                              transpose=True)
+        params[p + "ffn.w_down"] = weights.take(t + "mlp.dense_4h_to_h.weight", (d, f),
+                                                transpose=True)
+    params["tok_emb"] = weights.take("transformer.word_embeddings.weight", (config.vocab_size, d))
+    params["ln_f.gamma"] = weights.take("transformer.ln_f.weight", (d,))
+    params["ln_f.beta"] = weights.take("transformer.ln_f.bias", (d,))
+    take_head(weights, config.tie_embeddings, params, config.vocab_size, d)
+    return params
+
+
+def _require_fields(config: DecoderConfig, kind: str, why: str, needed: dict) -> None:
+    """Refuse to write ``config`` as ``kind`` unless each field has its value in ``needed``."""
+    for field, value in needed.items():
+        if getattr(config, field) != value:
+            raise HFCheckpointError(f"a decoder with {why} is written as {kind}, which needs "
+                                    f"{field} = {value!r}; this config has "
+                                    f"{getattr(config, field)!r}")
+
+
+# Special-token ids are the tokenizer's to give: None rather than a type's defaults
+_NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+# What only the Gemmas, the Qwens, Mistral and the mixtures of experts have: the plain value that
+# the types without it need
+_LLAMA_PLAIN = dict(qkv_bias=False, qk_norm=None, sliding_window=None, window_layers=None,
+                    moe=None, norm_offset=0.0, embed_scale=False, query_pre_attn_scalar=None,
+                    attn_softcap=None, final_softcap=None)
+
+
+def _falcon_to_hf(config: DecoderConfig, params: dict):
+    why = "a parallel block, LayerNorm or the plain GELU FFN"
+    _require_fields(config, "falcon", why, dict(
+        _LLAMA_PLAIN, norm="layernorm", ffn_gated=False, sandwich_norms=False, pre_norms=True))
+    if config.d_h * config.n_heads != config.d_model:
+        raise HFCheckpointError(f"falcon's heads are d_model / n_heads wide; this config has "
+                                f"head_dim = {config.d_h} with d_model = {config.d_model} and "
+                                f"n_heads = {config.n_heads}")
+    if not config.parallel_block and config.kv_heads not in (1, config.n_heads):
+        raise HFCheckpointError(f"falcon's sequential block (the old decoder architecture) has "
+                                f"one key/value head or n_heads; this config has n_kv_heads = "
+                                f"{config.kv_heads}")
+    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
+    activation = "gelu" if config.ffn_activation == "gelu" else "gelu_pytorch_tanh"
+    hf = {"model_type": "falcon", "architectures": ["FalconForCausalLM"],
+          "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+          "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+          "num_kv_heads": config.kv_heads, **_falcon_layout(config), "alibi": False,
+          "bias": False, "activation": activation, "ffn_hidden_size": config.d_f,
+          "layer_norm_epsilon": config.norm_eps, "rope_parameters": rope_parameters,
+          "max_position_embeddings": config.max_seq_len if context is None else context,
+          "tie_word_embeddings": config.tie_embeddings, **_NO_TOKEN_IDS}
+
+    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
+        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
+
+    tensors = {}
+    for i in range(config.n_layers):
+        t, p = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in _falcon_norm_names(config).items():
+            tensors[t + theirs + ".weight"] = params[p + ours + ".gamma"]
+            tensors[t + theirs + ".bias"] = params[p + ours + ".beta"]
+        blocks = [rotated(params[p + "attn.w_q"]), rotated(params[p + "attn.w_k"]),
+                  params[p + "attn.w_v"]]
+        tensors[t + "self_attention.query_key_value.weight"] = linear_out(
+            join_heads_columns(blocks, config.kv_heads))
+        tensors[t + "self_attention.dense.weight"] = linear_out(params[p + "attn.w_o"])
+        tensors[t + "mlp.dense_h_to_4h.weight"] = linear_out(params[p + "ffn.w_up"])
+        tensors[t + "mlp.dense_4h_to_h.weight"] = linear_out(params[p + "ffn.w_down"])
+    tensors["transformer.word_embeddings.weight"] = params["tok_emb"]
+    tensors["transformer.ln_f.weight"] = params["ln_f.gamma"]
+    tensors["transformer.ln_f.bias"] = params["ln_f.beta"]
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = linear_out(params["lm_head"])
     return hf, tensors
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
 
 def case_params(init_params, config, rng) -> dict:
-    """``init_params`` with the norm gains moved off 1, so that their gradients are generic too."""
+    """``init_params`` with the norm gains moved off 1 and LayerNorm biases off 0, so that their
+    gradients are generic too."""
     params = init_params(config, seed=int(rng.integers(1 << 31)))
     for name, value in params.items():
         if name.endswith(".gamma"):
             params[name] = 1.0 + 0.2 * rng.standard_normal(value.shape)
+        elif name.endswith(".beta"):
+            params[name] = 0.2 * rng.standard_normal(value.shape)
     return params
 
 
@@ -1507,6 +1984,27 @@ register_case(ParamCase("decoder", "Gemma 3: QK-norm, the local layer's own RoPE
                             window_layers=(False, True), local_rope_base=100.0,
                             rope_scaling=dict(rope_type="linear", factor=4.0)), train=False),
                         backward, max_coords=2, step=2.5e-4))
+
+# The block's shapes: parallel (N21) and normalised after the sublayers (N22), with LayerNorm (N1)
+# and the plain GELU FFN (N5, N6)
+_BLOCKS = {
+    "Falcon-7B: parallel block, one LayerNorm, MQA, exact-GELU MLP, tied": (dict(
+        n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu", tie_embeddings=True), ("N21", "N1", "N6"), False),
+    "Falcon-40B: parallel block, two LayerNorms, GQA, tanh-GELU MLP, dropout 0.25": (dict(
+        n_kv_heads=2, parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu_tanh", d_ff=24, dropout=0.25), ("N21", "N1", "N6"), True),
+    "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": (
+        _PALM, ("N21", "N1", "N7"), False),
+    "OLMo 2: RMSNorm after each sublayer only, QK-norm on the projections": (dict(
+        n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
+        ("N22", "N18"), False),
+}
+for _label, (_fields, _ids, _train) in _BLOCKS.items():
+    register_case(ParamCase("decoder", _label, ("M3", *_ids),
+                            model_case_maker(forward, init_params,
+                                             DecoderConfig(**{**_TINY, **_fields}), train=_train),
+                            backward, max_coords=2, step=2.5e-4))
 
 # Mixtures of experts (E1-E5) as the decoder's feed-forward, their auxiliary losses in the loss
 _EXPERT_CASES = {

@@ -13,6 +13,10 @@ times :math:`\sqrt d`, ``F.gelu(approximate="tanh")`` as the gate, the scores as
 product with ``cap * tanh(s / cap)`` before the mask (SDPA has no cap), an RMSNorm on each
 sublayer's output, and per-layer windows and RoPE bases. A mixture-of-experts layer is
 ``tests/_torch_moe.py``'s (``torch.topk``, ``index_add``), its auxiliary losses added to the loss.
+The block's other shapes are written out as their models compute them: a parallel block as one
+sum ``x + attn(h1) + ffn(h2)`` (Falcon, PaLM), ``F.layer_norm`` (with its bias or without it),
+the plain MLP as ``F.gelu`` between two ``F.linear``, and OLMo 2's branches reading ``x`` itself
+with ``F.rms_norm`` on their outputs.
 """
 import numpy as np
 import pytest
@@ -68,6 +72,12 @@ def torch_decoder(P, tokens, config, drops):
     def norm(x, gamma, width):
         return F.rms_norm(x, (width,), config.norm_offset + gamma, eps)
 
+    def layer_norm(x, name):  # a block's or the final norm: RMSNorm, LayerNorm with or without bias
+        gamma = config.norm_offset + P[name + ".gamma"]
+        if config.norm == "rmsnorm":
+            return F.rms_norm(x, (d,), gamma, eps)
+        return F.layer_norm(x, (d,), gamma, P.get(name + ".beta"), eps)
+
     x = F.embedding(tokens, P["tok_emb"])
     b, t, d = x.shape
     aux = torch.zeros((), dtype=x.dtype)
@@ -77,7 +87,7 @@ def torch_decoder(P, tokens, config, drops):
         def p(name):
             return P[f"layers.{i}.{name}"]
 
-        def heads(w, n, gamma=None):
+        def heads(hn, w, n, gamma=None):
             y = F.linear(hn, p(w).T, P.get(f"layers.{i}.{w.replace('.w_', '.b_')}"))  # Qwen2's
             if config.qk_norm == "projection" and gamma:
                 y = norm(y, p(gamma), n * d_h)
@@ -91,29 +101,47 @@ def torch_decoder(P, tokens, config, drops):
         base, scaling = config.rope_base, config.rope_scaling
         if local and config.local_rope_base is not None:
             base, scaling = config.local_rope_base, None
-        hn = norm(x, p("ln1.gamma"), d)
-        q = rope_complex(heads("attn.w_q", h, "attn.q_norm.gamma"), base, scaling)
-        k = rope_complex(heads("attn.w_k", g, "attn.k_norm.gamma"), base, scaling)
-        o = attention(q, k, heads("attn.w_v", g), config, window)
-        a = F.linear(o.transpose(1, 2).reshape(b, t, h * d_h), p("attn.w_o").T)
-        if config.sandwich_norms:
-            a = norm(a, p("ln1_post.gamma"), d)
-        x = x + (a if drops[i][0] is None else a * drops[i][0])
-        hn = norm(x, p("ln2.gamma"), d)
-        if config.moe is not None and config.moe.is_moe_layer(i):
-            prefix = f"layers.{i}.ffn."
-            f, layer_aux = torch_moe(hn, config.moe, {name[len(prefix):]: value for name, value
-                                                      in P.items() if name.startswith(prefix)})
-            aux = aux + layer_aux
+
+        def attention_branch(hn):
+            q = rope_complex(heads(hn, "attn.w_q", h, "attn.q_norm.gamma"), base, scaling)
+            k = rope_complex(heads(hn, "attn.w_k", g, "attn.k_norm.gamma"), base, scaling)
+            o = attention(q, k, heads(hn, "attn.w_v", g), config, window)
+            a = F.linear(o.transpose(1, 2).reshape(b, t, h * d_h), p("attn.w_o").T)
+            return layer_norm(a, f"layers.{i}.ln1_post") if config.sandwich_norms else a
+
+        def ffn_branch(hn):
+            nonlocal aux
+            if config.moe is not None and config.moe.is_moe_layer(i):
+                prefix = f"layers.{i}.ffn."
+                f, layer_aux = torch_moe(hn, config.moe, {
+                    name[len(prefix):]: value for name, value in P.items()
+                    if name.startswith(prefix)})
+                aux = aux + layer_aux
+            elif not config.ffn_gated:  # Falcon's and GPT-J's MLP: down(gelu(up(x)))
+                approximate = "tanh" if config.ffn_activation == "gelu_tanh" else "none"
+                f = F.linear(F.gelu(F.linear(hn, p("ffn.w_up").T), approximate=approximate),
+                             p("ffn.w_down").T)
+            else:
+                gate = F.linear(hn, p("ffn.w_gate").T)
+                gate = (F.gelu(gate, approximate="tanh") if config.ffn_activation == "gelu_tanh"
+                        else F.silu(gate))
+                f = F.linear(gate * F.linear(hn, p("ffn.w_up").T), p("ffn.w_down").T)
+            return layer_norm(f, f"layers.{i}.ln2_post") if config.sandwich_norms else f
+
+        def dropped(y, which):
+            return y if drops[i][which] is None else y * drops[i][which]
+
+        def pre_norm(y, name):  # OLMo 2 has none: its branches read the residual stream itself
+            return layer_norm(y, f"layers.{i}.{name}") if config.pre_norms else y
+
+        if config.parallel_block:  # GPT-J, PaLM, Falcon: both branches read the block's input
+            h1 = layer_norm(x, f"layers.{i}.ln1")
+            h2 = layer_norm(x, f"layers.{i}.ln2") if config.parallel_norms == 2 else h1
+            x = x + dropped(attention_branch(h1), 0) + dropped(ffn_branch(h2), 1)
         else:
-            gate = F.linear(hn, p("ffn.w_gate").T)
-            gate = (F.gelu(gate, approximate="tanh") if config.ffn_activation == "gelu_tanh"
-                    else F.silu(gate))
-            f = F.linear(gate * F.linear(hn, p("ffn.w_up").T), p("ffn.w_down").T)
-        if config.sandwich_norms:
-            f = norm(f, p("ln2_post.gamma"), d)
-        x = x + (f if drops[i][1] is None else f * drops[i][1])
-    x = norm(x, P["ln_f.gamma"], d)
+            x = x + dropped(attention_branch(pre_norm(x, "ln1")), 0)
+            x = x + dropped(ffn_branch(pre_norm(x, "ln2")), 1)
+    x = layer_norm(x, "ln_f")
     # torch's (out x in) head weight is the (V, d) embedding table itself when tied.
     z = F.linear(x, P["tok_emb"] if config.tie_embeddings else P["lm_head"].T)
     if config.final_softcap is not None:
@@ -165,6 +193,18 @@ CASES = {
         n_kv_heads=2, qkv_bias=True, moe=dict(n_experts=4, top_k=2, d_expert=8, d_shared=12,
                                               shared_gate=True, first_dense=1,
                                               balance_coef=0.05)),
+    "Falcon-7B: parallel block, one LayerNorm, MQA, exact-GELU MLP, tied": dict(
+        n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu", tie_embeddings=True),
+    "Falcon-40B: parallel block, two LayerNorms, GQA, dropout": dict(
+        n_kv_heads=2, parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu", d_ff=24, dropout=0.2),
+    "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": dict(
+        n_kv_heads=1, parallel_block=True, norm="layernorm_no_bias", tie_embeddings=True),
+    "sequential LayerNorm blocks, tanh-GELU MLP": dict(
+        n_kv_heads=4, norm="layernorm", ffn_gated=False, ffn_activation="gelu_tanh"),
+    "OLMo 2: norms after the sublayers only, QK-norm on the projections": dict(
+        n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
 }
 
 
@@ -177,6 +217,8 @@ def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
     for name in params:
         if name.endswith(".gamma"):  # an applied gain near 1 (a stored w near 0 for Gemma)
             params[name] = (1.0 - config.norm_offset) + 0.2 * rng.standard_normal(params[name].shape)
+        elif name.endswith(".beta"):  # a LayerNorm's bias off 0
+            params[name] = 0.2 * rng.standard_normal(params[name].shape)
     batch = {"tokens": rng.integers(0, V, (B, T)), "targets": rng.integers(0, V, (B, T))}
     batch["targets"][1, 0] = IGNORE_INDEX
     train = config.dropout > 0
