@@ -468,6 +468,27 @@ PRESETS: dict[str, ModelConfig] = {
                     qk_norm="head", tie_embeddings=True, context=131072, sliding_window=1024,
                     window_layers=_local_and_global(48, 6),
                     source="Gemma 3 report / config.json (google/gemma-3-12b-pt)"),
+        # The text config of config.json (google/gemma-3-4b-pt): d_model 2560, 34 layers, 8 query
+        # and 4 KV heads of 256, GeGLU of width 10240, Gemma 3's local and global layers (five
+        # local ones of 1024 tokens per global one) and norms, tied embeddings of 262,208 rows,
+        # context 128K. The published 4B includes the vision encoder (not counted: no
+        # published_params); the count's 3,209,010,688 parameters besides the embedding are the
+        # Gemma 3 report's "3,209M" non-embedding parameters.
+        ModelConfig("gemma-3-4b", n_layers=34, d_model=2560, n_heads=8, kv_heads=4,
+                    head_dim=256, d_ff=10240, vocab_size=262208, mlp="geglu", norms_per_layer=4,
+                    qk_norm="head", tie_embeddings=True, context=131072, sliding_window=1024,
+                    window_layers=_local_and_global(34, 6),
+                    source="Gemma 3 report / config.json (google/gemma-3-4b-pt)"),
+        # Falcon-40B's config.json (tiiuae/falcon-40b): hidden 8192, 60 layers, 128 query heads of
+        # 64 and 8 key/value heads ("new decoder architecture": the grouped fused layout), a
+        # 4 d = 32768 GELU MLP, vocab 65024, context 2048; attention and MLP in parallel, each
+        # on its own LayerNorm (ln_attn, ln_mlp, with biases), no biases in the linear layers,
+        # tied output. The card's "40B" does not round from the count, 41,303,293,952 (41.3B,
+        # 3% more): the name rounds down (tests/test_sizing.py says by how much).
+        ModelConfig("falcon-40b", n_layers=60, d_model=8192, n_heads=128, kv_heads=8,
+                    head_dim=64, d_ff=4 * 8192, vocab_size=65024, mlp="gelu", norm="layernorm",
+                    norms_per_layer=2, tie_embeddings=True, context=2048, published_params="40e9",
+                    source="Falcon-40B model card (tiiuae/falcon-40b)"),
         # Chowdhery et al. 2022, "PaLM", Table 1 and Sec. 2: 118 layers, d_model 18432, 48 heads
         # of 256, multi-query attention, SwiGLU of width 4 d_model, "parallel" layers (attention
         # and MLP read one LayerNorm), no biases in the dense layers or the layer norms, a 256k

@@ -1151,6 +1151,9 @@ def test_the_presets_are_the_published_configs():
     for name in ("mixtral-8x7b", "deepseek-v3"):
         assert active_parameters(sizing_config(PUBLISHED[name])) == active_parameters(
             PRESETS[name])
+    for name in ("falcon-7b", "falcon-40b"):  # a parallel block with one LayerNorm, and two
+        assert parameter_counts(PRESETS[name]).total == meta_parameter_count(
+            LOADED_PUBLISHED[name]), name
     _, config = hf.config_from_hf(PUBLISHED["llama-3.1-8b"])
     assert (config.rope_scaling.rope_type, config.rope_scaling.original_max_seq_len,
             config.max_seq_len) == ("llama3", 8192, 131072)
