@@ -11,6 +11,9 @@ The network, for input tokens :math:`a_{1:T}` (row vectors, one row per token):
 
 where each layer applies two residual sublayers in turn, ``F`` = causal multi-head self-attention
 (with biases, weights dropped out after the softmax) and then ``F`` = the GELU FFN (with biases).
+With ``sliding_window`` = ``w`` the attention of a sliding layer is banded (A12): query ``i`` sees
+keys ``i - w + 1 .. i`` only; ``window_layers`` picks the sliding layers, so GPT-3's alternating
+dense and locally banded layers are a configuration.
 The loss is the mean next-token cross-entropy; the caller supplies inputs and targets, usually
 ``tokens = (BOS, a_1 .. a_{T-1})`` and ``targets = (a_1 .. a_T)``.
 
@@ -20,6 +23,8 @@ embedding).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,7 +34,8 @@ import numpy as np
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_attention_backward,
                                causal_attention_forward, causal_attention_kv, causal_mask,
-                               merge_heads, mha_backward, mha_forward, split_heads)
+                               local_window_mask, merge_heads, mha_backward, mha_forward,
+                               split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward, layernorm_backward,
@@ -73,6 +79,16 @@ class GPTConfig:
     - ``attention_backend``: ``"numpy"`` (the reference, :func:`refmath.attention.mha_forward`) or
       ``"cpu"`` (the FlashAttention kernel, float32; it has no attention dropout, so ``dropout``
       must be 0).
+    - ``sliding_window`` = ``w``: a sliding layer's query sees itself and the ``w - 1`` positions
+      before it (A12, :func:`refmath.attention.local_window_mask`), in training, evaluation and
+      the KV cache alike, on either backend. Positions stay absolute (the learned table is read at
+      ``0..T-1`` whatever the window). ``None``: every layer attends to every earlier position.
+    - ``window_layers``: one ``True``/``False`` per layer, the layers that slide ``sliding_window``
+      (the others are dense); ``None`` with a window means every layer slides. GPT-3 alternates
+      dense and locally banded layers, after the Sparse Transformer (Brown et al. 2020, section
+      2.1), without publishing the band's width or which layer comes first;
+      ``window_layers = (False, True) * (n_layers // 2)`` is that alternation, dense first (see
+      ``GPT_CONFIGS["gpt-3-175b"]``).
     """
 
     vocab_size: int = 50257
@@ -88,6 +104,8 @@ class GPTConfig:
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
     attention_backend: str = "numpy"
+    sliding_window: int | None = None
+    window_layers: tuple | None = None
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -110,10 +128,43 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.attention_backend = {self.attention_backend!r} needs "
                              f"dropout = 0 (the kernel has no dropout on the attention weights), "
                              f"got dropout = {self.dropout}")
+        check_field(self, "sliding_window", check_int, 1, optional=True)
+        if self.window_layers is not None:  # JSON gives a list; a tuple keeps the config hashable
+            object.__setattr__(self, "window_layers", tuple(self.window_layers))
+            if len(self.window_layers) != self.n_layers or not all(
+                    isinstance(flag, bool) for flag in self.window_layers):
+                raise ValueError(f"GPTConfig.window_layers must hold one True/False per layer "
+                                 f"(n_layers = {self.n_layers}), got {self.window_layers}")
+            if self.sliding_window is None:
+                raise ValueError("GPTConfig.window_layers flags the layers that slide "
+                                 "sliding_window, which is None")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def layer_window(config: GPTConfig, layer: int) -> int | None:
+    """The window of layer ``layer``: ``sliding_window`` on a sliding layer, None on a dense one."""
+    if config.window_layers is not None and not config.window_layers[layer]:
+        return None
+    return config.sliding_window
+
+
+def layer_config(config: GPTConfig, layer: int) -> GPTConfig:
+    """The configuration layer ``layer``'s attention computes with: ``config`` itself, or, with
+    ``window_layers``, ``config`` with that layer's window as ``sliding_window`` (None on a dense
+    layer) and no ``window_layers``, so that the attention reads one field, as the decoder's
+    (:func:`refmath.models.decoder.layer_config`) does. Built once per layer and kept."""
+    if config.window_layers is None:
+        return config
+    return _layer_config(config, layer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_config(config: GPTConfig, layer: int) -> GPTConfig:
+    return dataclasses.replace(config, window_layers=None,
+                               sliding_window=layer_window(config, layer))
 
 
 GPT_CONFIGS = {
@@ -123,6 +174,17 @@ GPT_CONFIGS = {
     "gpt2-small": GPTConfig(vocab_size=50257, max_seq_len=1024, n_layers=12, d_model=768,
                             n_heads=12, d_ff=3072, norm_position="pre", tie_embeddings=True,
                             gelu_approximate=True, dropout=0.1),
+    # Brown et al. 2020, Table 2.1 (as refmath.sizing's gpt-3-175b): 96 layers, width 12288, 96
+    # heads of 128, context 2048, FFN width 4 d, GPT-2's 50257 tokens and Pre-LN; 174,604,259,328
+    # parameters with the output tied to the token table. The layers alternate dense and locally
+    # banded attention (section 2.1), but the paper gives neither the band's width nor which layer
+    # comes first: 256 and dense-first are GPT-Neo's (EleutherAI's open GPT-3-like models:
+    # window_size = 256, attention_types [["global", "local"], ...]), an example, not GPT-3's own.
+    # No dropout rate is published either; 0 here.
+    "gpt-3-175b": GPTConfig(vocab_size=50257, max_seq_len=2048, n_layers=96, d_model=12288,
+                            n_heads=96, d_ff=4 * 12288, norm_position="pre", tie_embeddings=True,
+                            gelu_approximate=True, dropout=0.0, sliding_window=256,
+                            window_layers=(False, True) * 48),
     # Small enough for gradient checks and lessons.
     "tiny": GPTConfig(vocab_size=17, max_seq_len=16, n_layers=2, d_model=16, n_heads=2, d_ff=32,
                       norm_position="pre", tie_embeddings=True, gelu_approximate=True, dropout=0.1),
@@ -244,7 +306,8 @@ def _residual_backward(dout, cache: SublayerCache, branch_backward, norm_positio
 # ---- attention sublayer, FFN sublayer, layer -----------------------------------------------------
 
 def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
-    """Causal multi-head self-attention with biases as a residual sublayer (``ln1``, ``attn``).
+    """Causal multi-head self-attention with biases as a residual sublayer (``ln1``, ``attn``),
+    banded on a sliding layer (:func:`layer_config`).
 
     ``x`` is ``(B, T, d)``. With ``rng`` (train mode) draws the attention-weight mask
     ``(B, h, T, T)`` and then the residual-branch mask ``(B, T, d)``. The attention is
@@ -257,15 +320,23 @@ def attention_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, r
     drop = dropout_mask(rng, (b, t, d), config.dropout, x.dtype)
 
     def branch(u):
-        return attention_ops(config).forward(u, attn_params, config, attn_drop)
+        return attention_ops(config).forward(u, attn_params, layer_config(config, layer), attn_drop)
 
     return _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, drop, config)
 
 
 def mha_attention_forward(u, params: dict, config: GPTConfig, dropout_mask=None):
-    """The attention branch in NumPy: :func:`refmath.attention.mha_forward` with a causal mask
-    and, in training, ``dropout_mask`` on the attention weights. Returns ``(y, MHACache)``."""
-    mask = causal_mask(u.shape[1], dtype=u.dtype)
+    r"""The attention branch in NumPy: :func:`refmath.attention.mha_forward` with a causal mask
+    (the banded one of ``config.sliding_window`` = ``w``, A12) and, in training, ``dropout_mask``
+    on the attention weights. Returns ``(y, MHACache)``.
+
+    .. math::
+        M_{ij} = 0 \text{ if } i - w < j \le i, \quad -\infty \text{ otherwise}
+
+    The backward is that of any mask: a masked score has weight 0, so it gets gradient 0."""
+    t = u.shape[1]
+    mask = (causal_mask(t, dtype=u.dtype) if config.sliding_window is None
+            else local_window_mask(t, config.sliding_window, dtype=u.dtype))
     return mha_forward(u, params, config.n_heads, mask=mask, dropout_mask=dropout_mask)
 
 
@@ -284,7 +355,8 @@ class KernelAttentionCache(NamedTuple):
 def kernel_attention_forward(u, params: dict, config: GPTConfig, dropout_mask=None):
     """The attention branch with its causal attention on ``config.attention_backend`` (the
     FlashAttention kernel for ``"cpu"``, :func:`refmath.attention.causal_attention_forward`): the
-    same function as :func:`refmath.attention.mha_forward` with a causal mask and no dropout.
+    same function as :func:`refmath.attention.mha_forward` with a causal mask (banded with
+    ``config.sliding_window``: the kernel skips the tiles outside the band) and no dropout.
 
     Q, K and V all read ``u``, so they come from one product with the three weight matrices side
     by side: one larger matrix product instead of three, and in the backward one for ``du``
@@ -300,7 +372,8 @@ def kernel_attention_forward(u, params: dict, config: GPTConfig, dropout_mask=No
     batch, t, d = u.shape
     # (B, T, 3, h, d_h) -> (3, B, h, T, d_h): one copy gives the kernel its three head-major blocks
     q, k, v = np.ascontiguousarray(y.reshape(batch, t, 3, h, -1).transpose(2, 0, 3, 1, 4))
-    o, attn = causal_attention_forward(q, k, v, config.attention_backend)
+    o, attn = causal_attention_forward(q, k, v, config.attention_backend,
+                                       window=config.sliding_window)
     y, out = linear_forward(merge_heads(o), params["w_o"], params["b_o"])
     return y, KernelAttentionCache(qkv, attn, out, h)
 
@@ -327,14 +400,15 @@ def kernel_attention_state(cache: KernelAttentionCache):
 
 
 def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int):
-    """The attention branch at inference: ``slot.attend(q, k, v, offset)`` appends the new rows'
-    keys and values to the layer's cache and attends over every cached position. ``u`` is
-    ``(B, n, d)``; returns ``(B, n, d)``. (GPT's positions enter at the embedding, so the
-    projections need no ``offset``.)"""
+    """The attention branch at inference: ``slot.attend(q, k, v, offset, window)`` appends the new
+    rows' keys and values to the layer's cache and attends over every cached position (the last
+    ``sliding_window`` of them on a sliding layer). ``u`` is ``(B, n, d)``; returns
+    ``(B, n, d)``. (GPT's positions enter at the embedding, so the projections need no
+    ``offset``, and a window counts back from the absolute position of each query.)"""
     h = config.n_heads
     q, k, v = (split_heads(linear_forward(u, params[f"w_{n}"], params[f"b_{n}"])[0], h)
                for n in "qkv")
-    o = slot.attend(q, k, v, offset)
+    o = slot.attend(q, k, v, offset, window=config.sliding_window)
     return linear_forward(merge_heads(o), params["w_o"], params["b_o"])[0]
 
 
@@ -533,13 +607,13 @@ def embed(params, tokens, config: GPTConfig, offset: int) -> np.ndarray:
 
 def cached_layer(x, params, layer: int, config: GPTConfig, slot, offset: int) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` at positions ``offset..``: the attention sublayer with
-    :func:`cached_attention` reading and extending the layer's cache through ``slot``, then the
-    FFN sublayer (per token, as in training)."""
+    :func:`cached_attention` reading and extending the layer's cache through ``slot`` (with the
+    layer's window), then the FFN sublayer (per token, as in training)."""
     p = f"layers.{layer}."
     attn_params = sub_params(params, p + "attn")
 
     def branch(u):
-        return cached_attention(u, attn_params, config, slot, offset), None
+        return cached_attention(u, attn_params, layer_config(config, layer), slot, offset), None
 
     x, _ = _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, None,
                              config)
@@ -563,7 +637,10 @@ def sizing_fields(config: GPTConfig) -> dict:
                 kv_heads=config.n_heads, head_dim=config.head_dim, d_ff=config.d_ff,
                 vocab_size=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True,
                 mlp_bias=True, tie_embeddings=config.tie_embeddings,
-                learned_positions=config.max_seq_len, final_norm=config.norm_position == "pre")
+                learned_positions=config.max_seq_len, final_norm=config.norm_position == "pre",
+                # a window on some layers only is counted as none (the calculators take one
+                # window for every layer): an upper bound on the cache
+                sliding_window=config.sliding_window if config.window_layers is None else None)
 
 
 # ---- Hugging Face: gpt2 and openai-gpt (refmath.hf reads and writes the files) -------------------
@@ -640,6 +717,11 @@ def params_from_hf(hf: dict, config: GPTConfig, weights) -> dict:
 
 def to_hf(config: GPTConfig, params: dict):
     d = config.d_model
+    if config.sliding_window is not None:
+        where = "every layer" if config.window_layers is None else "the layers of window_layers"
+        raise HFCheckpointError(f"gpt2 and openai-gpt attend to every earlier position on every "
+                                f"layer; this config has sliding_window = {config.sliding_window} "
+                                f"on {where}")
     if config.norm_position == "pre":
         hf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": d,
               "n_layer": config.n_layers, "n_head": config.n_heads, "n_positions": config.max_seq_len,
@@ -722,4 +804,13 @@ register_case(ParamCase(
     "gpt", "pre-LN, tied, 2 layers, dropout 0.2, loss mask", ("M2",),
     _case_make(GPTConfig(vocab_size=13, max_seq_len=8, n_layers=2, d_model=8, n_heads=2, d_ff=12,
                          dropout=0.2, norm_position="pre", tie_embeddings=True)),
+    backward, max_coords=1, step=2.5e-4))
+# GPT-3's pattern (dense, then banded) on a sequence of 5 tokens: a window of 2 hides 6 of the 15
+# causal pairs of the banded layer, so the band changes the function being differentiated (the
+# torch oracle in tests/models/test_gpt_torch.py checks that it is the right function).
+register_case(ParamCase(
+    "gpt", "GPT-3-like: dense then banded layer (window 2), pre-LN, dropout 0.2", ("M2", "A12"),
+    _case_make(GPTConfig(vocab_size=13, max_seq_len=8, n_layers=2, d_model=8, n_heads=2, d_ff=12,
+                         dropout=0.2, norm_position="pre", tie_embeddings=True, sliding_window=2,
+                         window_layers=(False, True))),
     backward, max_coords=1, step=2.5e-4))

@@ -144,6 +144,47 @@ def test_any_prompt_length_and_steps_decoder(p, steps, seed):
     np.testing.assert_allclose(z, module.logits(params, tokens, config)[:, -1], rtol=RTOL, atol=0)
 
 
+def test_gpt_with_banded_layers_decodes_past_its_window_k2():
+    """GPT-3's alternating dense and banded layers through the cache (window 3, an example: the
+    paper publishes no band width). A prompt of 5 tokens, longer than the window, then decode steps
+    up to T_MAX: every step's logits are the model's own on the whole prefix, so the banded layer
+    reads only its last 3 keys while the learned positions stay absolute; greedy generation gives
+    the same tokens with the cache as with the model's training-style logits and no cache."""
+    _, config, params = setup("gpt-pre-tied")
+    config = dataclasses.replace(config, sliding_window=3, window_layers=(False, True))
+    dense = dataclasses.replace(config, sliding_window=None, window_layers=None)
+    tokens = random_tokens((2, T_MAX), seed=21)
+    p = 5
+    z, cache = prefill(gpt, params, config, tokens[:, :p], all_logits=True)
+    np.testing.assert_allclose(z, gpt.logits(params, tokens[:, :p], config), rtol=RTOL, atol=0)
+    for t in range(p, T_MAX):
+        z = decode_step(gpt, params, config, cache, tokens[:, t])
+        np.testing.assert_allclose(z, gpt.logits(params, tokens[:, :t + 1], config)[:, -1],
+                                   rtol=RTOL, atol=0)
+    assert not np.allclose(z, gpt.logits(params, tokens, dense)[:, -1])  # the band is in effect
+
+    # Per sequence and head: the prefill's 5 x 5 mask leaves 15 causal pairs on the dense layer
+    # and 1 + 2 + 3 + 3 + 3 = 12 in the band; decode steps at 6..9 positions add 6 + 7 + 8 + 9 = 30
+    # and 3 each, 12.
+    prompt, n_new = tokens[:, :p], T_MAX - p + 1  # positions up to max_seq_len are fed
+    cached = generate_cached(gpt, params, config, prompt, n_new, greedy=True)
+    assert cached.counts.visible == [15 + 30, 12 + 12]
+    expected = no_cache.generate(gpt, params, config, prompt, n_new, greedy=True, cache=False)
+    np.testing.assert_array_equal(cached.tokens, expected)
+
+    # One banded layer: the last logits read the last 3 tokens only, at their own positions
+    # 6..8 of the table; the same 3 tokens at positions 0..2 give other logits.
+    one = dataclasses.replace(config, n_layers=1, window_layers=None)
+    params = gpt.init_params(one, seed=3)
+    z, cache = prefill(gpt, params, one, tokens[:, :p])
+    for t in range(p, T_MAX):
+        z = decode_step(gpt, params, one, cache, tokens[:, t])
+    other = tokens.copy()
+    other[:, :T_MAX - 3] = (other[:, :T_MAX - 3] + 1) % V  # every token before the window changed
+    np.testing.assert_allclose(z, gpt.logits(params, other, one)[:, -1], rtol=RTOL, atol=0)
+    assert not np.allclose(z, gpt.logits(params, tokens[:, -3:], one)[:, -1])
+
+
 # ---- K1: prefix invariance of the cached rows ----------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """GPT (catalogue M2): gradients of every parameter, initialisation (N11), causal training (L6),
-prefix invariance (K1), the SFT loss mask (L5), dropout, configs and bad input."""
+prefix invariance (K1), the SFT loss mask (L5), dropout, banded layers (A12, GPT-3's pattern),
+configs and bad input."""
 import dataclasses
 import json
 import math
@@ -10,11 +11,15 @@ import pytest
 from refmath import sizing
 from refmath.gradcheck import numerical_gradient, relative_error, sample_coords
 from refmath.models import gpt
+from refmath.models.hf_layout import HFCheckpointError
 from refmath.optim import takes_weight_decay
 from _support import float32_rule
 
 SMALL = gpt.GPTConfig(vocab_size=13, max_seq_len=8, n_layers=2, d_model=8, n_heads=2, d_ff=12,
                       dropout=0.2)
+# GPT-3's alternation at test size, dense layer first. The paper publishes no band width; 3 is an
+# example small enough that a test sequence of 5 to 8 tokens has keys outside the band.
+BANDED = dataclasses.replace(SMALL, sliding_window=3, window_layers=(False, True))
 
 
 def _random_params(config, seed):
@@ -49,7 +54,8 @@ def _batch(config, rng, b=2, t=6, prompt_len=0, n_ignored=0):
 # ---- end-to-end gradient check -------------------------------------------------------------------
 
 # Four settings cover every switch both ways (Pre/Post-LN, tied/untied, dropout on/off, tanh/exact
-# GELU, loss mask and ignored targets) at half the cost of the full product.
+# GELU, loss mask and ignored targets) at half the cost of the full product; the fifth bands the
+# first layer of a Post-LN network (the registered gpt case bands the second of a Pre-LN one).
 GRADCHECK_SETTINGS = [
     dict(norm_position="pre", tie_embeddings=True, train=False, gelu_approximate=True),
     dict(norm_position="pre", tie_embeddings=False, train=True, gelu_approximate=True,
@@ -57,6 +63,8 @@ GRADCHECK_SETTINGS = [
     dict(norm_position="post", tie_embeddings=True, train=True, gelu_approximate=True),
     dict(norm_position="post", tie_embeddings=False, train=False, gelu_approximate=False,
          prompt_len=1),
+    dict(norm_position="post", tie_embeddings=True, train=True, gelu_approximate=True,
+         sliding_window=3, window_layers=(True, False)),
 ]
 
 
@@ -194,9 +202,10 @@ def test_weight_decay_rule_reads_the_parameter_names():
 
 # ---- causal training (L6), prefix invariance (K1), SFT loss mask (L5) ----------------------------
 
+@pytest.mark.parametrize("base", [SMALL, BANDED], ids=["dense", "banded"])
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
-def test_l6_parallel_loss_equals_every_prefix_run_separately(norm_position):
-    config = dataclasses.replace(SMALL, norm_position=norm_position)
+def test_l6_parallel_loss_equals_every_prefix_run_separately(norm_position, base):
+    config = dataclasses.replace(base, norm_position=norm_position)
     params = _random_params(config, 5)
     rng = np.random.default_rng(6)
     b, t = 2, 6
@@ -215,9 +224,10 @@ def test_l6_parallel_loss_equals_every_prefix_run_separately(norm_position):
     np.testing.assert_allclose(parallel, np.mean(prefix_losses), rtol=1e-13)
 
 
+@pytest.mark.parametrize("base", [SMALL, BANDED], ids=["dense", "banded"])
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
-def test_k1_appending_tokens_leaves_earlier_logits_keys_and_values_unchanged(norm_position):
-    config = dataclasses.replace(SMALL, norm_position=norm_position)
+def test_k1_appending_tokens_leaves_earlier_logits_keys_and_values_unchanged(norm_position, base):
+    config = dataclasses.replace(base, norm_position=norm_position)
     params = _random_params(config, 7)
     rng = np.random.default_rng(8)
     short = _batch(config, rng, 2, 5)
@@ -312,6 +322,88 @@ def test_dropout_masks_are_drawn_from_rng_and_kept_in_the_cache():
     assert loss_off == eval_loss and cache_off.emb_drop is None
 
 
+# ---- banded layers: GPT-3's alternating dense and locally banded attention (A12) ------------------
+
+def test_a_banded_layer_gives_zero_weight_outside_its_window_and_a_dense_one_does_not():
+    config = dataclasses.replace(BANDED, dropout=0.0)
+    params = _random_params(config, 13)
+    batch = _batch(config, np.random.default_rng(14), 2, 7)
+    _, cache = gpt.forward(params, batch, config)
+    i, j = np.indices((7, 7))
+    outside = (j < i) & (j <= i - config.sliding_window)  # earlier than the band: 10 of 21 pairs
+    assert outside.sum() == 10
+    dense, banded = (cache.layers[n].attn.branch.attn.a for n in (0, 1))
+    assert np.all(banded[..., outside] == 0.0) and np.all(banded[..., j > i] == 0.0)
+    assert np.all(dense[..., outside] > 0.0)  # layer 0 is dense: it sees every earlier key
+    np.testing.assert_allclose(banded.sum(axis=-1), 1.0, rtol=1e-14)  # the band's rows still sum to 1
+
+
+def test_a_token_outside_every_band_changes_no_logit():
+    """Two banded layers of window w = 3 give position i a receptive field of i - 4 .. i (each layer
+    reaches w - 1 = 2 further back), so a new token 0 changes the logits of positions 0 .. 4 and
+    leaves those of 5 .. 7 as they were; with GPT-3's dense layer first every position sees it."""
+    rng = np.random.default_rng(15)
+    tokens = rng.integers(0, SMALL.vocab_size, (2, 8))
+    other = tokens.copy()
+    other[:, 0] = (other[:, 0] + 1) % SMALL.vocab_size
+    both = dataclasses.replace(SMALL, sliding_window=3)  # window_layers None: every layer slides
+    params = _random_params(both, 16)
+    before, after = gpt.logits(params, tokens, both), gpt.logits(params, other, both)
+    # equal up to rounding only: the hidden keys get weight exactly 0, but BLAS may round the
+    # products of the visible ones differently when other rows change
+    np.testing.assert_allclose(after[:, 5:], before[:, 5:], rtol=1e-12, atol=1e-14)
+    for position in range(5):
+        assert not np.allclose(after[:, position], before[:, position]), position
+    before, after = gpt.logits(params, tokens, BANDED), gpt.logits(params, other, BANDED)
+    for position in range(8):
+        assert not np.allclose(after[:, position], before[:, position]), position
+
+
+def test_layer_window_and_layer_config():
+    assert [gpt.layer_window(BANDED, n) for n in range(2)] == [None, 3]
+    assert [gpt.layer_window(dataclasses.replace(SMALL, sliding_window=4), n) for n in range(2)] \
+        == [4, 4]
+    assert [gpt.layer_window(SMALL, n) for n in range(2)] == [None, None]
+    dense, banded = (gpt.layer_config(BANDED, n) for n in range(2))
+    assert (dense.sliding_window, dense.window_layers) == (None, None)
+    assert (banded.sliding_window, banded.window_layers) == (3, None)
+    assert gpt.layer_config(BANDED, 1) is banded  # built once per layer
+    assert gpt.layer_config(SMALL, 1) is SMALL
+    # a window wider than the sequence hides nothing: the dense network's loss, bit for bit
+    params = _random_params(SMALL, 17)
+    batch = _batch(SMALL, np.random.default_rng(18), 2, 6)
+    wide = dataclasses.replace(SMALL, sliding_window=6)
+    assert gpt.forward(params, batch, wide)[0] == gpt.forward(params, batch, SMALL)[0]
+    assert gpt.forward(params, batch, BANDED)[0] != gpt.forward(params, batch, SMALL)[0]
+
+
+def test_the_gpt3_175b_preset_alternates_dense_and_banded_layers():
+    config = gpt.GPT_CONFIGS["gpt-3-175b"]
+    assert (config.n_layers, config.d_model, config.n_heads, config.head_dim, config.d_ff,
+            config.vocab_size, config.max_seq_len) == (96, 12288, 96, 128, 4 * 12288, 50257, 2048)
+    assert config.window_layers == (False, True) * 48 and config.sliding_window == 256
+    # Tokens 50257 * 12288 = 617,558,016; positions 2048 * 12288 = 25,165,824; per layer two
+    # LayerNorms 4 d = 49,152, attention 4 d^2 + 4 d = 604,028,928, FFN 8 d^2 + 5 d =
+    # 1,208,020,992, i.e. 1,812,099,072 and 173,961,510,912 for 96; final LayerNorm 24,576;
+    # tied head 0. Sum 174,604,259,328: the "175B" of the paper's Table 2.1.
+    shapes = gpt.param_shapes(config)
+    assert sum(math.prod(s) for s in shapes.values()) == 174_604_259_328
+    assert sizing.parameter_counts(sizing.PRESETS["gpt-3-175b"]).total == 174_604_259_328
+    # the calculators take one window for every layer: half of them slide, so none is counted
+    assert gpt.sizing_fields(config)["sliding_window"] is None
+    assert gpt.sizing_fields(dataclasses.replace(SMALL, sliding_window=3))["sliding_window"] == 3
+
+
+@pytest.mark.parametrize("config", [dataclasses.replace(SMALL, sliding_window=3), BANDED],
+                         ids=["every-layer", "window_layers"])
+def test_to_hf_refuses_a_window_in_one_line(config):
+    params = gpt.init_params(config)
+    with pytest.raises(HFCheckpointError, match=r"sliding_window = 3") as info:
+        gpt.to_hf(config, params)
+    assert "\n" not in str(info.value)
+    assert gpt.to_hf(SMALL, gpt.init_params(SMALL))[0]["model_type"] == "gpt2"
+
+
 # ---- configuration and bad input -----------------------------------------------------------------
 
 def test_config_round_trips_through_json_and_resolves_d_ff():
@@ -338,10 +430,25 @@ def test_config_round_trips_through_json_and_resolves_d_ff():
     ("dropout", True, TypeError, r"dropout must be a number, got True"),
     ("layernorm_eps", 0.0, ValueError, r"layernorm_eps must be a finite number > 0, got 0.0"),
     ("init_std", float("nan"), ValueError, r"init_std must be a finite number > 0, got nan"),
+    ("sliding_window", 0, ValueError, r"GPTConfig.sliding_window must be an int >= 1, got 0"),
+    ("sliding_window", 2.5, TypeError, r"sliding_window must be an int, got 2.5"),
+    ("window_layers", (True,), ValueError,
+     r"window_layers must hold one True/False per layer \(n_layers = 2\), got \(True,\)"),
+    ("window_layers", (1, 0), ValueError, r"window_layers must hold one True/False per layer"),
+    ("window_layers", (True, False, True), ValueError, r"one True/False per layer"),
 ])
 def test_config_validation_names_the_field(field, value, error, message):
+    base = BANDED if field == "window_layers" else SMALL
     with pytest.raises(error, match=message):
-        dataclasses.replace(SMALL, **{field: value})
+        dataclasses.replace(base, **{field: value})
+
+
+def test_window_layers_need_a_window_and_come_back_from_json_as_a_tuple():
+    with pytest.raises(ValueError, match=r"window_layers flags the layers that slide "
+                                         r"sliding_window, which is None"):
+        dataclasses.replace(SMALL, window_layers=(False, True))
+    listed = dataclasses.replace(BANDED, window_layers=[False, True])  # as JSON gives it
+    assert listed.window_layers == (False, True) and listed == BANDED and hash(listed) == hash(BANDED)
 
 
 def _bad(batch, **changes):
@@ -406,10 +513,12 @@ def test_bad_calls_and_parameters():
 
 @pytest.mark.skipif(not __import__("refmath.kernels").kernels.cpu_available(),
                     reason="the C++ module refmath._C is not built")
-def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients():
+@pytest.mark.parametrize("base", [SMALL, BANDED], ids=["dense", "banded"])
+def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(base):
     # float32 through the FlashAttention kernel against float32 through NumPy, both against the
-    # float64 model: the kernel's error is at most twice NumPy's plus a few float32 ulps.
-    config = dataclasses.replace(SMALL, dropout=0.0)
+    # float64 model: the kernel's error is at most twice NumPy's plus a few float32 ulps. Banded,
+    # the kernel gets the second layer's window and the first layer's None.
+    config = dataclasses.replace(base, dropout=0.0)
     params64 = gpt.init_params(config, seed=5)
     rng = np.random.default_rng(6)
     batch = {"tokens": rng.integers(0, config.vocab_size, (2, 7)),
@@ -423,6 +532,9 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients():
         loss, cache = gpt.forward(params32, batch, run_config, train=True,
                                   rng=np.random.default_rng(0))
         assert isinstance(cache.layers[0].attn.branch, gpt.KernelAttentionCache) == (backend == "cpu")
+        if backend == "cpu":
+            assert [layer.attn.branch.attn.window for layer in cache.layers] == \
+                [gpt.layer_window(config, n) for n in range(config.n_layers)]
         runs[backend] = (loss, gpt.backward(cache))
     u32 = np.finfo(np.float32).eps
     # b_k's gradient is exactly 0 (a key bias shifts a whole row of scores, which softmax ignores):

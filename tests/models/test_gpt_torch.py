@@ -4,7 +4,8 @@ The torch network is written from the equations with torch's own functions (F.em
 F.layer_norm, F.linear, F.scaled_dot_product_attention or an explicit masked softmax, F.gelu,
 F.cross_entropy), holding linear weights the way torch does (``out x in``, i.e. refmath's
 transposed). Loss and every parameter gradient must agree to float64 rounding, in evaluation mode
-and in train mode with refmath's dropout masks handed across.
+and in train mode with refmath's dropout masks handed across, for dense layers and for GPT-3's
+alternating dense and banded ones (the band written here as an explicit boolean mask).
 """
 import dataclasses
 import math
@@ -45,7 +46,13 @@ def _as_tensor(mask):
     return None if mask is None else torch.from_numpy(mask)
 
 
-def _torch_attention(u, p, prefix, n_heads, attn_drop):
+def _visible(t, window):
+    """Which keys each query sees: ``j <= i`` and, in a band of width ``window``, ``i - j < window``."""
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    return (j <= i) if window is None else (j <= i) & (i - j < window)
+
+
+def _torch_attention(u, p, prefix, n_heads, attn_drop, window=None):
     b, t, d = u.shape
 
     def heads(z):  # (B, T, d) -> (B, h, T, d_h)
@@ -53,12 +60,13 @@ def _torch_attention(u, p, prefix, n_heads, attn_drop):
 
     q, k, v = (heads(F.linear(u, p[prefix + w], p[prefix + bias]))
                for w, bias in (("w_q", "b_q"), ("w_k", "b_k"), ("w_v", "b_v")))
-    if attn_drop is None:
+    if attn_drop is None and window is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif attn_drop is None:  # a boolean attn_mask: True where a key may be attended to
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_visible(t, window))
     else:  # torch would draw its own dropout mask; use refmath's on explicit weights
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // n_heads)
-        future = torch.ones(t, t, dtype=torch.bool).triu(1)
-        weights = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+        weights = torch.softmax(scores.masked_fill(~_visible(t, window), -math.inf), dim=-1)
         o = (weights * attn_drop) @ v
     return F.linear(o.transpose(1, 2).reshape(b, t, d), p[prefix + "w_o"], p[prefix + "b_o"])
 
@@ -81,8 +89,11 @@ def _torch_logits(p, tokens, config, drops):
     x = dropped(F.embedding(tokens, p["tok_emb"]) + p["pos_emb"][:t], drops["emb"])
     for i in range(config.n_layers):
         pre = f"layers.{i}."
+        slides = config.window_layers is None or config.window_layers[i]
+        window = config.sliding_window if slides else None
         x = sublayer(x, pre + "ln1", lambda u: _torch_attention(u, p, pre + "attn.", config.n_heads,
-                                                                 drops["attn", i]), drops["res1", i])
+                                                                 drops["attn", i], window),
+                     drops["res1", i])
         x = sublayer(x, pre + "ln2", lambda u: F.linear(
             F.gelu(F.linear(u, p[pre + "ffn.w1"], p[pre + "ffn.b1"]), approximate=approximate),
             p[pre + "ffn.w2"], p[pre + "ffn.b2"]), drops["res2", i])
@@ -98,6 +109,11 @@ SETTINGS = [
     dict(norm_position="post", tie_embeddings=True, train=True),
     dict(norm_position="post", tie_embeddings=False, train=False, gelu_approximate=False, loss_mask=True),
     dict(norm_position="pre", tie_embeddings=True, train=True, gelu_approximate=False),
+    # GPT-3's alternation (dense first; the band width 3 is an example, the paper gives none),
+    # then one band on both layers of a Post-LN network: 7 tokens reach past either window
+    dict(norm_position="pre", tie_embeddings=True, train=True, sliding_window=3,
+         window_layers=(False, True), loss_mask=True),
+    dict(norm_position="post", tie_embeddings=False, train=False, sliding_window=2),
 ]
 
 
