@@ -592,9 +592,12 @@ def logits(params: dict, tokens, config: GPTConfig) -> np.ndarray:
 
 
 def cache_spec(config: GPTConfig, batch: int, max_len: int) -> CacheSpec:
-    """Keys and values of every head per layer (``g = h``): ``(L, B, h, max_len, d_h)`` each."""
+    """Keys and values of every head per layer (``g = h``): ``(L, B, h, max_len, d_h)`` each, of
+    which a banded layer keeps only its window's rows (:func:`layer_window`)."""
     shape = (config.n_layers, batch, config.n_heads, max_len, config.head_dim)
-    return CacheSpec("kv", (shape, shape))
+    windows = tuple(layer_window(config, i) for i in range(config.n_layers))
+    return CacheSpec("kv", (shape, shape),
+                     windows=windows if any(w is not None for w in windows) else None)
 
 
 def embed(params, tokens, config: GPTConfig, offset: int) -> np.ndarray:
@@ -638,9 +641,7 @@ def sizing_fields(config: GPTConfig) -> dict:
                 vocab_size=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True,
                 mlp_bias=True, tie_embeddings=config.tie_embeddings,
                 learned_positions=config.max_seq_len, final_norm=config.norm_position == "pre",
-                # a window on some layers only is counted as none (the calculators take one
-                # window for every layer): an upper bound on the cache
-                sliding_window=config.sliding_window if config.window_layers is None else None)
+                sliding_window=config.sliding_window, window_layers=config.window_layers)
 
 
 # ---- Hugging Face: gpt2 and openai-gpt (refmath.hf reads and writes the files) -------------------

@@ -389,8 +389,10 @@ def test_the_gpt3_175b_preset_alternates_dense_and_banded_layers():
     shapes = gpt.param_shapes(config)
     assert sum(math.prod(s) for s in shapes.values()) == 174_604_259_328
     assert sizing.parameter_counts(sizing.PRESETS["gpt-3-175b"]).total == 174_604_259_328
-    # the calculators take one window for every layer: half of them slide, so none is counted
-    assert gpt.sizing_fields(config)["sliding_window"] is None
+    # the calculators count each layer's window: the 48 banded layers keep 256 positions
+    sized = sizing.ModelConfig("gpt-3-like", **gpt.sizing_fields(config))
+    assert sized.layer_windows == (None, 256) * 48
+    assert sizing.model_cache_bytes(sized, 2048) == 48 * (2048 + 256) * 2 * 12288 * 2
     assert gpt.sizing_fields(dataclasses.replace(SMALL, sliding_window=3))["sliding_window"] == 3
 
 
