@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 3
 #     minutes: 45
-#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20]
+#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22]
 # ---
 
 # %% [markdown]
@@ -22,7 +22,8 @@
 # derives by hand why a shared key/value head's gradient is a *sum* over the query heads that read
 # it, and counts what grouping saves and what it does not (A13). It ends with options of the
 # same layer: context extension by rescaling RoPE's frequencies (N13-N17), QK-norm (N18), and
-# Gemma's soft-capped scores, GeGLU and local layers (N19, N20).
+# Gemma's soft-capped scores, GeGLU and local layers (N19, N20), and the parallel block of GPT-J,
+# PaLM and Falcon with OLMo 2's norms after the sublayers (N21, N22).
 #
 # **Prerequisites:** lessons 1 (attention backward, A8), 2 (RMSNorm), 4 (SwiGLU, RoPE) and 7 (GPT).
 #
@@ -33,7 +34,7 @@
 # rule and YaRN each slow its pairs; see why QK-norm bounds the scores, and what a soft cap does
 # to a score and to its gradient.
 #
-# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20
+# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22
 #
 # **Duration:** about 45 minutes.
 
@@ -586,6 +587,58 @@ check_close("the slopes", slope,
                    "the slope of tanh(x), not divided by c": 1.0 - np.tanh(scores) ** 2})
 
 # %% [markdown]
+# ## N21, N22: the parallel block, and norms after the sublayers
+#
+# GPT-J, PaLM (Chowdhery et al., 2022) and Falcon do not run the FFN after the attention: both
+# read the same normalised input and add to the residual together,
+#
+# $$ x' = x + \operatorname{Attn}(N_1(x)) + \operatorname{FFN}(N_2(x)) , $$
+#
+# with $N_2 = N_1$ (one norm: GPT-J, PaLM, Falcon-7B) or a second norm (Falcon-40B). A layer is
+# then one step of depth instead of two, and the matrices that read $N_1(x)$ (the query, key and
+# value projections and the FFN's gate and up projections) can be one product, which PaLM reports
+# as about 15% faster training at scale. The backward adds the two branches' input gradients
+# where they meet, at the shared norm's output, and the identity's: $dx = dx' + J_{N}^\top (J_A^\top
+# + J_F^\top)\, dx'$. OLMo 2 (N22) moves the norms the other way, onto the sublayers' outputs
+# only: $x' = x + \operatorname{RMSNorm}(F(x))$. All of them are options of the same decoder:
+# `parallel_block`, `parallel_norms`, `pre_norms`, `norm="layernorm"`.
+
+# %%
+palm = decoder.preset("palm-tiny", vocab_size=32, max_seq_len=8, d_model=16, d_ff=64)
+sequential = decoder.preset("palm-tiny", vocab_size=32, max_seq_len=8, d_model=16, d_ff=64,
+                            parallel_block=False)
+p_params = decoder.init_params(palm, seed=4)
+s_params = decoder.init_params(sequential, seed=4)
+print("parameters: parallel", n_params(decoder.param_shapes(palm)), "sequential",
+      n_params(decoder.param_shapes(sequential)), "(one norm fewer per layer)")
+loss_p, cache_p = decoder.forward(p_params, batch, palm)
+check = check_param_gradients(lambda p: decoder.forward(p, batch, palm)[0],
+                              decoder.backward(cache_p), p_params)
+print(f"PaLM-shaped parallel decoder: loss {float(loss_p):.4f}; gradient check passed: "
+      f"{check.passed}")
+
+# %% [markdown]
+# **Your turn.** The one product a parallel layer's normalised input goes through, for PaLM-540B's
+# shape: $d = 18432$, $h = 48$ query heads of $d_h = 256$, multi-query attention (one key and one
+# value head), a SwiGLU of width $d_f = 4d$. How many columns does the fused matrix
+# $[W_Q\ W_K\ W_V\ W_{\text{gate}}\ W_{\text{up}}]$ have? Write `fused_columns`.
+
+# %% tags=["exercise"]
+fused_columns = ...
+# BEGIN SOLUTION
+fused_columns = 48 * 256 + 2 * 256 + 2 * 4 * 18432
+# END SOLUTION
+
+# %%
+check_close("the fused input projection's width", fused_columns,
+            lambda: 48 * 256 + 2 * 256 + 2 * 4 * 18432, rtol=0,
+            hint="queries h d_h, keys and values one head each, the gate and the up projection",
+            slips={"keys and values for every head (MHA, not MQA)": 3 * 48 * 256 + 2 * 4 * 18432,
+                   "one FFN matrix (the gate forgotten)": 48 * 256 + 2 * 256 + 4 * 18432,
+                   "the down projection counted too (it reads the FFN's hidden, not x)":
+                       48 * 256 + 2 * 256 + 3 * 4 * 18432})
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Derive $dQ$ for GQA. Why does $dQ$ need no sum over heads, while $dK$ and $dV$ do?
@@ -629,6 +682,9 @@ check_close("the slopes", slope,
 #   arXiv:2302.05442. (QK-norm against growing attention logits.) Yang, A., et al. (2025).
 #   Qwen3 Technical Report. arXiv:2505.09388. OLMo Team (2024). 2 OLMo 2 Furious.
 #   arXiv:2501.00656.
+# - Chowdhery, A., et al. (2022). PaLM: Scaling Language Modeling with Pathways. arXiv:2204.02311.
+#   (The parallel block, multi-query attention, SwiGLU, no biases.) Almazrouei, E., et al. (2023).
+#   The Falcon Series of Open Language Models. arXiv:2311.16867.
 # - Gemma Team (2024). Gemma 2: Improving Open Language Models at a Practical Size.
 #   arXiv:2408.00118. (Soft-capping, sandwich norms, alternating local and global layers.)
 #   Gemma Team (2025). Gemma 3 Technical Report. arXiv:2503.19786. (Five local layers per global
