@@ -375,11 +375,11 @@ def evaluate(module, params, config, task, n_batches: int, batch_size: int) -> d
     """Mean cross-entropy (eval mode, no dropout) over ``n_batches`` fixed batches of each split
     (a mixture of experts' auxiliary losses left out)."""
     out = {}
+    experts = getattr(config, "moe", None) is not None
     for split in ("train", "val"):
         losses = []
         for i in range(n_batches):
             loss, cache = module.forward(params, task.batch(split, i, batch_size, EVAL_SEED), config)
-            experts = getattr(config, "moe", None) is not None
             losses.append(float(loss) - (moe_aux_loss(cache) if experts else 0.0))
         out[split] = float(np.mean(losses))
     return out
@@ -580,7 +580,7 @@ def _balance_experts(run: _Run, cache) -> None:
 def _experts_line(run: _Run) -> str:
     """The log's word on the experts: the auxiliary loss and the busiest expert's load against
     the mean, over the last step's MoE layers."""
-    if run.experts is None:
+    if run.experts is None or not run.experts[1]:  # no layer is a mixture of experts
         return ""
     aux, loads = run.experts
     busiest = max(float(load.max() / load.mean()) for load in loads.values())
