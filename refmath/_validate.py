@@ -153,3 +153,20 @@ def check_field(config, name: str, check, *args, optional: bool = False, **kwarg
     if value is None and optional:
         return
     object.__setattr__(config, name, check(f"{type(config).__name__}.{name}", value, *args, **kwargs))
+
+
+def check_window_layers(config, where: str = "") -> None:
+    """Require ``config.window_layers`` (None, or one bool per layer saying which layers slide
+    ``config.sliding_window``) to fit ``config.n_layers`` and a window, and store it as a tuple
+    (JSON gives a list; a tuple keeps the configuration hashable). ``where`` is added to the
+    message (which configuration)."""
+    if config.window_layers is None:
+        return
+    name, flags = type(config).__name__, tuple(config.window_layers)
+    if len(flags) != config.n_layers or not all(isinstance(flag, bool) for flag in flags):
+        raise ValueError(f"{name}.window_layers must hold one True/False per layer (n_layers = "
+                         f"{config.n_layers}), got {len(flags)} entries {flags[:4]}{where}")
+    if config.sliding_window is None:
+        raise ValueError(f"{name}.window_layers flags the layers that slide sliding_window, "
+                         f"which is None{where}")
+    object.__setattr__(config, "window_layers", flags)

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
+from refmath._validate import (check_choice, check_field, check_flag, check_int, check_real,
+                               check_window_layers)
 from refmath.ffn import ffn_parameter_count
 from refmath.hf import config_from_hf
 from refmath.models import model_module
@@ -271,7 +272,7 @@ class ModelConfig:
         for field in ("learned_positions", "encoder_layers", "norms_per_layer"):
             check_field(self, field, check_int, 0)
         _check_kv_heads_divide(self.n_heads, self.kv_heads)
-        self._check_windows()
+        check_window_layers(self, f" (config {self.name!r})")
         if (self.d_c is None) != (self.d_rope is None):
             raise ValueError("d_c and d_rope must be given together (an MLA cache holds both)")
         check_field(self, "mlp", check_choice, _MLP_KINDS)
@@ -281,19 +282,6 @@ class ModelConfig:
         object.__setattr__(self, "moe", as_moe_config(self.moe, "ModelConfig.moe"))
         self._check_mla()
         self._check_moe()
-
-    def _check_windows(self) -> None:
-        if self.window_layers is None:
-            return
-        flags = tuple(self.window_layers)  # a list from JSON; a tuple keeps the config hashable
-        if len(flags) != self.n_layers or not all(isinstance(f, bool) for f in flags):
-            raise ValueError(f"ModelConfig.window_layers must hold one True/False per layer "
-                             f"(n_layers = {self.n_layers}), got {len(flags)} entries "
-                             f"{flags[:4]}... (config {self.name!r})")
-        if self.sliding_window is None:
-            raise ValueError(f"ModelConfig.window_layers flags the layers that slide "
-                             f"sliding_window, which is None (config {self.name!r})")
-        object.__setattr__(self, "window_layers", flags)
 
     @property
     def layer_windows(self) -> tuple:

@@ -54,7 +54,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
+from refmath._validate import (check_choice, check_field, check_flag, check_int, check_real,
+                               check_window_layers)
 from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_attention_backward,
                                causal_attention_forward, causal_attention_kv, merge_heads,
                                split_heads)
@@ -248,15 +249,7 @@ class DecoderConfig(FamilyConfig):
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
         check_field(self, "qkv_bias", check_flag)
         check_field(self, "sliding_window", check_int, 1, optional=True)
-        if self.window_layers is not None:  # JSON gives a list; a tuple keeps the config hashable
-            object.__setattr__(self, "window_layers", tuple(self.window_layers))
-            if len(self.window_layers) != self.n_layers or not all(
-                    isinstance(flag, bool) for flag in self.window_layers):
-                raise ValueError(f"DecoderConfig.window_layers must hold one True/False per layer "
-                                 f"(n_layers = {self.n_layers}), got {self.window_layers}")
-            if self.sliding_window is None:
-                raise ValueError("DecoderConfig.window_layers flags the layers that slide "
-                                 "sliding_window, which is None")
+        check_window_layers(self)
         check_field(self, "local_rope_base", check_real, 1.0, low_open=True, optional=True)
         if self.local_rope_base is not None and self.window_layers is None:
             raise ValueError("DecoderConfig.local_rope_base is the RoPE base of the sliding layers "

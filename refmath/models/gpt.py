@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
+from refmath._validate import (check_choice, check_field, check_flag, check_int, check_real,
+                               check_window_layers)
 from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_attention_backward,
                                causal_attention_forward, causal_attention_kv, causal_mask,
                                local_window_mask, merge_heads, mha_backward, mha_forward,
@@ -129,15 +130,7 @@ class GPTConfig:
                              f"dropout = 0 (the kernel has no dropout on the attention weights), "
                              f"got dropout = {self.dropout}")
         check_field(self, "sliding_window", check_int, 1, optional=True)
-        if self.window_layers is not None:  # JSON gives a list; a tuple keeps the config hashable
-            object.__setattr__(self, "window_layers", tuple(self.window_layers))
-            if len(self.window_layers) != self.n_layers or not all(
-                    isinstance(flag, bool) for flag in self.window_layers):
-                raise ValueError(f"GPTConfig.window_layers must hold one True/False per layer "
-                                 f"(n_layers = {self.n_layers}), got {self.window_layers}")
-            if self.sliding_window is None:
-                raise ValueError("GPTConfig.window_layers flags the layers that slide "
-                                 "sliding_window, which is None")
+        check_window_layers(self)
 
     @property
     def head_dim(self) -> int:

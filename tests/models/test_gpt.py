@@ -435,7 +435,7 @@ def test_config_round_trips_through_json_and_resolves_d_ff():
     ("sliding_window", 0, ValueError, r"GPTConfig.sliding_window must be an int >= 1, got 0"),
     ("sliding_window", 2.5, TypeError, r"sliding_window must be an int, got 2.5"),
     ("window_layers", (True,), ValueError,
-     r"window_layers must hold one True/False per layer \(n_layers = 2\), got \(True,\)"),
+     r"window_layers must hold one True/False per layer \(n_layers = 2\), got 1 entries \(True,\)"),
     ("window_layers", (1, 0), ValueError, r"window_layers must hold one True/False per layer"),
     ("window_layers", (True, False, True), ValueError, r"one True/False per layer"),
 ])
