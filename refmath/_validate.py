@@ -170,3 +170,18 @@ def check_window_layers(config, where: str = "") -> None:
         raise ValueError(f"{name}.window_layers flags the layers that slide sliding_window, "
                          f"which is None{where}")
     object.__setattr__(config, "window_layers", flags)
+
+
+def as_dataclass(value, cls: type, name: str):
+    """``value`` as a ``cls`` (a dataclass of options, such as a rope scaling or a mixture of
+    experts): one already, a dict of its fields (as JSON gives it back), or None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a {cls.__name__}, a dict of its fields or None, got "
+                        f"{type(value).__name__}")
+    unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {unknown}; the fields are "
+                         f"{sorted(cls.__dataclass_fields__)}")
+    return cls(**value)

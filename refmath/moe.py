@@ -54,8 +54,8 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from refmath import fused
-from refmath._validate import (check_axis, check_choice, check_field, check_flag, check_int,
-                               check_min_ndim, check_ndim, check_real, float_array)
+from refmath._validate import (as_dataclass, check_axis, check_choice, check_field, check_flag,
+                               check_int, check_min_ndim, check_ndim, check_real, float_array)
 from refmath.ffn import matmul_rows, sigmoid
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
@@ -169,16 +169,7 @@ class MoEConfig:
 
 def as_moe_config(value, name: str = "moe") -> MoEConfig | None:
     """``value`` as a :class:`MoEConfig`: one already, a dict of its fields, or None."""
-    if value is None or isinstance(value, MoEConfig):
-        return value
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a MoEConfig, a dict of its fields or None, got "
-                        f"{type(value).__name__}")
-    unknown = sorted(set(value) - set(MoEConfig.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"{name} has unknown field(s) {unknown}; the fields are "
-                         f"{sorted(MoEConfig.__dataclass_fields__)}")
-    return MoEConfig(**value)
+    return as_dataclass(value, MoEConfig, name)
 
 
 def moe_param_shapes(d_model: int, moe: MoEConfig) -> dict:

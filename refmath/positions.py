@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath._validate import (check_choice, check_flag, check_int, check_min_ndim, check_ndim,
-                               check_real, float_array)
+from refmath._validate import (as_dataclass, check_choice, check_flag, check_int, check_min_ndim,
+                               check_ndim, check_real, float_array)
 from refmath.registry import OpCase, register_case
 
 
@@ -193,16 +193,7 @@ class RopeScaling:
 
 def as_rope_scaling(value, name: str = "rope_scaling") -> RopeScaling | None:
     """``value`` as a :class:`RopeScaling`: one already, a dict of its fields, or None."""
-    if value is None or isinstance(value, RopeScaling):
-        return value
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a RopeScaling, a dict of its fields or None, got "
-                        f"{type(value).__name__}")
-    unknown = sorted(set(value) - set(RopeScaling.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"{name} has unknown field(s) {unknown}; the fields are "
-                         f"{sorted(RopeScaling.__dataclass_fields__)}")
-    return RopeScaling(**value)
+    return as_dataclass(value, RopeScaling, name)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
