@@ -100,6 +100,13 @@ class PairCounts:
         self.scores[layer] += mask.size
         self.visible[layer] += int(np.count_nonzero(mask == 0))
 
+    def record_step(self, layer: int, keys: int, visible: int) -> None:
+        """Count one decode step at ``layer``: one query scored against ``keys`` keys, of which it
+        sees ``visible``; what :meth:`record` counts of that step's one-row mask, without building
+        the row."""
+        self.scores[layer] += keys
+        self.visible[layer] += visible
+
     def add(self, other: PairCounts) -> None:
         """Add ``other``'s counts to these, layer by layer."""
         self.scores = [a + b for a, b in zip(self.scores, other.scores)]
@@ -317,11 +324,8 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
     block_k, block_v = cache.keys[layer], cache.values[layer]
     block_k[:, :, offset:t] = xp.asarray(k)
     block_v[:, :, offset:t] = xp.asarray(v)
-    if window is None:
-        mask = causal_mask(n, t, dtype=q.dtype)
-    else:
-        mask = local_window_mask(t, window, dtype=q.dtype)[offset:]
-    cache.counts.record(layer, mask)
+    if n == 1:  # the one new query sees every cached key, or the last `window` of them
+        cache.counts.record_step(layer, t, t if window is None else min(t, window))
     if n == 1 and window is not None and t > window:
         # the window's rows only, copied contiguous for the kernel (the reference reads the view)
         first = t - window
@@ -335,6 +339,11 @@ def _cached_attention(cache: KVCache, layer: int, q, k, v, offset: int,
         o = decode_attention(xp.asarray(q[:, :, 0]), block_k, block_v, np.full(b, t),
                              scale=scale, backend=cache.backend, softcap=softcap)
         return cache.to_host(o)[:, :, None]
+    if window is None:
+        mask = causal_mask(n, t, dtype=q.dtype)
+    else:
+        mask = local_window_mask(t, window, dtype=q.dtype)[offset:]
+    cache.counts.record(layer, mask)
     keys, values = block_k[:, :, :t], block_v[:, :, :t]
     if cache.backend != "numpy":  # the kernel reads (B, g, t, d_h) blocks
         o, _ = kernels.flash_attention_forward(xp.asarray(q), xp.ascontiguousarray(keys),
@@ -387,7 +396,7 @@ def _ring_attention(cache: KVCache, layer: int, q, k, v, offset: int, window: in
         ring_k[:, :, offset % w] = xp.asarray(k[:, :, 0])
         ring_v[:, :, offset % w] = xp.asarray(v[:, :, 0])
         seen = min(t, w)
-        cache.counts.record(layer, np.zeros((1, seen), q.dtype))  # one query, every key visible
+        cache.counts.record_step(layer, seen, seen)  # one query, every key it reads visible
         o = decode_attention(xp.asarray(q[:, :, 0]), ring_k, ring_v, np.full(b, seen),
                              scale=scale, backend=cache.backend, softcap=softcap)
         return cache.to_host(o)[:, :, None]
