@@ -162,9 +162,11 @@ class FlatAdamW(AdamW):
         self.state = {"m": views["m"], "v": views["v"]}
         self._decays = sorted({wd for wd in decays.values() if wd})
         self._parts = self._make_parts(order, spans, decays)
-        # The kernel's pieces in buffer order: (name, flat view of the gradient buffer, decay).
-        self._pieces = [(name, self._buffers["g"][spans[name][0]:spans[name][1]], decays[name])
-                        for name in order]
+        # The kernel's pieces in buffer order: each parameter's name, the flat view of its
+        # gradient in the buffer, and its decay coefficient.
+        self._piece_names = order
+        self._piece_grads = [self._buffers["g"][slice(*spans[name])] for name in order]
+        self._piece_decays = [decays[name] for name in order]
         numpy_threads = len(self._parts) > 1 and backend == "numpy"
         self._pool = ThreadPoolExecutor(len(self._parts) - 1) if numpy_threads else None
 
@@ -247,11 +249,14 @@ class FlatAdamW(AdamW):
         dtype = self._buffers["p"].dtype
         checked = {}
         for name, p in self.params.items():
-            g = float_array(f"grads[{name!r}]", grads[name])
-            check_same_shape(f"params[{name!r}]", p, f"grads[{name!r}]", g)
-            if g.dtype != dtype:
-                raise TypeError(f"grads[{name!r}] must have the parameters' dtype {dtype}, got "
-                                f"{g.dtype} (shape {g.shape})")
+            g = grads[name]
+            # The usual case first, without building the names of the messages.
+            if type(g) is not np.ndarray or g.dtype != dtype or g.shape != p.shape:
+                g = float_array(f"grads[{name!r}]", g)
+                check_same_shape(f"params[{name!r}]", p, f"grads[{name!r}]", g)
+                if g.dtype != dtype:
+                    raise TypeError(f"grads[{name!r}] must have the parameters' dtype {dtype}, got "
+                                    f"{g.dtype} (shape {g.shape})")
             checked[name] = g
         return checked
 
@@ -269,17 +274,17 @@ class FlatAdamW(AdamW):
     def _kernel_step(self, lr: float, grads: dict) -> None:
         *scalars, shrink = self._constants(lr)
         shrink[0.0] = 1  # no decay: p * 1 is p, bit for bit, the multiplication NumPy skips
-        sources, factors = [], []
-        for name, view, wd in self._pieces:
+        sources = []
+        for name, in_buffer in zip(self._piece_names, self._piece_grads):
             g = grads[name]
             if g is not self.grads[name]:
-                view = g.reshape(-1)  # a view of a contiguous gradient, else a copy in C order
-                if not view.flags.aligned:
-                    view = view.copy()
-            sources.append(view)
-            factors.append(shrink[wd])
+                in_buffer = g.reshape(-1)  # a view of a contiguous gradient, else a C-order copy
+                if not in_buffer.flags.aligned:  # (a view into a byte buffer, say)
+                    in_buffer = in_buffer.copy()
+            sources.append(in_buffer)
         b = self._buffers
-        kernels.adamw_step(b["p"], sources, b["m"], b["v"], factors, scalars, self.threads)
+        kernels.adamw_step(b["p"], sources, b["m"], b["v"], [shrink[wd] for wd in self._piece_decays],
+                           scalars, self.threads)
 
     def _update_buffer(self, lr: float, sources: dict) -> None:
         constants = self._constants(lr)
