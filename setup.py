@@ -438,8 +438,10 @@ CU_SOURCES = _rel("csrc/cuda/*.cu")
 # loops are built of such sums. -fno-trapping-math lets GCC turn a floating-point 'x < a ? a : x'
 # inside a loop into a vector select (nothing here reads the floating-point exception flags);
 # without it the 2^x loops stay scalar. -fopenmp-simd honours '#pragma omp simd' (reductions the
-# vectoriser may reorder) even without OpenMP.
-CPU_VECTOR_FLAGS = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd"]
+# vectoriser may reorder) even without OpenMP. -fno-math-errno: a loop calling sqrt stays scalar
+# while sqrt must set errno for a negative input (nothing reads errno; the values are the same).
+# csrc/adamw_cpu.cpp, bit for bit NumPy's arithmetic, turns contraction off for itself.
+CPU_VECTOR_FLAGS = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-fno-math-errno"]
 
 ext_modules = [
     Pybind11Extension(

@@ -4,11 +4,14 @@
 // messages, but a direct caller still gets an exception rather than a read past the end of a buffer.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "adamw_cpu.h"
 #include "decode_cpu.h"
 #include "flash_cpu.h"
 #include "softmax.h"
@@ -232,6 +235,103 @@ double stream_sum(const py::array& x) {
     return refmath::stream_sum(p, n);
 }
 
+// ---- one AdamW step over flat buffers (catalogue O4): float32 or float64 ----
+
+// The byte range an array's data occupies; two arrays overlap when their ranges do.
+bool overlap(const py::array& a, const py::array& b) {
+    if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+    const auto* pa = static_cast<const char*>(a.data());
+    const auto* pb = static_cast<const char*>(b.data());
+    return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// A 1-D, C-contiguous, aligned array of exactly T in native byte order, written in place when
+// 'writes' is set. The arrays updated in place cannot be copied into a better layout here.
+template <typename T>
+void check_flat(const py::array& a, const std::string& name, const std::string& dtype_name,
+                bool writes) {
+    // isinstance<array_t<T>> refuses other byte orders too (NumPy does not call them equivalent),
+    // without the Python attribute look-up of dtype.isnative, which costs more than a small piece.
+    if (!py::isinstance<py::array_t<T>>(a))
+        throw py::type_error(name + " must be a native-byte-order " + dtype_name +
+                             " array (the dtype of p), got dtype " + std::string(py::str(a.dtype())));
+    if (a.ndim() != 1)
+        throw py::value_error(name + " must be 1-D, got shape " + shape_of(a));
+    if (!(a.flags() & py::array::c_style) || !(a.flags() & kNpyAligned))
+        throw py::value_error(name + " must be contiguous and aligned, got a strided view of " +
+                              "shape " + shape_of(a));
+    if (writes && !a.writeable())
+        throw py::value_error(name + " must be writeable: it is updated in place");
+}
+
+template <typename T>
+void adamw_step_typed(const py::array& p, const std::vector<py::array>& g, const py::array& m,
+                      const py::array& v, const std::vector<double>& shrink,
+                      const std::vector<double>& scalars, int threads) {
+    const std::string dtype_name = std::is_same<T, float>::value ? "float32" : "float64";
+    check_flat<T>(p, "p", dtype_name, true);
+    check_flat<T>(m, "m", dtype_name, true);
+    check_flat<T>(v, "v", dtype_name, true);
+    if (m.size() != p.size() || v.size() != p.size())
+        throw py::value_error("m and v must have the length of p " + shape_of(p) + ", got m " +
+                              shape_of(m) + " and v " + shape_of(v));
+    if (overlap(p, m) || overlap(p, v) || overlap(m, v))
+        throw py::value_error("p, m and v must be separate arrays: two of them share memory");
+    std::vector<refmath::AdamWPiece<T>> pieces(g.size());
+    py::ssize_t total = 0;
+    for (std::size_t k = 0; k < g.size(); ++k) {
+        const std::string name = "g[" + std::to_string(k) + "]";
+        check_flat<T>(g[k], name, dtype_name, false);
+        if (overlap(g[k], p) || overlap(g[k], m) || overlap(g[k], v))
+            throw py::value_error(name + " shares memory with p, m or v, which the step writes");
+        pieces[k] = {static_cast<const T*>(g[k].data()), g[k].size(), static_cast<T>(shrink[k])};
+        total += g[k].size();
+    }
+    if (total != p.size())
+        throw py::value_error("the gradient pieces g must cover p end to end: their lengths add up "
+                              "to " + std::to_string(total) + ", p has " +
+                              std::to_string(p.size()));
+    // Each scalar rounded once to T, as NumPy rounds a Python float next to an array of dtype T.
+    const refmath::AdamWScalars<T> s{static_cast<T>(scalars[0]), static_cast<T>(scalars[1]),
+                                     static_cast<T>(scalars[2]), static_cast<T>(scalars[3]),
+                                     static_cast<T>(scalars[4]), static_cast<T>(scalars[5]),
+                                     static_cast<T>(scalars[6]), static_cast<T>(scalars[7])};
+    T* pp = static_cast<T*>(const_cast<void*>(p.data()));
+    T* mp = static_cast<T*>(const_cast<void*>(m.data()));
+    T* vp = static_cast<T*>(const_cast<void*>(v.data()));
+    py::gil_scoped_release release;  // the kernel touches only raw buffers, held alive by g, p, m, v
+    refmath::adamw_step_cpu<T>(pp, mp, vp, pieces.data(), static_cast<std::ptrdiff_t>(pieces.size()),
+                               s, threads);
+}
+
+void adamw_step(const py::array& p, const py::list& g, const py::array& m, const py::array& v,
+                const std::vector<double>& shrink, const std::vector<double>& scalars,
+                int threads) {
+    std::vector<py::array> pieces;
+    for (std::size_t k = 0; k < g.size(); ++k) {
+        if (!py::isinstance<py::array>(g[k]))
+            throw py::type_error("g[" + std::to_string(k) + "] must be a NumPy array, got " +
+                                 std::string(py::str(py::type::of(g[k]).attr("__name__"))));
+        pieces.push_back(py::reinterpret_borrow<py::array>(g[k]));
+    }
+    if (shrink.size() != pieces.size())
+        throw py::value_error("shrink must hold one factor per gradient piece: " +
+                              std::to_string(pieces.size()) + " pieces, " +
+                              std::to_string(shrink.size()) + " factors");
+    if (scalars.size() != 8)
+        throw py::value_error("scalars must be (beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^s, "
+                              "1 - beta2^s, lr, eps), got " + std::to_string(scalars.size()) +
+                              " numbers");
+    // A bound that keeps OpenMP from being asked for an absurd team (it would fail creating it).
+    if (threads < 1 || threads > 256)
+        throw py::value_error("threads must be between 1 and 256, got " + std::to_string(threads));
+    if (py::isinstance<py::array_t<float>>(p))
+        return adamw_step_typed<float>(p, pieces, m, v, shrink, scalars, threads);
+    if (py::isinstance<py::array_t<double>>(p))
+        return adamw_step_typed<double>(p, pieces, m, v, shrink, scalars, threads);
+    throw py::type_error("p must be float32 or float64, got dtype " + std::string(py::str(p.dtype())));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -258,6 +358,12 @@ PYBIND11_MODULE(_C, m) {
           "(B, max_pages), lengths int32 (B,); splits 0 = automatic.");
     m.def("stream_sum", &stream_sum, py::arg("x"),
           "Sum of a C-contiguous float32 array read once by all threads (a memory-bandwidth probe).");
+    m.def("adamw_step", &adamw_step, py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"),
+          py::arg("shrink"), py::arg("scalars"), py::arg("threads"),
+          "One AdamW step in place on the 1-D arrays p, m, v (float32 or float64), reading the "
+          "gradients from the list g of 1-D pieces laid end to end over p, piece k decayed by "
+          "shrink[k]; scalars (beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^s, 1 - beta2^s, lr, "
+          "eps). Call it through refmath.kernels.adamw_step.");
     m.def("max_threads", &refmath::tile::max_threads,
           "The number of OpenMP threads the kernels use (1 without OpenMP).");
     m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },

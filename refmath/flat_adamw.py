@@ -6,6 +6,10 @@ in a Python loop over dozens of tensors, each operation allocating a temporary. 
 keeps every parameter, gradient and moment in one contiguous buffer and updates it in a few
 vectorised calls per cache-sized block, with the same operations in the same order, so that its
 parameters and moments are those of :class:`~refmath.optim.AdamW` exactly (catalogue O4).
+
+Where the compiled extension is built, the step runs :func:`refmath.kernels.adamw_step`, one C++
+pass over the buffer doing the NumPy form's operations (:func:`_adamw_part`) element by element,
+with the same roundings; the NumPy form stays the definition, and runs without the extension.
 """
 from __future__ import annotations
 
@@ -14,10 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from refmath._validate import check_int, check_real, check_same_shape, float_array
+from refmath import kernels
+from refmath._validate import check_choice, check_int, check_real, check_same_shape, float_array
 from refmath.optim import AdamW
 
-__all__ = ["FlatAdamW"]
+__all__ = ["FlatAdamW", "BACKENDS"]
+
+# Who runs the update: NumPy (the form to read, :func:`_adamw_part`) or the C++ kernel
+# (:func:`refmath.kernels.adamw_step`, the same operations in one pass).
+BACKENDS = ("numpy", "cpu")
 
 # Bytes of each array per block of FlatAdamW's update. At 128 KiB the six arrays a block touches
 # (p, g, m, v and two scratch arrays, 768 KiB) stay in a core's L2 cache through the fifteen
@@ -89,11 +98,18 @@ class FlatAdamW(AdamW):
     The moments ``m`` and ``v`` and a gradient buffer ``g`` share the layout. The parameters are
     laid out grouped by their weight-decay coefficient (O5: :meth:`decay_of`, asked once, here),
     so that the decay :math:`(1-\eta\lambda)` is one multiplication per group and block.
-    :meth:`step` copies the gradients into ``g`` (a gradient that already is the view
-    ``self.grads[name]`` is not copied: a backward pass may write there directly) and updates the
-    buffer block by block, fifteen NumPy calls with ``out=`` per block and no temporary
-    allocated. NumPy's element-wise calls run on one core; ``threads`` splits the buffer into that
-    many stretches, updated at once on a thread pool (NumPy lets go of the GIL inside each call).
+    A backward pass may write its gradients straight into the views ``self.grads[name]``; a
+    gradient given as another array is read where it lies.
+
+    Two backends do the update, with the same operations in the same order and the same bits.
+    ``"numpy"``: :meth:`step` copies the gradients into ``g`` and updates the buffer block by block,
+    fifteen NumPy calls with ``out=`` per block and no temporary allocated; NumPy's element-wise
+    calls run on one core, so ``threads`` splits the buffer into that many stretches, updated at
+    once on a thread pool (NumPy lets go of the GIL inside each call). ``"cpu"``: one call of the
+    C++ kernel :func:`refmath.kernels.adamw_step`, which reads each gradient in place and makes one
+    pass over the buffer (28 bytes per float32 parameter), on ``threads`` OpenMP threads; after
+    its step ``g`` holds only what was written there. ``backend=None`` (the default) picks
+    ``"cpu"`` where the compiled extension is built and ``"numpy"`` elsewhere.
 
     ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``decay_of`` are :class:`AdamW`'s; ``threads``
     (default 1) is the number of threads that update the buffer. The attributes ``params``,
@@ -104,9 +120,16 @@ class FlatAdamW(AdamW):
     """
 
     def __init__(self, params: dict, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, decay_of=None, threads: int = 1):
+                 weight_decay: float = 0.01, decay_of=None, threads: int = 1,
+                 backend: str | None = None):
         super().__init__(lr, betas, eps, weight_decay, decay_of)
-        self.threads = check_int("threads", threads, 1)
+        self.threads = check_int("threads", threads, 1, 256)
+        if backend is None:
+            backend = "cpu" if kernels.cpu_available() else "numpy"
+        self.backend = check_choice("backend", backend, BACKENDS)
+        if backend == "cpu" and not kernels.cpu_available():
+            raise ImportError("FlatAdamW(backend='cpu') needs the compiled extension refmath._C, "
+                              "which is not built here; use backend='numpy' (or None)")
         if not isinstance(params, dict) or not params:
             got = "an empty dict" if isinstance(params, dict) else type(params).__name__
             raise TypeError(f"params must be a non-empty dict of name -> ndarray, got {got}")
@@ -139,7 +162,13 @@ class FlatAdamW(AdamW):
         self.state = {"m": views["m"], "v": views["v"]}
         self._decays = sorted({wd for wd in decays.values() if wd})
         self._parts = self._make_parts(order, spans, decays)
-        self._pool = ThreadPoolExecutor(len(self._parts) - 1) if len(self._parts) > 1 else None
+        # The kernel's pieces in buffer order: each parameter's name, the flat view of its
+        # gradient in the buffer, and its decay coefficient.
+        self._piece_names = order
+        self._piece_grads = [self._buffers["g"][slice(*spans[name])] for name in order]
+        self._piece_decays = [decays[name] for name in order]
+        numpy_threads = len(self._parts) > 1 and backend == "numpy"
+        self._pool = ThreadPoolExecutor(len(self._parts) - 1) if numpy_threads else None
 
     def _make_parts(self, order, spans, decays) -> list[tuple[list, list]]:
         """``(pieces, blocks)`` per thread: consecutive stretches of the buffer of about equal length.
@@ -185,6 +214,9 @@ class FlatAdamW(AdamW):
         lr = self.lr if lr is None else check_real("lr", lr, 0.0)
         self._check_params(params)
         grads = self._check_grads(grads)
+        if self.backend == "cpu":
+            self.step_count += 1
+            return self._kernel_step(lr, grads)
         # each thread copies the gradients of its stretch, flat (a view unless g is not contiguous)
         sources = {name: g.reshape(-1) for name, g in grads.items() if g is not self.grads[name]}
         self.step_count += 1
@@ -217,23 +249,45 @@ class FlatAdamW(AdamW):
         dtype = self._buffers["p"].dtype
         checked = {}
         for name, p in self.params.items():
-            g = float_array(f"grads[{name!r}]", grads[name])
-            check_same_shape(f"params[{name!r}]", p, f"grads[{name!r}]", g)
-            if g.dtype != dtype:
-                raise TypeError(f"grads[{name!r}] must have the parameters' dtype {dtype}, got "
-                                f"{g.dtype} (shape {g.shape})")
+            g = grads[name]
+            # The usual case first, without building the names of the messages.
+            if type(g) is not np.ndarray or g.dtype != dtype or g.shape != p.shape:
+                g = float_array(f"grads[{name!r}]", g)
+                check_same_shape(f"params[{name!r}]", p, f"grads[{name!r}]", g)
+                if g.dtype != dtype:
+                    raise TypeError(f"grads[{name!r}] must have the parameters' dtype {dtype}, got "
+                                    f"{g.dtype} (shape {g.shape})")
             checked[name] = g
         return checked
 
-    def _update_buffer(self, lr: float, sources: dict) -> None:
-        # Each constant is rounded to the buffer's dtype once, as NumPy rounds the Python float of
-        # AdamW's expressions next to an array of that dtype: the same values, so the same results.
+    def _constants(self, lr: float) -> tuple:
+        """``(b1, 1 - b1, b2, 1 - b2, 1 - b1^s, 1 - b2^s, lr, eps, {wd: 1 - lr wd})``, each rounded
+        to the buffer's dtype once, as NumPy rounds the Python float of AdamW's expressions next to
+        an array of that dtype: the same values, so the same results."""
         real = self._buffers["p"].dtype.type
         beta1, beta2 = self.betas
         s = self.step_count
         shrink = {wd: real(1 - lr * wd) for wd in self._decays}
-        constants = (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2),
-                     real(1 - beta1**s), real(1 - beta2**s), real(lr), real(self.eps), shrink)
+        return (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2),
+                real(1 - beta1**s), real(1 - beta2**s), real(lr), real(self.eps), shrink)
+
+    def _kernel_step(self, lr: float, grads: dict) -> None:
+        *scalars, shrink = self._constants(lr)
+        shrink[0.0] = 1  # no decay: p * 1 is p, bit for bit, the multiplication NumPy skips
+        sources = []
+        for name, in_buffer in zip(self._piece_names, self._piece_grads):
+            g = grads[name]
+            if g is not self.grads[name]:
+                in_buffer = g.reshape(-1)  # a view of a contiguous gradient, else a C-order copy
+                if not in_buffer.flags.aligned:  # (a view into a byte buffer, say)
+                    in_buffer = in_buffer.copy()
+            sources.append(in_buffer)
+        b = self._buffers
+        kernels.adamw_step(b["p"], sources, b["m"], b["v"], [shrink[wd] for wd in self._piece_decays],
+                           scalars, self.threads)
+
+    def _update_buffer(self, lr: float, sources: dict) -> None:
+        constants = self._constants(lr)
         others = [self._pool.submit(_adamw_part, *part, sources, constants)
                   for part in self._parts[1:]]
         for part in self._parts[:1]:  # none when every parameter is empty

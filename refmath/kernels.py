@@ -109,6 +109,33 @@ def stream_sum(x) -> float:
     return _cpu().stream_sum(np.ascontiguousarray(x))
 
 
+def adamw_step(p, g, m, v, shrink, scalars, threads: int = 1) -> None:
+    r"""One AdamW step (catalogue O4) in place on flat buffers, in one pass over memory.
+
+    .. math::
+        m \leftarrow \beta_1 m + (1-\beta_1)\, g,\qquad
+        v \leftarrow \beta_2 v + (1-\beta_2)\,(g \odot g),\qquad
+        p \leftarrow \sigma_k\, p - \frac{\eta\,\big(m / (1-\beta_1^s)\big)}
+            {\sqrt{v / (1-\beta_2^s)} + \epsilon}
+
+    ``p``, ``m``, ``v``: 1-D contiguous float32 or float64 arrays of one length, updated in place.
+    ``g``: a list of 1-D contiguous arrays of that dtype, laid end to end over ``p`` (their lengths
+    add up to ``p``'s), each read where it lies; piece ``k`` is decayed by ``shrink[k]``, its
+    :math:`\sigma_k = 1 - \eta\lambda_k` (1 for no decay). ``scalars``:
+    :math:`(\beta_1, 1-\beta_1, \beta_2, 1-\beta_2, 1-\beta_1^s, 1-\beta_2^s, \eta, \epsilon)`.
+    Every scalar is rounded to the arrays' dtype once, and every operation is done in that dtype in
+    the order of :class:`refmath.flat_adamw.FlatAdamW`'s NumPy form, each result rounded: the
+    arrays come out bit for bit as that form (and :class:`refmath.optim.AdamW`) leaves them.
+    ``threads`` (1 to 256) OpenMP threads share the elements. The arrays must not share memory.
+    The C++ side checks every argument (dtype, rank, layout, lengths, overlap) and raises
+    ``TypeError``/``ValueError`` naming it; nothing is copied, since ``p``, ``m`` and ``v`` are
+    written in place.
+    """
+    g = [g] if isinstance(g, np.ndarray) else list(g)
+    _cpu().adamw_step(p, g, m, v, [float(x) for x in shrink], [float(x) for x in scalars],
+                      check_int("threads", threads, 1, 256))
+
+
 def build_info() -> dict:
     """What was compiled and what it can use: OpenMP, the CPU kernels' vector width, the CUDA
     module, the devices present."""

@@ -1,13 +1,18 @@
-"""FlatAdamW against the per-parameter AdamW it must equal bit for bit (catalogue O4).
+"""FlatAdamW against the per-parameter AdamW it must equal bit for bit (catalogue O4), in both its
+backends: the NumPy form and the C++ kernel refmath.kernels.adamw_step, which is also checked
+against the NumPy form directly, on lengths around the vector width and several thread counts.
 
 The comparison with torch.optim.AdamW lives in test_optim_torch.py, which is skipped without torch.
 """
 import numpy as np
 import pytest
 
-from refmath import flat_adamw
+from refmath import flat_adamw, kernels
 from refmath.flat_adamw import FlatAdamW
 from refmath.optim import AdamW
+
+needs_kernel = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
+BACKENDS = ["numpy", pytest.param("cpu", marks=needs_kernel)]
 
 FLAT_SHAPES = {"layers.0.attn.w_q": (5, 7), "layers.0.attn.b_q": (7,), "layers.0.ln1.gamma": (7,),
                "layers.0.ffn.w1": (7, 11), "layers.0.ffn.b1": (11,), "tok_emb": (9, 7),
@@ -17,12 +22,13 @@ FLAT_DECAY = {"layers.0.attn.w_q": 0.1, "layers.0.attn.b_q": 0.0, "layers.0.ln1.
               "layers.0.ffn.w1": 0.3, "layers.0.ffn.b1": 0.0, "tok_emb": 0.05, "scale.w": 0.1}
 
 
-def _flat_pair(rng, dtype, threads=1, **kwargs):
+def _flat_pair(rng, dtype, threads=1, backend=None, **kwargs):
     """A per-parameter AdamW and a FlatAdamW with the same settings on copies of one dict."""
     kwargs = {"betas": (0.85, 0.97), "eps": 1e-6, "decay_of": FLAT_DECAY, **kwargs}
     ref = {n: rng.standard_normal(s).astype(dtype) for n, s in FLAT_SHAPES.items()}
     flat = {n: p.copy() for n, p in ref.items()}
-    return ref, AdamW(1e-2, **kwargs), flat, FlatAdamW(flat, 1e-2, threads=threads, **kwargs)
+    return ref, AdamW(1e-2, **kwargs), flat, FlatAdamW(flat, 1e-2, threads=threads,
+                                                       backend=backend, **kwargs)
 
 
 def _random_grads(rng, params):
@@ -44,16 +50,21 @@ def _assert_same_state(ref, opt_ref, flat, opt_flat):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("threads, block_bytes", [(1, None), (1, 40), (3, 40)])
-def test_flat_adamw_is_adamw_bit_for_bit(dtype, threads, block_bytes, monkeypatch):
+@pytest.mark.parametrize("backend, threads, block_bytes",
+                         [("numpy", 1, None), ("numpy", 1, 40), ("numpy", 3, 40),
+                          *(pytest.param("cpu", t, None, marks=needs_kernel) for t in (1, 2, 3))])
+def test_flat_adamw_is_adamw_bit_for_bit(dtype, backend, threads, block_bytes, monkeypatch):
     # Small blocks (40 bytes: 5 or 10 elements) cut parameters and decay groups in pieces, and
-    # three threads share them; the default size puts each group in one block.
+    # three threads share them; the default size puts each group in one block. The kernel cuts the
+    # 348 elements into whole 64-byte lines: 2 or 3 threads cut parameters and decay groups.
     if block_bytes is not None:
         monkeypatch.setattr(flat_adamw, "_BLOCK_BYTES", block_bytes)
         monkeypatch.setattr(flat_adamw, "_THREADED_BLOCK_BYTES", block_bytes)
     rng = np.random.default_rng(20)
-    ref, opt_ref, flat, opt_flat = _flat_pair(rng, dtype, threads)
-    assert len(opt_flat._parts) == threads
+    ref, opt_ref, flat, opt_flat = _flat_pair(rng, dtype, threads, backend)
+    assert opt_flat.backend == backend
+    if backend == "numpy":
+        assert len(opt_flat._parts) == threads
     for s in range(150):
         grads = _random_grads(rng, ref)
         if s % 7 == 0:  # a gradient that is not C-contiguous is read in the right order
@@ -95,21 +106,26 @@ def test_flat_adamw_keeps_the_dict_and_updates_its_views_in_place():
     assert opt.step_count == 1
 
 
-def test_flat_adamw_takes_gradients_written_into_its_buffer():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_adamw_takes_gradients_written_into_its_buffer(backend):
     rng = np.random.default_rng(22)
-    ref, opt_ref, flat, opt_flat = _flat_pair(rng, np.float32)
-    for _ in range(5):
+    ref, opt_ref, flat, opt_flat = _flat_pair(rng, np.float32, backend=backend)
+    for s in range(5):
         grads = _random_grads(rng, ref)
         for n, g in grads.items():
             opt_flat.grads[n][...] = g  # as a backward pass writing in place would
+        mixed = dict(opt_flat.grads)
+        if s % 2:  # some gradients in the buffer, others in arrays of their own
+            mixed["tok_emb"] = grads["tok_emb"].copy()
         opt_ref.step(ref, grads)
-        opt_flat.step(flat, opt_flat.grads)
+        opt_flat.step(flat, mixed)
     _assert_same_state(ref, opt_ref, flat, opt_flat)
 
 
-def test_flat_adamw_nan_in_gives_nan_out():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_adamw_nan_in_gives_nan_out(backend):
     rng = np.random.default_rng(23)
-    ref, opt_ref, flat, opt_flat = _flat_pair(rng, np.float64)
+    ref, opt_ref, flat, opt_flat = _flat_pair(rng, np.float64, backend=backend)
     grads = _random_grads(rng, ref)
     grads["layers.0.ffn.w1"][2, 3] = np.nan
     opt_ref.step(ref, grads)
@@ -154,8 +170,10 @@ def test_flat_adamw_bad_input_names_the_parameter_and_changes_nothing():
     with pytest.raises(TypeError, match=r"share one dtype .* float32 \('w' \.\.\.\), "
                                         r"float64 \('b' \.\.\.\)"):
         FlatAdamW({"w": np.ones(2, np.float32), "b": np.ones(2)}, 0.1)
-    with pytest.raises(ValueError, match=r"threads must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"threads must be an int in \[1, 256\], got 0"):
         FlatAdamW({"w": np.ones(2)}, 0.1, threads=0)
+    with pytest.raises(ValueError, match=r"backend must be one of 'numpy', 'cpu', got 'cuda'"):
+        FlatAdamW({"w": np.ones(2)}, 0.1, backend="cuda")
     with pytest.raises(ValueError, match=r"decay_of has no weight-decay entry for parameter 'b'"):
         FlatAdamW({"w": np.ones(2), "b": np.ones(2)}, 0.1, decay_of={"w": 0.1})
 
@@ -196,3 +214,131 @@ def test_flat_adamw_bad_input_names_the_parameter_and_changes_nothing():
     # moments left out (an AdamW that never stepped) load as zeros
     opt.load_state_dict({"step": np.array(0)})
     assert opt.step_count == 0 and not opt._buffers["m"].any() and not opt._buffers["v"].any()
+
+
+# ---- the kernel, refmath.kernels.adamw_step, against the NumPy form ----
+
+def _scalars(dtype, lr, step, betas=(0.9, 0.999), eps=1e-8):
+    """The step's scalars as FlatAdamW rounds them: Python floats rounded once to ``dtype``."""
+    (b1, b2), real = betas, np.dtype(dtype).type
+    return (real(b1), real(1 - b1), real(b2), real(1 - b2), real(1 - b1**step),
+            real(1 - b2**step), real(lr), real(eps))
+
+
+def _numpy_step(p, pieces, m, v, shrink, scalars):
+    """The NumPy form (flat_adamw._adamw_part) over the same pieces, piece k decayed by
+    shrink[k] (a factor of 1 takes the form's no-decay path, which skips the multiplication)."""
+    blocks, lo = [], 0
+    for k, g in enumerate(pieces):
+        hi = lo + g.size
+        blocks.append((p[lo:hi], g, m[lo:hi], v[lo:hi], np.empty_like(g), np.empty_like(g),
+                       0 if shrink[k] == 1 else k + 1))
+        lo = hi
+    factors = {k + 1: p.dtype.type(f) for k, f in enumerate(shrink)}
+    flat_adamw._adamw_part([], blocks, {}, (*scalars, factors))
+
+
+def _cut(rng, n, parts):
+    """``parts`` random piece lengths adding up to ``n`` (empty pieces included)."""
+    cuts = np.sort(rng.integers(0, n + 1, parts - 1))
+    return np.diff(np.concatenate([[0], cuts, [n]])).astype(int)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 17, 63, 100, 1001, 4099])
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_kernel_is_the_numpy_form_bit_for_bit(dtype, n, threads):
+    # Lengths below, at and around the 4- and 8-lane vectors and the 16-float cache line (the
+    # threads' unit), so that vector bodies, scalar tails and thread cuts all fall inside pieces.
+    rng = np.random.default_rng(n * 31 + threads)
+    p = rng.standard_normal(n).astype(dtype)
+    m, v = np.zeros(n, dtype), np.zeros(n, dtype)
+    want_p, want_m, want_v = p.copy(), m.copy(), v.copy()
+    lengths = _cut(rng, n, int(rng.integers(1, 6)))
+    for step in range(1, 31):
+        scale = 10 ** rng.uniform(-4, 1)
+        pieces = [(rng.standard_normal(k) * scale).astype(dtype) for k in lengths]
+        lr = float(rng.uniform(0.0, 0.05))
+        shrink = [1.0 if k % 2 else float(np.dtype(dtype).type(1 - lr * 0.1 * (k + 1)))
+                  for k in range(len(pieces))]
+        scalars = _scalars(dtype, lr, step)
+        kernels.adamw_step(p, pieces, m, v, shrink, scalars, threads)
+        _numpy_step(want_p, pieces, want_m, want_v, shrink, scalars)
+        for got, want, name in ((p, want_p, "p"), (m, want_m, "m"), (v, want_v, "v")):
+            assert np.array_equal(got, want), f"{name} differs at step {step}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernel_passes_nan_and_inf_on(dtype):
+    p = np.linspace(-1, 1, 37).astype(dtype)
+    g = np.linspace(-2, 3, 37).astype(dtype)
+    m, v = np.full(37, 0.1, dtype), np.full(37, 0.2, dtype)
+    g[3], g[20], p[30] = np.nan, np.inf, -np.inf
+    want = (p.copy(), m.copy(), v.copy())
+    scalars = _scalars(dtype, 1e-3, 4)
+    kernels.adamw_step(p, [g], m, v, [0.999], scalars, 2)
+    with np.errstate(invalid="ignore"):  # inf - inf and inf / inf: NaN is the answer
+        _numpy_step(want[0], [g], want[1], want[2], [0.999], scalars)
+    for got, expected in zip((p, m, v), want):
+        assert np.array_equal(got, expected, equal_nan=True)
+    assert np.isnan(p[3]) and np.isnan(p[20]) and np.isneginf(p[30])
+
+
+@needs_kernel
+def test_kernel_refuses_bad_input_with_the_argument_named():
+    f32 = np.float32
+    p, m, v, g = (np.ones(8, f32) for _ in range(4))
+    ok = dict(shrink=[1.0], scalars=_scalars(f32, 1e-3, 1), threads=1)
+
+    def call(p=p, g=(g,), m=m, v=v, **kw):
+        kernels.adamw_step(p, list(g), m, v, **{**ok, **kw})
+
+    cases = [
+        (TypeError, r"m must be a native-byte-order float32 array \(the dtype of p\), got dtype "
+                    r"float64", dict(m=np.ones(8))),
+        (TypeError, r"g\[0\] must be a native-byte-order float32 .* got dtype float64",
+         dict(g=[np.ones(8)])),
+        (TypeError, r"p must be float32 or float64, got dtype int64",
+         dict(p=np.ones(8, np.int64))),
+        (TypeError, r"v must be a native-byte-order float32 .* got dtype >f4",
+         dict(v=np.ones(8, ">f4"))),
+        (TypeError, r"g\[0\] must be a NumPy array, got list", dict(g=[[1.0] * 8])),
+        (ValueError, r"m and v must have the length of p \(8,\), got m \(7,\) and v \(8,\)",
+         dict(m=np.ones(7, f32))),
+        (ValueError, r"p must be 1-D, got shape \(2, 4\)", dict(p=np.ones((2, 4), f32))),
+        (ValueError, r"v must be contiguous and aligned, got a strided view of shape \(8,\)",
+         dict(v=np.ones(16, f32)[::2])),
+        (ValueError, r"the gradient pieces g must cover p end to end: their lengths add up to 7, "
+                     r"p has 8", dict(g=[np.ones(7, f32)])),
+        (ValueError, r"shrink must hold one factor per gradient piece: 2 pieces, 1 factors",
+         dict(g=[np.ones(4, f32), np.ones(4, f32)])),
+        (ValueError, r"scalars must be \(beta1, .*\), got 3 numbers", dict(scalars=(0.9, 0.1, 1.0))),
+        (ValueError, r"threads must be an int in \[1, 256\], got 0", dict(threads=0)),
+        (ValueError, r"threads must be an int in \[1, 256\], got 1000", dict(threads=1000)),
+        (ValueError, r"p, m and v must be separate arrays", dict(v=m)),
+        (ValueError, r"g\[0\] shares memory with p, m or v", dict(g=[p])),
+    ]
+    for error, message, bad in cases:
+        with pytest.raises(error, match=message):
+            call(**bad)
+    readonly = np.ones(8, f32)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match=r"p must be writeable: it is updated in place"):
+        call(p=readonly)
+    # Refused before anything is written.
+    assert all(np.all(a == 1) for a in (p, m, v, g))
+    call()  # and the same arguments, corrected, run
+    assert not np.all(p == 1)
+
+
+def test_flat_adamw_picks_the_kernel_where_it_is_built(monkeypatch):
+    params = {"w": np.ones(3)}
+    want = "cpu" if kernels.cpu_available() else "numpy"
+    assert FlatAdamW(dict(params), 0.1).backend == want
+    assert FlatAdamW(dict(params), 0.1, backend="numpy").backend == "numpy"
+    monkeypatch.setattr(kernels, "_C", None)  # as in a tree built without the extension
+    assert FlatAdamW(dict(params), 0.1).backend == "numpy"
+    with pytest.raises(ImportError, match=r"backend='cpu'\) needs the compiled extension"):
+        FlatAdamW(dict(params), 0.1, backend="cpu")

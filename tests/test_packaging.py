@@ -236,7 +236,7 @@ def test_gcc_build_flags_are_unchanged(setup_py, monkeypatch):
     for var in ("CC", "CXX", "CFLAGS", "CPPFLAGS", "LDSHARED"):
         monkeypatch.delenv(var, raising=False)
     flags, openmp = _configured_flags(setup_py)
-    tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-O3"]
+    tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-fno-math-errno", "-O3"]
     tail += ["-fopenmp"] if openmp else []
     assert flags[-len(tail):] == tail, flags
     assert flags[flags.index("-std=c++17") + 1:] == tail, flags
@@ -252,7 +252,7 @@ def test_clang_gets_the_same_flags_and_openmp_only_if_it_links(setup_py, monkeyp
     for var in ("CFLAGS", "CPPFLAGS", "LDSHARED"):
         monkeypatch.delenv(var, raising=False)
     flags, openmp = _configured_flags(setup_py)
-    tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-O3"]
+    tail = ["-ffp-contract=fast", "-fno-trapping-math", "-fopenmp-simd", "-fno-math-errno", "-O3"]
     assert flags[flags.index("-std=c++17") + 1:] == tail + (["-fopenmp"] if openmp else []), flags
 
 
