@@ -20,8 +20,10 @@ The optimiser peer is torch at its best. torch.optim.AdamW's default on the CPU 
 over the tensors, one small kernel each; ``foreach=True`` updates them in batches and
 ``fused=True`` in one fused kernel. Before the steps, the script times one optimiser step alone on
 the same gradients (rotating turns, median and minimum): refmath's :class:`~refmath.flat_adamw.FlatAdamW`
-(the training form, one buffer) and per-parameter :class:`~refmath.optim.AdamW` (the readable
-form), the three torch forms and, as the floor no AdamW step can beat, one NumPy pass that moves as
+(the training form, one buffer) on its default backend (the C++ kernel
+:func:`refmath.kernels.adamw_step` where the extension is built; ``--adamw-backend`` picks one) and
+on its NumPy form, per-parameter :class:`~refmath.optim.AdamW` (the readable form), the three torch
+forms and, as the floor no AdamW step can beat, one NumPy pass that moves as
 many bytes as an AdamW step must: 28 per float32 parameter (p, g, m, v read, p, m, v written), here
 14 read and written back in place, as AdamW writes back what it read (a copy into another array
 would also read its target into the cache first, and take half as long again). It prints all of
@@ -334,7 +336,11 @@ def time_optimizers(module, config, params, batch, torch_loss, clock, args, thre
     del cache
     per_parameter = {n: v.copy() for n, v in params.items()}
     flat_params = {n: v.copy() for n, v in params.items()}
-    flat = FlatAdamW(flat_params, LR, weight_decay=WEIGHT_DECAY, threads=threads)
+    flat = FlatAdamW(flat_params, LR, weight_decay=WEIGHT_DECAY, threads=threads,
+                     backend=args.adamw_backend)
+    numpy_params = {n: v.copy() for n, v in params.items()}
+    numpy_flat = FlatAdamW(numpy_params, LR, weight_decay=WEIGHT_DECAY, threads=threads,
+                           backend="numpy")
     # 28 bytes per parameter: negating 3.5 float32 per parameter in place reads 14 and writes 14
     n_params = sum(p.size for p in params.values())
     stream = np.ones(7 * n_params // 2, np.float32)
@@ -355,6 +361,7 @@ def time_optimizers(module, config, params, batch, torch_loss, clock, args, thre
             return clock() - t0
         return run
     steps = {"refmath flat": timed(lambda: flat.step(flat_params, grads)),
+             "refmath flat NumPy form": timed(lambda: numpy_flat.step(numpy_params, grads)),
              "refmath per-parameter": timed(lambda: optimizer.step(per_parameter, grads))}
     steps.update({f"torch {form}": timed(opt.step) for form, opt in forms.items()})
     steps[FLOOR] = timed(lambda: np.negative(stream, out=stream))
@@ -386,6 +393,10 @@ def run_model(model: str, args, threads: int) -> dict:
     clock = CLOCKS[args.clock]
     runs = time_optimizers(module, config, params, batch, torch_loss, clock, args, threads)
     ms = {name: (1e3 * statistics.median(r), 1e3 * min(r)) for name, r in runs.items()}
+    backend = FlatAdamW({"w": np.zeros(1, np.float32)}, LR, backend=args.adamw_backend).backend
+    print(f"  refmath flat is FlatAdamW on its {backend!r} backend ("
+          + ("the C++ kernel refmath.kernels.adamw_step, one pass" if backend == "cpu" else
+             "NumPy calls over cache-sized blocks") + f", {threads} threads)")
     print(f"  AdamW step alone, {args.repeats} rotating turns: " + "; ".join(
         f"{name} {med:.2f} ms (min {low:.2f})" for name, (med, low) in ms.items() if name != FLOOR))
     floor, floor_min = ms[FLOOR]
@@ -397,9 +408,11 @@ def run_model(model: str, args, threads: int) -> dict:
     print(f"  refmath flat / torch: {flat / forms['default']:.2f}x the default's time, "
           f"{flat / forms['foreach']:.2f}x foreach's, {flat / forms['fused']:.2f}x fused's, "
           f"{flat / floor:.2f}x the floor's (medians; per-parameter / flat "
-          f"{ms['refmath per-parameter'][0] / flat:.2f}x); the steps below use torch {form}"
+          f"{ms['refmath per-parameter'][0] / flat:.2f}x, NumPy form / flat "
+          f"{ms['refmath flat NumPy form'][0] / flat:.2f}x); the steps below use torch {form}"
           + ("" if args.torch_optimizer else " (the fastest)"))
-    optimizer = FlatAdamW(params, LR, weight_decay=WEIGHT_DECAY, threads=threads)  # params: views
+    optimizer = FlatAdamW(params, LR, weight_decay=WEIGHT_DECAY, threads=threads,  # params: views
+                          backend=args.adamw_backend)
     steps = {"ours": refmath_step(module, config, params, batch, optimizer, clock),
              "theirs": torch_step(torch_loss, P, batch, torch_adamw(P, form), clock)}
     result = time_steps(steps, args.warmup, args.repeats)
@@ -421,6 +434,8 @@ def print_table(results: dict) -> None:
         for form in TORCH_ADAMW_FORMS:
             ours, theirs = opt["refmath flat"][0], opt[f"torch {form}"][0]
             print(f"{label:<17} {'AdamW ' + form:<13} {ours:>11.2f} {theirs:>9.2f} {ours / theirs:>13.2f}x")
+        ours, theirs = opt["refmath flat NumPy form"][0], opt["torch fused"][0]
+        print(f"{label:<17} {'NumPy / fused':<13} {ours:>11.2f} {theirs:>9.2f} {ours / theirs:>13.2f}x")
 
 
 def parse_args(argv=None):
@@ -456,6 +471,10 @@ def parse_args(argv=None):
     parser.add_argument("--torch-optimizer", choices=tuple(TORCH_ADAMW_FORMS), default=None,
                         help="torch's AdamW form in the whole steps (default: the fastest of "
                              "default, foreach and fused in the optimiser-alone timing)")
+    parser.add_argument("--adamw-backend", choices=("numpy", "cpu"), default=None,
+                        help="refmath side: FlatAdamW's backend, the C++ kernel (cpu) or the NumPy "
+                             "form (default: the kernel where the extension is built); the "
+                             "optimiser-alone timing shows the NumPy form beside it either way")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run of seconds: d=64, L=2, T=64, B=2, 1 warmup, 3 repeats")
     parser.add_argument("--default-malloc", action="store_true",
