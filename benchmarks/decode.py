@@ -11,8 +11,9 @@ from the rest of the machine.
 
 Peers, float32, on the same number of threads:
 * refmath.kernels.decode: contiguous caches (B, G, T, D), split-K chosen automatically;
-* refmath.kernels.paged_decode: the same keys and values in pages of --page-size slots, the page
-  table a random permutation of the pool (so consecutive pages are not neighbours in memory);
+* refmath.kernels.paged_decode: the same keys and values in pages of --page-size slots (one peer
+  per size given), the page table a random permutation of the pool (so consecutive pages are not
+  neighbours in memory);
 * torch grouped, the peer at its best: torch.nn.functional.scaled_dot_product_attention with the
   query regrouped as (B, G, H/G, D), the H/G query heads of a key/value head taking the place of
   query positions, against the contiguous caches: one matrix product per group, no copy of K and V;
@@ -25,14 +26,20 @@ Shapes: B = 1, H = 32 query heads, G = 8 key/value heads, D = 128, contexts from
 Fairness: every timed call starts from the same state, whoever runs it.
 * Caches: an untimed read of --evict-mib of other memory runs before every timed call, so each
   finds K and V out of the CPU's caches, as a model's decode step finds a layer's cache (every
-  other layer's was read since). The reader is neutral (--evict-by numpy, the default): one
-  thread, NumPy's own reduction, nobody's thread pool. --evict-by stream_sum is the old eviction,
-  refmath's multi-threaded stream_sum, which leaves refmath's OpenMP threads spinning and hot for
-  the call that follows (kept to show what it changed); --evict-mib 0 times them warm.
-* Thread pools: refmath's kernels and torch each have an OpenMP pool of their own. With --pools
-  awake (the default) each timed call is preceded, after the eviction, by a tiny parallel call
-  on its own pool (refmath: stream_sum of 256 KiB; torch: a sum of 256 KiB), so both start with
-  their threads awake, as in a model's step; --pools asleep skips it.
+  other layer's was read since). The default is 1.5 times the last-level cache this CPU reports
+  (Linux's /sys/devices/system/cpu/cpu0/cache; 128 MiB where it reports none): enough to push
+  everything out of it, and no more, so the read itself stays short. The reader is neutral
+  (--evict-by numpy, the default): one thread, NumPy's own reduction, nobody's thread pool.
+  --evict-by stream_sum is the old eviction, refmath's multi-threaded stream_sum, which leaves
+  refmath's OpenMP threads spinning and hot for the call that follows (kept to show what it
+  changed); --evict-mib 0 times them warm.
+* Thread pools and first-call costs: refmath's kernels and torch each have an OpenMP pool of their
+  own. With --pools calls (the default) every timed call is preceded, before the eviction, by an
+  untimed call of that same peer: its own thread pool, its own allocations and code were the last
+  to run, as in a model's step, where the previous layer made the same call, and no peer gains from
+  another's warm-up. --pools awake wakes each pool instead, after the eviction, by a tiny parallel
+  call on it (refmath: stream_sum of 256 KiB; torch: a sum of 256 KiB); --pools asleep does
+  neither.
 * Order: the peers take turns, and the order rotates every round; every peer's median and
   minimum are printed, and the ratios use the medians (minima beside them).
 
@@ -74,21 +81,23 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=32, help="query heads H")
     parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads G")
     parser.add_argument("--dim", type=int, default=128, help="head width D")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, nargs="+", default=[16],
+                        help="slots per page; one paged peer per size")
     parser.add_argument("--narrow", action="store_true",
                         help="run refmath's 8-lane (AVX2) kernels even where the CPU has AVX-512")
     parser.add_argument("--repeats", type=int, default=7,
                         help="timed calls per peer (median and minimum printed)")
     parser.add_argument("--probe-gib", type=float, default=1.0, help="size of the bandwidth probe")
-    parser.add_argument("--evict-mib", type=float, default=128.0,
+    parser.add_argument("--evict-mib", type=float, default=None,
                         help="memory read before every timed call, so each starts with a cold "
-                             "cache (0: none)")
+                             "cache (0: none; default: 1.5 times the last-level cache)")
     parser.add_argument("--evict-by", choices=("numpy", "stream_sum"), default="numpy",
                         help="the eviction's reader: numpy, one thread, nobody's pool (neutral); "
                              "stream_sum, refmath's own threads (the old form, for comparison)")
-    parser.add_argument("--pools", choices=("awake", "asleep"), default="awake",
-                        help="awake: wake each peer's own thread pool with a tiny call just "
-                             "before its timed call; asleep: do not")
+    parser.add_argument("--pools", choices=("calls", "awake", "asleep"), default="calls",
+                        help="calls: an untimed call of the same peer before the eviction; "
+                             "awake: wake each peer's own thread pool with a tiny call after the "
+                             "eviction; asleep: neither")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run of a few seconds: T = 4096, 3 calls, a 256 MiB probe")
     args = parser.parse_args(argv)
@@ -96,9 +105,36 @@ def parse_args(argv=None):
         args.contexts, args.repeats, args.probe_gib = [4096], 3, 0.25
     if args.repeats < 1 or any(t < 1 for t in args.contexts):
         parser.error("--repeats and --contexts must be positive")
+    if any(p < 1 for p in args.page_size):
+        parser.error("--page-size must be positive")
+    args.page_size = list(dict.fromkeys(args.page_size))  # each size once, in the order given
+    if args.evict_mib is None:
+        llc = last_level_cache_bytes()
+        args.evict_mib = 1.5 * llc / 2**20 if llc else 128.0
+    if args.evict_mib < 0:
+        parser.error("--evict-mib must be >= 0")
     if args.heads % args.kv_heads:
         parser.error("--kv-heads must divide --heads")
     return args
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest cache this CPU reports (Linux sysfs; the level-3 cache its core shares), or
+    None where there is no such report."""
+    from pathlib import Path
+
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[-1:].upper() in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1].upper()])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
 
 
 def read_bandwidth(gib: float, repeats: int) -> float:
@@ -122,13 +158,17 @@ def paged_copy(k, v, page_size, rng):
     return k_pages, v_pages, order[None, :].astype(np.int32)
 
 
-REFMATH_POOL = ("read", "contiguous", "paged")
-LABELS = {"read": "read (stream_sum)", "contiguous": "refmath contiguous", "paged": "refmath paged",
+LABELS = {"read": "read (stream_sum)", "contiguous": "refmath contiguous",
           "torch grouped": "torch grouped (best)", "torch enable_gqa": "torch enable_gqa"}
 
 
-def before_each(args):
-    """The untimed work before every timed call of peer ``name``: evict, then wake its pool."""
+def paged_name(page_size: int) -> str:
+    return f"refmath paged p={page_size}"
+
+
+def before_each(args, peers):
+    """The untimed work before every timed call of peer ``name``: with --pools calls, the same
+    peer's own call; the eviction; with --pools awake, a tiny call that wakes its pool."""
     if args.evict_by == "stream_sum":
         other = np.ones(int(args.evict_mib * 2**20) // 4, dtype=np.float32)
         evict = (lambda: kernels.stream_sum(other)) if other.size else None
@@ -138,10 +178,12 @@ def before_each(args):
     small_t = torch.from_numpy(small) if torch is not None else None
 
     def before(name):
+        if args.pools == "calls":
+            peers[name]()
         if evict is not None:
             evict()
         if args.pools == "awake":
-            if name in REFMATH_POOL:
+            if not name.startswith("torch"):
                 kernels.stream_sum(small)
             else:
                 small_t.sum()
@@ -163,21 +205,23 @@ def main(argv=None):
     bandwidth = read_bandwidth(args.probe_gib, 3)
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s (refmath.kernels.stream_sum over "
           f"{args.probe_gib:g} GiB, {threads} thread(s), best of 3)")
-    h, g, d, p = args.heads, args.kv_heads, args.dim, args.page_size
+    h, g, d = args.heads, args.kv_heads, args.dim
     rng = np.random.default_rng(0)
-    before = before_each(args)
+    peers = {}  # the calls of the context being timed (before_each reads it)
+    before = before_each(args, peers)
     rows, ratio_rows = [], []
     for t in args.contexts:
         q = rng.standard_normal((1, h, d)).astype(np.float32)
         k, v = (rng.standard_normal((1, g, t, d)).astype(np.float32) for _ in range(2))
         lengths = np.array([t])
-        k_pages, v_pages, table = paged_copy(k, v, p, rng)
-        peers = {
-            "read": lambda: (kernels.stream_sum(k), kernels.stream_sum(v)),
-            "contiguous": lambda: kernels.decode(q, k, v, lengths),
-            "paged": lambda: kernels.paged_decode(q, k_pages, v_pages, table, lengths),
-        }
-        outputs = {"paged": lambda: peers["paged"]()}
+        peers.clear()
+        peers["read"] = lambda: (kernels.stream_sum(k), kernels.stream_sum(v))
+        peers["contiguous"] = lambda: kernels.decode(q, k, v, lengths)
+        outputs = {}
+        for p in args.page_size:
+            pages = paged_copy(k, v, p, rng)
+            peers[paged_name(p)] = outputs[paged_name(p)] = (
+                lambda pages=pages: kernels.paged_decode(q, pages[0], pages[1], pages[2], lengths))
         if torch is not None:
             tk, tv = torch.from_numpy(k), torch.from_numpy(v)
             tq_gqa = torch.from_numpy(q)[:, :, None]                    # (1, H, 1, D)
@@ -198,31 +242,39 @@ def main(argv=None):
         for name, (med, low) in ms.items():
             rate = kv_bytes / (med * 1e-3)
             vs = "-" if name == "read" else f"{med / ms['contiguous'][0]:.2f} ({low / ms['contiguous'][1]:.2f})"
-            rows.append([t, LABELS[name], f"{med:.2f}", f"{low:.2f}", f"{rate / 1e9:.1f}",
+            rows.append([t, LABELS.get(name, name), f"{med:.2f}", f"{low:.2f}", f"{rate / 1e9:.1f}",
                          f"{100 * rate / ceiling:.0f}%", vs])
-        ratio = [t, f"{kv_bytes / 2**20:.0f}", f"{ms['paged'][0] / ms['contiguous'][0]:.2f}"]
+        ratio = [t, f"{kv_bytes / 2**20:.0f}"]
+        for p in args.page_size:
+            paged = ms[paged_name(p)]
+            ratio.append(f"{paged[0] / ms['contiguous'][0]:.2f} ({paged[1] / ms['contiguous'][1]:.2f})")
         for name in ("torch grouped", "torch enable_gqa"):
             ratio.append(f"{ms[name][0] / ms['contiguous'][0]:.2f} ({ms[name][1] / ms['contiguous'][1]:.2f})"
                          if name in ms else "-")
         ratio_rows.append(ratio)
         print(f"  T={t} done (largest difference from refmath's output {worst:.1e})", flush=True)
-        del k, v, k_pages, v_pages
+        peers.clear()
+        outputs.clear()
+        del k, v
     print()
     evicted = (f"each after an untimed read of {args.evict_mib:g} MiB of other memory by "
                + ("NumPy on one thread (neutral)" if args.evict_by == "numpy"
                   else "refmath's stream_sum on its own threads (the old, non-neutral eviction)")
                if args.evict_mib else "warm cache")
-    pools = ("each peer's thread pool woken by a tiny call of its own just before"
-             if args.pools == "awake" else "thread pools not woken")
+    pools = {"calls": "each timed call preceded, before the eviction, by an untimed call of the "
+                      "same peer",
+             "awake": "each peer's thread pool woken by a tiny call of its own just before",
+             "asleep": "thread pools not woken"}[args.pools]
     print_table(["T", "peer", "median ms", "min ms", "GB/s", "of read", "time / refmath"], rows,
-                title=f"decode, B=1 H={h} G={g} D={d}, float32, page size {p}, {threads} thread(s); "
+                title=f"decode, B=1 H={h} G={g} D={d}, float32, page sizes "
+                      f"{', '.join(map(str, args.page_size))}, {threads} thread(s); "
                       f"{args.repeats} calls per peer in rotating turns, {evicted}; {pools}. "
                       "GB/s and 'of read' from the median; 'of read': of the stream_sum row (the "
                       "same K and V, same turns); time / refmath: median (minimum) over refmath "
                       "contiguous's")
     print()
-    print_table(["T", "K+V MiB", "paged / contiguous", "torch grouped / refmath",
-                 "torch enable_gqa / refmath"], ratio_rows,
+    print_table(["T", "K+V MiB", *(f"paged p={p} / contiguous" for p in args.page_size),
+                 "torch grouped / refmath", "torch enable_gqa / refmath"], ratio_rows,
                 title="time ratios, median (minimum); above 1 refmath's contiguous decode is faster "
                       "(torch grouped is torch at its best)")
     print(load_average() + " at the end")

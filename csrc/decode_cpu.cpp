@@ -24,9 +24,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "online_softmax.h"
 #include "tile_math.h"
@@ -262,9 +262,13 @@ struct PagedCache {
     idx units(idx b) const { return (lengths[b] + page_size - 1) / page_size; }
 
     // Only the filled slots of each page are read: the rest may hold anything.
+    // The sequence's row of the page table, its length and head g's offset within a page are
+    // looked up once per cursor, not once per page.
     struct Cursor {
         const PagedCache* cache;
-        idx b, g, page, end, slot, filled;  // logical page, one past the last, slot in the page
+        const std::int32_t* pages;          // page_table row b
+        idx length, head_offset;            // keys of sequence b; g * page_size * D
+        idx page, end, slot, filled;        // logical page, one past the last, slot in the page
         const float *k, *v;                 // the current page's rows for head g
 
         void open(idx i) {
@@ -272,8 +276,8 @@ struct PagedCache {
             slot = 0;
             if (page >= end) return;
             const PagedCache& c = *cache;
-            filled = std::min(c.page_size, static_cast<idx>(c.lengths[b]) - page * c.page_size);
-            const idx offset = (c.table[b * c.max_pages + page] * c.kv_heads + g) * c.page_size * c.D;
+            filled = std::min(c.page_size, length - page * c.page_size);
+            const idx offset = pages[page] * c.kv_heads * c.page_size * c.D + head_offset;
             k = c.k + offset;
             v = c.v + offset;
         }
@@ -295,7 +299,8 @@ struct PagedCache {
     };
 
     Cursor cursor(idx b, idx g, idx u0, idx u1) const {
-        Cursor c{this, b, g, u0, u1, 0, 0, nullptr, nullptr};
+        Cursor c{this, table + b * max_pages, lengths[b], g * page_size * D, u0, u1, 0, 0, nullptr,
+                 nullptr};
         c.open(u0);
         return c;
     }
@@ -336,7 +341,11 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     const idx splits = choose_splits(s.splits, items_per_split, longest,
                                      std::max<idx>(1, units_per_min_split / GI));
     const idx stride = D + 2;
-    std::vector<float> partial(static_cast<std::size_t>(s.batch * s.heads * splits * stride));
+    // Scratch is left uninitialised (new float[], not a zero-filled vector): every entry of partial
+    // is written by the item that owns it, and every entry of work before it is read, so zeroing
+    // them first would be one more pass over memory per call, for nothing.
+    std::unique_ptr<float[]> partial(
+        new float[static_cast<std::size_t>(s.batch * s.heads * splits * stride)]);
     double keys = 0;  // every (sequence, key) pair costs 2 D multiply-adds per query head
     for (idx b = 0; b < s.batch; ++b) keys += static_cast<double>(cache.lengths[b]);
     const int threads = tile::threads_for(2.0 * keys * s.heads * D);
@@ -344,10 +353,10 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     // and one score buffer (R x (kBlock + kPad)) that the heads take in turn.
     const idx per_head = 2 * R * D + 3 * R;
     const idx per_thread = tile::padded_floats(R * (kBlock + kPad) + GI * per_head);
-    std::vector<float> work(static_cast<std::size_t>(threads * per_thread));
+    std::unique_ptr<float[]> work(new float[static_cast<std::size_t>(threads * per_thread)]);
     const float c = tile::base2_factor(s.scale);
-    float* part = partial.data();
-    float* w = work.data();
+    float* part = partial.get();
+    float* w = work.get();
 
     // Phase 1: (sequence, set of kv heads, split) items, each folding its keys into the state
     // (u, m, l) of the R query heads of each group, then storing it in partial.

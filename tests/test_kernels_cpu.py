@@ -350,6 +350,97 @@ def test_paged_decode_more_splits_than_pages_and_empty_sequences():
         check_decode(f"paged empty splits={splits}", out, q, k, v, lengths, 1 / math.sqrt(d))
 
 
+def natural_pages(k, v, page_size):
+    """Contiguous caches (B, G, T, D), T a multiple of page_size, cut into pages in their own order:
+    sequence b's page i is pool page b * (T / page_size) + i."""
+    b, g, t, d = k.shape
+    per = t // page_size
+
+    def cut(x):
+        return np.ascontiguousarray(
+            x.reshape(b, g, per, page_size, d).transpose(0, 2, 1, 3, 4).reshape(b * per, g, page_size, d))
+
+    table = (np.arange(b)[:, None] * per + np.arange(per)[None, :]).astype(np.int32)
+    return cut(k), cut(v), table
+
+
+# The kernels fold keys 16 at a time (kBlock in decode_cpu.cpp) in register tiles of 2, 4 or 8 keys
+# and 8 or 16 lanes of D; each case below leaves a remainder somewhere: a length that is not a
+# whole block, a single key, a last split of 1-3 keys (241-243 keys in 16 splits: 15 of 16 keys and
+# one of 1-3; 13, 17, 21 keys in 4 splits: 4+4+4+1, 5+5+5+2, 6+6+6+3), widths that leave 8 lanes or
+# single columns, and pages of sizes that are not multiples of 16 (a block gathers keys from two
+# pages), each against the float64 reference.
+@pytest.mark.parametrize("lengths, splits", [
+    ([1], None), ([1], 1), ([1, 2, 3], 3), ([17, 31, 33], None), ([15, 16, 47], 2),
+    ([241, 242, 243], 16), ([13, 17, 21], 4), ([1025, 1026, 1027], None), ([513, 1], 2),
+])
+@pytest.mark.parametrize("h, g, d", [(8, 2, 128), (12, 3, 40), (4, 4, 20), (32, 8, 7)])
+def test_decode_remainders_of_blocks_tiles_and_splits(lengths, splits, h, g, d):
+    t_max = max(lengths) + 2
+    q, k, v = make_cache(sum(lengths) * 7 + h + d, len(lengths), h, g, t_max, d, lengths)
+    scale = 1.0 / math.sqrt(d)
+    out = kernels.decode(q, k, v, np.array(lengths), splits=splits)
+    check_decode(f"remainder decode H={h} G={g} D={d} lengths={lengths} splits={splits}", out, q, k,
+                 v, lengths, scale)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 7, 12, 20, 24, 33])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_paged_decode_page_sizes_that_are_not_a_multiple_of_the_block(page_size, splits):
+    rng = np.random.default_rng(page_size * 10 + (splits or 0))
+    h, g, d = 8, 2, 72  # 72 = 64 + 8: a 16-lane tile, then one of 8 lanes
+    lengths = [1, page_size, page_size + 1, 3 * page_size + 2, 100]
+    t_max = max(lengths)
+    q, k, v = make_cache(page_size, len(lengths), h, g, t_max, d, lengths)
+    n_logical = [-(-n // page_size) for n in lengths]
+    n_pages = sum(n_logical) + 3
+    order = rng.permutation(n_pages)
+    k_pages = np.full((n_pages, g, page_size, d), np.nan, np.float32)
+    v_pages = np.full_like(k_pages, np.nan)
+    table = np.full((len(lengths), max(n_logical)), -1, np.int32)
+    used = 0
+    for b, n in enumerate(lengths):
+        for i in range(n_logical[b]):
+            page, filled = order[used], min(page_size, n - i * page_size)
+            used += 1
+            table[b, i] = page
+            k_pages[page, :, :filled] = k[b, :, i * page_size: i * page_size + filled]
+            v_pages[page, :, :filled] = v[b, :, i * page_size: i * page_size + filled]
+    out = kernels.paged_decode(q, k_pages, v_pages, table, np.array(lengths), splits=splits)
+    check_decode(f"paged p={page_size} lengths={lengths} splits={splits}", out, q, k, v, lengths,
+                 1.0 / math.sqrt(d))
+
+
+# Pages in their natural order hold the same keys, in the same order, as the contiguous cache, and
+# both kernels fold the same 16-key blocks with the same arithmetic (a paged block gathers its keys
+# across page boundaries, so the page size does not change the blocks). Where the splits start at
+# the same keys (one split; or s splits of a length that is s whole runs of pages: the contiguous
+# split of ceil(n / s) keys is then the paged split of ceil(pages / s) pages), the partial results
+# and their merge are the same too, so the outputs must be equal to the bit, not merely within the
+# float32 bound.
+@pytest.mark.parametrize("page_size, pages_per_split, splits", [
+    (16, 4, 1), (16, 16, 4), (16, 7, 3), (12, 10, 4), (20, 3, 5), (1, 40, 2), (48, 2, 3),
+])
+@pytest.mark.parametrize("h, g, d", [(32, 8, 128), (6, 2, 40)])
+def test_paged_decode_in_natural_page_order_is_bit_equal_to_contiguous(page_size, pages_per_split,
+                                                                       splits, h, g, d):
+    t = splits * pages_per_split * page_size
+    rng = np.random.default_rng(t + h + d)
+    q = rng.standard_normal((2, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((2, g, t, d)).astype(np.float32) for _ in range(2))
+    k_pages, v_pages, table = natural_pages(k, v, page_size)
+    lengths = np.array([t, t])
+    contiguous = kernels.decode(q, k, v, lengths, splits=splits)
+    paged = kernels.paged_decode(q, k_pages, v_pages, table, lengths, splits=splits)
+    np.testing.assert_array_equal(paged, contiguous)
+    # One split, any length (a last page part-filled): the same blocks again.
+    short = np.array([t - 1, max(1, t - page_size - 2)])
+    np.testing.assert_array_equal(kernels.paged_decode(q, k_pages, v_pages, table, short, splits=1),
+                                  kernels.decode(q, k, v, short, splits=1))
+    check_decode(f"natural pages p={page_size} splits={splits}", paged, q, k, v, lengths,
+                 1.0 / math.sqrt(d))
+
+
 def test_decode_with_every_length_zero_and_empty_batch():
     q, k, v = make_cache(1, 3, 4, 2, 5, 8, [0, 0, 0])
     np.testing.assert_array_equal(kernels.decode(q, k, v, [0, 0, 0]), 0.0)
