@@ -14,6 +14,7 @@
 #include "adamw_cpu.h"
 #include "decode_cpu.h"
 #include "flash_cpu.h"
+#include "rows_matmul_cpu.h"
 #include "softmax.h"
 #include "stream_read.h"
 #include "tile_math.h"
@@ -332,6 +333,63 @@ void adamw_step(const py::array& p, const py::list& g, const py::array& m, const
     throw py::type_error("p must be float32 or float64, got dtype " + std::string(py::str(p.dtype())));
 }
 
+// ---- a few rows times large matrices, for decoding: float32 ----
+
+// A 2-D, C-contiguous, aligned float32 array in native byte order (array_t<float> refuses other
+// byte orders; no Python attribute look-up, since a decode step makes a hundred of these calls).
+void check_matrix(const py::array& a, const std::string& name, bool writes) {
+    if (!py::isinstance<py::array_t<float>>(a))
+        throw py::type_error(name + " must be a native-byte-order float32 array, got dtype " +
+                             std::string(py::str(a.dtype())));
+    if (a.ndim() != 2)
+        throw py::value_error(name + " must be 2-D, got shape " + shape_of(a));
+    if (!(a.flags() & py::array::c_style) || !(a.flags() & kNpyAligned))
+        throw py::value_error(name + " must be C-contiguous and aligned, got a strided view of "
+                              "shape " + shape_of(a));
+    if (writes && !a.writeable())
+        throw py::value_error(name + " must be writeable: the product is written into it");
+}
+
+// outs[j] = x w[j] (or x w[j]^T where transposed[j]); x (m, k), outs[j] (m, n_j).
+void rows_matmul(const py::array& x, const std::vector<py::array>& ws,
+                 const std::vector<bool>& transposed, const std::vector<py::array>& outs) {
+    check_matrix(x, "x", false);
+    if (ws.size() != transposed.size() || ws.size() != outs.size())
+        throw py::value_error("w, transposed and out must have one entry per product, got " +
+                              std::to_string(ws.size()) + ", " + std::to_string(transposed.size()) +
+                              " and " + std::to_string(outs.size()));
+    const py::ssize_t m = x.shape(0), k = x.shape(1);
+    std::vector<refmath::RowsProduct> products(ws.size());
+    for (std::size_t j = 0; j < ws.size(); ++j) {
+        const std::string w_name = "w[" + std::to_string(j) + "]";
+        const std::string out_name = "out[" + std::to_string(j) + "]";
+        check_matrix(ws[j], w_name, false);
+        check_matrix(outs[j], out_name, true);
+        const py::ssize_t k_w = ws[j].shape(transposed[j] ? 1 : 0);
+        const py::ssize_t n = ws[j].shape(transposed[j] ? 0 : 1);
+        if (k_w != k)
+            throw py::value_error(w_name + " " + shape_of(ws[j]) + (transposed[j] ? " (transposed)" : "") +
+                                  " does not fit x " + shape_of(x) + ": it needs k = " +
+                                  std::to_string(k) + " along its " +
+                                  (transposed[j] ? "second" : "first") + " axis");
+        if (outs[j].shape(0) != m || outs[j].shape(1) != n)
+            throw py::value_error(out_name + " must have shape (" + std::to_string(m) + ", " +
+                                  std::to_string(n) + "), got " + shape_of(outs[j]));
+        if (overlap(outs[j], x) || overlap(outs[j], ws[j]))
+            throw py::value_error(out_name + " shares memory with x or " + w_name +
+                                  ", which the product reads");
+        for (std::size_t i = 0; i < ws.size(); ++i)
+            if ((i != j && overlap(outs[j], ws[i])) || (i < j && overlap(outs[j], outs[i])))
+                throw py::value_error(out_name + " shares memory with another product's w or out");
+        products[j] = {static_cast<const float*>(ws[j].data()), n, static_cast<bool>(transposed[j]),
+                       static_cast<float*>(const_cast<void*>(outs[j].data()))};
+    }
+    const auto* xp = static_cast<const float*>(x.data());
+    py::gil_scoped_release release;  // raw buffers only, held alive by x, ws and outs
+    refmath::rows_matmul_cpu(xp, m, k, products.data(), static_cast<std::ptrdiff_t>(products.size()),
+                             refmath::tile::max_threads());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -364,6 +422,11 @@ PYBIND11_MODULE(_C, m) {
           "gradients from the list g of 1-D pieces laid end to end over p, piece k decayed by "
           "shrink[k]; scalars (beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^s, 1 - beta2^s, lr, "
           "eps). Call it through refmath.kernels.adamw_step.");
+    m.def("rows_matmul", &rows_matmul, py::arg("x"), py::arg("w"), py::arg("transposed"),
+          py::arg("out"),
+          "out[j] = x @ w[j] (x @ w[j].T where transposed[j]) for a few float32 rows x (m, k), "
+          "each w[j] C-contiguous, read once by all threads. Call it through "
+          "refmath.kernels.rows_matmul.");
     m.def("max_threads", &refmath::tile::max_threads,
           "The number of OpenMP threads the kernels use (1 without OpenMP).");
     m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },

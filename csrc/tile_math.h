@@ -480,6 +480,15 @@ inline int thread_id() {
 #endif
 }
 
+// The number of threads in the current parallel region (1 outside one, or without OpenMP).
+inline int team_size() {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 // Floats per thread rounded up to a whole number of 64-byte cache lines, so that two threads never
 // write into the same line (false sharing).
 inline idx padded_floats(idx n) { return (n + 15) / 16 * 16; }

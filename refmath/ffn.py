@@ -6,10 +6,14 @@ Row vectors throughout: ``y = x @ W + b`` with ``W`` shaped ``(d_in, d_out)``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import NamedTuple
 
 import numpy as np
+
+from refmath import kernels
 
 from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_min_ndim,
                                check_ndim, check_real, float_array)
@@ -44,16 +48,48 @@ def _check_bias(b, b_name, w, w_name):
     return b
 
 
+# Inside compiled_rows() (a decode step on backend="cpu"), products of at most this many float32
+# rows run on refmath.kernels.rows_matmul instead of BLAS.
+_COMPILED_ROWS_MAX = 4
+_compiled_rows = contextvars.ContextVar("compiled_rows", default=False)
+
+
+@contextlib.contextmanager
+def compiled_rows():
+    """Within this block, :func:`matmul_rows` multiplies a few float32 rows (up to 4) with
+    :func:`refmath.kernels.rows_matmul`, on the C++ kernels' OpenMP threads, rather than NumPy's
+    BLAS. A decode step on ``backend="cpu"`` enters it, so that its products and its attention
+    share one thread pool. The values are the same sums, rounded in another order."""
+    token = _compiled_rows.set(True)
+    try:
+        yield
+    finally:
+        _compiled_rows.reset(token)
+
+
 def matmul_rows(x, w):
     """``x @ w`` for ``x`` of shape ``(..., d_in)``, computed as one 2-D matrix product.
 
     Every row goes through the same ``w``, so the leading dimensions fold into one (the reshapes are
     free for contiguous ``x``): a single BLAS call on a ``(rows, d_in)`` matrix. For a 3-D ``x``
     NumPy would instead run one product per batch entry, which with 2 BLAS threads cost up to twice
-    the CPU time at (8, 256, d) inputs.
+    the CPU time at (8, 256, d) inputs. Inside :func:`compiled_rows`, a few float32 rows go to the
+    C++ kernel instead.
     """
+    return matmul_rows_many(x, (w,))[0]
+
+
+def matmul_rows_many(x, ws) -> list:
+    """``[matmul_rows(x, w) for w in ws]``; inside :func:`compiled_rows`, one kernel call for all
+    of them (:func:`refmath.kernels.rows_matmul_many`), e.g. a layer's Q, K and V projections."""
     rows = math.prod(x.shape[:-1])  # not -1: that cannot be resolved when d_in is 0
-    return (x.reshape(rows, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[1],))
+    x2 = x.reshape(rows, x.shape[-1])
+    if (rows <= _COMPILED_ROWS_MAX and _compiled_rows.get() and x.dtype == np.float32
+            and all(w.dtype == np.float32 for w in ws)):
+        ys = kernels.rows_matmul_many(x2, ws)
+    else:
+        ys = [x2 @ w for w in ws]
+    return [y.reshape(x.shape[:-1] + (w.shape[1],)) for y, w in zip(ys, ws)]
 
 
 class LinearCache(NamedTuple):

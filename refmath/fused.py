@@ -27,7 +27,8 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath.ffn import (_GELU_TANH_CUBIC, _INV_SQRT_2PI, _SQRT_2_OVER_PI, GeGLUCache, GELUCache,
-                         SiLUCache, SwiGLUCache, matmul_rows, standard_normal_cdf)
+                         SiLUCache, SwiGLUCache, matmul_rows, matmul_rows_many,
+                         standard_normal_cdf)
 from refmath.norms import LayerNormCache
 
 __all__ = ["BiasGELUCache", "bias_gelu_forward", "bias_gelu_backward", "swiglu_forward",
@@ -148,8 +149,7 @@ def swiglu_forward(x, w_gate, w_up, w_down):
     The sigmoid is :func:`refmath.ffn.sigmoid`'s overflow-free form,
     :math:`\sigma(g) = [g \ge 0\ ?\ 1 : e] / (1 + e)` with :math:`e = e^{-|g|}`.
     """
-    g = matmul_rows(x, w_gate)
-    up = matmul_rows(x, w_up)
+    g, up = matmul_rows_many(x, (w_gate, w_up))
     shape = g.shape
     g, up = _rows(g), _rows(up)
     sig, hidden = np.empty_like(g), np.empty_like(g)
@@ -209,8 +209,7 @@ def geglu_forward(x, w_gate, w_up, w_down):
     The gate is :func:`refmath.ffn.gelu_forward`'s tanh form,
     :math:`\tfrac12 g (1 + t)` with :math:`t = \tanh(\sqrt{2/\pi}(g + 0.044715 g^3))`.
     """
-    g = matmul_rows(x, w_gate)
-    up = matmul_rows(x, w_up)
+    g, up = matmul_rows_many(x, (w_gate, w_up))
     shape = g.shape
     g, up = _rows(g), _rows(up)
     t, hidden = np.empty_like(g), np.empty_like(g)

@@ -136,6 +136,50 @@ def adamw_step(p, g, m, v, shrink, scalars, threads: int = 1) -> None:
                       check_int("threads", threads, 1, 256))
 
 
+def rows_matmul(x, w, out=None):
+    r"""``x @ w`` for a few float32 rows, the weight read once by all the OpenMP threads (N5).
+
+    .. math::
+        y_{rj} = \sum_{i=0}^{k-1} x_{ri}\, w_{ij}
+
+    A decode step at batch 1 multiplies one row by every weight matrix: two FLOPs per weight read,
+    so its time is the time to stream the weights, and this kernel streams them on the same thread
+    pool as the decode kernels (a BLAS pool beside OpenMP's fights it for the cores). ``x``:
+    ``(m, k)`` float32, ``m`` a few rows (any ``m`` is right; past about 4 a BLAS matrix product is
+    faster). ``w``: float32 ``(k, n)``, C-contiguous, or the transpose of a C-contiguous
+    ``(n, k)`` array (a tied head's ``embedding.T``), read where it lies; any other layout is
+    copied first. ``out``: an optional C-contiguous float32 ``(m, n)`` array to write. Returns
+    ``(m, n)`` float32. Each output is a float32 sum over ``k`` with vector accumulators; with
+    several threads a ``(k, n)`` matrix's rows are cut into one stretch per thread and the partial
+    sums added in thread order, so the last bits can change with the thread count.
+    """
+    return rows_matmul_many(x, [w], None if out is None else [out])[0]
+
+
+def rows_matmul_many(x, ws, outs=None) -> list:
+    """``[x @ w for w in ws]`` in one call of :func:`rows_matmul`'s kernel: the threads stream
+    every matrix in turn without waking and parting between them (a layer's query, key and value
+    projections, or a gated FFN's two input matrices). ``outs``: optional output arrays, one per
+    matrix. Returns the list of ``(m, n_j)`` float32 products."""
+    x = np.ascontiguousarray(x)
+    matrices, transposed = [], []
+    for j, w in enumerate(ws):
+        w = np.asarray(w)
+        if x.dtype != np.float32 or w.dtype != np.float32:
+            raise TypeError(f"rows_matmul takes float32 x and w, got x {x.dtype} {x.shape} and "
+                            f"w[{j}] {w.dtype} {w.shape}")
+        if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+            raise ValueError(f"rows_matmul needs x (m, k) and w (k, n), got x.shape = {x.shape} "
+                             f"and w[{j}].shape = {w.shape}")
+        flip = not w.flags.c_contiguous and w.T.flags.c_contiguous
+        matrices.append(w.T if flip else np.ascontiguousarray(w))
+        transposed.append(flip)
+    if outs is None:
+        outs = [np.empty((x.shape[0], w.shape[1]), np.float32) for w in ws]
+    _cpu().rows_matmul(x, matrices, transposed, list(outs))
+    return list(outs)
+
+
 def build_info() -> dict:
     """What was compiled and what it can use: OpenMP, the CPU kernels' vector width, the CUDA
     module, the devices present."""

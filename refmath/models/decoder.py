@@ -65,6 +65,7 @@ from refmath.ffn import (
     SwiGLUCache,
     linear_backward,
     linear_forward,
+    matmul_rows_many,
     swiglu_hidden_size,
 )
 from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
@@ -518,6 +519,14 @@ def rope_attention_state(cache: RoPEAttentionCache):
     return causal_attention_kv(cache.attn)
 
 
+def projections(u, params: dict, names: str) -> list:
+    """``u W_n (+ b_n)`` for each ``n`` in ``names`` (``"qkv"``: the query, key and value
+    projections), as one grouped product (:func:`refmath.ffn.matmul_rows_many`: at a decode step
+    on ``backend="cpu"``, one pass of the kernel's threads over the three matrices)."""
+    ys = matmul_rows_many(u, [params[f"w_{n}"] for n in names])
+    return [y + params[f"b_{n}"] if f"b_{n}" in params else y for n, y in zip(names, ys)]
+
+
 def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):
     """M3's attention at inference (K2, K3): the new rows ``u`` ``(B, n, d)`` at positions
     ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset, window)``
@@ -542,10 +551,10 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
         return linear_forward(merge_heads(o), params["w_o"])[0]
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    q, _ = rope_forward(split_heads(linear_forward(u, params["w_q"], params.get("b_q"))[0], h), **rope)
-    k, _ = rope_forward(split_heads(linear_forward(u, params["w_k"], params.get("b_k"))[0], g), **rope)
-    v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], g)
-    o = slot.attend(q, k, v, offset, **attention_options(config))
+    q, k, v = projections(u, params, "qkv")
+    q, _ = rope_forward(split_heads(q, h), **rope)
+    k, _ = rope_forward(split_heads(k, g), **rope)
+    o = slot.attend(q, k, split_heads(v, g), offset, **attention_options(config))
     return linear_forward(merge_heads(o), params["w_o"])[0]
     # END SOLUTION
 

@@ -1,0 +1,136 @@
+"""refmath.kernels.rows_matmul: a few float32 rows times large matrices (the products of a decode
+step), against the float64 product within float32's derived summation bound, on every remainder
+path of the kernel (rows of w not a multiple of 8, columns not a multiple of 8), both layouts, one
+and several threads; and its refusals. Then the decode step that uses it: the same logits as the
+BLAS products, within rounding."""
+import numpy as np
+import pytest
+
+from refmath import kernels
+from refmath.ffn import compiled_rows, matmul_rows, matmul_rows_many
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
+threadpoolctl = pytest.importorskip("threadpoolctl")
+
+U32 = 2.0 ** -24  # float32's unit roundoff
+
+
+def summation_bound(x, w):
+    """|fl(x w) - x w| <= gamma_k (|x| |w|), gamma_k = k u / (1 - k u): the classic bound for
+    any order of a float32 sum of k products (each product rounded once more, hence k + 1)."""
+    k = x.shape[1] + 1
+    return k * U32 / (1 - k * U32) * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)))
+
+
+def check_product(y, x, w):
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert y.dtype == np.float32 and y.shape == exact.shape
+    assert np.all(np.abs(y - exact) <= summation_bound(x, w))
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"{t}threads")
+def threads(request):
+    with threadpoolctl.threadpool_limits(request.param, user_api="openmp"):
+        if kernels.cpu_threads() != request.param:
+            pytest.skip("threadpoolctl does not reach refmath's OpenMP runtime here")
+        yield request.param
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("k, n", [(1, 1), (7, 9), (8, 8), (9, 17), (769, 1030), (1030, 769)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "wT"])
+def test_rows_matmul_is_the_product(threads, m, k, n, transposed):
+    # (769, 1030) and (1030, 769) are large enough to be shared by every thread (a quarter million
+    # multiply-adds); their k leaves a remainder after the 8-row steps and n after 8 columns.
+    rng = np.random.default_rng(k * n + m)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = (rng.standard_normal((n, k), dtype=np.float32).T if transposed
+         else rng.standard_normal((k, n), dtype=np.float32))
+    check_product(kernels.rows_matmul(x, w), x, w)
+
+
+def test_several_products_in_one_call_and_given_outputs(threads):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 640), dtype=np.float32)
+    ws = [rng.standard_normal((640, 700), dtype=np.float32),
+          rng.standard_normal((900, 640), dtype=np.float32).T,  # a tied head's table, transposed
+          rng.standard_normal((640, 3), dtype=np.float32)]
+    outs = [np.full((2, w.shape[1]), np.nan, np.float32) for w in ws]
+    got = kernels.rows_matmul_many(x, ws, outs)
+    for y, out, w in zip(got, outs, ws):
+        assert y is out
+        check_product(y, x, w)
+
+
+def test_one_thread_sums_each_output_in_order_and_threads_change_only_rounding():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 1024), dtype=np.float32)
+    w = rng.standard_normal((1024, 512), dtype=np.float32)
+    results = []
+    for t in (1, 2):
+        with threadpoolctl.threadpool_limits(t, user_api="openmp"):
+            results.append(kernels.rows_matmul(x, w))
+    for y in results:
+        check_product(y, x, w)
+    # the transposed layout sums each output whole in one thread: the same bits on any team
+    wt = np.ascontiguousarray(w.T).T
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        one = kernels.rows_matmul(x, wt)
+    with threadpoolctl.threadpool_limits(2, user_api="openmp"):
+        assert np.array_equal(kernels.rows_matmul(x, wt), one)
+
+
+def test_a_strided_matrix_is_copied_and_still_right():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 40), dtype=np.float32)
+    w = rng.standard_normal((80, 60), dtype=np.float32)[::2, ::3]  # neither layout
+    check_product(kernels.rows_matmul(x, w), x, w)
+    check_product(kernels.rows_matmul(x[:, ::1], np.asfortranarray(w)), x, w)
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda x, w: (x.astype(np.float64), w, None), TypeError, "float32"),
+    (lambda x, w: (x, w.astype(np.float16), None), TypeError, "float32"),
+    (lambda x, w: (x[0], w, None), ValueError, "x.shape = (8,)"),
+    (lambda x, w: (x, w[:5], None), ValueError, "w[0].shape = (5, 6)"),
+    (lambda x, w: (x, w, np.empty((2, 7), np.float32)), ValueError, "out[0] must have shape (2, 6)"),
+    (lambda x, w: (x, w, np.empty((2, 6), np.float64)), TypeError, "out[0] must be a native"),
+    (lambda x, w: (x, w, np.empty((2, 12), np.float32)[:, ::2]), ValueError, "C-contiguous"),
+])
+def test_bad_arguments_are_refused_with_their_names(make, error, words):
+    rng = np.random.default_rng(4)
+    x, w, out = make(rng.standard_normal((2, 8), dtype=np.float32),
+                     rng.standard_normal((8, 6), dtype=np.float32))
+    with pytest.raises(error) as caught:
+        kernels.rows_matmul(x, w, out)
+    assert words in str(caught.value)
+
+
+def test_outputs_that_share_memory_with_the_inputs_are_refused():
+    x = np.ones((1, 8), np.float32)
+    w = np.ones((8, 8), np.float32)
+    with pytest.raises(ValueError, match="shares memory"):
+        kernels.rows_matmul(x, w, out=w[:1])
+    with pytest.raises(ValueError, match="shares memory"):
+        kernels.rows_matmul(w[:1], w, out=w[1:2])
+    frozen = np.empty((1, 8), np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        kernels.rows_matmul(x, w, out=frozen)
+
+
+def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 1, 300), dtype=np.float32)
+    w = rng.standard_normal((300, 200), dtype=np.float32)
+    blas = matmul_rows(x, w)
+    assert np.array_equal(blas, (x.reshape(1, 300) @ w).reshape(1, 1, 200))
+    with compiled_rows():
+        y, y2 = matmul_rows_many(x, (w, w[:, :50]))
+        many_rows = matmul_rows(np.repeat(x, 8, axis=1), w)  # 8 rows: BLAS again
+        wide = matmul_rows(x.astype(np.float64), w)  # float64: BLAS again
+    assert y.shape == (1, 1, 200) and y2.shape == (1, 1, 50)
+    check_product(y.reshape(1, 200), x.reshape(1, 300), w)
+    check_product(y2.reshape(1, 50), x.reshape(1, 300), w[:, :50])
+    assert np.array_equal(many_rows, (np.repeat(x, 8, axis=1).reshape(8, 300) @ w).reshape(1, 8, 200))
+    assert wide.dtype == np.float64
