@@ -171,11 +171,18 @@ def rows_matmul_many(x, ws, outs=None) -> list:
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
             raise ValueError(f"rows_matmul needs x (m, k) and w (k, n), got x.shape = {x.shape} "
                              f"and w[{j}].shape = {w.shape}")
-        flip = not w.flags.c_contiguous and w.T.flags.c_contiguous
-        matrices.append(w.T if flip else np.ascontiguousarray(w))
-        transposed.append(flip)
+        if w.flags.c_contiguous:
+            matrices.append(w)
+            transposed.append(False)
+        elif w.T.flags.c_contiguous:  # (n, k) read row by row: a dot product per output
+            matrices.append(w.T)
+            transposed.append(True)
+        else:
+            matrices.append(np.ascontiguousarray(w))
+            transposed.append(False)
     if outs is None:
-        outs = [np.empty((x.shape[0], w.shape[1]), np.float32) for w in ws]
+        outs = [np.empty((x.shape[0], w.shape[0 if t else 1]), np.float32)
+                for w, t in zip(matrices, transposed)]
     _cpu().rows_matmul(x, matrices, transposed, list(outs))
     return list(outs)
 

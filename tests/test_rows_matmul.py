@@ -8,6 +8,11 @@ import pytest
 
 from refmath import kernels
 from refmath.ffn import compiled_rows, matmul_rows, matmul_rows_many
+from refmath.inference.kv_cache import generate_cached
+from refmath.models import model_module
+from refmath.models.decoder import DecoderConfig
+from refmath.models.gpt import GPTConfig
+from _support import float32_rule
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
 threadpoolctl = pytest.importorskip("threadpoolctl")
@@ -134,3 +139,37 @@ def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
     check_product(y2.reshape(1, 50), x.reshape(1, 300), w[:, :50])
     assert np.array_equal(many_rows, (np.repeat(x, 8, axis=1).reshape(8, 300) @ w).reshape(1, 8, 200))
     assert wide.dtype == np.float64
+
+
+@pytest.mark.parametrize("model, config", [
+    ("gpt", GPTConfig(vocab_size=97, max_seq_len=16, n_layers=2, d_model=32, n_heads=4, d_ff=64,
+                      norm_position="pre", tie_embeddings=True, dropout=0.0)),
+    ("llama", DecoderConfig(vocab_size=97, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                            n_kv_heads=2, d_ff=48, tie_embeddings=False, rope_layout="half")),
+], ids=["gpt-tied", "llama"])
+def test_decode_steps_on_the_cpu_backend_run_their_products_on_the_kernel(model, config, monkeypatch):
+    """Every product of a decode step goes through rows_matmul (the prefill's five rows do not),
+    and the logits are float32's: within twice the plain float32 model's error of float64's."""
+    module = model_module(model)
+    params64 = module.init_params(config, seed=0)
+    params = {name: value.astype(np.float32) for name, value in params64.items()}
+    prompt = np.arange(5) % config.vocab_size
+    calls, kernel = [], kernels.rows_matmul_many
+
+    def counted(x, ws, outs=None):
+        calls.append(x.shape[0])
+        return kernel(x, ws, outs)
+
+    monkeypatch.setattr(kernels, "rows_matmul_many", counted)
+    on_kernel = generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu")
+    monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
+    # per layer: Q/K/V (GPT: its one fused matrix), the output, the FFN's input(s), the FFN's
+    # output; then the head. Five decode steps (the sixth token is picked, never fed).
+    per_step = config.n_layers * 4 + 1
+    assert calls == [1] * (5 * per_step)
+    plain = generate_cached(model, params, config, prompt, 6, greedy=True)
+    ref64 = np.stack([module.logits(params64, on_kernel.tokens[None, :5 + i], config)[0, -1]
+                      for i in range(6)])
+    np.testing.assert_array_equal(on_kernel.tokens, plain.tokens)
+    float32_rule("decode logits with rows_matmul", on_kernel.logits, ref64, plain.logits,
+                 floor=4 * np.finfo(np.float32).eps * np.abs(ref64).max())

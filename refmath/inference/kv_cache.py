@@ -59,7 +59,7 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, local_window_mask, sdpa_forward
 from refmath import kernels
-from refmath.ffn import _COMPILED_ROWS_MAX, compiled_rows
+from refmath.ffn import compiled_rows
 from refmath.inference.decode import decode_attention
 from refmath.kernels import BACKENDS
 from refmath.inference.sampling import token_picker
@@ -574,11 +574,10 @@ def _forward_rows(module, params, config, cache, tokens: np.ndarray, mla_path) -
             limit = f"its max_len = {cache.max_len} (the model's {limit})"
         raise ValueError(f"the cache holds {offset} positions and is limited to {limit}: {n} more "
                          f"token(s) would need positions up to {offset + n - 1} (0-based)")
-    # A decode step's products run on the C++ kernels' thread pool (compiled_rows) wherever the
-    # attention is not NumPy's: on "cpu" beside the decode kernels, and on "cuda", whose products
-    # are the host's too, with the same bits as on "cpu"
-    compiled = (cache.backend != "numpy" and tokens.size <= _COMPILED_ROWS_MAX
-                and kernels.cpu_available())
+    # A decode step's few-row products run on the C++ kernels' thread pool (compiled_rows; a
+    # prefill's products stay BLAS's) wherever the attention is not NumPy's: on "cpu" beside the
+    # decode kernels, and on "cuda", whose products are the host's too, with the same bits
+    compiled = cache.backend != "numpy" and kernels.cpu_available()
     with compiled_rows() if compiled else contextlib.nullcontext():
         x = module.embed(params, tokens, config, offset)
         for layer in range(config.n_layers):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Callable, NamedTuple
 
+from refmath.ffn import matmul_rows_many
+
 
 class AttentionOps(NamedTuple):
     """What a layer needs from its attention sublayer (GPT's biased MHA, M3's RoPE + GQA, M4's MLA).
@@ -80,6 +82,14 @@ def sub_params(params: Mapping, prefix: str) -> dict:
     the rest of their names: ``sub_params(p, "layers.0")["attn.w_q"] is p["layers.0.attn.w_q"]``."""
     cut = len(prefix) + 1
     return {name[cut:]: value for name, value in params.items() if name.startswith(prefix + ".")}
+
+
+def projections(u, params: dict, names: str) -> list:
+    """``u W_n (+ b_n)`` for each ``n`` in ``names`` (``"qkv"``: the query, key and value
+    projections), as one grouped product (:func:`refmath.ffn.matmul_rows_many`: at a decode step
+    off the NumPy backend, one pass of the kernel's threads over the three matrices)."""
+    ys = matmul_rows_many(u, [params[f"w_{n}"] for n in names])
+    return [y + params[f"b_{n}"] if f"b_{n}" in params else y for n, y in zip(names, ys)]
 
 
 def prefixed(prefix: str, grads: Mapping) -> dict:

@@ -65,7 +65,6 @@ from refmath.ffn import (
     SwiGLUCache,
     linear_backward,
     linear_forward,
-    matmul_rows_many,
     swiglu_hidden_size,
 )
 from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
@@ -75,7 +74,7 @@ from refmath import moe as moe_ops
 from refmath.moe import MoEConfig, as_moe_config
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
-                                   prefixed, sub_params)
+                                   prefixed, projections, sub_params)
 from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
                                       interleaved_to_half, join_heads_columns, linear_out, refuse,
                                       refuse_common, require, rope_context, rope_from_hf,
@@ -517,14 +516,6 @@ def rope_attention_state(cache: RoPEAttentionCache):
     These are the rows a KV cache stores.
     """
     return causal_attention_kv(cache.attn)
-
-
-def projections(u, params: dict, names: str) -> list:
-    """``u W_n (+ b_n)`` for each ``n`` in ``names`` (``"qkv"``: the query, key and value
-    projections), as one grouped product (:func:`refmath.ffn.matmul_rows_many`: at a decode step
-    on ``backend="cpu"``, one pass of the kernel's threads over the three matrices)."""
-    ys = matmul_rows_many(u, [params[f"w_{n}"] for n in names])
-    return [y + params[f"b_{n}"] if f"b_{n}" in params else y for n, y in zip(names, ys)]
 
 
 def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):

@@ -43,7 +43,7 @@ from refmath.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward,
                            layernorm_forward)
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
-                                   sub_params)
+                                   projections, sub_params)
 from refmath.models.hf_layout import HFCheckpointError, linear_out, refuse_common, require, take_head
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
@@ -399,8 +399,7 @@ def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int):
     ``(B, n, d)``. (GPT's positions enter at the embedding, so the projections need no
     ``offset``, and a window counts back from the absolute position of each query.)"""
     h = config.n_heads
-    q, k, v = (split_heads(linear_forward(u, params[f"w_{n}"], params[f"b_{n}"])[0], h)
-               for n in "qkv")
+    q, k, v = (split_heads(y, h) for y in projections(u, params, "qkv"))
     o = slot.attend(q, k, v, offset, window=config.sliding_window)
     return linear_forward(merge_heads(o), params["w_o"], params["b_o"])[0]
 
