@@ -12,6 +12,10 @@ AutoModelForCausalLM.from_pretrained), and continues the same random --prompt-to
 * transformers: model.generate(do_sample=False) with its default cache and attention (SDPA),
   under torch.inference_mode, no end-of-sequence stop (neither side stops early).
 
+refmath's decode-step products (--products) are NumPy's BLAS by default; "kernel" runs them on
+refmath.kernels.rows_matmul (inside refmath.ffn.compiled_rows), "both" times that as a third
+side in the same turns and prints its tokens/s beside BLAS's.
+
 The generated token ids must be identical (printed: yes, or the first position where they part).
 
 Shapes:
@@ -28,7 +32,7 @@ tokens/s as a fraction of the bound. Compute is not the bound at batch 1: 2 FLOP
 
 Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
 pools, torch.set_num_threads for torch) and printed. Timing: --repeats runs of each side in turns
-whose order alternates; tokens/s from the median run and from the fastest.
+whose order reverses every round; tokens/s from the median run and from the fastest.
 
 Then, unless --no-self, the old table: refmath against itself on the tiny default models of
 `python -m refmath train` (recomputing every prefix, the KV cache in NumPy, in the C++ kernels).
@@ -52,6 +56,7 @@ import numpy as np
 from _common import fmt_bytes, interleaved_best_ms, load_average
 
 from refmath import hf, kernels, train
+from refmath.ffn import compiled_rows
 from refmath.data import make_task
 from refmath.inference.generate import generate
 from refmath.models import DECODER_ONLY, decoder, gpt, model_module
@@ -83,6 +88,10 @@ def parse_args(argv=None):
                         help="thread counts to run at, on both sides (default: as started)")
     parser.add_argument("--backend", choices=("numpy", "cpu"), default="cpu",
                         help="refmath's attention over the KV cache")
+    parser.add_argument("--products", choices=("blas", "kernel", "both"), default="blas",
+                        help="refmath's decode-step products: NumPy's BLAS (the default), "
+                             "refmath.kernels.rows_matmul (inside refmath.ffn.compiled_rows), or "
+                             "both, timed in the same turns as a third side")
     parser.add_argument("--probe-gib", type=float, default=1.0,
                         help="size of the read-bandwidth probe")
     parser.add_argument("--no-self", action="store_true",
@@ -147,7 +156,7 @@ def load_both(model: str, config, directory):
     return r_config, r_params, t_model
 
 
-def sides(model, config, params, t_model, prompt, tokens, backend):
+def sides(model, config, params, t_model, prompt, tokens, backend, products):
     import torch
     import transformers
 
@@ -161,15 +170,22 @@ def sides(model, config, params, t_model, prompt, tokens, backend):
     def ours():
         return generate(model, params, config, prompt, tokens, greedy=True, backend=backend)[-tokens:]
 
+    def ours_kernel():
+        with compiled_rows():
+            return ours()
+
     def theirs():
         with torch.inference_mode():
             out = t_model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
         return out[0, -tokens:].numpy()
-    return {"refmath": ours, "transformers": theirs}
+    fns = {"refmath": ours_kernel if products == "kernel" else ours, "transformers": theirs}
+    if products == "both":
+        fns["refmath, rows_matmul"] = ours_kernel
+    return fns
 
 
 def time_sides(fns: dict, repeats: int) -> dict:
-    """Seconds of each run per side, the two taking turns in alternating order."""
+    """Seconds of each run per side, the sides taking turns in an order reversed every round."""
     names = list(fns)
     times = {name: [] for name in names}
     for r in range(repeats):
@@ -208,9 +224,11 @@ def run_shape(label: str, model: str, config, args, rows: list, bandwidths: dict
         r_config, r_params, t_model = load_both(model, config, directory)
     n_params = sum(v.size for v in r_params.values())
     weights, kv = bytes_read(model, r_config, r_params, args.prompt_tokens, args.tokens)
-    fns = sides(model, r_config, r_params, t_model, prompt, args.tokens, args.backend)
+    fns = sides(model, r_config, r_params, t_model, prompt, args.tokens, args.backend, args.products)
     ours, theirs = fns["refmath"](), fns["transformers"]()  # also the warm-up
     same = np.array_equal(ours, theirs)
+    if "refmath, rows_matmul" in fns:
+        same = same and np.array_equal(fns["refmath, rows_matmul"](), theirs)
     parted = "yes" if same else f"no (from token {int(np.argmax(ours != theirs))})"
     print(f"{label}: {n_params:,} parameters; {fmt_bytes(weights)} of weights read per token, "
           f"{fmt_bytes(kv // args.tokens)} of KV per token on average; identical ids: {parted}",
@@ -237,6 +255,10 @@ def run_shape(label: str, model: str, config, args, rows: list, bandwidths: dict
                      f"({best['refmath'] / best['transformers']:.2f})",
                      "yes" if same else "no", f"{bound:.1f}",
                      f"{100 * med['refmath'] / bound:.0f}%", f"{100 * med['transformers'] / bound:.0f}%"])
+        if "refmath, rows_matmul" in med:
+            kernel, blas = med["refmath, rows_matmul"], med["refmath"]
+            rows[-1].append(f"{kernel:.1f} ({best['refmath, rows_matmul']:.1f}), "
+                            f"{kernel / blas:.2f}x")
 
 
 def print_table(headers, rows, title):
@@ -290,16 +312,20 @@ def main(argv=None) -> int:
           f"{kernels.cpu_vector_lanes()} float32 lanes; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {thread_line()}")
     print(f"{args.tokens} greedy tokens after a {args.prompt_tokens}-token random prompt, float32, "
-          f"batch 1, refmath attention on {args.backend}")
+          f"batch 1, refmath attention on {args.backend}, its decode-step products on "
+          f"{ {'blas': 'BLAS', 'kernel': 'rows_matmul', 'both': 'BLAS and rows_matmul'}[args.products]}")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
     rows, bandwidths = [], {}
     for label, (model, config) in shapes.items():
         run_shape(label, model, config, args, rows, bandwidths)
     print()
-    print_table(["shape", "threads", "refmath tok/s", "transformers tok/s", "refmath / transformers",
-                 "same ids", "bound tok/s", "refmath of bound", "transformers of bound"], rows,
+    headers = ["shape", "threads", "refmath tok/s", "transformers tok/s", "refmath / transformers",
+               "same ids", "bound tok/s", "refmath of bound", "transformers of bound"]
+    if args.products == "both":
+        headers.append("refmath with rows_matmul tok/s, / BLAS's")
+    print_table(headers, rows,
                 title=f"tokens/s from the median run (from the fastest), {args.repeats} runs per "
-                      "side in alternating turns; bound: bandwidth / (weights + KV read per token); "
+                      "side in turns whose order reverses every round; bound: bandwidth / (weights + KV read per token); "
                       "'of bound' from the medians")
     if not args.no_self:
         self_comparison(min(args.tokens, 63), max(2, args.repeats))

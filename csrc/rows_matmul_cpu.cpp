@@ -3,12 +3,14 @@
 // hardware prefetcher follows, by every thread at once.
 //
 // * w (k, n): each thread takes a contiguous stretch of w's rows (and the same stretch of x's
-//   columns) and sums its share of every output over them, eight rows at a time:
-//   y[c] += x[i] w[i][c] + ... + x[i+7] w[i+7][c], one load and store of y per eight rows, y held
-//   in L1 or L2. Thread 0 sums into y itself, the others into scratch, and after a barrier each
-//   thread adds the partial sums, in thread order, into a stretch of y. Cutting w by columns
-//   instead (no partial sums) read 15-20% slower on 2 threads of a Zen CPU: each thread then
-//   reads a short piece of every row rather than one long stream.
+//   columns) and sums its share of every output over them, four rows at a time:
+//   y[c] += x[i] w[i][c] + ... + x[i+3] w[i+3][c], one load and store of y per four rows, y held
+//   in L1 or L2. (Eight rows read slower where a row is a multiple of 4 KiB, 2048 floats: eight
+//   streams and y then fall into one set of the 8-way L1 cache.) Thread 0 sums into y itself,
+//   the others into scratch, and after a barrier each thread adds the partial sums, in thread
+//   order, into a stretch of y. Cutting w by columns instead (no partial sums) read 15-20% slower
+//   on 2 threads of a Zen CPU: each thread then reads a short piece of every row rather than one
+//   long stream.
 // * w^T, w (n, k): each thread takes a stretch of w's rows, one contiguous block; each output is
 //   a dot product over k in four vector accumulators, computed whole by one thread.
 // 8-lane vectors only: wider ones would not read memory faster.
@@ -26,9 +28,9 @@ namespace {
 using tile::f32x8;
 using tile::idx;
 
-// Rows of w per pass over y: eight read streams at once, one load and store of y per eight rows.
-constexpr idx kRows = 8;
-// Columns per tile when x has several rows: the tile of the eight rows of w (8 x 4 KiB) stays
+// Rows of w per pass over y: four read streams at once, one load and store of y per four rows.
+constexpr idx kRows = 4;
+// Columns per tile when x has several rows: the tile of the four rows of w (4 x 4 KiB) stays
 // in cache while each row of x is multiplied by it.
 constexpr idx kTile = 1024;
 
@@ -47,11 +49,9 @@ void columns(const float* x, idx m, idx ldx, idx k, const float* w, idx n, float
                 float* yr = y + r * ldy;
                 idx c = t0;
                 for (; c + 8 <= t1; c += 8) {
-                    f32x8 s0 = a[0] * tile::load8(wi + c) + a[1] * tile::load8(wi + n + c);
-                    f32x8 s1 = a[2] * tile::load8(wi + 2 * n + c) + a[3] * tile::load8(wi + 3 * n + c);
-                    s0 += a[4] * tile::load8(wi + 4 * n + c) + a[5] * tile::load8(wi + 5 * n + c);
-                    s1 += a[6] * tile::load8(wi + 6 * n + c) + a[7] * tile::load8(wi + 7 * n + c);
-                    tile::store8(yr + c, tile::load8(yr + c) + (s0 + s1));
+                    f32x8 s = a[0] * tile::load8(wi + c) + a[1] * tile::load8(wi + n + c);
+                    s += a[2] * tile::load8(wi + 2 * n + c) + a[3] * tile::load8(wi + 3 * n + c);
+                    tile::store8(yr + c, tile::load8(yr + c) + s);
                 }
                 for (; c < t1; ++c) {
                     float s = 0.0f;

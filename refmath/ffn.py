@@ -48,8 +48,8 @@ def _check_bias(b, b_name, w, w_name):
     return b
 
 
-# Inside compiled_rows() (a decode step on backend="cpu"), products of at most this many float32
-# rows run on refmath.kernels.rows_matmul instead of BLAS.
+# Inside compiled_rows(), products of at most this many float32 rows run on
+# refmath.kernels.rows_matmul instead of BLAS.
 _COMPILED_ROWS_MAX = 4
 _compiled_rows = contextvars.ContextVar("compiled_rows", default=False)
 
@@ -58,8 +58,11 @@ _compiled_rows = contextvars.ContextVar("compiled_rows", default=False)
 def compiled_rows():
     """Within this block, :func:`matmul_rows` multiplies a few float32 rows (up to 4) with
     :func:`refmath.kernels.rows_matmul`, on the C++ kernels' OpenMP threads, rather than NumPy's
-    BLAS. A decode step on ``backend="cpu"`` enters it, so that its products and its attention
-    share one thread pool. The values are the same sums, rounded in another order."""
+    BLAS: the same sums, rounded in another order. Wrapped around a generation on
+    ``backend="cpu"``, every decode step's products and its attention then share one thread
+    pool. Nothing enters it by default: on the machines measured so far
+    (``benchmarks/generate.py --products kernel``) the kernel's decode steps are not faster than
+    BLAS's, within a few percent either way."""
     token = _compiled_rows.set(True)
     try:
         yield

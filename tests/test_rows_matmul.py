@@ -1,8 +1,8 @@
 """refmath.kernels.rows_matmul: a few float32 rows times large matrices (the products of a decode
 step), against the float64 product within float32's derived summation bound, on every remainder
 path of the kernel (rows of w not a multiple of 8, columns not a multiple of 8), both layouts, one
-and several threads; and its refusals. Then the decode step that uses it: the same logits as the
-BLAS products, within rounding."""
+and several threads; and its refusals. Then decode steps inside refmath.ffn.compiled_rows, which
+route their products to it: float32's logits."""
 import numpy as np
 import pytest
 
@@ -147,9 +147,10 @@ def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
     ("llama", DecoderConfig(vocab_size=97, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
                             n_kv_heads=2, d_ff=48, tie_embeddings=False, rope_layout="half")),
 ], ids=["gpt-tied", "llama"])
-def test_decode_steps_on_the_cpu_backend_run_their_products_on_the_kernel(model, config, monkeypatch):
-    """Every product of a decode step goes through rows_matmul (the prefill's five rows do not),
-    and the logits are float32's: within twice the plain float32 model's error of float64's."""
+def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(model, config, monkeypatch):
+    """Inside compiled_rows, every product of a decode step goes through rows_matmul (the
+    prefill's five rows do not), and the logits are float32's: within twice the plain float32
+    model's error of float64's."""
     module = model_module(model)
     params64 = module.init_params(config, seed=0)
     params = {name: value.astype(np.float32) for name, value in params64.items()}
@@ -161,7 +162,10 @@ def test_decode_steps_on_the_cpu_backend_run_their_products_on_the_kernel(model,
         return kernel(x, ws, outs)
 
     monkeypatch.setattr(kernels, "rows_matmul_many", counted)
-    on_kernel = generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu")
+    generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu")
+    assert calls == []  # not by default
+    with compiled_rows():
+        on_kernel = generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu")
     monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
     # per layer: Q/K/V (GPT: its one fused matrix), the output, the FFN's input(s), the FFN's
     # output; then the head. Five decode steps (the sixth token is picked, never fed).

@@ -49,7 +49,6 @@ inference only (no dropout, no backward).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import NamedTuple
@@ -59,7 +58,6 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, local_window_mask, sdpa_forward
 from refmath import kernels
-from refmath.ffn import compiled_rows
 from refmath.inference.decode import decode_attention
 from refmath.kernels import BACKENDS
 from refmath.inference.sampling import token_picker
@@ -574,16 +572,11 @@ def _forward_rows(module, params, config, cache, tokens: np.ndarray, mla_path) -
             limit = f"its max_len = {cache.max_len} (the model's {limit})"
         raise ValueError(f"the cache holds {offset} positions and is limited to {limit}: {n} more "
                          f"token(s) would need positions up to {offset + n - 1} (0-based)")
-    # A decode step's few-row products run on the C++ kernels' thread pool (compiled_rows; a
-    # prefill's products stay BLAS's) wherever the attention is not NumPy's: on "cpu" beside the
-    # decode kernels, and on "cuda", whose products are the host's too, with the same bits
-    compiled = cache.backend != "numpy" and kernels.cpu_available()
-    with compiled_rows() if compiled else contextlib.nullcontext():
-        x = module.embed(params, tokens, config, offset)
-        for layer in range(config.n_layers):
-            x = module.cached_layer(x, params, layer, config, _Slot(cache, layer), offset, **options)
-        cache.length = offset + n
-        return module.head(params, x, config)
+    x = module.embed(params, tokens, config, offset)
+    for layer in range(config.n_layers):
+        x = module.cached_layer(x, params, layer, config, _Slot(cache, layer), offset, **options)
+    cache.length = offset + n
+    return module.head(params, x, config)
 
 
 def prefill(model, params, config, prompt_ids, all_logits: bool = False,
