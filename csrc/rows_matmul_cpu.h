@@ -4,8 +4,8 @@
 // At batch 1 a decode step multiplies one row by every weight matrix of the model, two FLOPs per
 // weight read: the time is the time to stream the weights from memory. This kernel streams them
 // on refmath's OpenMP threads, each thread reading one contiguous stretch of every matrix, so
-// that a decode step's products and its attention run on one thread pool (a BLAS library's pool
-// beside OpenMP's competes with it for the cores).
+// that a decode step's products and its attention can run on one thread pool rather than two
+// (OpenMP's and a BLAS library's, each spinning for a while after its last call).
 #pragma once
 
 #include <cstddef>

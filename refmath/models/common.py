@@ -86,8 +86,8 @@ def sub_params(params: Mapping, prefix: str) -> dict:
 
 def projections(u, params: dict, names: str) -> list:
     """``u W_n (+ b_n)`` for each ``n`` in ``names`` (``"qkv"``: the query, key and value
-    projections), as one grouped product (:func:`refmath.ffn.matmul_rows_many`: at a decode step
-    off the NumPy backend, one pass of the kernel's threads over the three matrices)."""
+    projections), as one grouped product (:func:`refmath.ffn.matmul_rows_many`: inside
+    :func:`refmath.ffn.compiled_rows`, one pass of the kernel's threads over the three matrices)."""
     ys = matmul_rows_many(u, [params[f"w_{n}"] for n in names])
     return [y + params[f"b_{n}"] if f"b_{n}" in params else y for n, y in zip(names, ys)]
 
