@@ -561,6 +561,10 @@ def _float_inputs(gpu: bool, float32_only: bool = False, **arrays):
             return tuple(cp.ascontiguousarray(x) for x in out.values())
     checked = []
     for n, x in arrays.items():
+        if (type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous
+                and x.flags.aligned):
+            checked.append(x)  # already the kernels' layout: the usual case, with nothing to do
+            continue
         x = float_array(n, x)
         if x.dtype.type is not np.float32:  # by type, so that a byte-swapped float32 passes
             raise TypeError(f"{n} must be float32 for the CPU kernels (they compute in float32), got "
@@ -615,6 +619,9 @@ def _splits(splits) -> int | None:
     return None if splits is None else check_int("splits", splits, 1)
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _host_ints(name: str, x) -> np.ndarray:
     """An integer array in host memory (GPU arrays are copied: they are small)."""
     if hasattr(x, "__cuda_array_interface__"):
@@ -651,12 +658,13 @@ def _host_lengths(lengths, batch: int, most: int, why: str) -> np.ndarray:
     lengths = _host_ints("lengths", lengths)
     check_ndim("lengths", lengths, 1, "(B,)")
     check_axis("lengths", lengths, 0, batch, "the batch size B of q")
-    if lengths.size and (lengths.min() < 0 or lengths.max() > most):
+    low, high = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
+    if low < 0 or high > most:
         b = int(np.argmax((lengths < 0) | (lengths > most)))
         raise ValueError(f"lengths must lie in [0, {most}] ({why}), got lengths[{b}] = {lengths[b]}")
     # Every compiled kernel reads lengths as int32 (like the page table): narrow once, here.
-    top = np.iinfo(np.int32).max
-    if lengths.size and lengths.max() > top:
+    top = _INT32_MAX
+    if high > top:
         b = int(np.argmax(lengths > top))
         raise ValueError(f"lengths must fit in int32 (at most {top}) for the compiled kernels, got "
                          f"lengths[{b}] = {lengths[b]} (lengths.shape = {lengths.shape})")
