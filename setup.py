@@ -249,7 +249,10 @@ class BuildExt(build_ext):
             return False
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        shutil.copy2(cached, target)
+        # A fresh modification time (copy, not copy2): `build_ext --inplace` then copies the module
+        # into the package only if it is newer than the one there, so a cached module of an earlier
+        # source, restored with its old time, would leave the last build's module in place.
+        shutil.copy(cached, target)
         _say(f"{ext.name}: sources and flags unchanged since {os.path.relpath(cached, HERE)}; "
              f"reused, not recompiled")
         return True

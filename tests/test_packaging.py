@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -287,7 +288,13 @@ def test_a_rebuild_with_unchanged_sources_and_flags_reuses_the_module(setup_py, 
 
     ext = copy.deepcopy(setup_py["ext_modules"][0])
     assert build(ext, "first") == "module 1"
+    for cached in (tmp_path / "cache").iterdir():  # built an hour ago
+        os.utime(cached, (time.time() - 3600,) * 2)
+    started = time.time()
     assert build(ext, "second") == "module 1" and len(compiled) == 1  # copied from the cache
+    # Newer than the build's start: `build_ext --inplace` skips copying a module older than the
+    # package's, which left a stale module in place when a source went back to an earlier state.
+    assert os.path.getmtime(tmp_path / "second" / f"{ext.name}.so") >= started - 1
     flagged = copy.deepcopy(ext)
     flagged.extra_compile_args.append("-O1")
     assert build(flagged, "third") == "module 2"
