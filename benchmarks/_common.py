@@ -11,10 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def best_ms(fn, repeats: int = 3, warmup: int = 1) -> float:
-    """The fastest of ``repeats`` timed calls, in milliseconds, after ``warmup`` untimed ones.
-
-    The minimum, not the mean: on a shared machine the noise only ever adds time."""
+def call_seconds(fn, repeats: int, warmup: int = 1) -> list:
+    """Seconds of each of ``repeats`` timed calls of ``fn``, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -22,7 +20,14 @@ def best_ms(fn, repeats: int = 3, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return times
+
+
+def best_ms(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """The fastest of ``repeats`` timed calls, in milliseconds, after ``warmup`` untimed ones.
+
+    The minimum, not the mean: on a shared machine the noise only ever adds time."""
+    return 1e3 * min(call_seconds(fn, repeats, warmup))
 
 
 def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bool = False,

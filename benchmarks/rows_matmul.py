@@ -29,7 +29,7 @@ import argparse
 import time
 
 import numpy as np
-from _common import load_average, median_min_ms
+from _common import call_seconds, load_average, median_min_ms
 
 from refmath import kernels
 
@@ -65,13 +65,7 @@ def timed_block(fn, passes: int, pause: float = 0.05) -> list:
     """Seconds of ``passes`` timed calls of ``fn`` after a pause (the other pool's threads stop
     spinning) and one untimed call (this pool's threads wake up)."""
     time.sleep(pause)
-    fn()
-    seconds = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+    return call_seconds(fn, passes, warmup=1)
 
 
 def blocked_times(fns: dict, repeats: int, block: int) -> dict:
