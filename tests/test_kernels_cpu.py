@@ -350,6 +350,29 @@ def test_paged_decode_more_splits_than_pages_and_empty_sequences():
         check_decode(f"paged empty splits={splits}", out, q, k, v, lengths, 1 / math.sqrt(d))
 
 
+def shuffled_pages(k, v, lengths, page_size, rng, spare_pages, spare_columns=0):
+    """The first ``lengths[b]`` keys of contiguous caches (B, G, T, D) copied into a pool of pages in
+    a random order, with ``spare_pages`` unused pages and ``spare_columns`` unused page-table
+    columns; every slot not copied into holds NaN (it must never be read). Returns (k_pages,
+    v_pages, page_table)."""
+    g, d = k.shape[1], k.shape[3]
+    n_logical = [-(-n // page_size) for n in lengths]
+    n_pages = sum(n_logical) + spare_pages
+    order = rng.permutation(n_pages)
+    k_pages = np.full((n_pages, g, page_size, d), np.nan, np.float32)
+    v_pages = np.full_like(k_pages, np.nan)
+    table = np.full((len(lengths), max(n_logical) + spare_columns), -1, np.int32)
+    used = 0
+    for b, n in enumerate(lengths):
+        for i in range(n_logical[b]):
+            page, filled = order[used], min(page_size, n - i * page_size)
+            used += 1
+            table[b, i] = page
+            k_pages[page, :, :filled] = k[b, :, i * page_size: i * page_size + filled]
+            v_pages[page, :, :filled] = v[b, :, i * page_size: i * page_size + filled]
+    return k_pages, v_pages, table
+
+
 def natural_pages(k, v, page_size):
     """Contiguous caches (B, G, T, D), T a multiple of page_size, cut into pages in their own order:
     sequence b's page i is pool page b * (T / page_size) + i."""
@@ -392,20 +415,7 @@ def test_paged_decode_page_sizes_that_are_not_a_multiple_of_the_block(page_size,
     lengths = [1, page_size, page_size + 1, 3 * page_size + 2, 100]
     t_max = max(lengths)
     q, k, v = make_cache(page_size, len(lengths), h, g, t_max, d, lengths)
-    n_logical = [-(-n // page_size) for n in lengths]
-    n_pages = sum(n_logical) + 3
-    order = rng.permutation(n_pages)
-    k_pages = np.full((n_pages, g, page_size, d), np.nan, np.float32)
-    v_pages = np.full_like(k_pages, np.nan)
-    table = np.full((len(lengths), max(n_logical)), -1, np.int32)
-    used = 0
-    for b, n in enumerate(lengths):
-        for i in range(n_logical[b]):
-            page, filled = order[used], min(page_size, n - i * page_size)
-            used += 1
-            table[b, i] = page
-            k_pages[page, :, :filled] = k[b, :, i * page_size: i * page_size + filled]
-            v_pages[page, :, :filled] = v[b, :, i * page_size: i * page_size + filled]
+    k_pages, v_pages, table = shuffled_pages(k, v, lengths, page_size, rng, spare_pages=3)
     out = kernels.paged_decode(q, k_pages, v_pages, table, np.array(lengths), splits=splits)
     check_decode(f"paged p={page_size} lengths={lengths} splits={splits}", out, q, k, v, lengths,
                  1.0 / math.sqrt(d))
@@ -473,21 +483,8 @@ def test_fuzz_random_decode_shapes(h_ratio, g, d, lengths, page_size, splits, se
     out = kernels.decode(q, k, v, lengths, splits=splits)
     check_decode(f"fuzz decode {lengths}", out, q, k, v, lengths, scale)
     # The same context in pages: a shuffled pool, padding pages filled with NaN.
-    rng = np.random.default_rng(seed)
-    n_logical = [-(-n // page_size) for n in lengths]
-    n_pages = sum(n_logical) + 2
-    order = rng.permutation(n_pages)
-    k_pages = np.full((n_pages, g, page_size, d), np.nan, np.float32)
-    v_pages = np.full_like(k_pages, np.nan)
-    table = np.full((len(lengths), max(n_logical) + 1), -1, np.int32)
-    used = 0
-    for b, n in enumerate(lengths):
-        for i in range(n_logical[b]):
-            page, filled = order[used], min(page_size, n - i * page_size)
-            used += 1
-            table[b, i] = page
-            k_pages[page, :, :filled] = k[b, :, i * page_size: i * page_size + filled]
-            v_pages[page, :, :filled] = v[b, :, i * page_size: i * page_size + filled]
+    k_pages, v_pages, table = shuffled_pages(k, v, lengths, page_size, np.random.default_rng(seed),
+                                             spare_pages=2, spare_columns=1)
     paged = kernels.paged_decode(q, k_pages, v_pages, table, lengths, splits=splits)
     check_decode(f"fuzz paged {lengths} p={page_size}", paged, q, k, v, lengths, scale)
 
