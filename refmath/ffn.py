@@ -86,7 +86,7 @@ def matmul_rows_many(x, ws) -> list:
     of them (:func:`refmath.kernels.rows_matmul_many`), e.g. a layer's Q, K and V projections."""
     rows = math.prod(x.shape[:-1])  # not -1: that cannot be resolved when d_in is 0
     x2 = x.reshape(rows, x.shape[-1])
-    if (rows <= _COMPILED_ROWS_MAX and _compiled_rows.get() and x.dtype == np.float32
+    if (_compiled_rows.get() and rows <= _COMPILED_ROWS_MAX and x.dtype == np.float32
             and all(w.dtype == np.float32 for w in ws)):
         ys = kernels.rows_matmul_many(x2, ws)
     else:
