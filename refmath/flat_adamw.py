@@ -214,12 +214,11 @@ class FlatAdamW(AdamW):
         lr = self.lr if lr is None else check_real("lr", lr, 0.0)
         self._check_params(params)
         grads = self._check_grads(grads)
+        self.step_count += 1
         if self.backend == "cpu":
-            self.step_count += 1
             return self._kernel_step(lr, grads)
         # each thread copies the gradients of its stretch, flat (a view unless g is not contiguous)
         sources = {name: g.reshape(-1) for name, g in grads.items() if g is not self.grads[name]}
-        self.step_count += 1
         self._update_buffer(lr, sources)
 
     def _check_params(self, params) -> None:
