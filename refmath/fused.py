@@ -141,6 +141,16 @@ def bias_gelu_backward(da: np.ndarray, cache: BiasGELUCache):
     return dh.reshape(shape)
 
 
+def _gate_and_up_input_grads(x, dg, du, w_gate, w_up):
+    r"""The two gated FFNs' last step, from the gradients ``dg``, ``du`` of the gate and up
+    projections (as rows): ``(dx, dW_g, dW_u)`` with :math:`dW_g = x^\top dg`,
+    :math:`dW_u = x^\top du`, :math:`dx = dg\,W_g^\top + du\,W_u^\top`."""
+    x_rows = _rows(x)
+    dx = matmul_rows(dg, w_gate.T)
+    dx += matmul_rows(du, w_up.T)
+    return dx.reshape(x.shape), x_rows.T @ dg, x_rows.T @ du
+
+
 def swiglu_forward(x, w_gate, w_up, w_down):
     r""":math:`[\operatorname{SiLU}(x W_g) \odot (x W_u)]\, W_d`, as
     :func:`refmath.ffn.swiglu_forward` (whose checks the caller has made: float arrays of matching
@@ -193,12 +203,7 @@ def swiglu_backward(dout, cache: SwiGLUCache):
         dgb *= slope  # dm u SiLU'(g)
         np.multiply(gb, sb, out=slope)  # du: SiLU(g), recomputed instead of cached
         slope *= dm[rows]
-    x_rows = _rows(x)
-    dw_gate = x_rows.T @ dg
-    dw_up = x_rows.T @ du
-    dx = matmul_rows(dg, w_gate.T)
-    dx += matmul_rows(du, w_up.T)
-    return dx.reshape(x.shape), dw_gate, dw_up, dw_down
+    return (*_gate_and_up_input_grads(x, dg, du, w_gate, w_up), dw_down)
 
 
 def geglu_forward(x, w_gate, w_up, w_down):
@@ -244,12 +249,7 @@ def geglu_backward(dout, cache: GeGLUCache):
         np.multiply(gb, 0.5, out=dub)  # du: GELU_tanh(g), recomputed instead of cached
         dub *= tb + 1.0
         dub *= dm[rows]
-    x_rows = _rows(x)
-    dw_gate = x_rows.T @ dg
-    dw_up = x_rows.T @ du
-    dx = matmul_rows(dg, w_gate.T)
-    dx += matmul_rows(du, w_up.T)
-    return dx.reshape(x.shape), dw_gate, dw_up, dw_down
+    return (*_gate_and_up_input_grads(x, dg, du, w_gate, w_up), dw_down)
 
 
 def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
