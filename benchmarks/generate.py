@@ -12,9 +12,10 @@ AutoModelForCausalLM.from_pretrained), and continues the same random --prompt-to
 * transformers: model.generate(do_sample=False) with its default cache and attention (SDPA),
   under torch.inference_mode, no end-of-sequence stop (neither side stops early).
 
-refmath's decode-step products (--products) are NumPy's BLAS by default; "kernel" runs them on
-refmath.kernels.rows_matmul (inside refmath.ffn.compiled_rows), "both" times that as a third
-side in the same turns and prints its tokens/s beside BLAS's.
+refmath's decode-step products (--products) are generate's own choice by default: on --backend
+cpu with two or more threads refmath.kernels.rows_matmul, otherwise NumPy's BLAS. "blas" and
+"kernel" fix one of them (refmath.ffn.compiled_rows(False) or compiled_rows()); "both" times BLAS's,
+and rows_matmul's as a third side in the same turns, and prints the two side by side.
 
 The generated token ids must be identical (printed: yes, or the first position where they part).
 
@@ -46,6 +47,7 @@ Nothing is asserted: the figures belong to the machine (and its load, printed fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -61,6 +63,8 @@ from refmath.data import make_task
 from refmath.inference.generate import generate
 from refmath.models import DECODER_ONLY, decoder, gpt, model_module
 
+PRODUCTS = {"default": "generate's choice (rows_matmul on 2+ threads, BLAS on 1)", "blas": "BLAS",
+            "kernel": "rows_matmul", "both": "BLAS and rows_matmul"}
 SHAPES = {
     "gpt2-124m": ("gpt", dataclasses.replace(gpt.GPT_CONFIGS["gpt2-small"], dropout=0.0)),
     "llama-small": ("llama", decoder.DecoderConfig(
@@ -88,10 +92,11 @@ def parse_args(argv=None):
                         help="thread counts to run at, on both sides (default: as started)")
     parser.add_argument("--backend", choices=("numpy", "cpu"), default="cpu",
                         help="refmath's attention over the KV cache")
-    parser.add_argument("--products", choices=("blas", "kernel", "both"), default="blas",
-                        help="refmath's decode-step products: NumPy's BLAS (the default), "
+    parser.add_argument("--products", choices=PRODUCTS, default="default",
+                        help="refmath's decode-step products: generate's choice (rows_matmul on "
+                             "--backend cpu with 2+ threads, BLAS otherwise), NumPy's BLAS, "
                              "refmath.kernels.rows_matmul (inside refmath.ffn.compiled_rows), or "
-                             "both, timed in the same turns as a third side")
+                             "both: BLAS, and rows_matmul timed in the same turns as a third side")
     parser.add_argument("--probe-gib", type=float, default=1.0,
                         help="size of the read-bandwidth probe")
     parser.add_argument("--no-self", action="store_true",
@@ -167,20 +172,19 @@ def sides(model, config, params, t_model, prompt, tokens, backend, products):
                                                pad_token_id=0, eos_token_id=None)
     t_model.generation_config = generation
 
-    def ours():
-        return generate(model, params, config, prompt, tokens, greedy=True, backend=backend)[-tokens:]
-
-    def ours_kernel():
-        with compiled_rows():
-            return ours()
+    def ours(kernel=None):  # None: generate's own choice of products
+        with compiled_rows(kernel) if kernel is not None else contextlib.nullcontext():
+            return generate(model, params, config, prompt, tokens, greedy=True,
+                            backend=backend)[-tokens:]
 
     def theirs():
         with torch.inference_mode():
             out = t_model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
         return out[0, -tokens:].numpy()
-    fns = {"refmath": ours_kernel if products == "kernel" else ours, "transformers": theirs}
+    kernel = {"default": None, "blas": False, "kernel": True, "both": False}[products]
+    fns = {"refmath": lambda: ours(kernel), "transformers": theirs}
     if products == "both":
-        fns["refmath, rows_matmul"] = ours_kernel
+        fns["refmath, rows_matmul"] = lambda: ours(True)
     return fns
 
 
@@ -313,7 +317,7 @@ def main(argv=None) -> int:
           f"{transformers.__version__}; {thread_line()}")
     print(f"{args.tokens} greedy tokens after a {args.prompt_tokens}-token random prompt, float32, "
           f"batch 1, refmath attention on {args.backend}, its decode-step products on "
-          f"{ {'blas': 'BLAS', 'kernel': 'rows_matmul', 'both': 'BLAS and rows_matmul'}[args.products]}")
+          f"{PRODUCTS[args.products]}")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
     rows, bandwidths = [], {}
     for label, (model, config) in shapes.items():

@@ -50,23 +50,34 @@ def _check_bias(b, b_name, w, w_name):
 # Inside compiled_rows(), products of at most this many float32 rows run on
 # refmath.kernels.rows_matmul instead of BLAS.
 _COMPILED_ROWS_MAX = 4
-_compiled_rows = contextvars.ContextVar("compiled_rows", default=False)
+# None: nobody chose (BLAS; refmath.inference.generate then chooses for its decode steps).
+_compiled_rows = contextvars.ContextVar("compiled_rows", default=None)
 
 
 @contextlib.contextmanager
-def compiled_rows():
+def compiled_rows(enabled: bool = True):
     """Within this block, :func:`matmul_rows` multiplies a few float32 rows (up to 4) with
     :func:`refmath.kernels.rows_matmul`, on the C++ kernels' OpenMP threads, rather than NumPy's
-    BLAS: the same sums, rounded in another order. Wrapped around a generation on
-    ``backend="cpu"``, every decode step's products and its attention then run on one thread
-    pool. Nothing enters it by default: measured with ``benchmarks/generate.py --products both``
-    on a 2-core AVX2 machine, generation inside it made 0.94-0.96x BLAS's tokens/s on 1 thread
-    and 1.05-1.12x on 2."""
-    token = _compiled_rows.set(True)
+    BLAS: the same sums, rounded in another order. ``enabled=False`` keeps BLAS's products inside
+    the block, whatever a caller would choose.
+
+    Outside any such block products are BLAS's, except in
+    :func:`refmath.inference.generate.generate` on ``backend="cpu"`` with two or more OpenMP
+    threads, whose decode steps run inside it (their products and their attention then share one
+    thread pool). Measured with ``benchmarks/generate.py --products both`` on a 2-core AVX2
+    machine, generation inside it made 1.03-1.12x BLAS's tokens/s on 2 threads and 0.89-0.99x on
+    1."""
+    token = _compiled_rows.set(check_flag("enabled", enabled))
     try:
         yield
     finally:
         _compiled_rows.reset(token)
+
+
+def compiled_rows_choice() -> bool | None:
+    """What the innermost :func:`compiled_rows` block chose (True or False), or None outside every
+    such block."""
+    return _compiled_rows.get()
 
 
 def matmul_rows(x, w):

@@ -8,6 +8,7 @@ import pytest
 
 from refmath import kernels
 from refmath.ffn import compiled_rows, matmul_rows, matmul_rows_many
+from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
 from refmath.models import model_module
 from refmath.models.decoder import DecoderConfig
@@ -177,3 +178,46 @@ def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(mode
     np.testing.assert_array_equal(on_kernel.tokens, plain.tokens)
     float32_rule("decode logits with rows_matmul", on_kernel.logits, ref64, plain.logits,
                  floor=4 * np.finfo(np.float32).eps * np.abs(ref64).max())
+
+
+@pytest.mark.parametrize("threads, backend, choice, on_kernel", [
+    (2, "cpu", None, True),     # generate's own choice on 2+ threads: the kernel
+    (4, "cpu", None, True),
+    (1, "cpu", None, False),    # on 1 thread BLAS measured faster
+    (2, "numpy", None, False),  # the NumPy backend stays NumPy
+    (2, "cpu", False, False),   # compiled_rows(False) keeps BLAS's
+    (1, "cpu", True, True),     # compiled_rows() gets the kernel on any thread count
+])
+def test_generate_chooses_the_products_by_thread_count_unless_the_caller_chose(
+        threads, backend, choice, on_kernel, monkeypatch):
+    config = DecoderConfig(vocab_size=97, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                           n_kv_heads=2, d_ff=48, tie_embeddings=False, rope_layout="half")
+    params = {name: value.astype(np.float32)
+              for name, value in model_module("llama").init_params(config, seed=0).items()}
+    prompt = np.arange(5)
+    calls, kernel = [], kernels.rows_matmul_many
+
+    def counted(x, ws, outs=None):
+        calls.append(x.shape[0])
+        return kernel(x, ws, outs)
+
+    monkeypatch.setattr(kernels, "rows_matmul_many", counted)
+    monkeypatch.setattr(kernels, "cpu_threads", lambda: threads)
+    if choice is None:
+        out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
+    else:
+        with compiled_rows(choice):
+            out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
+    # three decode steps (the fourth token is picked from the last one), 4 products per layer
+    # and the head in each
+    assert calls == ([1] * 3 * (config.n_layers * 4 + 1) if on_kernel else [])
+    monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
+    with compiled_rows(False):
+        blas = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
+    np.testing.assert_array_equal(out, blas)
+
+
+def test_compiled_rows_takes_a_flag():
+    with pytest.raises(TypeError, match="enabled"):
+        with compiled_rows("yes"):
+            pass

@@ -12,11 +12,13 @@ top-k and top-p).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
 
+from refmath import ffn
 from refmath._validate import check_flag, check_int, check_ndim
 from refmath.inference import kv_cache
 from refmath.inference.sampling import token_picker
@@ -100,7 +102,10 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     into a KV cache and each new token is one decode step on ``backend`` (``"numpy"``, ``"cpu"`` or
     ``"cuda"``, see :func:`refmath.inference.kv_cache.prefill`); when the window slides, the positions of every
     kept token change, so the window is prefilled afresh. ``cache=False`` recomputes the whole
-    prefix at every step: the same tokens (up to rounding), at :math:`O(T^2)` cost (K4).
+    prefix at every step: the same tokens (up to rounding), at :math:`O(T^2)` cost (K4). On
+    ``backend="cpu"`` with two or more OpenMP threads, the decode steps' products run on
+    :func:`refmath.kernels.rows_matmul` (see :func:`refmath.ffn.compiled_rows`; the call inside
+    ``compiled_rows(False)`` keeps BLAS's).
 
     Returns the prompt followed by the new tokens, in the prompt's shape but longer.
     """
@@ -121,9 +126,23 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
         def next_logits(tokens):
             return module.logits(params, tokens[:, -window:], config)[:, -1, :]
 
-    out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens, pick,
-                       eos_ids)
+    with _decode_products(backend):
+        out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens,
+                           pick, eos_ids)
     return out[0] if prompt.ndim == 1 else out
+
+
+def _decode_products(backend: str):
+    """Where the decode steps' products run: on ``backend="cpu"`` with two or more OpenMP threads,
+    on :func:`refmath.kernels.rows_matmul` (inside :func:`refmath.ffn.compiled_rows`), which
+    measured faster than BLAS there and slower on one thread; otherwise, or where the caller is
+    inside a ``compiled_rows`` block of its own, as they are."""
+    if backend == "cpu" and ffn.compiled_rows_choice() is None:
+        from refmath import kernels
+
+        if kernels.cpu_threads() >= 2:
+            return ffn.compiled_rows()
+    return contextlib.nullcontext()
 
 
 def _has_kv_cache(module) -> bool:
