@@ -140,7 +140,7 @@ def _decode_products(backend: str):
     if backend == "cpu" and ffn.compiled_rows_choice() is None:
         from refmath import kernels
 
-        if kernels.cpu_threads() >= 2:
+        if kernels.cpu_available() and kernels.cpu_threads() >= 2:
             return ffn.compiled_rows()
     return contextlib.nullcontext()
 
