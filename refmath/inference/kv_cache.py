@@ -49,6 +49,7 @@ inference only (no dropout, no backward).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import NamedTuple
@@ -62,6 +63,7 @@ from refmath.inference.decode import decode_attention
 from refmath.kernels import BACKENDS
 from refmath.inference.sampling import token_picker
 from refmath.models import DECODER_ONLY, MODELS, config_class, model_module, model_name
+from refmath.models.common import SplitParams
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
 
@@ -712,6 +714,7 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     """
     _check_mla_path(mla_path)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    params = _split_once(params)
     state = {}
 
     def next_logits(module, tokens, step, counts):
@@ -750,6 +753,13 @@ def generate_naive(model, params, config, prompt_ids, max_new_tokens: int, *,
                             next_logits)
 
 
+def _split_once(params):
+    """The parameters as a generator steps with them: a :class:`SplitParams` snapshot, so that each
+    layer's split is made once per call rather than once per token (anything but a mapping is
+    left for the parameter check to refuse)."""
+    return SplitParams(params) if isinstance(params, Mapping) else params
+
+
 def sliding_next_logits(model, params, config, window: int, backend: str = "numpy"):
     """``next_logits(tokens)`` for a decoding loop that feeds at most the last ``window`` tokens
     (:func:`refmath.inference.generate.generate`): the logits ``(B, V)`` of the token after each
@@ -760,6 +770,7 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
     frequencies, which invalidates the cached keys). The model and the parameters are checked at
     each prefill, not at each step."""
     module = _model(model, config)
+    params = _split_once(params)
     state = {"cache": None}
     stale = getattr(module, "cache_stale", None)
 

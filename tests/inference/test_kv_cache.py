@@ -21,7 +21,7 @@ from refmath.inference.kv_cache import (
     generate_naive,
     prefill,
 )
-from refmath.models import decoder, gpt, mla
+from refmath.models import common, decoder, gpt, mla
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
 from _support import float32_rule
@@ -411,6 +411,33 @@ def test_generation_with_one_unbatched_prompt_and_a_generator_seed():
     expected = no_cache.generate("llama", params, config, prompt, 4, temperature=0.7,
                                  seed=np.random.default_rng(1))
     np.testing.assert_array_equal(out.tokens, expected)
+
+
+@pytest.mark.parametrize("name", ["gpt-pre-tied", "decoder-gqa", "mla"])
+def test_a_generation_splits_its_parameters_once_whatever_its_length(name, monkeypatch):
+    """generate_cached and generate's cached loop split each layer's parameters (sub_params) as
+    often as one prefill does, however many tokens follow it (SplitParams), and give the logits
+    that stepping with the plain dict, split afresh at every step, gives."""
+    module, config, params = setup(name)
+    prompt = random_tokens((2, 2), seed=13)
+    splits = []
+    scan = common._entries_under
+    monkeypatch.setattr(common, "_entries_under",
+                        lambda p, prefix: splits.append(prefix) or scan(p, prefix))
+    prefill(module, common.SplitParams(params), config, prompt)
+    one_prefill = len(splits)
+    assert one_prefill >= config.n_layers
+    for n_new in (2, T_MAX - 1):
+        splits.clear()
+        made = generate_cached(module, params, config, prompt, n_new, greedy=True)
+        assert len(splits) == one_prefill
+        splits.clear()
+        no_cache.generate(module, params, config, prompt, n_new, greedy=True)
+        assert len(splits) == one_prefill
+    logits, cache = prefill(module, params, config, prompt)
+    steps = [logits] + [decode_step(module, params, config, cache, token)
+                        for token in made.tokens[:, 2:-1].T]
+    np.testing.assert_array_equal(made.logits, np.stack(steps, axis=1))
 
 
 # ---- lengths at the edges, float32 ---------------------------------------------------------------
