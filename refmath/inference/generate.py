@@ -18,7 +18,7 @@ from types import ModuleType
 
 import numpy as np
 
-from refmath import ffn
+from refmath import ffn, kernels
 from refmath._validate import check_flag, check_int, check_ndim
 from refmath.inference import kv_cache
 from refmath.inference.sampling import token_picker
@@ -137,11 +137,9 @@ def _decode_products(backend: str):
     on :func:`refmath.kernels.rows_matmul` (inside :func:`refmath.ffn.compiled_rows`), which
     measured faster than BLAS there and slower on one thread; otherwise, or where the caller is
     inside a ``compiled_rows`` block of its own, as they are."""
-    if backend == "cpu" and ffn.compiled_rows_choice() is None:
-        from refmath import kernels
-
-        if kernels.cpu_available() and kernels.cpu_threads() >= 2:
-            return ffn.compiled_rows()
+    if (backend == "cpu" and ffn.compiled_rows_choice() is None and kernels.cpu_available()
+            and kernels.cpu_threads() >= 2):
+        return ffn.compiled_rows()
     return contextlib.nullcontext()
 
 
