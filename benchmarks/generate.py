@@ -27,9 +27,11 @@ Shapes:
 
 The bound. Decoding one token reads every weight once (the embedding tables: one row, unless the
 head reuses the table) and the whole KV cache so far, so a token cannot come faster than those
-bytes over the machine's read bandwidth. The script measures that bandwidth in the same run
-(refmath.kernels.stream_sum over --probe-gib, with the run's thread count) and prints each side's
-tokens/s as a fraction of the bound. Compute is not the bound at batch 1: 2 FLOPs per 4-byte weight.
+bytes over the machine's read bandwidth. The script measures that bandwidth in the same turns as
+the generations (refmath.kernels.stream_sum over --probe-gib, with the run's thread count, once per
+round as one more side), takes the median of those reads (their range is printed: on a shared
+machine it moves from one minute to the next), and prints each side's median tokens/s as a fraction
+of the bound. Compute is not the bound at batch 1: 2 FLOPs per 4-byte weight.
 
 Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
 pools, torch.set_num_threads for torch) and printed. Timing: --repeats runs of each side in turns
@@ -63,6 +65,7 @@ from refmath.data import make_task
 from refmath.inference.generate import generate
 from refmath.models import DECODER_ONLY, decoder, gpt, model_module
 
+READ = "read probe"  # the bandwidth's side in the turns
 PRODUCTS = {"default": "generate's choice (rows_matmul on 2+ threads, BLAS on 1)", "blas": "BLAS",
             "kernel": "rows_matmul", "both": "BLAS and rows_matmul"}
 SHAPES = {
@@ -115,12 +118,13 @@ def parse_args(argv=None):
 
 # ---- the bound -------------------------------------------------------------------------------------
 
-def read_bandwidth(gib: float) -> float:
-    """Bytes per second of a streaming read with the current OpenMP threads (best of 3)."""
+def read_probe(gib: float):
+    """``(read, nbytes)``: ``read()`` streams ``gib`` GiB once with the current OpenMP threads
+    (refmath.kernels.stream_sum), timed as one more side in the generation's turns, so that the
+    bound comes from the same minutes as the tokens/s set against it."""
     x = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
-    kernels.stream_sum(x)
-    best = min(_seconds(lambda: kernels.stream_sum(x)) for _ in range(3))
-    return x.nbytes / best
+    kernels.stream_sum(x)  # the pages are touched before the first timed read
+    return (lambda: kernels.stream_sum(x)), x.nbytes
 
 
 def _seconds(fn) -> float:
@@ -218,7 +222,7 @@ def thread_line() -> str:
             f"{kernels.cpu_threads()}, torch {torch.get_num_threads()}")
 
 
-def run_shape(label: str, model: str, config, args, rows: list, bandwidths: dict) -> None:
+def run_shape(label: str, model: str, config, args, rows: list) -> None:
     rng = np.random.default_rng(0)
     params = model_module(model).init_params(config, seed=0, dtype=np.float32)
     prompt = rng.integers(0, config.vocab_size, args.prompt_tokens)
@@ -240,15 +244,16 @@ def run_shape(label: str, model: str, config, args, rows: list, bandwidths: dict
     for threads in args.threads or [None]:
         limiter = limit_threads(threads) if threads else None
         try:
-            if threads not in bandwidths:
-                bandwidths[threads] = read_bandwidth(args.probe_gib)
-            bandwidth = bandwidths[threads]
-            print(f"  {thread_line()}; read bandwidth {bandwidth / 1e9:.1f} GB/s; {load_average()}",
-                  flush=True)
-            times = time_sides(fns, args.repeats)
+            read, nbytes = read_probe(args.probe_gib)
+            times = time_sides({**fns, READ: read}, args.repeats)
+            print(f"  {thread_line()}; {load_average()}", flush=True)
         finally:
             if limiter is not None:
                 limiter.restore_original_limits()
+        reads = sorted(nbytes / t for t in times.pop(READ))
+        bandwidth = statistics.median(reads)
+        print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(reads)} reads in "
+              f"the same turns; {reads[0] / 1e9:.1f}-{reads[-1] / 1e9:.1f})", flush=True)
         bound = args.tokens * bandwidth / (args.tokens * weights + kv)  # tokens/s at the bound
         med = {name: args.tokens / statistics.median(t) for name, t in times.items()}
         best = {name: args.tokens / min(t) for name, t in times.items()}
@@ -319,9 +324,9 @@ def main(argv=None) -> int:
           f"batch 1, refmath attention on {args.backend}, its decode-step products on "
           f"{PRODUCTS[args.products]}")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
-    rows, bandwidths = [], {}
+    rows = []
     for label, (model, config) in shapes.items():
-        run_shape(label, model, config, args, rows, bandwidths)
+        run_shape(label, model, config, args, rows)
     print()
     headers = ["shape", "threads", "refmath tok/s", "transformers tok/s", "refmath / transformers",
                "same ids", "bound tok/s", "refmath of bound", "transformers of bound"]
