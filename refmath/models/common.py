@@ -95,8 +95,9 @@ class SplitParams(dict):
     """A copy of a parameter dict that keeps every :func:`sub_params` split made of it.
 
     A generation splits the same parameters at every decode step, once per layer and sublayer:
-    scanning every name each time cost a 12-layer model about 0.7 ms per token. A generator wraps
-    its parameters in one of these for the length of one call, so each split is made once. It is
+    scanning every name each time cost 0.3-0.4 ms of the 4 ms a token takes a 12-layer model of
+    width 64, nearly all of which is Python (paired runs, 1 and 2 threads). A generator wraps its
+    parameters in one of these for the length of one call, so each split is made once. It is
     a snapshot, to be read and not changed: entries set on the original dict afterwards are not
     in it, and changing it would leave its splits stale.
     """
