@@ -12,10 +12,13 @@ AutoModelForCausalLM.from_pretrained), and continues the same random --prompt-to
 * transformers: model.generate(do_sample=False) with its default cache and attention (SDPA),
   under torch.inference_mode, no end-of-sequence stop (neither side stops early).
 
-refmath's decode-step products (--products) are generate's own choice by default: on --backend
-cpu with two or more threads refmath.kernels.rows_matmul, otherwise NumPy's BLAS. "blas" and
-"kernel" fix one of them (refmath.ffn.compiled_rows(False) or compiled_rows()); "both" times BLAS's,
-and rows_matmul's as a third side in the same turns, and prints the two side by side.
+refmath's weights are laid out by refmath.inference.weight_layout.decode_layout by default
+(--layout decode: each matrix stored as the rows of W^T, as torch stores a Linear's weight), once,
+before any timing; --layout stored keeps the loader's (in, out) rows. Its decode-step products
+(--products) are generate's own choice by default: on --backend cpu, refmath.kernels.rows_matmul
+with two or more threads or in the decode layout, otherwise NumPy's BLAS. "blas" and "kernel" fix
+one of them (refmath.ffn.compiled_rows(False) or compiled_rows()); "both" times BLAS's, and
+rows_matmul's as a third side in the same turns, and prints the two side by side.
 
 The generated token ids must be identical (printed: yes, or the first position where they part).
 
@@ -63,10 +66,12 @@ from refmath import hf, kernels, train
 from refmath.ffn import compiled_rows
 from refmath.data import make_task
 from refmath.inference.generate import generate
+from refmath.inference.weight_layout import decode_layout
 from refmath.models import DECODER_ONLY, decoder, gpt, model_module
 
 READ = "read probe"  # the bandwidth's side in the turns
-PRODUCTS = {"default": "generate's choice (rows_matmul on 2+ threads, BLAS on 1)", "blas": "BLAS",
+PRODUCTS = {"default": "generate's choice (rows_matmul on 2+ threads or in the decode layout, "
+                       "BLAS otherwise)", "blas": "BLAS",
             "kernel": "rows_matmul", "both": "BLAS and rows_matmul"}
 SHAPES = {
     "gpt2-124m": ("gpt", dataclasses.replace(gpt.GPT_CONFIGS["gpt2-small"], dropout=0.0)),
@@ -100,6 +105,9 @@ def parse_args(argv=None):
                              "--backend cpu with 2+ threads, BLAS otherwise), NumPy's BLAS, "
                              "refmath.kernels.rows_matmul (inside refmath.ffn.compiled_rows), or "
                              "both: BLAS, and rows_matmul timed in the same turns as a third side")
+    parser.add_argument("--layout", choices=("decode", "stored"), default="decode",
+                        help="refmath's weight matrices as the rows of W^T (decode_layout) or as "
+                             "the loader's (in, out) rows")
     parser.add_argument("--probe-gib", type=float, default=1.0,
                         help="size of the read-bandwidth probe")
     parser.add_argument("--no-self", action="store_true",
@@ -230,6 +238,8 @@ def run_shape(label: str, model: str, config, args, rows: list) -> None:
         hf.save_checkpoint(directory, model, config, params)
         del params
         r_config, r_params, t_model = load_both(model, config, directory)
+    if args.layout == "decode":
+        r_params = decode_layout(r_params)
     n_params = sum(v.size for v in r_params.values())
     weights, kv = bytes_read(model, r_config, r_params, args.prompt_tokens, args.tokens)
     fns = sides(model, r_config, r_params, t_model, prompt, args.tokens, args.backend, args.products)
@@ -321,8 +331,9 @@ def main(argv=None) -> int:
           f"{kernels.cpu_vector_lanes()} float32 lanes; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {thread_line()}")
     print(f"{args.tokens} greedy tokens after a {args.prompt_tokens}-token random prompt, float32, "
-          f"batch 1, refmath attention on {args.backend}, its decode-step products on "
-          f"{PRODUCTS[args.products]}")
+          f"batch 1, refmath attention on {args.backend}, its weights in the "
+          f"{'decode layout (rows of W^T)' if args.layout == 'decode' else 'stored (in, out) rows'}, "
+          f"its decode-step products on {PRODUCTS[args.products]}")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
     rows = []
     for label, (model, config) in shapes.items():

@@ -13,6 +13,11 @@ pass over all of them, as a decode step makes it:
 * rows_matmul, one call per matrix;
 * NumPy's BLAS (np.matmul into a preallocated output), one call per matrix.
 
+--layout says how the matrices lie in memory: "stored" as refmath stores W, (in, out) rows;
+"decode" as refmath.inference.weight_layout.decode_layout keeps them, the rows of W^T (torch's
+(out, in), read by rows_matmul as one dot product per output); "both" (the default) times every
+peer on each.
+
 Each figure is the bytes of weights over the time of a pass, as GB/s and as a fraction of the read
 bandwidth measured in the same run (refmath.kernels.stream_sum, the same threads); median and
 fastest of --repeats passes. The peers run in blocks of passes (an untimed pass, then timed ones),
@@ -21,6 +26,7 @@ library's each keep spinning for a while after their last call, and a pass timed
 pool spins fights it for the cores (on 2 cores either side then loses most of its speed).
 
     python benchmarks/rows_matmul.py --threads 1 2
+    python benchmarks/rows_matmul.py --threads 2 --layout decode
     python benchmarks/rows_matmul.py --quick
 """
 from __future__ import annotations
@@ -46,6 +52,8 @@ def parse_args(argv=None):
     parser.add_argument("--block", type=int, default=5, help="timed passes per block")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="thread counts (BLAS and OpenMP alike; default: as started)")
+    parser.add_argument("--layout", choices=("stored", "decode", "both"), default="both",
+                        help="the matrices as (in, out) rows, as the rows of W^T, or both")
     parser.add_argument("--quick", action="store_true", help="2 layers, 3 repeats: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -81,43 +89,55 @@ def blocked_times(fns: dict, repeats: int, block: int) -> dict:
     return {name: t[:repeats] for name, t in times.items()}
 
 
-def peers(layers: int):
+LAYOUTS = {"stored": "(in, out) rows", "decode": "W^T rows"}
+
+
+def peers(layers: int, layouts: tuple):
+    """The peers on each layout: ``({name: pass}, bytes of weights per pass)``."""
     rng = np.random.default_rng(0)
-    ws = [[rng.standard_normal(shape, dtype=np.float32) for shape in LAYER] for _ in range(layers)]
+    stored = [[rng.standard_normal(shape, dtype=np.float32) for shape in LAYER]
+              for _ in range(layers)]
     outs = [[np.empty((1, n), np.float32) for _, n in LAYER] for _ in range(layers)]
     xs = {k: rng.standard_normal((1, k), dtype=np.float32) for k in {k for k, _ in LAYER}}
+    fns = {}
+    for layout in layouts:
+        ws = stored if layout == "stored" else [[np.ascontiguousarray(w.T).T for w in layer]
+                                                for layer in stored]
 
-    def grouped():
-        for w, o in zip(ws, outs):
-            for group in GROUPS:
-                kernels.rows_matmul_many(xs[w[group[0]].shape[0]], [w[j] for j in group],
-                                         [o[j] for j in group])
+        def grouped(ws=ws):
+            for w, o in zip(ws, outs):
+                for group in GROUPS:
+                    kernels.rows_matmul_many(xs[w[group[0]].shape[0]], [w[j] for j in group],
+                                             [o[j] for j in group])
 
-    def one_call_each():
-        for w, o in zip(ws, outs):
-            for wj, oj in zip(w, o):
-                kernels.rows_matmul(xs[wj.shape[0]], wj, oj)
+        def one_call_each(ws=ws):
+            for w, o in zip(ws, outs):
+                for wj, oj in zip(w, o):
+                    kernels.rows_matmul(xs[wj.shape[0]], wj, oj)
 
-    def blas():
-        for w, o in zip(ws, outs):
-            for wj, oj in zip(w, o):
-                np.matmul(xs[wj.shape[0]], wj, out=oj)
+        def blas(ws=ws):
+            for w, o in zip(ws, outs):
+                for wj, oj in zip(w, o):
+                    np.matmul(xs[wj.shape[0]], wj, out=oj)
 
-    nbytes = sum(wj.nbytes for w in ws for wj in w)
-    return {"rows_matmul, grouped": grouped, "rows_matmul, one call each": one_call_each,
-            "NumPy BLAS": blas}, nbytes
+        where = f", {LAYOUTS[layout]}"
+        fns.update({"rows_matmul, grouped" + where: grouped,
+                    "rows_matmul, one call each" + where: one_call_each,
+                    "NumPy BLAS" + where: blas})
+    nbytes = sum(wj.nbytes for w in stored for wj in w)
+    return fns, nbytes
 
 
-def run(layers: int, repeats: int, block: int) -> None:
+def run(layers: int, repeats: int, block: int, layouts: tuple) -> None:
     bandwidth = read_bandwidth()
-    fns, nbytes = peers(layers)
+    fns, nbytes = peers(layers, layouts)
     times = blocked_times(fns, repeats, block)
     print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s; {layers} layers, "
           f"{nbytes / 2**20:.0f} MiB of weights per pass")
     for name, seconds in times.items():
         median, fastest = median_min_ms(seconds)
         rate, top = nbytes / median * 1e3, nbytes / fastest * 1e3
-        print(f"  {name:28s} {median:7.2f} ms ({fastest:6.2f})  {rate / 1e9:5.1f} GB/s "
+        print(f"  {name:44s} {median:7.2f} ms ({fastest:6.2f})  {rate / 1e9:5.1f} GB/s "
               f"({top / 1e9:5.1f})  {rate / bandwidth:4.0%} of read ({top / bandwidth:4.0%})")
 
 
@@ -132,7 +152,8 @@ def main(argv=None) -> int:
     for threads in args.threads or [None]:
         with threadpool_limits(limits=threads):
             print(f"threads: {threads or 'as started'} (OpenMP {kernels.cpu_threads()})")
-            run(args.layers, args.repeats, args.block)
+            run(args.layers, args.repeats, args.block,
+                tuple(LAYOUTS) if args.layout == "both" else (args.layout,))
     print(f"{load_average()} at the end")
     return 0
 

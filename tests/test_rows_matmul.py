@@ -10,6 +10,7 @@ from refmath import kernels
 from refmath.ffn import compiled_rows, matmul_rows, matmul_rows_many
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
+from refmath.inference.weight_layout import decode_layout
 from refmath.models import model_module
 from refmath.models.decoder import DecoderConfig
 from refmath.models.gpt import GPTConfig
@@ -180,20 +181,23 @@ def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(mode
                  floor=4 * np.finfo(np.float32).eps * np.abs(ref64).max())
 
 
-@pytest.mark.parametrize("threads, backend, choice, on_kernel", [
-    (2, "cpu", None, True),     # generate's own choice on 2+ threads: the kernel
-    (4, "cpu", None, True),
-    (1, "cpu", None, False),    # on 1 thread BLAS measured faster
-    (2, "numpy", None, False),  # the NumPy backend stays NumPy
-    (2, "cpu", False, False),   # compiled_rows(False) keeps BLAS's
-    (1, "cpu", True, True),     # compiled_rows() gets the kernel on any thread count
+@pytest.mark.parametrize("threads, backend, choice, layout, on_kernel", [
+    (2, "cpu", None, False, True),     # generate's own choice on 2+ threads: the kernel
+    (4, "cpu", None, False, True),
+    (1, "cpu", None, False, False),    # on 1 thread BLAS measured faster on (in, out) rows
+    (1, "cpu", None, True, True),      # and slower than the kernel on the decode layout's
+    (2, "numpy", None, True, False),   # the NumPy backend stays NumPy
+    (2, "cpu", False, True, False),    # compiled_rows(False) keeps BLAS's
+    (1, "cpu", True, False, True),     # compiled_rows() gets the kernel on any thread count
 ])
 def test_generate_chooses_the_products_by_thread_count_unless_the_caller_chose(
-        threads, backend, choice, on_kernel, monkeypatch):
+        threads, backend, choice, layout, on_kernel, monkeypatch):
     config = DecoderConfig(vocab_size=97, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
                            n_kv_heads=2, d_ff=48, tie_embeddings=False, rope_layout="half")
     params = {name: value.astype(np.float32)
               for name, value in model_module("llama").init_params(config, seed=0).items()}
+    if layout:
+        params = decode_layout(params)
     prompt = np.arange(5)
     calls, kernel = [], kernels.rows_matmul_many
 

@@ -22,6 +22,7 @@ from refmath import ffn, kernels
 from refmath._validate import check_flag, check_int, check_ndim
 from refmath.inference import kv_cache
 from refmath.inference.sampling import token_picker
+from refmath.inference.weight_layout import in_decode_layout
 from refmath.models import DECODER_ONLY, MODELS, model_module
 
 # ---- the decoding loop ---------------------------------------------------------------------------
@@ -105,7 +106,8 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     prefix at every step: the same tokens (up to rounding), at :math:`O(T^2)` cost (K4). On
     ``backend="cpu"`` with two or more OpenMP threads, the decode steps' products run on
     :func:`refmath.kernels.rows_matmul` (see :func:`refmath.ffn.compiled_rows`; the call inside
-    ``compiled_rows(False)`` keeps BLAS's).
+    ``compiled_rows(False)`` keeps BLAS's), and on one thread too for parameters laid out by
+    :func:`refmath.inference.weight_layout.decode_layout`, which streams the weights faster.
 
     Returns the prompt followed by the new tokens, in the prompt's shape but longer.
     """
@@ -126,19 +128,21 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
         def next_logits(tokens):
             return module.logits(params, tokens[:, -window:], config)[:, -1, :]
 
-    with _decode_products(backend):
+    with _decode_products(backend, params):
         out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens,
                            pick, eos_ids)
     return out[0] if prompt.ndim == 1 else out
 
 
-def _decode_products(backend: str):
-    """Where the decode steps' products run: on ``backend="cpu"`` with two or more OpenMP threads,
-    on :func:`refmath.kernels.rows_matmul` (inside :func:`refmath.ffn.compiled_rows`), which
-    measured faster than BLAS there and slower on one thread; otherwise, or where the caller is
-    inside a ``compiled_rows`` block of its own, as they are."""
+def _decode_products(backend: str, params):
+    """Where the decode steps' products run: on ``backend="cpu"``, on
+    :func:`refmath.kernels.rows_matmul` (inside :func:`refmath.ffn.compiled_rows`) with two or
+    more OpenMP threads, or at any thread count for parameters in
+    :func:`refmath.inference.weight_layout.decode_layout`, where each measured faster than BLAS
+    (rows_matmul reads ``(in, out)`` rows slower than BLAS on one thread); otherwise, or where the
+    caller is inside a ``compiled_rows`` block of its own, as they are."""
     if (backend == "cpu" and ffn.compiled_rows_choice() is None and kernels.cpu_available()
-            and kernels.cpu_threads() >= 2):
+            and (kernels.cpu_threads() >= 2 or in_decode_layout(params))):
         return ffn.compiled_rows()
     return contextlib.nullcontext()
 
