@@ -63,7 +63,8 @@ def compiled_rows(enabled: bool = True):
 
     Outside any such block products are BLAS's, except in
     :func:`refmath.inference.generate.generate` on ``backend="cpu"`` with two or more OpenMP
-    threads, whose decode steps run inside it (their products and their attention then share one
+    threads (or any number, for parameters in
+    :func:`refmath.inference.weight_layout.decode_layout`), whose decode steps run inside it (their products and their attention then share one
     thread pool). Measured with ``benchmarks/generate.py --products both`` on a 2-core AVX2
     machine, generation inside it made 1.03-1.12x BLAS's tokens/s on 2 threads and 0.89-0.99x on
     1."""

@@ -11,10 +11,10 @@ one contiguous row, and a thread reads its share of the matrix as a single forwa
 :func:`decode_layout` makes that copy once; the matrices keep their shape and values (each is
 :math:`W` itself, a transposed view of the :math:`W^\top` rows), so every function takes the new
 parameters as it takes the old ones, and :func:`refmath.kernels.rows_matmul` reads them as dot
-products. Measured with ``benchmarks/rows_matmul.py`` on a 2-core Zen 4 (AVX-512), the products
-of 12 layers of a small Llama read 25-26 GB/s on one thread this way (83-86% of the machine's
-read bandwidth), against 13-14 GB/s from ``(in, out)`` rows and 18 GB/s for NumPy's BLAS; on two
-threads 30-31 GB/s (87-90%) against 22-24 GB/s.
+products. Measured with ``benchmarks/rows_matmul.py`` on a quiet 2-core Zen 4 (AVX-512; the record
+of 2026-12-04 00:24), the products of 12 layers of a small Llama read 28 GB/s on one thread this
+way (90% of the machine's read bandwidth), against 15 GB/s from ``(in, out)`` rows and 18 GB/s
+for NumPy's BLAS; on two threads 33 GB/s (95%) against 26 GB/s for either.
 """
 from __future__ import annotations
 
