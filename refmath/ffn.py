@@ -48,15 +48,20 @@ def _check_bias(b, b_name, w, w_name):
 
 
 # Inside compiled_rows(), products of at most this many float32 rows run on
-# refmath.kernels.rows_matmul instead of BLAS.
+# refmath.kernels.rows_matmul instead of BLAS; up to the second count where every matrix is
+# stored as the rows of its transpose (refmath.inference.weight_layout.decode_layout), whose dot
+# products BLAS reads slowly: at 8 rows, 12 small-Llama layers took the kernel 50 ms and BLAS 75
+# ms on one thread of a 2-core Zen 4, 24 and 41 ms on two (at 16 rows BLAS was faster).
 _COMPILED_ROWS_MAX = 4
+_COMPILED_ROWS_MAX_TRANSPOSED = 8
 # None: nobody chose (BLAS; refmath.inference.generate then chooses for its decode steps).
 _compiled_rows = contextvars.ContextVar("compiled_rows", default=None)
 
 
 @contextlib.contextmanager
 def compiled_rows(enabled: bool = True):
-    """Within this block, :func:`matmul_rows` multiplies a few float32 rows (up to 4) with
+    """Within this block, :func:`matmul_rows` multiplies a few float32 rows (up to 4, or 8 for
+    matrices in :func:`refmath.inference.weight_layout.decode_layout`) with
     :func:`refmath.kernels.rows_matmul`, on the C++ kernels' OpenMP threads, rather than NumPy's
     BLAS: the same sums, rounded in another order. ``enabled=False`` keeps BLAS's products inside
     the block, whatever a caller would choose.
@@ -98,8 +103,9 @@ def matmul_rows_many(x, ws) -> list:
     of them (:func:`refmath.kernels.rows_matmul_many`), e.g. a layer's Q, K and V projections."""
     rows = math.prod(x.shape[:-1])  # not -1: that cannot be resolved when d_in is 0
     x2 = x.reshape(rows, x.shape[-1])
-    if (_compiled_rows.get() and rows <= _COMPILED_ROWS_MAX and x.dtype == np.float32
-            and all(w.dtype == np.float32 for w in ws)):
+    if (_compiled_rows.get() and rows <= _COMPILED_ROWS_MAX_TRANSPOSED and x.dtype == np.float32
+            and all(w.dtype == np.float32 for w in ws)
+            and (rows <= _COMPILED_ROWS_MAX or all(w.T.flags.c_contiguous for w in ws))):
         ys = kernels.rows_matmul_many(x2, ws)
     else:
         ys = [x2 @ w for w in ws]

@@ -143,6 +143,29 @@ def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
     assert wide.dtype == np.float64
 
 
+def test_up_to_eight_rows_go_to_the_kernel_for_matrices_stored_transposed(monkeypatch):
+    """Inside compiled_rows, 5 to 8 rows reach the kernel only when every matrix is stored as the
+    rows of its transpose (the decode layout); 9 rows never do."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((300, 200), dtype=np.float32)
+    w_t = np.ascontiguousarray(w.T).T
+    calls, kernel = [], kernels.rows_matmul_many
+
+    def counted(x, ws, outs=None):
+        calls.append(x.shape[0])
+        return kernel(x, ws, outs)
+
+    monkeypatch.setattr(kernels, "rows_matmul_many", counted)
+    with compiled_rows():
+        for rows in (4, 8, 9):
+            x = rng.standard_normal((rows, 300), dtype=np.float32)
+            for weight in (w, w_t):
+                y = matmul_rows(x, weight)
+                check_product(y, x, w)
+            matmul_rows_many(x, (w_t, w))  # one matrix stored as refmath stores it: BLAS past 4
+    assert calls == [4, 4, 4, 8]
+
+
 @pytest.mark.parametrize("model, config", [
     ("gpt", GPTConfig(vocab_size=97, max_seq_len=16, n_layers=2, d_model=32, n_heads=4, d_ff=64,
                       norm_position="pre", tie_embeddings=True, dropout=0.0)),
@@ -151,7 +174,7 @@ def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
 ], ids=["gpt-tied", "llama"])
 def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(model, config, monkeypatch):
     """Inside compiled_rows, every product of a decode step goes through rows_matmul (the
-    prefill's five rows do not), and the logits are float32's: within twice the plain float32
+    prefill's five rows do not, but for the tied head's), and the logits are float32's: within twice the plain float32
     model's error of float64's."""
     module = model_module(model)
     params64 = module.init_params(config, seed=0)
@@ -171,8 +194,10 @@ def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(mode
     monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
     # per layer: Q/K/V (GPT: its one fused matrix), the output, the FFN's input(s), the FFN's
     # output; then the head. Five decode steps (the sixth token is picked, never fed).
+    # The prefill's five rows stay on BLAS, but for a tied head: the token table's transpose is
+    # stored as the rows of its transpose, which reach the kernel up to 8 rows.
     per_step = config.n_layers * 4 + 1
-    assert calls == [1] * (5 * per_step)
+    assert calls == [5] * config.tie_embeddings + [1] * (5 * per_step)
     plain = generate_cached(model, params, config, prompt, 6, greedy=True)
     ref64 = np.stack([module.logits(params64, on_kernel.tokens[None, :5 + i], config)[0, -1]
                       for i in range(6)])
@@ -213,8 +238,9 @@ def test_generate_chooses_the_products_by_thread_count_unless_the_caller_chose(
         with compiled_rows(choice):
             out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
     # three decode steps (the fourth token is picked from the last one), 4 products per layer
-    # and the head in each
-    assert calls == ([1] * 3 * (config.n_layers * 4 + 1) if on_kernel else [])
+    # and the head in each; in the decode layout the prefill's 5 rows too
+    per_pass = config.n_layers * 4 + 1
+    assert calls == (([5] * per_pass if layout else []) + [1] * 3 * per_pass if on_kernel else [])
     monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
     with compiled_rows(False):
         blas = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
