@@ -69,10 +69,10 @@ def compiled_rows(enabled: bool = True):
     Outside any such block products are BLAS's, except in
     :func:`refmath.inference.generate.generate` on ``backend="cpu"`` with two or more OpenMP
     threads (or any number, for parameters in
-    :func:`refmath.inference.weight_layout.decode_layout`), whose decode steps run inside it (their products and their attention then share one
-    thread pool). Measured with ``benchmarks/generate.py --products both`` on a 2-core AVX2
-    machine, generation inside it made 1.03-1.12x BLAS's tokens/s on 2 threads and 0.89-0.99x on
-    1."""
+    :func:`refmath.inference.weight_layout.decode_layout`), whose decode steps run inside it
+    (their products and their attention then share one thread pool). Measured with
+    ``benchmarks/generate.py --products both`` on a 2-core AVX2 machine, generation inside it made
+    1.03-1.12x BLAS's tokens/s on 2 threads and 0.89-0.99x on 1."""
     token = _compiled_rows.set(check_flag("enabled", enabled))
     try:
         yield
@@ -98,14 +98,21 @@ def matmul_rows(x, w):
     return matmul_rows_many(x, (w,))[0]
 
 
+def _few_enough_rows(rows: int, ws) -> bool:
+    """Whether ``rows`` rows times the matrices ``ws`` go to the kernel inside
+    :func:`compiled_rows` (the layout is looked at only past the plain limit: a decode step's one
+    row never pays for it)."""
+    return rows <= _COMPILED_ROWS_MAX or (rows <= _COMPILED_ROWS_MAX_TRANSPOSED and
+                                          all(w.T.flags.c_contiguous for w in ws))
+
+
 def matmul_rows_many(x, ws) -> list:
     """``[matmul_rows(x, w) for w in ws]``; inside :func:`compiled_rows`, one kernel call for all
     of them (:func:`refmath.kernels.rows_matmul_many`), e.g. a layer's Q, K and V projections."""
     rows = math.prod(x.shape[:-1])  # not -1: that cannot be resolved when d_in is 0
     x2 = x.reshape(rows, x.shape[-1])
-    if (_compiled_rows.get() and rows <= _COMPILED_ROWS_MAX_TRANSPOSED and x.dtype == np.float32
-            and all(w.dtype == np.float32 for w in ws)
-            and (rows <= _COMPILED_ROWS_MAX or all(w.T.flags.c_contiguous for w in ws))):
+    if (_compiled_rows.get() and x.dtype == np.float32 and all(w.dtype == np.float32 for w in ws)
+            and _few_enough_rows(rows, ws)):
         ys = kernels.rows_matmul_many(x2, ws)
     else:
         ys = [x2 @ w for w in ws]

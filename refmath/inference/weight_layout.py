@@ -69,6 +69,5 @@ def in_decode_layout(params: Mapping) -> bool:
     if not isinstance(params, Mapping):
         return False
     matrices = [v for k, v in params.items() if _is_product_matrix(k, v)]
-    return bool(matrices) and all(
-        isinstance(w, np.ndarray) and w.T.flags.c_contiguous
-        for w in matrices)
+    return bool(matrices) and all(isinstance(w, np.ndarray) and w.T.flags.c_contiguous
+                                  for w in matrices)
