@@ -13,7 +13,9 @@ Peers, float32, on the same number of threads:
 * refmath.kernels.decode: contiguous caches (B, G, T, D), split-K chosen automatically;
 * refmath.kernels.paged_decode: the same keys and values in pages of --page-size slots (one peer
   per size given), the page table a random permutation of the pool (so consecutive pages are not
-  neighbours in memory);
+  neighbours in memory); with --pages-in-order, beside it, the same sizes with page i at place i of
+  the pool (the same code reading a pool that happens to be one run), which tells what the paging
+  costs from what the scattered placement costs;
 * torch grouped, the peer at its best: torch.nn.functional.scaled_dot_product_attention with the
   query regrouped as (B, G, H/G, D), the H/G query heads of a key/value head taking the place of
   query positions, against the contiguous caches: one matrix product per group, no copy of K and V;
@@ -83,6 +85,9 @@ def parse_args(argv=None):
     parser.add_argument("--dim", type=int, default=128, help="head width D")
     parser.add_argument("--page-size", type=int, nargs="+", default=[16],
                         help="slots per page; one paged peer per size")
+    parser.add_argument("--pages-in-order", action="store_true",
+                        help="also time each page size with the pages in order in the pool, "
+                             "besides the random placement")
     parser.add_argument("--narrow", action="store_true",
                         help="run refmath's 8-lane (AVX2) kernels even where the CPU has AVX-512")
     parser.add_argument("--repeats", type=int, default=7,
@@ -144,11 +149,12 @@ def read_bandwidth(gib: float, repeats: int) -> float:
     return x.nbytes / (ms * 1e-3)
 
 
-def paged_copy(k, v, page_size, rng):
-    """The caches (1, G, T, D) cut into pages (n_pages, G, p, D) at random places in the pool."""
+def paged_copy(k, v, page_size, rng, in_order=False):
+    """The caches (1, G, T, D) cut into pages (n_pages, G, p, D) at random places in the pool
+    (in_order: page i at place i)."""
     _, g, t, d = k.shape
     n = -(-t // page_size)
-    order = rng.permutation(n)  # logical page i lives in physical page order[i]
+    order = np.arange(n) if in_order else rng.permutation(n)  # logical page i is physical order[i]
     k_pages = np.zeros((n, g, page_size, d), np.float32)
     v_pages = np.zeros_like(k_pages)
     for i in range(n):
@@ -162,8 +168,14 @@ LABELS = {"read": "read (stream_sum)", "contiguous": "refmath contiguous",
           "torch grouped": "torch grouped (best)", "torch enable_gqa": "torch enable_gqa"}
 
 
-def paged_name(page_size: int) -> str:
-    return f"refmath paged p={page_size}"
+def paged_name(page_size: int, in_order: bool = False) -> str:
+    return f"refmath paged p={page_size}" + (" in order" if in_order else "")
+
+
+def paged_names(args) -> list[str]:
+    """Every paged peer of the run, in the order of the table."""
+    orders = (False, True) if args.pages_in_order else (False,)
+    return [paged_name(p, o) for p in args.page_size for o in orders]
 
 
 def before_each(args, peers):
@@ -219,9 +231,10 @@ def main(argv=None):
         peers["contiguous"] = lambda: kernels.decode(q, k, v, lengths)
         outputs = {}
         for p in args.page_size:
-            pages = paged_copy(k, v, p, rng)
-            peers[paged_name(p)] = outputs[paged_name(p)] = (
-                lambda pages=pages: kernels.paged_decode(q, pages[0], pages[1], pages[2], lengths))
+            for in_order in (False, True) if args.pages_in_order else (False,):
+                pages = paged_copy(k, v, p, rng, in_order)
+                peers[paged_name(p, in_order)] = outputs[paged_name(p, in_order)] = (
+                    lambda pages=pages: kernels.paged_decode(q, *pages, lengths))
         if torch is not None:
             tk, tv = torch.from_numpy(k), torch.from_numpy(v)
             tq_gqa = torch.from_numpy(q)[:, :, None]                    # (1, H, 1, D)
@@ -245,8 +258,8 @@ def main(argv=None):
             rows.append([t, LABELS.get(name, name), f"{med:.2f}", f"{low:.2f}", f"{rate / 1e9:.1f}",
                          f"{100 * rate / ceiling:.0f}%", vs])
         ratio = [t, f"{kv_bytes / 2**20:.0f}"]
-        for p in args.page_size:
-            paged = ms[paged_name(p)]
+        for name in paged_names(args):
+            paged = ms[name]
             ratio.append(f"{paged[0] / ms['contiguous'][0]:.2f} ({paged[1] / ms['contiguous'][1]:.2f})")
         for name in ("torch grouped", "torch enable_gqa"):
             ratio.append(f"{ms[name][0] / ms['contiguous'][0]:.2f} ({ms[name][1] / ms['contiguous'][1]:.2f})"
@@ -273,7 +286,7 @@ def main(argv=None):
                       "same K and V, same turns); time / refmath: median (minimum) over refmath "
                       "contiguous's")
     print()
-    print_table(["T", "K+V MiB", *(f"paged p={p} / contiguous" for p in args.page_size),
+    print_table(["T", "K+V MiB", *(f"{n.removeprefix('refmath ')} / contiguous" for n in paged_names(args)),
                  "torch grouped / refmath", "torch enable_gqa / refmath"], ratio_rows,
                 title="time ratios, median (minimum); above 1 refmath's contiguous decode is faster "
                       "(torch grouped is torch at its best)")
