@@ -25,7 +25,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the comparison needs transformers (pip install transformers)")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors (pip install safetensors)")
 
-from refmath import hf  # noqa: E402
+from refmath import hf, kernels  # noqa: E402
 from refmath.sizing import hf_parameter_count, sizing_config  # noqa: E402
 from refmath.commands import main  # noqa: E402
 from refmath.inference.generate import generate  # noqa: E402
@@ -1231,6 +1231,11 @@ def test_generate_hf_with_prompt_ids_and_refusals(tmp_path):
     assert status == 0, err
     ids = [int(i) for i in out.strip().split(",")]
     assert ids[:3] == [1, 2, 3] and len(ids) == 7
+    if kernels.cpu_available():  # the weights laid out for the C++ products: the same tokens
+        status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
+                                     "--greedy", "--max-new-tokens", "4", "--backend", "cpu"])
+        assert status == 0, err
+        assert [int(i) for i in out.strip().split(",")] == ids and "KV cache on cpu" in err
 
     status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt", "hello"])
     assert status == 2 and "no tokenizer.json" in err and err.count("\n") == 1

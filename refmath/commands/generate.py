@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "KV cache (the same tokens, O(T^2) work; the decoders only)")
     parser.add_argument("--backend", choices=BACKENDS, default="numpy",
                         help="who computes attention over the KV cache: the NumPy reference, the "
-                        "C++ kernels, or the CUDA kernels with the cache on the GPU (default: "
-                        "numpy; the decoders only)")
+                        "C++ kernels (which then also multiply the weights, laid out for decoding "
+                        "first), or the CUDA kernels with the cache on the GPU (default: numpy; "
+                        "the decoders only)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="BLAS threads (default: chosen from the size of the matrix products: "
                         "one for decoding with the KV cache, whose per-token products run slower "
@@ -100,6 +101,19 @@ def _threads(args: argparse.Namespace, params: dict, prompt_len: int, n: int):
     return blas_threads(choose_blas_threads(largest_product(rows, params), args.threads))
 
 
+def _for_decoding(args: argparse.Namespace, params: dict) -> dict:
+    """The parameters as the decode steps read them fastest: with the KV cache on ``--backend cpu``,
+    the weight matrices laid out in place as the rows of their transposes
+    (:func:`refmath.inference.weight_layout.decode_layout`), which the C++ products stream as dot
+    products (on a 2-core Zen 4, 28 GB/s on one thread against 15 GB/s from refmath's ``(in, out)``
+    rows). In place, the memory stays the parameters plus one matrix while they are copied."""
+    if args.backend != "cpu" or args.no_cache:
+        return params
+    from refmath.inference.weight_layout import decode_layout
+
+    return decode_layout(params, in_place=True)
+
+
 def _report_speed(n: int, seconds: float, how: str) -> None:
     print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})", file=sys.stderr)
 
@@ -112,31 +126,32 @@ def _from_run(args: argparse.Namespace) -> int:
     from refmath.train import load_checkpoint, load_tokenizer
 
     ckpt = load_checkpoint(args.checkpoint)
+    params = _for_decoding(args, ckpt.params)
     tok = load_tokenizer(args.checkpoint)  # from config.json: the task's corpus is not rebuilt
     _check_sampling_flags(args, tok.alphabet)
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     decoding = dict(cache=not args.no_cache, backend=args.backend)
     task = ckpt.task.get("name")
-    with _threads(args, ckpt.params, len(args.prompt or "\n"), args.max_new_tokens or 200):
+    with _threads(args, params, len(args.prompt or "\n"), args.max_new_tokens or 200):
         start = time.perf_counter()
         if task in (ReversalTask.name, ReversalLMTask.name):
             if args.prompt is None:
                 raise CommandError("give --prompt, the digits to reverse")
             n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
             if task == ReversalTask.name:
-                out = generate_seq2seq(ckpt.params, ckpt.config, tok.encode(args.prompt), n,
+                out = generate_seq2seq(params, ckpt.config, tok.encode(args.prompt), n,
                                        eos_id=EOS_ID, **sampling)
             else:  # the prompt format is the task's; a reversal task is built at once (no corpus)
                 prompt = make_task(ckpt.task).prompt_ids(args.prompt)
-                out = generate(ckpt.model, ckpt.params, ckpt.config, prompt, n, eos_id=EOS_ID,
+                out = generate(ckpt.model, params, ckpt.config, prompt, n, eos_id=EOS_ID,
                                **sampling, **decoding)[len(prompt):]
             print(f"{args.prompt} -> {tok.decode(out, specials='show')}")
             n = len(out)
         else:
             prompt = "\n" if args.prompt is None else args.prompt
             n = 200 if args.max_new_tokens is None else args.max_new_tokens
-            out = generate(ckpt.model, ckpt.params, ckpt.config, tok.encode(prompt), n, **sampling,
+            out = generate(ckpt.model, params, ckpt.config, tok.encode(prompt), n, **sampling,
                            **decoding)
             print(tok.decode(out, specials="show"))
             n = len(out) - len(prompt)
@@ -223,6 +238,7 @@ def _from_hf(args: argparse.Namespace) -> int:
     else:
         prompt = _prompt_ids(args.prompt_ids)
     model, config, params = load_checkpoint(directory, dtype=np.float32, progress=True)
+    params = _for_decoding(args, params)
     n = 20 if args.max_new_tokens is None else args.max_new_tokens
     with _threads(args, params, len(prompt), n):
         start = time.perf_counter()

@@ -38,15 +38,18 @@ def _is_product_matrix(name: str, value) -> bool:
             and last not in _RESHAPED)
 
 
-def decode_layout(params: Mapping) -> dict:
+def decode_layout(params: Mapping, *, in_place: bool = False) -> dict:
     r"""A copy of ``params`` whose weight matrices are stored as the rows of :math:`W^\top`.
 
     Every 2-D weight matrix a decode step multiplies by (``w_q``, ``w_o``, ``w_gate``, ...,
     ``lm_head``) becomes ``np.ascontiguousarray(W.T).T``: the same values and shape ``(in,
     out)``, stored ``(out, in)``. Embedding tables, gains, biases, stacked experts and MLA's
     ``w_uk``/``w_uv`` are the same arrays as in ``params`` (not copied). The new matrices are
-    copies: while both dicts are kept the matrices take twice their memory. Results equal those of
-    ``params`` up to the rounding of a sum taken in another order.
+    copies: while both dicts are kept the matrices take twice their memory. With ``in_place=True``
+    each entry of ``params`` (a dict) is replaced as soon as its copy is made, and ``params`` itself
+    is returned: where nothing else holds the old matrices, the memory at any moment is then the
+    parameters plus one matrix (what ``python -m refmath generate --backend cpu`` does). Results
+    equal those of ``params`` up to the rounding of a sum taken in another order.
 
     :func:`refmath.inference.generate.generate` on ``backend="cpu"`` multiplies such parameters on
     :func:`refmath.kernels.rows_matmul` at every thread count (see the module's docstring for the
@@ -54,12 +57,14 @@ def decode_layout(params: Mapping) -> dict:
     """
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping of names to arrays, got {type(params).__name__}")
-    out = {}
-    for name, value in params.items():
+    if in_place and not isinstance(params, dict):
+        raise TypeError(f"in_place=True replaces the entries of a dict, got {type(params).__name__}")
+    out = params if in_place else {}
+    for name in list(params):  # the names only: a list of the values would keep every old matrix
+        value = params[name]
         if _is_product_matrix(name, value):
-            value = float_array(name, value)
-            value = np.ascontiguousarray(value.T).T
-        out[name] = value
+            value = np.ascontiguousarray(float_array(name, value).T).T
+        out[name] = value  # in place, the old matrix is freed here, before the next copy
     return out
 
 

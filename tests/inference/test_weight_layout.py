@@ -1,6 +1,9 @@
 """refmath.inference.weight_layout: the weight matrices stored as the rows of W^T for decoding. The
 same values in another memory layout, the other parameters untouched; generation from them gives
 the tokens of the stored layout and float32's logits, on NumPy and on the C++ kernels."""
+import types
+import weakref
+
 import numpy as np
 import pytest
 
@@ -44,6 +47,34 @@ def test_decode_layout_keeps_every_value_and_moves_only_the_matrices(model):
         else:  # embedding tables, gains, biases, MLA's reshaped up-projections: the same arrays
             assert laid[name] is value
     assert moved >= 4 * CONFIGS[model].n_layers
+
+
+def test_decode_layout_in_place_replaces_the_entries_of_the_same_dict():
+    _, params = float32_params("llama")
+    expected = decode_layout(params)
+    old = dict(params)
+    laid = decode_layout(params, in_place=True)
+    assert laid is params and in_decode_layout(params) and laid.keys() == old.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(laid[name], value)
+        assert laid[name].T.flags.c_contiguous == value.T.flags.c_contiguous
+        assert (laid[name] is old[name]) == (value is old[name])  # only the matrices are new
+    with pytest.raises(TypeError, match="in_place=True replaces the entries of a dict"):
+        decode_layout(types.MappingProxyType(old), in_place=True)
+    # where only the dict holds a matrix, it is freed as soon as its entry is replaced, before the
+    # next copy is made: the memory stays the parameters plus one matrix
+
+    class Watched(dict):
+        freed = []
+
+        def __setitem__(self, name, value):
+            old = weakref.ref(self[name])
+            super().__setitem__(name, value)
+            self.freed.append(old() is None)
+
+    alone = Watched({"w_q": np.ones((3, 4), np.float32), "w_o": np.ones((4, 3), np.float32)})
+    decode_layout(alone, in_place=True)
+    assert Watched.freed == [True, True] and in_decode_layout(alone)
 
 
 def test_decode_layout_refuses_what_is_not_a_parameter_dict():
