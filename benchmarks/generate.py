@@ -32,11 +32,11 @@ The bound. Decoding one token reads every weight once (the embedding tables: one
 head reuses the table) and the whole KV cache so far, so a token cannot come faster than those
 bytes over the machine's read bandwidth. The script measures that bandwidth in the same turns as
 the generations (refmath.kernels.stream_sum over --probe-gib, with the run's thread count, once per
-round as one more side), takes the fastest of those reads as the machine's bandwidth (a ceiling is
-what the machine can do; a slower read is the machine disturbed, and on a shared machine the reads
-move from one minute to the next: their range and median are printed), and prints each side's
-median tokens/s as a fraction of the bound. The median read, used before, let a side's median run
-come out above its bound. Compute is not the bound at batch 1: 2 FLOPs per 4-byte weight.
+round as one more side), and prints each side's median tokens/s as a fraction of two bounds: one
+from the median of those reads, and in parentheses one from the fastest. On a shared machine the
+reads move from one minute to the next (their range is printed): a disturbed read can put a median
+run above the median's bound, and a read made while the neighbours were idle sets a ceiling that
+the generations of the other minutes never saw, so neither alone is the machine's bound. Compute is not the bound at batch 1: 2 FLOPs per 4-byte weight.
 
 Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
 pools, torch.set_num_threads for torch) and printed. Timing: --repeats runs of each side in turns
@@ -263,11 +263,15 @@ def run_shape(label: str, model: str, config, args, rows: list) -> None:
             if limiter is not None:
                 limiter.restore_original_limits()
         reads = sorted(nbytes / t for t in times.pop(READ))
-        bandwidth = reads[-1]
-        print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (the fastest of the {len(reads)} reads "
-              f"in the same turns; median {statistics.median(reads) / 1e9:.1f}, range "
-              f"{reads[0] / 1e9:.1f}-{reads[-1] / 1e9:.1f})", flush=True)
-        bound = args.tokens * bandwidth / (args.tokens * weights + kv)  # tokens/s at the bound
+        bandwidth = statistics.median(reads)
+        print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(reads)} reads in "
+              f"the same turns; {reads[0] / 1e9:.1f}-{reads[-1] / 1e9:.1f})", flush=True)
+        per_token = (args.tokens * weights + kv) / args.tokens
+        bound, ceiling = bandwidth / per_token, reads[-1] / per_token  # tokens/s at the bound
+
+        def of_bound(rate: float) -> str:
+            return f"{100 * rate / bound:.0f}% ({100 * rate / ceiling:.0f}%)"
+
         med = {name: args.tokens / statistics.median(t) for name, t in times.items()}
         best = {name: args.tokens / min(t) for name, t in times.items()}
         rows.append([label, threads or kernels.cpu_threads(),
@@ -275,8 +279,8 @@ def run_shape(label: str, model: str, config, args, rows: list) -> None:
                      f"{med['transformers']:.1f} ({best['transformers']:.1f})",
                      f"{med['refmath'] / med['transformers']:.2f} "
                      f"({best['refmath'] / best['transformers']:.2f})",
-                     "yes" if same else "no", f"{bound:.1f}",
-                     f"{100 * med['refmath'] / bound:.0f}%", f"{100 * med['transformers'] / bound:.0f}%"])
+                     "yes" if same else "no", f"{bound:.1f} ({ceiling:.1f})",
+                     of_bound(med["refmath"]), of_bound(med["transformers"])])
         if "refmath, rows_matmul" in med:
             kernel, blas = med["refmath, rows_matmul"], med["refmath"]
             rows[-1].append(f"{kernel:.1f} ({best['refmath, rows_matmul']:.1f}), "
@@ -348,8 +352,9 @@ def main(argv=None) -> int:
         headers.append("refmath with rows_matmul tok/s, / BLAS's")
     print_table(headers, rows,
                 title=f"tokens/s from the median run (from the fastest), {args.repeats} runs per "
-                      "side in turns whose order reverses every round; bound: the fastest read / (weights + KV read per token); "
-                      "'of bound' from the medians")
+                      "side in turns whose order reverses every round; bound: the median read (the fastest read) / (weights + KV read per token); "
+                      "'of bound': median tokens/s over the bound from the median read (from the "
+                      "fastest read)")
     if not args.no_self:
         self_comparison(min(args.tokens, 63), max(2, args.repeats))
     print(load_average() + " at the end")
