@@ -286,7 +286,8 @@ def main(argv=None):
                       "same K and V, same turns); time / refmath: median (minimum) over refmath "
                       "contiguous's")
     print()
-    print_table(["T", "K+V MiB", *(f"{n.removeprefix('refmath ')} / contiguous" for n in paged_names(args)),
+    paged_columns = [f"{name.removeprefix('refmath ')} / contiguous" for name in paged_names(args)]
+    print_table(["T", "K+V MiB", *paged_columns,
                  "torch grouped / refmath", "torch enable_gqa / refmath"], ratio_rows,
                 title="time ratios, median (minimum); above 1 refmath's contiguous decode is faster "
                       "(torch grouped is torch at its best)")

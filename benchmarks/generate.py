@@ -36,7 +36,8 @@ round as one more side), and prints each side's median tokens/s as a fraction of
 from the median of those reads, and in parentheses one from the fastest. On a shared machine the
 reads move from one minute to the next (their range is printed): a disturbed read can put a median
 run above the median's bound, and a read made while the neighbours were idle sets a ceiling that
-the generations of the other minutes never saw, so neither alone is the machine's bound. Compute is not the bound at batch 1: 2 FLOPs per 4-byte weight.
+the generations of the other minutes never saw, so neither alone is the machine's bound. Compute
+is not the bound at batch 1: 2 FLOPs per 4-byte weight.
 
 Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
 pools, torch.set_num_threads for torch) and printed. Timing: --repeats runs of each side in turns
@@ -352,9 +353,9 @@ def main(argv=None) -> int:
         headers.append("refmath with rows_matmul tok/s, / BLAS's")
     print_table(headers, rows,
                 title=f"tokens/s from the median run (from the fastest), {args.repeats} runs per "
-                      "side in turns whose order reverses every round; bound: the median read (the fastest read) / (weights + KV read per token); "
-                      "'of bound': median tokens/s over the bound from the median read (from the "
-                      "fastest read)")
+                      "side in turns whose order reverses every round; bound: the median read "
+                      "(the fastest read) / (weights + KV read per token); 'of bound': median "
+                      "tokens/s over the bound from the median read (from the fastest read)")
     if not args.no_self:
         self_comparison(min(args.tokens, 63), max(2, args.repeats))
     print(load_average() + " at the end")
