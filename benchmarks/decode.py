@@ -172,10 +172,14 @@ def paged_name(page_size: int, in_order: bool = False) -> str:
     return f"refmath paged p={page_size}" + (" in order" if in_order else "")
 
 
+def page_orders(args) -> tuple:
+    """The placements of each page size: scattered, and with --pages-in-order in order too."""
+    return (False, True) if args.pages_in_order else (False,)
+
+
 def paged_names(args) -> list[str]:
     """Every paged peer of the run, in the order of the table."""
-    orders = (False, True) if args.pages_in_order else (False,)
-    return [paged_name(p, o) for p in args.page_size for o in orders]
+    return [paged_name(p, o) for p in args.page_size for o in page_orders(args)]
 
 
 def before_each(args, peers):
@@ -231,7 +235,7 @@ def main(argv=None):
         peers["contiguous"] = lambda: kernels.decode(q, k, v, lengths)
         outputs = {}
         for p in args.page_size:
-            for in_order in (False, True) if args.pages_in_order else (False,):
+            for in_order in page_orders(args):
                 pages = paged_copy(k, v, p, rng, in_order)
                 peers[paged_name(p, in_order)] = outputs[paged_name(p, in_order)] = (
                     lambda pages=pages: kernels.paged_decode(q, *pages, lengths))
