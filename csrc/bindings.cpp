@@ -13,6 +13,7 @@
 
 #include "adamw_cpu.h"
 #include "decode_cpu.h"
+#include "decode_layers_cpu.h"
 #include "flash_cpu.h"
 #include "rows_matmul_cpu.h"
 #include "softmax.h"
@@ -390,6 +391,162 @@ void rows_matmul(const py::array& x, const std::vector<py::array>& ws,
                              refmath::tile::max_threads());
 }
 
+
+// ---- every layer of a decode step in one call: float32 ----
+
+// A weight of logical shape (rows, cols) = (in, out), stored C-contiguous or as the rows of its
+// transpose (the decode layout); what rows_matmul_cpu reads.
+refmath::LayerMatrix layer_matrix(const py::array& a, const std::string& name, py::ssize_t rows,
+                                  py::ssize_t cols) {
+    if (!py::isinstance<py::array_t<float>>(a))
+        throw py::type_error(name + " must be a native-byte-order float32 array, got dtype " +
+                             std::string(py::str(a.dtype())));
+    if (a.ndim() != 2 || a.shape(0) != rows || a.shape(1) != cols)
+        throw py::value_error(name + " must have shape (" + std::to_string(rows) + ", " +
+                              std::to_string(cols) + "), got " + shape_of(a));
+    const auto item = static_cast<py::ssize_t>(sizeof(float));
+    const bool plain = (a.flags() & py::array::c_style) != 0;
+    const bool transposed = a.strides(0) == item && a.strides(1) == item * rows;
+    if (!(plain || transposed) || !(a.flags() & kNpyAligned))
+        throw py::value_error(name + " must be C-contiguous or the transpose of a C-contiguous "
+                              "array, and aligned");
+    return {static_cast<const float*>(a.data()), !plain};
+}
+
+// A float32 vector of n entries, or nullptr where the dict has no entry `key` and it may be absent.
+const float* layer_vector(const py::dict& layer, const char* key, py::ssize_t n, bool required,
+                          const std::string& where) {
+    if (!layer.contains(key)) {
+        if (required) throw py::value_error(where + " has no entry '" + key + "'");
+        return nullptr;
+    }
+    const py::array a = layer[key].cast<py::array>();
+    const std::string name = where + "['" + key + "']";
+    const float* p = checked_data<float>(a, name.c_str(), 1, "", "float32");
+    if (a.shape(0) != n)
+        throw py::value_error(name + " must have shape (" + std::to_string(n) + ",), got " +
+                              shape_of(a));
+    return p;
+}
+
+template <typename E>
+E choice(const std::string& value, const char* name, const std::vector<std::string>& names) {
+    for (std::size_t i = 0; i < names.size(); ++i)
+        if (value == names[i]) return static_cast<E>(i);
+    std::string all;
+    for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+    throw py::value_error(std::string(name) + " must be one of " + all + ", got '" + value + "'");
+}
+
+// The layers' weights and cache blocks, checked once; step() runs them all on one new row each.
+class DecodeLayers {
+   public:
+    DecodeLayers(py::ssize_t batch, py::ssize_t d_model, py::ssize_t heads, py::ssize_t kv_heads,
+                 py::ssize_t head_dim, py::ssize_t d_ff, const std::string& norm, double eps,
+                 const std::string& ffn, const std::string& rope, double scale,
+                 const py::list& layers) {
+        s_.batch = batch;
+        s_.d_model = d_model;
+        s_.heads = heads;
+        s_.kv_heads = kv_heads;
+        s_.head_dim = head_dim;
+        s_.d_ff = d_ff;
+        s_.norm = choice<refmath::LayerNorm>(norm, "norm", {"rms", "layer"});
+        s_.eps = static_cast<float>(eps);
+        s_.ffn = choice<refmath::LayerFfn>(ffn, "ffn", {"swiglu", "gelu_tanh", "gelu_exact"});
+        s_.rope = choice<refmath::LayerRope>(rope, "rope", {"none", "interleaved", "half"});
+        s_.scale = static_cast<float>(scale);
+        if (batch < 1 || d_model < 1 || heads < 1 || kv_heads < 1 || head_dim < 1 || d_ff < 1 ||
+            heads % kv_heads != 0 || (s_.rope != refmath::LayerRope::none && head_dim % 2 != 0))
+            throw py::value_error("sizes must be positive, kv_heads must divide heads and RoPE "
+                                  "needs an even head_dim");
+        const py::ssize_t qw = heads * head_dim, kw = kv_heads * head_dim;
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+            const std::string where = "layers[" + std::to_string(i) + "]";
+            const py::dict l = layers[i].cast<py::dict>();
+            keep_.push_back(l);  // holds every array the pointers below read
+            auto matrix = [&](const char* key, py::ssize_t rows, py::ssize_t cols) {
+                if (!l.contains(key)) throw py::value_error(where + " has no entry '" + key + "'");
+                return layer_matrix(l[key].cast<py::array>(), where + "['" + key + "']", rows, cols);
+            };
+            refmath::DecodeLayer w;
+            const bool shifted = s_.norm == refmath::LayerNorm::layer;
+            w.norm1_gain = layer_vector(l, "norm1_gain", d_model, true, where);
+            w.norm1_shift = layer_vector(l, "norm1_shift", d_model, false, where);
+            w.norm2_gain = layer_vector(l, "norm2_gain", d_model, true, where);
+            w.norm2_shift = layer_vector(l, "norm2_shift", d_model, false, where);
+            if (!shifted && (w.norm1_shift || w.norm2_shift))
+                throw py::value_error(where + ": RMSNorm takes no shift");
+            w.w_q = matrix("w_q", d_model, qw);
+            w.w_k = matrix("w_k", d_model, kw);
+            w.w_v = matrix("w_v", d_model, kw);
+            w.w_o = matrix("w_o", qw, d_model);
+            w.b_q = layer_vector(l, "b_q", qw, false, where);
+            w.b_k = layer_vector(l, "b_k", kw, false, where);
+            w.b_v = layer_vector(l, "b_v", kw, false, where);
+            w.b_o = layer_vector(l, "b_o", d_model, false, where);
+            const bool gated = s_.ffn == refmath::LayerFfn::swiglu;
+            if (gated) w.w_gate = matrix("w_gate", d_model, d_ff);
+            w.w_up = matrix("w_up", d_model, d_ff);
+            w.w_down = matrix("w_down", d_ff, d_model);
+            w.b_up = layer_vector(l, "b_up", d_ff, false, where);
+            w.b_down = layer_vector(l, "b_down", d_model, false, where);
+            if (gated && w.b_up)
+                throw py::value_error(where + ": the SwiGLU FFN takes no b_up");
+            for (const char* key : {"keys", "values"}) {
+                if (!l.contains(key)) throw py::value_error(where + " has no entry '" + key + "'");
+                const py::array c = l[key].cast<py::array>();
+                const std::string name = where + "['" + key + "']";
+                checked_data<float>(c, name.c_str(), 4, "(B, G, T_max, D)", "float32");
+                if (!c.writeable()) throw py::value_error(name + " must be writeable");
+                if (c.shape(0) != batch || c.shape(1) != kv_heads || c.shape(3) != head_dim ||
+                    (t_max_ >= 0 && c.shape(2) != t_max_))
+                    throw py::value_error(name + " must have shape (" + std::to_string(batch) +
+                                          ", " + std::to_string(kv_heads) + ", T_max, " +
+                                          std::to_string(head_dim) + ") with one T_max for every "
+                                          "layer, got " + shape_of(c));
+                t_max_ = c.shape(2);
+                (key[0] == 'k' ? w.keys : w.values) =
+                    static_cast<float*>(const_cast<void*>(c.data()));
+            }
+            layers_.push_back(w);
+        }
+        workspace_.resize(static_cast<std::size_t>(refmath::decode_layers_workspace(s_)));
+    }
+
+    // x (batch, d_model) in place; cos, sin (head_dim / 2,), the rotation at `position`.
+    void step(const py::array& x, py::ssize_t position, const py::array& cos, const py::array& sin) {
+        float* xp = const_cast<float*>(f32(x, "x", 2, "(B, d_model)"));
+        if (x.shape(0) != s_.batch || x.shape(1) != s_.d_model)
+            throw py::value_error("x must have shape (" + std::to_string(s_.batch) + ", " +
+                                  std::to_string(s_.d_model) + "), got " + shape_of(x));
+        if (!x.writeable()) throw py::value_error("x must be writeable: the step updates it");
+        const py::ssize_t half = s_.head_dim / 2;
+        const float* cp = f32(cos, "cos", 1, "(head_dim / 2,)");
+        const float* sp = f32(sin, "sin", 1, "(head_dim / 2,)");
+        if (s_.rope != refmath::LayerRope::none && (cos.shape(0) != half || sin.shape(0) != half))
+            throw py::value_error("cos and sin must have shape (" + std::to_string(half) +
+                                  ",), got " + shape_of(cos) + " and " + shape_of(sin));
+        if (layers_.empty()) return;
+        if (position < 0 || position >= t_max_)
+            throw py::value_error("position " + std::to_string(position) +
+                                  " is outside the cache's rows [0, " + std::to_string(t_max_) + ")");
+        py::gil_scoped_release release;  // raw buffers only, held alive by keep_ and the arguments
+        refmath::decode_layers_cpu(s_, layers_.data(), static_cast<std::ptrdiff_t>(layers_.size()),
+                                   t_max_, position, cp, sp, xp, workspace_.data(),
+                                   refmath::tile::max_threads());
+    }
+
+    py::ssize_t t_max() const { return t_max_; }
+
+   private:
+    refmath::DecodeLayersShape s_;
+    std::vector<refmath::DecodeLayer> layers_;
+    std::vector<py::dict> keep_;
+    std::vector<float> workspace_;
+    py::ssize_t t_max_ = -1;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -427,6 +584,19 @@ PYBIND11_MODULE(_C, m) {
           "out[j] = x @ w[j] (x @ w[j].T where transposed[j]) for a few float32 rows x (m, k), "
           "each w[j] C-contiguous, read once by all threads. Call it through "
           "refmath.kernels.rows_matmul.");
+    py::class_<DecodeLayers>(m, "DecodeLayers",
+                             "Every layer of a decode step, its weights and cache blocks checked "
+                             "once. Call it through refmath.inference.compiled_step.")
+        .def(py::init<py::ssize_t, py::ssize_t, py::ssize_t, py::ssize_t, py::ssize_t, py::ssize_t,
+                      const std::string&, double, const std::string&, const std::string&, double,
+                      const py::list&>(),
+             py::arg("batch"), py::arg("d_model"), py::arg("heads"), py::arg("kv_heads"),
+             py::arg("head_dim"), py::arg("d_ff"), py::arg("norm"), py::arg("eps"), py::arg("ffn"),
+             py::arg("rope"), py::arg("scale"), py::arg("layers"))
+        .def("step", &DecodeLayers::step, py::arg("x"), py::arg("position"), py::arg("cos"),
+             py::arg("sin"), "Run x (B, d_model) through every layer in place at `position`, "
+             "appending each layer's key and value to its cache blocks.")
+        .def_property_readonly("t_max", &DecodeLayers::t_max);
     m.def("max_threads", &refmath::tile::max_threads,
           "The number of OpenMP threads the kernels use (1 without OpenMP).");
     m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },

@@ -187,6 +187,30 @@ def rows_matmul_many(x, ws, outs=None) -> list:
     return list(outs)
 
 
+
+def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_heads: int,
+                  head_dim: int, d_ff: int, norm: str, eps: float, ffn: str, rope: str,
+                  scale: float):
+    r"""Every layer of a decode step as one compiled object (K2, K3; used by
+    :mod:`refmath.inference.compiled_step`, which builds its arguments from a model).
+
+    Each entry of ``layers`` is a dict of one layer's float32 arrays: ``norm1_gain``,
+    ``norm2_gain`` (and ``norm1_shift``, ``norm2_shift`` for ``norm="layer"``); ``w_q``, ``w_k``,
+    ``w_v``, ``w_o`` as ``(in, out)`` matrices (C-contiguous, or in
+    :func:`refmath.inference.weight_layout.decode_layout`), optional ``b_q``, ``b_k``, ``b_v``,
+    ``b_o``; ``w_gate`` (``ffn="swiglu"`` only), ``w_up``, ``w_down`` and optional ``b_up``,
+    ``b_down``; and the layer's cache blocks ``keys``, ``values`` ``(batch, kv_heads, T_max,
+    head_dim)``, written in place. ``norm``: ``"rms"`` or ``"layer"``; ``ffn``: ``"swiglu"``,
+    ``"gelu_tanh"`` or ``"gelu_exact"``; ``rope``: ``"none"``, ``"interleaved"`` or ``"half"``.
+    Every array is checked here, once; the object's ``step(x, position, cos, sin)`` then runs
+    ``x`` ``(batch, d_model)`` through every layer in place, its key and value stored at row
+    ``position``, with RoPE's ``cos`` and ``sin`` ``(head_dim / 2,)`` at that position. Raises
+    ``ValueError``/``TypeError`` naming the array on a wrong shape, dtype or layout.
+    """
+    return _cpu().DecodeLayers(batch=batch, d_model=d_model, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, d_ff=d_ff, norm=norm, eps=eps, ffn=ffn,
+                               rope=rope, scale=scale, layers=layers)
+
 def build_info() -> dict:
     """What was compiled and what it can use: OpenMP, the CPU kernels' vector width, the CUDA
     module, the devices present."""

@@ -15,7 +15,7 @@
 #   * detect_leaks=0: CPython keeps memory alive on purpose at exit, which LeakSanitizer would report;
 #   * halt_on_error=1 makes any UBSan report fatal (a non-zero exit), like ASan's errors already are.
 #
-# Usage: tests/run_sanitized.sh [pytest arguments]   (default: tests/test_kernels_cpu.py -q)
+# Usage: tests/run_sanitized.sh [pytest arguments]   (default: tests/test_kernels_cpu.py tests/inference/test_compiled_step.py -q)
 # Needs GCC (for the sanitizer runtimes) and the dev requirements (pytest, hypothesis, pybind11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +46,6 @@ ok = info.get("sanitize") and k.cpu_available() and "/build/asan/" in k._C.__fil
 sys.exit(0 if ok and info.get("wide_on_avx2") else 1)'
 
 if [ $# -eq 0 ]; then
-    set -- tests/test_kernels_cpu.py -q
+    set -- tests/test_kernels_cpu.py tests/inference/test_compiled_step.py -q
 fi
 run -m pytest -p no:cacheprovider "$@"

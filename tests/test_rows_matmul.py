@@ -8,6 +8,7 @@ import pytest
 
 from refmath import kernels
 from refmath.ffn import compiled_rows, matmul_rows, matmul_rows_many
+from refmath.inference import kv_cache
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
 from refmath.inference.weight_layout import decode_layout
@@ -173,9 +174,11 @@ def test_up_to_eight_rows_go_to_the_kernel_for_matrices_stored_transposed(monkey
                             n_kv_heads=2, d_ff=48, tie_embeddings=False, rope_layout="half")),
 ], ids=["gpt-tied", "llama"])
 def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(model, config, monkeypatch):
-    """Inside compiled_rows, every product of a decode step goes through rows_matmul (the
-    prefill's five rows do not, but for the tied head's), and the logits are float32's: within twice the plain float32
-    model's error of float64's."""
+    """Inside compiled_rows, every product of a NumPy decode step goes through rows_matmul (the
+    prefill's five rows do not, but for the tied head's), and the logits are float32's: within
+    twice the plain float32 model's error of float64's. (The compiled layers, which take these
+    steps by default, call the same kernel from C++: tests/inference/test_compiled_step.py.)"""
+    monkeypatch.setattr(kv_cache, "_compiled_layers", lambda *args: None)
     module = model_module(model)
     params64 = module.init_params(config, seed=0)
     params = {name: value.astype(np.float32) for name, value in params64.items()}
@@ -232,6 +235,9 @@ def test_generate_chooses_the_products_by_thread_count_unless_the_caller_chose(
 
     monkeypatch.setattr(kernels, "rows_matmul_many", counted)
     monkeypatch.setattr(kernels, "cpu_threads", lambda: threads)
+    # the NumPy layers, whose products are counted here (the compiled ones run inside the same
+    # choice: tests/inference/test_compiled_step.py)
+    monkeypatch.setattr(kv_cache, "_compiled_layers", lambda *args: None)
     if choice is None:
         out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
     else:

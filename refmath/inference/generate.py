@@ -107,7 +107,9 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     ``backend="cpu"`` with two or more OpenMP threads, the decode steps' products run on
     :func:`refmath.kernels.rows_matmul` (see :func:`refmath.ffn.compiled_rows`; the call inside
     ``compiled_rows(False)`` keeps BLAS's), and on one thread too for parameters laid out by
-    :func:`refmath.inference.weight_layout.decode_layout`, which streams the weights faster.
+    :func:`refmath.inference.weight_layout.decode_layout`, which streams the weights faster; there
+    the decode steps of refmath's decoder and of GPT run every layer in one compiled call
+    (:mod:`refmath.inference.compiled_step`), the NumPy layers' tokens at float32 rounding.
 
     Returns the prompt followed by the new tokens, in the prompt's shape but longer.
     """

@@ -59,6 +59,7 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, local_window_mask, sdpa_forward
 from refmath import kernels
+from refmath.inference.compiled_step import CompiledLayers, compiled_layers
 from refmath.inference.decode import decode_attention
 from refmath.kernels import BACKENDS
 from refmath.inference.sampling import token_picker
@@ -639,11 +640,20 @@ def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbe
     return logits[0] if unbatched else logits
 
 
-def _step(module, params, config, cache, ids: np.ndarray, mla_path) -> np.ndarray:
+def _step(module, params, config, cache, ids: np.ndarray, mla_path,
+          layers: CompiledLayers | None = None) -> np.ndarray:
     """One decode step past the door's checks: ``ids`` ``(B,)``, the logits ``(B, V)``. The
     generators check the model, the parameters and the cache once, at their prefill, and then
-    step with this: the ids they feed are their own picks."""
+    step with this: the ids they feed are their own picks. With ``layers`` (their
+    :func:`refmath.inference.compiled_step.compiled_layers`), a step it runs goes through it."""
+    if layers is not None and isinstance(cache, KVCache) and layers.runs(cache):
+        return layers.step(cache, ids)
     return _forward_rows(module, params, config, cache, ids[:, None], mla_path)[:, 0]
+
+
+def _compiled_layers(module, params, config, backend: str) -> CompiledLayers | None:
+    """The generators' compiled decode layers: on ``backend="cpu"`` only."""
+    return compiled_layers(module, params, config) if backend == "cpu" else None
 
 
 def _check_cache(cache, module, config, dtype) -> None:
@@ -710,7 +720,9 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     there is no ``eos_id``. Returns a :class:`Generation`; from a 1-token prompt, processing
     ``N = max_new_tokens`` positions evaluates :math:`\sum_{t=1}^N t = N(N+1)/2` pairs.
     ``backend`` (see :func:`prefill`) chooses who computes attention; the backends give the same
-    greedy tokens unless two logits lie within float32 rounding of each other.
+    greedy tokens unless two logits lie within float32 rounding of each other. On ``"cpu"``
+    inside :func:`refmath.ffn.compiled_rows`, the decode steps of refmath's decoder and of GPT
+    run every layer in one compiled call (:mod:`refmath.inference.compiled_step`).
     """
     _check_mla_path(mla_path)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -721,8 +733,10 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
         if step == 0:
             z, state["cache"] = prefill(module, params, config, tokens, mla_path=mla_path,
                                         backend=backend)
+            state["layers"] = _compiled_layers(module, params, config, backend)
         else:
-            z = _step(module, params, config, state["cache"], tokens[:, -1], mla_path)
+            z = _step(module, params, config, state["cache"], tokens[:, -1], mla_path,
+                      state["layers"])
         if step == max_new_tokens - 1:
             counts.add(state["cache"].counts)
         return z
@@ -778,8 +792,11 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
         cache = state["cache"]
         if (cache is not None and cache.length == tokens.shape[1] - 1 < window
                 and not (stale is not None and stale(config, cache.length, 1))):
-            return _step(module, params, config, cache, tokens[:, -1], "absorbed")
+            return _step(module, params, config, cache, tokens[:, -1], "absorbed",
+                         state["layers"])
         z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend)
+        if "layers" not in state:  # the parameters are checked by this first prefill
+            state["layers"] = _compiled_layers(module, params, config, backend)
         return z
 
     return next_logits

@@ -1196,6 +1196,43 @@ def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int
     return family_cached_layer(x, params, layer, config, ROPE_GQA, slot, offset)
 
 
+
+def compiled_layer_spec(params, config: DecoderConfig):
+    """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
+    call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
+    each layer's arrays by the kernel's names. None where a layer has what the compiled layer does
+    not compute: a mixture of experts, QK-norm, a sliding window, an attention softcap, sandwich
+    norms, a parallel block, no pre-norms, or GeGLU. The gains are as :func:`gain` applies them
+    and the score scale as :func:`attention_options` gives it; RoPE's rotation (with a rope
+    scaling) is the caller's, at each position."""
+    plain_ffn = not config.ffn_gated
+    if (config.moe is not None or config.qk_norm is not None or config.sliding_window is not None
+            or config.window_layers is not None or config.attn_softcap is not None
+            or config.sandwich_norms or config.parallel_block or not config.pre_norms
+            or not (plain_ffn or config.ffn_activation == "silu")):
+        return None
+    layers = []
+    for i in range(config.n_layers):
+        p = sub_params(params, f"layers.{i}")
+        layer = {"norm1_gain": gain(config, p["ln1.gamma"]),
+                 "norm2_gain": gain(config, p["ln2.gamma"])}
+        if config.norm == "layernorm":
+            layer.update(norm1_shift=p["ln1.beta"], norm2_shift=p["ln2.beta"])
+        names = ("w_q", "w_k", "w_v", "w_o") + (("b_q", "b_k", "b_v") if config.qkv_bias else ())
+        layer.update({name: p[f"attn.{name}"] for name in names})
+        ffn_names = ("w_up", "w_down") if plain_ffn else ("w_gate", "w_up", "w_down")
+        layer.update({name: p[f"ffn.{name}"] for name in ffn_names})
+        layers.append(layer)
+    if not plain_ffn:
+        ffn = "swiglu"
+    else:
+        ffn = "gelu_tanh" if config.ffn_activation == "gelu_tanh" else "gelu_exact"
+    shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.kv_heads,
+                 head_dim=config.d_h, d_ff=config.d_f,
+                 norm="rms" if config.norm == "rmsnorm" else "layer", eps=config.norm_eps,
+                 ffn=ffn, rope=config.rope_layout, scale=config.score_scale)
+    return shape, layers
+
 # ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
 
 def sizing_fields(config: DecoderConfig) -> dict:

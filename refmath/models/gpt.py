@@ -623,6 +623,31 @@ def head(params, x, config: GPTConfig) -> np.ndarray:
     return linear_forward(x, w_out)[0]
 
 
+
+def compiled_layer_spec(params, config: GPTConfig):
+    """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
+    call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
+    each layer's arrays by the kernel's names (the pre-LN block, biases everywhere, the GELU FFN;
+    positions enter at the embedding). None for Post-LN or a sliding window."""
+    if (config.norm_position != "pre" or config.sliding_window is not None
+            or config.window_layers is not None):
+        return None
+    layers = []
+    for i in range(config.n_layers):
+        p = sub_params(params, f"layers.{i}")
+        layer = {"norm1_gain": p["ln1.gamma"], "norm1_shift": p["ln1.beta"],
+                 "norm2_gain": p["ln2.gamma"], "norm2_shift": p["ln2.beta"]}
+        layer.update({name: p[f"attn.{name}"] for name in
+                      ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")})
+        layer.update(w_up=p["ffn.w1"], b_up=p["ffn.b1"], w_down=p["ffn.w2"], b_down=p["ffn.b2"])
+        layers.append(layer)
+    shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.n_heads,
+                 head_dim=config.head_dim, d_ff=config.d_ff, norm="layer",
+                 eps=config.layernorm_eps,
+                 ffn="gelu_tanh" if config.gelu_approximate else "gelu_exact", rope="none",
+                 scale=1.0 / math.sqrt(config.head_dim))
+    return shape, layers
+
 # ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
 
 def sizing_fields(config: GPTConfig) -> dict:

@@ -1,0 +1,113 @@
+r"""Every layer of a decode step in one compiled call, for ``backend="cpu"`` (K2, K3).
+
+A decode step at batch 1 streams every weight once, so its time should be the time to read them
+(N5). Between the products, though, each layer has a dozen small operations: the two norms, RoPE
+on the new query and key, the cache append, the attention, the activation, the residual adds. In
+NumPy each is a call with its own checks and temporaries; measured inside real steps of a 12-layer
+model of width 768 on one thread, they took 3.9 ms of an 18 ms step while the products took 14.
+:class:`CompiledLayers` hands the whole stack of layers to one C++ call
+(``csrc/decode_layers_cpu.cpp``), which runs the same products
+(:func:`refmath.kernels.rows_matmul`'s kernel) and the same attention
+(:func:`refmath.inference.decode.decode_attention`'s kernel) with the small work in between done
+on buffers allocated once. The embedding and the head stay in Python: each runs once per step.
+
+The NumPy layers (:func:`refmath.inference.kv_cache.decode_step` on the other backends) stay the
+reference: this path gives their logits up to float32 rounding (the norms' sums are taken in
+another order) and the same greedy tokens, which the tests check.
+
+Each model says what its layers are in ``compiled_layer_spec(params, config)``. refmath's decoder
+hands over its pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the plain GELU FFN,
+optional query/key/value biases, RoPE with or without a rope scaling (Llama 2 and 3.x, Mistral
+without its window, Qwen2, a Falcon-style plain FFN); GPT its pre-LN layers. A layer neither
+hands over (a mixture of experts, QK-norm, sliding windows, a softcap, sandwich or parallel
+blocks, GeGLU, GPT's post-LN, MLA's latent attention) keeps the NumPy step:
+:func:`compiled_layers` returns None for it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath import kernels
+from refmath.ffn import compiled_rows_choice
+from refmath.positions import rope_angles
+
+
+def compiled_layers(module, params, config) -> CompiledLayers | None:
+    """The compiled decode layers of ``module`` with these ``params``, or None where the extension
+    is missing, the parameters are not float32, or the model has no compiled layer or a layer
+    with something it does not do: the model's ``compiled_layer_spec(params, config)`` says what
+    its layers are (``(shape, layers)``, the arguments of :func:`refmath.kernels.decode_layers`),
+    or None."""
+    spec = getattr(module, "compiled_layer_spec", None)
+    if not kernels.cpu_available() or spec is None:
+        return None
+    found = spec(params, config)
+    if found is None:
+        return None
+    shape, layers = found
+    arrays = [a for layer in layers for a in layer.values()]
+    if not arrays or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in arrays):
+        return None
+    return CompiledLayers(module, params, config, shape, layers)
+
+
+class CompiledLayers:
+    """A model's layers, ready to run decode steps on ``backend="cpu"`` caches in one call each.
+
+    Built once per generation by :func:`compiled_layers`; :meth:`step` binds the layers to a cache
+    the first time it sees that cache (its blocks are checked once, by the extension)."""
+
+    def __init__(self, module, params, config, shape: dict, layers: list):
+        self.module, self.params, self.config = module, params, config
+        self._shape, self._layers = shape, layers
+        self._bound = None  # (cache, the extension's DecodeLayers over its blocks)
+        self._no_rotation = np.zeros(0, np.float32)
+
+    def runs(self, cache) -> bool:
+        """Whether :meth:`step` takes this :class:`refmath.inference.kv_cache.KVCache` now: one on
+        ``backend="cpu"`` with room for the step, whose layers keep every position (no ring),
+        inside a :func:`refmath.ffn.compiled_rows` block that chose the kernel (the NumPy step's
+        products then run on it too), and no rope scaling whose frequencies would change at this
+        step (the NumPy step raises for that, see :func:`refmath.models.decoder.cache_stale`)."""
+        if not (compiled_rows_choice() and cache.backend == "cpu"
+                and cache.max_len > cache.length):
+            return False
+        if any(cache.ring_size(i) is not None for i in range(cache.n_layers)):
+            return False
+        stale = getattr(self.module, "cache_stale", None)
+        return stale is None or not stale(self.config, cache.length, 1)
+
+    def step(self, cache, ids: np.ndarray) -> np.ndarray:
+        """Feed ``ids`` ``(B,)`` at position ``cache.length`` through every layer, appending each
+        layer's key and value to ``cache`` (whose length then grows by one); returns the logits
+        ``(B, V)``. The caller has checked :meth:`runs`."""
+        if self._bound is None or self._bound[0] is not cache:
+            layers = [dict(layer, keys=k, values=v)
+                      for layer, k, v in zip(self._layers, cache.keys, cache.values)]
+            self._bound = (cache, kernels.decode_layers(cache.batch, layers, **self._shape))
+        offset = cache.length
+        x = np.ascontiguousarray(self.module.embed(self.params, ids[:, None], self.config,
+                                                   offset)[:, 0], dtype=np.float32)
+        cos, sin = self._rotation(offset)
+        self._bound[1].step(x, offset, cos, sin)
+        for layer in range(cache.n_layers):
+            cache.counts.record_step(layer, offset + 1, offset + 1)
+        cache.length = offset + 1
+        return self.module.head(self.params, x[:, None], self.config)[:, 0]
+
+    def _rotation(self, position: int):
+        """RoPE's cos and sin at ``position`` in float32, as :func:`refmath.positions.rope_forward`
+        computes them (with the rope scaling's frequencies and attention factor)."""
+        if self._shape["rope"] == "none":
+            return self._no_rotation, self._no_rotation
+        rope = self.module.rope_options(self.config, position, position + 1)
+        inv_freq = rope.get("inv_freq")
+        if inv_freq is None:
+            angles = rope_angles(np.array([position]), self._shape["head_dim"], rope["base"])[0]
+        else:
+            angles = position * np.asarray(inv_freq, dtype=np.float64)
+        cos, sin = np.cos(angles), np.sin(angles)
+        factor = rope.get("attention_factor", 1.0)
+        if factor != 1.0:
+            cos, sin = factor * cos, factor * sin
+        return cos.astype(np.float32), sin.astype(np.float32)
