@@ -18,7 +18,9 @@ before any timing; --layout stored keeps the loader's (in, out) rows. Its decode
 (--products) are generate's own choice by default: on --backend cpu, refmath.kernels.rows_matmul
 with two or more threads or in the decode layout, otherwise NumPy's BLAS. "blas" and "kernel" fix
 one of them (refmath.ffn.compiled_rows(False) or compiled_rows()); "both" times BLAS's, and
-rows_matmul's as a third side in the same turns, and prints the two side by side.
+rows_matmul's as a third side in the same turns, and prints the two side by side. Wherever the
+products run on rows_matmul, each decode step runs every layer in one compiled call
+(refmath.inference.compiled_step); on BLAS's products the NumPy layers run.
 
 The generated token ids must be identical (printed: yes, or the first position where they part).
 
@@ -341,7 +343,8 @@ def main(argv=None) -> int:
     print(f"{args.tokens} greedy tokens after a {args.prompt_tokens}-token random prompt, float32, "
           f"batch 1, refmath attention on {args.backend}, its weights in the "
           f"{'decode layout (rows of W^T)' if args.layout == 'decode' else 'stored (in, out) rows'}, "
-          f"its decode-step products on {PRODUCTS[args.products]}")
+          f"its decode-step products on {PRODUCTS[args.products]} (with rows_matmul, every "
+          f"layer of a step in one compiled call)")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
     rows = []
     for label, (model, config) in shapes.items():
