@@ -511,7 +511,6 @@ class DecodeLayers {
             }
             layers_.push_back(w);
         }
-        workspace_.resize(static_cast<std::size_t>(refmath::decode_layers_workspace(s_)));
     }
 
     // x (batch, d_model) in place; cos, sin (head_dim / 2,), the rotation at `position`.
@@ -531,9 +530,14 @@ class DecodeLayers {
         if (position < 0 || position >= t_max_)
             throw py::value_error("position " + std::to_string(position) +
                                   " is outside the cache's rows [0, " + std::to_string(t_max_) + ")");
+        // Scratch per calling thread, kept between calls: two Python threads stepping at once
+        // (the GIL is released below) never share it.
+        static thread_local std::vector<float> workspace;
+        const auto need = static_cast<std::size_t>(refmath::decode_layers_workspace(s_));
+        if (workspace.size() < need) workspace.resize(need);
         py::gil_scoped_release release;  // raw buffers only, held alive by keep_ and the arguments
         refmath::decode_layers_cpu(s_, layers_.data(), static_cast<std::ptrdiff_t>(layers_.size()),
-                                   t_max_, position, cp, sp, xp, workspace_.data(),
+                                   t_max_, position, cp, sp, xp, workspace.data(),
                                    refmath::tile::max_threads());
     }
 
@@ -543,7 +547,6 @@ class DecodeLayers {
     refmath::DecodeLayersShape s_;
     std::vector<refmath::DecodeLayer> layers_;
     std::vector<py::dict> keep_;
-    std::vector<float> workspace_;
     py::ssize_t t_max_ = -1;
 };
 
