@@ -80,13 +80,26 @@ REFMATH_INLINE void prefetch_row(const float* row, idx D) {
 
 // S[r, j] = q_r . k_j for rows 0..MR-1 of q (row stride D, already scaled) and keys j < n (rounded
 // up to a multiple of NR; the block's padding makes that safe). The register tile is MR rows x NR
-// keys = 8 vector accumulators running along d, L products each (L = 8 or 16 lanes), then 8 more
-// with 8-lane vectors where D % 16 leaves 8; their lanes are summed all at once (sum_lanes_8x8). While the keys are multiplied, the key rows of block 'ahead' are
-// requested (pf: whether this row group does it; only the first one does).
+// keys, one vector accumulator per (row, key) running along d, L products each (L = 8 or 16 lanes),
+// then 8 more with 8-lane vectors where D % 16 leaves 8. The lanes of the tile's accumulators are
+// summed eight at a time (sum_lanes_8x8), so each dot product is summed in the same order whatever
+// the tile's shape. While the keys are multiplied, the key rows of block 'ahead' are requested (pf:
+// whether this row group does it; only the first one does).
+//
+// Each step along d loads NR key vectors and MR query vectors for MR * NR multiply-adds. The tile
+// must fit the vector registers with room for those loads: otherwise GCC takes the operands it has
+// no register for straight from memory in every multiply-add, and a query vector used by NR keys is
+// loaded NR times. The shapes used: 4 x 4 for 16-lane vectors (16 accumulators of AVX-512's 32
+// registers: 8 loads per 16 multiply-adds), 4 x 3 for 8-lane ones (12 of AVX2's 16: 7 loads per 12).
+// A 4 x 2 tile, for either width, took every query vector from memory twice (10 loads per 8
+// multiply-adds), and the loads were the limit: on a Zen 4, the scores of a block held in level 2
+// took 49 cycles of the time-stamp counter per key with it against 27 with 4 x 4 (16 lanes), and
+// 47 against 33 with 4 x 3 (8 lanes), prefetches left out.
 template <int MR, int NR, class V>
 REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk, float* S, idx lds,
                                const KeyBlock& ahead, bool pf) {
-    static_assert(MR * NR == 8, "one accumulator per lane of the result");
+    constexpr int A = MR * NR;        // accumulators
+    constexpr int A8 = (A + 7) / 8 * 8;  // rounded up to whole groups of eight lane sums
     constexpr int L = tile::kLanes<V>;
     const idx DL = D - D % L;
     for (idx j = 0; j < n; j += NR) {
@@ -94,8 +107,8 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
             for (idx t = j; t < j + NR && t < ahead.n; ++t) prefetch_row(ahead.k[t], D);
         const float* kr[NR];
         for (int c = 0; c < NR; ++c) kr[c] = blk.k[j + c];
-        V acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = tile::zerov<V>();
+        V acc[A];
+        for (int i = 0; i < A; ++i) acc[i] = tile::zerov<V>();
         for (idx d = 0; d < DL; d += L) {
             V kv[NR];
             for (int c = 0; c < NR; ++c) kv[c] = tile::loadv<V>(kr[c] + d);
@@ -104,8 +117,9 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
                 for (int c = 0; c < NR; ++c) acc[r * NR + c] += x * kv[c];
             }
         }
-        f32x8 halves[8];
-        for (int i = 0; i < 8; ++i) halves[i] = tile::fold_halves(acc[i]);
+        f32x8 halves[A8];
+        for (int i = 0; i < A; ++i) halves[i] = tile::fold_halves(acc[i]);
+        for (int i = A; i < A8; ++i) halves[i] = f32x8{};
         idx d8 = DL;
         if (L > 8 && d8 + 8 <= D) {  // 16-lane vectors: 8 columns left over, one 8-lane step
             for (int r = 0; r < MR; ++r) {
@@ -114,7 +128,12 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
             }
             d8 += 8;
         }
-        f32x8 sums = tile::sum_lanes_8x8(halves);
+        float sums[A8];
+        for (int g = 0; g < A8; g += 8) {
+            const f32x8 group[8] = {halves[g],     halves[g + 1], halves[g + 2], halves[g + 3],
+                                    halves[g + 4], halves[g + 5], halves[g + 6], halves[g + 7]};
+            tile::store8(sums + g, tile::sum_lanes_8x8(group));
+        }
         for (idx d = d8; d < D; ++d)  // the D % 8 products left over
             for (int r = 0; r < MR; ++r)
                 for (int c = 0; c < NR; ++c) sums[r * NR + c] += q[r * D + d] * kr[c][d];
@@ -189,8 +208,9 @@ REFMATH_INLINE void fold_block_impl(idx R, idx D, const float* qs, const KeyBloc
     constexpr idx lds = kBlock + kPad;
     const idx n = blk.n;
     idx r = 0;
+    constexpr int kKeysPerTile = tile::kLanes<V> == 16 ? 4 : 3;  // see score_rows
     for (; r + 4 <= R; r += 4)
-        score_rows<4, 2, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
+        score_rows<4, kKeysPerTile, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
     for (; r + 2 <= R; r += 2)
         score_rows<2, 4, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
     for (; r < R; ++r) score_rows<1, 8, V>(n, D, qs + r * D, blk, S + r * lds, lds, ahead, r == 0);
@@ -308,13 +328,19 @@ struct PagedCache {
 // How many splits: enough work items for kItemsPerThread per thread, so that uneven items even out,
 // and so does a thread that the operating system pauses for a while (another process on the same
 // cores): the others take its share of the items meanwhile. But no split shorter than
-// kMinKeysPerSplit keys, where the fixed cost of a work item would start to show. A requested count is used as given, except that more splits than the longest sequence has
-// units would only add empty ones, and that it is capped at kMaxSplits.
-idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_per_min_split) {
+// kMinKeysPerSplit keys, where the fixed cost of a work item would start to show. On one thread
+// there is nothing to even out, so each (sequence, set of heads) is one item: a split costs its
+// start (state, first blocks requested with nothing to overlap them) and its share of the merge,
+// and a paged item, which holds 8 heads, was otherwise cut into 8 splits (1 thread, T = 1024, the
+// cache warm, Zen 4: 8 splits 0.30 ms against 0.28 ms for one, for paged and contiguous alike). A
+// requested count is used as given, except that more splits than the longest sequence has units
+// would only add empty ones, and that it is capped at kMaxSplits.
+idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_per_min_split,
+                  int threads) {
     const idx most = std::clamp<idx>(longest_units, 1, kMaxSplits);
     if (requested > 0) return std::min(requested, most);
-    if (work_items == 0) return 1;
-    const idx want = (kItemsPerThread * tile::max_threads() + work_items - 1) / work_items;
+    if (work_items == 0 || threads <= 1) return 1;
+    const idx want = (kItemsPerThread * threads + work_items - 1) / work_items;
     return std::clamp<idx>(want, 1, std::max<idx>(1, longest_units / units_per_min_split));
 }
 
@@ -337,18 +363,18 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     const idx head_sets = (s.kv_heads + GI - 1) / GI, items_per_split = s.batch * head_sets;
     idx longest = 0;
     for (idx b = 0; b < s.batch; ++b) longest = std::max(longest, cache.units(b));
+    double keys = 0;  // every (sequence, key) pair costs 2 D multiply-adds per query head
+    for (idx b = 0; b < s.batch; ++b) keys += static_cast<double>(cache.lengths[b]);
+    const int threads = tile::threads_for(2.0 * keys * s.heads * D);
     // The shortest split is set for one head per item; an item of GI heads has GI times the work.
     const idx splits = choose_splits(s.splits, items_per_split, longest,
-                                     std::max<idx>(1, units_per_min_split / GI));
+                                     std::max<idx>(1, units_per_min_split / GI), threads);
     const idx stride = D + 2;
     // Scratch is left uninitialised (new float[], not a zero-filled vector): every entry of partial
     // is written by the item that owns it, and every entry of work before it is read, so zeroing
     // them first would be one more pass over memory per call, for nothing.
     std::unique_ptr<float[]> partial(
         new float[static_cast<std::size_t>(s.batch * s.heads * splits * stride)]);
-    double keys = 0;  // every (sequence, key) pair costs 2 D multiply-adds per query head
-    for (idx b = 0; b < s.batch; ++b) keys += static_cast<double>(cache.lengths[b]);
-    const int threads = tile::threads_for(2.0 * keys * s.heads * D);
     // Per head of an item: the group's queries (R x D, scaled), U (R x D), m, l, alpha (R each);
     // and one score buffer (R x (kBlock + kPad)) that the heads take in turn.
     const idx per_head = 2 * R * D + 3 * R;

@@ -509,7 +509,8 @@ plt.show()
 # $$\text{splits} = \max\!\Big(1,\ \min\!\Big(\Big\lceil \frac{8 \cdot \text{threads}}{B\, G}
 #   \Big\rceil,\ \Big\lfloor \frac{n_{\max}}{512} \Big\rfloor\Big)\Big),$$
 #
-# with $n_{\max}$ the longest sequence.
+# with $n_{\max}$ the longest sequence. On one thread there is nothing to even out, and every
+# split only adds its fixed cost: there the kernel takes one split.
 
 # %% [markdown]
 # **Your turn.** With 16 kernel threads, how many splits are chosen for (a) 3 sequences of 32768
@@ -527,6 +528,8 @@ splits_chosen = (splits_a, splits_b)
 # %%
 def cpu_splits(batch, kv_heads, longest, threads):
     """The rule above: choose_splits of decode_cpu.cpp for a contiguous cache."""
+    if threads == 1:
+        return 1
     return max(1, min(-(-8 * threads // (batch * kv_heads)), longest // 512))
 
 
