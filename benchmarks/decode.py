@@ -16,6 +16,9 @@ Peers, float32, on the same number of threads:
   neighbours in memory); with --pages-in-order, beside it, the same sizes with page i at place i of
   the pool (the same code reading a pool that happens to be one run), which tells what the paging
   costs from what the scattered placement costs;
+* read p=N: stream_sum of the paged pools alone, page after page in the page table's order (the
+  next page requested while one is read): what this machine reads of that placement when nothing
+  else is done, the paged peer's own ceiling, beside the contiguous one;
 * torch grouped, the peer at its best: torch.nn.functional.scaled_dot_product_attention with the
   query regrouped as (B, G, H/G, D), the H/G query heads of a key/value head taking the place of
   query positions, against the contiguous caches: one matrix product per group, no copy of K and V;
@@ -172,6 +175,10 @@ def paged_name(page_size: int, in_order: bool = False) -> str:
     return f"refmath paged p={page_size}" + (" in order" if in_order else "")
 
 
+def paged_read_name(page_size: int) -> str:
+    return f"read p={page_size} (stream_sum)"
+
+
 def page_orders(args) -> tuple:
     """The placements of each page size: scattered, and with --pages-in-order in order too."""
     return (False, True) if args.pages_in_order else (False,)
@@ -239,6 +246,11 @@ def main(argv=None):
                 pages = paged_copy(k, v, p, rng, in_order)
                 peers[paged_name(p, in_order)] = outputs[paged_name(p, in_order)] = (
                     lambda pages=pages: kernels.paged_decode(q, *pages, lengths))
+                if not in_order:
+                    k_pages, v_pages, table = pages
+                    peers[paged_read_name(p)] = (
+                        lambda k_pages=k_pages, v_pages=v_pages, order=table[0]: (
+                            kernels.stream_sum(k_pages, order), kernels.stream_sum(v_pages, order)))
         if torch is not None:
             tk, tv = torch.from_numpy(k), torch.from_numpy(v)
             tq_gqa = torch.from_numpy(q)[:, :, None]                    # (1, H, 1, D)
@@ -258,13 +270,17 @@ def main(argv=None):
         ceiling = kv_bytes / (ms["read"][0] * 1e-3)
         for name, (med, low) in ms.items():
             rate = kv_bytes / (med * 1e-3)
-            vs = "-" if name == "read" else f"{med / ms['contiguous'][0]:.2f} ({low / ms['contiguous'][1]:.2f})"
+            vs = ("-" if name.startswith("read") else
+                  f"{med / ms['contiguous'][0]:.2f} ({low / ms['contiguous'][1]:.2f})")
             rows.append([t, LABELS.get(name, name), f"{med:.2f}", f"{low:.2f}", f"{rate / 1e9:.1f}",
                          f"{100 * rate / ceiling:.0f}%", vs])
         ratio = [t, f"{kv_bytes / 2**20:.0f}"]
         for name in paged_names(args):
             paged = ms[name]
             ratio.append(f"{paged[0] / ms['contiguous'][0]:.2f} ({paged[1] / ms['contiguous'][1]:.2f})")
+        for p in args.page_size:  # what the scattered placement costs a plain read
+            read_p = ms[paged_read_name(p)]
+            ratio.append(f"{read_p[0] / ms['read'][0]:.2f} ({read_p[1] / ms['read'][1]:.2f})")
         for name in ("torch grouped", "torch enable_gqa"):
             ratio.append(f"{ms[name][0] / ms['contiguous'][0]:.2f} ({ms[name][1] / ms['contiguous'][1]:.2f})"
                          if name in ms else "-")
@@ -291,10 +307,12 @@ def main(argv=None):
                       "contiguous's")
     print()
     paged_columns = [f"{name.removeprefix('refmath ')} / contiguous" for name in paged_names(args)]
-    print_table(["T", "K+V MiB", *paged_columns,
+    read_columns = [f"read p={p} / read" for p in args.page_size]
+    print_table(["T", "K+V MiB", *paged_columns, *read_columns,
                  "torch grouped / refmath", "torch enable_gqa / refmath"], ratio_rows,
                 title="time ratios, median (minimum); above 1 refmath's contiguous decode is faster "
-                      "(torch grouped is torch at its best)")
+                      "(torch grouped is torch at its best); read p=N / read: the time a plain "
+                      "read of the scattered pages takes over the time of one of the caches")
     print(load_average() + " at the end")
 
 

@@ -237,6 +237,21 @@ double stream_sum(const py::array& x) {
     return refmath::stream_sum(p, n);
 }
 
+// x read as rows along its first axis, in the order of the int32 list 'order' (each entry checked).
+double stream_sum_rows(const py::array& x, const py::array& order) {
+    const float* p = checked_data<float>(x, "x", x.ndim(), "", "float32");
+    if (x.ndim() < 1) throw py::value_error("x must have at least one dimension to take rows of");
+    const auto* op = checked_data<std::int32_t>(order, "order", 1, "(n,)", "int32");
+    const py::ssize_t rows = x.shape(0), n = order.shape(0);
+    for (py::ssize_t i = 0; i < n; ++i)
+        if (op[i] < 0 || op[i] >= rows)
+            throw py::value_error("order[" + std::to_string(i) + "] = " + std::to_string(op[i]) +
+                                  " is not a row of x, whose shape is " + shape_of(x));
+    const py::ssize_t row_len = rows > 0 ? x.size() / rows : 0;
+    py::gil_scoped_release release;
+    return refmath::stream_sum_rows(p, row_len, op, n);
+}
+
 // ---- one AdamW step over flat buffers (catalogue O4): float32 or float64 ----
 
 // The byte range an array's data occupies; two arrays overlap when their ranges do.
@@ -576,6 +591,9 @@ PYBIND11_MODULE(_C, m) {
           "(B, max_pages), lengths int32 (B,); splits 0 = automatic.");
     m.def("stream_sum", &stream_sum, py::arg("x"),
           "Sum of a C-contiguous float32 array read once by all threads (a memory-bandwidth probe).");
+    m.def("stream_sum_rows", &stream_sum_rows, py::arg("x"), py::arg("order"),
+          "Sum of the rows x[order[0]], x[order[1]], ... of a C-contiguous float32 array, read in "
+          "that order by all threads (the read of a paged cache in page-table order).");
     m.def("adamw_step", &adamw_step, py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"),
           py::arg("shrink"), py::arg("scalars"), py::arg("threads"),
           "One AdamW step in place on the 1-D arrays p, m, v (float32 or float64), reading the "

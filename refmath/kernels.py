@@ -100,13 +100,31 @@ def backward_schedule(name: str):
         C.set_backward_schedule(0)
 
 
-def stream_sum(x) -> float:
+def stream_sum(x, order=None) -> float:
     """The sum of a C-contiguous float32 array read once by every CPU kernel thread: a probe of
-    the memory bandwidth that a decode step, which reads the whole cache once, can reach."""
+    the memory bandwidth that a decode step, which reads the whole cache once, can reach.
+
+    With ``order`` (integers), the sum of the rows ``x[order[0]], x[order[1]], ...`` along the
+    first axis, read in that order, the list cut into one run per thread, each thread requesting
+    its next row while it reads one: with a paged pool ``(n_pages, G, page_size, D)`` and its page
+    table's row as the order, the read a paged decode makes of that pool, and nothing else.
+    """
     x = float_array("x", x)
     if x.dtype != np.float32:
         raise TypeError(f"x must be float32, got dtype {x.dtype} with shape {x.shape}")
-    return _cpu().stream_sum(np.ascontiguousarray(x))
+    if order is None:
+        return _cpu().stream_sum(np.ascontiguousarray(x))
+    order = np.asarray(order)
+    if order.ndim != 1 or (order.size and not np.issubdtype(order.dtype, np.integer)):
+        raise TypeError(f"order must be a 1-D list of row numbers, got dtype {order.dtype} with "
+                        f"shape {order.shape}")
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension to take rows of, got a 0-d array")
+    x = np.ascontiguousarray(x)
+    if order.size and (order.min() < 0 or order.max() >= x.shape[0]):
+        raise ValueError(f"order must hold rows of x, 0 to {x.shape[0] - 1} (x has shape "
+                         f"{x.shape}), got entries from {order.min()} to {order.max()}")
+    return _cpu().stream_sum_rows(x, np.ascontiguousarray(order, dtype=np.int32))
 
 
 def adamw_step(p, g, m, v, shrink, scalars, threads: int = 1) -> None:

@@ -279,6 +279,38 @@ def test_cuda_bad_input_names_the_argument():
 # ---- the helpers the benchmarks and the lessons use ------------------------------------------------
 
 @needs_cpu
+@pytest.mark.parametrize("order", [[4, 0, 3], [2, 2, 2, 1], [], list(range(37))[::-1]])
+def test_stream_sum_reads_rows_in_the_given_order(order):
+    # Pools of pages (n, G, page_size, D) with a row length that is not a multiple of the 32-float
+    # step, so each row's tail is summed too; rows may repeat.
+    pool = np.random.default_rng(2).standard_normal((37, 3, 5, 7)).astype(np.float32)
+    want = pool[np.asarray(order, dtype=np.int64)].astype(np.float64).sum()
+    np.testing.assert_allclose(kernels.stream_sum(pool, order), want, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(kernels.stream_sum(pool, np.asarray(order, np.int64)), want,
+                               rtol=1e-5, atol=1e-3)
+
+
+@needs_cpu
+def test_stream_sum_order_refuses_what_is_not_a_row():
+    pool = np.ones((4, 2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"order must hold rows of x, 0 to 3 \(x has shape \(4, 2, 3\)\), got entries from 0 to 4"):
+        kernels.stream_sum(pool, [0, 4])
+    with pytest.raises(ValueError, match="got entries from -1 to 2"):
+        kernels.stream_sum(pool, [2, -1])
+    with pytest.raises(TypeError, match=r"order must be a 1-D list of row numbers, got dtype float64"):
+        kernels.stream_sum(pool, [0.5])
+    with pytest.raises(TypeError, match=r"1-D.*shape \(1, 1\)"):
+        kernels.stream_sum(pool, [[1]])
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        kernels.stream_sum(np.float32(1.0), [0])
+    # The binding checks for itself, for a direct caller.
+    with pytest.raises(ValueError, match=r"order\[1\] = 9 is not a row of x, whose shape is \(4, 2, 3\)"):
+        kernels._cpu().stream_sum_rows(pool, np.array([0, 9], np.int32))
+    with pytest.raises(TypeError, match="order must be a native-byte-order int32 array"):
+        kernels._cpu().stream_sum_rows(pool, np.array([0], np.int64))
+
+
+@needs_cpu
 def test_threads_stream_sum_and_backward_schedule():
     assert kernels.cpu_threads() >= 1
     x = np.random.default_rng(0).standard_normal(100_003).astype(np.float32)
