@@ -176,9 +176,8 @@ def choose_vector_width(narrow: bool) -> str:
     """Switch refmath's CPU kernels to their 8-lane copies if ``narrow``; say which copy runs."""
     from refmath import kernels
 
-    lanes = kernels.cpu_vector_lanes(8 if narrow else 16)
-    kind = "AVX-512" if lanes == 16 else "AVX2 or baseline"
-    return f"refmath's CPU kernels run their {lanes}-lane copies ({kind})"
+    kernels.cpu_vector_lanes(8 if narrow else 16)
+    return f"refmath's CPU kernels run with {kernels.cpu_instructions()}"
 
 
 def median(xs):

@@ -64,7 +64,7 @@ def vector_width() -> str:
         sys.path.insert(0, str(ROOT))
         from refmath import kernels
 
-        lanes = (f"refmath's CPU kernels: {kernels.cpu_vector_lanes()} float32 lanes by default"
+        lanes = (f"refmath's CPU kernels: {kernels.cpu_instructions()} by default"
                  if kernels.cpu_available() else "refmath's CPU module is not built")
     except Exception as error:  # a record is still worth keeping without the package
         lanes = f"refmath's CPU kernels: unknown ({type(error).__name__})"

@@ -623,6 +623,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },
           "Lanes of the vectors the attention kernels run with now: 16 on a CPU with AVX-512 "
           "(x86-64-v4), else 8 (AVX2, or the baseline instructions emulating them).");
+    m.def("narrow_copy", &refmath::tile::narrow_copy,
+          "The copy the 8-lane kernels run: 'x86-64-v3' (AVX2, FMA), 'baseline' (SSE2) or "
+          "'build target' (no run-time choice).");
     m.def("set_wide_vectors", &refmath::tile::set_wide_vectors, py::arg("on"),
           "Allow (True, the default) or forbid the 16-lane AVX-512 copies of the kernels; "
           "forbidding them runs the 8-lane copies, e.g. to test or time them on such a CPU.");

@@ -471,6 +471,9 @@ inline int threads_for(double multiply_adds) {
 // copies on such a CPU, and how a benchmark compares the two).
 bool wide_vectors();
 void set_wide_vectors(bool on);
+// Which copy the 8-lane kernels run: "x86-64-v3" (AVX2 and FMA), "baseline" (x86-64's SSE2, no
+// fused multiply-add), or "build target" where there is no run-time choice (not GCC on x86-64).
+const char* narrow_copy();
 
 inline int thread_id() {
 #ifdef _OPENMP

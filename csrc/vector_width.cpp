@@ -33,5 +33,21 @@ bool wide_vectors() {
 
 void set_wide_vectors(bool on) { wide_allowed.store(on, std::memory_order_relaxed); }
 
+// Two versions of one function, chosen when the module loads by the same test as the
+// REFMATH_MULTIVERSION kernels' (one bit of libgcc's CPU model, set only where every x86-64-v3
+// feature is there and the OS saves the AVX registers): a CPU, or a virtual machine, that hides
+// one of those features runs the kernels' baseline copies, at about half their speed, while still
+// listing avx2 among its flags.
+// (The versions are dispatched only where a call sees them all: here, through narrow_copy.)
+#if REFMATH_HAVE_AVX512
+namespace {
+__attribute__((target("default"))) const char* copy_chosen() { return "baseline"; }
+__attribute__((target("arch=x86-64-v3"))) const char* copy_chosen() { return "x86-64-v3"; }
+}  // namespace
+const char* narrow_copy() { return copy_chosen(); }
+#else
+const char* narrow_copy() { return "build target"; }
+#endif
+
 }  // namespace tile
 }  // namespace refmath

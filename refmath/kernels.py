@@ -76,6 +76,19 @@ def cpu_vector_lanes(lanes: int | None = None) -> int:
     return C.vector_lanes()
 
 
+def cpu_instructions() -> str:
+    """The instructions the CPU kernels run with now, in words: AVX-512 (16 lanes); AVX2 and FMA
+    (8 lanes, the x86-64-v3 copies); the x86-64 baseline (SSE2, no fused multiply-add: the copies
+    a CPU or virtual machine gets when it lacks any x86-64-v3 feature, about half as fast); or the
+    build's own target, where the module has no run-time choice (not GCC on x86-64)."""
+    C = _cpu()
+    if C.vector_lanes() == 16:
+        return "AVX-512, 16 lanes"
+    return {"x86-64-v3": "AVX2 and FMA, 8 lanes (x86-64-v3 copies)",
+            "baseline": "x86-64 baseline, SSE2 without FMA (this CPU lacks an x86-64-v3 feature)",
+            }.get(C.narrow_copy(), "the build's own target, 8 lanes")
+
+
 def cpu_threads() -> int:
     """The number of OpenMP threads the CPU kernels use (1 without OpenMP)."""
     return _cpu().max_threads()
@@ -235,6 +248,7 @@ def build_info() -> dict:
     info = dict(BUILD_INFO or {})
     info.update(cpu_module=cpu_available(),
                 cpu_vector_lanes=cpu_vector_lanes() if cpu_available() else None,
+                cpu_instructions=cpu_instructions() if cpu_available() else None,
                 cuda_module=_cuda is not None,
                 cuda_devices=_device_query()[0], cuda_summary=cuda_build_info())
     return info

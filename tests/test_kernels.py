@@ -195,10 +195,42 @@ def test_cpu_vector_lanes_switch_between_the_two_copies_and_refuse_other_widths(
         kernels.cpu_vector_lanes(16)
 
 
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_cpu_instructions_name_the_copy_the_dispatcher_chose():
+    if not kernels.cpu_available():
+        pytest.skip("refmath._C is not built")
+    try:
+        kernels.cpu_vector_lanes(8)
+        copy = kernels._cpu().narrow_copy()
+        assert copy in ("x86-64-v3", "baseline", "build target")
+        assert ("x86-64-v3" in kernels.cpu_instructions()) == (copy == "x86-64-v3")
+        # libgcc's choice agrees with the features Linux lists: x86-64-v3's, v2's beneath them
+        # (lzcnt is listed as abm, SSE3 as pni, LAHF/SAHF as lahf_lm).
+        flags = _cpu_flags()
+        if copy != "build target" and flags:
+            v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave", "cx16",
+                  "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"}
+            assert (copy == "x86-64-v3") == (v3 <= flags), (copy, sorted(v3 - flags))
+        kernels.cpu_vector_lanes(16)
+        if kernels.cpu_vector_lanes() == 16:
+            assert kernels.cpu_instructions() == "AVX-512, 16 lanes"
+    finally:
+        kernels.cpu_vector_lanes(16)
+
+
 def test_build_info_says_what_was_built():
     info = kernels.build_info()
     assert info["cpu_module"] == kernels.cpu_available()
     assert info["cpu_vector_lanes"] == (kernels.cpu_vector_lanes() if info["cpu_module"] else None)
+    assert info["cpu_instructions"] == (kernels.cpu_instructions() if info["cpu_module"] else None)
     assert info["cuda_module"] == (kernels._cuda is not None)
     summary = kernels.cuda_build_info()
     assert summary.startswith("refmath._cuda")
