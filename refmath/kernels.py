@@ -83,6 +83,8 @@ def cpu_instructions() -> str:
     build's own target, where the module has no run-time choice (not GCC on x86-64)."""
     C = _cpu()
     if C.vector_lanes() == 16:
+        if (BUILD_INFO or {}).get("wide_on_avx2"):  # setup.py's REFMATH_WIDE_ON_AVX2 test build
+            return "16 lanes as pairs of AVX2 vectors (a REFMATH_WIDE_ON_AVX2 test build)"
         return "AVX-512, 16 lanes"
     return {"x86-64-v3": "AVX2 and FMA, 8 lanes (x86-64-v3 copies)",
             "baseline": "x86-64 baseline, SSE2 without FMA (this CPU lacks an x86-64-v3 feature)",
