@@ -42,7 +42,13 @@ the generations of the other minutes never saw, so neither alone is the machine'
 is not the bound at batch 1: 2 FLOPs per 4-byte weight.
 
 Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
-pools, torch.set_num_threads for torch) and printed. Timing: --repeats runs of each side in turns
+pools, refmath.kernels.set_cpu_threads for refmath's kernels, torch.set_num_threads for torch) and
+printed. The OpenMP runtime's wait policy (refmath.kernels.OPENMP_WAIT, printed) is one for both
+sides, which share the runtime: passive unless OMP_WAIT_POLICY (or GOMP_SPINCOUNT) says otherwise.
+
+Contention: --contend N starts N busy processes (each a Python loop that never sleeps, on any core)
+before the first run and ends them after the last, so that every figure is taken with them
+competing for the cores, as on a shared server or a laptop running something else. Timing: --repeats runs of each side in turns
 whose order reverses every round; tokens/s from the median run and from the fastest.
 
 Then, unless --no-self, the old table: refmath against itself on the tiny default models of
@@ -51,6 +57,7 @@ Then, unless --no-self, the old table: refmath against itself on the tiny defaul
     python benchmarks/generate.py --quick                  # tiny shapes, seconds
     python benchmarks/generate.py --threads 1 2            # GPT-2-124M and llama-small, 64 tokens
     OPENBLAS_NUM_THREADS=1 python benchmarks/generate.py --threads 1
+    python benchmarks/generate.py --threads 1 2 --contend 1   # with one competing busy process
 
 Nothing is asserted: the figures belong to the machine (and its load, printed first and last).
 """
@@ -61,6 +68,8 @@ import contextlib
 import dataclasses
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -117,6 +126,8 @@ def parse_args(argv=None):
                         help="size of the read-bandwidth probe")
     parser.add_argument("--no-self", action="store_true",
                         help="skip the old table (refmath against itself on the tiny models)")
+    parser.add_argument("--contend", type=int, default=0, metavar="N",
+                        help="busy processes competing for the cores during every run")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run of seconds: tiny shapes, 16 tokens, 2 repeats")
     args = parser.parse_args(argv)
@@ -124,6 +135,8 @@ def parse_args(argv=None):
         args.tokens, args.repeats, args.probe_gib = 16, 2, 0.25
     if args.tokens < 1 or args.repeats < 1 or args.prompt_tokens < 1:
         parser.error("--tokens, --prompt-tokens and --repeats must be positive")
+    if args.contend < 0:
+        parser.error("--contend must be 0 or more")
     if args.threads and min(args.threads) < 1:
         parser.error("--threads must be positive")
     return args
@@ -216,14 +229,31 @@ def time_sides(fns: dict, repeats: int) -> dict:
     return times
 
 
-def limit_threads(n: int):
-    """Both sides on ``n`` threads: NumPy's BLAS and every OpenMP pool (threadpoolctl), torch."""
+@contextlib.contextmanager
+def limit_threads(n: int | None):
+    """Both sides on ``n`` threads (None: as started): NumPy's BLAS and every OpenMP pool
+    (threadpoolctl), refmath's kernels, torch."""
+    if n is None:
+        yield
+        return
     import torch
     from threadpoolctl import threadpool_limits
 
-    limiter = threadpool_limits(limits=n)
-    torch.set_num_threads(n)
-    return limiter
+    with threadpool_limits(limits=n), kernels.cpu_thread_limit(n):
+        torch.set_num_threads(n)
+        yield
+
+
+@contextlib.contextmanager
+def competitors(count: int):
+    """``count`` busy processes (a Python loop each) for the length of the ``with`` block."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 def thread_line() -> str:
@@ -257,14 +287,10 @@ def run_shape(label: str, model: str, config, args, rows: list) -> None:
           f"{fmt_bytes(kv // args.tokens)} of KV per token on average; identical ids: {parted}",
           flush=True)
     for threads in args.threads or [None]:
-        limiter = limit_threads(threads) if threads else None
-        try:
+        with limit_threads(threads):
             read, nbytes = read_probe(args.probe_gib)
             times = time_sides({**fns, READ: read}, args.repeats)
             print(f"  {thread_line()}; {load_average()}", flush=True)
-        finally:
-            if limiter is not None:
-                limiter.restore_original_limits()
         reads = sorted(nbytes / t for t in times.pop(READ))
         bandwidth = statistics.median(reads)
         print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(reads)} reads in "
@@ -340,6 +366,7 @@ def main(argv=None) -> int:
     print(f"{os.cpu_count()} CPUs; {load_average()}; refmath's CPU kernels: "
           f"{kernels.cpu_vector_lanes()} float32 lanes; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {thread_line()}")
+    print(f"OpenMP wait policy: {kernels.OPENMP_WAIT}; competing busy processes: {args.contend}")
     print(f"{args.tokens} greedy tokens after a {args.prompt_tokens}-token random prompt, float32, "
           f"batch 1, refmath attention on {args.backend}, its weights in the "
           f"{'decode layout (rows of W^T)' if args.layout == 'decode' else 'stored (in, out) rows'}, "
@@ -347,8 +374,9 @@ def main(argv=None) -> int:
           f"layer of a step in one compiled call)")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
     rows = []
-    for label, (model, config) in shapes.items():
-        run_shape(label, model, config, args, rows)
+    with competitors(args.contend):
+        for label, (model, config) in shapes.items():
+            run_shape(label, model, config, args, rows)
     print()
     headers = ["shape", "threads", "refmath tok/s", "transformers tok/s", "refmath / transformers",
                "same ids", "bound tok/s", "refmath of bound", "transformers of bound"]
@@ -360,7 +388,8 @@ def main(argv=None) -> int:
                       "(the fastest read) / (weights + KV read per token); 'of bound': median "
                       "tokens/s over the bound from the median read (from the fastest read)")
     if not args.no_self:
-        self_comparison(min(args.tokens, 63), max(2, args.repeats))
+        with competitors(args.contend):
+            self_comparison(min(args.tokens, 63), max(2, args.repeats))
     print(load_average() + " at the end")
     return 0
 

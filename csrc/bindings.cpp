@@ -620,6 +620,12 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("t_max", &DecodeLayers::t_max);
     m.def("max_threads", &refmath::tile::max_threads,
           "The number of OpenMP threads the kernels use (1 without OpenMP).");
+    m.def("set_threads", &refmath::tile::set_thread_limit, py::arg("n"),
+          "Run every kernel on at most n OpenMP threads (n > 0), or on OpenMP's own count (0).");
+    m.def("thread_limit", &refmath::tile::thread_limit,
+          "The count set by set_threads (0: OpenMP's own count).");
+    m.def("last_team", &refmath::tile::last_team,
+          "Threads in the last parallel region of a row product, a decode or the bandwidth probe.");
     m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },
           "Lanes of the vectors the attention kernels run with now: 16 on a CPU with AVX-512 "
           "(x86-64-v4), else 8 (AVX2, or the baseline instructions emulating them).");

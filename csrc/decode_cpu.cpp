@@ -454,6 +454,7 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     // Phase 2: merge the splits of each (sequence, head) (F3) and normalise (F1).
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (idx bh = 0; bh < s.batch * s.heads; ++bh) {
+        if (bh == 0) tile::note_team(tile::team_size());  // a static schedule: thread 0's item
         const float* p = part + bh * splits * stride;
         float* orow = o + bh * D;
         float m = kNegInf;

@@ -422,7 +422,7 @@ void backward_q_tile_wide(const AttentionShape& s, const Band& band, idx b, idx 
 // delta_i = dO_i . O_i for every row (B*H*t_q of them): a small share of the work, left at the
 // baseline instruction set.
 void row_dots(idx rows, idx D, const float* dout, const float* o, float* delta) {
-#pragma omp parallel for schedule(static) if (rows * D >= 32768)
+#pragma omp parallel for schedule(static) if (rows * D >= 32768) num_threads(tile::max_threads())
     for (idx i = 0; i < rows; ++i) delta[i] = tile::dot(D, dout + i * D, o + i * D);
 }
 

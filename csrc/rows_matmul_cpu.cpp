@@ -134,6 +134,7 @@ void rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const R
 #pragma omp parallel num_threads(threads)
     {
         const int t = tile::thread_id(), team = tile::team_size();
+        if (t == 0) tile::note_team(team);
         idx offset = 0;  // where this product's partial sums start in a thread's share of scratch
         for (idx p = 0; p < count; ++p) {
             const RowsProduct& q = products[p];

@@ -3,6 +3,7 @@
 // Subtracting the row max makes every exponent <= 0, so exp never overflows and the largest term
 // is exactly 1, which keeps the sum away from underflow too (catalogue A11).
 #include "softmax.h"
+#include "tile_math.h"
 
 #include <cmath>
 #include <limits>
@@ -44,7 +45,7 @@ template <typename T>
 void softmax_rows(const T* x, T* y, std::ptrdiff_t rows, std::ptrdiff_t cols) {
     // Rows are independent, so they split across threads with no synchronisation. Small inputs stay
     // on one thread: waking a thread team costs more than softmaxing a few thousand numbers.
-#pragma omp parallel for schedule(static) if (rows * cols >= 32768)
+#pragma omp parallel for schedule(static) if (rows * cols >= 32768) num_threads(tile::max_threads())
     for (std::ptrdiff_t r = 0; r < rows; ++r) softmax_one_row(x + r * cols, y + r * cols, cols);
 }
 

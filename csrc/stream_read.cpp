@@ -52,6 +52,7 @@ double stream_sum(const float* x, std::ptrdiff_t n) {
     double total = 0.0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
     for (int t = 0; t < threads; ++t) {
+        if (t == 0) tile::note_team(tile::team_size());
         const tile::idx lo = std::min<tile::idx>(n, t * chunk), hi = std::min<tile::idx>(n, lo + chunk);
         total += sum_chunk(x + lo, hi - lo, nullptr);
     }

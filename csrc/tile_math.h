@@ -449,13 +449,27 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- per-thread scratch --------------------------------------------------------------------------
 
+// The kernels' thread count, set by refmath.kernels.cpu_threads(n) (as `generate --threads N`
+// does): n > 0 makes every kernel run at most n OpenMP threads, from whichever Python thread it is
+// called; 0 (the default) leaves the count to OpenMP (OMP_NUM_THREADS, else one per core). It is a
+// process-wide value rather than omp_set_num_threads, which sets only the calling thread's count.
+int thread_limit();
+void set_thread_limit(int n);
+
 inline int max_threads() {
 #ifdef _OPENMP
-    return omp_get_max_threads();
+    const int limit = thread_limit();
+    return limit > 0 ? limit : omp_get_max_threads();
 #else
     return 1;
 #endif
 }
+
+// The team size of the last parallel region of the compiled row products, the decode attention's
+// merge and the bandwidth probe, stored by the thread of its first item: what a test reads to see that a thread
+// setting reached the kernels (a relaxed store, once per region).
+void note_team(int size);
+int last_team();
 
 // The threads for a call of about 'multiply_adds' multiply-adds: one below a quarter million (tens
 // of microseconds of work). Waking more threads costs more than that saves, and on a machine whose

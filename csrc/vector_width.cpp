@@ -1,5 +1,5 @@
-// Which copy of the vectorised kernels runs: 8-lane (AVX2 or the baseline) or 16-lane (AVX-512).
-// See REFMATH_AVX512 in tile_math.h.
+// Which copy of the vectorised kernels runs: 8-lane (AVX2 or the baseline) or 16-lane (AVX-512)
+// (see REFMATH_AVX512 in tile_math.h), and how many threads they run on.
 #include <atomic>
 
 #include "tile_math.h"
@@ -32,6 +32,15 @@ bool wide_vectors() {
 }
 
 void set_wide_vectors(bool on) { wide_allowed.store(on, std::memory_order_relaxed); }
+
+namespace {
+std::atomic<int> threads_set{0}, team_seen{0};
+}  // namespace
+
+int thread_limit() { return threads_set.load(std::memory_order_relaxed); }
+void set_thread_limit(int n) { threads_set.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+void note_team(int size) { team_seen.store(size, std::memory_order_relaxed); }
+int last_team() { return team_seen.load(std::memory_order_relaxed); }
 
 // Two versions of one function, chosen when the module loads by the same test as the
 // REFMATH_MULTIVERSION kernels' (one bit of libgcc's CPU model, set only where every x86-64-v3

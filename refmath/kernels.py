@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -20,10 +21,49 @@ import numpy as np
 from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_ndim,
                                check_real, check_same_shape, float_array)
 
-try:
-    from refmath import _C
-except ImportError as err:  # an install that skipped the build, or a checkout used via PYTHONPATH
-    _C, _C_ERROR = None, err
+# How the kernels' idle OpenMP threads wait for the next parallel region. OpenMP's default keeps
+# them spinning on their cores for a while (libgomp: about 3 ms) after each region; on a machine
+# where another busy process wants those cores, the spinning threads take its turns and it takes
+# theirs, and a 2-thread decode step that waits for both its threads at every product falls far
+# below 1 thread. Passive threads sleep at once, so the scheduler gives the core to whoever can use
+# it and wakes them promptly for the next region. The runtime reads its wait policy once, when it
+# loads, so it is set here (in the environment, for the load of refmath._C only, then put back)
+# unless the user chose one, or the runtime was already loaded by another library (torch's copy of
+# libgomp, say), whose choice then holds for both. OPENMP_WAIT says which.
+_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def _openmp_loaded() -> bool | None:
+    """Whether an OpenMP runtime is already in this process (None where /proc cannot tell)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(name in line for line in maps for name in ("libgomp", "libomp", "libiomp"))
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _passive_wait_while_loading():
+    chosen = [f"{name}={os.environ[name]}" for name in _WAIT_VARIABLES if os.environ.get(name)]
+    if chosen:
+        yield f"as the environment sets it ({', '.join(chosen)})"
+        return
+    if _openmp_loaded():
+        yield ("the OpenMP runtime's own: it was loaded before refmath.kernels (set "
+               "OMP_WAIT_POLICY=passive before Python starts to make it passive)")
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield "passive (set by refmath.kernels when it loaded the OpenMP runtime)"
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+with _passive_wait_while_loading() as OPENMP_WAIT:
+    try:
+        from refmath import _C
+    except ImportError as err:  # an install that skipped the build, or a checkout used via PYTHONPATH
+        _C, _C_ERROR = None, err
 
 try:
     from refmath import _cuda
@@ -92,8 +132,44 @@ def cpu_instructions() -> str:
 
 
 def cpu_threads() -> int:
-    """The number of OpenMP threads the CPU kernels use (1 without OpenMP)."""
+    """The number of OpenMP threads the CPU kernels use (1 without OpenMP): the count set by
+    :func:`set_cpu_threads`, else OpenMP's own (``OMP_NUM_THREADS``, else one per core)."""
     return _cpu().max_threads()
+
+
+def set_cpu_threads(threads: int | None) -> int | None:
+    """Run every CPU kernel on ``threads`` OpenMP threads (an int >= 1), process-wide and from
+    whichever Python thread calls it, or on OpenMP's own count (None). Returns the previous setting
+    (None for OpenMP's own). A kernel still runs small calls on one thread (a quarter million
+    multiply-adds or fewer), whatever the setting."""
+    if threads is not None:
+        threads = check_int("threads", threads, 1, 4096)
+    before = _cpu().thread_limit()
+    _cpu().set_threads(threads or 0)
+    return before or None
+
+
+@contextlib.contextmanager
+def cpu_thread_limit(threads: int | None):
+    """:func:`set_cpu_threads` for the length of a ``with`` block (None: leave the count as it
+    is), as ``generate --threads N`` runs. Without the compiled module there is nothing to set."""
+    if threads is not None:
+        threads = check_int("threads", threads, 1, 4096)
+    if threads is None or _C is None:
+        yield
+        return
+    before = set_cpu_threads(threads)
+    try:
+        yield
+    finally:
+        set_cpu_threads(before)
+
+
+def cpu_last_team() -> int:
+    """The threads that ran the last parallel region of a row product (:func:`rows_matmul`, and
+    the compiled decode step's products), a :func:`decode` or :func:`stream_sum`:
+    how a test sees that a thread setting reached the kernels (0 before any has run)."""
+    return _cpu().last_team()
 
 
 BACKWARD_SCHEDULES = {"auto": 0, "one pass": 1, "two passes": 2}
@@ -245,10 +321,10 @@ def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_head
                                rope=rope, scale=scale, layers=layers)
 
 def build_info() -> dict:
-    """What was compiled and what it can use: OpenMP, the CPU kernels' vector width, the CUDA
-    module, the devices present."""
+    """What was compiled and what it can use: OpenMP and how its idle threads wait, the CPU
+    kernels' vector width, the CUDA module, the devices present."""
     info = dict(BUILD_INFO or {})
-    info.update(cpu_module=cpu_available(),
+    info.update(cpu_module=cpu_available(), openmp_wait=OPENMP_WAIT,
                 cpu_vector_lanes=cpu_vector_lanes() if cpu_available() else None,
                 cpu_instructions=cpu_instructions() if cpu_available() else None,
                 cuda_module=_cuda is not None,

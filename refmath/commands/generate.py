@@ -4,6 +4,7 @@ from a Hugging Face model directory (``--hf``), with the sampling rules of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "first), or the CUDA kernels with the cache on the GPU (default: numpy; "
                         "the decoders only)")
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="BLAS threads (default: chosen from the size of the matrix products: "
+                        help="BLAS and C++ kernel threads (default: chosen from the size of the matrix products: "
                         "one for decoding with the KV cache, whose per-token products run slower "
                         "on many threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
 
@@ -94,11 +95,16 @@ def _check_sampling_flags(args: argparse.Namespace, alphabet: str | None) -> Non
 
 def _threads(args: argparse.Namespace, params: dict, prompt_len: int, n: int):
     """The BLAS threads of the run (:mod:`refmath._threads`): the largest product of a step has one
-    row per token decoded with the cache, the whole sequence's rows without it."""
+    row per token decoded with the cache, the whole sequence's rows without it. ``--threads N``
+    sets the C++ kernels' OpenMP threads too (:func:`refmath.kernels.cpu_thread_limit`)."""
+    from refmath import kernels
     from refmath._threads import blas_threads, choose_blas_threads, largest_product
 
     rows = prompt_len + n if args.no_cache else 1
-    return blas_threads(choose_blas_threads(largest_product(rows, params), args.threads))
+    stack = contextlib.ExitStack()
+    stack.enter_context(blas_threads(choose_blas_threads(largest_product(rows, params), args.threads)))
+    stack.enter_context(kernels.cpu_thread_limit(args.threads))
+    return stack
 
 
 def _for_decoding(args: argparse.Namespace, params: dict) -> dict:
