@@ -19,6 +19,7 @@
 #include "softmax.h"
 #include "stream_read.h"
 #include "tile_math.h"
+#include "weight_formats_cpu.h"
 
 namespace py = pybind11;
 
@@ -407,6 +408,49 @@ void rows_matmul(const py::array& x, const std::vector<py::array>& ws,
 }
 
 
+// ---- a few rows times a weight matrix in bf16, f16 or Q8_0 ----
+
+// out (m, n) = x (m, k) times w^T, w (n, k) of 16-bit values ("bf16": uint16 bit patterns,
+// "f16": float16) or (n, k / 32) Q8_0 blocks of 34 bytes ("q8_0").
+void format_rows_matmul(const py::array& x, const py::array& w, const std::string& format,
+                        const py::array& out) {
+    check_matrix(x, "x", false);
+    check_matrix(out, "out", true);
+    refmath::WeightFormat f;
+    char kind;
+    py::ssize_t itemsize, per_item;
+    if (format == "bf16") {
+        f = refmath::WeightFormat::bf16, kind = 'u', itemsize = 2, per_item = 1;
+    } else if (format == "f16") {
+        f = refmath::WeightFormat::f16, kind = 'f', itemsize = 2, per_item = 1;
+    } else if (format == "q8_0") {
+        f = refmath::WeightFormat::q8_0, kind = 'V', itemsize = refmath::kQ8BlockBytes,
+        per_item = refmath::kQ8Block;
+    } else {
+        throw py::value_error("format must be 'bf16', 'f16' or 'q8_0', got '" + format + "'");
+    }
+    if (w.dtype().kind() != kind || w.itemsize() != itemsize)
+        throw py::type_error("w in format " + format + " must have dtype kind '" +
+                             std::string(1, kind) + "' and " + std::to_string(itemsize) +
+                             "-byte items, got dtype " + std::string(py::str(w.dtype())));
+    if (w.ndim() != 2 || !(w.flags() & py::array::c_style))
+        throw py::value_error("w must be a C-contiguous 2-D array, got shape " + shape_of(w));
+    const py::ssize_t m = x.shape(0), k = x.shape(1), n = w.shape(0);
+    if (w.shape(1) * per_item != k)
+        throw py::value_error("w " + shape_of(w) + " in format " + format + " does not fit x " +
+                              shape_of(x) + ": it needs " + std::to_string(k) + " weights a row");
+    if (out.shape(0) != m || out.shape(1) != n)
+        throw py::value_error("out must have shape (" + std::to_string(m) + ", " +
+                              std::to_string(n) + "), got " + shape_of(out));
+    if (overlap(out, x) || overlap(out, w))
+        throw py::value_error("out shares memory with x or w, which the product reads");
+    const auto* xp = static_cast<const float*>(x.data());
+    const void* wp = w.data();
+    auto* yp = static_cast<float*>(const_cast<void*>(out.data()));  // checked writeable above
+    py::gil_scoped_release release;  // raw buffers only, held alive by x, w and out
+    refmath::format_rows_matmul_cpu(xp, m, k, wp, f, n, yp, refmath::tile::max_threads());
+}
+
 // ---- every layer of a decode step in one call: float32 ----
 
 // A weight of logical shape (rows, cols) = (in, out), stored C-contiguous or as the rows of its
@@ -620,6 +664,12 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("t_max", &DecodeLayers::t_max);
     m.def("max_threads", &refmath::tile::max_threads,
           "The number of OpenMP threads the kernels use (1 without OpenMP).");
+    m.def("format_rows_matmul", &format_rows_matmul, py::arg("x"), py::arg("w"),
+          py::arg("format"), py::arg("out"),
+          "out = x w^T for float32 x (m, k) and w (n, k) stored as bf16, f16 or Q8_0 blocks, "
+          "summed in float32. Call it through refmath.kernels.format_rows_matmul.");
+    m.def("f16_to_f32", &refmath::f16_to_f32, py::arg("bits"),
+          "The float32 value of a float16 bit pattern, as the kernels decode it.");
     m.def("set_threads", &refmath::tile::set_thread_limit, py::arg("n"),
           "Run every kernel on at most n OpenMP threads (n > 0), or on OpenMP's own count (0).");
     m.def("thread_limit", &refmath::tile::thread_limit,

@@ -297,6 +297,49 @@ def rows_matmul_many(x, ws, outs=None) -> list:
 
 
 
+def format_rows_matmul(x, w, fmt: str, out=None):
+    r"""``x @ dequantize(w, fmt).T`` for a few float32 rows and weights stored in fewer bytes
+    (catalogue W1, W2; :mod:`refmath.weight_formats` has the formats and the NumPy reference).
+
+    .. math::
+        y_{rj} = \sum_{i=0}^{k-1} x_{ri}\, \tilde w_{ji}
+
+    ``x``: ``(m, k)`` float32 (copied if not C-contiguous). ``w``: the ``(n, k)`` matrix, one row
+    per output, stored as ``fmt``: ``"bf16"`` (``uint16`` bit patterns, ``(n, k)``), ``"f16"``
+    (``float16``, ``(n, k)``) or ``"q8_0"`` (:data:`refmath.weight_formats.Q8_0_BLOCK` blocks,
+    ``(n, k / 32)``), C-contiguous (a weight matrix is never copied here: a strided one is refused).
+    ``out``: an optional C-contiguous float32 ``(m, n)`` array to write. Returns ``(m, n)`` float32.
+    Each weight is restored exactly to its float32 value and every sum is float32 in one thread, so
+    the error is at most :math:`\gamma_k |x|\,|\tilde W|^\top`
+    (:func:`refmath.weight_formats.product_error_bound`) and does not depend on the thread count.
+    """
+    from refmath.weight_formats import BLOCK, FORMATS, STORED_DTYPES
+
+    check_choice("fmt", fmt, FORMATS)
+    x = np.asarray(x)
+    if x.dtype.type is not np.float32:
+        raise TypeError(f"x must be float32 (the product is summed in float32), got dtype "
+                        f"{x.dtype} with shape {x.shape}")
+    check_ndim("x", x, 2, "(m, k)")
+    w = np.asarray(w)
+    if w.dtype != STORED_DTYPES[fmt]:
+        raise TypeError(f"w in format {fmt!r} must have dtype {STORED_DTYPES[fmt]}, got dtype "
+                        f"{w.dtype} with shape {w.shape}")
+    check_ndim("w", w, 2, "(n, k / 32) blocks" if fmt == "q8_0" else "(n, k)")
+    if not (w.flags.c_contiguous and w.flags.aligned):
+        raise ValueError(f"w must be C-contiguous (a weight matrix is not copied for a product), "
+                         f"got a strided view of shape {w.shape}; use np.ascontiguousarray once")
+    per_row = w.shape[1] * (BLOCK if fmt == "q8_0" else 1)
+    if x.shape[1] != per_row:
+        raise ValueError(f"x.shape = {x.shape} does not fit w of shape {w.shape} in format "
+                         f"{fmt!r}: its rows hold {per_row} weights")
+    x = np.require(x, np.float32, ["C_CONTIGUOUS", "ALIGNED"])
+    if out is None:
+        out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _cpu().format_rows_matmul(x, w, fmt, out)
+    return out
+
+
 def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_heads: int,
                   head_dim: int, d_ff: int, norm: str, eps: float, ffn: str, rope: str,
                   scale: float):
