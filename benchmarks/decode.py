@@ -5,9 +5,10 @@ of K and V read per second, next to what this machine can read at all. The ceili
 the same run by refmath.kernels.stream_sum, a C++ loop that sums a float32 array with every OpenMP thread:
 a plain streaming read, nothing else. It runs twice: once over --probe-gib (far larger than the
 caches of the CPU) for the header, and once per context over the very K and V arrays being decoded,
-timed in turns with the peers. The second is the ceiling each row is compared with ("of bw"): it
-reads the same bytes from the same place, from the same cache state (below), under the same load
-from the rest of the machine.
+timed in turns with the peers. The second is the ceiling each row is compared with ("of read"):
+benchmarks/_bandwidth.py's reference, a plain read of exactly the K and V arrays being decoded,
+from the same place, the same cache state (below), on the same threads, under the same load from
+the rest of the machine.
 
 Peers, float32, on the same number of threads:
 * refmath.kernels.decode: contiguous caches (B, G, T, D), split-K chosen automatically;
@@ -54,10 +55,11 @@ Fairness: every timed call starts from the same state, whoever runs it.
     OMP_NUM_THREADS=1 python benchmarks/decode.py   # every peer on one thread
     OMP_WAIT_POLICY=passive python benchmarks/decode.py  # a machine other jobs keep busy
 
-On a machine whose other jobs keep the cores busy, OpenMP's spinning waits (both runtimes' default)
-let a thread that lost its core hold up the other at every barrier, which costs refmath's many
-short parallel regions more than torch's: there, compare at one thread, or with
-OMP_WAIT_POLICY=passive (read by both runtimes alike).
+On a machine whose other jobs keep the cores busy, OpenMP's spinning waits let a thread that lost
+its core hold up the other at every barrier, which costs refmath's many short parallel regions
+more than torch's. refmath.kernels loads the OpenMP runtime with OMP_WAIT_POLICY=passive unless
+the environment sets a policy (the header prints which), and torch, loaded after it here, shares
+that runtime: OMP_WAIT_POLICY=active python benchmarks/decode.py times both spinning.
 
 Nothing is asserted: the figures depend on the machine (and on its load, printed first).
 """
@@ -68,6 +70,7 @@ import argparse
 import numpy as np
 from _common import (best_ms, choose_vector_width, load_average, machine_line, median_min_ms,
                      neutral_reader, print_table, rotated_times)
+from _bandwidth import ReadReference, last_level_cache_bytes
 
 from refmath import kernels
 
@@ -124,25 +127,6 @@ def parse_args(argv=None):
     if args.heads % args.kv_heads:
         parser.error("--kv-heads must divide --heads")
     return args
-
-
-def last_level_cache_bytes() -> int | None:
-    """The largest cache this CPU reports (Linux sysfs; the level-3 cache its core shares), or
-    None where there is no such report."""
-    from pathlib import Path
-
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        if text[-1:].upper() in units and text[:-1].isdigit():
-            sizes.append(int(text[:-1]) * units[text[-1].upper()])
-        elif text.isdigit():
-            sizes.append(int(text))
-    return max(sizes, default=None)
 
 
 def read_bandwidth(gib: float, repeats: int) -> float:
@@ -221,7 +205,7 @@ def main(argv=None):
     if torch is not None:
         torch.set_num_threads(threads)
     print(machine_line(threads))
-    print(load_average())
+    print(f"{load_average()}; OpenMP wait policy: {kernels.OPENMP_WAIT}")
     print(choose_vector_width(args.narrow))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)" if torch is not None
           else "torch is not installed: its columns are missing")
@@ -238,7 +222,8 @@ def main(argv=None):
         k, v = (rng.standard_normal((1, g, t, d)).astype(np.float32) for _ in range(2))
         lengths = np.array([t])
         peers.clear()
-        peers["read"] = lambda: (kernels.stream_sum(k), kernels.stream_sum(v))
+        # the reference's own eviction is off: before() evicts ahead of every peer alike
+        peers["read"] = ReadReference(arrays=(k, v), evict_mib=0).read
         peers["contiguous"] = lambda: kernels.decode(q, k, v, lengths)
         outputs = {}
         for p in args.page_size:

@@ -31,15 +31,17 @@ Shapes:
   4 key/value heads, SwiGLU 2048, vocab 32000, untied head), written as transformers' llama.
 
 The bound. Decoding one token reads every weight once (the embedding tables: one row, unless the
-head reuses the table) and the whole KV cache so far, so a token cannot come faster than those
-bytes over the machine's read bandwidth. The script measures that bandwidth in the same turns as
-the generations (refmath.kernels.stream_sum over --probe-gib, with the run's thread count, once per
-round as one more side), and prints each side's median tokens/s as a fraction of two bounds: one
-from the median of those reads, and in parentheses one from the fastest. On a shared machine the
-reads move from one minute to the next (their range is printed): a disturbed read can put a median
-run above the median's bound, and a read made while the neighbours were idle sets a ceiling that
-the generations of the other minutes never saw, so neither alone is the machine's bound. Compute
-is not the bound at batch 1: 2 FLOPs per 4-byte weight.
+head reuses the table) and the whole KV cache so far, so a token cannot come faster than a plain
+read of those bytes. The reference (benchmarks/_bandwidth.py) is exactly that read: a float32
+buffer of the bytes a token reads on average (weights plus the run's KV reads over its tokens),
+read by refmath.kernels.stream_sum on the run's thread count, after an untimed eviction of the
+caches (--evict-mib of other memory read by NumPy on one thread), timed as one more side in the
+same turns as the generations. Each side's median tokens/s is printed as a fraction of two bounds:
+one token per median read, and in parentheses one per fastest read. On a shared machine the reads
+move from one minute to the next (their range is printed): a disturbed read can put a median run
+above the median's bound, and a read made while the neighbours were idle sets a ceiling that the
+generations of the other minutes never saw, so neither alone is the machine's bound. Compute is
+not the bound at batch 1: 2 FLOPs per 4-byte weight.
 
 Threads: each --threads count is set on both sides (threadpoolctl for NumPy's BLAS and the OpenMP
 pools, refmath.kernels.set_cpu_threads for refmath's kernels, torch.set_num_threads for torch) and
@@ -74,6 +76,7 @@ import tempfile
 import time
 
 import numpy as np
+from _bandwidth import ReadReference
 from _common import fmt_bytes, interleaved_best_ms, load_average
 
 from refmath import hf, kernels, train
@@ -83,7 +86,7 @@ from refmath.inference.generate import generate
 from refmath.inference.weight_layout import decode_layout
 from refmath.models import DECODER_ONLY, decoder, gpt, model_module
 
-READ = "read probe"  # the bandwidth's side in the turns
+READ = "read reference"  # the bandwidth reference's side in the turns
 PRODUCTS = {"default": "generate's choice (rows_matmul on 2+ threads or in the decode layout, "
                        "BLAS otherwise)", "blas": "BLAS",
             "kernel": "rows_matmul", "both": "BLAS and rows_matmul"}
@@ -122,8 +125,9 @@ def parse_args(argv=None):
     parser.add_argument("--layout", choices=("decode", "stored"), default="decode",
                         help="refmath's weight matrices as the rows of W^T (decode_layout) or as "
                              "the loader's (in, out) rows")
-    parser.add_argument("--probe-gib", type=float, default=1.0,
-                        help="size of the read-bandwidth probe")
+    parser.add_argument("--evict-mib", type=float, default=None,
+                        help="memory read before each reference read, so that it starts from "
+                             "cold caches (default: 1.5 times the last-level cache; 0: warm)")
     parser.add_argument("--no-self", action="store_true",
                         help="skip the old table (refmath against itself on the tiny models)")
     parser.add_argument("--contend", type=int, default=0, metavar="N",
@@ -132,7 +136,7 @@ def parse_args(argv=None):
                         help="a smoke run of seconds: tiny shapes, 16 tokens, 2 repeats")
     args = parser.parse_args(argv)
     if args.quick:
-        args.tokens, args.repeats, args.probe_gib = 16, 2, 0.25
+        args.tokens, args.repeats = 16, 2
     if args.tokens < 1 or args.repeats < 1 or args.prompt_tokens < 1:
         parser.error("--tokens, --prompt-tokens and --repeats must be positive")
     if args.contend < 0:
@@ -143,15 +147,6 @@ def parse_args(argv=None):
 
 
 # ---- the bound -------------------------------------------------------------------------------------
-
-def read_probe(gib: float):
-    """``(read, nbytes)``: ``read()`` streams ``gib`` GiB once with the current OpenMP threads
-    (refmath.kernels.stream_sum), timed as one more side in the generation's turns, so that the
-    bound comes from the same minutes as the tokens/s set against it."""
-    x = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
-    kernels.stream_sum(x)  # the pages are touched before the first timed read
-    return (lambda: kernels.stream_sum(x)), x.nbytes
-
 
 def _seconds(fn) -> float:
     start = time.perf_counter()
@@ -224,8 +219,9 @@ def time_sides(fns: dict, repeats: int) -> dict:
     times = {name: [] for name in names}
     for r in range(repeats):
         order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            times[name].append(_seconds(fns[name]))
+        for name in order:  # a reference read times itself, after its untimed eviction
+            fn = fns[name]
+            times[name].append(fn.seconds() if isinstance(fn, ReadReference) else _seconds(fn))
     return times
 
 
@@ -286,17 +282,18 @@ def run_shape(label: str, model: str, config, args, rows: list) -> None:
     print(f"{label}: {n_params:,} parameters; {fmt_bytes(weights)} of weights read per token, "
           f"{fmt_bytes(kv // args.tokens)} of KV per token on average; identical ids: {parted}",
           flush=True)
+    per_token = (args.tokens * weights + kv) / args.tokens
+    reference = ReadReference(per_token, evict_mib=args.evict_mib)
     for threads in args.threads or [None]:
         with limit_threads(threads):
-            read, nbytes = read_probe(args.probe_gib)
-            times = time_sides({**fns, READ: read}, args.repeats)
+            times = time_sides({**fns, READ: reference}, args.repeats)
             print(f"  {thread_line()}; {load_average()}", flush=True)
-        reads = sorted(nbytes / t for t in times.pop(READ))
+            print(f"  {reference.describe()}", flush=True)
+        reads = sorted(reference.nbytes / t for t in times.pop(READ))
         bandwidth = statistics.median(reads)
         print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(reads)} reads in "
               f"the same turns; {reads[0] / 1e9:.1f}-{reads[-1] / 1e9:.1f})", flush=True)
-        per_token = (args.tokens * weights + kv) / args.tokens
-        bound, ceiling = bandwidth / per_token, reads[-1] / per_token  # tokens/s at the bound
+        bound, ceiling = bandwidth / reference.nbytes, reads[-1] / reference.nbytes  # tokens/s
 
         def of_bound(rate: float) -> str:
             return f"{100 * rate / bound:.0f}% ({100 * rate / ceiling:.0f}%)"
@@ -384,9 +381,10 @@ def main(argv=None) -> int:
         headers.append("refmath with rows_matmul tok/s, / BLAS's")
     print_table(headers, rows,
                 title=f"tokens/s from the median run (from the fastest), {args.repeats} runs per "
-                      "side in turns whose order reverses every round; bound: the median read "
-                      "(the fastest read) / (weights + KV read per token); 'of bound': median "
-                      "tokens/s over the bound from the median read (from the fastest read)")
+                      "side in turns whose order reverses every round; bound: one token per "
+                      "median (fastest) cold read of the bytes a token reads (weights + KV); "
+                      "'of bound': median tokens/s over the bound from the median read (from the "
+                      "fastest read)")
     if not args.no_self:
         with competitors(args.contend):
             self_comparison(min(args.tokens, 63), max(2, args.repeats))
