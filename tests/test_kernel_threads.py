@@ -129,3 +129,7 @@ def test_a_runtime_loaded_before_is_reported_as_such():
                                 "import refmath.kernels as k; print(k.OPENMP_WAIT)")
     assert spin > 0
     assert out.startswith("the OpenMP runtime's own")
+
+
+def test_build_info_says_how_the_threads_wait():
+    assert kernels.build_info()["openmp_wait"] == kernels.OPENMP_WAIT

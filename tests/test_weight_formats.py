@@ -290,3 +290,13 @@ def test_the_compiled_module_checks_on_its_own():
         _C.format_rows_matmul(x, np.zeros((3, 64), np.uint16), "q8_0", out)
     with pytest.raises(ValueError, match="shares memory"):
         _C.format_rows_matmul(x, stored, "q8_0", x.reshape(-1)[:6].reshape(2, 3))
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", wf.FORMATS)
+@pytest.mark.parametrize("m, n, k", [(0, 3, 64), (2, 0, 64), (2, 3, 0)])
+def test_empty_products(fmt, m, n, k):
+    w = wf.quantize(np.ones((n, k), np.float32), fmt)
+    y = kernels.format_rows_matmul(np.ones((m, k), np.float32), w, fmt)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    np.testing.assert_array_equal(y, np.zeros((m, n)))  # an empty sum is 0
