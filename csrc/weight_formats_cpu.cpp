@@ -61,6 +61,25 @@ REFMATH_INLINE void decode_q8_0(const unsigned char* w, idx blocks, float* out) 
     }
 }
 
+// The dot product of a and b (n floats) in a fixed order, whatever the build: kLanes running sums
+// (lane l takes the products l, l + kLanes, ...), added pairwise, then the products past the last
+// whole group in turn. Written out, rather than left to the vectoriser's choice of a reduction, so
+// that every build (8 or 16 lanes, the baseline, a sanitizer's unvectorised one) sums in the same
+// order, which keeps the error near that of a blocked BLAS sum rather than of a k-long chain.
+constexpr int kLanes = 16;
+
+REFMATH_INLINE float dot(const float* a, const float* b, idx n) {
+    float acc[kLanes] = {};
+    idx i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int width = kLanes / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return acc[0] + tail;
+}
+
 // Outputs j0..j1 of y = x w^T. The chunk sums are float32 sums in vector lanes, added into y[r, j]
 // in order: every product passes through at most k additions (catalogue W1's bound).
 REFMATH_MULTIVERSION
@@ -84,13 +103,7 @@ void rows_range(const float* x, idx m, idx k, const void* w, WeightFormat format
                                 len / kQ8Block, buf);
                     break;
             }
-            for (idx r = 0; r < m; ++r) {
-                const float* xr = x + r * k + c;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (idx i = 0; i < len; ++i) s += buf[i] * xr[i];
-                y[r * n + j] += s;
-            }
+            for (idx r = 0; r < m; ++r) y[r * n + j] += dot(buf, x + r * k + c, len);
         }
     }
 }
