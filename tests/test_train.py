@@ -503,7 +503,8 @@ def test_a_default_run_of_every_model_that_has_a_hf_type_converts(name, tmp_path
     """``train --model NAME`` with the recipe's configuration, then ``convert --to-hf``: the
     converted directory loads back as the same function (same logits, up to float32 rounding:
     the RoPE layout may be permuted on the way)."""
-    pytest.importorskip("safetensors", reason="convert writes safetensors")
+    pytest.importorskip("safetensors", reason="convert writes safetensors: pip install 'refmath[hf]'")
+    pytest.importorskip("tokenizers", reason="convert writes tokenizer.json: pip install 'refmath[hf]'")
     from refmath import hf
 
     run = T.train(name, tmp_path / "run", steps=1, accuracy_examples=0, out=open(os.devnull, "w"))
