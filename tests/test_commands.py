@@ -170,3 +170,11 @@ def test_a_real_sigint_stops_gradcheck_with_one_line_and_130():
     finally:
         process.kill()
     assert process.returncode == 130 and err == "refmath gradcheck: interrupted\n", err
+
+
+def test_generate_says_which_prompt_is_missing_or_doubled(tmp_path, capsys):
+    assert main(["generate", "--hf", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("refmath generate: give the prompt: --prompt TEXT (needs "
+                                       "DIR/tokenizer.json) or --prompt-ids 1,2,3 (token ids)\n")
+    assert main(["generate", "--hf", str(tmp_path), "--prompt", "a", "--prompt-ids", "1"]) == 2
+    assert capsys.readouterr().err == "refmath generate: give --prompt or --prompt-ids, not both\n"
