@@ -178,3 +178,10 @@ def test_generate_says_which_prompt_is_missing_or_doubled(tmp_path, capsys):
                                        "DIR/tokenizer.json) or --prompt-ids 1,2,3 (token ids)\n")
     assert main(["generate", "--hf", str(tmp_path), "--prompt", "a", "--prompt-ids", "1"]) == 2
     assert capsys.readouterr().err == "refmath generate: give --prompt or --prompt-ids, not both\n"
+
+
+def test_conformance_help_says_what_the_numpy_adapter_calls(capsys):
+    with pytest.raises(SystemExit):
+        main(["conformance", "attention", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "numpy: f(q, k, v, mask=None, scale=None) -> o" in text and "True = may attend" in text
