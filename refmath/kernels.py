@@ -27,7 +27,7 @@ except ImportError as err:  # an install that skipped the build, or a checkout u
 
 try:
     from refmath import _cuda
-except ImportError as err:  # no CUDA toolkit at build time, REFMATH_CUDA=0, or a failed CUDA compile
+except ImportError as err:  # no toolkit or no GPU at build time, REFMATH_CUDA=0, a failed CUDA compile
     _cuda, _CUDA_ERROR = None, err
 
 try:

@@ -198,10 +198,25 @@ def test_build_plan_says_what_is_built_and_how_long(setup_py, monkeypatch, tmp_p
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     monkeypatch.delenv("REFMATH_CUDA")
+    monkeypatch.delenv("REFMATH_REQUIRE_CUDA", raising=False)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    devices = setup_py["_no_device_reason"].__globals__  # setup.py's own namespace
+    monkeypatch.setitem(devices, "cuda_device_count", lambda: 1)
     plan = setup_py["_build_plan"]()
     assert "refmath._cuda" in plan and f"{tmp_path}/bin/nvcc" in plan
     assert "several minutes" in plan and "REFMATH_CUDA=0 skips it" in plan
+
+    # nvcc without a GPU: the CUDA module is skipped, in the plan's one line, which says how to
+    # build it anyway; REFMATH_CUDA=1 (or REFMATH_REQUIRE_CUDA=1, as CI sets) builds it.
+    monkeypatch.setitem(devices, "cuda_device_count", lambda: 0)
+    plan = setup_py["_build_plan"]()
+    assert "refmath._cuda" not in plan and "\n" not in plan
+    assert (f"{tmp_path}/bin/nvcc is here but no CUDA device is visible, so no CUDA module "
+            f"(REFMATH_CUDA=1 builds it anyway") in plan
+    for switch in ("REFMATH_CUDA", "REFMATH_REQUIRE_CUDA"):
+        with monkeypatch.context() as m:
+            m.setenv(switch, "1")
+            assert "the CUDA module refmath._cuda with" in setup_py["_build_plan"]()
 
 
 class _Compiler:
