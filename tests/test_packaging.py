@@ -116,6 +116,23 @@ def test_readme_names_every_runtime_dependency():
             f"{name} is a dependency but the README says: {sentence.group(0)!r}"
 
 
+def test_ci_runs_the_readmes_two_commands_and_the_dev_extra_holds_what_the_tests_need():
+    """.ci/run runs the Quick start's two commands verbatim, first, in a fresh venv; so the tests
+    that the second one runs must find every package they need in the `dev` extra (or skip)."""
+    script = ROOT / ".ci" / "readme_commands.py"
+    if not script.exists():
+        pytest.skip("not a git checkout (an unpacked sdist): CI's files are not shipped")
+    install, tests = runpy.run_path(str(script))["readme_commands"](README)
+    assert install == "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && python -m refmath gradcheck"
+    assert tests == 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && python -m pytest'
+    ci = (ROOT / ".ci" / "run").read_text()
+    first_install = re.search(r"^\s*(python -m )?pip install", ci, re.M)
+    assert ci.index("python3 .ci/readme_commands.py") < first_install.start(), \
+        ".ci/run installs something before the README's commands"
+    dev = {re.split(r"[<>=!~; ]", r, maxsplit=1)[0] for r in PYPROJECT["project"]["optional-dependencies"]["dev"]}
+    assert {"pytest", "hypothesis", "safetensors", "tokenizers"} <= dev  # convert writes both
+
+
 # ---- the lessons ----
 
 def test_lessons_extra_and_the_command_that_opens_them():
