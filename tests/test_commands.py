@@ -160,8 +160,11 @@ def test_a_real_sigint_stops_gradcheck_with_one_line_and_130():
     import subprocess
     import sys
 
+    # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored: give
+    # the child the default disposition, as a terminal's foreground command has.
     process = subprocess.Popen([sys.executable, "-u", "-m", "refmath", "gradcheck"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for _ in range(3):  # the header and the first rows: it is checking gradients now
             assert process.stdout.readline(), process.stderr.read()
