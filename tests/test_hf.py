@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is the test oracle's backend (pip install torch)")
+torch = pytest.importorskip("torch", reason="torch is the test oracle's backend: install the 'oracle' extra")
 transformers = pytest.importorskip(
-    "transformers", reason="the comparison needs transformers (pip install transformers)")
-pytest.importorskip("safetensors", reason="checkpoints are safetensors (pip install safetensors)")
+    "transformers", reason="the comparison needs transformers: pip install 'transformers>=5'")
+pytest.importorskip("safetensors", reason="checkpoints are safetensors: install the 'hf' extra")
 
 from refmath import hf, kernels  # noqa: E402
 from refmath.sizing import hf_parameter_count, sizing_config  # noqa: E402
