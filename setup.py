@@ -3,15 +3,20 @@
 - ``refmath._C``: the CPU kernels in ``csrc/`` (C++17, -O3, OpenMP when the compiler has it). Always
   built; the install fails if it cannot be. Needs GCC or Clang (Linux, macOS); MSVC is refused at
   once, since the kernels use the GCC/Clang vector extension.
-- ``refmath._cuda``: the CUDA kernels in ``csrc/cuda/``, built only when a CUDA toolkit (nvcc and
-  ``include/cuda_runtime.h``) is found. Without one the install still succeeds, prints one line
-  saying why the module was skipped, and records the reason for ``refmath.kernels.build_info()``.
+- ``refmath._cuda``: the CUDA kernels in ``csrc/cuda/``, built when a CUDA toolkit (nvcc and
+  ``include/cuda_runtime.h``) is found and the driver shows a CUDA device (or ``REFMATH_CUDA=1``:
+  a toolkit without a GPU compiles for several minutes a module nothing here could run). Otherwise
+  the install still succeeds, prints one line saying why the module was skipped (and, for a
+  toolkit without a device, how to build it anyway), and records the reason for
+  ``refmath.kernels.build_info()``.
 
 Switches (environment variables):
 
 =========================  =====================================================================
 ``REFMATH_CUDA=0``         do not build the CUDA module
-``REFMATH_REQUIRE_CUDA=1`` a missing toolkit or a failed CUDA compile fails the install
+``REFMATH_CUDA=1``         build it wherever a toolkit is, with or without a visible CUDA device
+``REFMATH_REQUIRE_CUDA=1`` as ``REFMATH_CUDA=1``, and a missing toolkit or a failed CUDA compile
+                           fails the install
 ``REFMATH_CUDA_ARCH``      GPU architectures, e.g. ``"80;90"`` (default ``"90"``): SASS for each,
                            plus PTX for the newest so later GPUs can JIT-compile it
 ``REFMATH_NATIVE=1``       add ``-march=native`` to the CPU module (faster here, not portable)
@@ -154,6 +159,43 @@ def _cuda_off() -> bool:
     return os.environ.get("REFMATH_CUDA", "").strip().lower() in ("0", "false", "no", "off")
 
 
+def _cuda_forced() -> bool:
+    return _flag("REFMATH_CUDA") or _flag("REFMATH_REQUIRE_CUDA")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_count() -> int:
+    """CUDA devices the driver shows this process (CUDA_VISIBLE_DEVICES included): 0 without a
+    driver, as on a machine that has nvcc but no GPU. Asked of libcuda directly, since nothing
+    that could ask it (CuPy, torch) need be installed."""
+    import ctypes
+
+    for name in ("libcuda.so.1", "libcuda.so", "libcuda.dylib"):
+        try:
+            driver = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return 0
+    count = ctypes.c_int(0)
+    try:
+        if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return 0
+    except AttributeError:  # a library of that name that is no CUDA driver
+        return 0
+    return count.value
+
+
+def _no_device_reason(root: str) -> str | None:
+    """Why the CUDA module is skipped although a toolkit is at ``root``: no device is visible and
+    REFMATH_CUDA=1 does not ask for it anyway. None when it is to be built."""
+    if _cuda_forced() or cuda_device_count() > 0:
+        return None
+    return (f"{root}/bin/nvcc is here but no CUDA device is visible, so no CUDA module "
+            f"(REFMATH_CUDA=1 builds it anyway: several minutes more)")
+
+
 def _build_plan() -> str:
     """The one line printed as the build starts: what will be built and roughly how long.
 
@@ -167,6 +209,9 @@ def _build_plan() -> str:
     root, _ = find_cuda_toolkit()
     if root is None:
         return f"{cpu}; no CUDA toolkit found, so no CUDA module"
+    no_device = _no_device_reason(root)
+    if no_device:
+        return f"{cpu}; {no_device}"
     archs = os.environ.get("REFMATH_CUDA_ARCH", "90")
     return (f"{cpu} and, beside it, the CUDA module refmath._cuda with {root}/bin/nvcc for arch "
             f"{archs} (several minutes more; REFMATH_CUDA=0 skips it)")
@@ -343,11 +388,13 @@ class BuildExt(build_ext):
 
     # ---- CUDA ----
 
-    def _skip_cuda(self, ext, reason: str):
+    def _skip_cuda(self, ext, reason: str, said: bool = False):
+        """Build without the CUDA module; ``said``: the plan line has already given the reason."""
         self.info["cuda_reason"] = reason
         if _flag("REFMATH_REQUIRE_CUDA"):
             raise RuntimeError(f"refmath: REFMATH_REQUIRE_CUDA=1 but {reason}")
-        _say(f"CUDA module skipped: {reason}")
+        if not said:
+            _say(f"CUDA module skipped: {reason}")
         self.extensions.remove(ext)
         # An earlier in-place build may have left a _cuda module that would now be imported stale.
         if self.into_source:
@@ -356,12 +403,15 @@ class BuildExt(build_ext):
                 os.remove(stale)
 
     def _build_cuda(self, ext):
-        if os.environ.get("REFMATH_CUDA", "").strip().lower() in ("0", "false", "no", "off"):
+        if _cuda_off():
             return self._skip_cuda(ext, "REFMATH_CUDA=0")
         root, looked = find_cuda_toolkit()
         if root is None:
             return self._skip_cuda(ext, "no CUDA toolkit found (no include/cuda_runtime.h with "
                                         f"bin/nvcc under: {', '.join(looked)})")
+        no_device = _no_device_reason(root)
+        if no_device:
+            return self._skip_cuda(ext, no_device, said=True)
         lib_dir = _cuda_lib_dir(root)
         if lib_dir is None:
             return self._skip_cuda(ext, f"libcudart_static.a not found in the toolkit at {root}")

@@ -2,10 +2,11 @@
 
 Build: ``python -m sphinx -W -b html docs docs/_build/html`` from the repository root (the ``docs``
 extra installs what it needs). Before reading any page, ``generate_pages`` writes what is derived
-from the repository: the lessons mirrored from ``notebooks/``, the API pages grouped as the README
-groups its modules, the equation catalogue from ``docs/equations.md``, the kernel headers, the
-recorded benchmark runs, the changelog and the BibTeX entry. Those files are build outputs
-(``.gitignore`` lists them): edit their sources instead.
+from the repository: the lessons mirrored from ``notebooks/``, the API pages grouped as the table
+of ``api.md`` groups the modules, the equation catalogue from ``docs/equations.md``, the kernel
+headers, the recorded benchmark runs, the changelog from ``CHANGELOG.md`` and the BibTeX entry.
+Those files are build outputs (``.gitignore`` lists them): edit their sources instead. No page
+reads the README, which is the repository's front door and changes on its own.
 """
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ html_theme_options = {
 }
 # Single pages have no section to navigate: without the empty left sidebar, their wide tables and
 # kernel headers get the room. The lessons and the API pages keep it (it lists their siblings).
-html_sidebars = {page: [] for page in ("index", "start/*", "lessons", "architecture", "catalogue",
-                                       "api", "layout", "kernels", "changelog", "cite")}
+html_sidebars = {page: [] for page in ("index", "start/*", "install", "commands", "lessons",
+                                       "gradcheck", "hf", "architecture", "catalogue", "api",
+                                       "layout", "kernels", "security", "changelog", "cite")}
 
 
 def generate_pages(app, config):

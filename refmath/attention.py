@@ -1,8 +1,9 @@
 """Scaled dot-product attention, its masks, and multi-head attention with shared key/value heads.
 
 Layout: attention tensors are ``(..., T, D)`` with the heads, if any, among the leading dimensions
-(``(B, H, T, D)`` in multi-head attention). Masks are additive: 0 where a key is visible, ``-inf``
-where it is not, broadcast against the ``(..., t_q, t_k)`` score matrix.
+(``(B, H, T, D)`` in multi-head attention). A mask, broadcast against the ``(..., t_q, t_k)`` score
+matrix, is either boolean (True where a query may attend to a key, as in PyTorch) or additive
+(0 where a key is visible, ``-inf`` where it is not); the mask functions below build additive ones.
 
 One module covers MHA, GQA and MQA: they differ only in ``g``, the number of key/value heads that
 the ``h`` query heads share (catalogue A10), and cross-attention only in where keys and values come
@@ -91,6 +92,36 @@ def local_window_mask(t: int, window: int, dtype=np.float64) -> np.ndarray:
     return _additive((j <= i) & (j >= i - window + 1), dtype)
 
 
+def _mask_error(mask: np.ndarray, what: str) -> ValueError | TypeError:
+    """The one-line refusal of a mask that is neither boolean nor additive."""
+    return (ValueError if mask.dtype.kind == "f" else TypeError)(
+        f"mask must be boolean (True = may attend, as in PyTorch) or an additive float mask "
+        f"(0 = may attend, -inf = may not), got {what} with shape {mask.shape}"
+    )
+
+
+def additive_mask(mask, dtype=np.float64) -> np.ndarray:
+    """The additive form (0 or ``-inf``) of an attention mask given in either accepted form.
+
+    A boolean mask (True = the query may attend to the key, PyTorch's convention) becomes 0 where
+    True and ``-inf`` where False; an additive float mask is returned as it is, in ``dtype``. A
+    float mask whose values are only 0 and 1 is refused: it is almost always a boolean mask from
+    another library written as floats, and added to the scores it would not hide a single key
+    (softmax ignores a uniform shift), so attention would silently see everything. Integer masks
+    are refused for the same ambiguity.
+    """
+    if not isinstance(mask, np.ndarray):
+        mask = np.asarray(mask)
+    if mask.dtype == np.bool_:
+        return _additive(mask, dtype)
+    if mask.dtype.kind != "f":
+        raise _mask_error(mask, f"dtype {mask.dtype}")
+    # Values only in {0, 1}, at least one of them 1: an all-zero mask is a valid "see everything".
+    if np.any(mask == 1) and np.all((mask == 0) | (mask == 1)):
+        raise _mask_error(mask, "a float mask whose values are only 0 and 1 (pass it as bool)")
+    return mask.astype(dtype, copy=False)
+
+
 # ---- scaled dot-product attention ----------------------------------------------------------------
 
 def _check_broadcasts_to(name: str, x: np.ndarray, shape: tuple, target: str) -> None:
@@ -129,8 +160,9 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
         \qquad O = (A \odot D)\, V
 
     Shapes: ``q`` is ``(..., t_q, d_k)``, ``k`` is ``(..., t_k, d_k)``, ``v`` is ``(..., t_k, d_v)``
-    with the same leading dimensions; ``O`` is ``(..., t_q, d_v)``. ``mask`` (additive ``M``, 0 or
-    ``-inf``) and ``dropout_mask`` (``D``: 0 for dropped weights, ``1/(1-p)`` for kept ones) must
+    with the same leading dimensions; ``O`` is ``(..., t_q, d_v)``. ``mask`` (boolean, True = may
+    attend, as in PyTorch; or additive ``M``, 0 or ``-inf``; see :func:`additive_mask`) and
+    ``dropout_mask`` (``D``: 0 for dropped weights, ``1/(1-p)`` for kept ones) must
     broadcast to the ``(..., t_q, t_k)`` scores. ``scale`` is :math:`\tau`, by default
     :math:`1/\sqrt{d_k}` (Gemma's ``query_pre_attn_scalar`` ``s`` sets :math:`\tau = s^{-1/2}`).
 
@@ -166,6 +198,8 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
     # A plain float, not a NumPy float64 scalar, so that float32 inputs stay float32.
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real("scale", scale)
     softcap = None if softcap is None else check_softcap("softcap", softcap)
+    # A boolean mask becomes its additive form here, so the equation below sees only 0 and -inf.
+    mask = None if mask is None else additive_mask(mask, np.result_type(q, k))
 
     # BEGIN SOLUTION
     # (tau Q) K^T rather than tau (Q K^T): the same scores, scaling the (t_q, d_k) queries instead
@@ -175,7 +209,6 @@ def sdpa_forward(q, k, v, mask=None, dropout_mask=None, scale: float | None = No
     if softcap is not None:  # before the mask: c tanh(-inf / c) would be -c, not -inf
         s, capped = softcap_forward(s, softcap)
     if mask is not None:
-        mask = float_array("mask", mask)
         _check_broadcasts_to("mask", mask, s.shape, "the scores q k^T")
         s += mask.astype(s.dtype, copy=False)  # in place: s is a fresh (..., t_q, t_k) array
     a, _ = softmax_forward(s)

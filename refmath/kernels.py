@@ -67,7 +67,7 @@ with _passive_wait_while_loading() as OPENMP_WAIT:
 
 try:
     from refmath import _cuda
-except ImportError as err:  # no CUDA toolkit at build time, REFMATH_CUDA=0, or a failed CUDA compile
+except ImportError as err:  # no toolkit or no GPU at build time, REFMATH_CUDA=0, a failed CUDA compile
     _cuda, _CUDA_ERROR = None, err
 
 try:
@@ -489,8 +489,8 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
     ``lse = -inf``. The reference is :func:`refmath.flash.flash_attention_forward`.
 
     NumPy arrays (float32) run on the CPU kernel; CuPy arrays on the CUDA kernel named by
-    ``version`` (see :func:`flash_versions`; ``None`` picks the default). ``version`` is ignored on
-    the CPU. Returns ``o`` like ``q`` and ``lse`` ``(B, H, T_q)`` float32, as the same kind of array.
+    ``version`` (see :func:`flash_versions`; ``None`` picks the default). The CPU has one kernel,
+    so a ``version`` given with NumPy arrays is refused rather than ignored. Returns ``o`` like ``q`` and ``lse`` ``(B, H, T_q)`` float32, as the same kind of array.
     A ``softcap`` is refused: the kernels do not cap scores (the reference does).
     """
     gpu = _on_gpu(q=q, k=k, v=v)
@@ -502,6 +502,9 @@ def flash_attention_forward(q, k, v, causal: bool = False, window: int | None = 
         raise TypeError(f"version must be a version name such as 'v2' or None, got {version!r}")
     if gpu:
         return _cuda_flash_forward(q, k, v, causal, window, scale, version)
+    if version is not None:
+        raise ValueError(f"version={version!r} picks one of the CUDA kernels, for CuPy arrays; "
+                         f"NumPy arrays run on the CPU's one kernel: leave version out")
     return _cpu().flash_forward(q, k, v, causal, window or 0, scale)
 
 

@@ -1265,10 +1265,14 @@ def sizing_config(hf: dict) -> ModelConfig:
     return ModelConfig(name=hf["model_type"], context=context, source="config.json", **fields)
 
 
-def hf_parameter_count(hf: dict) -> int:
-    """Parameters of the refmath model a Hugging Face config loads into (every tensor's size)."""
+def hf_parameter_count(hf: dict, buffers: bool = False) -> int:
+    """Parameters of the refmath model a Hugging Face config loads into, as transformers counts
+    them: every tensor's size but DeepSeek-V3's routing biases (``router.bias``, the checkpoint's
+    ``e_score_correction_bias``), which no gradient trains and transformers keeps as buffers.
+    ``buffers=True`` counts those too (every tensor the checkpoint stores)."""
     name, config = config_from_hf(hf)
-    return sum(math.prod(shape) for shape in model_module(name).param_shapes(config).values())
+    return sum(math.prod(shape) for key, shape in model_module(name).param_shapes(config).items()
+               if buffers or not key.endswith("router.bias"))
 
 
 def own_design(config: ModelConfig) -> str:

@@ -27,7 +27,8 @@ from refmath.assignments.grade import grade, with_time_limit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = manifests.names(os.path.join(ROOT, "assignments"))
 
-pytest.importorskip("torch", reason="the hidden tests compute expected values with PyTorch")
+pytest.importorskip(
+    "torch", reason="the hidden tests compute expected values with PyTorch: install the 'assignments' extra")
 try:  # grading runs student code in a sandbox; where none can be made the grader refuses
     sandboxes.choose()
 except RuntimeError as error:

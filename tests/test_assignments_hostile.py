@@ -36,7 +36,8 @@ ONLY = "sdpa_forward_plain,gqa_head_map_values"
 DESERVED = 2.0  # gqa_head_map_values only
 ATTENDED = 4.0  # what an attack that worked would score
 
-pytest.importorskip("torch", reason="the hidden tests compute expected values with PyTorch")
+pytest.importorskip(
+    "torch", reason="the hidden tests compute expected values with PyTorch: install the 'assignments' extra")
 
 
 def manifest():

@@ -21,6 +21,7 @@ from refmath.attention import (
     sdpa_forward,
 )
 from refmath.gradcheck import check_case
+from refmath.inference.quantized import QuantizedKVCache, decode_with_quantized_cache
 from refmath.gradcheck import all_cases
 from _support import float32_rule
 
@@ -494,8 +495,59 @@ def test_sdpa_bad_input_names_the_argument():
         sdpa_forward(np.ones((2, 3), dtype=int), k, v)
     with pytest.raises(TypeError, match=r"v must be a floating-point array"):
         sdpa_forward(q, k, np.ones((4, 5), dtype=np.int32))
-    with pytest.raises(TypeError, match=r"mask must be a floating-point array.*bool"):
-        sdpa_forward(q, k, v, mask=np.ones((2, 4), dtype=bool))
+    with pytest.raises(TypeError, match=r"mask must be boolean .* or an additive float mask.*int"):
+        sdpa_forward(q, k, v, mask=np.ones((2, 4), dtype=np.int64))
+
+
+# ---- the two forms of a mask: boolean (True = may attend) and additive (0 / -inf) --------------
+
+_BOTH_FORMS = (r"mask must be boolean \(True = may attend, as in PyTorch\) or an additive float "
+               r"mask \(0 = may attend, -inf = may not\), got a float mask whose values are only 0 "
+               r"and 1")
+
+
+def test_a_boolean_mask_means_may_attend_as_in_pytorch():
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 5, 2))
+    visible = np.tril(np.ones((3, 5), bool), k=2)
+    visible[0, 1] = False
+    additive = np.where(visible, 0.0, -np.inf)
+    o_add, _ = sdpa_forward(q, k, v, mask=additive)
+    o_bool, cache = sdpa_forward(q, k, v, mask=visible)
+    np.testing.assert_array_equal(o_bool, o_add)
+    assert np.all(cache.a[:, ~visible] == 0)  # the False entries got no weight
+    # The same through multi-head attention, and in float32 the boolean mask keeps float32.
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    params = {name: rng.standard_normal((8, 8)).astype(np.float32) for name in ("w_q", "w_k", "w_v", "w_o")}
+    y_bool, _ = mha_forward(x, params, 2, mask=np.tril(np.ones((5, 5), bool)))
+    y_add, _ = mha_forward(x, params, 2, mask=causal_mask(5, dtype=np.float32))
+    assert y_bool.dtype == np.float32
+    np.testing.assert_array_equal(y_bool, y_add)
+
+
+def test_a_float_mask_of_zeros_and_ones_is_refused_naming_both_forms():
+    # Added to the scores, 0/1 hides nothing: softmax ignores a uniform shift, and a 1 on the
+    # visible keys only nudges them. Read as booleans by another library, it would hide the zeros.
+    rng = np.random.default_rng(8)
+    q = k = v = rng.standard_normal((3, 4))
+    ones_below = np.tril(np.ones((3, 3)))
+    for mask in (ones_below, ones_below.astype(np.float32), np.ones((3, 3))):
+        with pytest.raises(ValueError, match=_BOTH_FORMS) as caught:
+            sdpa_forward(q, k, v, mask=mask)
+        assert "\n" not in str(caught.value)
+    x = rng.standard_normal((1, 3, 4))
+    params = {name: rng.standard_normal((4, 4)) for name in ("w_q", "w_k", "w_v", "w_o")}
+    with pytest.raises(ValueError, match=_BOTH_FORMS):
+        mha_forward(x, params, 2, mask=ones_below)
+    cache = QuantizedKVCache(1, 8, 4)
+    cache.append(0, rng.standard_normal((1, 1, 3, 4)), rng.standard_normal((1, 1, 3, 4)))
+    with pytest.raises(ValueError, match=_BOTH_FORMS):
+        decode_with_quantized_cache(rng.standard_normal((1, 2, 3, 4)), cache, 0, mask=ones_below)
+    np.testing.assert_array_equal(  # and there a boolean mask means what the default causal one does
+        decode_with_quantized_cache(q[None, None], cache, 0, mask=np.tril(np.ones((3, 3), bool))),
+        decode_with_quantized_cache(q[None, None], cache, 0))
+    # An additive mask of zeros (every key visible) stays valid: it holds no 1.
+    np.testing.assert_array_equal(sdpa_forward(q, k, v, mask=np.zeros((3, 3)))[0], sdpa_forward(q, k, v)[0])
 
 
 def test_mask_builders_reject_bad_sizes():

@@ -133,3 +133,58 @@ def test_generate_says_once_that_the_sequence_outgrew_the_context(tmp_path, caps
     assert "context" not in err
     ids, err = _generate_ids(tmp_path, capsys, n=12)
     assert len(ids) == 13 and err.count("outgrew the model's context of 8 tokens") == 1
+
+
+# ---- Ctrl-C: one line and exit status 130, whatever the command -------------------------------
+
+# For each command, arguments that parse; its run is replaced by one that is interrupted.
+_RUNNABLE = {"gradcheck": [], "sizes": [], "train": ["--model", "gpt"], "generate": ["--checkpoint", "run"],
+             "convert": ["--to-hf", "run", "out"], "assignments": ["list"],
+             "lessons": ["student", "--out", "out"],
+             "conformance": ["attention", "m:f", "--adapter", "numpy"]}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_ctrl_c_in_any_command_is_one_line_and_status_130(name, monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(f"refmath.commands.{name}"), "run", interrupted)
+    assert main([name, *_RUNNABLE[name]]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"refmath {name}: interrupted\n"
+
+
+def test_a_real_sigint_stops_gradcheck_with_one_line_and_130():
+    import signal
+    import subprocess
+    import sys
+
+    # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored: give
+    # the child the default disposition, as a terminal's foreground command has.
+    process = subprocess.Popen([sys.executable, "-u", "-m", "refmath", "gradcheck"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for _ in range(3):  # the header and the first rows: it is checking gradients now
+            assert process.stdout.readline(), process.stderr.read()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and err == "refmath gradcheck: interrupted\n", err
+
+
+def test_generate_says_which_prompt_is_missing_or_doubled(tmp_path, capsys):
+    assert main(["generate", "--hf", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("refmath generate: give the prompt: --prompt TEXT (needs "
+                                       "DIR/tokenizer.json) or --prompt-ids 1,2,3 (token ids)\n")
+    assert main(["generate", "--hf", str(tmp_path), "--prompt", "a", "--prompt-ids", "1"]) == 2
+    assert capsys.readouterr().err == "refmath generate: give --prompt or --prompt-ids, not both\n"
+
+
+def test_conformance_help_says_what_the_numpy_adapter_calls(capsys):
+    with pytest.raises(SystemExit):
+        main(["conformance", "attention", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "numpy: f(q, k, v, mask=None, scale=None) -> o" in text and "True = may attend" in text

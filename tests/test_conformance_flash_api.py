@@ -9,7 +9,8 @@ import pytest
 
 from refmath.conformance.run import check_attention
 
-torch = pytest.importorskip("torch", reason="the flash-attention adapters pass torch tensors")
+torch = pytest.importorskip(
+    "torch", reason="the flash-attention adapters pass torch tensors: install the 'oracle' extra")
 
 
 @pytest.fixture(autouse=True, scope="module")

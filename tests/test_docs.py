@@ -1,6 +1,6 @@
 """The documentation site's API pages cover the whole public API (without building the site).
 
-docs/_ext/api_pages.py plans one page per row of the README's "What is inside" table and documents
+docs/_ext/api_pages.py plans one page per row of the module table in docs/api.md and documents
 each module with autodoc's automodule. Autodoc documents a module's functions and classes whose
 ``__module__`` is that module; these tests read the source files themselves to check that every
 public module has a page and every public top-level function and class of it is one that autodoc
@@ -8,6 +8,7 @@ will show there.
 """
 import ast
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -17,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 api_pages = importlib.import_module("api_pages")
 
-PAGES = api_pages.plan_pages((ROOT / "README.md").read_text(encoding="utf-8"),
-                             api_pages.public_modules())
+API_PAGE = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+PAGES = api_pages.plan_pages(API_PAGE, api_pages.public_modules())
 DOCUMENTED = {module: page.slug for page in PAGES for module in page.modules}
 
 
@@ -47,9 +48,24 @@ def test_every_public_module_has_an_api_page():
     assert not missing, f"public modules on no API page: {missing}"
 
 
-def test_readme_groups_become_pages_in_order():
-    groups = api_pages.readme_groups((ROOT / "README.md").read_text(encoding="utf-8"))
+def test_table_groups_become_pages_in_order_and_each_row_links_its_page():
+    groups = api_pages.table_groups(API_PAGE)
+    assert len(groups) >= 20
     assert [p.title for p in PAGES[:len(groups)]] == [", ".join(names) for names, _ in groups]
+    for page in PAGES[:len(groups)]:
+        assert f"](api/{page.slug}.md) |" in API_PAGE, f"the row of {page.title} links no api/{page.slug}.md"
+
+
+def test_the_site_reads_no_text_of_the_readme():
+    """The README is the repository's front door; the site has its own pages (the API table, the
+    instructors' guide, the changelog from CHANGELOG.md), so editing the README cannot break it."""
+    docs = ROOT / "docs"
+    sources = [p for p in docs.rglob("*") if p.suffix in (".md", ".py", ".sh")
+               and not p.relative_to(docs).parts[0].startswith("_build")
+               and p.relative_to(docs).parts[0] not in ("_generated", "api", "lessons", "jupyter_execute")]
+    readers = [str(p.relative_to(ROOT)) for p in sources
+               if re.search(r"\.\./README\.md|\"README\.md\"|'README\.md'", p.read_text(encoding="utf-8"))]
+    assert not readers, f"these read the README: {readers}"
 
 
 @pytest.mark.parametrize("module", sorted(DOCUMENTED))

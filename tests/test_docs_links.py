@@ -1,5 +1,6 @@
 """docs/check_links.py finds the internal links of a built site that lead nowhere."""
 import importlib.util
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,3 +32,45 @@ def test_missing_pages_and_anchors_are_reported_and_good_links_are_not(tmp_path)
         "index.html: api/page.html#refmath.g (no id 'refmath.g')",
         "index.html: gone.html (no file gone.html)",
     ]
+
+
+# ---- the README's links, as GitHub resolves them (no site build needed) ----------------------
+
+def _github_anchor(heading: str) -> str:
+    """GitHub's id for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set[str]:
+    in_code, anchors = False, set()
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            anchors.add(_github_anchor(line.lstrip("#")))
+    return anchors
+
+
+def test_every_link_of_the_readme_resolves():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert len(links) >= 20
+    broken = []
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # external: not followed offline
+            continue
+        path, _, fragment = link.partition("#")
+        target = ROOT / path if path else ROOT / "README.md"
+        if not target.exists():
+            broken.append(f"{link} (no file {path})")
+        elif fragment and fragment not in _anchors(target.read_text(encoding="utf-8")):
+            broken.append(f"{link} (no heading #{fragment} in {path or 'README.md'})")
+    assert not broken, broken
+    for start in ("students", "instructors", "kernel-engineers"):  # the three paths in
+        assert f"(docs/start/{start}.md)" in readme
+    assert "(CHANGELOG.md)" in readme and "(benchmarks/README.md)" in readme
+
+
+def test_the_readme_is_a_front_door():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) < 300

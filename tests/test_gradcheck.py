@@ -204,7 +204,24 @@ def test_command_reports_a_backward_that_raises_as_a_failure(capsys, monkeypatch
     monkeypatch.setattr(refmath.gradcheck, "check", broken)
     assert main(["gradcheck", "--op", "relu"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL (raised ValueError: shapes" in out and "0 passed, 2 failed" in out
+    assert "  FAIL\n    (raised ValueError: shapes (3,4) and (5,) not aligned)" in out
+    assert "0 passed, 2 failed" in out
+
+
+def test_command_rows_fit_in_100_characters_with_long_names_wrapped_in_their_column(capsys):
+    assert main(["gradcheck", "--op", "moe*"]) == 0  # the longest names of all
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    # the wrapped name reads back whole: its continuation lines start with two spaces
+    name = "moe[DeepSeek-V3: sigmoid noaux_tc with bias, top-2 of 8, renormalised, scaled by 2.5, " \
+           "1 shared, balance (2, 3, 8)]"
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("moe[DeepSeek-V3"))
+    parts = [lines[first][:lines[first].index("  E")].strip()]
+    parts += [line.strip() for line in lines[first + 1:] if line.startswith("  ")]
+    assert " ".join(parts).startswith(name)
+    assert main(["gradcheck", "--list"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
 
 
 # ---- the command's optimiser group ---------------------------------------------------------------

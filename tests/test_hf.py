@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is the test oracle's backend (pip install torch)")
+torch = pytest.importorskip("torch", reason="torch is the test oracle's backend: install the 'oracle' extra")
 transformers = pytest.importorskip(
-    "transformers", reason="the comparison needs transformers (pip install transformers)")
-pytest.importorskip("safetensors", reason="checkpoints are safetensors (pip install safetensors)")
+    "transformers", reason="the comparison needs transformers: pip install 'transformers>=5'")
+pytest.importorskip("safetensors", reason="checkpoints are safetensors: install the 'hf' extra")
 
 from refmath import hf, kernels  # noqa: E402
 from refmath.sizing import hf_parameter_count, sizing_config  # noqa: E402
@@ -1163,15 +1163,19 @@ def test_the_presets_are_the_published_configs():
 def test_sizes_count_the_parameters_of_transformers(name, tmp_path):
     from refmath.sizing import parameter_counts
 
-    expected = meta_parameter_count(PUBLISHED[name]) + BUFFERS_AS_PARAMETERS.get(name, 0)
+    # sizes --hf counts what transformers counts; the preset's N7 count holds the buffers too
+    buffers = BUFFERS_AS_PARAMETERS.get(name, 0)
+    expected = meta_parameter_count(PUBLISHED[name])
     assert hf_parameter_count(PUBLISHED[name]) == expected
-    assert parameter_counts(sizing_config(PUBLISHED[name])).total == expected
+    assert hf_parameter_count(PUBLISHED[name], buffers=True) == expected + buffers
+    assert parameter_counts(sizing_config(PUBLISHED[name])).total == expected + buffers
     (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(PUBLISHED[name]))
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["sizes", "--hf", str(tmp_path)]) == 0
-    counted = out.getvalue().split("\nparameters (", 1)[1].splitlines()[0]  # N7, or MLA's shapes
-    assert f"): {expected:,}" in counted
+    counted = out.getvalue().split("\nparameters (", 1)[1].splitlines()  # N7, or MLA's shapes
+    assert f"): {expected:,}" in counted[0]
+    assert counted[1].startswith(f"  not counted: {buffers:,} routing biases") == bool(buffers)
 
 
 def test_sizes_of_a_deepseek_config(tmp_path):

@@ -210,6 +210,14 @@ def test_flash_attention_custom_scale_and_gqa_head_map():
     np.testing.assert_array_equal(lse, lse_rep)
 
 
+def test_flash_attention_refuses_a_cuda_version_for_numpy_arrays():
+    # The CPU has one kernel: a version asked of it would be silently ignored.
+    q = np.ones((1, 1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"version='v2' picks one of the CUDA kernels, for CuPy "
+                                         r"arrays; NumPy arrays run on the CPU's one kernel"):
+        kernels.flash_attention_forward(q, q, q, version="v2")
+
+
 def test_flash_attention_copies_non_contiguous_input():
     q, k, v, _ = make_qkv(6, 1, 2, 2, 30, 30, 16)
     wide = np.stack([q, q], axis=-1).reshape(q.shape[:-1] + (-1,))[..., ::2]  # a strided view of q

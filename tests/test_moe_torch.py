@@ -24,8 +24,10 @@ from refmath.moe import (MoEConfig, _moe_inputs, expert_balance_loss, expert_loa
                          moe_forward, route)
 from refmath.softmax import softmax_forward
 
-torch = pytest.importorskip("torch", reason="PyTorch runs the transformers blocks")
-pytest.importorskip("transformers", reason="the blocks under test are transformers' own")
+torch = pytest.importorskip(
+    "torch", reason="PyTorch runs the transformers blocks: install the 'oracle' extra")
+pytest.importorskip(
+    "transformers", reason="the blocks under test are transformers' own: pip install 'transformers>=5'")
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from transformers import (DeepseekV2Config, DeepseekV3Config, MixtralConfig,  # noqa: E402
                           Qwen2MoeConfig)

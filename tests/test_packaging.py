@@ -116,6 +116,23 @@ def test_readme_names_every_runtime_dependency():
             f"{name} is a dependency but the README says: {sentence.group(0)!r}"
 
 
+def test_ci_runs_the_readmes_two_commands_and_the_dev_extra_holds_what_the_tests_need():
+    """.ci/run runs the Quick start's two commands verbatim, first, in a fresh venv; so the tests
+    that the second one runs must find every package they need in the `dev` extra (or skip)."""
+    script = ROOT / ".ci" / "readme_commands.py"
+    if not script.exists():
+        pytest.skip("not a git checkout (an unpacked sdist): CI's files are not shipped")
+    install, tests = runpy.run_path(str(script))["readme_commands"](README)
+    assert install == "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && python -m refmath gradcheck"
+    assert tests == 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && python -m pytest'
+    ci = (ROOT / ".ci" / "run").read_text()
+    first_install = re.search(r"^\s*(python -m )?pip install", ci, re.M)
+    assert ci.index("python3 .ci/readme_commands.py") < first_install.start(), \
+        ".ci/run installs something before the README's commands"
+    dev = {re.split(r"[<>=!~; ]", r, maxsplit=1)[0] for r in PYPROJECT["project"]["optional-dependencies"]["dev"]}
+    assert {"pytest", "hypothesis", "safetensors", "tokenizers"} <= dev  # convert writes both
+
+
 # ---- the lessons ----
 
 def test_lessons_extra_and_the_command_that_opens_them():
@@ -198,10 +215,25 @@ def test_build_plan_says_what_is_built_and_how_long(setup_py, monkeypatch, tmp_p
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     monkeypatch.delenv("REFMATH_CUDA")
+    monkeypatch.delenv("REFMATH_REQUIRE_CUDA", raising=False)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    devices = setup_py["_no_device_reason"].__globals__  # setup.py's own namespace
+    monkeypatch.setitem(devices, "cuda_device_count", lambda: 1)
     plan = setup_py["_build_plan"]()
     assert "refmath._cuda" in plan and f"{tmp_path}/bin/nvcc" in plan
     assert "several minutes" in plan and "REFMATH_CUDA=0 skips it" in plan
+
+    # nvcc without a GPU: the CUDA module is skipped, in the plan's one line, which says how to
+    # build it anyway; REFMATH_CUDA=1 (or REFMATH_REQUIRE_CUDA=1, as CI sets) builds it.
+    monkeypatch.setitem(devices, "cuda_device_count", lambda: 0)
+    plan = setup_py["_build_plan"]()
+    assert "refmath._cuda" not in plan and "\n" not in plan
+    assert (f"{tmp_path}/bin/nvcc is here but no CUDA device is visible, so no CUDA module "
+            f"(REFMATH_CUDA=1 builds it anyway") in plan
+    for switch in ("REFMATH_CUDA", "REFMATH_REQUIRE_CUDA"):
+        with monkeypatch.context() as m:
+            m.setenv(switch, "1")
+            assert "the CUDA module refmath._cuda with" in setup_py["_build_plan"]()
 
 
 class _Compiler:

@@ -334,6 +334,13 @@ def test_train_and_generate_commands_for_the_transformer(tmp_path, capsys, small
     args = ["generate", "--checkpoint", str(out), "--prompt", "1234", "--greedy"]
     assert main(args) == 0
     assert capsys.readouterr().out.startswith("1234 -> ")
+    # trained on at most 4 digits (REVERSE): a longer prompt is named as the problem
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "12345"]) == 2
+    assert capsys.readouterr().err == ("refmath generate: --prompt has 5 digits, but this model "
+                                       "was trained on at most 4: give 1 to 4 digits\n")
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "12", "--max-new-tokens", "9"]) == 2
+    assert "--max-new-tokens must be at most 5 for this model (its longest output: 4 digits and <eos>)" \
+        in capsys.readouterr().err
 
 
 def test_generate_command_for_the_reversal_by_a_decoder(tmp_path, capsys, small_defaults):
@@ -345,6 +352,8 @@ def test_generate_command_for_the_reversal_by_a_decoder(tmp_path, capsys, small_
     args = ["generate", "--checkpoint", str(out), "--prompt", "123", "--greedy"]
     assert main(args) == 0
     assert capsys.readouterr().out.startswith("123 -> ")
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "123456789"]) == 2
+    assert "--prompt has 9 digits, but this model was trained on at most 8" in capsys.readouterr().err
 
 
 def test_resume_keeps_the_evaluation_interval(tmp_path):
@@ -503,7 +512,8 @@ def test_a_default_run_of_every_model_that_has_a_hf_type_converts(name, tmp_path
     """``train --model NAME`` with the recipe's configuration, then ``convert --to-hf``: the
     converted directory loads back as the same function (same logits, up to float32 rounding:
     the RoPE layout may be permuted on the way)."""
-    pytest.importorskip("safetensors", reason="convert writes safetensors")
+    pytest.importorskip("safetensors", reason="convert writes safetensors: pip install 'refmath[hf]'")
+    pytest.importorskip("tokenizers", reason="convert writes tokenizer.json: pip install 'refmath[hf]'")
     from refmath import hf
 
     run = T.train(name, tmp_path / "run", steps=1, accuracy_examples=0, out=open(os.devnull, "w"))

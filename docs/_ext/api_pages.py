@@ -1,7 +1,7 @@
-"""The API reference: one page per row of the README's "What is inside" table, in its order.
+"""The API reference: one page per row of the module table in ``docs/api.md``, in its order.
 
 Each page documents its modules with autodoc (a package brings all its public submodules), so a
-new function appears by itself. A public module that no README row names still gets documented,
+new function appears by itself. A public module that no row names still gets documented,
 on a last page of other modules, and ``tests/test_docs.py`` checks that every public module and
 every public function lands on some page.
 """
@@ -19,7 +19,7 @@ from lesson_pages import write_if_changed
 class ApiPage(NamedTuple):
     slug: str              # file name under docs/api/
     title: str
-    summary: str           # the README's description of the group (markdown)
+    summary: str           # the table's description of the group (markdown)
     modules: list[str]     # dotted module names, in the order documented
 
 
@@ -33,22 +33,24 @@ def public_modules(package: str = "refmath") -> list[str]:
     return names
 
 
-def readme_groups(readme: str) -> list[tuple[list[str], str]]:
-    """The README's "What is inside" table as (module names, description) pairs."""
-    start = readme.index("## What is inside")
-    end = readme.find("\n## ", start + 1)
+def table_groups(api_page: str) -> list[tuple[list[str], str]]:
+    """The module table of ``docs/api.md`` as (module names, description) pairs: each row whose
+    first cell names ``refmath`` modules (linked to their page or not)."""
     groups = []
-    for line in readme[start:end].splitlines():
-        if line.startswith("| `refmath"):
-            first, description = line.strip().strip("|").split("|", 1)
-            groups.append((re.findall(r"`(refmath[\w.]*)`", first), description.strip()))
+    for line in api_page.splitlines():
+        if not line.startswith("| "):
+            continue
+        first, _, description = line.strip().strip("|").partition("|")
+        names = re.findall(r"`(refmath[\w.]*)`", first)
+        if names:
+            groups.append((names, description.strip()))
     return groups
 
 
-def plan_pages(readme: str, modules: list[str]) -> list[ApiPage]:
-    """The API pages: the README's groups, each module with its submodules, then the rest."""
+def plan_pages(api_page: str, modules: list[str]) -> list[ApiPage]:
+    """The API pages: the table's groups, each module with its submodules, then the rest."""
     pages, placed = [], set()
-    for names, summary in readme_groups(readme):
+    for names, summary in table_groups(api_page):
         members = [m for m in modules if any(m == n or m.startswith(n + ".") for n in names)]
         members = [m for m in members if m not in placed]
         placed.update(members)
@@ -57,7 +59,7 @@ def plan_pages(readme: str, modules: list[str]) -> list[ApiPage]:
     rest = [m for m in modules if m not in placed and m != "refmath"]
     if rest:
         pages.append(ApiPage("other", "Other modules",
-                             "Public modules that the README's table does not list.", rest))
+                             "Public modules that the table does not list.", rest))
     return pages
 
 
@@ -73,16 +75,16 @@ def render_page(page: ApiPage) -> str:
 
 
 def render_index(pages: list[ApiPage]) -> str:
-    """The toctree of the API pages and a table of what each holds."""
+    """The toctree of the API pages (the table in ``docs/api.md`` links them), and a line for the
+    page of modules the table does not list, if there is one."""
     out = ["```{toctree}", ":hidden:", ""] + [f"api/{p.slug}" for p in pages] + ["```", ""]
-    out += ["| page | what it holds |", "|---|---|"]
-    out += [f"| [{p.title}](api/{p.slug}.md) | {p.summary} |" for p in pages]
+    out += [f"[{p.title}](api/{p.slug}.md): {p.summary}" for p in pages if p.slug == "other"]
     return "\n".join(out) + "\n"
 
 
 def write_api_pages(root: Path, folder: Path, index: Path) -> list[ApiPage]:
     """Write one page per group into ``folder`` and the index fragment into ``index``."""
-    pages = plan_pages((root / "README.md").read_text(encoding="utf-8"), public_modules())
+    pages = plan_pages((root / "docs" / "api.md").read_text(encoding="utf-8"), public_modules())
     for page in pages:
         write_if_changed(folder / f"{page.slug}.md", render_page(page))
     for stale in set(folder.glob("*.md")) - {folder / f"{p.slug}.md" for p in pages}:

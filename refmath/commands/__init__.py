@@ -10,6 +10,10 @@ with the error's status (2, bad input, unless it says otherwise). The library's 
 input, ``ValueError`` and ``TypeError``, are reported the same way with status 2. Mistakes in the
 flags themselves (an unknown flag, a missing argument) are argparse's, printed with the usage of
 the command that was given, as argparse prints them.
+
+Ctrl-C stops any command with one line, ``refmath <command>: interrupted``, and exit status 130
+(128 + SIGINT, what a shell reports for a process the signal ended), never a traceback. ``train``
+says more itself: the step it stopped at and where its checkpoint is.
 """
 from __future__ import annotations
 
@@ -47,8 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130  # 128 + SIGINT
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Anywhere: while the command modules import (NumPy takes a moment), parse or run.
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if a in COMMANDS), None)
+        print(f"refmath{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -33,7 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attn.add_argument("kernel", metavar="MODULE:FUNCTION",
                       help="the kernel, e.g. torch.nn.functional:scaled_dot_product_attention")
     attn.add_argument("--adapter", required=True, choices=tuple(ADAPTERS),
-                      help="the calling convention of the kernel")
+                      help="the calling convention of the kernel. numpy: f(q, k, v, mask=None, "
+                      "scale=None) -> o, on NumPy arrays q (B, H, T_q, D), k and v (B, G, T_k, D) "
+                      "with G dividing H, o like q; mask is None or boolean (B, 1, T_q, T_k), "
+                      "True = may attend. sdpa: torch's scaled_dot_product_attention. refmath*: "
+                      "refmath.kernels' own. flash_attn*: the flash-attention package's")
     attn.add_argument("--quick", action="store_true", help="the quick sweep (a few seconds)")
     attn.add_argument("--long", action="store_true",
                       help="add the T = 32k cases (forward and decode; tens of seconds)")

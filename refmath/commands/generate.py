@@ -142,8 +142,16 @@ def _from_run(args: argparse.Namespace) -> int:
     with _threads(args, params, len(args.prompt or "\n"), args.max_new_tokens or 200):
         start = time.perf_counter()
         if task in (ReversalTask.name, ReversalLMTask.name):
-            if args.prompt is None:
+            if not args.prompt:
                 raise CommandError("give --prompt, the digits to reverse")
+            longest = ckpt.task["max_len"]  # the task's sources: 1..max_len digits
+            if len(args.prompt) > longest:
+                raise CommandError(f"--prompt has {len(args.prompt)} digits, but this model was "
+                                   f"trained on at most {longest}: give 1 to {longest} digits")
+            if task == ReversalTask.name and (args.max_new_tokens or 0) > ckpt.config.max_seq_len:
+                raise CommandError(f"--max-new-tokens must be at most {ckpt.config.max_seq_len} "
+                                   f"for this model (its longest output: {longest} digits and "
+                                   f"<eos>), got {args.max_new_tokens}")
             n = args.max_new_tokens if args.max_new_tokens is not None else len(args.prompt) + 1
             if task == ReversalTask.name:
                 out = generate_seq2seq(params, ckpt.config, tok.encode(args.prompt), n,
@@ -227,9 +235,11 @@ def _from_hf(args: argparse.Namespace) -> int:
     from refmath.hf import TOKENIZER_FILE, config_from_hf, load_checkpoint, read_config
     from refmath.inference.generate import generate
 
-    if (args.prompt is None) == (args.prompt_ids is None):
-        raise CommandError("give --prompt (text, needs DIR/tokenizer.json) or --prompt-ids "
-                           "(comma-separated token ids), not both")
+    if args.prompt is None and args.prompt_ids is None:
+        raise CommandError("give the prompt: --prompt TEXT (needs DIR/tokenizer.json) or "
+                           "--prompt-ids 1,2,3 (token ids)")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise CommandError("give --prompt or --prompt-ids, not both")
     _check_sampling_flags(args, alphabet=None)
     directory = Path(args.hf)
     config_from_hf(read_config(directory))  # refuse an unsupported model before any weight

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import textwrap
 import time
 
 from refmath.commands import CommandError
@@ -50,21 +51,23 @@ def run(args: argparse.Namespace) -> int:
         names = sorted({c.op for c in every})
         raise CommandError(f"no case matches --op {args.op!r}; known names: {', '.join(names)}, "
                            f"{OPTIMISER_GROUP} (a glob such as 'mha*' or 'layernorm[*' also works)")
-    width = max([len(case.name) for case in cases] + [4])
     id_width = max([len(','.join(case.ids)) for case in cases] + [3])
     groups = [(g, [c for c in cases if c.group == g]) for g in GROUPS]
     if args.list:
+        width = _name_width(cases, ROW_CHARS - 2 - id_width)
         for group, members in groups:
             if members:
                 print(f"# {group}")
             for case in members:
-                print(f"{case.name:<{width}}  {','.join(case.ids)}")
+                print(_row(case.name, width, ','.join(case.ids)))
         if optimisers:
             print(f"# {OPTIMISER_GROUP}")
             for name in _run_optimiser_checks():
                 print(name)
         return 0
 
+    # The ids, the numbers and "result" take id_width + 37 characters; the name gets the rest.
+    width = _name_width(cases, ROW_CHARS - 37 - id_width)
     print(f"{'case':<{width}}  {'ids':<{id_width}} {'max err':>8} {'median':>8} {'bound':>8}  result")
     failures, start = 0, time.perf_counter()
     for group, members in groups:
@@ -72,34 +75,54 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"# {group}")
         for case in members:
+            ids = f"{','.join(case.ids):<{id_width}}"
             try:
                 result = check(case, seed=args.seed, max_coords=args.max_coords)
             except Exception as error:  # a backward that raises is a failed check, not the end
                 failures += 1
-                print(f"{case.name:<{width}}  {','.join(case.ids):<{id_width}} {'-':>8} {'-':>8} "
-                      f"{'-':>8}  FAIL (raised {type(error).__name__}: {error})", flush=True)
+                print(_row(case.name, width, f"{ids} {'-':>8} {'-':>8} {'-':>8}  FAIL",
+                           f"raised {type(error).__name__}: {error}"), flush=True)
                 continue
             failures += not result.passed
-            verdict = "pass" if result.passed else f"FAIL (worst: {result.worst})"
+            detail = None if result.passed else f"worst: {result.worst}"
             if result.problem:
-                verdict = f"FAIL ({result.problem})"
-            print(f"{case.name:<{width}}  {','.join(case.ids):<{id_width}} {result.max_error:>8.1e} "
-                  f"{result.typical:>8.1e} {result.bound:>8.1e}  {verdict}", flush=True)
+                detail = result.problem
+            print(_row(case.name, width, f"{ids} {result.max_error:>8.1e} {result.typical:>8.1e} "
+                       f"{result.bound:>8.1e}  {'pass' if result.passed else 'FAIL'}", detail),
+                  flush=True)
     if optimisers:
         print(f"# {OPTIMISER_GROUP} (catalogue O1-O7, against independent computations in float64)")
         results = _run_optimiser_checks()
         own = max(len(name) for name in results)
         for name, passed in results.items():
             failures += not passed
-            print(f"{name:<{own}}  {'pass' if passed else 'FAIL'}", flush=True)
+            print(_row(name, min(own, ROW_CHARS - 6), 'pass' if passed else 'FAIL'), flush=True)
     elapsed = time.perf_counter() - start
     total = len(cases) + (len(results) if optimisers else 0)
-    print(f"{total - failures} passed, {failures} failed ({elapsed:.1f} s, float64, seed {args.seed}); "
-          "err = |a - n| / max(|a| + |n|, median), bound = the stencil's own error (refmath.gradcheck)")
+    print(f"{total - failures} passed, {failures} failed ({elapsed:.1f} s, float64, seed {args.seed})")
+    print("err = |a - n| / max(|a| + |n|, median); bound = the stencil's own error "
+          "(refmath.gradcheck)")
     return 1 if failures else 0
 
 
 OPTIMISER_GROUP = "optimisers"
+ROW_CHARS = 100  # the widest row printed: a long case name wraps inside its column
+
+
+def _name_width(cases, room: int) -> int:
+    """The name column: as wide as the longest name, but no wider than ``room``."""
+    return max(4, min(max([len(case.name) for case in cases] + [4]), room))
+
+
+def _row(name: str, width: int, columns: str, detail: str | None = None) -> str:
+    """One case's row: ``name`` wrapped inside its ``width`` (continuation lines indented by
+    two), ``columns`` beside its first line, and a failure's ``detail`` on indented lines below."""
+    lines = textwrap.wrap(name, width, subsequent_indent="  ", break_on_hyphens=False) or [""]
+    lines[0] = f"{lines[0]:<{width}}  {columns}"
+    if detail:
+        lines += textwrap.wrap(f"({detail})", ROW_CHARS, initial_indent="    ",
+                               subsequent_indent="    ")
+    return "\n".join(lines)
 
 
 def _run_optimiser_checks() -> dict[str, bool]:

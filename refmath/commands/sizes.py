@@ -121,9 +121,10 @@ def _hf_config(args: argparse.Namespace) -> dict:
     return hf.read_config_file(args.config)
 
 
-def _print_parameters(config: ModelConfig, out, total: int | None = None) -> None:
+def _print_parameters(config: ModelConfig, out, total: int | None = None, buffers: int = 0) -> None:
     """Parameters by component (N7) and the memory they need; ``total`` alone where the
-    components are not written for this kind of model (MLA)."""
+    components are not written for this kind of model (MLA), with ``buffers`` stored numbers that
+    no gradient trains (DeepSeek-V3's routing biases) said apart."""
     if total is None:
         counts = parameter_counts(config)
         published = f"; published {config.published_params}" if config.published_params else ""
@@ -133,6 +134,9 @@ def _print_parameters(config: ModelConfig, out, total: int | None = None) -> Non
         total = counts.total
     else:
         print(f"\nparameters (the loaded model's shapes): {total:,} ({total:.3g})", file=out)
+        if buffers:
+            print(f"  not counted: {buffers:,} routing biases (e_score_correction_bias: buffers "
+                  f"that steer the expert choice, set outside the gradient)", file=out)
 
     p = total
     rule = inference_memory_rule_of_thumb(p)
@@ -230,8 +234,10 @@ def run(args: argparse.Namespace) -> int:
     hf_total = None  # an MLA model's count, from its shapes, unless a flag changed them
     overridden = any(getattr(args, f) is not None
                      for f in ("layers", "heads", "kv_heads", "head_dim"))
+    hf_buffers = 0  # DeepSeek-V3's routing biases: stored, but buffers, not parameters
     if config.is_mla and (args.hf or args.config) and not overridden:
         hf_total = hf_parameter_count(_hf_config(args))
+        hf_buffers = hf_parameter_count(_hf_config(args), buffers=True) - hf_total
     if args.tokens:
         why = "as given"
     elif config.context:
@@ -265,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     countable = config.vocab_size is not None and (
         config.d_ff is not None or config.moe_layers == config.n_layers)
     if hf_total is not None or countable:
-        _print_parameters(config, out, hf_total)
+        _print_parameters(config, out, hf_total, hf_buffers)
         if config.moe is not None:
             _print_moe(config, args.bytes, out)
         if config.is_mla:
