@@ -89,7 +89,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath.models import MODELS, config_class, model_module
+from refmath.models import MODELS, check_config, model_module
 # interleaved_to_half is the RoPE permutation the writer applies (module docstring), public here too
 from refmath.models.hf_layout import HFCheckpointError, interleaved_to_half  # noqa: F401
 from refmath.models.params import check_param_dict
@@ -411,9 +411,7 @@ def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
     if model_name not in writes:
         raise HFCheckpointError(f"model {model_name!r} has no Hugging Face counterpart refmath "
                                 f"writes; it writes {', '.join(writes)}")
-    if not isinstance(config, config_class(model_name)):
-        raise TypeError(f"config must be a {config_class(model_name).__name__} for model "
-                        f"{model_name!r}, got {type(config).__name__}")
+    check_config(model_name, config)  # exactly its class: a subclass's fields would be lost
     module = model_module(model_name)
     dtype = check_param_dict(params, module.param_shapes(config))
     try:

@@ -73,6 +73,7 @@ from refmath import fused as fused_ops
 from refmath import moe as moe_ops
 from refmath.moe import MoEConfig, as_moe_config
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.contract import ANY, allowed
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
                                    prefixed, projections, sub_params)
 from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
@@ -1092,8 +1093,9 @@ def layer_states(cache: DecoderCache) -> list:
 
 
 def _check_config(config) -> None:
-    if not isinstance(config, DecoderConfig):
-        raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+    if type(config) is not DecoderConfig:  # exactly: a subclass may add fields this file ignores
+        raise TypeError(f"config must be a DecoderConfig (exactly that class, not a subclass), "
+                        f"got {type(config).__name__}")
 
 
 def forward(params, batch, config: DecoderConfig, train: bool = False, rng=None):
@@ -1197,20 +1199,48 @@ def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int
 
 
 
+# What the compiled decode layer (refmath.kernels.decode_layers, with this file's embed, head and
+# rope_options around it) computes, field by field: any value of a field marked ANY, the listed
+# values of the others. Anything else, and any field added to DecoderConfig without an entry here
+# (refmath.models.contract checks that at import), keeps the NumPy step.
+COMPILED_FIELDS = {
+    # sizes, handed to the kernel as its shape (d_f from d_ff or ffn_multiple_of)
+    "vocab_size": ANY, "max_seq_len": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY,
+    "n_kv_heads": ANY, "head_dim": ANY, "d_ff": ANY, "ffn_multiple_of": ANY,
+    # the norms: RMSNorm or LayerNorm (with or without its shift), eps, the gain as gain() applies it
+    "norm": ANY, "norm_eps": ANY, "norm_offset": ANY,
+    # RoPE: the rotation at each position comes from rope_options (a rope scaling included; a
+    # length-dependent one is refused at a step where it changes, see cache_stale)
+    "rope_base": ANY, "rope_layout": ANY, "rope_scaling": ANY,
+    # attention: biases, and the score scale (query_pre_attn_scalar) as score_scale gives it
+    "qkv_bias": ANY, "query_pre_attn_scalar": ANY,
+    # the FFN: SwiGLU, or the plain FFN with exact or tanh GELU (not GeGLU)
+    "ffn_gated": ANY,
+    "ffn_activation": lambda config: not config.ffn_gated or config.ffn_activation == "silu",
+    # outside the layers: embed (embed_scale) and head (tied table, final_softcap) run in NumPy
+    "tie_embeddings": ANY, "embed_scale": ANY, "final_softcap": ANY,
+    # training only: no decode step reads them
+    "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
+    # the block: pre-norm sequential sublayers only
+    "pre_norms": (True,), "sandwich_norms": (False,), "parallel_block": (False,),
+    "parallel_norms": (1,),
+    # not computed: every layer attends to every position with one dense FFN, no QK-norm, no cap
+    "moe": (None,), "qk_norm": (None,), "sliding_window": (None,), "window_layers": (None,),
+    "local_rope_base": (None,), "attn_softcap": (None,),
+}
+
+
 def compiled_layer_spec(params, config: DecoderConfig):
     """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
     call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
-    each layer's arrays by the kernel's names. None where a layer has what the compiled layer does
-    not compute: a mixture of experts, QK-norm, a sliding window, an attention softcap, sandwich
-    norms, a parallel block, no pre-norms, or GeGLU. The gains are as :func:`gain` applies them
-    and the score scale as :func:`attention_options` gives it; RoPE's rotation (with a rope
-    scaling) is the caller's, at each position."""
-    plain_ffn = not config.ffn_gated
-    if (config.moe is not None or config.qk_norm is not None or config.sliding_window is not None
-            or config.window_layers is not None or config.attn_softcap is not None
-            or config.sandwich_norms or config.parallel_block or not config.pre_norms
-            or not (plain_ffn or config.ffn_activation == "silu")):
+    each layer's arrays by the kernel's names. None unless every field of ``config`` has a value
+    :data:`COMPILED_FIELDS` lists (pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the
+    plain GELU FFN, optional query/key/value biases, RoPE with or without a rope scaling). The
+    gains are as :func:`gain` applies them and the score scale as :func:`attention_options` gives
+    it; RoPE's rotation (with a rope scaling) is the caller's, at each position."""
+    if type(config) is not DecoderConfig or not allowed(config, COMPILED_FIELDS):
         return None
+    plain_ffn = not config.ffn_gated
     layers = []
     for i in range(config.n_layers):
         p = sub_params(params, f"layers.{i}")

@@ -42,6 +42,7 @@ from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward, layernorm_backward,
                            layernorm_forward)
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models.contract import ANY, allowed
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
                                    projections, sub_params)
 from refmath.models.hf_layout import HFCheckpointError, linear_out, refuse_common, require, take_head
@@ -257,6 +258,9 @@ def init_params(config: GPTConfig, seed: int = 0, dtype=np.float64) -> dict[str,
 
 
 def _check_params(params, config: GPTConfig) -> None:
+    if type(config) is not GPTConfig:  # exactly: a subclass may add fields this file ignores
+        raise TypeError(f"config must be a GPTConfig (exactly that class, not a subclass), "
+                        f"got {type(config).__name__}")
     check_param_dict(params, param_shapes(config))
 
 
@@ -624,13 +628,39 @@ def head(params, x, config: GPTConfig) -> np.ndarray:
 
 
 
+def cache_stale(config: GPTConfig, length: int, n: int) -> bool:
+    """Never: GPT's positions are a learned table, so a cached key does not depend on the length
+    (the hook of :mod:`refmath.models.contract`)."""
+    return False
+
+
+def rope_options(config: GPTConfig, offset: int, length: int) -> None:
+    """None: positions enter at the embedding, not by RoPE (the hook of
+    :mod:`refmath.models.contract`)."""
+    return None
+
+
+# What the compiled decode layer (refmath.kernels.decode_layers, with embed and head around it)
+# computes, field by field (see refmath.models.contract): anything else keeps the NumPy step.
+COMPILED_FIELDS = {
+    # sizes, handed to the kernel as its shape; the embedding and the head run in NumPy
+    "vocab_size": ANY, "max_seq_len": ANY, "n_layers": ANY, "d_model": ANY, "n_heads": ANY,
+    "d_ff": ANY, "tie_embeddings": ANY, "layernorm_eps": ANY,
+    "gelu_approximate": ANY,  # exact or tanh GELU
+    # training only: no decode step reads them
+    "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
+    # not computed: Post-LN, sliding windows
+    "norm_position": ("pre",), "sliding_window": (None,), "window_layers": (None,),
+}
+
+
 def compiled_layer_spec(params, config: GPTConfig):
     """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
     call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
     each layer's arrays by the kernel's names (the pre-LN block, biases everywhere, the GELU FFN;
-    positions enter at the embedding). None for Post-LN or a sliding window."""
-    if (config.norm_position != "pre" or config.sliding_window is not None
-            or config.window_layers is not None):
+    positions enter at the embedding). None unless every field has a value
+    :data:`COMPILED_FIELDS` lists."""
+    if type(config) is not GPTConfig or not allowed(config, COMPILED_FIELDS):
         return None
     layers = []
     for i in range(config.n_layers):

@@ -363,8 +363,9 @@ MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state, mla_cached)
 
 
 def _check_config(config) -> None:
-    if not isinstance(config, MLAConfig):
-        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if type(config) is not MLAConfig:  # exactly: a subclass may add fields this file ignores
+        raise TypeError(f"config must be an MLAConfig (exactly that class, not a subclass), "
+                        f"got {type(config).__name__}")
 
 
 def param_shapes(config: MLAConfig) -> dict:
@@ -417,6 +418,27 @@ def cache_spec(config: MLAConfig, batch: int, max_len: int) -> CacheSpec:
 
 embed = decoder.embed  # the M3 embedding and head, as in training
 head = decoder.head
+
+
+def cache_stale(config: MLAConfig, length: int, n: int) -> bool:
+    """Never: MLAConfig refuses the length-dependent rope scalings, so the cached rotary keys hold
+    at every length (the hook of :mod:`refmath.models.contract`)."""
+    return False
+
+
+def rope_options(config: MLAConfig, offset: int, length: int) -> dict:
+    """The rotation of the rotary part at positions ``offset..`` (:func:`mla_rope`; ``length``
+    changes nothing, see :func:`cache_stale`)."""
+    return mla_rope(config, offset)
+
+
+COMPILED_FIELDS = None  # no compiled decode layer: latent attention runs in NumPy
+
+
+def compiled_layer_spec(params, config: MLAConfig) -> None:
+    """None: the compiled decode layer does not compute latent attention (the hook of
+    :mod:`refmath.models.contract`)."""
+    return None
 
 
 def cached_layer(x, params, layer: int, config: MLAConfig, slot, offset: int,
