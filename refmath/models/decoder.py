@@ -60,21 +60,18 @@ from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_
                                causal_attention_forward, causal_attention_kv, merge_heads,
                                split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import (
-    LinearCache,
-    SwiGLUCache,
-    linear_backward,
-    linear_forward,
-    swiglu_hidden_size,
-)
-from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, swiglu_hidden_size
 from refmath import ffn as ffn_ops
-from refmath import fused as fused_ops
 from refmath import moe as moe_ops
 from refmath.moe import MoEConfig, as_moe_config
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.models import blocks
+from refmath.models.blocks import (NORMS, SublayerCache, ffn_backward, ffn_forward, geglu_ffn_backward,
+                                   norm_backward, parallel_backward, parallel_forward,
+                                   plain_ffn_backward, plain_ffn_forward, post_normed,
+                                   post_normed_backward, sublayer_backward, sublayer_forward)
 from refmath.models.contract import ANY, allowed
-from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
+from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask,
                                    prefixed, projections, sub_params)
 from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
                                       interleaved_to_half, join_heads_columns, linear_out, refuse,
@@ -84,7 +81,7 @@ from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheck
                                       take_phi3_layer, take_swiglu)
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_lm_batch, check_tokens
-from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
+from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (ROPE_LAYOUTS, RoPECache, RopeScaling, as_rope_scaling,
                                rope_backward, rope_forward, rope_frequencies_change, rope_inv_freq)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
@@ -120,7 +117,7 @@ def ffn_width(config) -> int:
     many parameters as the plain FFN's ``4d`` (N5), which ``ffn_gated = False`` defaults to."""
     if config.d_ff is not None:
         return config.d_ff
-    if not getattr(config, "ffn_gated", True):
+    if not config.ffn_gated:
         return 4 * config.d_model
     return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
 
@@ -170,8 +167,6 @@ QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
 FFN_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")
 PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh")
-# the layer norms: RMSNorm (N2), LayerNorm with its bias (N1, Falcon) or without one (PaLM)
-NORMS = ("rmsnorm", "layernorm", "layernorm_no_bias")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,7 +312,7 @@ class DecoderConfig(FamilyConfig):
 def gain(config, gamma):
     """An RMSNorm's gain as the model applies it: ``gamma``, or ``norm_offset + gamma`` (Gemma
     stores ``w`` and scales by ``1 + w``)."""
-    offset = getattr(config, "norm_offset", 0.0)
+    offset = config.norm_offset
     return offset + gamma if offset else gamma
 
 
@@ -325,9 +320,9 @@ def attention_options(config) -> dict:
     """What a layer's attention is told besides ``q``, ``k``, ``v``: its ``window`` and, where
     the config sets them, Gemma's ``scale`` (``query_pre_attn_scalar``) and ``softcap``."""
     options = {"window": config.sliding_window}
-    if getattr(config, "query_pre_attn_scalar", None) is not None:
+    if config.query_pre_attn_scalar is not None:
         options["scale"] = config.score_scale
-    if getattr(config, "attn_softcap", None) is not None:
+    if config.attn_softcap is not None:
         options["softcap"] = config.attn_softcap
     return options
 
@@ -336,7 +331,7 @@ def layer_config(config, layer: int):
     """The configuration layer ``layer`` computes with: ``config`` itself, or, with
     ``window_layers``, ``config`` with that layer's window (``sliding_window`` or None) and RoPE
     (``local_rope_base`` without scaling on a sliding layer). Built once per layer and kept."""
-    if getattr(config, "window_layers", None) is None:
+    if config.window_layers is None:
         return config
     return _layer_config(config, layer)
 
@@ -560,7 +555,7 @@ def cache_stale(config, length: int, n: int) -> bool:
     different frequencies: true only for a length-dependent ``rope_scaling`` (dynamic NTK,
     LongRoPE) whose frequencies differ between the two lengths
     (:func:`refmath.positions.rope_frequencies_change`)."""
-    scaling = getattr(config, "rope_scaling", None)
+    scaling = config.rope_scaling
     return rope_frequencies_change(scaling, length, length + n)
 
 
@@ -582,7 +577,7 @@ def ffn_shapes(config, layer: int) -> dict:
     if is_moe_layer(config, layer):
         return moe_ops.moe_param_shapes(config.d_model, config.moe)
     d, d_f = config.d_model, config.d_f
-    if not getattr(config, "ffn_gated", True):
+    if not config.ffn_gated:
         return {"w_up": (d, d_f), "w_down": (d_f, d)}
     return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
 
@@ -590,9 +585,9 @@ def ffn_shapes(config, layer: int) -> dict:
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
-    sandwich, pre = getattr(config, "sandwich_norms", False), getattr(config, "pre_norms", True)
+    sandwich, pre = config.sandwich_norms, config.pre_norms
     # a parallel block with one norm has no ln2: its FFN reads ln1's output
-    ffn_norm = pre and (not getattr(config, "parallel_block", False) or config.parallel_norms == 2)
+    ffn_norm = pre and (not config.parallel_block or config.parallel_norms == 2)
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
@@ -624,7 +619,7 @@ def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
     params = {}
     for name, shape in decoder_param_shapes(config, attention).items():
         if name.endswith(".gamma"):  # the applied gain starts at 1 (Gemma's stored w at 0)
-            value = np.full(shape, 1.0 - getattr(config, "norm_offset", 0.0))
+            value = np.full(shape, 1.0 - config.norm_offset)
         elif len(shape) == 1:  # biases (a LayerNorm's too), a mixture of experts' selection bias
             value = np.zeros(shape)
         elif name.endswith(RESIDUAL_OUTPUTS):
@@ -663,193 +658,26 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
 # ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer -------------
 
 
-class LayerNormNoBiasCache(NamedTuple):
-    ln: LayerNormCache  # of a LayerNorm whose bias is 0 and no parameter (PaLM)
-
-
 def norm_shapes(config, name: str) -> dict:
     """``{name.gamma: (d,)}`` of the layer norm ``name``, and ``name.beta`` for a LayerNorm with its
     bias."""
     shapes = {name + ".gamma": (config.d_model,)}
-    if getattr(config, "norm", "rmsnorm") == "layernorm":
+    if config.norm == "layernorm":
         shapes[name + ".beta"] = (config.d_model,)
     return shapes
 
 
 def norm_forward(x, params: dict, name: str, config):
-    r"""The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, as
-    ``config.norm`` says: RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fused.layernorm_forward`)
-
-    .. math::
-        \operatorname{RMSNorm}(x) = \gamma \odot \frac{x}{\operatorname{rms}(x)},\qquad
-        \operatorname{LN}(x) = \gamma \odot \frac{x - \mu}{\sigma} + \beta
-
-    with :math:`\beta = 0` and no parameter for ``"layernorm_no_bias"``; the gain as :func:`gain`
-    applies it. Returns ``(y, cache)``.
-    """
-    gamma = gain(config, params[name + ".gamma"])
-    kind = getattr(config, "norm", "rmsnorm")
-    if kind == "rmsnorm":
-        return rmsnorm_forward(x, gamma, config.norm_eps)
-    if kind == "layernorm":
-        return fused_ops.layernorm_forward(x, gamma, params[name + ".beta"], config.norm_eps)
-    y, ln = fused_ops.layernorm_forward(x, gamma, 0.0, config.norm_eps)
-    return y, LayerNormNoBiasCache(ln)
-
-
-def norm_backward(dy, cache):
-    """Gradients of :func:`norm_forward`: ``(dx, {"gamma": ...})``, with ``"beta"`` for a LayerNorm
-    with its bias. Without a norm (``cache`` None: the branch read ``x`` itself) ``dy`` passes
-    through."""
-    if cache is None:
-        return dy, {}
-    if isinstance(cache, RMSNormCache):
-        dx, dgamma = rmsnorm_backward(dy, cache)
-        return dx, {"gamma": dgamma}
-    if isinstance(cache, LayerNormNoBiasCache):
-        dx, dgamma, _ = fused_ops.layernorm_backward(dy, cache.ln)
-        return dx, {"gamma": dgamma}
-    dx, dgamma, dbeta = fused_ops.layernorm_backward(dy, cache)
-    return dx, {"gamma": dgamma, "beta": dbeta}
+    """The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, of the
+    kind ``config.norm`` (:func:`refmath.models.blocks.norm_forward`), its gain as :func:`gain`
+    applies it. Returns ``(y, cache)``."""
+    return blocks.norm_forward(x, config.norm, gain(config, params[name + ".gamma"]),
+                               params.get(name + ".beta"), config.norm_eps)
 
 
 def layer_norm(params: dict, name: str, config) -> Callable:
     """The layer norm ``name`` of ``params`` as a function of the rows: ``x -> (y, cache)``."""
     return lambda x: norm_forward(x, params, name, config)
-
-
-class SublayerCache(NamedTuple):
-    norm: object  # the pre-norm's cache (RMSNorm's or LayerNorm's); None where there is none
-    branch: object  # the branch's own cache (attention or FFN)
-    drop: np.ndarray | None  # residual dropout multiplier: 0 (dropped) or 1/(1-p), or None
-
-
-def sublayer_forward(x, norm: Callable | None, branch_forward: Callable, drop=None):
-    r"""A residual sublayer (N2, N4): :math:`y = x + D \odot F(N(x))` with the pre-norm
-    :math:`N` (``norm(x) -> (N(x), cache)``, from :func:`layer_norm`), or, with ``norm`` None,
-    :math:`y = x + D \odot F(x)` (OLMo 2, whose branch normalises its output instead).
-
-    ``branch_forward(h) -> (F(h), cache)`` is the attention or the FFN; ``drop`` is the residual
-    dropout multiplier ``D`` (None: no dropout). Returns ``(y, cache)``.
-    """
-    h, norm_cache = (x, None) if norm is None else norm(x)
-    f, branch = branch_forward(h)
-    return x + apply_mask(f, drop), SublayerCache(norm_cache, branch, drop)
-
-
-def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
-    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, norm_grads, branch_grads)``, the
-    norm's gradients keyed ``"gamma"`` (and ``"beta"``).
-
-    The identity path passes ``dout`` straight through (the point of Pre-LN, N4's :math:`I + J_F
-    J_{LN}`); the branch path goes back through the dropout mask, the branch and the norm.
-    """
-    df = apply_mask(dout, cache.drop)
-    dh, branch_grads = branch_backward(df, cache.branch)
-    dx, norm_grads = norm_backward(dh, cache.norm)
-    return dout + dx, norm_grads, branch_grads
-
-
-def parallel_forward(x, norms: tuple, branches: tuple, drops=(None, None)):
-    r"""A parallel block (N21; GPT-J, PaLM, Falcon): attention and FFN read the block's input and
-    add to the residual together,
-
-    .. math::
-        x' = x + D_1 \odot \operatorname{Attn}(N_1(x)) + D_2 \odot \operatorname{FFN}(N_2(x))
-
-    ``norms`` = ``(N_1, N_2)`` as :func:`sublayer_forward` takes a norm, ``N_2`` None when the FFN
-    reads :math:`N_1(x)` too (one norm: GPT-J, PaLM, Falcon-7B; two: Falcon-40B); ``branches`` the
-    attention and FFN forwards, ``drops`` their residual dropout multipliers (one per branch, as
-    for the sequential sublayers; Falcon drops their sum with one). Returns ``(x', attn, ffn)``,
-    each a :class:`SublayerCache` (the FFN's without a norm cache when it shares the attention's).
-    """
-    attn_norm, ffn_norm = norms
-    h, attn_norm_cache = attn_norm(x)
-    u, ffn_norm_cache = (h, None) if ffn_norm is None else ffn_norm(x)
-    a, attn = branches[0](h)
-    f, ffn = branches[1](u)
-    y = x + apply_mask(a, drops[0]) + apply_mask(f, drops[1])
-    return (y, SublayerCache(attn_norm_cache, attn, drops[0]),
-            SublayerCache(ffn_norm_cache, ffn, drops[1]))
-
-
-def parallel_backward(dout, attn: SublayerCache, ffn: SublayerCache, backwards: tuple,
-                      shared: bool):
-    r"""Gradients of :func:`parallel_forward`: ``(dx, attn_norm_grads, ffn_norm_grads,
-    attn_grads, ffn_grads)``.
-
-    ``x`` feeds three paths, the identity and both branches, so their gradients add up:
-
-    .. math::
-        dx = dx' + J_{N_1}^\top\, dh + J_{N_2}^\top\, du,\qquad
-        dh = J_{\text{Attn}}^\top (D_1 \odot dx'),\quad du = J_{\text{FFN}}^\top (D_2 \odot dx')
-
-    and with one norm (``shared``) both branches read :math:`h = N(x)`: :math:`dx = dx' +
-    J_N^\top (dh + du)`, one backward through the norm.
-    """
-    dh, attn_grads = backwards[0](apply_mask(dout, attn.drop), attn.branch)
-    du, ffn_grads = backwards[1](apply_mask(dout, ffn.drop), ffn.branch)
-    if shared:
-        dx, attn_norm_grads = norm_backward(dh + du, attn.norm)
-        return dout + dx, attn_norm_grads, {}, attn_grads, ffn_grads
-    dx_attn, attn_norm_grads = norm_backward(dh, attn.norm)
-    dx_ffn, ffn_norm_grads = norm_backward(du, ffn.norm)
-    return dout + dx_attn + dx_ffn, attn_norm_grads, ffn_norm_grads, attn_grads, ffn_grads
-
-
-def ffn_forward(h, params: dict, activation: str = "silu"):
-    """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``: the numbers of
-    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fused.swiglu_forward`;
-    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fused.geglu_forward`)."""
-    if activation == "gelu_tanh":
-        return fused_ops.geglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
-    return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
-
-
-def ffn_backward(dy, cache: SwiGLUCache):
-    """Gradients of :func:`ffn_forward`: ``(dh, {"w_gate", "w_up", "w_down"})``."""
-    dh, dw_gate, dw_up, dw_down = swiglu_backward(dy, cache)
-    return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
-
-
-def geglu_ffn_backward(dy, cache):
-    """Gradients of :func:`ffn_forward` with ``activation="gelu_tanh"``: ``(dh, {"w_gate",
-    "w_up", "w_down"})``."""
-    dh, dw_gate, dw_up, dw_down = fused_ops.geglu_backward(dy, cache)
-    return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
-
-
-class PlainFFNCache(NamedTuple):
-    first: LinearCache  # z = h W_1
-    act: BiasGELUCache  # GELU(z), exact or in its tanh form
-    second: LinearCache  # y = a W_2
-
-
-def plain_ffn_forward(h, params: dict, approximate: bool):
-    r"""The plain two-layer FFN without biases (N5, N6; Falcon, GPT-J), with this layer's ``w_up``
-    (:math:`W_1`, ``(d, d_f)``) and ``w_down`` (:math:`W_2`, ``(d_f, d)``):
-
-    .. math::
-        F(h) = \operatorname{GELU}(h W_1)\, W_2
-
-    the GELU exact or, with ``approximate``, in its tanh form
-    (:func:`refmath.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
-    Returns ``(y, cache)``.
-    """
-    z, first = linear_forward(h, params["w_up"])
-    a, act = fused_ops.bias_gelu_forward(z, None, approximate)
-    y, second = linear_forward(a, params["w_down"])
-    return y, PlainFFNCache(first, act, second)
-
-
-def plain_ffn_backward(dy, cache: PlainFFNCache):
-    r"""Gradients of :func:`plain_ffn_forward`: ``(dh, {"w_up", "w_down"})``; with :math:`z = h
-    W_1`, :math:`a = \operatorname{GELU}(z)`: :math:`da = dy\, W_2^\top`, :math:`dz = da \odot
-    \operatorname{GELU}'(z)`, :math:`dh = dz\, W_1^\top`."""
-    da, dw_down, _ = linear_backward(dy, cache.second)
-    dz = fused_ops.bias_gelu_backward(da, cache.act)
-    dh, dw_up, _ = linear_backward(dz, cache.first)
-    return dh, {"w_up": dw_up, "w_down": dw_down}
 
 
 def layer_ffn_forward(h, params: dict, config, layer: int):
@@ -858,8 +686,8 @@ def layer_ffn_forward(h, params: dict, config, layer: int):
     (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_forward(h, params, config.moe)
-    activation = getattr(config, "ffn_activation", "silu")
-    if not getattr(config, "ffn_gated", True):
+    activation = config.ffn_activation
+    if not config.ffn_gated:
         return plain_ffn_forward(h, params, approximate=activation == "gelu_tanh")
     return ffn_forward(h, params, activation)
 
@@ -874,32 +702,6 @@ class LayerCache(NamedTuple):
     plain_ffn: bool = False  # whether the dense FFN was the plain GELU one (PlainFFNCache)
 
 
-class PostNormCache(NamedTuple):
-    branch: object  # the branch's cache
-    norm: object  # of the norm on its output
-
-
-def post_normed(branch_forward: Callable, norm: Callable) -> Callable:
-    r"""The branch followed by a norm of its output (``norm``, from :func:`layer_norm`): Gemma 2/3's
-    sandwich :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`, or, without the
-    pre-norm, OLMo 2's :math:`x + \operatorname{RMSNorm}(F(x))` (N22)."""
-    def forward(h):
-        y, branch = branch_forward(h)
-        z, norm_cache = norm(y)
-        return z, PostNormCache(branch, norm_cache)
-    return forward
-
-
-def post_normed_backward(branch_backward: Callable, grads: dict, name: str) -> Callable:
-    """The backward of :func:`post_normed`; the output norm's gradients go to ``grads`` under
-    ``name`` (``name.gamma``, ...)."""
-    def backward(dz, cache: PostNormCache):
-        dy, norm_grads = norm_backward(dz, cache.norm)
-        grads.update(prefixed(name, norm_grads))
-        return branch_backward(dy, cache.branch)
-    return backward
-
-
 def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
                   drops=(None, None)):
     r"""The residual block around a layer's attention and FFN branches, with the norms where
@@ -908,14 +710,14 @@ def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Ca
     block (N21). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
     ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
     """
-    if getattr(config, "sandwich_norms", False):
+    if config.sandwich_norms:
         attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
         ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
-    if getattr(config, "parallel_block", False):
+    if config.parallel_block:
         ffn_norm = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
         return parallel_forward(x, (layer_norm(params, "ln1", config), ffn_norm),
                                 (attn_branch, ffn_branch), drops)
-    pre = getattr(config, "pre_norms", True)
+    pre = config.pre_norms
     x, attn = sublayer_forward(x, layer_norm(params, "ln1", config) if pre else None, attn_branch,
                                drops[0])
     x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config) if pre else None, ffn_branch,
@@ -939,10 +741,10 @@ def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
         x, params, config, lambda h: attention.forward(h, attn_params, config),
         lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
     moe = is_moe_layer(config, layer)
-    plain = not moe and not getattr(config, "ffn_gated", True)
-    geglu = not moe and not plain and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
-    parallel = config.parallel_norms if getattr(config, "parallel_block", False) else 0
-    return x, LayerCache(attn, ffn, moe, getattr(config, "sandwich_norms", False), geglu,
+    plain = not moe and not config.ffn_gated
+    geglu = not moe and not plain and config.ffn_activation == "gelu_tanh"
+    parallel = config.parallel_norms if config.parallel_block else 0
+    return x, LayerCache(attn, ffn, moe, config.sandwich_norms, geglu,
                          parallel, plain)
 
 
@@ -1023,7 +825,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
     w_out = table.T if config.tie_embeddings else params["lm_head"]
     z, head = linear_forward(x, w_out)
     cap = None
-    if getattr(config, "final_softcap", None) is not None:
+    if config.final_softcap is not None:
         z, cap = ffn_ops.softcap_forward(z, config.final_softcap)
     return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None,
                            scale, cap)
@@ -1031,7 +833,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
 
 def embedding_scale(config, dtype):
     r"""The factor of the embeddings, :math:`\sqrt d` in the parameters' dtype (Gemma), or None."""
-    if not getattr(config, "embed_scale", False):
+    if not config.embed_scale:
         return None
     return np.asarray(math.sqrt(config.d_model), dtype=dtype)
 
@@ -1170,7 +972,7 @@ def head(params, x, config) -> np.ndarray:
     x, _ = norm_forward(x, params, "ln_f", config)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     z = linear_forward(x, w_out)[0]
-    if getattr(config, "final_softcap", None) is not None:
+    if config.final_softcap is not None:
         z = ffn_ops.softcap_forward(z, config.final_softcap)[0]
     return z
 

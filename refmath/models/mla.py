@@ -47,7 +47,7 @@ Attention parameters, relative to ``layers.{i}.attn.`` (``rank`` = ``q_lora_rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -105,6 +105,19 @@ class MLAConfig(FamilyConfig):
     latent_norm: bool = False
     latent_norm_eps: float | None = None
     rope_scaling: RopeScaling | None = None
+
+    # M3's block, which M4 keeps as it is: the options of DecoderConfig that the shared layer code
+    # (refmath.models.decoder) reads, fixed at Llama's values (class constants, not fields)
+    norm: ClassVar[str] = "rmsnorm"
+    norm_offset: ClassVar[float] = 0.0
+    pre_norms: ClassVar[bool] = True
+    sandwich_norms: ClassVar[bool] = False
+    parallel_block: ClassVar[bool] = False
+    ffn_gated: ClassVar[bool] = True
+    ffn_activation: ClassVar[str] = "silu"
+    embed_scale: ClassVar[bool] = False
+    final_softcap: ClassVar[float | None] = None
+    window_layers: ClassVar[tuple | None] = None
 
     def __post_init__(self):
         check_shared_fields(self)
