@@ -61,19 +61,11 @@ from refmath.models.hf_layout import (DEEPSEEK_EXPERTS, HFCheckpointError, join_
                                       rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
                                       take_ends, take_feed_forward_layer)
 from refmath.moe import MoEConfig
-from refmath.models.batch import check_tokens
+from refmath.models.cases import model_case_maker, moe_case_maker
 from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
-from refmath.models.decoder import (
-    DecoderCache,
-    FamilyConfig,
-    check_params,
-    check_shared_fields,
-    decoder_forward,
-    decoder_param_shapes,
-    init_decoder_params,
-    layer_states,
-    lm_forward,
-)
+from refmath.models.decoder_config import FamilyConfig, check_shared_fields
+from refmath.models.decoder import (DecoderCache, decoder_param_shapes, init_decoder_params,
+                                    layer_states, lm_forward)
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (RoPECache, RopeScaling, as_rope_scaling, rope_backward,
                                rope_forward, rope_inv_freq, rope_softmax_scale)
@@ -410,9 +402,7 @@ def backward(cache: DecoderCache) -> dict:
 def logits(params, tokens, config: MLAConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
     _check_config(config)
-    check_params(params, config, MLA)
-    tokens = check_tokens("tokens", tokens, config)
-    return decoder_forward(params, tokens, config, MLA)[0]
+    return decoder.decoder_logits(params, tokens, config, MLA)
 
 
 def layer_latents(cache: DecoderCache) -> list:
@@ -674,7 +664,7 @@ for _label, _extra in (("queries from x", {}),
                          ("x",) + tuple(mla_shapes(_config)), group="attention execution",
                          max_coords=12))
 register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropout 0.25", ("M4",),
-                        decoder.model_case_maker(forward, init_params,
+                        model_case_maker(forward, init_params,
                                                  MLAConfig(**_TINY, q_lora_rank=5, latent_norm=True,
                                                            dropout=0.25), train=True),
                         backward, max_coords=1, step=2.5e-4))
@@ -683,7 +673,7 @@ _YARN = dict(rope_type="yarn", factor=40.0, original_max_seq_len=4, beta_fast=4.
              mscale=0.707, mscale_all_dim=0.5)
 register_case(ParamCase("mla", "DeepSeek-V3's experts: sigmoid, 2 of 4 groups chosen with a "
                         "bias, shared expert, dense first layer, balance losses", ("M4", "E4", "E5"),
-                        decoder.moe_case_maker(forward, init_params, MLAConfig(
+                        moe_case_maker(forward, init_params, MLAConfig(
                             **_TINY, q_lora_rank=5, latent_norm=True, moe=dict(
                                 n_experts=8, top_k=2, d_expert=6, scoring="sigmoid",
                                 routing="noaux_tc", n_groups=4, topk_groups=2, n_shared=1,
@@ -692,7 +682,7 @@ register_case(ParamCase("mla", "DeepSeek-V3's experts: sigmoid, 2 of 4 groups ch
                         backward, max_coords=2, step=2.5e-4))
 register_case(ParamCase("mla", "DeepSeek-V2's experts: softmax, group-limited, two shared "
                         "experts, scaled", ("M4", "E4"),
-                        decoder.moe_case_maker(forward, init_params, MLAConfig(
+                        moe_case_maker(forward, init_params, MLAConfig(
                             **_TINY, latent_norm=True, moe=dict(
                                 n_experts=8, top_k=3, d_expert=6,
                                 routing="group_limited_greedy", n_groups=4, topk_groups=2,
