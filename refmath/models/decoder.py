@@ -83,7 +83,7 @@ from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_s
                                            rope_options)
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask, prefixed,
                                    sub_params)
-from refmath.models.params import check_param_dict
+from refmath.models.params import check_param_dict, draw_params
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
@@ -146,25 +146,10 @@ def decoder_param_shapes(config, attention: AttentionOps) -> dict:
 
 
 def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
-    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`)."""
-    dtype = np.dtype(dtype)
-    if not np.issubdtype(dtype, np.floating):
-        raise TypeError(f"dtype must be a floating-point type, got {dtype}")
-    rng = np.random.default_rng(seed)
-    residual_std = config.init_std / math.sqrt(2 * config.n_layers)
-    params = {}
-    for name, shape in decoder_param_shapes(config, attention).items():
-        if name.endswith(".gamma"):  # the applied gain starts at 1 (Gemma's stored w at 0)
-            value = np.full(shape, 1.0 - config.norm_offset)
-        elif len(shape) == 1:  # biases (a LayerNorm's too), a mixture of experts' selection bias
-            value = np.zeros(shape)
-        elif name.endswith(RESIDUAL_OUTPUTS):
-            value = rng.normal(0.0, residual_std, shape)
-        else:
-            value = rng.normal(0.0, config.init_std, shape)
-        # Drawn in float64 and then cast, so that float32 and float64 parameters share their values.
-        params[name] = value.astype(dtype)
-    return params
+    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`); the
+    applied gains start at 1 (Gemma's stored ``w`` of ``1 + w`` at 0)."""
+    return draw_params(decoder_param_shapes(config, attention), seed, dtype, config.init_std,
+                       config.n_layers, RESIDUAL_OUTPUTS, gain=1.0 - config.norm_offset)
 
 
 def check_params(params, config, attention: AttentionOps) -> None:
