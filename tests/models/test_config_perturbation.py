@@ -53,8 +53,11 @@ BASES = {
     "gpt-banded": dict(_GPT, sliding_window=3, window_layers=(False, True)),
     "mla": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_c=16,
                 d_rope=8, d_ff=48),
+    "cohere": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                   n_kv_heads=2, d_ff=48),
 }
-MODEL_OF = {"gpt": "gpt", "gpt-post": "gpt", "gpt-banded": "gpt", "mla": "mla"}  # the others are "llama"
+MODEL_OF = {"gpt": "gpt", "gpt-post": "gpt", "gpt-banded": "gpt", "mla": "mla",
+            "cohere": "cohere"}  # the others are "llama"
 
 # Values to try for a field besides the generic ones (the other flag, a nearby number): the
 # choices of the string fields and a value for the fields whose default is None.
@@ -64,7 +67,7 @@ HINTS = {
     "rope_layout": ("interleaved", "half"),
     "attention_backend": ("cpu", "numpy"),
     "norm_position": ("pre", "post"),
-    "qk_norm": ("head", "projection", None),
+    "qk_norm": ("head", "projection", None, True, False),
     "head_dim": (16, None), "d_ff": (40,), "n_kv_heads": (1, 4, None),
     "sliding_window": (3, None), "window_layers": ((True, False), (False, True), None),
     "local_rope_base": (100.0, None), "query_pre_attn_scalar": (16.0, None),
