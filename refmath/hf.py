@@ -47,6 +47,9 @@ format.
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
                                                      ones (V2: softmax, group-limited; V3:
                                                      sigmoid, chosen with its bias)
+``cohere``                          ``"cohere"``     Command-R: the parallel block on one
+                                                     LayerNorm without bias, interleaved RoPE,
+                                                     ``logit_scale``, optional per-head QK-norm
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
