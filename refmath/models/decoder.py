@@ -64,18 +64,22 @@ from refmath import ffn as ffn_ops
 from refmath import moe as moe_ops
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models import blocks
-from refmath.models.blocks import (NORMS, SublayerCache, ffn_backward, ffn_forward, geglu_ffn_backward,
+# the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
+# under this module's name too (their paths before the split)
+from refmath.models.blocks import (NORMS, LayerNormNoBiasCache, PlainFFNCache, PostNormCache,
+                                   SublayerCache, ffn_backward, ffn_forward, geglu_ffn_backward,
                                    norm_backward, parallel_backward, parallel_forward,
                                    plain_ffn_backward, plain_ffn_forward, post_normed,
                                    post_normed_backward, sublayer_backward, sublayer_forward)
-from refmath.models.cases import model_case_maker, moe_case_maker
+from refmath.models.cases import (SelectionChanged, case_batch, case_params, model_case_maker,
+                                   moe_case_maker, routed_experts, routing_margin)
 from refmath.models.contract import ANY, allowed
-# the family's configuration, attention and checkpoint tables, offered under this module's name too
 from refmath.models.decoder_config import (FFN_ACTIVATIONS, GATED_ACTIVATIONS, PALM,
                                            PLAIN_ACTIVATIONS, PRESETS, QK_NORMS, DecoderConfig,
                                            FamilyConfig, attention_options, check_shared_fields,
                                            ffn_width, gain, layer_config, preset)
-from refmath.models.decoder_hf import HF_MODEL_TYPES, config_from_hf, params_from_hf, to_hf
+from refmath.models.decoder_hf import (GEMMA_TYPES, HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
+                                       params_from_hf, to_hf)
 from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_stale,
                                            queries_keys, rope_attention_backward,
                                            rope_attention_cached, rope_attention_forward,
