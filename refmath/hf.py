@@ -47,6 +47,9 @@ format.
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
                                                      ones (V2: softmax, group-limited; V3:
                                                      sigmoid, chosen with its bias)
+``cohere``                          ``"cohere"``     Command-R: the parallel block on one
+                                                     LayerNorm without bias, interleaved RoPE,
+                                                     ``logit_scale``, optional per-head QK-norm
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
@@ -89,7 +92,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath.models import MODELS, config_class, model_module
+from refmath.models import MODELS, check_config, model_module
 # interleaved_to_half is the RoPE permutation the writer applies (module docstring), public here too
 from refmath.models.hf_layout import HFCheckpointError, interleaved_to_half  # noqa: F401
 from refmath.models.params import check_param_dict
@@ -411,9 +414,7 @@ def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
     if model_name not in writes:
         raise HFCheckpointError(f"model {model_name!r} has no Hugging Face counterpart refmath "
                                 f"writes; it writes {', '.join(writes)}")
-    if not isinstance(config, config_class(model_name)):
-        raise TypeError(f"config must be a {config_class(model_name).__name__} for model "
-                        f"{model_name!r}, got {type(config).__name__}")
+    check_config(model_name, config)  # exactly its class: a subclass's fields would be lost
     module = model_module(model_name)
     dtype = check_param_dict(params, module.param_shapes(config))
     try:

@@ -367,7 +367,7 @@ def test_resume_keeps_the_evaluation_interval(tmp_path):
 def test_command_errors(tmp_path, capsys):
     args = ["train", "--steps", "2"]
     assert main(args) == 2
-    assert "give --model, one of gpt, llama, mla, transformer" in capsys.readouterr().err
+    assert f"give --model, one of {', '.join(sorted(MODELS))}" in capsys.readouterr().err
     args = ["train", "--resume"]
     assert main(args) == 2
     assert "--resume needs the run directory: --out DIR" in capsys.readouterr().err

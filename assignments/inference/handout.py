@@ -16,7 +16,7 @@
 # | function | file | catalogue |
 # |---|---|---|
 # | `_cached_attention(cache, layer, q, k, v, offset)` | `refmath/inference/kv_cache.py` | K2, K3, K5 |
-# | `rope_attention_cached(u, params, config, slot, offset)` | `refmath/models/decoder.py` | K2, N10 |
+# | `rope_attention_cached(u, params, config, slot, offset)` | `refmath/models/rope_attention.py` | K2, N10 |
 # | `PagedKVCache._needs_copy_on_write`, `.append` (after the checks), `.fork` (after the checks) | `refmath/inference/paged.py` | K10, K11 |
 # | `kv_cache_bytes_per_token`, `kv_cache_bytes`, `mla_cache_bytes_per_token` (after the checks) | `refmath/sizing.py` | K6, K7, K9 |
 #

@@ -15,8 +15,10 @@ The NumPy layers (:func:`refmath.inference.kv_cache.decode_step` on the other ba
 reference: this path gives their logits up to float32 rounding (the norms' sums are taken in
 another order) and the same greedy tokens, which the tests check.
 
-Each model says what its layers are in ``compiled_layer_spec(params, config)``. refmath's decoder
-hands over its pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the plain GELU FFN,
+Each model says what its layers are in ``compiled_layer_spec(params, config)``, from an allow-list
+of the config values the compiled layer computes (its ``COMPILED_FIELDS``, see
+:mod:`refmath.models.contract`); a value or a field it does not list keeps the NumPy step. refmath's
+decoder hands over its pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the plain GELU FFN,
 optional query/key/value biases, RoPE with or without a rope scaling (Llama 2 and 3.x, Mistral
 without its window, Qwen2, a Falcon-style plain FFN); GPT its pre-LN layers. A layer neither
 hands over (a mixture of experts, QK-norm, sliding windows, a softcap, sandwich or parallel
@@ -35,13 +37,12 @@ from refmath.positions import rope_angles
 def compiled_layers(module, params, config) -> CompiledLayers | None:
     """The compiled decode layers of ``module`` with these ``params``, or None where the extension
     is missing, the parameters are not float32, or the model has no compiled layer or a layer
-    with something it does not do: the model's ``compiled_layer_spec(params, config)`` says what
-    its layers are (``(shape, layers)``, the arguments of :func:`refmath.kernels.decode_layers`),
+    with something it does not do: the model's ``compiled_layer_spec(params, config)`` (a hook
+    every decoder-only model defines, :mod:`refmath.models.contract`) says what its layers are (``(shape, layers)``, the arguments of :func:`refmath.kernels.decode_layers`),
     or None."""
-    spec = getattr(module, "compiled_layer_spec", None)
-    if not kernels.cpu_available() or spec is None:
+    if not kernels.cpu_available():
         return None
-    found = spec(params, config)
+    found = module.compiled_layer_spec(params, config)
     if found is None:
         return None
     shape, layers = found
@@ -74,8 +75,7 @@ class CompiledLayers:
             return False
         if any(cache.ring_size(i) is not None for i in range(cache.n_layers)):
             return False
-        stale = getattr(self.module, "cache_stale", None)
-        return stale is None or not stale(self.config, cache.length, 1)
+        return not self.module.cache_stale(self.config, cache.length, 1)
 
     def step(self, cache, ids: np.ndarray) -> np.ndarray:
         """Feed ``ids`` ``(B,)`` at position ``cache.length`` through every layer, appending each

@@ -63,7 +63,7 @@ from refmath.inference.compiled_step import CompiledLayers, compiled_layers
 from refmath.inference.decode import decode_attention
 from refmath.kernels import BACKENDS
 from refmath.inference.sampling import token_picker
-from refmath.models import DECODER_ONLY, MODELS, config_class, model_module, model_name
+from refmath.models import DECODER_ONLY, MODELS, check_config, model_module, model_name
 from refmath.models.common import SplitParams
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
@@ -496,11 +496,9 @@ def _model(model, config) -> ModuleType:
     else:
         raise ValueError(f"model must be one of {', '.join(DECODER_ONLY)} (the decoder-only models "
                          f"of refmath.models.MODELS) or its module, got {model!r}")
-    config_type = config_class(name)
-    if not isinstance(config, config_type):
-        raise TypeError(f"model {name!r} needs a {config_type.__name__}, "
-                        f"got {type(config).__name__}")
-    return model_module(name)
+    module = model_module(name)  # checked against refmath.models.contract on first use
+    check_config(name, config)  # exactly its class: a subclass's extra fields would go unread
+    return module
 
 
 def _check_mla_path(mla_path) -> None:
@@ -786,12 +784,11 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
     module = _model(model, config)
     params = _split_once(params)
     state = {"cache": None}
-    stale = getattr(module, "cache_stale", None)
 
     def next_logits(tokens):
         cache = state["cache"]
         if (cache is not None and cache.length == tokens.shape[1] - 1 < window
-                and not (stale is not None and stale(config, cache.length, 1))):
+                and not module.cache_stale(config, cache.length, 1)):
             return _step(module, params, config, cache, tokens[:, -1], "absorbed",
                          state["layers"])
         z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend)

@@ -12,7 +12,12 @@ defined in its own file, which offers:
   ``config_from_hf``, ``params_from_hf``, ``to_hf`` and ``sizing_fields``;
 - for a decoder-only model, its inference step: ``cache_spec`` (a
   :class:`refmath.models.common.CacheSpec`), ``embed``, ``cached_layer`` and ``head``, which
-  :mod:`refmath.inference.kv_cache` runs.
+  :mod:`refmath.inference.kv_cache` runs, and the hooks ``cache_stale``, ``rope_options``,
+  ``compiled_layer_spec`` with its allow-list ``COMPILED_FIELDS``.
+
+:mod:`refmath.models.contract` is that protocol in full; :func:`model_module` checks it the first
+time it imports a model (a missing name is an ``ImportError`` naming the module and the name), and
+:func:`check_config` accepts a configuration only as exactly its model's class.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 from refmath._validate import check_choice
+from refmath.models.contract import check_module
 
 
 class ModelEntry(NamedTuple):
@@ -35,18 +41,38 @@ MODELS = {
     "gpt": ModelEntry("refmath.models.gpt", "GPTConfig", "M2", True),
     "llama": ModelEntry("refmath.models.decoder", "DecoderConfig", "M3", True),
     "mla": ModelEntry("refmath.models.mla", "MLAConfig", "M4", True),
+    "cohere": ModelEntry("refmath.models.cohere", "CohereConfig", "M3", True),
 }
 DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
 
 
+_CHECKED: set = set()  # the model names whose module passed the contract check
+
+
 def model_module(name: str) -> ModuleType:
-    """The module of model ``name`` (one of :data:`MODELS`), imported on first use."""
-    return importlib.import_module(MODELS[check_choice("model", name, tuple(MODELS))].module)
+    """The module of model ``name`` (one of :data:`MODELS`), imported on first use and checked
+    against the protocol of :mod:`refmath.models.contract` then."""
+    entry = MODELS[check_choice("model", name, tuple(MODELS))]
+    module = importlib.import_module(entry.module)
+    if name not in _CHECKED:
+        check_module(module, entry.config_class, entry.decoder_only)
+        _CHECKED.add(name)
+    return module
 
 
 def config_class(name: str) -> type:
     """The configuration dataclass of model ``name``."""
     return getattr(model_module(name), MODELS[name].config_class)
+
+
+def check_config(name: str, config, argument: str = "config") -> None:
+    """Require ``config`` to be exactly model ``name``'s configuration class: a subclass may add
+    fields that the model's code (and its fast paths) would silently ignore."""
+    cls = config_class(name)
+    if type(config) is not cls:
+        raise TypeError(f"model {name!r} needs a {cls.__name__} ({cls.__module__}, exactly that "
+                        f"class, not a subclass) as {argument}, got "
+                        f"{type(config).__module__}.{type(config).__name__}")
 
 
 def model_name(module: ModuleType) -> str:

@@ -20,6 +20,13 @@ parameter shapes, its forward/backward pair and the per-layer tensors an inferen
 This module's attention is RoPE + grouped-query attention (:data:`ROPE_GQA`);
 :mod:`refmath.models.mla` reuses everything else here with latent attention in its place.
 
+The model is written over five files: the configuration (:mod:`refmath.models.decoder_config`),
+the blocks a layer is made of, which read no configuration (:mod:`refmath.models.blocks`), the
+RoPE attention (:mod:`refmath.models.rope_attention`), the Hugging Face key tables
+(:mod:`refmath.models.decoder_hf`), and this file: the layer, the network, the cached step and the
+hooks of the model contract (:mod:`refmath.models.contract`), which offers the others' public
+names too, so that ``refmath.models.decoder.DecoderConfig`` and the rest keep their paths.
+
 Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)::
 
     tok_emb                      (V, d)
@@ -46,335 +53,43 @@ A LayerNorm (``norm="layernorm"``) adds its bias ``.beta`` ``(d,)`` beside every
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
 
-from refmath._validate import (check_choice, check_field, check_flag, check_int, check_real,
-                               check_window_layers)
-from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_attention_backward,
-                               causal_attention_forward, causal_attention_kv, merge_heads,
-                               split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import (
-    LinearCache,
-    SwiGLUCache,
-    linear_backward,
-    linear_forward,
-    swiglu_hidden_size,
-)
-from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath import ffn as ffn_ops
-from refmath import fused as fused_ops
 from refmath import moe as moe_ops
-from refmath.moe import MoEConfig, as_moe_config
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
-from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, apply_mask, dropout_mask,
-                                   prefixed, projections, sub_params)
-from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
-                                      interleaved_to_half, join_heads_columns, linear_out, refuse,
-                                      refuse_common, require, rope_context, rope_from_hf,
-                                      rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
-                                      fuse_phi3, take_ends, take_feed_forward_layer, take_head,
-                                      take_phi3_layer, take_swiglu)
-from refmath.models.params import check_param_dict
+from refmath.models import blocks
+# the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
+# under this module's name too (their paths before the split)
+from refmath.models.blocks import (NORMS, LayerNormNoBiasCache, PlainFFNCache, PostNormCache,
+                                   SublayerCache, ffn_backward, ffn_forward, geglu_ffn_backward,
+                                   norm_backward, parallel_backward, parallel_forward,
+                                   plain_ffn_backward, plain_ffn_forward, post_normed,
+                                   post_normed_backward, sublayer_backward, sublayer_forward)
+from refmath.models.cases import (SelectionChanged, case_batch, case_params, model_case_maker,
+                                   moe_case_maker, routed_experts, routing_margin)
+from refmath.models.contract import ANY, allowed
+from refmath.models.decoder_config import (FFN_ACTIVATIONS, GATED_ACTIVATIONS, PALM,
+                                           PLAIN_ACTIVATIONS, PRESETS, QK_NORMS, DecoderConfig,
+                                           FamilyConfig, attention_options, check_shared_fields,
+                                           ffn_width, gain, layer_config, preset)
+from refmath.models.decoder_hf import (GEMMA_TYPES, HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
+                                       params_from_hf, to_hf)
+from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_stale,
+                                           queries_keys, rope_attention_backward,
+                                           rope_attention_cached, rope_attention_forward,
+                                           rope_attention_shapes, rope_attention_state,
+                                           rope_options)
+from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask, prefixed,
+                                   sub_params)
+from refmath.models.params import check_param_dict, draw_params
 from refmath.models.batch import check_lm_batch, check_tokens
-from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
-from refmath.positions import (ROPE_LAYOUTS, RoPECache, RopeScaling, as_rope_scaling,
-                               rope_backward, rope_forward, rope_frequencies_change, rope_inv_freq)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
-
-
-# ---- configuration -------------------------------------------------------------------------------
-
-
-def check_shared_fields(config) -> None:
-    """Validate the fields every decoder of this family has (M3 and M4 alike); ``moe`` given as a
-    dict of its fields is made a :class:`refmath.moe.MoEConfig`."""
-    for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "ffn_multiple_of"):
-        check_field(config, name, check_int, 1)
-    check_field(config, "d_ff", check_int, 1, optional=True)
-    check_field(config, "rope_base", check_real, 1.0, low_open=True)
-    check_field(config, "rope_layout", check_choice, ROPE_LAYOUTS)
-    check_field(config, "norm_eps", check_real, 0.0, low_open=True)
-    check_field(config, "dropout", check_real, 0.0, 1.0, high_open=True)
-    check_field(config, "init_std", check_real, 0.0, low_open=True)
-    check_field(config, "tie_embeddings", check_flag)
-    check_field(config, "head_dim", check_int, 1, optional=True)
-    check_field(config, "attention_backend", check_choice, ATTENTION_BACKENDS)
-    # a dict of MoEConfig's fields (asdict's JSON form) becomes a MoEConfig
-    object.__setattr__(config, "moe", as_moe_config(config.moe, f"{type(config).__name__}.moe"))
-    if config.head_dim is None and config.d_model % config.n_heads:
-        raise ValueError(f"{type(config).__name__}.d_model = {config.d_model} is not divisible by "
-                         f"n_heads = {config.n_heads}; give head_dim explicitly")
-
-
-def ffn_width(config) -> int:
-    """The FFN's hidden width ``d_f``: ``d_ff`` if given, else, for the gated FFN, ``8d/3`` rounded
-    up to a multiple of ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), about as
-    many parameters as the plain FFN's ``4d`` (N5), which ``ffn_gated = False`` defaults to."""
-    if config.d_ff is not None:
-        return config.d_ff
-    if not getattr(config, "ffn_gated", True):
-        return 4 * config.d_model
-    return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FamilyConfig:
-    """The fields every decoder of this family has (M3's :class:`DecoderConfig` and M4's
-    :class:`refmath.models.mla.MLAConfig`), checked by :func:`check_shared_fields`, and the widths
-    both derive from them. Keyword-only, so that each model adds its own fields in any order.
-
-    ``moe`` (a :class:`refmath.moe.MoEConfig`, a dict of its fields, or None) makes the
-    feed-forward of the layers it selects (``moe.is_moe_layer``) a mixture of experts (E1-E6); the
-    other layers keep the dense SwiGLU of width ``d_f``.
-    """
-
-    vocab_size: int
-    max_seq_len: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    head_dim: int | None = None
-    d_ff: int | None = None
-    ffn_multiple_of: int = 256
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    init_std: float = 0.02
-    rope_layout: str = "interleaved"
-    attention_backend: str = "numpy"
-    moe: MoEConfig | None = None
-
-    @property
-    def query_key_width(self) -> int:
-        """The query/key width per head: ``head_dim``, or ``d_model // n_heads`` by default."""
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def d_f(self) -> int:
-        """The FFN's hidden width (:func:`ffn_width`)."""
-        return ffn_width(self)
-
-
-QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
-# the FFN's activation: the gate of SwiGLU (N7) or GeGLU (N20), or the nonlinearity of the plain
-# two-layer FFN (N5, N6: exact GELU for Falcon, tanh-GELU for GPT-J)
-FFN_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-GATED_ACTIVATIONS = ("silu", "gelu_tanh")
-PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh")
-# the layer norms: RMSNorm (N2), LayerNorm with its bias (N1, Falcon) or without one (PaLM)
-NORMS = ("rmsnorm", "layernorm", "layernorm_no_bias")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecoderConfig(FamilyConfig):
-    r"""Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
-
-    ``n_kv_heads`` (``g``) defaults to ``n_heads`` (MHA); ``g = 1`` is MQA, anything between that
-    divides ``n_heads`` is GQA (A10). ``head_dim`` (``d_h``) defaults to ``d_model // n_heads`` and
-    must be even (RoPE rotates coordinate pairs). ``d_ff`` overrides the SwiGLU width that
-    ``ffn_multiple_of`` would give. ``max_seq_len`` is the longest sequence accepted; RoPE itself
-    has no table, so it is a contract with the caller rather than a size. ``dropout`` (residual
-    dropout on both sublayers' outputs, used only when ``train=True``) is 0 in modern recipes.
-    ``init_std`` is the standard deviation of every weight at init (residual outputs scaled by
-    ``1/sqrt(2L)``, see :func:`init_params`). ``rope_layout`` is RoPE's pairing of coordinates
-    (:func:`refmath.positions.rope_forward`): ``"interleaved"`` or Hugging Face's ``"half"``.
-    ``attention_backend`` computes the causal attention of training and evaluation
-    (:func:`refmath.attention.causal_attention_forward`): ``"numpy"``, the reference, or ``"cpu"``,
-    the FlashAttention kernel (float32 parameters). ``qkv_bias`` adds biases to the query, key and
-    value projections (Qwen2's ``x W + b``; the output projection keeps none); they start at 0.
-    ``sliding_window`` = ``w`` lets each query see only itself and the ``w - 1`` positions before
-    it (A12, Mistral), in training, evaluation and the KV cache alike, on every backend.
-    ``rope_scaling`` is a context-extension rule for RoPE's frequencies
-    (:class:`refmath.positions.RopeScaling` or a dict of its fields: linear, dynamic NTK, Llama 3.1's
-    llama3, YaRN, LongRoPE; N13-N17). ``qk_norm`` RMS-normalises queries and keys before RoPE
-    (N18): ``"head"`` over each head's ``d_h`` coordinates with one gain of ``d_h`` shared by the
-    heads (Qwen3, Gemma 3), ``"projection"`` over the whole query (``h d_h``) and key (``g d_h``)
-    projections (OLMo 2); ``None`` (the default) normalises neither.
-
-    Per-layer attention: with ``window_layers`` (one flag per layer) only the flagged layers slide
-    their window of ``sliding_window``, the others attend to every earlier position (Gemma 2's
-    alternation, Gemma 3's five local layers per global one, GPT-3's banded and dense layers);
-    ``local_rope_base`` gives the sliding layers their own RoPE base, without ``rope_scaling``
-    (Gemma 3). Gemma's options: ``norm_offset`` = 1 makes every RMSNorm gain ``1 + gamma`` (the
-    stored gain starts at 0); ``embed_scale`` multiplies the embeddings by :math:`\sqrt d` (the
-    tied head still reads the unscaled table); ``ffn_activation`` ``"gelu_tanh"`` makes the gated
-    FFN a GeGLU; ``query_pre_attn_scalar`` = ``s`` scales the scores by :math:`1/\sqrt s` instead
-    of :math:`1/\sqrt{d_h}`; ``attn_softcap`` and ``final_softcap`` = ``c`` cap the attention
-    scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
-    on each sublayer's output before the residual sum (Gemma 2 and 3).
-
-    The block's shape: ``parallel_block`` makes attention and FFN read the same input and add to
-    the residual together, :math:`x' = x + \operatorname{Attn}(N_1(x)) + \operatorname{FFN}(N_2(x))`
-    (GPT-J, PaLM, Falcon; N21), with one norm :math:`N_2 = N_1` (``parallel_norms`` = 1: GPT-J,
-    PaLM, Falcon-7B) or two (``parallel_norms`` = 2: Falcon-40B's ``ln_attn`` and ``ln_mlp``).
-    ``pre_norms`` = False (with ``sandwich_norms``) drops the norms before the sublayers and keeps
-    those after them, :math:`x' = x + \operatorname{RMSNorm}(F(x))` (OLMo 2; N22). ``norm`` is every
-    layer norm of the blocks and the final one (QK-norm stays RMSNorm): ``"rmsnorm"``,
-    ``"layernorm"`` (with its bias ``beta``, Falcon) or ``"layernorm_no_bias"`` (PaLM).
-    ``ffn_gated`` = False makes the FFN the plain two-layer one without biases,
-    :math:`\phi(x W_1) W_2` with ``ffn_activation`` :math:`\phi` ``"gelu"`` (exact, Falcon) or
-    ``"gelu_tanh"`` (GPT-J), of default width ``4 d``.
-    """
-
-    n_kv_heads: int | None = None
-    qkv_bias: bool = False
-    sliding_window: int | None = None
-    rope_scaling: RopeScaling | None = None
-    qk_norm: str | None = None
-    window_layers: tuple | None = None
-    local_rope_base: float | None = None
-    norm_offset: float = 0.0
-    embed_scale: bool = False
-    ffn_activation: str = "silu"
-    query_pre_attn_scalar: float | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    sandwich_norms: bool = False
-    parallel_block: bool = False
-    parallel_norms: int = 1
-    pre_norms: bool = True
-    norm: str = "rmsnorm"
-    ffn_gated: bool = True
-
-    def __post_init__(self):
-        check_shared_fields(self)
-        check_field(self, "n_kv_heads", check_int, 1, optional=True)
-        check_field(self, "qkv_bias", check_flag)
-        check_field(self, "sliding_window", check_int, 1, optional=True)
-        check_window_layers(self)
-        check_field(self, "local_rope_base", check_real, 1.0, low_open=True, optional=True)
-        if self.local_rope_base is not None and self.window_layers is None:
-            raise ValueError("DecoderConfig.local_rope_base is the RoPE base of the sliding layers "
-                             "of window_layers, which is None")
-        check_field(self, "norm_offset", check_real)
-        check_field(self, "embed_scale", check_flag)
-        check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
-        check_field(self, "sandwich_norms", check_flag)
-        self._check_block()
-        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
-            check_field(self, name, check_real, 0.0, low_open=True, optional=True)
-        object.__setattr__(self, "rope_scaling",
-                           as_rope_scaling(self.rope_scaling, "DecoderConfig.rope_scaling"))
-        check_field(self, "qk_norm", check_choice, QK_NORMS, optional=True)
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
-                             f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
-        if self.d_h % 2:
-            source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
-            raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "
-                             f"for RoPE's coordinate pairs")
-
-    def _check_block(self) -> None:
-        """The fields of the block's shape (its norms, their place, the FFN), and their mixtures
-        that no model has."""
-        for name in ("parallel_block", "pre_norms", "ffn_gated"):
-            check_field(self, name, check_flag)
-        check_field(self, "parallel_norms", check_choice, (1, 2))
-        check_field(self, "norm", check_choice, NORMS)
-        if self.parallel_norms == 2 and not self.parallel_block:
-            raise ValueError("DecoderConfig.parallel_norms = 2 gives the FFN of a parallel block "
-                             "its own norm; parallel_block is False")
-        if self.parallel_block and (self.sandwich_norms or not self.pre_norms):
-            raise ValueError("DecoderConfig.parallel_block normalises the block's input only; "
-                             f"sandwich_norms = {self.sandwich_norms} and pre_norms = "
-                             f"{self.pre_norms} ask for norms after the sublayers")
-        if not self.pre_norms and not self.sandwich_norms:
-            raise ValueError("DecoderConfig.pre_norms = False moves the norms after the sublayers "
-                             "(OLMo 2), which needs sandwich_norms = True")
-        allowed = GATED_ACTIVATIONS if self.ffn_gated else PLAIN_ACTIVATIONS
-        if self.ffn_activation not in allowed:
-            kind = "gated FFN" if self.ffn_gated else "plain FFN (ffn_gated = False)"
-            raise ValueError(f"DecoderConfig.ffn_activation = {self.ffn_activation!r} is not one "
-                             f"of the {kind}'s: {', '.join(map(repr, allowed))}")
-
-    @property
-    def kv_heads(self) -> int:
-        """``g``, the number of key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def d_h(self) -> int:
-        """The head width (queries, keys and values alike)."""
-        return self.query_key_width
-
-    @property
-    def score_scale(self) -> float:
-        r"""The factor of the attention scores: :math:`1/\sqrt{d_h}`, or
-        :math:`1/\sqrt{s}` with ``query_pre_attn_scalar`` = ``s``."""
-        return (self.d_h if self.query_pre_attn_scalar is None
-                else self.query_pre_attn_scalar) ** -0.5
-
-
-def gain(config, gamma):
-    """An RMSNorm's gain as the model applies it: ``gamma``, or ``norm_offset + gamma`` (Gemma
-    stores ``w`` and scales by ``1 + w``)."""
-    offset = getattr(config, "norm_offset", 0.0)
-    return offset + gamma if offset else gamma
-
-
-def attention_options(config) -> dict:
-    """What a layer's attention is told besides ``q``, ``k``, ``v``: its ``window`` and, where
-    the config sets them, Gemma's ``scale`` (``query_pre_attn_scalar``) and ``softcap``."""
-    options = {"window": config.sliding_window}
-    if getattr(config, "query_pre_attn_scalar", None) is not None:
-        options["scale"] = config.score_scale
-    if getattr(config, "attn_softcap", None) is not None:
-        options["softcap"] = config.attn_softcap
-    return options
-
-
-def layer_config(config, layer: int):
-    """The configuration layer ``layer`` computes with: ``config`` itself, or, with
-    ``window_layers``, ``config`` with that layer's window (``sliding_window`` or None) and RoPE
-    (``local_rope_base`` without scaling on a sliding layer). Built once per layer and kept."""
-    if getattr(config, "window_layers", None) is None:
-        return config
-    return _layer_config(config, layer)
-
-
-@functools.lru_cache(maxsize=1024)
-def _layer_config(config, layer: int):
-    slides = config.window_layers[layer]
-    fields = dict(window_layers=None, local_rope_base=None,
-                  sliding_window=config.sliding_window if slides else None)
-    if slides and config.local_rope_base is not None:
-        fields.update(rope_base=config.local_rope_base, rope_scaling=None)
-    return dataclasses.replace(config, **fields)
-
-
-# PaLM's block (Chowdhery et al. 2022, Sec. 2): attention and a SwiGLU FFN in parallel on one
-# LayerNorm without bias, multi-query attention, no biases anywhere, the output projection shared
-# with the input embedding. PaLM's weights were never released, so no checkpoint loads into it;
-# refmath.sizing's "palm-540b" counts the published model.
-_PALM = dict(parallel_block=True, n_kv_heads=1, norm="layernorm_no_bias", tie_embeddings=True)
-
-PRESETS = {
-    # For lessons and quick training runs on a CPU: byte-level vocabulary, GQA with g = h/2.
-    "tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
-                 n_kv_heads=2, ffn_multiple_of=16),
-    # A Llama-recipe network of GPT-2-small size (about 125M parameters, d_f = 2048), not a
-    # released checkpoint: 32k vocabulary, d_h = 64, GQA with g = 4 of h = 12.
-    "llama-small": dict(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12,
-                        n_kv_heads=4, ffn_multiple_of=256, norm_eps=1e-5),
-    # PaLM's recipe at the size of "tiny": its SwiGLU is 4d wide (PaLM-540B's 73728 = 4 x 18432)
-    "palm-tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
-                      d_ff=256, norm_eps=1e-5, **_PALM),
-}
-
-
-def preset(name: str, **overrides) -> DecoderConfig:
-    """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return DecoderConfig(**{**PRESETS[name], **overrides})
 
 
 # The default of `python -m refmath train` (as GPT's: about 2.5 min on two busy CPU cores).
@@ -382,185 +97,6 @@ TRAINING_RECIPE = TrainingRecipe(
     {"name": "chars", "seq_len": 64},
     dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_multiple_of=16),
     steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
-
-
-# ---- the attention sublayer as a parameter of the recurrence ---------------------------------------
-
-
-class RoPEAttentionCache(NamedTuple):
-    q_proj: LinearCache  # x W_Q (the three projections share their input x)
-    k_proj: LinearCache
-    v_proj: LinearCache
-    q_rope: RoPECache
-    k_rope: RoPECache
-    attn: CausalAttentionCache  # of the rotated queries and keys, and the values
-    out: LinearCache  # [O_1 ... O_h] W_O
-    n_heads: int
-    q_norm: RMSNormCache | None = None  # QK-norm (N18), when the config has it
-    k_norm: RMSNormCache | None = None
-    qk_norm: str | None = None
-    kv_heads: int | None = None
-
-
-def rope_attention_shapes(config: DecoderConfig) -> dict:
-    d, h, g, d_h = config.d_model, config.n_heads, config.kv_heads, config.d_h
-    shapes = {"w_q": (d, h * d_h), "w_k": (d, g * d_h), "w_v": (d, g * d_h), "w_o": (h * d_h, d)}
-    if config.qkv_bias:
-        shapes.update({"b_q": (h * d_h,), "b_k": (g * d_h,), "b_v": (g * d_h,)})
-    if config.qk_norm == "head":
-        shapes.update({"q_norm.gamma": (d_h,), "k_norm.gamma": (d_h,)})
-    elif config.qk_norm == "projection":
-        shapes.update({"q_norm.gamma": (h * d_h,), "k_norm.gamma": (g * d_h,)})
-    return shapes
-
-
-def rope_options(config: DecoderConfig, offset: int, length: int) -> dict:
-    """The keyword arguments of :func:`refmath.positions.rope_forward` for rows at positions
-    ``offset..`` of a sequence ``length`` tokens long: the plain rotation, or the frequencies and
-    attention factor of ``config.rope_scaling`` (N13-N17) at that length."""
-    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    if config.rope_scaling is not None:
-        inv_freq, factor = rope_inv_freq(config.d_h, config.rope_base, config.rope_scaling, length)
-        rope.update(inv_freq=inv_freq, attention_factor=factor)
-    return rope
-
-
-def queries_keys(x, params: dict, config: DecoderConfig, offset: int = 0, length: int | None = None):
-    r"""The rotated queries ``(B, h, n, d_h)`` and keys ``(B, g, n, d_h)`` of the rows ``x``
-    ``(B, n, d)`` at positions ``offset..``, and what their backward needs.
-
-    .. math::
-        Q = X W_Q\,[+\,b_Q],\quad \hat Q = \operatorname{RMSNorm}_{\gamma_q}(Q)\ \text{(QK-norm,
-        N18)},\quad \tilde Q = m\,\operatorname{RoPE}_{\omega'}(\hat Q)
-
-    and the same for keys; ``length`` (default ``offset + n``) is the sequence length a
-    length-dependent rope scaling sees. Returns ``(q, k, caches)`` with ``caches`` the tuple
-    ``(q_proj, k_proj, q_norm, k_norm, q_rope, k_rope)``.
-    """
-    h, g, n = config.n_heads, config.kv_heads, x.shape[-2]
-    q, q_proj = linear_forward(x, params["w_q"], params.get("b_q"))
-    k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"))
-    q_norm = k_norm = None
-    if config.qk_norm == "projection":  # OLMo 2: the whole projection, before the heads split
-        q, q_norm = rmsnorm_forward(q, gain(config, params["q_norm.gamma"]), config.norm_eps)
-        k, k_norm = rmsnorm_forward(k, gain(config, params["k_norm.gamma"]), config.norm_eps)
-    q, k = split_heads(q, h), split_heads(k, g)
-    if config.qk_norm == "head":  # Qwen3, Gemma 3: each head's d_h coordinates, one shared gain
-        q, q_norm = rmsnorm_forward(q, gain(config, params["q_norm.gamma"]), config.norm_eps)
-        k, k_norm = rmsnorm_forward(k, gain(config, params["k_norm.gamma"]), config.norm_eps)
-    rope = rope_options(config, offset, offset + n if length is None else length)
-    q, q_rope = rope_forward(q, **rope)
-    k, k_rope = rope_forward(k, **rope)
-    return q, k, (q_proj, k_proj, q_norm, k_norm, q_rope, k_rope)
-
-
-def rope_attention_forward(x, params: dict, config: DecoderConfig):
-    r"""Causal self-attention with RoPE and ``g`` shared key/value heads (A1, A2, A6, A10, N10).
-
-    .. math::
-        Q = X W_Q\,[+\,b_Q],\ K = X W_K\,[+\,b_K],\ V = X W_V\,[+\,b_V],\qquad
-        \tilde Q_r = \operatorname{RoPE}(Q_r),\ \tilde K_u = \operatorname{RoPE}(K_u) \\
-        O_r = \operatorname{softmax}\Big(\frac{\tilde Q_r \tilde K_{\pi(r)}^\top}{\sqrt{d_h}}
-              + M_{\text{causal}}\Big) V_{\pi(r)},\qquad Y = [O_1 \cdots O_h]\, W_O
-
-    RoPE rotates each head's queries and keys after the projections and before the scores; values
-    are never rotated. :func:`refmath.attention.mha_forward` has no place for that rotation, so the
-    sublayer is assembled here from the same ops. With ``config.qk_norm`` the queries and keys are
-    RMS-normalised before the rotation (N18), and ``config.rope_scaling`` rotates them at rescaled
-    frequencies, times its attention factor (N13-N17; :func:`queries_keys`). ``x`` is
-    ``(B, T, d)``; returns ``(Y, cache)``.
-    """
-    h, g = config.n_heads, config.kv_heads
-    q, k, (q_proj, k_proj, q_norm, k_norm, q_rope, k_rope) = queries_keys(x, params, config)
-    v, v_proj = linear_forward(x, params["w_v"], params.get("b_v"))
-    o, attn = causal_attention_forward(q, k, split_heads(v, g), config.attention_backend,
-                                       **attention_options(config))
-    y, out = linear_forward(merge_heads(o), params["w_o"])
-    return y, RoPEAttentionCache(q_proj, k_proj, v_proj, q_rope, k_rope, attn, out, h, q_norm,
-                                 k_norm, config.qk_norm, g)
-
-
-def rope_attention_backward(dy, cache: RoPEAttentionCache):
-    r"""Gradients of :func:`rope_attention_forward`: returns ``(dx, {"w_q", "w_k", "w_v", "w_o"})``,
-    plus ``"b_q", "b_k", "b_v"`` when the projections have biases.
-
-    The forward in reverse: output projection, attention (A8), the sum over each key/value head's
-    group of query heads, the inverse rotation (RoPE's backward), QK-norm's RMSNorm backward (N2,
-    its gain's gradient summed over heads and tokens), then the three projections, whose input
-    gradients add up because all three read ``x``.
-    """
-    d_merged, dw_o, _ = linear_backward(dy, cache.out)
-    dq, dk, dv = causal_attention_backward(split_heads(d_merged, cache.n_heads), cache.attn)
-    dk = rope_backward(dk, cache.k_rope)
-    dq = rope_backward(dq, cache.q_rope)
-    grads = {}
-    if cache.qk_norm == "head":
-        dq, grads["q_norm.gamma"] = rmsnorm_backward(dq, cache.q_norm)
-        dk, grads["k_norm.gamma"] = rmsnorm_backward(dk, cache.k_norm)
-    dq, dk = merge_heads(dq), merge_heads(dk)
-    if cache.qk_norm == "projection":
-        dq, grads["q_norm.gamma"] = rmsnorm_backward(dq, cache.q_norm)
-        dk, grads["k_norm.gamma"] = rmsnorm_backward(dk, cache.k_norm)
-    dx_q, dw_q, db_q = linear_backward(dq, cache.q_proj)
-    dx_k, dw_k, db_k = linear_backward(dk, cache.k_proj)
-    dx_v, dw_v, db_v = linear_backward(merge_heads(dv), cache.v_proj)
-    grads.update({"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o})
-    if cache.q_proj.has_bias:
-        grads.update({"b_q": db_q, "b_k": db_k, "b_v": db_v})
-    return dx_q + dx_k + dx_v, grads
-
-
-def rope_attention_state(cache: RoPEAttentionCache):
-    """The layer's ``(k, v)``, each ``(B, g, T, d_h)``, keys already rotated at their positions (K3).
-
-    These are the rows a KV cache stores.
-    """
-    return causal_attention_kv(cache.attn)
-
-
-def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):
-    """M3's attention at inference (K2, K3): the new rows ``u`` ``(B, n, d)`` at positions
-    ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset, window)``
-    appends the keys and values to the layer's cache and attends over every cached position (the
-    last ``sliding_window`` of them, with a window). Returns
-    ``(B, n, d)``.
-
-    QK-norm and a rope scaling (N13-N18) go through :func:`queries_keys`. A length-dependent
-    scaling whose frequencies change between ``offset`` and ``offset + n`` tokens makes the cached
-    keys stale (they were rotated at other frequencies, K3): that raises ``ValueError``, and
-    :func:`cache_stale` lets a decoding loop prefill afresh instead.
-    """
-    if cache_stale(config, offset, u.shape[-2]):
-        raise ValueError(f"rope_scaling {config.rope_scaling.rope_type!r} changes RoPE's "
-                         f"frequencies between {offset} and {offset + u.shape[-2]} tokens: the "
-                         f"keys cached for positions 0..{offset - 1} are stale; prefill afresh")
-    # BEGIN SOLUTION
-    if config.qk_norm is not None or config.rope_scaling is not None:
-        q, k, _ = queries_keys(u, params, config, offset)
-        v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], config.kv_heads)
-        o = slot.attend(q, k, v, offset, **attention_options(config))
-        return linear_forward(merge_heads(o), params["w_o"])[0]
-    h, g = config.n_heads, config.kv_heads
-    rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    q, k, v = projections(u, params, "qkv")
-    q, _ = rope_forward(split_heads(q, h), **rope)
-    k, _ = rope_forward(split_heads(k, g), **rope)
-    o = slot.attend(q, k, split_heads(v, g), offset, **attention_options(config))
-    return linear_forward(merge_heads(o), params["w_o"])[0]
-    # END SOLUTION
-
-
-ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,
-                        rope_attention_state, rope_attention_cached)
-
-
-def cache_stale(config, length: int, n: int) -> bool:
-    """Whether appending ``n`` rows to a KV cache of ``length`` positions would mix keys rotated at
-    different frequencies: true only for a length-dependent ``rope_scaling`` (dynamic NTK,
-    LongRoPE) whose frequencies differ between the two lengths
-    (:func:`refmath.positions.rope_frequencies_change`)."""
-    scaling = getattr(config, "rope_scaling", None)
-    return rope_frequencies_change(scaling, length, length + n)
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -581,7 +117,7 @@ def ffn_shapes(config, layer: int) -> dict:
     if is_moe_layer(config, layer):
         return moe_ops.moe_param_shapes(config.d_model, config.moe)
     d, d_f = config.d_model, config.d_f
-    if not getattr(config, "ffn_gated", True):
+    if not config.ffn_gated:
         return {"w_up": (d, d_f), "w_down": (d_f, d)}
     return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
 
@@ -589,9 +125,9 @@ def ffn_shapes(config, layer: int) -> dict:
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
-    sandwich, pre = getattr(config, "sandwich_norms", False), getattr(config, "pre_norms", True)
+    sandwich, pre = config.sandwich_norms, config.pre_norms
     # a parallel block with one norm has no ln2: its FFN reads ln1's output
-    ffn_norm = pre and (not getattr(config, "parallel_block", False) or config.parallel_norms == 2)
+    ffn_norm = pre and (not config.parallel_block or config.parallel_norms == 2)
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
@@ -614,25 +150,10 @@ def decoder_param_shapes(config, attention: AttentionOps) -> dict:
 
 
 def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
-    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`)."""
-    dtype = np.dtype(dtype)
-    if not np.issubdtype(dtype, np.floating):
-        raise TypeError(f"dtype must be a floating-point type, got {dtype}")
-    rng = np.random.default_rng(seed)
-    residual_std = config.init_std / math.sqrt(2 * config.n_layers)
-    params = {}
-    for name, shape in decoder_param_shapes(config, attention).items():
-        if name.endswith(".gamma"):  # the applied gain starts at 1 (Gemma's stored w at 0)
-            value = np.full(shape, 1.0 - getattr(config, "norm_offset", 0.0))
-        elif len(shape) == 1:  # biases (a LayerNorm's too), a mixture of experts' selection bias
-            value = np.zeros(shape)
-        elif name.endswith(RESIDUAL_OUTPUTS):
-            value = rng.normal(0.0, residual_std, shape)
-        else:
-            value = rng.normal(0.0, config.init_std, shape)
-        # Drawn in float64 and then cast, so that float32 and float64 parameters share their values.
-        params[name] = value.astype(dtype)
-    return params
+    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`); the
+    applied gains start at 1 (Gemma's stored ``w`` of ``1 + w`` at 0)."""
+    return draw_params(decoder_param_shapes(config, attention), seed, dtype, config.init_std,
+                       config.n_layers, RESIDUAL_OUTPUTS, gain=1.0 - config.norm_offset)
 
 
 def check_params(params, config, attention: AttentionOps) -> None:
@@ -662,193 +183,26 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
 # ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer -------------
 
 
-class LayerNormNoBiasCache(NamedTuple):
-    ln: LayerNormCache  # of a LayerNorm whose bias is 0 and no parameter (PaLM)
-
-
 def norm_shapes(config, name: str) -> dict:
     """``{name.gamma: (d,)}`` of the layer norm ``name``, and ``name.beta`` for a LayerNorm with its
     bias."""
     shapes = {name + ".gamma": (config.d_model,)}
-    if getattr(config, "norm", "rmsnorm") == "layernorm":
+    if config.norm == "layernorm":
         shapes[name + ".beta"] = (config.d_model,)
     return shapes
 
 
 def norm_forward(x, params: dict, name: str, config):
-    r"""The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, as
-    ``config.norm`` says: RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fused.layernorm_forward`)
-
-    .. math::
-        \operatorname{RMSNorm}(x) = \gamma \odot \frac{x}{\operatorname{rms}(x)},\qquad
-        \operatorname{LN}(x) = \gamma \odot \frac{x - \mu}{\sigma} + \beta
-
-    with :math:`\beta = 0` and no parameter for ``"layernorm_no_bias"``; the gain as :func:`gain`
-    applies it. Returns ``(y, cache)``.
-    """
-    gamma = gain(config, params[name + ".gamma"])
-    kind = getattr(config, "norm", "rmsnorm")
-    if kind == "rmsnorm":
-        return rmsnorm_forward(x, gamma, config.norm_eps)
-    if kind == "layernorm":
-        return fused_ops.layernorm_forward(x, gamma, params[name + ".beta"], config.norm_eps)
-    y, ln = fused_ops.layernorm_forward(x, gamma, 0.0, config.norm_eps)
-    return y, LayerNormNoBiasCache(ln)
-
-
-def norm_backward(dy, cache):
-    """Gradients of :func:`norm_forward`: ``(dx, {"gamma": ...})``, with ``"beta"`` for a LayerNorm
-    with its bias. Without a norm (``cache`` None: the branch read ``x`` itself) ``dy`` passes
-    through."""
-    if cache is None:
-        return dy, {}
-    if isinstance(cache, RMSNormCache):
-        dx, dgamma = rmsnorm_backward(dy, cache)
-        return dx, {"gamma": dgamma}
-    if isinstance(cache, LayerNormNoBiasCache):
-        dx, dgamma, _ = fused_ops.layernorm_backward(dy, cache.ln)
-        return dx, {"gamma": dgamma}
-    dx, dgamma, dbeta = fused_ops.layernorm_backward(dy, cache)
-    return dx, {"gamma": dgamma, "beta": dbeta}
+    """The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, of the
+    kind ``config.norm`` (:func:`refmath.models.blocks.norm_forward`), its gain as :func:`gain`
+    applies it. Returns ``(y, cache)``."""
+    return blocks.norm_forward(x, config.norm, gain(config, params[name + ".gamma"]),
+                               params.get(name + ".beta"), config.norm_eps)
 
 
 def layer_norm(params: dict, name: str, config) -> Callable:
     """The layer norm ``name`` of ``params`` as a function of the rows: ``x -> (y, cache)``."""
     return lambda x: norm_forward(x, params, name, config)
-
-
-class SublayerCache(NamedTuple):
-    norm: object  # the pre-norm's cache (RMSNorm's or LayerNorm's); None where there is none
-    branch: object  # the branch's own cache (attention or FFN)
-    drop: np.ndarray | None  # residual dropout multiplier: 0 (dropped) or 1/(1-p), or None
-
-
-def sublayer_forward(x, norm: Callable | None, branch_forward: Callable, drop=None):
-    r"""A residual sublayer (N2, N4): :math:`y = x + D \odot F(N(x))` with the pre-norm
-    :math:`N` (``norm(x) -> (N(x), cache)``, from :func:`layer_norm`), or, with ``norm`` None,
-    :math:`y = x + D \odot F(x)` (OLMo 2, whose branch normalises its output instead).
-
-    ``branch_forward(h) -> (F(h), cache)`` is the attention or the FFN; ``drop`` is the residual
-    dropout multiplier ``D`` (None: no dropout). Returns ``(y, cache)``.
-    """
-    h, norm_cache = (x, None) if norm is None else norm(x)
-    f, branch = branch_forward(h)
-    return x + apply_mask(f, drop), SublayerCache(norm_cache, branch, drop)
-
-
-def sublayer_backward(dout, cache: SublayerCache, branch_backward: Callable):
-    r"""Gradients of :func:`sublayer_forward`: returns ``(dx, norm_grads, branch_grads)``, the
-    norm's gradients keyed ``"gamma"`` (and ``"beta"``).
-
-    The identity path passes ``dout`` straight through (the point of Pre-LN, N4's :math:`I + J_F
-    J_{LN}`); the branch path goes back through the dropout mask, the branch and the norm.
-    """
-    df = apply_mask(dout, cache.drop)
-    dh, branch_grads = branch_backward(df, cache.branch)
-    dx, norm_grads = norm_backward(dh, cache.norm)
-    return dout + dx, norm_grads, branch_grads
-
-
-def parallel_forward(x, norms: tuple, branches: tuple, drops=(None, None)):
-    r"""A parallel block (N21; GPT-J, PaLM, Falcon): attention and FFN read the block's input and
-    add to the residual together,
-
-    .. math::
-        x' = x + D_1 \odot \operatorname{Attn}(N_1(x)) + D_2 \odot \operatorname{FFN}(N_2(x))
-
-    ``norms`` = ``(N_1, N_2)`` as :func:`sublayer_forward` takes a norm, ``N_2`` None when the FFN
-    reads :math:`N_1(x)` too (one norm: GPT-J, PaLM, Falcon-7B; two: Falcon-40B); ``branches`` the
-    attention and FFN forwards, ``drops`` their residual dropout multipliers (one per branch, as
-    for the sequential sublayers; Falcon drops their sum with one). Returns ``(x', attn, ffn)``,
-    each a :class:`SublayerCache` (the FFN's without a norm cache when it shares the attention's).
-    """
-    attn_norm, ffn_norm = norms
-    h, attn_norm_cache = attn_norm(x)
-    u, ffn_norm_cache = (h, None) if ffn_norm is None else ffn_norm(x)
-    a, attn = branches[0](h)
-    f, ffn = branches[1](u)
-    y = x + apply_mask(a, drops[0]) + apply_mask(f, drops[1])
-    return (y, SublayerCache(attn_norm_cache, attn, drops[0]),
-            SublayerCache(ffn_norm_cache, ffn, drops[1]))
-
-
-def parallel_backward(dout, attn: SublayerCache, ffn: SublayerCache, backwards: tuple,
-                      shared: bool):
-    r"""Gradients of :func:`parallel_forward`: ``(dx, attn_norm_grads, ffn_norm_grads,
-    attn_grads, ffn_grads)``.
-
-    ``x`` feeds three paths, the identity and both branches, so their gradients add up:
-
-    .. math::
-        dx = dx' + J_{N_1}^\top\, dh + J_{N_2}^\top\, du,\qquad
-        dh = J_{\text{Attn}}^\top (D_1 \odot dx'),\quad du = J_{\text{FFN}}^\top (D_2 \odot dx')
-
-    and with one norm (``shared``) both branches read :math:`h = N(x)`: :math:`dx = dx' +
-    J_N^\top (dh + du)`, one backward through the norm.
-    """
-    dh, attn_grads = backwards[0](apply_mask(dout, attn.drop), attn.branch)
-    du, ffn_grads = backwards[1](apply_mask(dout, ffn.drop), ffn.branch)
-    if shared:
-        dx, attn_norm_grads = norm_backward(dh + du, attn.norm)
-        return dout + dx, attn_norm_grads, {}, attn_grads, ffn_grads
-    dx_attn, attn_norm_grads = norm_backward(dh, attn.norm)
-    dx_ffn, ffn_norm_grads = norm_backward(du, ffn.norm)
-    return dout + dx_attn + dx_ffn, attn_norm_grads, ffn_norm_grads, attn_grads, ffn_grads
-
-
-def ffn_forward(h, params: dict, activation: str = "silu"):
-    """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``: the numbers of
-    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fused.swiglu_forward`;
-    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fused.geglu_forward`)."""
-    if activation == "gelu_tanh":
-        return fused_ops.geglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
-    return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
-
-
-def ffn_backward(dy, cache: SwiGLUCache):
-    """Gradients of :func:`ffn_forward`: ``(dh, {"w_gate", "w_up", "w_down"})``."""
-    dh, dw_gate, dw_up, dw_down = swiglu_backward(dy, cache)
-    return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
-
-
-def geglu_ffn_backward(dy, cache):
-    """Gradients of :func:`ffn_forward` with ``activation="gelu_tanh"``: ``(dh, {"w_gate",
-    "w_up", "w_down"})``."""
-    dh, dw_gate, dw_up, dw_down = fused_ops.geglu_backward(dy, cache)
-    return dh, {"w_gate": dw_gate, "w_up": dw_up, "w_down": dw_down}
-
-
-class PlainFFNCache(NamedTuple):
-    first: LinearCache  # z = h W_1
-    act: BiasGELUCache  # GELU(z), exact or in its tanh form
-    second: LinearCache  # y = a W_2
-
-
-def plain_ffn_forward(h, params: dict, approximate: bool):
-    r"""The plain two-layer FFN without biases (N5, N6; Falcon, GPT-J), with this layer's ``w_up``
-    (:math:`W_1`, ``(d, d_f)``) and ``w_down`` (:math:`W_2`, ``(d_f, d)``):
-
-    .. math::
-        F(h) = \operatorname{GELU}(h W_1)\, W_2
-
-    the GELU exact or, with ``approximate``, in its tanh form
-    (:func:`refmath.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
-    Returns ``(y, cache)``.
-    """
-    z, first = linear_forward(h, params["w_up"])
-    a, act = fused_ops.bias_gelu_forward(z, None, approximate)
-    y, second = linear_forward(a, params["w_down"])
-    return y, PlainFFNCache(first, act, second)
-
-
-def plain_ffn_backward(dy, cache: PlainFFNCache):
-    r"""Gradients of :func:`plain_ffn_forward`: ``(dh, {"w_up", "w_down"})``; with :math:`z = h
-    W_1`, :math:`a = \operatorname{GELU}(z)`: :math:`da = dy\, W_2^\top`, :math:`dz = da \odot
-    \operatorname{GELU}'(z)`, :math:`dh = dz\, W_1^\top`."""
-    da, dw_down, _ = linear_backward(dy, cache.second)
-    dz = fused_ops.bias_gelu_backward(da, cache.act)
-    dh, dw_up, _ = linear_backward(dz, cache.first)
-    return dh, {"w_up": dw_up, "w_down": dw_down}
 
 
 def layer_ffn_forward(h, params: dict, config, layer: int):
@@ -857,8 +211,8 @@ def layer_ffn_forward(h, params: dict, config, layer: int):
     (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_forward(h, params, config.moe)
-    activation = getattr(config, "ffn_activation", "silu")
-    if not getattr(config, "ffn_gated", True):
+    activation = config.ffn_activation
+    if not config.ffn_gated:
         return plain_ffn_forward(h, params, approximate=activation == "gelu_tanh")
     return ffn_forward(h, params, activation)
 
@@ -873,32 +227,6 @@ class LayerCache(NamedTuple):
     plain_ffn: bool = False  # whether the dense FFN was the plain GELU one (PlainFFNCache)
 
 
-class PostNormCache(NamedTuple):
-    branch: object  # the branch's cache
-    norm: object  # of the norm on its output
-
-
-def post_normed(branch_forward: Callable, norm: Callable) -> Callable:
-    r"""The branch followed by a norm of its output (``norm``, from :func:`layer_norm`): Gemma 2/3's
-    sandwich :math:`x + \operatorname{RMSNorm}(F(\operatorname{RMSNorm}(x)))`, or, without the
-    pre-norm, OLMo 2's :math:`x + \operatorname{RMSNorm}(F(x))` (N22)."""
-    def forward(h):
-        y, branch = branch_forward(h)
-        z, norm_cache = norm(y)
-        return z, PostNormCache(branch, norm_cache)
-    return forward
-
-
-def post_normed_backward(branch_backward: Callable, grads: dict, name: str) -> Callable:
-    """The backward of :func:`post_normed`; the output norm's gradients go to ``grads`` under
-    ``name`` (``name.gamma``, ...)."""
-    def backward(dz, cache: PostNormCache):
-        dy, norm_grads = norm_backward(dz, cache.norm)
-        grads.update(prefixed(name, norm_grads))
-        return branch_backward(dy, cache.branch)
-    return backward
-
-
 def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
                   drops=(None, None)):
     r"""The residual block around a layer's attention and FFN branches, with the norms where
@@ -907,14 +235,14 @@ def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Ca
     block (N21). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
     ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
     """
-    if getattr(config, "sandwich_norms", False):
+    if config.sandwich_norms:
         attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
         ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
-    if getattr(config, "parallel_block", False):
+    if config.parallel_block:
         ffn_norm = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
         return parallel_forward(x, (layer_norm(params, "ln1", config), ffn_norm),
                                 (attn_branch, ffn_branch), drops)
-    pre = getattr(config, "pre_norms", True)
+    pre = config.pre_norms
     x, attn = sublayer_forward(x, layer_norm(params, "ln1", config) if pre else None, attn_branch,
                                drops[0])
     x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config) if pre else None, ffn_branch,
@@ -938,10 +266,10 @@ def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
         x, params, config, lambda h: attention.forward(h, attn_params, config),
         lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
     moe = is_moe_layer(config, layer)
-    plain = not moe and not getattr(config, "ffn_gated", True)
-    geglu = not moe and not plain and getattr(config, "ffn_activation", "silu") == "gelu_tanh"
-    parallel = config.parallel_norms if getattr(config, "parallel_block", False) else 0
-    return x, LayerCache(attn, ffn, moe, getattr(config, "sandwich_norms", False), geglu,
+    plain = not moe and not config.ffn_gated
+    geglu = not moe and not plain and config.ffn_activation == "gelu_tanh"
+    parallel = config.parallel_norms if config.parallel_block else 0
+    return x, LayerCache(attn, ffn, moe, config.sandwich_norms, geglu,
                          parallel, plain)
 
 
@@ -1022,7 +350,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
     w_out = table.T if config.tie_embeddings else params["lm_head"]
     z, head = linear_forward(x, w_out)
     cap = None
-    if getattr(config, "final_softcap", None) is not None:
+    if config.final_softcap is not None:
         z, cap = ffn_ops.softcap_forward(z, config.final_softcap)
     return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None,
                            scale, cap)
@@ -1030,7 +358,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
 
 def embedding_scale(config, dtype):
     r"""The factor of the embeddings, :math:`\sqrt d` in the parameters' dtype (Gemma), or None."""
-    if not getattr(config, "embed_scale", False):
+    if not config.embed_scale:
         return None
     return np.asarray(math.sqrt(config.d_model), dtype=dtype)
 
@@ -1092,8 +420,9 @@ def layer_states(cache: DecoderCache) -> list:
 
 
 def _check_config(config) -> None:
-    if not isinstance(config, DecoderConfig):
-        raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+    if type(config) is not DecoderConfig:  # exactly: a subclass may add fields this file ignores
+        raise TypeError(f"config must be a DecoderConfig (exactly that class, not a subclass), "
+                        f"got {type(config).__name__}")
 
 
 def forward(params, batch, config: DecoderConfig, train: bool = False, rng=None):
@@ -1126,12 +455,18 @@ def backward(cache: DecoderCache) -> dict:
     return decoder_backward(cross_entropy_backward(1.0, cache.loss), cache)
 
 
+def decoder_logits(params, tokens, config, attention: AttentionOps) -> np.ndarray:
+    """Next-token logits ``(B, T, V)`` of a decoder of this family with the given attention, for
+    int ``tokens`` ``(B, T)``, without dropout or loss (parameters and tokens checked)."""
+    check_params(params, config, attention)
+    tokens = check_tokens("tokens", tokens, config)
+    return decoder_forward(params, tokens, config, attention)[0]
+
+
 def logits(params, tokens, config: DecoderConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
     _check_config(config)
-    check_params(params, config, ROPE_GQA)
-    tokens = check_tokens("tokens", tokens, config)
-    return decoder_forward(params, tokens, config, ROPE_GQA)[0]
+    return decoder_logits(params, tokens, config, ROPE_GQA)
 
 
 def layer_kv(cache: DecoderCache) -> list:
@@ -1168,7 +503,7 @@ def head(params, x, config) -> np.ndarray:
     x, _ = norm_forward(x, params, "ln_f", config)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     z = linear_forward(x, w_out)[0]
-    if getattr(config, "final_softcap", None) is not None:
+    if config.final_softcap is not None:
         z = ffn_ops.softcap_forward(z, config.final_softcap)[0]
     return z
 
@@ -1197,20 +532,48 @@ def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int
 
 
 
+# What the compiled decode layer (refmath.kernels.decode_layers, with this file's embed, head and
+# rope_options around it) computes, field by field: any value of a field marked ANY, the listed
+# values of the others. Anything else, and any field added to DecoderConfig without an entry here
+# (refmath.models.contract checks that at import), keeps the NumPy step.
+COMPILED_FIELDS = {
+    # sizes, handed to the kernel as its shape (d_f from d_ff or ffn_multiple_of)
+    "vocab_size": ANY, "max_seq_len": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY,
+    "n_kv_heads": ANY, "head_dim": ANY, "d_ff": ANY, "ffn_multiple_of": ANY,
+    # the norms: RMSNorm or LayerNorm (with or without its shift), eps, the gain as gain() applies it
+    "norm": ANY, "norm_eps": ANY, "norm_offset": ANY,
+    # RoPE: the rotation at each position comes from rope_options (a rope scaling included; a
+    # length-dependent one is refused at a step where it changes, see cache_stale)
+    "rope_base": ANY, "rope_layout": ANY, "rope_scaling": ANY,
+    # attention: biases, and the score scale (query_pre_attn_scalar) as score_scale gives it
+    "qkv_bias": ANY, "query_pre_attn_scalar": ANY,
+    # the FFN: SwiGLU, or the plain FFN with exact or tanh GELU (not GeGLU)
+    "ffn_gated": ANY,
+    "ffn_activation": lambda config: not config.ffn_gated or config.ffn_activation == "silu",
+    # outside the layers: embed (embed_scale) and head (tied table, final_softcap) run in NumPy
+    "tie_embeddings": ANY, "embed_scale": ANY, "final_softcap": ANY,
+    # training only: no decode step reads them
+    "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
+    # the block: pre-norm sequential sublayers only
+    "pre_norms": (True,), "sandwich_norms": (False,), "parallel_block": (False,),
+    "parallel_norms": (1,),
+    # not computed: every layer attends to every position with one dense FFN, no QK-norm, no cap
+    "moe": (None,), "qk_norm": (None,), "sliding_window": (None,), "window_layers": (None,),
+    "local_rope_base": (None,), "attn_softcap": (None,),
+}
+
+
 def compiled_layer_spec(params, config: DecoderConfig):
     """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
     call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
-    each layer's arrays by the kernel's names. None where a layer has what the compiled layer does
-    not compute: a mixture of experts, QK-norm, a sliding window, an attention softcap, sandwich
-    norms, a parallel block, no pre-norms, or GeGLU. The gains are as :func:`gain` applies them
-    and the score scale as :func:`attention_options` gives it; RoPE's rotation (with a rope
-    scaling) is the caller's, at each position."""
-    plain_ffn = not config.ffn_gated
-    if (config.moe is not None or config.qk_norm is not None or config.sliding_window is not None
-            or config.window_layers is not None or config.attn_softcap is not None
-            or config.sandwich_norms or config.parallel_block or not config.pre_norms
-            or not (plain_ffn or config.ffn_activation == "silu")):
+    each layer's arrays by the kernel's names. None unless every field of ``config`` has a value
+    :data:`COMPILED_FIELDS` lists (pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the
+    plain GELU FFN, optional query/key/value biases, RoPE with or without a rope scaling). The
+    gains are as :func:`gain` applies them and the score scale as :func:`attention_options` gives
+    it; RoPE's rotation (with a rope scaling) is the caller's, at each position."""
+    if type(config) is not DecoderConfig or not allowed(config, COMPILED_FIELDS):
         return None
+    plain_ffn = not config.ffn_gated
     layers = []
     for i in range(config.n_layers):
         p = sub_params(params, f"layers.{i}")
@@ -1250,697 +613,7 @@ def sizing_fields(config: DecoderConfig) -> dict:
                                  2 * config.pre_norms + 2 * config.sandwich_norms))
 
 
-# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, gemma, olmo2, phi3 ----
-
-# RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
-# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
-# gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
-# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its
-# parallel block of LayerNorms and its plain GELU MLP (its own section below)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon")
-GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-_EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
-                   "qwen3_moe": QWEN_MOE_EXPERTS}
-
-
-def _hf_window(hf: dict) -> int | None:
-    """Mistral's, Mixtral's and Phi-3's sliding window (every layer's), or None where it masks
-    nothing."""
-    window = hf.get("sliding_window")
-    if hf["model_type"] not in ("mistral", "mixtral", "phi3") or not window:
-        return None
-    return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
-
-
-QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-
-
-def _qwen_windows(hf: dict) -> tuple:
-    """``(sliding_window, window_layers)`` of a Qwen config: its window on the layers
-    ``layer_types`` marks ``"sliding_attention"`` (as transformers derives them when the file has
-    none: Qwen2 and Qwen3 slide the layers from ``max_window_layers`` on, Qwen2-MoE the even ones
-    below it), on every layer of a Qwen3-MoE (whose attention reads no layer types), or
-    ``(None, None)`` without ``use_sliding_window`` or where the window hides nothing."""
-    window = hf.get("sliding_window")
-    if not hf.get("use_sliding_window") or not window:
-        return None, None
-    window, layers, kind = int(window), int(hf["num_hidden_layers"]), hf["model_type"]
-    if window >= rope_context(hf, rope_from_hf(hf)[1]):
-        return None, None
-    if kind == "qwen3_moe":
-        return window, None
-    first = int(hf.get("max_window_layers", 28))
-    types = hf.get("layer_types") or [
-        "sliding_attention" if (i >= first if kind != "qwen2_moe" else i < first and i % 2 == 0)
-        else "full_attention" for i in range(layers)]
-    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
-        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
-               "per layer")
-    slides = tuple(t == "sliding_attention" for t in types)
-    if not any(slides):
-        return None, None
-    return window, None if all(slides) else slides
-
-
-def _moe_from_hf(hf: dict) -> MoEConfig | None:
-    """The mixture of experts of a mixtral, qwen2_moe or qwen3_moe config (None for the others).
-
-    Mixtral renormalises its top-k softmax scores; the Qwen MoEs do so with ``norm_topk_prob``,
-    and Qwen2-MoE adds one shared expert behind a sigmoid gate. The auxiliary-loss coefficient is a
-    training choice, and transformers adds its loss (over all layers' routers at once) only with
-    ``output_router_logits``: a loaded model's loss is the cross-entropy alone (``balance_coef``
-    0).
-    """
-    kind = hf["model_type"]
-    if kind not in _EXPERT_LAYOUTS:
-        return None
-    n = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
-    if n < 1:
-        refuse(hf, "num_local_experts", n, f"a {kind} checkpoint needs routed experts")
-    moe = dict(n_experts=n, top_k=int(hf["num_experts_per_tok"]))
-    if kind == "mixtral":
-        if float(hf.get("router_jitter_noise") or 0.0):
-            refuse(hf, "router_jitter_noise", hf["router_jitter_noise"], "refmath's router adds "
-                   "no noise to its input (transformers does it only while training)")
-        return MoEConfig(**moe, d_expert=int(hf["intermediate_size"]), norm_topk=True)
-    step, only = int(hf.get("decoder_sparse_step", 1)), sorted(hf.get("mlp_only_layers") or [])
-    if step != 1:
-        refuse(hf, "decoder_sparse_step", step, "refmath places experts on every layer from "
-               "its dense first ones on (decoder_sparse_step 1)")
-    if only != list(range(len(only))):
-        refuse(hf, "mlp_only_layers", only, "refmath's dense layers are the first ones")
-    shared = int(hf.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
-    return MoEConfig(**moe, d_expert=int(hf["moe_intermediate_size"]),
-                     norm_topk=bool(hf.get("norm_topk_prob", False)), first_dense=len(only),
-                     d_shared=shared, shared_gate=shared > 0)
-
-
-def _gemma_from_hf(hf: dict) -> dict:
-    r"""The DecoderConfig fields of a gemma, gemma2 or gemma3_text config (none for the others).
-
-    Every Gemma scales its norms by ``1 + w`` and its embeddings by :math:`\sqrt d`, and gates
-    its FFN with tanh-GELU (Gemma 1's legacy ``hidden_act="gelu"`` meant that too, as transformers
-    reads it). Gemma 2 and 3 add the sandwich norms, ``query_pre_attn_scalar`` and local layers
-    (``layer_types``, or the released alternation when absent); Gemma 2 caps its scores and logits,
-    Gemma 3 normalises each head's queries and keys and gives its local layers their own RoPE.
-    """
-    kind = hf["model_type"]
-    if kind not in GEMMA_TYPES:
-        return {}
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu") or (act == "gelu" and kind != "gemma"):
-        refuse(hf, "hidden_activation", act, "refmath's GeGLU gates with tanh-GELU")
-    fields = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
-    if kind == "gemma":
-        return fields
-    if hf.get("use_bidirectional_attention"):
-        refuse(hf, "use_bidirectional_attention", True, "refmath's decoder is causal")
-    layers = int(hf["num_hidden_layers"])
-    pattern = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern",
-                                                     hf.get("_sliding_window_pattern", 6)))
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
-                                      "full_attention" for i in range(layers)]
-    slides = tuple(t == "sliding_attention" for t in types)
-    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
-        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
-               "per layer")
-    fields.update(sandwich_norms=True,
-                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or
-                                              int(hf.get("head_dim") or 256)),
-                  attn_softcap=hf.get("attn_logit_softcapping"),
-                  final_softcap=hf.get("final_logit_softcapping"))
-    if any(slides):
-        fields.update(sliding_window=int(hf["sliding_window"]),
-                      window_layers=None if all(slides) else slides)
-    if kind == "gemma3_text":
-        fields["qk_norm"] = "head"
-        rope = hf.get("rope_parameters") or {}
-        if "sliding_attention" in rope:  # transformers 5: one rope per layer type
-            local = rope_from_hf({**hf, "rope_parameters": rope["sliding_attention"]})
-            fields["rope"] = rope_from_hf({**hf, "rope_parameters": rope["full_attention"]})
-        else:
-            local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
-            fields["rope"] = rope_from_hf(hf)
-        if local[1] is not None:
-            refuse(hf, "rope_parameters.sliding_attention", rope["sliding_attention"],
-                   "refmath's local layers rotate at their own base without a scaling")
-        if fields.get("window_layers") is not None:
-            fields["local_rope_base"] = local[0]
-        elif all(slides):  # every layer is local: the local rope is the rope
-            fields["rope"] = local
-    return fields
-
-
-def config_from_hf(hf: dict) -> DecoderConfig:
-    kind = hf["model_type"]
-    refuse_common(hf, experts=kind in _EXPERT_LAYOUTS, softcap=kind in ("gemma2", "gemma3_text"))
-    if kind == "falcon":
-        return _falcon_from_hf(hf)
-    gemma = _gemma_from_hf(hf)
-    if not gemma:
-        require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
-    if kind not in ("qwen2", "qwen2_moe"):
-        require(hf, "attention_bias", (False,), False, "refmath's decoder has no bias on the "
-                 "output projection (q/k/v biases alone are Qwen2's)")
-    require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
-    heads = int(hf["num_attention_heads"])
-    base, scaling = gemma.pop("rope", None) or rope_from_hf(hf)
-    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
-    fields = dict(qk_norm="head" if kind in ("qwen3", "qwen3_moe") else None,
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  sliding_window=_hf_window(hf))
-    if kind in QWEN_TYPES:
-        fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
-    fields.update(gemma)
-    if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
-        fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
-    return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
-        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
-        d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        d_ff=int(hf["intermediate_size"]), rope_base=base,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), dropout=0.0,
-        rope_layout="half", qkv_bias=qkv_bias)
-
-
-def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
-    if hf["model_type"] == "falcon":
-        return _falcon_params(config, weights)
-    d = config.d_model
-    widths = {"q": config.n_heads * config.d_h, "k": config.kv_heads * config.d_h,
-              "v": config.kv_heads * config.d_h}
-    params = {}
-    for i in range(config.n_layers):
-        h, p = f"model.layers.{i}.", f"layers.{i}."
-        if hf["model_type"] == "phi3":  # its fused qkv_proj and gate_up_proj
-            take_phi3_layer(weights, params, h, p, config)
-            continue
-        for name, width in widths.items():
-            params[p + f"attn.w_{name}"] = weights.take(h + f"self_attn.{name}_proj.weight",
-                                                        (width, d), transpose=True)
-            if config.qkv_bias:
-                params[p + f"attn.b_{name}"] = weights.take(h + f"self_attn.{name}_proj.bias",
-                                                            (width,))
-        params[p + "attn.w_o"] = weights.take(h + "self_attn.o_proj.weight", (d, widths["q"]),
-                                              transpose=True)
-        if config.qk_norm == "head":  # qwen3's q_norm and k_norm, one (d_h,) gain each
-            for name in ("q", "k"):
-                params[p + f"attn.{name}_norm.gamma"] = weights.take(
-                    h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        elif config.qk_norm == "projection":  # olmo2's, over the whole projections
-            for name in ("q", "k"):
-                params[p + f"attn.{name}_norm.gamma"] = weights.take(
-                    h + f"self_attn.{name}_norm.weight", (widths[name],))
-        if not config.pre_norms:  # OLMo 2: its post_attention_layernorm is the attention's output
-            for ours, theirs in (("ln1_post", "post_attention_layernorm"),
-                                 ("ln2_post", "post_feedforward_layernorm")):
-                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
-            take_swiglu(weights, params, h, p, d, config.d_f)
-        elif config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
-            names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm")
-            for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
-                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
-            take_swiglu(weights, params, h, p, d, config.d_f)
-        else:
-            take_feed_forward_layer(weights, params, h, p, config, i,
-                                    _EXPERT_LAYOUTS.get(hf["model_type"]))
-        # Older Llama files store RoPE's frequencies as a buffer: derived from rope_theta.
-        if weights.has(h + "self_attn.rotary_emb.inv_freq"):
-            weights.skip(h + "self_attn.rotary_emb.inv_freq")
-    take_ends(weights, params, config)
-    return params
-
-
-def _moe_kind(config: DecoderConfig) -> str:
-    """The Hugging Face type a decoder with a mixture of experts is written as: qwen2_moe (a gated
-    shared expert), qwen3_moe (QK-norm) or mixtral; what none of them holds is refused."""
-    moe = config.moe
-
-    def refuse_moe(field, why):
-        raise HFCheckpointError(f"a decoder with moe.{field} = {getattr(moe, field)!r} has no "
-                                f"Hugging Face counterpart here: {why}")
-
-    for field, plain, why in (("scoring", "softmax", "mixtral and the Qwen MoEs score by softmax"),
-                              ("routing", "greedy", "mixtral and the Qwen MoEs route greedily"),
-                              ("scaling", 1.0, "mixtral and the Qwen MoEs do not scale the gates"),
-                              ("score_bias", False, "only deepseek_v3 biases the choice"),
-                              ("every", 1, "mixtral and the Qwen MoEs put experts on every layer")):
-        if getattr(moe, field) != plain:
-            refuse_moe(field, why)
-    if moe.shared_width and not moe.shared_gate:
-        refuse_moe("n_shared", "only deepseek's shared experts are ungated (write it as mla)")
-    if moe.shared_gate:
-        if config.qk_norm or config.sliding_window:
-            refuse_moe("shared_gate", "qwen2_moe has no QK-norm and slides only some layers")
-        return "qwen2_moe"
-    if config.qkv_bias:
-        raise HFCheckpointError("a decoder with q/k/v biases and experts is written as "
-                                "qwen2_moe, which also needs its gated shared expert "
-                                "(moe.shared_gate)")
-    if config.qk_norm:
-        if config.sliding_window:
-            raise HFCheckpointError("qwen3_moe slides only some layers; this config has "
-                                    f"sliding_window = {config.sliding_window} on every layer")
-        return "qwen3_moe"
-    if not moe.norm_topk:
-        refuse_moe("norm_topk", "mixtral renormalises its top-k scores")
-    if moe.first_dense:
-        refuse_moe("first_dense", "mixtral has no dense layers")
-    return "mixtral"
-
-
-def _gemma_kind(config: DecoderConfig) -> str | None:
-    """gemma, gemma2 or gemma3_text for a config with Gemma's options (None without any of them);
-    a mixture of Gemma's options and others no Gemma has is refused."""
-    options = dict(norm_offset=config.norm_offset != 0.0, embed_scale=config.embed_scale,
-                   ffn_activation=config.ffn_activation != "silu",
-                   sandwich_norms=config.sandwich_norms,
-                   query_pre_attn_scalar=config.query_pre_attn_scalar is not None,
-                   attn_softcap=config.attn_softcap is not None,
-                   final_softcap=config.final_softcap is not None,
-                   local_rope_base=config.local_rope_base is not None)
-    if not any(options.values()):
-        return None
-    kind = ("gemma3_text" if config.qk_norm == "head" else "gemma2" if config.sandwich_norms
-            else "gemma")
-    needed = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-                  tie_embeddings=True, moe=None, qkv_bias=False)
-    if kind == "gemma":
-        needed.update(query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
-                      sliding_window=None)
-    else:
-        needed.update(sandwich_norms=True, qk_norm="head" if kind == "gemma3_text" else None)
-    for field, value in needed.items():
-        if getattr(config, field) != value:
-            raise HFCheckpointError(f"a decoder with Gemma's options is written as {kind}, which "
-                                    f"needs {field} = {value!r}; this config has "
-                                    f"{getattr(config, field)!r}")
-    return kind
-
-
-def _gemma_to_hf(config: DecoderConfig, kind: str, hf: dict) -> None:
-    """The fields a gemma, gemma2 or gemma3_text config adds to the Llama ones in ``hf``."""
-    if kind == "gemma":
-        hf.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
-        return
-    slides = config.window_layers or (config.sliding_window is not None,) * config.n_layers
-    hf.pop("hidden_act")
-    scalar = (config.d_h if config.query_pre_attn_scalar is None
-              else config.query_pre_attn_scalar)
-    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-              # transformers' Gemma configs take an integer where it is one
-              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-              attn_logit_softcapping=config.attn_softcap,
-              final_logit_softcapping=config.final_softcap,
-              sliding_window=config.sliding_window or config.max_seq_len,
-              layer_types=["sliding_attention" if f else "full_attention" for f in slides])
-    if kind == "gemma3_text":
-        local = config.rope_base if config.local_rope_base is None else config.local_rope_base
-        hf.update(use_bidirectional_attention=False, rope_parameters={
-            "full_attention": hf["rope_parameters"],
-            "sliding_attention": {"rope_type": "default", "rope_theta": local}})
-
-
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                  "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
-
-
-def _llama_kind(config: DecoderConfig) -> str:
-    """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
-    qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
-    MoE. Qwen2 and Qwen3 slide their window on the layers their ``layer_types`` name, so they
-    take a window on every layer or on some (``window_layers``)."""
-    if config.moe is not None:
-        if config.window_layers is not None:
-            raise HFCheckpointError("a decoder with experts is written here with one window for "
-                                    "every layer or none; this config has window_layers = "
-                                    f"{config.window_layers}")
-        return _moe_kind(config)
-    if config.qk_norm and config.qkv_bias:
-        raise HFCheckpointError("a decoder with qk_norm is written as qwen3, which has no q/k/v "
-                                "biases without an output bias; this config has qkv_bias = True")
-    if config.window_layers is not None and not (config.qk_norm or config.qkv_bias):
-        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
-                                "qwen2 (with qkv_bias), qwen3 (with qk_norm), or gemma2 and "
-                                "gemma3_text (with Gemma's other options)")
-    if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
-            and not config.qk_norm and not config.qkv_bias
-            and config.d_h * config.n_heads == config.d_model):
-        return "phi3"  # LongRoPE's home; phi3 sizes its factors by d_model / n_heads, else llama
-    return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
-            else "mistral" if config.sliding_window else "llama")
-
-
-def _qwen_window_fields(config: DecoderConfig) -> dict:
-    """The window fields of a qwen2 or qwen3 config: its layers' types, and, where the sliding
-    layers are the upper ones, the first of them as ``max_window_layers``."""
-    if config.sliding_window is None:
-        return dict(use_sliding_window=False)
-    slides = config.window_layers or (True,) * config.n_layers
-    first = slides.index(True)
-    fields = dict(use_sliding_window=True, sliding_window=config.sliding_window,
-                  layer_types=["sliding_attention" if f else "full_attention" for f in slides])
-    if all(slides[first:]):
-        fields["max_window_layers"] = first
-    return fields
-
-
-def to_hf(config: DecoderConfig, params: dict):
-    if config.parallel_block or config.norm != "rmsnorm" or not config.ffn_gated:
-        return _falcon_to_hf(config, params)
-    if not config.pre_norms:
-        kind = "olmo2"
-        _require_fields(config, kind, "norms after the sublayers only (pre_norms = False)",
-                        dict(_LLAMA_PLAIN, qk_norm="projection", ffn_activation="silu"))
-    elif config.qk_norm == "projection":
-        raise HFCheckpointError("qk_norm = 'projection' is OLMo 2's, which normalises after the "
-                                "sublayers only (sandwich_norms with pre_norms = False); this "
-                                "config has its norms before them")
-    else:
-        kind = _gemma_kind(config) or _llama_kind(config)
-    gemma = kind if kind in GEMMA_TYPES else None
-    architecture = _ARCHITECTURES[kind]
-    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
-    hf = {"model_type": kind, "architectures": [architecture],
-          "vocab_size": config.vocab_size,
-          "max_position_embeddings": config.max_seq_len if context is None else context,
-          "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
-          "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
-          "head_dim": config.d_h, "intermediate_size": config.d_f, "hidden_act": "silu",
-          "rms_norm_eps": config.norm_eps,
-          "rope_parameters": rope_parameters,
-          "tie_word_embeddings": config.tie_embeddings}
-    if kind in ("olmo2", "phi3"):  # their defaults name ids a small vocabulary may not have; a
-        hf.update(_NO_TOKEN_IDS)   # tokenizer saved beside the weights sets them (save_tokenizer)
-    if gemma:
-        _gemma_to_hf(config, kind, hf)
-    elif kind in ("llama", "olmo2"):
-        hf.update(attention_bias=False, mlp_bias=False)
-    elif kind == "phi3":
-        hf.update(sliding_window=config.sliding_window,
-                  original_max_position_embeddings=config.rope_scaling.original_max_seq_len)
-    elif kind == "qwen3":
-        hf.update(attention_bias=False, **_qwen_window_fields(config))
-    elif kind == "mistral":
-        hf.update(sliding_window=config.sliding_window)
-    elif kind == "mixtral":
-        hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.n_experts,
-                  num_experts_per_tok=config.moe.top_k, intermediate_size=config.moe.d_expert,
-                  router_jitter_noise=0.0, output_router_logits=False)
-    elif kind in ("qwen2_moe", "qwen3_moe"):
-        moe = config.moe
-        hf.update(use_sliding_window=False, num_experts=moe.n_experts,
-                  num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.d_expert,
-                  norm_topk_prob=moe.norm_topk, decoder_sparse_step=1,
-                  mlp_only_layers=list(range(moe.first_dense)), output_router_logits=False)
-        if kind == "qwen2_moe":
-            hf.update(qkv_bias=config.qkv_bias, shared_expert_intermediate_size=moe.shared_width)
-        else:
-            hf.update(attention_bias=False)
-    else:
-        hf.update(_qwen_window_fields(config))
-
-    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
-        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
-
-    tensors = {}
-    for i in range(config.n_layers):
-        h, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
-        tensors[h + "q_proj.weight"] = linear_out(rotated(params[p + "w_q"]))
-        tensors[h + "k_proj.weight"] = linear_out(rotated(params[p + "w_k"]))
-        tensors[h + "v_proj.weight"] = linear_out(params[p + "w_v"])
-        tensors[h + "o_proj.weight"] = linear_out(params[p + "w_o"])
-        if config.qkv_bias:
-            tensors[h + "q_proj.bias"] = rotated(params[p + "b_q"])
-            tensors[h + "k_proj.bias"] = rotated(params[p + "b_k"])
-            tensors[h + "v_proj.bias"] = params[p + "b_v"]
-        if config.qk_norm:  # a (d_h,) gain, permuted within the head like the columns it scales
-            for name in ("q", "k"):
-                tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
-    swiglu_layers_to_hf(config, params, tensors, _EXPERT_LAYOUTS.get(kind))
-    if kind == "phi3":
-        fuse_phi3(tensors, config.n_layers)
-    return hf, tensors
-
-
-# ---- Hugging Face: Falcon ------------------------------------------------------------------------
-
-# Falcon's activation names: exact GELU, or its tanh form under either of transformers' names
-_FALCON_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-
-
-def _falcon_layout(config: DecoderConfig) -> dict:
-    """The fields of a falcon config that fix its block and its ``query_key_value`` layout.
-
-    transformers' new decoder architecture (Falcon-40B) groups the fused projection by key/value
-    head, ``[q_1 .. q_{h/g}, k, v]`` per group, and runs the parallel block with one norm or two
-    (``ln_attn``, ``ln_mlp``); the old one (Falcon-7B) lays it out as ``[q_1 .. q_h, k, v]``
-    (``multi_query``, ``g = 1``) or ``[q, k, v]`` per head (``g = h``), and also runs the
-    sequential block (``parallel_attn`` False). The two old layouts are the grouped one with
-    ``g = 1`` and ``g = h``, so one rule reads them all.
-    """
-    old = not config.parallel_block or (config.kv_heads == 1 and config.parallel_norms == 1)
-    return dict(new_decoder_architecture=not old, multi_query=config.kv_heads == 1,
-                parallel_attn=config.parallel_block,
-                num_ln_in_parallel_attn=None if old else config.parallel_norms)
-
-
-def _falcon_norm_names(config: DecoderConfig) -> dict:
-    """``{refmath norm: Falcon's}`` of one layer."""
-    if not config.parallel_block:
-        return {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
-    if config.parallel_norms == 2:
-        return {"ln1": "ln_attn", "ln2": "ln_mlp"}
-    return {"ln1": "input_layernorm"}
-
-
-def _falcon_from_hf(hf: dict) -> DecoderConfig:
-    """A falcon config: the parallel block of LayerNorms and a plain GELU MLP, RoPE (``"half"``),
-    no biases; ALiBi (Falcon-RW) and biased projections are refused."""
-    if hf.get("alibi"):
-        refuse(hf, "alibi", True, "refmath's decoder places positions by RoPE, not ALiBi's biases")
-    if hf.get("bias"):
-        refuse(hf, "bias", True, "refmath's Falcon has no biases on its projections and MLP")
-    act = hf.get("activation", "gelu")
-    if act not in _FALCON_ACTIVATIONS:
-        refuse(hf, "activation", act, "refmath's plain FFN takes GELU, exact or tanh")
-    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    new, parallel = bool(hf.get("new_decoder_architecture")), bool(hf.get("parallel_attn", True))
-    norms = hf.get("num_ln_in_parallel_attn")
-    if new:
-        if not parallel:
-            refuse(hf, "parallel_attn", False, "the new decoder architecture runs the parallel "
-                   "block only (transformers builds no post_attention_layernorm for it)")
-        norms = 2 if norms is None else int(norms)
-        if norms not in (1, 2):
-            refuse(hf, "num_ln_in_parallel_attn", norms, "a parallel block has one norm or two")
-        kv_heads = int(hf.get("num_kv_heads") or heads)
-    else:
-        if norms not in (None, 1):
-            refuse(hf, "num_ln_in_parallel_attn", norms, "transformers' old decoder "
-                   "architecture reads input_layernorm alone")
-        norms = 1
-        kv_heads = 1 if hf.get("multi_query", True) else heads
-        if kv_heads == heads and int(hf.get("num_kv_heads") or heads) != heads:
-            refuse(hf, "num_kv_heads", hf["num_kv_heads"], "the old decoder architecture "
-                   "without multi_query has a key and a value per head")
-    base, scaling = rope_from_hf(hf)
-    return DecoderConfig(
-        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, scaling), d_model=d,
-        n_layers=int(hf["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv_heads,
-        d_ff=int(hf.get("ffn_hidden_size") or 4 * d), rope_base=base, rope_scaling=scaling,
-        rope_layout="half", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        ffn_gated=False, ffn_activation=_FALCON_ACTIVATIONS[act], parallel_block=parallel,
-        parallel_norms=norms if parallel else 1,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
-
-
-def _falcon_params(config: DecoderConfig, weights) -> dict:
-    d, h, g, d_h, f = config.d_model, config.n_heads, config.kv_heads, config.d_h, config.d_f
-    params = {}
-    for i in range(config.n_layers):
-        t, p = f"transformer.h.{i}.", f"layers.{i}."
-        for ours, theirs in _falcon_norm_names(config).items():
-            params[p + ours + ".gamma"] = weights.take(t + theirs + ".weight", (d,))
-            params[p + ours + ".beta"] = weights.take(t + theirs + ".bias", (d,))
-        fused = weights.take(t + "self_attention.query_key_value.weight", ((h + 2 * g) * d_h, d),
-                             transpose=True)
-        # per key/value group: its h/g queries, then its key and its value (_falcon_layout)
-        params[p + "attn.w_q"], params[p + "attn.w_k"], params[p + "attn.w_v"] = \
-            split_heads_columns(fused, g, ((h // g) * d_h, d_h, d_h))
-        params[p + "attn.w_o"] = weights.take(t + "self_attention.dense.weight", (d, h * d_h),
-                                              transpose=True)
-        params[p + "ffn.w_up"] = weights.take(t + "mlp.dense_h_to_4h.weight", (f, d),
-                                              transpose=True)
-        params[p + "ffn.w_down"] = weights.take(t + "mlp.dense_4h_to_h.weight", (d, f),
-                                                transpose=True)
-    params["tok_emb"] = weights.take("transformer.word_embeddings.weight", (config.vocab_size, d))
-    params["ln_f.gamma"] = weights.take("transformer.ln_f.weight", (d,))
-    params["ln_f.beta"] = weights.take("transformer.ln_f.bias", (d,))
-    take_head(weights, config.tie_embeddings, params, config.vocab_size, d)
-    return params
-
-
-def _require_fields(config: DecoderConfig, kind: str, why: str, needed: dict) -> None:
-    """Refuse to write ``config`` as ``kind`` unless each field has its value in ``needed``."""
-    for field, value in needed.items():
-        if getattr(config, field) != value:
-            raise HFCheckpointError(f"a decoder with {why} is written as {kind}, which needs "
-                                    f"{field} = {value!r}; this config has "
-                                    f"{getattr(config, field)!r}")
-
-
-# Special-token ids are the tokenizer's to give: None rather than a type's defaults
-_NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
-
-# What only the Gemmas, the Qwens, Mistral and the mixtures of experts have: the plain value that
-# the types without it need
-_LLAMA_PLAIN = dict(qkv_bias=False, qk_norm=None, sliding_window=None, window_layers=None,
-                    moe=None, norm_offset=0.0, embed_scale=False, query_pre_attn_scalar=None,
-                    attn_softcap=None, final_softcap=None)
-
-
-def _falcon_to_hf(config: DecoderConfig, params: dict):
-    why = "a parallel block, LayerNorm or the plain GELU FFN"
-    _require_fields(config, "falcon", why, dict(
-        _LLAMA_PLAIN, norm="layernorm", ffn_gated=False, sandwich_norms=False, pre_norms=True))
-    if config.d_h * config.n_heads != config.d_model:
-        raise HFCheckpointError(f"falcon's heads are d_model / n_heads wide; this config has "
-                                f"head_dim = {config.d_h} with d_model = {config.d_model} and "
-                                f"n_heads = {config.n_heads}")
-    if not config.parallel_block and config.kv_heads not in (1, config.n_heads):
-        raise HFCheckpointError(f"falcon's sequential block (the old decoder architecture) has "
-                                f"one key/value head or n_heads; this config has n_kv_heads = "
-                                f"{config.kv_heads}")
-    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
-    activation = "gelu" if config.ffn_activation == "gelu" else "gelu_pytorch_tanh"
-    hf = {"model_type": "falcon", "architectures": ["FalconForCausalLM"],
-          "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-          "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-          "num_kv_heads": config.kv_heads, **_falcon_layout(config), "alibi": False,
-          "bias": False, "activation": activation, "ffn_hidden_size": config.d_f,
-          "layer_norm_epsilon": config.norm_eps, "rope_parameters": rope_parameters,
-          "max_position_embeddings": config.max_seq_len if context is None else context,
-          "tie_word_embeddings": config.tie_embeddings, **_NO_TOKEN_IDS}
-
-    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
-        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
-
-    tensors = {}
-    for i in range(config.n_layers):
-        t, p = f"transformer.h.{i}.", f"layers.{i}."
-        for ours, theirs in _falcon_norm_names(config).items():
-            tensors[t + theirs + ".weight"] = params[p + ours + ".gamma"]
-            tensors[t + theirs + ".bias"] = params[p + ours + ".beta"]
-        blocks = [rotated(params[p + "attn.w_q"]), rotated(params[p + "attn.w_k"]),
-                  params[p + "attn.w_v"]]
-        tensors[t + "self_attention.query_key_value.weight"] = linear_out(
-            join_heads_columns(blocks, config.kv_heads))
-        tensors[t + "self_attention.dense.weight"] = linear_out(params[p + "attn.w_o"])
-        tensors[t + "mlp.dense_h_to_4h.weight"] = linear_out(params[p + "ffn.w_up"])
-        tensors[t + "mlp.dense_4h_to_h.weight"] = linear_out(params[p + "ffn.w_down"])
-    tensors["transformer.word_embeddings.weight"] = params["tok_emb"]
-    tensors["transformer.ln_f.weight"] = params["ln_f.gamma"]
-    tensors["transformer.ln_f.bias"] = params["ln_f.beta"]
-    if not config.tie_embeddings:
-        tensors["lm_head.weight"] = linear_out(params["lm_head"])
-    return hf, tensors
-
-
 # ---- gradient-check cases ------------------------------------------------------------------------
-
-def case_params(init_params, config, rng) -> dict:
-    """``init_params`` with the norm gains moved off 1 and LayerNorm biases off 0, so that their
-    gradients are generic too."""
-    params = init_params(config, seed=int(rng.integers(1 << 31)))
-    for name, value in params.items():
-        if name.endswith(".gamma"):
-            params[name] = 1.0 + 0.2 * rng.standard_normal(value.shape)
-        elif name.endswith(".beta"):
-            params[name] = 0.2 * rng.standard_normal(value.shape)
-    return params
-
-
-def case_batch(rng, vocab: int, b: int = 2, t: int = 5, prompt: int = 1) -> dict:
-    """Tokens holding every id (every embedding row gets a gradient), one ignored target and a
-    loss mask on the first ``prompt`` positions."""
-    ids = np.concatenate([np.arange(vocab), rng.integers(0, vocab, max(b * t - vocab, 0))])
-    batch = {"tokens": rng.permutation(ids[: b * t]).reshape(b, t),
-             "targets": rng.integers(0, vocab, (b, t)), "loss_mask": np.ones((b, t), np.int64)}
-    batch["targets"][0, -1] = IGNORE_INDEX
-    batch["loss_mask"][:, :prompt] = 0
-    return batch
-
-
-def model_case_maker(model_forward, model_init_params, config, train: bool):
-    """``make(rng) -> (params, forward)`` for a ParamCase of a decoder-family model; with ``train``
-    every forward draws the same dropout masks from a generator seeded afresh."""
-    def make(rng):
-        params = case_params(model_init_params, config, rng)
-        batch = case_batch(rng, config.vocab_size)
-
-        def loss(p):
-            return model_forward(p, batch, config, train=train,
-                                 rng=np.random.default_rng(7) if train else None)
-        return params, loss
-    return make
-
-
-def routed_experts(cache: DecoderCache) -> tuple:
-    """The experts every mixture-of-experts layer of a forward pass chose, per token."""
-    return tuple(layer.ffn.branch.indices for layer in cache.layers if layer.moe)
-
-
-def routing_margin(cache: DecoderCache, params: dict) -> float:
-    """The smallest routing margin (:func:`refmath.moe.routing_margin`) of a forward pass's
-    mixture-of-experts layers: how near its selection is to changing."""
-    return min(moe_ops.routing_margin(layer.ffn.branch.router.scores, layer.ffn.branch.moe,
-                                      params.get(f"layers.{i}.ffn.router.bias"))
-               for i, layer in enumerate(cache.layers) if layer.moe)
-
-
-class SelectionChanged(RuntimeError):
-    """A gradient check's probe changed an expert selection: its finite differences would straddle
-    a jump of the loss."""
-
-
-def moe_case_maker(model_forward, model_init_params, config, margin: float = 0.01):
-    """:func:`model_case_maker` for a decoder with experts: the selection is piecewise constant,
-    so the check must not probe across a change of it. The parameters are drawn again until every
-    router's margin exceeds ``margin`` (the stencil moves one entry by at most 1e-3, which moves a
-    router logit by 1e-3 times an entry of the other factor, normalised rows of order 1, and a
-    score by at most half that), and every probe is compared with the selection at the drawn
-    point: a probe that changes it raises :class:`SelectionChanged` rather than give a wrong
-    difference, so a passing check never straddled a jump."""
-    base = model_case_maker(model_forward, model_init_params, config, train=False)
-
-    def make(rng):
-        for _ in range(200):
-            params, loss = base(rng)
-            cache = loss(params)[1]
-            if routing_margin(cache, params) > margin:
-                break
-        else:
-            raise RuntimeError(f"no draw in 200 had a routing margin above {margin}")
-        chosen = routed_experts(cache)
-
-        def checked(p):
-            value, cache = loss(p)
-            if any(not np.array_equal(a, b) for a, b in zip(routed_experts(cache), chosen)):
-                raise SelectionChanged("a probe of the gradient check changed an expert "
-                                       "selection; draw the case with a larger margin")
-            return value, cache
-        return params, checked
-    return make
-
 
 def _rope_attention_inputs(config, b=2, t=5):
     def make(rng):
@@ -2025,7 +698,7 @@ _BLOCKS = {
         n_kv_heads=2, parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
         ffn_activation="gelu_tanh", d_ff=24, dropout=0.25), ("N21", "N1", "N6"), True),
     "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": (
-        _PALM, ("N21", "N1", "N7"), False),
+        PALM, ("N21", "N1", "N7"), False),
     "OLMo 2: RMSNorm after each sublayer only, QK-norm on the projections": (dict(
         n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
         ("N22", "N18"), False),

@@ -289,10 +289,10 @@ def swiglu_layers_to_hf(config, params: dict, tensors: dict,
     table, the final norm and the head, under Llama's names."""
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
-        if not getattr(config, "pre_norms", True):  # OLMo 2's two norms, after the sublayers
+        if not config.pre_norms:  # OLMo 2's two norms, after the sublayers
             tensors[h + "post_attention_layernorm.weight"] = params[p + "ln1_post.gamma"]
             tensors[h + "post_feedforward_layernorm.weight"] = params[p + "ln2_post.gamma"]
-        elif getattr(config, "sandwich_norms", False):  # Gemma 2/3's names for the four norms
+        elif config.sandwich_norms:  # Gemma 2/3's names for the four norms
             tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
             tensors[h + "post_attention_layernorm.weight"] = params[p + "ln1_post.gamma"]
             tensors[h + "pre_feedforward_layernorm.weight"] = params[p + "ln2.gamma"]

@@ -47,7 +47,7 @@ Attention parameters, relative to ``layers.{i}.attn.`` (``rank`` = ``q_lora_rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -61,19 +61,11 @@ from refmath.models.hf_layout import (DEEPSEEK_EXPERTS, HFCheckpointError, join_
                                       rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
                                       take_ends, take_feed_forward_layer)
 from refmath.moe import MoEConfig
-from refmath.models.batch import check_tokens
+from refmath.models.cases import model_case_maker, moe_case_maker
 from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
-from refmath.models.decoder import (
-    DecoderCache,
-    FamilyConfig,
-    check_params,
-    check_shared_fields,
-    decoder_forward,
-    decoder_param_shapes,
-    init_decoder_params,
-    layer_states,
-    lm_forward,
-)
+from refmath.models.decoder_config import FamilyConfig, check_shared_fields
+from refmath.models.decoder import (DecoderCache, decoder_param_shapes, init_decoder_params,
+                                    layer_states, lm_forward)
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (RoPECache, RopeScaling, as_rope_scaling, rope_backward,
                                rope_forward, rope_inv_freq, rope_softmax_scale)
@@ -105,6 +97,19 @@ class MLAConfig(FamilyConfig):
     latent_norm: bool = False
     latent_norm_eps: float | None = None
     rope_scaling: RopeScaling | None = None
+
+    # M3's block, which M4 keeps as it is: the options of DecoderConfig that the shared layer code
+    # (refmath.models.decoder) reads, fixed at Llama's values (class constants, not fields)
+    norm: ClassVar[str] = "rmsnorm"
+    norm_offset: ClassVar[float] = 0.0
+    pre_norms: ClassVar[bool] = True
+    sandwich_norms: ClassVar[bool] = False
+    parallel_block: ClassVar[bool] = False
+    ffn_gated: ClassVar[bool] = True
+    ffn_activation: ClassVar[str] = "silu"
+    embed_scale: ClassVar[bool] = False
+    final_softcap: ClassVar[float | None] = None
+    window_layers: ClassVar[tuple | None] = None
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -363,8 +368,9 @@ MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state, mla_cached)
 
 
 def _check_config(config) -> None:
-    if not isinstance(config, MLAConfig):
-        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if type(config) is not MLAConfig:  # exactly: a subclass may add fields this file ignores
+        raise TypeError(f"config must be an MLAConfig (exactly that class, not a subclass), "
+                        f"got {type(config).__name__}")
 
 
 def param_shapes(config: MLAConfig) -> dict:
@@ -396,9 +402,7 @@ def backward(cache: DecoderCache) -> dict:
 def logits(params, tokens, config: MLAConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
     _check_config(config)
-    check_params(params, config, MLA)
-    tokens = check_tokens("tokens", tokens, config)
-    return decoder_forward(params, tokens, config, MLA)[0]
+    return decoder.decoder_logits(params, tokens, config, MLA)
 
 
 def layer_latents(cache: DecoderCache) -> list:
@@ -417,6 +421,27 @@ def cache_spec(config: MLAConfig, batch: int, max_len: int) -> CacheSpec:
 
 embed = decoder.embed  # the M3 embedding and head, as in training
 head = decoder.head
+
+
+def cache_stale(config: MLAConfig, length: int, n: int) -> bool:
+    """Never: MLAConfig refuses the length-dependent rope scalings, so the cached rotary keys hold
+    at every length (the hook of :mod:`refmath.models.contract`)."""
+    return False
+
+
+def rope_options(config: MLAConfig, offset: int, length: int) -> dict:
+    """The rotation of the rotary part at positions ``offset..`` (:func:`mla_rope`; ``length``
+    changes nothing, see :func:`cache_stale`)."""
+    return mla_rope(config, offset)
+
+
+COMPILED_FIELDS = None  # no compiled decode layer: latent attention runs in NumPy
+
+
+def compiled_layer_spec(params, config: MLAConfig) -> None:
+    """None: the compiled decode layer does not compute latent attention (the hook of
+    :mod:`refmath.models.contract`)."""
+    return None
 
 
 def cached_layer(x, params, layer: int, config: MLAConfig, slot, offset: int,
@@ -639,7 +664,7 @@ for _label, _extra in (("queries from x", {}),
                          ("x",) + tuple(mla_shapes(_config)), group="attention execution",
                          max_coords=12))
 register_case(ParamCase("mla", "query compression, latent norms, 2 layers, dropout 0.25", ("M4",),
-                        decoder.model_case_maker(forward, init_params,
+                        model_case_maker(forward, init_params,
                                                  MLAConfig(**_TINY, q_lora_rank=5, latent_norm=True,
                                                            dropout=0.25), train=True),
                         backward, max_coords=1, step=2.5e-4))
@@ -648,7 +673,7 @@ _YARN = dict(rope_type="yarn", factor=40.0, original_max_seq_len=4, beta_fast=4.
              mscale=0.707, mscale_all_dim=0.5)
 register_case(ParamCase("mla", "DeepSeek-V3's experts: sigmoid, 2 of 4 groups chosen with a "
                         "bias, shared expert, dense first layer, balance losses", ("M4", "E4", "E5"),
-                        decoder.moe_case_maker(forward, init_params, MLAConfig(
+                        moe_case_maker(forward, init_params, MLAConfig(
                             **_TINY, q_lora_rank=5, latent_norm=True, moe=dict(
                                 n_experts=8, top_k=2, d_expert=6, scoring="sigmoid",
                                 routing="noaux_tc", n_groups=4, topk_groups=2, n_shared=1,
@@ -657,7 +682,7 @@ register_case(ParamCase("mla", "DeepSeek-V3's experts: sigmoid, 2 of 4 groups ch
                         backward, max_coords=2, step=2.5e-4))
 register_case(ParamCase("mla", "DeepSeek-V2's experts: softmax, group-limited, two shared "
                         "experts, scaled", ("M4", "E4"),
-                        decoder.moe_case_maker(forward, init_params, MLAConfig(
+                        moe_case_maker(forward, init_params, MLAConfig(
                             **_TINY, latent_norm=True, moe=dict(
                                 n_experts=8, top_k=3, d_expert=6,
                                 routing="group_limited_greedy", n_groups=4, topk_groups=2,

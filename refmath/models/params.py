@@ -1,6 +1,8 @@
-"""The check every model (and the KV cache) makes of a parameter dict before using it."""
+"""The check every model (and the KV cache) makes of a parameter dict before using it, and the
+initial draw the decoders share."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -33,3 +35,30 @@ def check_param_dict(params, shapes: dict) -> np.dtype:
             raise TypeError(f"every parameter must have the same dtype: params[{name!r}] is "
                             f"{value.dtype}, params[{first!r}] is {dtype}")
     return dtype
+
+
+def draw_params(shapes: dict, seed, dtype, init_std: float, n_layers: int,
+                residual_outputs: tuple, gain: float = 1.0) -> dict:
+    r"""Initial parameters of the names and shapes ``shapes``, in their order: every ``.gamma``
+    at ``gain``, the other vectors (biases) at 0, the matrices :math:`\mathcal N(0, \sigma^2)`
+    with :math:`\sigma` = ``init_std``, those whose names end in ``residual_outputs`` (the
+    projections that write into the residual stream) at :math:`\sigma/\sqrt{2L}` (N11), so that
+    the variance the ``2L`` residual branches add stays independent of depth. Drawn in float64
+    and then cast, so that float32 and float64 parameters share their values."""
+    dtype = np.dtype(dtype)
+    if not np.issubdtype(dtype, np.floating):
+        raise TypeError(f"dtype must be a floating-point type, got {dtype}")
+    rng = np.random.default_rng(seed)
+    residual_std = init_std / math.sqrt(2 * n_layers)
+    params = {}
+    for name, shape in shapes.items():
+        if name.endswith(".gamma"):
+            value = np.full(shape, gain)
+        elif len(shape) == 1:  # biases (a LayerNorm's too), a mixture of experts' selection bias
+            value = np.zeros(shape)
+        elif name.endswith(residual_outputs):
+            value = rng.normal(0.0, residual_std, shape)
+        else:
+            value = rng.normal(0.0, init_std, shape)
+        params[name] = value.astype(dtype)
+    return params

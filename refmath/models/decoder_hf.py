@@ -1,0 +1,622 @@
+r"""The Hugging Face key tables of the decoder family: the configuration and the weights of each
+``model_type`` in :data:`HF_MODEL_TYPES` read into a :class:`refmath.models.decoder_config.DecoderConfig`
+and refmath's parameter names, and written back (:func:`to_hf`), so that a checkpoint round-trips.
+:mod:`refmath.models.decoder` offers them as its model's ``config_from_hf``, ``params_from_hf`` and
+``to_hf``.
+"""
+from __future__ import annotations
+
+
+from refmath.moe import MoEConfig
+from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
+                                      interleaved_to_half, join_heads_columns, linear_out, refuse,
+                                      refuse_common, require, rope_context, rope_from_hf,
+                                      rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
+                                      fuse_phi3, take_ends, take_feed_forward_layer, take_head,
+                                      take_phi3_layer, take_swiglu)
+from refmath.models.decoder_config import DecoderConfig
+
+
+# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, gemma, olmo2, phi3 ----
+
+# RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
+# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
+# gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
+# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its
+# parallel block of LayerNorms and its plain GELU MLP (its own section below)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+_EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
+                   "qwen3_moe": QWEN_MOE_EXPERTS}
+
+
+def _hf_window(hf: dict) -> int | None:
+    """Mistral's, Mixtral's and Phi-3's sliding window (every layer's), or None where it masks
+    nothing."""
+    window = hf.get("sliding_window")
+    if hf["model_type"] not in ("mistral", "mixtral", "phi3") or not window:
+        return None
+    return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
+
+
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def _qwen_windows(hf: dict) -> tuple:
+    """``(sliding_window, window_layers)`` of a Qwen config: its window on the layers
+    ``layer_types`` marks ``"sliding_attention"`` (as transformers derives them when the file has
+    none: Qwen2 and Qwen3 slide the layers from ``max_window_layers`` on, Qwen2-MoE the even ones
+    below it), on every layer of a Qwen3-MoE (whose attention reads no layer types), or
+    ``(None, None)`` without ``use_sliding_window`` or where the window hides nothing."""
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return None, None
+    window, layers, kind = int(window), int(hf["num_hidden_layers"]), hf["model_type"]
+    if window >= rope_context(hf, rope_from_hf(hf)[1]):
+        return None, None
+    if kind == "qwen3_moe":
+        return window, None
+    first = int(hf.get("max_window_layers", 28))
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i >= first if kind != "qwen2_moe" else i < first and i % 2 == 0)
+        else "full_attention" for i in range(layers)]
+    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
+        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
+               "per layer")
+    slides = tuple(t == "sliding_attention" for t in types)
+    if not any(slides):
+        return None, None
+    return window, None if all(slides) else slides
+
+
+def _moe_from_hf(hf: dict) -> MoEConfig | None:
+    """The mixture of experts of a mixtral, qwen2_moe or qwen3_moe config (None for the others).
+
+    Mixtral renormalises its top-k softmax scores; the Qwen MoEs do so with ``norm_topk_prob``,
+    and Qwen2-MoE adds one shared expert behind a sigmoid gate. The auxiliary-loss coefficient is a
+    training choice, and transformers adds its loss (over all layers' routers at once) only with
+    ``output_router_logits``: a loaded model's loss is the cross-entropy alone (``balance_coef``
+    0).
+    """
+    kind = hf["model_type"]
+    if kind not in _EXPERT_LAYOUTS:
+        return None
+    n = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    if n < 1:
+        refuse(hf, "num_local_experts", n, f"a {kind} checkpoint needs routed experts")
+    moe = dict(n_experts=n, top_k=int(hf["num_experts_per_tok"]))
+    if kind == "mixtral":
+        if float(hf.get("router_jitter_noise") or 0.0):
+            refuse(hf, "router_jitter_noise", hf["router_jitter_noise"], "refmath's router adds "
+                   "no noise to its input (transformers does it only while training)")
+        return MoEConfig(**moe, d_expert=int(hf["intermediate_size"]), norm_topk=True)
+    step, only = int(hf.get("decoder_sparse_step", 1)), sorted(hf.get("mlp_only_layers") or [])
+    if step != 1:
+        refuse(hf, "decoder_sparse_step", step, "refmath places experts on every layer from "
+               "its dense first ones on (decoder_sparse_step 1)")
+    if only != list(range(len(only))):
+        refuse(hf, "mlp_only_layers", only, "refmath's dense layers are the first ones")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    return MoEConfig(**moe, d_expert=int(hf["moe_intermediate_size"]),
+                     norm_topk=bool(hf.get("norm_topk_prob", False)), first_dense=len(only),
+                     d_shared=shared, shared_gate=shared > 0)
+
+
+def _gemma_from_hf(hf: dict) -> dict:
+    r"""The DecoderConfig fields of a gemma, gemma2 or gemma3_text config (none for the others).
+
+    Every Gemma scales its norms by ``1 + w`` and its embeddings by :math:`\sqrt d`, and gates
+    its FFN with tanh-GELU (Gemma 1's legacy ``hidden_act="gelu"`` meant that too, as transformers
+    reads it). Gemma 2 and 3 add the sandwich norms, ``query_pre_attn_scalar`` and local layers
+    (``layer_types``, or the released alternation when absent); Gemma 2 caps its scores and logits,
+    Gemma 3 normalises each head's queries and keys and gives its local layers their own RoPE.
+    """
+    kind = hf["model_type"]
+    if kind not in GEMMA_TYPES:
+        return {}
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu") or (act == "gelu" and kind != "gemma"):
+        refuse(hf, "hidden_activation", act, "refmath's GeGLU gates with tanh-GELU")
+    fields = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    if kind == "gemma":
+        return fields
+    if hf.get("use_bidirectional_attention"):
+        refuse(hf, "use_bidirectional_attention", True, "refmath's decoder is causal")
+    layers = int(hf["num_hidden_layers"])
+    pattern = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern",
+                                                     hf.get("_sliding_window_pattern", 6)))
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
+                                      "full_attention" for i in range(layers)]
+    slides = tuple(t == "sliding_attention" for t in types)
+    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
+        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
+               "per layer")
+    fields.update(sandwich_norms=True,
+                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or
+                                              int(hf.get("head_dim") or 256)),
+                  attn_softcap=hf.get("attn_logit_softcapping"),
+                  final_softcap=hf.get("final_logit_softcapping"))
+    if any(slides):
+        fields.update(sliding_window=int(hf["sliding_window"]),
+                      window_layers=None if all(slides) else slides)
+    if kind == "gemma3_text":
+        fields["qk_norm"] = "head"
+        rope = hf.get("rope_parameters") or {}
+        if "sliding_attention" in rope:  # transformers 5: one rope per layer type
+            local = rope_from_hf({**hf, "rope_parameters": rope["sliding_attention"]})
+            fields["rope"] = rope_from_hf({**hf, "rope_parameters": rope["full_attention"]})
+        else:
+            local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
+            fields["rope"] = rope_from_hf(hf)
+        if local[1] is not None:
+            refuse(hf, "rope_parameters.sliding_attention", rope["sliding_attention"],
+                   "refmath's local layers rotate at their own base without a scaling")
+        if fields.get("window_layers") is not None:
+            fields["local_rope_base"] = local[0]
+        elif all(slides):  # every layer is local: the local rope is the rope
+            fields["rope"] = local
+    return fields
+
+
+def config_from_hf(hf: dict) -> DecoderConfig:
+    kind = hf["model_type"]
+    refuse_common(hf, experts=kind in _EXPERT_LAYOUTS, softcap=kind in ("gemma2", "gemma3_text"))
+    if kind == "falcon":
+        return _falcon_from_hf(hf)
+    gemma = _gemma_from_hf(hf)
+    if not gemma:
+        require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
+    if kind not in ("qwen2", "qwen2_moe"):
+        require(hf, "attention_bias", (False,), False, "refmath's decoder has no bias on the "
+                 "output projection (q/k/v biases alone are Qwen2's)")
+    require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
+    heads = int(hf["num_attention_heads"])
+    base, scaling = gemma.pop("rope", None) or rope_from_hf(hf)
+    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+    fields = dict(qk_norm="head" if kind in ("qwen3", "qwen3_moe") else None,
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  sliding_window=_hf_window(hf))
+    if kind in QWEN_TYPES:
+        fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
+    fields.update(gemma)
+    if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
+        fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
+    return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
+        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
+        d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        d_ff=int(hf["intermediate_size"]), rope_base=base,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), dropout=0.0,
+        rope_layout="half", qkv_bias=qkv_bias)
+
+
+def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
+    if hf["model_type"] == "falcon":
+        return _falcon_params(config, weights)
+    d = config.d_model
+    widths = {"q": config.n_heads * config.d_h, "k": config.kv_heads * config.d_h,
+              "v": config.kv_heads * config.d_h}
+    params = {}
+    for i in range(config.n_layers):
+        h, p = f"model.layers.{i}.", f"layers.{i}."
+        if hf["model_type"] == "phi3":  # its fused qkv_proj and gate_up_proj
+            take_phi3_layer(weights, params, h, p, config)
+            continue
+        for name, width in widths.items():
+            params[p + f"attn.w_{name}"] = weights.take(h + f"self_attn.{name}_proj.weight",
+                                                        (width, d), transpose=True)
+            if config.qkv_bias:
+                params[p + f"attn.b_{name}"] = weights.take(h + f"self_attn.{name}_proj.bias",
+                                                            (width,))
+        params[p + "attn.w_o"] = weights.take(h + "self_attn.o_proj.weight", (d, widths["q"]),
+                                              transpose=True)
+        if config.qk_norm == "head":  # qwen3's q_norm and k_norm, one (d_h,) gain each
+            for name in ("q", "k"):
+                params[p + f"attn.{name}_norm.gamma"] = weights.take(
+                    h + f"self_attn.{name}_norm.weight", (config.d_h,))
+        elif config.qk_norm == "projection":  # olmo2's, over the whole projections
+            for name in ("q", "k"):
+                params[p + f"attn.{name}_norm.gamma"] = weights.take(
+                    h + f"self_attn.{name}_norm.weight", (widths[name],))
+        if not config.pre_norms:  # OLMo 2: its post_attention_layernorm is the attention's output
+            for ours, theirs in (("ln1_post", "post_attention_layernorm"),
+                                 ("ln2_post", "post_feedforward_layernorm")):
+                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
+            take_swiglu(weights, params, h, p, d, config.d_f)
+        elif config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
+            names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm")
+            for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
+                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
+            take_swiglu(weights, params, h, p, d, config.d_f)
+        else:
+            take_feed_forward_layer(weights, params, h, p, config, i,
+                                    _EXPERT_LAYOUTS.get(hf["model_type"]))
+        # Older Llama files store RoPE's frequencies as a buffer: derived from rope_theta.
+        if weights.has(h + "self_attn.rotary_emb.inv_freq"):
+            weights.skip(h + "self_attn.rotary_emb.inv_freq")
+    take_ends(weights, params, config)
+    return params
+
+
+def _moe_kind(config: DecoderConfig) -> str:
+    """The Hugging Face type a decoder with a mixture of experts is written as: qwen2_moe (a gated
+    shared expert), qwen3_moe (QK-norm) or mixtral; what none of them holds is refused."""
+    moe = config.moe
+
+    def refuse_moe(field, why):
+        raise HFCheckpointError(f"a decoder with moe.{field} = {getattr(moe, field)!r} has no "
+                                f"Hugging Face counterpart here: {why}")
+
+    for field, plain, why in (("scoring", "softmax", "mixtral and the Qwen MoEs score by softmax"),
+                              ("routing", "greedy", "mixtral and the Qwen MoEs route greedily"),
+                              ("scaling", 1.0, "mixtral and the Qwen MoEs do not scale the gates"),
+                              ("score_bias", False, "only deepseek_v3 biases the choice"),
+                              ("every", 1, "mixtral and the Qwen MoEs put experts on every layer")):
+        if getattr(moe, field) != plain:
+            refuse_moe(field, why)
+    if moe.shared_width and not moe.shared_gate:
+        refuse_moe("n_shared", "only deepseek's shared experts are ungated (write it as mla)")
+    if moe.shared_gate:
+        if config.qk_norm or config.sliding_window:
+            refuse_moe("shared_gate", "qwen2_moe has no QK-norm and slides only some layers")
+        return "qwen2_moe"
+    if config.qkv_bias:
+        raise HFCheckpointError("a decoder with q/k/v biases and experts is written as "
+                                "qwen2_moe, which also needs its gated shared expert "
+                                "(moe.shared_gate)")
+    if config.qk_norm:
+        if config.sliding_window:
+            raise HFCheckpointError("qwen3_moe slides only some layers; this config has "
+                                    f"sliding_window = {config.sliding_window} on every layer")
+        return "qwen3_moe"
+    if not moe.norm_topk:
+        refuse_moe("norm_topk", "mixtral renormalises its top-k scores")
+    if moe.first_dense:
+        refuse_moe("first_dense", "mixtral has no dense layers")
+    return "mixtral"
+
+
+def _gemma_kind(config: DecoderConfig) -> str | None:
+    """gemma, gemma2 or gemma3_text for a config with Gemma's options (None without any of them);
+    a mixture of Gemma's options and others no Gemma has is refused."""
+    options = dict(norm_offset=config.norm_offset != 0.0, embed_scale=config.embed_scale,
+                   ffn_activation=config.ffn_activation != "silu",
+                   sandwich_norms=config.sandwich_norms,
+                   query_pre_attn_scalar=config.query_pre_attn_scalar is not None,
+                   attn_softcap=config.attn_softcap is not None,
+                   final_softcap=config.final_softcap is not None,
+                   local_rope_base=config.local_rope_base is not None)
+    if not any(options.values()):
+        return None
+    kind = ("gemma3_text" if config.qk_norm == "head" else "gemma2" if config.sandwich_norms
+            else "gemma")
+    needed = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+                  tie_embeddings=True, moe=None, qkv_bias=False)
+    if kind == "gemma":
+        needed.update(query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
+                      sliding_window=None)
+    else:
+        needed.update(sandwich_norms=True, qk_norm="head" if kind == "gemma3_text" else None)
+    for field, value in needed.items():
+        if getattr(config, field) != value:
+            raise HFCheckpointError(f"a decoder with Gemma's options is written as {kind}, which "
+                                    f"needs {field} = {value!r}; this config has "
+                                    f"{getattr(config, field)!r}")
+    return kind
+
+
+def _gemma_to_hf(config: DecoderConfig, kind: str, hf: dict) -> None:
+    """The fields a gemma, gemma2 or gemma3_text config adds to the Llama ones in ``hf``."""
+    if kind == "gemma":
+        hf.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
+        return
+    slides = config.window_layers or (config.sliding_window is not None,) * config.n_layers
+    hf.pop("hidden_act")
+    scalar = (config.d_h if config.query_pre_attn_scalar is None
+              else config.query_pre_attn_scalar)
+    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+              # transformers' Gemma configs take an integer where it is one
+              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+              attn_logit_softcapping=config.attn_softcap,
+              final_logit_softcapping=config.final_softcap,
+              sliding_window=config.sliding_window or config.max_seq_len,
+              layer_types=["sliding_attention" if f else "full_attention" for f in slides])
+    if kind == "gemma3_text":
+        local = config.rope_base if config.local_rope_base is None else config.local_rope_base
+        hf.update(use_bidirectional_attention=False, rope_parameters={
+            "full_attention": hf["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                  "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def _llama_kind(config: DecoderConfig) -> str:
+    """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
+    qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
+    MoE. Qwen2 and Qwen3 slide their window on the layers their ``layer_types`` name, so they
+    take a window on every layer or on some (``window_layers``)."""
+    if config.moe is not None:
+        if config.window_layers is not None:
+            raise HFCheckpointError("a decoder with experts is written here with one window for "
+                                    "every layer or none; this config has window_layers = "
+                                    f"{config.window_layers}")
+        return _moe_kind(config)
+    if config.qk_norm and config.qkv_bias:
+        raise HFCheckpointError("a decoder with qk_norm is written as qwen3, which has no q/k/v "
+                                "biases without an output bias; this config has qkv_bias = True")
+    if config.window_layers is not None and not (config.qk_norm or config.qkv_bias):
+        raise HFCheckpointError("window_layers (a window on some layers only) is written as "
+                                "qwen2 (with qkv_bias), qwen3 (with qk_norm), or gemma2 and "
+                                "gemma3_text (with Gemma's other options)")
+    if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
+            and not config.qk_norm and not config.qkv_bias
+            and config.d_h * config.n_heads == config.d_model):
+        return "phi3"  # LongRoPE's home; phi3 sizes its factors by d_model / n_heads, else llama
+    return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
+            else "mistral" if config.sliding_window else "llama")
+
+
+def _qwen_window_fields(config: DecoderConfig) -> dict:
+    """The window fields of a qwen2 or qwen3 config: its layers' types, and, where the sliding
+    layers are the upper ones, the first of them as ``max_window_layers``."""
+    if config.sliding_window is None:
+        return dict(use_sliding_window=False)
+    slides = config.window_layers or (True,) * config.n_layers
+    first = slides.index(True)
+    fields = dict(use_sliding_window=True, sliding_window=config.sliding_window,
+                  layer_types=["sliding_attention" if f else "full_attention" for f in slides])
+    if all(slides[first:]):
+        fields["max_window_layers"] = first
+    return fields
+
+
+def to_hf(config: DecoderConfig, params: dict):
+    if config.parallel_block or config.norm != "rmsnorm" or not config.ffn_gated:
+        return _falcon_to_hf(config, params)
+    if not config.pre_norms:
+        kind = "olmo2"
+        _require_fields(config, kind, "norms after the sublayers only (pre_norms = False)",
+                        dict(_LLAMA_PLAIN, qk_norm="projection", ffn_activation="silu"))
+    elif config.qk_norm == "projection":
+        raise HFCheckpointError("qk_norm = 'projection' is OLMo 2's, which normalises after the "
+                                "sublayers only (sandwich_norms with pre_norms = False); this "
+                                "config has its norms before them")
+    else:
+        kind = _gemma_kind(config) or _llama_kind(config)
+    gemma = kind if kind in GEMMA_TYPES else None
+    architecture = _ARCHITECTURES[kind]
+    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
+    hf = {"model_type": kind, "architectures": [architecture],
+          "vocab_size": config.vocab_size,
+          "max_position_embeddings": config.max_seq_len if context is None else context,
+          "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+          "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
+          "head_dim": config.d_h, "intermediate_size": config.d_f, "hidden_act": "silu",
+          "rms_norm_eps": config.norm_eps,
+          "rope_parameters": rope_parameters,
+          "tie_word_embeddings": config.tie_embeddings}
+    if kind in ("olmo2", "phi3"):  # their defaults name ids a small vocabulary may not have; a
+        hf.update(_NO_TOKEN_IDS)   # tokenizer saved beside the weights sets them (save_tokenizer)
+    if gemma:
+        _gemma_to_hf(config, kind, hf)
+    elif kind in ("llama", "olmo2"):
+        hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "phi3":
+        hf.update(sliding_window=config.sliding_window,
+                  original_max_position_embeddings=config.rope_scaling.original_max_seq_len)
+    elif kind == "qwen3":
+        hf.update(attention_bias=False, **_qwen_window_fields(config))
+    elif kind == "mistral":
+        hf.update(sliding_window=config.sliding_window)
+    elif kind == "mixtral":
+        hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.n_experts,
+                  num_experts_per_tok=config.moe.top_k, intermediate_size=config.moe.d_expert,
+                  router_jitter_noise=0.0, output_router_logits=False)
+    elif kind in ("qwen2_moe", "qwen3_moe"):
+        moe = config.moe
+        hf.update(use_sliding_window=False, num_experts=moe.n_experts,
+                  num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.d_expert,
+                  norm_topk_prob=moe.norm_topk, decoder_sparse_step=1,
+                  mlp_only_layers=list(range(moe.first_dense)), output_router_logits=False)
+        if kind == "qwen2_moe":
+            hf.update(qkv_bias=config.qkv_bias, shared_expert_intermediate_size=moe.shared_width)
+        else:
+            hf.update(attention_bias=False)
+    else:
+        hf.update(_qwen_window_fields(config))
+
+    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
+        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
+
+    tensors = {}
+    for i in range(config.n_layers):
+        h, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
+        tensors[h + "q_proj.weight"] = linear_out(rotated(params[p + "w_q"]))
+        tensors[h + "k_proj.weight"] = linear_out(rotated(params[p + "w_k"]))
+        tensors[h + "v_proj.weight"] = linear_out(params[p + "w_v"])
+        tensors[h + "o_proj.weight"] = linear_out(params[p + "w_o"])
+        if config.qkv_bias:
+            tensors[h + "q_proj.bias"] = rotated(params[p + "b_q"])
+            tensors[h + "k_proj.bias"] = rotated(params[p + "b_k"])
+            tensors[h + "v_proj.bias"] = params[p + "b_v"]
+        if config.qk_norm:  # a (d_h,) gain, permuted within the head like the columns it scales
+            for name in ("q", "k"):
+                tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
+    swiglu_layers_to_hf(config, params, tensors, _EXPERT_LAYOUTS.get(kind))
+    if kind == "phi3":
+        fuse_phi3(tensors, config.n_layers)
+    return hf, tensors
+
+
+# ---- Hugging Face: Falcon ------------------------------------------------------------------------
+
+# Falcon's activation names: exact GELU, or its tanh form under either of transformers' names
+_FALCON_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def _falcon_layout(config: DecoderConfig) -> dict:
+    """The fields of a falcon config that fix its block and its ``query_key_value`` layout.
+
+    transformers' new decoder architecture (Falcon-40B) groups the fused projection by key/value
+    head, ``[q_1 .. q_{h/g}, k, v]`` per group, and runs the parallel block with one norm or two
+    (``ln_attn``, ``ln_mlp``); the old one (Falcon-7B) lays it out as ``[q_1 .. q_h, k, v]``
+    (``multi_query``, ``g = 1``) or ``[q, k, v]`` per head (``g = h``), and also runs the
+    sequential block (``parallel_attn`` False). The two old layouts are the grouped one with
+    ``g = 1`` and ``g = h``, so one rule reads them all.
+    """
+    old = not config.parallel_block or (config.kv_heads == 1 and config.parallel_norms == 1)
+    return dict(new_decoder_architecture=not old, multi_query=config.kv_heads == 1,
+                parallel_attn=config.parallel_block,
+                num_ln_in_parallel_attn=None if old else config.parallel_norms)
+
+
+def _falcon_norm_names(config: DecoderConfig) -> dict:
+    """``{refmath norm: Falcon's}`` of one layer."""
+    if not config.parallel_block:
+        return {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    if config.parallel_norms == 2:
+        return {"ln1": "ln_attn", "ln2": "ln_mlp"}
+    return {"ln1": "input_layernorm"}
+
+
+def _falcon_from_hf(hf: dict) -> DecoderConfig:
+    """A falcon config: the parallel block of LayerNorms and a plain GELU MLP, RoPE (``"half"``),
+    no biases; ALiBi (Falcon-RW) and biased projections are refused."""
+    if hf.get("alibi"):
+        refuse(hf, "alibi", True, "refmath's decoder places positions by RoPE, not ALiBi's biases")
+    if hf.get("bias"):
+        refuse(hf, "bias", True, "refmath's Falcon has no biases on its projections and MLP")
+    act = hf.get("activation", "gelu")
+    if act not in _FALCON_ACTIVATIONS:
+        refuse(hf, "activation", act, "refmath's plain FFN takes GELU, exact or tanh")
+    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    new, parallel = bool(hf.get("new_decoder_architecture")), bool(hf.get("parallel_attn", True))
+    norms = hf.get("num_ln_in_parallel_attn")
+    if new:
+        if not parallel:
+            refuse(hf, "parallel_attn", False, "the new decoder architecture runs the parallel "
+                   "block only (transformers builds no post_attention_layernorm for it)")
+        norms = 2 if norms is None else int(norms)
+        if norms not in (1, 2):
+            refuse(hf, "num_ln_in_parallel_attn", norms, "a parallel block has one norm or two")
+        kv_heads = int(hf.get("num_kv_heads") or heads)
+    else:
+        if norms not in (None, 1):
+            refuse(hf, "num_ln_in_parallel_attn", norms, "transformers' old decoder "
+                   "architecture reads input_layernorm alone")
+        norms = 1
+        kv_heads = 1 if hf.get("multi_query", True) else heads
+        if kv_heads == heads and int(hf.get("num_kv_heads") or heads) != heads:
+            refuse(hf, "num_kv_heads", hf["num_kv_heads"], "the old decoder architecture "
+                   "without multi_query has a key and a value per head")
+    base, scaling = rope_from_hf(hf)
+    return DecoderConfig(
+        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, scaling), d_model=d,
+        n_layers=int(hf["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv_heads,
+        d_ff=int(hf.get("ffn_hidden_size") or 4 * d), rope_base=base, rope_scaling=scaling,
+        rope_layout="half", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        ffn_gated=False, ffn_activation=_FALCON_ACTIVATIONS[act], parallel_block=parallel,
+        parallel_norms=norms if parallel else 1,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
+
+
+def _falcon_params(config: DecoderConfig, weights) -> dict:
+    d, h, g, d_h, f = config.d_model, config.n_heads, config.kv_heads, config.d_h, config.d_f
+    params = {}
+    for i in range(config.n_layers):
+        t, p = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in _falcon_norm_names(config).items():
+            params[p + ours + ".gamma"] = weights.take(t + theirs + ".weight", (d,))
+            params[p + ours + ".beta"] = weights.take(t + theirs + ".bias", (d,))
+        fused = weights.take(t + "self_attention.query_key_value.weight", ((h + 2 * g) * d_h, d),
+                             transpose=True)
+        # per key/value group: its h/g queries, then its key and its value (_falcon_layout)
+        params[p + "attn.w_q"], params[p + "attn.w_k"], params[p + "attn.w_v"] = \
+            split_heads_columns(fused, g, ((h // g) * d_h, d_h, d_h))
+        params[p + "attn.w_o"] = weights.take(t + "self_attention.dense.weight", (d, h * d_h),
+                                              transpose=True)
+        params[p + "ffn.w_up"] = weights.take(t + "mlp.dense_h_to_4h.weight", (f, d),
+                                              transpose=True)
+        params[p + "ffn.w_down"] = weights.take(t + "mlp.dense_4h_to_h.weight", (d, f),
+                                                transpose=True)
+    params["tok_emb"] = weights.take("transformer.word_embeddings.weight", (config.vocab_size, d))
+    params["ln_f.gamma"] = weights.take("transformer.ln_f.weight", (d,))
+    params["ln_f.beta"] = weights.take("transformer.ln_f.bias", (d,))
+    take_head(weights, config.tie_embeddings, params, config.vocab_size, d)
+    return params
+
+
+def _require_fields(config: DecoderConfig, kind: str, why: str, needed: dict) -> None:
+    """Refuse to write ``config`` as ``kind`` unless each field has its value in ``needed``."""
+    for field, value in needed.items():
+        if getattr(config, field) != value:
+            raise HFCheckpointError(f"a decoder with {why} is written as {kind}, which needs "
+                                    f"{field} = {value!r}; this config has "
+                                    f"{getattr(config, field)!r}")
+
+
+# Special-token ids are the tokenizer's to give: None rather than a type's defaults
+_NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+# What only the Gemmas, the Qwens, Mistral and the mixtures of experts have: the plain value that
+# the types without it need
+_LLAMA_PLAIN = dict(qkv_bias=False, qk_norm=None, sliding_window=None, window_layers=None,
+                    moe=None, norm_offset=0.0, embed_scale=False, query_pre_attn_scalar=None,
+                    attn_softcap=None, final_softcap=None)
+
+
+def _falcon_to_hf(config: DecoderConfig, params: dict):
+    why = "a parallel block, LayerNorm or the plain GELU FFN"
+    _require_fields(config, "falcon", why, dict(
+        _LLAMA_PLAIN, norm="layernorm", ffn_gated=False, sandwich_norms=False, pre_norms=True))
+    if config.d_h * config.n_heads != config.d_model:
+        raise HFCheckpointError(f"falcon's heads are d_model / n_heads wide; this config has "
+                                f"head_dim = {config.d_h} with d_model = {config.d_model} and "
+                                f"n_heads = {config.n_heads}")
+    if not config.parallel_block and config.kv_heads not in (1, config.n_heads):
+        raise HFCheckpointError(f"falcon's sequential block (the old decoder architecture) has "
+                                f"one key/value head or n_heads; this config has n_kv_heads = "
+                                f"{config.kv_heads}")
+    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
+    activation = "gelu" if config.ffn_activation == "gelu" else "gelu_pytorch_tanh"
+    hf = {"model_type": "falcon", "architectures": ["FalconForCausalLM"],
+          "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+          "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+          "num_kv_heads": config.kv_heads, **_falcon_layout(config), "alibi": False,
+          "bias": False, "activation": activation, "ffn_hidden_size": config.d_f,
+          "layer_norm_epsilon": config.norm_eps, "rope_parameters": rope_parameters,
+          "max_position_embeddings": config.max_seq_len if context is None else context,
+          "tie_word_embeddings": config.tie_embeddings, **_NO_TOKEN_IDS}
+
+    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
+        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
+
+    tensors = {}
+    for i in range(config.n_layers):
+        t, p = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in _falcon_norm_names(config).items():
+            tensors[t + theirs + ".weight"] = params[p + ours + ".gamma"]
+            tensors[t + theirs + ".bias"] = params[p + ours + ".beta"]
+        blocks = [rotated(params[p + "attn.w_q"]), rotated(params[p + "attn.w_k"]),
+                  params[p + "attn.w_v"]]
+        tensors[t + "self_attention.query_key_value.weight"] = linear_out(
+            join_heads_columns(blocks, config.kv_heads))
+        tensors[t + "self_attention.dense.weight"] = linear_out(params[p + "attn.w_o"])
+        tensors[t + "mlp.dense_h_to_4h.weight"] = linear_out(params[p + "ffn.w_up"])
+        tensors[t + "mlp.dense_4h_to_h.weight"] = linear_out(params[p + "ffn.w_down"])
+    tensors["transformer.word_embeddings.weight"] = params["tok_emb"]
+    tensors["transformer.ln_f.weight"] = params["ln_f.gamma"]
+    tensors["transformer.ln_f.bias"] = params["ln_f.beta"]
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = linear_out(params["lm_head"])
+    return hf, tensors
