@@ -578,12 +578,122 @@ def _torch_expected(oracle, trials, names):
     return expected, ""
 
 
+# ---- the library refused as an answer ----------------------------------------------------------------
+
+def _code_of(func: Any):
+    """The code object a callable runs (a function, a bound method, a partial's function), or None."""
+    import functools
+
+    while isinstance(func, functools.partial):
+        func = func.func
+    func = getattr(func, "__func__", func)
+    return getattr(func, "__code__", None)
+
+
+def _library_module(frame) -> str | None:
+    """The refmath module a frame runs in, or None outside refmath (the checks themselves, in
+    refmath.lessons, count as outside: they call the functions being compared)."""
+    module = frame.f_globals.get("__name__", "")
+    if (module == "refmath" or module.startswith("refmath.")) and module != __name__:
+        return module
+    return None
+
+
+def _qualified(code, module: str) -> str:
+    return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+
+
+class _CallTrace:
+    """While active (a ``with`` block), records the Python functions called whose code is in
+    ``watched`` (``sys.setprofile``: one look-up per call, so the student's function runs at
+    nearly its own speed); with ``watched=None``, records instead every refmath function entered
+    from outside refmath (the library functions a computation is made of)."""
+
+    def __init__(self, watched: dict | None):
+        self.watched, self.found = watched, {}
+
+    def _profile(self, frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if self.watched is not None:
+            if code in self.watched and code not in self.found:
+                self.found[code] = self.watched[code]
+            return
+        module = _library_module(frame)
+        # a constructor (AdamW(...)) is not what an exercise asks for: the method called next is
+        if module is not None and code not in self.found and code.co_name != "__init__" and (
+                frame.f_back is None or _library_module(frame.f_back) is None):
+            self.found[code] = _qualified(code, module)
+
+    def __enter__(self):
+        import sys
+
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.setprofile(self._previous)
+        return False
+
+
+def _answer_functions(reference: Callable, trial) -> dict:
+    """The library functions whose result the exercise asks for: ``reference`` itself when it is a
+    refmath function, else the refmath functions it enters from outside refmath on ``trial``
+    (a lesson's own reference, ``lambda ...: AdamW(...).step(...)``, names AdamW's ``step``),
+    as code object -> ``refmath.module.name``."""
+    code = _code_of(reference)
+    module = getattr(reference, "__module__", "") or ""
+    if code is not None and module.startswith("refmath.") and module != __name__:
+        return {code: f"{module}.{getattr(code, 'co_qualname', code.co_name)}"}
+    with _CallTrace(None) as trace:
+        try:
+            _call(reference, trial)
+        except Exception:
+            pass  # the reference's own failure is reported where it is evaluated
+    return trace.found
+
+
+def library_used(func: Callable, reference: Callable, trial, also: tuple = (),
+                 allowed: tuple = ()) -> str | None:
+    """How the student's ``func`` uses the library function the exercise asks for (see
+    :func:`_answer_functions`; ``also`` adds more library functions, ``allowed`` takes some
+    away) in place of writing it:
+    ``"is refmath.softmax.softmax_backward"``, ``"wraps ..."`` or ``"calls ..."``; None when it
+    writes the computation itself. ``func`` is called once on ``trial`` under a call trace."""
+    answers = _answer_functions(reference, trial)
+    for extra in also:
+        code = _code_of(extra)
+        if code is not None:
+            answers[code] = (f"{getattr(extra, '__module__', '?')}."
+                             f"{getattr(code, 'co_qualname', code.co_name)}")
+    for permitted in allowed:
+        answers.pop(_code_of(permitted), None)
+    if not answers:
+        return None
+    wrapped, seen = func, set()
+    while wrapped is not None and id(wrapped) not in seen:  # functools.wraps chains, partials
+        seen.add(id(wrapped))
+        if _code_of(wrapped) in answers:
+            return ("is " if wrapped is func else "wraps ") + answers[_code_of(wrapped)]
+        wrapped = getattr(wrapped, "__wrapped__", None)
+    with _CallTrace(answers) as trace:
+        try:
+            _call(func, trial)
+        except Exception:
+            pass  # a failing function is diagnosed by the check itself
+    return next(("calls " + found for found in trace.found.values()), None)
+
+
 def check_function(name: str, func: Any, reference: Callable, *, case: Any = None,
                    inputs: Any = None, seeds: tuple[int, ...] = (0,), outputs=None,
                    slips: Mapping[str, Callable] | None = None, oracle: Callable | None = None,
                    oracle_name: str = "torch", reference_name: str | None = None,
                    rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
-                   hint: str = "") -> Verdict:
+                   hint: str = "", refuse: tuple = (), allow: tuple = ()) -> Verdict:
     r"""Print whether the student's function ``func`` computes what ``reference`` does.
 
     The write-the-function exercise: the student writes a whole forward or backward function, and
@@ -612,6 +722,12 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
       on every input (``looks like: ...``), else the first output that differs and how
       (:func:`check_close`'s diagnosis: a ratio, a flipped sign, the largest error and where), and
       the failing gradient check; or the exception the function raised and on which input.
+
+    Before any of this, the library is refused as an answer: a function that is the reference
+    (``my_backward = softmax_backward``), wraps it, or calls it, or calls the refmath functions a
+    lesson's own reference is made of, gets ``wrong: ...: this calls refmath.softmax.
+    softmax_backward: write it yourself``. The student's function runs once under
+    ``sys.setprofile``, which sees every Python call it makes, however the call is spelled.
 
     The expected values are never printed.
 
@@ -653,6 +769,11 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         The coordinates sampled per input by the gradient check.
     hint : str
         Printed after a wrong verdict: where to look.
+    refuse : tuple of callables
+        More library functions the student's may not call (a forward whose backward is asked).
+    allow : tuple of callables
+        Library functions a lesson's own reference calls that the student's may call too (the
+        softmax inside an attention whose layout is the exercise).
 
     Returns
     -------
@@ -696,6 +817,9 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         unwritten = False  # reported below, with the input it failed on
     if unwritten:
         return _verdict(NOT_YET, name, "write the body of the function (it still returns ...)")
+    used = library_used(func, reference, trials[0], tuple(refuse), tuple(allow))
+    if used is not None:
+        return _verdict("wrong", name, f"this {used}: write it yourself")
     try:
         have = _evaluate(func, trials, names)
     except _Failed as failure:
@@ -807,11 +931,13 @@ def leaked_lines(instructor: str, student: str, where: str = "<lesson>") -> list
     return found
 
 
-def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = None) -> list[Path]:
+def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = None, *,
+                         force: bool = False) -> list[Path]:
     """Write the student copy of each lesson (default: all of them) into ``out`` under the same
     name, after the leak scan: if any solution line would reach a copy, raise ``ValueError`` listing
     them and write nothing. ``out`` is created if needed; a file there, or the lessons' own folder,
-    is refused with ``ValueError``."""
+    is refused with ``ValueError``, and so is a folder that holds anything already unless ``force``
+    (a student's edited lessons would be overwritten)."""
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out {str(folder)!r} is a file, not a folder")
@@ -820,6 +946,10 @@ def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = No
         # The copies would replace the lessons they are made from, answers and all.
         raise ValueError(f"--out {str(folder)!r} is the folder of the instructor lessons; "
                          "write the student copies elsewhere")
+    if folder.is_dir() and not force and any(folder.iterdir()):
+        raise ValueError(f"--out {str(folder)!r} is not empty: the copies would overwrite what is "
+                         "there (a student's answers among it); give an empty or new folder, or "
+                         "--force to overwrite")
     copies, leaks = {}, []
     for path in sources:
         text = path.read_text(encoding="utf-8")

@@ -225,6 +225,20 @@ def test_the_lessons_command_explains_itself_and_its_errors(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_the_lessons_command_refuses_a_folder_that_holds_work_unless_forced(tmp_path):
+    """A student's edited lessons are not overwritten by a second run."""
+    out = tmp_path / "student"
+    out.mkdir()
+    mine = out / LESSONS[0].name
+    mine.write_text("my answers")
+    run = _cli("lessons", "student", "--out", str(out))
+    assert run.returncode == 2 and "is not empty" in run.stderr and "--force" in run.stderr
+    assert mine.read_text() == "my answers" and [p.name for p in out.iterdir()] == [mine.name]
+    run = _cli("lessons", "student", "--out", str(out), "--force")
+    assert run.returncode == 0, run.stderr
+    assert mine.read_text() == student_copy(LESSONS[0].read_text(), str(LESSONS[0]))
+
+
 # ---- write-the-function exercises -------------------------------------------------------------------
 
 def _softmax_backward_by_hand(dout, cache):
@@ -264,6 +278,15 @@ def test_an_unwritten_function_has_no_answer_yet():
         "no answer yet: f")
 
 
+def _layernorm_backward_by_hand(dout, cache):
+    """The student's own LayerNorm backward (the checks refuse the library's, called or not)."""
+    xhat, rstd, gamma = cache
+    rows = tuple(range(dout.ndim - 1))
+    g = dout * gamma
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+    return dx, np.sum(dout * xhat, axis=rows), np.sum(dout, axis=rows)
+
+
 def test_a_wrong_backward_names_its_slip_and_the_failing_gradient_check():
     from refmath.norms import layernorm_backward
 
@@ -271,7 +294,7 @@ def test_a_wrong_backward_names_its_slip_and_the_failing_gradient_check():
              **catalogued("layernorm: gamma left out of dx", layernorm_backward)}
 
     def averaged(dout, cache):
-        dx, dgamma, dbeta = layernorm_backward(dout, cache)
+        dx, dgamma, dbeta = _layernorm_backward_by_hand(dout, cache)
         return dx, dgamma, dbeta / 3  # the case has 3 rows: the mean is the sum / 3
 
     verdict = check_function("LN", averaged, layernorm_backward, case="layernorm[rows (3, 8)]",
@@ -290,13 +313,13 @@ def test_a_function_that_raises_or_returns_the_wrong_kind_is_wrong_and_says_wher
     def two_d_only(dout, cache):
         if dout.ndim != 2:
             raise IndexError("only (N, d)")
-        return layernorm_backward(dout, cache)
+        return _layernorm_backward_by_hand(dout, cache)
 
     line = check_function("LN", two_d_only, layernorm_backward,
                           case=["layernorm[rows*", "layernorm[one row*"]).line
     assert line == ("wrong: LN: your function raised IndexError: only (N, d) "
                     "(on layernorm[one row (6,)])"), line
-    line = check_function("LN", lambda d, c: layernorm_backward(d, c)[:2], layernorm_backward,
+    line = check_function("LN", lambda d, c: _layernorm_backward_by_hand(d, c)[:2], layernorm_backward,
                           case="layernorm[rows*").line
     assert line.startswith("wrong: LN: your function returns the wrong gradients: ") and \
         "dx, dgamma, dbeta" in line
@@ -316,7 +339,12 @@ def test_a_forward_function_is_called_on_copies_and_its_named_outputs_compared()
     def unrescaled_slip(a, b):
         return type(a)(np.maximum(a.m, b.m), a.l + b.l, a.u + b.u)
 
-    assert check_function("merge", online_softmax_merge, online_softmax_merge, inputs=pairs)
+    def merge_by_hand(a, b):
+        m = np.maximum(a.m, b.m)
+        alpha, beta = np.exp(a.m - m), np.exp(b.m - m)  # the pairs' m are finite
+        return type(a)(m, alpha * a.l + beta * b.l, alpha[..., None] * a.u + beta[..., None] * b.u)
+
+    assert check_function("merge", merge_by_hand, online_softmax_merge, inputs=pairs)
     line = check_function("merge", unrescaled, online_softmax_merge, inputs=pairs).line
     assert line.startswith("wrong: merge: l on input 1: "), line
     line = check_function("merge", unrescaled_slip, online_softmax_merge, inputs=lambda: pairs,
@@ -365,12 +393,13 @@ def test_strict_mode_refuses_a_function_slip_the_check_cannot_tell_apart(monkeyp
 
     monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
     with pytest.raises(AssertionError, match="passes as the right function"):
-        check_function("f", softmax_backward, softmax_backward, case="softmax[rows*",
+        check_function("f", _softmax_backward_by_hand, softmax_backward, case="softmax[rows*",
                        slips={"the same": _softmax_backward_by_hand})
-    doubled = {"doubled": lambda d, c: 2 * softmax_backward(d, c),
-               "twice": lambda d, c: softmax_backward(d, c) * 2}
+    doubled = {"doubled": lambda d, c: 2 * _softmax_backward_by_hand(d, c),
+               "twice": lambda d, c: _softmax_backward_by_hand(d, c) * 2}
     with pytest.raises(AssertionError, match="the slip 'twice' is reported as 'doubled'"):
-        check_function("f", softmax_backward, softmax_backward, case="softmax[rows*", slips=doubled)
+        check_function("f", _softmax_backward_by_hand, softmax_backward, case="softmax[rows*",
+                       slips=doubled)
     with pytest.raises(AssertionError, match="wrong: f: looks like: doubled"):
         check_function("f", doubled["doubled"], softmax_backward, case="softmax[rows*",
                        slips={"doubled": doubled["doubled"]})
@@ -387,3 +416,65 @@ def test_check_function_refuses_bad_arguments():
         check_function("f", softmax_backward, softmax_backward, case="softmax*", slips={"x": 1})
     assert check_function("f", 3, softmax_backward, case="softmax[rows*").line == \
         "wrong: f: not a function but a int"
+
+
+# ---- the library refused as an answer -----------------------------------------------------------------
+
+def test_the_library_function_itself_is_refused_as_the_answer(capsys):
+    """``my_softmax_backward = softmax_backward`` was accepted: the check now names the library
+    function and asks for the student's own."""
+    import functools
+
+    from refmath import softmax
+    from refmath.softmax import softmax_backward
+
+    def calls_it(dout, cache):
+        return softmax_backward(dout, cache)
+
+    def calls_it_by_another_name(dout, cache):
+        return getattr(softmax, "softmax_" + "backward")(dout * 1.0, cache)
+
+    @functools.wraps(softmax_backward)
+    def wraps_it(dout, cache):
+        return softmax_backward(dout, cache)
+
+    for func, verb in [(softmax_backward, "is"), (calls_it, "calls"), (lambda d, c: softmax_backward(d, c), "calls"),
+                       (calls_it_by_another_name, "calls"), (wraps_it, "wraps"),
+                       (functools.partial(softmax_backward), "is")]:
+        verdict = check_function("your softmax backward", func, softmax_backward, case="softmax[rows*")
+        assert not verdict
+        assert verdict.line == (f"wrong: your softmax backward: this {verb} "
+                                "refmath.softmax.softmax_backward: write it yourself"), verdict.line
+    # the student's own code still passes, at full speed of its own
+    assert check_function("your softmax backward", _softmax_backward_by_hand, softmax_backward,
+                          case="softmax[rows*")
+
+
+def test_a_lessons_own_reference_refuses_the_library_functions_it_is_made_of(capsys):
+    """A forward exercise's reference written in the lesson (an optimiser step through the
+    library's AdamW) refuses the AdamW the student could call; the NumPy the student writes is
+    accepted, and so is a refmath function the reference does not use."""
+    from refmath.optim import AdamW
+    from refmath.softmax import softmax_forward
+
+    def library_step(theta, grad):
+        params = {"w": theta.copy()}
+        AdamW(lr=0.1, weight_decay=0.1).step(params, {"w": grad})
+        return params["w"]
+
+    def by_hand(theta, grad):
+        softmax_forward(np.zeros(2))  # harmless: not what the exercise asks for
+        return (1 - 0.1 * 0.1) * theta - 0.1 * grad / (np.abs(grad) + 1e-8)
+
+    def through_the_library(theta, grad):
+        return library_step(theta, grad)
+
+    inputs = [(np.array([1.0, -2.0]), np.array([0.3, -0.1]))]
+    assert check_function("your AdamW step", by_hand, library_step, inputs=inputs, rtol=1e-12)
+    verdict = check_function("your AdamW step", through_the_library, library_step, inputs=inputs)
+    assert verdict.line == ("wrong: your AdamW step: this calls refmath.optim.Optimizer.step: "
+                            "write it yourself"), verdict.line  # AdamW's step is its base's
+    # refuse= adds a function the reference does not call
+    verdict = check_function("your AdamW step", by_hand, library_step, inputs=inputs,
+                             refuse=(softmax_forward,))
+    assert "this calls refmath.softmax.softmax_forward" in verdict.line

@@ -24,7 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lines; if any would be written, nothing is. Open the copies with 'jupyter lab DIR'.",
     )
     student.add_argument("--out", required=True, metavar="DIR",
-                         help="folder to write the copies into (created if needed)")
+                         help="folder to write the copies into (created if needed; refused if "
+                         "it holds anything, unless --force)")
+    student.add_argument("--force", action="store_true",
+                         help="write into a folder that is not empty, overwriting lessons of the "
+                         "same name there")
     student.add_argument("--from", dest="source", default=None, metavar="DIR",
                          help="folder of the instructor lessons (default: the checkout's notebooks/)")
     student.set_defaults(subparser=student)
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from refmath.lessons import lesson_paths, write_student_copies
 
     try:
-        written = write_student_copies(args.out, lesson_paths(args.source))
+        written = write_student_copies(args.out, lesson_paths(args.source), force=args.force)
     except OSError as err:
         raise CommandError(str(err)) from None
     print(f"wrote {len(written)} student lessons to {args.out} (open them with: jupyter lab {args.out})")
