@@ -25,7 +25,7 @@
 #
 # **Prerequisites:** lesson 6 (the encoder-decoder), lessons 2 (Post-LN and Pre-LN) and 5 (AdamW).
 #
-# **Goals:** derive the backward of a learned position table; count GPT-2 small's 124,439,808
+# **Goals:** derive the backward of a learned position table; count GPT-2 small's
 # parameters by hand; explain why the residual writers start smaller; check L6 and K1 by brute
 # force; write a task as a prompt and instruction tuning as a loss mask; predict an AdamW step from
 # the weight-decay groups.
@@ -243,7 +243,6 @@ batch = {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
 T = batch["tokens"].shape[1]
 parallel, _ = gpt.forward(params, batch, gpt_config)
 full_logits = gpt.logits(params, batch["tokens"], gpt_config)
-print(f"one pass over T = {T}: loss {float(parallel):.12f}")
 
 # %% [markdown]
 # **Your turn.** For each $n = 1, \dots, T$, run `gpt.forward` on the first $n$ tokens with a
@@ -264,6 +263,10 @@ mean_of_prefixes = np.mean(prefix_losses)
 
 # %%
 check_close("mean of the prefix losses", mean_of_prefixes, lambda: float(parallel), rtol=1e-13)
+
+# %%
+# After the exercise: the one pass's loss, which the T separate runs reproduce.
+print(f"one pass over T = {T}: loss {float(parallel):.12f}")
 
 # %% [markdown]
 # ## The prefix is the conditioning: tasks, instructions, preferences

@@ -442,12 +442,13 @@ for seq in range(16):  # the same samples, each storing its own copy of the prom
     unshared.add_sequence(seq)
     unshared.append(seq, *tokens_kv(np.arange(1000)))
     unshared.append(seq, *tokens_kv([1000 + seq]))
-print(f"pages used with sharing: {big.pages_used}; without: {unshared.pages_used}")
-assert big.pages_used == 63 + 15
-assert unshared.pages_used == 16 * -(-1000 // 16) == 1008
-
 check_close("pages with sharing", pages_shared, lambda: big.pages_used, rtol=0)
 check_close("pages without sharing", pages_unshared, lambda: unshared.pages_used, rtol=0)
+
+# %%
+# After the exercise: what the two caches hold.
+print(f"pages used with sharing: {big.pages_used}; without: {unshared.pages_used}")
+assert big.pages_used == 62 + 1 + 15 and unshared.pages_used == 16 * -(-1000 // 16)
 
 # %% [markdown]
 # ## S1 and S2: memory for serving and for training

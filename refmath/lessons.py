@@ -42,7 +42,8 @@ import numpy as np
 
 from refmath import solutions
 
-__all__ = ["Verdict", "check_close", "check_true", "check_function", "catalogued", "strict",
+__all__ = ["Verdict", "check", "hint", "check_close", "check_true", "check_function", "catalogued",
+           "strict",
            "student_copy", "leaked_lines", "write_student_copies", "lesson_paths"]
 
 NOT_YET = "no answer yet"
@@ -90,6 +91,23 @@ def _not_attempted(got: Any) -> bool:
 
 def _unanswered(name: str) -> Verdict:
     return _verdict(NOT_YET, name, "replace the ... with your code")
+
+
+# How many times each check has said "wrong" in this kernel: a hint is rationed. The first miss
+# gets the diagnosis (the slip's name) and, where the check knows it, the section to reread; the
+# hint itself, often the formula, only from the second miss on, or on request (:func:`hint`).
+_MISSES: dict[str, int] = {}
+
+
+def _rationed(name: str, hint: str, section: str = "") -> str:
+    """The words a wrong verdict adds after its diagnosis: see :data:`_MISSES`."""
+    _MISSES[name] = _MISSES.get(name, 0) + 1
+    if not hint:
+        return f" (reread {section})" if section else ""
+    if _MISSES[name] == 1:
+        where = f"reread {section}; " if section else ""
+        return f" ({where}a second try that misses shows a hint)"
+    return f" ({hint})"
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -190,9 +208,42 @@ def _ratio_text(c: float, scalar: bool, rtol: float) -> str:
     return f"{what} {c:.3g}"
 
 
+# ---- what the student could see before an exercise (the test suite's scan) -------------------------
+
+RECORD = "REFMATH_LESSONS_RECORD"
+RECORD_MARK = "\x1erefmath-check "
+
+
+def _record_expected(name: str, expected: Any) -> None:
+    """Under ``REFMATH_LESSONS_RECORD=FILE`` (set by the test that scans the student copies), add
+    the check's expected value to FILE as a JSON line, with the line of the lesson that called the
+    check, and print a marker so that the scan knows what was printed before it. Nothing happens
+    otherwise: a student never sees either."""
+    path = os.environ.get(RECORD, "")
+    if not path:
+        return
+    import json
+    import sys
+
+    frame, line = sys._getframe(1), None
+    while frame is not None:  # the first frame outside refmath: the lesson's own line
+        if not frame.f_globals.get("__name__", "").startswith("refmath"):
+            line = frame.f_lineno
+            break
+        frame = frame.f_back
+    try:
+        value = _as_array(expected).ravel().tolist()
+    except Exception:  # a value the unanswered copy cannot compute yet: nothing to look for
+        value = None
+    sys.stdout.flush()
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"name": name, "line": line, "value": value}) + "\n")
+    print(f"{RECORD_MARK}{name}", flush=True)
+
+
 def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
                 rtol: float = 1e-7, atol: float = 0.0, hint: str = "",
-                slips: Mapping[str, Any] | None = None) -> Verdict:
+                slips: Mapping[str, Any] | None = None, section: str = "") -> Verdict:
     r"""Print whether ``got`` equals ``expected`` within ``|got - expected| <= atol + rtol |expected|``.
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
@@ -213,13 +264,17 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     rtol, atol : float
         The tolerance, elementwise, in the form of :func:`numpy.isclose`.
     hint : str
-        Printed after a wrong verdict: where to look.
+        Where to look, often the formula: printed after the second wrong verdict of this check
+        and later ones, not the first (see :func:`hint` to ask for it).
     slips : mapping of str to array_like or callable, optional
         Typical wrong answers: what the slip is (printed as "looks like: ...") to the value it
         gives, or a callable computing it (see :func:`catalogued`). Under
         ``REFMATH_LESSONS_STRICT=1`` each slip is also fed to the check, which must reject it and
         name it: a slip the check cannot tell from the right answer, or from an earlier slip,
         raises ``AssertionError``.
+
+    section : str
+        The lesson's section to reread, named after a first wrong verdict.
 
     Returns
     -------
@@ -234,6 +289,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     if slips is not None and not isinstance(slips, Mapping):
         raise TypeError(f"check_close: slips must be a mapping of str to values, got "
                         f"{type(slips).__name__}")
+    _record_expected(name, expected)
     if _not_attempted(got):
         return _unanswered(name)
     want = _as_array(expected)
@@ -245,8 +301,8 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     except (TypeError, ValueError) as err:
         return _verdict("wrong", name, f"not an array of real numbers ({err})")
     status, detail = _diagnose(have, want, values, rtol, atol)
-    if status != "right" and hint:
-        detail += f" ({hint})"
+    if status != "right":
+        detail += _rationed(name, hint, section)
     return _verdict(status, name, detail)
 
 
@@ -823,7 +879,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
     try:
         have = _evaluate(func, trials, names)
     except _Failed as failure:
-        return _verdict("wrong", name, f"your function {failure}" + (f" ({hint})" if hint else ""))
+        return _verdict("wrong", name, f"your function {failure}" + _rationed(name, hint))
 
     want = _evaluate(reference, trials, names)
     slip_values = []
@@ -874,7 +930,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         said.append(_gradient_check_text(*failed_checks[0]))
     if slip is None and difference is None and torch_difference is not None:
         said.append(f"against {'torch' if case is not None else oracle_name}, {torch_difference}")
-    detail = "; ".join(said) + (f" ({hint})" if hint else "")
+    detail = "; ".join(said) + _rationed(name, hint)
     return _verdict("wrong", name, detail)
 
 
@@ -964,3 +1020,211 @@ def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = No
         (folder / name).write_text(copy, encoding="utf-8")
         written.append(folder / name)
     return written
+
+
+# ---- the lessons' exercises, by number -------------------------------------------------------------
+#
+# A lesson's check cell is one call, ``check("05.3", answer)``: the expected value, the known slips
+# and the hint live here, computed from the library, so that nothing in the lesson (not the check
+# cell's source on the student site, not a variable, not a print) holds the answer before the
+# student has tried. An exercise computes from the lesson's own inputs, read by name from the
+# namespace that calls the check (``uses``), so the numbers the student sees are the numbers
+# checked, and the lesson stays the one place they are written.
+
+
+class Exercise(NamedTuple):
+    """One value exercise of a lesson."""
+
+    name: str  # what the verdict calls the answer
+    section: str  # the lesson's section to reread after a first miss
+    hint: str  # the formula or the step, given from the second miss on, or by hint()
+    expected: Callable[..., Any]  # the expected value from the lesson's inputs (``uses``)
+    slips: Callable[..., Mapping[str, Any]]  # the known wrong answers, from the same inputs
+    uses: tuple[str, ...] = ()  # the lesson's variables the two functions take, by name
+    rtol: float = 1e-12
+    atol: float = 0.0
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def _exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, ...] = (),
+              rtol: float = 1e-12, atol: float = 0.0):
+    """Register the decorated ``(*uses) -> (expected, slips)`` function as exercise ``number``."""
+    def register(both: Callable[..., tuple[Any, Mapping[str, Any]]]):
+        EXERCISES[number] = Exercise(name, section, hint, lambda *a: both(*a)[0],
+                                     lambda *a: both(*a)[1], uses, rtol, atol)
+        return both
+    return register
+
+
+def _exercise_of(number: str) -> Exercise:
+    if number not in EXERCISES:
+        raise ValueError(f"no exercise numbered {number!r} (known: {', '.join(sorted(EXERCISES))})")
+    return EXERCISES[number]
+
+
+def check(number: str, answer: Any) -> Verdict:
+    """Print the verdict on the student's ``answer`` to exercise ``number`` ("05.3").
+
+    The expected value is computed here, from the library and the lesson's inputs (read by name
+    from the caller's namespace); a wrong answer is diagnosed as :func:`check_close` does, with the
+    section to reread after a first miss and the hint from the second on."""
+    import sys
+
+    exercise, caller = _exercise_of(number), sys._getframe(1)
+    if _not_attempted(answer):
+        _record_expected(exercise.name, lambda: _expected_and_slips(exercise, caller)[0])
+        return _unanswered(exercise.name)
+    expected, slips = _expected_and_slips(exercise, caller)
+    return check_close(exercise.name, answer, expected, rtol=exercise.rtol, atol=exercise.atol,
+                       hint=exercise.hint, section=exercise.section, slips=slips)
+
+
+def _expected_and_slips(exercise: Exercise, frame) -> tuple[Any, Mapping[str, Any]]:
+    names = {**frame.f_builtins, **frame.f_globals, **frame.f_locals}
+    missing = [n for n in exercise.uses if n not in names]
+    if missing:
+        raise NameError(f"{exercise.name}: the check reads the lesson's {', '.join(missing)}; "
+                        "run the lesson's cells above it first")
+    inputs = [names[n] for n in exercise.uses]
+    return exercise.expected(*inputs), exercise.slips(*inputs)
+
+
+def hint(number: str) -> None:
+    """Print the hint of exercise ``number`` now, without a second miss."""
+    exercise = _exercise_of(number)
+    print(f"hint: {exercise.name}: {exercise.hint} (see {exercise.section})")
+
+
+# ---- lesson 5: the loss and the optimiser
+
+_L2 = "the section 'L2, L3: cross-entropy and its gradient'"
+_L5 = "the section 'L5: the fine-tuning loss'"
+_O1 = "the section 'O1, O2: Adam and its bias correction'"
+_O4 = "the section 'O3, O4, O7: weight decay inside Adam or beside it'"
+_O6 = "the section 'O6: learning-rate schedules'"
+
+
+@_exercise("05.1", "dloss/dlogits", _L2, "p - onehot(target), divided by the number of positions",
+           uses=("logits", "targets"))
+def _cross_entropy_gradient(logits, targets):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    _, cache = cross_entropy_forward(logits, targets)
+    mean = cross_entropy_backward(1.0, cache)
+    n = np.size(targets)
+    return mean, {
+        "not divided by the number of positions (the sum's gradient, not the mean's)": n * mean,
+        "the one-hot target forgotten: p / T": softmax_forward(logits)[0] / n,
+        "the sign flipped: y - p": -mean}
+
+
+def _sft(logits, targets, mask, reduction):
+    from refmath.losses import cross_entropy_forward
+
+    return cross_entropy_forward(logits, targets, loss_mask=mask, reduction=reduction)
+
+
+@_exercise("05.2", "the summed SFT loss", _L5,
+           "only the answer positions count, and nothing divides the sum",
+           uses=("sft_logits", "sft_targets", "answer_mask"))
+def _sft_sum(logits, targets, mask):
+    from refmath.losses import cross_entropy_forward
+
+    total = _sft(logits, targets, mask, "sum")[0]
+    return total, {
+        "the mean over the answer tokens, not the sum": _sft(logits, targets, mask, "mean")[0],
+        "the prompt positions counted too": cross_entropy_forward(logits, targets, reduction="sum")[0],
+        "the sign flipped: the sum of log p, not of -log p": -total}
+
+
+@_exercise("05.3", "the last row of dlogits (sum)", _L5,
+           "p - y, with no division: the sum does not divide by the number of tokens",
+           uses=("sft_logits", "sft_targets", "answer_mask"))
+def _sft_last_row(logits, targets, mask):
+    from refmath.losses import cross_entropy_backward
+
+    row = cross_entropy_backward(1.0, _sft(logits, targets, mask, "sum")[1])[-1]
+    mean_row = cross_entropy_backward(1.0, _sft(logits, targets, mask, "mean")[1])[-1]
+    return row, {"divided by the answer tokens: that is the mean's gradient": mean_row,
+                 "the sign flipped: y - p": -row}
+
+
+def _adam_first_step(eps: float = 1e-8, **options):
+    from refmath.optim import Adam
+
+    w = {"w": np.array([1.0, -2.0])}
+    Adam(lr=0.1, eps=eps, **options).step(w, {"w": np.array([0.3, -0.1])})
+    return w["w"]
+
+
+@_exercise("05.5", "theta after one Adam step", _O1,
+           "m_hat = g and v_hat = g^2 after one step, so the step is lr g / (|g| + eps)")
+def _adam_step():
+    plain = np.array([1.0, -2.0]) - 0.1 * np.array([0.3, -0.1])
+    return _adam_first_step(), {
+        **catalogued("adam: bias correction missing", _adam_first_step),
+        # theta - lr sign(g) = (0.9, -1.9) would otherwise read as "a printed number copied"
+        "eps left out of the denominator: lr g / |g| is not quite lr g / (|g| + eps)":
+            np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1]),
+        "a plain gradient step, theta - lr g": plain}
+
+
+ADAMW_STEPS = 200
+
+
+def _adamw_path(steps: int, optimiser=None):
+    from refmath.optim import AdamW
+
+    # decay_of: by default AdamW decays matrices only, and this weight is a vector
+    optimiser = optimiser or AdamW(lr=0.1, weight_decay=0.1, decay_of=lambda name: 0.1)
+    p, path = {"w": np.array([1.0])}, [1.0]
+    for _ in range(steps):
+        optimiser.step(p, {"w": np.array([0.0])})
+        path.append(float(p["w"][0]))
+    return np.array(path)
+
+
+@_exercise("05.6", f"AdamW's weight after {ADAMW_STEPS} steps", _O4,
+           "each step multiplies by (1 - lr * weight_decay); m_hat stays 0")
+def _adamw_after():
+    path = _adamw_path(ADAMW_STEPS)
+    return path[-1], {
+        "(1 - lr lambda)^(n - 1): one step too few": path[-2],
+        **catalogued("adamw: decay not scaled by the learning rate",
+                     lambda: _adamw_path(ADAMW_STEPS)[-1]),
+        **catalogued("adamw: decay also inside the moments", lambda: _adamw_path(ADAMW_STEPS)[-1])}
+
+
+@_exercise("05.7", "(peak, half-way rate)", _O6,
+           "at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0")
+def _schedule_values():
+    from refmath.optim import transformer_schedule, warmup_cosine
+
+    peak = transformer_schedule(4000, d_model=512, warmup=4000)
+    return (peak, warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5)), {
+        **catalogued("warmup-cosine: progress measured over the whole run", lambda: (
+            peak, warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5))),
+        "the floor forgotten: half of max_lr, not half-way from min_lr to max_lr":
+            (peak, 0.5 * 3e-4)}
+
+
+# ---- lesson 6: the encoder-decoder
+
+@_exercise("06.3", "tensor2tensor target", "the section 'L4: label smoothing, three conventions'",
+           "1 - eps on the right token y, eps / (V - 1) on each of the others",
+           uses=("z", "y"))
+def _tensor2tensor_target(z, y):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    vocab, eps = np.shape(z)[-1], 0.1
+    target = np.full(vocab, eps / (vocab - 1))
+    target[int(y[0])] = 1 - eps
+    # refmath's own target for the same eps: q = p - dloss/dlogits (the gradient is p - q)
+    ours = softmax_forward(z)[0] - cross_entropy_backward(1.0, cross_entropy_forward(
+        z, y, label_smoothing=eps)[1])
+    return target, {"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
+                    "eps / (V - 1) on the others and nothing extra on y": ours[0]}
