@@ -1,5 +1,7 @@
 """refmath.lessons: the one-line verdicts of the lessons' exercise checks, their diagnoses, and
 the student copies of the lessons with their leak scan."""
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,9 @@ from refmath.lessons import (
     lesson_paths,
     student_copy,
 )
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -237,6 +242,59 @@ def test_the_lessons_command_refuses_a_folder_that_holds_work_unless_forced(tmp_
     run = _cli("lessons", "student", "--out", str(out), "--force")
     assert run.returncode == 0, run.stderr
     assert mine.read_text() == student_copy(LESSONS[0].read_text(), str(LESSONS[0]))
+
+
+def test_the_packaged_student_copies_are_the_lessons_of_today():
+    """The copies shipped in the package are made from notebooks/ as they are now, one per lesson."""
+    from refmath.lessons import packaged_copies
+
+    shipped = packaged_copies()
+    assert sorted(shipped) == [p.name for p in LESSONS], \
+        "refresh them: python -c 'import refmath.lessons as l; l.refresh_packaged_copies()'"
+    stale = [p.name for p in LESSONS if shipped[p.name] != student_copy(p.read_text(), str(p))]
+    assert not stale, (f"packaged student copies out of date: {stale}; refresh them: "
+                       "python -c 'import refmath.lessons as l; l.refresh_packaged_copies()'")
+
+
+def test_the_student_route_needs_no_checkout(tmp_path):
+    """What a wheel holds (setuptools' build_py of a copy of the checkout: the modules and the
+    package data, no compiled module) writes the student lessons with no checkout on the path,
+    and nothing it writes holds an answer."""
+    pytest.importorskip("setuptools", minversion="77")
+    pytest.importorskip("pybind11")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if files.returncode != 0:
+        pytest.skip("not a git checkout: nothing to build from")
+    copy = tmp_path / "checkout"
+    for rel in filter(None, files.stdout.split("\0")):
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    lib = tmp_path / "lib"
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)],
+                           cwd=copy, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "REFMATH_CUDA": "0"})
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert not (lib / "notebooks").exists() and (lib / "refmath" / "student_lessons").is_dir()
+
+    out, home = tmp_path / "my lessons", tmp_path / "home"
+    home.mkdir()
+    script = (f"import sys, runpy\n"
+              f"sys.path[:] = [{str(lib)!r}] + [p for p in sys.path if p and "
+              f"not p.startswith({str(ROOT)!r})]\n"
+              f"sys.argv = ['refmath', 'lessons', 'student', '--out', {str(out)!r}]\n"
+              f"import refmath\n"
+              f"assert refmath.__file__.startswith({str(lib)!r}), refmath.__file__\n"
+              f"runpy.run_module('refmath', run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=home, capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in out.iterdir()) == [p.name for p in LESSONS]
+    for path in LESSONS:
+        written = (out / path.name).read_text()
+        assert written == student_copy(path.read_text(), str(path))
+        assert leaked_lines(path.read_text(), written, path.name) == []
+        assert "BEGIN SOLUTION" not in written
 
 
 # ---- write-the-function exercises -------------------------------------------------------------------

@@ -8,8 +8,9 @@ from refmath.commands import CommandError
 
 HELP = "the lessons: 'student --out DIR' writes their answer-free copies"
 DESCRIPTION = (
-    "The step-through lessons of notebooks/: 'student --out DIR' writes the copies a student "
-    "works in, with the answers removed and the leak scan passed.")
+    "The step-through lessons: 'student --out DIR' writes the copies a student works in, with the "
+    "answers removed. They ship with refmath, so an installed wheel is enough: no checkout, and "
+    "no answer key, is needed.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="write into a folder that is not empty, overwriting lessons of the "
                          "same name there")
     student.add_argument("--from", dest="source", default=None, metavar="DIR",
-                         help="folder of the instructor lessons (default: the checkout's notebooks/)")
+                         help="make the copies from the instructor lessons in DIR (answers "
+                         "inside) instead of writing the ones shipped with refmath")
     student.set_defaults(subparser=student)
 
 
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from refmath.lessons import lesson_paths, write_student_copies
 
     try:
-        written = write_student_copies(args.out, lesson_paths(args.source), force=args.force)
+        lessons = lesson_paths(args.source) if args.source is not None else None
+        written = write_student_copies(args.out, lessons, force=args.force)
     except OSError as err:
         raise CommandError(str(err)) from None
     print(f"wrote {len(written)} student lessons to {args.out} (open them with: jupyter lab {args.out})")
