@@ -252,9 +252,11 @@ def torch_softmax(x):
 
 check_function("your softmax backward", my_softmax_backward, softmax_backward, case="softmax[*",
                oracle=torch_softmax, hint="dx = a * (dout - <a, dout>), the sum over the last axis",
-               slips={**catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+               slips={**catalogued("softmax: the -a a^T term dropped (a * dout)", softmax_backward),
                       **catalogued("softmax: sign of the correction flipped", softmax_backward),
                       **catalogued("softmax: sum over the wrong axis", softmax_backward),
+                      **catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+                      **catalogued("softmax: a mean for the sum in <a, dout>", softmax_backward),
                       "the sum over the row without the weights a: dout - sum(dout)":
                           lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True))})
 
@@ -352,15 +354,26 @@ dQ_causal = dS_causal @ K / np.sqrt(d_k)
 # END SOLUTION
 
 # %%
+def causal_dq_slip(reduce=np.sum, transposed=False):
+    """dQ with a slip in dS: another reduction of A dA, or dS transposed."""
+    dA_c = dO @ V.T
+    dS_c = A_causal * (dA_c - reduce(A_causal * dA_c, axis=1, keepdims=True))
+    return (dS_c.T if transposed else dS_c) @ K / np.sqrt(d_k)
+
+
 check_close("dQ (causal)", dQ_causal, lambda: sdpa_backward(dO, cache_causal)[0], rtol=1e-12,
             atol=1e-15, hint="the same formula, with the causal weights",
             slips={**catalogued("sdpa: scale missing from dQ",
                                 lambda: sdpa_backward(dO, cache_causal)[0]),
                    **catalogued("softmax: sign of the correction flipped",
                                 lambda: sdpa_backward(dO, cache_causal)[0]),
-                   **catalogued("softmax: Jacobian's diagonal only",
+                   **catalogued("softmax: the -a a^T term dropped (a * dout)",
                                 lambda: sdpa_backward(dO, cache_causal)[0]),
-                   "the unmasked weights A, not A_causal": lambda: sdpa_backward(dO, cache)[0]})
+                   "the unmasked weights A, not A_causal": lambda: sdpa_backward(dO, cache)[0],
+                   "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
+                       lambda: causal_dq_slip(reduce=np.mean),
+                   "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
+                       lambda: causal_dq_slip(transposed=True)})
 check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 0.0),
            "A_ij = 0 at a masked pair, and dS_ij carries the factor A_ij", of=dS_causal)
 
@@ -395,6 +408,14 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 # END SOLUTION
 
 # %%
+def dropout_with_ad_in_ds():
+    """(dV, dQ) with the dropped weights A * D, not A, inside dS."""
+    dropped = cache_drop.a * D
+    dA_d = (dO @ V.T) * D
+    dS_d = dropped * (dA_d - np.sum(dropped * dA_d, axis=1, keepdims=True))
+    return np.concatenate([dropped.T @ dO, dS_d @ K / np.sqrt(d_k)])
+
+
 check_close("(dV, dQ) with dropout", dV_dQ_dropout,
             lambda: np.concatenate([sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]),
             rtol=1e-12, atol=1e-15, hint="D multiplies A in dV and dA = dO V^T; dS uses A itself",
@@ -403,7 +424,9 @@ check_close("(dV, dQ) with dropout", dV_dQ_dropout,
                    **catalogued("sdpa: dV from the weights before dropout", lambda: np.concatenate(
                        [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
                    **catalogued("sdpa: scale missing from dQ", lambda: np.concatenate(
-                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]))})
+                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
+                   "A * D inside dS: the softmax's Jacobian is of A, before dropout":
+                       dropout_with_ad_in_ds})
 
 # %% [markdown]
 # Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of

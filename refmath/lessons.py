@@ -1279,3 +1279,16 @@ def _tensor2tensor_target(z, y):
         z, y, label_smoothing=eps)[1])
     return target, {"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
                     "eps / (V - 1) on the others and nothing extra on y": ours[0]}
+
+
+# ---- lesson 7: GPT
+
+@_exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning'",
+           "the inputs are the row without its last token, the targets the row without its first",
+           uses=("row_of_tokens",))
+def _shifted_pair(row):
+    row = np.asarray(row)
+    return (row[:, :-1], row[:, 1:]), {
+        "shifted the wrong way: the targets come before the inputs": (row[:, 1:], row[:, :-1]),
+        "not shifted: the targets are the inputs, so each position is scored on its own token":
+            (row[:, :-1], row[:, :-1])}

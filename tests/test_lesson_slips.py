@@ -18,6 +18,8 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
+PROBS_15 = "probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [1, 1, 1, 1]]) / row_sums"
+
 # lesson -> [(solution text, the slip written instead, the check's name, words of the slip's name)]
 PLANTS = {
     "01_attention.py": [
@@ -32,10 +34,23 @@ PLANTS = {
          "(dV, dQ) with dropout", "dropout mask ignored in dA"),
         # the write-the-function exercises: a slip in the student's own function
         ("dx = a * (dout - row_mean)", "dx = a * dout", "your softmax backward",
-         "Jacobian's diagonal only"),
+         "the -a a^T term dropped"),
         ("row_mean = np.sum(a * dout, axis=-1, keepdims=True)",
          "row_mean = np.sum(a * dout, axis=0, keepdims=True)", "your softmax backward",
          "sum over the wrong axis"),
+        ("row_mean = np.sum(a * dout, axis=-1, keepdims=True)",
+         "row_mean = np.mean(a * dout, axis=-1, keepdims=True)", "your softmax backward",
+         "a mean for the sum"),
+        ("dx = a * (dout - row_mean)", "dx = a * (1 - a) * dout", "your softmax backward",
+         "Jacobian's diagonal only"),
+        ("dQ_causal = dS_causal @ K / np.sqrt(d_k)", "dQ_causal = dS_causal.T @ K / np.sqrt(d_k)",
+         "dQ (causal)", "dS transposed"),
+        ("dS_causal = A_causal * (dA_causal - np.sum(A_causal * dA_causal, axis=1, keepdims=True))",
+         "dS_causal = A_causal * (dA_causal - np.mean(A_causal * dA_causal, axis=1, keepdims=True))",
+         "dQ (causal)", "a mean for the sum in dS"),
+        ("dS_drop = A_c * (dA_drop - np.sum(A_c * dA_drop, axis=1, keepdims=True))",
+         "dS_drop = (A_c * D) * (dA_drop - np.sum((A_c * D) * dA_drop, axis=1, keepdims=True))",
+         "(dV, dQ) with dropout", "A * D inside dS"),
     ],
     "02_normalisation.py": [
         ("dx_layernorm = (direct + through_mean + through_sigma) / sigma",
@@ -116,6 +131,11 @@ PLANTS = {
     "07_gpt.py": [
         ("dP[1:3] = dy.sum(axis=0)", "dP[1:3] = dy.mean(axis=0)", "dP", "averaged over the batch"),
         ("dP[1:3] = dy.sum(axis=0)", "dP[0:2] = dy.sum(axis=0)", "dP", "offset ignored"),
+        ("inputs_and_targets = (row_of_tokens[:, :-1], row_of_tokens[:, 1:])",
+         "inputs_and_targets = (row_of_tokens[:, 1:], row_of_tokens[:, :-1])",
+         "(inputs, targets)", "shifted the wrong way"),
+        ("sft_loss = -picked.sum()", "sft_loss = -picked.mean()", "the SFT loss",
+         "the mean over the answer, not the sum"),
         ("gpt2_by_hand = V * d + T_ctx * d + L * per_layer + 2 * d",
          "gpt2_by_hand = V * d + L * per_layer + 2 * d", "GPT-2 small parameters",
          "the position table forgotten"),
@@ -176,7 +196,11 @@ PLANTS = {
          "the rule's bound on o", "u = 2^-23"),
         ("floats = 128 * 128 + 2 * 128 * 128 + 3 * 128 + 2 * 128 * 128",
          "floats = 128 * 128 + 2 * 128 * 128 + 3 * 128 + 128 * 128",
-         "scratch bytes per thread at D = 128", "the value tile Vs left out"),
+         "scratch bytes per thread at D = 128", "one of the 128 x 128 buffers left out"),
+        # a forgotten P V is the same number, and must get the same name, not "Vs"
+        ("floats = 128 * 128 + 2 * 128 * 128 + 3 * 128 + 2 * 128 * 128",
+         "floats = 128 * 128 + 128 * 128 + 3 * 128 + 2 * 128 * 128",
+         "scratch bytes per thread at D = 128", "(U, PV, KT or Vs)"),
         ("scratch_128 = 4 * (-(-floats // 16) * 16)", "scratch_128 = -(-floats // 16) * 16",
          "scratch bytes per thread at D = 128", "float32 numbers, not bytes"),
         ("chunk = -(-n // splits)\n", "chunk = n // splits\n", "your split-K decode",
@@ -218,8 +242,14 @@ PLANTS = {
          "your cache bytes", "the quantisation scales left out"),
     ],
     "15_mixture_of_experts.py": [
-        ("probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [2, 2, 2, 2]]) / 8",
-         "probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [2, 2, 2, 2]])",
+        ("\nexpert = 3 * 256 * 512", "\nexpert = 2 * 256 * 512", "the total",
+         "2 d d_e per expert"),
+        (PROBS_15, "probs_by_hand = np.exp(worked_logits) / np.exp(worked_logits).sum(axis=0)",
+         "the probabilities", "the softmax over the wrong axis"),
+        ("top2_by_hand = np.array([[0, 1], [3, 2], [1, 2], [0, 1]])",
+         "top2_by_hand = np.array([[1, 2], [4, 3], [2, 3], [1, 2]])", "the top-2 experts",
+         "experts numbered from 1"),
+        (PROBS_15, PROBS_15.split(" / ")[0],
          "the probabilities", "without dividing by its sum"),
         ("top2_by_hand = np.array([[0, 1], [3, 2], [1, 2], [0, 1]])",
          "top2_by_hand = np.array([[0, 1], [3, 2], [2, 1], [3, 2]])",
