@@ -26,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def lenient(monkeypatch):
+    import refmath.lessons
+
     monkeypatch.delenv("REFMATH_LESSONS_STRICT", raising=False)
+    monkeypatch.setattr(refmath.lessons, "_MISSES", {})  # each test starts with no miss counted
 
 
 def test_a_right_answer_says_right_and_returns_true(capsys):
@@ -40,7 +43,9 @@ def test_a_wrong_answer_names_the_index_and_the_tolerance_not_the_expected_value
     got[1, 0] = 3.5
     assert not check_close("dX", got, expected, rtol=1e-6, hint="the second term")
     out = capsys.readouterr().out
-    assert out.startswith("wrong: dX: error 0.5 at index (1, 0)") and "the second term" in out
+    assert out.startswith("wrong: dX: error 0.5 at index (1, 0)") and "the second term" not in out
+    assert not check_close("dX", got, expected, rtol=1e-6, hint="the second term")
+    assert "the second term" in capsys.readouterr().out  # the hint comes with the second miss
     assert "3.0" not in out and "[[" not in out
 
 
@@ -536,3 +541,38 @@ def test_a_lessons_own_reference_refuses_the_library_functions_it_is_made_of(cap
     verdict = check_function("your AdamW step", by_hand, library_step, inputs=inputs,
                              refuse=(softmax_forward,))
     assert "this calls refmath.softmax.softmax_forward" in verdict.line
+
+
+# ---- exercises by number, hints rationed ---------------------------------------------------------
+
+def test_a_numbered_check_computes_its_expected_value_from_the_lessons_inputs(capsys):
+    """check("05.1", answer) reads the lesson's logits and targets from the caller, computes the
+    expected gradient in refmath.lessons, and names a slip on the first miss with the section to
+    reread; the formula comes on the second miss, or from hint()."""
+    from refmath.lessons import check, hint
+    from refmath.softmax import softmax_forward
+
+    logits = np.array([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 0.5, 0.0]])
+    targets = np.array([0, 2, 1])
+    p = softmax_forward(logits)[0]
+    assert check("05.1", ...).line.startswith("no answer yet: dloss/dlogits")
+    assert check("05.1", (p - np.eye(4)[targets]) / 3)
+    first = check("05.1", p - np.eye(4)[targets]).line
+    assert "looks like: not divided by the number of positions" in first
+    assert "reread the section 'L2, L3" in first and "p - onehot" not in first
+    second = check("05.1", p - np.eye(4)[targets]).line
+    assert "p - onehot(target), divided by the number of positions" in second
+    hint("05.3")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("hint: the last row of dlogits (sum): p - y")
+    with pytest.raises(ValueError, match="no exercise numbered '05.99'"):
+        check("05.99", 1.0)
+    del logits
+    with pytest.raises(NameError, match="reads the lesson's logits"):
+        check("05.1", p)
+
+
+def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
+    from refmath.lessons import check
+
+    line = check("05.5", np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1])).line
+    assert "looks like: eps left out of the denominator" in line and "printed precision" not in line
