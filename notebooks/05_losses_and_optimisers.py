@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 2
 #     ids: [L2, L3, L5, O1, O2, O3, O4, O6, O7]
-#     minutes: 35
+#     minutes: 45
 # ---
 
 # %% [markdown]
@@ -29,7 +29,7 @@
 #
 # **Catalogue IDs:** L2, L3, L5, O1, O2, O3, O4, O6, O7
 #
-# **Duration:** 35 minutes
+# **Duration:** 45 minutes
 
 # %%
 import matplotlib.pyplot as plt
@@ -294,6 +294,24 @@ for step in range(1, 4):
 # The first step has size $\eta$ in every coordinate, whatever the size of the gradient: Adam's
 # step is normalised per coordinate.
 #
+# **What $v$ is, and what it is not.** $v_s$ is a running mean of $g^2$: a raw second moment.
+# It is not a variance, since nothing subtracts the mean $m$ (the constant gradient above has
+# variance 0, yet $\hat v_s = g^2$), and it is not the curvature, since no second derivative of
+# the loss enters it. Dividing by $\sqrt{\hat v}$ divides by the recent root-mean-square size of
+# the gradient, whatever the loss surface's curvature.
+
+# %% tags=["exercise"]
+# Exercise 05.6: a weight gets the gradient 0.3 at step 1 and 0.5 at step 2 (default betas).
+# What is v_hat after step 2? (The two gradients' variance is 0.01: compare.)
+v_hat_after_two = ...
+# BEGIN SOLUTION
+v2 = 0.999 * (1 - 0.999) * 0.3**2 + (1 - 0.999) * 0.5**2
+v_hat_after_two = v2 / (1 - 0.999**2)
+# END SOLUTION
+
+# %%
+check("05.6", v_hat_after_two)
+#
 # ## O3, O4, O7: weight decay inside Adam or beside it
 #
 # For plain SGD, adding $\lambda\theta$ to the gradient is the same as shrinking the weights by
@@ -328,7 +346,7 @@ ax.legend()
 plt.show()
 
 # %% tags=["exercise"]
-# Exercise 05.6: the weight after 200 AdamW steps (four times the plot's) with a zero data
+# Exercise 05.7: the weight after 200 AdamW steps (four times the plot's) with a zero data
 # gradient, lr 0.1 and weight decay 0.1, starting from 1, in closed form.
 adamw_after_200 = ...
 # BEGIN SOLUTION
@@ -336,7 +354,7 @@ adamw_after_200 = (1 - 0.1 * 0.1) ** 200
 # END SOLUTION
 
 # %%
-check("05.6", adamw_after_200)
+check("05.7", adamw_after_200)
 
 # %%
 # The three runs' ends, printed after the exercise since AdamW's is its answer: SGD + L2 shrinks
@@ -372,7 +390,7 @@ axes[1].set(title="linear warmup, cosine decay to 10%", xlabel="step")
 plt.show()
 
 # %% tags=["exercise"]
-# Exercise 05.7: the peak of the original schedule for d = 512 and w = 4000 (where the two branches
+# Exercise 05.8: the peak of the original schedule for d = 512 and w = 4000 (where the two branches
 # meet), and the warmup-cosine rate at step 11000 (half-way through its decay) for the settings
 # of the right-hand plot. Give both as a pair (peak, half_way).
 schedule_values = ...
@@ -381,7 +399,7 @@ schedule_values = (512**-0.5 * 4000**-0.5, 3e-5 + 0.5 * (3e-4 - 3e-5))
 # END SOLUTION
 
 # %%
-check("05.7", schedule_values)
+check("05.8", schedule_values)
 check_true("your peak is above the rates one step before and after it",
            lambda values: values[0] > max(transformer_schedule(3999, 512, 4000),
                                           transformer_schedule(4001, 512, 4000)),

@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 3
-#     minutes: 45
+#     minutes: 75
 #     ids: [F4]
 # ---
 
@@ -32,7 +32,7 @@
 #
 # **Catalogue IDs:** F4
 #
-# **Duration:** 45 minutes
+# **Duration:** 75 minutes
 
 # %%
 import contextlib

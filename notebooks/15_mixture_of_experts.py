@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 4
-#     minutes: 45
+#     minutes: 85
 #     ids: [E1, E2, E3, E4, E5, E6, E7, E8, E9, E10]
 # ---
 
@@ -34,7 +34,7 @@
 #
 # **Catalogue IDs:** E1, E2, E3, E4, E5, E6, E7, E8, E9, E10
 #
-# **Duration:** about 45 minutes.
+# **Duration:** about 85 minutes.
 
 # %%
 import os

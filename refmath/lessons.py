@@ -721,6 +721,10 @@ def library_used(func: Callable, reference: Callable, trial, also: tuple = (),
     ``"is refmath.softmax.softmax_backward"``, ``"wraps ..."`` or ``"calls ..."``; None when it
     writes the computation itself. ``func`` is called once on ``trial`` under a call trace."""
     answers = _answer_functions(reference, trial)
+    own = _code_of(reference)
+    if own is not None and own not in answers:  # a lesson's own reference, copied or called
+        answers[own] = (f"the check's reference, {getattr(reference, '__module__', '?')}."
+                        f"{getattr(own, 'co_qualname', own.co_name)}")
     for extra in also:
         code = _code_of(extra)
         if code is not None:
@@ -741,7 +745,8 @@ def library_used(func: Callable, reference: Callable, trial, also: tuple = (),
             _call(func, trial)
         except Exception:
             pass  # a failing function is diagnosed by the check itself
-    return next(("calls " + found for found in trace.found.values()), None)
+    found = sorted(trace.found.values(), key=lambda name: name.startswith("the check's"))
+    return "calls " + found[0] if found else None  # the library's name first, if it was reached
 
 
 def check_function(name: str, func: Any, reference: Callable, *, case: Any = None,
@@ -1094,17 +1099,18 @@ class Exercise(NamedTuple):
     uses: tuple[str, ...] = ()  # the lesson's variables the two functions take, by name
     rtol: float = 1e-12
     atol: float = 0.0
+    prepare: Callable[[Any], Any] | None = None  # the answer as an array (a dict of weights...)
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
 def _exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, ...] = (),
-              rtol: float = 1e-12, atol: float = 0.0):
+              rtol: float = 1e-12, atol: float = 0.0, prepare: Callable[[Any], Any] | None = None):
     """Register the decorated ``(*uses) -> (expected, slips)`` function as exercise ``number``."""
     def register(both: Callable[..., tuple[Any, Mapping[str, Any]]]):
         EXERCISES[number] = Exercise(name, section, hint, lambda *a: both(*a)[0],
-                                     lambda *a: both(*a)[1], uses, rtol, atol)
+                                     lambda *a: both(*a)[1], uses, rtol, atol, prepare)
         return both
     return register
 
@@ -1128,6 +1134,12 @@ def check(number: str, answer: Any) -> Verdict:
         _record_expected(exercise.name, lambda: _expected_and_slips(exercise, caller)[0])
         return _unanswered(exercise.name)
     expected, slips = _expected_and_slips(exercise, caller)
+    if exercise.prepare is not None:
+        try:
+            answer = exercise.prepare(answer)
+        except Exception as err:  # the answer has the wrong kind: say so, as check_close would
+            return _verdict("wrong", exercise.name, f"not what the exercise asks for "
+                            f"({type(err).__name__}: {err})")
     return check_close(exercise.name, answer, expected, rtol=exercise.rtol, atol=exercise.atol,
                        hint=exercise.hint, section=exercise.section, slips=slips)
 
@@ -1223,6 +1235,24 @@ def _adam_step():
         "a plain gradient step, theta - lr g": plain}
 
 
+@_exercise("05.6", "v_hat after two steps", _O1,
+           "v_2 = beta2 (1 - beta2) g_1^2 + (1 - beta2) g_2^2, then divide by 1 - beta2^2")
+def _adam_second_moment():
+    from refmath.optim import Adam
+
+    adam, w = Adam(lr=0.1), {"w": np.array([1.0])}
+    for g in (0.3, 0.5):
+        adam.step(w, {"w": np.array([g])})
+    m_hat, v_hat = (float(x[0]) for x in adam.corrected_moments("w"))
+    raw = v_hat * (1 - 0.999**2)
+    return v_hat, {
+        "a centred variance, v_hat - m_hat^2: v is the raw second moment, nothing subtracts m":
+            v_hat - m_hat**2,
+        "the variance of the two gradients: v weighs g^2 and never subtracts the mean":
+            float(np.var([0.3, 0.5])),
+        "v_2 without its bias correction 1 - beta2^2": raw}
+
+
 ADAMW_STEPS = 200
 
 
@@ -1238,7 +1268,7 @@ def _adamw_path(steps: int, optimiser=None):
     return np.array(path)
 
 
-@_exercise("05.6", f"AdamW's weight after {ADAMW_STEPS} steps", _O4,
+@_exercise("05.7", f"AdamW's weight after {ADAMW_STEPS} steps", _O4,
            "each step multiplies by (1 - lr * weight_decay); m_hat stays 0")
 def _adamw_after():
     path = _adamw_path(ADAMW_STEPS)
@@ -1249,7 +1279,7 @@ def _adamw_after():
         **catalogued("adamw: decay also inside the moments", lambda: _adamw_path(ADAMW_STEPS)[-1])}
 
 
-@_exercise("05.7", "(peak, half-way rate)", _O6,
+@_exercise("05.8", "(peak, half-way rate)", _O6,
            "at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0")
 def _schedule_values():
     from refmath.optim import transformer_schedule, warmup_cosine
@@ -1292,3 +1322,74 @@ def _shifted_pair(row):
         "shifted the wrong way: the targets come before the inputs": (row[:, 1:], row[:, :-1]),
         "not shifted: the targets are the inputs, so each position is scored on its own token":
             (row[:, :-1], row[:, :-1])}
+
+
+# ---- lesson 1: attention
+
+_A6 = "the section 'A6 and A7: several heads'"
+_MHA_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+
+
+def _flat_weights(params) -> np.ndarray:
+    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in _MHA_WEIGHTS])
+
+
+@_exercise("01.5", "the parameters with heads 0 and 1 swapped", _A6,
+           "head r owns columns r d_h .. (r + 1) d_h of w_q, w_k, w_v and the same rows of w_o",
+           uses=("params", "d_h"), prepare=_flat_weights)
+def _swapped_heads(params, d_h):
+    order = np.r_[d_h:2 * d_h, 0:d_h]
+    columns = {k: np.asarray(params[k])[:, order] for k in ("w_q", "w_k", "w_v")}
+    return _flat_weights({**columns, "w_o": np.asarray(params["w_o"])[order]}), {
+        "w_o left as it was: its rows must follow the heads they read": _flat_weights(
+            {**columns, "w_o": params["w_o"]}),
+        "the rows of w_q, w_k, w_v swapped, not their columns (the heads split the output width)":
+            _flat_weights({**{k: np.asarray(params[k])[order] for k in ("w_q", "w_k", "w_v")},
+                           "w_o": np.asarray(params["w_o"])[order]}),
+        "nothing swapped": _flat_weights(params)}
+
+
+# ---- lesson 2: normalisation
+
+@_exercise("02.5", "the stream's RMS after 8 blocks", "the section 'N4: Post-LN against Pre-LN'",
+           "each block adds RMSNorm(x), of RMS 1 and x's direction, so the RMS grows by 1 a block",
+           uses=("stream0",))
+def _stream_rms(stream0):
+    from refmath.norms import rmsnorm_forward
+
+    stream = np.asarray(stream0, dtype=np.float64)
+    branch = stream
+    for _ in range(8):
+        branch = rmsnorm_forward(stream, np.ones(stream.shape[-1]), eps=1e-6)[0]
+        stream = stream + branch
+    rms = float(np.sqrt(np.mean(stream**2)))
+    return rms, {"the RMS of the last block's normalised input, not of the stream: "
+                 "RMSNorm bounds what a branch reads, not the stream": float(
+                     np.sqrt(np.mean(branch**2))),
+                 "the starting stream left out: 8 blocks of RMS 1 add to 8, on top of stream0":
+                     rms - float(np.sqrt(np.mean(np.asarray(stream0, dtype=float)**2)))}
+
+
+# ---- lesson 11: latent attention
+
+@_exercise("11.2", "the smallest exact latent widths", "the section 'K8: weight absorption'",
+           "W_K = W_DKV W_UK holds exactly only if d_c >= rank(W_K): np.linalg.matrix_rank",
+           uses=("mha_w_k", "factored_w_k"), rtol=0.0)
+def _smallest_latent(w_k, factored):
+    ranks = [int(np.linalg.matrix_rank(np.asarray(w, dtype=np.float64))) for w in (w_k, factored)]
+    width = np.shape(w_k)[1]
+    return ranks, {"the widths of the matrices, not their ranks: a product through 6 numbers has "
+                   "rank at most 6": [width, np.shape(factored)[1]],
+                   "one head's key width: the latent is shared by every head, so it must hold "
+                   "all of their keys": [width // 4, width // 4]}
+
+
+@_exercise("01.1", "the masked output", "the section 'A3: a worked example to check by hand'",
+           "o = sum_j a_j v_j with a = (1/3, 2/3, 0)", uses=("q", "k", "v"))
+def _masked_output(q, k, v):
+    from refmath.attention import sdpa_forward
+
+    mask = np.array([[0.0, 0.0, -np.inf]])
+    return sdpa_forward(q, k, v, mask=mask, scale=1.0)[0], {
+        "the unmasked weights (1/4, 1/2, 1/4)": sdpa_forward(q, k, v, scale=1.0)[0],
+        "the masked weights not renormalised, (1/4, 1/2, 0)": np.array([[0.25, 0.5, 0.0]]) @ v}

@@ -23,6 +23,13 @@ PROBS_15 = "probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], 
 # lesson -> [(solution text, the slip written instead, the check's name, words of the slip's name)]
 PLANTS = {
     "01_attention.py": [
+        ("scores = Q @ K.T / np.sqrt(Q.shape[-1])\n", "scores = Q @ K.T\n",
+         "your attention forward", "scale missing from the scores"),
+        ("        scores = scores + mask\n", "        scores = scores\n", "your attention forward",
+         "the mask ignored"),
+        ('"w_v": params["w_v"][:, order], "w_o": params["w_o"][order, :]}',
+         '"w_v": params["w_v"][:, order], "w_o": params["w_o"]}',
+         "the parameters with heads 0 and 1 swapped", "w_o left as it was"),
         ("np.array([[1 / 3 * 1 + 2 / 3 * 0, 1 / 3 * 0 + 2 / 3 * 2]])",
          "np.array([[0.25 * 1 + 0.5 * 0, 0.25 * 0 + 0.5 * 2]])",
          "the masked output", "not renormalised"),
@@ -91,6 +98,8 @@ PLANTS = {
          "your GELU backward", "sqrt(2/pi) rounded to float32"),
     ],
     "05_losses_and_optimisers.py": [
+        ("v_hat_after_two = v2 / (1 - 0.999**2)", "v_hat_after_two = v2",
+         "v_hat after two steps", "without its bias correction"),
         ("dlogits_by_hand = (p - np.eye(4)[targets]) / 3", "dlogits_by_hand = p - np.eye(4)[targets]",
          "dloss/dlogits", "not divided by the number of positions"),
         ("sft_sum_by_hand = -np.sum(answer_mask * np.log(sft_p[np.arange(6), sft_targets]))",
@@ -293,6 +302,9 @@ PLANTS = {
          "mean over max(n, 2)"),
     ],
     "11_latent_attention_and_memory.py": [
+        ("smallest_d_c = (np.linalg.matrix_rank(mha_w_k), np.linalg.matrix_rank(factored_w_k))",
+         "smallest_d_c = (mha_w_k.shape[1], factored_w_k.shape[1])",
+         "the smallest exact latent widths", "not their ranks"),
         ("mha_numbers = 2 * 128 * 128", "mha_numbers = 128 * 128", "MHA numbers per token and layer",
          "K or V only"),
         ("mla_numbers = 512 + 64", "mla_numbers = 512", "MLA numbers per token and layer",

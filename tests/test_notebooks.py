@@ -235,6 +235,55 @@ def test_an_unanswered_student_copy_runs_and_no_check_says_right(path, tmp_path)
         assert not shown, f"{path.name}: answers visible before their check:\n  " + "\n  ".join(shown)
 
 
+LIBRARY_AS_ANSWER = """
+import runpy, sys
+import refmath.lessons as lessons
+
+original = lessons.check_function
+
+
+def submit_the_reference(name, func, reference, **options):
+    verdict = original(name, reference, reference, **options)
+    refused = verdict.line.startswith(f"wrong: {name}: this ") and "write it yourself" in verdict.line
+    print("LIBRARY-AS-ANSWER", "refused" if refused else "accepted", name, flush=True)
+    return verdict
+
+
+lessons.check_function = submit_the_reference
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_write_the_function_exercise_accepts_the_library(path, tmp_path):
+    """Each check_function of the lesson's student copy is handed its own reference (the library
+    function, or the lesson's function built on it) as the student's answer: every one must be
+    refused, named, with "write it yourself"."""
+    import os
+    import subprocess
+    import sys
+
+    from refmath.lessons import student_copy
+
+    script = tmp_path / path.name
+    script.write_text(student_copy(path.read_text(), str(path)))
+    runner = tmp_path / "submit_the_reference.py"
+    runner.write_text(LIBRARY_AS_ANSWER)
+    run = subprocess.run([sys.executable, str(runner), str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path,
+                         env={**os.environ, "MPLBACKEND": "Agg", "OPENBLAS_NUM_THREADS": "1",
+                              "REFMATH_LESSONS_STRICT": "0"})
+    assert run.returncode == 0, f"{path.name}: {run.stderr[-2000:]}"
+    said = [line.split(" ", 2)[1:] for line in run.stdout.splitlines()
+            if line.startswith("LIBRARY-AS-ANSWER ")]
+    print(f"{path.name}: {len(said)} write-the-function exercises, "
+          f"{sum(s[0] == 'accepted' for s in said)} accept the library")
+    assert said, f"{path.name}: no write-the-function exercise"
+    accepted = [name for verdict, name in said if verdict != "refused"]
+    assert not accepted, f"{path.name}: the library's own function is accepted by {accepted}"
+
+
 # The shape every lesson shares; notebooks/README.md gives the order.
 CATALOGUE = (Path(__file__).resolve().parents[1] / "docs" / "equations.md").read_text()
 CATALOGUE_ROW = re.compile(r"^\|\s*([A-Z]\d+)\s*\|(.*)\|\s*$", re.MULTILINE)
@@ -257,8 +306,9 @@ def test_lesson_has_a_header_exercises_questions_and_references(path):
     notebook = jupytext.read(path)
     meta = notebook.metadata.get("refmath", {})
     minutes, ids = meta.get("minutes"), meta.get("ids")
-    assert isinstance(minutes, int) and 10 <= minutes <= 45, \
-        f"{path.name}: 'refmath: minutes:' must be a class of at most 45 minutes, got {minutes!r}"
+    # the time a student needs to work it honestly, exercises included: one or two class periods
+    assert isinstance(minutes, int) and 10 <= minutes <= 90, \
+        f"{path.name}: 'refmath: minutes:' must be at most two classes of 45 minutes, got {minutes!r}"
     assert isinstance(ids, list) and all(isinstance(i, str) for i in ids), \
         f"{path.name}: 'refmath: ids:' must list the catalogue IDs the lesson teaches"
     header = notebook.cells[0].source
