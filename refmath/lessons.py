@@ -1393,3 +1393,50 @@ def _masked_output(q, k, v):
     return sdpa_forward(q, k, v, mask=mask, scale=1.0)[0], {
         "the unmasked weights (1/4, 1/2, 1/4)": sdpa_forward(q, k, v, scale=1.0)[0],
         "the masked weights not renormalised, (1/4, 1/2, 0)": np.array([[0.25, 0.5, 0.0]]) @ v}
+
+
+# ---- lesson 12: from the equation to the kernel
+
+def _forward_scratch_bytes(d: int, block_q: int = 128, block_k: int = 128, leave_out=()) -> int:
+    """Bytes of one thread's scratch in the C++ forward pass (csrc/flash_cpu.cpp), padded to 16
+    floats; the lesson checks the same count against the kernel's own expression."""
+    parts = {"S": block_q * block_k, "U": block_q * d, "PV": block_q * d,
+             "m, l, alpha": 3 * block_q, "KT": d * block_k, "Vs": block_k * d}
+    floats = sum(n for name, n in parts.items() if name not in leave_out)
+    return 4 * (-(-floats // 16) * 16)
+
+
+@_exercise("12.2", "scratch bytes per thread at D = 128",
+           "the section 'F4: the scratch memory of a tile'", "six buffers; 4 bytes a float",
+           rtol=0.0)
+def _scratch_bytes():
+    full = _forward_scratch_bytes(128)
+    return full, {
+        "float32 numbers, not bytes": full / 4,
+        # at D = B_k = 128, U, PV, KT and Vs are all 128 x 128: the check cannot tell which one
+        # is missing, so its name does not guess
+        "one of the 128 x 128 buffers left out (U, PV, KT or Vs)":
+            _forward_scratch_bytes(128, leave_out=("Vs",)),
+        "m, l and alpha left out": _forward_scratch_bytes(128, leave_out=("m, l, alpha",)),
+        "only the score tile S": 4 * 128 * 128,
+        "D = 64's scratch": _forward_scratch_bytes(64)}
+
+
+def _cpu_splits(batch: int, kv_heads: int, longest: int, threads: int) -> int:
+    """choose_splits of csrc/decode_cpu.cpp for a contiguous cache (the lesson checks it against
+    the kernel's choice)."""
+    if threads == 1:
+        return 1
+    return max(1, min(-(-8 * threads // (batch * kv_heads)), longest // 512))
+
+
+@_exercise("12.4", "the splits chosen for (a) and (b)",
+           "the section 'K2 and F3: a decode step, split across the cores'",
+           "work items are the B G pairs, about 8 per thread; no split below 512 keys", rtol=0.0)
+def _splits_chosen():
+    return (_cpu_splits(3, 8, 32768, 16), _cpu_splits(1, 1, 4096, 16)), {
+        "the 512-key floor ignored": (-(-8 * 16 // 24), 8 * 16),
+        "rounded down: 128 / 24 = 5.33 needs 6 splits": (8 * 16 // 24, 8),
+        "one work item per query head, not per key/value head":
+            (_cpu_splits(3, 32, 32768, 16), _cpu_splits(1, 1, 4096, 16)),
+        "one work item per thread, not 8": (-(-16 // 24), min(16, 4096 // 512))}
