@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 3
 #     ids: [A1, A2, A3, A4, A5, A6, A7, A8]
-#     minutes: 45
+#     minutes: 60
 # ---
 
 # %% [markdown]
@@ -30,7 +30,7 @@
 #
 # **Catalogue IDs:** A1, A2, A3, A4, A5, A6, A7, A8
 #
-# **Duration:** 45 minutes
+# **Duration:** 60 minutes
 
 # %%
 import time
@@ -40,7 +40,7 @@ import numpy as np
 
 from refmath.attention import causal_mask, mha_forward, sdpa_backward, sdpa_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_function, check_true
+from refmath.lessons import catalogued, check, check_close, check_function, check_true
 from refmath.softmax import softmax_backward, softmax_forward, softmax_jacobian
 
 np.set_printoptions(precision=4, suppress=True)
@@ -122,24 +122,20 @@ print("weights", c.a, "output", o)
 np.testing.assert_allclose(c.a, [[0.25, 0.5, 0.25]], rtol=1e-15)
 np.testing.assert_allclose(o, [[1.0, 1.0]], rtol=1e-15)
 
-o_masked, c_masked = sdpa_forward(q, k, v, mask=np.array([[0.0, 0.0, -np.inf]]), scale=1.0)
+_, c_masked = sdpa_forward(q, k, v, mask=np.array([[0.0, 0.0, -np.inf]]), scale=1.0)
 print("masked weights", c_masked.a)
 np.testing.assert_allclose(c_masked.a, [[1 / 3, 2 / 3, 0.0]], rtol=1e-15)
 
 # %% tags=["exercise"]
-# Your turn: the output row of the masked example (third key masked), by hand, from the masked
-# weights (1/3, 2/3, 0) and the values v above.
+# Exercise 01.1: the output row of the masked example (third key masked), by hand, from the
+# masked weights (1/3, 2/3, 0) and the values v above.
 o_masked_by_hand = ...
 # BEGIN SOLUTION
 o_masked_by_hand = np.array([[1 / 3 * 1 + 2 / 3 * 0, 1 / 3 * 0 + 2 / 3 * 2]])
 # END SOLUTION
 
 # %%
-check_close("the masked output", o_masked_by_hand, lambda: o_masked, rtol=1e-12,
-            hint="o = sum_j a_j v_j with a = (1/3, 2/3, 0)",
-            slips={"the unmasked weights (1/4, 1/2, 1/4)": lambda: o,
-                   "the masked weights not renormalised, (1/4, 1/2, 0)":
-                       lambda: np.array([[0.25, 0.5, 0.0]]) @ v})
+check("01.1", o_masked_by_hand)
 
 # %% [markdown]
 # ## A4: why divide by $\sqrt{d_k}$
@@ -173,6 +169,69 @@ ax.set(xscale="log", xlabel=r"$d_k$", ylabel="mean largest weight (32 keys)",
        title="softmax saturates without the scale")
 ax.legend()
 plt.show()
+
+# %% [markdown]
+# **Your turn: the whole forward pass.** With A2's equation and A4's scale, attention is a few
+# lines of NumPy, and those lines are where the most common slip of all lives: a forgotten
+# $1/\sqrt{d_k}$. Nothing is given here but the equation,
+#
+# $$O = \operatorname{softmax}\Big(\frac{Q K^\top}{\sqrt{d_k}} + M\Big) V,$$
+#
+# with the softmax along each row (over the keys) and $M$ additive: 0 where query $i$ may look at
+# key $j$, $-\infty$ where it may not.
+
+# %% tags=["exercise"]
+# Exercise 01.2: write attention's forward pass. Q is (m, d_k), K (n, d_k), V (n, d_v), mask an
+# (m, n) additive mask or None. Return O, (m, d_v). Write the softmax yourself (subtract each
+# row's largest score before exp, as A2 does). The check calls it on three inputs (no mask, a
+# causal mask, a cross-attention with a masked key) and compares with refmath's sdpa_forward;
+# calling sdpa_forward or mha_forward is refused.
+def my_attention(Q, K, V, mask=None):
+    O = ...
+    # BEGIN SOLUTION
+    scores = Q @ K.T / np.sqrt(Q.shape[-1])
+    if mask is not None:
+        scores = scores + mask
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    O = (e / e.sum(axis=-1, keepdims=True)) @ V
+    # END SOLUTION
+    return O
+
+
+# %%
+def refmath_attention(Q, K, V, mask=None):
+    """The reference: refmath's sdpa_forward, its output only."""
+    return sdpa_forward(Q, K, V, mask=mask)[0]
+
+
+def attention_inputs():
+    draw = np.random.default_rng(1)
+    Q, K, V = draw.standard_normal((4, 8)), draw.standard_normal((4, 8)), draw.standard_normal((4, 3))
+    cross_mask = np.zeros((2, 5))
+    cross_mask[:, 3] = -np.inf  # key 3 is padding
+    return [(Q, K, V, None), (Q, K, V, causal_mask(4)),
+            (draw.standard_normal((2, 16)), draw.standard_normal((5, 16)),
+             draw.standard_normal((5, 2)), cross_mask)]
+
+
+def column_softmax_attention(Q, K, V, mask=None):
+    """The slip: the softmax taken down each column (over the queries)."""
+    scores = Q @ K.T / np.sqrt(Q.shape[-1]) + (0.0 if mask is None else mask)
+    finite = np.where(np.isneginf(scores), -np.inf, scores - np.max(scores, axis=0, keepdims=True))
+    e = np.exp(finite)
+    return (e / e.sum(axis=0, keepdims=True)) @ V
+
+
+check_function("your attention forward", my_attention, refmath_attention, inputs=attention_inputs,
+               rtol=1e-12, reference_name="refmath's sdpa_forward",
+               hint="scores = Q K^T / sqrt(d_k) + mask; softmax along axis -1; then @ V",
+               slips={**catalogued("sdpa: the 1/sqrt(d_k) scale missing from the scores",
+                                   refmath_attention),
+                      "divided by d_k, not by sqrt(d_k)": lambda Q, K, V, mask=None:
+                          sdpa_forward(Q, K, V, mask=mask, scale=1 / Q.shape[-1])[0],
+                      "the mask ignored": lambda Q, K, V, mask=None: sdpa_forward(Q, K, V)[0],
+                      "the softmax down each column (over the queries), not along each row":
+                          column_softmax_attention})
 
 # %% [markdown]
 # ## A5: the softmax Jacobian
@@ -252,9 +311,11 @@ def torch_softmax(x):
 
 check_function("your softmax backward", my_softmax_backward, softmax_backward, case="softmax[*",
                oracle=torch_softmax, hint="dx = a * (dout - <a, dout>), the sum over the last axis",
-               slips={**catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+               slips={**catalogued("softmax: the -a a^T term dropped (a * dout)", softmax_backward),
                       **catalogued("softmax: sign of the correction flipped", softmax_backward),
                       **catalogued("softmax: sum over the wrong axis", softmax_backward),
+                      **catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+                      **catalogued("softmax: a mean for the sum in <a, dout>", softmax_backward),
                       "the sum over the row without the weights a: dout - sum(dout)":
                           lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True))})
 
@@ -307,6 +368,32 @@ fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
 plt.show()
 
 # %% [markdown]
+# **Heads have no fixed roles.** Nothing in the equation says what head $r$ does: every head has
+# the same form, and only its learned weights differ. Studies of trained models find heads that
+# seem to follow syntax or copy tokens, but that describes one trained model, not the architecture;
+# the equation does not even fix which head is "first": swap two heads' column blocks in $W_Q$,
+# $W_K$, $W_V$ and the matching row blocks of $W_O$, and the layer computes the same function.
+
+# %% tags=["exercise"]
+# Exercise 01.5: build `params_swapped`, the parameters above with heads 0 and 1 exchanged (the
+# column blocks of w_q, w_k and w_v, and the row blocks of w_o). The check runs mha_forward on it.
+params_swapped = ...
+# BEGIN SOLUTION
+order = np.r_[d_h:2 * d_h, 0:d_h]  # head 1's columns first, then head 0's
+params_swapped = {"w_q": params["w_q"][:, order], "w_k": params["w_k"][:, order],
+                  "w_v": params["w_v"][:, order], "w_o": params["w_o"][order, :]}
+# END SOLUTION
+
+# %%
+check("01.5", params_swapped)
+
+# %%
+# The swapped layer is the same function: the same output to rounding.
+if params_swapped is not ...:
+    y_swapped, _ = mha_forward(x, params_swapped, n_heads=h)
+    print("largest difference from the original output:", float(np.abs(y_swapped - y).max()))
+
+# %% [markdown]
 # ## A8: the backward pass, by hand
 #
 # Let $dO$ be the gradient of the loss arriving at the output $O = AV$. The chain rule, one
@@ -352,15 +439,26 @@ dQ_causal = dS_causal @ K / np.sqrt(d_k)
 # END SOLUTION
 
 # %%
+def causal_dq_slip(reduce=np.sum, transposed=False):
+    """dQ with a slip in dS: another reduction of A dA, or dS transposed."""
+    dA_c = dO @ V.T
+    dS_c = A_causal * (dA_c - reduce(A_causal * dA_c, axis=1, keepdims=True))
+    return (dS_c.T if transposed else dS_c) @ K / np.sqrt(d_k)
+
+
 check_close("dQ (causal)", dQ_causal, lambda: sdpa_backward(dO, cache_causal)[0], rtol=1e-12,
             atol=1e-15, hint="the same formula, with the causal weights",
             slips={**catalogued("sdpa: scale missing from dQ",
                                 lambda: sdpa_backward(dO, cache_causal)[0]),
                    **catalogued("softmax: sign of the correction flipped",
                                 lambda: sdpa_backward(dO, cache_causal)[0]),
-                   **catalogued("softmax: Jacobian's diagonal only",
+                   **catalogued("softmax: the -a a^T term dropped (a * dout)",
                                 lambda: sdpa_backward(dO, cache_causal)[0]),
-                   "the unmasked weights A, not A_causal": lambda: sdpa_backward(dO, cache)[0]})
+                   "the unmasked weights A, not A_causal": lambda: sdpa_backward(dO, cache)[0],
+                   "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
+                       lambda: causal_dq_slip(reduce=np.mean),
+                   "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
+                       lambda: causal_dq_slip(transposed=True)})
 check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 0.0),
            "A_ij = 0 at a masked pair, and dS_ij carries the factor A_ij", of=dS_causal)
 
@@ -395,6 +493,14 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 # END SOLUTION
 
 # %%
+def dropout_with_ad_in_ds():
+    """(dV, dQ) with the dropped weights A * D, not A, inside dS."""
+    dropped = cache_drop.a * D
+    dA_d = (dO @ V.T) * D
+    dS_d = dropped * (dA_d - np.sum(dropped * dA_d, axis=1, keepdims=True))
+    return np.concatenate([dropped.T @ dO, dS_d @ K / np.sqrt(d_k)])
+
+
 check_close("(dV, dQ) with dropout", dV_dQ_dropout,
             lambda: np.concatenate([sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]),
             rtol=1e-12, atol=1e-15, hint="D multiplies A in dV and dA = dO V^T; dS uses A itself",
@@ -403,7 +509,9 @@ check_close("(dV, dQ) with dropout", dV_dQ_dropout,
                    **catalogued("sdpa: dV from the weights before dropout", lambda: np.concatenate(
                        [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
                    **catalogued("sdpa: scale missing from dQ", lambda: np.concatenate(
-                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]))})
+                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
+                   "A * D inside dS: the softmax's Jacobian is of A, before dropout":
+                       dropout_with_ad_in_ds})
 
 # %% [markdown]
 # Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of

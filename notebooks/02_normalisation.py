@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 2
 #     ids: [N1, N2, N3, N4]
-#     minutes: 40
+#     minutes: 45
 # ---
 
 # %% [markdown]
@@ -29,7 +29,7 @@
 #
 # **Catalogue IDs:** N1, N2, N3, N4
 #
-# **Duration:** 40 minutes
+# **Duration:** 45 minutes
 
 # %%
 import os
@@ -46,7 +46,7 @@ import numpy as np
 
 from refmath.data import CharLMTask
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_function, check_true
+from refmath.lessons import catalogued, check, check_close, check_function, check_true
 from refmath.models import gpt
 from refmath.norms import layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward
 from refmath.optim import Adam
@@ -443,6 +443,28 @@ assert final_loss(curves["post", WARMUP]) < final_loss(curves["post", 0]) - 0.1,
     "Post-LN with warm-up no longer ends well below Post-LN without"
 assert final_loss(curves["pre", 0]) < final_loss(curves["post", 0]) - 0.3, \
     "Pre-LN at the full rate no longer ends well below Post-LN"
+
+# %% [markdown]
+# **What Pre-LN does not normalise.** A Pre-LN (or Pre-RMSNorm) block normalises the input of its
+# branch, not the residual stream: $x_{l+1} = x_l + F(\mathrm{RMSNorm}(x_l))$ adds the branch to
+# the unnormalised $x_l$. RMSNorm bounds what each branch *reads* (and, unlike LayerNorm, does not
+# even centre it); nothing bounds the stream, which can grow with depth. Take the simplest
+# branch, $F(z) = z$, and a stream that starts at `stream0` below, of RMS 1.
+
+# %% tags=["exercise"]
+# Exercise 02.5: the RMS, sqrt(mean(x^2)), of the stream after 8 such blocks
+# x <- x + RMSNorm(x) (gain 1, eps 1e-6), from x = stream0.
+stream0 = np.array([2.0, 0.0, 0.0, 0.0])
+stream_rms_after_8 = ...
+# BEGIN SOLUTION
+stream = stream0.copy()
+for _ in range(8):
+    stream = stream + stream / np.sqrt(np.mean(stream**2) + 1e-6)
+stream_rms_after_8 = np.sqrt(np.mean(stream**2))
+# END SOLUTION
+
+# %%
+check("02.5", stream_rms_after_8)
 
 # %% [markdown] tags=["question"]
 # **Question.** With GPT-2's own initialisation (every weight std 0.02, residual projections

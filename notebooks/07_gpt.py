@@ -25,7 +25,7 @@
 #
 # **Prerequisites:** lesson 6 (the encoder-decoder), lessons 2 (Post-LN and Pre-LN) and 5 (AdamW).
 #
-# **Goals:** derive the backward of a learned position table; count GPT-2 small's 124,439,808
+# **Goals:** derive the backward of a learned position table; count GPT-2 small's
 # parameters by hand; explain why the residual writers start smaller; check L6 and K1 by brute
 # force; write a task as a prompt and instruction tuning as a loss mask; predict an AdamW step from
 # the weight-decay groups.
@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.data import CharLMTask
-from refmath.lessons import catalogued, check_close, check_function, check_true
+from refmath.lessons import catalogued, check, check_close, check_function, check_true
 from refmath.models import gpt
 from refmath.optim import AdamW, clip_grad_norm, takes_weight_decay, warmup_cosine
 from refmath.positions import learned_positions_backward, learned_positions_forward
@@ -243,7 +243,6 @@ batch = {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
 T = batch["tokens"].shape[1]
 parallel, _ = gpt.forward(params, batch, gpt_config)
 full_logits = gpt.logits(params, batch["tokens"], gpt_config)
-print(f"one pass over T = {T}: loss {float(parallel):.12f}")
 
 # %% [markdown]
 # **Your turn.** For each $n = 1, \dots, T$, run `gpt.forward` on the first $n$ tokens with a
@@ -265,6 +264,10 @@ mean_of_prefixes = np.mean(prefix_losses)
 # %%
 check_close("mean of the prefix losses", mean_of_prefixes, lambda: float(parallel), rtol=1e-13)
 
+# %%
+# After the exercise: the one pass's loss, which the T separate runs reproduce.
+print(f"one pass over T = {T}: loss {float(parallel):.12f}")
+
 # %% [markdown]
 # ## The prefix is the conditioning: tasks, instructions, preferences
 #
@@ -279,17 +282,38 @@ check_close("mean of the prefix losses", mean_of_prefixes, lambda: float(paralle
 # GPT-3 (Brown et al., 2020) solved tasks from such prompts, examples included, without a
 # gradient step per task; that is a measured result, not a theorem that scale must produce it.
 # Instruction tuning keeps the model and the loss and changes the data to (question, answer)
-# pairs, counting only the answer's tokens (L5, lesson 5):
+# pairs, counting only the answer's tokens. The catalogue (L5) and lesson 5 write it as a **sum**
+# over the answer's tokens,
 #
-# $$\mathcal L_{\mathrm{SFT}} = -\frac{1}{|a|}\sum_t \log p_\theta(a_t \mid q, a_{<t}).$$
+# $$\mathcal L_{\mathrm{SFT}} = -\sum_t \log p_\theta(a_t \mid q, a_{<t}),$$
+#
+# while `gpt.forward`, like PyTorch's default, returns the mean over the counted tokens: the sum
+# divided by $|a|$. Lesson 5 showed what the difference does to the gradient.
 #
 # Preference training (RLHF, as in InstructGPT, Ouyang et al., 2022) then shifts which answers get
 # the higher probability; the model still generates by sampling its next-token distribution.
 #
+# Every one of these trains on the same pairs: the text is read by the model *and* is its own
+# target, one token apart. From a row of $T + 1$ tokens, the inputs are the first $T$ and the
+# targets the last $T$: position $t$ sees $a_1, \dots, a_t$ and is scored on $a_{t+1}$.
+
+# %% tags=["exercise"]
+# Exercise 07.5: the inputs and the targets GPT trains on, from one row of eight token ids.
+# Give them as a pair (inputs, targets), each of shape (1, 7).
+row_of_tokens = np.array([[5, 17, 3, 3, 9, 0, 21, 4]])
+inputs_and_targets = ...
+# BEGIN SOLUTION
+inputs_and_targets = (row_of_tokens[:, :-1], row_of_tokens[:, 1:])
+# END SOLUTION
+
+# %%
+check("07.5", inputs_and_targets)
+
+# %% [markdown]
 # **Your turn.** Below, a question `q` of 4 tokens and an answer `a` of 3 for the GPT above. The
-# model reads `q + a` shifted by one. Compute the SFT loss yourself from `gpt.logits` (a log
-# softmax, then the answer's targets), and the `loss_mask` with which `gpt.forward` counts the
-# same tokens.
+# model reads `q + a` shifted by one. Compute the SFT loss, the sum, yourself from `gpt.logits`
+# (a log softmax, then the answer's targets), and the `loss_mask` with which `gpt.forward` counts
+# the same tokens.
 
 # %%
 q_ids, a_ids = rng.integers(0, 32, 4), rng.integers(0, 32, 3)
@@ -305,18 +329,20 @@ log_p = sft_logits - np.log(np.exp(sft_logits).sum(axis=-1, keepdims=True))
 # the target at position t is sequence[t + 1]: an answer token from t = len(q) - 1 on
 first = len(q_ids) - 1
 picked = log_p[0, np.arange(first, sequence.shape[1] - 1), sft_batch["targets"][0, first:]]
-sft_loss = -picked.mean()
+sft_loss = -picked.sum()
 answer_mask = np.zeros(sft_batch["tokens"].shape, dtype=int)
 answer_mask[:, first:] = 1
 # END SOLUTION
 
 
 # %%
-def sft_reference(mask_from):
-    """gpt.forward's loss with the loss mask counting the targets from position mask_from on."""
+def sft_reference(mask_from, summed=True):
+    """The loss of the targets from position mask_from on: gpt.forward's mean over them, times
+    their number for the sum."""
     mask = np.zeros(sft_batch["tokens"].shape, dtype=int)
     mask[:, mask_from:] = 1
-    return float(gpt.forward(params, {**sft_batch, "loss_mask": mask}, gpt_config)[0])
+    mean = float(gpt.forward(params, {**sft_batch, "loss_mask": mask}, gpt_config)[0])
+    return mean * mask.sum() if summed else mean
 
 
 check_close("the SFT loss", sft_loss, lambda: sft_reference(len(q_ids) - 1), rtol=1e-12,
@@ -325,11 +351,12 @@ check_close("the SFT loss", sft_loss, lambda: sft_reference(len(q_ids) - 1), rto
                    lambda: float(gpt.forward(params, sft_batch, gpt_config)[0]),
                    "the first answer token left out (the mask starts one position late)":
                    lambda: sft_reference(len(q_ids)),
-                   "summed instead of averaged": lambda: 3 * sft_reference(len(q_ids) - 1)})
+                   "the mean over the answer, not the sum (gpt.forward's reduction)":
+                   lambda: sft_reference(len(q_ids) - 1, summed=False)})
 check_close("the loss of gpt.forward with your answer_mask",
             None if answer_mask is ... else float(gpt.forward(
                 params, {**sft_batch, "loss_mask": answer_mask}, gpt_config)[0]),
-            lambda: sft_reference(len(q_ids) - 1), rtol=1e-12,
+            lambda: sft_reference(len(q_ids) - 1, summed=False), rtol=1e-12,
             hint="1 on the positions whose target is an answer token, 0 elsewhere")
 
 # %% [markdown] tags=["question"]

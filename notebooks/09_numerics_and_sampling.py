@@ -150,9 +150,9 @@ np.testing.assert_allclose(stable16, reference, rtol=2e-3)
 
 # %% [markdown]
 # The picture: three scores $(x - 2, x - 1, x)$ with the largest one $x$ swept upwards. The plain
-# float16 softmax is accurate (to float16 rounding) up to about $x = 10.7$. There the *sum*
-# $e^x (1 + e^{-1} + e^{-2}) = 1.50\, e^x$ passes 65504 first: it becomes $\infty$ and every
-# weight collapses to 0. Once $x$ passes 11.09, $e^x$ itself is $\infty$ and the largest weight is
+# float16 softmax is accurate (to float16 rounding) until the *sum*
+# $e^x (1 + e^{-1} + e^{-2})$ passes 65504 (the exercise below finds where): it becomes $\infty$
+# and every weight collapses to 0. Once $x$ passes 11.09, $e^x$ itself is $\infty$ and the largest weight is
 # NaN (crosses at the top). The shifted form does not care how large $x$ is.
 
 # %%

@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 3
-#     minutes: 45
+#     minutes: 50
 #     ids: [M4, K8, K9, S3, K11, S1, S2]
 # ---
 
@@ -32,7 +32,7 @@
 #
 # **Catalogue IDs:** M4, K8, K9, S3, K11, S1, S2
 #
-# **Duration:** about 45 minutes.
+# **Duration:** about 50 minutes.
 
 # %%
 import matplotlib.pyplot as plt
@@ -41,7 +41,7 @@ import numpy as np
 from refmath.gradcheck import check_param_gradients
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import catalogued, check_close, check_function, check_true
+from refmath.lessons import catalogued, check, check_close, check_function, check_true
 from refmath.models import mla
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -130,6 +130,34 @@ absorbed_scores = q_hat @ c_lat.T
 check_close("absorbed scores", absorbed_scores, lambda: q_c @ (c_lat @ W_UK).T, rtol=0)
 weights, _ = softmax_forward(q_c @ (c_lat @ W_UK).T / np.sqrt(2))
 np.testing.assert_allclose(weights @ (c_lat @ W_UV), (weights @ c_lat) @ W_UV, rtol=1e-14)
+
+# %% [markdown]
+# **What the identities do not show.** The regrouping needs keys that *are* $c_j W_{UK}$: weights
+# trained in that factorised form. An MHA model trained with a full $W_K$ ($d \times h d_k$) has
+# latents only if $W_K = W_{DKV} W_{UK}$ for some $W_{DKV}$ ($d \times d_c$), which holds
+# exactly only when $d_c \ge \operatorname{rank} W_K$. Below, the key weights of two MHA layers
+# with $d = 24$ and four heads of 4: a random one, and one whose $W_K$ happens to be a product
+# through a narrower width.
+
+# %% tags=["exercise"]
+# Exercise 11.2: for each of the two, the smallest latent width d_c for which W_K = W_DKV W_UK
+# can hold exactly. Give the pair (for mha_w_k, for factored_w_k).
+draw = np.random.default_rng(11)
+mha_w_k = draw.standard_normal((24, 4 * 4))
+factored_w_k = draw.standard_normal((24, 6)) @ draw.standard_normal((6, 4 * 4))
+smallest_d_c = ...
+# BEGIN SOLUTION
+smallest_d_c = (np.linalg.matrix_rank(mha_w_k), np.linalg.matrix_rank(factored_w_k))
+# END SOLUTION
+
+# %%
+check("11.2", smallest_d_c)
+
+# %% [markdown]
+# A generic $W_K$ has full rank and leaves no room: compressing it to a smaller $d_c$ is an
+# approximation with an error (the best one, by the singular value decomposition, drops its
+# smallest singular values), and whether a model survives it is an empirical question, not a
+# consequence of the identities above.
 
 # %% [markdown]
 # The MLA model decodes either way (`mla_path="expanded"` or `"absorbed"`). From the same prompt,
@@ -240,7 +268,7 @@ def mla_decode_inputs():
 
 
 check_function("your absorbed MLA decode", my_absorbed_attention, expanded_attention,
-               inputs=mla_decode_inputs, rtol=1e-12,
+               inputs=mla_decode_inputs, rtol=1e-12, allow=(softmax_forward,),
                reference_name="the expanded attention (keys and values built per head)",
                hint="q_hat = q_c W_UK^T per head; scale by 1/sqrt(d_k + d_R); W_UV after the sum",
                slips={"the scale 1/sqrt(d_k): the rotary width counts too": lambda q_c, q_r, c, k_r,
@@ -442,12 +470,13 @@ for seq in range(16):  # the same samples, each storing its own copy of the prom
     unshared.add_sequence(seq)
     unshared.append(seq, *tokens_kv(np.arange(1000)))
     unshared.append(seq, *tokens_kv([1000 + seq]))
-print(f"pages used with sharing: {big.pages_used}; without: {unshared.pages_used}")
-assert big.pages_used == 63 + 15
-assert unshared.pages_used == 16 * -(-1000 // 16) == 1008
-
 check_close("pages with sharing", pages_shared, lambda: big.pages_used, rtol=0)
 check_close("pages without sharing", pages_unshared, lambda: unshared.pages_used, rtol=0)
+
+# %%
+# After the exercise: what the two caches hold.
+print(f"pages used with sharing: {big.pages_used}; without: {unshared.pages_used}")
+assert big.pages_used == 62 + 1 + 15 and unshared.pages_used == 16 * -(-1000 // 16)
 
 # %% [markdown]
 # ## S1 and S2: memory for serving and for training

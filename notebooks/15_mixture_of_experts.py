@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 4
-#     minutes: 45
+#     minutes: 85
 #     ids: [E1, E2, E3, E4, E5, E6, E7, E8, E9, E10]
 # ---
 
@@ -34,7 +34,7 @@
 #
 # **Catalogue IDs:** E1, E2, E3, E4, E5, E6, E7, E8, E9, E10
 #
-# **Duration:** about 45 minutes.
+# **Duration:** about 85 minutes.
 
 # %%
 import os
@@ -105,8 +105,11 @@ print("tokens sent to each expert:", cache5.load, "(5 tokens x 2 choices)")
 #
 # Four tokens, four experts, top-2, the router's logits given directly:
 #
-# $$z = \ln\begin{pmatrix} 4 & 2 & 1 & 1\\ 1 & 1 & 2 & 4\\ 1 & 3 & 3 & 1\\ 2 & 2 & 2 & 2
+# $$z = \ln\begin{pmatrix} 4 & 2 & 1 & 1\\ 1 & 1 & 2 & 4\\ 1 & 3 & 3 & 1\\ 1 & 1 & 1 & 1
 # \end{pmatrix}.$$
+#
+# (The softmax runs along each row, over the experts: its rows sum to 8, 8, 8 and 4, its columns
+# to 7, so a softmax down the columns, over the tokens, gives other numbers.)
 #
 # The steps, as Mixtral takes them:
 #
@@ -126,12 +129,13 @@ print("tokens sent to each expert:", cache5.load, "(5 tokens x 2 choices)")
 worked_logits = np.log(np.array([[4.0, 2.0, 1.0, 1.0],
                                  [1.0, 1.0, 2.0, 4.0],
                                  [1.0, 3.0, 3.0, 1.0],
-                                 [2.0, 2.0, 2.0, 2.0]]))
+                                 [1.0, 1.0, 1.0, 1.0]]))
 probs_by_hand = ...  # (4, 4)
 top2_by_hand = ...  # (4, 2) expert numbers, best first
 gates_by_hand = ...  # (4, 2)
 # BEGIN SOLUTION
-probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [2, 2, 2, 2]]) / 8
+row_sums = np.array([[8], [8], [8], [4]])
+probs_by_hand = np.array([[4, 2, 1, 1], [1, 1, 2, 4], [1, 3, 3, 1], [1, 1, 1, 1]]) / row_sums
 top2_by_hand = np.array([[0, 1], [3, 2], [1, 2], [0, 1]])
 gates_by_hand = np.array([[2 / 3, 1 / 3], [2 / 3, 1 / 3], [1 / 2, 1 / 2], [1 / 2, 1 / 2]])
 # END SOLUTION
@@ -141,13 +145,17 @@ _, worked_probs, _ = router_scores(worked_logits, np.eye(4))  # x = the logits, 
 mixtral_style = MoEConfig(n_experts=4, top_k=2, d_expert=1, norm_topk=True)
 unnormalised = MoEConfig(n_experts=4, top_k=2, d_expert=1)
 check_close("the probabilities", probs_by_hand, lambda: worked_probs, rtol=1e-12,
-            slips={"exp(z) without dividing by its sum": lambda: np.exp(worked_logits)})
+            slips={"exp(z) without dividing by its sum": lambda: np.exp(worked_logits),
+                   "the softmax over the wrong axis: over the tokens (columns), not the experts":
+                       lambda: np.exp(worked_logits) / np.exp(worked_logits).sum(axis=0)})
 check_close("the top-2 experts", top2_by_hand, lambda: route(worked_probs, mixtral_style)[0],
             rtol=0, hint="best first; equal probabilities go to the lower index",
             slips={"an ascending argsort reversed: ties go to the higher index": lambda:
                        np.argsort(worked_probs, axis=1, kind="stable")[:, ::-1][:, :2],
                    "the two smallest probabilities (argsort is ascending)": lambda:
-                       np.argsort(worked_probs, axis=1, kind="stable")[:, :2]})
+                       np.argsort(worked_probs, axis=1, kind="stable")[:, :2],
+                   "experts numbered from 1: refmath, like NumPy, numbers them from 0": lambda:
+                       route(worked_probs, mixtral_style)[0] + 1})
 check_close("the gates", gates_by_hand, lambda: route(worked_probs, mixtral_style)[1], rtol=1e-12,
             slips={"not renormalised: the chosen probabilities themselves": lambda:
                        route(worked_probs, unnormalised)[1],
@@ -362,8 +370,8 @@ check_function("your gates backward", my_route_backward, route_backward,
 # Nothing in the language-model loss spreads the tokens over the experts. An expert that happens
 # to receive more tokens early is trained more, becomes more useful, scores higher and receives
 # more tokens still; the others idle (*routing collapse*), and on many devices the busiest expert
-# sets the pace. DeepSeek's expert-level balance loss (V2, V3) counts the load against the
-# router's probabilities, over the $N$ tokens of a batch:
+# sets the pace. DeepSeek-V2's expert-level balance loss counts the load against the router's
+# probabilities over $N$ tokens; below, the $N$ tokens of a batch:
 #
 # $$\mathcal L_{\text{ExpBal}} = \sum_{i=1}^{E} f_i\, P_i,\qquad
 # f_i = \frac{E}{k N}\,\text{load}_i,\qquad P_i = \frac{1}{N}\sum_{n=1}^{N} p_{n,i}.$$
@@ -374,7 +382,8 @@ check_function("your gates backward", my_route_backward, route_backward,
 # this.) It is added to the training loss with a small coefficient $\alpha$; ST-MoE's router
 # *z-loss* $\frac{1}{N}\sum_n (\log \sum_e e^{z_{n,e}})^2$ is often added too, to keep the
 # logits small. On the worked example: load $(2, 3, 2, 1)$, $\mathcal L_{\text{ExpBal}} = 1$,
-# and each row's $\log \sum_e e^{z} = \ln 8$, so the z-loss is $9 (\ln 2)^2$.
+# and each row's $\log \sum_e e^{z}$ is $\ln 8$ (the last row's $\ln 4$), so the z-loss is
+# $\frac14 (3 \cdot 9 + 4) (\ln 2)^2 = \frac{31}{4} (\ln 2)^2$.
 
 # %%
 N_even, E4, k2 = 8, 4, 2
@@ -389,10 +398,10 @@ worked_balance = expert_balance_loss(worked_probs, worked_load, 2)[0]
 worked_z = router_z_loss(worked_logits)[0]
 print(f"balanced: {at_balance:.4f}   collapsed onto 2 of 4: {at_collapse:.4f} (E / k = {E4 / k2})")
 print(f"worked example: load {worked_load}, L_ExpBal {worked_balance:.4f}, z-loss {worked_z:.6f} "
-      f"= 9 (ln 2)^2 = {9 * np.log(2) ** 2:.6f}")
+      f"= 31/4 (ln 2)^2 = {31 / 4 * np.log(2) ** 2:.6f}")
 assert at_balance == 1.0 and at_collapse == E4 / k2
 np.testing.assert_array_equal(worked_load, [2, 3, 2, 1])
-np.testing.assert_allclose([worked_balance, worked_z], [1.0, 9 * np.log(2) ** 2], rtol=1e-14)
+np.testing.assert_allclose([worked_balance, worked_z], [1.0, 31 / 4 * np.log(2) ** 2], rtol=1e-14)
 
 # %% [markdown]
 # **Your turn.** Six tokens, four experts, top-2, with the router probabilities below (no ties
@@ -463,7 +472,10 @@ assert np.all(dz6[:, 3] < 0) and np.all(dz6[:, :2] > 0)
 #
 # A balance loss adds a gradient that has nothing to do with predicting text, and a large
 # $\alpha$ costs quality. DeepSeek-V3 balances mainly without one (*auxiliary-loss-free*
-# balancing): each expert has a bias $b_i$, added to its score for choosing only (the gates use
+# balancing). It keeps E5's form only as a *complementary sequence-wise* loss: $N$ is then the
+# tokens of one sequence, not of a batch, and $\alpha$ is very small, there only to stop a single
+# sequence from being extremely unbalanced. The main mechanism: each expert has a bias $b_i$,
+# added to its score for choosing only (the gates use
 # the scores themselves), and after every training step
 #
 # $$b_i \leftarrow b_i - \gamma\,\operatorname{sign}\big(\text{load}_i -
@@ -678,9 +690,12 @@ check_close("the total", toy_total, lambda: toy_counts.total, rtol=0,
 check_close("the active parameters", toy_active, lambda: toy_counts.active, rtol=0,
             slips={"all E routed experts taken off, the k chosen ones too": lambda:
                        toy_counts.total - 4 * 8 * one_expert,
-                   "2 d d_e per idle expert: a SwiGLU has three matrices": lambda:
-                       toy_counts.total - 4 * 6 * 2 * 256 * 512,
-                   "the shared expert taken off as well": lambda:
+                   "2 d d_e per idle expert taken off a right total: a SwiGLU has three "
+                   "matrices": lambda: toy_counts.total - 4 * 6 * 2 * 256 * 512,
+                   # the two slips give one number: 9 experts at 2 d d_e less 6 idle ones is
+                   # 21 d d_e a layer, as is the shared expert's 3 d d_e more taken off
+                   "3 d d_e a layer short: 2 d d_e per expert throughout (a SwiGLU has three "
+                   "matrices), or the shared expert taken off as well": lambda:
                        toy_counts.active - 4 * one_expert})
 print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
       f"({toy_counts.active / toy_counts.total:.0%})")

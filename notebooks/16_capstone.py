@@ -73,7 +73,7 @@ def my_softmax_backward(dout, cache):
 
 # %%
 check_function("your softmax backward", my_softmax_backward, softmax_backward, case="softmax[*",
-               slips={**catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+               slips={**catalogued("softmax: the -a a^T term dropped (a * dout)", softmax_backward),
                       **catalogued("softmax: sum over the wrong axis", softmax_backward)})
 
 # %% tags=["exercise"]
@@ -321,10 +321,10 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# 1. Plant the slip "Jacobian's diagonal only" in `my_softmax_backward` and rerun: which checks
+# 1. Plant the slip "the -a a^T term dropped (a * dout)" in `my_softmax_backward` and rerun: which checks
 #    fail, and why does this slip, unlike the question's, stop the model from learning?
-# 2. Add a fifth op of your own: replace the attention's softmax-and-matmul by your function of
-#    lesson 12's tile step, and check the model again.
+# 2. Add a fifth op of your own: replace the attention's softmax-and-matmul by tiles of keys
+#    merged with your online-softmax merge of lesson 3, and check the model again.
 # 3. Swap GELU for SwiGLU (your function of lesson 8) and RMSNorm for LayerNorm: the M3 layer of
 #    lesson 8. Which parameters disappear, and does the loss fall as fast?
 # 4. Count the bytes of every cache `forward` keeps for one batch (lesson 2's exercise 5, for the

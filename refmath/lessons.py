@@ -42,7 +42,8 @@ import numpy as np
 
 from refmath import solutions
 
-__all__ = ["Verdict", "check_close", "check_true", "check_function", "catalogued", "strict",
+__all__ = ["Verdict", "check", "hint", "check_close", "check_true", "check_function", "catalogued",
+           "strict", "packaged_copies", "refresh_packaged_copies",
            "student_copy", "leaked_lines", "write_student_copies", "lesson_paths"]
 
 NOT_YET = "no answer yet"
@@ -90,6 +91,23 @@ def _not_attempted(got: Any) -> bool:
 
 def _unanswered(name: str) -> Verdict:
     return _verdict(NOT_YET, name, "replace the ... with your code")
+
+
+# How many times each check has said "wrong" in this kernel: a hint is rationed. The first miss
+# gets the diagnosis (the slip's name) and, where the check knows it, the section to reread; the
+# hint itself, often the formula, only from the second miss on, or on request (:func:`hint`).
+_MISSES: dict[str, int] = {}
+
+
+def _rationed(name: str, hint: str, section: str = "") -> str:
+    """The words a wrong verdict adds after its diagnosis: see :data:`_MISSES`."""
+    _MISSES[name] = _MISSES.get(name, 0) + 1
+    if not hint:
+        return f" (reread {section})" if section else ""
+    if _MISSES[name] == 1:
+        where = f"reread {section}; " if section else ""
+        return f" ({where}a second try that misses shows a hint)"
+    return f" ({hint})"
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -190,9 +208,42 @@ def _ratio_text(c: float, scalar: bool, rtol: float) -> str:
     return f"{what} {c:.3g}"
 
 
+# ---- what the student could see before an exercise (the test suite's scan) -------------------------
+
+RECORD = "REFMATH_LESSONS_RECORD"
+RECORD_MARK = "\x1erefmath-check "
+
+
+def _record_expected(name: str, expected: Any) -> None:
+    """Under ``REFMATH_LESSONS_RECORD=FILE`` (set by the test that scans the student copies), add
+    the check's expected value to FILE as a JSON line, with the line of the lesson that called the
+    check, and print a marker so that the scan knows what was printed before it. Nothing happens
+    otherwise: a student never sees either."""
+    path = os.environ.get(RECORD, "")
+    if not path:
+        return
+    import json
+    import sys
+
+    frame, line = sys._getframe(1), None
+    while frame is not None:  # the first frame outside refmath: the lesson's own line
+        if not frame.f_globals.get("__name__", "").startswith("refmath"):
+            line = frame.f_lineno
+            break
+        frame = frame.f_back
+    try:
+        value = _as_array(expected).ravel().tolist()
+    except Exception:  # a value the unanswered copy cannot compute yet: nothing to look for
+        value = None
+    sys.stdout.flush()
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"name": name, "line": line, "value": value}) + "\n")
+    print(f"{RECORD_MARK}{name}", flush=True)
+
+
 def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
                 rtol: float = 1e-7, atol: float = 0.0, hint: str = "",
-                slips: Mapping[str, Any] | None = None) -> Verdict:
+                slips: Mapping[str, Any] | None = None, section: str = "") -> Verdict:
     r"""Print whether ``got`` equals ``expected`` within ``|got - expected| <= atol + rtol |expected|``.
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
@@ -213,13 +264,17 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     rtol, atol : float
         The tolerance, elementwise, in the form of :func:`numpy.isclose`.
     hint : str
-        Printed after a wrong verdict: where to look.
+        Where to look, often the formula: printed after the second wrong verdict of this check
+        and later ones, not the first (see :func:`hint` to ask for it).
     slips : mapping of str to array_like or callable, optional
         Typical wrong answers: what the slip is (printed as "looks like: ...") to the value it
         gives, or a callable computing it (see :func:`catalogued`). Under
         ``REFMATH_LESSONS_STRICT=1`` each slip is also fed to the check, which must reject it and
         name it: a slip the check cannot tell from the right answer, or from an earlier slip,
         raises ``AssertionError``.
+
+    section : str
+        The lesson's section to reread, named after a first wrong verdict.
 
     Returns
     -------
@@ -234,6 +289,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     if slips is not None and not isinstance(slips, Mapping):
         raise TypeError(f"check_close: slips must be a mapping of str to values, got "
                         f"{type(slips).__name__}")
+    _record_expected(name, expected)
     if _not_attempted(got):
         return _unanswered(name)
     want = _as_array(expected)
@@ -245,8 +301,8 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
     except (TypeError, ValueError) as err:
         return _verdict("wrong", name, f"not an array of real numbers ({err})")
     status, detail = _diagnose(have, want, values, rtol, atol)
-    if status != "right" and hint:
-        detail += f" ({hint})"
+    if status != "right":
+        detail += _rationed(name, hint, section)
     return _verdict(status, name, detail)
 
 
@@ -578,12 +634,127 @@ def _torch_expected(oracle, trials, names):
     return expected, ""
 
 
+# ---- the library refused as an answer ----------------------------------------------------------------
+
+def _code_of(func: Any):
+    """The code object a callable runs (a function, a bound method, a partial's function), or None."""
+    import functools
+
+    while isinstance(func, functools.partial):
+        func = func.func
+    func = getattr(func, "__func__", func)
+    return getattr(func, "__code__", None)
+
+
+def _library_module(frame) -> str | None:
+    """The refmath module a frame runs in, or None outside refmath (the checks themselves, in
+    refmath.lessons, count as outside: they call the functions being compared)."""
+    module = frame.f_globals.get("__name__", "")
+    if (module == "refmath" or module.startswith("refmath.")) and module != __name__:
+        return module
+    return None
+
+
+def _qualified(code, module: str) -> str:
+    return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+
+
+class _CallTrace:
+    """While active (a ``with`` block), records the Python functions called whose code is in
+    ``watched`` (``sys.setprofile``: one look-up per call, so the student's function runs at
+    nearly its own speed); with ``watched=None``, records instead every refmath function entered
+    from outside refmath (the library functions a computation is made of)."""
+
+    def __init__(self, watched: dict | None):
+        self.watched, self.found = watched, {}
+
+    def _profile(self, frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if self.watched is not None:
+            if code in self.watched and code not in self.found:
+                self.found[code] = self.watched[code]
+            return
+        module = _library_module(frame)
+        # a constructor (AdamW(...)) is not what an exercise asks for: the method called next is
+        if module is not None and code not in self.found and code.co_name != "__init__" and (
+                frame.f_back is None or _library_module(frame.f_back) is None):
+            self.found[code] = _qualified(code, module)
+
+    def __enter__(self):
+        import sys
+
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.setprofile(self._previous)
+        return False
+
+
+def _answer_functions(reference: Callable, trial) -> dict:
+    """The library functions whose result the exercise asks for: ``reference`` itself when it is a
+    refmath function, else the refmath functions it enters from outside refmath on ``trial``
+    (a lesson's own reference, ``lambda ...: AdamW(...).step(...)``, names AdamW's ``step``),
+    as code object -> ``refmath.module.name``."""
+    code = _code_of(reference)
+    module = getattr(reference, "__module__", "") or ""
+    if code is not None and module.startswith("refmath.") and module != __name__:
+        return {code: f"{module}.{getattr(code, 'co_qualname', code.co_name)}"}
+    with _CallTrace(None) as trace:
+        try:
+            _call(reference, trial)
+        except Exception:
+            pass  # the reference's own failure is reported where it is evaluated
+    return trace.found
+
+
+def library_used(func: Callable, reference: Callable, trial, also: tuple = (),
+                 allowed: tuple = ()) -> str | None:
+    """How the student's ``func`` uses the library function the exercise asks for (see
+    :func:`_answer_functions`; ``also`` adds more library functions, ``allowed`` takes some
+    away) in place of writing it:
+    ``"is refmath.softmax.softmax_backward"``, ``"wraps ..."`` or ``"calls ..."``; None when it
+    writes the computation itself. ``func`` is called once on ``trial`` under a call trace."""
+    answers = _answer_functions(reference, trial)
+    own = _code_of(reference)
+    if own is not None and own not in answers:  # a lesson's own reference, copied or called
+        answers[own] = (f"the check's reference, {getattr(reference, '__module__', '?')}."
+                        f"{getattr(own, 'co_qualname', own.co_name)}")
+    for extra in also:
+        code = _code_of(extra)
+        if code is not None:
+            answers[code] = (f"{getattr(extra, '__module__', '?')}."
+                             f"{getattr(code, 'co_qualname', code.co_name)}")
+    for permitted in allowed:
+        answers.pop(_code_of(permitted), None)
+    if not answers:
+        return None
+    wrapped, seen = func, set()
+    while wrapped is not None and id(wrapped) not in seen:  # functools.wraps chains, partials
+        seen.add(id(wrapped))
+        if _code_of(wrapped) in answers:
+            return ("is " if wrapped is func else "wraps ") + answers[_code_of(wrapped)]
+        wrapped = getattr(wrapped, "__wrapped__", None)
+    with _CallTrace(answers) as trace:
+        try:
+            _call(func, trial)
+        except Exception:
+            pass  # a failing function is diagnosed by the check itself
+    found = sorted(trace.found.values(), key=lambda name: name.startswith("the check's"))
+    return "calls " + found[0] if found else None  # the library's name first, if it was reached
+
+
 def check_function(name: str, func: Any, reference: Callable, *, case: Any = None,
                    inputs: Any = None, seeds: tuple[int, ...] = (0,), outputs=None,
                    slips: Mapping[str, Callable] | None = None, oracle: Callable | None = None,
                    oracle_name: str = "torch", reference_name: str | None = None,
                    rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
-                   hint: str = "") -> Verdict:
+                   hint: str = "", refuse: tuple = (), allow: tuple = ()) -> Verdict:
     r"""Print whether the student's function ``func`` computes what ``reference`` does.
 
     The write-the-function exercise: the student writes a whole forward or backward function, and
@@ -612,6 +783,12 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
       on every input (``looks like: ...``), else the first output that differs and how
       (:func:`check_close`'s diagnosis: a ratio, a flipped sign, the largest error and where), and
       the failing gradient check; or the exception the function raised and on which input.
+
+    Before any of this, the library is refused as an answer: a function that is the reference
+    (``my_backward = softmax_backward``), wraps it, or calls it, or calls the refmath functions a
+    lesson's own reference is made of, gets ``wrong: ...: this calls refmath.softmax.
+    softmax_backward: write it yourself``. The student's function runs once under
+    ``sys.setprofile``, which sees every Python call it makes, however the call is spelled.
 
     The expected values are never printed.
 
@@ -653,6 +830,11 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         The coordinates sampled per input by the gradient check.
     hint : str
         Printed after a wrong verdict: where to look.
+    refuse : tuple of callables
+        More library functions the student's may not call (a forward whose backward is asked).
+    allow : tuple of callables
+        Library functions a lesson's own reference calls that the student's may call too (the
+        softmax inside an attention whose layout is the exercise).
 
     Returns
     -------
@@ -696,10 +878,13 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         unwritten = False  # reported below, with the input it failed on
     if unwritten:
         return _verdict(NOT_YET, name, "write the body of the function (it still returns ...)")
+    used = library_used(func, reference, trials[0], tuple(refuse), tuple(allow))
+    if used is not None:
+        return _verdict("wrong", name, f"this {used}: write it yourself")
     try:
         have = _evaluate(func, trials, names)
     except _Failed as failure:
-        return _verdict("wrong", name, f"your function {failure}" + (f" ({hint})" if hint else ""))
+        return _verdict("wrong", name, f"your function {failure}" + _rationed(name, hint))
 
     want = _evaluate(reference, trials, names)
     slip_values = []
@@ -750,7 +935,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         said.append(_gradient_check_text(*failed_checks[0]))
     if slip is None and difference is None and torch_difference is not None:
         said.append(f"against {'torch' if case is not None else oracle_name}, {torch_difference}")
-    detail = "; ".join(said) + (f" ({hint})" if hint else "")
+    detail = "; ".join(said) + _rationed(name, hint)
     return _verdict("wrong", name, detail)
 
 
@@ -762,6 +947,12 @@ SHORTEST_SECRET = 10
 SHORTEST_QUOTED = 20
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# The student copies shipped inside the package, so that an installed refmath (a wheel, with no
+# checkout and so no answers nearby) can write them: NN_name.py.txt (.txt: data, not a module
+# of refmath), refreshed from notebooks/ by refresh_packaged_copies() and kept equal to it by
+# the tests.
+PACKAGED = Path(__file__).resolve().parent / "student_lessons"
+PACKAGED_SUFFIX = ".txt"
 
 
 def lesson_paths(root: str | os.PathLike | None = None) -> list[Path]:
@@ -807,19 +998,37 @@ def leaked_lines(instructor: str, student: str, where: str = "<lesson>") -> list
     return found
 
 
-def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = None) -> list[Path]:
-    """Write the student copy of each lesson (default: all of them) into ``out`` under the same
-    name, after the leak scan: if any solution line would reach a copy, raise ``ValueError`` listing
-    them and write nothing. ``out`` is created if needed; a file there, or the lessons' own folder,
-    is refused with ``ValueError``."""
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--out {str(folder)!r} is a file, not a folder")
+def packaged_copies() -> dict[str, str]:
+    """The student copies shipped with the package, by lesson file name (``01_attention.py``):
+    empty when this copy of refmath has none."""
+    if not PACKAGED.is_dir():
+        return {}
+    return {path.name[:-len(PACKAGED_SUFFIX)]: path.read_text(encoding="utf-8")
+            for path in sorted(PACKAGED.glob(f"[0-9][0-9]_*.py{PACKAGED_SUFFIX}"))}
+
+
+def refresh_packaged_copies(lessons: list[Path] | None = None) -> list[Path]:
+    """Rewrite the packaged student copies from the instructor lessons (default: the checkout's
+    ``notebooks/``), after the leak scan; a packaged copy of a lesson that is gone is removed.
+    Run after editing a lesson: ``python -c "import refmath.lessons as l;
+    l.refresh_packaged_copies()"``."""
     sources = lessons if lessons is not None else lesson_paths()
-    if folder.exists() and any(path.parent.resolve() == folder.resolve() for path in sources):
-        # The copies would replace the lessons they are made from, answers and all.
-        raise ValueError(f"--out {str(folder)!r} is the folder of the instructor lessons; "
-                         "write the student copies elsewhere")
+    copies = _student_copies(sources)
+    PACKAGED.mkdir(exist_ok=True)
+    for stale in PACKAGED.glob(f"*{PACKAGED_SUFFIX}"):
+        if stale.name[:-len(PACKAGED_SUFFIX)] not in copies:
+            stale.unlink()
+    written = []
+    for name, copy in copies.items():
+        target = PACKAGED / (name + PACKAGED_SUFFIX)
+        target.write_text(copy, encoding="utf-8")
+        written.append(target)
+    return written
+
+
+def _student_copies(sources: list[Path]) -> dict[str, str]:
+    """Each lesson's student copy by file name, after the leak scan (``ValueError`` listing the
+    leaked lines when any would reach a copy)."""
     copies, leaks = {}, []
     for path in sources:
         text = path.read_text(encoding="utf-8")
@@ -828,9 +1037,406 @@ def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = No
     if leaks:
         raise ValueError(f"{len(leaks)} solution line(s) would reach the student copies; nothing "
                          "was written:\n  " + "\n  ".join(leaks[:20]))
+    return copies
+
+
+def write_student_copies(out: str | os.PathLike, lessons: list[Path] | None = None, *,
+                         force: bool = False) -> list[Path]:
+    """Write the student copy of each lesson into ``out`` under the same name. With ``lessons``
+    (instructor lessons, answers inside), the copies are made from them after the leak scan: if
+    any solution line would reach a copy, raise ``ValueError`` listing them and write nothing.
+    Without, the copies are the ones shipped in the package (:func:`packaged_copies`): an
+    installed refmath needs no checkout, and no answer is anywhere near the student. ``out`` is created if needed; a file there, or the lessons' own folder,
+    is refused with ``ValueError``, and so is a folder that holds anything already unless ``force``
+    (a student's edited lessons would be overwritten)."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {str(folder)!r} is a file, not a folder")
+    sources = lessons if lessons is not None else []
+    instructors = {path.parent.resolve() for path in sources} | (
+        {NOTEBOOKS.resolve()} if NOTEBOOKS.is_dir() else set())
+    if folder.exists() and folder.resolve() in instructors:
+        # The copies would replace the lessons they are made from, answers and all.
+        raise ValueError(f"--out {str(folder)!r} is the folder of the instructor lessons; "
+                         "write the student copies elsewhere")
+    if folder.is_dir() and not force and any(folder.iterdir()):
+        raise ValueError(f"--out {str(folder)!r} is not empty: the copies would overwrite what is "
+                         "there (a student's answers among it); give an empty or new folder, or "
+                         "--force to overwrite")
+    if lessons is not None:
+        copies = _student_copies(sources)
+    else:
+        copies = packaged_copies()
+        if not copies:
+            raise ValueError("this copy of refmath ships no student lessons; give the instructor "
+                             "lessons with --from DIR")
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, copy in copies.items():
         (folder / name).write_text(copy, encoding="utf-8")
         written.append(folder / name)
     return written
+
+
+# ---- the lessons' exercises, by number -------------------------------------------------------------
+#
+# A lesson's check cell is one call, ``check("05.3", answer)``: the expected value, the known slips
+# and the hint live here, computed from the library, so that nothing in the lesson (not the check
+# cell's source on the student site, not a variable, not a print) holds the answer before the
+# student has tried. An exercise computes from the lesson's own inputs, read by name from the
+# namespace that calls the check (``uses``), so the numbers the student sees are the numbers
+# checked, and the lesson stays the one place they are written.
+
+
+class Exercise(NamedTuple):
+    """One value exercise of a lesson."""
+
+    name: str  # what the verdict calls the answer
+    section: str  # the lesson's section to reread after a first miss
+    hint: str  # the formula or the step, given from the second miss on, or by hint()
+    expected: Callable[..., Any]  # the expected value from the lesson's inputs (``uses``)
+    slips: Callable[..., Mapping[str, Any]]  # the known wrong answers, from the same inputs
+    uses: tuple[str, ...] = ()  # the lesson's variables the two functions take, by name
+    rtol: float = 1e-12
+    atol: float = 0.0
+    prepare: Callable[[Any], Any] | None = None  # the answer as an array (a dict of weights...)
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def _exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, ...] = (),
+              rtol: float = 1e-12, atol: float = 0.0, prepare: Callable[[Any], Any] | None = None):
+    """Register the decorated ``(*uses) -> (expected, slips)`` function as exercise ``number``."""
+    def register(both: Callable[..., tuple[Any, Mapping[str, Any]]]):
+        EXERCISES[number] = Exercise(name, section, hint, lambda *a: both(*a)[0],
+                                     lambda *a: both(*a)[1], uses, rtol, atol, prepare)
+        return both
+    return register
+
+
+def _exercise_of(number: str) -> Exercise:
+    if number not in EXERCISES:
+        raise ValueError(f"no exercise numbered {number!r} (known: {', '.join(sorted(EXERCISES))})")
+    return EXERCISES[number]
+
+
+def check(number: str, answer: Any) -> Verdict:
+    """Print the verdict on the student's ``answer`` to exercise ``number`` ("05.3").
+
+    The expected value is computed here, from the library and the lesson's inputs (read by name
+    from the caller's namespace); a wrong answer is diagnosed as :func:`check_close` does, with the
+    section to reread after a first miss and the hint from the second on."""
+    import sys
+
+    exercise, caller = _exercise_of(number), sys._getframe(1)
+    if _not_attempted(answer):
+        _record_expected(exercise.name, lambda: _expected_and_slips(exercise, caller)[0])
+        return _unanswered(exercise.name)
+    expected, slips = _expected_and_slips(exercise, caller)
+    if exercise.prepare is not None:
+        try:
+            answer = exercise.prepare(answer)
+        except Exception as err:  # the answer has the wrong kind: say so, as check_close would
+            return _verdict("wrong", exercise.name, f"not what the exercise asks for "
+                            f"({type(err).__name__}: {err})")
+    return check_close(exercise.name, answer, expected, rtol=exercise.rtol, atol=exercise.atol,
+                       hint=exercise.hint, section=exercise.section, slips=slips)
+
+
+def _expected_and_slips(exercise: Exercise, frame) -> tuple[Any, Mapping[str, Any]]:
+    names = {**frame.f_builtins, **frame.f_globals, **frame.f_locals}
+    missing = [n for n in exercise.uses if n not in names]
+    if missing:
+        raise NameError(f"{exercise.name}: the check reads the lesson's {', '.join(missing)}; "
+                        "run the lesson's cells above it first")
+    inputs = [names[n] for n in exercise.uses]
+    return exercise.expected(*inputs), exercise.slips(*inputs)
+
+
+def hint(number: str) -> None:
+    """Print the hint of exercise ``number`` now, without a second miss."""
+    exercise = _exercise_of(number)
+    print(f"hint: {exercise.name}: {exercise.hint} (see {exercise.section})")
+
+
+# ---- lesson 5: the loss and the optimiser
+
+_L2 = "the section 'L2, L3: cross-entropy and its gradient'"
+_L5 = "the section 'L5: the fine-tuning loss'"
+_O1 = "the section 'O1, O2: Adam and its bias correction'"
+_O4 = "the section 'O3, O4, O7: weight decay inside Adam or beside it'"
+_O6 = "the section 'O6: learning-rate schedules'"
+
+
+@_exercise("05.1", "dloss/dlogits", _L2, "p - onehot(target), divided by the number of positions",
+           uses=("logits", "targets"))
+def _cross_entropy_gradient(logits, targets):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    _, cache = cross_entropy_forward(logits, targets)
+    mean = cross_entropy_backward(1.0, cache)
+    n = np.size(targets)
+    return mean, {
+        "not divided by the number of positions (the sum's gradient, not the mean's)": n * mean,
+        "the one-hot target forgotten: p / T": softmax_forward(logits)[0] / n,
+        "the sign flipped: y - p": -mean}
+
+
+def _sft(logits, targets, mask, reduction):
+    from refmath.losses import cross_entropy_forward
+
+    return cross_entropy_forward(logits, targets, loss_mask=mask, reduction=reduction)
+
+
+@_exercise("05.2", "the summed SFT loss", _L5,
+           "only the answer positions count, and nothing divides the sum",
+           uses=("sft_logits", "sft_targets", "answer_mask"))
+def _sft_sum(logits, targets, mask):
+    from refmath.losses import cross_entropy_forward
+
+    total = _sft(logits, targets, mask, "sum")[0]
+    return total, {
+        "the mean over the answer tokens, not the sum": _sft(logits, targets, mask, "mean")[0],
+        "the prompt positions counted too": cross_entropy_forward(logits, targets, reduction="sum")[0],
+        "the sign flipped: the sum of log p, not of -log p": -total}
+
+
+@_exercise("05.3", "the last row of dlogits (sum)", _L5,
+           "p - y, with no division: the sum does not divide by the number of tokens",
+           uses=("sft_logits", "sft_targets", "answer_mask"))
+def _sft_last_row(logits, targets, mask):
+    from refmath.losses import cross_entropy_backward
+
+    row = cross_entropy_backward(1.0, _sft(logits, targets, mask, "sum")[1])[-1]
+    mean_row = cross_entropy_backward(1.0, _sft(logits, targets, mask, "mean")[1])[-1]
+    return row, {"divided by the answer tokens: that is the mean's gradient": mean_row,
+                 "the sign flipped: y - p": -row}
+
+
+def _adam_first_step(eps: float = 1e-8, **options):
+    from refmath.optim import Adam
+
+    w = {"w": np.array([1.0, -2.0])}
+    Adam(lr=0.1, eps=eps, **options).step(w, {"w": np.array([0.3, -0.1])})
+    return w["w"]
+
+
+@_exercise("05.5", "theta after one Adam step", _O1,
+           "m_hat = g and v_hat = g^2 after one step, so the step is lr g / (|g| + eps)")
+def _adam_step():
+    plain = np.array([1.0, -2.0]) - 0.1 * np.array([0.3, -0.1])
+    return _adam_first_step(), {
+        **catalogued("adam: bias correction missing", _adam_first_step),
+        # theta - lr sign(g) = (0.9, -1.9) would otherwise read as "a printed number copied"
+        "eps left out of the denominator: lr g / |g| is not quite lr g / (|g| + eps)":
+            np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1]),
+        "a plain gradient step, theta - lr g": plain}
+
+
+@_exercise("05.6", "v_hat after two steps", _O1,
+           "v_2 = beta2 (1 - beta2) g_1^2 + (1 - beta2) g_2^2, then divide by 1 - beta2^2")
+def _adam_second_moment():
+    from refmath.optim import Adam
+
+    adam, w = Adam(lr=0.1), {"w": np.array([1.0])}
+    for g in (0.3, 0.5):
+        adam.step(w, {"w": np.array([g])})
+    m_hat, v_hat = (float(x[0]) for x in adam.corrected_moments("w"))
+    raw = v_hat * (1 - 0.999**2)
+    return v_hat, {
+        "a centred variance, v_hat - m_hat^2: v is the raw second moment, nothing subtracts m":
+            v_hat - m_hat**2,
+        "the variance of the two gradients: v weighs g^2 and never subtracts the mean":
+            float(np.var([0.3, 0.5])),
+        "v_2 without its bias correction 1 - beta2^2": raw}
+
+
+ADAMW_STEPS = 200
+
+
+def _adamw_path(steps: int, optimiser=None):
+    from refmath.optim import AdamW
+
+    # decay_of: by default AdamW decays matrices only, and this weight is a vector
+    optimiser = optimiser or AdamW(lr=0.1, weight_decay=0.1, decay_of=lambda name: 0.1)
+    p, path = {"w": np.array([1.0])}, [1.0]
+    for _ in range(steps):
+        optimiser.step(p, {"w": np.array([0.0])})
+        path.append(float(p["w"][0]))
+    return np.array(path)
+
+
+@_exercise("05.7", f"AdamW's weight after {ADAMW_STEPS} steps", _O4,
+           "each step multiplies by (1 - lr * weight_decay); m_hat stays 0")
+def _adamw_after():
+    path = _adamw_path(ADAMW_STEPS)
+    return path[-1], {
+        "(1 - lr lambda)^(n - 1): one step too few": path[-2],
+        **catalogued("adamw: decay not scaled by the learning rate",
+                     lambda: _adamw_path(ADAMW_STEPS)[-1]),
+        **catalogued("adamw: decay also inside the moments", lambda: _adamw_path(ADAMW_STEPS)[-1])}
+
+
+@_exercise("05.8", "(peak, half-way rate)", _O6,
+           "at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0")
+def _schedule_values():
+    from refmath.optim import transformer_schedule, warmup_cosine
+
+    peak = transformer_schedule(4000, d_model=512, warmup=4000)
+    return (peak, warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5)), {
+        **catalogued("warmup-cosine: progress measured over the whole run", lambda: (
+            peak, warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5))),
+        "the floor forgotten: half of max_lr, not half-way from min_lr to max_lr":
+            (peak, 0.5 * 3e-4)}
+
+
+# ---- lesson 6: the encoder-decoder
+
+@_exercise("06.3", "tensor2tensor target", "the section 'L4: label smoothing, three conventions'",
+           "1 - eps on the right token y, eps / (V - 1) on each of the others",
+           uses=("z", "y"))
+def _tensor2tensor_target(z, y):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    vocab, eps = np.shape(z)[-1], 0.1
+    target = np.full(vocab, eps / (vocab - 1))
+    target[int(y[0])] = 1 - eps
+    # refmath's own target for the same eps: q = p - dloss/dlogits (the gradient is p - q)
+    ours = softmax_forward(z)[0] - cross_entropy_backward(1.0, cross_entropy_forward(
+        z, y, label_smoothing=eps)[1])
+    return target, {"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
+                    "eps / (V - 1) on the others and nothing extra on y": ours[0]}
+
+
+# ---- lesson 7: GPT
+
+@_exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning'",
+           "the inputs are the row without its last token, the targets the row without its first",
+           uses=("row_of_tokens",))
+def _shifted_pair(row):
+    row = np.asarray(row)
+    return (row[:, :-1], row[:, 1:]), {
+        "shifted the wrong way: the targets come before the inputs": (row[:, 1:], row[:, :-1]),
+        "not shifted: the targets are the inputs, so each position is scored on its own token":
+            (row[:, :-1], row[:, :-1])}
+
+
+# ---- lesson 1: attention
+
+_A6 = "the section 'A6 and A7: several heads'"
+_MHA_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+
+
+def _flat_weights(params) -> np.ndarray:
+    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in _MHA_WEIGHTS])
+
+
+@_exercise("01.5", "the parameters with heads 0 and 1 swapped", _A6,
+           "head r owns columns r d_h .. (r + 1) d_h of w_q, w_k, w_v and the same rows of w_o",
+           uses=("params", "d_h"), prepare=_flat_weights)
+def _swapped_heads(params, d_h):
+    order = np.r_[d_h:2 * d_h, 0:d_h]
+    columns = {k: np.asarray(params[k])[:, order] for k in ("w_q", "w_k", "w_v")}
+    return _flat_weights({**columns, "w_o": np.asarray(params["w_o"])[order]}), {
+        "w_o left as it was: its rows must follow the heads they read": _flat_weights(
+            {**columns, "w_o": params["w_o"]}),
+        "the rows of w_q, w_k, w_v swapped, not their columns (the heads split the output width)":
+            _flat_weights({**{k: np.asarray(params[k])[order] for k in ("w_q", "w_k", "w_v")},
+                           "w_o": np.asarray(params["w_o"])[order]}),
+        "nothing swapped": _flat_weights(params)}
+
+
+# ---- lesson 2: normalisation
+
+@_exercise("02.5", "the stream's RMS after 8 blocks", "the section 'N4: Post-LN against Pre-LN'",
+           "each block adds RMSNorm(x), of RMS 1 and x's direction, so the RMS grows by 1 a block",
+           uses=("stream0",))
+def _stream_rms(stream0):
+    from refmath.norms import rmsnorm_forward
+
+    stream = np.asarray(stream0, dtype=np.float64)
+    branch = stream
+    for _ in range(8):
+        branch = rmsnorm_forward(stream, np.ones(stream.shape[-1]), eps=1e-6)[0]
+        stream = stream + branch
+    rms = float(np.sqrt(np.mean(stream**2)))
+    return rms, {"the RMS of the last block's normalised input, not of the stream: "
+                 "RMSNorm bounds what a branch reads, not the stream": float(
+                     np.sqrt(np.mean(branch**2))),
+                 "the starting stream left out: 8 blocks of RMS 1 add to 8, on top of stream0":
+                     rms - float(np.sqrt(np.mean(np.asarray(stream0, dtype=float)**2)))}
+
+
+# ---- lesson 11: latent attention
+
+@_exercise("11.2", "the smallest exact latent widths", "the section 'K8: weight absorption'",
+           "W_K = W_DKV W_UK holds exactly only if d_c >= rank(W_K): np.linalg.matrix_rank",
+           uses=("mha_w_k", "factored_w_k"), rtol=0.0)
+def _smallest_latent(w_k, factored):
+    ranks = [int(np.linalg.matrix_rank(np.asarray(w, dtype=np.float64))) for w in (w_k, factored)]
+    width = np.shape(w_k)[1]
+    return ranks, {"the widths of the matrices, not their ranks: a product through 6 numbers has "
+                   "rank at most 6": [width, np.shape(factored)[1]],
+                   "one head's key width: the latent is shared by every head, so it must hold "
+                   "all of their keys": [width // 4, width // 4]}
+
+
+@_exercise("01.1", "the masked output", "the section 'A3: a worked example to check by hand'",
+           "o = sum_j a_j v_j with a = (1/3, 2/3, 0)", uses=("q", "k", "v"))
+def _masked_output(q, k, v):
+    from refmath.attention import sdpa_forward
+
+    mask = np.array([[0.0, 0.0, -np.inf]])
+    return sdpa_forward(q, k, v, mask=mask, scale=1.0)[0], {
+        "the unmasked weights (1/4, 1/2, 1/4)": sdpa_forward(q, k, v, scale=1.0)[0],
+        "the masked weights not renormalised, (1/4, 1/2, 0)": np.array([[0.25, 0.5, 0.0]]) @ v}
+
+
+# ---- lesson 12: from the equation to the kernel
+
+def _forward_scratch_bytes(d: int, block_q: int = 128, block_k: int = 128, leave_out=()) -> int:
+    """Bytes of one thread's scratch in the C++ forward pass (csrc/flash_cpu.cpp), padded to 16
+    floats; the lesson checks the same count against the kernel's own expression."""
+    parts = {"S": block_q * block_k, "U": block_q * d, "PV": block_q * d,
+             "m, l, alpha": 3 * block_q, "KT": d * block_k, "Vs": block_k * d}
+    floats = sum(n for name, n in parts.items() if name not in leave_out)
+    return 4 * (-(-floats // 16) * 16)
+
+
+@_exercise("12.2", "scratch bytes per thread at D = 128",
+           "the section 'F4: the scratch memory of a tile'", "six buffers; 4 bytes a float",
+           rtol=0.0)
+def _scratch_bytes():
+    full = _forward_scratch_bytes(128)
+    return full, {
+        "float32 numbers, not bytes": full / 4,
+        # at D = B_k = 128, U, PV, KT and Vs are all 128 x 128: the check cannot tell which one
+        # is missing, so its name does not guess
+        "one of the 128 x 128 buffers left out (U, PV, KT or Vs)":
+            _forward_scratch_bytes(128, leave_out=("Vs",)),
+        "m, l and alpha left out": _forward_scratch_bytes(128, leave_out=("m, l, alpha",)),
+        "only the score tile S": 4 * 128 * 128,
+        "D = 64's scratch": _forward_scratch_bytes(64)}
+
+
+def _cpu_splits(batch: int, kv_heads: int, longest: int, threads: int) -> int:
+    """choose_splits of csrc/decode_cpu.cpp for a contiguous cache (the lesson checks it against
+    the kernel's choice)."""
+    if threads == 1:
+        return 1
+    return max(1, min(-(-8 * threads // (batch * kv_heads)), longest // 512))
+
+
+@_exercise("12.4", "the splits chosen for (a) and (b)",
+           "the section 'K2 and F3: a decode step, split across the cores'",
+           "work items are the B G pairs, about 8 per thread; no split below 512 keys", rtol=0.0)
+def _splits_chosen():
+    return (_cpu_splits(3, 8, 32768, 16), _cpu_splits(1, 1, 4096, 16)), {
+        "the 512-key floor ignored": (-(-8 * 16 // 24), 8 * 16),
+        "rounded down: 128 / 24 = 5.33 needs 6 splits": (8 * 16 // 24, 8),
+        "one work item per query head, not per key/value head":
+            (_cpu_splits(3, 32, 32768, 16), _cpu_splits(1, 1, 4096, 16)),
+        "one work item per thread, not 8": (-(-16 // 24), min(16, 4096 // 512))}

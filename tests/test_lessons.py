@@ -1,5 +1,7 @@
 """refmath.lessons: the one-line verdicts of the lessons' exercise checks, their diagnoses, and
 the student copies of the lessons with their leak scan."""
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,15 @@ from refmath.lessons import (
 )
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(autouse=True)
 def lenient(monkeypatch):
+    import refmath.lessons
+
     monkeypatch.delenv("REFMATH_LESSONS_STRICT", raising=False)
+    monkeypatch.setattr(refmath.lessons, "_MISSES", {})  # each test starts with no miss counted
 
 
 def test_a_right_answer_says_right_and_returns_true(capsys):
@@ -35,7 +43,9 @@ def test_a_wrong_answer_names_the_index_and_the_tolerance_not_the_expected_value
     got[1, 0] = 3.5
     assert not check_close("dX", got, expected, rtol=1e-6, hint="the second term")
     out = capsys.readouterr().out
-    assert out.startswith("wrong: dX: error 0.5 at index (1, 0)") and "the second term" in out
+    assert out.startswith("wrong: dX: error 0.5 at index (1, 0)") and "the second term" not in out
+    assert not check_close("dX", got, expected, rtol=1e-6, hint="the second term")
+    assert "the second term" in capsys.readouterr().out  # the hint comes with the second miss
     assert "3.0" not in out and "[[" not in out
 
 
@@ -183,9 +193,9 @@ def test_a_give_away_printed_before_an_exercise_is_gone():
     """The values lesson 05 asked for were printed just before the exercises; lesson 12's hint
     gave 3 log2 e. The prints now follow the checks."""
     text = (LESSONS[0].parent / "05_losses_and_optimisers.py").read_text()
-    assert text.index('print(f"step {step}: m_hat') > text.index('check_close("theta after one Adam')
+    assert text.index('print(f"step {step}: m_hat') > text.index('check("05.5"')
     assert "0.99**50" not in text
-    assert text.index('after 50 steps {path[-1]') > text.index("check_close(\"AdamW's weight after 50")
+    assert text.index('after 50 steps {path[-1]') > text.index('check("05.7"')
     assert "4.328" not in (LESSONS[0].parent / "12_from_equation_to_kernel.py").read_text()
 
 
@@ -223,6 +233,73 @@ def test_the_lessons_command_explains_itself_and_its_errors(tmp_path):
         assert run.returncode == 2 and says in run.stderr, (args, run.stderr)
         assert len(run.stderr.strip().splitlines()[-1]) > 0 and "Traceback" not in run.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_the_lessons_command_refuses_a_folder_that_holds_work_unless_forced(tmp_path):
+    """A student's edited lessons are not overwritten by a second run."""
+    out = tmp_path / "student"
+    out.mkdir()
+    mine = out / LESSONS[0].name
+    mine.write_text("my answers")
+    run = _cli("lessons", "student", "--out", str(out))
+    assert run.returncode == 2 and "is not empty" in run.stderr and "--force" in run.stderr
+    assert mine.read_text() == "my answers" and [p.name for p in out.iterdir()] == [mine.name]
+    run = _cli("lessons", "student", "--out", str(out), "--force")
+    assert run.returncode == 0, run.stderr
+    assert mine.read_text() == student_copy(LESSONS[0].read_text(), str(LESSONS[0]))
+
+
+def test_the_packaged_student_copies_are_the_lessons_of_today():
+    """The copies shipped in the package are made from notebooks/ as they are now, one per lesson."""
+    from refmath.lessons import packaged_copies
+
+    shipped = packaged_copies()
+    assert sorted(shipped) == [p.name for p in LESSONS], \
+        "refresh them: python -c 'import refmath.lessons as l; l.refresh_packaged_copies()'"
+    stale = [p.name for p in LESSONS if shipped[p.name] != student_copy(p.read_text(), str(p))]
+    assert not stale, (f"packaged student copies out of date: {stale}; refresh them: "
+                       "python -c 'import refmath.lessons as l; l.refresh_packaged_copies()'")
+
+
+def test_the_student_route_needs_no_checkout(tmp_path):
+    """What a wheel holds (setuptools' build_py of a copy of the checkout: the modules and the
+    package data, no compiled module) writes the student lessons with no checkout on the path,
+    and nothing it writes holds an answer."""
+    pytest.importorskip("setuptools", minversion="77")
+    pytest.importorskip("pybind11")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if files.returncode != 0:
+        pytest.skip("not a git checkout: nothing to build from")
+    copy = tmp_path / "checkout"
+    for rel in filter(None, files.stdout.split("\0")):
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    lib = tmp_path / "lib"
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)],
+                           cwd=copy, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "REFMATH_CUDA": "0"})
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert not (lib / "notebooks").exists() and (lib / "refmath" / "student_lessons").is_dir()
+
+    out, home = tmp_path / "my lessons", tmp_path / "home"
+    home.mkdir()
+    script = (f"import sys, runpy\n"
+              f"sys.path[:] = [{str(lib)!r}] + [p for p in sys.path if p and "
+              f"not p.startswith({str(ROOT)!r})]\n"
+              f"sys.argv = ['refmath', 'lessons', 'student', '--out', {str(out)!r}]\n"
+              f"import refmath\n"
+              f"assert refmath.__file__.startswith({str(lib)!r}), refmath.__file__\n"
+              f"runpy.run_module('refmath', run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=home, capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in out.iterdir()) == [p.name for p in LESSONS]
+    for path in LESSONS:
+        written = (out / path.name).read_text()
+        assert written == student_copy(path.read_text(), str(path))
+        assert leaked_lines(path.read_text(), written, path.name) == []
+        assert "BEGIN SOLUTION" not in written
 
 
 # ---- write-the-function exercises -------------------------------------------------------------------
@@ -264,6 +341,15 @@ def test_an_unwritten_function_has_no_answer_yet():
         "no answer yet: f")
 
 
+def _layernorm_backward_by_hand(dout, cache):
+    """The student's own LayerNorm backward (the checks refuse the library's, called or not)."""
+    xhat, rstd, gamma = cache
+    rows = tuple(range(dout.ndim - 1))
+    g = dout * gamma
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+    return dx, np.sum(dout * xhat, axis=rows), np.sum(dout, axis=rows)
+
+
 def test_a_wrong_backward_names_its_slip_and_the_failing_gradient_check():
     from refmath.norms import layernorm_backward
 
@@ -271,7 +357,7 @@ def test_a_wrong_backward_names_its_slip_and_the_failing_gradient_check():
              **catalogued("layernorm: gamma left out of dx", layernorm_backward)}
 
     def averaged(dout, cache):
-        dx, dgamma, dbeta = layernorm_backward(dout, cache)
+        dx, dgamma, dbeta = _layernorm_backward_by_hand(dout, cache)
         return dx, dgamma, dbeta / 3  # the case has 3 rows: the mean is the sum / 3
 
     verdict = check_function("LN", averaged, layernorm_backward, case="layernorm[rows (3, 8)]",
@@ -290,13 +376,13 @@ def test_a_function_that_raises_or_returns_the_wrong_kind_is_wrong_and_says_wher
     def two_d_only(dout, cache):
         if dout.ndim != 2:
             raise IndexError("only (N, d)")
-        return layernorm_backward(dout, cache)
+        return _layernorm_backward_by_hand(dout, cache)
 
     line = check_function("LN", two_d_only, layernorm_backward,
                           case=["layernorm[rows*", "layernorm[one row*"]).line
     assert line == ("wrong: LN: your function raised IndexError: only (N, d) "
                     "(on layernorm[one row (6,)])"), line
-    line = check_function("LN", lambda d, c: layernorm_backward(d, c)[:2], layernorm_backward,
+    line = check_function("LN", lambda d, c: _layernorm_backward_by_hand(d, c)[:2], layernorm_backward,
                           case="layernorm[rows*").line
     assert line.startswith("wrong: LN: your function returns the wrong gradients: ") and \
         "dx, dgamma, dbeta" in line
@@ -316,7 +402,12 @@ def test_a_forward_function_is_called_on_copies_and_its_named_outputs_compared()
     def unrescaled_slip(a, b):
         return type(a)(np.maximum(a.m, b.m), a.l + b.l, a.u + b.u)
 
-    assert check_function("merge", online_softmax_merge, online_softmax_merge, inputs=pairs)
+    def merge_by_hand(a, b):
+        m = np.maximum(a.m, b.m)
+        alpha, beta = np.exp(a.m - m), np.exp(b.m - m)  # the pairs' m are finite
+        return type(a)(m, alpha * a.l + beta * b.l, alpha[..., None] * a.u + beta[..., None] * b.u)
+
+    assert check_function("merge", merge_by_hand, online_softmax_merge, inputs=pairs)
     line = check_function("merge", unrescaled, online_softmax_merge, inputs=pairs).line
     assert line.startswith("wrong: merge: l on input 1: "), line
     line = check_function("merge", unrescaled_slip, online_softmax_merge, inputs=lambda: pairs,
@@ -365,12 +456,13 @@ def test_strict_mode_refuses_a_function_slip_the_check_cannot_tell_apart(monkeyp
 
     monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
     with pytest.raises(AssertionError, match="passes as the right function"):
-        check_function("f", softmax_backward, softmax_backward, case="softmax[rows*",
+        check_function("f", _softmax_backward_by_hand, softmax_backward, case="softmax[rows*",
                        slips={"the same": _softmax_backward_by_hand})
-    doubled = {"doubled": lambda d, c: 2 * softmax_backward(d, c),
-               "twice": lambda d, c: softmax_backward(d, c) * 2}
+    doubled = {"doubled": lambda d, c: 2 * _softmax_backward_by_hand(d, c),
+               "twice": lambda d, c: _softmax_backward_by_hand(d, c) * 2}
     with pytest.raises(AssertionError, match="the slip 'twice' is reported as 'doubled'"):
-        check_function("f", softmax_backward, softmax_backward, case="softmax[rows*", slips=doubled)
+        check_function("f", _softmax_backward_by_hand, softmax_backward, case="softmax[rows*",
+                       slips=doubled)
     with pytest.raises(AssertionError, match="wrong: f: looks like: doubled"):
         check_function("f", doubled["doubled"], softmax_backward, case="softmax[rows*",
                        slips={"doubled": doubled["doubled"]})
@@ -387,3 +479,100 @@ def test_check_function_refuses_bad_arguments():
         check_function("f", softmax_backward, softmax_backward, case="softmax*", slips={"x": 1})
     assert check_function("f", 3, softmax_backward, case="softmax[rows*").line == \
         "wrong: f: not a function but a int"
+
+
+# ---- the library refused as an answer -----------------------------------------------------------------
+
+def test_the_library_function_itself_is_refused_as_the_answer(capsys):
+    """``my_softmax_backward = softmax_backward`` was accepted: the check now names the library
+    function and asks for the student's own."""
+    import functools
+
+    from refmath import softmax
+    from refmath.softmax import softmax_backward
+
+    def calls_it(dout, cache):
+        return softmax_backward(dout, cache)
+
+    def calls_it_by_another_name(dout, cache):
+        return getattr(softmax, "softmax_" + "backward")(dout * 1.0, cache)
+
+    @functools.wraps(softmax_backward)
+    def wraps_it(dout, cache):
+        return softmax_backward(dout, cache)
+
+    for func, verb in [(softmax_backward, "is"), (calls_it, "calls"), (lambda d, c: softmax_backward(d, c), "calls"),
+                       (calls_it_by_another_name, "calls"), (wraps_it, "wraps"),
+                       (functools.partial(softmax_backward), "is")]:
+        verdict = check_function("your softmax backward", func, softmax_backward, case="softmax[rows*")
+        assert not verdict
+        assert verdict.line == (f"wrong: your softmax backward: this {verb} "
+                                "refmath.softmax.softmax_backward: write it yourself"), verdict.line
+    # the student's own code still passes, at full speed of its own
+    assert check_function("your softmax backward", _softmax_backward_by_hand, softmax_backward,
+                          case="softmax[rows*")
+
+
+def test_a_lessons_own_reference_refuses_the_library_functions_it_is_made_of(capsys):
+    """A forward exercise's reference written in the lesson (an optimiser step through the
+    library's AdamW) refuses the AdamW the student could call; the NumPy the student writes is
+    accepted, and so is a refmath function the reference does not use."""
+    from refmath.optim import AdamW
+    from refmath.softmax import softmax_forward
+
+    def library_step(theta, grad):
+        params = {"w": theta.copy()}
+        AdamW(lr=0.1, weight_decay=0.1).step(params, {"w": grad})
+        return params["w"]
+
+    def by_hand(theta, grad):
+        softmax_forward(np.zeros(2))  # harmless: not what the exercise asks for
+        return (1 - 0.1 * 0.1) * theta - 0.1 * grad / (np.abs(grad) + 1e-8)
+
+    def through_the_library(theta, grad):
+        return library_step(theta, grad)
+
+    inputs = [(np.array([1.0, -2.0]), np.array([0.3, -0.1]))]
+    assert check_function("your AdamW step", by_hand, library_step, inputs=inputs, rtol=1e-12)
+    verdict = check_function("your AdamW step", through_the_library, library_step, inputs=inputs)
+    assert verdict.line == ("wrong: your AdamW step: this calls refmath.optim.Optimizer.step: "
+                            "write it yourself"), verdict.line  # AdamW's step is its base's
+    # refuse= adds a function the reference does not call
+    verdict = check_function("your AdamW step", by_hand, library_step, inputs=inputs,
+                             refuse=(softmax_forward,))
+    assert "this calls refmath.softmax.softmax_forward" in verdict.line
+
+
+# ---- exercises by number, hints rationed ---------------------------------------------------------
+
+def test_a_numbered_check_computes_its_expected_value_from_the_lessons_inputs(capsys):
+    """check("05.1", answer) reads the lesson's logits and targets from the caller, computes the
+    expected gradient in refmath.lessons, and names a slip on the first miss with the section to
+    reread; the formula comes on the second miss, or from hint()."""
+    from refmath.lessons import check, hint
+    from refmath.softmax import softmax_forward
+
+    logits = np.array([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 0.5, 0.0]])
+    targets = np.array([0, 2, 1])
+    p = softmax_forward(logits)[0]
+    assert check("05.1", ...).line.startswith("no answer yet: dloss/dlogits")
+    assert check("05.1", (p - np.eye(4)[targets]) / 3)
+    first = check("05.1", p - np.eye(4)[targets]).line
+    assert "looks like: not divided by the number of positions" in first
+    assert "reread the section 'L2, L3" in first and "p - onehot" not in first
+    second = check("05.1", p - np.eye(4)[targets]).line
+    assert "p - onehot(target), divided by the number of positions" in second
+    hint("05.3")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("hint: the last row of dlogits (sum): p - y")
+    with pytest.raises(ValueError, match="no exercise numbered '05.99'"):
+        check("05.99", 1.0)
+    del logits
+    with pytest.raises(NameError, match="reads the lesson's logits"):
+        check("05.1", p)
+
+
+def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
+    from refmath.lessons import check
+
+    line = check("05.5", np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1])).line
+    assert "looks like: eps left out of the denominator" in line and "printed precision" not in line

@@ -10,6 +10,7 @@ wrong exercise answer (see ``refmath.lessons``) into an error.
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 jupytext = pytest.importorskip("jupytext", reason="lessons need the 'dev' extra (jupytext)")
@@ -52,7 +53,7 @@ def test_lesson_executes(path, monkeypatch, tmp_path):
         assert "IProgress not found" not in err, f"{path.name}: cell {cell.source[:60]!r}: {err}"
 
 
-CHECK_CALL = re.compile(r"\bcheck_(?:close|true|function)\(")
+CHECK_CALL = re.compile(r"\bcheck(?:_close|_true|_function)?\(")
 VERDICT = re.compile(r"^(right|wrong|almost|no answer yet): ", re.MULTILINE)
 
 
@@ -76,30 +77,211 @@ def _every_check_says_right(path, notebook):
         assert not shown, f"{path.name}: check cell {cell.source[:60]!r} displays {shown}"
 
 
+NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _numbers(text: str) -> list[tuple[float, int]]:
+    """Every number written in ``text``, in order, as (value, significant digits written);
+    thousands separators ("15,726,848") are read as one number."""
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+    found = []
+    for m in NUMBER.finditer(text):
+        mantissa = re.split(r"[eE]", m.group(0))[0].lstrip("+-").replace(".", "").lstrip("0")
+        try:
+            found.append((float(m.group(0)), len(mantissa)))
+        except ValueError:
+            pass
+    return found
+
+
+def _same_to_3_digits(written: float, digits: int, want: float) -> bool:
+    if want == 0 or written == 0:
+        return written == want
+    return abs(written - want) <= 5e-3 * abs(want) and (digits >= 3 or written == want)
+
+
+def _specific(x: float) -> bool:
+    """A value a scan can look for without matching every small number of a lesson: an integer
+    of at least 10, or a number of 3 significant digits or more. (An array is scannable when one
+    of its entries is, or when it has three entries or more, not all equal: a row of numbers is
+    specific in itself.)"""
+    if not np.isfinite(x):
+        return False
+    if float(x).is_integer():
+        return abs(x) >= 10
+    return len(f"{abs(x):.12g}".replace(".", "").lstrip("0").rstrip("0")) >= 3
+
+
+def _scannable(want: list | None) -> bool:
+    """Whether a value is specific enough to be looked for (see :func:`_gives_away`)."""
+    if want is None or not want or not all(np.isfinite(want)):
+        return False
+    if len(want) == 1:
+        return _specific(want[0])
+    return any(_specific(x) for x in want) or (len(want) >= 3 and len(set(want)) > 1)
+
+
+def _gives_away(want: list, text: str) -> str | None:
+    """The written numbers of ``text`` that show ``want`` (a scalar to 3 significant digits, or an
+    array by all its values in a row), or None."""
+    if not _scannable(want):
+        return None
+    numbers = _numbers(text)
+    if len(want) == 1:
+        x = want[0]
+        for value, digits in numbers:
+            if (float(x).is_integer() and value == x) or (
+                    not float(x).is_integer() and _same_to_3_digits(value, digits, x)):
+                return f"{value:g}"
+        return None
+    n = len(want)
+    for i in range(len(numbers) - n + 1):
+        if all(_same_to_3_digits(v, max(d, 3), x) for (v, d), x in zip(numbers[i:i + n], want)):
+            return "[" + ", ".join(f"{v:g}" for v, _ in numbers[i:i + n]) + "]"
+    return None
+
+
+def _cell_end(lines: list[str], line: int) -> int:
+    """The number of lines up to the end of the py:percent cell that holds line ``line`` (1-based)."""
+    for n in range(line, len(lines)):
+        if lines[n].startswith("# %%"):
+            return n
+    return len(lines)
+
+
+def visible_answers(student: str, stdout: str, records: list[dict]) -> tuple[list[str], int]:
+    """(each expected value a student could read before its check, the checks scanned): each
+    record's value looked for in the copy's text up to the end of the check's cell (the code, the
+    prose and the check cell itself) and in what the copy printed before the check."""
+    from refmath.lessons import RECORD_MARK
+
+    lines = student.splitlines()
+    printed = stdout.split(RECORD_MARK)
+    found, scanned = [], 0
+    for k, record in enumerate(records):
+        if not _scannable(record["value"]) or record["line"] is None:
+            continue
+        scanned += 1
+        source = "\n".join(lines[:_cell_end(lines, record["line"])])
+        before = "".join(printed[:k + 1])
+        for where, text in (("the lesson's text", source), ("its printed output", before)):
+            shown = _gives_away(record["value"], text)
+            if shown is not None:
+                found.append(f"{record['name']!r} (line {record['line']}): {shown} in {where}")
+    return found, scanned
+
+
+def test_the_scan_for_visible_answers_finds_them():
+    """The scan is not blind: a printed value, a literal and a value with thousands separators."""
+    from refmath.lessons import RECORD_MARK
+
+    record = [{"name": "x", "line": 3, "value": [15726848.0]},
+              {"name": "y", "line": 5, "value": [0.95, 0.025, 0.025]}]
+    text = "# %%\nprint(total)\ncheck_close('x', ...)\n# %%\ncheck_close('y', ..., [0.95, 0.025, 0.025])\n"
+    found, scanned = visible_answers(text, f"total 15,726,848\n{RECORD_MARK}x\n", record)
+    assert scanned == 2 and len(found) == 2, found
+    assert visible_answers(text, "", [{"name": "z", "line": 3, "value": [0.5]}]) == ([], 0)
+    clean, _ = visible_answers("# %%\ncheck_close('x', ...)\n", "total 15.7 M\n",
+                               [{"name": "x", "line": 2, "value": [15726848.0]}])
+    assert clean == []
+    assert _gives_away([0.3333333], "1/3 is 0.3333") and not _gives_away([0.3333333], "0.33")
+    assert not _gives_away([2.0], "2 heads")  # too small a number to tell from any other
+
+
+# Lessons whose student copies still show an exercise's expected value before its check; the
+# test below fails for any other lesson that does, and for one of these that no longer does.
+STILL_SHOWN = set()
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
 def test_an_unanswered_student_copy_runs_and_no_check_says_right(path, tmp_path):
-    """The student copy (answers stripped) runs to the end as a script, and each of its checks says
-    "no answer yet": a check whose verdict does not depend on the student's answer would say
-    "right" here. (Run as a plain script, not a kernel: the verdicts are the same, and it is faster.)"""
+    """The student copy (answers stripped) runs to the end as a script, each of its checks says
+    "no answer yet" (a check whose verdict does not depend on the student's answer would say
+    "right" here), and no exercise's expected value can be read before its check: not in the
+    copy's code or prose, not in anything it printed. (Run as a plain script, not a kernel: the
+    verdicts and prints are the same, and it is faster.)"""
+    import json
     import os
     import subprocess
     import sys
 
-    from refmath.lessons import student_copy
+    from refmath.lessons import RECORD, student_copy
 
     student = student_copy(path.read_text(), str(path))
     script = tmp_path / path.name
     script.write_text(student)
+    records = tmp_path / "expected.jsonl"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
                                             "OPENBLAS_NUM_THREADS": "1",
-                                            "REFMATH_LESSONS_STRICT": "0"})
+                                            "REFMATH_LESSONS_STRICT": "0", RECORD: str(records)})
     assert run.returncode == 0, f"{path.name}: the student copy fails:\n{run.stderr[-2000:]}"
     calls, lines = _verdicts(student, run.stdout)
     assert calls >= 3 and len(lines) == calls, \
         f"{path.name}: {calls} checks in the copy, {len(lines)} verdicts printed: {lines}"
     answered = [line for line in lines if not line.startswith("no answer yet: ")]
     assert not answered, f"{path.name}: checks with a verdict before any answer: {answered}"
+
+    recorded = [json.loads(line) for line in records.read_text().splitlines()] \
+        if records.exists() else []
+    shown, scanned = visible_answers(student, run.stdout, recorded)
+    print(f"{path.name}: {len(recorded)} value checks, {scanned} expected values specific enough to "
+          f"scan, {len(shown)} visible before their check")
+    for line in shown:
+        print("  ", line)
+    if path.name in STILL_SHOWN:
+        assert shown, f"{path.name}: no answer is visible any more: take it off STILL_SHOWN"
+    else:
+        assert not shown, f"{path.name}: answers visible before their check:\n  " + "\n  ".join(shown)
+
+
+LIBRARY_AS_ANSWER = """
+import runpy, sys
+import refmath.lessons as lessons
+
+original = lessons.check_function
+
+
+def submit_the_reference(name, func, reference, **options):
+    verdict = original(name, reference, reference, **options)
+    refused = verdict.line.startswith(f"wrong: {name}: this ") and "write it yourself" in verdict.line
+    print("LIBRARY-AS-ANSWER", "refused" if refused else "accepted", name, flush=True)
+    return verdict
+
+
+lessons.check_function = submit_the_reference
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_write_the_function_exercise_accepts_the_library(path, tmp_path):
+    """Each check_function of the lesson's student copy is handed its own reference (the library
+    function, or the lesson's function built on it) as the student's answer: every one must be
+    refused, named, with "write it yourself"."""
+    import os
+    import subprocess
+    import sys
+
+    from refmath.lessons import student_copy
+
+    script = tmp_path / path.name
+    script.write_text(student_copy(path.read_text(), str(path)))
+    runner = tmp_path / "submit_the_reference.py"
+    runner.write_text(LIBRARY_AS_ANSWER)
+    run = subprocess.run([sys.executable, str(runner), str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path,
+                         env={**os.environ, "MPLBACKEND": "Agg", "OPENBLAS_NUM_THREADS": "1",
+                              "REFMATH_LESSONS_STRICT": "0"})
+    assert run.returncode == 0, f"{path.name}: {run.stderr[-2000:]}"
+    said = [line.split(" ", 2)[1:] for line in run.stdout.splitlines()
+            if line.startswith("LIBRARY-AS-ANSWER ")]
+    print(f"{path.name}: {len(said)} write-the-function exercises, "
+          f"{sum(s[0] == 'accepted' for s in said)} accept the library")
+    assert said, f"{path.name}: no write-the-function exercise"
+    accepted = [name for verdict, name in said if verdict != "refused"]
+    assert not accepted, f"{path.name}: the library's own function is accepted by {accepted}"
 
 
 # The shape every lesson shares; notebooks/README.md gives the order.
@@ -124,8 +306,9 @@ def test_lesson_has_a_header_exercises_questions_and_references(path):
     notebook = jupytext.read(path)
     meta = notebook.metadata.get("refmath", {})
     minutes, ids = meta.get("minutes"), meta.get("ids")
-    assert isinstance(minutes, int) and 10 <= minutes <= 45, \
-        f"{path.name}: 'refmath: minutes:' must be a class of at most 45 minutes, got {minutes!r}"
+    # the time a student needs to work it honestly, exercises included: one or two class periods
+    assert isinstance(minutes, int) and 10 <= minutes <= 90, \
+        f"{path.name}: 'refmath: minutes:' must be at most two classes of 45 minutes, got {minutes!r}"
     assert isinstance(ids, list) and all(isinstance(i, str) for i in ids), \
         f"{path.name}: 'refmath: ids:' must list the catalogue IDs the lesson teaches"
     header = notebook.cells[0].source
@@ -142,7 +325,7 @@ def test_lesson_has_a_header_exercises_questions_and_references(path):
     for i in exercises:
         assert "# BEGIN SOLUTION" in code[i].source and "# END SOLUTION" in code[i].source, \
             f"{path.name}: exercise cell {code[i].source[:60]!r} has no solution region"
-        assert i + 1 < len(code) and re.search(r"\bcheck_(close|true|function)\(", code[i + 1].source), \
+        assert i + 1 < len(code) and re.search(r"\bcheck(_close|_true|_function)?\(", code[i + 1].source), \
             f"{path.name}: the code cell after exercise {code[i].source[:60]!r} checks nothing"
     questions = [c for c in notebook.cells if c.cell_type == "markdown" and "question" in _tags(c)]
     assert questions, f"{path.name}: no inline question (a markdown cell tagged 'question')"

@@ -8,8 +8,9 @@ from refmath.commands import CommandError
 
 HELP = "the lessons: 'student --out DIR' writes their answer-free copies"
 DESCRIPTION = (
-    "The step-through lessons of notebooks/: 'student --out DIR' writes the copies a student "
-    "works in, with the answers removed and the leak scan passed.")
+    "The step-through lessons: 'student --out DIR' writes the copies a student works in, with the "
+    "answers removed. They ship with refmath, so an installed wheel is enough: no checkout, and "
+    "no answer key, is needed.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lines; if any would be written, nothing is. Open the copies with 'jupyter lab DIR'.",
     )
     student.add_argument("--out", required=True, metavar="DIR",
-                         help="folder to write the copies into (created if needed)")
+                         help="folder to write the copies into (created if needed; refused if "
+                         "it holds anything, unless --force)")
+    student.add_argument("--force", action="store_true",
+                         help="write into a folder that is not empty, overwriting lessons of the "
+                         "same name there")
     student.add_argument("--from", dest="source", default=None, metavar="DIR",
-                         help="folder of the instructor lessons (default: the checkout's notebooks/)")
+                         help="make the copies from the instructor lessons in DIR (answers "
+                         "inside) instead of writing the ones shipped with refmath")
     student.set_defaults(subparser=student)
 
 
@@ -35,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from refmath.lessons import lesson_paths, write_student_copies
 
     try:
-        written = write_student_copies(args.out, lesson_paths(args.source))
+        lessons = lesson_paths(args.source) if args.source is not None else None
+        written = write_student_copies(args.out, lessons, force=args.force)
     except OSError as err:
         raise CommandError(str(err)) from None
     print(f"wrote {len(written)} student lessons to {args.out} (open them with: jupyter lab {args.out})")
