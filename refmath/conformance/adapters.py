@@ -33,8 +33,15 @@ outputs in the oracle's shapes, checking shape, dtype and device on the way
 ========================  ===================================================================
 
 To add one: subclass :class:`Adapter`, set ``name``, ``contracts``, ``dtypes`` and
-``masked_rows``, write ``supports`` (the reason a case does not apply, or None) and ``call``, and
-add an instance to :data:`ADAPTERS`.
+``conventions`` (:class:`~refmath.conformance.conventions.Conventions`: what a row with no visible
+key gives, which NaN rules the convention relaxes), write ``supports_options`` (the reason a case
+does not apply, or None) and ``call``. Pass an instance as ``adapter=``, name it on the command line
+as ``--adapter module:Class``, or add it to :data:`ADAPTERS`.
+
+What ``call`` returns: a dict of float64 NumPy arrays in the oracle's layout, each through
+:meth:`Adapter.result` (which checks shape, dtype and device): ``"o"`` ``(B, H, T_q, D)`` (decode
+and paged: ``(B, H, 1, D)``), optionally ``"lse"`` ``(B, H, T_q)`` in natural log, and for the
+backward ``"dq"`` ``(B, H, T_q, D)``, ``"dk"``, ``"dv"`` ``(B, G, T_k, D)``.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import numpy as np
 
 from refmath.conformance.arrays import BadOutput, describe, to_framework, to_host
 from refmath.conformance.case import AttentionCase, Inputs, alibi_slopes, visible
+from refmath.conformance.conventions import Conventions
 
 
 class Adapter:
@@ -50,13 +58,16 @@ class Adapter:
     name = ""
     contracts: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("float32",)
-    masked_rows = "zero"  # what the convention gives a row with no visible key: "zero" or "nan"
-    framework = "numpy"
+    conventions = Conventions()  # what the calling convention declares (empty rows, NaN rules)
+    framework = "numpy"  # the arrays self.arrays makes: numpy, torch, cupy or jax
     varlen = False  # takes packed batches (a block-diagonal mask, or cu_seqlens)
     kv_dtypes: tuple[str, ...] = ()  # cache formats other than the queries' (fp8)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
+        legacy = getattr(type(self), "masked_rows", None)  # an older adapter's one convention
+        if legacy is not None and legacy != self.conventions.empty_rows:
+            self.conventions = self.conventions.replace(empty_rows=legacy)
         if self.framework == "numpy" and device != "cpu" and self.name.startswith("refmath"):
             # refmath's CUDA kernels: CuPy arrays, float32 and the 16-bit formats
             self.framework = "cupy"
@@ -72,6 +83,8 @@ class Adapter:
             return f"the {self.name} adapter takes no {case.kv_dtype} cache"
         if case.varlen is not None and not self.varlen:
             return "no variable-length packed batches in this convention"
+        if case.strided and self.framework == "jax":
+            return "JAX arrays have no strides: there is no non-contiguous view to pass"
         return self.supports_options(case)
 
     def supports_options(self, case: AttentionCase) -> str | None:
@@ -215,6 +228,9 @@ class SDPAAdapter(Adapter):
     dtypes = ("float32", "bfloat16", "float16")
     framework = "torch"
     varlen = True  # as a block-diagonal attn_mask
+    # PyTorch adds a boolean mask to the scores as -inf (NaN + -inf = NaN) and multiplies masked
+    # weights of 0 by the values, so a NaN in a masked key reaches the row: its convention.
+    conventions = Conventions(masked_nan_may_leak=True)
 
     def supports_options(self, case):
         if case.softcap is not None:
@@ -378,10 +394,36 @@ ADAPTERS = {a.name: a for a in (SDPAAdapter, FlashAttnAdapter, FlashAttnVarlenAd
                                 NumpyAdapter)}
 
 
+def load_adapter_class(spec: str) -> type:
+    """The :class:`Adapter` subclass named ``module:Class`` (imported here, so that a custom
+    adapter is named on the command line as the built-in ones are)."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"a custom adapter is named module:Class, got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"adapter {spec!r}: cannot import {module_name!r}: {err}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"adapter {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Adapter)):
+        raise ValueError(f"adapter {spec!r} is not a subclass of "
+                         "refmath.conformance.adapters.Adapter")
+    return obj
+
+
 def get_adapter(name: str, device: str = "cpu") -> Adapter:
-    """The adapter called ``name`` (a key of :data:`ADAPTERS`), for arrays on ``device``."""
-    if name not in ADAPTERS:
-        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)}, got {name!r}")
+    """The adapter called ``name`` (a key of :data:`ADAPTERS`, or ``module:Class`` for one of
+    one's own), for arrays on ``device``."""
     if not isinstance(device, str) or not device:
         raise TypeError(f"device must be a device name such as 'cpu' or 'cuda', got {device!r}")
+    if isinstance(name, str) and ":" in name:
+        return load_adapter_class(name)(device)
+    if name not in ADAPTERS:
+        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)} or module:Class, "
+                         f"got {name!r}")
     return ADAPTERS[name](device)

@@ -92,6 +92,28 @@ def tolerance(case: AttentionCase, name: str, plain_error: float, magnitude: flo
     return max(factor(name) * plain_error, 2.0 * unit_roundoff(case.dtype) * magnitude) + scale_shift
 
 
+def row_tolerance(case: AttentionCase, name: str, plain_error, magnitude, scale_shift):
+    r"""Rule (a) row by row (arrays over the rows of one output). An error confined to a few rows
+    (a reduced-precision accumulator on one code path, say) can sit under the output-wide
+    tolerance, which the rows of largest magnitude set, and still be several ulps in its own rows.
+    Row ``i`` of magnitude ``m_i = max|o*_i|`` with plain error ``e_i`` may err by
+
+    .. math::
+        \max\big(c \max(e_i,\ r\, m_i),\ 2u\, m_i\big) \;+\; \text{its scale shift},
+        \qquad r = \max_j e_j / m_j
+
+    ``r`` is the plain implementation's worst error *relative to its row's magnitude*: rule (a)
+    with every row brought to one scale, so that a row of small magnitude is held to its own size
+    and not to the largest row's. (One row's own plain error alone would not do: it is one draw of
+    a random rounding and can fall near zero where the kernel's does not.) ``c`` is (a)'s."""
+    plain_error, magnitude = np.asarray(plain_error, float), np.asarray(magnitude, float)
+    live = magnitude > 0
+    rel = float((plain_error[live] / magnitude[live]).max(initial=0.0))
+    floor = 2.0 * unit_roundoff(case.dtype) * magnitude
+    c = factor(name)
+    return np.maximum(c * np.maximum(plain_error, rel * magnitude), floor) + np.asarray(scale_shift)
+
+
 def apriori(case: AttentionCase, inputs: Inputs, ref: dict) -> dict[str, float]:
     """Rule (b) for ``o`` and ``lse``: the largest per-row bound over the rows (see the module
     docstring); rows that are all masked or hold NaN have none."""
