@@ -20,8 +20,8 @@ with ``lse_i = m_i + log sum_j e^{s_ij - m_i}`` and the backward of catalogue A8
   low-precision attention. For float32 it is plain float32 NumPy.
 * ``order``: how the plain implementation sums over keys. ``"blas"``: the softmax denominator by
   NumPy's pairwise sum and ``P V`` by BLAS, whose blocked sums are several times more accurate than
-  a loop; ``"in-order"``: both summed key after key in float32, as a kernel that walks its keys
-  does. The tolerance takes the worse of the two, so that it measures the kernel, not one
+  a loop; ``"in-order"``: both summed key after key in float32, and each score ``q . k`` over the head
+  width in order, as a kernel that walks its keys and its head width does. The tolerance takes the worse of the two, so that it measures the kernel, not one
   library's summation order (:mod:`refmath.conformance.bounds`).
 * ``empty_rows``: what a row that sees no key computes
   (:mod:`refmath.conformance.conventions`): ``"zero"`` and ``"nan"`` leave it out (the caller puts
@@ -60,9 +60,13 @@ IN_ORDER_ELEMENTS = 1 << 22  # products held at once by the in-order sum
 
 
 def _in_order_sum(p, allowed, vv, work):
-    """``p @ vv`` summed key after key in ``work`` precision (``cumsum`` is a sequential sum), by
-    blocks of keys so that ``rows x keys x D`` stays small; NaN/inf in ``vv`` reach only the rows
-    that ``allowed`` lets see them, as in :func:`_masked_matmul`."""
+    """``p @ vv`` summed term after term in ``work`` precision (``cumsum`` is a sequential sum),
+    by blocks of terms so that ``rows x terms x cols`` stays small: ``P V`` key after key, or
+    (``allowed`` None) ``q k^T`` over the head width in order. NaN/inf in ``vv`` reach only the
+    rows that ``allowed`` lets see them, as in :func:`_masked_matmul`; with ``allowed`` None they
+    reach every row, as in a plain product."""
+    if allowed is None:
+        allowed = np.ones(p.shape, dtype=bool)
     rows, n = p.shape
     d = vv.shape[1]
     bad = ~np.isfinite(vv)
@@ -133,7 +137,7 @@ def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
                 u = r // group
                 kk, vv, qq = k[b, u, keys], v[b, u, keys], q[b, r, rows]
                 with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-                    raw = rnd(qq @ kk.T) * tau
+                    raw = rnd(_in_order_sum(qq, None, kk.T, work) if in_order else qq @ kk.T) * tau
                     s = raw
                     if case.softcap is not None:
                         cap = work(case.softcap)

@@ -318,6 +318,7 @@ def check_case(fn, adapter: Adapter | str, case: AttentionCase, masked_rows: str
         shifts.append(oracle(saved_lse_rounding=bounds.U32))
     result = CaseResult(case, "pass")
     try:
+        inline = inline or adapter.inline
         first = _call(adapter, fn, case, _copy_inputs(inputs), timeout, inline)
         second = _call(adapter, fn, case, _copy_inputs(inputs), timeout, inline)
     except (BadOutput, _Timeout) as err:
