@@ -82,3 +82,39 @@ def test_tinygrad_passes_under_its_declared_conventions():
     results = check_attention(tinygrad.Tensor.scaled_dot_product_attention, "tinygrad", cases=cases)
     assert not _failed(results), [(r.case.id, r.reason) for r in _failed(results).values()]
     assert np.all([r.status == "pass" for r in results])
+
+
+def test_ort_multi_head_attention_with_a_past_but_no_present_outputs_is_pinned(ort):
+    """Pinned (found while writing the adapter, outside the sweep's contracts): MultiHeadAttention
+    given past_key/past_value attends over past + new keys only when the present outputs are
+    requested; without them it returns another answer, silently."""
+    from onnx import TensorProto, helper
+
+    b, n, d, s, p = 1, 2, 16, 3, 5
+    rng = np.random.default_rng(0)
+    feeds = {"query": rng.standard_normal((b, s, n * d)), "key": rng.standard_normal((b, s, n * d)),
+             "value": rng.standard_normal((b, s, n * d)), "past_key": rng.standard_normal((b, n, p, d)),
+             "past_value": rng.standard_normal((b, n, p, d))}
+    feeds = {k: x.astype(np.float32) for k, x in feeds.items()}
+
+    def run(present):
+        outs = ["output"] + (["present_key", "present_value"] if present else [])
+        node = helper.make_node("MultiHeadAttention", ["query", "key", "value", "", "", "",
+                                                       "past_key", "past_value"], outs,
+                                domain="com.microsoft", num_heads=n)
+        graph = helper.make_graph(
+            [node], "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(x.shape))
+                          for k, x in feeds.items()],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        return ort(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    heads = lambda x: x.reshape(b, -1, n, d).transpose(0, 2, 1, 3).astype(np.float64)  # noqa: E731
+    k = np.concatenate([feeds["past_key"], heads(feeds["key"])], axis=2)
+    v = np.concatenate([feeds["past_value"], heads(feeds["value"])], axis=2)
+    sc = heads(feeds["query"]) @ np.swapaxes(k, -1, -2) / np.sqrt(d)
+    w = np.exp(sc - sc.max(axis=-1, keepdims=True))
+    want = ((w / w.sum(axis=-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(b, s, n * d)
+    assert np.abs(run(True) - want).max() < 1e-5
+    assert np.abs(run(False) - want).max() > 0.1
