@@ -538,7 +538,7 @@ def _unpacked(y, h):
 class OrtMultiHeadAttentionAdapter(OnnxAttentionAdapter):
     """ONNX Runtime's ``com.microsoft.MultiHeadAttention``: ``query``, ``key``, ``value``
     ``(B, T, N * D)``, ``num_heads``, ``scale``; causal by ``unidirectional=1`` where that is the
-    only mask, padding lengths by ``key_padding_mask`` ``(B,)`` (masked by adding
+    only mask and it means the case's alignment (top-left, or ``T_q = T_k``), padding lengths by ``key_padding_mask`` ``(B,)`` (masked by adding
     ``mask_filter_value = -10000``), every other mask an ``attention_bias`` ``(B, 1, T_q, T_k)`` of
     0 and -10000, as the op's own padding mask is made. The additive finite fill is its convention
     for a row that sees no key: unmasked attention."""
@@ -563,8 +563,10 @@ class OrtMultiHeadAttentionAdapter(OnnxAttentionAdapter):
         feeds = {n: x.astype(np.float32) for n, x in feeds.items()}
         names = ["query", "key", "value", ""]
         attrs = {"num_heads": case.h, "scale": float(case.scale_value)}
+        # unidirectional is PyTorch's top-left mask (with no past): only where that is the case's
         only_causal = (case.causal and case.window is None and case.lengths is None
-                       and case.varlen is None and not case.alibi)
+                       and case.varlen is None and not case.alibi
+                       and (case.alignment == "top-left" or case.t_q == case.t_k))
         if only_causal:
             attrs["unidirectional"] = 1
         elif case.lengths is not None and not case.causal and case.window is None and not case.alibi:

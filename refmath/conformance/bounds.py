@@ -9,7 +9,12 @@ rounded to the dtype with float32 accumulation, the softmax in float32, ``P`` ro
 .. math::
     \max |o_k - o^*| \;\le\; \max\big(c\, \max |o_p - o^*|,\ \ 2u \max|o^*|\big)
 
-with ``u`` the dtype's unit roundoff (:mod:`refmath.conformance.precision`). Why ``c = 2``
+with ``u`` the dtype's unit roundoff (:mod:`refmath.conformance.precision`). ``o_p`` is computed
+in two summation orders (:mod:`refmath.conformance.oracle`: BLAS's blocked sums, and key after key
+with each score summed over the head width in order) and the worse error is taken: BLAS's sums
+are several times more accurate than a loop's at long lengths, and the bound must measure the
+kernel, not one library's order. The output ``o`` is held row by row as well
+(:func:`row_tolerance`). Why ``c = 2``
 (:data:`C`): the kernel and the plain implementation round at the same places and by the same
 amounts (inputs, scores, ``P`` before ``P V``, float32 accumulation, the output), so each maximum
 is the largest of many roundings of one size; a correct tiled kernel adds only the float32

@@ -62,7 +62,8 @@ RULES = {
     "empty_rows": (
         "rows that see no key",
         "the only failure of this case is in rows that see no key: declare the kernel's convention "
-        "with --empty-rows zero|nan|unmasked|mean-of-v"),
+        "with --empty-rows zero|nan|unmasked|mean-of-v (the located failure says which its rows "
+        "match, if any)"),
 }
 
 

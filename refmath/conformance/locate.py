@@ -34,25 +34,27 @@ def _split(bad: np.ndarray, groups: dict) -> dict:
     return {name: [int((bad & g).sum()), int(g.sum())] for name, g in groups.items()}
 
 
-def _matching_convention(case, name, got, ref, oracle, conv, empty) -> str | None:
-    """The empty-row convention whose values the kernel's rows that see no key match, if any."""
+def _matching_convention(case, name, got, ref, oracle, conv, empty):
+    """``(match, closest, error)``: the empty-row convention whose values the kernel's rows that see
+    no key match within the case's bound (or None), and the nearest one with its largest error."""
     if name != "o":
-        return None
+        return None, None, None
     rows = got[empty]
+    best = (None, np.inf)
     for option in EMPTY_ROWS:
-        if option == conv.empty_rows:
-            continue
         if option == "nan":
-            if np.isnan(rows).all():
-                return option
+            if np.isnan(rows).all() and option != conv.empty_rows:
+                return option, option, 0.0
             continue
         want = np.zeros_like(rows) if option == "zero" else oracle(empty_rows=option)["o"][empty]
-        tol = tolerance(case, name, 0.0, float(np.nanmax(np.abs(want), initial=0.0)))
         with np.errstate(invalid="ignore"):
-            if np.isfinite(rows).all() and np.nanmax(np.abs(rows - want), initial=0.0) <= 4 * tol + 1e-3 * \
-                    float(np.abs(want).max(initial=0.0)):
-                return option
-    return None
+            err = float(np.abs(rows - want).max(initial=0.0)) if np.isfinite(rows).all() else np.inf
+        tol = tolerance(case, name, 0.0, float(np.abs(want).max(initial=0.0)))
+        if err <= 2 * tol and option != conv.empty_rows:
+            return option, option, err
+        if err < best[1]:
+            best = (option, err)
+    return None, best[0], best[1]
 
 
 def _other_alignment(case, name, got, oracle, judged) -> str | None:
@@ -85,18 +87,21 @@ def locate(case: AttentionCase, name: str, judged, ref: dict, got: np.ndarray, o
                     "row_tolerance": float(tol[worst])}
     empty = ref["empty"]
     if name in ("o", "lse", "dq"):
-        sees_nan = np.isnan(ref[name] if ref[name].ndim == 3 else ref[name]).reshape(
-            bad.shape + (-1,)).any(axis=-1) & ~empty
+        sees_nan = np.isnan(ref[name]).reshape(bad.shape + (-1,)).any(axis=-1) & ~empty
         groups = {"see >= 1 key": ~empty & ~sees_nan, "see no key": empty, "see a NaN": sees_nan}
         out["split"] = _split(bad, groups)
         out["worst_row_keys"] = _key_range(visible(case, b, slice(i, i + 1))[0])
         only = [g for g, m in groups.items() if (bad & ~m).sum() == 0 and bad.any()]
         question = None
         if "see no key" in only:
-            match = _matching_convention(case, name, got, ref, oracle, conv, empty)
+            match, closest, err = _matching_convention(case, name, got, ref, oracle, conv, empty)
             question = ("empty rows: only rows that see no key fail, a convention question "
-                        f"(declared: {conv.empty_rows})"
-                        + (f"; the kernel's rows match '{match}' (--empty-rows {match})" if match else ""))
+                        f"(declared: {conv.empty_rows})")
+            if match:
+                question += f"; the kernel's rows match '{match}' (--empty-rows {match})"
+            elif closest is not None and np.isfinite(err):
+                question += (f"; they match no convention to the bound, the nearest is '{closest}' "
+                             f"(error {err:.2g}: a finite mask fill's rounding, say)")
         elif "see a NaN" in only:
             question = ("NaN propagation: only rows that see a NaN fail (a NaN they see must reach "
                         "them; --allow-lost-nan)")

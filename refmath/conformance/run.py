@@ -5,10 +5,15 @@ plain implementation in the kernel's dtype, call the kernel twice on fresh copie
 inputs, and judge:
 
 * every output named by the contract is there, of the right shape, dtype and device;
-* NaN where, and only where, the oracle has NaN: NaN must propagate from what a row sees and must
-  not leak from what it does not; an all-masked row is 0 or NaN as the convention says;
+* NaN where, and only where, the oracle has NaN, under the conventions the kernel declares
+  (:mod:`refmath.conformance.conventions`: what a row that sees no key gives, and three NaN rules:
+  a NaN through the mask, one past a decode length, one the row sees that vanishes); a case that
+  fails by one rule only gets a hint naming its flag;
 * the largest error of the finite entries is within rule (a) of :mod:`refmath.conformance.bounds`
-  (and its standing against rule (b) is reported);
+  against the worse of two summation orders of the plain implementation, output-wide and (for
+  ``o``) row by row, and its standing against rule (b) is reported;
+* a failing output is located (:mod:`refmath.conformance.locate`): its worst row, the failing rows
+  split by what they see, and the question the split raises;
 * the two calls give the same bits (determinism).
 
 A kernel that raises, returns the wrong thing or runs past ``timeout`` seconds gets a failed case
