@@ -10,7 +10,8 @@ import time
 
 from refmath.commands import CommandError
 from refmath.conformance import ADAPTERS, check_attention, get_adapter
-from refmath.conformance.case import CONTRACTS, MASKED_ROWS
+from refmath.conformance.case import CONTRACTS
+from refmath.conformance.conventions import EMPTY_ROWS
 from refmath.conformance.precision import DTYPES
 from refmath.conformance.report import print_table, write
 
@@ -29,15 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attn = actions.add_parser(
         "attention", help="check an attention kernel",
         description="Check MODULE:FUNCTION (an importable callable) through the adapter that "
-        "knows its signature: " + ", ".join(ADAPTERS) + ".")
+        "knows its signature: " + ", ".join(ADAPTERS) + ", or module:Class for an Adapter subclass "
+        "of one's own. The numpy adapter calls f(q, k, v, mask=None, scale=None) -> o on NumPy "
+        "arrays of the case's dtype, q (B, H, Tq, D), k and v (B, G, Tk, D), mask boolean "
+        "(B, 1, Tq, Tk), True where a key is visible, or None; o like q. The sdpa adapter calls "
+        "torch.nn.functional.scaled_dot_product_attention's signature; the rest are on the "
+        "documentation's page for kernel engineers.")
     attn.add_argument("kernel", metavar="MODULE:FUNCTION",
                       help="the kernel, e.g. torch.nn.functional:scaled_dot_product_attention")
-    attn.add_argument("--adapter", required=True, choices=tuple(ADAPTERS),
-                      help="the calling convention of the kernel. numpy: f(q, k, v, mask=None, "
-                      "scale=None) -> o, on NumPy arrays q (B, H, T_q, D), k and v (B, G, T_k, D) "
-                      "with G dividing H, o like q; mask is None or boolean (B, 1, T_q, T_k), "
-                      "True = may attend. sdpa: torch's scaled_dot_product_attention. refmath*: "
-                      "refmath.kernels' own. flash_attn*: the flash-attention package's")
+    attn.add_argument("--adapter", required=True, metavar="NAME",
+                      help="the calling convention of the kernel: " + ", ".join(ADAPTERS)
+                      + ", or module:Class (an Adapter subclass of one's own). numpy: f(q, k, v, "
+                      "mask=None, scale=None) -> o, on NumPy arrays q (B, H, T_q, D), k and v "
+                      "(B, G, T_k, D) with G dividing H, o like q; mask is None or boolean "
+                      "(B, 1, T_q, T_k), True = may attend. sdpa: torch's "
+                      "scaled_dot_product_attention. refmath*: refmath.kernels' own")
     attn.add_argument("--quick", action="store_true", help="the quick sweep (a few seconds)")
     attn.add_argument("--long", action="store_true",
                       help="add the T = 32k cases (forward and decode; tens of seconds)")
@@ -45,12 +52,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the input dtypes (default: float32, or the adapter's first)")
     attn.add_argument("--contract", nargs="+", default=None, choices=CONTRACTS, metavar="CONTRACT",
                       help=f"which contracts ({', '.join(CONTRACTS)}; default: the adapter's)")
-    attn.add_argument("--masked-rows", choices=MASKED_ROWS, default=None,
-                      help="what a row with no visible key must give: 0 (flash-attention) or NaN "
-                      "(the math definition); default: the adapter's convention")
-    attn.add_argument("--allow-nan-leaks", action="store_true",
-                      help="note, rather than fail, a NaN that reaches a row from a position it does "
-                      "not see (mask-adding implementations: NaN + (-inf) = NaN)")
+    attn.add_argument("--empty-rows", "--masked-rows", dest="masked_rows", choices=EMPTY_ROWS,
+                      default=None,
+                      help="what a row with no visible key gives: zero (flash-attention), nan (the "
+                      "math definition), unmasked (a finite fill added to the scores, as ONNX "
+                      "Runtime's -10000), mean-of-v (the scores replaced by one value, as JAX); "
+                      "outputs and gradients alike; default: the adapter's convention")
+    attn.add_argument("--allow-masked-nan", "--allow-nan-leaks", dest="allow_masked_nan",
+                      action="store_true",
+                      help="note, rather than fail, a NaN that reaches a row from a key its mask "
+                      "hides (mask-adding implementations: NaN + (-inf) = NaN); the sdpa adapter "
+                      "declares it")
+    attn.add_argument("--allow-past-length-nan", action="store_true",
+                      help="note, rather than fail, a NaN from a cache slot past a decode length "
+                      "(a defect: only to see the rest of the sweep; the stale-slot cases still "
+                      "catch the read)")
+    attn.add_argument("--allow-lost-nan", action="store_true",
+                      help="note, rather than fail, a NaN the row sees that comes out as a number")
+    attn.add_argument("--inline", action="store_true",
+                      help="call the kernel on the main thread, with no timeout (libraries whose "
+                      "state is bound to the thread that made it)")
     attn.add_argument("--fail-fast", action="store_true", help="stop at the first failed case")
     attn.add_argument("--device", default="cpu", help="where the adapter puts the arrays "
                       "(torch adapters: cpu, cuda, cuda:1 ...)")
@@ -82,7 +103,10 @@ def load_kernel(spec: str):
 
 def run(args: argparse.Namespace) -> int:
     fn = load_kernel(args.kernel)
-    adapter = get_adapter(args.adapter, args.device)
+    try:
+        adapter = get_adapter(args.adapter, args.device)
+    except (ValueError, TypeError) as err:
+        raise CommandError(f"--adapter: {err}") from None
     if args.timeout <= 0:
         raise CommandError(f"--timeout must be positive, got {args.timeout:g}")
     for path in args.report:
@@ -92,10 +116,14 @@ def run(args: argparse.Namespace) -> int:
     contracts = tuple(args.contract) if args.contract else adapter.contracts
     bar = _progress()
     start = time.perf_counter()
+    conventions = adapter.conventions.replace(
+        empty_rows=args.masked_rows,
+        masked_nan_may_leak=True if args.allow_masked_nan else None,
+        past_length_nan_may_leak=True if args.allow_past_length_nan else None,
+        visible_nan_may_vanish=True if args.allow_lost_nan else None)
     results = check_attention(fn, adapter, quick=args.quick, long=args.long, dtypes=dtypes,
-                              contracts=contracts,
-                              masked_rows=args.masked_rows, timeout=args.timeout,
-                              allow_nan_leaks=args.allow_nan_leaks, fail_fast=args.fail_fast,
+                              contracts=contracts, conventions=conventions, timeout=args.timeout,
+                              fail_fast=args.fail_fast, inline=args.inline,
                               progress=bar.update if bar else None)
     if bar:
         bar.close()

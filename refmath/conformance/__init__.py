@@ -16,6 +16,8 @@ The parts, one file each: :mod:`~refmath.conformance.case` (what is asked, and t
 implementation), :mod:`~refmath.conformance.bounds` (the tolerance and its derivation),
 :mod:`~refmath.conformance.adapters` (calling conventions) over
 :mod:`~refmath.conformance.arrays` (DLPack), :mod:`~refmath.conformance.run` (the verdicts),
+:mod:`~refmath.conformance.conventions` (what a kernel may declare: empty rows, NaN rules),
+:mod:`~refmath.conformance.locate` (where a failing case fails, and the question it raises),
 :mod:`~refmath.conformance.report` (terminal, Markdown, JSON, figure),
 :mod:`~refmath.conformance.bugs` (planted kernel bugs the sweep must catch) and
 :mod:`~refmath.conformance.pytest_support` (the sweep inside a kernel's own pytest suite:
@@ -25,9 +27,10 @@ implementation), :mod:`~refmath.conformance.bounds` (the tolerance and its deriv
 # Adapter) stay in their modules, so that each is documented, and cross-referenced, once.
 from refmath.conformance.adapters import ADAPTERS, get_adapter
 from refmath.conformance.case import sweep
+from refmath.conformance.conventions import Conventions
 from refmath.conformance.pytest_support import assert_conforms, cases
 from refmath.conformance.report import table
 from refmath.conformance.run import check_attention, check_case
 
-__all__ = ["ADAPTERS", "assert_conforms", "cases", "check_attention", "check_case", "get_adapter",
+__all__ = ["ADAPTERS", "Conventions", "assert_conforms", "cases", "check_attention", "check_case", "get_adapter",
            "sweep", "table"]

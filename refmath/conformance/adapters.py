@@ -33,8 +33,15 @@ outputs in the oracle's shapes, checking shape, dtype and device on the way
 ========================  ===================================================================
 
 To add one: subclass :class:`Adapter`, set ``name``, ``contracts``, ``dtypes`` and
-``masked_rows``, write ``supports`` (the reason a case does not apply, or None) and ``call``, and
-add an instance to :data:`ADAPTERS`.
+``conventions`` (:class:`~refmath.conformance.conventions.Conventions`: what a row with no visible
+key gives, which NaN rules the convention relaxes), write ``supports_options`` (the reason a case
+does not apply, or None) and ``call``. Pass an instance as ``adapter=``, name it on the command line
+as ``--adapter module:Class``, or add it to :data:`ADAPTERS`.
+
+What ``call`` returns: a dict of float64 NumPy arrays in the oracle's layout, each through
+:meth:`Adapter.result` (which checks shape, dtype and device): ``"o"`` ``(B, H, T_q, D)`` (decode
+and paged: ``(B, H, 1, D)``), optionally ``"lse"`` ``(B, H, T_q)`` in natural log, and for the
+backward ``"dq"`` ``(B, H, T_q, D)``, ``"dk"``, ``"dv"`` ``(B, G, T_k, D)``.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import numpy as np
 
 from refmath.conformance.arrays import BadOutput, describe, to_framework, to_host
 from refmath.conformance.case import AttentionCase, Inputs, alibi_slopes, visible
+from refmath.conformance.conventions import Conventions
 
 
 class Adapter:
@@ -50,13 +58,17 @@ class Adapter:
     name = ""
     contracts: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("float32",)
-    masked_rows = "zero"  # what the convention gives a row with no visible key: "zero" or "nan"
-    framework = "numpy"
+    conventions = Conventions()  # what the calling convention declares (empty rows, NaN rules)
+    framework = "numpy"  # the arrays self.arrays makes: numpy, torch, cupy or jax
     varlen = False  # takes packed batches (a block-diagonal mask, or cu_seqlens)
     kv_dtypes: tuple[str, ...] = ()  # cache formats other than the queries' (fp8)
+    inline = False  # call on the sweep's own thread (libraries with thread-bound state)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
+        legacy = getattr(type(self), "masked_rows", None)  # an older adapter's one convention
+        if legacy is not None and legacy != self.conventions.empty_rows:
+            self.conventions = self.conventions.replace(empty_rows=legacy)
         if self.framework == "numpy" and device != "cpu" and self.name.startswith("refmath"):
             # refmath's CUDA kernels: CuPy arrays, float32 and the 16-bit formats
             self.framework = "cupy"
@@ -72,6 +84,8 @@ class Adapter:
             return f"the {self.name} adapter takes no {case.kv_dtype} cache"
         if case.varlen is not None and not self.varlen:
             return "no variable-length packed batches in this convention"
+        if case.strided and self.framework == "jax":
+            return "JAX arrays have no strides: there is no non-contiguous view to pass"
         return self.supports_options(case)
 
     def supports_options(self, case: AttentionCase) -> str | None:
@@ -215,6 +229,9 @@ class SDPAAdapter(Adapter):
     dtypes = ("float32", "bfloat16", "float16")
     framework = "torch"
     varlen = True  # as a block-diagonal attn_mask
+    # PyTorch adds a boolean mask to the scores as -inf (NaN + -inf = NaN) and multiplies masked
+    # weights of 0 by the values, so a NaN in a masked key reaches the row: its convention.
+    conventions = Conventions(masked_nan_may_leak=True)
 
     def supports_options(self, case):
         if case.softcap is not None:
@@ -372,16 +389,350 @@ def _torch():
     return torch
 
 
+def _visible_all(case: AttentionCase) -> np.ndarray:
+    """Boolean ``(B, 1, T_q, T_k)``: which keys each query sees, every mask of the case in one."""
+    return np.stack([visible(case, b) for b in range(case.b)])[:, None]
+
+
+def _alibi_bias(case: AttentionCase) -> np.ndarray:
+    """``(1, H, T_q, T_k)``: ALiBi's ``-slope_r |p_i - j|`` (flash-attention's form)."""
+    p = np.arange(case.t_q)[:, None] + (case.t_k - case.t_q if case.alignment == "bottom-right" else 0)
+    return (-alibi_slopes(case.h)[:, None, None] * np.abs(p - np.arange(case.t_k)[None, :]))[None]
+
+
+class JaxAdapter(Adapter):
+    """``jax.nn.dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+    is_causal=False, return_residual=False)`` on ``(B, T, N, H)`` JAX arrays (by DLPack).
+    ``is_causal`` is top-left, so every other mask goes as a boolean ``mask`` ``(B, 1, T_q, T_k)``
+    (True: attend) and ALiBi as a float ``bias``; the lse by ``return_residual=True`` (``(B, T,
+    N)``); gradients by ``jax.vjp``. Its conventions, as its XLA path computes: the mask replaces
+    the scores by one large negative value (an empty row gets the mean of ``V``), and masked
+    weights of 0 multiply the values (a NaN in a masked value reaches the row)."""
+
+    name = "jax"
+    contracts = ("forward", "backward")
+    dtypes = ("float32", "bfloat16", "float16")
+    framework = "jax"
+    varlen = True  # as a block-diagonal mask
+    conventions = Conventions(empty_rows="mean-of-v", masked_nan_may_leak=True)
+
+    def supports_options(self, case):
+        if case.softcap is not None:
+            return "jax.nn.dot_product_attention has no soft cap"
+        return None
+
+    def call(self, fn, case, inputs):
+        import jax
+
+        q, k, v = self.arrays(case, _bthd(inputs.q), _bthd(inputs.k), _bthd(inputs.v))
+        kwargs = {"scale": case.scale_value}
+        plain_causal = (case.causal and case.window is None and case.lengths is None
+                        and case.varlen is None and (case.alignment == "top-left" or case.t_q == case.t_k))
+        if plain_causal:
+            kwargs["is_causal"] = True
+        elif case.has_mask:
+            kwargs["mask"] = jax.numpy.asarray(_visible_all(case))
+        if case.alibi:
+            (kwargs["bias"],) = self.arrays(case, _alibi_bias(case), strided=False)
+        if case.contract == "backward":
+            (do,) = self.arrays(case, _bthd(inputs.dout), strided=False)
+            o, pull = jax.vjp(lambda a, b, c: fn(a, b, c, **kwargs), q, k, v)
+            dq, dk, dv = pull(do)
+            return {"dq": _bthd(self.result("dq", dq, _bthd(inputs.q).shape, case)),
+                    "dk": _bthd(self.result("dk", dk, _bthd(inputs.k).shape, case)),
+                    "dv": _bthd(self.result("dv", dv, _bthd(inputs.v).shape, case))}
+        o, lse = fn(q, k, v, return_residual=True, **kwargs)
+        got = {"o": _bthd(self.result("o", o, _bthd(inputs.q).shape, case))}
+        lse = self.result("lse", lse, (case.b, case.t_q, case.h), case, dtype="any")
+        got["lse"] = np.swapaxes(lse, 1, 2)
+        return got
+
+
+def _onnx_session(fn, node, feeds: dict, opset: int, domain: str = ""):
+    """Run one ONNX node on ``feeds`` (name -> NumPy array; an empty name skips an optional input)
+    through ``fn``, an ``onnxruntime.InferenceSession``-like constructor on the CPU; returns the
+    node's outputs as NumPy arrays."""
+    import onnx
+    from onnx import helper
+
+    kinds = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.float16): onnx.TensorProto.FLOAT16,
+             np.dtype(np.int32): onnx.TensorProto.INT32, np.dtype(np.int64): onnx.TensorProto.INT64,
+             np.dtype(bool): onnx.TensorProto.BOOL}
+    graph_inputs = [helper.make_tensor_value_info(n, kinds[x.dtype], list(x.shape))
+                    for n, x in feeds.items()]
+    out_kind = kinds[next(iter(feeds.values())).dtype]  # the outputs come in the queries' type
+    outputs = [helper.make_tensor_value_info(n, out_kind, None) for n in node.output if n]
+    graph = helper.make_graph([node], "attention", graph_inputs, outputs)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=opsets)
+    session = fn(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+class OnnxAttentionAdapter(Adapter):
+    """The ONNX ``Attention`` operator (opsets 23 to 25) run by ``fn``, an
+    ``onnxruntime.InferenceSession``: ``Q (B, N, T_q, D)``, ``K, V (B, G, T_k, D)`` (GQA by the
+    head counts), ``is_causal`` only where it means the case's mask (``T_q = T_k``), every other
+    mask a boolean ``attn_mask`` ``(B, 1, T_q, T_k)`` (True: attend), ALiBi a float one, ``softcap``
+    an attribute; decode with ``nonpad_kv_seqlen`` (opset 24). ``fn`` is called as
+    ``fn(model_bytes, providers=["CPUExecutionProvider"])`` and must return an object with
+    ``run(None, feeds)``."""
+
+    name = "onnx_attention"
+    contracts = ("forward", "decode")
+    dtypes = ("float32", "float16")
+    framework = "numpy"
+    opset = 24
+    varlen = True  # as a block-diagonal mask
+    conventions = Conventions(masked_nan_may_leak=True)
+
+    def supports_options(self, case):
+        if case.strided:
+            return "ONNX Runtime copies its inputs from contiguous buffers: no strided views"
+        return None
+
+    def call(self, fn, case, inputs):
+        from onnx import helper
+
+        dt = np.float32 if case.dtype == "float32" else np.float16
+        names, feeds = ["Q", "K", "V"], {}
+        if case.contract == "decode":
+            feeds.update(Q=inputs.q, K=inputs.k, V=inputs.v)
+            names += ["", "", "", "nonpad_kv_seqlen"]
+        else:
+            feeds.update(Q=inputs.q, K=inputs.k, V=inputs.v)
+        feeds = {n: np.ascontiguousarray(x.astype(dt)) for n, x in feeds.items()}
+        attrs = {"scale": float(case.scale_value)}
+        if case.softcap is not None:
+            attrs["softcap"] = float(case.softcap)
+        if case.contract == "decode":
+            feeds["nonpad_kv_seqlen"] = np.asarray(case.lengths, dtype=np.int64)
+        elif case.alibi:
+            bias = np.where(_visible_all(case), _alibi_bias(case), -np.inf)
+            feeds["attn_mask"] = np.ascontiguousarray(bias.astype(dt))
+            names.append("attn_mask")
+        elif case.causal and case.t_q == case.t_k and case.window is None and case.lengths is None \
+                and case.varlen is None:
+            attrs["is_causal"] = 1
+        elif case.has_mask:
+            feeds["attn_mask"] = np.ascontiguousarray(_visible_all(case))
+            names.append("attn_mask")
+        node = helper.make_node("Attention", names, ["Y"], **attrs)
+        (y,) = _onnx_session(fn, node, feeds, self.opset)
+        if case.contract == "decode":
+            return {"o": self.result("o", y, inputs.q.shape, case, dtype="any")}
+        return {"o": self.result("o", y, inputs.q.shape, case, dtype="any")}
+
+
+def _packed(x):
+    """``(B, H, T, D)`` as ``(B, T, H * D)``, the 3-D layout of ONNX Runtime's contrib ops."""
+    b, h, t, d = x.shape
+    return np.ascontiguousarray(np.swapaxes(x, 1, 2).reshape(b, t, h * d))
+
+
+def _unpacked(y, h):
+    b, t, hd = y.shape
+    return np.swapaxes(y.reshape(b, t, h, hd // h), 1, 2)
+
+
+class OrtMultiHeadAttentionAdapter(OnnxAttentionAdapter):
+    """ONNX Runtime's ``com.microsoft.MultiHeadAttention``: ``query``, ``key``, ``value``
+    ``(B, T, N * D)``, ``num_heads``, ``scale``; causal by ``unidirectional=1`` where that is the
+    only mask and it means the case's alignment (top-left, or ``T_q = T_k``), padding lengths by ``key_padding_mask`` ``(B,)`` (masked by adding
+    ``mask_filter_value = -10000``), every other mask an ``attention_bias`` ``(B, 1, T_q, T_k)`` of
+    0 and -10000, as the op's own padding mask is made. The additive finite fill is its convention
+    for a row that sees no key: unmasked attention."""
+
+    name = "ort_mha"
+    contracts = ("forward",)
+    dtypes = ("float32",)
+    varlen = True
+    conventions = Conventions(empty_rows="unmasked", masked_nan_may_leak=True)
+
+    def supports_options(self, case):
+        if case.g != case.h:
+            return "MultiHeadAttention has as many key/value heads as query heads"
+        if case.softcap is not None:
+            return "MultiHeadAttention has no soft cap"
+        return super().supports_options(case)
+
+    def call(self, fn, case, inputs):
+        from onnx import helper
+
+        feeds = {"query": _packed(inputs.q), "key": _packed(inputs.k), "value": _packed(inputs.v)}
+        feeds = {n: x.astype(np.float32) for n, x in feeds.items()}
+        names = ["query", "key", "value", ""]
+        attrs = {"num_heads": case.h, "scale": float(case.scale_value)}
+        # unidirectional is PyTorch's top-left mask (with no past): only where that is the case's
+        only_causal = (case.causal and case.window is None and case.lengths is None
+                       and case.varlen is None and not case.alibi
+                       and (case.alignment == "top-left" or case.t_q == case.t_k))
+        if only_causal:
+            attrs["unidirectional"] = 1
+        elif case.lengths is not None and not case.causal and case.window is None and not case.alibi:
+            names.append("key_padding_mask")
+            feeds["key_padding_mask"] = np.asarray(case.lengths, dtype=np.int32)
+        elif case.has_mask or case.alibi:
+            bias = np.where(_visible_all(case), 0.0, -10000.0)
+            if case.alibi:
+                bias = bias + _alibi_bias(case)
+            names += ["", "attention_bias"]
+            feeds["attention_bias"] = np.ascontiguousarray(bias.astype(np.float32))
+        node = helper.make_node("MultiHeadAttention", names, ["output"], domain="com.microsoft", **attrs)
+        (y,) = _onnx_session(fn, node, feeds, 21, "com.microsoft")
+        return {"o": _unpacked(self.result("o", y, feeds["query"].shape, case, dtype="any"), case.h)}
+
+
+class OrtGroupQueryAttentionAdapter(OnnxAttentionAdapter):
+    """ONNX Runtime's ``com.microsoft.GroupQueryAttention``: ``query`` ``(B, T, N * D)``,
+    ``key``/``value`` ``(B, T, G * D)``, always causal (bottom-right over the past),
+    ``local_window_size`` the left window, ``softcap``; ``seqlens_k`` is each sequence's total length
+    minus one and ``total_sequence_length`` the longest. Prefill: the whole sequence with no past
+    (``T_q = T_k``). Decode: the last cached key and value as the new token, the slots before it as
+    ``past_key``/``past_value`` ``(B, G, T_max, D)`` (which hold NaN past each length, as the
+    sweep's caches do). A sequence of length 0 cannot be expressed."""
+
+    name = "ort_gqa"
+    contracts = ("forward", "decode")
+    dtypes = ("float32", "float16")
+    varlen = False
+    conventions = Conventions(masked_nan_may_leak=True)
+
+    def supports_options(self, case):
+        if case.contract == "forward" and not (case.causal and case.t_q == case.t_k):
+            return "GroupQueryAttention's prefill is causal self-attention (T_q = T_k)"
+        if case.lengths is not None and (case.contract == "forward" or min(case.lengths) == 0):
+            return "no padding lengths in prefill, and no empty sequence in decode"
+        if case.alibi or (case.window is not None and case.window[1] != 0):
+            return "no ALiBi, and the window is left only"
+        return super().supports_options(case)
+
+    def call(self, fn, case, inputs):
+        from onnx import helper
+
+        dt = np.float32 if case.dtype == "float32" else np.float16
+        attrs = {"num_heads": case.h, "kv_num_heads": case.g, "scale": float(case.scale_value)}
+        if case.window is not None:
+            attrs["local_window_size"] = int(case.window[0]) + 1  # keys p - w + 1 .. p
+        if case.softcap is not None:
+            attrs["softcap"] = float(case.softcap)
+        if case.contract == "forward":
+            feeds = {"query": _packed(inputs.q), "key": _packed(inputs.k), "value": _packed(inputs.v)}
+            names = ["query", "key", "value", "", ""]
+            seqlens = np.full(case.b, case.t_k - 1, dtype=np.int32)
+            total = case.t_k
+        else:
+            last = np.asarray(case.lengths) - 1
+            rows = np.arange(case.b)
+            feeds = {"query": _packed(inputs.q),
+                     "key": _packed(inputs.k[rows, :, last][:, :, None]),
+                     "value": _packed(inputs.v[rows, :, last][:, :, None]),
+                     "past_key": np.ascontiguousarray(inputs.k),
+                     "past_value": np.ascontiguousarray(inputs.v)}
+            names = ["query", "key", "value", "past_key", "past_value"]
+            seqlens = last.astype(np.int32)
+            total = int(max(case.lengths))
+        feeds = {n: x.astype(dt) for n, x in feeds.items()}
+        feeds["seqlens_k"] = seqlens
+        feeds["total_sequence_length"] = np.array([total], dtype=np.int32)
+        names += ["seqlens_k", "total_sequence_length"]
+        node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                                domain="com.microsoft", **attrs)
+        y = _onnx_session(fn, node, feeds, 21, "com.microsoft")[0]
+        return {"o": _unpacked(self.result("o", y, feeds["query"].shape, case, dtype="any"), case.h)}
+
+
+class TinygradAdapter(Adapter):
+    """tinygrad's ``Tensor.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False,
+    enable_gqa=False)`` on ``(B, H, T, D)`` tinygrad tensors (made from NumPy, brought back by
+    ``.numpy()``); ``is_causal`` is top-left, every other mask a boolean ``attn_mask`` (True:
+    attend), ALiBi a float one; gradients by tinygrad's autograd. It has no scale argument (always
+    ``1/sqrt(D)``). Its conventions: the mask is added as ``-inf``, so a row that sees no key is
+    ``0/0 = NaN`` and a NaN in a masked key reaches the row. Called on the sweep's own thread
+    (tinygrad's compile cache is bound to the thread that made it)."""
+
+    name = "tinygrad"
+    contracts = ("forward", "backward")
+    dtypes = ("float32", "float16")
+    varlen = True
+    inline = True
+    conventions = Conventions(empty_rows="nan", masked_nan_may_leak=True)
+
+    def supports_options(self, case):
+        if case.scale is not None:
+            return "tinygrad's scaled_dot_product_attention has no scale argument"
+        if case.softcap is not None:
+            return "no soft cap in this convention"
+        if case.strided:
+            return "tinygrad copies NumPy input into its own buffers: no strided view reaches it"
+        return None
+
+    def call(self, fn, case, inputs):
+        from tinygrad import Tensor
+
+        q, k, v = (Tensor(x) for x in self.arrays(case, inputs.q, inputs.k, inputs.v))
+        backward = case.contract == "backward"
+        if backward:
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+        kwargs = {"enable_gqa": case.g != case.h}
+        plain_causal = (case.causal and case.window is None and case.lengths is None
+                        and case.varlen is None and (case.alignment == "top-left" or case.t_q == case.t_k))
+        if plain_causal and not case.alibi:
+            kwargs["is_causal"] = True
+        elif case.alibi:
+            (bias,) = self.arrays(case, np.where(_visible_all(case), _alibi_bias(case), -np.inf),
+                                  strided=False)
+            kwargs["attn_mask"] = Tensor(bias)
+        elif case.has_mask:
+            kwargs["attn_mask"] = Tensor(_visible_all(case))
+        o = fn(q, k, v, **kwargs)
+        if not backward:
+            return {"o": self.result("o", o.numpy(), inputs.q.shape, case)}
+        (do,) = self.arrays(case, inputs.dout, strided=False)
+        (o * Tensor(do)).sum().backward()
+        return {"dq": self.result("dq", q.grad.numpy(), inputs.q.shape, case),
+                "dk": self.result("dk", k.grad.numpy(), inputs.k.shape, case),
+                "dv": self.result("dv", v.grad.numpy(), inputs.v.shape, case)}
+
+
 ADAPTERS = {a.name: a for a in (SDPAAdapter, FlashAttnAdapter, FlashAttnVarlenAdapter,
                                 FlashAttnKVCacheAdapter, RefmathAdapter,
                                 RefmathBackwardAdapter, RefmathDecodeAdapter, RefmathPagedAdapter,
-                                NumpyAdapter)}
+                                NumpyAdapter, JaxAdapter, OnnxAttentionAdapter,
+                                OrtMultiHeadAttentionAdapter, OrtGroupQueryAttentionAdapter,
+                                TinygradAdapter)}
+
+
+def load_adapter_class(spec: str) -> type:
+    """The :class:`Adapter` subclass named ``module:Class`` (imported here, so that a custom
+    adapter is named on the command line as the built-in ones are)."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"a custom adapter is named module:Class, got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"adapter {spec!r}: cannot import {module_name!r}: {err}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"adapter {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Adapter)):
+        raise ValueError(f"adapter {spec!r} is not a subclass of "
+                         "refmath.conformance.adapters.Adapter")
+    return obj
 
 
 def get_adapter(name: str, device: str = "cpu") -> Adapter:
-    """The adapter called ``name`` (a key of :data:`ADAPTERS`), for arrays on ``device``."""
-    if name not in ADAPTERS:
-        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)}, got {name!r}")
+    """The adapter called ``name`` (a key of :data:`ADAPTERS`, or ``module:Class`` for one of
+    one's own), for arrays on ``device``."""
     if not isinstance(device, str) or not device:
         raise TypeError(f"device must be a device name such as 'cpu' or 'cuda', got {device!r}")
+    if isinstance(name, str) and ":" in name:
+        return load_adapter_class(name)(device)
+    if name not in ADAPTERS:
+        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)} or module:Class, "
+                         f"got {name!r}")
     return ADAPTERS[name](device)

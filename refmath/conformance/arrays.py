@@ -14,7 +14,7 @@ import numpy as np
 
 from refmath.conformance.precision import numpy_dtype
 
-FRAMEWORKS = ("numpy", "torch", "cupy")
+FRAMEWORKS = ("numpy", "torch", "cupy", "jax")
 
 
 class BadOutput(Exception):
@@ -39,34 +39,60 @@ def to_framework(x: np.ndarray, dtype: str, framework: str = "numpy", device: st
                  strided: bool = False):
     """``x`` (float64, representable in ``dtype``) as a ``framework`` array of ``dtype``.
 
-    ``strided``: the array arrives as a non-contiguous view of the same values (its last two
-    axes stored swapped, so the head-width axis has a stride other than one element).
+    ``strided``: the array arrives as a non-contiguous view of the same values: ``True`` its last
+    two axes stored swapped (the head-width axis has a stride other than one element);
+    ``"transposed"`` its axes 1 and 2 stored swapped, the ``(B, T, H, D).transpose(1, 2)`` view a
+    model passes (arrays of three axes or fewer: as ``True``). ``framework="jax"``: a JAX array
+    (no strides; ``strided`` is refused).
     """
+    axes = _swapped_axes(np.ndim(x), strided)
     if framework == "numpy":
         out = np.asarray(x).astype(numpy_dtype(dtype))
-        if strided:
-            out = np.ascontiguousarray(np.swapaxes(out, -1, -2)).swapaxes(-1, -2)
+        if axes:
+            out = np.ascontiguousarray(np.swapaxes(out, *axes)).swapaxes(*axes)
         return out
     if framework == "cupy":  # refmath's CUDA kernels take CuPy arrays
         import cupy
 
         host = np.asarray(x).astype(numpy_dtype(dtype))
-        if strided:
-            return cupy.ascontiguousarray(cupy.asarray(np.swapaxes(host, -1, -2))).swapaxes(-1, -2)
+        if axes:
+            return cupy.ascontiguousarray(cupy.asarray(np.swapaxes(host, *axes))).swapaxes(*axes)
         return cupy.asarray(host)
     if framework == "torch":
         torch = _torch()
         base = np.ascontiguousarray(x, dtype=np.float32)
-        if strided:
-            base = np.ascontiguousarray(np.swapaxes(base, -1, -2))
+        if axes:
+            base = np.ascontiguousarray(np.swapaxes(base, *axes))
         t = torch.from_dlpack(base).to(device=device, dtype=torch_dtype(dtype))
-        return t.transpose(-1, -2) if strided else t
+        return t.transpose(*axes) if axes else t
+    if framework == "jax":
+        if strided:
+            raise ValueError("JAX arrays have no strides: a strided case cannot be passed")
+        try:
+            import jax
+        except ImportError as err:
+            raise ImportError("this adapter passes JAX arrays: pip install jax") from err
+        # by DLPack from the float32 buffer, then the dtype (exact: the values are representable)
+        base = jax.dlpack.from_dlpack(np.ascontiguousarray(x, dtype=np.float32))
+        out = base.astype(numpy_dtype(dtype))
+        return jax.device_put(out, jax.devices(device.split(":")[0])[0]) if device != "cpu" else out
     raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+
+
+def _swapped_axes(ndim: int, strided) -> tuple | None:
+    if not strided:
+        return None
+    if strided == "transposed" and ndim >= 4:
+        return (1, 2)
+    return (-1, -2)
 
 
 def describe(y) -> tuple[str, str]:
     """``(dtype, device)`` of an array of any framework, as strings (``"cpu"``, ``"cuda:0"``)."""
     dtype = str(getattr(y, "dtype", type(y).__name__)).replace("torch.", "")
+    if type(y).__module__.startswith("jax"):  # JAX's devices: "cpu", "cuda:0" by their platform
+        dev = next(iter(y.devices()))
+        return dtype, "cpu" if dev.platform == "cpu" else f"cuda:{dev.id}"
     device = "cpu"
     try:
         kind, index = y.__dlpack_device__()

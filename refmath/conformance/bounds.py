@@ -9,7 +9,12 @@ rounded to the dtype with float32 accumulation, the softmax in float32, ``P`` ro
 .. math::
     \max |o_k - o^*| \;\le\; \max\big(c\, \max |o_p - o^*|,\ \ 2u \max|o^*|\big)
 
-with ``u`` the dtype's unit roundoff (:mod:`refmath.conformance.precision`). Why ``c = 2``
+with ``u`` the dtype's unit roundoff (:mod:`refmath.conformance.precision`). ``o_p`` is computed
+in two summation orders (:mod:`refmath.conformance.oracle`: BLAS's blocked sums, and key after key
+with each score summed over the head width in order) and the worse error is taken: BLAS's sums
+are several times more accurate than a loop's at long lengths, and the bound must measure the
+kernel, not one library's order. The output ``o`` is held row by row as well
+(:func:`row_tolerance`). Why ``c = 2``
 (:data:`C`): the kernel and the plain implementation round at the same places and by the same
 amounts (inputs, scores, ``P`` before ``P V``, float32 accumulation, the output), so each maximum
 is the largest of many roundings of one size; a correct tiled kernel adds only the float32
@@ -90,6 +95,28 @@ def tolerance(case: AttentionCase, name: str, plain_error: float, magnitude: flo
     last term, the oracle's own change when ``tau`` is moved by :data:`SCALE_ROUNDING` (and, for
     the gradients, when the saved lse is rounded). The module docstring derives each part."""
     return max(factor(name) * plain_error, 2.0 * unit_roundoff(case.dtype) * magnitude) + scale_shift
+
+
+def row_tolerance(case: AttentionCase, name: str, plain_error, magnitude, scale_shift):
+    r"""Rule (a) row by row (arrays over the rows of one output). An error confined to a few rows
+    (a reduced-precision accumulator on one code path, say) can sit under the output-wide
+    tolerance, which the rows of largest magnitude set, and still be several ulps in its own rows.
+    Row ``i`` of magnitude ``m_i = max|o*_i|`` with plain error ``e_i`` may err by
+
+    .. math::
+        \max\big(c \max(e_i,\ r\, m_i),\ 2u\, m_i\big) \;+\; \text{its scale shift},
+        \qquad r = \max_j e_j / m_j
+
+    ``r`` is the plain implementation's worst error *relative to its row's magnitude*: rule (a)
+    with every row brought to one scale, so that a row of small magnitude is held to its own size
+    and not to the largest row's. (One row's own plain error alone would not do: it is one draw of
+    a random rounding and can fall near zero where the kernel's does not.) ``c`` is (a)'s."""
+    plain_error, magnitude = np.asarray(plain_error, float), np.asarray(magnitude, float)
+    live = magnitude > 0
+    rel = float((plain_error[live] / magnitude[live]).max(initial=0.0))
+    floor = 2.0 * unit_roundoff(case.dtype) * magnitude
+    c = factor(name)
+    return np.maximum(c * np.maximum(plain_error, rel * magnitude), floor) + np.asarray(scale_shift)
 
 
 def apriori(case: AttentionCase, inputs: Inputs, ref: dict) -> dict[str, float]:

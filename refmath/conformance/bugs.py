@@ -71,6 +71,31 @@ def numpy_attention(q, k, v, mask=None, scale=None):
     return o.astype(dtype)
 
 
+def in_order_decode(q, k_cache, v_cache, lengths, scale=None, accumulator=np.float32):
+    """A correct decode kernel for the ``refmath_decode`` adapter that walks its keys one after
+    another: the softmax denominator and ``P V`` summed key by key in float32, as a simple loop
+    does (BLAS's blocked sums are several times more accurate; the bound must not hold a kernel to
+    them). ``accumulator``: the format the running ``P V`` sum is kept in."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b_, h, d = q.shape
+    heads = gqa_head_map(h, k_cache.shape[1])
+    out = np.zeros((b_, h, d), dtype=np.float32)
+    for b, n in enumerate(np.asarray(lengths)):
+        if n == 0:
+            continue
+        k = k_cache[b, heads, :n].astype(np.float32)  # (H, n, D)
+        v = v_cache[b, heads, :n].astype(np.float32)
+        s = np.einsum("hd,hjd->hj", q[b].astype(np.float32), k) * np.float32(scale)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        l = np.cumsum(e, axis=1, dtype=np.float32)[:, -1:]  # key after key
+        p = e / l
+        acc = np.zeros((h, d), dtype=accumulator)
+        for j in range(n):
+            acc = (acc.astype(np.float32) + p[:, j:j + 1] * v[:, j]).astype(accumulator)
+        out[b] = acc
+    return out
+
+
 # ---- the bugs --------------------------------------------------------------------------------------
 
 def causal_off_by_one(q, k, v, causal=False, window=None, scale=None):
@@ -181,6 +206,92 @@ def softmax_without_max_fp16(q, k, v, mask=None, scale=None):
     return o.astype(q.dtype)
 
 
+def bf16_accumulator_decode(q, k_cache, v_cache, lengths, scale=None):
+    """The running ``P V`` sum of :func:`in_order_decode` kept in bfloat16: every add rounds it to
+    8 bits, and the error grows with the number of keys."""
+    from refmath.conformance.precision import numpy_dtype
+
+    return in_order_decode(q, k_cache, v_cache, lengths, scale, numpy_dtype("bfloat16"))
+
+
+def decode_reads_one_past(q, k_cache, v_cache, lengths, scale=None):
+    """Each sequence reads one slot past its length (``<=`` for ``<``): what that slot holds, NaN
+    or a previous sequence's finite data, enters the output."""
+    longer = np.minimum(np.asarray(lengths) + 1, k_cache.shape[2])
+    return kernels.decode(q, k_cache, v_cache, longer, scale=scale)
+
+
+def gqa_power_of_two_groups(q, k, v, causal=False, window=None, scale=None):
+    """The group size ``H / G`` rounded down to a power of two (a shift where a division is
+    meant): right for ratios 1, 2, 4, 8; for 3, 6 or 7 query heads read the wrong key/value head."""
+    h, g = q.shape[1], k.shape[1]
+    group = 1 << ((h // g).bit_length() - 1)
+    heads = np.minimum(np.arange(h) // group, g - 1)
+    return kernels.flash_attention_forward(q, np.ascontiguousarray(k[:, heads]),
+                                           np.ascontiguousarray(v[:, heads]), causal, window, scale)
+
+
+def _as_if_contiguous(x):
+    """``x`` read from its first element as if C-contiguous, as a kernel that takes the data
+    pointer and the shape does."""
+    strides = tuple(int(np.prod(x.shape[i + 1:])) * x.itemsize for i in range(x.ndim))
+    return np.lib.stride_tricks.as_strided(x, x.shape, strides).copy()
+
+
+def inner_stride_only_checked(q, k, v, causal=False, window=None, scale=None):
+    """Contiguity checked by the last axis's stride alone: an array whose head width is contiguous
+    is taken as wholly contiguous. Right for ``(B, H, T, D)`` arrays and for arrays whose last axis
+    is strided (copied first), wrong for the ``(B, T, H, D).transpose(1, 2)`` view models pass."""
+    fixed = []
+    for x in (q, k, v):
+        if x.strides[-1] != x.itemsize:
+            x = np.ascontiguousarray(x)
+        fixed.append(_as_if_contiguous(x))
+    return kernels.flash_attention_forward(*fixed, causal, window, scale)
+
+
+def _accumulate_in_dtype(q, k, v, mask, scale, rows):
+    """:func:`numpy_attention` with ``P V`` summed key by key in the inputs' own dtype in the
+    query rows ``rows`` (a slice), in float32 elsewhere."""
+    dtype = q.dtype
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    o = numpy_attention(q, k, v, mask, scale).astype(np.float32)
+    visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool) if mask is None else mask
+    heads = gqa_head_map(q.shape[1], k.shape[1])
+    s = (q.astype(np.float32) @ np.swapaxes(k[:, heads].astype(np.float32), -1, -2)) * np.float32(scale)
+    s = np.where(visible, s, -np.inf)[:, :, rows]
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isneginf(m), 0, m))
+    p = e / np.maximum(e.sum(axis=-1, keepdims=True), np.float32(1e-30))
+    vv = v[:, heads].astype(np.float32)
+    acc = np.zeros(p.shape[:3] + (v.shape[-1],), dtype=dtype)
+    for j in range(k.shape[2]):
+        acc = (acc.astype(np.float32) + p[..., j:j + 1] * vv[:, :, None, j]).astype(dtype)
+    o[:, :, rows] = acc.astype(np.float32)
+    return o.astype(dtype)
+
+
+def bf16_accumulator(q, k, v, mask=None, scale=None):
+    """``P V`` summed in bfloat16, key by key (an accumulator in the inputs' format, not
+    float32): the error grows with the number of keys, several ulps past a few dozen."""
+    return _accumulate_in_dtype(q, k, v, mask, scale, slice(None))
+
+
+def fp16_accumulator(q, k, v, mask=None, scale=None):
+    """``P V`` summed in float16, key by key: as :func:`bf16_accumulator`, in float16."""
+    return _accumulate_in_dtype(q, k, v, mask, scale, slice(None))
+
+
+def low_precision_tail_rows(q, k, v, mask=None, scale=None):
+    """The query rows past the last full tile of 64 (a remainder path) sum ``P V`` in the inputs'
+    format, every other row in float32: an error of a few ulps in a few rows, under the
+    output-wide tolerance; only the row-by-row rule sees it."""
+    t = q.shape[2]
+    return _accumulate_in_dtype(q, k, v, mask, scale, slice((t // 64) * 64 if t > 64 else t, t))
+
+
+# ---- the bugs of the decode contracts --------------------------------------------------------------
+
 def decode_lengths_ignored(q, k_cache, v_cache, lengths, scale=None):
     """Every sequence attends to the whole cache: the per-sequence lengths (the padding of a
     batch of unequal sequences) are ignored."""
@@ -263,6 +374,14 @@ BUGS = (
     PlantedBug("stale slot past the length read", stale_slot_read, "refmath_paged"),
     PlantedBug("dV with the wrong transpose", dv_wrong_transpose, "refmath_backward"),
     PlantedBug("dq missing the scale", dq_missing_scale, "refmath_backward"),
+    PlantedBug("GQA group size rounded to a power of two", gqa_power_of_two_groups, "refmath"),
+    PlantedBug("contiguity judged by the last stride", inner_stride_only_checked, "refmath"),
+    PlantedBug("P V accumulated in bfloat16", bf16_accumulator, "numpy", ("bfloat16",)),
+    PlantedBug("P V accumulated in float16", fp16_accumulator, "numpy", ("float16",)),
+    PlantedBug("low-precision accumulator in the tail rows", low_precision_tail_rows, "numpy",
+               ("bfloat16", "float16")),
+    PlantedBug("decode reads one slot past the length", decode_reads_one_past, "refmath_decode"),
+    PlantedBug("decode P V accumulated in bfloat16", bf16_accumulator_decode, "refmath_decode"),
 )
 
 

@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refmath.conformance.conventions import EMPTY_ROWS
 from refmath.conformance.precision import DTYPES, round_to
 
 CONTRACTS = ("forward", "backward", "decode", "paged")
 ALIGNMENTS = ("bottom-right", "top-left")
-INPUTS = ("randn", "uniform", "large", "ties", "dominant", "outliers", "nan", "inf-masked")
-MASKED_ROWS = ("zero", "nan")
+INPUTS = ("randn", "uniform", "large", "ties", "dominant", "outliers", "nan", "inf-masked", "stale")
+STRIDED = (False, True, "transposed")
+MASKED_ROWS = EMPTY_ROWS  # what a row with no visible key gives: conventions.py
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,10 @@ class AttentionCase:
     where it differs from the queries' (fp8 caches: ``float8_e4m3fn``, ``float8_e5m2``; their
     values are exactly representable in every wider format, so the oracle and the plain
     implementation work on them as they are). ``strided``: the arrays reach the kernel as
-    non-contiguous views. ``varlen``: a variable-length packed batch, ``((T_q, T_k), ...)`` per
+    non-contiguous views: ``True`` with the last two axes stored swapped (the head width's stride is
+not one element), ``"transposed"`` as a model passes them, a ``(B, T, H, D)`` array viewed as
+``(B, H, T, D)`` by ``.transpose(1, 2)`` (the head width contiguous, the other axes not; for a
+``(B, T, H, D)`` convention the other way round). ``varlen``: a variable-length packed batch, ``((T_q, T_k), ...)`` per
     sequence, packed back to back along the length axes of a batch of one (``t_q``, ``t_k`` are
     set to the totals); each sequence sees only its own keys, with its own alignment
     (flash-attention's ``cu_seqlens``: :attr:`cu_seqlens_q`, :attr:`cu_seqlens_k`).
@@ -90,6 +95,11 @@ class AttentionCase:
             raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {self.alignment!r}")
         if self.inputs not in INPUTS:
             raise ValueError(f"inputs must be one of {INPUTS}, got {self.inputs!r}")
+        if self.inputs == "stale" and self.contract not in ("decode", "paged"):
+            raise ValueError("inputs 'stale' (finite values past each length) is for decode and "
+                             f"paged cases, got contract {self.contract!r}")
+        if self.strided not in STRIDED:
+            raise ValueError(f"strided must be one of {STRIDED}, got {self.strided!r}")
         if self.g < 1 or self.h % self.g:
             raise ValueError(f"g = {self.g} must divide h = {self.h}")
         if self.kv_dtype is not None and self.kv_dtype not in DTYPES:
@@ -149,7 +159,8 @@ class AttentionCase:
         if self.page_size is not None:
             parts.append(f"page {self.page_size}" + (" shared" if self.shared_pages else ""))
         if self.strided:
-            parts.append("strided")
+            parts.append("(B, T, H, D).transpose(1, 2) view" if self.strided == "transposed"
+                         else "strided (last two axes swapped)")
         parts.append(self.inputs)
         return ", ".join(parts)
 
@@ -292,10 +303,21 @@ def _plant_masked(case: AttentionCase, k, v, value) -> None:
 
 
 def _fill_past_lengths(case: AttentionCase, inputs: Inputs) -> None:
-    """Slots past each sequence's length hold NaN, as vLLM's tests fill them (vLLM #641)."""
+    """Slots past each sequence's length hold NaN, as vLLM's tests fill them (vLLM #641); under
+    ``inputs="stale"`` finite values instead, keys like the others and values near 10, as a
+    previous sequence leaves them: a kernel that reads them moves its output far, so the read is
+    caught by its error whatever NaN rules are declared."""
+    rng = np.random.default_rng([case.seed, 7])
     for b, n in enumerate(case.lengths):
-        inputs.k[b, :, n:] = np.nan
-        inputs.v[b, :, n:] = np.nan
+        if case.inputs == "stale":
+            shape = inputs.k[b, :, n:].shape
+            inputs.k[b, :, n:] = round_to(round_to(rng.standard_normal(shape), case.dtype),
+                                          case.cache_dtype)
+            inputs.v[b, :, n:] = round_to(round_to(10.0 + rng.standard_normal(shape), case.dtype),
+                                          case.cache_dtype)
+        else:
+            inputs.k[b, :, n:] = np.nan
+            inputs.v[b, :, n:] = np.nan
 
 
 def _page(case: AttentionCase, inputs: Inputs, rng) -> None:
@@ -330,7 +352,9 @@ def _page(case: AttentionCase, inputs: Inputs, rng) -> None:
             page = ids[nxt]
             nxt += 1
             table[s, i] = page
-            n = min(p, lengths[s] - i * p)
+            # the whole page: its slots past the length hold what the cache holds there (NaN, or
+            # a previous sequence's values under inputs="stale")
+            n = min(p, t_max - i * p)
             k_pages[page, :, :n] = inputs.k[s, :, i * p:i * p + n]
             v_pages[page, :, :n] = inputs.v[s, :, i * p:i * p + n]
     inputs.k_pages, inputs.v_pages, inputs.page_table = k_pages, v_pages, table
@@ -370,7 +394,12 @@ def forward_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         F("softcap", t_q=64, t_k=64, softcap=5.0, inputs="large", causal=True),
         F("alibi", h=4, g=4, t_q=64, t_k=64, alibi=True, causal=True),
         F("strided", b=2, t_q=70, t_k=70, causal=True, strided=True),
+        F("transposed view", b=2, h=4, g=2, t_q=70, t_k=70, causal=True, strided="transposed"),
+        F("gqa ratio 3", h=6, g=2, t_q=40, t_k=40, causal=True),
     ]
+    if not quick:  # group ratios a power-of-two head map gets wrong
+        cases += [F("gqa ratio 6", h=6, g=1, t_q=40, t_k=40),
+                  F("gqa ratio 7", h=14, g=2, t_q=33, t_k=33, causal=True)]
     for d in ((64, 80, 128) if quick else (32, 64, 80, 96, 128, 256)):
         cases.append(F(f"head dim {d}", t_q=33, t_k=33, d=d, causal=True))
     for t in _boundary_lengths(quick):
@@ -405,13 +434,16 @@ def backward_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         B("head dim 80", t_q=40, t_k=40, d=80, causal=True),
         B("scale", t_q=48, t_k=48, scale=0.3, causal=True),
         B("nan causal", t_q=33, t_k=33, causal=True, inputs="nan"),
+        B("transposed view", h=4, g=2, t_q=40, t_k=40, causal=True, strided="transposed"),
+        B("gqa ratio 3", h=6, g=2, t_q=33, t_k=33, causal=True),
     ]
     if not quick:
         cases += [B("mqa", h=4, g=1, t_q=63, t_k=63),
                   B("causal Tq>Tk", t_q=97, t_k=33, causal=True),
                   B("large causal", t_q=65, t_k=65, causal=True, inputs="large"),
                   B("T=129", t_q=129, t_k=129, causal=True),
-                  B("head dim 128", t_q=40, t_k=40, d=128)]
+                  B("head dim 128", t_q=40, t_k=40, d=128),
+                  B("strided", t_q=40, t_k=40, causal=True, strided=True)]
     return cases
 
 
@@ -426,6 +458,8 @@ def decode_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         D("empty sequence", b=2, h=2, g=1, t_k=40, lengths=(0, 40)),
         D("large", b=2, h=4, g=2, t_k=64, lengths=(64, 33), inputs="large"),
         D("nan", b=2, h=4, g=2, t_k=64, lengths=(64, 33), inputs="nan"),
+        D("stale slots", b=3, h=4, g=2, t_k=80, lengths=(80, 33, 1), inputs="stale"),
+        D("transposed view", b=2, h=6, g=2, t_k=70, lengths=(70, 21), strided="transposed"),
     ]
     if dtype in ("bfloat16", "float16"):  # fp8 caches under 16-bit queries
         cases += [D("fp8 cache", b=3, h=8, g=2, t_k=100, lengths=(100, 17, 64), kv_dtype=kv)
@@ -433,6 +467,8 @@ def decode_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
     if not quick:
         cases.append(D("long", b=2, h=4, g=1, t_k=8192, lengths=(8192, 5000)))
         cases.append(D("head dim 256", b=2, h=4, g=2, t_k=70, d=256, lengths=(70, 9)))
+        cases += [D("gqa ratio 7", b=2, h=7, g=1, t_k=50, lengths=(50, 17)),
+                  D("strided", b=2, h=4, g=2, t_k=70, lengths=(70, 21), strided=True)]
     return cases
 
 
@@ -448,6 +484,9 @@ def paged_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         P("page 64 partial", b=2, h=4, g=4, t_k=200, page_size=64, lengths=(200, 65)),
         P("empty sequence", b=2, h=2, g=2, t_k=32, page_size=16, lengths=(0, 32)),
         P("nan", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 21), inputs="nan"),
+        P("stale slots", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 21), inputs="stale"),
+        P("transposed view", b=2, h=6, g=2, t_k=64, page_size=16, lengths=(64, 21),
+          strided="transposed"),
     ]
     if dtype in ("bfloat16", "float16"):
         cases += [P("fp8 cache", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 21), kv_dtype=kv)
@@ -456,7 +495,9 @@ def paged_cases(dtype: str, quick: bool = False) -> list[AttentionCase]:
         cases += [P("page 256", b=2, h=4, g=1, t_k=1024, page_size=256, lengths=(1024, 257)),
                   P("page 32 head dim 128", b=3, h=8, g=2, t_k=128, d=128, page_size=32,
                     lengths=(127, 128, 33), shared_pages=True),
-                  P("large", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 33), inputs="large")]
+                  P("large", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 33), inputs="large"),
+                  P("gqa ratio 6", b=2, h=12, g=2, t_k=48, page_size=16, lengths=(48, 20)),
+                  P("strided", b=2, h=4, g=2, t_k=64, page_size=16, lengths=(64, 21), strided=True)]
     return cases
 
 

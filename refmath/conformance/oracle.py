@@ -18,11 +18,21 @@ with ``lse_i = m_i + log sum_j e^{s_ij - m_i}`` and the backward of catalogue A8
   output rounded to the dtype (float32 accumulation, as a GPU matmul does), the softmax in float32
   on the rounded scores, ``P`` rounded to the dtype before ``P V``, as PyTorch's math path computes
   low-precision attention. For float32 it is plain float32 NumPy.
+* ``order``: how the plain implementation sums over keys. ``"blas"``: the softmax denominator by
+  NumPy's pairwise sum and ``P V`` by BLAS, whose blocked sums are several times more accurate than
+  a loop; ``"in-order"``: both summed key after key in float32, and each score ``q . k`` over the head
+  width in order, as a kernel that walks its keys and its head width does. The tolerance takes the worse of the two, so that it measures the kernel, not one
+  library's summation order (:mod:`refmath.conformance.bounds`).
+* ``empty_rows``: what a row that sees no key computes
+  (:mod:`refmath.conformance.conventions`): ``"zero"`` and ``"nan"`` leave it out (the caller puts
+  the NaN), ``"unmasked"`` lets it see every key of its sequence, ``"mean-of-v"`` gives every key
+  the same score and no gradient through the scores.
 
 NaN follows the math definition exactly: a NaN in a visible position reaches every output it
 feeds, and a NaN or inf in a position a row does not see reaches nothing of that row (a product
 ``0 * NaN`` is never formed: masked terms are left out, not multiplied by zero). A row with no
-visible key has ``o = 0``, ``lse = -inf`` and zero gradients; ``empty`` marks those rows.
+visible key has ``o = 0``, ``lse = -inf`` and zero gradients (under ``empty_rows="zero"``);
+``empty`` marks those rows whatever the convention.
 """
 from __future__ import annotations
 
@@ -46,14 +56,45 @@ def _masked_matmul(a, allowed, b, work):
     return out
 
 
+IN_ORDER_ELEMENTS = 1 << 22  # products held at once by the in-order sum
+
+
+def _in_order_sum(p, allowed, vv, work):
+    """``p @ vv`` summed term after term in ``work`` precision (``cumsum`` is a sequential sum),
+    by blocks of terms so that ``rows x terms x cols`` stays small: ``P V`` key after key, or
+    (``allowed`` None) ``q k^T`` over the head width in order. NaN/inf in ``vv`` reach only the
+    rows that ``allowed`` lets see them, as in :func:`_masked_matmul`; with ``allowed`` None they
+    reach every row, as in a plain product."""
+    if allowed is None:
+        allowed = np.ones(p.shape, dtype=bool)
+    rows, n = p.shape
+    d = vv.shape[1]
+    bad = ~np.isfinite(vv)
+    clean = np.where(bad, 0.0, vv).astype(work)
+    acc = np.zeros((rows, d), dtype=work)
+    block = max(1, IN_ORDER_ELEMENTS // max(1, rows * d))
+    for j0 in range(0, n, block):
+        terms = p[:, j0:j0 + block, None] * clean[None, j0:j0 + block, :]
+        terms[:, 0] += acc
+        acc = np.cumsum(terms, axis=1, dtype=work)[:, -1]
+    if bad.any():
+        acc[(allowed.astype(work) @ bad.astype(work)) > 0] = np.nan
+    return acc
+
+
 def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
-              saved_lse_rounding: float = 0.0) -> dict:
+              saved_lse_rounding: float = 0.0, order: str = "blas",
+              empty_rows: str = "zero") -> dict:
     """``o``, ``lse`` and ``empty`` (and ``dq``, ``dk``, ``dv`` for a backward case) of ``case`` at
     ``precision`` (see the module docstring); all returned in float64.
 
     ``saved_lse_rounding = u``: the backward uses the weights ``P (1 + u |lse_i|)``, as a kernel
     does that recomputes them as ``exp(s - lse)`` from a log-sum-exp saved to within ``u |lse|``."""
+    if order not in ("blas", "in-order"):
+        raise ValueError(f"order must be 'blas' or 'in-order', got {order!r}")
     exact = precision == "float64"
+    in_order = order == "in-order" and not exact
+    fill = empty_rows in ("unmasked", "mean-of-v")
     work = np.float64 if exact else np.float32
 
     def rnd(x):
@@ -80,6 +121,10 @@ def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
         for i0 in range(0, t_q, rows_per_chunk):
             rows = slice(i0, min(t_q, i0 + rows_per_chunk))
             vis = visible(case, b, rows)
+            none_seen = ~vis.any(axis=1)
+            if fill and none_seen.any():  # the convention: such a row sees every key
+                vis = vis.copy()
+                vis[none_seen] = True
             # Only the keys some row of the chunk sees: hidden keys add nothing (and causal
             # attention costs half), exactly as a kernel skips the tiles a mask hides.
             seen = np.flatnonzero(vis.any(axis=0))
@@ -92,7 +137,7 @@ def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
                 u = r // group
                 kk, vv, qq = k[b, u, keys], v[b, u, keys], q[b, r, rows]
                 with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-                    raw = rnd(qq @ kk.T) * tau
+                    raw = rnd(_in_order_sum(qq, None, kk.T, work) if in_order else qq @ kk.T) * tau
                     s = raw
                     if case.softcap is not None:
                         cap = work(case.softcap)
@@ -101,17 +146,26 @@ def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
                     if bias is not None:
                         s = s + work(slopes[r]) * bias
                     s = np.where(vis, s, -np.inf)
+                    if empty_rows == "mean-of-v":  # one score for every key: uniform weights
+                        s = np.where(none_seen[:, None], 0.0, s)
                     m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # NaN propagates
                     m_safe = np.where(np.isneginf(m), 0.0, m)
                     e = np.exp(s - m_safe)
-                    l = e.sum(axis=-1, keepdims=True)
+                    if in_order:
+                        l = np.cumsum(e, axis=-1, dtype=work)[:, -1:] if e.shape[1] else \
+                            np.zeros((e.shape[0], 1), dtype=work)
+                    else:
+                        l = e.sum(axis=-1, keepdims=True)
                     none = l == 0
                     p = e / np.where(none, 1.0, l)
                     p = np.where(vis, rnd(p), 0.0).astype(work)
-                    o_rows = rnd(_masked_matmul(p, vis, vv, work))
+                    if in_order:
+                        o_rows = rnd(_in_order_sum(p, vis, vv, work))
+                    else:
+                        o_rows = rnd(_masked_matmul(p, vis, vv, work))
                     o[b, r, rows] = o_rows
                     lse[b, r, rows] = (m_safe + np.log(l))[:, 0]
-                    empty[b, r, rows] = none[:, 0]
+                    empty[b, r, rows] = none_seen
                     if backward:
                         do = dout[b, r, rows]
                         if saved_lse_rounding:
@@ -121,6 +175,8 @@ def attention(case: AttentionCase, inputs: Inputs, precision: str = "float64",
                         dv32[b, u, keys] += _masked_matmul(p.T, vis.T, do, work)
                         dp = rnd(_dp(do, vv, vis, work))
                         ds = np.where(vis, p * (dp - delta), 0.0)
+                        if empty_rows == "mean-of-v":  # the scores were replaced: no gradient
+                            ds = np.where(none_seen[:, None], 0.0, ds)
                         if case.softcap is not None:
                             ds = ds * (1.0 - t * t)
                         ds = rnd(ds)

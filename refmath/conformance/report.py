@@ -7,11 +7,13 @@ bound (b), whether the two calls agreed bit for bit, and the reason of a failure
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
 
 from refmath.conformance import bounds
+from refmath.conformance.locate import summary_line
 
 HEADER = ("case", "verdict", "output", "error", "tolerance (a)", "err/(a)", "err/(b)", "same bits",
           "reason")
@@ -54,14 +56,73 @@ def bound_note() -> str:
             f"gradients. (b) a-priori bound from u, D and the visible keys (forward outputs).")
 
 
+def details(results) -> list[str]:
+    """Per failing case: what it is (shapes, mask, lengths, alignment), then per failing output
+    the worst row, the split of the failing rows, the worst row's keys and the question it raises
+    (:mod:`refmath.conformance.locate`), and the hint when one convention rule is all it breaks."""
+    lines = []
+    for r in results:
+        if r.status != "fail":
+            continue
+        lines.append(f"{r.case.id}: {r.case.describe()}")
+        lines += [f"    {summary_line(w)}" for w in r.where]
+        if r.hint:
+            lines.append(f"    hint: {r.hint}")
+    return lines
+
+
+def versions(kernel=None) -> dict:
+    """The versions that a verdict depends on: Python, NumPy, refmath, and every framework the
+    sweep may have called (those already imported), plus the kernel's module's own."""
+    import platform
+    import sys
+
+    import numpy
+
+    out = {"python": platform.python_version(), "numpy": numpy.__version__}
+    try:
+        from importlib.metadata import version
+
+        out["refmath"] = version("refmath")
+    except Exception:  # noqa: BLE001 - an uninstalled checkout has no metadata
+        out["refmath"] = "unknown"
+    for name in ("torch", "jax", "jaxlib", "onnxruntime", "tinygrad", "cupy", "flash_attn",
+                 "ml_dtypes"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            out[name] = getattr(mod, "__version__", "unknown")
+    if kernel is not None:
+        root = str(kernel).split(":")[0].split(".")[0]
+        mod = sys.modules.get(root)
+        if mod is not None and root not in out:
+            out[root] = getattr(mod, "__version__", "unknown")
+    return out
+
+
+def header(results, **meta) -> list[str]:
+    """The lines that say what was run: kernel, adapter, dtypes, conventions and versions."""
+    conv = next((r.conventions for r in results if r.conventions is not None), None)
+    dtypes = meta.get("dtypes") or sorted({r.case.dtype for r in results})
+    lines = [f"kernel: {meta.get('kernel', '-')}", f"adapter: {meta.get('adapter', '-')}",
+             f"dtypes: {', '.join(dtypes)}"]
+    if conv is not None:
+        lines.append(f"conventions: {conv.describe()}")
+    v = meta.get("versions") or versions(meta.get("kernel"))
+    lines.append("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
+    return lines
+
+
 def table(results, show_skips: bool = False) -> str:
-    """The report as plain text (fixed-width columns)."""
+    """The report as plain text (fixed-width columns), then the failures located."""
     body = [row for row, r in zip(rows(results), results) if show_skips or r.status != "skip"]
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
               for i, h in enumerate(HEADER[:-1])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER[:-1], widths)) + "  reason"]
     for row in body:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
+    found = details(results)
+    if found:
+        lines += ["", "Where the failing cases fail:"] + found
     lines += ["", summary(results), bound_note()]
     return "\n".join(lines)
 
@@ -87,21 +148,40 @@ def print_table(results, console=None, show_skips: bool = False) -> None:
         style = {"pass": None, "fail": "bold red", "skip": "dim"}[r.status]
         t.add_row(*row, style=style)
     console.print(t)
+    found = details(results)
+    if found:
+        console.print("Where the failing cases fail:", style="bold")
+        for line in found:
+            console.print(line, markup=False, highlight=False)
     console.print(summary(results))
     console.print(bound_note(), style="dim")
 
 
-def markdown(results, title: str = "Attention conformance") -> str:
-    """The report as a Markdown page: the summary, the rule, and the table (skips included)."""
-    lines = [f"# {title}", "", summary(results), "", bound_note(), "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for row in rows(results):
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+def markdown(results, title: str = "Attention conformance", **meta) -> str:
+    """The report as a Markdown page: what was run (kernel, adapter, dtypes, conventions,
+    versions), the summary, the rule, the table with each case's description (skips included),
+    and the failures located."""
+    head = ["case", "description"] + list(HEADER[1:])
+    lines = [f"# {title}", ""] + [f"- {x}" for x in header(results, **meta)]
+    lines += ["", summary(results), "", bound_note(), "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row, r in zip(rows(results), results):
+        cells = (row[0], r.case.describe()) + row[1:]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    found = details(results)
+    if found:
+        lines += ["", "## Where the failing cases fail", ""]
+        lines += [f"- {x.strip()}" if not x.startswith("    ") else f"    - {x.strip()}"
+                  for x in found]
     return "\n".join(lines) + "\n"
 
 
 def to_json(results, **meta) -> str:
     """The report as JSON: ``meta`` (kernel, adapter, ...), the rule, and every case."""
+    conv = next((r.conventions for r in results if r.conventions is not None), None)
+    meta.setdefault("versions", versions(meta.get("kernel")))
+    if conv is not None:
+        meta.setdefault("conventions", dataclasses.asdict(conv))
     doc = {**meta, "summary": summary(results), "rule": bound_note(),
            "c_forward": bounds.C_FORWARD, "c_backward": bounds.C_BACKWARD,
            "cases": [r.to_dict() for r in results]}
@@ -110,8 +190,10 @@ def to_json(results, **meta) -> str:
 
 def figure(results, path) -> None:
     """A figure of each applicable case's error as a fraction of its tolerance (a), log scale, the
-    line at 1 the pass mark; a failure with no error to show (NaN in the wrong place, a wrong
-    shape, a raise) is drawn as a red cross above the line."""
+    line at 1 the pass mark. Ratios are clipped to ``[1e-4, 1e4]`` and the axis covers the clip, so
+    every failure is on the plot: one clipped at the top is a red triangle; a failure with no
+    error to show (NaN in the wrong place, a wrong shape, a raise) or whose error passes (a row
+    that fails its own tolerance, a determinism failure) a red cross just above the line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,12 +205,14 @@ def figure(results, path) -> None:
     ratio = [min(max(r.worst.ratio, tiny), top) if r.worst is not None else None for r in shown]
     for i, (r, y) in enumerate(zip(shown, ratio)):
         if y is None or (r.status == "fail" and y <= 1):
-            ax.scatter([i], [30.0], marker="x", color="red", s=20)
+            ax.scatter([i], [3.0], marker="x", color="red", s=20)
+        elif y >= top:
+            ax.scatter([i], [top], marker="^", color="red", s=20)
         else:
             ax.scatter([i], [y], s=12, color="red" if r.status == "fail" else "tab:blue")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_yscale("log")
-    ax.set_ylim(tiny / 2, 100)
+    ax.set_ylim(tiny / 2, top * 3)
     ax.set_xticks(range(len(shown)))
     ax.set_xticklabels([r.case.id for r in shown], rotation=90, fontsize=5)
     ax.set_ylabel("error / tolerance (a)")
@@ -143,7 +227,7 @@ def write(results, path, **meta) -> None:
     figure."""
     path = str(path)
     if path.endswith(".md"):
-        text = markdown(results)
+        text = markdown(results, **meta)
     elif path.endswith(".json"):
         text = to_json(results, **meta)
     elif path.endswith((".png", ".svg", ".pdf")):
