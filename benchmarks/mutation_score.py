@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import ast
 import fnmatch
+import importlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -56,7 +58,25 @@ RELEVANT_TESTS = {
                            "tests/test_gradcheck.py"],
     "refmath.models.transformer": ["tests/models/test_transformer.py",
                                    "tests/models/test_transformer_torch.py"],
+    "refmath.moe": ["tests/test_moe.py", "tests/test_moe_torch.py"] + _OP_FILES,
+    "refmath.sizing": ["tests/test_sizing.py"],
 }
+# The files the models are written in, each tested through the models that use it: the blocks
+# and the RoPE attention through the decoder (and Cohere), the configurations, checkpoint tables
+# and gradient cases through their model's files.
+_DECODER = RELEVANT_TESTS["refmath.models.decoder"]
+_COHERE = ["tests/models/test_cohere.py", "tests/test_gradcheck.py"]
+RELEVANT_TESTS.update({
+    "refmath.models.blocks": _DECODER + _COHERE,
+    "refmath.models.rope_attention": _DECODER,
+    "refmath.models.decoder_config": _DECODER + ["tests/models/test_config_perturbation.py"],
+    "refmath.models.decoder_hf": ["tests/test_hf.py", "tests/models/test_decoder.py"],
+    "refmath.models.cases": _DECODER + RELEVANT_TESTS["refmath.models.mla"] + _COHERE,
+    "refmath.models.gpt_config": RELEVANT_TESTS["refmath.models.gpt"],
+    "refmath.models.contract": ["tests/models/test_contract.py",
+                                "tests/models/test_config_perturbation.py"],
+    "refmath.models.cohere": _COHERE + ["tests/models/test_config_perturbation.py"],
+})
 
 
 def make_copy(dest: Path) -> None:
@@ -65,9 +85,18 @@ def make_copy(dest: Path) -> None:
     shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 
+def defining_module(mistake: Mistake) -> str:
+    """The module whose source defines the mistake's function: a model module may offer a function
+    that it imports (``refmath.models.decoder`` offers ``sublayer_backward`` from ``blocks``)."""
+    obj = importlib.import_module(mistake.module)
+    for part in mistake.qualname.split("."):
+        obj = getattr(obj, part)
+    return inspect.getmodule(obj).__name__
+
+
 def write_mistake(copy: Path, mistake: Mistake) -> None:
     """Edit the copy's source file: replace ``old`` by ``new`` inside the function's lines only."""
-    path = copy / (mistake.module.replace(".", "/") + ".py")
+    path = copy / (defining_module(mistake).replace(".", "/") + ".py")
     text = path.read_text()
     node = ast.parse(text)
     for part in mistake.qualname.split("."):
@@ -100,7 +129,8 @@ def command_for(mistake: Mistake) -> list[str] | None:
 
 
 def suite_for(mistake: Mistake) -> list[str]:
-    files = sorted(set(RELEVANT_TESTS[mistake.module]))
+    files = RELEVANT_TESTS[mistake.module] + RELEVANT_TESTS[defining_module(mistake)]
+    files = sorted(set(files))
     return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files]
 
 

@@ -291,6 +291,18 @@ def _model_of(hf: dict) -> str:
     return _MODEL_OF_TYPE[kind]
 
 
+def checkpoint_family(hf: dict) -> str:
+    """The family a Hugging Face config is: its own ``model_type`` (``"falcon"``, ``"gemma2"``,
+    ``"qwen3_moe"``), once checked to be one refmath loads (:data:`SUPPORTED_MODEL_TYPES`, else
+    :class:`HFCheckpointError`).
+
+    It names the checkpoint, where :func:`config_from_hf`'s model name names refmath's code that
+    computes it: a Falcon checkpoint is of the family ``"falcon"`` and runs as the model
+    ``"llama"``, whose file holds the whole decoder family (see the table above)."""
+    _model_of(hf)
+    return str(hf["model_type"])
+
+
 class _TextField(str):
     """A config value that JSON gives as a string: itself wherever a string is read, and refused,
     naming its field, where a number is (``int("2")`` would quietly accept ``"2"``)."""

@@ -1,4 +1,5 @@
-r"""Train any of the four models on the built-in data, with checkpoints that resume exactly.
+r"""Train any model of :data:`refmath.models.MODELS` on the built-in data, with checkpoints that
+resume exactly.
 
 One training step (catalogue O4, O5, O6):
 
@@ -91,6 +92,13 @@ def default_config(name: str, task):
     return config_class(name)(vocab_size=task.vocab_size, max_seq_len=max_seq_len, **spec.config)
 
 
+def expert_models() -> tuple:
+    """The models of :data:`refmath.models.MODELS` whose configuration has a ``moe`` field, so
+    that :func:`with_experts` can make their feed-forwards mixtures of experts."""
+    return tuple(name for name in MODELS
+                 if "moe" in {f.name for f in dataclasses.fields(config_class(name))})
+
+
 def with_experts(config, n_experts: int, top_k: int = 2, balance_coef: float = 0.01):
     r"""``config`` with every layer's feed-forward a mixture of ``n_experts`` SwiGLU experts
     (E1-E5), ``top_k`` of them per token.
@@ -99,12 +107,12 @@ def with_experts(config, n_experts: int, top_k: int = 2, balance_coef: float = 0
     feed-forward multiplies about as many weights as the dense one did while the layer holds
     :math:`E / k` times as many; the router is a softmax whose top-k scores are renormalised
     (Mixtral's), and the expert-level balance loss is added to the loss at weight
-    ``balance_coef`` (0.01, Switch Transformer's). Only the decoder family (``llama``, ``mla``)
-    takes experts.
+    ``balance_coef`` (0.01, Switch Transformer's). Only the models of :func:`expert_models`
+    take experts.
     """
     if not hasattr(config, "moe"):
         raise ValueError(f"a {type(config).__name__} has no mixture-of-experts layers; experts go "
-                         f"in the decoders' configurations (DecoderConfig, MLAConfig)")
+                         f"in the configurations of {', '.join(expert_models())}")
     width = -(-config.d_f // top_k)
     moe = MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=-(-width // 8) * 8, norm_topk=True,
                     balance_coef=balance_coef)

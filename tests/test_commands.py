@@ -183,6 +183,26 @@ def test_generate_says_which_prompt_is_missing_or_doubled(tmp_path, capsys):
     assert capsys.readouterr().err == "refmath generate: give --prompt or --prompt-ids, not both\n"
 
 
+def test_train_and_convert_help_name_the_models_of_the_registry(capsys):
+    # The lists of models in the help are read from refmath.models.MODELS, so a new model shows.
+    from refmath.models import MODELS, model_module
+    from refmath.train import expert_models
+
+    def help_text(name):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+
+    train_help = help_text("train")
+    assert "four" not in train_help
+    for name in MODELS:
+        assert f"{name}:" in train_help or f"{name}," in train_help, name
+    assert f"{', '.join(expert_models())}: make every feed-forward" in train_help
+    assert set(expert_models()) == {"llama", "mla"}  # the configurations with a moe field today
+    writers = [name for name in MODELS if model_module(name).HF_MODEL_TYPES]
+    assert f"such a type: {', '.join(writers)}." in help_text("convert")
+
+
 def test_conformance_help_says_what_the_numpy_adapter_calls(capsys):
     with pytest.raises(SystemExit):
         main(["conformance", "attention", "--help"])

@@ -855,6 +855,35 @@ def llama_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.parametrize("model_type, written", [
+    ("falcon", "falcon"), ("gemma2", "gemma2"), ("qwen3", "qwen3"), ("olmo2", "olmo2"),
+    ("mistral", "mistral"), ("llama", "llama"), ("gpt2", "gpt2"), ("deepseek_v3", "deepseek_v3"),
+    # a Phi-3 without LongRoPE computes a windowed Mistral, and is written as one (hf.py's table)
+    ("phi3", "mistral")])
+def test_a_checkpoint_reports_its_own_family(model_type, written, tmp_path):
+    """A Falcon checkpoint is of the family "falcon" though refmath's "llama" model computes it,
+    and saving what was loaded writes the family of what it computes."""
+    random_model(model_type).save_pretrained(tmp_path / "in", safe_serialization=True)
+    assert hf.checkpoint_family(hf.read_config(tmp_path / "in")) == model_type
+    name, config, params = hf.load_checkpoint(tmp_path / "in")
+    assert name == hf.config_from_hf(hf.read_config(tmp_path / "in"))[0]
+    hf.save_checkpoint(tmp_path / "out", name, config, params)
+    assert hf.checkpoint_family(hf.read_config(tmp_path / "out")) == written
+
+
+def test_generate_names_the_checkpoints_family(tmp_path):
+    random_model("falcon").save_pretrained(tmp_path, safe_serialization=True)
+    status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
+                               "--greedy", "--max-new-tokens", "2"])
+    assert status == 0, err
+    assert "a falcon checkpoint as refmath's llama model" in err
+
+
+def test_checkpoint_family_refuses_an_unsupported_model_type():
+    with pytest.raises(hf.HFCheckpointError, match="model_type = 'mamba' is not supported"):
+        hf.checkpoint_family({"model_type": "mamba"})
+
+
 def test_refuses_an_unsupported_model_type(llama_dir):
     edit_config(llama_dir, model_type="mamba")
     assert "model_type = 'mamba' is not supported" in one_line_error(llama_dir)

@@ -15,13 +15,15 @@ import shutil
 from pathlib import Path
 
 from refmath.commands import CommandError
+from refmath.models import MODELS, model_module
 
 HELP = "write a trained model as a Hugging Face model directory"
 DESCRIPTION = (
     "Write the model of a 'train' run directory as a Hugging Face model directory (config.json "
-    "and model.safetensors) that transformers loads: GPT as gpt2 or openai-gpt, the modern "
-    "decoder as llama, MLA as a dense deepseek_v3. Needs the safetensors and tokenizers "
-    "packages: pip install 'refmath[hf]'.")
+    "and model.safetensors) that transformers loads, as the Hugging Face model type its "
+    "configuration computes; the models written are those of refmath.models.MODELS with such a "
+    f"type: {', '.join(name for name in MODELS if model_module(name).HF_MODEL_TYPES)}. Needs the "
+    "safetensors and tokenizers packages: pip install 'refmath[hf]'.")
 
 NEEDS = ("safetensors", "tokenizers")  # the weights file and tokenizer.json: the `hf` extra
 

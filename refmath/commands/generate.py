@@ -232,7 +232,8 @@ def _note_context(length: int, context: int) -> None:
 
 
 def _from_hf(args: argparse.Namespace) -> int:
-    from refmath.hf import TOKENIZER_FILE, config_from_hf, load_checkpoint, read_config
+    from refmath.hf import (TOKENIZER_FILE, checkpoint_family, config_from_hf, load_checkpoint,
+                            read_config)
     from refmath.inference.generate import generate
 
     if args.prompt is None and args.prompt_ids is None:
@@ -242,7 +243,9 @@ def _from_hf(args: argparse.Namespace) -> int:
         raise CommandError("give --prompt or --prompt-ids, not both")
     _check_sampling_flags(args, alphabet=None)
     directory = Path(args.hf)
-    config_from_hf(read_config(directory))  # refuse an unsupported model before any weight
+    hf_config = read_config(directory)
+    config_from_hf(hf_config)  # refuse an unsupported model before any weight
+    family = checkpoint_family(hf_config)  # its own model_type, "falcon" where the model is "llama"
     tokenizer = _hf_tokenizer(directory)
     if args.prompt is not None:
         if tokenizer is None:
@@ -271,5 +274,5 @@ def _from_hf(args: argparse.Namespace) -> int:
         print(",".join(str(i) for i in out))
     new = len(out) - len(prompt)
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
-    _report_speed(new, seconds, f"{model} model, {how}")
+    _report_speed(new, seconds, f"a {family} checkpoint as refmath's {model} model, {how}")
     return 0

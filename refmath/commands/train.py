@@ -11,21 +11,31 @@ from refmath._validate import check_int, check_real
 from refmath.commands import CommandError
 from refmath.malloc import retain_freed_memory
 from refmath.models import MODELS
-from refmath.train import CHECKPOINT_FILE, CONFIG_FILE, PLOT_FILE, TrainingDiverged, train
+from refmath.train import (CHECKPOINT_FILE, CONFIG_FILE, PLOT_FILE, TrainingDiverged,
+                           expert_models, recipe, train)
 
 HELP = "train a model with its hand-written backward pass and AdamW"
 DESCRIPTION = (
-    "Train one of the four models on data generated on the fly (no download), with AdamW, "
+    "Train a model of refmath.models.MODELS on data generated on the fly (no download), with AdamW, "
     "warmup-cosine learning rate and gradient clipping; writes checkpoints, a loss curve and a "
     "summary to --out.")
+
+
+def _tasks_of_models() -> str:
+    """The models of :data:`refmath.models.MODELS` grouped by the tasks their recipes learn, the
+    first the default: ``"transformer: reverse; gpt, llama, ...: chars, reverse-lm"``."""
+    groups: dict = {}
+    for name in MODELS:
+        groups.setdefault(recipe(name).tasks, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {', '.join(tasks)}" for tasks, names in groups.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments: the model, task and training settings, ``--out`` and ``--resume``."""
     parser.add_argument("--model", choices=sorted(MODELS),
-                        help="transformer: reverse digit strings; gpt, llama, mla: character-level "
-                        "language model of generated English (required for a new run; to "
-                        "resume, --model NAME stands for --out runs/NAME)")
+                        help=f"the model; the tasks each learns, its default first: "
+                        f"{_tasks_of_models()} (required for a new run; to resume, --model NAME "
+                        "stands for --out runs/NAME)")
     parser.add_argument("--task", choices=("chars", "reverse", "reverse-lm"),
                         help="chars: generated English (the decoders' default); reverse: digit "
                         "strings (the transformer's only task); reverse-lm: the reversal as prompt "
@@ -47,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "one for the default models, whose small products run slower on many "
                         "threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
     parser.add_argument("--experts", type=int, metavar="E",
-                        help="llama, mla: make every feed-forward a mixture of E SwiGLU experts "
+                        help=f"{', '.join(expert_models())}: make every feed-forward a mixture "
+                        "of E SwiGLU experts "
                         "(a new run only); the log shows the balance loss and the busiest "
                         "expert's load")
     parser.add_argument("--top-k", type=int, default=2, metavar="K",

@@ -33,6 +33,8 @@ from refmath import kernels
 from refmath.ffn import compiled_rows_choice
 from refmath.positions import rope_angles
 
+__all__ = ["compiled_layers", "CompiledLayers"]
+
 
 def compiled_layers(module, params, config) -> CompiledLayers | None:
     """The compiled decode layers of ``module`` with these ``params``, or None where the extension

@@ -38,6 +38,8 @@ from refmath.kernels import BACKENDS
 from refmath.softmax import (online_softmax_block, online_softmax_empty, online_softmax_merge,
                              online_softmax_result)
 
+__all__ = ["decode_attention", "paged_decode_attention"]
+
 
 
 def _check_backend(backend: str, **arrays) -> None:

@@ -25,6 +25,8 @@ from refmath.inference.sampling import token_picker
 from refmath.inference.weight_layout import in_decode_layout
 from refmath.models import DECODER_ONLY, MODELS, model_module
 
+__all__ = ["generate", "generate_seq2seq"]
+
 # ---- the decoding loop ---------------------------------------------------------------------------
 
 def _check_ids(name: str, ids, vocab_size: int) -> np.ndarray:

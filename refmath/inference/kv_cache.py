@@ -68,6 +68,11 @@ from refmath.models.common import SplitParams
 from refmath.models.params import check_param_dict
 from refmath.models.batch import check_tokens
 
+__all__ = [
+    "PairCounts", "KVCache", "LatentCache", "empty_cache", "prefill", "decode_step", "Generation",
+    "generate_cached", "generate_naive", "sliding_next_logits"
+]
+
 MLA_PATHS = ("absorbed", "expanded")
 
 

@@ -42,6 +42,8 @@ import numpy as np
 from refmath._validate import check_axis, check_int, check_ndim, float_array
 from refmath.inference.decode import paged_decode_attention
 
+__all__ = ["OutOfPagesError", "page_and_offset", "pages_needed", "PageAllocator", "PagedKVCache"]
+
 
 class OutOfPagesError(RuntimeError):
     """Raised when an allocation needs more pages than the pool has free.

@@ -40,6 +40,11 @@ import numpy as np
 from refmath._validate import check_axis, check_choice, check_int, check_min_ndim, check_ndim, float_array
 from refmath.attention import causal_mask, gqa_head_map, sdpa_forward
 
+__all__ = [
+    "BITS", "SCALE_DTYPES", "q_max", "pack_int4", "unpack_int4", "QuantizedTensor", "quantize",
+    "dequantize", "QuantizedKVCache", "decode_with_quantized_cache"
+]
+
 BITS = (4, 8)
 SCALE_DTYPES = (np.float16, np.float32)
 

@@ -20,6 +20,11 @@ import numpy as np
 
 from refmath._validate import check_flag, check_int, check_ndim, check_real, float_array
 
+__all__ = [
+    "check_sampling_args", "top_k_filter", "top_p_filter", "check_logits",
+    "next_token_distribution", "sample_token", "token_picker"
+]
+
 
 # ---- turning logits into a distribution ----------------------------------------------------------
 

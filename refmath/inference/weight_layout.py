@@ -24,6 +24,8 @@ import numpy as np
 
 from refmath._validate import float_array
 
+__all__ = ["decode_layout", "in_decode_layout"]
+
 # Multi-head latent attention's absorbed step reads these as (d_c, heads, d) blocks (a reshape,
 # which a transposed layout would turn into a copy at every step), so they keep refmath's layout.
 _RESHAPED = ("w_uk", "w_uv")

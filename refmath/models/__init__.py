@@ -28,6 +28,11 @@ from typing import NamedTuple
 from refmath._validate import check_choice
 from refmath.models.contract import check_module
 
+__all__ = [
+    "ModelEntry", "MODELS", "DECODER_ONLY", "model_module", "config_class", "check_config",
+    "model_name"
+]
+
 
 class ModelEntry(NamedTuple):
     module: str  # import path of the model's file

@@ -14,6 +14,8 @@ import numpy as np
 from refmath._validate import check_ndim, int_array
 from refmath.losses import IGNORE_INDEX
 
+__all__ = ["check_tokens", "check_lm_batch"]
+
 LM_BATCH_KEYS = ("tokens", "targets", "loss_mask")
 
 

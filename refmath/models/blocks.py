@@ -24,6 +24,13 @@ from refmath import fused as fused_ops
 from refmath.models.common import apply_mask, prefixed
 from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
 
+__all__ = [
+    "NORMS", "LayerNormNoBiasCache", "norm_forward", "norm_backward", "SublayerCache",
+    "sublayer_forward", "sublayer_backward", "parallel_forward", "parallel_backward",
+    "ffn_forward", "ffn_backward", "geglu_ffn_backward", "PlainFFNCache", "plain_ffn_forward",
+    "plain_ffn_backward", "PostNormCache", "post_normed", "post_normed_backward"
+]
+
 # the layer norms: RMSNorm (N2), LayerNorm with its bias (N1, Falcon) or without one (PaLM)
 NORMS = ("rmsnorm", "layernorm", "layernorm_no_bias")
 

@@ -10,6 +10,11 @@ import numpy as np
 from refmath import moe as moe_ops
 from refmath.losses import IGNORE_INDEX
 
+__all__ = [
+    "case_params", "case_batch", "model_case_maker", "routed_experts", "routing_margin",
+    "SelectionChanged", "moe_case_maker"
+]
+
 
 def case_params(init_params, config, rng) -> dict:
     """``init_params`` with the norm gains moved off 1 and LayerNorm biases off 0, so that their

@@ -55,6 +55,15 @@ from refmath.models.params import check_param_dict, draw_params
 from refmath.positions import RoPECache, rope_backward, rope_forward
 from refmath.registry import ParamCase, register_case
 
+__all__ = [
+    "CohereConfig", "TRAINING_RECIPE", "param_shapes", "init_params", "head_norm_forward",
+    "head_norm_backward", "rope_options", "cache_stale", "attention_forward", "attention_backward",
+    "layer_forward", "layer_backward", "network_forward", "network_backward", "forward",
+    "backward", "logits", "cache_spec", "embed", "cached_layer", "head", "COMPILED_FIELDS",
+    "compiled_layer_spec", "sizing_fields", "HF_MODEL_TYPES", "key_table", "config_from_hf",
+    "params_from_hf", "to_hf"
+]
+
 # ---- configuration -------------------------------------------------------------------------------
 
 

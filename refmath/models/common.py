@@ -12,6 +12,11 @@ from typing import Callable, NamedTuple
 
 from refmath.ffn import matmul_rows_many
 
+__all__ = [
+    "AttentionOps", "TrainingRecipe", "CacheSpec", "sub_params", "SplitParams", "projections",
+    "prefixed", "dropout_mask", "apply_mask"
+]
+
 
 class AttentionOps(NamedTuple):
     """What a layer needs from its attention sublayer (GPT's biased MHA, M3's RoPE + GQA, M4's MLA).

@@ -47,6 +47,8 @@ from __future__ import annotations
 import dataclasses
 from types import ModuleType
 
+__all__ = ["required_names", "check_module", "ANY", "allowed"]
+
 EVERY_MODEL = ("param_shapes", "init_params", "forward", "backward", "logits", "TRAINING_RECIPE",
                "HF_MODEL_TYPES")
 HF_MODEL = ("config_from_hf", "params_from_hf", "to_hf", "sizing_fields")

@@ -91,6 +91,15 @@ from refmath.models.params import check_param_dict, draw_params
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
+__all__ = [
+    "TRAINING_RECIPE", "is_moe_layer", "decoder_param_shapes", "init_decoder_params",
+    "param_shapes", "init_params", "norm_forward", "layer_norm", "LayerCache", "block_forward",
+    "layer_forward", "layer_backward", "DecoderCache", "decoder_forward", "decoder_backward",
+    "lm_forward", "moe_aux_loss", "expert_loads", "layer_states", "forward", "backward",
+    "decoder_logits", "logits", "layer_kv", "cache_spec", "embed", "head", "family_cached_layer",
+    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields"
+]
+
 
 # The default of `python -m refmath train` (as GPT's: about 2.5 min on two busy CPU cores).
 TRAINING_RECIPE = TrainingRecipe(

@@ -19,6 +19,12 @@ from refmath.moe import MoEConfig, as_moe_config
 from refmath.models.blocks import NORMS
 from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
 
+__all__ = [
+    "check_shared_fields", "ffn_width", "FamilyConfig", "QK_NORMS", "FFN_ACTIVATIONS",
+    "GATED_ACTIVATIONS", "PLAIN_ACTIVATIONS", "DecoderConfig", "gain", "attention_options",
+    "layer_config", "PALM", "PRESETS", "preset"
+]
+
 
 # ---- configuration -------------------------------------------------------------------------------
 

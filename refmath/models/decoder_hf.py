@@ -16,6 +16,10 @@ from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheck
                                       take_phi3_layer, take_swiglu)
 from refmath.models.decoder_config import DecoderConfig
 
+__all__ = [
+    "HF_MODEL_TYPES", "GEMMA_TYPES", "QWEN_TYPES", "config_from_hf", "params_from_hf", "to_hf"
+]
+
 
 # ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, gemma, olmo2, phi3 ----
 

@@ -53,6 +53,17 @@ from refmath.positions import (
 )
 from refmath.registry import ParamCase, register_case
 
+__all__ = [
+    "TRAINING_RECIPE", "param_shapes", "init_params", "attention_sublayer_forward",
+    "mha_attention_forward", "mha_attention_state", "KernelAttentionCache",
+    "kernel_attention_forward", "kernel_attention_backward", "kernel_attention_state",
+    "cached_attention", "MHA_ATTENTION", "KERNEL_ATTENTION", "attention_ops",
+    "attention_sublayer_backward", "layer_forward", "layer_backward", "forward", "backward",
+    "logits", "cache_spec", "embed", "cached_layer", "head", "cache_stale", "rope_options",
+    "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields", "HF_MODEL_TYPES", "config_from_hf",
+    "params_from_hf", "to_hf"
+]
+
 # The default of `python -m refmath train`: about 2.5 min on two busy CPU cores in float32 for a
 # validation loss of 0.47 nats/char (2.91 for the unigram baseline, 0.42 for the entropy rate of
 # the text); on task "reverse-lm", 100% exact match in 40 s. No dropout: the data is generated, so

@@ -11,6 +11,8 @@ from refmath._validate import (check_choice, check_field, check_flag, check_int,
                                check_window_layers)
 from refmath.attention import ATTENTION_BACKENDS
 
+__all__ = ["NORM_POSITIONS", "GPTConfig", "layer_window", "layer_config", "GPT_CONFIGS"]
+
 NORM_POSITIONS = ("pre", "post")
 
 

@@ -17,6 +17,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+__all__ = [
+    "HFCheckpointError", "refuse", "require", "refuse_common", "rope_from_hf", "rope_context",
+    "rope_to_hf", "take_head", "MIXTRAL_EXPERTS", "QWEN_MOE_EXPERTS", "DEEPSEEK_EXPERTS",
+    "take_moe", "take_swiglu", "take_feed_forward_layer", "take_phi3_layer", "fuse_phi3",
+    "take_ends", "linear_out", "swiglu_layers_to_hf", "interleaved_to_half", "split_heads_columns",
+    "join_heads_columns"
+]
+
 
 class HFCheckpointError(ValueError):
     """A Hugging Face checkpoint refmath cannot load or write: said in one line, naming the file,

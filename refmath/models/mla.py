@@ -71,6 +71,14 @@ from refmath.positions import (RoPECache, RopeScaling, as_rope_scaling, rope_bac
                                rope_forward, rope_inv_freq, rope_softmax_scale)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
+__all__ = [
+    "MLAConfig", "PRESETS", "preset", "TRAINING_RECIPE", "mla_rope", "mla_scale", "mla_forward",
+    "mla_backward", "mla_state", "mla_cached", "MLA", "param_shapes", "init_params", "forward",
+    "backward", "logits", "layer_latents", "cache_spec", "embed", "head", "cache_stale",
+    "rope_options", "COMPILED_FIELDS", "compiled_layer_spec", "cached_layer", "sizing_fields",
+    "HF_MODEL_TYPES", "config_from_hf", "params_from_hf", "to_hf"
+]
+
 
 @dataclass(frozen=True, kw_only=True)
 class MLAConfig(FamilyConfig):

@@ -9,6 +9,8 @@ import numpy as np
 
 from refmath._validate import float_array
 
+__all__ = ["check_param_dict", "draw_params"]
+
 
 def check_param_dict(params, shapes: dict) -> np.dtype:
     """Require exactly the names of ``shapes``, each a floating NumPy array of its shape, all of

@@ -17,6 +17,12 @@ from refmath.positions import (RoPECache, rope_backward, rope_forward, rope_freq
                                rope_inv_freq)
 from refmath.models.decoder_config import DecoderConfig, attention_options, gain
 
+__all__ = [
+    "RoPEAttentionCache", "rope_attention_shapes", "rope_options", "queries_keys",
+    "rope_attention_forward", "rope_attention_backward", "rope_attention_state",
+    "rope_attention_cached", "ROPE_GQA", "cache_stale"
+]
+
 
 # ---- the attention sublayer as a parameter of the recurrence ---------------------------------------
 

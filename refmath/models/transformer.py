@@ -57,6 +57,13 @@ from refmath.norms import LayerNormCache, layernorm_backward, layernorm_forward
 from refmath.positions import sinusoidal_positions
 from refmath.registry import ParamCase, register_case
 
+__all__ = [
+    "TransformerConfig", "TRANSFORMER_BASE", "TRANSFORMER_TINY", "TRAINING_RECIPE",
+    "HF_MODEL_TYPES", "param_shapes", "init_params", "attention_sublayer_forward",
+    "attention_sublayer_backward", "ffn_sublayer_forward", "ffn_sublayer_backward", "shift_right",
+    "forward", "backward", "encode", "decode", "logits"
+]
+
 
 _ATTN = ("w_q", "w_k", "w_v", "w_o")
 _LN = ("gamma", "beta")
