@@ -436,3 +436,100 @@ def test_the_memory_limit_is_per_test_not_per_process(tmp_path, hostile_sandbox)
                     sandbox=hostile_sandbox)
     assert results["score"] == 2.0, summary(results)
     assert "all its processes together" in results["tests"][0]["output"], summary(results)
+
+
+# ---- a backward that differentiates the student's own forward does not pay ----------------------
+
+# LayerNorm by a complex step, one column at a time for all rows at once: d forward calls.
+COMPLEX_STEP_LAYERNORM = '''
+def layernorm_backward(dout, cache):
+    xhat, rstd, gamma = cache.xhat, cache.rstd, cache.gamma
+    x = xhat / rstd  # LayerNorm ignores the mean: the same Jacobian
+
+    def forward(z):  # the forward, in complex arithmetic
+        mu = z.mean(axis=-1, keepdims=True)
+        var = ((z - mu) ** 2).mean(axis=-1, keepdims=True)
+        return (z - mu) / np.sqrt(var + 1e-5) * gamma
+    dx = np.zeros_like(x)
+    for j in range(x.shape[-1]):
+        z = x.astype(complex)
+        z[..., j] += 1e-30j
+        dx[..., j] = np.sum(forward(z).imag * dout, axis=-1) / 1e-30
+    axes = tuple(range(dout.ndim - 1))
+    return dx, np.sum(dout * xhat, axis=axes), np.sum(dout, axis=axes)
+'''
+
+# RMSNorm by forward mode: a dual number (value, tangent) pushed through the forward, one column
+# seeded at a time for all rows at once: d forward passes.
+DUAL_RMSNORM = '''
+def rmsnorm_backward(dout, cache):
+    x, gamma = cache.x, cache.gamma
+
+    def forward(value, tangent):  # RMSNorm on dual numbers
+        mean, dmean = np.mean(value * value, -1, keepdims=True), np.mean(2 * value * tangent, -1, keepdims=True)
+        r, dr = (mean + 1e-6) ** -0.5, -0.5 * (mean + 1e-6) ** -1.5 * dmean
+        return value * r * gamma, (tangent * r + value * dr) * gamma
+    dx = np.zeros_like(x)
+    for j in range(x.shape[-1]):
+        seed = np.zeros_like(x)
+        seed[..., j] = 1
+        dx[..., j] = np.sum(forward(x, seed)[1] * dout, axis=-1)
+    return dx, np.sum(dout * x * cache.rrms, axis=tuple(range(dout.ndim - 1)))
+'''
+
+# RoPE by forward mode: its pairs never mix, so two seeded passes (each coordinate of every pair at
+# once) give the whole Jacobian; the forward itself does the pushing.
+DUAL_ROPE = '''
+def rope_backward(dout, cache):
+    half = dout.shape[-1] // 2
+    slots = ((np.s_[..., 0::2], np.s_[..., 1::2]) if cache.layout == "interleaved"
+             else (np.s_[..., :half], np.s_[..., half:]))
+    dx = np.zeros_like(dout)
+    for seeded in slots:
+        value = _rotate_pairs(np.zeros_like(dout), cache.cos, cache.sin, cache.layout)
+        seed = np.zeros_like(dout)
+        seed[seeded] = 1
+        tangent = value + _rotate_pairs(seed, cache.cos, cache.sin, cache.layout)
+        dx[seeded] = dout[slots[0]] * tangent[slots[0]] + dout[slots[1]] * tangent[slots[1]]
+    return dx
+'''
+
+
+def replaced(path: str, function: str, definition: str) -> str:
+    """The reference ``path`` with ``function`` replaced by ``definition``."""
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    start = text.index(f"\ndef {function}(") + 1
+    end = text.index("\ndef ", start + 5)
+    return text[:start] + definition.strip() + "\n\n" + text[end:]
+
+
+DIFFERENTIATORS = {  # name -> (file, function, definition, the tests it is graded on)
+    "complex step, LayerNorm": ("refmath/norms.py", "layernorm_backward", COMPLEX_STEP_LAYERNORM,
+                                "layernorm_backward_large,layernorm_backward_batched"),
+    "dual numbers, RMSNorm": ("refmath/norms.py", "rmsnorm_backward", DUAL_RMSNORM,
+                              "rmsnorm_backward_batched,rmsnorm_backward_float32"),
+    "dual numbers, RoPE": ("refmath/positions.py", "rope_backward", DUAL_ROPE, "rope_backward_autograd"),
+}
+
+
+def norms_ffn_reference(folder):
+    for name in ("norms.py", "ffn.py", "positions.py"):
+        with open(os.path.join(ROOT, "refmath", name)) as f:
+            (folder / "refmath").mkdir(parents=True, exist_ok=True)
+            (folder / "refmath" / name).write_text(f.read())
+
+
+@pytest.mark.parametrize("how", list(DIFFERENTIATORS))
+def test_differentiating_the_forward_scores_nothing(tmp_path, hostile_sandbox, how):
+    path, function, definition, only = DIFFERENTIATORS[how]
+    m = manifests_load("norms_ffn")
+    norms_ffn_reference(tmp_path / "honest")
+    norms_ffn_reference(tmp_path / "attack")
+    (tmp_path / "attack" / path).write_text(replaced(path, function, definition))
+    honest = grade(m, str(tmp_path / "honest"), ROOT, only=only, sandbox=hostile_sandbox)
+    attack = grade(m, str(tmp_path / "attack"), ROOT, only=only, sandbox=hostile_sandbox)
+    print(how, [t["output"].splitlines()[0] for t in attack["tests"]])
+    assert honest["score"] == honest["max_score"], summary(honest)
+    assert attack["score"] == 0, summary(attack)
+    assert "refused" not in attack["output"]  # it ran, and it did not pay

@@ -27,8 +27,8 @@
 #
 # Public tests: `python -m pytest -q tests`. The hidden tests compare with dense attention and its
 # autograd on lengths that the blocks do not divide, with GQA, causal and sliding-window masks, and
-# measure the peak memory of both passes with `tracemalloc` at two lengths: it must grow like the
-# length, not like its square.
+# the grader reads from the kernel the peak resident memory of all the test's processes while both
+# passes run at T = 8192: it must stay below a quarter of one T x T score matrix.
 
 # %% [markdown]
 # **What is graded, and what is refused.** Only the functions listed above are taken from the files

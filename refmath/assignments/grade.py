@@ -25,9 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
+
 from refmath._validate import check_real
 from refmath.assignments.build import TEACHING, library_files, stub_library
-from refmath.assignments.checks import Case, Verdict, run_source
+from refmath.assignments.checks import IDLE_CPU_S, Case, Verdict, run_source
 from refmath.assignments.extract import (install_lines, submitted_module, submitted_path,
                                          take_functions)
 from refmath.assignments.manifest import Limits, Manifest
@@ -174,6 +176,8 @@ def _grade_test(name: str, points: float, hidden: HiddenTests, library, sandbox:
                               f"{type(error).__name__}: {clean(error, 300)}", "", 0.0)
     if outcome.status == "ok":
         try:
+            if case.costed:
+                outcome.value[IDLE_CPU_S] = np.array(sandbox.idle_cpu_s())
             verdict = case.check(outcome.value)
             if not isinstance(verdict, Verdict):
                 raise TypeError(f"check returned {type(verdict).__name__}, not a Verdict")

@@ -31,8 +31,8 @@ from __future__ import annotations
 import fcntl
 import glob
 import importlib.util
-import secrets
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmath.assignments import usage, wire
+from refmath.assignments import checks, usage, wire
 from refmath.assignments.manifest import Limits
 from refmath.assignments.text import clean
 
@@ -232,6 +232,7 @@ class Sandbox:
         # on every driver's command line (and so of every process it forks): what is this
         # sandbox's, for a test to count, on a machine where others grade too
         self.tag = f"refmath-sandbox-{secrets.token_hex(6)}"
+        self._idle_cpu = None
 
     def probe(self) -> str | None:
         """``None`` when a trivial test runs in this sandbox, else why not (one line)."""
@@ -249,6 +250,17 @@ class Sandbox:
         if self.mode == "bubblewrap" and bytes(outcome.value["net"]).decode() == "open":
             return "the network was reachable inside the sandbox"
         return None
+
+    def idle_cpu_s(self) -> float:
+        """CPU seconds of a test that does nothing (the interpreter, NumPy, the driver), measured
+        once: what a cost check takes off a test's CPU time before comparing it."""
+        if self._idle_cpu is None:
+            limits = Limits(wall_s=30, cpu_s=10, memory_mb=1024, output_kb=64)
+            runs = [self.run({"refmath/__init__.py": ""}, "def idle():\n    return {}\n", "idle",
+                             {}, limits) for _ in range(2)]
+            self._idle_cpu = min(float(r.value[checks.CPU_S]) if r.status == "ok" else 0.0
+                                 for r in runs)
+        return self._idle_cpu
 
     def _readable_site(self) -> dict[str, str]:
         """The student packages where the sandbox uids can read them: a package the grader finds
@@ -391,8 +403,8 @@ class Sandbox:
         if head is not None and head.get("status") == "ok" and isinstance(value, dict):
             # measured by the kernel, outside the student's process: whatever it sent under these
             # names is replaced
-            value["grader:peak_rss"] = np.array(peak)
-            value["grader:cpu_s"] = np.array(rusage.ru_utime + rusage.ru_stime)
+            value[checks.PEAK_RSS] = np.array(peak)
+            value[checks.CPU_S] = np.array(max(rusage.ru_utime + rusage.ru_stime, watch.cpu_s))
         return self._outcome(output_path, limits, head, value, problem, returncode, seconds)
 
     def _kill(self, process: subprocess.Popen, uid: int | None) -> None:

@@ -10,9 +10,11 @@ process tree itself:
   sum passes the test's memory limit: the limit is per test, all its processes together, not per
   process (the rlimits the driver sets stay as a second line). A process that lives less than
   :data:`PERIOD` can be missed; a computation big enough to matter takes far longer;
+- the same readings give each process's CPU time (``/proc/PID/stat``), to within :data:`PERIOD`;
 - when it ends, :func:`wait` reaps it with ``wait4``, whose resource usage covers the process and
-  every descendant reaped before it: the CPU time of all of them. (Its ``ru_maxrss`` is not used:
-  it counts the grader's own memory, which the first process shared until its ``exec``.)
+  every descendant reaped before it: the CPU time of all of them where they were reaped (not
+  across bubblewrap's PID namespace, whose processes the readings count). Its ``ru_maxrss`` is not
+  used: it counts the grader's own memory, which the first process shared until its ``exec``.
 
 The test's processes are those of its own uid where the grader gives it one (a root grader),
 else the descendants of the process the grader started.
@@ -38,19 +40,26 @@ def _children(parent_of: dict[int, int], root: int) -> set[int]:
     return tree
 
 
-def _memory(pid) -> tuple[int, int]:
-    """``(resident bytes now, peak resident bytes since its exec)`` of one process."""
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _reading(pid) -> tuple[int, int, float]:
+    """``(resident bytes now, peak resident bytes since its exec, CPU seconds so far)`` of one
+    process."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             fields = dict(line.split(b":", 1) for line in f if b":" in line)
-        return int(fields[b"VmRSS"].split()[0]) * 1024, int(fields[b"VmHWM"].split()[0]) * 1024
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[b"VmRSS"].split()[0]) * 1024, int(fields[b"VmHWM"].split()[0]) * 1024,
+                (int(stat[11]) + int(stat[12])) / TICK)
     except (OSError, KeyError, ValueError, IndexError):  # gone, or a kernel thread
-        return 0, 0
+        return 0, 0, 0.0
 
 
-def tree_memory(root: int, uid: int | None) -> tuple[int, int]:
-    """``(bytes resident in the test's processes now, the largest peak of one of them)``: the
-    processes of ``uid``, else ``root``'s tree."""
+def tree_readings(root: int, uid: int | None) -> dict[int, tuple[int, int, float]]:
+    """:func:`_reading` of each of the test's processes: those of ``uid``, else ``root``'s
+    tree."""
     parent_of, ours = {}, []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -66,8 +75,7 @@ def tree_memory(root: int, uid: int | None) -> tuple[int, int]:
             continue
     if uid is None:
         ours = _children(parent_of, root)
-    readings = [_memory(pid) for pid in ours]
-    return sum(r[0] for r in readings), max((r[1] for r in readings), default=0)
+    return {pid: _reading(pid) for pid in ours}
 
 
 class Watch(threading.Thread):
@@ -77,12 +85,16 @@ class Watch(threading.Thread):
         super().__init__(daemon=True)
         self.root, self.uid, self.limit, self.stop_test = root, uid, limit, stop
         self.peak, self.over = 0, False
+        self.cpu = {}  # pid -> its CPU seconds at the last reading
         self._done = threading.Event()
 
     def run(self):
         while not self._done.wait(PERIOD):
-            used, one = tree_memory(self.root, self.uid)
-            self.peak = max(self.peak, used, one)
+            readings = tree_readings(self.root, self.uid)
+            used = sum(r[0] for r in readings.values())
+            self.peak = max(self.peak, used, *(r[1] for r in readings.values()))
+            for pid, reading in readings.items():
+                self.cpu[pid] = max(self.cpu.get(pid, 0.0), reading[2])
             if used > self.limit and not self.over:
                 self.over = True
                 self.stop_test()
@@ -90,6 +102,11 @@ class Watch(threading.Thread):
     def finish(self):
         self._done.set()
         self.join()
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of the test's processes as last read (to within :data:`PERIOD` of each)."""
+        return sum(self.cpu.values())
 
 
 def wait(pid: int, deadline: float | None) -> tuple[int | None, object | None]:
