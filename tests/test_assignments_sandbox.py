@@ -439,13 +439,55 @@ def test_user_mode_runs_as_its_own_uid_and_kills_what_it_left(monkeypatch, tmp_p
     secret = tmp_path / "hidden_tests.py"
     secret.write_text("# the grader's\n")
     os.chmod(tmp_path, 0o700)  # as run_autograder makes /autograder
-    sandbox = sandboxes.Sandbox("user", unreadable=(str(secret),))
+    sandbox = sandboxes.Sandbox("user", unreadable=(str(secret),), search_roots=(str(tmp_path),))
     assert sandbox.probe() is None
     before = sandbox_uid_processes(sandbox)
     outcome = run(sandbox, ESCAPE)
     assert outcome.status == "ok", outcome.message + outcome.output
     time.sleep(0.5)
     assert sandbox_uid_processes(sandbox) == before
+
+
+LITTER = '''
+def probe():
+    import os
+    for folder in ("/tmp", "/dev/shm"):
+        os.makedirs(os.path.join(folder, "refmath-litter-dir"), exist_ok=True)
+        with open(os.path.join(folder, "refmath-litter-dir", "f"), "w") as f:
+            f.write("x")
+        with open(os.path.join(folder, "refmath-litter"), "w") as f:
+            f.write("x")
+    return {"uid": np.array(os.getuid())}
+'''
+
+
+def test_user_mode_removes_what_a_test_left_in_shared_folders(monkeypatch, tmp_path):
+    monkeypatch.setenv("REFMATH_SANDBOX_PYTHON", user_mode_python())
+    sandbox = sandboxes.Sandbox("user", search_roots=(str(tmp_path),))
+    outcome = run(sandbox, LITTER)
+    assert outcome.status == "ok", outcome.message + outcome.output
+    left = [p for p in glob.glob("/tmp/refmath-litter*") + glob.glob("/dev/shm/refmath-litter*")
+            if os.lstat(p).st_uid == int(outcome.value["uid"])]
+    assert left == []
+
+
+def test_user_mode_refuses_where_a_copy_of_the_reference_is_readable(monkeypatch):
+    monkeypatch.setenv("REFMATH_SANDBOX_PYTHON", user_mode_python())
+    folder = tempfile.mkdtemp(dir="/tmp")  # a checkout elsewhere on the machine, world-readable
+    try:
+        os.chmod(folder, 0o755)
+        os.makedirs(os.path.join(folder, "copy", "refmath"))
+        for sub in ("copy", "copy/refmath"):
+            os.chmod(os.path.join(folder, sub), 0o755)
+        with open(os.path.join(folder, "copy", "refmath", "attention.py"), "w") as f:
+            f.write("def sdpa_forward():\n    # BEGIN SOLUTION\n    pass\n")
+        os.chmod(os.path.join(folder, "copy", "refmath", "attention.py"), 0o644)
+        problem = sandboxes.Sandbox("user", search_roots=(folder,)).probe()
+        assert problem is not None and "copy/refmath/attention.py" in problem, problem
+        os.chmod(os.path.join(folder, "copy"), 0o700)  # as the instructor is told to
+        assert sandboxes.Sandbox("user", search_roots=(folder,)).probe() is None
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_user_mode_refuses_to_run_where_it_can_read_the_grader(monkeypatch):
@@ -457,7 +499,7 @@ def test_user_mode_refuses_to_run_where_it_can_read_the_grader(monkeypatch):
         with open(secret, "w") as f:
             f.write("# readable by everyone\n")
         os.chmod(secret, 0o644)
-        problem = sandboxes.Sandbox("user", unreadable=(secret,)).probe()
+        problem = sandboxes.Sandbox("user", unreadable=(secret,), search_roots=(folder,)).probe()
     finally:
         shutil.rmtree(folder)
     assert problem is not None and f"the sandbox user can read {secret}" in problem

@@ -36,6 +36,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -176,6 +177,33 @@ def _kill_user(uid: int) -> None:
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")  # where any uid may leave files
+
+
+def remove_files_of(uid: int, folders=SHARED_WRITABLE) -> None:
+    """Remove what ``uid`` left in the folders every user may write to (``user`` mode: its
+    processes are dead by now), never following a link."""
+    for folder in folders:
+        for top, dirs, files in os.walk(folder, topdown=True):
+            for name in [*dirs, *files]:
+                path = os.path.join(top, name)
+                try:
+                    info = os.lstat(path)
+                except OSError:
+                    continue
+                if info.st_uid != uid:
+                    continue
+                if name in dirs:
+                    dirs.remove(name)
+                if stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+
 PROBE = '''
 def probe(port):
     import os, socket
@@ -208,13 +236,42 @@ def claim_uids() -> tuple[int, int]:
     raise RuntimeError(f"all {UID_BLOCKS} blocks of sandbox uids are held by other graders")
 
 
+# Walks the given roots as the test's uid for what a submission would look for: a refmath whose
+# sources hold solution regions, or hidden tests; returns the first it can read.
+SEARCH = '''
+def search(roots, seconds):
+    import os, time
+    start = time.monotonic()
+    skip = {"/proc", "/sys", "/dev", "/run"}
+    for root in roots:
+        for top, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if os.path.join(top, d) not in skip]
+            if time.monotonic() - start > seconds:
+                return {"found": np.zeros(0, np.uint8), "finished": np.array(0)}
+            for name in files:
+                path = os.path.join(top, name)
+                if not (path.endswith("refmath/attention.py") or path.endswith("hidden/tests.py")):
+                    continue
+                try:
+                    with open(path, "rb") as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                if b"# BEGIN SOLUTION" in text or b"@hidden_test" in text:
+                    return {"found": np.frombuffer(path.encode(), np.uint8), "finished": np.array(1)}
+    return {"found": np.zeros(0, np.uint8), "finished": np.array(1)}
+'''
+SEARCH_S = 20  # seconds the user mode's search may take
+
+
 class Sandbox:
     """Runs student-side code in one of :data:`MODES`.
 
-    ``unreadable``: in ``user`` mode, paths the driver must fail to read before it runs anything.
+    ``unreadable``: in ``user`` mode, paths the driver must fail to read before it runs anything;
+    ``search_roots``: where the ``user`` mode's probe looks for readable reference copies.
     """
 
-    def __init__(self, mode: str, unreadable: tuple[str, ...] = ()):
+    def __init__(self, mode: str, unreadable: tuple[str, ...] = (), search_roots=("/",)):
         if mode not in MODES:
             raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
         if mode == "user" and os.geteuid() != 0:  # it runs each test as a uid of its own
@@ -224,6 +281,7 @@ class Sandbox:
             else (None, None)
         self._copies = None  # the world-readable copies of the student packages (user mode)
         self.unreadable = tuple(unreadable)
+        self.search_roots = tuple(search_roots)
         self.site = student_site()
         if mode == "user":
             self.site = self._readable_site()
@@ -249,6 +307,27 @@ class Sandbox:
             return outcome.message + (f" ({printed})" if printed else "")
         if self.mode == "bubblewrap" and bytes(outcome.value["net"]).decode() == "open":
             return "the network was reachable inside the sandbox"
+        if self.mode == "user":
+            return self._search_for_references()
+        return None
+
+    def _search_for_references(self) -> str | None:
+        """In ``user`` mode, the test's uid reads what any user may read: walk the file system as
+        that uid, as a submission would, and refuse if it finds a copy of the reference solutions
+        (a checkout, an installed refmath) or of hidden tests, or cannot finish looking."""
+        limits = Limits(wall_s=SEARCH_S + 15, cpu_s=SEARCH_S + 5, memory_mb=1024, output_kb=64)
+        outcome = self.run({"refmath/__init__.py": ""}, SEARCH, "search",
+                           {"roots": list(self.search_roots), "seconds": float(SEARCH_S)}, limits)
+        if outcome.status != "ok":
+            return f"the search for readable reference copies failed: {outcome.message}"
+        found = bytes(outcome.value["found"]).decode("utf-8", "replace")
+        if found:
+            return (f"the sandbox user can read {found}, a copy of the reference solutions or "
+                    "hidden tests: make it unreadable to other users (chmod o-rx on a folder "
+                    "above it)")
+        if not int(outcome.value["finished"]):
+            return (f"the search for readable reference copies did not finish in {SEARCH_S} s: "
+                    "the user mode cannot show that none is readable")
         return None
 
     def idle_cpu_s(self) -> float:
@@ -310,6 +389,7 @@ class Sandbox:
         finally:
             if self.mode == "user":
                 _kill_user(uid)
+                remove_files_of(uid)
             shutil.rmtree(folder, ignore_errors=True)
             self._free(slot)
 
