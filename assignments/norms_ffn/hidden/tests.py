@@ -267,11 +267,11 @@ def numpy_rotation(x, positions, layout, base=10000.0):
     theta = np.asarray(positions, np.float64)[:, None] * base ** (-2.0 * np.arange(d // 2) / d)
     c, s = np.cos(theta), np.sin(theta)
     a, b = (x[..., 0::2], x[..., 1::2]) if layout == "interleaved" else (x[..., :d // 2], x[..., d // 2:])
-    out = np.empty_like(x)
-    first, second = (out[..., 0::2], out[..., 1::2]) if layout == "interleaved" else \
-        (out[..., :d // 2], out[..., d // 2:])
+    rotated = np.empty_like(x)
+    first, second = (rotated[..., 0::2], rotated[..., 1::2]) if layout == "interleaved" else \
+        (rotated[..., :d // 2], rotated[..., d // 2:])
     first[...], second[...] = a * c + b * s, b * c - a * s
-    return out
+    return rotated
 
 
 ROPE_REPEAT = 8  # backward calls on the costed input, each layout
