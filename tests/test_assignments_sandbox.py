@@ -229,7 +229,9 @@ def test_the_given_module_cannot_be_rebound_from_outside(tmp_path):
     ("def wanted(x):\n    import refmath.m as m\n    m.helper = None\n", "sets or deletes m.helper"),
     ("def wanted(x):\n    helper.__code__ = None\n", "__code__"),
     ("def wanted(x):\n    import sys\n    return sys\n", "imports sys"),
-    ("def wanted(x):\n    return getattr(helper, '__globals__')\n", "__globals__"),
+    ("def wanted(x):\n    return getattr(helper, '__globals__')\n", "getattr"),
+    ("def wanted(x):\n    return helper.__getattribute__('__glob' + 'als__')\n", "__getattribute__"),
+    ("def wanted(x):\n    import operator\n    return operator.attrgetter('x')\n", "imports operator"),
 ])
 def test_code_that_runs_when_defined_or_reaches_past_its_values_is_refused(definition, why):
     module, taken, notes = submitted_module(GIVEN, definition, ["wanted"], "refmath/m.py")

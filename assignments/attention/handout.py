@@ -38,9 +38,10 @@
 # when it holds code that would run as it is defined (a decorator; a default value other than a
 # literal or a name; an annotation that calls something), or when its body reaches past its own
 # values: it sets or deletes an attribute of anything but its parameters and its own variables, uses
-# a dunder attribute (`__dict__`, `__globals__`...), `globals`, `vars`, `setattr`, `delattr`, `exec`,
-# `eval`, `compile` or `__import__`, or imports `sys`, `gc`, `ctypes`, `inspect`, `importlib`,
-# `builtins`, `types`, `pickle` or the like. Submit plain UTF-8 files (no links), each at most 1 MiB.
+# a dunder attribute (`__dict__`, `__globals__`...), `globals`, `vars`, `getattr`, `setattr`,
+# `delattr`, `exec`, `eval`, `compile` or `__import__`, or imports `sys`, `gc`, `ctypes`, `inspect`,
+# `importlib`, `builtins`, `types`, `pickle` or the like. Submit plain UTF-8 files (no links), each
+# at most 1 MiB.
 
 # %%
 import numpy as np

@@ -196,10 +196,11 @@ def submitted_module(given: str, submitted: str, functions: list[str], path: str
 
 # Names whose use reaches past a function's own values: into a module's or a class's namespace,
 # or into code that runs later. A submitted function may not use them (see :func:`refused`).
-REFLECTIVE_NAMES = {"globals", "vars", "locals", "setattr", "delattr", "exec", "eval", "compile",
-                    "__import__", "breakpoint"}
+# (getattr: a name built at run time, "__glob" + "als__", reaches what a dunder attribute would.)
+REFLECTIVE_NAMES = {"globals", "vars", "locals", "getattr", "setattr", "delattr", "exec", "eval",
+                    "compile", "__import__", "breakpoint"}
 REFLECTIVE_MODULES = {"sys", "gc", "ctypes", "inspect", "importlib", "builtins", "types", "marshal",
-                      "code", "codeop", "runpy", "pickle", "copyreg"}
+                      "code", "codeop", "runpy", "pickle", "copyreg", "operator"}
 
 
 def _literal(node) -> bool:

@@ -3,8 +3,9 @@
 Expected values: dense attention and its autograd in torch (float64), with the mask written from the
 positions; exact properties of the online-softmax state (the empty state is the identity, merging
 is associative and equals one pass over all keys); and the peak resident memory of all the test's
-processes, read by the grader from the kernel, which must stay far below one T x T matrix. ``check`` never imports the submission; ``run``, whose source and inputs alone reach the
-sandbox, imports the submission's functions itself.
+processes, read by the grader from the kernel, which must stay far below one T x T matrix.
+``check`` never imports the submission; ``run``, whose source and inputs alone reach the sandbox,
+imports the submission's functions itself.
 """
 import numpy as np
 
