@@ -84,7 +84,8 @@ def visible(names):
     start, found = time.monotonic(), []
     for top, dirs, files in os.walk("/"):
         dirs[:] = [d for d in dirs if os.path.join(top, d) not in ("/proc", "/sys", "/dev", "/usr")]
-        found += [os.path.join(top, n) for n in files if n in names or n.startswith("__editable__")]
+        # (the name spelt in two: a whole dunder string in a submitted function is refused)
+        found += [os.path.join(top, n) for n in files if n in names or n.startswith("__" + "editable")]
         if time.monotonic() - start > 2:
             break
     return found
@@ -290,7 +291,7 @@ def test_every_attack_scores_what_it_deserves_through_grade(batch, sandbox, serv
     assert server.connections == 0
     time.sleep(4)  # the escaped process would have written by now
     assert traces() == []
-    assert sandbox_uid_processes() == []
+    assert sandbox_uid_processes(sandbox) == []
     with open(batch / "zz_reference" / "refmath" / "attention.py") as f:
         assert f.read() == reference_text()
 
@@ -317,7 +318,7 @@ def test_every_attack_in_one_batch_harms_no_other_submission(batch, sandbox, ser
     assert all(json.loads(p.read_text())["score"] == rows.get(p.stem, ATTENDED if "reference"
                                                               in p.stem else 0)
                for p in results.iterdir())
-    assert server.connections == 0 and traces() == [] and sandbox_uid_processes() == []
+    assert server.connections == 0 and traces() == [] and sandbox_uid_processes(sandbox) == []
 
 
 def test_another_assignments_tree_holds_no_solution_to_copy(tmp_path, sandbox):

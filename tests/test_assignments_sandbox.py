@@ -17,7 +17,8 @@ import pytest
 
 from refmath.assignments import sandbox as sandboxes
 from refmath.assignments import wire
-from refmath.assignments.extract import take_functions
+from refmath.assignments.extract import install_lines, submitted_module, submitted_path, take_functions
+from refmath.assignments.grade import INSTALLER
 from refmath.assignments.manifest import Limits
 
 LIMITS = Limits(wall_s=20, cpu_s=10, memory_mb=1024, output_kb=64)
@@ -140,18 +141,36 @@ class Cache:
 '''
 
 
-def test_only_the_listed_functions_are_taken():
+def graded_module(given: str, submitted: str, functions: list[str], tmp_path, probe: str) -> str:
+    """Lay ``given`` and the functions taken from ``submitted`` out as the grader does (a library
+    with ``refmath/m.py`` and ``refmath/_submitted/``), import ``refmath.m`` in a fresh Python and
+    print ``probe``'s value."""
+    module, taken, notes = submitted_module(given, submitted, functions, "refmath/m.py")
+    files = {"refmath/__init__.py": "", "refmath/m.py": install_lines(given, "refmath/m.py", taken)}
+    if taken:
+        files[submitted_path("refmath/m.py")] = module
+        files["refmath/_submitted/__init__.py"] = INSTALLER
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    run = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+                          f"import refmath.m as m\nprint(repr({probe}))"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip(), notes
+
+
+def test_only_the_listed_functions_are_taken(tmp_path):
     submitted = '''import os  # dropped: only the listed functions are taken
+print("module-level code: dropped")
 
 
 def helper(x):
     return "rewritten"
 
 
-@staticmethod
-def wanted(x):
+def wanted(x, scale=2):
     """Mine."""
-    return x * 2
+    return helper(x) * scale
 
 
 class Cache:
@@ -164,18 +183,72 @@ a string at column 0
 """
         return text
 '''
-    text, notes = take_functions(GIVEN, submitted, ["wanted", "Cache.append"], "refmath/m.py")
+    shown, notes = graded_module(GIVEN, submitted, ["wanted", "Cache.append"], tmp_path,
+                                 "(m.helper(1), m.wanted(3), m.Cache().given(), m.Cache().append(0))")
     assert notes == []
-    namespace = {}
-    exec(text, namespace)
-    assert namespace["helper"](1) == 1 and namespace["Cache"]().given() == 1  # as given
-    assert "return x * 2" in text and "@staticmethod" in text and "import os" not in text
-    assert namespace["Cache"]().append(0) == "\na string at column 0\n"
+    assert shown == repr((1, 6, 1, "\na string at column 0\n"))  # helper and given() as given
+
+
+GIVEN_CALLS = GIVEN + '''
+
+TABLE = {"wanted": wanted}  # module-level code that keeps the listed function
+
+
+def given_total(x):
+    return helper(x) + TABLE["wanted"](x)
+'''
+
+
+def test_a_submitted_function_rebinds_only_its_own_namespace(tmp_path):
+    submitted = '''
+def wanted(x):
+    global helper
+    helper = lambda x: 1000  # rebinds the submission's own name, not the given module's
+    return x
+'''
+    shown, notes = graded_module(GIVEN_CALLS, submitted, ["wanted"], tmp_path,
+                                 "(m.given_total(1), m.given_total(1), m.helper(1))")
+    assert notes == [] and shown == "(2, 2, 1)"
+
+
+def test_the_given_module_cannot_be_rebound_from_outside(tmp_path):
+    shown, _ = graded_module(GIVEN_CALLS, "def wanted(x):\n    return x\n", ["wanted"], tmp_path,
+                             "type(m).__name__")
+    assert shown == "'GivenModule'"
+    with pytest.raises(AssertionError, match="cannot be rebound"):
+        graded_module(GIVEN_CALLS, "def wanted(x):\n    return x\n", ["wanted"], tmp_path,
+                      "setattr(m, 'helper', None)")
+
+
+@pytest.mark.parametrize("definition, why", [
+    ("@staticmethod\ndef wanted(x):\n    return x\n", "has a decorator"),
+    ("def wanted(x, y=print('now')):\n    return x\n", "default value"),
+    ("def wanted(x, *, y=[].append(1)):\n    return x\n", "default value"),
+    ("def wanted(x: print('now')):\n    return x\n", "annotation that calls"),
+    ("def wanted(x):\n    globals()['helper'] = None\n", "uses globals()"),
+    ("def wanted(x):\n    import refmath.m as m\n    m.helper = None\n", "sets or deletes m.helper"),
+    ("def wanted(x):\n    helper.__code__ = None\n", "__code__"),
+    ("def wanted(x):\n    import sys\n    return sys\n", "imports sys"),
+    ("def wanted(x):\n    return getattr(helper, '__globals__')\n", "getattr"),
+    ("def wanted(x):\n    return helper.__getattribute__('__glob' + 'als__')\n", "__getattribute__"),
+    ("def wanted(x):\n    import operator\n    return operator.attrgetter('x')\n", "imports operator"),
+])
+def test_code_that_runs_when_defined_or_reaches_past_its_values_is_refused(definition, why):
+    module, taken, notes = submitted_module(GIVEN, definition, ["wanted"], "refmath/m.py")
+    assert taken == [] and len(notes) == 1 and why in notes[0] and "refused" in notes[0], notes
+
+
+def test_literal_and_name_defaults_and_plain_annotations_are_taken():
+    definition = "def wanted(x: np.ndarray | None, a=1, b=-2.5, c=(1, 'x'), d=None, e=np) -> int:\n" \
+                 "    self_total = x\n    return self_total\n"
+    module, taken, notes = submitted_module(GIVEN, definition, ["wanted"], "refmath/m.py")
+    assert taken == ["wanted"] and notes == []
 
 
 def test_a_missing_function_or_a_broken_file_is_graded_as_given():
-    text, notes = take_functions(GIVEN, "def other():\n    pass\n", ["wanted"], "refmath/m.py")
-    assert text == GIVEN and "no function wanted" in notes[0]
+    module, taken, notes = submitted_module(GIVEN, "def other():\n    pass\n", ["wanted"], "refmath/m.py")
+    assert taken == [] and "no function wanted" in notes[0]
+    assert install_lines(GIVEN, "refmath/m.py", taken) == GIVEN
     text, notes = take_functions(GIVEN, "def wanted(x:\n", ["wanted"], "refmath/m.py")
     assert text == GIVEN and "does not parse" in notes[0]
     with pytest.raises(ValueError, match="has no function nothing"):
@@ -245,7 +318,7 @@ def test_bubblewrap_confines_network_processes_and_files():
     assert got["passwd"] == 0  # /etc is not there
     assert got["torch"] == 0
     if os.geteuid() == 0:  # one uid per concurrent test
-        assert sandboxes.FIRST_UID <= got["uid"] < sandboxes.FIRST_UID + sandboxes.SLOTS
+        assert sandbox.first_uid <= got["uid"] < sandbox.first_uid + sandboxes.SLOTS
     else:
         assert got["uid"] == sandboxes.NOBODY
 
@@ -262,28 +335,59 @@ def probe():
 '''
 
 
-def sandbox_uid_processes():
+def sandbox_uid_processes(sandbox):
+    """The live processes of ``sandbox``: those of its own block of uids (a root grader), or whose
+    command line carries its tag (every fork of its driver); another grader's are not counted."""
     alive = []
     for status in glob.glob("/proc/[0-9]*/status"):
         try:
             with open(status) as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             uid = int(fields["Uid"].split()[0])
+            with open(status[:-len("status")] + "cmdline", "rb") as f:
+                cmdline = f.read()
         except (OSError, KeyError, ValueError):
             continue
         if fields["State"].split()[0] == "Z":  # killed, waiting for init to reap it: runs nothing
             continue
-        if sandboxes.FIRST_UID <= uid < sandboxes.FIRST_UID + sandboxes.SLOTS or uid == sandboxes.NOBODY:
+        if sandbox.tag.encode() in cmdline or (
+                sandbox.first_uid is not None and sandbox.first_uid <= uid < sandbox.first_uid + sandboxes.SLOTS):
             alive.append(status)
     return alive
 
 
 def test_bubblewrap_kills_a_process_that_left_the_session():
     sandbox = bubblewrap()
-    before = sandbox_uid_processes()
+    before = sandbox_uid_processes(sandbox)
     assert run(sandbox, ESCAPE).status == "ok"
     time.sleep(0.5)
-    assert sandbox_uid_processes() == before
+    assert sandbox_uid_processes(sandbox) == before
+
+
+SLEEPER = '''
+def probe():
+    import time
+    time.sleep(3)
+    return {"slept": np.array(1)}
+'''
+
+
+def test_another_graders_tests_are_neither_counted_nor_sharing_uids():
+    mine, theirs = bubblewrap(), bubblewrap()  # two graders on one machine
+    if os.geteuid() == 0:
+        assert abs(mine.first_uid - theirs.first_uid) >= sandboxes.SLOTS  # blocks of their own
+    done = []
+    other = threading.Thread(target=lambda: done.append(run(theirs, SLEEPER)))
+    other.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not sandbox_uid_processes(theirs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sandbox_uid_processes(theirs), "the other grader's test was never seen running"
+        assert sandbox_uid_processes(mine) == []
+    finally:
+        other.join()
+    assert done[0].status == "ok"
 
 
 # Forks children that sleep until it cannot fork any more; counts them in `children`.
@@ -337,13 +441,55 @@ def test_user_mode_runs_as_its_own_uid_and_kills_what_it_left(monkeypatch, tmp_p
     secret = tmp_path / "hidden_tests.py"
     secret.write_text("# the grader's\n")
     os.chmod(tmp_path, 0o700)  # as run_autograder makes /autograder
-    sandbox = sandboxes.Sandbox("user", unreadable=(str(secret),))
+    sandbox = sandboxes.Sandbox("user", unreadable=(str(secret),), search_roots=(str(tmp_path),))
     assert sandbox.probe() is None
-    before = sandbox_uid_processes()
+    before = sandbox_uid_processes(sandbox)
     outcome = run(sandbox, ESCAPE)
     assert outcome.status == "ok", outcome.message + outcome.output
     time.sleep(0.5)
-    assert sandbox_uid_processes() == before
+    assert sandbox_uid_processes(sandbox) == before
+
+
+LITTER = '''
+def probe():
+    import os
+    for folder in ("/tmp", "/dev/shm"):
+        os.makedirs(os.path.join(folder, "refmath-litter-dir"), exist_ok=True)
+        with open(os.path.join(folder, "refmath-litter-dir", "f"), "w") as f:
+            f.write("x")
+        with open(os.path.join(folder, "refmath-litter"), "w") as f:
+            f.write("x")
+    return {"uid": np.array(os.getuid())}
+'''
+
+
+def test_user_mode_removes_what_a_test_left_in_shared_folders(monkeypatch, tmp_path):
+    monkeypatch.setenv("REFMATH_SANDBOX_PYTHON", user_mode_python())
+    sandbox = sandboxes.Sandbox("user", search_roots=(str(tmp_path),))
+    outcome = run(sandbox, LITTER)
+    assert outcome.status == "ok", outcome.message + outcome.output
+    left = [p for p in glob.glob("/tmp/refmath-litter*") + glob.glob("/dev/shm/refmath-litter*")
+            if os.lstat(p).st_uid == int(outcome.value["uid"])]
+    assert left == []
+
+
+def test_user_mode_refuses_where_a_copy_of_the_reference_is_readable(monkeypatch):
+    monkeypatch.setenv("REFMATH_SANDBOX_PYTHON", user_mode_python())
+    folder = tempfile.mkdtemp(dir="/tmp")  # a checkout elsewhere on the machine, world-readable
+    try:
+        os.chmod(folder, 0o755)
+        os.makedirs(os.path.join(folder, "copy", "refmath"))
+        for sub in ("copy", "copy/refmath"):
+            os.chmod(os.path.join(folder, sub), 0o755)
+        with open(os.path.join(folder, "copy", "refmath", "attention.py"), "w") as f:
+            f.write("def sdpa_forward():\n    # BEGIN SOLUTION\n    pass\n")
+        os.chmod(os.path.join(folder, "copy", "refmath", "attention.py"), 0o644)
+        problem = sandboxes.Sandbox("user", search_roots=(folder,)).probe()
+        assert problem is not None and "copy/refmath/attention.py" in problem, problem
+        os.chmod(os.path.join(folder, "copy"), 0o700)  # as the instructor is told to
+        assert sandboxes.Sandbox("user", search_roots=(folder,)).probe() is None
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_user_mode_refuses_to_run_where_it_can_read_the_grader(monkeypatch):
@@ -355,7 +501,7 @@ def test_user_mode_refuses_to_run_where_it_can_read_the_grader(monkeypatch):
         with open(secret, "w") as f:
             f.write("# readable by everyone\n")
         os.chmod(secret, 0o644)
-        problem = sandboxes.Sandbox("user", unreadable=(secret,)).probe()
+        problem = sandboxes.Sandbox("user", unreadable=(secret,), search_roots=(folder,)).probe()
     finally:
         shutil.rmtree(folder)
     assert problem is not None and f"the sandbox user can read {secret}" in problem

@@ -30,6 +30,19 @@
 # the backward passes on inputs large enough that a gradient by finite differences cannot finish.
 # A correct analytic gradient passes easily.
 
+# %% [markdown]
+# **What is graded, and what is refused.** Only the functions listed above are taken from the files
+# you submit, each on its own: everything else in those files is ignored, and they run in a module
+# of their own beside the given code, which they cannot rebind. Put any helper and any import inside
+# the function that uses it. A function is refused (graded as the starter, with a note saying why)
+# when it holds code that would run as it is defined (a decorator; a default value other than a
+# literal or a name; an annotation that calls something), or when its body reaches past its own
+# values: it sets or deletes an attribute of anything but its parameters and its own variables, uses
+# a dunder attribute (`__dict__`, `__globals__`...), `globals`, `vars`, `getattr`, `setattr`,
+# `delattr`, `exec`, `eval`, `compile` or `__import__`, or imports `sys`, `gc`, `ctypes`, `inspect`,
+# `importlib`, `builtins`, `types`, `pickle` or the like. Submit plain UTF-8 files (no links), each
+# at most 1 MiB.
+
 # %%
 import numpy as np
 

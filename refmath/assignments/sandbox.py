@@ -28,12 +28,15 @@ in the grader.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -42,8 +45,11 @@ import threading
 import time
 from typing import NamedTuple
 
-from refmath.assignments import wire
+import numpy as np
+
+from refmath.assignments import checks, usage, wire
 from refmath.assignments.manifest import Limits
+from refmath.assignments.text import clean
 
 MODES = ("bubblewrap", "user", "none")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +63,9 @@ RESULT_MB = 256  # the most that is read back from one test
 TMP_MB = 64  # the sandbox's private /tmp
 NOBODY = 65534
 SLOTS = 64  # tests at once, each with a uid of its own
+# Graders running at once on one machine each hold a block of SLOTS uids of their own (a lock file
+# per block), so that one grader's limits and clean-up never count or kill another's tests.
+UID_BLOCKS = 1024
 
 
 class Outcome(NamedTuple):
@@ -168,6 +177,33 @@ def _kill_user(uid: int) -> None:
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")  # where any uid may leave files
+
+
+def remove_files_of(uid: int, folders=SHARED_WRITABLE) -> None:
+    """Remove what ``uid`` left in the folders every user may write to (``user`` mode: its
+    processes are dead by now), never following a link."""
+    for folder in folders:
+        for top, dirs, files in os.walk(folder, topdown=True):
+            for name in [*dirs, *files]:
+                path = os.path.join(top, name)
+                try:
+                    info = os.lstat(path)
+                except OSError:
+                    continue
+                if info.st_uid != uid:
+                    continue
+                if name in dirs:
+                    dirs.remove(name)
+                if stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+
 PROBE = '''
 def probe(port):
     import os, socket
@@ -182,25 +218,79 @@ def probe(port):
 '''
 
 
+def claim_uids() -> tuple[int, int]:
+    """``(first uid, lock descriptor)``: a block of :data:`SLOTS` uids no other grader on this
+    machine holds, for as long as the descriptor stays open (this process's life)."""
+    folder = "/run/refmath-sandbox" if os.path.isdir("/run") else os.path.join(
+        tempfile.gettempdir(), "refmath-sandbox")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for block in range(UID_BLOCKS):
+        fd = os.open(os.path.join(folder, f"uids-{block}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return FIRST_UID + block * SLOTS, fd
+    raise RuntimeError(f"all {UID_BLOCKS} blocks of sandbox uids are held by other graders")
+
+
+# Walks the given roots as the test's uid for what a submission would look for: a refmath whose
+# sources hold solution regions, or hidden tests; returns the first it can read.
+SEARCH = '''
+def search(roots, seconds):
+    import os, time
+    start = time.monotonic()
+    skip = {"/proc", "/sys", "/dev", "/run"}
+    for root in roots:
+        for top, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if os.path.join(top, d) not in skip]
+            if time.monotonic() - start > seconds:
+                return {"found": np.zeros(0, np.uint8), "finished": np.array(0)}
+            for name in files:
+                path = os.path.join(top, name)
+                if not (path.endswith("refmath/attention.py") or path.endswith("hidden/tests.py")):
+                    continue
+                try:
+                    with open(path, "rb") as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                if b"# BEGIN SOLUTION" in text or b"@hidden_test" in text:
+                    return {"found": np.frombuffer(path.encode(), np.uint8), "finished": np.array(1)}
+    return {"found": np.zeros(0, np.uint8), "finished": np.array(1)}
+'''
+SEARCH_S = 20  # seconds the user mode's search may take
+
+
 class Sandbox:
     """Runs student-side code in one of :data:`MODES`.
 
-    ``unreadable``: in ``user`` mode, paths the driver must fail to read before it runs anything.
+    ``unreadable``: in ``user`` mode, paths the driver must fail to read before it runs anything;
+    ``search_roots``: where the ``user`` mode's probe looks for readable reference copies.
     """
 
-    def __init__(self, mode: str, unreadable: tuple[str, ...] = ()):
+    def __init__(self, mode: str, unreadable: tuple[str, ...] = (), search_roots=("/",)):
         if mode not in MODES:
             raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
         if mode == "user" and os.geteuid() != 0:  # it runs each test as a uid of its own
             raise ValueError("sandbox mode 'user' needs a root grader")
         self.mode = mode
+        self.first_uid, self._uid_lock = claim_uids() if os.geteuid() == 0 and mode != "none" \
+            else (None, None)
         self._copies = None  # the world-readable copies of the student packages (user mode)
         self.unreadable = tuple(unreadable)
+        self.search_roots = tuple(search_roots)
         self.site = student_site()
         if mode == "user":
             self.site = self._readable_site()
         self._slots = list(range(SLOTS))
         self._lock = threading.Lock()
+        # on every driver's command line (and so of every process it forks): what is this
+        # sandbox's, for a test to count, on a machine where others grade too
+        self.tag = f"refmath-sandbox-{secrets.token_hex(6)}"
+        self._idle_cpu = None
 
     def probe(self) -> str | None:
         """``None`` when a trivial test runs in this sandbox, else why not (one line)."""
@@ -217,13 +307,44 @@ class Sandbox:
             return outcome.message + (f" ({printed})" if printed else "")
         if self.mode == "bubblewrap" and bytes(outcome.value["net"]).decode() == "open":
             return "the network was reachable inside the sandbox"
+        if self.mode == "user":
+            return self._search_for_references()
         return None
+
+    def _search_for_references(self) -> str | None:
+        """In ``user`` mode, the test's uid reads what any user may read: walk the file system as
+        that uid, as a submission would, and refuse if it finds a copy of the reference solutions
+        (a checkout, an installed refmath) or of hidden tests, or cannot finish looking."""
+        limits = Limits(wall_s=SEARCH_S + 15, cpu_s=SEARCH_S + 5, memory_mb=1024, output_kb=64)
+        outcome = self.run({"refmath/__init__.py": ""}, SEARCH, "search",
+                           {"roots": list(self.search_roots), "seconds": float(SEARCH_S)}, limits)
+        if outcome.status != "ok":
+            return f"the search for readable reference copies failed: {outcome.message}"
+        found = bytes(outcome.value["found"]).decode("utf-8", "replace")
+        if found:
+            return (f"the sandbox user can read {found}, a copy of the reference solutions or "
+                    "hidden tests: make it unreadable to other users (chmod o-rx on a folder "
+                    "above it)")
+        if not int(outcome.value["finished"]):
+            return (f"the search for readable reference copies did not finish in {SEARCH_S} s: "
+                    "the user mode cannot show that none is readable")
+        return None
+
+    def idle_cpu_s(self) -> float:
+        """CPU seconds of a test that does nothing (the interpreter, NumPy, the driver), measured
+        once: what a cost check takes off a test's CPU time before comparing it."""
+        if self._idle_cpu is None:
+            limits = Limits(wall_s=30, cpu_s=10, memory_mb=1024, output_kb=64)
+            run = self.run({"refmath/__init__.py": ""}, "def idle():\n    return {}\n", "idle", {},
+                           limits)
+            self._idle_cpu = float(run.value[checks.CPU_S]) if run.status == "ok" else 0.0
+        return self._idle_cpu
 
     def _readable_site(self) -> dict[str, str]:
         """The student packages where the sandbox uids can read them: a package the grader finds
         in a folder closed to other users (a root-only virtual environment, say) is copied once
         into a world-readable folder that lives as long as this sandbox."""
-        probe_uid = FIRST_UID + SLOTS - 1
+        probe_uid = self.first_uid + SLOTS - 1
         readable = {}
         for name, folder in self.site.items():
             check = subprocess.run(
@@ -260,13 +381,14 @@ class Sandbox:
         """Run ``function`` (defined by ``source``) on ``inputs`` with ``library`` ({path: text or
         bytes}, the refmath to import and any given files beside it) under ``limits``."""
         slot = self._slot()
-        uid = FIRST_UID + slot if os.geteuid() == 0 and self.mode != "none" else None
+        uid = None if self.first_uid is None else self.first_uid + slot
         folder = tempfile.mkdtemp(prefix="refmath-grade-")
         try:
             return self._run(folder, uid, library, source, function, inputs, limits)
         finally:
             if self.mode == "user":
                 _kill_user(uid)
+                remove_files_of(uid)
             shutil.rmtree(folder, ignore_errors=True)
             self._free(slot)
 
@@ -303,7 +425,7 @@ class Sandbox:
                   # what it prints goes to a file of the grader's, capped after the run; files in
                   # the sandbox's /tmp (a compiled module, say) are bounded by its size as well
                   "--file-size", str(TMP_MB * 2**20),
-                  "--processes", str(PROCESSES)]
+                  "--processes", str(PROCESSES), "--tag", self.tag]
         options: dict = {"env": environment("/tmp" if self.mode == "bubblewrap" else
                                             os.path.join(folder, "tmp") if self.mode == "user"
                                             else folder)}
@@ -329,6 +451,10 @@ class Sandbox:
         with open(output_path, "wb") as output:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=output, **options)
+            # the memory of all the test's processes together, read by the grader from /proc
+            watch = usage.Watch(process.pid, uid, limits.memory_mb * 2**20,
+                                lambda: self._kill(process, uid))
+            watch.start()
             try:
                 head, value = wire.read_message(process.stdout.fileno(), deadline,
                                                 RESULT_MB * 2**20)
@@ -338,15 +464,42 @@ class Sandbox:
                 problem = "eof"
             except wire.WireError as error:
                 problem = f"the test's output could not be read: {error}"
-            try:
-                returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()) + 1)
-            except subprocess.TimeoutExpired:
+            returncode, rusage = usage.wait(process.pid, deadline + 1)
+            if returncode is None:
                 problem = problem or "timeout"
-                returncode = None
+                self._kill(process, uid)
+                returncode, rusage = usage.wait(process.pid, None)
+            process.returncode = returncode  # reaped here, by wait4, for its resource usage
+            watch.finish()
             self._stop(process)
             process.stdout.close()
         seconds = time.monotonic() - start
+        if watch.over and problem != "timeout":
+            problem = (f"used more than {limits.memory_mb} MB of memory, all its processes "
+                       "together (the limit is per test)")
+            head = None
+        peak = watch.peak
+        if head is not None and head.get("status") == "ok" and isinstance(value, dict):
+            # measured by the kernel, outside the student's process: whatever it sent under these
+            # names is replaced
+            value[checks.PEAK_RSS] = np.array(peak)
+            value[checks.CPU_S] = np.array(max(rusage.ru_utime + rusage.ru_stime, watch.cpu_s))
         return self._outcome(output_path, limits, head, value, problem, returncode, seconds)
+
+    def _kill(self, process: subprocess.Popen, uid: int | None) -> None:
+        """End the test now: its first process (bubblewrap's PID namespace dies with it), its
+        session (``none``), every process of its uid (``user``)."""
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.mode == "none":
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.mode == "user" and uid is not None:
+            _kill_user(uid)
 
     def _stop(self, process: subprocess.Popen) -> None:
         """End the test's processes: bubblewrap's PID namespace dies with its first process; in
@@ -373,7 +526,7 @@ class Sandbox:
             return Outcome("killed", f"printed {printed / 1024:.0f} KB or more; the limit is "
                            f"{limits.output_kb} KB of output", text[:500], seconds)
         if problem is not None and problem != "eof":
-            return Outcome("killed", problem, text, seconds)
+            return Outcome("killed", clean(problem, 300), text, seconds)
         if problem == "eof":
             # a signal: the driver's own (negative status), or passed on by bubblewrap as 128 + n
             number = (-returncode if returncode is not None and returncode < 0 else
@@ -395,8 +548,9 @@ class Sandbox:
             return Outcome("ok", "", text, seconds, value)
         if status == "ok":
             return Outcome("killed", "the test's output is not a dict of arrays", text, seconds)
-        error, message = str(head.get("error", "?"))[:100], str(head.get("message", ""))[:300]
-        where = str(head.get("where", ""))[:200]
+        # the student's process wrote these: any text, of any length
+        error, message = clean(head.get("error", "?"), 100), clean(head.get("message", ""), 300)
+        where = clean(head.get("where", ""), 200)
         if error == "MemoryError":
             message = f"ran out of memory (limit {limits.memory_mb} MB of address space)"
         described = (f"raised {error}" + (f": {message}" if message else "")

@@ -18,6 +18,7 @@ the sandbox imports this module from its own copy; it uses only the standard lib
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import time
@@ -33,7 +34,9 @@ MAX_ARRAYS = 4096
 
 
 class WireError(ValueError):
-    """A message that breaks the format or its bounds: the reason, in one line."""
+    """A message that breaks the format or its bounds: the reason, in one line. The readers raise
+    nothing else for anything a writer can send (besides ``EOFError`` and ``TimeoutError`` from
+    :func:`read_message`); a fuzz test keeps it so."""
 
 
 def pack(value):
@@ -64,6 +67,13 @@ def pack(value):
 
 def unpack(tree, arrays):
     """The inverse of :func:`pack` (tuples come back as lists)."""
+    try:
+        return _unpack(tree, arrays)
+    except RecursionError:
+        raise WireError("the value is nested too deeply") from None
+
+
+def _unpack(tree, arrays):
     def walk(v):
         if isinstance(v, dict):
             if set(v) == {"__array__"}:
@@ -101,11 +111,10 @@ def _layout(head, max_bytes: int) -> list[tuple[np.dtype, tuple, int]]:
             raise WireError(f"array shape {str(shape)[:80]} is not a list of at most {MAX_NDIM} "
                             "sizes")
         dtype = np.dtype(spec["dtype"])
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
-            if nbytes > max_bytes:
-                break
+        # exact (Python integers): a zero anywhere cannot hide a size NumPy would refuse
+        if any(n > max_bytes for n in shape):
+            raise WireError(f"array shape {str(shape)[:80]} has a size above {max_bytes} entries")
+        nbytes = dtype.itemsize * math.prod(shape)
         total += nbytes
         if total > max_bytes:
             raise WireError(f"the arrays declared exceed {max_bytes / 2**20:.0f} MiB")
@@ -123,16 +132,24 @@ def decode(data: bytes, max_bytes: int = 1 << 30):
     for dtype, shape, nbytes in _layout(head, max_bytes):
         if at + nbytes > len(data):
             raise WireError("the message ends inside an array")
-        arrays.append(np.frombuffer(data, dtype, count=nbytes // dtype.itemsize, offset=at)
-                      .reshape(shape).copy())
+        arrays.append(_array(data, dtype, shape, at, nbytes).copy())
         at += nbytes
     return head, unpack(head.get("value"), arrays)
+
+
+def _array(data: bytes, dtype: np.dtype, shape: tuple, at: int = 0, nbytes: int | None = None):
+    nbytes = len(data) - at if nbytes is None else nbytes
+    try:
+        return np.frombuffer(data, dtype, count=nbytes // dtype.itemsize, offset=at).reshape(shape)
+    except (ValueError, MemoryError) as error:
+        raise WireError(f"array of shape {str(shape)[:80]} cannot be built: "
+                        f"{type(error).__name__}") from None
 
 
 def _header(line: bytes) -> dict:
     try:
         head = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise WireError(f"the header is not JSON ({type(error).__name__})") from None
     if not isinstance(head, dict):
         raise WireError("the header is not a JSON object")
@@ -186,5 +203,5 @@ def read_message(fd: int, deadline: float, max_bytes: int):
     head = _header(reader.line(MAX_HEADER))
     arrays = []
     for dtype, shape, nbytes in _layout(head, max_bytes):
-        arrays.append(np.frombuffer(reader.exactly(nbytes), dtype).reshape(shape))
+        arrays.append(_array(reader.exactly(nbytes), dtype, shape))
     return head, unpack(head.get("value"), arrays)

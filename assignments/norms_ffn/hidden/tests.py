@@ -7,6 +7,7 @@ alone reach the sandbox, imports the submission's functions itself.
 """
 import numpy as np
 
+from refmath.assignments import checks
 from refmath.assignments.checks import (Case, all_of, compare, hidden_test, normal, numpy_of, shapes,
                                         torch_tensors)
 
@@ -21,7 +22,11 @@ def grads_of(forward, arrays, dout):
 
 # Each backward test also runs a large twin of its case (or, for the *_large tests, is large): its
 # inputs have so many entries that a gradient by differences (one forward call or more per entry)
-# cannot finish within cpu_s, while the analytic backward takes milliseconds.
+# cannot finish within cpu_s, while the analytic backward takes milliseconds. The row-wise
+# functions (LayerNorm, RMSNorm) can be differentiated a column at a time for all rows at once (a
+# complex step, or dual numbers): d forward calls, so their large inputs are 16384 wide, where d
+# calls take far longer than cpu_s. RoPE needs only two such columns (its pairs do not mix), so its
+# backward is held to a CPU budget instead: a few times the grader's own NumPy rotation.
 
 def compare_all(function, out, names, expected, inputs, **options):
     return all_of(*(compare(function, n, out, e, inputs, **options) for n, e in zip(names, expected)))
@@ -68,12 +73,12 @@ def _layernorm_test(*cases):
 
 @hidden_test("layernorm_backward: rows under three leading axes, every gradient (torch autograd)")
 def layernorm_backward_batched():
-    return _layernorm_test(_layernorm_case(1, (2, 3, 4, 10)), _layernorm_case(31, (4, 8, 32, 256)))
+    return _layernorm_test(_layernorm_case(1, (2, 3, 4, 10)), _layernorm_case(31, (2, 32, 16384)))
 
 
 @hidden_test("layernorm_backward: large input, within the time limit (torch autograd)")
 def layernorm_backward_large():
-    return _layernorm_test(_layernorm_case(2, (8, 256, 128)))
+    return _layernorm_test(_layernorm_case(2, (64, 16384)))
 
 
 def torch_rmsnorm(x, gamma, eps=1e-6):
@@ -104,15 +109,15 @@ def _rmsnorm_test(*cases):
 def rmsnorm_backward_batched():
     x = normal(3, (2, 2, 5, 12)) * 2
     gamma, dout = normal(4, (12,), (2, 2, 5, 12))
-    large_x = normal(33, (4, 8, 64, 256)) * 2
-    large_gamma, large_dout = normal(34, (256,), (4, 8, 64, 256))
+    large_x = normal(33, (2, 32, 16384)) * 2
+    large_gamma, large_dout = normal(34, (16384,), (2, 32, 16384))
     return _rmsnorm_test(_rmsnorm_case(x, gamma, dout), _rmsnorm_case(large_x, large_gamma, large_dout))
 
 
 @hidden_test("rmsnorm_backward: float32 in, float32 out (torch autograd)")
 def rmsnorm_backward_float32():
     x, gamma, dout = normal(5, (6, 32), (32,), (6, 32), dtype=np.float32)
-    large = normal(35, (64, 8192), (8192,), (64, 8192), dtype=np.float32)  # few rows: dgamma sums 64
+    large = normal(35, (64, 16384), (16384,), (64, 16384), dtype=np.float32)  # dgamma sums 64 rows
     return _rmsnorm_test(_rmsnorm_case(x, gamma, dout, ", float32", tol=1e-5, dtype=np.float32),
                          _rmsnorm_case(*large, ", float32", tol=1e-5, dtype=np.float32))
 
@@ -255,11 +260,66 @@ def _rope_backward_test(*cases):
     return cases_test(run, *cases)
 
 
-@hidden_test("rope_backward: both layouts (torch autograd)")
+def numpy_rotation(x, positions, layout, base=10000.0):
+    """RoPE's rotation by -theta in plain NumPy: the grader's own computation of a backward, timed
+    for the cost budget (its values come from torch)."""
+    d = x.shape[-1]
+    theta = np.asarray(positions, np.float64)[:, None] * base ** (-2.0 * np.arange(d // 2) / d)
+    c, s = np.cos(theta), np.sin(theta)
+    a, b = (x[..., 0::2], x[..., 1::2]) if layout == "interleaved" else (x[..., :d // 2], x[..., d // 2:])
+    rotated = np.empty_like(x)
+    first, second = (rotated[..., 0::2], rotated[..., 1::2]) if layout == "interleaved" else \
+        (rotated[..., :d // 2], rotated[..., d // 2:])
+    first[...], second[...] = a * c + b * s, b * c - a * s
+    return rotated
+
+
+ROPE_REPEAT = 8  # backward calls on the costed input, each layout
+
+
+@hidden_test("rope_backward: both layouts (torch autograd), within a CPU budget")
 def rope_backward_autograd():
     x = normal(12, (2, 5, 10))
     dout = normal(13, (2, 5, 10))
-    return _rope_backward_test(_rope_case(x, dout, 2), _rope_case(*normal(39, (16, 512, 64), (16, 512, 64)), 2))
+    cases = [_rope_case(x, dout, 2), _rope_case(*normal(39, (16, 512, 64), (16, 512, 64)), 2)]
+    large_x, large_dout = normal(41, (8, 2048, 128), (8, 2048, 128))
+    positions = np.arange(2048)
+    # the same calls as run(), in plain NumPy: two rotations (forward, backward) per small case and
+    # layout, and per layout one forward and ROPE_REPEAT backwards on the costed input (timed once
+    # and counted ROPE_REPEAT + 1 times: the grader's time is everyone's)
+    small_s = checks.reference_cpu_seconds(lambda: [
+        numpy_rotation(a, np.arange(2, 2 + a.shape[-2]), layout)
+        for layout in ("interleaved", "half") for c in cases for a in (c[0]["x"], c[0]["dout"])])
+    large_s = checks.reference_cpu_seconds(lambda: [numpy_rotation(large_dout, positions, layout)
+                                                    for layout in ("interleaved", "half")])
+    reference_s = small_s + (ROPE_REPEAT + 1) * large_s
+
+    def run(cases, large_x, large_dout, repeat):
+        from refmath.positions import rope_backward, rope_forward
+        out = {}
+        for i, c in enumerate(cases):
+            for layout in ("interleaved", "half"):
+                cache = rope_forward(c["x"], offset=c["offset"], layout=layout)[1]
+                out[f"{i}:dx_{layout}"] = rope_backward(c["dout"], cache)
+        for layout in ("interleaved", "half"):
+            cache = rope_forward(large_x, layout=layout)[1]
+            for _ in range(repeat):
+                dx = rope_backward(large_dout, cache)
+            out[f"large:{layout}"] = dx[:1, :4]
+        return out
+
+    def check(out):
+        correct = all_of(*(check_one(case_out(out, i)) for i, (_, check_one) in enumerate(cases)),
+                         *(compare("rope_backward", f"large:{layout}", out,
+                                   numpy_rotation(large_dout, positions, layout)[:1, :4],
+                                   shapes(x=large_x) + f", layout={layout!r}")
+                           for layout in ("interleaved", "half")))
+        if not correct.passed:
+            return correct
+        return checks.within_cost("rope_backward", out, reference_s,
+                                  f"{2 * ROPE_REPEAT} backward calls on x {large_x.shape}")
+    return Case(run, dict(cases=[inputs for inputs, _ in cases], large_x=large_x,
+                          large_dout=large_dout, repeat=ROPE_REPEAT), check, costed=True)
 
 
 def _rope_inverse_case(x, offset):
