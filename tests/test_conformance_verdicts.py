@@ -174,6 +174,28 @@ def test_an_error_in_a_few_rows_is_caught_row_by_row_under_the_output_wide_bound
     assert all(w["worst"]["row"] >= 64 for r in by_rows for w in r.where)  # in the tail rows
 
 
+def test_an_lse_error_in_the_rows_of_small_magnitude_is_caught_row_by_row():
+    """The lse held row by row: in a case whose rows differ in magnitude (large scores), an error
+    of 0.8 of the output-wide tolerance in the quarter of rows of smallest |lse| passes that
+    tolerance, which the largest rows set, and fails the rows' own."""
+    (case,) = [c for c in sweep(("forward",)) if c.label == "large causal" and c.dtype == "float32"]
+    honest = check_case(kernels.flash_attention_forward, "refmath", case)
+    assert honest.status == "pass"
+    tol = {c.name: c.tolerance for c in honest.checks}["lse"]
+
+    def small_rows_off(q, k, v, causal=False, window=None, scale=None):
+        o, lse = kernels.flash_attention_forward(q, k, v, causal, window, scale)
+        lse = lse.copy()
+        small = np.abs(lse) < np.quantile(np.abs(lse), 0.25)
+        lse[small] += np.float32(0.8 * tol)
+        return o, lse
+
+    result = check_case(small_rows_off, "refmath", case)
+    assert result.status == "fail" and result.worst.name == "lse"
+    assert result.worst.error < result.worst.tolerance  # under the output-wide bound
+    assert "lse: " in result.reason and "rows exceed their own tolerance" in result.reason
+
+
 # ---- the report ----------------------------------------------------------------------------------
 
 @needs_cpu

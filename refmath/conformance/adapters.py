@@ -646,7 +646,7 @@ class TinygradAdapter(Adapter):
     """tinygrad's ``Tensor.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False,
     enable_gqa=False)`` on ``(B, H, T, D)`` tinygrad tensors (made from NumPy, brought back by
     ``.numpy()``); ``is_causal`` is top-left, every other mask a boolean ``attn_mask`` (True:
-    attend), ALiBi a float one; gradients by tinygrad's autograd. It has no scale argument (always
+    attend), ALiBi a float one; gradients by ``loss.gradient(q, k, v)``. It has no scale argument (always
     ``1/sqrt(D)``). Its conventions: the mask is added as ``-inf``, so a row that sees no key is
     ``0/0 = NaN`` and a NaN in a masked key reaches the row. Called on the sweep's own thread
     (tinygrad's compile cache is bound to the thread that made it)."""
@@ -672,8 +672,6 @@ class TinygradAdapter(Adapter):
 
         q, k, v = (Tensor(x) for x in self.arrays(case, inputs.q, inputs.k, inputs.v))
         backward = case.contract == "backward"
-        if backward:
-            q, k, v = (x.requires_grad_() for x in (q, k, v))
         kwargs = {"enable_gqa": case.g != case.h}
         plain_causal = (case.causal and case.window is None and case.lengths is None
                         and case.varlen is None and (case.alignment == "top-left" or case.t_q == case.t_k))
@@ -689,10 +687,11 @@ class TinygradAdapter(Adapter):
         if not backward:
             return {"o": self.result("o", o.numpy(), inputs.q.shape, case)}
         (do,) = self.arrays(case, inputs.dout, strided=False)
-        (o * Tensor(do)).sum().backward()
-        return {"dq": self.result("dq", q.grad.numpy(), inputs.q.shape, case),
-                "dk": self.result("dk", k.grad.numpy(), inputs.k.shape, case),
-                "dv": self.result("dv", v.grad.numpy(), inputs.v.shape, case)}
+        # tinygrad >= 0.10 differentiates functionally: loss.gradient(*targets), no requires_grad_()
+        dq, dk, dv = (o * Tensor(do)).sum().gradient(q, k, v)
+        return {"dq": self.result("dq", dq.numpy(), inputs.q.shape, case),
+                "dk": self.result("dk", dk.numpy(), inputs.k.shape, case),
+                "dv": self.result("dv", dv.numpy(), inputs.v.shape, case)}
 
 
 ADAPTERS = {a.name: a for a in (SDPAAdapter, FlashAttnAdapter, FlashAttnVarlenAdapter,

@@ -13,8 +13,8 @@ with ``u`` the dtype's unit roundoff (:mod:`refmath.conformance.precision`). ``o
 in two summation orders (:mod:`refmath.conformance.oracle`: BLAS's blocked sums, and key after key
 with each score summed over the head width in order) and the worse error is taken: BLAS's sums
 are several times more accurate than a loop's at long lengths, and the bound must measure the
-kernel, not one library's order. The output ``o`` is held row by row as well
-(:func:`row_tolerance`). Why ``c = 2``
+kernel, not one library's order. The output ``o`` and the lse are held row by row as well
+(:func:`row_tolerance`, :func:`lse_row_magnitude`). Why ``c = 2``
 (:data:`C`): the kernel and the plain implementation round at the same places and by the same
 amounts (inputs, scores, ``P`` before ``P V``, float32 accumulation, the output), so each maximum
 is the largest of many roundings of one size; a correct tiled kernel adds only the float32
@@ -61,6 +61,8 @@ The softmax is 1-Lipschitz from the max norm of the scores to the 1-norm of the 
 stated for the gradients.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -117,6 +119,22 @@ def row_tolerance(case: AttentionCase, name: str, plain_error, magnitude, scale_
     floor = 2.0 * unit_roundoff(case.dtype) * magnitude
     c = factor(name)
     return np.maximum(c * np.maximum(plain_error, rel * magnitude), floor) + np.asarray(scale_shift)
+
+
+def lse_row_magnitude(case: AttentionCase, size, compared) -> np.ndarray:
+    r"""The magnitude that row ``i``'s lse is held to by :func:`row_tolerance`. A kernel computes
+    ``lse = m + log l`` (``m`` the row's largest score, ``1 <= l <= n`` the sum of the shifted
+    exponentials over its ``n <= T_k`` visible keys), and each part is rounded at its own size, so
+    the error scales with ``|m| + |log l|``, not with ``|lse|``: the two nearly cancel when the
+    scores are negative (``m = -3``, ``log l = 2.7``, ``lse = -0.3``). Since
+    ``m <= lse <= m + log n``,
+
+    .. math::
+        |m| + |\log l| \;\le\; |lse| + 2 \log T_k
+
+    which is the magnitude used (0 for rows not compared)."""
+    size = np.asarray(size, float)
+    return np.where(compared, size + 2.0 * math.log(max(case.t_k, 1)), 0.0)
 
 
 def apriori(case: AttentionCase, inputs: Inputs, ref: dict) -> dict[str, float]:

@@ -11,7 +11,7 @@ inputs, and judge:
   fails by one rule only gets a hint naming its flag;
 * the largest error of the finite entries is within rule (a) of :mod:`refmath.conformance.bounds`
   against the worse of two summation orders of the plain implementation, output-wide and (for
-  ``o``) row by row, and its standing against rule (b) is reported;
+  ``o`` and the lse) row by row, and its standing against rule (b) is reported;
 * a failing output is located (:mod:`refmath.conformance.locate`): its worst row, the failing rows
   split by what they see, and the question the split raises;
 * the two calls give the same bits (determinism).
@@ -40,10 +40,10 @@ from refmath.conformance.oracle import attention
 OUTPUTS = {"forward": ("o", "lse"), "backward": ("dq", "dk", "dv"), "decode": ("o",),
            "paged": ("o",)}
 DEFAULT_TIMEOUT = 60.0
-# The outputs also held row by row (bounds.row_tolerance). Not the lse (one number per row: the
-# output-wide rule already is per row) nor the gradients, whose rows include exact cancellations
-# (a row that sees one key has dq = 0 exactly) where a relative rule means nothing.
-ROW_CHECKED = ("o",)
+# The outputs also held row by row (bounds.row_tolerance): o, and the lse (one number per row, each
+# held to its own magnitude, bounds.lse_row_magnitude). Not the gradients, whose rows include exact
+# cancellations (a row that sees one key has dq = 0 exactly) where a relative rule means nothing.
+ROW_CHECKED = ("o", "lse")
 
 
 @dataclass
@@ -250,7 +250,8 @@ def _judge(case, name, got, want, free, plains, shifted, ref, conventions, notes
         shift_entry += d
     tol = bounds.tolerance(case, name, plain_error, magnitude, shift)
     row_error = np.where(_rows(mismatch.astype(float)) > 0, np.inf, _rows(diff))
-    row_tol = bounds.row_tolerance(case, name, _rows(plain_diff), _rows(size), _rows(shift_entry))
+    row_size = bounds.lse_row_magnitude(case, size, compared) if name == "lse" else _rows(size)
+    row_tol = bounds.row_tolerance(case, name, _rows(plain_diff), row_size, _rows(shift_entry))
     if name not in ROW_CHECKED:
         row_tol = np.full(row_error.shape, tol)
     row_bad = (row_error > np.minimum(row_tol, tol)) if name in ROW_CHECKED else row_error > tol
@@ -273,7 +274,8 @@ def _judge(case, name, got, want, free, plains, shifted, ref, conventions, notes
         worst = np.unravel_index(int(np.argmax(ratios)), ratios.shape)
         reasons.append((f"{name}: {n} rows exceed their own tolerance (worst row error "
                         f"{float(row_error[worst]):.3g} > {float(row_tol[worst]):.3g}, "
-                        f"{bounds.factor(name):g} x the plain error of that row or 2u max|row|): "
+                        f"{bounds.factor(name):g} x the plain error of that row or 2u "
+                        f"{'(|lse| + 2 log T_k)' if name == 'lse' else 'max|row|'}): "
                         "an error concentrated in a few rows, under the output-wide tolerance "
                         f"{tol:.3g}", only_empty))
     return Judged(reasons, check, row_error, row_tol, row_bad)
