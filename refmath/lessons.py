@@ -1440,3 +1440,69 @@ def _splits_chosen():
         "one work item per query head, not per key/value head":
             (_cpu_splits(3, 32, 32768, 16), _cpu_splits(1, 1, 4096, 16)),
         "one work item per thread, not 8": (-(-16 // 24), min(16, 4096 // 512))}
+
+
+# ---- lesson 1: the softmax Jacobian and the backward pass
+
+_A5 = "the section 'A5: the softmax Jacobian'"
+_A8 = "the section 'A8: the backward pass, by hand'"
+
+
+@_exercise("01.3", "the Jacobian of (1/4, 1/2, 1/4)", _A5,
+           "the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u")
+def _jacobian_a3():
+    from refmath.softmax import softmax_jacobian
+
+    a = np.array([0.25, 0.5, 0.25])
+    return softmax_jacobian(a), {
+        "diag(a) alone: the -a a^T term is forgotten": np.diag(a),
+        "a a^T taken as the inner product (a number), not the outer product (a matrix)":
+            np.diag(a) - a @ a,
+        "the sign flipped: a a^T - diag(a)": -softmax_jacobian(a)}
+
+
+def _dq_with_a_slip(dout, cache, reduce=np.sum, transposed=False):
+    """dQ of attention without dropout, with a slip in dS: another reduction of A dA, or dS
+    transposed."""
+    a, d_a = cache.a, dout @ cache.v.T
+    d_s = a * (d_a - reduce(a * d_a, axis=1, keepdims=True))
+    return (d_s.T if transposed else d_s) @ cache.k * cache.scale
+
+
+@_exercise("01.6", "dQ (causal)", _A8, "the same formula, with the causal weights",
+           uses=("dO", "cache_causal", "cache"), atol=1e-15)
+def _causal_dq(dout, cache_causal, cache):
+    from refmath.attention import sdpa_backward
+
+    def dq():
+        return sdpa_backward(dout, cache_causal)[0]
+    return dq(), {
+        **catalogued("sdpa: scale missing from dQ", dq),
+        **catalogued("softmax: sign of the correction flipped", dq),
+        **catalogued("softmax: the -a a^T term dropped (a * dout)", dq),
+        "the unmasked weights A, not A_causal": sdpa_backward(dout, cache)[0],
+        "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
+            _dq_with_a_slip(dout, cache_causal, reduce=np.mean),
+        "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
+            _dq_with_a_slip(dout, cache_causal, transposed=True)}
+
+
+@_exercise("01.7", "(dV, dQ) with dropout", _A8,
+           "D multiplies A in dV and dA = dO V^T; dS uses A itself",
+           uses=("dO", "cache_drop"), atol=1e-15)
+def _dropout_dv_dq(dout, cache):
+    from refmath.attention import sdpa_backward
+
+    def dv_dq():
+        grads = sdpa_backward(dout, cache)
+        return np.concatenate([grads[2], grads[0]])
+    # A * D inside dS: the softmax's Jacobian is of A, before dropout
+    dropped = cache.a * cache.dropout_mask
+    d_a = (dout @ cache.v.T) * cache.dropout_mask
+    d_s = dropped * (d_a - np.sum(dropped * d_a, axis=1, keepdims=True))
+    return dv_dq(), {
+        **catalogued("sdpa: dropout mask ignored in dA", dv_dq),
+        **catalogued("sdpa: dV from the weights before dropout", dv_dq),
+        **catalogued("sdpa: scale missing from dQ", dv_dq),
+        "A * D inside dS: the softmax's Jacobian is of A, before dropout":
+            np.concatenate([dropped.T @ dout, d_s @ cache.k * cache.scale])}
