@@ -1506,3 +1506,51 @@ def _dropout_dv_dq(dout, cache):
         **catalogued("sdpa: scale missing from dQ", dv_dq),
         "A * D inside dS: the softmax's Jacobian is of A, before dropout":
             np.concatenate([dropped.T @ dout, d_s @ cache.k * cache.scale])}
+
+
+# ---- lesson 2: the LayerNorm and RMSNorm backward passes
+
+_N_LN = "the section 'The LayerNorm backward: three terms'"
+_N_RMS = "the section 'The RMSNorm backward: two terms'"
+
+
+@_exercise("02.1", "LayerNorm dx", _N_LN, "(g - mean(g) - xhat mean(g xhat)) / sigma",
+           uses=("dy", "ln_cache"))
+def _layernorm_dx(dy, cache):
+    from refmath.norms import layernorm_backward
+
+    def dx():
+        return layernorm_backward(dy, cache)[0]
+    rstd = np.asarray(cache.rstd)  # 1 / sigma
+    return dx(), {**catalogued("layernorm: variance path dropped", dx),
+                  "the 1/sigma forgotten": dx() / rstd,
+                  "the mean path dropped: only the direct and sigma terms":
+                      dx() + np.mean(dy) * rstd}
+
+
+@_exercise("02.2", "RMSNorm dx", _N_RMS, "r g - r^3 x mean(g x): no mean term",
+           uses=("dy", "rms_cache"))
+def _rmsnorm_dx(dy, cache):
+    from refmath.norms import rmsnorm_backward
+
+    def dx():
+        return rmsnorm_backward(dy, cache)[0]
+    r = np.asarray(cache.rrms)
+    return dx(), {**catalogued("rmsnorm: r^2 instead of r^3", dx),
+                  "LayerNorm's mean term kept (RMSNorm subtracts no mean)": dx() - np.mean(dy) * r,
+                  "the sign of the r^3 term flipped": 2 * r * dy - dx()}
+
+
+@_exercise("02.3", "(dgamma, dbeta)", _N_LN,
+           "gamma and beta are shared by every row: sum over the rows",
+           uses=("upstream", "xs", "gamma", "beta"))
+def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
+    from refmath.norms import layernorm_backward, layernorm_forward
+
+    def both():
+        return np.stack(layernorm_backward(upstream, layernorm_forward(xs, gamma, beta)[1])[1:])
+    return both(), {**catalogued("layernorm: dbeta averaged over rows", both),
+                    "both averaged over the rows, not summed": both() / np.shape(xs)[0],
+                    "dgamma and dbeta swapped": both()[::-1],
+                    "dgamma from x instead of xhat":
+                        np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])}
