@@ -2244,3 +2244,23 @@ def _train_bytes():
     return total, {"12 bytes a parameter: the master copy or one of the two moments forgotten":
                    total * 12 / 16,
                    "the fp16 weights and gradients alone, 4 bytes a parameter": total * 4 / 16}
+
+
+# ---- lesson 12: the float32 rule (12.2 and 12.4 are above)
+
+@_exercise("12.1", "the rule's bound on o", "the section 'F4 in float32: how close is close "
+           "enough'", "c = 2 for an output; the floor is 4 u max|v| with u = 2^-24",
+           uses=("ref_o", "np32_o", "vg"))
+def _float32_bound(ref_o, np32_o, vg):
+    u = 2.0**-24  # float32's unit roundoff
+    error = float(np.abs(np.asarray(np32_o, dtype=np.float64) - ref_o).max())
+    big_v = float(np.abs(vg).max())
+    return 2 * error + 4 * u * big_v, {
+        "u = 2^-23: that is the gap after 1, the unit roundoff is half of it":
+            2 * error + 4 * 2.0**-23 * big_v,
+        "the floor 4 u M left out": 2 * error,
+        "c = 3, the factor of the gradients": 3 * error + 4 * u * big_v,
+        "M = max |o|: the floor is set by the values summed, max |v|":
+            2 * error + 4 * u * float(np.abs(ref_o).max()),
+        "NumPy's error taken in float32, against the reference rounded to float32":
+            2 * float(np.abs(np32_o - np.asarray(ref_o).astype(np.float32)).max()) + 4 * u * big_v}
