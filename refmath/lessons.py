@@ -2530,3 +2530,14 @@ def _bytes_node_limited():
     return both, {"k sends: a node receives the token once, min(k, M) in all":
                   expert_parallel_bytes(7168, 8, 8),
                   "one way only: the outputs come back too": both / 2}
+
+
+# ---- lesson 16: the capstone
+
+@_exercise("16.5", "your model's gradients against the library's", "the section 'The whole "
+           "model, checked'", "each of your four backward passes is checked above: fix the one "
+           "whose check is not right", uses=("cache", "backward", "library"), rtol=1e-10,
+           atol=1e-14, prepare=_flat_parameters)
+def _capstone_gradients(cache, backward, library):
+    # the lesson's own backward through the model, with the library's four functions inside
+    return _flat_parameters(backward(cache, library)), {}
