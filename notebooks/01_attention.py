@@ -40,7 +40,7 @@ import numpy as np
 
 from refmath.attention import causal_mask, mha_forward, sdpa_backward, sdpa_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check, check_close, check_function, check_true
+from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.softmax import softmax_backward, softmax_forward, softmax_jacobian
 
 np.set_printoptions(precision=4, suppress=True)
@@ -256,7 +256,7 @@ np.testing.assert_allclose(J, J_numeric, atol=1e-12)
 print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 0.0]))[0]))
 
 # %% tags=["exercise"]
-# Your turn: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
+# Exercise 01.3: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
 # diag(a) - a a^T (a as a column: an outer product), as a 3 x 3 array.
 jacobian_a3 = ...
 # BEGIN SOLUTION
@@ -265,14 +265,7 @@ jacobian_a3 = np.diag(a3) - np.outer(a3, a3)
 # END SOLUTION
 
 # %%
-check_close("the Jacobian of (1/4, 1/2, 1/4)", jacobian_a3,
-            lambda: softmax_jacobian(np.array([0.25, 0.5, 0.25])), rtol=1e-12,
-            hint="the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u",
-            slips={"diag(a) alone: the -a a^T term is forgotten": lambda: np.diag([0.25, 0.5, 0.25]),
-                   "a a^T taken as the inner product (a number), not the outer product (a matrix)":
-                       lambda: np.diag([0.25, 0.5, 0.25]) - 0.375,
-                   "the sign flipped: a a^T - diag(a)":
-                       lambda: -softmax_jacobian(np.array([0.25, 0.5, 0.25]))})
+check("01.3", jacobian_a3)
 
 # %% [markdown]
 # A backward pass never builds $J$: for an upstream gradient $da$ (a row), the gradient of the
@@ -286,7 +279,7 @@ check_close("the Jacobian of (1/4, 1/2, 1/4)", jacobian_a3,
 # heads of queries) and with masked entries (where $a = 0$).
 
 # %% tags=["exercise"]
-# Your turn: write the softmax backward. `cache.a` is the softmax output a, of shape (..., n)
+# Exercise 01.4: write the softmax backward. `cache.a` is the softmax output a, of shape (..., n)
 # (0 at masked entries and on fully masked rows); `dout` has the same shape. Return dx, the
 # product dout J of every row, without building J. The check runs your function as the backward
 # of the library's softmax_forward: a gradient check (central differences) on five cases, up to
@@ -427,7 +420,7 @@ for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
 # query masks gets zero rows in $dK$ and $dV$.
 
 # %% tags=["exercise"]
-# Your turn: dS and dQ for the causal case, from the causal weights `A_causal` and the same dO,
+# Exercise 01.6: dS and dQ for the causal case, from the causal weights `A_causal` and the same dO,
 # Q, K, V. (dA = dO V^T is unchanged; the weights are not.)
 A_causal = cache_causal.a
 dS_causal = ...
@@ -439,26 +432,9 @@ dQ_causal = dS_causal @ K / np.sqrt(d_k)
 # END SOLUTION
 
 # %%
-def causal_dq_slip(reduce=np.sum, transposed=False):
-    """dQ with a slip in dS: another reduction of A dA, or dS transposed."""
-    dA_c = dO @ V.T
-    dS_c = A_causal * (dA_c - reduce(A_causal * dA_c, axis=1, keepdims=True))
-    return (dS_c.T if transposed else dS_c) @ K / np.sqrt(d_k)
+check("01.6", dQ_causal)
 
-
-check_close("dQ (causal)", dQ_causal, lambda: sdpa_backward(dO, cache_causal)[0], rtol=1e-12,
-            atol=1e-15, hint="the same formula, with the causal weights",
-            slips={**catalogued("sdpa: scale missing from dQ",
-                                lambda: sdpa_backward(dO, cache_causal)[0]),
-                   **catalogued("softmax: sign of the correction flipped",
-                                lambda: sdpa_backward(dO, cache_causal)[0]),
-                   **catalogued("softmax: the -a a^T term dropped (a * dout)",
-                                lambda: sdpa_backward(dO, cache_causal)[0]),
-                   "the unmasked weights A, not A_causal": lambda: sdpa_backward(dO, cache)[0],
-                   "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
-                       lambda: causal_dq_slip(reduce=np.mean),
-                   "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
-                       lambda: causal_dq_slip(transposed=True)})
+# %%
 check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 0.0),
            "A_ij = 0 at a masked pair, and dS_ij carries the factor A_ij", of=dS_causal)
 
@@ -480,7 +456,7 @@ O_drop, cache_drop = sdpa_forward(Q, K, V, mask=mask, dropout_mask=D)
 print("output with dropout:\n", O_drop)
 
 # %% tags=["exercise"]
-# Your turn: dV and dQ of the causal attention with dropout mask D, by hand (dO as before).
+# Exercise 01.7: dV and dQ of the causal attention with dropout mask D, by hand (dO as before).
 # Give them as one array: np.concatenate([dV_drop, dQ_drop]).
 dV_dQ_dropout = ...
 # BEGIN SOLUTION
@@ -493,25 +469,7 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 # END SOLUTION
 
 # %%
-def dropout_with_ad_in_ds():
-    """(dV, dQ) with the dropped weights A * D, not A, inside dS."""
-    dropped = cache_drop.a * D
-    dA_d = (dO @ V.T) * D
-    dS_d = dropped * (dA_d - np.sum(dropped * dA_d, axis=1, keepdims=True))
-    return np.concatenate([dropped.T @ dO, dS_d @ K / np.sqrt(d_k)])
-
-
-check_close("(dV, dQ) with dropout", dV_dQ_dropout,
-            lambda: np.concatenate([sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]]),
-            rtol=1e-12, atol=1e-15, hint="D multiplies A in dV and dA = dO V^T; dS uses A itself",
-            slips={**catalogued("sdpa: dropout mask ignored in dA", lambda: np.concatenate(
-                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
-                   **catalogued("sdpa: dV from the weights before dropout", lambda: np.concatenate(
-                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
-                   **catalogued("sdpa: scale missing from dQ", lambda: np.concatenate(
-                       [sdpa_backward(dO, cache_drop)[2], sdpa_backward(dO, cache_drop)[0]])),
-                   "A * D inside dS: the softmax's Jacobian is of A, before dropout":
-                       dropout_with_ad_in_ds})
+check("01.7", dV_dQ_dropout)
 
 # %% [markdown]
 # Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of

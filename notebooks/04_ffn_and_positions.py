@@ -50,7 +50,7 @@ from refmath.ffn import (
     swiglu_hidden_size,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check_close, check_function, check_true
+from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
@@ -128,7 +128,7 @@ plt.show()
 # the point of its minimum mirror each other.
 
 # %% tags=["exercise"]
-# Your turn: the u > 0 where SiLU(u) = 1, to 1e-9 (bisection on silu_forward over [0, 4] is
+# Exercises 04.1 and 04.2: the u > 0 where SiLU(u) = 1, to 1e-9 (bisection on silu_forward over [0, 4] is
 # enough), and the smallest value SiLU takes anywhere (use the identity above).
 u_one = ...
 silu_min = ...
@@ -141,25 +141,11 @@ u_one = (low + high) / 2
 silu_min = 1 - u_one  # SiLU(-u_one) = SiLU(u_one) - u_one, at the minimum's place -u_one
 # END SOLUTION
 
+# %%
+check("04.1", u_one)
 
 # %%
-def newton_silu_one():
-    """SiLU(u) = 1 by Newton's method from u = 1, with SiLU'(u) = sigma (1 + u (1 - sigma))."""
-    u = 1.0
-    for _ in range(50):
-        sigma = 1 / (1 + np.exp(-u))
-        u -= (u * sigma - 1) / (sigma * (1 + u * (1 - sigma)))
-    return u
-
-
-check_close("the u where SiLU(u) = 1", u_one, newton_silu_one, rtol=1e-9,
-            hint="SiLU is increasing for u > 0: halve the interval [0, 4] until it is 1e-9 wide",
-            slips={"sigma(u) = 1/2 (the sigmoid's midpoint, u = 0)": 0.0,
-                   "u = 1 (SiLU read as the identity)": 1.0})
-check_close("the smallest value of SiLU", silu_min, lambda: 1 - newton_silu_one(), rtol=1e-8,
-            hint="SiLU(-u) = SiLU(u) - u; the minimum sits at minus the crossing point",
-            slips={"0 (SiLU read as a ReLU that stops at 0)": 0.0,
-                   "the minimum's place, not its value": lambda: -newton_silu_one()})
+check("04.2", silu_min)
 
 # %% [markdown] tags=["question"]
 # **Question.** In SwiGLU the gate multiplies the up-projection feature by feature. What can a
@@ -187,7 +173,7 @@ check_close("the smallest value of SiLU", silu_min, lambda: 1 - newton_silu_one(
 # At $u = 0$ both are exactly $1/2$; at $u = 1$ the exact one is $\Phi(1) + \varphi(1)$.
 
 # %% tags=["exercise"]
-# Your turn: the derivative of both GELU forms at u = (0, 1, -2), as an array of shape (2, 3):
+# Exercise 04.3: the derivative of both GELU forms at u = (0, 1, -2), as an array of shape (2, 3):
 # first row exact, second row tanh. (standard_normal_cdf is imported for Phi.)
 points = np.array([0.0, 1.0, -2.0])
 gelu_derivatives = ...
@@ -201,10 +187,7 @@ gelu_derivatives = np.stack([
 # END SOLUTION
 
 # %%
-check_close("GELU'(0, 1, -2), exact and tanh", gelu_derivatives,
-            lambda: np.stack([gelu_backward(np.ones(3), gelu_forward(points, approximate=form)[1])
-                              for form in (False, True)]),
-            rtol=1e-12, hint="product rule: Phi(u) + u phi(u); for tanh, d tanh = 1 - tanh^2")
+check("04.3", gelu_derivatives)
 
 # %%
 for form in (False, True):
@@ -217,7 +200,7 @@ for form in (False, True):
     assert error < 1e-8
 
 # %% tags=["exercise"]
-# Your turn: write the GELU backward for both forms. `cache` is the GELUCache of gelu_forward:
+# Exercise 04.4: write the GELU backward for both forms. `cache` is the GELUCache of gelu_forward:
 # `cache.x` (any shape), `cache.approximate` (True for the tanh form) and `cache.gate`, which holds
 # Phi(x) for the exact form and t = tanh(sqrt(2/pi) (x + 0.044715 x^3)) for the tanh form. Return
 # dx = dout * GELU'(x). The check runs it as the backward of gelu_forward under the gradient check
@@ -279,7 +262,7 @@ y, swiglu_cache = swiglu_forward(xs, w_gate, w_up, w_down)
 dy = rng.standard_normal(y.shape)
 
 # %% tags=["exercise"]
-# Your turn: dx of SwiGLU for xs, the three weights and the upstream gradient dy above, from the
+# Exercise 04.5: dx of SwiGLU for xs, the three weights and the upstream gradient dy above, from the
 # equations (the sigmoid is 1 / (1 + exp(-g))).
 dx_swiglu = ...
 # BEGIN SOLUTION
@@ -292,8 +275,7 @@ dx_swiglu = dg @ w_gate.T + (dm * s_act) @ w_up.T
 # END SOLUTION
 
 # %%
-check_close("SwiGLU dx", dx_swiglu, lambda: swiglu_backward(dy, swiglu_cache)[0], rtol=1e-10,
-            atol=1e-14, hint="two paths into x: dg W_g^T and du W_u^T")
+check("04.5", dx_swiglu)
 
 # %%
 names = ("x", "w_gate", "w_up", "w_down")
@@ -325,7 +307,7 @@ for d_model in (384, 512, 4096):
 assert ffn_parameter_count(384, swiglu_hidden_size(384), gated=True) == ffn_parameter_count(384, 4 * 384)
 
 # %% tags=["exercise"]
-# Your turn: the SwiGLU width for d = 1000 rounded up to a multiple of 64, and the relative
+# Exercise 04.6: the SwiGLU width for d = 1000 rounded up to a multiple of 64, and the relative
 # excess of its parameters over the 4d FFN's, as a pair (d_f, excess) with excess like +0.125.
 width_and_excess = ...
 # BEGIN SOLUTION
@@ -334,11 +316,7 @@ width_and_excess = (d_f_1000, 3 * 1000 * d_f_1000 / (2 * 1000 * 4000) - 1)
 # END SOLUTION
 
 # %%
-check_close("(d_f, excess) at d = 1000", width_and_excess,
-            lambda: (swiglu_hidden_size(1000, 64),
-                     ffn_parameter_count(1000, swiglu_hidden_size(1000, 64), gated=True)
-                     / ffn_parameter_count(1000, 4000) - 1),
-            rtol=1e-12, hint="round 8d/3 = 2666.7 up to a multiple of 64; excess = d_f / (8d/3) - 1")
+check("04.6", width_and_excess)
 
 # %% [markdown]
 # ## N8: sinusoidal positions
@@ -385,7 +363,7 @@ print("(3, 4) at position 1:", rotated_at_1, " by hand:", by_hand,
 np.testing.assert_allclose(rotated_at_1, by_hand, rtol=1e-14)
 
 # %% tags=["exercise"]
-# Your turn: the row x = (3, 4, 1, 0) (d_k = 4) rotated by RoPE at position 2. Pair 0 turns by
+# Exercise 04.7: the row x = (3, 4, 1, 0) (d_k = 4) rotated by RoPE at position 2. Pair 0 turns by
 # 2 * 1 radians, pair 1 by 2 * (1/100).
 rotated_by_hand = ...
 # BEGIN SOLUTION
@@ -397,9 +375,7 @@ rotated_by_hand = turned.reshape(1, 4)
 # END SOLUTION
 
 # %%
-check_close("RoPE of (3, 4, 1, 0) at position 2", rotated_by_hand,
-            lambda: rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), positions=np.array([2]))[0],
-            rtol=1e-12, atol=1e-15, hint="pairs are (x0, x1) and (x2, x3); theta = p omega_r")
+check("04.7", rotated_by_hand)
 
 # %% [markdown]
 # **Scores depend on the offset only.** Rotations preserve lengths and compose by adding angles,
@@ -438,7 +414,7 @@ plt.show()
 # $-\theta$. Nothing of the input is stored, only the angles.
 
 # %% tags=["exercise"]
-# Your turn: the gradient with respect to x = (3, 4, 1, 0) at position 2 for the upstream
+# Exercise 04.8: the gradient with respect to x = (3, 4, 1, 0) at position 2 for the upstream
 # gradient dy = (1, 0, 0, 1), by rotating dy by minus the angles (2, 2/100).
 dx_rope = ...
 # BEGIN SOLUTION
@@ -450,14 +426,9 @@ dx_rope = np.stack([dy_pairs[:, 0] * np.cos(back) - dy_pairs[:, 1] * np.sin(back
 # END SOLUTION
 
 # %%
-check_close("RoPE dx", dx_rope,
-            lambda: rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
-                                  rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]),
-                                               positions=np.array([2]))[1]),
-            rtol=1e-12, atol=1e-15, hint="the same rotation with -theta",
-            slips=catalogued("rope: forward rotation used in backward", lambda: rope_backward(
-                np.array([[1.0, 0.0, 0.0, 1.0]]),
-                rope_forward(np.array([[3.0, 4.0, 1.0, 0.0]]), positions=np.array([2]))[1])))
+check("04.8", dx_rope)
+
+# %%
 check_true("rotating your dx forward gives dy back",
            lambda dx: np.allclose(rope_forward(np.asarray(dx, dtype=float).reshape(1, 4),
                                                positions=np.array([2]))[0],

@@ -51,7 +51,7 @@ import numpy as np
 
 from refmath import hf
 from refmath.sizing import hf_parameter_count
-from refmath.lessons import check_close, check_function, check_true
+from refmath.lessons import check, check_function, check_true
 from refmath.models import decoder
 from refmath.positions import rope_forward
 
@@ -96,7 +96,7 @@ for tensor_name in sorted(header)[:6]:
 print(f"... {len(header) - 1} tensors, header {n} bytes")
 
 # %% [markdown]
-# **Your turn.** Read `model.embed_tokens.weight` out of the file with `open`, `f.seek`, `f.read`
+# **Exercise 13.1.** Read `model.embed_tokens.weight` out of the file with `open`, `f.seek`, `f.read`
 # and `np.frombuffer` (its dtype `F64` is NumPy's `"<f8"`), reshaped to the header's shape. The
 # check compares it with the embedding table the model was saved from, `params["tok_emb"]`
 # (both are $V \times d$: an embedding is a lookup table, not a linear map, so nothing is
@@ -114,8 +114,7 @@ with open(weights_path, "rb") as f:
 # END SOLUTION
 
 # %%
-check_close("the embedding read from the file", embedding, params["tok_emb"], rtol=0,
-            hint="the offsets count from the end of the header, 8 + N bytes into the file")
+check("13.1", embedding)
 
 
 # %% [markdown]
@@ -201,12 +200,12 @@ fig.colorbar(image, ax=ax, ticks=[0, 1], label="1 where row $i$ equals column $j
 plt.show()
 
 # %% [markdown]
-# **Your turn.** Loading a Hugging Face checkpoint into a model that uses the *interleaved*
+# **Exercise 13.2.** Loading a Hugging Face checkpoint into a model that uses the *interleaved*
 # layout needs the inverse: the row of `q_proj.weight` that each interleaved column comes from.
 # Write `rows`, an integer array of length $h d_h$, such that `q_proj[rows].T` is refmath's $W_Q$
 # (for one head it is $\pi^{-1} = [0, d_h/2, 1, d_h/2 + 1, \dots]$: interleaved coordinate $2r$
-# is half coordinate $r$, and $2r + 1$ is $r + d_h/2$). The check also applies its first
-# $g d_h$ entries to the keys.
+# is half coordinate $r$, and $2r + 1$ is $r + d_h/2$). The cell after the check applies
+# its first $g d_h$ entries to the keys.
 
 # %% tags=["exercise"]
 heads = config.n_heads
@@ -220,16 +219,18 @@ rows = (np.arange(heads)[:, None] * d_h + one_head[None, :]).reshape(-1)
 check_true("rows is a permutation of the rows",
            lambda r: np.array_equal(np.sort(r), np.arange(heads * d_h)),
            "each of the h d_h rows must be used exactly once", of=rows)
-check_close("W_Q from q_proj.weight", None if rows is Ellipsis else q_proj[rows].T, w_q, rtol=0,
-            hint="within each head: half coordinate r, then r + d_h/2",
-            slips={"the rows in Hugging Face's order, unpermuted: its halves layout is not "
-                   "refmath's interleaved one": lambda: q_proj.T})
-check_close("W_K from k_proj.weight",
-            None if rows is Ellipsis else k_proj[rows[:config.kv_heads * d_h]].T,
-            params["layers.0.attn.w_k"], rtol=0)
+
+# %%
+check("13.2", rows)
+
+# %%
+# After the exercise: the same rows load both W_Q and, their first g d_h, W_K.
+if rows is not Ellipsis and np.array_equal(np.sort(rows), np.arange(heads * d_h)):
+    print("W_Q loads exactly:", np.array_equal(q_proj[rows].T, w_q), "  W_K:",
+          np.array_equal(k_proj[rows[:config.kv_heads * d_h]].T, params["layers.0.attn.w_k"]))
 
 # %% tags=["exercise"]
-# Your turn: write the loader's permutation as a function: `my_half_to_interleaved(w, head_dim)`
+# Exercise 13.3: write the loader's permutation as a function: `my_half_to_interleaved(w, head_dim)`
 # takes the columns of a query or key projection in the "half" layout (last axis n * head_dim, n
 # heads; a bias (n * head_dim,) too) and returns them in the interleaved layout, the inverse of
 # `hf.interleaved_to_half`. The check compares it with that inverse on this checkpoint's q_proj
@@ -308,7 +309,7 @@ print("largest logit difference, interleaved model vs the loaded half-layout one
 # float32 of exactly the same value.
 
 # %% [markdown]
-# **Your turn.** Turn the bfloat16 patterns below (as `uint16`) into a float32 array of the same
+# **Exercise 13.4.** Turn the bfloat16 patterns below (as `uint16`) into a float32 array of the same
 # values, with integer operations and a `.view`, no floating-point arithmetic. The check decodes
 # $s$, $e$ and $m$ with the formula above instead.
 
@@ -320,15 +321,17 @@ as_float32 = (patterns.astype(np.uint32) << 16).view(np.float32)
 # END SOLUTION
 
 # %%
+check_true("a float32 array", lambda a: np.asarray(a).dtype == np.float32,
+           "view the 32-bit patterns as float32", of=as_float32)
+
+# %%
+check("13.4", as_float32)
+
+# %%
+# After the exercise: the values, decoded from the sign, exponent and mantissa fields.
 s, e, m = patterns >> 15, (patterns >> 7) & 0xFF, patterns & 0x7F
 assert np.all((e > 0) & (e < 255))  # normal numbers only: the formula holds
 by_fields = (-1.0) ** s * 2.0 ** (e.astype(np.int64) - 127) * (1 + m / 2**7)
-check_true("a float32 array", lambda a: np.asarray(a).dtype == np.float32,
-           "view the 32-bit patterns as float32", of=as_float32)
-check_close("the bfloat16 patterns as numbers", as_float32, by_fields, rtol=0,
-            hint="shift the 16 bits into the upper half of a uint32",
-            slips={"the patterns read as float16: bfloat16 has float32's 8 exponent bits": lambda:
-                       patterns.view(np.float16).astype(np.float32)})
 print(dict(zip([f"0x{p:04X}" for p in patterns], by_fields)))
 
 # %% [markdown]
@@ -447,7 +450,7 @@ if transformers is not None:
 # FFN ($d \times 4d + 4d$ and $4d \times d + d$) and two LayerNorms ($4d$).
 
 # %% [markdown]
-# **Your turn.** Count the parameters of this lesson's checkpoint from the fields of its
+# **Exercise 13.5.** Count the parameters of this lesson's checkpoint from the fields of its
 # `config.json`, then those of GPT-2 small ($V = 50257$, 1024 positions, $d = 768$, $L = 12$, tied
 # output) and its size in MiB in float32.
 
@@ -471,24 +474,13 @@ gpt2_float32_mib = 4 * gpt2_count / 2**20
 # END SOLUTION
 
 # %%
-gpt2_config = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
-               "n_layer": 12, "n_head": 12}
-check_close("this lesson's parameter count", tiny_count,
-            lambda: hf_parameter_count(hf_config), rtol=0)
-check_close("GPT-2 small's parameter count", gpt2_count,
-            lambda: hf_parameter_count(gpt2_config), rtol=0,
-            hint="the final LayerNorm and the position table count too",
-            slips={"the position table forgotten (1024 x 768)": lambda:
-                       hf_parameter_count(gpt2_config) - 1024 * 768,
-                   "the final LayerNorm forgotten (2 x 768)": lambda:
-                       hf_parameter_count(gpt2_config) - 2 * 768,
-                   "an output matrix counted: GPT-2 ties it to the token table": lambda:
-                       hf_parameter_count(gpt2_config) + 50257 * 768})
-check_close("GPT-2 small in float32, MiB", gpt2_float32_mib,
-            lambda: 4 * hf_parameter_count(gpt2_config) / 2**20, rtol=1e-12,
-            slips={"MB (10^6 bytes), not MiB (2^20)": lambda: 4 * hf_parameter_count(gpt2_config) / 1e6,
-                   "2 bytes per parameter: that is bfloat16, not float32": lambda:
-                       2 * hf_parameter_count(gpt2_config) / 2**20})
+check("13.5a", tiny_count)
+
+# %%
+check("13.5b", gpt2_count)
+
+# %%
+check("13.5c", gpt2_float32_mib)
 
 # %% [markdown]
 # GPT-2 small has 124,439,808 parameters: 475 MiB in float32, 237 MiB in bfloat16.

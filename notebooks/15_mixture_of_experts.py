@@ -46,7 +46,7 @@ import numpy as np
 
 from refmath.data import CharLMTask
 from refmath.ffn import sigmoid, swiglu_forward
-from refmath.lessons import catalogued, check_close, check_function
+from refmath.lessons import catalogued, check, check_function
 from refmath.models import decoder
 from refmath.moe import (MoEConfig, balance_bias_update, expert_balance_loss,
                          expert_balance_loss_backward, expert_load, moe_backward, moe_forward,
@@ -122,7 +122,7 @@ print("tokens sent to each expert:", cache5.load, "(5 tokens x 2 choices)")
 #    `norm_topk_prob`; DeepSeek-V2 keeps the probabilities and scales them instead).
 
 # %% [markdown]
-# **Your turn.** By hand (each row of $e^z$ is easy to sum): the probabilities (4, 4), the two
+# **Exercise 15.1.** By hand (each row of $e^z$ is easy to sum): the probabilities (4, 4), the two
 # experts of each token (4, 2), best first, and their gates (4, 2).
 
 # %% tags=["exercise"]
@@ -141,26 +141,19 @@ gates_by_hand = np.array([[2 / 3, 1 / 3], [2 / 3, 1 / 3], [1 / 2, 1 / 2], [1 / 2
 # END SOLUTION
 
 # %%
+check("15.1a", probs_by_hand)
+
+# %%
+check("15.1b", top2_by_hand)
+
+# %%
+check("15.1c", gates_by_hand)
+
+# %%
+# After the exercise: the library's routing of the worked example, used below.
 _, worked_probs, _ = router_scores(worked_logits, np.eye(4))  # x = the logits, W_r = I
 mixtral_style = MoEConfig(n_experts=4, top_k=2, d_expert=1, norm_topk=True)
 unnormalised = MoEConfig(n_experts=4, top_k=2, d_expert=1)
-check_close("the probabilities", probs_by_hand, lambda: worked_probs, rtol=1e-12,
-            slips={"exp(z) without dividing by its sum": lambda: np.exp(worked_logits),
-                   "the softmax over the wrong axis: over the tokens (columns), not the experts":
-                       lambda: np.exp(worked_logits) / np.exp(worked_logits).sum(axis=0)})
-check_close("the top-2 experts", top2_by_hand, lambda: route(worked_probs, mixtral_style)[0],
-            rtol=0, hint="best first; equal probabilities go to the lower index",
-            slips={"an ascending argsort reversed: ties go to the higher index": lambda:
-                       np.argsort(worked_probs, axis=1, kind="stable")[:, ::-1][:, :2],
-                   "the two smallest probabilities (argsort is ascending)": lambda:
-                       np.argsort(worked_probs, axis=1, kind="stable")[:, :2],
-                   "experts numbered from 1: refmath, like NumPy, numbers them from 0": lambda:
-                       route(worked_probs, mixtral_style)[0] + 1})
-check_close("the gates", gates_by_hand, lambda: route(worked_probs, mixtral_style)[1], rtol=1e-12,
-            slips={"not renormalised: the chosen probabilities themselves": lambda:
-                       route(worked_probs, unnormalised)[1],
-                   "a softmax over the chosen probabilities, not a division by their sum": lambda:
-                       softmax_forward(route(worked_probs, unnormalised)[1])[0]})
 
 # %% [markdown]
 # Token 2's two best tie at $3/8$; token 3's four tie at $1/4$: the lower indices win. Every
@@ -294,7 +287,7 @@ np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15
 
 
 # %% tags=["exercise"]
-# Your turn: the gates' backward (E3), from the gates to the scores. `dgates` (N, k) is the
+# Exercise 15.6: the gates' backward (E3), from the gates to the scores. `dgates` (N, k) is the
 # gradient with respect to route's gates; `cache` is the RouteCache route returned:
 # cache.indices (N, k) the chosen experts, cache.chosen (N, k) their scores s_j,
 # cache.denominator (N, 1) their sum D (None when the gates are not renormalised),
@@ -404,7 +397,7 @@ np.testing.assert_array_equal(worked_load, [2, 3, 2, 1])
 np.testing.assert_allclose([worked_balance, worked_z], [1.0, 31 / 4 * np.log(2) ** 2], rtol=1e-14)
 
 # %% [markdown]
-# **Your turn.** Six tokens, four experts, top-2, with the router probabilities below (no ties
+# **Exercise 15.2.** Six tokens, four experts, top-2, with the router probabilities below (no ties
 # among the two best of any row). Compute the load of each expert and $\mathcal L_{\text{ExpBal}}$.
 
 # %% tags=["exercise"]
@@ -423,17 +416,13 @@ balance_loss_by_hand = np.sum(f6 * probs6.mean(axis=0))
 # END SOLUTION
 
 # %%
-load6 = expert_load(route(probs6, unnormalised)[0], 4)
-first_choice_load = expert_load(route(probs6, unnormalised)[0][:, :1], 4)
-check_close("the load", load6_by_hand, lambda: load6, rtol=0,
-            slips={"the first choice only": lambda: first_choice_load})
-check_close("L_ExpBal", balance_loss_by_hand, lambda: expert_balance_loss(probs6, load6, 2)[0],
-            rtol=1e-12,
-            slips={"Switch's and Mixtral's (E / N) sum load P: k times DeepSeek's": lambda:
-                       4 / 6 * np.sum(load6 * probs6.mean(axis=0)),
-                   "f_i = load_i, without E / (k N)": lambda: np.sum(load6 * probs6.mean(axis=0)),
-                   "the load of the first choices only": lambda:
-                       expert_balance_loss(probs6, first_choice_load, 1)[0]})
+check("15.2a", load6_by_hand)
+
+# %%
+check("15.2b", balance_loss_by_hand)
+
+# %%
+load6 = expert_load(route(probs6, unnormalised)[0], 4)  # after the exercise: used below
 
 # %% [markdown]
 # The load is a count of a selection, piecewise constant like the selection itself: no gradient
@@ -487,7 +476,7 @@ assert np.all(dz6[:, 3] < 0) and np.all(dz6[:, :2] > 0)
 # zero gradient).
 
 # %% [markdown]
-# **Your turn.** Biases $(0, 0.01, -0.02, 0)$, loads $(5, 1, 3, 3)$, $\gamma = 0.001$: the
+# **Exercise 15.3.** Biases $(0, 0.01, -0.02, 0)$, loads $(5, 1, 3, 3)$, $\gamma = 0.001$: the
 # biases after one update.
 
 # %% tags=["exercise"]
@@ -499,12 +488,7 @@ bias_after_by_hand = bias_before - 0.001 * np.array([1.0, -1.0, 0.0, 0.0])  # me
 # END SOLUTION
 
 # %%
-check_close("the biases after one update", bias_after_by_hand,
-            lambda: balance_bias_update(bias_before, load_step, 0.001), rtol=1e-12,
-            slips={"the sign flipped: the overloaded expert's bias raised": lambda:
-                       balance_bias_update(bias_before, -load_step, 0.001),
-                   "a step of gamma (load - mean), not gamma sign(load - mean)": lambda:
-                       bias_before - 0.001 * (load_step - load_step.mean())})
+check("15.3", bias_after_by_hand)
 
 # %% [markdown]
 # A simulation of the rule alone: 512 tokens a step, 8 experts, top-2, sigmoid scores from
@@ -660,7 +644,7 @@ assert round(v3.total / 1e9) == 671 and round(v3.matmul / 1e9) == 37
 # `refmath.sizing.active_parameters` has the details).
 
 # %% [markdown]
-# **Your turn.** A small MoE decoder: $L = 4$ layers, $d = 256$, multi-head attention with
+# **Exercise 15.4.** A small MoE decoder: $L = 4$ layers, $d = 256$, multi-head attention with
 # $h = g = 4$ heads of 64 ($4 d^2$ parameters a layer), two RMSNorm gains of $d$ per layer and a
 # final one, vocabulary 1000 with an untied output matrix, and in every layer an MoE
 # feed-forward: a router, $E = 8$ routed experts of width $d_e = 512$, top-2, and one shared
@@ -677,26 +661,15 @@ toy_active = toy_total - 4 * (8 - 2) * expert
 # END SOLUTION
 
 # %%
+check("15.4a", toy_total)
+
+# %%
+check("15.4b", toy_active)
+
+# %%
 toy = ModelConfig("toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, head_dim=64,
                   vocab_size=1000, moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1))
 toy_counts = active_parameters(toy)
-one_expert = 3 * 256 * 512
-check_close("the total", toy_total, lambda: toy_counts.total, rtol=0,
-            slips={"the shared expert forgotten": lambda: toy_counts.total - 4 * one_expert,
-                   "the output matrix forgotten (it is untied)": lambda:
-                       toy_counts.total - 1000 * 256,
-                   "2 d d_e per expert: a SwiGLU has three matrices": lambda:
-                       toy_counts.total - 4 * 9 * 256 * 512})
-check_close("the active parameters", toy_active, lambda: toy_counts.active, rtol=0,
-            slips={"all E routed experts taken off, the k chosen ones too": lambda:
-                       toy_counts.total - 4 * 8 * one_expert,
-                   "2 d d_e per idle expert taken off a right total: a SwiGLU has three "
-                   "matrices": lambda: toy_counts.total - 4 * 6 * 2 * 256 * 512,
-                   # the two slips give one number: 9 experts at 2 d d_e less 6 idle ones is
-                   # 21 d d_e a layer, as is the shared expert's 3 d d_e more taken off
-                   "3 d d_e a layer short: 2 d d_e per expert throughout (a SwiGLU has three "
-                   "matrices), or the shared expert taken off as well": lambda:
-                       toy_counts.active - 4 * one_expert})
 print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
       f"({toy_counts.active / toy_counts.total:.0%})")
 assert parameter_counts(toy).total == toy_counts.total
@@ -748,7 +721,7 @@ plt.show()
 # $D = 8$ nodes.
 
 # %% [markdown]
-# **Your turn.** DeepSeek-V3: $d = 7168$, $k = 8$, bf16 ($b = 2$). The average bytes a token
+# **Exercise 15.5.** DeepSeek-V3: $d = 7168$, $k = 8$, bf16 ($b = 2$). The average bytes a token
 # sends and receives in one MoE layer with the 256 experts over $D = 64$ devices, and with
 # node-limited routing over 8 nodes, at most 4 per token.
 
@@ -761,18 +734,10 @@ bytes_node_limited = 2 * min(8, 4) * (1 - 1 / 8) * 7168 * 2
 # END SOLUTION
 
 # %%
-check_close("bytes on 64 devices", bytes_64_devices, lambda: expert_parallel_bytes(7168, 8, 64),
-            rtol=1e-12,
-            slips={"one way only: the outputs come back too": lambda:
-                       expert_parallel_bytes(7168, 8, 64) / 2,
-                   "(1 - 1/D) left out: an expert on the token's own device costs nothing": lambda:
-                       2 * 8 * 7168 * 2})
-check_close("bytes, node-limited", bytes_node_limited,
-            lambda: expert_parallel_bytes(7168, 8, 8, max_devices=4), rtol=1e-12,
-            slips={"k sends: a node receives the token once, min(k, M) in all": lambda:
-                       expert_parallel_bytes(7168, 8, 8),
-                   "one way only: the outputs come back too": lambda:
-                       expert_parallel_bytes(7168, 8, 8, max_devices=4) / 2})
+check("15.5a", bytes_64_devices)
+
+# %%
+check("15.5b", bytes_node_limited)
 
 # %%
 v3_cfg = PRESETS["deepseek-v3"]

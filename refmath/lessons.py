@@ -1440,3 +1440,1104 @@ def _splits_chosen():
         "one work item per query head, not per key/value head":
             (_cpu_splits(3, 32, 32768, 16), _cpu_splits(1, 1, 4096, 16)),
         "one work item per thread, not 8": (-(-16 // 24), min(16, 4096 // 512))}
+
+
+# ---- lesson 1: the softmax Jacobian and the backward pass
+
+_A5 = "the section 'A5: the softmax Jacobian'"
+_A8 = "the section 'A8: the backward pass, by hand'"
+
+
+@_exercise("01.3", "the Jacobian of (1/4, 1/2, 1/4)", _A5,
+           "the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u")
+def _jacobian_a3():
+    from refmath.softmax import softmax_jacobian
+
+    a = np.array([0.25, 0.5, 0.25])
+    return softmax_jacobian(a), {
+        "diag(a) alone: the -a a^T term is forgotten": np.diag(a),
+        "a a^T taken as the inner product (a number), not the outer product (a matrix)":
+            np.diag(a) - a @ a,
+        "the sign flipped: a a^T - diag(a)": -softmax_jacobian(a)}
+
+
+def _dq_with_a_slip(dout, cache, reduce=np.sum, transposed=False):
+    """dQ of attention without dropout, with a slip in dS: another reduction of A dA, or dS
+    transposed."""
+    a, d_a = cache.a, dout @ cache.v.T
+    d_s = a * (d_a - reduce(a * d_a, axis=1, keepdims=True))
+    return (d_s.T if transposed else d_s) @ cache.k * cache.scale
+
+
+@_exercise("01.6", "dQ (causal)", _A8, "the same formula, with the causal weights",
+           uses=("dO", "cache_causal", "cache"), atol=1e-15)
+def _causal_dq(dout, cache_causal, cache):
+    from refmath.attention import sdpa_backward
+
+    def dq():
+        return sdpa_backward(dout, cache_causal)[0]
+    return dq(), {
+        **catalogued("sdpa: scale missing from dQ", dq),
+        **catalogued("softmax: sign of the correction flipped", dq),
+        **catalogued("softmax: the -a a^T term dropped (a * dout)", dq),
+        "the unmasked weights A, not A_causal": sdpa_backward(dout, cache)[0],
+        "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
+            _dq_with_a_slip(dout, cache_causal, reduce=np.mean),
+        "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
+            _dq_with_a_slip(dout, cache_causal, transposed=True)}
+
+
+@_exercise("01.7", "(dV, dQ) with dropout", _A8,
+           "D multiplies A in dV and dA = dO V^T; dS uses A itself",
+           uses=("dO", "cache_drop"), atol=1e-15)
+def _dropout_dv_dq(dout, cache):
+    from refmath.attention import sdpa_backward
+
+    def dv_dq():
+        grads = sdpa_backward(dout, cache)
+        return np.concatenate([grads[2], grads[0]])
+    # A * D inside dS: the softmax's Jacobian is of A, before dropout
+    dropped = cache.a * cache.dropout_mask
+    d_a = (dout @ cache.v.T) * cache.dropout_mask
+    d_s = dropped * (d_a - np.sum(dropped * d_a, axis=1, keepdims=True))
+    return dv_dq(), {
+        **catalogued("sdpa: dropout mask ignored in dA", dv_dq),
+        **catalogued("sdpa: dV from the weights before dropout", dv_dq),
+        **catalogued("sdpa: scale missing from dQ", dv_dq),
+        "A * D inside dS: the softmax's Jacobian is of A, before dropout":
+            np.concatenate([dropped.T @ dout, d_s @ cache.k * cache.scale])}
+
+
+# ---- lesson 2: the LayerNorm and RMSNorm backward passes
+
+_N_LN = "the section 'The LayerNorm backward: three terms'"
+_N_RMS = "the section 'The RMSNorm backward: two terms'"
+
+
+@_exercise("02.1", "LayerNorm dx", _N_LN, "(g - mean(g) - xhat mean(g xhat)) / sigma",
+           uses=("dy", "ln_cache"))
+def _layernorm_dx(dy, cache):
+    from refmath.norms import layernorm_backward
+
+    def dx():
+        return layernorm_backward(dy, cache)[0]
+    rstd = np.asarray(cache.rstd)  # 1 / sigma
+    return dx(), {**catalogued("layernorm: variance path dropped", dx),
+                  "the 1/sigma forgotten": dx() / rstd,
+                  "the mean path dropped: only the direct and sigma terms":
+                      dx() + np.mean(dy) * rstd}
+
+
+@_exercise("02.2", "RMSNorm dx", _N_RMS, "r g - r^3 x mean(g x): no mean term",
+           uses=("dy", "rms_cache"))
+def _rmsnorm_dx(dy, cache):
+    from refmath.norms import rmsnorm_backward
+
+    def dx():
+        return rmsnorm_backward(dy, cache)[0]
+    r = np.asarray(cache.rrms)
+    return dx(), {**catalogued("rmsnorm: r^2 instead of r^3", dx),
+                  "LayerNorm's mean term kept (RMSNorm subtracts no mean)": dx() - np.mean(dy) * r,
+                  "the sign of the r^3 term flipped": 2 * r * dy - dx()}
+
+
+@_exercise("02.3", "(dgamma, dbeta)", _N_LN,
+           "gamma and beta are shared by every row: sum over the rows",
+           uses=("upstream", "xs", "gamma", "beta"))
+def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
+    from refmath.norms import layernorm_backward, layernorm_forward
+
+    def both():
+        return np.stack(layernorm_backward(upstream, layernorm_forward(xs, gamma, beta)[1])[1:])
+    return both(), {**catalogued("layernorm: dbeta averaged over rows", both),
+                    "both averaged over the rows, not summed": both() / np.shape(xs)[0],
+                    "dgamma and dbeta swapped": both()[::-1],
+                    "dgamma from x instead of xhat":
+                        np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])}
+
+
+# ---- lesson 3: the online softmax, the tiled backward, the traffic, the cache
+
+_F1 = "the section 'F1-F3: attention as a ratio of sums, merged block by block'"
+
+
+@_exercise("03.1", "(m, l) of the merge", _F1, "rescale each l by e^(its m - the larger m)",
+           uses=("a", "b"))
+def _merged_m_l(a, b):
+    from refmath.softmax import online_softmax_merge
+
+    merged = online_softmax_merge(a, b)
+    smaller = min(a.m, b.m)
+    return (merged.m, merged.l), {
+        "the l added without rescaling them to the larger m": (merged.m, a.l + b.l),
+        "rescaled to the smaller m, not the larger":
+            (smaller, merged.l * np.exp(merged.m - smaller))}
+
+
+@_exercise("03.3", "dQ from the logsumexp", "the section 'F4: the backward pass from the logsumexp'",
+           "P = exp(S - lse) at visible pairs, 0 elsewhere; delta = rowsum(dO * O)",
+           uses=("do_small", "q_small", "k_small", "v_small", "o_small", "lse_small"),
+           rtol=1e-10, atol=1e-14)
+def _dq_from_lse(do, q, k, v, o, lse):
+    from refmath.flash import flash_attention_backward
+
+    def dq():
+        return flash_attention_backward(do, q, k, v, o, lse, causal=True, block_q=2, block_k=2)[0]
+    return dq(), {
+        **catalogued("flash: delta = rowsum(dO * O) left out", dq),
+        **catalogued("flash: causal mask forgotten in the backward", dq),
+        "the scale tau = 1/sqrt(d) missing from dQ (it is in S and in dQ)":
+            np.sqrt(np.shape(q)[-1]) * dq()}
+
+
+@_exercise("03.4", "dense bytes at T = 2048",
+           "the section 'F6: what the tiles save is traffic to slow memory'",
+           "4 h T^2 for S and P (each written and read) plus 4 h T d_h for Q, K, V, O", rtol=0.0)
+def _dense_bytes_2048():
+    from refmath.flash import attention_memory_traffic
+
+    total = attention_memory_traffic(1, 12, 2048, 2048, 64, bytes_per_element=2).total_bytes
+    return total, {"elements, not bytes: the 2 bytes of each forgotten": total / 2}
+
+
+@_exercise("03.5", "the cache bytes", "the section 'K6-K7: what the cache costs in memory'",
+           "2 (K and V) x B x L x T x g x d_h x bytes", rtol=0.0)
+def _cache_bytes():
+    from refmath.sizing import kv_cache_bytes
+
+    def size(batch=8, layers=40):
+        return kv_cache_bytes(batch=batch, layers=layers, tokens=4096, kv_heads=8, head_dim=128,
+                              bytes_per_element=2)
+    return size(), {**catalogued("kv cache: the factor 2 for K and V forgotten", size),
+                    "one layer only (x 40 layers forgotten)": size(layers=1),
+                    "one sequence only (x a batch of 8 forgotten)": size(batch=1)}
+
+
+# ---- lesson 4: the feed-forward block and positions
+
+_N6 = "the section 'N6: GELU, its tanh approximation, and SiLU'"
+_N7 = "the section 'N7: SwiGLU, its backward, and its width'"
+_N10 = "the section 'N10: RoPE rotates queries and keys'"
+
+
+def _silu_one() -> float:
+    """The u > 0 where SiLU(u) = 1, by Newton's method from u = 1, with
+    SiLU'(u) = sigma (1 + u (1 - sigma))."""
+    u = 1.0
+    for _ in range(50):
+        sigma = 1 / (1 + np.exp(-u))
+        u -= (u * sigma - 1) / (sigma * (1 + u * (1 - sigma)))
+    return u
+
+
+@_exercise("04.1", "the u where SiLU(u) = 1", _N6,
+           "SiLU is increasing for u > 0: halve the interval [0, 4] until it is 1e-9 wide",
+           rtol=1e-9)
+def _silu_crossing():
+    return _silu_one(), {"sigma(u) = 1/2 (the sigmoid's midpoint, u = 0)": 0.0,
+                         "u = 1 (SiLU read as the identity)": 1.0}
+
+
+@_exercise("04.2", "the smallest value of SiLU", _N6,
+           "SiLU(-u) = SiLU(u) - u; the minimum sits at minus the crossing point", rtol=1e-8)
+def _silu_minimum():
+    return 1 - _silu_one(), {"0 (SiLU read as a ReLU that stops at 0)": 0.0,
+                             "the minimum's place, not its value": -_silu_one()}
+
+
+@_exercise("04.3", "GELU'(0, 1, -2), exact and tanh", _N6,
+           "product rule: Phi(u) + u phi(u); for tanh, d tanh = 1 - tanh^2", uses=("points",))
+def _gelu_derivatives(points):
+    from refmath.ffn import gelu_backward, gelu_forward, standard_normal_cdf
+
+    u = np.asarray(points, dtype=np.float64)
+    t = np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3))
+    return np.stack([gelu_backward(np.ones(u.shape), gelu_forward(u, approximate=form)[1])
+                     for form in (False, True)]), {
+        "the product rule's second term forgotten: Phi(u) and (1 + t) / 2 alone":
+            np.stack([standard_normal_cdf(u), 0.5 * (1 + t)])}
+
+
+@_exercise("04.5", "SwiGLU dx", _N7, "two paths into x: dg W_g^T and du W_u^T",
+           uses=("dy", "swiglu_cache"), rtol=1e-10, atol=1e-14)
+def _swiglu_dx(dy, cache):
+    from refmath.ffn import swiglu_backward
+
+    return swiglu_backward(dy, cache)[0], {}
+
+
+@_exercise("04.6", "(d_f, excess) at d = 1000", _N7,
+           "round 8d/3 = 2666.7 up to a multiple of 64; excess = d_f / (8d/3) - 1")
+def _swiglu_width():
+    from refmath.ffn import ffn_parameter_count, swiglu_hidden_size
+
+    d_f = swiglu_hidden_size(1000, 64)
+    excess = ffn_parameter_count(1000, d_f, gated=True) / ffn_parameter_count(1000, 4000) - 1
+    return (d_f, excess), {}
+
+
+_ROPE_ROW = np.array([[3.0, 4.0, 1.0, 0.0]])
+
+
+@_exercise("04.7", "RoPE of (3, 4, 1, 0) at position 2", _N10,
+           "pairs are (x0, x1) and (x2, x3); theta = p omega_r", atol=1e-15)
+def _rope_rotated():
+    from refmath.positions import rope_forward
+
+    return rope_forward(_ROPE_ROW, positions=np.array([2]))[0], {}
+
+
+@_exercise("04.8", "RoPE dx", _N10, "the same rotation with -theta", atol=1e-15)
+def _rope_dx():
+    from refmath.positions import rope_backward, rope_forward
+
+    def dx():
+        return rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
+                             rope_forward(_ROPE_ROW, positions=np.array([2]))[1])
+    return dx(), catalogued("rope: forward rotation used in backward", dx)
+
+
+# ---- lesson 6: the encoder-decoder (06.3 is above)
+
+_L1 = "the section 'L1: the decoder reads the target shifted right by one'"
+
+
+@_exercise("06.1", "shifted decoder input", _L1,
+           "a column of BOS ids in front, the last target token dropped",
+           uses=("targets_2", "bos"), rtol=0.0)
+def _shifted_decoder_input(targets, bos):
+    from refmath.models import transformer
+
+    targets = np.asarray(targets)
+    return transformer.shift_right(targets, bos_id=bos), {
+        "the targets themselves, not shifted": targets,
+        "shifted the wrong way: the first target dropped, BOS put last":
+            np.concatenate([targets[:, 1:], np.full((len(targets), 1), bos)], axis=1)}
+
+
+@_exercise("06.2", "p(y | x)", _L1, "p[0, t, tgt[0, t]] is the factor of position t",
+           uses=("loss", "z", "tgt"))
+def _target_probability(loss, z, tgt):
+    from refmath.softmax import softmax_forward
+
+    tgt = np.asarray(tgt)
+    factors = softmax_forward(z)[0][0, np.arange(tgt.shape[1]), tgt[0]]
+    return np.exp(-tgt.shape[1] * float(loss)), {
+        "the mean of the probabilities, not their product": float(np.mean(factors)),
+        "the loss exp(-l) of the mean, not of the sum over the tokens": np.exp(-float(loss))}
+
+
+@_exercise("06.4", "its loss through refmath", "the section 'L4: label smoothing, three conventions'",
+           "label_smoothing = eps V / (V - 1)", uses=("z", "y"))
+def _tensor2tensor_loss(z, y):
+    from refmath.losses import cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    target = _tensor2tensor_target(z, y)[0]
+    return float(-(target * np.log(softmax_forward(z)[0][0])).sum()), {
+        "label_smoothing = eps itself: refmath's eps / V on every token, not tensor2tensor's "
+        "target": float(cross_entropy_forward(z, y, label_smoothing=0.1)[0])}
+
+
+@_exercise("06.7", "dE", "the section 'N12: the embedding lookup, and repeated tokens in its "
+           "backward'", "each token's gradient is added to its row: np.add.at(dE, ids, dy)",
+           uses=("dy", "emb_cache"), rtol=0.0)
+def _embedding_gradient(dy, cache):
+    from refmath.embedding import embedding_backward
+
+    return embedding_backward(dy, cache), catalogued(
+        "embedding: repeated ids keep one contribution", lambda: embedding_backward(dy, cache))
+
+
+# ---- lesson 7: GPT (07.5 is above)
+
+_N11 = "the section 'N11: initialisation, std 0.02 and residual projections scaled by $1/\\sqrt{2L}$'"
+_SFT = "the section 'The prefix is the conditioning: tasks, instructions, preferences'"
+
+
+@_exercise("07.1", "dP", "the section 'N9: learned absolute positions'",
+           "row offset + t gets the batch sum of dy[:, t]", uses=("dy", "pos_cache"), rtol=0.0)
+def _position_table_gradient(dy, cache):
+    from refmath.positions import learned_positions_backward
+
+    def d_table():
+        return learned_positions_backward(dy, cache)[1]
+    return d_table(), {
+        **catalogued("learned positions: table gradient averaged over the batch", d_table),
+        **catalogued("learned positions: offset ignored", d_table)}
+
+
+def _count(shapes) -> int:
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+@_exercise("07.2", "GPT-2 small parameters", "the section 'M2: GPT, Post-LN (GPT-1) and Pre-LN "
+           "(GPT-2)'", "per layer 12 d^2 + 13 d", rtol=0.0)
+def _gpt2_small_parameters():
+    from refmath.models import gpt
+
+    config = gpt.GPT_CONFIGS["gpt2-small"]
+    total, d = _count(gpt.param_shapes(config)), config.d_model
+    return total, {"the position table forgotten (T_ctx d)": total - config.max_seq_len * d,
+                   "the final LayerNorm forgotten (2 d)": total - 2 * d,
+                   "an untied output matrix counted (V d more: GPT-2 reuses E)":
+                       total + config.vocab_size * d}
+
+
+@_exercise("07.3a", "prescribed std", _N11, "0.02 / sqrt(2 L): two residual writers per layer",
+           uses=("config4",))
+def _prescribed_std(config):
+    layers = config.n_layers
+    return 0.02 / math.sqrt(2 * layers), {
+        "0.02 / sqrt(L): each layer has two residual writers, attention and the FFN":
+            0.02 / math.sqrt(layers),
+        "0.02, unscaled: w_o writes into the residual stream": 0.02}
+
+
+@_exercise("07.3b", "measured std of w_o", _N11,
+           "params4[f'layers.{i}.attn.w_o'].std() for each layer i, then their mean",
+           uses=("params4", "config4"))
+def _measured_std(params, config):
+    stds = [float(np.std(params[f"layers.{i}.attn.w_o"])) for i in range(config.n_layers)]
+    return float(np.mean(stds)), {
+        "the rule's std, not the one measured on params4": 0.02 / math.sqrt(2 * config.n_layers),
+        "layer 0's std only, not the mean over the layers": stds[0]}
+
+
+@_exercise("07.4", "mean of the prefix losses", "the section 'L6: one masked pass scores every "
+           "prefix'", "loss_mask 1 on the last of the n positions only, then the mean over n",
+           uses=("params", "batch", "gpt_config"), rtol=1e-13)
+def _mean_of_prefixes(params, batch, config):
+    from refmath.models import gpt
+
+    return float(gpt.forward(params, batch, config)[0]), {}
+
+
+def _sft_mask(batch, first: int) -> np.ndarray:
+    mask = np.zeros(np.shape(batch["tokens"]), dtype=int)
+    mask[:, first:] = 1
+    return mask
+
+
+@_exercise("07.6a", "the SFT loss", _SFT,
+           "the first answer token is the target of the question's last position",
+           uses=("params", "sft_batch", "gpt_config", "q_ids"))
+def _gpt_sft_loss(params, batch, config, q_ids):
+    from refmath.models import gpt
+
+    def loss(first, summed=True):
+        mask = _sft_mask(batch, first)
+        mean = float(gpt.forward(params, {**batch, "loss_mask": mask}, config)[0])
+        return mean * mask.sum() if summed else mean
+    first = len(q_ids) - 1
+    return loss(first), {
+        "the question's tokens counted too (the plain language-model loss)":
+            float(gpt.forward(params, batch, config)[0]),
+        "the first answer token left out (the mask starts one position late)": loss(first + 1),
+        "the mean over the answer, not the sum (gpt.forward's reduction)":
+            loss(first, summed=False)}
+
+
+@_exercise("07.6b", "answer_mask", _SFT,
+           "1 on the positions whose target is an answer token, 0 elsewhere",
+           uses=("sft_batch", "q_ids"), rtol=0.0)
+def _gpt_answer_mask(batch, q_ids):
+    first = len(q_ids) - 1
+    return _sft_mask(batch, first), {
+        "the mask starts one position late: the question's last position predicts the first "
+        "answer token": _sft_mask(batch, first + 1),
+        "the question's positions marked, not the answer's": 1 - _sft_mask(batch, first)}
+
+
+def _flat_parameters(params) -> np.ndarray:
+    return np.concatenate([np.asarray(params[n], dtype=np.float64).ravel() for n in sorted(params)])
+
+
+@_exercise("07.7", "parameters after one AdamW step", "the section 'O5: which parameters take "
+           "weight decay'", "a decayed parameter is multiplied by 1 - lr lambda, the others kept",
+           uses=("before",), rtol=1e-15, prepare=_flat_parameters)
+def _after_one_adamw_step(before):
+    from refmath.optim import AdamW, takes_weight_decay
+
+    stepped = {name: np.array(value, dtype=np.float64) for name, value in before.items()}
+    AdamW(lr=0.1, weight_decay=0.5).step(stepped, {n: np.zeros_like(v) for n, v in stepped.items()})
+    return _flat_parameters(stepped), {
+        "every parameter decayed, biases, norms and embeddings too":
+            _flat_parameters(before) * (1 - 0.1 * 0.5),
+        "the decay not scaled by the learning rate: 1 - lambda":
+            _flat_parameters({n: v * (1 - 0.5 if takes_weight_decay(n) else 1.0)
+                              for n, v in before.items()})}
+
+
+# ---- lesson 8: the modern decoder and grouped-query attention
+
+_HEAD_SUM = "the section 'The head-sum in the key and value gradients'"
+_A13 = "the section 'A13: what grouping saves, and what it does not'"
+_N19 = "the section 'N19, N20: Gemma's soft caps, GeGLU and local layers'"
+
+
+def _fused_weights(params) -> np.ndarray:
+    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in ("w_qkv", "w_o")])
+
+
+@_exercise("08.2", "the fused parameters", "the section 'A9: one fused projection equals three'",
+           "w_qkv = [w_q w_k w_v] side by side (axis=1), in that order; w_o unchanged",
+           uses=("separate",), prepare=_fused_weights)
+def _fused_parameters(separate):
+    def fused(*names):
+        return _fused_weights({"w_qkv": np.concatenate([separate[n] for n in names], axis=1),
+                               "w_o": separate["w_o"]})
+    return fused("w_q", "w_k", "w_v"), {
+        "the order Q, V, K: the heads read K before V": fused("w_q", "w_v", "w_k"),
+        "the order K, Q, V: the queries come first": fused("w_k", "w_q", "w_v")}
+
+
+@_exercise("08.3", "dV of the shared head", _HEAD_SUM,
+           "dV = A_0^T dO_0 + A_1^T dO_1: a copy's backward is a sum",
+           uses=("do_small", "cache_small"), rtol=1e-14)
+def _shared_dv(do, cache):
+    from refmath.attention import causal_attention_backward
+
+    dv = causal_attention_backward(do, cache)[2]
+    weights = cache.saved.a[0]  # (h, T, T)
+    head0 = (weights[0].T @ do[0, 0]).reshape(dv.shape)
+    return dv, {"head 0's copy only, head 1's dropped": head0,
+                "A dO, not A^T dO: the transpose forgotten":
+                    sum(weights[r] @ do[0, r] for r in range(2)).reshape(dv.shape)}
+
+
+@_exercise("08.4", "dK of the shared heads", _HEAD_SUM, "sum over the h/g query heads of each block",
+           uses=("q5", "k5", "v5", "do5", "per_head"), rtol=1e-7, atol=1e-9)
+def _shared_dk(q, k, v, do, per_head):
+    from refmath.attention import causal_attention_forward
+    from refmath.gradcheck import numerical_gradient
+
+    def phi():
+        return float((causal_attention_forward(q, k, v)[0] * do).sum())
+    b, g, t, d = np.shape(k)
+    grouped = np.asarray(per_head).reshape(b, g, -1, t, d)
+    return numerical_gradient(phi, k, np.arange(k.size)).reshape(k.shape), {
+        "the mean over the sharing query heads, not the sum": grouped.mean(axis=2),
+        "one query head's copy only, the other sharing head's dropped": grouped[:, :, 0]}
+
+
+def _llama3_design(kv_heads: int = 8):
+    from refmath.sizing import attention_design_cost
+
+    return attention_design_cost(4096, 32, kv_heads, 128, 8192)
+
+
+@_exercise("08.5a", "score FLOPs", _A13, "2 FLOPs per multiply-add, h d_h t for q k^T and again "
+           "for A V", rtol=0.0)
+def _score_flops():
+    flops = _llama3_design().score_flops
+    # q k^T alone and multiply-adds counted as one FLOP both give half: one name for both
+    return flops, {"half of it: q k^T without A V, or a multiply-add counted as one FLOP":
+                       flops / 2,
+                   "the g key/value heads, not the h query heads": flops * 8 / 32}
+
+
+@_exercise("08.5b", "cache bytes", _A13, "2 (K and V) x t x g x d_h x bytes, for one layer",
+           rtol=0.0)
+def _decode_cache_bytes():
+    size = _llama3_design().cache_bytes
+    return size, {"the factor 2 for K and V forgotten": size / 2,
+                  "every query head's keys and values (MHA's cache)":
+                      _llama3_design(kv_heads=32).cache_bytes}
+
+
+@_exercise("08.5c", "MHA / GQA cache", _A13, "the cache is proportional to g", rtol=0.0)
+def _mha_over_gqa():
+    ratio = _llama3_design(kv_heads=32).cache_bytes / _llama3_design().cache_bytes
+    return ratio, {"GQA / MHA, the ratio upside down": 1 / ratio}
+
+
+@_exercise("08.6", "llama3 frequencies", "the section 'N13-N17: context extension, rescaling "
+           "RoPE's frequencies'",
+           "pair 0 (wavelength 6.3) is kept; pair 1 (wavelength 30) is blended")
+def _llama3_frequencies():
+    from refmath.positions import rope_inv_freq
+
+    plain = 500.0 ** (-np.arange(4) / 4)
+    return rope_inv_freq(8, 500.0, dict(rope_type="llama3", factor=8.0,
+                                        original_max_seq_len=32))[0], {
+        "every pair divided by s = 8 (position interpolation)": plain / 8,
+        "the frequencies left as they were": plain}
+
+
+_CAPPED_SCORES = np.array([0.0, 25.0, 50.0, 100.0])
+
+
+@_exercise("08.7a", "the capped scores", _N19,
+           "y = c tanh(x / c): at x = c it is c tanh(1), about 0.76 c")
+def _capped_scores():
+    from refmath.ffn import softcap_forward
+
+    x = _CAPPED_SCORES
+    return softcap_forward(x, 50.0)[0], {"tanh(x / c) without the factor c": np.tanh(x / 50.0),
+                                         "c tanh(x), the score not divided by c":
+                                             50.0 * np.tanh(x)}
+
+
+@_exercise("08.7b", "the slopes", _N19, "the derivative of c tanh(x / c) is 1 - tanh^2(x / c)")
+def _cap_slopes():
+    from refmath.ffn import softcap_forward
+
+    x = _CAPPED_SCORES
+    return 1.0 - (softcap_forward(x, 50.0)[0] / 50.0) ** 2, {
+        "1 - tanh(x / c), not squared": 1.0 - np.tanh(x / 50.0),
+        "the slope of tanh(x), not divided by c": 1.0 - np.tanh(x) ** 2}
+
+
+@_exercise("08.8", "the fused input projection's width", "the section 'N21, N22: the parallel "
+           "block, and norms after the sublayers'",
+           "queries h d_h, keys and values one head each, the gate and the up projection", rtol=0.0)
+def _palm_fused_width():
+    d, h, d_h, d_f = 18432, 48, 256, 4 * 18432
+    return h * d_h + 2 * d_h + 2 * d_f, {
+        "keys and values for every head (MHA, not MQA)": 3 * h * d_h + 2 * d_f,
+        "one FFN matrix (the gate forgotten)": h * d_h + 2 * d_h + d_f,
+        "the down projection counted too (it reads the FFN's hidden, not x)":
+            h * d_h + 2 * d_h + 3 * d_f}
+
+
+# ---- lesson 9: numerics and sampling
+
+@_exercise("09.1", "stable softmax rows", "the section 'A11: the stable softmax, and a row with "
+           "nothing to attend to'", "a row of -inf gives zeros, not NaN",
+           uses=("rows",), rtol=1e-14, atol=1e-300)
+def _stable_rows(rows):
+    from refmath.softmax import softmax_forward
+
+    right = softmax_forward(rows)[0]
+    return right, {"NaN for the fully masked row: its max is -inf, and -inf - (-inf) is NaN":
+                   np.where(np.isneginf(rows).all(axis=1, keepdims=True), np.nan, right)}
+
+
+def _first_broken_x() -> float:
+    """The first x on a fine grid where the float16 sum of exp(x - 2), exp(x - 1), exp(x) is inf."""
+    grid = np.arange(10.0, 11.5, 1e-4)
+    with np.errstate(over="ignore"):
+        sums = np.array([np.exp(np.array([x - 2, x - 1, x], dtype=np.float16)).sum(
+            dtype=np.float16) for x in grid])
+    return float(grid[np.argmax(np.isinf(sums))])
+
+
+# float16 rounds each exponential to 11 bits, so the grid finds the crossing to about 1e-3
+@_exercise("09.2", "x where the float16 sum overflows", "the section 'S4: why half precision "
+           "needs the shift'", "e^x (1 + e^-1 + e^-2) = 65504: take the log of both sides",
+           rtol=2e-3)
+def _x_sum_overflows():
+    x = _first_broken_x()
+    return x, {"where e^x alone overflows: the other two terms of the sum count too":
+               np.log(65504), "log2 taken for ln": x / np.log(2)}
+
+
+@_exercise("09.3", "visible pairs, T = 10, w = 4", "the section 'A12: a sliding window'",
+           "w (w + 1) / 2 for the first w rows, then w for each of the T - w others", rtol=0.0)
+def _window_pairs():
+    from refmath.attention import local_window_mask
+
+    return int(np.count_nonzero(local_window_mask(10, 4) == 0)), {
+        "T w: the first w - 1 rows see fewer than w keys": 10 * 4,
+        "the causal count T (T + 1) / 2: the window hides the older keys": 10 * 11 // 2}
+
+
+@_exercise("09.4", "top-p, p = 0.6", "the section 'L7: picking the next token'",
+           "sort, keep a token while the mass before it is below p, renormalise",
+           uses=("pi4",), rtol=1e-14)
+def _top_p_by_hand(pi):
+    from refmath.inference.sampling import top_p_filter
+
+    kept = top_p_filter(pi, 0.6)
+    return kept, {"the kept probabilities not renormalised to sum to one":
+                  np.where(kept > 0, pi, 0.0),
+                  "only the most likely token: top-p keeps tokens until their mass reaches p":
+                      np.eye(len(pi))[int(np.argmax(pi))]}
+
+
+# ---- lesson 10: what a generated token costs
+
+def _layer0_keys(params, config, tokens, rotated: bool = True) -> np.ndarray:
+    """Layer 0's cached keys after a prefill of 3 tokens and 3 decode steps (the lesson's run),
+    or the same keys before RoPE's rotation."""
+    from refmath.inference.kv_cache import decode_step, prefill
+    from refmath.models import decoder
+    from refmath.norms import rmsnorm_forward
+
+    tokens = np.asarray(tokens)
+    if not rotated:
+        u, _ = rmsnorm_forward(params["tok_emb"][tokens], params["layers.0.ln1.gamma"],
+                               config.norm_eps)
+        raw = (u @ params["layers.0.attn.w_k"]).reshape(*tokens.shape, config.kv_heads, config.d_h)
+        return raw.transpose(0, 2, 1, 3)
+    _, cache = prefill(decoder, params, config, tokens[:, :3])
+    for t in range(3, tokens.shape[1]):
+        decode_step(decoder, params, config, cache, tokens[:, t])
+    return cache.layer(0)[0]
+
+
+@_exercise("10.1", "cached keys of layer 0", "the section 'K3: RoPE keys are cached after their "
+           "rotation'", "rotate after splitting into heads, at positions 0..5",
+           uses=("params", "config", "tokens"), atol=1e-15)
+def _cached_keys(params, config, tokens):
+    return _layer0_keys(params, config, tokens), {
+        "the keys not rotated: the cache holds them after RoPE":
+            _layer0_keys(params, config, tokens, rotated=False)}
+
+
+@_exercise("10.3", "visible pairs after a prefill of 5 and 3 steps", "the section 'K5: the prompt "
+           "is quadratic, each new token linear'",
+           "P (P + 1) / 2 for the prefill, then P + 1, P + 2, P + 3 for the steps",
+           uses=("params", "config", "tokens"), rtol=0.0)
+def _visible_pairs(params, config, tokens):
+    from refmath.inference.kv_cache import decode_step, prefill
+    from refmath.models import decoder
+
+    _, cache = prefill(decoder, params, config, np.asarray(tokens)[:, :5])
+    for t in range(3):
+        decode_step(decoder, params, config, cache, np.array([t + 1]))
+    total = cache.counts.visible[0]
+    return total, {"the prefill's pairs only": 5 * 6 // 2,
+                   "each step's query not counted against its own key": total - 3}
+
+
+@_exercise("10.4", "lower bound on time per token", "the section 'K13: decode is bound by memory "
+           "bandwidth'", "weights are read once per step; add the whole cache",
+           uses=("step",))
+def _seconds_per_token(step):
+    from refmath.sizing import decode_time_lower_bound
+
+    bound = decode_time_lower_bound(step, 2e12)  # step: the lesson's traffic at t = 8192
+    return bound, {"the cache forgotten: the weights alone": 2 * 7_504_658_432 / 2e12,
+                   "the weights counted in 1 byte, not 2 (bf16)": bound - 7_504_658_432 / 2e12}
+
+
+_K12 = "the section 'K12: a cache of small integers'"
+
+
+@_exercise("10.5a", "scale", _K12, "s = max |x| / q_max, q_max = 2^(q - 1) - 1 = 7 for 4 bits",
+           uses=("x",), rtol=0.0)
+def _quantiser_scale(x):
+    from refmath.inference.quantized import quantize
+
+    scale = quantize(x, bits=4, group_size=4).scales[0]
+    return scale, {"max |x| / 8: the symmetric 4-bit range is -7 .. 7, not -8 .. 7": scale * 7 / 8,
+                   "max |x| / 15: the 16 levels split over both signs": scale * 7 / 15}
+
+
+@_exercise("10.5b", "x_hat", _K12, "x_hat = s clip(round(x / s), -7, 7)", uses=("x",), rtol=0.0)
+def _quantised_x(x):
+    from refmath.inference.quantized import dequantize, quantize
+
+    packed = quantize(x, bits=4, group_size=4)
+    x_hat = dequantize(packed)
+    return x_hat, {"the codes c, not x_hat = s c": x_hat / packed.scales[0]}
+
+
+
+# ---- lesson 11: latent attention, shared pages, memory (11.2 is above)
+
+@_exercise("11.1", "absorbed scores", "the section 'K8: weight absorption, scoring against the "
+           "cache without expanding it'", "q_hat = q W_UK^T (width d_c), then q_hat c_j^T",
+           uses=("q_c", "c_lat", "W_UK"), rtol=0.0)
+def _absorbed_scores(q_c, c_lat, w_uk):
+    scores = q_c @ (c_lat @ w_uk).T
+    return scores, {"the scores scaled by 1/sqrt(d_k): the exercise asks for q_hat c_j^T":
+                    scores / np.sqrt(np.shape(w_uk)[1])}
+
+
+_S3 = "the section 'S3: how much each attention design saves, computed'"
+
+
+def _deepseek_v2_numbers(kind: str) -> float:
+    """Numbers cached per token and layer by DeepSeek-V2's attention shape, as MLA or as MHA."""
+    from refmath.sizing import PRESETS, attention_cache_rows
+
+    ds = PRESETS["deepseek-v2"]
+    rows = {r.kind: r for r in attention_cache_rows(ds.n_layers, ds.n_heads, ds.kv_heads,
+                                                    ds.head_dim, 8192, latent_dim=ds.d_c,
+                                                    rope_dim=ds.d_rope)}
+    return rows[kind].bytes_per_token / (ds.n_layers * 2)
+
+
+@_exercise("11.4a", "MLA numbers per token and layer", _S3, "the latent d_c and the rotary key d_R",
+           rtol=0.0)
+def _mla_numbers():
+    mla = _deepseek_v2_numbers("MLA")
+    return mla, {"the latent alone: the shared rotary key (64 numbers) is cached too": mla - 64,
+                 "x2 for K and V: MLA caches one latent for both": 2 * mla}
+
+
+@_exercise("11.4b", "MHA numbers per token and layer", _S3, "2 (K and V) x h x d_h", rtol=0.0)
+def _mha_numbers():
+    mha = _deepseek_v2_numbers("MHA")
+    return mha, {"K or V only: the cache holds both, a factor 2": mha / 2}
+
+
+@_exercise("11.4c", "MHA / MLA", _S3, "the MHA count over the MLA count")
+def _mha_over_mla():
+    ratio = _deepseek_v2_numbers("MHA") / _deepseek_v2_numbers("MLA")
+    return ratio, {"MLA / MHA, the ratio upside down": 1 / ratio}
+
+
+_K11 = "the section 'K11: sharing a prompt between sequences, and copying on write'"
+
+
+def _pages_used(shared: bool) -> int:
+    """Pages in use after 16 samples of a 1000-token prompt (pages of 16 tokens) each append one
+    token: forked from one prompt (the original appends last), or each with its own copy."""
+    from refmath.inference.paged import PagedKVCache
+
+    def kv(values):
+        x = np.repeat(np.asarray(values, dtype=float)[:, None, None], 2, axis=2)
+        return x, -x
+    cache = PagedKVCache(n_pages=1100, page_size=16, n_kv_heads=1, head_dim=2)
+    if shared:
+        cache.add_sequence(0)
+        cache.append(0, *kv(np.arange(1000)))
+        for child in range(1, 16):
+            cache.fork(0, child)
+    for seq in range(15, -1, -1):
+        if not shared:
+            cache.add_sequence(seq)
+            cache.append(seq, *kv(np.arange(1000)))
+        cache.append(seq, *kv([1000 + seq]))
+    return cache.pages_used
+
+
+@_exercise("11.5a", "pages with sharing", _K11,
+           "the full prompt pages once, its part-full last page, and one copy per fork", rtol=0.0)
+def _pages_shared():
+    used = _pages_used(shared=True)
+    return used, {"no copy on write: the forks' tokens taken to fit in the shared last page":
+                  used - 15,
+                  "a copy for every sample, the original too": used + 1}
+
+
+@_exercise("11.5b", "pages without sharing", _K11,
+           "each sample holds the whole prompt: 16 x ceil(1000 / 16)", rtol=0.0)
+def _pages_unshared():
+    used = _pages_used(shared=False)
+    return used, {"a new page for each sample's token: the last prompt page holds 8 tokens, "
+                  "with room to spare": used + 16}
+
+
+_S1 = "the section 'S1 and S2: memory for serving and for training'"
+
+
+@_exercise("11.6a", "serving, rule of thumb", _S1, "2 bytes a parameter, times 1.2")
+def _serve_bytes():
+    from refmath.sizing import inference_memory_rule_of_thumb
+
+    total = inference_memory_rule_of_thumb(1000).total
+    return total, {"the weights alone, 2 P: the 20% allowance forgotten": total / 1.2}
+
+
+@_exercise("11.6b", "AdamW training state", _S1,
+           "2 + 2 + 4 + 8 bytes a parameter: weights, gradients, master copy, two moments",
+           rtol=0.0)
+def _train_bytes():
+    from refmath.sizing import adamw_training_memory
+
+    total = adamw_training_memory(1000).total
+    return total, {"12 bytes a parameter: the master copy or one of the two moments forgotten":
+                   total * 12 / 16,
+                   "the fp16 weights and gradients alone, 4 bytes a parameter": total * 4 / 16}
+
+
+# ---- lesson 12: the float32 rule (12.2 and 12.4 are above)
+
+@_exercise("12.1", "the rule's bound on o", "the section 'F4 in float32: how close is close "
+           "enough'", "c = 2 for an output; the floor is 4 u max|v| with u = 2^-24",
+           uses=("ref_o", "np32_o", "vg"))
+def _float32_bound(ref_o, np32_o, vg):
+    u = 2.0**-24  # float32's unit roundoff
+    error = float(np.abs(np.asarray(np32_o, dtype=np.float64) - ref_o).max())
+    big_v = float(np.abs(vg).max())
+    return 2 * error + 4 * u * big_v, {
+        "u = 2^-23: that is the gap after 1, the unit roundoff is half of it":
+            2 * error + 4 * 2.0**-23 * big_v,
+        "the floor 4 u M left out": 2 * error,
+        "c = 3, the factor of the gradients": 3 * error + 4 * u * big_v,
+        "M = max |o|: the floor is set by the values summed, max |v|":
+            2 * error + 4 * u * float(np.abs(ref_o).max()),
+        "NumPy's error taken in float32, against the reference rounded to float32":
+            2 * float(np.abs(np32_o - np.asarray(ref_o).astype(np.float32)).max()) + 4 * u * big_v}
+
+
+# ---- lesson 13: real weights
+
+@_exercise("13.1", "the embedding read from the file", "the section 'The safetensors format'",
+           "the offsets count from the end of the header, 8 + N bytes into the file",
+           uses=("params",), rtol=0.0)
+def _embedding_from_file(params):
+    return params["tok_emb"], {}
+
+
+@_exercise("13.2", "W_Q from q_proj.weight", "the section 'Two "
+           "RoPE layouts, one function'", "within each head: half coordinate r, then r + d_h/2",
+           uses=("heads", "d_h"), rtol=0.0)
+def _interleaved_rows(heads, d_h):
+    from refmath import hf
+
+    moved = hf.interleaved_to_half(np.arange(heads * d_h), d_h)  # half row j <- interleaved moved[j]
+    return np.argsort(moved), {
+        "the rows in Hugging Face's order, unpermuted: its halves layout is not refmath's "
+        "interleaved one": np.arange(heads * d_h),
+        "the permutation the other way: interleaved to half, not back": moved}
+
+
+@_exercise("13.4", "the bfloat16 patterns as numbers", "the section 'bfloat16 without bfloat16'",
+           "shift the 16 bits into the upper half of a uint32", uses=("patterns",), rtol=0.0)
+def _bfloat16_values(patterns):
+    patterns = np.asarray(patterns, dtype=np.uint16)
+    s, e, m = patterns >> 15, (patterns >> 7) & 0xFF, patterns & 0x7F
+    if not np.all((e > 0) & (e < 255)):
+        raise ValueError("13.4: the formula holds for normal numbers only")
+    return (-1.0) ** s * 2.0 ** (e.astype(np.int64) - 127) * (1 + m / 2**7), {
+        "the patterns read as float16: bfloat16 has float32's 8 exponent bits":
+            patterns.view(np.float16).astype(np.float32)}
+
+
+_GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
+                "n_layer": 12, "n_head": 12}
+_REAL_NEEDS = "the section 'What a real model needs'"
+
+
+@_exercise("13.5a", "this lesson's parameter count", _REAL_NEEDS,
+           "embeddings, then per layer two RMSNorms, the four attention and three FFN matrices, "
+           "then the final norm (and an untied output)", uses=("hf_config",), rtol=0.0)
+def _tiny_count(hf_config):
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(hf_config)
+    d = hf_config["hidden_size"]
+    return total, {"the final norm forgotten (d)": total - d}
+
+
+@_exercise("13.5b", "GPT-2 small's parameter count", _REAL_NEEDS,
+           "the final LayerNorm and the position table count too", rtol=0.0)
+def _gpt2_count():
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(_GPT2_CONFIG)
+    return total, {"the position table forgotten (1024 x 768)": total - 1024 * 768,
+                   "the final LayerNorm forgotten (2 x 768)": total - 2 * 768,
+                   "an output matrix counted: GPT-2 ties it to the token table":
+                       total + 50257 * 768}
+
+
+@_exercise("13.5c", "GPT-2 small in float32, MiB", _REAL_NEEDS,
+           "4 bytes a parameter, and a MiB is 2^20 bytes")
+def _gpt2_mib():
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(_GPT2_CONFIG)
+    return 4 * total / 2**20, {"MB (10^6 bytes), not MiB (2^20)": 4 * total / 1e6,
+                               "2 bytes per parameter: that is bfloat16, not float32":
+                                   2 * total / 2**20}
+
+
+# ---- lesson 14: the synthesis
+
+@_exercise("14.1", "logits of the whole decoder", "the section 'The recurrence'",
+           "rotate Q and K after splitting heads; values are never rotated",
+           uses=("params", "tokens", "config"), rtol=1e-10, atol=1e-12)
+def _decoder_logits(params, tokens, config):
+    from refmath.models import decoder
+
+    return decoder.logits(params, tokens, config), catalogued(
+        "sdpa: the 1/sqrt(d_k) scale missing from the scores",
+        lambda: decoder.logits(params, tokens, config))
+
+
+@_exercise("14.2", "MHA twin of the GQA decoder", "the section 'From the Transformer to an LLM: "
+           "what each change acts on'", "head r of the twin reads shared head gqa_head_map(h, g)[r]",
+           uses=("params", "tokens", "config"), rtol=1e-10, atol=1e-12)
+def _mha_twin_logits(params, tokens, config):
+    from refmath.models import decoder
+
+    # the twin is the same function: its logits are the GQA decoder's
+    return decoder.logits(params, tokens, config), {}
+
+
+@_exercise("14.3", "bound on the speed-up", "the section 'The cost of one decode step, all "
+           "together'", "the sum of weights and cache for MHA, over the same sum for int4 GQA",
+           uses=("batch", "context"))
+def _speedup_bound(batch, context):
+    gqa_weights = 2 * 7_504_658_432  # bf16 weights a GQA step multiplies by (lesson 10)
+    mha_weights = gqa_weights + 2 * 32 * 2 * 4096 * (32 - 8) * 128  # wider W_K, W_V in 32 layers
+    mha_cache = batch * context * 2 * 32 * 32 * 128 * 2  # 2 B T L g d_h b with g = 32
+    int4_payload = batch * context * 2 * 32 * 8 * 128 * 4 / 8
+    int4_cache = int4_payload + batch * context * 2 * 32 * 8 * 128 * 2 / 32  # and the scales
+    return (mha_weights + mha_cache) / (gqa_weights + int4_cache), {
+        "the caches alone: the weights are read at every step too": mha_cache / int4_cache,
+        "the int4 cache without its scales (2 bytes per group of 32)":
+            (mha_weights + mha_cache) / (gqa_weights + int4_payload),
+        "the cache ratio upside down": (gqa_weights + int4_cache) / (mha_weights + mha_cache)}
+
+
+# ---- lesson 15: mixture of experts
+
+_E7 = "the section 'E7, E2, E3: top-2 routing by hand'"
+_E5 = "the section 'E5: load balance'"
+_E8 = "the section 'E8: total against active parameters'"
+_E9 = "the section 'E9, E10: the memory against the compute, and the all-to-all'"
+
+
+def _worked_routing(logits):
+    """(probabilities, Mixtral's routing, the routing without renormalised gates) of the worked
+    example, whose router input is the logits themselves (W_r = I)."""
+    from refmath.moe import MoEConfig, route, router_scores
+
+    probs = router_scores(logits, np.eye(np.shape(logits)[1]))[1]
+    n = np.shape(logits)[1]
+    return (probs, route(probs, MoEConfig(n_experts=n, top_k=2, d_expert=1, norm_topk=True)),
+            route(probs, MoEConfig(n_experts=n, top_k=2, d_expert=1)))
+
+
+@_exercise("15.1a", "the probabilities", _E7, "a softmax along each row, over the experts",
+           uses=("worked_logits",))
+def _worked_probabilities(logits):
+    probs = _worked_routing(logits)[0]
+    e = np.exp(logits)
+    return probs, {"exp(z) without dividing by its sum": e,
+                   "the softmax over the wrong axis: over the tokens (columns), not the experts":
+                       e / e.sum(axis=0)}
+
+
+@_exercise("15.1b", "the top-2 experts", _E7,
+           "best first; equal probabilities go to the lower index", uses=("worked_logits",),
+           rtol=0.0)
+def _worked_top2(logits):
+    probs, mixtral, _ = _worked_routing(logits)
+    chosen = mixtral[0]
+    ascending = np.argsort(probs, axis=1, kind="stable")
+    return chosen, {"an ascending argsort reversed: ties go to the higher index":
+                    ascending[:, ::-1][:, :2],
+                    "the two smallest probabilities (argsort is ascending)": ascending[:, :2],
+                    "experts numbered from 1: refmath, like NumPy, numbers them from 0":
+                        chosen + 1}
+
+
+@_exercise("15.1c", "the gates", _E7, "the chosen probabilities divided by their sum",
+           uses=("worked_logits",))
+def _worked_gates(logits):
+    from refmath.softmax import softmax_forward
+
+    _, mixtral, plain = _worked_routing(logits)
+    return mixtral[1], {"not renormalised: the chosen probabilities themselves": plain[1],
+                        "a softmax over the chosen probabilities, not a division by their sum":
+                            softmax_forward(plain[1])[0]}
+
+
+def _load_of(probs, first_only: bool = False):
+    from refmath.moe import MoEConfig, expert_load, route
+
+    n = np.shape(probs)[1]
+    chosen = route(probs, MoEConfig(n_experts=n, top_k=2, d_expert=1))[0]
+    return expert_load(chosen[:, :1] if first_only else chosen, n)
+
+
+@_exercise("15.2a", "the load", _E5, "count each expert among every token's two choices",
+           uses=("probs6",), rtol=0.0)
+def _load6(probs):
+    return _load_of(probs), {"the first choice only": _load_of(probs, first_only=True)}
+
+
+@_exercise("15.2b", "L_ExpBal", _E5, "f_i = E / (k N) load_i, P_i the mean probability; sum f P",
+           uses=("probs6",))
+def _balance_loss6(probs):
+    from refmath.moe import expert_balance_loss
+
+    load, (n, e) = _load_of(probs), np.shape(probs)
+    mean_p = np.asarray(probs).mean(axis=0)
+    return expert_balance_loss(probs, load, 2)[0], {
+        "Switch's and Mixtral's (E / N) sum load P: k times DeepSeek's":
+            e / n * np.sum(load * mean_p),
+        "f_i = load_i, without E / (k N)": np.sum(load * mean_p),
+        "the load of the first choices only":
+            expert_balance_loss(probs, _load_of(probs, first_only=True), 1)[0]}
+
+
+@_exercise("15.3", "the biases after one update", "the section 'E6: DeepSeek-V3's bias balancing'",
+           "b_i - gamma sign(load_i - mean load)", uses=("bias_before", "load_step"))
+def _bias_after(bias, load):
+    from refmath.moe import balance_bias_update
+
+    load = np.asarray(load, dtype=np.float64)
+    return balance_bias_update(bias, load, 0.001), {
+        "the sign flipped: the overloaded expert's bias raised":
+            balance_bias_update(bias, -load, 0.001),
+        "a step of gamma (load - mean), not gamma sign(load - mean)":
+            bias - 0.001 * (load - load.mean())}
+
+
+def _toy_counts():
+    from refmath.moe import MoEConfig
+    from refmath.sizing import ModelConfig, active_parameters
+
+    return active_parameters(ModelConfig(
+        "toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, head_dim=64, vocab_size=1000,
+        moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1)))
+
+
+_ONE_EXPERT = 3 * 256 * 512  # a SwiGLU expert: three d x d_e matrices
+
+
+@_exercise("15.4a", "the total", _E8, "every expert counts, the shared one too, and the untied "
+           "output matrix", rtol=0.0)
+def _toy_total():
+    total = _toy_counts().total
+    return total, {"the shared expert forgotten": total - 4 * _ONE_EXPERT,
+                   "the output matrix forgotten (it is untied)": total - 1000 * 256,
+                   "2 d d_e per expert: a SwiGLU has three matrices": total - 4 * 9 * 256 * 512}
+
+
+@_exercise("15.4b", "the active parameters", _E8,
+           "the total less the E - k routed experts each token leaves idle, in every layer",
+           rtol=0.0)
+def _toy_active():
+    counts = _toy_counts()
+    return counts.active, {
+        "all E routed experts taken off, the k chosen ones too": counts.total - 4 * 8 * _ONE_EXPERT,
+        "2 d d_e per idle expert taken off a right total: a SwiGLU has three matrices":
+            counts.total - 4 * 6 * 2 * 256 * 512,
+        # the two slips give one number: 9 experts at 2 d d_e less 6 idle ones is 21 d d_e a
+        # layer, as is the shared expert's 3 d d_e more taken off
+        "3 d d_e a layer short: 2 d d_e per expert throughout (a SwiGLU has three matrices), "
+        "or the shared expert taken off as well": counts.active - 4 * _ONE_EXPERT}
+
+
+@_exercise("15.5a", "bytes on 64 devices", _E9,
+           "2 (there and back) x k x (1 - 1/D) x d x b", rtol=1e-12)
+def _bytes_64_devices():
+    from refmath.sizing import expert_parallel_bytes
+
+    both = expert_parallel_bytes(7168, 8, 64)
+    return both, {"one way only: the outputs come back too": both / 2,
+                  "(1 - 1/D) left out: an expert on the token's own device costs nothing":
+                      2 * 8 * 7168 * 2}
+
+
+@_exercise("15.5b", "bytes, node-limited", _E9,
+           "a node receives the token once: min(k, M) sends, with (1 - 1/nodes)", rtol=1e-12)
+def _bytes_node_limited():
+    from refmath.sizing import expert_parallel_bytes
+
+    both = expert_parallel_bytes(7168, 8, 8, max_devices=4)
+    return both, {"k sends: a node receives the token once, min(k, M) in all":
+                  expert_parallel_bytes(7168, 8, 8),
+                  "one way only: the outputs come back too": both / 2}
+
+
+# ---- lesson 16: the capstone
+
+@_exercise("16.5", "your model's gradients against the library's", "the section 'The whole "
+           "model, checked'", "each of your four backward passes is checked above: fix the one "
+           "whose check is not right", uses=("cache", "backward", "library"), rtol=1e-10,
+           atol=1e-14, prepare=_flat_parameters)
+def _capstone_gradients(cache, backward, library):
+    # the lesson's own backward through the model, with the library's four functions inside
+    return _flat_parameters(backward(cache, library)), {}

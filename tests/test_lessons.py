@@ -1,5 +1,6 @@
 """refmath.lessons: the one-line verdicts of the lessons' exercise checks, their diagnoses, and
 the student copies of the lessons with their leak scan."""
+import ast
 import os
 import shutil
 import subprocess
@@ -578,3 +579,54 @@ def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
 
     line = check("05.5", np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1])).line
     assert "looks like: eps left out of the denominator" in line and "printed precision" not in line
+
+
+CHECK_CALLS = ("check", "check_close", "check_true", "check_function")
+ONE_CALL = ("check", "check_function")
+# check cells in the student copies that are not one check(...) or check_function(...) call;
+# this number may only go down (a check converted to a numbered exercise lowers it)
+CHECK_CELLS_NOT_ONE_CALL = 27
+
+
+def _called(node) -> str | None:
+    """The name a call calls (``check`` for ``check(...)`` and ``lessons.check(...)``)."""
+    return getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
+
+
+def _check_cells_not_one_call(text: str) -> int:
+    """The code cells of ``text`` that call a check but are not exactly one check(...) or
+    check_function(...) call: a check_close or check_true, or a check beside other statements
+    (a slip's helper function, a loop), each of which shows code the student should not need."""
+    count = 0
+    for cell in text.split("\n# %%")[1:]:
+        header, _, body = cell.partition("\n")
+        if header.lstrip().startswith("[markdown]"):
+            continue
+        try:
+            tree = ast.parse(body)
+        except SyntaxError:
+            continue
+        calls = {_called(n) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        if not calls & set(CHECK_CALLS):
+            continue
+        single = (len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr)
+                  and _called(tree.body[0].value) in ONE_CALL)
+        count += not single
+    return count
+
+
+def test_check_cells_are_one_numbered_call_a_ratchet():
+    """A check cell shows the student one call, check("05.3", answer), whose expected value is
+    computed in refmath.lessons; a check_close whose expected computation is in the cell is
+    counted, and the count may not grow."""
+    from refmath.lessons import packaged_copies
+
+    per_lesson = {name: _check_cells_not_one_call(text)
+                  for name, text in sorted(packaged_copies().items())}
+    left = {name: n for name, n in per_lesson.items() if n}
+    print("check cells that are not one check(...) call:", left)
+    total = sum(per_lesson.values())
+    assert total <= CHECK_CELLS_NOT_ONE_CALL, (
+        f"{total} check cells are not one check(...)/check_function(...) call "
+        f"(at most {CHECK_CELLS_NOT_ONE_CALL}): {left}")
+    assert _check_cells_not_one_call('# %%\ncheck("05.1", x)\n\n# %%\ncheck_close("a", x, 1)\n') == 1
