@@ -311,7 +311,8 @@ v_hat_after_two = v2 / (1 - 0.999**2)
 
 # %%
 check("05.6", v_hat_after_two)
-#
+
+# %% [markdown]
 # ## O3, O4, O7: weight decay inside Adam or beside it
 #
 # For plain SGD, adding $\lambda\theta$ to the gradient is the same as shrinking the weights by

@@ -53,11 +53,11 @@ class AttentionCase:
     where it differs from the queries' (fp8 caches: ``float8_e4m3fn``, ``float8_e5m2``; their
     values are exactly representable in every wider format, so the oracle and the plain
     implementation work on them as they are). ``strided``: the arrays reach the kernel as
-    non-contiguous views: ``True`` with the last two axes stored swapped (the head width's stride is
-not one element), ``"transposed"`` as a model passes them, a ``(B, T, H, D)`` array viewed as
-``(B, H, T, D)`` by ``.transpose(1, 2)`` (the head width contiguous, the other axes not; for a
-``(B, T, H, D)`` convention the other way round). ``varlen``: a variable-length packed batch, ``((T_q, T_k), ...)`` per
-    sequence, packed back to back along the length axes of a batch of one (``t_q``, ``t_k`` are
+    non-contiguous views: ``True`` with the last two axes stored swapped (the head width's stride
+    is not one element), ``"transposed"`` as a model passes them, a ``(B, T, H, D)`` array viewed
+    as ``(B, H, T, D)`` by ``.transpose(1, 2)`` (the head width contiguous, the other axes not;
+    for a ``(B, T, H, D)`` convention the other way round). ``varlen``: a variable-length packed
+    batch, ``((T_q, T_k), ...)`` per sequence, packed back to back along the length axes of a batch of one (``t_q``, ``t_k`` are
     set to the totals); each sequence sees only its own keys, with its own alignment
     (flash-attention's ``cu_seqlens``: :attr:`cu_seqlens_q`, :attr:`cu_seqlens_k`).
     """
