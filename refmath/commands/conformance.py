@@ -4,12 +4,12 @@ case passes, 1 when any fails, 2 for bad input."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 
 from refmath.commands import CommandError
 from refmath.conformance import ADAPTERS, check_attention, get_adapter
+from refmath.conformance.adapters import resolve_name
 from refmath.conformance.case import CONTRACTS
 from refmath.conformance.conventions import EMPTY_ROWS
 from refmath.conformance.precision import DTYPES
@@ -85,17 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_kernel(spec: str):
     """The callable named ``MODULE:FUNCTION`` (the function may be dotted: ``mod:Class.method``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise CommandError(f"the kernel must be given as MODULE:FUNCTION, got {spec!r}")
     try:
-        obj = importlib.import_module(module_name)
-    except ImportError as err:
-        raise CommandError(f"cannot import {module_name!r}: {err}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise CommandError(f"{module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj = resolve_name(spec, "the kernel as MODULE:FUNCTION")
+    except ValueError as err:
+        raise CommandError(str(err)) from None
     if not callable(obj):
         raise CommandError(f"{spec} is a {type(obj).__name__}, not a callable")
     return obj

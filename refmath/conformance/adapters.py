@@ -92,7 +92,8 @@ class Adapter:
         return None
 
     def call(self, fn, case: AttentionCase, inputs: Inputs) -> dict:
-        raise NotImplementedError
+        """Call ``fn`` on the case's inputs in this convention; every adapter defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not define call()")
 
     # helpers shared by the adapters
     def arrays(self, case: AttentionCase, *xs, strided: bool | None = None, dtype: str | None = None):
@@ -702,22 +703,33 @@ ADAPTERS = {a.name: a for a in (SDPAAdapter, FlashAttnAdapter, FlashAttnVarlenAd
                                 TinygradAdapter)}
 
 
-def load_adapter_class(spec: str) -> type:
-    """The :class:`Adapter` subclass named ``module:Class`` (imported here, so that a custom
-    adapter is named on the command line as the built-in ones are)."""
+def resolve_name(spec: str, form: str = "module:Class"):
+    """The object that ``spec``, written ``module:attr`` (``attr`` may be dotted, as in
+    ``module:Class.method``), names; a ``ValueError`` in one line when it names nothing. ``form``
+    is how the message spells what was expected."""
     import importlib
 
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"a custom adapter is named module:Class, got {spec!r}")
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected {form}, got {spec!r}")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"adapter {spec!r}: cannot import {module_name!r}: {err}") from None
+        raise ValueError(f"cannot import {module_name!r}: {err}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"adapter {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def load_adapter_class(spec: str) -> type:
+    """The :class:`Adapter` subclass named ``module:Class`` (imported here, so that a custom
+    adapter is named on the command line as the built-in ones are)."""
+    try:
+        obj = resolve_name(spec, "a custom adapter as module:Class")
+    except ValueError as err:
+        raise ValueError(f"adapter {spec!r}: {err}") from None
     if not (isinstance(obj, type) and issubclass(obj, Adapter)):
         raise ValueError(f"adapter {spec!r} is not a subclass of "
                          "refmath.conformance.adapters.Adapter")
