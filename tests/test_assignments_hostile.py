@@ -347,21 +347,21 @@ def test_without_a_sandbox_the_reading_attacks_work(batch, server):
     assert server.connections >= 1
 
 
-# Given code rewritten: prefill and decode_step recompute the whole sequence (they never call the
-# cached attention the assignment asks for), appended to the starter's kv_cache.py.
-RECOMPUTE = '''
-
+# The given prefill and decode_step rewritten (or rebound) as the full recomputation, which never
+# calls the cached attention the inference assignment asks for.
+RECOMPUTE_SOURCE = '''
 def prefill(model, params, config, prompt_ids, all_logits=False, **ignored):
     from refmath.models.decoder import logits
     every = logits(params, prompt_ids, config)
     return (every if all_logits else every[:, -1]), {"tokens": prompt_ids}
-
 
 def decode_step(model, params, config, cache, token_id, **ignored):
     from refmath.models.decoder import logits
     cache["tokens"] = np.concatenate([cache["tokens"], np.reshape(token_id, (-1, 1))], axis=1)
     return logits(params, cache["tokens"], config)[:, -1]
 '''
+# ... appended to the starter's kv_cache.py
+RECOMPUTE = "\n\n" + RECOMPUTE_SOURCE
 
 
 def test_rewritten_given_code_scores_nothing(tmp_path, sandbox, monkeypatch):

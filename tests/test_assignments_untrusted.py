@@ -28,7 +28,8 @@ from refmath.assignments.grade import (grade, grade_batch, load_hidden_tests, se
 from refmath.assignments.submission import MAX_FILE_BYTES
 from refmath.assignments.text import clean, csv_cell
 
-from test_assignments_hostile import ONLY, ROOT, manifest, planted, reference_text, write_submission
+from test_assignments_hostile import (ONLY, RECOMPUTE_SOURCE, ROOT, manifest, planted, reference_text,
+                                     write_submission)
 
 TRIED = {"extractor": 0, "cpp": 0, "wire": 0}
 GIVEN = "import numpy as np\n\n\ndef wanted(x):\n    raise NotImplementedError\n\n\nclass Cache:\n" \
@@ -309,19 +310,6 @@ def test_the_arrays_that_come_back_are_the_ones_declared():
 
 # ---- only the student's function bodies cross ---------------------------------------------------
 
-# What the given prefill and decode_step would be if rebound: the full recomputation, which never
-# calls the cached attention the inference assignment asks for.
-RECOMPUTE_SOURCE = '''
-def prefill(model, params, config, prompt_ids, all_logits=False, **ignored):
-    from refmath.models.decoder import logits
-    every = logits(params, prompt_ids, config)
-    return (every if all_logits else every[:, -1]), {"tokens": prompt_ids}
-
-def decode_step(model, params, config, cache, token_id, **ignored):
-    from refmath.models.decoder import logits
-    cache["tokens"] = np.concatenate([cache["tokens"], np.reshape(token_id, (-1, 1))], axis=1)
-    return logits(params, cache["tokens"], config)[:, -1]
-'''
 SIGNATURE = "_cached_attention(cache, layer, q, k, v, offset, window=None, scale=None, softcap=None)"
 REBINDERS = {
     "decorator": f"@(lambda f: exec({RECOMPUTE_SOURCE!r}, __import__('sys').modules["
