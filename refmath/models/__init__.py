@@ -46,7 +46,7 @@ MODELS = {
     "gpt": ModelEntry("refmath.models.gpt", "GPTConfig", "M2", True),
     "llama": ModelEntry("refmath.models.decoder", "DecoderConfig", "M3", True),
     "mla": ModelEntry("refmath.models.mla", "MLAConfig", "M4", True),
-    "cohere": ModelEntry("refmath.models.cohere", "CohereConfig", "M3", True),
+    "cohere": ModelEntry("refmath.models.cohere", "CohereConfig", "M5", True),
 }
 DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
 

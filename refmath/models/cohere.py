@@ -490,12 +490,12 @@ def to_hf(config: CohereConfig, params: dict):
 # check's bound (the stencil's error over the typical gradient) stays well below 1e-8
 _TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
              logit_scale=2.0)
-register_case(ParamCase("cohere", "GQA h=4 g=2, tied, logit scale", ("M3", "N21", "N1", "N7"),
+register_case(ParamCase("cohere", "GQA h=4 g=2, tied, logit scale", ("M5", "N21", "N1", "N7"),
                         model_case_maker(forward, init_params,
                                          CohereConfig(**_TINY, n_kv_heads=2, init_std=0.35),
                                          train=False),
                         backward, max_coords=3))
-register_case(ParamCase("cohere", "per-head QK LayerNorm, untied", ("M3", "N21", "N18"),
+register_case(ParamCase("cohere", "per-head QK LayerNorm, untied", ("M5", "N21", "N18"),
                         model_case_maker(forward, init_params,
                                          CohereConfig(**_TINY, qk_norm=True, tie_embeddings=False,
                                                       init_std=0.5), train=False),

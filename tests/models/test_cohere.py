@@ -114,6 +114,40 @@ def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, f
     np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_gradient_equals_torch_autograd_through_transformers(variant, tmp_path,
+                                                                   float64_cohere):
+    """The hand-written backward against autograd through transformers' own CohereForCausalLM: the
+    mean next-token cross-entropy's gradient of every parameter, mapped into refmath's names by
+    the same key table the reader uses (a transpose or a tied table maps a gradient as it maps a
+    weight)."""
+    # No padding id: torch's Embedding(padding_idx=0) drops the lookup's gradient of row 0, a
+    # training convention for pad tokens, where the sequences here use id 0 as a word.
+    model = random_model(seed=2, **{**VARIANTS[variant], "pad_token_id": None})
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
+    module = model_module(name)
+    tokens, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    loss, cache = module.forward(params, {"tokens": tokens, "targets": targets}, config)
+    grads = module.backward(cache)
+
+    logits = model(torch.as_tensor(tokens)).logits
+    theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                               torch.as_tensor(targets).reshape(-1))
+    theirs.backward()
+    assert loss == pytest.approx(theirs.item(), rel=1e-13)
+    hf_grads = {k: p.grad.numpy() for k, p in model.named_parameters()}
+    expected = {ours: hf_grads[key].T if transposed else hf_grads[key]
+                for key, ours, transposed in module.key_table(config)}
+    if not config.tie_embeddings:
+        expected["lm_head"] = hf_grads["lm_head.weight"].T
+    assert expected.keys() == grads.keys()
+    for key, g in grads.items():
+        scale = np.abs(expected[key]).max()
+        assert scale > 0, key  # every parameter reaches the loss
+        assert np.abs(g - expected[key]).max() <= 1e-12 * scale, key
+
+
 def _params(config, seed=0):
     """Parameters moved off their initial values (unit gains would hide a misplaced gain)."""
     rng = np.random.default_rng(seed)
