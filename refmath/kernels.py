@@ -21,6 +21,13 @@ import numpy as np
 from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_ndim,
                                check_real, check_same_shape, float_array)
 
+__all__ = ["BACKENDS", "cpu_available", "cuda_available", "cpu_vector_lanes", "cpu_instructions",
+           "cpu_threads", "set_cpu_threads", "cpu_thread_limit", "cpu_last_team",
+           "backward_schedule", "stream_sum", "adamw_step", "rows_matmul", "rows_matmul_many",
+           "format_rows_matmul", "decode_layers", "build_info", "cuda_build_info", "softmax_rows",
+           "flash_attention_forward", "flash_attention_backward", "decode", "paged_decode",
+           "FlashRung", "flash_ladder", "flash_versions"]
+
 # How the kernels' idle OpenMP threads wait for the next parallel region. OpenMP's default keeps
 # them spinning on their cores for a while (libgomp: about 3 ms) after each region; on a machine
 # where another busy process wants those cores, the spinning threads take its turns and it takes

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["Mistake", "MISTAKES", "wrong_source", "applied", "caught_by_gradcheck",
+           "optimiser_checks", "sizing_checks", "caught_by_sizing_checks",
+           "caught_by_optimiser_checks"]
+
 
 @dataclass(frozen=True)
 class Mistake:

@@ -60,6 +60,14 @@ from refmath.ffn import matmul_rows, sigmoid
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
+__all__ = ["MoEConfig", "as_moe_config", "moe_param_shapes", "RouterScoresCache", "router_scores",
+           "router_scores_backward", "RouteCache", "route", "route_backward", "routing_margin",
+           "expert_load", "ExpertBalanceLossCache", "expert_balance_loss",
+           "expert_balance_loss_backward", "DeviceBalanceLossCache", "device_balance_loss",
+           "device_balance_loss_backward", "RouterZLossCache", "router_z_loss",
+           "router_z_loss_backward", "balance_bias_update", "ExpertCache", "MoECache",
+           "moe_forward", "moe_backward"]
+
 SCORINGS = ("softmax", "sigmoid")
 # Hugging Face's topk_method names: plain top-k; DeepSeek-V2's groups ranked by their best score;
 # DeepSeek-V3's groups ranked by the sum of their two best (biased) scores.

@@ -27,6 +27,9 @@ import numpy as np
 
 from refmath._validate import check_int, check_real, check_same_shape, float_array
 
+__all__ = ["takes_weight_decay", "Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm",
+           "transformer_schedule", "warmup_cosine"]
+
 # ---- which parameters decay (O5) ----
 
 # Last name component of a bias: "b", "b1", "b_q", or anything containing "bias".

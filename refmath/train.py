@@ -68,6 +68,11 @@ from refmath.flat_adamw import FlatAdamW
 from refmath.inference.generate import generate, generate_seq2seq
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
 
+__all__ = ["CONFIG_FILE", "recipe", "default_config", "expert_models", "with_experts",
+           "TrainSettings", "atomic_write", "CheckpointError", "Checkpoint", "save_checkpoint",
+           "load_checkpoint", "load_tokenizer", "evaluate", "reversal_accuracy", "save_loss_plot",
+           "TrainResult", "TrainingDiverged", "train"]
+
 FORMAT = "refmath-train/1"
 CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "checkpoint.npz"

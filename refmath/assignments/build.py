@@ -24,6 +24,8 @@ from refmath import solutions
 from refmath.assignments.extract import cpp_functions
 from refmath.assignments.manifest import MANIFEST, Manifest
 
+__all__ = ["LeakError", "library_files", "stub_library", "assemble", "build"]
+
 # Lines this short ("return dx", "else:", '"""') say nothing about a solution and occur everywhere.
 SHORTEST_SECRET = 10
 # A solution line at least this long is also a leak when it is part of a longer line (quoted in a
