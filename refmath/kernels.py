@@ -240,7 +240,7 @@ def adamw_step(p, g, m, v, shrink, scalars, threads: int = 1) -> None:
     :math:`\sigma_k = 1 - \eta\lambda_k` (1 for no decay). ``scalars``:
     :math:`(\beta_1, 1-\beta_1, \beta_2, 1-\beta_2, 1-\beta_1^s, 1-\beta_2^s, \eta, \epsilon)`.
     Every scalar is rounded to the arrays' dtype once, and every operation is done in that dtype in
-    the order of :class:`refmath.flat_adamw.FlatAdamW`'s NumPy form, each result rounded: the
+    the order of :class:`refmath.fast.flat_adamw.FlatAdamW`'s NumPy form, each result rounded: the
     arrays come out bit for bit as that form (and :class:`refmath.optim.AdamW`) leaves them.
     ``threads`` (1 to 256) OpenMP threads share the elements. The arrays must not share memory.
     The C++ side checks every argument (dtype, rank, layout, lengths, overlap) and raises

@@ -15,7 +15,7 @@ Weight decay per parameter (O5): by default only weight matrices decay (see
 override :meth:`Optimizer.decay_of`.
 
 These classes update one parameter at a time, each equation one line: the form to read. Training
-uses :class:`refmath.flat_adamw.FlatAdamW`, the same AdamW bit for bit over one flat buffer.
+uses :class:`refmath.fast.flat_adamw.FlatAdamW`, the same AdamW bit for bit over one flat buffer.
 """
 from __future__ import annotations
 
