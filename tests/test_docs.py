@@ -123,3 +123,17 @@ def test_the_catalogue_and_pages_link_only_documented_objects():
         if name not in RENDERED.get(owner, []):
             undocumented.append(dotted)
     assert not undocumented, f"linked but on no API page (add them to their module's __all__): {undocumented}"
+
+
+def test_a_value_shows_its_own_comment_not_its_types_docstring():
+    table = {"a": 1}
+    assert api_pages.type_docstring_only(table, (dict.__doc__ or "").splitlines())
+    assert not api_pages.type_docstring_only(table, ["The models by name."])
+    assert not api_pages.type_docstring_only(table, [])
+
+
+def test_a_long_value_is_shown_without_its_repr():
+    assert api_pages.entry("refmath.models", "MODELS") == [
+        ".. autodata:: refmath.models.MODELS", "   :no-value:", ""]
+    assert api_pages.entry("refmath.attention", "ATTENTION_BACKENDS") == [
+        ".. autodata:: refmath.attention.ATTENTION_BACKENDS", ""]

@@ -19,6 +19,10 @@ from typing import NamedTuple
 from lesson_pages import write_if_changed
 
 
+# A value whose repr is longer than this is shown without it (its entry says where it is defined).
+LONGEST_VALUE = 200
+
+
 class ApiPage(NamedTuple):
     slug: str              # file name under docs/api/
     title: str
@@ -82,13 +86,15 @@ def public_names(module: str) -> list[str]:
 
 def entry(module: str, name: str) -> list[str]:
     """The autodoc directive for one name of ``module``: a class with its members (a NamedTuple's
-    fields, a dataclass's attributes, the methods), a function, or a value."""
+    fields, a dataclass's attributes, the methods), a function, or a value (whose repr is shown
+    only when it is short: a table such as ``MODELS`` is read in its source)."""
     obj = getattr(importlib.import_module(module), name)
     if inspect.isclass(obj):
         return [f".. autoclass:: {module}.{name}", "   :members:", "   :undoc-members:", ""]
     if callable(obj):
         return [f".. autofunction:: {module}.{name}", ""]
-    return [f".. autodata:: {module}.{name}", ""]
+    short = len(repr(obj)) <= LONGEST_VALUE
+    return [f".. autodata:: {module}.{name}"] + ([] if short else ["   :no-value:"]) + [""]
 
 
 def render_page(page: ApiPage) -> str:
@@ -105,7 +111,8 @@ def render_page(page: ApiPage) -> str:
 
 
 def documented_names(page_text: str) -> dict[str, list[str]]:
-    """``{module: [name, ...]}`` as a rendered page documents them, read back from its directives."""
+    """``{module: [name, ...]}`` as a rendered page documents them, read back from its
+    directives."""
     found: dict[str, list[str]] = {}
     for kind, dotted in re.findall(r"^\.\. auto(module|class|function|data):: ([\w.]+)$", page_text,
                                    re.MULTILINE):
@@ -115,6 +122,13 @@ def documented_names(page_text: str) -> dict[str, list[str]]:
             module, _, name = dotted.rpartition(".")
             found.setdefault(module, []).append(name)
     return found
+
+
+def type_docstring_only(obj, lines: list[str]) -> bool:
+    """Whether ``lines`` are only the docstring of ``obj``'s type (``dict``'s, ``int``'s), which
+    autodoc shows for a value that has no comment of its own."""
+    own = inspect.getdoc(type(obj)) or ""
+    return bool(lines) and " ".join(" ".join(lines).split()) == " ".join(own.split())
 
 
 def render_index(pages: list[ApiPage]) -> str:
