@@ -19,7 +19,7 @@ minimum beside it), with the two implementations taking turns in an order that a
 The optimiser peer is torch at its best. torch.optim.AdamW's default on the CPU is a Python loop
 over the tensors, one small kernel each; ``foreach=True`` updates them in batches and
 ``fused=True`` in one fused kernel. Before the steps, the script times one optimiser step alone on
-the same gradients (rotating turns, median and minimum): refmath's :class:`~refmath.flat_adamw.FlatAdamW`
+the same gradients (rotating turns, median and minimum): refmath's :class:`~refmath.fast.flat_adamw.FlatAdamW`
 (the training form, one buffer) on its default backend (the C++ kernel
 :func:`refmath.kernels.adamw_step` where the extension is built; ``--adamw-backend`` picks one) and
 on its NumPy form, per-parameter :class:`~refmath.optim.AdamW` (the readable form), the three torch
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refmath.models import decoder, gpt  # noqa: E402
 from refmath.malloc import retain_freed_memory  # noqa: E402
-from refmath.flat_adamw import FlatAdamW  # noqa: E402
+from refmath.fast.flat_adamw import FlatAdamW  # noqa: E402
 from refmath.optim import AdamW, takes_weight_decay  # noqa: E402
 
 try:

@@ -19,7 +19,7 @@ ROOT = DOCS.parent
 sys.path[:0] = [str(ROOT), str(DOCS / "_ext")]
 
 import refmath  # noqa: E402  (after the path is set: the checkout's refmath, not another install)
-from api_pages import write_api_pages  # noqa: E402
+from api_pages import type_docstring_only, write_api_pages  # noqa: E402
 from benchmark_records import write_records  # noqa: E402
 from catalogue_page import write_catalogue  # noqa: E402
 from changelog_page import write_changelog  # noqa: E402
@@ -126,7 +126,15 @@ def describe_named_tuple_fields(app, what, name, obj, options, lines):
         lines[:] = [comments[field]]
 
 
+def drop_type_docstrings(app, what, name, obj, options, lines):
+    """A value's entry (``MODELS``, ``PRESETS``) shows its own comment or nothing, never the
+    docstring of its type (``dict``'s) that autodoc falls back to."""
+    if what == "data" and type_docstring_only(obj, lines):
+        lines[:] = []
+
+
 def setup(app):
     app.connect("config-inited", generate_pages)
     app.connect("autodoc-process-docstring", describe_named_tuple_fields)
+    app.connect("autodoc-process-docstring", drop_type_docstrings)
     app.connect("missing-reference", warn_on_missing_catalogue_link)

@@ -33,6 +33,12 @@ from refmath.kernels import BACKENDS
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
+__all__ = ["causal_mask", "padding_mask", "local_window_mask", "additive_mask", "SDPACache",
+           "SoftcapSDPACache", "sdpa_forward", "sdpa_backward", "gqa_head_map", "split_heads",
+           "merge_heads", "MHACache", "mha_forward", "mha_backward", "ATTENTION_BACKENDS",
+           "CausalAttentionCache", "causal_attention_forward", "causal_attention_backward",
+           "causal_attention_kv"]
+
 
 # ---- masks ---------------------------------------------------------------------------------------
 

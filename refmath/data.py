@@ -32,6 +32,10 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim
 from refmath.losses import IGNORE_INDEX
 
+__all__ = ["CharTokenizer", "SplitMix64", "Choice", "Maybe", "grammar_sentences", "grammar_text",
+           "grammar_entropy_rate", "unigram_entropy", "CharLMTask", "ReversalTask",
+           "ReversalLMTask", "make_task"]
+
 # ---- the tokenizer -------------------------------------------------------------------------------
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")

@@ -9,6 +9,8 @@ import numpy as np
 from refmath._validate import check_flag, check_ndim, float_array, int_array
 from refmath.registry import OpCase, register_case
 
+__all__ = ["EmbeddingCache", "embedding_forward", "embedding_backward"]
+
 
 class EmbeddingCache(NamedTuple):
     ids: np.ndarray  # integer token ids, any shape

@@ -18,6 +18,14 @@ from refmath._validate import (check_axis, check_choice, check_flag, check_int, 
                                check_ndim, check_real, float_array)
 from refmath.registry import OpCase, register_case
 
+__all__ = ["compiled_rows", "compiled_rows_choice", "matmul_rows", "matmul_rows_many",
+           "LinearCache", "linear_forward", "linear_backward", "ReLUCache", "relu_forward",
+           "relu_backward", "standard_normal_cdf", "GELUCache", "gelu_forward", "gelu_backward",
+           "sigmoid", "SiLUCache", "silu_forward", "silu_backward", "check_softcap", "SoftcapCache",
+           "softcap_forward", "softcap_backward", "FFNCache", "ffn_forward", "ffn_backward",
+           "SwiGLUCache", "swiglu_forward", "swiglu_backward", "GeGLUCache", "geglu_forward",
+           "geglu_backward", "swiglu_hidden_size", "ffn_parameter_count"]
+
 # ---- linear map ----------------------------------------------------------------------------------
 
 

@@ -56,6 +56,9 @@ from refmath.softmax import (
     online_softmax_result,
 )
 
+__all__ = ["FlashCounters", "flash_attention_forward", "MemoryTraffic", "attention_memory_traffic",
+           "flash_attention_backward"]
+
 
 @dataclass
 class FlashCounters:

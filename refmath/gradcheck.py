@@ -83,6 +83,10 @@ from refmath._validate import check_int
 from refmath.models import MODELS
 from refmath.registry import GROUPS, OpCase, ParamCase, registered
 
+__all__ = ["EPS", "relative_error", "stencil_error", "numerical_gradient",
+           "derivatives_with_truncation", "sample_coords", "CheckResult", "compare", "check_case",
+           "check_param_gradients", "check_param_case", "check", "case_modules", "all_cases"]
+
 STEP = 1e-3
 EPS = float(np.finfo(np.float64).eps)
 # kappa: roundings per output entry allowed for in the bound (the derivation above); measured <= 7

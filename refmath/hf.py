@@ -97,6 +97,10 @@ from refmath.models import MODELS, check_config, model_module
 from refmath.models.hf_layout import HFCheckpointError, interleaved_to_half  # noqa: F401
 from refmath.models.params import check_param_dict
 
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "INDEX_FILE", "SUPPORTED_MODEL_TYPES", "read_config",
+           "read_config_file", "checkpoint_family", "config_from_hf", "load_checkpoint",
+           "save_checkpoint", "TOKENIZER_FILE", "save_tokenizer"]
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

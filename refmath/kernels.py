@@ -21,6 +21,13 @@ import numpy as np
 from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_ndim,
                                check_real, check_same_shape, float_array)
 
+__all__ = ["BACKENDS", "cpu_available", "cuda_available", "cpu_vector_lanes", "cpu_instructions",
+           "cpu_threads", "set_cpu_threads", "cpu_thread_limit", "cpu_last_team",
+           "backward_schedule", "stream_sum", "adamw_step", "rows_matmul", "rows_matmul_many",
+           "format_rows_matmul", "decode_layers", "build_info", "cuda_build_info", "softmax_rows",
+           "flash_attention_forward", "flash_attention_backward", "decode", "paged_decode",
+           "FlashRung", "flash_ladder", "flash_versions"]
+
 # How the kernels' idle OpenMP threads wait for the next parallel region. OpenMP's default keeps
 # them spinning on their cores for a while (libgomp: about 3 ms) after each region; on a machine
 # where another busy process wants those cores, the spinning threads take its turns and it takes
@@ -233,7 +240,7 @@ def adamw_step(p, g, m, v, shrink, scalars, threads: int = 1) -> None:
     :math:`\sigma_k = 1 - \eta\lambda_k` (1 for no decay). ``scalars``:
     :math:`(\beta_1, 1-\beta_1, \beta_2, 1-\beta_2, 1-\beta_1^s, 1-\beta_2^s, \eta, \epsilon)`.
     Every scalar is rounded to the arrays' dtype once, and every operation is done in that dtype in
-    the order of :class:`refmath.flat_adamw.FlatAdamW`'s NumPy form, each result rounded: the
+    the order of :class:`refmath.fast.flat_adamw.FlatAdamW`'s NumPy form, each result rounded: the
     arrays come out bit for bit as that form (and :class:`refmath.optim.AdamW`) leaves them.
     ``threads`` (1 to 256) OpenMP threads share the elements. The arrays must not share memory.
     The C++ side checks every argument (dtype, rank, layout, lengths, overlap) and raises

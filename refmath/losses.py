@@ -14,6 +14,8 @@ from refmath._validate import check_choice, check_int, check_min_ndim, check_rea
 from refmath.registry import OpCase, register_case
 from refmath.softmax import log_softmax_forward
 
+__all__ = ["CrossEntropyCache", "IGNORE_INDEX", "cross_entropy_forward", "cross_entropy_backward"]
+
 
 class CrossEntropyCache(NamedTuple):
     probs: np.ndarray  # softmax(logits), (..., V)

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["Mistake", "MISTAKES", "wrong_source", "applied", "caught_by_gradcheck",
+           "optimiser_checks", "sizing_checks", "caught_by_sizing_checks",
+           "caught_by_optimiser_checks"]
+
 
 @dataclass(frozen=True)
 class Mistake:
@@ -321,7 +325,7 @@ MISTAKES: tuple[Mistake, ...] = (
        "g_j = rho s_j (/ D): the routed scaling factor rho multiplies the gradient too",
        "moe_route[[]*"),
     _g("moe: an expert's gradient not scaled by its gate", "refmath.moe:moe_backward",
-       "fused.swiglu_backward(expert.gates[:, None] * dy_e,", "fused.swiglu_backward(dy_e,",
+       "swiglu_backward(expert.gates[:, None] * dy_e,", "swiglu_backward(dy_e,",
        "y = sum_j g_j E_j(x): the expert's output reaches y times its gate", "moe[[]*"),
     _g("moe: no gradient to the router through the gates", "refmath.moe:moe_backward",
        "dweight[expert.tokens, e] = np.sum(dy_e * expert.out, axis=-1)",

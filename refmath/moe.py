@@ -53,12 +53,19 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from refmath import fused
 from refmath._validate import (as_dataclass, check_axis, check_choice, check_field, check_flag,
                                check_int, check_min_ndim, check_ndim, check_real, float_array)
-from refmath.ffn import matmul_rows, sigmoid
+from refmath.ffn import matmul_rows, sigmoid, swiglu_backward, swiglu_forward
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
+
+__all__ = ["MoEConfig", "as_moe_config", "moe_param_shapes", "RouterScoresCache", "router_scores",
+           "router_scores_backward", "RouteCache", "route", "route_backward", "routing_margin",
+           "expert_load", "ExpertBalanceLossCache", "expert_balance_loss",
+           "expert_balance_loss_backward", "DeviceBalanceLossCache", "device_balance_loss",
+           "device_balance_loss_backward", "RouterZLossCache", "router_z_loss",
+           "router_z_loss_backward", "balance_bias_update", "ExpertCache", "MoECache",
+           "moe_forward", "moe_backward"]
 
 SCORINGS = ("softmax", "sigmoid")
 # Hugging Face's topk_method names: plain top-k; DeepSeek-V2's groups ranked by their best score;
@@ -759,15 +766,15 @@ def moe_forward(x, params, moe):
         if tokens.size == 0:
             experts.append(None)
             continue
-        out, swiglu = fused.swiglu_forward(rows[tokens], w_gate[e], w_up[e], w_down[e])
+        out, swiglu = swiglu_forward(rows[tokens], w_gate[e], w_up[e], w_down[e])
         expert_gates = weight[tokens, e]
         y[tokens] += expert_gates[:, None] * out  # a token appears once per expert
         experts.append(ExpertCache(tokens, expert_gates, out, swiglu))
 
     shared = shared_out = shared_gate = None
     if moe.shared_width:
-        shared_out, shared = fused.swiglu_forward(rows, params["shared.w_gate"],
-                                                  params["shared.w_up"], params["shared.w_down"])
+        shared_out, shared = swiglu_forward(rows, params["shared.w_gate"], params["shared.w_up"],
+                                            params["shared.w_down"])
         if moe.shared_gate:
             w_g = params["shared_gate.w"]
             gate = sigmoid(matmul_rows(rows, w_g))  # (N, 1)
@@ -845,8 +852,7 @@ def moe_backward(dy, cache: MoECache, daux=1.0):
             continue
         dy_e = dy[expert.tokens]
         dweight[expert.tokens, e] = np.sum(dy_e * expert.out, axis=-1)
-        dx_e, dw_g, dw_u, dw_d = fused.swiglu_backward(expert.gates[:, None] * dy_e,
-                                                       expert.swiglu)
+        dx_e, dw_g, dw_u, dw_d = swiglu_backward(expert.gates[:, None] * dy_e, expert.swiglu)
         dx[expert.tokens] += dx_e
         grads["experts.w_gate"][e] = dw_g
         grads["experts.w_up"][e] = dw_u
@@ -877,7 +883,7 @@ def moe_backward(dy, cache: MoECache, daux=1.0):
             dz = np.sum(dy * cache.shared_out, axis=-1, keepdims=True) * gate * (1.0 - gate)
             grads["shared_gate.w"] = gate_rows.T @ dz
             dx += dz @ w_g.T
-        dx_s, dw_g, dw_u, dw_d = fused.swiglu_backward(dshared, cache.shared)
+        dx_s, dw_g, dw_u, dw_d = swiglu_backward(dshared, cache.shared)
         dx += dx_s
         grads.update({"shared.w_gate": dw_g, "shared.w_up": dw_u, "shared.w_down": dw_d})
     order = moe_param_shapes(d, moe)

@@ -11,6 +11,9 @@ import numpy as np
 from refmath._validate import check_min_ndim, check_real, float_array
 from refmath.registry import OpCase, register_case
 
+__all__ = ["LayerNormCache", "layernorm_forward", "layernorm_backward", "RMSNormCache",
+           "rmsnorm_forward", "rmsnorm_backward"]
+
 
 def _check_norm_inputs(x, gamma, beta=None):
     x = float_array("x", x)

@@ -15,7 +15,7 @@ Weight decay per parameter (O5): by default only weight matrices decay (see
 override :meth:`Optimizer.decay_of`.
 
 These classes update one parameter at a time, each equation one line: the form to read. Training
-uses :class:`refmath.flat_adamw.FlatAdamW`, the same AdamW bit for bit over one flat buffer.
+uses :class:`refmath.fast.flat_adamw.FlatAdamW`, the same AdamW bit for bit over one flat buffer.
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from refmath._validate import check_int, check_real, check_same_shape, float_array
+
+__all__ = ["takes_weight_decay", "Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm",
+           "transformer_schedule", "warmup_cosine"]
 
 # ---- which parameters decay (O5) ----
 

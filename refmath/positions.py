@@ -15,6 +15,11 @@ from refmath._validate import (as_dataclass, check_choice, check_flag, check_int
                                check_ndim, check_real, float_array)
 from refmath.registry import OpCase, register_case
 
+__all__ = ["rope_angles", "sinusoidal_positions", "LearnedPositionsCache",
+           "learned_positions_forward", "learned_positions_backward", "RopeScaling",
+           "as_rope_scaling", "yarn_mscale", "rope_inv_freq", "rope_frequencies_change",
+           "rope_softmax_scale", "ROPE_LAYOUTS", "RoPECache", "rope_forward", "rope_backward"]
+
 
 def _check_base(base) -> float:
     # b > 1: the frequencies b^{-2r/d} then fall from 1 towards 1/b, as the design intends

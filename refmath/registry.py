@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+__all__ = ["GROUPS", "OpCase", "ParamCase", "layer_case_ops", "register_case", "registered"]
+
 GROUPS = ("ops", "attention execution", "models")
 
 

@@ -25,6 +25,19 @@ from refmath.hf import config_from_hf
 from refmath.models import model_module
 from refmath.moe import MoEConfig, as_moe_config
 
+__all__ = ["kv_cache_bytes_per_token", "kv_cache_bytes", "mla_cache_bytes_per_token",
+           "mla_cache_bytes", "QuantizedCacheBytes", "quantized_kv_cache_bytes", "weights_bytes",
+           "InferenceMemory", "inference_memory_rule_of_thumb", "TrainingMemory",
+           "adamw_training_memory", "ModelConfig", "PRESETS", "ParamCounts",
+           "attention_parameter_count", "mla_attention_parameter_count", "MoEParamCounts",
+           "moe_parameter_count", "parameter_counts", "ActiveParams", "active_parameters",
+           "kept_positions", "cache_bytes_by_layer", "model_cache_bytes", "FlopCount",
+           "prefill_flops", "decode_step_flops", "AttentionDesignCost", "attention_design_cost",
+           "StepTraffic", "decode_step_traffic", "prefill_traffic", "decode_time_lower_bound",
+           "MemoryAgainstCompute", "memory_against_compute", "expert_parallel_bytes",
+           "ExpertParallelTraffic", "expert_parallel_traffic", "CacheRow", "attention_cache_rows",
+           "format_bytes", "sizing_config", "hf_parameter_count", "own_design", "save_cache_plot"]
+
 
 def _check_kv_heads_divide(heads: int, kv_heads: int) -> None:
     # Each key/value head serves exactly heads / kv_heads query heads (catalogue A10).

@@ -25,6 +25,11 @@ import numpy as np
 from refmath._validate import check_axis, check_min_ndim, check_ndim, float_array
 from refmath.registry import OpCase, register_case
 
+__all__ = ["SoftmaxCache", "softmax_forward", "softmax_backward", "softmax_jacobian",
+           "LogSoftmaxCache", "log_softmax_forward", "log_softmax_backward", "OnlineSoftmaxState",
+           "online_softmax_empty", "online_softmax_block", "online_softmax_merge",
+           "online_softmax_result", "online_softmax_logsumexp"]
+
 
 def _shifted_exp(x: np.ndarray):
     """Return ``(exp(x - m), m, masked)`` with ``m`` the row maximum, made safe for fully masked rows.

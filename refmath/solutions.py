@@ -22,6 +22,10 @@ from __future__ import annotations
 import ast
 from typing import Callable, NamedTuple
 
+__all__ = ["Region", "normalise", "find_regions", "region_lines", "strip_regions",
+           "default_replacement", "is_docstring_region", "strip_all", "strip_notebook",
+           "function_regions"]
+
 PY_BEGIN, PY_END = "# BEGIN SOLUTION", "# END SOLUTION"
 MD_BEGIN, MD_END = "# <!-- BEGIN SOLUTION -->", "# <!-- END SOLUTION -->"
 CPP_BEGIN, CPP_END = "// BEGIN SOLUTION", "// END SOLUTION"

@@ -26,6 +26,8 @@ import sys
 import sysconfig
 import tempfile
 
+__all__ = ["BuildError", "sources", "compiler", "given_object", "private_folder", "build"]
+
 MODULE = "flash_teaching"
 GIVEN = "flash_forward_module.cpp"
 STUDENT = "flash_tile.cpp"

@@ -12,7 +12,7 @@ with ``batch`` number ``s-1`` of the task's training split (a pure function of t
 index, see :mod:`refmath.data`), global-norm clipping at ``c`` and the learning rate
 :math:`\eta_s` of :func:`refmath.optim.warmup_cosine` (linear warmup, cosine decay to a tenth).
 AdamW decays the weight matrices only (:func:`refmath.optim.takes_weight_decay`). The parameters
-live in the one flat buffer of :class:`refmath.flat_adamw.FlatAdamW`, which updates them bit for
+live in the one flat buffer of :class:`refmath.fast.flat_adamw.FlatAdamW`, which updates them bit for
 bit as :class:`refmath.optim.AdamW` does, in a few vectorised calls instead of a loop over the
 tensors.
 
@@ -64,9 +64,14 @@ from refmath.moe import MoEConfig, balance_bias_update
 from refmath._threads import blas_threads, choose_blas_threads, largest_product
 from refmath._validate import check_field, check_int, check_real
 from refmath.data import EOS_ID, CharTokenizer, ReversalLMTask, ReversalTask, make_task
-from refmath.flat_adamw import FlatAdamW
+from refmath.fast.flat_adamw import FlatAdamW
 from refmath.inference.generate import generate, generate_seq2seq
 from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
+
+__all__ = ["CONFIG_FILE", "recipe", "default_config", "expert_models", "with_experts",
+           "TrainSettings", "atomic_write", "CheckpointError", "Checkpoint", "save_checkpoint",
+           "load_checkpoint", "load_tokenizer", "evaluate", "reversal_accuracy", "save_loss_plot",
+           "TrainResult", "TrainingDiverged", "train"]
 
 FORMAT = "refmath-train/1"
 CONFIG_FILE = "config.json"

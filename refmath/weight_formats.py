@@ -74,6 +74,10 @@ import numpy as np
 
 from refmath._validate import check_choice, check_ndim, float_array
 
+__all__ = ["FORMATS", "Q8_0_BLOCK", "BLOCK", "STORED_DTYPES", "bytes_per_weight", "to_bf16",
+           "from_bf16", "to_f16", "from_f16", "quantize_q8_0", "dequantize_q8_0", "quantize",
+           "dequantize", "rows_product", "rounding_bound", "gamma", "product_error_bound"]
+
 FORMATS = ("bf16", "f16", "q8_0")
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])  # llama.cpp's block_q8_0, 34 bytes
 BLOCK = 32  # weights per Q8_0 block

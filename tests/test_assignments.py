@@ -166,21 +166,21 @@ def test_build_stubs_exactly_the_listed_functions(built, name):
 
 
 def test_the_in_place_restatements_are_not_copied(built):
-    """refmath.fused computes the GELU, SwiGLU and LayerNorm backward passes in place: the copies
-    hold a version that calls refmath.ffn and refmath.norms instead, and the models still run
-    through it."""
-    with open(os.path.join(ROOT, "refmath", "fused.py")) as f:
+    """refmath.fast.fused computes the GELU, SwiGLU and LayerNorm backward passes in place: the
+    copies hold a version that calls refmath.ffn and refmath.norms instead, and the models still
+    run through it."""
+    with open(os.path.join(ROOT, "refmath", "fast", "fused.py")) as f:
         in_place = [line.strip() for line in f
                     if line.strip().startswith(("slope", "local", "dg ", "dx ", "projection"))]
     assert in_place
     for tree in ("student", "autograder"):
-        with open(os.path.join(built["norms_ffn"], tree, "refmath", "fused.py")) as f:
+        with open(os.path.join(built["norms_ffn"], tree, "refmath", "fast", "fused.py")) as f:
             copy = f.read()
         assert "from refmath.ffn import" in copy and not any(line in copy for line in in_place)
     # The copy's fused forwards (delegating to the reference forms) give the library's values
     # exactly; the backward passes they delegate to are the assignment's, stubbed in the copy.
     code = ("import numpy as np\n"
-            "from refmath import fused\n"
+            "from refmath.fast import fused\n"
             "rng = np.random.default_rng(0)\n"
             "h, b, g, w = rng.standard_normal((3, 8)), rng.standard_normal(8), rng.standard_normal(8), rng.standard_normal((8, 8))\n"
             # copies: the library's forms may work in place on their input

@@ -1,10 +1,11 @@
 """The documentation site's API pages cover the whole public API (without building the site).
 
 docs/_ext/api_pages.py plans one page per row of the module table in docs/api.md and documents
-each module with autodoc's automodule. Autodoc documents a module's functions and classes whose
-``__module__`` is that module; these tests read the source files themselves to check that every
-public module has a page and every public top-level function and class of it (those its
-``__all__`` lists, where it has one) is one that autodoc will show there.
+each module there: its docstring, then one autodoc entry per name of its ``__all__``. These tests
+walk the source files themselves to check that every public module has a page, read each rendered
+page back to check that it documents exactly its modules' ``__all__`` (a public name is never left
+out, nothing else is shown, and a listed name that is gone fails), and check that every object the
+catalogue and the other pages link to is one of those names.
 """
 import ast
 import importlib
@@ -35,12 +36,21 @@ def source_modules():
     return names
 
 
-def public_definitions(module):
-    """Names of the top-level ``def`` and ``class`` statements of a module's source, not private."""
+def declared_all(module):
+    """The literal ``__all__`` of a module's source (None where it has none), read without the
+    importer that the pages use."""
     tree = ast.parse(Path(importlib.import_module(module).__file__).read_text(encoding="utf-8"))
-    return [node.name for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and not node.name.startswith("_")]
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+RENDERED = {}
+for _page in PAGES:
+    for _module, _names in api_pages.documented_names(api_pages.render_page(_page)).items():
+        RENDERED[_module] = _names
 
 
 def test_every_public_module_has_an_api_page():
@@ -69,11 +79,61 @@ def test_the_site_reads_no_text_of_the_readme():
 
 
 @pytest.mark.parametrize("module", sorted(DOCUMENTED))
-def test_every_public_definition_is_shown_on_its_module_page(module):
-    imported = importlib.import_module(module)
-    listed = getattr(imported, "__all__", None)  # autodoc shows only these where there are some
-    hidden = [name for name in public_definitions(module) if listed is None or name in listed
-              if getattr(getattr(imported, name, None), "__module__", None) != module]
-    assert not hidden, f"{module}: autodoc would not show {hidden} (not defined as {module}.<name>)"
-    page = api_pages.render_page(next(p for p in PAGES if module in p.modules))
-    assert f".. automodule:: {module}\n   :members:\n   :undoc-members:" in page
+def test_each_module_page_shows_exactly_its_all(module):
+    listed = declared_all(module) or []  # a package without one offers only its submodules
+    assert RENDERED.get(module) == listed, (
+        f"{module}: the API page shows {RENDERED.get(module)}, its __all__ lists {listed}")
+    gone = [name for name in listed if not hasattr(importlib.import_module(module), name)]
+    assert not gone, f"{module}.__all__ lists names it does not have: {gone}"
+
+
+def test_a_page_shows_nothing_but_the_all(monkeypatch):
+    page = api_pages.ApiPage("softmax", "refmath.softmax", "", ["refmath.softmax"])
+    monkeypatch.setattr(importlib.import_module("refmath.softmax"), "__all__", ["softmax_forward"])
+    assert api_pages.documented_names(api_pages.render_page(page)) == {
+        "refmath.softmax": ["softmax_forward"]}
+
+
+def test_a_module_without_all_stops_the_pages(monkeypatch):
+    monkeypatch.delattr(importlib.import_module("refmath.softmax"), "__all__")
+    with pytest.raises(ValueError, match="refmath.softmax has no __all__"):
+        api_pages.public_names("refmath.softmax")
+
+
+def linked_objects():
+    """The dotted names the catalogue lists as code and the pages link with ``{py:...}`` roles."""
+    docs = ROOT / "docs"
+    names = set(re.findall(r"`(refmath\.[\w.]+)`", (docs / "equations.md").read_text(encoding="utf-8")))
+    for page in docs.glob("*.md"):
+        names |= set(re.findall(r"\{py:(?:func|class|obj|data|meth|attr)\}`(?:[^`<]*<)?(refmath[\w.]+)>?`",
+                                page.read_text(encoding="utf-8")))
+    return sorted(names)
+
+
+def test_the_catalogue_and_pages_link_only_documented_objects():
+    links = linked_objects()
+    assert len(links) > 100, links  # the catalogue's code column is read
+    undocumented = []
+    for dotted in links:
+        if dotted in RENDERED:
+            continue  # a module
+        owner, _, name = dotted.rpartition(".")
+        while owner and owner not in RENDERED:  # a method or field: refmath.optim.AdamW.step
+            owner, _, name = owner.rpartition(".")
+        if name not in RENDERED.get(owner, []):
+            undocumented.append(dotted)
+    assert not undocumented, f"linked but on no API page (add them to their module's __all__): {undocumented}"
+
+
+def test_a_value_shows_its_own_comment_not_its_types_docstring():
+    table = {"a": 1}
+    assert api_pages.type_docstring_only(table, (dict.__doc__ or "").splitlines())
+    assert not api_pages.type_docstring_only(table, ["The models by name."])
+    assert not api_pages.type_docstring_only(table, [])
+
+
+def test_a_long_value_is_shown_without_its_repr():
+    assert api_pages.entry("refmath.models", "MODELS") == [
+        ".. autodata:: refmath.models.MODELS", "   :no-value:", ""]
+    assert api_pages.entry("refmath.attention", "ATTENTION_BACKENDS") == [
+        ".. autodata:: refmath.attention.ATTENTION_BACKENDS", ""]

@@ -7,8 +7,9 @@ The comparison with torch.optim.AdamW lives in test_optim_torch.py, which is ski
 import numpy as np
 import pytest
 
-from refmath import flat_adamw, kernels
-from refmath.flat_adamw import FlatAdamW
+from refmath import kernels
+from refmath.fast import flat_adamw
+from refmath.fast.flat_adamw import FlatAdamW
 from refmath.optim import AdamW
 
 needs_kernel = pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")

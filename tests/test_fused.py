@@ -1,10 +1,10 @@
-"""refmath.fused computes exactly what the reference ops compute: equal bit for bit (and GeGLU,
+"""refmath.fast.fused computes exactly what the reference ops compute: equal bit for bit (and GeGLU,
 new to the models, also against torch)."""
 import numpy as np
 import pytest
 
 from refmath.ffn import gelu_backward, gelu_forward, linear_backward, linear_forward
-from refmath.fused import bias_gelu_backward, bias_gelu_forward
+from refmath.fast.fused import bias_gelu_backward, bias_gelu_forward
 
 
 # (2, 5, 7): one block of rows; (3, 37, 1000): 111 rows in blocks of 32 rows (the fused functions
@@ -51,7 +51,8 @@ def test_nan_stays_nan():
 @pytest.mark.parametrize("shape", SHAPES, ids=["one-block", "many-blocks"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_swiglu_equals_the_reference_bit_for_bit(dtype, shape):
-    from refmath import ffn, fused
+    from refmath import ffn
+    from refmath.fast import fused
 
     b, t, d, d_f = shape
     rng = np.random.default_rng(4)
@@ -70,7 +71,8 @@ def test_swiglu_equals_the_reference_bit_for_bit(dtype, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=["one-block", "many-blocks"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_geglu_equals_the_reference_bit_for_bit(dtype, shape):
-    from refmath import ffn, fused
+    from refmath import ffn
+    from refmath.fast import fused
 
     b, t, d, d_f = shape
     rng = np.random.default_rng(6)
@@ -95,7 +97,7 @@ def test_geglu_matches_a_torch_mlp_with_tanh_gelu():
     """Gemma's MLP in torch, down(gelu_pytorch_tanh(gate(x)) * up(x)), with refmath's (in, out)
     weights handed to F.linear transposed; gradients by autograd."""
     torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
-    from refmath import fused
+    from refmath.fast import fused
 
     F = torch.nn.functional
     rng = np.random.default_rng(7)
@@ -113,7 +115,7 @@ def test_geglu_matches_a_torch_mlp_with_tanh_gelu():
 
 
 def test_geglu_nan_stays_nan():
-    from refmath import fused
+    from refmath.fast import fused
 
     x = np.array([[np.nan, 1.0], [0.5, -1.0]])
     y, cache = fused.geglu_forward(x, np.ones((2, 3)), np.ones((2, 3)), np.ones((3, 2)))
@@ -123,7 +125,8 @@ def test_geglu_nan_stays_nan():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_layernorm_equals_the_reference_bit_for_bit(dtype):
-    from refmath import fused, norms
+    from refmath import norms
+    from refmath.fast import fused
 
     rng = np.random.default_rng(5)
     x = (3 * rng.standard_normal((2, 5, 8)) + 1).astype(dtype)
@@ -142,7 +145,8 @@ def test_layernorm_equals_the_reference_bit_for_bit(dtype):
 def test_swiglu_nan_and_zero_gates_match_the_reference():
     # The fused sigmoid picks its numerator by a maximum instead of np.where: a NaN gate must
     # still give NaN, and a zero gate the value 1/2, as in refmath.ffn.
-    from refmath import ffn, fused
+    from refmath import ffn
+    from refmath.fast import fused
 
     x = np.array([[1.0, 0.0], [0.0, 1.0], [np.nan, 0.0]])
     w_gate = np.array([[0.0, -0.0, 3.0], [-2.0, 0.5, 0.0]])

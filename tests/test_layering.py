@@ -77,9 +77,10 @@ GRAPH = {name: imports(name, path, KNOWN) for name, path in KNOWN.items()}
 
 
 def test_the_table_is_read():
-    assert set(TABLE.values()) == set(range(6)), TABLE
-    assert floor_of("refmath.models.decoder", TABLE) == 2
-    assert floor_of("refmath.inference.kv_cache", TABLE) == 3
+    assert set(TABLE.values()) == set(range(7)), TABLE
+    assert floor_of("refmath.fast.fused", TABLE) == 2
+    assert floor_of("refmath.models.decoder", TABLE) == 3
+    assert floor_of("refmath.inference.kv_cache", TABLE) == 4
     assert floor_of("refmath.modelsx", TABLE) is None  # a package pattern is not a prefix
 
 

@@ -7,7 +7,7 @@ in param groups, so the groups are built from refmath's own decay rule.
 import numpy as np
 import pytest
 
-from refmath.flat_adamw import FlatAdamW
+from refmath.fast.flat_adamw import FlatAdamW
 from refmath.optim import SGD, Adam, AdamW, clip_grad_norm, takes_weight_decay, warmup_cosine
 
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")

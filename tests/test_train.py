@@ -13,7 +13,7 @@ from refmath.commands import main
 from refmath.models import MODELS, config_class, gpt, model_module, transformer
 from refmath.models.gpt import GPTConfig
 from refmath.models.transformer import TransformerConfig
-from refmath.flat_adamw import FlatAdamW
+from refmath.fast.flat_adamw import FlatAdamW
 from refmath.optim import AdamW
 
 CHARS = {"name": "chars", "seq_len": 16, "n_sentences": 300}

@@ -24,6 +24,8 @@ from refmath import solutions
 from refmath.assignments.extract import cpp_functions
 from refmath.assignments.manifest import MANIFEST, Manifest
 
+__all__ = ["LeakError", "library_files", "stub_library", "assemble", "build"]
+
 # Lines this short ("return dx", "else:", '"""') say nothing about a solution and occur everywhere.
 SHORTEST_SECRET = 10
 # A solution line at least this long is also a leak when it is part of a longer line (quoted in a
@@ -124,11 +126,11 @@ sys.exit(main())' assignments grade {name} /autograder/submission \\
 # (solutions included) and which nothing in the library imports.
 _SKIP_DIRS = {"__pycache__"}
 
-# refmath.fused restates the GELU, SwiGLU and LayerNorm backward passes in an in-place form: a
+# refmath.fast.fused restates the GELU, SwiGLU and LayerNorm backward passes in an in-place form: a
 # student reading it would read the answer. The copies get this module instead, whose functions
 # delegate to the reference forms in refmath.ffn and refmath.norms (the ones the students write),
-# with the same signatures; refmath.flat_adamw likewise.
-REFERENCE_FORMS = {"refmath/fused.py": '''"""The models' fused blocks, delegating to the reference forms in refmath.ffn and refmath.norms.
+# with the same signatures; refmath.fast.flat_adamw likewise.
+REFERENCE_FORMS = {"refmath/fast/fused.py": '''"""The models' fused blocks, delegating to the reference forms in refmath.ffn and refmath.norms.
 
 (The full library computes these in place; this copy calls the reference functions.)
 """
@@ -149,9 +151,9 @@ def bias_gelu_forward(h, b, approximate):
 def bias_gelu_backward(da, cache):
     return gelu_backward(da, cache)
 ''',
-    # refmath.flat_adamw's vectorised update spells out AdamW's (the losses_optim answer): the
+    # refmath.fast.flat_adamw's vectorised update spells out AdamW's (the losses_optim answer): the
     # copies train with the per-parameter AdamW the students write, behind the same interface.
-    "refmath/flat_adamw.py": '''"""FlatAdamW with the training code's interface, delegating to refmath.optim.AdamW.
+    "refmath/fast/flat_adamw.py": '''"""FlatAdamW with the training code's interface, delegating to refmath.optim.AdamW.
 
 (The full library updates one flat buffer in a few vectorised calls; this copy runs the
 per-parameter AdamW on the parameters, so the update it runs is the one written in refmath.optim.)

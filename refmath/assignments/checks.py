@@ -36,6 +36,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+__all__ = ["Verdict", "Case", "reference_cpu_seconds", "within_cost", "run_source", "hidden_test",
+           "normal", "shapes", "relative_error", "compare", "float32_rule", "exact", "all_of",
+           "torch_tensors", "numpy_of"]
+
 # Relative error of an analytic float64 result: rounding gives ~1e-15. A gradient by central
 # differences is off by ~1e-10 (three-point) to ~1e-13 (five-point), so the backward tests also
 # use inputs large enough that the O(n) forward calls of any difference scheme exceed the time limit.

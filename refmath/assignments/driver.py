@@ -22,6 +22,8 @@ import resource
 import sys
 import traceback
 
+__all__ = ["main"]
+
 
 def _arguments():
     parser = argparse.ArgumentParser()

@@ -13,6 +13,9 @@ from __future__ import annotations
 import ast
 import re
 
+__all__ = ["cpp_functions", "take_functions", "submitted_path", "install_lines", "submitted_module",
+           "refused"]
+
 
 def _definitions(tree: ast.Module) -> dict[str, ast.AST]:
     """``{qualified name: def node}`` of the module's functions and of its classes' methods."""

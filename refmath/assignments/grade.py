@@ -37,6 +37,10 @@ from refmath.assignments import submission as submission_files
 from refmath.assignments.sandbox import SLOTS, Outcome, Sandbox, choose
 from refmath.assignments.text import clean, clean_lines, csv_cell
 
+__all__ = ["load_hidden_tests", "read_submission", "secret_paths", "graded_library", "quoted",
+           "submitted_library", "grade", "summary", "write_results", "batch_submissions",
+           "grade_batch", "with_time_limit"]
+
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "installer.py"),
           encoding="utf-8") as _f:
     INSTALLER = _f.read()  # refmath/_submitted/__init__.py of every graded library

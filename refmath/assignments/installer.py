@@ -20,6 +20,8 @@ import os
 import sys
 import types
 
+__all__ = ["GivenModule", "install", "freeze"]
+
 _LOADED = {}  # relative path -> (namespace, bare classes)
 
 

@@ -38,6 +38,8 @@ except ImportError:  # Python 3.10
     except ImportError:
         tomllib = None
 
+__all__ = ["MANIFEST", "Limits", "Manifest", "default_root", "names", "load"]
+
 MANIFEST = "assignment.toml"
 DEFAULT_LIMITS = {"wall_s": 30.0, "cpu_s": 20.0, "memory_mb": 2048, "output_kb": 64}
 

@@ -51,6 +51,9 @@ from refmath.assignments import checks, usage, wire
 from refmath.assignments.manifest import Limits
 from refmath.assignments.text import clean
 
+__all__ = ["Outcome", "interpreter", "bubblewrap_command", "environment", "remove_files_of",
+           "claim_uids", "Sandbox", "choose"]
+
 MODES = ("bubblewrap", "user", "none")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The packages a submission may import besides the standard library and its own refmath.

@@ -19,6 +19,8 @@ import stat
 
 from refmath.assignments.text import clean
 
+__all__ = ["MAX_FILE_BYTES", "SubmissionError", "decode", "read_submission"]
+
 MAX_FILE_BYTES = 1 << 20  # a source file of the library is at most a few tens of KiB
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import unicodedata
 
+__all__ = ["clean", "clean_lines", "csv_cell"]
+
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "\n")
 
 

@@ -25,6 +25,8 @@ import os
 import threading
 import time
 
+__all__ = ["Watch", "wait"]
+
 PERIOD = 0.05  # seconds between two readings of the tree's memory
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+__all__ = ["DTYPES", "WireError", "pack", "unpack", "encode", "decode", "read_message"]
+
 # The only dtypes that cross: booleans, integers and real floats, little-endian (no objects, no
 # strings, no complex numbers: a complex result is not an answer to any question asked here).
 DTYPES = {"|b1", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"}

@@ -22,6 +22,8 @@ import importlib
 import os
 import sys
 
+__all__ = ["CommandError", "build_parser", "main"]
+
 PROG = "python -m refmath"
 COMMANDS = ("gradcheck", "sizes", "train", "generate", "convert", "assignments", "lessons",
             "conformance")

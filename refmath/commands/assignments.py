@@ -8,6 +8,8 @@ import os
 from refmath.assignments import manifest as manifests
 from refmath.commands import CommandError
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = "course assignments: list, build the student and autograder trees, grade"
 DESCRIPTION = (
     "Course assignments built from the reference: 'list' them, 'build NAME --out DIR' the "

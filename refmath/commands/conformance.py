@@ -15,6 +15,8 @@ from refmath.conformance.conventions import EMPTY_ROWS
 from refmath.conformance.precision import DTYPES
 from refmath.conformance.report import print_table, write
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "load_kernel", "run"]
+
 HELP = "run an attention kernel through the conformance sweep against the float64 oracle"
 DESCRIPTION = (
     "Run an attention function through a sweep of cases (layouts, Tq != Tk with the causal "

@@ -17,6 +17,8 @@ from pathlib import Path
 from refmath.commands import CommandError
 from refmath.models import MODELS, model_module
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = "write a trained model as a Hugging Face model directory"
 DESCRIPTION = (
     "Write the model of a 'train' run directory as a Hugging Face model directory (config.json "

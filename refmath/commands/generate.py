@@ -16,6 +16,8 @@ from refmath.commands import CommandError
 from refmath.kernels import BACKENDS
 from refmath.models import MODELS
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = "sample text from a trained checkpoint or a Hugging Face model directory"
 DESCRIPTION = (
     "Load a checkpoint written by 'train' (--checkpoint) or a Hugging Face model directory (--hf) "

@@ -9,6 +9,8 @@ import time
 
 from refmath.commands import CommandError
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = ("check every hand-written gradient (ops, attention execution, models) against central "
         "differences (float64), and the optimisers and schedules against independent computations")
 DESCRIPTION = (

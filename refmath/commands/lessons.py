@@ -6,6 +6,8 @@ import argparse
 
 from refmath.commands import CommandError
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = "the lessons: 'student --out DIR' writes their answer-free copies"
 DESCRIPTION = (
     "The step-through lessons: 'student --out DIR' writes the copies a student works in, with the "

@@ -15,6 +15,8 @@ from refmath.sizing import (
     inference_memory_rule_of_thumb, memory_against_compute, model_cache_bytes, own_design,
     parameter_counts, prefill_flops, save_cache_plot, sizing_config)
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = "KV-cache, memory, parameter and FLOP sizes for a preset or a given shape"
 DESCRIPTION = (
     "Sizes of the KV cache (MHA/GQA/MQA/MLA, optionally quantised), weights, inference and "

@@ -14,6 +14,8 @@ from refmath.models import MODELS
 from refmath.train import (CHECKPOINT_FILE, CONFIG_FILE, PLOT_FILE, TrainingDiverged,
                            expert_models, recipe, train)
 
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run"]
+
 HELP = "train a model with its hand-written backward pass and AdamW"
 DESCRIPTION = (
     "Train a model of refmath.models.MODELS on data generated on the fly (no download), with AdamW, "

@@ -51,6 +51,12 @@ from refmath.conformance.arrays import BadOutput, describe, to_framework, to_hos
 from refmath.conformance.case import AttentionCase, Inputs, alibi_slopes, visible
 from refmath.conformance.conventions import Conventions
 
+__all__ = ["Adapter", "RefmathAdapter", "RefmathBackwardAdapter", "RefmathDecodeAdapter",
+           "RefmathPagedAdapter", "NumpyAdapter", "SDPAAdapter", "FlashAttnAdapter",
+           "FlashAttnVarlenAdapter", "FlashAttnKVCacheAdapter", "JaxAdapter",
+           "OnnxAttentionAdapter", "OrtMultiHeadAttentionAdapter", "OrtGroupQueryAttentionAdapter",
+           "TinygradAdapter", "ADAPTERS", "resolve_name", "load_adapter_class", "get_adapter"]
+
 
 class Adapter:
     """The calling convention of one kind of kernel (see the module docstring)."""

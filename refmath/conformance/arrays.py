@@ -14,6 +14,8 @@ import numpy as np
 
 from refmath.conformance.precision import numpy_dtype
 
+__all__ = ["BadOutput", "torch_dtype", "to_framework", "describe", "to_host"]
+
 FRAMEWORKS = ("numpy", "torch", "cupy", "jax")
 
 

@@ -69,6 +69,8 @@ import numpy as np
 from refmath.conformance.case import AttentionCase, Inputs, visible
 from refmath.conformance.precision import U32, unit_roundoff
 
+__all__ = ["factor", "tolerance", "row_tolerance", "lse_row_magnitude", "apriori"]
+
 C_FORWARD = 2.0  # the factor of rule (a) for o and lse
 C_BACKWARD = 3.0  # and for dq, dk, dv
 SCALE_ROUNDING = 2 * U32  # how far from tau a kernel's own copy of it may be: fl(tau) or fl(sqrt tau)^2

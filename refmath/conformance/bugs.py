@@ -21,6 +21,15 @@ import numpy as np
 from refmath import kernels
 from refmath.attention import gqa_head_map
 
+__all__ = ["numpy_attention", "in_order_decode", "causal_off_by_one", "top_left_alignment",
+           "causal_ignored", "scale_one_over_d", "scale_ignored", "gqa_head_map_mod",
+           "last_partial_tile_dropped", "window_one_short", "lse_base_2", "nan_swallowed_by_fmax",
+           "nondeterministic_split", "softmax_without_max_fp16", "bf16_accumulator_decode",
+           "decode_reads_one_past", "gqa_power_of_two_groups", "inner_stride_only_checked",
+           "bf16_accumulator", "fp16_accumulator", "low_precision_tail_rows",
+           "decode_lengths_ignored", "page_table_off_by_one", "stale_slot_read",
+           "dv_wrong_transpose", "dq_missing_scale", "PlantedBug", "BUGS", "catch_table"]
+
 
 # ---- correct kernels the bugs are planted in -----------------------------------------------------
 

@@ -33,6 +33,9 @@ import numpy as np
 from refmath.conformance.conventions import EMPTY_ROWS
 from refmath.conformance.precision import DTYPES, round_to
 
+__all__ = ["AttentionCase", "query_positions", "visible", "alibi_slopes", "Inputs", "make_inputs",
+           "forward_cases", "backward_cases", "decode_cases", "paged_cases", "long_cases", "sweep"]
+
 CONTRACTS = ("forward", "backward", "decode", "paged")
 ALIGNMENTS = ("bottom-right", "top-left")
 INPUTS = ("randn", "uniform", "large", "ties", "dominant", "outliers", "nan", "inf-masked", "stale")

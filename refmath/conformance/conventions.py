@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+__all__ = ["EMPTY_ROWS", "RULES", "Conventions"]
+
 EMPTY_ROWS = ("zero", "nan", "unmasked", "mean-of-v")
 
 # The rule of each NaN flag, as a verdict names it, and the hint given when a case fails by it only.

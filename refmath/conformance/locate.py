@@ -18,6 +18,8 @@ from refmath.conformance.bounds import tolerance
 from refmath.conformance.case import AttentionCase, visible
 from refmath.conformance.conventions import EMPTY_ROWS
 
+__all__ = ["locate", "summary_line"]
+
 
 def _key_range(keep: np.ndarray) -> str:
     seen = np.flatnonzero(keep)

@@ -41,6 +41,8 @@ import numpy as np
 from refmath.conformance.case import AttentionCase, Inputs, alibi_slopes, query_positions, visible
 from refmath.conformance.precision import round32
 
+__all__ = ["attention"]
+
 CHUNK_ELEMENTS = 1 << 21  # scores per chunk of rows: 16 MiB in float64 per temporary
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = ["DTYPES", "unit_roundoff", "numpy_dtype", "round_to", "round32"]
+
 
 def _ml_dtypes():
     try:

@@ -20,6 +20,8 @@ from refmath.conformance.adapters import get_adapter
 from refmath.conformance.case import sweep
 from refmath.conformance.run import CaseResult, check_case
 
+__all__ = ["cases", "assert_conforms"]
+
 
 def cases(adapter: str = "sdpa", quick: bool = False, dtypes=("float32",), contracts=None) -> list:
     """The sweep's cases for ``adapter`` as ``pytest.param``s with readable ids, for

@@ -15,6 +15,9 @@ from collections import Counter
 from refmath.conformance import bounds
 from refmath.conformance.locate import summary_line
 
+__all__ = ["rows", "summary", "bound_note", "details", "versions", "header", "table", "print_table",
+           "markdown", "to_json", "figure", "write"]
+
 HEADER = ("case", "verdict", "output", "error", "tolerance (a)", "err/(a)", "err/(b)", "same bits",
           "reason")
 

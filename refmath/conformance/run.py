@@ -37,6 +37,8 @@ from refmath.conformance.conventions import EMPTY_ROWS, RULES, Conventions
 from refmath.conformance.locate import locate
 from refmath.conformance.oracle import attention
 
+__all__ = ["Check", "CaseResult", "Judged", "resolve_conventions", "check_case", "check_attention"]
+
 OUTPUTS = {"forward": ("o", "lse"), "backward": ("dq", "dk", "dv"), "decode": ("o",),
            "paged": ("o",)}
 DEFAULT_TIMEOUT = 60.0

@@ -19,8 +19,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath.ffn import LinearCache, SwiGLUCache, linear_backward, linear_forward
-from refmath.fused import BiasGELUCache, swiglu_backward, swiglu_forward
-from refmath import fused as fused_ops
+from refmath.fast.fused import BiasGELUCache, swiglu_backward, swiglu_forward
+from refmath.fast import fused as fused_ops
 from refmath.models.common import apply_mask, prefixed
 from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
 
@@ -40,7 +40,7 @@ class LayerNormNoBiasCache(NamedTuple):
 
 def norm_forward(x, kind: str, gamma, beta, eps: float):
     r"""The layer norm ``kind`` (one of :data:`NORMS`) with gain ``gamma`` on the rows ``x``:
-    RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fused.layernorm_forward`)
+    RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fast.fused.layernorm_forward`)
 
     .. math::
         \operatorname{RMSNorm}(x) = \gamma \odot \frac{x}{\operatorname{rms}(x)},\qquad
@@ -154,8 +154,8 @@ def parallel_backward(dout, attn: SublayerCache, ffn: SublayerCache, backwards: 
 
 def ffn_forward(h, params: dict, activation: str = "silu"):
     """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``: the numbers of
-    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fused.swiglu_forward`;
-    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fused.geglu_forward`)."""
+    :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fast.fused.swiglu_forward`;
+    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fast.fused.geglu_forward`)."""
     if activation == "gelu_tanh":
         return fused_ops.geglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
     return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
@@ -188,7 +188,7 @@ def plain_ffn_forward(h, params: dict, approximate: bool):
         F(h) = \operatorname{GELU}(h W_1)\, W_2
 
     the GELU exact or, with ``approximate``, in its tanh form
-    (:func:`refmath.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
+    (:func:`refmath.fast.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
     Returns ``(y, cache)``.
     """
     z, first = linear_forward(h, params["w_up"])

@@ -34,7 +34,7 @@ from refmath.attention import (CausalAttentionCache, causal_attention_backward,
                                split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
-from refmath.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward, layernorm_backward,
+from refmath.fast.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward, layernorm_backward,
                            layernorm_forward)
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models.contract import ANY, allowed
@@ -322,7 +322,7 @@ def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=Non
 
     The branch is :func:`refmath.ffn.ffn_forward`'s
     :math:`\operatorname{GELU}(u W_1 + b_1) W_2 + b_2`, with the bias and the GELU fused
-    (:func:`refmath.fused.bias_gelu_forward`: the same numbers, fewer passes over memory).
+    (:func:`refmath.fast.fused.bias_gelu_forward`: the same numbers, fewer passes over memory).
     """
     p = f"layers.{layer}."
     w1, b1, w2, b2 = (params[p + "ffn." + k] for k in _FFN_KEYS)

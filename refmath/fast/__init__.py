@@ -1,0 +1,8 @@
+"""The fast floor: speed machinery above the reference ops, chosen explicitly by its callers.
+
+Each module here computes what a reference op computes, equal bit for bit where its docstring says
+so (its tests compare the two), but faster: :mod:`refmath.fast.fused` runs the models' GELU,
+SwiGLU, GeGLU and LayerNorm blocks in place, :mod:`refmath.fast.flat_adamw` runs AdamW over one
+flat buffer. The reference ops never import this package; the models and the trainer name what
+they take from it.
+"""
