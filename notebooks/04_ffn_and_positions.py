@@ -41,7 +41,6 @@ import numpy as np
 from refmath.ffn import (
     ffn_forward,
     ffn_parameter_count,
-    gelu_backward,
     gelu_forward,
     silu_forward,
     standard_normal_cdf,
@@ -189,16 +188,6 @@ gelu_derivatives = np.stack([
 # %%
 check("04.3", gelu_derivatives)
 
-# %%
-for form in (False, True):
-    upstream = rng.standard_normal(7)
-    xs = rng.standard_normal(7)
-    analytic = gelu_backward(upstream, gelu_forward(xs, approximate=form)[1])
-    error = largest_relative_error(
-        analytic, lambda: float(np.sum(gelu_forward(xs, approximate=form)[0] * upstream)), xs)
-    print(f"GELU ({'tanh' if form else 'exact'}) backward against central differences: {error:.1e}")
-    assert error < 1e-8
-
 # %% tags=["exercise"]
 # Exercise 04.4: write the GELU backward for both forms. `cache` is the GELUCache of gelu_forward:
 # `cache.x` (any shape), `cache.approximate` (True for the tanh form) and `cache.gate`, which holds
@@ -220,6 +209,8 @@ def my_gelu_backward(dout, cache):
 
 
 # %%
+from refmath.ffn import gelu_backward
+
 def torch_gelu(x, approximate):
     """The oracle (used only where torch is installed): torch's GELU, in the same form."""
     import torch
@@ -235,6 +226,19 @@ check_function("your GELU backward", my_gelu_backward, gelu_backward, case="gelu
                       **catalogued("gelu tanh: 0.044715 rounded to float32", gelu_backward),
                       "the exact form used for both": lambda dout, cache: gelu_backward(
                           dout, gelu_forward(cache.x)[1])})
+
+# %% [markdown]
+# The library's `gelu_backward` passes the same check, both forms, on random inputs:
+
+# %%
+for form in (False, True):
+    upstream = rng.standard_normal(7)
+    xs = rng.standard_normal(7)
+    analytic = gelu_backward(upstream, gelu_forward(xs, approximate=form)[1])
+    error = largest_relative_error(
+        analytic, lambda: float(np.sum(gelu_forward(xs, approximate=form)[0] * upstream)), xs)
+    print(f"GELU ({'tanh' if form else 'exact'}) backward against central differences: {error:.1e}")
+    assert error < 1e-8
 
 # %% [markdown]
 # ## N7: SwiGLU, its backward, and its width

@@ -54,7 +54,6 @@ from refmath.attention import (
     sdpa_forward,
 )
 from refmath.gradcheck import check_param_gradients, relative_error
-from refmath.ffn import swiglu_backward
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
 from refmath.sizing import attention_design_cost, attention_parameter_count
@@ -148,6 +147,8 @@ def my_swiglu_backward(dout, cache):
 
 
 # %%
+from refmath.ffn import swiglu_backward
+
 def torch_swiglu(x, w_gate, w_up, w_down):
     """The oracle (used only where torch is installed): SwiGLU in torch, differentiated by autograd."""
     import torch

@@ -38,7 +38,7 @@ import numpy as np
 from refmath.attention import local_window_mask, sdpa_forward
 from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.inference.generate import generate
-from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter, top_p_filter
+from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter
 from refmath.inference.kv_cache import generate_cached
 from refmath.lessons import check, check_function, check_true
 from refmath.models import decoder
@@ -340,15 +340,14 @@ dists = {
     "tau = 0.5": next_token_distribution(z, temperature=0.5),
     "tau = 2": next_token_distribution(z, temperature=2.0),
     "top-k, k = 2": top_k_filter(pi, 2),
-    "top-p, p = 0.8": top_p_filter(pi, 0.8),
+    # by hand, as above: the library's top_p_filter is exercise 09.5's to write
+    "top-p, p = 0.8": np.array([0.5, 0.2, 0.15, 0.0, 0.0]) / 0.85,
 }
 for name, dist in dists.items():
     print(f"{name:15s}", dist)
 np.testing.assert_allclose(dists["pi = softmax(z)"], pi, rtol=1e-14)
 np.testing.assert_allclose(dists["tau = 0.5"], pi**2 / (pi**2).sum(), rtol=1e-14)
 np.testing.assert_allclose(dists["top-k, k = 2"], [0.5 / 0.7, 0.2 / 0.7, 0, 0, 0], rtol=1e-14)
-np.testing.assert_allclose(dists["top-p, p = 0.8"], [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0],
-                           rtol=1e-14)
 
 fig, axes = plt.subplots(1, len(dists), figsize=(11, 2.6), sharey=True, layout="constrained")
 for ax, (name, dist) in zip(axes, dists.items()):
@@ -393,6 +392,8 @@ def my_top_p_filter(probs, p):
 
 
 # %%
+from refmath.inference.sampling import top_p_filter
+
 def without_the_crossing_token(probs, p):
     """A slip: the least probable kept token (the one whose mass reaches p) dropped as well,
     leaving nothing (0 / 0) when the first token alone reaches p."""
@@ -414,6 +415,13 @@ check_function("your top-p filter", my_top_p_filter, top_p_filter, inputs=top_p_
                       "not <=": lambda probs, p: top_p_filter(probs, min(np.nextafter(p, 2.0), 1.0)),
                       "left in sorted order, not put back at their tokens": lambda probs, p:
                           np.sort(top_p_filter(probs, p))[::-1]})
+
+# %% [markdown]
+# The library's `top_p_filter` gives the distribution of the figure above, computed there by hand:
+
+# %%
+print("top_p_filter(pi, 0.8) =", top_p_filter(pi, 0.8))
+np.testing.assert_allclose(top_p_filter(pi, 0.8), dists["top-p, p = 0.8"], rtol=1e-14)
 
 # %% [markdown]
 # A sampler draws a uniform number $u$ and returns the first token whose cumulative probability

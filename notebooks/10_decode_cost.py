@@ -41,7 +41,6 @@ import numpy as np
 
 from refmath import kernels
 from refmath.attention import sdpa_forward
-from refmath.inference.decode import decode_attention
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.quantized import (
     QuantizedKVCache,
@@ -156,6 +155,8 @@ def my_decode_attention(q, k_cache, v_cache, lengths):
 
 
 # %%
+from refmath.inference.decode import decode_attention
+
 def decode_inputs():
     draw = np.random.default_rng(3)
     inputs = []

@@ -50,7 +50,7 @@ from refmath.lessons import catalogued, check, check_function
 from refmath.models import decoder
 from refmath.moe import (MoEConfig, balance_bias_update, expert_balance_loss,
                          expert_balance_loss_backward, expert_load, moe_backward, moe_forward,
-                         moe_param_shapes, route, route_backward, router_scores,
+                         moe_param_shapes, route, router_scores,
                          router_scores_backward, router_z_loss, routing_margin)
 from refmath.optim import AdamW
 from refmath.sizing import (PRESETS, ModelConfig, active_parameters, expert_parallel_bytes,
@@ -271,21 +271,6 @@ axes[1].set(xlabel="t", ylabel="router probability", title="two scores cross at 
 axes[1].legend(fontsize=8)
 plt.show()
 
-# %% [markdown]
-# The whole gradient of the router comes from the gates: with $dg_j = \langle dy, E_j(x)\rangle$
-# from the experts' outputs, `route_backward` (the renormalisation) and `router_scores_backward`
-# (the softmax, then $x^\top dz$) give exactly the router weight's gradient of `moe_backward`.
-
-# %%
-value0, cache0 = along(0.0)
-_, grads0 = moe_backward(c_dir, cache0)
-dg0 = np.array([[np.sum(c_dir[0] * cache0.experts[e].out[0]) for e in cache0.indices[0]]])
-_, dw_router = router_scores_backward(route_backward(dg0, cache0.route), cache0.router)
-print("dg =", dg0, " |dW_r via the gates - moe_backward's| =",
-      np.abs(dw_router - grads0["router.w"]).max())
-np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15)
-
-
 # %% tags=["exercise"]
 # Exercise 15.6: the gates' backward (E3), from the gates to the scores. `dgates` (N, k) is the
 # gradient with respect to route's gates; `cache` is the RouteCache route returned:
@@ -309,6 +294,8 @@ def my_route_backward(dgates, cache):
 
 
 # %%
+from refmath.moe import route_backward
+
 def torch_gates(scores, moe, bias=None):
     """The oracle: the gates in torch, with torch's own top-k (the cases have no ties)."""
     import torch
@@ -341,6 +328,20 @@ check_function("your gates backward", my_route_backward, route_backward,
                       **catalogued("moe route: scaling left out of the backward", route_backward),
                       "the outer 1/D forgotten: (dg - sum dg s / D), not divided by D again":
                           outer_sum_forgotten})
+
+# %% [markdown]
+# The whole gradient of the router comes from the gates: with $dg_j = \langle dy, E_j(x)\rangle$
+# from the experts' outputs, `route_backward` (the renormalisation) and `router_scores_backward`
+# (the softmax, then $x^\top dz$) give exactly the router weight's gradient of `moe_backward`.
+
+# %%
+value0, cache0 = along(0.0)
+_, grads0 = moe_backward(c_dir, cache0)
+dg0 = np.array([[np.sum(c_dir[0] * cache0.experts[e].out[0]) for e in cache0.indices[0]]])
+_, dw_router = router_scores_backward(route_backward(dg0, cache0.route), cache0.router)
+print("dg =", dg0, " |dW_r via the gates - moe_backward's| =",
+      np.abs(dw_router - grads0["router.w"]).max())
+np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15)
 
 # %% [markdown] tags=["question"]
 # **Question.** DeepSeek-V3 scores with a sigmoid and renormalises the chosen scores. Is that a
