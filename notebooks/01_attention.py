@@ -38,10 +38,10 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refmath.attention import causal_mask, mha_forward, sdpa_backward
+from refmath.attention import causal_mask, mha_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
-from refmath.softmax import softmax_forward, softmax_jacobian
+from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
 
@@ -264,17 +264,6 @@ print("sdpa_forward's output:\n", O, "\ncausal weights:\n", cache_causal.a)
 # the row vectors of the rest of the lesson the same matrix is $a^\top a$.) Each column sums to
 # zero (the weights always sum to one) and, for a nearly one-hot row, every entry is nearly zero.
 
-# %%
-s = np.array([0.5, -1.0, 2.0])
-a, _ = softmax_forward(s)
-J = softmax_jacobian(a)
-J_numeric = np.stack([
-    numerical_gradient(lambda: softmax_forward(s)[0][j], s, np.arange(3)) for j in range(3)
-])
-print("formula:\n", J, "\ncentral differences:\n", J_numeric)
-np.testing.assert_allclose(J, J_numeric, atol=1e-12)
-print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 0.0]))[0]))
-
 # %% tags=["exercise"]
 # Exercise 01.3: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
 # diag(a) - a a^T (a as a column: an outer product), as a 3 x 3 array.
@@ -286,6 +275,23 @@ jacobian_a3 = np.diag(a3) - np.outer(a3, a3)
 
 # %%
 check("01.3", jacobian_a3)
+
+# %% [markdown]
+# The library's `softmax_jacobian` is that formula: central differences agree with it, and on a
+# nearly one-hot row every entry is nearly zero.
+
+# %%
+from refmath.softmax import softmax_jacobian
+
+s = np.array([0.5, -1.0, 2.0])
+a, _ = softmax_forward(s)
+J = softmax_jacobian(a)
+J_numeric = np.stack([
+    numerical_gradient(lambda: softmax_forward(s)[0][j], s, np.arange(3)) for j in range(3)
+])
+print("formula:\n", J, "\ncentral differences:\n", J_numeric)
+np.testing.assert_allclose(J, J_numeric, atol=1e-12)
+print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 0.0]))[0]))
 
 # %% [markdown]
 # A backward pass never builds $J$: for an upstream gradient $da$ (a row), the gradient of the
@@ -429,11 +435,7 @@ dV = A.T @ dO
 dA = dO @ V.T
 dS = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
 dQ, dK = dS @ K / np.sqrt(d_k), dS.T @ Q / np.sqrt(d_k)
-
-dq, dk, dv = sdpa_backward(dO, cache)
-for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
-    np.testing.assert_allclose(mine, library, rtol=1e-12, atol=1e-15)
-    print(name, "by hand equals sdpa_backward")
+print("dV =\n", dV, "\ndQ =\n", dQ, "\ndK =\n", dK)
 
 # %% [markdown]
 # **Masked entries.** With the causal mask, $s_{ij} = -\infty$ above the diagonal, so
@@ -492,6 +494,18 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 
 # %%
 check("01.7", dV_dQ_dropout)
+
+# %% [markdown]
+# The library's `sdpa_backward` computes these gradients from the cache of the forward pass; the
+# unmasked ones by hand above are its numbers:
+
+# %%
+from refmath.attention import sdpa_backward
+
+dq, dk, dv = sdpa_backward(dO, cache)
+for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
+    np.testing.assert_allclose(mine, library, rtol=1e-12, atol=1e-15)
+    print(name, "by hand equals sdpa_backward")
 
 # %% [markdown]
 # Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of

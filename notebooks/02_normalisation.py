@@ -48,7 +48,7 @@ from refmath.data import CharLMTask
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import gpt
-from refmath.norms import layernorm_forward, rmsnorm_backward, rmsnorm_forward
+from refmath.norms import layernorm_forward, rmsnorm_forward
 from refmath.optim import Adam
 
 np.set_printoptions(precision=4, suppress=True)
@@ -176,6 +176,8 @@ check_true("your RMSNorm dx is orthogonal to x", lambda dx: abs(np.dot(dx, x)) <
            of=dx_rmsnorm)
 
 # %%
+from refmath.norms import rmsnorm_backward
+
 _, cache = rmsnorm_forward(xs, gamma)
 analytic = dict(zip(("x", "gamma"), rmsnorm_backward(upstream, cache)))
 for name, array in (("x", xs), ("gamma", gamma)):

@@ -38,12 +38,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.attention import causal_mask, sdpa_forward
-from refmath.flash import (
-    FlashCounters,
-    attention_memory_traffic,
-    flash_attention_backward,
-    flash_attention_forward,
-)
+from refmath.flash import FlashCounters, attention_memory_traffic, flash_attention_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
@@ -259,6 +254,8 @@ check("03.3", dq_from_lse)
 # $\sum O \odot dO$ (`refmath.gradcheck.numerical_gradient`, float64) agree for $Q$, $K$ and $V$.
 
 # %%
+from refmath.flash import flash_attention_backward
+
 grads_small = dict(zip("qkv", flash_attention_backward(do_small, q_small, k_small, v_small, o_small,
                                                         lse_small, causal=True, block_q=2,
                                                         block_k=2)))

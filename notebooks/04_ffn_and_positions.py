@@ -44,13 +44,12 @@ from refmath.ffn import (
     gelu_forward,
     silu_forward,
     standard_normal_cdf,
-    swiglu_backward,
     swiglu_forward,
     swiglu_hidden_size,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
-from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
+from refmath.positions import rope_angles, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -282,6 +281,8 @@ dx_swiglu = dg @ w_gate.T + (dm * s_act) @ w_up.T
 check("04.5", dx_swiglu)
 
 # %%
+from refmath.ffn import swiglu_backward
+
 names = ("x", "w_gate", "w_up", "w_down")
 arrays = dict(zip(names, (xs, w_gate, w_up, w_down)))
 for name, analytic in zip(names, swiglu_backward(dy, swiglu_cache)):
@@ -441,6 +442,8 @@ check_true("rotating your dx forward gives dy back",
            of=dx_rope)
 
 # %%
+from refmath.positions import rope_backward
+
 xs = rng.standard_normal((5, 6))
 upstream = rng.standard_normal((5, 6))
 analytic = rope_backward(upstream, rope_forward(xs, offset=3)[1])

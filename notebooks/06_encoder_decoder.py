@@ -39,7 +39,7 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refmath.embedding import embedding_backward, embedding_forward
+from refmath.embedding import embedding_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_close, check_function, check_true
 from refmath.losses import cross_entropy_forward

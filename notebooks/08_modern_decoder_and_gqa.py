@@ -45,7 +45,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.attention import (
-    causal_attention_backward,
     causal_attention_forward,
     causal_mask,
     gqa_head_map,

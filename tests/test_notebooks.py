@@ -303,13 +303,19 @@ def test_no_write_the_function_exercise_accepts_the_library(path, tmp_path):
 
 
 def _names_in_code(text: str) -> list[tuple[int, str]]:
-    """Every name the code of ``text`` uses, as (line, name): comments and strings left out."""
+    """Every name the code of ``text`` uses, as (line, name): comments and plain strings left out,
+    the expressions of f-strings kept (a token of their own only from Python 3.12 on)."""
     import io
     import tokenize
 
-    return [(token.start[0], token.string)
-            for token in tokenize.generate_tokens(io.StringIO(text).readline)
-            if token.type == tokenize.NAME]
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.NAME:
+            found.append((token.start[0], token.string))
+        elif token.type == tokenize.STRING and "f" in token.string.split("'")[0].split('"')[0].lower():
+            for part in re.findall(r"\{([^{}]*)\}", token.string):
+                found += [(token.start[0], name) for name in re.findall(r"[A-Za-z_]\w*", part)]
+    return found
 
 
 def _importable_prefix(dotted: str) -> tuple[str, str]:
@@ -354,6 +360,8 @@ def test_the_scan_for_asked_functions_finds_an_early_import():
     assert asked_before_check(after, [(8, "refmath.softmax.softmax_backward")]) == []
     assert asked_before_check("# %%\nopt = AdamW(lr=1.0)\n# %%\ncheck_function()\n",
                               [(4, "refmath.optim.AdamW.step")])
+    assert asked_before_check('# %%\nprint(f"{kv_cache_bytes(1, 2, 3, 4, 5):,}")\n# %%\ncheck()\n',
+                              [(4, "refmath.sizing.kv_cache_bytes")])
 
 
 # Lessons whose student copy still names an asked-for function before its check, and why; the
@@ -381,6 +389,92 @@ def test_no_student_copy_names_an_asked_function_before_its_check(path, tmp_path
                       "STILL_NAMED"
     else:
         assert not found, f"{path.name}:\n  " + "\n  ".join(found)
+
+
+# Value exercises whose answer one call of a library function gives (its value as the check
+# computes it in refmath.lessons, from the same inputs): the student copy may not name that
+# function above the exercise's check, or the exercise is answered without being worked.
+ONE_CALL_ANSWERS = {
+    "01.1": "refmath.attention.sdpa_forward",
+    "01.3": "refmath.softmax.softmax_jacobian",
+    "01.6": "refmath.attention.sdpa_backward",
+    "01.7": "refmath.attention.sdpa_backward",
+    "02.2": "refmath.norms.rmsnorm_backward",
+    "02.3": "refmath.norms.layernorm_backward",
+    "03.1": "refmath.softmax.online_softmax_merge",
+    "03.3": "refmath.flash.flash_attention_backward",
+    "04.3": "refmath.ffn.gelu_backward",
+    "04.5": "refmath.ffn.swiglu_backward",
+    "04.8": "refmath.positions.rope_backward",
+    "06.7": "refmath.embedding.embedding_backward",
+    "07.1": "refmath.positions.learned_positions_backward",
+    "08.3": "refmath.attention.causal_attention_backward",
+    "09.1": "refmath.softmax.softmax_forward",
+    "09.4": "refmath.inference.sampling.top_p_filter",
+    "10.4": "refmath.sizing.decode_time_lower_bound",
+    "10.5a": "refmath.inference.quantized.quantize",
+    "10.5b": "refmath.inference.quantized.dequantize",
+    "11.4a": "refmath.sizing.attention_cache_rows",
+    "11.4b": "refmath.sizing.attention_cache_rows",
+    "11.4c": "refmath.sizing.attention_cache_rows",
+    "11.6a": "refmath.sizing.inference_memory_rule_of_thumb",
+    "11.6b": "refmath.sizing.adamw_training_memory",
+    "13.5a": "refmath.sizing.hf_parameter_count",
+    "13.5b": "refmath.sizing.hf_parameter_count",
+    "13.5c": "refmath.sizing.hf_parameter_count",
+    "15.1a": "refmath.moe.router_scores",
+    "15.1b": "refmath.moe.route",
+    "15.1c": "refmath.moe.route",
+    "15.3": "refmath.moe.balance_bias_update",
+    "15.5a": "refmath.sizing.expert_parallel_bytes",
+    "15.5b": "refmath.sizing.expert_parallel_bytes",
+}
+# The same, still at hand before the check: the lesson teaches with the function before the
+# exercise (a printed table, a figure), so the teaching cells must be rewritten first.
+STILL_ONE_CALL = {
+    "03.4": "refmath.flash.attention_memory_traffic",
+    "03.5": "refmath.sizing.kv_cache_bytes",
+    "04.7": "refmath.positions.rope_forward",
+    "08.5a": "refmath.sizing.attention_design_cost",
+    "08.5b": "refmath.sizing.attention_design_cost",
+    "08.5c": "refmath.sizing.attention_design_cost",
+    "08.6": "refmath.positions.rope_inv_freq",
+    "08.7a": "refmath.ffn.softcap_forward",
+    "09.3": "refmath.attention.local_window_mask",
+    "10.1": "refmath.inference.kv_cache.prefill",
+    "14.1": "refmath.models.decoder.logits",
+    "14.2": "refmath.models.decoder.logits",
+    "15.4a": "refmath.sizing.active_parameters",
+    "15.4b": "refmath.sizing.active_parameters",
+}
+
+
+def _check_line(student: str, number: str) -> int:
+    """The 1-based line of ``check("NN.k", ...)`` in a student copy."""
+    found = re.search(rf'^check\("{re.escape(number)}"', student, re.MULTILINE)
+    assert found, f"no check({number!r}, ...) in the student copy"
+    return student[:found.start()].count("\n") + 1
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_value_exercise_is_one_library_call_away(path):
+    """No student copy names, above a value exercise's check, the library function that gives
+    its answer in one call (ONE_CALL_ANSWERS); the exercises in STILL_ONE_CALL still do, and the
+    test fails once one no longer does (take it off the list)."""
+    from refmath.lessons import student_copy
+
+    student = student_copy(path.read_text(), str(path))
+    number = path.name[:2]
+    for table, named in ((ONE_CALL_ANSWERS, False), (STILL_ONE_CALL, True)):
+        mine = {k: v for k, v in table.items() if k.startswith(number + ".")}
+        for exercise, function in mine.items():
+            if function.startswith("refmath.models.decoder."):
+                function = "refmath.models.decoder"  # the module gives its functions
+            found = asked_before_check(student, [(_check_line(student, exercise), function)])
+            assert bool(found) == named, (
+                f"{path.name}: exercise {exercise}: {found}" if found else
+                f"{path.name}: exercise {exercise} is no longer one call away: take it off "
+                "STILL_ONE_CALL")
 
 
 # The shape every lesson shares; notebooks/README.md gives the order.
