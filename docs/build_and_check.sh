@@ -18,7 +18,8 @@ start=$(date +%s)
 python -m sphinx -W -q -b html docs docs/_build/html
 echo "site built in $(( $(date +%s) - start )) s: docs/_build/html/index.html"
 python docs/check_links.py docs/_build/html
-# The default build is the students' site: no line of a lesson's solutions may reach its pages.
+# The default build is the students' site: no line of a lesson's solutions, and no check cell's
+# source, may reach its pages.
 answers=$(python -c 'import os, sys; sys.path.insert(0, "docs/_ext")
 from lesson_pages import answers_wanted; print(int(answers_wanted(os.environ)))')
 if [ "$answers" = 1 ]; then

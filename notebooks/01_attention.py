@@ -38,10 +38,10 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refmath.attention import causal_mask, mha_forward, sdpa_backward, sdpa_forward
+from refmath.attention import causal_mask, mha_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
-from refmath.softmax import softmax_backward, softmax_forward, softmax_jacobian
+from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
 
@@ -79,22 +79,23 @@ A = np.exp(S - S.max(axis=1, keepdims=True))
 A /= A.sum(axis=1, keepdims=True)
 O_by_hand = A @ V
 
-O, cache = sdpa_forward(Q, K, V)
-print("scores =\n", S, "\nweights =\n", A, "\noutput =\n", O)
-np.testing.assert_allclose(O, O_by_hand, rtol=1e-14)
-np.testing.assert_allclose(cache.a.sum(axis=1), 1.0)
+print("scores =\n", S, "\nweights =\n", A, "\noutput =\n", O_by_hand)
+np.testing.assert_allclose(A.sum(axis=1), 1.0)
 
 # %% [markdown]
 # A causal mask adds $-\infty$ to the scores of keys that lie in the future, so their weight is
-# exactly zero: token $i$ only reads tokens $0, \dots, i$.
+# exactly zero: token $i$ only reads tokens $0, \dots, i$ ($e^{-\infty} = 0$, and every row keeps
+# its own key, so no row is all $-\infty$).
 
 # %%
 mask = causal_mask(3)
-O_causal, cache_causal = sdpa_forward(Q, K, V, mask=mask)
-print("mask =\n", mask, "\ncausal weights =\n", cache_causal.a)
+S_causal = S + mask
+A_causal_by_hand = np.exp(S_causal - S_causal.max(axis=1, keepdims=True))
+A_causal_by_hand /= A_causal_by_hand.sum(axis=1, keepdims=True)
+print("mask =\n", mask, "\ncausal weights =\n", A_causal_by_hand)
 
 fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), layout="constrained")
-for ax, weights, title in ((axes[0], cache.a, "full"), (axes[1], cache_causal.a, "causal")):
+for ax, weights, title in ((axes[0], A, "full"), (axes[1], A_causal_by_hand, "causal")):
     image = ax.imshow(weights, vmin=0, vmax=1, cmap="viridis")
     ax.set(title=f"{title} attention weights", xlabel="key j", ylabel="query i",
            xticks=range(3), yticks=range(3))
@@ -110,21 +111,24 @@ plt.show()
 # With values $(1, 0), (0, 2), (3, 0)$ the output is $(1/4 + 3/4,\ 1) = (1, 1)$. Masking the third
 # key leaves $(1, 2)$, renormalised to $(1/3, 2/3, 0)$.
 #
-# To get exactly these scores from `sdpa_forward`, take $d_k = 1$, scale 1, the query $q = 1$ and
-# the keys $k = (0, \log 2, 0)$.
+# To get exactly these scores, take $d_k = 1$, scale 1, the query $q = 1$ and the keys
+# $k = (0, \log 2, 0)$ (after exercise 01.2, the library's `sdpa_forward` computes this example
+# too).
 
 # %%
 q = np.array([[1.0]])
 k = np.array([[0.0], [np.log(2.0)], [0.0]])
 v = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]])
-o, c = sdpa_forward(q, k, v, scale=1.0)
-print("weights", c.a, "output", o)
-np.testing.assert_allclose(c.a, [[0.25, 0.5, 0.25]], rtol=1e-15)
-np.testing.assert_allclose(o, [[1.0, 1.0]], rtol=1e-15)
+e3 = np.exp(q @ k.T)  # scale 1: the scores are q k^T themselves
+w3 = e3 / e3.sum(axis=1, keepdims=True)
+print("weights", w3, "output", w3 @ v)
+np.testing.assert_allclose(w3, [[0.25, 0.5, 0.25]], rtol=1e-15)
+np.testing.assert_allclose(w3 @ v, [[1.0, 1.0]], rtol=1e-15)
 
-_, c_masked = sdpa_forward(q, k, v, mask=np.array([[0.0, 0.0, -np.inf]]), scale=1.0)
-print("masked weights", c_masked.a)
-np.testing.assert_allclose(c_masked.a, [[1 / 3, 2 / 3, 0.0]], rtol=1e-15)
+e3_masked = e3 * np.array([[1.0, 1.0, 0.0]])  # e^(s - inf) = 0 for the masked third key
+w3_masked = e3_masked / e3_masked.sum(axis=1, keepdims=True)
+print("masked weights", w3_masked)
+np.testing.assert_allclose(w3_masked, [[1 / 3, 2 / 3, 0.0]], rtol=1e-15)
 
 # %% tags=["exercise"]
 # Exercise 01.1: the output row of the masked example (third key masked), by hand, from the
@@ -199,6 +203,9 @@ def my_attention(Q, K, V, mask=None):
 
 
 # %%
+from refmath.attention import sdpa_forward
+
+
 def refmath_attention(Q, K, V, mask=None):
     """The reference: refmath's sdpa_forward, its output only."""
     return sdpa_forward(Q, K, V, mask=mask)[0]
@@ -234,6 +241,19 @@ check_function("your attention forward", my_attention, refmath_attention, inputs
                           column_softmax_attention})
 
 # %% [markdown]
+# That is the library's `sdpa_forward`, which returns the output and a cache for the backward pass
+# (the weights `cache.a` among it). On the examples above it gives the numbers computed by hand:
+
+# %%
+O, cache = sdpa_forward(Q, K, V)
+O_causal, cache_causal = sdpa_forward(Q, K, V, mask=mask)
+np.testing.assert_allclose(O, O_by_hand, rtol=1e-14)
+np.testing.assert_allclose(cache_causal.a, A_causal_by_hand, rtol=1e-14)
+o, c = sdpa_forward(q, k, v, scale=1.0)
+np.testing.assert_allclose(c.a, w3, rtol=1e-15)
+print("sdpa_forward's output:\n", O, "\ncausal weights:\n", cache_causal.a)
+
+# %% [markdown]
 # ## A5: the softmax Jacobian
 #
 # $$\frac{\partial a_j}{\partial s_u} = a_j(\delta_{ju} - a_u),\qquad\text{that is}\qquad
@@ -243,17 +263,6 @@ check_function("your attention forward", my_attention, refmath_attention, inputs
 # $a\,a^\top$ is the outer product (`np.outer(a, a)`), $J_{ju} = \partial a_j / \partial s_u$. (For
 # the row vectors of the rest of the lesson the same matrix is $a^\top a$.) Each column sums to
 # zero (the weights always sum to one) and, for a nearly one-hot row, every entry is nearly zero.
-
-# %%
-s = np.array([0.5, -1.0, 2.0])
-a, _ = softmax_forward(s)
-J = softmax_jacobian(a)
-J_numeric = np.stack([
-    numerical_gradient(lambda: softmax_forward(s)[0][j], s, np.arange(3)) for j in range(3)
-])
-print("formula:\n", J, "\ncentral differences:\n", J_numeric)
-np.testing.assert_allclose(J, J_numeric, atol=1e-12)
-print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 0.0]))[0]))
 
 # %% tags=["exercise"]
 # Exercise 01.3: the softmax Jacobian of the A3 weights a = (1/4, 1/2, 1/4), from the formula
@@ -266,6 +275,23 @@ jacobian_a3 = np.diag(a3) - np.outer(a3, a3)
 
 # %%
 check("01.3", jacobian_a3)
+
+# %% [markdown]
+# The library's `softmax_jacobian` is that formula: central differences agree with it, and on a
+# nearly one-hot row every entry is nearly zero.
+
+# %%
+from refmath.softmax import softmax_jacobian
+
+s = np.array([0.5, -1.0, 2.0])
+a, _ = softmax_forward(s)
+J = softmax_jacobian(a)
+J_numeric = np.stack([
+    numerical_gradient(lambda: softmax_forward(s)[0][j], s, np.arange(3)) for j in range(3)
+])
+print("formula:\n", J, "\ncentral differences:\n", J_numeric)
+np.testing.assert_allclose(J, J_numeric, atol=1e-12)
+print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 0.0]))[0]))
 
 # %% [markdown]
 # A backward pass never builds $J$: for an upstream gradient $da$ (a row), the gradient of the
@@ -295,6 +321,8 @@ def my_softmax_backward(dout, cache):
 
 
 # %%
+from refmath.softmax import softmax_backward
+
 def torch_softmax(x):
     """The oracle: torch's softmax, as refmath treats masked rows (used only where torch is)."""
     import torch
@@ -407,11 +435,7 @@ dV = A.T @ dO
 dA = dO @ V.T
 dS = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
 dQ, dK = dS @ K / np.sqrt(d_k), dS.T @ Q / np.sqrt(d_k)
-
-dq, dk, dv = sdpa_backward(dO, cache)
-for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
-    np.testing.assert_allclose(mine, library, rtol=1e-12, atol=1e-15)
-    print(name, "by hand equals sdpa_backward")
+print("dV =\n", dV, "\ndQ =\n", dQ, "\ndK =\n", dK)
 
 # %% [markdown]
 # **Masked entries.** With the causal mask, $s_{ij} = -\infty$ above the diagonal, so
@@ -470,6 +494,18 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 
 # %%
 check("01.7", dV_dQ_dropout)
+
+# %% [markdown]
+# The library's `sdpa_backward` computes these gradients from the cache of the forward pass; the
+# unmasked ones by hand above are its numbers:
+
+# %%
+from refmath.attention import sdpa_backward
+
+dq, dk, dv = sdpa_backward(dO, cache)
+for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
+    np.testing.assert_allclose(mine, library, rtol=1e-12, atol=1e-15)
+    print(name, "by hand equals sdpa_backward")
 
 # %% [markdown]
 # Finally, central differences (`refmath.gradcheck.numerical_gradient`, float64) of

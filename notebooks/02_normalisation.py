@@ -48,7 +48,7 @@ from refmath.data import CharLMTask
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import gpt
-from refmath.norms import layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward
+from refmath.norms import layernorm_forward, rmsnorm_forward
 from refmath.optim import Adam
 
 np.set_printoptions(precision=4, suppress=True)
@@ -135,23 +135,14 @@ check("02.1", dx_layernorm)
 
 # %% [markdown]
 # The answer is $(0.3, -0.4, -0.1, 0.2)/\sqrt5$: it sums to zero and is orthogonal to $\hat x$,
-# as the two invariances demand. On a random batch, with a random $\gamma$ and $\epsilon > 0$,
-# central differences (`refmath.gradcheck.numerical_gradient`, five points, float64) agree with
-# the formula for $x$, $\gamma$ and $\beta$:
+# as the two invariances demand. The exercises below use a random batch, with a random $\gamma$
+# and $\epsilon > 0$, and a random upstream gradient; once you have written the backward for
+# them, central differences check the library's formula on the same batch.
 
 # %%
 rng = np.random.default_rng(0)
 xs, gamma, beta = rng.standard_normal((3, 5)), rng.standard_normal(5), rng.standard_normal(5)
 upstream = rng.standard_normal((3, 5))
-_, cache = layernorm_forward(xs, gamma, beta)
-analytic = dict(zip(("x", "gamma", "beta"), layernorm_backward(upstream, cache)))
-for name, array in (("x", xs), ("gamma", gamma), ("beta", beta)):
-    numeric = numerical_gradient(
-        lambda: float(np.sum(layernorm_forward(xs, gamma, beta)[0] * upstream)), array,
-        np.arange(array.size)).reshape(array.shape)
-    error = float(relative_error(analytic[name], numeric).max())
-    print(f"d{name}: largest relative error {error:.1e}")
-    assert error < 1e-7
 
 # %% [markdown]
 # ## The RMSNorm backward: two terms
@@ -185,6 +176,8 @@ check_true("your RMSNorm dx is orthogonal to x", lambda dx: abs(np.dot(dx, x)) <
            of=dx_rmsnorm)
 
 # %%
+from refmath.norms import rmsnorm_backward
+
 _, cache = rmsnorm_forward(xs, gamma)
 analytic = dict(zip(("x", "gamma"), rmsnorm_backward(upstream, cache)))
 for name, array in (("x", xs), ("gamma", gamma)):
@@ -235,6 +228,8 @@ def my_layernorm_backward(dout, cache):
 
 
 # %%
+from refmath.norms import layernorm_backward
+
 def torch_layernorm(x, gamma, beta):
     """The oracle (used only where torch is installed): torch's own LayerNorm."""
     import torch
@@ -251,6 +246,22 @@ check_function("your LayerNorm backward", my_layernorm_backward, layernorm_backw
                       **catalogued("layernorm: dbeta averaged over rows", layernorm_backward),
                       **catalogued("layernorm: dgamma/dbeta sum over the first two axes only",
                                    layernorm_backward)})
+
+# %% [markdown]
+# The library's `layernorm_backward` is the same formula. On the random batch of the exercises,
+# central differences (`refmath.gradcheck.numerical_gradient`, five points, float64) agree with it
+# for $x$, $\gamma$ and $\beta$:
+
+# %%
+_, batch_cache = layernorm_forward(xs, gamma, beta)
+analytic = dict(zip(("x", "gamma", "beta"), layernorm_backward(upstream, batch_cache)))
+for name, array in (("x", xs), ("gamma", gamma), ("beta", beta)):
+    numeric = numerical_gradient(
+        lambda: float(np.sum(layernorm_forward(xs, gamma, beta)[0] * upstream)), array,
+        np.arange(array.size)).reshape(array.shape)
+    error = float(relative_error(analytic[name], numeric).max())
+    print(f"d{name}: largest relative error {error:.1e}")
+    assert error < 1e-7
 
 # %% [markdown] tags=["question"]
 # **Question.** Why must the LayerNorm input gradient sum to zero over the features of each row,

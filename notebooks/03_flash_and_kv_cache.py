@@ -38,12 +38,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.attention import causal_mask, sdpa_forward
-from refmath.flash import (
-    FlashCounters,
-    attention_memory_traffic,
-    flash_attention_backward,
-    flash_attention_forward,
-)
+from refmath.flash import FlashCounters, attention_memory_traffic, flash_attention_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
@@ -54,7 +49,6 @@ from refmath.softmax import (
     OnlineSoftmaxState,
     online_softmax_block,
     online_softmax_empty,
-    online_softmax_merge,
     online_softmax_result,
 )
 
@@ -86,15 +80,8 @@ a = online_softmax_block(scores[:2], values[:2])
 b = online_softmax_block(scores[2:], values[2:])
 print("block A: m =", a.m, " l =", a.l, " u =", a.u)
 print("block B: m =", b.m, " l =", b.l, " u =", b.u)
-merged = online_softmax_merge(a, b)
 weights = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
-print("merged o =", online_softmax_result(merged), "  dense o =", weights @ values)
-np.testing.assert_allclose(online_softmax_result(merged), weights @ values, rtol=1e-14)
-
-# An empty (or fully masked) block is the state m = -inf, l = 0, u = 0: merging it changes nothing.
-empty = online_softmax_empty((), 2)
-np.testing.assert_allclose(online_softmax_result(online_softmax_merge(merged, empty)),
-                           online_softmax_result(merged), rtol=1e-15)
+print("dense o =", weights @ values)
 
 # %% tags=["exercise"]
 # Exercise 03.1: merge by hand the blocks A (scores 1 and 3) and B (scores -2, 0.5 and 2.5): give
@@ -133,6 +120,8 @@ def my_online_softmax_merge(a, b):
 
 
 # %%
+from refmath.softmax import online_softmax_merge
+
 def merge_inputs():
     """The blocks A and B above, and four query rows split into 3 + 5 keys: row 0 sees all of
     them, row 1 only the first block, row 2 nothing, row 3 only the second block."""
@@ -157,6 +146,19 @@ check_function("your online-softmax merge", my_online_softmax_merge, online_soft
                           online_softmax_merge(a, b)._replace(u=a.u + b.u),
                       "no guard for two empty sides: e^(-inf - (-inf)) is NaN": lambda a, b:
                           nan_where_both_empty(online_softmax_merge(a, b), a, b)})
+
+# %% [markdown]
+# The library's `online_softmax_merge` is F3 with that guard: merged, the blocks A and B give the
+# dense output, and merging an empty (or fully masked) block, the state $m = -\infty$, $l = 0$,
+# $u = 0$, changes nothing.
+
+# %%
+merged = online_softmax_merge(a, b)
+print("merged o =", online_softmax_result(merged), "  dense o =", weights @ values)
+np.testing.assert_allclose(online_softmax_result(merged), weights @ values, rtol=1e-14)
+empty = online_softmax_empty((), 2)
+np.testing.assert_allclose(online_softmax_result(online_softmax_merge(merged, empty)),
+                           online_softmax_result(merged), rtol=1e-15)
 
 # %% [markdown]
 # ## F4-F5: tiles, and the tiles a causal mask lets us skip
@@ -252,6 +254,8 @@ check("03.3", dq_from_lse)
 # $\sum O \odot dO$ (`refmath.gradcheck.numerical_gradient`, float64) agree for $Q$, $K$ and $V$.
 
 # %%
+from refmath.flash import flash_attention_backward
+
 grads_small = dict(zip("qkv", flash_attention_backward(do_small, q_small, k_small, v_small, o_small,
                                                         lse_small, causal=True, block_q=2,
                                                         block_k=2)))

@@ -41,17 +41,15 @@ import numpy as np
 from refmath.ffn import (
     ffn_forward,
     ffn_parameter_count,
-    gelu_backward,
     gelu_forward,
     silu_forward,
     standard_normal_cdf,
-    swiglu_backward,
     swiglu_forward,
     swiglu_hidden_size,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
-from refmath.positions import rope_angles, rope_backward, rope_forward, sinusoidal_positions
+from refmath.positions import rope_angles, rope_forward, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -189,16 +187,6 @@ gelu_derivatives = np.stack([
 # %%
 check("04.3", gelu_derivatives)
 
-# %%
-for form in (False, True):
-    upstream = rng.standard_normal(7)
-    xs = rng.standard_normal(7)
-    analytic = gelu_backward(upstream, gelu_forward(xs, approximate=form)[1])
-    error = largest_relative_error(
-        analytic, lambda: float(np.sum(gelu_forward(xs, approximate=form)[0] * upstream)), xs)
-    print(f"GELU ({'tanh' if form else 'exact'}) backward against central differences: {error:.1e}")
-    assert error < 1e-8
-
 # %% tags=["exercise"]
 # Exercise 04.4: write the GELU backward for both forms. `cache` is the GELUCache of gelu_forward:
 # `cache.x` (any shape), `cache.approximate` (True for the tanh form) and `cache.gate`, which holds
@@ -220,6 +208,8 @@ def my_gelu_backward(dout, cache):
 
 
 # %%
+from refmath.ffn import gelu_backward
+
 def torch_gelu(x, approximate):
     """The oracle (used only where torch is installed): torch's GELU, in the same form."""
     import torch
@@ -235,6 +225,19 @@ check_function("your GELU backward", my_gelu_backward, gelu_backward, case="gelu
                       **catalogued("gelu tanh: 0.044715 rounded to float32", gelu_backward),
                       "the exact form used for both": lambda dout, cache: gelu_backward(
                           dout, gelu_forward(cache.x)[1])})
+
+# %% [markdown]
+# The library's `gelu_backward` passes the same check, both forms, on random inputs:
+
+# %%
+for form in (False, True):
+    upstream = rng.standard_normal(7)
+    xs = rng.standard_normal(7)
+    analytic = gelu_backward(upstream, gelu_forward(xs, approximate=form)[1])
+    error = largest_relative_error(
+        analytic, lambda: float(np.sum(gelu_forward(xs, approximate=form)[0] * upstream)), xs)
+    print(f"GELU ({'tanh' if form else 'exact'}) backward against central differences: {error:.1e}")
+    assert error < 1e-8
 
 # %% [markdown]
 # ## N7: SwiGLU, its backward, and its width
@@ -278,6 +281,8 @@ dx_swiglu = dg @ w_gate.T + (dm * s_act) @ w_up.T
 check("04.5", dx_swiglu)
 
 # %%
+from refmath.ffn import swiglu_backward
+
 names = ("x", "w_gate", "w_up", "w_down")
 arrays = dict(zip(names, (xs, w_gate, w_up, w_down)))
 for name, analytic in zip(names, swiglu_backward(dy, swiglu_cache)):
@@ -437,6 +442,8 @@ check_true("rotating your dx forward gives dy back",
            of=dx_rope)
 
 # %%
+from refmath.positions import rope_backward
+
 xs = rng.standard_normal((5, 6))
 upstream = rng.standard_normal((5, 6))
 analytic = rope_backward(upstream, rope_forward(xs, offset=3)[1])

@@ -39,10 +39,10 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refmath.embedding import embedding_backward, embedding_forward
+from refmath.embedding import embedding_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_close, check_function, check_true
-from refmath.losses import cross_entropy_backward, cross_entropy_forward
+from refmath.losses import cross_entropy_forward
 from refmath.models import transformer as tm
 from refmath.softmax import softmax_forward
 
@@ -142,15 +142,17 @@ check("06.2", p_target)
 # $\epsilon$: it gives the padding token exactly 0.
 #
 # The loss is the cross-entropy $-\sum_v q_v \log p_v$ and its gradient with respect to the logits
-# is $p - q$, so the library's gradient gives $q$ back: $q = p - \partial \ell / \partial z$ for
-# one position. For $V = 5$ and $\epsilon = 0.1$: $q = (0.92, 0.02, 0.02, 0.02, 0.02)$.
+# is $p - q$ (after the exercises below, the library's gradient gives $q$ back:
+# $q = p - \partial \ell / \partial z$ for one position). For $V = 5$ and $\epsilon = 0.1$:
+# $q = (0.92, 0.02, 0.02, 0.02, 0.02)$.
 
 # %%
 z = np.array([[2.0, 1.0, 0.0, 0.0, -1.0]])
 y = np.array([0])
 smoothed, cache = cross_entropy_forward(z, y, label_smoothing=0.1)
 p, _ = softmax_forward(z)
-q = p - cross_entropy_backward(1.0, cache)
+q = np.full((1, 5), 0.1 / 5)
+q[0, y[0]] += 1 - 0.1  # (1 - epsilon) on the target, epsilon / V on every token
 print("target distribution q:", q[0])
 print("loss", float(smoothed), "  -sum q log p =", float(-(q * np.log(p)).sum()))
 np.testing.assert_allclose(q, [[0.92, 0.02, 0.02, 0.02, 0.02]], rtol=1e-13)
@@ -205,6 +207,8 @@ def my_smoothed_cross_entropy_backward(dout, cache):
 
 
 # %%
+from refmath.losses import cross_entropy_backward
+
 def torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0,
                         reduction="mean"):
     """The oracle (used only where torch is installed): torch's cross_entropy, with the loss
@@ -237,6 +241,13 @@ check_function("your smoothed cross-entropy backward", my_smoothed_cross_entropy
                       **catalogued("cross-entropy: ignored tokens get a gradient",
                                    cross_entropy_backward),
                       **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward)})
+
+# %% [markdown]
+# The library's gradient gives the smoothed target back, $q = p - \partial \ell / \partial z$:
+
+# %%
+np.testing.assert_allclose(p - cross_entropy_backward(1.0, cache), q, rtol=1e-13)
+print("p - dloss/dz =", (p - cross_entropy_backward(1.0, cache))[0])
 
 # %% [markdown]
 # What smoothing changes: without it, the loss keeps falling as the right logit runs away from the

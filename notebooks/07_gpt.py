@@ -44,7 +44,7 @@ from refmath.data import CharLMTask
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import gpt
 from refmath.optim import AdamW, clip_grad_norm, takes_weight_decay, warmup_cosine
-from refmath.positions import learned_positions_backward, learned_positions_forward
+from refmath.positions import learned_positions_forward
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)

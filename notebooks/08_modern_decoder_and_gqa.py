@@ -45,7 +45,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.attention import (
-    causal_attention_backward,
     causal_attention_forward,
     causal_mask,
     gqa_head_map,
@@ -54,7 +53,6 @@ from refmath.attention import (
     sdpa_forward,
 )
 from refmath.gradcheck import check_param_gradients, relative_error
-from refmath.ffn import swiglu_backward
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
 from refmath.sizing import attention_design_cost, attention_parameter_count
@@ -148,6 +146,8 @@ def my_swiglu_backward(dout, cache):
 
 
 # %%
+from refmath.ffn import swiglu_backward
+
 def torch_swiglu(x, w_gate, w_up, w_down):
     """The oracle (used only where torch is installed): SwiGLU in torch, differentiated by autograd."""
     import torch

@@ -38,11 +38,10 @@ import numpy as np
 from refmath.attention import local_window_mask, sdpa_forward
 from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.inference.generate import generate
-from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter, top_p_filter
+from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter
 from refmath.inference.kv_cache import generate_cached
 from refmath.lessons import check, check_function, check_true
 from refmath.models import decoder
-from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -63,8 +62,9 @@ rng = np.random.default_rng(0)
 s = np.array([1.0, 2.0, 3.0])
 shifted = np.exp(s - s.max())
 print("e^(s - m) =", shifted, " sum =", shifted.sum(), " weights =", shifted / shifted.sum())
-a, _ = softmax_forward(s)
-a_big, _ = softmax_forward(s + 1000.0)
+a = shifted / shifted.sum()
+big = s + 1000.0
+a_big = np.exp(big - big.max()) / np.exp(big - big.max()).sum()
 np.testing.assert_allclose(a, [0.0900, 0.2447, 0.6652], atol=1e-4)
 np.testing.assert_allclose(a_big, a, rtol=1e-15)
 with np.errstate(over="ignore", invalid="ignore"):
@@ -87,11 +87,7 @@ with np.errstate(invalid="ignore"):
     m = masked.max(axis=1, keepdims=True)
     naive_rows = np.exp(masked - m) / np.exp(masked - m).sum(axis=1, keepdims=True)
 print("naive:\n", naive_rows)
-a, _ = softmax_forward(masked)
-print("softmax_forward:\n", a)
 assert np.isnan(naive_rows[1]).all()
-np.testing.assert_array_equal(a[1], 0.0)
-np.testing.assert_allclose(a[0].sum(), 1.0)
 
 q, k, v = rng.standard_normal((2, 4)), rng.standard_normal((3, 4)), rng.standard_normal((3, 2))
 o, _ = sdpa_forward(q, k, v, mask=np.where(np.isinf(masked), -np.inf, 0.0))
@@ -119,6 +115,17 @@ stable_rows = np.divide(e, sums, out=np.zeros_like(e), where=sums > 0)
 
 # %%
 check("09.1", stable_rows)
+
+# %% [markdown]
+# The library's `softmax_forward` follows that rule: a fully masked row gives zeros.
+
+# %%
+from refmath.softmax import softmax_forward
+
+a, _ = softmax_forward(masked)
+print("softmax_forward:\n", a)
+np.testing.assert_array_equal(a[1], 0.0)
+np.testing.assert_allclose(a[0].sum(), 1.0)
 
 # %% [markdown]
 # ## S4: why half precision needs the shift
@@ -340,15 +347,14 @@ dists = {
     "tau = 0.5": next_token_distribution(z, temperature=0.5),
     "tau = 2": next_token_distribution(z, temperature=2.0),
     "top-k, k = 2": top_k_filter(pi, 2),
-    "top-p, p = 0.8": top_p_filter(pi, 0.8),
+    # by hand, as above: the library's top_p_filter is exercise 09.5's to write
+    "top-p, p = 0.8": np.array([0.5, 0.2, 0.15, 0.0, 0.0]) / 0.85,
 }
 for name, dist in dists.items():
     print(f"{name:15s}", dist)
 np.testing.assert_allclose(dists["pi = softmax(z)"], pi, rtol=1e-14)
 np.testing.assert_allclose(dists["tau = 0.5"], pi**2 / (pi**2).sum(), rtol=1e-14)
 np.testing.assert_allclose(dists["top-k, k = 2"], [0.5 / 0.7, 0.2 / 0.7, 0, 0, 0], rtol=1e-14)
-np.testing.assert_allclose(dists["top-p, p = 0.8"], [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0],
-                           rtol=1e-14)
 
 fig, axes = plt.subplots(1, len(dists), figsize=(11, 2.6), sharey=True, layout="constrained")
 for ax, (name, dist) in zip(axes, dists.items()):
@@ -393,6 +399,8 @@ def my_top_p_filter(probs, p):
 
 
 # %%
+from refmath.inference.sampling import top_p_filter
+
 def without_the_crossing_token(probs, p):
     """A slip: the least probable kept token (the one whose mass reaches p) dropped as well,
     leaving nothing (0 / 0) when the first token alone reaches p."""
@@ -414,6 +422,13 @@ check_function("your top-p filter", my_top_p_filter, top_p_filter, inputs=top_p_
                       "not <=": lambda probs, p: top_p_filter(probs, min(np.nextafter(p, 2.0), 1.0)),
                       "left in sorted order, not put back at their tokens": lambda probs, p:
                           np.sort(top_p_filter(probs, p))[::-1]})
+
+# %% [markdown]
+# The library's `top_p_filter` gives the distribution of the figure above, computed there by hand:
+
+# %%
+print("top_p_filter(pi, 0.8) =", top_p_filter(pi, 0.8))
+np.testing.assert_allclose(top_p_filter(pi, 0.8), dists["top-p, p = 0.8"], rtol=1e-14)
 
 # %% [markdown]
 # A sampler draws a uniform number $u$ and returns the first token whose cumulative probability

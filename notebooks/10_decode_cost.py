@@ -41,14 +41,8 @@ import numpy as np
 
 from refmath import kernels
 from refmath.attention import sdpa_forward
-from refmath.inference.decode import decode_attention
 from refmath.inference.kv_cache import decode_step, prefill
-from refmath.inference.quantized import (
-    QuantizedKVCache,
-    decode_with_quantized_cache,
-    dequantize,
-    quantize,
-)
+from refmath.inference.quantized import QuantizedKVCache, decode_with_quantized_cache
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
@@ -57,7 +51,6 @@ from refmath.sizing import (
     PRESETS,
     decode_step_flops,
     decode_step_traffic,
-    decode_time_lower_bound,
     format_bytes,
     kv_cache_bytes,
     prefill_traffic,
@@ -156,6 +149,8 @@ def my_decode_attention(q, k_cache, v_cache, lengths):
 
 
 # %%
+from refmath.inference.decode import decode_attention
+
 def decode_inputs():
     draw = np.random.default_rng(3)
     inputs = []
@@ -324,6 +319,8 @@ check("10.4", seconds_per_token)
 # about the times.
 
 # %%
+from refmath.sizing import decode_time_lower_bound
+
 try:
     from threadpoolctl import threadpool_limits
 except ImportError:  # the numbers are then whatever the default thread pools give
@@ -434,6 +431,8 @@ check_true("error at most half a step", lambda x_hat: np.all(np.abs(x - x_hat) <
 # $|x - \hat x| \le s/2$ holds for every element and every group size.
 
 # %%
+from refmath.inference.quantized import dequantize, quantize
+
 kv = rng.standard_normal((1, 4, 256, 128))
 kv[..., [5, 40, 77, 100]] *= 10.0
 group_sizes = [4, 8, 16, 32, 64, 128]

@@ -47,10 +47,7 @@ from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
 from refmath.sizing import (
     PRESETS,
-    adamw_training_memory,
-    attention_cache_rows,
     format_bytes,
-    inference_memory_rule_of_thumb,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
     mla_cache_bytes,
@@ -321,6 +318,8 @@ check("11.4b", mha_numbers)
 check("11.4c", ratio_mha_over_mla)
 
 # %%
+from refmath.sizing import attention_cache_rows
+
 ds = PRESETS["deepseek-v2"]
 ds_rows = {r.kind: r for r in attention_cache_rows(ds.n_layers, ds.n_heads, ds.kv_heads,
                                                    ds.head_dim, 8192, latent_dim=ds.d_c,
@@ -514,6 +513,9 @@ check("11.6b", train_bytes)
 # contexts and large batches compute the cache instead of trusting the rule.
 
 # %%
+from refmath.sizing import adamw_training_memory
+from refmath.sizing import inference_memory_rule_of_thumb
+
 P_llama = parameter_counts(llama).total
 serve = inference_memory_rule_of_thumb(P_llama)
 train = adamw_training_memory(P_llama)

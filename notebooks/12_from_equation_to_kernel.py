@@ -45,7 +45,6 @@ import numpy as np
 
 from refmath import flash, kernels
 from refmath.attention import causal_mask, gqa_head_map, sdpa_forward
-from refmath.inference.decode import decode_attention
 from refmath.lessons import check, check_function
 from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
 
@@ -353,6 +352,8 @@ def my_split_decode(q, k, v, splits):
 
 
 # %%
+from refmath.inference.decode import decode_attention
+
 def dense_decode(q, k, v, splits):
     """The reference: q attends to all n keys at once (exactly, splits change nothing)."""
     return decode_attention(q[None, None], k[None, None], v[None, None], [len(k)])[0, 0]

@@ -50,7 +50,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath import hf
-from refmath.sizing import hf_parameter_count
 from refmath.lessons import check, check_function, check_true
 from refmath.models import decoder
 from refmath.positions import rope_forward
@@ -490,6 +489,8 @@ check("13.5c", gpt2_float32_mib)
 # count, the KV cache per token and the training memory from the directory's own `config.json`.
 
 # %%
+from refmath.sizing import hf_parameter_count
+
 print(f"this lesson's model: {hf_parameter_count(hf_config):,} parameters, "
       f"{weights_path.stat().st_size:,} bytes on disk in float64")
 

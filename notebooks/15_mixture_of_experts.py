@@ -48,14 +48,28 @@ from refmath.data import CharLMTask
 from refmath.ffn import sigmoid, swiglu_forward
 from refmath.lessons import catalogued, check, check_function
 from refmath.models import decoder
-from refmath.moe import (MoEConfig, balance_bias_update, expert_balance_loss,
-                         expert_balance_loss_backward, expert_load, moe_backward, moe_forward,
-                         moe_param_shapes, route, route_backward, router_scores,
-                         router_scores_backward, router_z_loss, routing_margin)
+from refmath.moe import (
+    MoEConfig,
+    expert_balance_loss,
+    expert_balance_loss_backward,
+    expert_load,
+    moe_backward,
+    moe_forward,
+    moe_param_shapes,
+    router_scores_backward,
+    router_z_loss,
+    routing_margin,
+)
 from refmath.optim import AdamW
-from refmath.sizing import (PRESETS, ModelConfig, active_parameters, expert_parallel_bytes,
-                            expert_parallel_traffic, format_bytes, memory_against_compute,
-                            parameter_counts)
+from refmath.sizing import (
+    PRESETS,
+    ModelConfig,
+    active_parameters,
+    expert_parallel_traffic,
+    format_bytes,
+    memory_against_compute,
+    parameter_counts,
+)
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
@@ -150,6 +164,8 @@ check("15.1b", top2_by_hand)
 check("15.1c", gates_by_hand)
 
 # %%
+from refmath.moe import router_scores
+
 # After the exercise: the library's routing of the worked example, used below.
 _, worked_probs, _ = router_scores(worked_logits, np.eye(4))  # x = the logits, W_r = I
 mixtral_style = MoEConfig(n_experts=4, top_k=2, d_expert=1, norm_topk=True)
@@ -166,6 +182,8 @@ unnormalised = MoEConfig(n_experts=4, top_k=2, d_expert=1)
 # their *unbiased* scores: the bias picks, it never weights.
 
 # %%
+from refmath.moe import route
+
 grouped = MoEConfig(n_experts=4, top_k=2, d_expert=1, routing="group_limited_greedy",
                     n_groups=2, topk_groups=1, norm_topk=True)
 indices_g, gates_g, _ = route(worked_probs, grouped)
@@ -271,21 +289,6 @@ axes[1].set(xlabel="t", ylabel="router probability", title="two scores cross at 
 axes[1].legend(fontsize=8)
 plt.show()
 
-# %% [markdown]
-# The whole gradient of the router comes from the gates: with $dg_j = \langle dy, E_j(x)\rangle$
-# from the experts' outputs, `route_backward` (the renormalisation) and `router_scores_backward`
-# (the softmax, then $x^\top dz$) give exactly the router weight's gradient of `moe_backward`.
-
-# %%
-value0, cache0 = along(0.0)
-_, grads0 = moe_backward(c_dir, cache0)
-dg0 = np.array([[np.sum(c_dir[0] * cache0.experts[e].out[0]) for e in cache0.indices[0]]])
-_, dw_router = router_scores_backward(route_backward(dg0, cache0.route), cache0.router)
-print("dg =", dg0, " |dW_r via the gates - moe_backward's| =",
-      np.abs(dw_router - grads0["router.w"]).max())
-np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15)
-
-
 # %% tags=["exercise"]
 # Exercise 15.6: the gates' backward (E3), from the gates to the scores. `dgates` (N, k) is the
 # gradient with respect to route's gates; `cache` is the RouteCache route returned:
@@ -309,6 +312,8 @@ def my_route_backward(dgates, cache):
 
 
 # %%
+from refmath.moe import route_backward
+
 def torch_gates(scores, moe, bias=None):
     """The oracle: the gates in torch, with torch's own top-k (the cases have no ties)."""
     import torch
@@ -341,6 +346,20 @@ check_function("your gates backward", my_route_backward, route_backward,
                       **catalogued("moe route: scaling left out of the backward", route_backward),
                       "the outer 1/D forgotten: (dg - sum dg s / D), not divided by D again":
                           outer_sum_forgotten})
+
+# %% [markdown]
+# The whole gradient of the router comes from the gates: with $dg_j = \langle dy, E_j(x)\rangle$
+# from the experts' outputs, `route_backward` (the renormalisation) and `router_scores_backward`
+# (the softmax, then $x^\top dz$) give exactly the router weight's gradient of `moe_backward`.
+
+# %%
+value0, cache0 = along(0.0)
+_, grads0 = moe_backward(c_dir, cache0)
+dg0 = np.array([[np.sum(c_dir[0] * cache0.experts[e].out[0]) for e in cache0.indices[0]]])
+_, dw_router = router_scores_backward(route_backward(dg0, cache0.route), cache0.router)
+print("dg =", dg0, " |dW_r via the gates - moe_backward's| =",
+      np.abs(dw_router - grads0["router.w"]).max())
+np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15)
 
 # %% [markdown] tags=["question"]
 # **Question.** DeepSeek-V3 scores with a sigmoid and renormalises the chosen scores. Is that a
@@ -499,6 +518,8 @@ check("15.3", bias_after_by_hand)
 # bias within a few steps of its balance point.
 
 # %%
+from refmath.moe import balance_bias_update
+
 E8, k_sim, N_sim, gamma = 8, 2, 512, 0.001
 v3_like = MoEConfig(n_experts=E8, top_k=k_sim, d_expert=1, scoring="sigmoid", norm_topk=True,
                     score_bias=True)
@@ -740,6 +761,8 @@ check("15.5a", bytes_64_devices)
 check("15.5b", bytes_node_limited)
 
 # %%
+from refmath.sizing import expert_parallel_bytes
+
 v3_cfg = PRESETS["deepseek-v3"]
 for label, traffic in (("64 devices", expert_parallel_traffic(v3_cfg, devices=64)),
                        ("node-limited, 4 of 8 nodes", expert_parallel_traffic(v3_cfg,

@@ -43,14 +43,14 @@ import numpy as np
 
 from refmath.data import CharLMTask
 from refmath.embedding import embedding_backward, embedding_forward
-from refmath.ffn import gelu_backward, gelu_forward, linear_backward, linear_forward
+from refmath.ffn import gelu_forward, linear_backward, linear_forward
 from refmath.gradcheck import check_param_gradients
 from refmath.lessons import catalogued, check, check_function, check_true
-from refmath.losses import cross_entropy_backward, cross_entropy_forward
-from refmath.norms import layernorm_backward, layernorm_forward
+from refmath.losses import cross_entropy_forward
+from refmath.norms import layernorm_forward
 from refmath.optim import AdamW
 from refmath.positions import learned_positions_backward, learned_positions_forward
-from refmath.softmax import softmax_backward, softmax_forward
+from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
 
@@ -72,6 +72,8 @@ def my_softmax_backward(dout, cache):
 
 
 # %%
+from refmath.softmax import softmax_backward
+
 check_function("your softmax backward", my_softmax_backward, softmax_backward, case="softmax[*",
                slips={**catalogued("softmax: the -a a^T term dropped (a * dout)", softmax_backward),
                       **catalogued("softmax: sum over the wrong axis", softmax_backward)})
@@ -93,6 +95,8 @@ def my_layernorm_backward(dout, cache):
 
 
 # %%
+from refmath.norms import layernorm_backward
+
 check_function("your LayerNorm backward", my_layernorm_backward, layernorm_backward,
                case="layernorm[*",
                slips={**catalogued("layernorm: variance path dropped", layernorm_backward),
@@ -114,6 +118,8 @@ def my_gelu_backward(dout, cache):
 
 
 # %%
+from refmath.ffn import gelu_backward
+
 check_function("your GELU backward", my_gelu_backward, gelu_backward, case="gelu[*",
                slips={**catalogued("gelu exact: x phi(x) term dropped", gelu_backward),
                       **catalogued("gelu tanh: the 3 of d(x^3)/dx forgotten", gelu_backward)})
@@ -133,6 +139,8 @@ def my_cross_entropy_backward(dout, cache):
 
 
 # %%
+from refmath.losses import cross_entropy_backward
+
 check_function("your cross-entropy backward", my_cross_entropy_backward, cross_entropy_backward,
                case=["cross_entropy[(T, V) = (4, 6)]", "cross_entropy[ignore_index -100, 2 of 5 ignored]",
                      "cross_entropy[one counted token of 4]",

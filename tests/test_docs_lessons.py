@@ -24,7 +24,7 @@ def test_the_default_site_shows_the_student_copies(tmp_path):
     assert [c.name for c in copies] == [s.name for s in sources] and len(copies) >= 14
     for source, copy in zip(sources, copies):
         text, shown = source.read_text(), copy.read_text()
-        assert shown == lessons.student_copy(text, str(source))
+        assert shown == lesson_pages.hide_check_cells(lessons.student_copy(text, str(source)))
         assert find_regions(shown) == [] and "# BEGIN SOLUTION" not in shown
         assert lessons.leaked_lines(text, shown, source.name) == []
 
@@ -71,3 +71,61 @@ def test_the_built_student_site_is_scanned_for_answers(tmp_path):
         f"<html><body><div class=\"highlight\"><pre>{spans}</pre></div></body></html>")
     checked, found = check_student_site.leaks(tmp_path)
     assert checked == 1 and len(found) == 1 and secret.split()[0] in found[0]
+
+
+def test_every_check_cell_of_the_student_site_is_hidden_and_nothing_else(tmp_path):
+    # myst-nb renders a cell tagged remove-input as its outputs only: the verdict, not the check's
+    # expected value or slips. Read as myst-nb reads them (jupytext), every code cell that calls a
+    # check carries the tag, no other cell does, and the student copy is otherwise unchanged.
+    jupytext = pytest.importorskip("jupytext", reason="the lessons need the 'dev' extra (jupytext)")
+    hidden = 0
+    for source, copy in zip(lesson_pages.lesson_sources(ROOT),
+                            lesson_pages.mirror_lessons(ROOT, tmp_path)):
+        for cell in jupytext.read(copy).cells:
+            tagged = lesson_pages.HIDDEN in cell.metadata.get("tags", [])
+            calls = cell.cell_type == "code" and bool(lesson_pages.CHECK_CALL.search(cell.source))
+            assert tagged == calls, f"{source.name}: cell {cell.source[:60]!r}: tagged {tagged}"
+            hidden += tagged
+        student = lessons.student_copy(source.read_text(), str(source))
+        assert copy.read_text().replace(', "remove-input"', "").replace(
+            ' tags=["remove-input"]', "") == student
+    calls = sum(len(lesson_pages.CHECK_CALL.findall(s.read_text()))
+                for s in lesson_pages.lesson_sources(ROOT))
+    print(f"{hidden} check cells hidden, {calls} check calls in them")
+    assert hidden >= 16 and calls >= hidden
+
+
+def test_a_tag_is_added_to_the_tags_a_check_cell_has():
+    text = ('# %% tags=["exercise"]\nx = ...\n\n# %%\ncheck("01.1", x)\n\n# %% [markdown]\n'
+            '# check("01.1", x) in prose\n\n# %% tags=["extra"]\n# check(x) in a comment\n'
+            'def f():\n    check_true("y", True, "why")\n\n# %% tags=["keep"]\n'
+            'check_function("f", f, g, inputs=[()])\n')
+    hidden = lesson_pages.hide_check_cells(text)
+    assert hidden.splitlines()[3] == '# %% tags=["remove-input"]'
+    assert '# %% tags=["keep", "remove-input"]' in hidden
+    assert hidden.count("remove-input") == 2 and lesson_pages.hide_check_cells(hidden) == hidden
+
+
+def test_the_built_student_site_shows_no_check_source(tmp_path):
+    # a check call in a page's code cell (highlighted spans, as Pygments writes it) is found; the
+    # verdict it prints, in the cell's output, and a check named in the prose are not
+    sys.path.insert(0, str(ROOT / "docs"))
+    import check_student_site
+
+    pages = tmp_path / "lessons"
+    pages.mkdir()
+    cell = ('<div class="cell docutils container"><div class="cell_input docutils container">'
+            '<div class="highlight-ipython3 notranslate"><div class="highlight"><pre>{code}</pre>'
+            '</div></div></div><div class="cell_output docutils container"><div class="output '
+            'stream highlight-myst-ansi notranslate"><div class="highlight"><pre>'
+            'no answer yet: the masked output</pre></div></div></div></div>')
+    call = ('<span class="n">check</span><span class="p">(</span><span class="s2">"01.1"</span>'
+            '<span class="p">,</span> <span class="n">o_masked</span><span class="p">)</span>')
+    prose = "<p>The check, <code>check(\"01.1\", answer)</code>, says no answer yet.</p>"
+    page = pages / "01_attention.html"
+    page.write_text(f"<html><body>{prose}{cell.format(code='x = 1')}</body></html>")
+    assert check_student_site.shown_checks(tmp_path) == (1, [])
+    shown = cell.format(code="x = 1\n" + call)
+    page.write_text(f"<html><body>{prose}{shown}</body></html>")
+    assert check_student_site.shown_checks(tmp_path) == (
+        1, ['lessons/01_attention.html: check("01.1", o_masked)'])

@@ -236,13 +236,19 @@ def test_an_unanswered_student_copy_runs_and_no_check_says_right(path, tmp_path)
 
 
 LIBRARY_AS_ANSWER = """
-import runpy, sys
+import re, runpy, sys
 import refmath.lessons as lessons
 
 original = lessons.check_function
 
 
 def submit_the_reference(name, func, reference, **options):
+    # the library function the exercise asks for, as the refusal of a function that calls the
+    # reference names it (the reference itself, or what a lesson's own reference is built on)
+    line = sys._getframe(1).f_lineno
+    called = original(name, lambda *a, **k: reference(*a, **k), reference, **options).line
+    for asked in re.findall(r"calls (refmath[.][\\w.]+)", called):
+        print("ASKED", line, asked, name, flush=True)
     verdict = original(name, reference, reference, **options)
     refused = verdict.line.startswith(f"wrong: {name}: this ") and "write it yourself" in verdict.line
     print("LIBRARY-AS-ANSWER", "refused" if refused else "accepted", name, flush=True)
@@ -255,33 +261,220 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
-def test_no_write_the_function_exercise_accepts_the_library(path, tmp_path):
-    """Each check_function of the lesson's student copy is handed its own reference (the library
-    function, or the lesson's function built on it) as the student's answer: every one must be
-    refused, named, with "write it yourself"."""
+_REFERENCE_RUNS: dict = {}
+
+
+def _run_with_the_reference(path, tmp_path):
+    """The student copy of ``path`` and the stdout of running it under LIBRARY_AS_ANSWER (once per
+    lesson: two tests read it)."""
     import os
     import subprocess
     import sys
 
     from refmath.lessons import student_copy
 
-    script = tmp_path / path.name
-    script.write_text(student_copy(path.read_text(), str(path)))
-    runner = tmp_path / "submit_the_reference.py"
-    runner.write_text(LIBRARY_AS_ANSWER)
-    run = subprocess.run([sys.executable, str(runner), str(script)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path,
-                         env={**os.environ, "MPLBACKEND": "Agg", "OPENBLAS_NUM_THREADS": "1",
-                              "REFMATH_LESSONS_STRICT": "0"})
-    assert run.returncode == 0, f"{path.name}: {run.stderr[-2000:]}"
-    said = [line.split(" ", 2)[1:] for line in run.stdout.splitlines()
+    if path not in _REFERENCE_RUNS:
+        script = tmp_path / path.name
+        script.write_text(student_copy(path.read_text(), str(path)))
+        runner = tmp_path / "submit_the_reference.py"
+        runner.write_text(LIBRARY_AS_ANSWER)
+        run = subprocess.run([sys.executable, str(runner), str(script)], capture_output=True,
+                             text=True, timeout=300, cwd=tmp_path,
+                             env={**os.environ, "MPLBACKEND": "Agg", "OPENBLAS_NUM_THREADS": "1",
+                                  "REFMATH_LESSONS_STRICT": "0"})
+        assert run.returncode == 0, f"{path.name}: {run.stderr[-2000:]}"
+        _REFERENCE_RUNS[path] = (script.read_text(), run.stdout)
+    return _REFERENCE_RUNS[path]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_write_the_function_exercise_accepts_the_library(path, tmp_path):
+    """Each check_function of the lesson's student copy is handed its own reference (the library
+    function, or the lesson's function built on it) as the student's answer: every one must be
+    refused, named, with "write it yourself"."""
+    _, stdout = _run_with_the_reference(path, tmp_path)
+    said = [line.split(" ", 2)[1:] for line in stdout.splitlines()
             if line.startswith("LIBRARY-AS-ANSWER ")]
     print(f"{path.name}: {len(said)} write-the-function exercises, "
           f"{sum(s[0] == 'accepted' for s in said)} accept the library")
     assert said, f"{path.name}: no write-the-function exercise"
     accepted = [name for verdict, name in said if verdict != "refused"]
     assert not accepted, f"{path.name}: the library's own function is accepted by {accepted}"
+
+
+def _names_in_code(text: str) -> list[tuple[int, str]]:
+    """Every name the code of ``text`` uses, as (line, name): comments and plain strings left out,
+    the expressions of f-strings kept (a token of their own only from Python 3.12 on)."""
+    import io
+    import tokenize
+
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.NAME:
+            found.append((token.start[0], token.string))
+        elif token.type == tokenize.STRING and "f" in token.string.split("'")[0].split('"')[0].lower():
+            for part in re.findall(r"\{([^{}]*)\}", token.string):
+                found += [(token.start[0], name) for name in re.findall(r"[A-Za-z_]\w*", part)]
+    return found
+
+
+def _importable_prefix(dotted: str) -> tuple[str, str]:
+    """``refmath.optim.AdamW.step`` as (module, qualified name): ("refmath.optim", "AdamW.step")."""
+    import importlib
+
+    parts = dotted.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        return ".".join(parts[:n]), ".".join(parts[n:])
+    raise ValueError(f"{dotted}: no module of refmath holds it")
+
+
+def asked_before_check(student: str, asked: list[tuple[int, str]]) -> list[str]:
+    """Each library function an exercise asks for (``asked``: the line of its check, the function's
+    dotted name) that the student copy's code names above the check's cell: imported, or called
+    through its module, or its class (for a method) named."""
+    lines = student.splitlines()
+    names = _names_in_code(student)
+    found = []
+    for line, dotted in asked:
+        cell = max(n for n in range(line) if n == 0 or lines[n - 1].startswith("# %%"))
+        wanted = _importable_prefix(dotted)[1].split(".")[0]
+        seen = sorted({n for n, name in names if name == wanted and n < cell})
+        if seen:
+            found.append(f"{dotted} (checked at line {line}) is named at line(s) "
+                         f"{', '.join(map(str, seen))}, above its check")
+    return found
+
+
+def test_the_scan_for_asked_functions_finds_an_early_import():
+    student = ("# %%\nfrom refmath.softmax import softmax_backward as sb  # softmax_backward\n"
+               "# %%\ndef my_softmax_backward(dout, cache):\n    return ...\n"
+               "# %%\nfrom refmath.softmax import softmax_backward\n"
+               "check_function('f', my_softmax_backward, softmax_backward)\n")
+    assert asked_before_check(student, [(8, "refmath.softmax.softmax_backward")]) == [
+        "refmath.softmax.softmax_backward (checked at line 8) is named at line(s) 2, above its check"]
+    after = "# %%\n# softmax_backward, in a comment\n" + student.split("\n", 2)[2]
+    assert asked_before_check(after, [(8, "refmath.softmax.softmax_backward")]) == []
+    assert asked_before_check("# %%\nopt = AdamW(lr=1.0)\n# %%\ncheck_function()\n",
+                              [(4, "refmath.optim.AdamW.step")])
+    assert asked_before_check('# %%\nprint(f"{kv_cache_bytes(1, 2, 3, 4, 5):,}")\n# %%\ncheck()\n',
+                              [(4, "refmath.sizing.kv_cache_bytes")])
+
+
+# Lessons whose student copy still names an asked-for function before its check, and why; the
+# test below fails for any other lesson that does, and for one of these that no longer does.
+# 14: the picture of exercise 14.3 is drawn with decode_step_traffic and quantized_kv_cache_bytes,
+# which exercise 14.4 asks the student to write: the function exercise must come first, and the
+# numbers of the two exercises (keyed in refmath.lessons) swap with it.
+STILL_NAMED = {"14_synthesis.py"}
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_student_copy_names_an_asked_function_before_its_check(path, tmp_path):
+    """A write-the-function exercise's library function (what its check refuses as the answer) is
+    imported only after the exercise's check cell: before the attempt, the student copy neither
+    imports it nor reaches it through its module, so the reference is not at hand to be called,
+    copied or read with inspect.getsource."""
+    student, stdout = _run_with_the_reference(path, tmp_path)
+    asked = [(int(line.split()[1]), line.split()[2]) for line in stdout.splitlines()
+             if line.startswith("ASKED ")]
+    found = asked_before_check(student, asked)
+    print(f"{path.name}: {len(asked)} asked-for library functions, {len(found)} named before "
+          "their check")
+    if path.name in STILL_NAMED:
+        assert found, f"{path.name}: no asked-for function is named early any more: take it off " \
+                      "STILL_NAMED"
+    else:
+        assert not found, f"{path.name}:\n  " + "\n  ".join(found)
+
+
+# Value exercises whose answer one call of a library function gives (its value as the check
+# computes it in refmath.lessons, from the same inputs): the student copy may not name that
+# function above the exercise's check, or the exercise is answered without being worked.
+ONE_CALL_ANSWERS = {
+    "01.1": "refmath.attention.sdpa_forward",
+    "01.3": "refmath.softmax.softmax_jacobian",
+    "01.6": "refmath.attention.sdpa_backward",
+    "01.7": "refmath.attention.sdpa_backward",
+    "02.2": "refmath.norms.rmsnorm_backward",
+    "02.3": "refmath.norms.layernorm_backward",
+    "03.1": "refmath.softmax.online_softmax_merge",
+    "03.3": "refmath.flash.flash_attention_backward",
+    "04.3": "refmath.ffn.gelu_backward",
+    "04.5": "refmath.ffn.swiglu_backward",
+    "04.8": "refmath.positions.rope_backward",
+    "06.7": "refmath.embedding.embedding_backward",
+    "07.1": "refmath.positions.learned_positions_backward",
+    "08.3": "refmath.attention.causal_attention_backward",
+    "09.1": "refmath.softmax.softmax_forward",
+    "09.4": "refmath.inference.sampling.top_p_filter",
+    "10.4": "refmath.sizing.decode_time_lower_bound",
+    "10.5a": "refmath.inference.quantized.quantize",
+    "10.5b": "refmath.inference.quantized.dequantize",
+    "11.4a": "refmath.sizing.attention_cache_rows",
+    "11.4b": "refmath.sizing.attention_cache_rows",
+    "11.4c": "refmath.sizing.attention_cache_rows",
+    "11.6a": "refmath.sizing.inference_memory_rule_of_thumb",
+    "11.6b": "refmath.sizing.adamw_training_memory",
+    "13.5a": "refmath.sizing.hf_parameter_count",
+    "13.5b": "refmath.sizing.hf_parameter_count",
+    "13.5c": "refmath.sizing.hf_parameter_count",
+    "15.1a": "refmath.moe.router_scores",
+    "15.1b": "refmath.moe.route",
+    "15.1c": "refmath.moe.route",
+    "15.3": "refmath.moe.balance_bias_update",
+    "15.5a": "refmath.sizing.expert_parallel_bytes",
+    "15.5b": "refmath.sizing.expert_parallel_bytes",
+}
+# The same, still at hand before the check: the lesson teaches with the function before the
+# exercise (a printed table, a figure), so the teaching cells must be rewritten first.
+STILL_ONE_CALL = {
+    "03.4": "refmath.flash.attention_memory_traffic",
+    "03.5": "refmath.sizing.kv_cache_bytes",
+    "04.7": "refmath.positions.rope_forward",
+    "08.5a": "refmath.sizing.attention_design_cost",
+    "08.5b": "refmath.sizing.attention_design_cost",
+    "08.5c": "refmath.sizing.attention_design_cost",
+    "08.6": "refmath.positions.rope_inv_freq",
+    "08.7a": "refmath.ffn.softcap_forward",
+    "09.3": "refmath.attention.local_window_mask",
+    "10.1": "refmath.inference.kv_cache.prefill",
+    "14.1": "refmath.models.decoder.logits",
+    "14.2": "refmath.models.decoder.logits",
+    "15.4a": "refmath.sizing.active_parameters",
+    "15.4b": "refmath.sizing.active_parameters",
+}
+
+
+def _check_line(student: str, number: str) -> int:
+    """The 1-based line of ``check("NN.k", ...)`` in a student copy."""
+    found = re.search(rf'^check\("{re.escape(number)}"', student, re.MULTILINE)
+    assert found, f"no check({number!r}, ...) in the student copy"
+    return student[:found.start()].count("\n") + 1
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_value_exercise_is_one_library_call_away(path):
+    """No student copy names, above a value exercise's check, the library function that gives
+    its answer in one call (ONE_CALL_ANSWERS); the exercises in STILL_ONE_CALL still do, and the
+    test fails once one no longer does (take it off the list)."""
+    from refmath.lessons import student_copy
+
+    student = student_copy(path.read_text(), str(path))
+    number = path.name[:2]
+    for table, named in ((ONE_CALL_ANSWERS, False), (STILL_ONE_CALL, True)):
+        mine = {k: v for k, v in table.items() if k.startswith(number + ".")}
+        for exercise, function in mine.items():
+            if function.startswith("refmath.models.decoder."):
+                function = "refmath.models.decoder"  # the module gives its functions
+            found = asked_before_check(student, [(_check_line(student, exercise), function)])
+            assert bool(found) == named, (
+                f"{path.name}: exercise {exercise}: {found}" if found else
+                f"{path.name}: exercise {exercise} is no longer one call away: take it off "
+                "STILL_ONE_CALL")
 
 
 # The shape every lesson shares; notebooks/README.md gives the order.
