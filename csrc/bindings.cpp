@@ -412,27 +412,37 @@ void rows_matmul(const py::array& x, const std::vector<py::array>& ws,
 
 // out (m, n) = x (m, k) times w^T, w (n, k) of 16-bit values ("bf16": uint16 bit patterns,
 // "f16": float16) or (n, k / 32) Q8_0 blocks of 34 bytes ("q8_0").
+// A weight format's name, and how its stored arrays look: dtype kind, item size, weights an item.
+struct StoredFormat {
+    refmath::WeightFormat format;
+    char kind;
+    py::ssize_t itemsize, per_item;
+};
+
+StoredFormat stored_format(const std::string& format) {
+    if (format == "bf16") return {refmath::WeightFormat::bf16, 'u', 2, 1};
+    if (format == "f16") return {refmath::WeightFormat::f16, 'f', 2, 1};
+    if (format == "q8_0")
+        return {refmath::WeightFormat::q8_0, 'V', refmath::kQ8BlockBytes, refmath::kQ8Block};
+    throw py::value_error("format must be 'bf16', 'f16' or 'q8_0', got '" + format + "'");
+}
+
+void check_stored_dtype(const py::array& w, const std::string& name, const std::string& format,
+                        const StoredFormat& sf) {
+    if (w.dtype().kind() != sf.kind || w.itemsize() != sf.itemsize)
+        throw py::type_error(name + " in format " + format + " must have dtype kind '" +
+                             std::string(1, sf.kind) + "' and " + std::to_string(sf.itemsize) +
+                             "-byte items, got dtype " + std::string(py::str(w.dtype())));
+}
+
 void format_rows_matmul(const py::array& x, const py::array& w, const std::string& format,
                         const py::array& out) {
     check_matrix(x, "x", false);
     check_matrix(out, "out", true);
-    refmath::WeightFormat f;
-    char kind;
-    py::ssize_t itemsize, per_item;
-    if (format == "bf16") {
-        f = refmath::WeightFormat::bf16, kind = 'u', itemsize = 2, per_item = 1;
-    } else if (format == "f16") {
-        f = refmath::WeightFormat::f16, kind = 'f', itemsize = 2, per_item = 1;
-    } else if (format == "q8_0") {
-        f = refmath::WeightFormat::q8_0, kind = 'V', itemsize = refmath::kQ8BlockBytes,
-        per_item = refmath::kQ8Block;
-    } else {
-        throw py::value_error("format must be 'bf16', 'f16' or 'q8_0', got '" + format + "'");
-    }
-    if (w.dtype().kind() != kind || w.itemsize() != itemsize)
-        throw py::type_error("w in format " + format + " must have dtype kind '" +
-                             std::string(1, kind) + "' and " + std::to_string(itemsize) +
-                             "-byte items, got dtype " + std::string(py::str(w.dtype())));
+    const StoredFormat sf = stored_format(format);
+    const refmath::WeightFormat f = sf.format;
+    const py::ssize_t per_item = sf.per_item;
+    check_stored_dtype(w, "w", format, sf);
     if (w.ndim() != 2 || !(w.flags() & py::array::c_style))
         throw py::value_error("w must be a C-contiguous 2-D array, got shape " + shape_of(w));
     const py::ssize_t m = x.shape(0), k = x.shape(1), n = w.shape(0);
@@ -472,6 +482,30 @@ refmath::LayerMatrix layer_matrix(const py::array& a, const std::string& name, p
     return {static_cast<const float*>(a.data()), !plain};
 }
 
+// A weight of logical shape (rows, cols) = (in, out) kept in a narrower format as the rows of its
+// transpose: (out, in) 16-bit values, or (out, in / 32) Q8_0 blocks; what format_rows_matmul_cpu
+// reads.
+refmath::LayerMatrix stored_layer_matrix(const py::array& a, const std::string& name,
+                                         py::ssize_t rows, py::ssize_t cols,
+                                         const std::string& format) {
+    const StoredFormat sf = stored_format(format);
+    check_stored_dtype(a, name, format, sf);
+    if (rows % sf.per_item != 0)
+        throw py::value_error(name + ": " + format + " rows hold whole blocks of " +
+                              std::to_string(sf.per_item) + " weights, got " +
+                              std::to_string(rows) + " inputs");
+    if (a.ndim() != 2 || a.shape(0) != cols || a.shape(1) != rows / sf.per_item)
+        throw py::value_error(name + " in format " + format + " must have shape (" +
+                              std::to_string(cols) + ", " + std::to_string(rows / sf.per_item) +
+                              "), got " + shape_of(a));
+    if (!(a.flags() & py::array::c_style) || !(a.flags() & kNpyAligned))
+        throw py::value_error(name + " must be C-contiguous and aligned");
+    refmath::LayerMatrix m;
+    m.stored = a.data();
+    m.format = sf.format;
+    return m;
+}
+
 // A float32 vector of n entries, or nullptr where the dict has no entry `key` and it may be absent.
 const float* layer_vector(const py::dict& layer, const char* key, py::ssize_t n, bool required,
                           const std::string& where) {
@@ -503,7 +537,7 @@ class DecodeLayers {
     DecodeLayers(py::ssize_t batch, py::ssize_t d_model, py::ssize_t heads, py::ssize_t kv_heads,
                  py::ssize_t head_dim, py::ssize_t d_ff, const std::string& norm, double eps,
                  const std::string& ffn, const std::string& rope, double scale,
-                 const py::list& layers) {
+                 const py::list& layers, const std::string& weights) {
         s_.batch = batch;
         s_.d_model = d_model;
         s_.heads = heads;
@@ -515,6 +549,7 @@ class DecodeLayers {
         s_.ffn = choice<refmath::LayerFfn>(ffn, "ffn", {"swiglu", "gelu_tanh", "gelu_exact"});
         s_.rope = choice<refmath::LayerRope>(rope, "rope", {"none", "interleaved", "half"});
         s_.scale = static_cast<float>(scale);
+        if (weights != "f32") stored_format(weights);  // a name it does not know is refused here
         if (batch < 1 || d_model < 1 || heads < 1 || kv_heads < 1 || head_dim < 1 || d_ff < 1 ||
             heads % kv_heads != 0 || (s_.rope != refmath::LayerRope::none && head_dim % 2 != 0))
             throw py::value_error("sizes must be positive, kv_heads must divide heads and RoPE "
@@ -526,7 +561,10 @@ class DecodeLayers {
             keep_.push_back(l);  // holds every array the pointers below read
             auto matrix = [&](const char* key, py::ssize_t rows, py::ssize_t cols) {
                 if (!l.contains(key)) throw py::value_error(where + " has no entry '" + key + "'");
-                return layer_matrix(l[key].cast<py::array>(), where + "['" + key + "']", rows, cols);
+                const std::string name = where + "['" + key + "']";
+                if (weights != "f32")
+                    return stored_layer_matrix(l[key].cast<py::array>(), name, rows, cols, weights);
+                return layer_matrix(l[key].cast<py::array>(), name, rows, cols);
             };
             refmath::DecodeLayer w;
             const bool shifted = s_.norm == refmath::LayerNorm::layer;
@@ -654,10 +692,10 @@ PYBIND11_MODULE(_C, m) {
                              "once. Call it through refmath.inference.compiled_step.")
         .def(py::init<py::ssize_t, py::ssize_t, py::ssize_t, py::ssize_t, py::ssize_t, py::ssize_t,
                       const std::string&, double, const std::string&, const std::string&, double,
-                      const py::list&>(),
+                      const py::list&, const std::string&>(),
              py::arg("batch"), py::arg("d_model"), py::arg("heads"), py::arg("kv_heads"),
              py::arg("head_dim"), py::arg("d_ff"), py::arg("norm"), py::arg("eps"), py::arg("ffn"),
-             py::arg("rope"), py::arg("scale"), py::arg("layers"))
+             py::arg("rope"), py::arg("scale"), py::arg("layers"), py::arg("weights") = "f32")
         .def("step", &DecodeLayers::step, py::arg("x"), py::arg("position"), py::arg("cos"),
              py::arg("sin"), "Run x (B, d_model) through every layer in place at `position`, "
              "appending each layer's key and value to its cache blocks.")

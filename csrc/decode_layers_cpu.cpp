@@ -15,6 +15,7 @@
 
 #include "decode_cpu.h"
 #include "rows_matmul_cpu.h"
+#include "weight_formats_cpu.h"
 
 namespace refmath {
 
@@ -117,6 +118,29 @@ void add_into(float* x, const float* y, idx n) {
     for (idx i = 0; i < n; ++i) x[i] += y[i];
 }
 
+// One product of x (m, k) by a layer matrix, writing y (m, n).
+struct LayerProduct {
+    const LayerMatrix& w;
+    idx n;
+    float* y;
+};
+
+// The products of one input by up to three matrices: the float32 ones in one rows_matmul_cpu pass
+// (its threads stream them all without parting between them), the ones stored in a narrower format
+// by format_rows_matmul_cpu. Both sum in float32.
+template <std::size_t N>
+void multiply(const float* x, idx m, idx k, const LayerProduct (&products)[N], int threads) {
+    RowsProduct plain[N];
+    idx count = 0;
+    for (const LayerProduct& p : products) {
+        if (p.w.stored != nullptr)
+            format_rows_matmul_cpu(x, m, k, p.w.stored, p.w.format, p.n, p.y, threads);
+        else
+            plain[count++] = {p.w.w, p.n, p.w.transposed, p.y};
+    }
+    if (count > 0) rows_matmul_cpu(x, m, k, plain, count, threads);
+}
+
 void check(const DecodeLayersShape& s, const DecodeLayer* layers, idx n_layers, idx t_max,
            idx position) {
     if (s.batch < 1 || s.d_model < 1 || s.heads < 1 || s.kv_heads < 1 || s.head_dim < 1 ||
@@ -161,10 +185,8 @@ void decode_layers_cpu(const DecodeLayersShape& s, const DecodeLayer* layers, id
     for (idx layer = 0; layer < n_layers; ++layer) {
         const DecodeLayer& w = layers[layer];
         norm_rows(s, x, w.norm1_gain, w.norm1_shift, p.h);
-        const RowsProduct qkv[3] = {{w.w_q.w, qw, w.w_q.transposed, p.q},
-                                    {w.w_k.w, kw, w.w_k.transposed, p.k},
-                                    {w.w_v.w, kw, w.w_v.transposed, p.v}};
-        rows_matmul_cpu(p.h, b, d, qkv, 3, threads);
+        const LayerProduct qkv[3] = {{w.w_q, qw, p.q}, {w.w_k, kw, p.k}, {w.w_v, kw, p.v}};
+        multiply(p.h, b, d, qkv, threads);
         add_bias(p.q, w.b_q, b, qw);
         add_bias(p.k, w.b_k, b, kw);
         add_bias(p.v, w.b_v, b, kw);
@@ -182,24 +204,23 @@ void decode_layers_cpu(const DecodeLayersShape& s, const DecodeLayer* layers, id
                 }
             }
         decode_cpu(attention, p.q, w.keys, w.values, t_max, lengths.data(), p.o);
-        const RowsProduct out[1] = {{w.w_o.w, d, w.w_o.transposed, p.y}};
-        rows_matmul_cpu(p.o, b, qw, out, 1, threads);
+        const LayerProduct out[1] = {{w.w_o, d, p.y}};
+        multiply(p.o, b, qw, out, threads);
         add_bias(p.y, w.b_o, b, d);
         add_into(x, p.y, b * d);
 
         norm_rows(s, x, w.norm2_gain, w.norm2_shift, p.h);
         if (s.ffn == LayerFfn::swiglu) {
-            const RowsProduct gate_up[2] = {{w.w_gate.w, s.d_ff, w.w_gate.transposed, p.f1},
-                                            {w.w_up.w, s.d_ff, w.w_up.transposed, p.f2}};
-            rows_matmul_cpu(p.h, b, d, gate_up, 2, threads);
+            const LayerProduct gate_up[2] = {{w.w_gate, s.d_ff, p.f1}, {w.w_up, s.d_ff, p.f2}};
+            multiply(p.h, b, d, gate_up, threads);
         } else {
-            const RowsProduct up[1] = {{w.w_up.w, s.d_ff, w.w_up.transposed, p.f1}};
-            rows_matmul_cpu(p.h, b, d, up, 1, threads);
+            const LayerProduct up[1] = {{w.w_up, s.d_ff, p.f1}};
+            multiply(p.h, b, d, up, threads);
             add_bias(p.f1, w.b_up, b, s.d_ff);
         }
         activate(s, p.f1, p.f2);
-        const RowsProduct down[1] = {{w.w_down.w, d, w.w_down.transposed, p.y}};
-        rows_matmul_cpu(p.f1, b, s.d_ff, down, 1, threads);
+        const LayerProduct down[1] = {{w.w_down, d, p.y}};
+        multiply(p.f1, b, s.d_ff, down, threads);
         add_bias(p.y, w.b_down, b, d);
         add_into(x, p.y, b * d);
     }

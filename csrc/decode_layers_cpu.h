@@ -18,6 +18,8 @@
 
 #include <cstddef>
 
+#include "weight_formats_cpu.h"
+
 namespace refmath {
 
 enum class LayerNorm { rms, layer };                  // RMSNorm (N2) or LayerNorm (N1)
@@ -34,10 +36,14 @@ struct DecodeLayersShape {
 };
 
 // A weight matrix as rows_matmul_cpu reads it: (in, out) C-contiguous, or its transpose stored
-// (out, in) C-contiguous (transposed = true, the decode layout).
+// (out, in) C-contiguous (transposed = true, the decode layout). Or, where `stored` is set, the
+// (out, in) rows kept in a narrower format (bf16, f16, Q8_0 blocks) that format_rows_matmul_cpu
+// reads (catalogue W1, W2); w is then unused.
 struct LayerMatrix {
     const float* w = nullptr;
     bool transposed = false;
+    const void* stored = nullptr;
+    WeightFormat format = WeightFormat::bf16;
 };
 
 // One layer's weights (nullptr where the model has none: biases, LayerNorm's shift, the SwiGLU

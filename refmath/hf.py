@@ -416,7 +416,41 @@ def load_checkpoint(directory, dtype=np.float32, progress: bool = False):
 
 # ---- writing ---------------------------------------------------------------------------------------
 
-def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
+# The narrower dtypes save_checkpoint writes: refmath.weight_formats' rounding (catalogue W1), and
+# the safetensors and config.json names of each.
+WRITE_DTYPES = {"bf16": ("BF16", "bfloat16"), "f16": ("F16", "float16")}
+
+
+def _narrowed(t: np.ndarray, dtype: str) -> np.ndarray:
+    """A float tensor rounded to ``dtype``'s 16 bits (bf16 as ``uint16`` bit patterns), to nearest
+    with ties to even; values the format cannot hold are refused (ValueError naming them)."""
+    from refmath import weight_formats
+
+    flat = np.ascontiguousarray(t, dtype=np.float32).reshape(1, -1)
+    stored = weight_formats.to_bf16(flat) if dtype == "bf16" else weight_formats.to_f16(flat)
+    return stored.reshape(t.shape)
+
+
+def _write_safetensors(path: Path, tensors: dict, kinds: dict) -> None:
+    """A safetensors file (see the reader above) of ``tensors``, ``kinds[name]`` the dtype name of
+    each: safetensors' NumPy writer has no bfloat16, so the few lines of the format are written
+    here."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": kinds[name], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data start 8-byte aligned, as safetensors writes them
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for t in tensors.values():
+            f.write(np.ascontiguousarray(t, dtype=t.dtype.newbyteorder("<")).tobytes())
+
+
+def save_checkpoint(directory, model_name: str, config, params: dict,
+                    dtype: str | None = None) -> Path:
     """Write refmath parameters as a Hugging Face model directory (``config.json`` and
     ``model.safetensors``) that ``transformers`` loads with ``AutoModelForCausalLM``.
 
@@ -424,14 +458,22 @@ def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
     ``llama`` (``qwen2`` with ``qkv_bias``; an ``"interleaved"`` RoPE layout is permuted to
     Hugging Face's, see :func:`interleaved_to_half`), ``"mla"`` as a dense ``deepseek_v3``. The
     encoder-decoder and configurations without a Hugging Face counterpart are refused with
-    :class:`HFCheckpointError`. Tensors keep the parameters' dtype. Returns the directory.
+    :class:`HFCheckpointError`. Tensors keep the parameters' dtype, or with ``dtype`` ``"bf16"``
+    or ``"f16"`` are rounded to it (to nearest, ties to even: :mod:`refmath.weight_formats`, W1;
+    a value beyond float16's range is refused) and written as ``BF16``/``F16`` tensors, the
+    config's ``dtype`` saying so; :func:`load_checkpoint` reads them back exactly. Returns the
+    directory.
     """
+    if dtype is not None and dtype not in WRITE_DTYPES:
+        raise ValueError(f"dtype must be None (the parameters' own) or one of "
+                         f"{', '.join(map(repr, WRITE_DTYPES))}, got {dtype!r}")
     writes = [name for name in MODELS if model_module(name).HF_MODEL_TYPES]
     if model_name not in writes:
         raise HFCheckpointError(f"model {model_name!r} has no Hugging Face counterpart refmath "
                                 f"writes; it writes {', '.join(writes)}")
     check_config(model_name, config)  # exactly its class: a subclass's fields would be lost
     module = model_module(model_name)
+    narrow = dtype
     dtype = check_param_dict(params, module.param_shapes(config))
     try:
         from safetensors.numpy import save_file
@@ -439,11 +481,16 @@ def save_checkpoint(directory, model_name: str, config, params: dict) -> Path:
         raise ImportError("save_checkpoint needs the safetensors package: pip install "
                           "'refmath[hf]'") from None
     hf, tensors = module.to_hf(config, params)
-    hf["dtype"] = str(dtype)
+    hf["dtype"] = str(dtype) if narrow is None else WRITE_DTYPES[narrow][1]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()},
-              str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    if narrow is None:
+        save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()},
+                  str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    else:
+        _write_safetensors(directory / WEIGHTS_FILE,
+                           {name: _narrowed(t, narrow) for name, t in tensors.items()},
+                           dict.fromkeys(tensors, WRITE_DTYPES[narrow][0]))
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return directory
 

@@ -349,7 +349,7 @@ def format_rows_matmul(x, w, fmt: str, out=None):
 
 def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_heads: int,
                   head_dim: int, d_ff: int, norm: str, eps: float, ffn: str, rope: str,
-                  scale: float):
+                  scale: float, weights: str = "f32"):
     r"""Every layer of a decode step as one compiled object (K2, K3; used by
     :mod:`refmath.inference.compiled_step`, which builds its arguments from a model).
 
@@ -365,10 +365,15 @@ def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_head
     ``x`` ``(batch, d_model)`` through every layer in place, its key and value stored at row
     ``position``, with RoPE's ``cos`` and ``sin`` ``(head_dim / 2,)`` at that position. Raises
     ``ValueError``/``TypeError`` naming the array on a wrong shape, dtype or layout.
+
+    ``weights``: ``"f32"``, or ``"bf16"``, ``"f16"``, ``"q8_0"`` for layers whose seven matrices
+    are stored in that format as the rows of :math:`W^\top` (``quantize(W.T, weights)`` of
+    :mod:`refmath.weight_formats`), multiplied by :func:`format_rows_matmul`'s kernel (W1, W2).
     """
+    check_choice("weights", weights, ("f32", "bf16", "f16", "q8_0"))
     return _cpu().DecodeLayers(batch=batch, d_model=d_model, heads=heads, kv_heads=kv_heads,
                                head_dim=head_dim, d_ff=d_ff, norm=norm, eps=eps, ffn=ffn,
-                               rope=rope, scale=scale, layers=layers)
+                               rope=rope, scale=scale, layers=layers, weights=weights)
 
 def build_info() -> dict:
     """What was compiled and what it can use: OpenMP and how its idle threads wait, the CPU

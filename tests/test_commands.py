@@ -127,6 +127,30 @@ def test_generate_hf_stops_at_any_listed_eos_and_ignores_an_unreachable_one(tmp_
     assert len(warnings) == 1 and "eos_token_id 50256" in warnings[0] and "12 tokens" in warnings[0]
 
 
+def test_generate_weights_are_the_apis_and_a_format_that_cannot_hold_them_is_one_line(
+        tmp_path, capsys):
+    import numpy as np
+
+    from refmath.inference.generate import generate
+
+    gpt, config, params = _tiny_hf_gpt(tmp_path, eos_token_id=None)
+    params = {name: value.astype(np.float32) for name, value in params.items()}  # as --hf loads
+    for backend in ("numpy", "cpu"):
+        assert main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1", "--greedy",
+                     "--max-new-tokens", "6", "--weights", "bf16", "--backend", backend]) == 0
+        captured = capsys.readouterr()
+        ids = [int(i) for i in captured.out.strip().split(",")]
+        assert ids == generate("gpt", params, config, np.array([1]), 6, greedy=True,
+                               weights="bf16").tolist()
+        assert "bf16 layer weights" in captured.err
+    # d_model = 8: a row of 8 inputs cannot be whole 32-weight Q8_0 blocks
+    assert main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1", "--weights", "q8"]) == 2
+    err = capsys.readouterr().err.splitlines()  # the loading bar, then the one line
+    assert re.fullmatch(r"refmath generate: weights='q8_0' stores .* whole 32-weight blocks.*",
+                        err[-1]), err
+    assert sum("refmath generate" in line for line in err) == 1
+
+
 def test_generate_says_once_that_the_sequence_outgrew_the_context(tmp_path, capsys):
     _tiny_hf_gpt(tmp_path, eos_token_id=None)
     ids, err = _generate_ids(tmp_path, capsys, n=7)  # 8 tokens: exactly the context

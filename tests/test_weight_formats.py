@@ -83,6 +83,138 @@ def test_f16_is_torchs_half():
                                   torch.from_numpy(w).half().numpy().view(np.uint16))
 
 
+# ---- outside oracles: torch's bfloat16 and float16, the gguf package's Q8_0 -------------------
+
+def torch_or_skip():
+    return pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
+
+
+def gguf_or_skip():
+    return pytest.importorskip("gguf.quants", reason="the gguf package is the Q8_0 oracle; install "
+                                                     "the 'dev' extra")
+
+
+def f32_bits(bits) -> np.ndarray:
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+def bf16_ties_and_neighbours() -> np.ndarray:
+    """Every float32 that lies exactly halfway between two bfloat16 neighbours (the top 16 bits of
+    any finite pattern, then 0x8000), and the float32 one step either side of it: the ties decide
+    round-to-nearest-even, the neighbours that a tie is recognised exactly. Both signs, float32's
+    subnormals included (bfloat16 keeps float32's exponent, so they round like any other value)."""
+    top = np.arange(2**16, dtype=np.uint32)
+    top = top[(top & 0x7F80) != 0x7F80]  # finite patterns only
+    bits = np.concatenate([(top << 16) | low for low in (0x7FFF, 0x8000, 0x8001)])
+    return f32_bits(bits)
+
+
+def test_bf16_rounding_is_torchs_on_every_tie_w1():
+    torch = torch_or_skip()
+    w = bf16_ties_and_neighbours()
+    theirs = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+    overflow = np.isinf(theirs)  # torch rounds past the largest bfloat16 to infinity
+    # the tie above the largest finite value and its upper neighbour, of either sign
+    assert overflow.sum() == 4
+    assert np.all(np.abs(w[overflow]) >= (2 - 2 ** -8) * 2.0 ** 127)
+    ours = wf.from_bf16(wf.to_bf16(w[~overflow].reshape(1, -1)))[0]
+    np.testing.assert_array_equal(ours.view(np.uint32), theirs[~overflow].view(np.uint32))
+    for big in w[overflow]:  # refmath refuses what would become infinity (the module's docstring)
+        with pytest.raises(ValueError, match="round to infinity in bf16"):
+            wf.to_bf16(np.full((1, 1), big, np.float32))
+
+
+def f16_ties_and_neighbours() -> np.ndarray:
+    """Every float32 halfway between two neighbouring finite float16 values (exact in float32: 12
+    significant bits) and one float32 step either side of it, both signs, the subnormal range
+    (spacing 2^-24, the smallest tie 2^-25) included."""
+    h = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)  # 0 to 65504
+    middle = ((h[:-1] + h[1:]) / 2).astype(np.float32)
+    assert np.all(middle.astype(np.float64) == (h[:-1] + h[1:]) / 2)  # the ties are exact
+    around = [np.nextafter(middle, np.float32(-np.inf)), middle,
+              np.nextafter(middle, np.float32(np.inf))]
+    w = np.concatenate(around)
+    return np.concatenate([w, -w])
+
+
+def test_f16_rounding_is_torchs_on_every_tie_and_subnormal_w1():
+    torch = torch_or_skip()
+    w = f16_ties_and_neighbours()
+    ours = wf.to_f16(w.reshape(1, -1))[0]
+    theirs = torch.from_numpy(w).half().numpy()
+    np.testing.assert_array_equal(ours.view(np.uint16), theirs.view(np.uint16))
+    np.testing.assert_array_equal(wf.from_f16(ours.reshape(1, -1))[0],
+                                  torch.from_numpy(theirs).float().numpy())
+    # Past 65504 torch rounds to 65504 (below 65520) or to infinity; refmath refuses them all.
+    for big in (65504.004, 65519.996, 65520.0, 1e6):
+        assert torch.tensor([big]).half().float().item() in (65504.0, math.inf)
+        with pytest.raises(ValueError, match="float16's range"):
+            wf.to_f16(np.full((1, 1), big, np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_every_16_bit_pattern_is_restored_as_torch_restores_it(fmt):
+    torch = torch_or_skip()
+    patterns = np.arange(2**16, dtype=np.uint16)
+    if fmt == "bf16":
+        ours = wf.from_bf16(patterns.reshape(1, -1))[0]
+        theirs = torch.from_numpy(patterns.view(np.int16)).view(torch.bfloat16).float().numpy()
+    else:
+        ours = wf.from_f16(patterns.view(np.float16).reshape(1, -1))[0]
+        theirs = torch.from_numpy(patterns.view(np.float16)).float().numpy()
+    nan = np.isnan(theirs)
+    assert nan.sum() == 2 * (2 ** (7 if fmt == "bf16" else 10) - 1)  # every NaN pattern
+    np.testing.assert_array_equal(np.isnan(ours), nan)
+    np.testing.assert_array_equal(ours[~nan].view(np.uint32), theirs[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt, value", [("bf16", np.inf), ("bf16", np.nan), ("f16", -np.inf),
+                                        ("f16", np.nan), ("q8_0", np.inf)])
+def test_non_finite_weights_are_refused_where_torch_would_keep_them(fmt, value):
+    # torch (and gguf) carry infinities and NaNs through the rounding; refmath refuses to store a
+    # weight that is not a number, as its docstring says.
+    w = np.ones((1, 32), np.float32)
+    w[0, 5] = value
+    with pytest.raises(ValueError, match="finite"):
+        wf.quantize(w, fmt)
+
+
+def q8_0_oracle_cases():
+    rng = np.random.default_rng(21)
+    w = rng.standard_normal((16, 512)).astype(np.float32)
+    w *= np.float32(10.0) ** rng.integers(-6, 4, size=(16, 1)).astype(np.float32)  # rows of all scales
+    w[0, :32] = 0.0                                              # a block of zeros: scale 0
+    w[1, :32] = np.arange(-16, 16, dtype=np.float32) + np.float32(0.5)  # codes on ties
+    w[1, 31] = 127.0                                             # (d = 1 exactly)
+    w[2, :32] = 2.0 ** -20                                       # a scale below float16's normal range
+    return w
+
+
+def test_q8_0_quantise_and_dequantise_are_the_gguf_packages_w2():
+    quants = gguf_or_skip()
+    from gguf import GGMLQuantizationType
+
+    w = q8_0_oracle_cases()
+    theirs = quants.quantize(w, GGMLQuantizationType.Q8_0)  # uint8, (n, k / 32 * 34)
+    ours = wf.quantize_q8_0(w)
+    assert theirs.shape == (w.shape[0], ours.shape[1] * 34)
+    np.testing.assert_array_equal(ours.view(np.uint8).reshape(theirs.shape), theirs)
+    restored = quants.dequantize(theirs, GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(wf.dequantize_q8_0(ours), restored)
+
+
+def test_bf16_is_the_gguf_packages_bf16():
+    quants = gguf_or_skip()
+    from gguf import GGMLQuantizationType
+
+    w = bf16_ties_and_neighbours()
+    w = w[np.abs(w) < (2 - 2 ** -8) * 2.0 ** 127].reshape(1, -1)  # those that stay finite
+    theirs = quants.quantize(w, GGMLQuantizationType.BF16).view(np.uint16)
+    np.testing.assert_array_equal(wf.to_bf16(w), theirs)
+    np.testing.assert_array_equal(wf.from_bf16(theirs),
+                                  quants.dequantize(theirs.view(np.uint8), GGMLQuantizationType.BF16))
+
+
 @PROPERTY
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), blocks=st.integers(1, 6),
        exponent=st.integers(-30, 20), fmt=st.sampled_from(wf.FORMATS))
@@ -181,6 +313,35 @@ def test_a_large_product_within_the_rule_and_the_same_on_any_thread_count(fmt):
     # and against the float32 weights it was made from: the rounding's bound added
     exact32 = x.astype(np.float64) @ w.astype(np.float64).T
     assert np.all(np.abs(results[0] - exact32) <= wf.product_error_bound(x, stored, fmt, w=w))
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", wf.FORMATS)
+def test_the_product_against_the_float32_weights_within_its_bound_row_by_row(fmt):
+    # W1/W2's bound on the product, |y - x W^T| <= gamma_k |x| |W~|^T + |x| (rounding bound)^T,
+    # checked row by row on random rows whose sizes span twelve orders of magnitude (one row of
+    # zeros), for the compiled product and the NumPy reference that dequantises. Each row's worst
+    # error is printed as a fraction of its bound (pytest -s): the roundings have random signs, so
+    # the sum of their worst cases is rarely approached (about 0.05 here, for k = 1024).
+    rng = np.random.default_rng(31)
+    n, k = 96, 1024
+    w = random_weights(32, n, k, 0.05)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    x *= (np.float32(10.0) ** np.arange(-6, 3, dtype=np.float32))[:, None]
+    x[4] = 0.0
+    stored = wf.quantize(w, fmt)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = wf.product_error_bound(x, stored, fmt, w=w)
+    for name, y in (("kernel", kernels.format_rows_matmul(x, stored, fmt)),
+                    ("numpy", wf.rows_product(x, stored, fmt))):
+        error = np.abs(y.astype(np.float64) - exact)
+        for r in range(x.shape[0]):
+            if not bound[r].any():
+                np.testing.assert_array_equal(error[r], 0.0)  # a zero row gives exact zeros
+                continue
+            fraction = (error[r] / bound[r]).max()
+            print(f"{fmt} {name} row {r} (|x| ~ 1e{r - 6}): {fraction:.3f} of the bound")
+            assert fraction <= 1.0, f"{fmt} {name} row {r}"
 
 
 @needs_cpu

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the model of a 'train' run directory as a Hugging Face model "
                         "directory (config.json, model.safetensors and the run's character "
                         "tokenizer as tokenizer.json); OUT_DIR must be new or empty")
+    parser.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32",
+                        help="the tensors' dtype: float32 as trained, or rounded to bfloat16 or "
+                        "float16 (to nearest, ties to even; half the bytes) (default: f32)")
 
 
 def _missing_packages() -> list[str]:
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     partial = out_dir.parent / f".{out_dir.name}.partial-{secrets.token_hex(4)}"
     partial.mkdir()
     try:
-        save_checkpoint(partial, ckpt.model, ckpt.config, ckpt.params)
+        save_checkpoint(partial, ckpt.model, ckpt.config, ckpt.params,
+                        dtype=None if args.dtype == "f32" else args.dtype)
         save_tokenizer(partial, tokenizer)
         os.replace(partial, out_dir)  # replaces an empty OUT_DIR too
     except BaseException:

@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "C++ kernels (which then also multiply the weights, laid out for decoding "
                         "first), or the CUDA kernels with the cache on the GPU (default: numpy; "
                         "the decoders only)")
+    parser.add_argument("--weights", choices=("f32", "bf16", "f16", "q8"), default="f32",
+                        help="the format the layers' weight matrices are stored in and read from "
+                        "at each decode step: float32, bfloat16, float16, or q8 (llama.cpp's Q8_0 "
+                        "blocks, 8.5 bits a weight); the sums stay float32. --backend cpu reads "
+                        "the stored bytes in the compiled step; the other backends run the "
+                        "matrices dequantised (default: f32; refmath's decoder and GPT only)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="BLAS and C++ kernel threads (default: chosen from the size of the matrix products: "
                         "one for decoding with the KV cache, whose per-token products run slower "
@@ -122,6 +128,11 @@ def _for_decoding(args: argparse.Namespace, params: dict) -> dict:
     return decode_layout(params, in_place=True)
 
 
+def _weights(args: argparse.Namespace) -> str:
+    """``--weights`` as :func:`refmath.inference.generate.generate` names it."""
+    return {"q8": "q8_0"}.get(args.weights, args.weights)
+
+
 def _report_speed(n: int, seconds: float, how: str) -> None:
     print(f"({n} tokens in {seconds:.2f} s: {n / seconds:.0f} tokens/s; {how})", file=sys.stderr)
 
@@ -139,8 +150,11 @@ def _from_run(args: argparse.Namespace) -> int:
     _check_sampling_flags(args, tok.alphabet)
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
-    decoding = dict(cache=not args.no_cache, backend=args.backend)
+    decoding = dict(cache=not args.no_cache, backend=args.backend, weights=_weights(args))
     task = ckpt.task.get("name")
+    if task == ReversalTask.name and args.weights != "f32":
+        raise CommandError(f"--weights {args.weights} goes with the decoder-only models; this "
+                           f"run's {ckpt.model} is an encoder-decoder: use --weights f32")
     with _threads(args, params, len(args.prompt or "\n"), args.max_new_tokens or 200):
         start = time.perf_counter()
         if task in (ReversalTask.name, ReversalLMTask.name):
@@ -174,6 +188,8 @@ def _from_run(args: argparse.Namespace) -> int:
             _note_context(len(out), ckpt.config.max_seq_len)
     seconds = time.perf_counter() - start
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
+    if args.weights != "f32":
+        how += f", {args.weights} layer weights"
     if not MODELS[ckpt.model].decoder_only:
         how = "the encoder-decoder recomputes its decoder prefix"
     _report_speed(n, seconds, how)
@@ -267,7 +283,7 @@ def _from_hf(args: argparse.Namespace) -> int:
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, eos_id=_eos_ids(directory, config.vocab_size),
                        cache=not args.no_cache,
-                       backend=args.backend)
+                       backend=args.backend, weights=_weights(args))
         seconds = time.perf_counter() - start
     _note_context(len(out), config.max_seq_len)
     if tokenizer is not None:
@@ -276,5 +292,7 @@ def _from_hf(args: argparse.Namespace) -> int:
         print(",".join(str(i) for i in out))
     new = len(out) - len(prompt)
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
+    if args.weights != "f32":
+        how += f", {args.weights} layer weights"
     _report_speed(new, seconds, f"a {family} checkpoint as refmath's {model} model, {how}")
     return 0

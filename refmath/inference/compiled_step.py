@@ -31,27 +31,44 @@ import numpy as np
 
 from refmath import kernels
 from refmath.ffn import compiled_rows_choice
+from refmath.inference.layer_formats import LAYER_MATRICES
 from refmath.positions import rope_angles
 
 __all__ = ["compiled_layers", "CompiledLayers"]
 
 
-def compiled_layers(module, params, config) -> CompiledLayers | None:
+def compiled_layers(module, params, config, stored=None,
+                    weights: str = "f32") -> CompiledLayers | None:
     """The compiled decode layers of ``module`` with these ``params``, or None where the extension
     is missing, the parameters are not float32, or the model has no compiled layer or a layer
     with something it does not do: the model's ``compiled_layer_spec(params, config)`` (a hook
     every decoder-only model defines, :mod:`refmath.models.contract`) says what its layers are (``(shape, layers)``, the arguments of :func:`refmath.kernels.decode_layers`),
-    or None."""
+    or None.
+
+    With ``weights`` ``"bf16"``, ``"f16"`` or ``"q8_0"``, ``params`` are
+    :func:`refmath.inference.layer_formats.restored_params` and ``stored`` the
+    :func:`~refmath.inference.layer_formats.stored_layer_weights` they were restored from: the
+    layers' products then read the stored matrices (:func:`refmath.kernels.format_rows_matmul`'s
+    kernel, summed in float32) and compute what the NumPy step computes on ``params``, up to
+    float32 rounding."""
     if not kernels.cpu_available():
         return None
     found = module.compiled_layer_spec(params, config)
     if found is None:
         return None
     shape, layers = found
-    arrays = [a for layer in layers for a in layer.values()]
+    if weights != "f32":
+        names = {id(value): key for key, value in params.items()}
+        layers = [{key: stored.get(names.get(id(a)), a) if key in LAYER_MATRICES else a
+                   for key, a in layer.items()} for layer in layers]
+        if any(not isinstance(layer[key], np.ndarray) or layer[key].dtype == np.float32
+               for layer in layers for key in LAYER_MATRICES if key in layer):
+            return None  # a matrix without its stored form: the NumPy step keeps it
+    arrays = [a for layer in layers for key, a in layer.items()
+              if weights == "f32" or key not in LAYER_MATRICES]
     if not arrays or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in arrays):
         return None
-    return CompiledLayers(module, params, config, shape, layers)
+    return CompiledLayers(module, params, config, shape, layers, weights)
 
 
 class CompiledLayers:
@@ -60,8 +77,9 @@ class CompiledLayers:
     Built once per generation by :func:`compiled_layers`; :meth:`step` binds the layers to a cache
     the first time it sees that cache (its blocks are checked once, by the extension)."""
 
-    def __init__(self, module, params, config, shape: dict, layers: list):
+    def __init__(self, module, params, config, shape: dict, layers: list, weights: str = "f32"):
         self.module, self.params, self.config = module, params, config
+        self.weights = weights  # the layers' matrices: "f32", or the format they are stored in
         self._shape, self._layers = shape, layers
         self._bound = None  # (cache, the extension's DecodeLayers over its blocks)
         self._no_rotation = np.zeros(0, np.float32)
@@ -70,10 +88,12 @@ class CompiledLayers:
         """Whether :meth:`step` takes this :class:`refmath.inference.kv_cache.KVCache` now: one on
         ``backend="cpu"`` with room for the step, whose layers keep every position (no ring),
         inside a :func:`refmath.ffn.compiled_rows` block that chose the kernel (the NumPy step's
-        products then run on it too), and no rope scaling whose frequencies would change at this
-        step (the NumPy step raises for that, see :func:`refmath.models.decoder.cache_stale`)."""
-        if not (compiled_rows_choice() and cache.backend == "cpu"
-                and cache.max_len > cache.length):
+        products then run on it too; for stored weights, also outside every such block), and no
+        rope scaling whose frequencies would change at this step (the NumPy step raises for that,
+        see :func:`refmath.models.decoder.cache_stale`)."""
+        choice = compiled_rows_choice()
+        chosen = choice or (choice is None and self.weights != "f32")
+        if not (chosen and cache.backend == "cpu" and cache.max_len > cache.length):
             return False
         if any(cache.ring_size(i) is not None for i in range(cache.n_layers)):
             return False
@@ -86,7 +106,8 @@ class CompiledLayers:
         if self._bound is None or self._bound[0] is not cache:
             layers = [dict(layer, keys=k, values=v)
                       for layer, k, v in zip(self._layers, cache.keys, cache.values)]
-            self._bound = (cache, kernels.decode_layers(cache.batch, layers, **self._shape))
+            self._bound = (cache, kernels.decode_layers(cache.batch, layers, **self._shape,
+                                                        weights=self.weights))
         offset = cache.length
         x = np.ascontiguousarray(self.module.embed(self.params, ids[:, None], self.config,
                                                    offset)[:, 0], dtype=np.float32)

@@ -19,8 +19,9 @@ from types import ModuleType
 import numpy as np
 
 from refmath import ffn, kernels
-from refmath._validate import check_flag, check_int, check_ndim
+from refmath._validate import check_choice, check_flag, check_int, check_ndim
 from refmath.inference import kv_cache
+from refmath.inference.layer_formats import WEIGHTS, restored_params, stored_layer_weights
 from refmath.inference.sampling import token_picker
 from refmath.inference.weight_layout import in_decode_layout
 from refmath.models import DECODER_ONLY, MODELS, model_module
@@ -90,7 +91,7 @@ def _resolve(model) -> ModuleType:
 def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_id: int | Sequence[int] | None = None, seed=0, cache: bool = True,
-             backend: str = "numpy") -> np.ndarray:
+             backend: str = "numpy", weights: str = "f32") -> np.ndarray:
     r"""Continue ``prompt_ids`` with a decoder-only model (L7).
 
     ``model`` is ``"gpt"``, ``"llama"``, ``"mla"`` or a module with
@@ -113,6 +114,16 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     the decode steps of refmath's decoder and of GPT run every layer in one compiled call
     (:mod:`refmath.inference.compiled_step`), the NumPy layers' tokens at float32 rounding.
 
+    ``weights``: ``"f32"`` (the parameters as they are), or ``"bf16"``, ``"f16"``, ``"q8_0"``
+    (catalogue W1, W2): the layers' seven matrices are stored in that format
+    (:mod:`refmath.inference.layer_formats`; the embedding, norms, biases and head stay float32).
+    On ``backend="cpu"`` the compiled decode step reads the stored bytes
+    (:func:`refmath.kernels.format_rows_matmul`'s kernel, summed in float32); everywhere else
+    (the prefill, ``cache=False``, the other backends, a step the compiled step does not take) the
+    NumPy model runs on the matrices explicitly dequantised, the reference. Only models whose
+    compiled step takes their layers (refmath's decoder and GPT, within their
+    ``COMPILED_FIELDS``) are accepted; any other raises ``ValueError`` naming ``weights``.
+
     Returns the prompt followed by the new tokens, in the prompt's shape but longer.
     """
     module = _resolve(model)
@@ -126,8 +137,13 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     eos_ids = _eos_ids(eos_id, config.vocab_size)
     pick = token_picker(greedy, temperature, top_k, top_p, seed)
     window = config.max_seq_len
+    stored = None
+    if check_choice("weights", weights, WEIGHTS) != "f32":
+        stored = stored_layer_weights(module, params, config, weights)
+        params = restored_params(params, stored, weights)
     if check_flag("cache", cache) and _has_kv_cache(module):
-        next_logits = kv_cache.sliding_next_logits(module, params, config, window, backend)
+        next_logits = kv_cache.sliding_next_logits(module, params, config, window, backend,
+                                                   stored, weights)
     else:
         def next_logits(tokens):
             return module.logits(params, tokens[:, -window:], config)[:, -1, :]

@@ -654,9 +654,12 @@ def _step(module, params, config, cache, ids: np.ndarray, mla_path,
     return _forward_rows(module, params, config, cache, ids[:, None], mla_path)[:, 0]
 
 
-def _compiled_layers(module, params, config, backend: str) -> CompiledLayers | None:
+def _compiled_layers(module, params, config, backend: str, stored=None,
+                     weights: str = "f32") -> CompiledLayers | None:
     """The generators' compiled decode layers: on ``backend="cpu"`` only."""
-    return compiled_layers(module, params, config) if backend == "cpu" else None
+    if backend != "cpu":
+        return None
+    return compiled_layers(module, params, config, stored, weights)
 
 
 def _check_cache(cache, module, config, dtype) -> None:
@@ -777,7 +780,8 @@ def _split_once(params):
     return SplitParams(params) if isinstance(params, Mapping) else params
 
 
-def sliding_next_logits(model, params, config, window: int, backend: str = "numpy"):
+def sliding_next_logits(model, params, config, window: int, backend: str = "numpy", stored=None,
+                        weights: str = "f32"):
     """``next_logits(tokens)`` for a decoding loop that feeds at most the last ``window`` tokens
     (:func:`refmath.inference.generate.generate`): the logits ``(B, V)`` of the token after each
     row of ``tokens`` ``(B, T)``. One decode step while the cache holds every token but the newest;
@@ -785,7 +789,9 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
     once the window slides, since then the positions of every kept token change, and whenever the
     model's ``cache_stale(config, length, 1)`` says a length-dependent rope scaling changed its
     frequencies, which invalidates the cached keys). The model and the parameters are checked at
-    each prefill, not at each step."""
+    each prefill, not at each step. ``stored`` and ``weights``: the layers' matrices in a narrower
+    format for the compiled decode step, ``params`` then being what they stand for (see
+    :func:`refmath.inference.compiled_step.compiled_layers`)."""
     module = _model(model, config)
     params = _split_once(params)
     state = {"cache": None}
@@ -798,7 +804,7 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
                          state["layers"])
         z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend)
         if "layers" not in state:  # the parameters are checked by this first prefill
-            state["layers"] = _compiled_layers(module, params, config, backend)
+            state["layers"] = _compiled_layers(module, params, config, backend, stored, weights)
         return z
 
     return next_logits

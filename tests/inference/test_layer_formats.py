@@ -1,0 +1,181 @@
+"""Generation with the layers' matrices in bf16, f16 and Q8_0 (refmath.inference.layer_formats,
+catalogue W1, W2): the compiled decode step reading the stored bytes against the NumPy model on the
+explicitly dequantised matrices, with the float32 rule, and the models and options it refuses."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from refmath import kernels
+from refmath.inference import compiled_step
+from refmath.inference.generate import generate
+from refmath.inference.kv_cache import sliding_next_logits
+from refmath.inference.layer_formats import restored_params, stored_layer_weights
+from refmath.models import model_module
+from refmath.models.decoder import DecoderConfig
+from refmath.models.gpt import GPTConfig
+from refmath.models.mla import MLAConfig
+from refmath.weight_formats import FORMATS
+from _support import float32_rule
+
+needs_cpu = pytest.mark.skipif(not kernels.cpu_available(), reason="needs refmath._C")
+
+# Every matrix's inputs a multiple of 32, so that Q8_0's whole blocks hold them.
+LLAMA = DecoderConfig(vocab_size=97, max_seq_len=24, d_model=64, n_layers=2, n_heads=4,
+                      n_kv_heads=2, d_ff=96, rope_layout="half")
+GPT = GPTConfig(vocab_size=97, max_seq_len=24, n_layers=2, d_model=32, n_heads=4, d_ff=64,
+                norm_position="pre", dropout=0.0)
+CASES = {
+    "llama-gqa-half": ("llama", LLAMA),
+    "gpt-tied": ("gpt", GPT),
+    # biases, LayerNorm with its shift, a plain exact-GELU FFN, interleaved RoPE, untied head
+    "llama-bias-layernorm-gelu": ("llama", dataclasses.replace(
+        LLAMA, n_kv_heads=1, qkv_bias=True, norm="layernorm", ffn_gated=False,
+        ffn_activation="gelu", rope_layout="interleaved", tie_embeddings=False)),
+}
+
+
+def _params(model, config, seed=0):
+    """float32 parameters with every entry moved off its initial value."""
+    rng = np.random.default_rng(seed)
+    params = model_module(model).init_params(config, seed=seed)
+    return {name: (value + 0.05 * rng.standard_normal(value.shape)).astype(np.float32)
+            for name, value in params.items()}
+
+
+def _step_logits(model, params, config, tokens, prompt_len, backend, stored=None, weights="f32"):
+    """The logits ``(B, N, V)`` after each prefix of ``tokens`` from ``prompt_len`` on: one prefill,
+    then decode steps fed the given tokens (the same inputs for every path compared)."""
+    next_logits = sliding_next_logits(model, params, config, config.max_seq_len, backend, stored,
+                                      weights)
+    return np.stack([next_logits(tokens[:, :t]) for t in range(prompt_len, tokens.shape[1] + 1)],
+                    axis=1)
+
+
+def _counting(monkeypatch) -> list:
+    steps, real = [], compiled_step.CompiledLayers.step
+
+    def counted(self, cache, ids):
+        steps.append((cache.length, self.weights))
+        return real(self, cache, ids)
+
+    monkeypatch.setattr(compiled_step.CompiledLayers, "step", counted)
+    return steps
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_compiled_step_reading_stored_weights_is_the_dequantised_reference(case, fmt,
+                                                                               monkeypatch):
+    model, config = CASES[case]
+    module = model_module(model)
+    params = _params(model, config)
+    stored = stored_layer_weights(module, params, config, fmt)
+    assert len(stored) == config.n_layers * (7 if getattr(config, "ffn_gated", False) else 6)
+    restored = restored_params(params, stored, fmt)
+    restored64 = {name: value.astype(np.float64) for name, value in restored.items()}
+    prompt_len = 5
+    tokens = generate(model, restored, config, np.stack([np.arange(5), np.arange(5, 10)]), 9,
+                      greedy=True)  # batch 2, 14 tokens: 9 decode steps after the prefill
+    steps = _counting(monkeypatch)
+    fast = _step_logits(model, restored, config, tokens, prompt_len, "cpu", stored, fmt)
+    assert steps == [(t, fmt) for t in range(prompt_len, tokens.shape[1])]  # every decode step
+    plain = _step_logits(model, restored, config, tokens, prompt_len, "numpy")
+    ref64 = _step_logits(model, restored64, config, tokens, prompt_len, "numpy")
+    float32_rule(f"{fmt} layers, {case}", fast, ref64, plain,
+                 floor=4 * np.finfo(np.float32).eps * np.abs(ref64).max())
+    # and the tokens of generate() on both backends
+    out = generate(model, params, config, tokens[:, :prompt_len], 9, greedy=True, backend="cpu",
+                   weights=fmt)
+    np.testing.assert_array_equal(out, generate(model, params, config, tokens[:, :prompt_len], 9,
+                                                greedy=True, weights=fmt))
+    np.testing.assert_array_equal(out, tokens)
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_compiled_step_reads_the_stored_bytes_not_the_restored_matrices(fmt):
+    # Changing a stored matrix (and nothing of the float32 parameters) changes the compiled logits:
+    # the products read the stored form.
+    params = _params("llama", LLAMA)
+    module = model_module("llama")
+    stored = stored_layer_weights(module, params, LLAMA, fmt)
+    restored = restored_params(params, stored, fmt)
+    tokens = np.arange(8)[None, :]
+    before = _step_logits("llama", restored, LLAMA, tokens, 4, "cpu", stored, fmt)
+    stored["layers.1.ffn.w_down"] = np.zeros_like(stored["layers.1.ffn.w_down"])
+    after = _step_logits("llama", restored, LLAMA, tokens, 4, "cpu", stored, fmt)
+    np.testing.assert_array_equal(before[:, 0], after[:, 0])  # the prefill is NumPy's
+    assert np.abs(before[:, 1:] - after[:, 1:]).max() > 1e-3
+
+
+def test_the_restored_matrices_are_the_stored_ones_dequantised_and_nothing_else_changes():
+    params = _params("gpt", GPT)
+    stored = stored_layer_weights(model_module("gpt"), params, GPT, "bf16")
+    restored = restored_params(params, stored, "bf16")
+    assert set(stored) == {f"layers.{i}.{n}" for i in range(2)
+                           for n in ("attn.w_q", "attn.w_k", "attn.w_v", "attn.w_o", "ffn.w1",
+                                     "ffn.w2")}
+    for name, value in params.items():
+        if name in stored:
+            assert restored[name].shape == value.shape and restored[name].T.flags.c_contiguous
+            assert np.abs(restored[name] - value).max() <= 2.0 ** -8 * np.abs(value).max()
+            assert not np.array_equal(restored[name], value)
+        else:
+            assert restored[name] is value  # embedding, norms, biases, head: float32 as given
+
+
+@pytest.mark.parametrize("model, config", [
+    ("llama", dataclasses.replace(LLAMA, qk_norm="head")),
+    ("llama", dataclasses.replace(LLAMA, sliding_window=4)),
+    ("gpt", dataclasses.replace(GPT, norm_position="post")),
+    ("mla", MLAConfig(vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4, d_c=16,
+                      d_rope=8, d_ff=48)),
+], ids=["qk-norm", "window", "post-ln", "mla"])
+def test_a_model_the_compiled_step_does_not_take_is_refused_naming_weights(model, config):
+    params = _params(model, config)
+    with pytest.raises(ValueError, match=r"^weights='bf16' stores the layers .*use weights='f32'$"):
+        generate(model, params, config, np.arange(3), 2, greedy=True, weights="bf16")
+    generate(model, params, config, np.arange(3), 2, greedy=True, weights="f32")  # as before
+
+
+def test_bad_weights_are_refused_naming_the_option():
+    params = _params("llama", LLAMA)
+    with pytest.raises(ValueError, match="weights must be one of 'f32', 'bf16', 'f16', 'q8_0'"):
+        generate("llama", params, LLAMA, np.arange(3), 2, weights="int4")
+    with pytest.raises(TypeError, match="weights='f16' rounds float32 matrices"):
+        generate("llama", {k: v.astype(np.float64) for k, v in params.items()}, LLAMA,
+                 np.arange(3), 2, weights="f16")
+    odd = dataclasses.replace(LLAMA, d_ff=48)
+    with pytest.raises(ValueError, match=r"weights='q8_0' stores .* whole 32-weight blocks, got "
+                                         r"layers\.0\.ffn\.w_down of shape \(48, 64\)"):
+        generate("llama", _params("llama", odd), odd, np.arange(3), 2, weights="q8_0")
+
+
+@needs_cpu
+def test_decode_layers_refuses_stored_matrices_of_the_wrong_shape_or_dtype():
+    module = model_module("llama")
+    params = _params("llama", LLAMA)
+    stored = stored_layer_weights(module, params, LLAMA, "q8_0")
+    restored = restored_params(params, stored, "q8_0")
+    shape, layers = module.compiled_layer_spec(restored, LLAMA)
+    cache = np.zeros((1, 2, 8, 16), np.float32)
+
+    def build(**change):
+        layer = dict(layers[0], keys=cache, values=cache.copy(), **change)
+        layer.update({k: stored[f"layers.0.{'attn' if k in ('w_q', 'w_k', 'w_v', 'w_o') else 'ffn'}.{k}"]
+                      for k in ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down")
+                      if k not in change})
+        return kernels.decode_layers(1, [layer], **shape, weights="q8_0")
+
+    build()  # the stored matrices as they are
+    with pytest.raises(ValueError, match=r"layers\[0\]\['w_q'\] in format q8_0 must have shape "
+                                         r"\(64, 2\), got \(64, 4\)"):
+        build(w_q=np.zeros((64, 4), stored["layers.0.attn.w_q"].dtype))
+    with pytest.raises(TypeError, match=r"layers\[0\]\['w_up'\] in format q8_0 must have dtype"):
+        build(w_up=np.zeros((96, 2), np.float32))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        kernels.decode_layers(1, [], **shape, weights="q4_0")
