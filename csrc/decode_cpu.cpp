@@ -86,10 +86,13 @@ REFMATH_INLINE void prefetch_row(const float* row, idx D) {
 // for a paged one). The rows of the next block arrive in time only if the first touch of each
 // 4 KiB page of memory (the translation of its address, the memory row it opens) has already
 // happened; requested one block ahead, that first touch was still waiting when the fold
-// needed the row. One request per 4 KiB costs little and takes that wait out of the fold: on a
-// 2-core Zen 4 (1 thread, H = 32, G = 8, D = 128, cold caches, the CPU time of paired calls under
-// load 5-8) paged decode took 0.76x its time at T = 4k and 0.83x at 32k, and contiguous decode
-// 0.85x and 0.74x, which brought it to 1.03x the time of a plain read of its bytes at 32k.
+// needed the row. One request per 4 KiB costs little and takes that wait out of the fold. How
+// much it buys depends on the size of the memory pages: on a 2-core Zen 4 (1 thread, H = 32,
+// G = 8, D = 128, cold caches, the CPU time of paired calls, the machine shared, load 4-8), with
+// caches in 4 KiB pages (a C++ caller's plain allocation) paged decode took 0.76x its time at
+// T = 4k and 0.83x at 32k, contiguous 0.85x and 0.74x; in 2 MiB pages (NumPy's large arrays,
+// where the system grants them) the first touches are 512 times rarer and it bought less:
+// paged 0.94-0.98x and contiguous 0.94-0.99x at 4k to 64k, never slower.
 constexpr idx kLookAheadFloats = 16384;   // 64 KiB: in a contiguous cache, how far further on
 constexpr idx kLookAheadStride = 1024;    // 4 KiB: one request per page of memory
 
