@@ -10,6 +10,10 @@ as a fraction of it.
 * How: refmath.kernels.stream_sum, every OpenMP thread of the kernels (refmath.kernels
   .cpu_threads(), which --threads sets) reading one contiguous stretch front to back into vector
   accumulators: a read, and nothing else.
+* Scattered pages: with ``order`` (a paged cache's page-table row), each array is a pool of pages
+  ``(n_pages, ...)`` read page after page in that order (the next page requested while one is
+  read), the read a paged decode must make of that placement and nothing else: the floor a paged
+  kernel is shown against, beside the plain read of the same bytes in one run.
 * Cold: before each timed read, and untimed, a single-threaded NumPy read of other memory, 1.5
   times the last-level cache this CPU reports (Linux's /sys/devices/system/cpu/cpu0/cache; 128
   MiB where it reports none, --evict-mib to choose), so the read finds its bytes in memory rather
@@ -56,23 +60,29 @@ def default_evict_mib() -> float:
 
 class ReadReference:
     """A plain read of ``nbytes`` (a buffer of that many bytes, rounded up to whole floats) or of
-    ``arrays`` (float32, each read front to back in turn), with an eviction of ``evict_mib`` MiB
-    before each timed read (None: :func:`default_evict_mib`; 0: warm)."""
+    ``arrays`` (float32, each read front to back in turn; with ``order``, each a pool of pages
+    read page ``order[0]``, ``order[1]``, ... in turn, only those pages counted), with an eviction
+    of ``evict_mib`` MiB before each timed read (None: :func:`default_evict_mib`; 0: warm)."""
 
-    def __init__(self, nbytes: int | None = None, arrays=None, evict_mib: float | None = None):
+    def __init__(self, nbytes: int | None = None, arrays=None, evict_mib: float | None = None,
+                 order=None):
         if (nbytes is None) == (arrays is None):
             raise ValueError("give the reference either nbytes or arrays")
+        if order is not None and arrays is None:
+            raise ValueError("order reads pages of the arrays given: give arrays with it")
         if arrays is None:
             arrays = [np.ones(max(1, -(-int(nbytes) // 4)), np.float32)]
         self.arrays = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays]
-        self.nbytes = sum(a.nbytes for a in self.arrays)
+        self.order = None if order is None else np.ascontiguousarray(order, dtype=np.int32)
+        self.nbytes = (sum(a.nbytes for a in self.arrays) if self.order is None else
+                       sum(a[0].nbytes * len(self.order) for a in self.arrays))
         self.evict_mib = default_evict_mib() if evict_mib is None else float(evict_mib)
         self.evict = neutral_reader(self.evict_mib)
         self.read()  # every page touched once, untimed
 
     def read(self) -> None:
         for a in self.arrays:
-            kernels.stream_sum(a)
+            kernels.stream_sum(a, self.order)
 
     def seconds(self) -> float:
         """One cold read: the eviction (untimed), then the timed read."""
@@ -85,5 +95,6 @@ class ReadReference:
     def describe(self) -> str:
         cold = (f"after an untimed one-thread NumPy read of {self.evict_mib:g} MiB of other memory"
                 if self.evict is not None else "warm (no eviction)")
+        pages = "" if self.order is None else f" (pages in the order of a page table of {len(self.order)})"
         return (f"read reference: stream_sum of exactly the {self.nbytes / 2**20:.1f} MiB the "
-                f"operation reads, on {kernels.cpu_threads()} thread(s), each read {cold}")
+                f"operation reads{pages}, on {kernels.cpu_threads()} thread(s), each read {cold}")

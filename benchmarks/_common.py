@@ -52,11 +52,14 @@ def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bo
     return {name: 1e3 * pick(t) for name, t in times.items()}
 
 
-def rotated_times(fns: dict, repeats: int = 5, warmup: int = 1, before=None) -> dict:
+def rotated_times(fns: dict, repeats: int = 5, warmup: int = 1, before=None,
+                  clock=time.perf_counter) -> dict:
     """Seconds of each of ``repeats`` timed calls per peer, ``{name: [s, ...]}``. The peers take
     turns, and the order of the turns rotates every round (a b c, b c a, c a b, ...), so that no
     peer always runs first after the untimed ``before(name)`` (called before every timed call: an
-    eviction, a wake-up of that peer's thread pool) or always after the same neighbour."""
+    eviction, a wake-up of that peer's thread pool) or always after the same neighbour. ``clock``:
+    wall time by default; ``time.thread_time`` counts only the calling thread's CPU time, which a
+    busy machine's preemptions leave out (valid only for calls that run on the calling thread)."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -69,9 +72,9 @@ def rotated_times(fns: dict, repeats: int = 5, warmup: int = 1, before=None) -> 
         for name in names[shift:] + names[:shift]:
             if before is not None:
                 before(name)
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 

@@ -18,8 +18,9 @@ Peers, float32, on the same number of threads:
   the pool (the same code reading a pool that happens to be one run), which tells what the paging
   costs from what the scattered placement costs;
 * read p=N: stream_sum of the paged pools alone, page after page in the page table's order (the
-  next page requested while one is read): what this machine reads of that placement when nothing
-  else is done, the paged peer's own ceiling, beside the contiguous one;
+  next page requested while one is read; benchmarks/_bandwidth.py's reference with the page
+  table's order): what this machine reads of that placement when nothing else is done, the paged
+  peer's own floor, beside the contiguous one; the ratio table shows the paged kernel against it;
 * torch grouped, the peer at its best: torch.nn.functional.scaled_dot_product_attention with the
   query regrouped as (B, G, H/G, D), the H/G query heads of a key/value head taking the place of
   query positions, against the contiguous caches: one matrix product per group, no copy of K and V;
@@ -54,6 +55,7 @@ Fairness: every timed call starts from the same state, whoever runs it.
     python benchmarks/decode.py --contexts 4096 32768 --repeats 10
     OMP_NUM_THREADS=1 python benchmarks/decode.py   # every peer on one thread
     OMP_WAIT_POLICY=passive python benchmarks/decode.py  # a machine other jobs keep busy
+    OMP_NUM_THREADS=1 python benchmarks/decode.py --clock thread  # CPU time, on a busy machine
 
 On a machine whose other jobs keep the cores busy, OpenMP's spinning waits let a thread that lost
 its core hold up the other at every barrier, which costs refmath's many short parallel regions
@@ -61,11 +63,18 @@ more than torch's. refmath.kernels loads the OpenMP runtime with OMP_WAIT_POLICY
 the environment sets a policy (the header prints which), and torch, loaded after it here, shares
 that runtime: OMP_WAIT_POLICY=active python benchmarks/decode.py times both spinning.
 
+--clock thread times each call by the CPU time of the calling thread (time.thread_time) instead
+of the wall clock: on one thread every peer runs on the calling thread, and the time the operating
+system gives the core to other processes is then left out of every figure (what they take of the
+memory bandwidth and the shared cache is not). Only on one thread: the other threads' time would
+be missing.
+
 Nothing is asserted: the figures depend on the machine (and on its load, printed first).
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 from _common import (best_ms, choose_vector_width, load_average, machine_line, median_min_ms,
@@ -109,6 +118,10 @@ def parse_args(argv=None):
                         help="calls: an untimed call of the same peer before the eviction; "
                              "awake: wake each peer's own thread pool with a tiny call after the "
                              "eviction; asleep: neither")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="wall: wall-clock time; thread: the CPU time of the calling thread "
+                             "(one thread only), which leaves out the time other processes hold "
+                             "the core")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run of a few seconds: T = 4096, 3 calls, a 256 MiB probe")
     args = parser.parse_args(argv)
@@ -126,6 +139,9 @@ def parse_args(argv=None):
         parser.error("--evict-mib must be >= 0")
     if args.heads % args.kv_heads:
         parser.error("--kv-heads must divide --heads")
+    if args.clock == "thread" and kernels.cpu_threads() != 1:
+        parser.error(f"--clock thread times the calling thread alone: run on one thread "
+                     f"(OMP_NUM_THREADS=1), not {kernels.cpu_threads()}")
     return args
 
 
@@ -233,9 +249,8 @@ def main(argv=None):
                     lambda pages=pages: kernels.paged_decode(q, *pages, lengths))
                 if not in_order:
                     k_pages, v_pages, table = pages
-                    peers[paged_read_name(p)] = (
-                        lambda k_pages=k_pages, v_pages=v_pages, order=table[0]: (
-                            kernels.stream_sum(k_pages, order), kernels.stream_sum(v_pages, order)))
+                    peers[paged_read_name(p)] = ReadReference(
+                        arrays=(k_pages, v_pages), order=table[0], evict_mib=0).read
         if torch is not None:
             tk, tv = torch.from_numpy(k), torch.from_numpy(v)
             tq_gqa = torch.from_numpy(q)[:, :, None]                    # (1, H, 1, D)
@@ -249,7 +264,8 @@ def main(argv=None):
         worst = max(float(np.abs(np.asarray(f()) - ours).max()) for f in outputs.values())
         if worst > 1e-4:
             raise SystemExit(f"T={t}: the peers disagree with refmath's decode by {worst:.1e}")
-        times = rotated_times(peers, args.repeats, before=before)
+        times = rotated_times(peers, args.repeats, before=before,
+                              clock=time.thread_time if args.clock == "thread" else time.perf_counter)
         ms = {name: median_min_ms(s) for name, s in times.items()}
         kv_bytes = k.nbytes + v.nbytes
         ceiling = kv_bytes / (ms["read"][0] * 1e-3)
@@ -263,6 +279,9 @@ def main(argv=None):
         for name in paged_names(args):
             paged = ms[name]
             ratio.append(f"{paged[0] / ms['contiguous'][0]:.2f} ({paged[1] / ms['contiguous'][1]:.2f})")
+        for p in args.page_size:  # the paged kernel against its floor, the read of its pages
+            floor = ms[paged_read_name(p)]
+            ratio.append(f"{ms[paged_name(p)][0] / floor[0]:.2f} ({ms[paged_name(p)][1] / floor[1]:.2f})")
         for p in args.page_size:  # what the scattered placement costs a plain read
             read_p = ms[paged_read_name(p)]
             ratio.append(f"{read_p[0] / ms['read'][0]:.2f} ({read_p[1] / ms['read'][1]:.2f})")
@@ -286,18 +305,23 @@ def main(argv=None):
     print_table(["T", "peer", "median ms", "min ms", "GB/s", "of read", "time / refmath"], rows,
                 title=f"decode, B=1 H={h} G={g} D={d}, float32, page sizes "
                       f"{', '.join(map(str, args.page_size))}, {threads} thread(s); "
-                      f"{args.repeats} calls per peer in rotating turns, {evicted}; {pools}. "
+                      f"{args.repeats} calls per peer in rotating turns, {evicted}; {pools}; "
+                      + ("times: CPU time of the calling thread. " if args.clock == "thread"
+                         else "times: wall clock. ") +
                       "GB/s and 'of read' from the median; 'of read': of the stream_sum row (the "
                       "same K and V, same turns); time / refmath: median (minimum) over refmath "
                       "contiguous's")
     print()
     paged_columns = [f"{name.removeprefix('refmath ')} / contiguous" for name in paged_names(args)]
+    floor_columns = [f"paged p={p} / read p={p}" for p in args.page_size]
     read_columns = [f"read p={p} / read" for p in args.page_size]
-    print_table(["T", "K+V MiB", *paged_columns, *read_columns,
+    print_table(["T", "K+V MiB", *paged_columns, *floor_columns, *read_columns,
                  "torch grouped / refmath", "torch enable_gqa / refmath"], ratio_rows,
                 title="time ratios, median (minimum); above 1 refmath's contiguous decode is faster "
-                      "(torch grouped is torch at its best); read p=N / read: the time a plain "
-                      "read of the scattered pages takes over the time of one of the caches")
+                      "(torch grouped is torch at its best); paged p=N / read p=N: the paged "
+                      "kernel over a plain read of its scattered pages (its floor); read p=N / "
+                      "read: the time a plain read of the scattered pages takes over the time of "
+                      "one of the caches")
     print(load_average() + " at the end")
 
 

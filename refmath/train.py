@@ -57,6 +57,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refmath import kernels
 from refmath.models import MODELS, config_class, model_module
 from refmath.models.common import TrainingRecipe
 from refmath.models.decoder import expert_loads, moe_aux_loss
@@ -622,6 +623,15 @@ def _finish_step_on_interrupt():
         signal.signal(signal.SIGINT, previous)
 
 
+def _thread_limits(blas: int | None, kernel_threads: int | None) -> contextlib.ExitStack:
+    """BLAS's threads (``blas``, None: as they are) and the C++ kernels' OpenMP threads
+    (``kernel_threads``, None: as they are) for the length of a ``with`` block."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(blas_threads(blas))
+    stack.enter_context(kernels.cpu_thread_limit(kernel_threads))
+    return stack
+
+
 def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: int | None = None,
           lr: float | None = None, seed: int | None = None, config=None, task: dict | None = None,
           resume: bool = False, eval_every: int | None = None, progress: bool = False,
@@ -647,7 +657,10 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
 
     ``threads``: BLAS threads for the run (default: chosen by
     :func:`refmath._threads.choose_blas_threads` from the largest product of a step, batch rows
-    times the widest weight matrix).
+    times the widest weight matrix), and the C++ kernels' OpenMP threads too (the FlashAttention
+    kernel of ``attention_backend="cpu"``; :func:`refmath.kernels.cpu_thread_limit`, restored when
+    the run returns), as ``generate --threads`` sets both. Default: the kernels'
+    count is left as it is.
 
     ``experts`` (a fresh ``llama`` or ``mla`` run): every feed-forward a mixture of that many
     experts, ``top_k`` per token (:func:`with_experts`); the log shows the auxiliary loss and how
@@ -701,7 +714,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
 
     rows = settings.batch_size * run.config.max_seq_len
     chosen = choose_blas_threads(largest_product(rows, run.params), threads)
-    pool = blas_threads(chosen)
+    pool = _thread_limits(chosen, threads)
     start = time.perf_counter()
     last_line = start
     try:
@@ -752,7 +765,7 @@ def train(model: str | None, out_dir, *, steps: int | None = None, batch_size: i
         final = {"train": float(history["eval_train"][-1]), "val": float(history["eval_val"][-1])}
     accuracy = None
     if done and isinstance(run.task, (ReversalTask, ReversalLMTask)) and accuracy_examples:
-        with blas_threads(chosen):
+        with _thread_limits(chosen, threads):
             accuracy = reversal_accuracy(run.params, run.config, run.task, accuracy_examples,
                                          model=run.model)
     with contextlib.suppress(ImportError):

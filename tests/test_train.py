@@ -620,3 +620,36 @@ def test_the_experts_flag(tmp_path, capsys):
     assert main(["train", "--model", "llama", "--experts", "0", "--out", str(out),
                  "--no-progress"]) == 2
     assert "--experts" in capsys.readouterr().err
+
+
+# ---- threads -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_sets_the_kernels_openmp_threads_for_the_run_and_restores_them(
+        tmp_path, monkeypatch, threads):
+    from refmath import kernels
+
+    if not kernels.cpu_available():
+        pytest.skip("the C++ module is not built")
+    seen = []  # the kernels' thread count at every call of the FlashAttention kernel
+    forward = kernels.flash_attention_forward
+
+    def watched(*args, **kwargs):
+        seen.append(kernels.cpu_threads())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "flash_attention_forward", watched)
+    before = kernels.set_cpu_threads(3)  # a setting of the caller's, different from both
+    try:
+        T.train("gpt", tmp_path, steps=2, batch_size=4, lr=2e-2, task=CHARS,
+                config=dataclasses.replace(tiny_gpt(), attention_backend="cpu"), eval_every=2,
+                threads=threads, out=open(os.devnull, "w"))
+        assert seen and set(seen) == {threads}  # training steps and the evaluation alike
+        assert kernels.cpu_threads() == 3  # the caller's setting is back
+        seen.clear()
+        T.train("gpt", tmp_path / "default", steps=1, batch_size=4, lr=2e-2, task=CHARS,
+                config=dataclasses.replace(tiny_gpt(), attention_backend="cpu"), eval_every=1,
+                out=open(os.devnull, "w"))
+        assert seen and set(seen) == {3}  # no threads given: the count is left as it is
+    finally:
+        kernels.set_cpu_threads(before)

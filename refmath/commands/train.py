@@ -55,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="evaluate and checkpoint every N steps (default: 100; a resumed run "
                         "keeps its own)")
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="BLAS threads (default: chosen from the size of the matrix products: "
-                        "one for the default models, whose small products run slower on many "
-                        "threads; a thread count set in OPENBLAS_NUM_THREADS is kept)")
+                        help="BLAS threads and the C++ kernels' OpenMP threads (default: BLAS's "
+                        "chosen from the size of the matrix products: one for the default models, "
+                        "whose small products run slower on many threads; a thread count set in "
+                        "OPENBLAS_NUM_THREADS is kept; the kernels' left as they are)")
     parser.add_argument("--experts", type=int, metavar="E",
                         help=f"{', '.join(expert_models())}: make every feed-forward a mixture "
                         "of E SwiGLU experts "
