@@ -610,14 +610,13 @@ def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path,
 
 
 def refmath_configs():
-    from refmath.models import decoder, gpt, mla
+    from refmath.models import decoder, falcon as falcon_model, gpt, mla
 
     gemma = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
                  n_kv_heads=2, head_dim=6, d_ff=40, rope_base=300.0, norm_offset=1.0,
                  embed_scale=True, ffn_activation="gelu_tanh", tie_embeddings=True)
     falcon = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=40,
-                  rope_base=300.0, parallel_block=True, norm="layernorm", ffn_gated=False,
-                  ffn_activation="gelu", norm_eps=1e-5)
+                  rope_base=300.0, norm_eps=1e-5)
     return {
         "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
@@ -664,13 +663,12 @@ def refmath_configs():
             sliding_window=4, window_layers=(True, False), local_rope_base=100.0,
             rope_scaling=dict(rope_type="linear", factor=4.0))),
         "falcon (parallel block, one LayerNorm, MQA, interleaved RoPE)": (
-            "llama", decoder.DecoderConfig(**falcon, n_kv_heads=1, tie_embeddings=True)),
+            "falcon", falcon_model.FalconConfig(**falcon, n_kv_heads=1, tie_embeddings=True)),
         "falcon (two LayerNorms, GQA, untied, tanh GELU, half RoPE)": (
-            "llama", decoder.DecoderConfig(**dict(falcon, ffn_activation="gelu_tanh"), n_kv_heads=2,
-                                           parallel_norms=2, rope_layout="half")),
-        "falcon (sequential block, MHA, linear scaling)": ("llama", decoder.DecoderConfig(
-            **dict(falcon, parallel_block=False), rope_scaling=dict(rope_type="linear",
-                                                                    factor=2.0))),
+            "falcon", falcon_model.FalconConfig(**falcon, ffn="gelu_tanh", n_kv_heads=2,
+                                                parallel_norms=2, rope_layout="half")),
+        "falcon (sequential block, MHA, linear scaling)": ("falcon", falcon_model.FalconConfig(
+            **falcon, parallel_block=False, rope_scaling=dict(rope_type="linear", factor=2.0))),
         "olmo2 (norms after the sublayers, QK-norm on the projections, interleaved RoPE)": (
             "llama", decoder.DecoderConfig(
                 vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -781,7 +779,7 @@ def test_interleaved_to_half_keeps_every_score():
 
 
 def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
-    from refmath.models import decoder, gpt, mla, transformer
+    from refmath.models import decoder, falcon as falcon_model, gpt, mla, transformer
 
     config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
                                    n_heads=2, qk_norm="projection")
@@ -792,18 +790,15 @@ def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
     with pytest.raises(hf.HFCheckpointError, match="olmo2, which needs qk_norm = 'projection'"):
         hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
 
-    falcon = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2,
-                  parallel_block=True, norm="layernorm", ffn_gated=False, ffn_activation="gelu")
+    falcon = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2)
     for fields, message in ((dict(norm="layernorm_no_bias"),
                              "falcon, which needs norm = 'layernorm'"),
-                            (dict(qkv_bias=True), "qkv_bias = False"),
-                            (dict(ffn_gated=True, ffn_activation="silu"), "ffn_gated = False"),
-                            (dict(head_dim=4), "head_dim = 4"),
+                            (dict(ffn="swiglu"), "ffn = 'gelu' or 'gelu_tanh'"),
                             (dict(parallel_block=False, n_heads=4, n_kv_heads=2),
                              "n_kv_heads = 2")):
-        config = decoder.DecoderConfig(**{**falcon, **fields})
+        config = falcon_model.FalconConfig(**{**falcon, **fields})
         with pytest.raises(hf.HFCheckpointError, match=message):
-            hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
+            hf.save_checkpoint(tmp_path, "falcon", config, falcon_model.init_params(config))
 
     plain = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=2)
     for fields, message in ((dict(sliding_window=4, window_layers=(False, True)),
@@ -861,7 +856,7 @@ def llama_dir(tmp_path):
     # a Phi-3 without LongRoPE computes a windowed Mistral, and is written as one (hf.py's table)
     ("phi3", "mistral")])
 def test_a_checkpoint_reports_its_own_family(model_type, written, tmp_path):
-    """A Falcon checkpoint is of the family "falcon" though refmath's "llama" model computes it,
+    """A Gemma 2 checkpoint is of the family "gemma2" though refmath's "llama" model computes it,
     and saving what was loaded writes the family of what it computes."""
     random_model(model_type).save_pretrained(tmp_path / "in", safe_serialization=True)
     assert hf.checkpoint_family(hf.read_config(tmp_path / "in")) == model_type
@@ -872,11 +867,11 @@ def test_a_checkpoint_reports_its_own_family(model_type, written, tmp_path):
 
 
 def test_generate_names_the_checkpoints_family(tmp_path):
-    random_model("falcon").save_pretrained(tmp_path, safe_serialization=True)
+    random_model("gemma2").save_pretrained(tmp_path, safe_serialization=True)
     status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
                                "--greedy", "--max-new-tokens", "2"])
     assert status == 0, err
-    assert "a falcon checkpoint as refmath's llama model" in err
+    assert "a gemma2 checkpoint as refmath's llama model" in err
 
 
 def test_checkpoint_family_refuses_an_unsupported_model_type():
@@ -994,10 +989,9 @@ def test_falcon_layouts_load_as_their_blocks(variant, expected, tmp_path):
     model_type, overrides = VARIANTS[variant]
     random_model(model_type, **overrides).save_pretrained(tmp_path, safe_serialization=True)
     _, config, _ = hf.load_checkpoint(tmp_path)
-    assert (config.kv_heads, config.parallel_block, config.parallel_norms, config.ffn_activation,
+    assert (config.kv_heads, config.parallel_block, config.parallel_norms, config.ffn,
             config.tie_embeddings) == expected
-    assert (config.norm, config.ffn_gated, config.d_f, config.rope_layout) == (
-        "layernorm", False, 48, "half")
+    assert (config.norm, config.d_f, config.rope_layout) == ("layernorm", 48, "half")
 
 
 def test_refuses_a_missing_or_mis_shaped_expert(tmp_path):

@@ -47,6 +47,7 @@ MODELS = {
     "llama": ModelEntry("refmath.models.decoder", "DecoderConfig", "M3", True),
     "mla": ModelEntry("refmath.models.mla", "MLAConfig", "M4", True),
     "cohere": ModelEntry("refmath.models.cohere", "CohereConfig", "M3", True),
+    "falcon": ModelEntry("refmath.models.falcon", "FalconConfig", "M3", True),
 }
 DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
 
