@@ -66,7 +66,7 @@ RELEVANT_TESTS = {
 # and gradient cases through their model's files.
 _DECODER = RELEVANT_TESTS["refmath.models.decoder"]
 _COHERE = ["tests/models/test_cohere.py", "tests/test_gradcheck.py"]
-_FALCON = ["tests/models/test_falcon.py", "tests/test_hf.py",
+_FALCON = ["tests/models/test_falcon.py", "tests/models/test_falcon_hf.py",
            "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
 RELEVANT_TESTS.update({
     "refmath.models.blocks": _DECODER + _COHERE + _FALCON,

@@ -2,7 +2,7 @@
 sequential block, LayerNorm with and without its bias, the plain GELU FFN and PaLM's SwiGLU,
 the PaLM preset, the KV cache, and the configuration's checks. What every model satisfies is
 tests/models/test_model_properties.py's; the torch oracle is test_decoder_torch.py's, Hugging
-Face's parity tests/test_hf.py's."""
+Face's parity test_falcon_hf.py's."""
 import dataclasses
 import json
 import math
