@@ -64,11 +64,11 @@ from refmath.registry import ParamCase, register_case
 
 __all__ = [
     "FalconConfig", "NORMS", "FFNS", "PALM", "PRESETS", "preset", "TRAINING_RECIPE",
-    "param_shapes", "init_params", "ffn_forward", "LayerCache", "block_forward", "layer_forward",
-    "layer_backward", "FalconCache", "network_forward", "network_backward", "forward", "backward",
-    "logits", "layer_kv", "rope_options", "cache_stale", "cache_spec", "embed", "cached_layer",
-    "head", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields", "HF_MODEL_TYPES",
-    "key_table", "config_from_hf", "params_from_hf", "to_hf"
+    "param_shapes", "init_params", "layer_norm", "ffn_forward", "LayerCache", "block_forward",
+    "layer_forward", "layer_backward", "FalconCache", "network_forward", "network_backward",
+    "forward", "backward", "logits", "layer_kv", "rope_options", "cache_stale", "cache_spec",
+    "embed", "cached_layer", "head", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields",
+    "HF_MODEL_TYPES", "key_table", "config_from_hf", "params_from_hf", "to_hf"
 ]
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -81,8 +81,8 @@ FFNS = ("gelu", "gelu_tanh", "swiglu")
 @dataclass(frozen=True, kw_only=True)
 class FalconConfig:
     """Sizes and options of Falcon and the parallel-block decoders. ``dataclasses.asdict``
-    round-trips through JSON. The defaults are Llama's (:class:`refmath.models.decoder.DecoderConfig`)
-    where both have the field."""
+    round-trips through JSON. The defaults are Llama's
+    (:class:`refmath.models.decoder.DecoderConfig`) where both have the field."""
 
     vocab_size: int  # V, rows of the token table
     max_seq_len: int  # the longest sequence accepted (RoPE has no table: a contract, not a size)
@@ -229,7 +229,7 @@ def init_params(config: FalconConfig, seed=0, dtype=np.float64) -> dict:
 
 # ---- the layer: two norms or one, attention and FFN side by side or in turn ----------------------
 
-def _norm(params: dict, name: str, config: FalconConfig):
+def layer_norm(params: dict, name: str, config: FalconConfig):
     """The norm ``name`` (``"ln1"``, ``"ln_f"``, ...) as a function of the rows."""
     return lambda x: blocks.norm_forward(x, config.norm, params[name + ".gamma"],
                                          params.get(name + ".beta"), config.norm_eps)
@@ -258,12 +258,13 @@ def block_forward(x, params: dict, config: FalconConfig, attn_branch, ffn_branch
     \operatorname{FFN}(N_2(x))` (N21), or the two sublayers in turn, :math:`x' = x +
     \operatorname{Attn}(N_1(x))`, :math:`x'' = x' + \operatorname{FFN}(N_2(x'))` (N4). Returns
     ``(x'', attn, ffn)``, the branches' :class:`refmath.models.blocks.SublayerCache`\ s."""
-    norm1 = _norm(params, "ln1", config)
+    norm1 = layer_norm(params, "ln1", config)
     if not config.parallel_block:
         x, attn = blocks.sublayer_forward(x, norm1, attn_branch, drops[0])
-        x, ffn = blocks.sublayer_forward(x, _norm(params, "ln2", config), ffn_branch, drops[1])
+        norm2 = layer_norm(params, "ln2", config)
+        x, ffn = blocks.sublayer_forward(x, norm2, ffn_branch, drops[1])
         return x, attn, ffn
-    norm2 = _norm(params, "ln2", config) if config.parallel_norms == 2 else None
+    norm2 = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
     return blocks.parallel_forward(x, (norm1, norm2), (attn_branch, ffn_branch), drops)
 
 
@@ -322,7 +323,7 @@ def network_forward(params, tokens, config: FalconConfig, train: bool = False, r
     for i in range(config.n_layers):
         x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), config, drops[i])
         layers.append(layer)
-    x, norm_f = _norm(params, "ln_f", config)(x)
+    x, norm_f = layer_norm(params, "ln_f", config)(x)
     z, head_cache = linear_forward(x, _head_weight(params, config))
     return z, FalconCache(emb, tuple(layers), norm_f, head_cache, config.tie_embeddings)
 
@@ -374,7 +375,7 @@ def layer_kv(cache: FalconCache) -> list:
     return [rope_attention_state(layer.attn.branch) for layer in cache.layers]
 
 
-# ---- inference with a KV cache (K2, K3); rope_options and cache_stale are Llama's -----------------
+# ---- inference with a KV cache (K2, K3); rope_options and cache_stale are Llama's ----------------
 
 def cache_spec(config: FalconConfig, batch: int, max_len: int) -> CacheSpec:
     """Keys and values of ``g`` heads per layer, ``(L, B, g, max_len, d_h)`` each."""
@@ -400,7 +401,8 @@ def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int)
 
 def head(params, x, config: FalconConfig) -> np.ndarray:
     """Final LayerNorm and output projection of the new rows: ``(B, n, V)``."""
-    return linear_forward(_norm(params, "ln_f", config)(x)[0], _head_weight(params, config))[0]
+    x, _ = layer_norm(params, "ln_f", config)(x)
+    return linear_forward(x, _head_weight(params, config))[0]
 
 
 COMPILED_FIELDS = None  # the compiled decode layer is not handed these layers: the NumPy step runs
@@ -420,7 +422,7 @@ def sizing_fields(config: FalconConfig) -> dict:
                 norms_per_layer=config.parallel_norms if config.parallel_block else 2)
 
 
-# ---- Hugging Face: one key table, read by params_from_hf and written by to_hf ---------------------
+# ---- Hugging Face: one key table, read by params_from_hf and written by to_hf --------------------
 
 HF_MODEL_TYPES = ("falcon",)
 

@@ -48,7 +48,7 @@ def test_parameters_of_each_block_shape():
 
 
 def _branch_input(config, params, x, name):
-    return falcon._norm(sub_params(params, "layers.0"), name, config)(x)[0]
+    return falcon.layer_norm(sub_params(params, "layers.0"), name, config)(x)[0]
 
 
 @pytest.mark.parametrize("fields", [FALCON_7B, FALCON_40B], ids=["one norm", "two norms"])

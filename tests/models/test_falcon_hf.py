@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is the test oracle's backend: install the 'oracle' extra")
-pytest.importorskip("transformers", reason="the comparison needs transformers: pip install 'transformers>=5'")
+torch = pytest.importorskip("torch", reason="torch is the oracle's backend: the 'oracle' extra")
+pytest.importorskip("transformers", reason="the comparison needs transformers>=5")
 pytest.importorskip("safetensors", reason="checkpoints are safetensors: install the 'hf' extra")
 
 from refmath import hf  # noqa: E402
