@@ -489,7 +489,8 @@ print("stale from 16 to 17 tokens:", rope_frequencies_change(dynamic, 16, 17),
 # $|\hat q \cdot \hat k| \le d_h \max_j |\gamma_{q,j}\gamma_{k,j}|$, whatever the weights, which
 # keeps the logits of attention from growing without bound in training (Dehghani et al., 2023).
 # The backward is RMSNorm's (N2), the gain's gradient summed over heads and tokens:
-# `decoder.DecoderConfig(qk_norm="head")`, and `"projection"` for OLMo 2's form.
+# `decoder.DecoderConfig(qk_norm="head")`; OLMo 2's form is its own family file's,
+# `refmath.models.olmo2`.
 
 # %%
 qk_config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
@@ -579,9 +580,10 @@ check("08.7b", slope)
 # as about 15% faster training at scale. The backward adds the two branches' input gradients
 # where they meet, at the shared norm's output, and the identity's: $dx = dx' + J_{N}^\top (J_A^\top
 # + J_F^\top)\, dx'$. OLMo 2 (N22) moves the norms the other way, onto the sublayers' outputs
-# only: $x' = x + \operatorname{RMSNorm}(F(x))$ (the decoder's `pre_norms`). The parallel block is
-# written out in its own family file, `refmath.models.falcon` (its `block_forward` and the mirror
-# `layer_backward`), with `parallel_block`, `parallel_norms`, `norm` and `ffn` and the PaLM preset.
+# only: $x' = x + \operatorname{RMSNorm}(F(x))$ (`refmath.models.olmo2`). Each is written out in
+# its own family file, its `block_forward` and the mirror `layer_backward`: the parallel block in
+# `refmath.models.falcon`, with `parallel_block`, `parallel_norms`, `norm` and `ffn` and the PaLM
+# preset.
 
 # %%
 from refmath.models import falcon

@@ -31,9 +31,6 @@ format.
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``window_layers``)
 ``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
-``olmo2``                           ``"llama"``      RMSNorm after each sublayer and none before
-                                                     (``pre_norms=False``), QK-norm over the
-                                                     whole projections (``"projection"``)
 ``phi3``                            ``"llama"``      Llama with fused ``qkv_proj`` and
                                                      ``gate_up_proj`` (split on the way in),
                                                      LongRoPE, a window on every layer; a decoder
@@ -50,13 +47,15 @@ format.
                                                      ``ln_mlp``), the sequential block; the fused
                                                      ``query_key_value`` split into ``w_q``,
                                                      ``w_k``, ``w_v``; no ALiBi
+``olmo2``                           ``"olmo2"``      RMSNorm after each sublayer and none before,
+                                                     QK-norm over the whole projections
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
 its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, and its sinusoid
 table puts every sine before every cosine; refmath's encoder-decoder, the paper's, has none of these.
 
-The ``"llama"`` and ``"falcon"`` types load with their rope scaling (``rope_parameters.rope_type``
+The ``"llama"``, ``"falcon"`` and ``"olmo2"`` types load with their rope scaling (``rope_parameters.rope_type``
 ``linear``, ``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``rope_scaling``), the
 ``"mla"`` types with the length-independent ones (``linear``, ``llama3``, ``yarn``, with
 DeepSeek's ``mscale_all_dim``). Anything else is refused with a message that names the field and

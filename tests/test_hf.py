@@ -37,7 +37,7 @@ from _hf_oracle import (REL, TOKENS, VOCAB, edit_config, float64_internals,  # n
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3")
+               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "phi3")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe", "deepseek_v3-moe")
 
@@ -110,8 +110,8 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS, *QWEN_WINDOWS,
-                                        "olmo2"):  # float64 rounding
+    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS,
+                                        *QWEN_WINDOWS):  # float64 rounding
         assert error < 1e-13                                         # (~1e-15), with room to spare
 
 
@@ -161,11 +161,11 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, "olmo2", *QWEN_WINDOWS])
+@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *QWEN_WINDOWS])
 def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path):
     """Each decode step routes its one new token as the whole sequence routed it (E4 on one row);
     Gemma's capped scores, local and global layers and their two RoPEs are the same one row at a
-    time; so are OLMo 2's norms after the sublayers."""
+    time."""
     from refmath.inference.kv_cache import decode_step, prefill
 
     model_type, overrides = VARIANTS[variant]
@@ -383,11 +383,6 @@ def refmath_configs():
             **gemma, sandwich_norms=True, qk_norm="head", query_pre_attn_scalar=10.0,
             sliding_window=4, window_layers=(True, False), local_rope_base=100.0,
             rope_scaling=dict(rope_type="linear", factor=4.0))),
-        "olmo2 (norms after the sublayers, QK-norm on the projections, interleaved RoPE)": (
-            "llama", decoder.DecoderConfig(
-                vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                d_ff=40, rope_base=300.0, qk_norm="projection", sandwich_norms=True,
-                pre_norms=False, tie_embeddings=True)),
         "phi3 (LongRoPE past 8 tokens, sliding window 4, interleaved RoPE)": (
             "llama", decoder.DecoderConfig(
                 vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -494,15 +489,6 @@ def test_interleaved_to_half_keeps_every_score():
 def test_save_refuses_what_has_no_transformers_counterpart(tmp_path):
     from refmath.models import decoder, gpt, mla, transformer
 
-    config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
-                                   n_heads=2, qk_norm="projection")
-    with pytest.raises(hf.HFCheckpointError, match="qk_norm = 'projection' is OLMo 2's"):
-        hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
-    config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
-                                   n_heads=2, sandwich_norms=True, pre_norms=False)
-    with pytest.raises(hf.HFCheckpointError, match="olmo2, which needs qk_norm = 'projection'"):
-        hf.save_checkpoint(tmp_path, "llama", config, decoder.init_params(config))
-
     plain = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=2)
     for fields, message in ((dict(sliding_window=4, window_layers=(False, True)),
                              r"written as qwen2 \(with qkv_bias\), qwen3"),
@@ -539,7 +525,7 @@ def llama_dir(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, written", [
-    ("gemma2", "gemma2"), ("qwen3", "qwen3"), ("olmo2", "olmo2"),
+    ("gemma2", "gemma2"), ("qwen3", "qwen3"),
     ("mistral", "mistral"), ("llama", "llama"), ("gpt2", "gpt2"), ("deepseek_v3", "deepseek_v3"),
     # a Phi-3 without LongRoPE computes a windowed Mistral, and is written as one (hf.py's table)
     ("phi3", "mistral")])
@@ -647,12 +633,10 @@ def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_p
 
 
 @pytest.mark.parametrize("variant, fields, message", [
-    ("olmo2", dict(attention_bias=True), "attention_bias = True"),
-    ("olmo2", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
     ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                    "partial_rotary_factor": 0.5}), "partial_rotary_factor = 0.5"),
 ])
-def test_refuses_what_olmo2_and_phi3_do_not_compute(variant, fields, message, tmp_path):
+def test_refuses_what_phi3_does_not_compute(variant, fields, message, tmp_path):
     random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     edit_config(tmp_path, **fields)
     assert message in one_line_error(tmp_path)

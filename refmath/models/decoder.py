@@ -10,9 +10,10 @@ and the network is token embedding, ``L`` such layers, a final RMSNorm and an ou
 (untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
 biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no
 learned or fixed position table: positions enter only through the rotation of queries and keys
-(RoPE, N10) inside attention. The configuration also moves the norms (:class:`DecoderConfig`):
-onto each sublayer's output as well (Gemma 2 and 3's sandwich) or instead (OLMo 2, N22). The
-parallel block of Falcon, PaLM and GPT-J is :mod:`refmath.models.falcon`'s.
+(RoPE, N10) inside attention. The configuration also adds a norm on each sublayer's output
+(Gemma 2 and 3's sandwich, :class:`DecoderConfig`). The parallel block of Falcon, PaLM and GPT-J
+is :mod:`refmath.models.falcon`'s, OLMo 2's norms after the sublayers only
+:mod:`refmath.models.olmo2`'s.
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
 parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
@@ -45,7 +46,7 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
     lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
 
 ``sandwich_norms`` adds ``layers.{i}.ln1_post`` and ``ln2_post`` (the norms after the
-sublayers), and ``pre_norms`` False removes ``ln1`` and ``ln2``.
+sublayers).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ __all__ = [
     "layer_forward", "layer_backward", "DecoderCache", "decoder_forward", "decoder_backward",
     "lm_forward", "moe_aux_loss", "expert_loads", "layer_states", "forward", "backward",
     "decoder_logits", "logits", "layer_kv", "cache_spec", "embed", "head", "family_cached_layer",
-    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields"
+    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields",
+    "rope_attention_inputs"
 ]
 
 
@@ -125,18 +127,16 @@ def ffn_shapes(config, layer: int) -> dict:
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
-    sandwich, pre = config.sandwich_norms, config.pre_norms
+    sandwich = config.sandwich_norms
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
-        if pre:
-            shapes.update(norm_shapes(config, prefix + "ln1"))
+        shapes.update(norm_shapes(config, prefix + "ln1"))
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
         if sandwich:
             shapes.update(norm_shapes(config, prefix + "ln1_post"))
-        if pre:
-            shapes.update(norm_shapes(config, prefix + "ln2"))
+        shapes.update(norm_shapes(config, prefix + "ln2"))
         if sandwich:
             shapes.update(norm_shapes(config, prefix + "ln2_post"))
         for name, shape in ffn_shapes(config, i).items():
@@ -220,17 +220,14 @@ def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Ca
                   drops=(None, None)):
     r"""The residual block around a layer's attention and FFN branches, with the norms where
     ``config`` places them: Pre-norm sublayers one after the other (N2, N4), each branch's output
-    normalised too (``sandwich_norms``) or only that (``pre_norms`` False, N22). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
+    normalised too (``sandwich_norms``). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
     ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
     """
     if config.sandwich_norms:
         attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
         ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
-    pre = config.pre_norms
-    x, attn = sublayer_forward(x, layer_norm(params, "ln1", config) if pre else None, attn_branch,
-                               drops[0])
-    x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config) if pre else None, ffn_branch,
-                              drops[1])
+    x, attn = sublayer_forward(x, layer_norm(params, "ln1", config), attn_branch, drops[0])
+    x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config), ffn_branch, drops[1])
     return x, attn, ffn
 
 
@@ -517,7 +514,7 @@ COMPILED_FIELDS = {
     # training only: no decode step reads them
     "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
     # the block: pre-norm sequential sublayers only
-    "pre_norms": (True,), "sandwich_norms": (False,),
+    "sandwich_norms": (False,),
     # not computed: every layer attends to every position with one dense FFN, no QK-norm, no cap
     "moe": (None,), "qk_norm": (None,), "sliding_window": (None,), "window_layers": (None,),
     "local_rope_base": (None,), "attn_softcap": (None,),
@@ -560,12 +557,14 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 sliding_window=config.sliding_window, window_layers=config.window_layers,
                 qk_norm=config.qk_norm, moe=config.moe, norm="rmsnorm",
                 mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
-                norms_per_layer=2 * config.pre_norms + 2 * config.sandwich_norms)
+                norms_per_layer=2 + 2 * config.sandwich_norms)
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
 
-def _rope_attention_inputs(config, b=2, t=5):
+def rope_attention_inputs(config, b=2, t=5):
+    """``make(rng)`` of an OpCase of the RoPE attention sublayer at ``config``: rows ``x`` ``(b, t,
+    d)`` and its weights drawn at ``1/sqrt(d)``."""
     def make(rng):
         scale = 1.0 / math.sqrt(config.d_model)
         params = {name: scale * rng.standard_normal(shape)
@@ -578,18 +577,18 @@ _TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, ff
              init_std=0.25)  # init_std ~ 1/sqrt(d): gradients far above the stencil's noise
 for _g in (4, 2, 1):
     register_case(OpCase("rope_attention", f"h=4 g={_g} causal (2, 5, 16)", ("N10", "A10", "A8"),
-                         _rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
+                         rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
                          max_coords=12))
 register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), q/k/v biases", ("N10", "A10", "A8"),
-                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, qkv_bias=True)),
+                     rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, qkv_bias=True)),
                      *layer_case_ops(rope_attention_forward, rope_attention_backward),
                      ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v"),
                      group="attention execution", max_coords=12))
 register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), sliding window 3",
                      ("N10", "A10", "A8", "A12"),
-                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, sliding_window=3)),
+                     rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, sliding_window=3)),
                      *layer_case_ops(rope_attention_forward, rope_attention_backward),
                      ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
                      max_coords=12))
@@ -601,7 +600,6 @@ register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, l
 # QK-norm (N18) and the context-extension rules (N13-N17) as options of the same sublayer
 _OPTIONS = {
     "QK-norm per head (Qwen3)": (dict(qk_norm="head"), ("N18", "N2")),
-    "QK-norm on the projections (OLMo 2)": (dict(qk_norm="projection"), ("N18", "N2")),
     "linear scaling s=2": (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), ("N13",)),
     "dynamic NTK past 3 tokens": (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0,
                                                          original_max_seq_len=3)), ("N14",)),
@@ -616,7 +614,7 @@ _OPTIONS = {
 for _label, (_fields, _ids) in _OPTIONS.items():
     _config = DecoderConfig(**_TINY, n_kv_heads=2, **_fields)
     register_case(OpCase("rope_attention", f"h=4 g=2 causal (2, 5, 16), {_label}",
-                         ("N10", "A10", "A8", *_ids), _rope_attention_inputs(_config),
+                         ("N10", "A10", "A8", *_ids), rope_attention_inputs(_config),
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", *rope_attention_shapes(_config)), group="attention execution",
                          max_coords=12))
@@ -636,14 +634,6 @@ register_case(ParamCase("decoder", "Gemma 3: QK-norm, the local layer's own RoPE
                             **_TINY, **_GEMMA, n_kv_heads=2, qk_norm="head",
                             window_layers=(False, True), local_rope_base=100.0,
                             rope_scaling=dict(rope_type="linear", factor=4.0)), train=False),
-                        backward, max_coords=2, step=2.5e-4))
-
-# The norms after the sublayers only (N22)
-register_case(ParamCase("decoder", "OLMo 2: RMSNorm after each sublayer only, QK-norm on the "
-                        "projections", ("M3", "N22", "N18"),
-                        model_case_maker(forward, init_params, DecoderConfig(
-                            **_TINY, n_kv_heads=2, sandwich_norms=True, pre_norms=False,
-                            qk_norm="projection"), train=False),
                         backward, max_coords=2, step=2.5e-4))
 
 # Mixtures of experts (E1-E5) as the decoder's feed-forward, their auxiliary losses in the loss

@@ -96,7 +96,7 @@ class FamilyConfig:
         return ffn_width(self)
 
 
-QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
+QK_NORMS = ("head",)  # where QK-norm's RMSNorm runs (N18): over each head (OLMo 2's: olmo2.py)
 # the gate of the FFN: SwiGLU's SiLU (N7) or GeGLU's tanh-GELU (N20)
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -124,8 +124,8 @@ class DecoderConfig(FamilyConfig):
     (:class:`refmath.positions.RopeScaling` or a dict of its fields: linear, dynamic NTK, Llama 3.1's
     llama3, YaRN, LongRoPE; N13-N17). ``qk_norm`` RMS-normalises queries and keys before RoPE
     (N18): ``"head"`` over each head's ``d_h`` coordinates with one gain of ``d_h`` shared by the
-    heads (Qwen3, Gemma 3), ``"projection"`` over the whole query (``h d_h``) and key (``g d_h``)
-    projections (OLMo 2); ``None`` (the default) normalises neither.
+    heads (Qwen3, Gemma 3); ``None`` (the default) normalises neither. (OLMo 2's QK-norm over the
+    whole projections is :mod:`refmath.models.olmo2`'s.)
 
     Per-layer attention: with ``window_layers`` (one flag per layer) only the flagged layers slide
     their window of ``sliding_window``, the others attend to every earlier position (Gemma 2's
@@ -139,10 +139,9 @@ class DecoderConfig(FamilyConfig):
     scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
     on each sublayer's output before the residual sum (Gemma 2 and 3).
 
-    ``pre_norms`` = False (with ``sandwich_norms``) drops the norms before the sublayers and keeps
-    those after them, :math:`x' = x + \operatorname{RMSNorm}(F(x))` (OLMo 2; N22). The parallel
-    block of Falcon, PaLM and GPT-J, with LayerNorm and the plain GELU FFN, is
-    :mod:`refmath.models.falcon`'s.
+    The parallel block of Falcon, PaLM and GPT-J, with LayerNorm and the plain GELU FFN, is
+    :mod:`refmath.models.falcon`'s; OLMo 2's norms after the sublayers only (N22)
+    :mod:`refmath.models.olmo2`'s.
     """
 
     n_kv_heads: int | None = None
@@ -159,7 +158,6 @@ class DecoderConfig(FamilyConfig):
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sandwich_norms: bool = False
-    pre_norms: bool = True
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -175,10 +173,6 @@ class DecoderConfig(FamilyConfig):
         check_field(self, "embed_scale", check_flag)
         check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
         check_field(self, "sandwich_norms", check_flag)
-        check_field(self, "pre_norms", check_flag)
-        if not self.pre_norms and not self.sandwich_norms:
-            raise ValueError("DecoderConfig.pre_norms = False moves the norms after the sublayers "
-                             "(OLMo 2), which needs sandwich_norms = True")
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
             check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         object.__setattr__(self, "rope_scaling",

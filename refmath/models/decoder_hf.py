@@ -24,11 +24,10 @@ __all__ = [
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
 # mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
-# gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
-# and QK-norm on the projections; phi3 with its fused projections and LongRoPE (falcon is
-# refmath.models.falcon's)
+# gemma, gemma2 and gemma3_text with Gemma's options; phi3 with its fused projections and LongRoPE
+# (falcon is refmath.models.falcon's, olmo2 refmath.models.olmo2's)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3")
+                  "gemma", "gemma2", "gemma3_text", "phi3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
@@ -182,8 +181,6 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     if kind in QWEN_TYPES:
         fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
     fields.update(gemma)
-    if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
-        fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
     return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
         vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
@@ -216,16 +213,7 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
             for name in ("q", "k"):
                 params[p + f"attn.{name}_norm.gamma"] = weights.take(
                     h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        elif config.qk_norm == "projection":  # olmo2's, over the whole projections
-            for name in ("q", "k"):
-                params[p + f"attn.{name}_norm.gamma"] = weights.take(
-                    h + f"self_attn.{name}_norm.weight", (widths[name],))
-        if not config.pre_norms:  # OLMo 2: its post_attention_layernorm is the attention's output
-            for ours, theirs in (("ln1_post", "post_attention_layernorm"),
-                                 ("ln2_post", "post_feedforward_layernorm")):
-                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
-            take_swiglu(weights, params, h, p, d, config.d_f)
-        elif config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
+        if config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
             names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm")
             for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
@@ -336,7 +324,7 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
@@ -380,16 +368,7 @@ def _qwen_window_fields(config: DecoderConfig) -> dict:
 
 
 def to_hf(config: DecoderConfig, params: dict):
-    if not config.pre_norms:
-        kind = "olmo2"
-        _require_fields(config, kind, "norms after the sublayers only (pre_norms = False)",
-                        dict(_LLAMA_PLAIN, qk_norm="projection", ffn_activation="silu"))
-    elif config.qk_norm == "projection":
-        raise HFCheckpointError("qk_norm = 'projection' is OLMo 2's, which normalises after the "
-                                "sublayers only (sandwich_norms with pre_norms = False); this "
-                                "config has its norms before them")
-    else:
-        kind = _gemma_kind(config) or _llama_kind(config)
+    kind = _gemma_kind(config) or _llama_kind(config)
     gemma = kind if kind in GEMMA_TYPES else None
     architecture = _ARCHITECTURES[kind]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
@@ -402,11 +381,11 @@ def to_hf(config: DecoderConfig, params: dict):
           "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
-    if kind in ("olmo2", "phi3"):  # their defaults name ids a small vocabulary may not have; a
-        hf.update(_NO_TOKEN_IDS)   # tokenizer saved beside the weights sets them (save_tokenizer)
+    if kind == "phi3":  # its defaults name ids a small vocabulary may not have; a tokenizer
+        hf.update(_NO_TOKEN_IDS)  # saved beside the weights sets them (save_tokenizer)
     if gemma:
         _gemma_to_hf(config, kind, hf)
-    elif kind in ("llama", "olmo2"):
+    elif kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
     elif kind == "phi3":
         hf.update(sliding_window=config.sliding_window,
@@ -455,20 +434,5 @@ def to_hf(config: DecoderConfig, params: dict):
     return hf, tensors
 
 
-def _require_fields(config: DecoderConfig, kind: str, why: str, needed: dict) -> None:
-    """Refuse to write ``config`` as ``kind`` unless each field has its value in ``needed``."""
-    for field, value in needed.items():
-        if getattr(config, field) != value:
-            raise HFCheckpointError(f"a decoder with {why} is written as {kind}, which needs "
-                                    f"{field} = {value!r}; this config has "
-                                    f"{getattr(config, field)!r}")
-
-
 # Special-token ids are the tokenizer's to give: None rather than a type's defaults
 _NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
-
-# What only the Gemmas, the Qwens, Mistral and the mixtures of experts have: the plain value that
-# the types without it need
-_LLAMA_PLAIN = dict(qkv_bias=False, qk_norm=None, sliding_window=None, window_layers=None,
-                    moe=None, norm_offset=0.0, embed_scale=False, query_pre_attn_scalar=None,
-                    attn_softcap=None, final_softcap=None)

@@ -47,7 +47,7 @@ BASES = {
                    n_kv_heads=2, d_ff=48, rope_layout="half", parallel_norms=2),
     "falcon-sequential": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
                               n_kv_heads=2, d_ff=48, parallel_block=False),
-    "olmo2": dict(_LLAMA, pre_norms=False, sandwich_norms=True, qk_norm="projection"),
+    "olmo2": dict(_LLAMA),
     "mixtral": dict(_LLAMA, moe=MoEConfig(n_experts=4, top_k=2, d_expert=16)),
     "gpt": dict(_GPT),
     "gpt-post": dict(_GPT, norm_position="post"),
@@ -58,7 +58,7 @@ BASES = {
                    n_kv_heads=2, d_ff=48),
 }
 MODEL_OF = {"gpt": "gpt", "gpt-post": "gpt", "gpt-banded": "gpt", "mla": "mla",
-            "cohere": "cohere", "falcon": "falcon",
+            "cohere": "cohere", "falcon": "falcon", "olmo2": "olmo2",
             "falcon-sequential": "falcon"}  # the others are "llama"
 
 # Values to try for a field besides the generic ones (the other flag, a nearby number): the

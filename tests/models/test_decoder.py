@@ -274,7 +274,7 @@ def test_config_stores_plain_python_numbers():
 def test_config_round_trips_through_json():
     config = tiny(n_kv_heads=1, head_dim=6, d_ff=20, tie_embeddings=True, dropout=0.1)
     assert DecoderConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
-    config = tiny(sandwich_norms=True, pre_norms=False, ffn_activation="gelu_tanh")
+    config = tiny(sandwich_norms=True, qk_norm="head", ffn_activation="gelu_tanh")
     assert DecoderConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
 
 
@@ -382,34 +382,9 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(window)
         tiny(attention_backend="cuda")
 
 
-# ---- the norms after the sublayers (N22); the parallel block is test_falcon.py's
+# ---- the sandwich norms; the parallel block is test_falcon.py's, OLMo 2's norms test_olmo2.py's
 
-OLMO_2 = dict(sandwich_norms=True, pre_norms=False, qk_norm="projection")
-
-
-def test_olmo2_has_only_the_norms_after_the_sublayers():
-    layer = "layers.1."
-    olmo = decoder.param_shapes(tiny(**OLMO_2))
-    assert [n for n in olmo if n.startswith(layer + "ln")] == [layer + "ln1_post.gamma",
-                                                               layer + "ln2_post.gamma"]
-
-
-def test_olmo2_normalises_each_branch_output_not_its_input_n22():
-    """x' = x + RMSNorm(Attn(x)), x'' = x' + RMSNorm(FFN(x'))."""
-    config = tiny(**OLMO_2)
-    params = random_params(decoder, config, seed=4)
-    x = np.random.default_rng(5).standard_normal((B, T, 16))
-    layer = sub_params(params, "layers.0")
-    out, _ = decoder.layer_forward(x, layer, 0, config, decoder.ROPE_GQA)
-    a = decoder.rope_attention_forward(x, sub_params(layer, "attn"), config)[0]
-    x1 = x + rmsnorm_forward(a, layer["ln1_post.gamma"], config.norm_eps)[0]
-    f = decoder.ffn_forward(x1, sub_params(layer, "ffn"))[0]
-    expected = x1 + rmsnorm_forward(f, layer["ln2_post.gamma"], config.norm_eps)[0]
-    np.testing.assert_allclose(out, expected, rtol=1e-13, atol=1e-13)
-
-
-@pytest.mark.parametrize("fields", [OLMO_2, dict(sandwich_norms=True)],
-                         ids=["OLMo 2", "sandwich norms"])
+@pytest.mark.parametrize("fields", [dict(sandwich_norms=True)], ids=["sandwich norms"])
 def test_cached_decoding_of_each_block_shape_equals_recomputing(fields):
     """Prefill, then one token at a time through the KV cache: the logits of the whole sequence."""
     from refmath.inference.kv_cache import decode_step, prefill
@@ -425,8 +400,8 @@ def test_cached_decoding_of_each_block_shape_equals_recomputing(fields):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(pre_norms=False), "pre_norms = False"),
-    (dict(pre_norms=1), "pre_norms"),
+    (dict(pre_norms=False), "pre_norms"),
+    (dict(qk_norm="projection"), "qk_norm"),
     (dict(ffn_activation="gelu"), "ffn_activation"),
     (dict(parallel_block=True), "parallel_block"),
     (dict(norm="layernorm"), "norm"),

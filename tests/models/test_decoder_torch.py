@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from refmath.models import decoder, falcon
+from refmath.models import decoder, falcon, olmo2
 from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
@@ -78,10 +78,21 @@ def falcon_view(config: falcon.FalconConfig) -> SimpleNamespace:
         ffn_activation="silu" if config.ffn == "swiglu" else config.ffn)
 
 
+def olmo2_view(config: olmo2.OLMo2Config) -> SimpleNamespace:
+    """An OLMo2Config as :func:`torch_decoder` reads a configuration: Llama's options at their
+    plain values, QK-norm over the projections and the norms after the sublayers only."""
+    return SimpleNamespace(
+        **dataclasses.asdict(config), kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=0.0,
+        embed_scale=False, qk_norm="projection", sliding_window=None, window_layers=None,
+        local_rope_base=None, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
+        moe=None, sandwich_norms=True, pre_norms=False, ffn_activation="silu")
+
+
 def torch_decoder(P, tokens, config, drops):
     """Logits of the M3 network from torch tensors ``P`` (refmath's names and layouts), and the
     sum of its mixture-of-experts layers' auxiliary losses; ``config`` a DecoderConfig, or a
-    :func:`falcon_view` of a FalconConfig (its ``norm``, ``ffn_gated`` and ``parallel_block``)."""
+    :func:`falcon_view` of a FalconConfig (its ``norm``, ``ffn_gated`` and ``parallel_block``) or
+    :func:`olmo2_view` of an OLMo2Config (its ``pre_norms``)."""
     norm_kind = getattr(config, "norm", "rmsnorm")
     h, g, d_h, eps = config.n_heads, config.kv_heads, config.d_h, config.norm_eps
 
@@ -148,7 +159,7 @@ def torch_decoder(P, tokens, config, drops):
             return y if drops[i][which] is None else y * drops[i][which]
 
         def pre_norm(y, name):  # OLMo 2 has none: its branches read the residual stream itself
-            return layer_norm(y, f"layers.{i}.{name}") if config.pre_norms else y
+            return layer_norm(y, f"layers.{i}.{name}") if getattr(config, "pre_norms", True) else y
 
         if getattr(config, "parallel_block", False):  # GPT-J, PaLM, Falcon: on the block's input
             h1 = layer_norm(x, f"layers.{i}.ln1")
@@ -179,7 +190,6 @@ CASES = {
     "GQA, tied head, dropout, loss mask, rope_base 500": dict(n_kv_heads=2, tie_embeddings=True,
                                                               dropout=0.2, rope_base=500.0),
     "QK-norm per head (Qwen3)": dict(n_kv_heads=2, qk_norm="head"),
-    "QK-norm on the projections (OLMo 2)": dict(n_kv_heads=2, qk_norm="projection"),
     "linear scaling": dict(n_kv_heads=2, rope_scaling=dict(rope_type="linear", factor=4.0)),
     "dynamic NTK past 4 tokens": dict(n_kv_heads=2, rope_scaling=dict(
         rope_type="dynamic", factor=2.0, original_max_seq_len=4)),
@@ -209,8 +219,6 @@ CASES = {
         n_kv_heads=2, qkv_bias=True, moe=dict(n_experts=4, top_k=2, d_expert=8, d_shared=12,
                                               shared_gate=True, first_dense=1,
                                               balance_coef=0.05)),
-    "OLMo 2: norms after the sublayers only, QK-norm on the projections": dict(
-        n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
 }
 
 
@@ -227,6 +235,14 @@ FALCON_CASES = {
 }
 
 
+# OLMo 2's file (refmath.models.olmo2), with the same oracle
+OLMO2_CASES = {
+    "OLMo 2: norms after the sublayers only, QK-norm on the projections": dict(n_kv_heads=2),
+    "OLMo 2: MQA, head_dim 6, tied, dropout": dict(n_kv_heads=1, head_dim=6, tie_embeddings=True,
+                                                   dropout=0.2),
+}
+
+
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
 def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
     config = DecoderConfig(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
@@ -239,6 +255,13 @@ def test_falcon_loss_logits_and_every_gradient_equal_torch(overrides):
     config = falcon.FalconConfig(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
                                  init_std=0.25, **overrides)
     equal_torch(falcon, config, falcon_view(config))
+
+
+@pytest.mark.parametrize("overrides", OLMO2_CASES.values(), ids=OLMO2_CASES.keys())
+def test_olmo2_loss_logits_and_every_gradient_equal_torch(overrides):
+    config = olmo2.OLMo2Config(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
+                               ffn_multiple_of=8, init_std=0.25, **overrides)
+    equal_torch(olmo2, config, olmo2_view(config))
 
 
 def equal_torch(model, config, view):
