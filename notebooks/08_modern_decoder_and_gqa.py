@@ -489,7 +489,8 @@ print("stale from 16 to 17 tokens:", rope_frequencies_change(dynamic, 16, 17),
 # $|\hat q \cdot \hat k| \le d_h \max_j |\gamma_{q,j}\gamma_{k,j}|$, whatever the weights, which
 # keeps the logits of attention from growing without bound in training (Dehghani et al., 2023).
 # The backward is RMSNorm's (N2), the gain's gradient summed over heads and tokens:
-# `decoder.DecoderConfig(qk_norm="head")`, and `"projection"` for OLMo 2's form.
+# `decoder.DecoderConfig(qk_norm="head")`; OLMo 2's form is its own family file's,
+# `refmath.models.olmo2`.
 
 # %%
 qk_config = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1,
@@ -579,20 +580,24 @@ check("08.7b", slope)
 # as about 15% faster training at scale. The backward adds the two branches' input gradients
 # where they meet, at the shared norm's output, and the identity's: $dx = dx' + J_{N}^\top (J_A^\top
 # + J_F^\top)\, dx'$. OLMo 2 (N22) moves the norms the other way, onto the sublayers' outputs
-# only: $x' = x + \operatorname{RMSNorm}(F(x))$. All of them are options of the same decoder:
-# `parallel_block`, `parallel_norms`, `pre_norms`, `norm="layernorm"`.
+# only: $x' = x + \operatorname{RMSNorm}(F(x))$ (`refmath.models.olmo2`). Each is written out in
+# its own family file, its `block_forward` and the mirror `layer_backward`: the parallel block in
+# `refmath.models.falcon`, with `parallel_block`, `parallel_norms`, `norm` and `ffn` and the PaLM
+# preset.
 
 # %%
-palm = decoder.preset("palm-tiny", vocab_size=32, max_seq_len=8, d_model=16, d_ff=64)
-sequential = decoder.preset("palm-tiny", vocab_size=32, max_seq_len=8, d_model=16, d_ff=64,
-                            parallel_block=False)
-p_params = decoder.init_params(palm, seed=4)
-s_params = decoder.init_params(sequential, seed=4)
-print("parameters: parallel", n_params(decoder.param_shapes(palm)), "sequential",
-      n_params(decoder.param_shapes(sequential)), "(one norm fewer per layer)")
-loss_p, cache_p = decoder.forward(p_params, batch, palm)
-grad_check = check_param_gradients(lambda p: decoder.forward(p, batch, palm)[0],
-                              decoder.backward(cache_p), p_params)
+from refmath.models import falcon
+
+palm = falcon.preset("palm-tiny", vocab_size=32, max_seq_len=8, d_model=16, d_ff=64)
+sequential = falcon.preset("palm-tiny", vocab_size=32, max_seq_len=8, d_model=16, d_ff=64,
+                           parallel_block=False)
+p_params = falcon.init_params(palm, seed=4)
+s_params = falcon.init_params(sequential, seed=4)
+print("parameters: parallel", n_params(falcon.param_shapes(palm)), "sequential",
+      n_params(falcon.param_shapes(sequential)), "(one norm fewer per layer)")
+loss_p, cache_p = falcon.forward(p_params, batch, palm)
+grad_check = check_param_gradients(lambda p: falcon.forward(p, batch, palm)[0],
+                                   falcon.backward(cache_p), p_params)
 print(f"PaLM-shaped parallel decoder: loss {float(loss_p):.4f}; gradient check passed: "
       f"{grad_check.passed}")
 

@@ -31,33 +31,32 @@ format.
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``window_layers``)
 ``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
-``olmo2``                           ``"llama"``      RMSNorm after each sublayer and none before
-                                                     (``pre_norms=False``), QK-norm over the
-                                                     whole projections (``"projection"``)
 ``phi3``                            ``"llama"``      Llama with fused ``qkv_proj`` and
                                                      ``gate_up_proj`` (split on the way in),
                                                      LongRoPE, a window on every layer; a decoder
                                                      with LongRoPE is written as ``phi3``
-``falcon``                          ``"llama"``      the parallel block (``parallel_block``) of
-                                                     LayerNorms and a plain GELU MLP; 7B's
-                                                     multi-query layout (one norm), 40B's grouped
-                                                     one (``ln_attn``, ``ln_mlp``), the sequential
-                                                     block; the fused ``query_key_value`` split
-                                                     into ``w_q``, ``w_k``, ``w_v``; no ALiBi
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
                                                      ones (V2: softmax, group-limited; V3:
                                                      sigmoid, chosen with its bias)
 ``cohere``                          ``"cohere"``     Command-R: the parallel block on one
                                                      LayerNorm without bias, interleaved RoPE,
                                                      ``logit_scale``, optional per-head QK-norm
+``falcon``                          ``"falcon"``     the parallel block of LayerNorms and a
+                                                     plain GELU MLP; 7B's multi-query layout (one
+                                                     norm), 40B's grouped one (``ln_attn``,
+                                                     ``ln_mlp``), the sequential block; the fused
+                                                     ``query_key_value`` split into ``w_q``,
+                                                     ``w_k``, ``w_v``; no ALiBi
+``olmo2``                           ``"olmo2"``      RMSNorm after each sublayer and none before,
+                                                     QK-norm over the whole projections
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
 its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, and its sinusoid
 table puts every sine before every cosine; refmath's encoder-decoder, the paper's, has none of these.
 
-The ``"llama"`` types load with their rope scaling (``rope_parameters.rope_type`` ``linear``,
-``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``DecoderConfig.rope_scaling``), the
+The ``"llama"``, ``"falcon"`` and ``"olmo2"`` types load with their rope scaling (``rope_parameters.rope_type``
+``linear``, ``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``rope_scaling``), the
 ``"mla"`` types with the length-independent ones (``linear``, ``llama3``, ``yarn``, with
 DeepSeek's ``mscale_all_dim``). Anything else is refused with a message that names the field and
 its value (a router or layer placement transformers does not compute, another rope scaling,
@@ -301,8 +300,9 @@ def checkpoint_family(hf: dict) -> str:
     :class:`HFCheckpointError`).
 
     It names the checkpoint, where :func:`config_from_hf`'s model name names refmath's code that
-    computes it: a Falcon checkpoint is of the family ``"falcon"`` and runs as the model
-    ``"llama"``, whose file holds the whole decoder family (see the table above)."""
+    computes it: a Gemma 2 checkpoint is of the family ``"gemma2"`` and runs as the model
+    ``"llama"``, whose file holds Llama and the families written as its options (see the table
+    above); a Falcon checkpoint is ``"falcon"`` both ways."""
     _model_of(hf)
     return str(hf["model_type"])
 

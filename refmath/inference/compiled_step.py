@@ -18,11 +18,11 @@ another order) and the same greedy tokens, which the tests check.
 Each model says what its layers are in ``compiled_layer_spec(params, config)``, from an allow-list
 of the config values the compiled layer computes (its ``COMPILED_FIELDS``, see
 :mod:`refmath.models.contract`); a value or a field it does not list keeps the NumPy step. refmath's
-decoder hands over its pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the plain GELU FFN,
-optional query/key/value biases, RoPE with or without a rope scaling (Llama 2 and 3.x, Mistral
-without its window, Qwen2, a Falcon-style plain FFN); GPT its pre-LN layers. A layer neither
-hands over (a mixture of experts, QK-norm, sliding windows, a softcap, sandwich or parallel
-blocks, GeGLU, GPT's post-LN, MLA's latent attention) keeps the NumPy step:
+decoder hands over its pre-norm sequential layers: RMSNorm, SwiGLU, optional query/key/value
+biases, RoPE with or without a rope scaling (Llama 2 and 3.x, Mistral without its window, Qwen2);
+GPT its pre-LN layers. A layer neither hands over (a mixture of experts, QK-norm, sliding windows,
+a softcap, sandwich norms, GeGLU, GPT's post-LN, MLA's latent attention, the parallel blocks of
+Falcon and Cohere) keeps the NumPy step:
 :func:`compiled_layers` returns None for it.
 """
 from __future__ import annotations

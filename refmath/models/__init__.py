@@ -47,6 +47,8 @@ MODELS = {
     "llama": ModelEntry("refmath.models.decoder", "DecoderConfig", "M3", True),
     "mla": ModelEntry("refmath.models.mla", "MLAConfig", "M4", True),
     "cohere": ModelEntry("refmath.models.cohere", "CohereConfig", "M5", True),
+    "falcon": ModelEntry("refmath.models.falcon", "FalconConfig", "M3", True),
+    "olmo2": ModelEntry("refmath.models.olmo2", "OLMo2Config", "M3", True),
 }
 DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
 

@@ -10,7 +10,9 @@ configuration: every size, kind and option arrives as an argument.
   (:func:`plain_ffn_forward`, N5, N6).
 
 A family file writes its layer as a list of these calls and its backward as the mirror
-(:mod:`refmath.models.decoder` for Llama and the families written as its options).
+(:mod:`refmath.models.decoder` for Llama and the families written as its options,
+:mod:`refmath.models.falcon` for the parallel block, :mod:`refmath.models.olmo2` for the norms
+after the sublayers, :mod:`refmath.models.cohere`).
 """
 from __future__ import annotations
 

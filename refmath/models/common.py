@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Callable, NamedTuple
 
+import numpy as np
+
 from refmath.ffn import matmul_rows_many
 
 __all__ = [
     "AttentionOps", "TrainingRecipe", "CacheSpec", "sub_params", "SplitParams", "projections",
-    "prefixed", "dropout_mask", "apply_mask"
+    "prefixed", "dropout_mask", "layer_dropout_masks", "apply_mask"
 ]
 
 
@@ -139,6 +141,21 @@ def dropout_mask(rng, shape, p: float, dtype):
     if rng is None or p == 0.0:
         return None
     return ((rng.random(shape) >= p) / (1.0 - p)).astype(dtype)
+
+
+def layer_dropout_masks(rng, shape, p: float, dtype, n_layers: int, train: bool) -> list:
+    """Per layer, the residual dropout multipliers of its two branches (attention, FFN), drawn in
+    that order from ``rng`` (:func:`dropout_mask`); ``(None, None)`` per layer unless ``train``
+    and ``p > 0``, so that evaluation draws nothing."""
+    if not train or p == 0:
+        return [(None, None)] * n_layers
+    if rng is None:
+        raise ValueError(f"train=True with dropout = {p} needs rng (a numpy.random.Generator) "
+                         f"to draw the dropout masks")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    return [(dropout_mask(rng, shape, p, dtype), dropout_mask(rng, shape, p, dtype))
+            for _ in range(n_layers)]
 
 
 def apply_mask(x, mask):

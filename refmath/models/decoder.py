@@ -10,10 +10,10 @@ and the network is token embedding, ``L`` such layers, a final RMSNorm and an ou
 (untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
 biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no
 learned or fixed position table: positions enter only through the rotation of queries and keys
-(RoPE, N10) inside attention. The configuration also reshapes the block (:class:`DecoderConfig`):
-attention and FFN side by side on one input (the parallel block of GPT-J, PaLM and Falcon, N21),
-norms after the sublayers instead of before them (OLMo 2, N22), LayerNorm for RMSNorm and the plain
-GELU FFN for SwiGLU (Falcon).
+(RoPE, N10) inside attention. The configuration also adds a norm on each sublayer's output
+(Gemma 2 and 3's sandwich, :class:`DecoderConfig`). The parallel block of Falcon, PaLM and GPT-J
+is :mod:`refmath.models.falcon`'s, OLMo 2's norms after the sublayers only
+:mod:`refmath.models.olmo2`'s.
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
 parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
@@ -42,14 +42,11 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
     layers.{i}.ffn.w_down        (d_f, d)
     layers.{i}.ffn.router.w, ...  on a mixture-of-experts layer (moe), instead of the three above:
                                  the router and experts of refmath.moe
-    layers.{i}.ffn.w_up, w_down  (d, d_f), (d_f, d)   the plain FFN's two (ffn_gated False)
     ln_f.gamma                   (d,)
     lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
 
-A LayerNorm (``norm="layernorm"``) adds its bias ``.beta`` ``(d,)`` beside every ``.gamma``;
-``sandwich_norms`` adds ``layers.{i}.ln1_post`` and ``ln2_post`` (the norms after the sublayers),
-``pre_norms`` False removes ``ln1`` and ``ln2``, and a parallel block with one norm has no
-``ln2``.
+``sandwich_norms`` adds ``layers.{i}.ln1_post`` and ``ln2_post`` (the norms after the
+sublayers).
 """
 from __future__ import annotations
 
@@ -66,16 +63,13 @@ from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backwa
 from refmath.models import blocks
 # the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
 # under this module's name too (their paths before the split)
-from refmath.models.blocks import (NORMS, LayerNormNoBiasCache, PlainFFNCache, PostNormCache,
-                                   SublayerCache, ffn_backward, ffn_forward, geglu_ffn_backward,
-                                   norm_backward, parallel_backward, parallel_forward,
-                                   plain_ffn_backward, plain_ffn_forward, post_normed,
+from refmath.models.blocks import (PostNormCache, SublayerCache, ffn_backward, ffn_forward,
+                                   geglu_ffn_backward, norm_backward, post_normed,
                                    post_normed_backward, sublayer_backward, sublayer_forward)
 from refmath.models.cases import (SelectionChanged, case_batch, case_params, model_case_maker,
                                    moe_case_maker, routed_experts, routing_margin)
 from refmath.models.contract import ANY, allowed
-from refmath.models.decoder_config import (FFN_ACTIVATIONS, GATED_ACTIVATIONS, PALM,
-                                           PLAIN_ACTIVATIONS, PRESETS, QK_NORMS, DecoderConfig,
+from refmath.models.decoder_config import (FFN_ACTIVATIONS, PRESETS, QK_NORMS, DecoderConfig,
                                            FamilyConfig, attention_options, check_shared_fields,
                                            ffn_width, gain, layer_config, preset)
 from refmath.models.decoder_hf import (GEMMA_TYPES, HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
@@ -85,8 +79,8 @@ from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_s
                                            rope_attention_cached, rope_attention_forward,
                                            rope_attention_shapes, rope_attention_state,
                                            rope_options)
-from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, dropout_mask, prefixed,
-                                   sub_params)
+from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, layer_dropout_masks,
+                                   prefixed, sub_params)
 from refmath.models.params import check_param_dict, draw_params
 from refmath.models.batch import check_lm_batch, check_tokens
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
@@ -97,7 +91,8 @@ __all__ = [
     "layer_forward", "layer_backward", "DecoderCache", "decoder_forward", "decoder_backward",
     "lm_forward", "moe_aux_loss", "expert_loads", "layer_states", "forward", "backward",
     "decoder_logits", "logits", "layer_kv", "cache_spec", "embed", "head", "family_cached_layer",
-    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields"
+    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields",
+    "rope_attention_inputs"
 ]
 
 
@@ -121,33 +116,27 @@ def is_moe_layer(config, layer: int) -> bool:
 
 def ffn_shapes(config, layer: int) -> dict:
     """``{name: shape}`` of layer ``layer``'s feed-forward, relative to its ``ffn.`` prefix: the
-    dense gated FFN's three matrices, the plain FFN's two (``ffn_gated`` False), or the mixture of
-    experts' (:func:`refmath.moe.moe_param_shapes`)."""
+    dense gated FFN's three matrices, or the mixture of experts'
+    (:func:`refmath.moe.moe_param_shapes`)."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_param_shapes(config.d_model, config.moe)
     d, d_f = config.d_model, config.d_f
-    if not config.ffn_gated:
-        return {"w_up": (d, d_f), "w_down": (d_f, d)}
     return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
 
 
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
-    sandwich, pre = config.sandwich_norms, config.pre_norms
-    # a parallel block with one norm has no ln2: its FFN reads ln1's output
-    ffn_norm = pre and (not config.parallel_block or config.parallel_norms == 2)
+    sandwich = config.sandwich_norms
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
-        if pre:
-            shapes.update(norm_shapes(config, prefix + "ln1"))
+        shapes.update(norm_shapes(config, prefix + "ln1"))
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
         if sandwich:
             shapes.update(norm_shapes(config, prefix + "ln1_post"))
-        if ffn_norm:
-            shapes.update(norm_shapes(config, prefix + "ln2"))
+        shapes.update(norm_shapes(config, prefix + "ln2"))
         if sandwich:
             shapes.update(norm_shapes(config, prefix + "ln2_post"))
         for name, shape in ffn_shapes(config, i).items():
@@ -189,24 +178,20 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
 
 
-# ---- blocks: the norms, the residual sublayer, the parallel block, the FFN, a layer -------------
+# ---- blocks: the norms, the residual sublayer, the FFN, a layer ----------------------------------
 
 
 def norm_shapes(config, name: str) -> dict:
-    """``{name.gamma: (d,)}`` of the layer norm ``name``, and ``name.beta`` for a LayerNorm with its
-    bias."""
-    shapes = {name + ".gamma": (config.d_model,)}
-    if config.norm == "layernorm":
-        shapes[name + ".beta"] = (config.d_model,)
-    return shapes
+    """``{name.gamma: (d,)}`` of the RMSNorm ``name``."""
+    return {name + ".gamma": (config.d_model,)}
 
 
 def norm_forward(x, params: dict, name: str, config):
-    """The layer norm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``, of the
-    kind ``config.norm`` (:func:`refmath.models.blocks.norm_forward`), its gain as :func:`gain`
-    applies it. Returns ``(y, cache)``."""
-    return blocks.norm_forward(x, config.norm, gain(config, params[name + ".gamma"]),
-                               params.get(name + ".beta"), config.norm_eps)
+    """The RMSNorm ``name`` (``"ln1"``, ``"ln_f"``, ...) of ``params`` on the rows ``x``
+    (:func:`refmath.models.blocks.norm_forward`), its gain as :func:`gain` applies it. Returns
+    ``(y, cache)``."""
+    return blocks.norm_forward(x, "rmsnorm", gain(config, params[name + ".gamma"]), None,
+                               config.norm_eps)
 
 
 def layer_norm(params: dict, name: str, config) -> Callable:
@@ -216,14 +201,11 @@ def layer_norm(params: dict, name: str, config) -> Callable:
 
 def layer_ffn_forward(h, params: dict, config, layer: int):
     """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense gated FFN
-    (SwiGLU, GeGLU), the plain GELU FFN (``ffn_gated`` False), or the mixture of experts
-    (:func:`refmath.moe.moe_forward`) on a layer ``config.moe`` selects. Returns ``(y, cache)``."""
+    (SwiGLU, GeGLU), or the mixture of experts (:func:`refmath.moe.moe_forward`) on a layer
+    ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_forward(h, params, config.moe)
-    activation = config.ffn_activation
-    if not config.ffn_gated:
-        return plain_ffn_forward(h, params, approximate=activation == "gelu_tanh")
-    return ffn_forward(h, params, activation)
+    return ffn_forward(h, params, config.ffn_activation)
 
 
 class LayerCache(NamedTuple):
@@ -232,30 +214,20 @@ class LayerCache(NamedTuple):
     moe: bool = False  # whether the feed-forward was the mixture of experts
     sandwich: bool = False  # whether each branch ended in its own norm (PostNormCache)
     geglu: bool = False  # whether the dense FFN gated with tanh-GELU
-    parallel: int = 0  # 0: sequential sublayers; 1 or 2: a parallel block with that many norms
-    plain_ffn: bool = False  # whether the dense FFN was the plain GELU one (PlainFFNCache)
 
 
 def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
                   drops=(None, None)):
     r"""The residual block around a layer's attention and FFN branches, with the norms where
     ``config`` places them: Pre-norm sublayers one after the other (N2, N4), each branch's output
-    normalised too (``sandwich_norms``) or only that (``pre_norms`` False, N22), or a parallel
-    block (N21). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
+    normalised too (``sandwich_norms``). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
     ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
     """
     if config.sandwich_norms:
         attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
         ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
-    if config.parallel_block:
-        ffn_norm = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
-        return parallel_forward(x, (layer_norm(params, "ln1", config), ffn_norm),
-                                (attn_branch, ffn_branch), drops)
-    pre = config.pre_norms
-    x, attn = sublayer_forward(x, layer_norm(params, "ln1", config) if pre else None, attn_branch,
-                               drops[0])
-    x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config) if pre else None, ffn_branch,
-                              drops[1])
+    x, attn = sublayer_forward(x, layer_norm(params, "ln1", config), attn_branch, drops[0])
+    x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config), ffn_branch, drops[1])
     return x, attn, ffn
 
 
@@ -275,11 +247,8 @@ def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
         x, params, config, lambda h: attention.forward(h, attn_params, config),
         lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
     moe = is_moe_layer(config, layer)
-    plain = not moe and not config.ffn_gated
-    geglu = not moe and not plain and config.ffn_activation == "gelu_tanh"
-    parallel = config.parallel_norms if config.parallel_block else 0
-    return x, LayerCache(attn, ffn, moe, config.sandwich_norms, geglu,
-                         parallel, plain)
+    geglu = not moe and config.ffn_activation == "gelu_tanh"
+    return x, LayerCache(attn, ffn, moe, config.sandwich_norms, geglu)
 
 
 def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
@@ -287,18 +256,14 @@ def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
 
     A mixture of experts' backward also carries the gradient of its auxiliary losses, which
     :func:`lm_forward` added to the loss."""
-    ffn_back = (moe_ops.moe_backward if cache.moe else plain_ffn_backward if cache.plain_ffn
-                else geglu_ffn_backward if cache.geglu else ffn_backward)
+    ffn_back = (moe_ops.moe_backward if cache.moe else geglu_ffn_backward if cache.geglu
+                else ffn_backward)
     attn_back, post_grads = attention.backward, {}
     if cache.sandwich:
         ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post")
         attn_back = post_normed_backward(attn_back, post_grads, "ln1_post")
-    if cache.parallel:
-        dx, norm1, norm2, attn_grads, ffn_grads = parallel_backward(
-            dout, cache.attn, cache.ffn, (attn_back, ffn_back), shared=cache.parallel == 1)
-    else:
-        dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
-        dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
+    dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
+    dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
     grads = {**prefixed("ln1", norm1), **prefixed("attn", attn_grads), **prefixed("ln2", norm2),
              **prefixed("ffn", ffn_grads), **post_grads}
     return dx, grads
@@ -311,24 +276,12 @@ class DecoderCache(NamedTuple):
     attention: AttentionOps  # which attention ran, so that backward needs only the cache
     emb: EmbeddingCache
     layers: tuple  # one LayerCache per layer
-    norm_f: object  # the final norm's cache (RMSNorm's or LayerNorm's)
+    norm_f: object  # the final RMSNorm's cache
     head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
     tied: bool
     loss: CrossEntropyCache | None  # None when the cache came from a logits-only pass
     embed_scale: np.ndarray | None = None  # sqrt(d) times the embeddings (Gemma), or None
     softcap: object = None  # the final logits' soft-capping cache (Gemma 2), or None
-
-
-def _dropout_masks(rng, shape, p: float, dtype, n_layers: int):
-    """Two inverted-dropout multipliers per layer (attention and FFN outputs), drawn in order."""
-    if rng is None:
-        raise ValueError(f"train=True with dropout = {p} needs rng (a numpy.random.Generator) "
-                         f"to draw the dropout masks")
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-
-    return [(dropout_mask(rng, shape, p, dtype), dropout_mask(rng, shape, p, dtype))
-            for _ in range(n_layers)]
 
 
 def decoder_forward(params, tokens, config, attention: AttentionOps, train=False, rng=None):
@@ -342,10 +295,8 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
     Residual dropout masks are drawn from ``rng`` only when ``train`` and ``config.dropout > 0``.
     """
     table = params["tok_emb"]
-    drops = [(None, None)] * config.n_layers
-    if train and config.dropout > 0:
-        shape = tokens.shape + (config.d_model,)
-        drops = _dropout_masks(rng, shape, config.dropout, table.dtype, config.n_layers)
+    drops = layer_dropout_masks(rng, tokens.shape + (config.d_model,), config.dropout, table.dtype,
+                                config.n_layers, train)
     x, emb = embedding_forward(tokens, table)
     scale = embedding_scale(config, table.dtype)
     if scale is not None:
@@ -549,23 +500,21 @@ COMPILED_FIELDS = {
     # sizes, handed to the kernel as its shape (d_f from d_ff or ffn_multiple_of)
     "vocab_size": ANY, "max_seq_len": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY,
     "n_kv_heads": ANY, "head_dim": ANY, "d_ff": ANY, "ffn_multiple_of": ANY,
-    # the norms: RMSNorm or LayerNorm (with or without its shift), eps, the gain as gain() applies it
-    "norm": ANY, "norm_eps": ANY, "norm_offset": ANY,
+    # the RMSNorms: eps, the gain as gain() applies it
+    "norm_eps": ANY, "norm_offset": ANY,
     # RoPE: the rotation at each position comes from rope_options (a rope scaling included; a
     # length-dependent one is refused at a step where it changes, see cache_stale)
     "rope_base": ANY, "rope_layout": ANY, "rope_scaling": ANY,
     # attention: biases, and the score scale (query_pre_attn_scalar) as score_scale gives it
     "qkv_bias": ANY, "query_pre_attn_scalar": ANY,
-    # the FFN: SwiGLU, or the plain FFN with exact or tanh GELU (not GeGLU)
-    "ffn_gated": ANY,
-    "ffn_activation": lambda config: not config.ffn_gated or config.ffn_activation == "silu",
+    # the FFN: SwiGLU (not GeGLU)
+    "ffn_activation": ("silu",),
     # outside the layers: embed (embed_scale) and head (tied table, final_softcap) run in NumPy
     "tie_embeddings": ANY, "embed_scale": ANY, "final_softcap": ANY,
     # training only: no decode step reads them
     "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
     # the block: pre-norm sequential sublayers only
-    "pre_norms": (True,), "sandwich_norms": (False,), "parallel_block": (False,),
-    "parallel_norms": (1,),
+    "sandwich_norms": (False,),
     # not computed: every layer attends to every position with one dense FFN, no QK-norm, no cap
     "moe": (None,), "qk_norm": (None,), "sliding_window": (None,), "window_layers": (None,),
     "local_rope_base": (None,), "attn_softcap": (None,),
@@ -576,33 +525,24 @@ def compiled_layer_spec(params, config: DecoderConfig):
     """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
     call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
     each layer's arrays by the kernel's names. None unless every field of ``config`` has a value
-    :data:`COMPILED_FIELDS` lists (pre-norm sequential layers: RMSNorm or LayerNorm, SwiGLU or the
-    plain GELU FFN, optional query/key/value biases, RoPE with or without a rope scaling). The
+    :data:`COMPILED_FIELDS` lists (pre-norm sequential layers: RMSNorm, SwiGLU, optional
+    query/key/value biases, RoPE with or without a rope scaling). The
     gains are as :func:`gain` applies them and the score scale as :func:`attention_options` gives
     it; RoPE's rotation (with a rope scaling) is the caller's, at each position."""
     if type(config) is not DecoderConfig or not allowed(config, COMPILED_FIELDS):
         return None
-    plain_ffn = not config.ffn_gated
     layers = []
     for i in range(config.n_layers):
         p = sub_params(params, f"layers.{i}")
         layer = {"norm1_gain": gain(config, p["ln1.gamma"]),
                  "norm2_gain": gain(config, p["ln2.gamma"])}
-        if config.norm == "layernorm":
-            layer.update(norm1_shift=p["ln1.beta"], norm2_shift=p["ln2.beta"])
         names = ("w_q", "w_k", "w_v", "w_o") + (("b_q", "b_k", "b_v") if config.qkv_bias else ())
         layer.update({name: p[f"attn.{name}"] for name in names})
-        ffn_names = ("w_up", "w_down") if plain_ffn else ("w_gate", "w_up", "w_down")
-        layer.update({name: p[f"ffn.{name}"] for name in ffn_names})
+        layer.update({name: p[f"ffn.{name}"] for name in ("w_gate", "w_up", "w_down")})
         layers.append(layer)
-    if not plain_ffn:
-        ffn = "swiglu"
-    else:
-        ffn = "gelu_tanh" if config.ffn_activation == "gelu_tanh" else "gelu_exact"
     shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.kv_heads,
                  head_dim=config.d_h, d_ff=config.d_f,
-                 norm="rms" if config.norm == "rmsnorm" else "layer", eps=config.norm_eps,
-                 ffn=ffn, rope=config.rope_layout, scale=config.score_scale)
+                 norm="rms", eps=config.norm_eps, ffn="swiglu", rope=config.rope_layout, scale=config.score_scale)
     return shape, layers
 
 # ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
@@ -615,16 +555,16 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings,
                 sliding_window=config.sliding_window, window_layers=config.window_layers,
-                qk_norm=config.qk_norm, moe=config.moe, norm=config.norm,
-                mlp=(("geglu" if config.ffn_activation == "gelu_tanh" else "swiglu")
-                     if config.ffn_gated else "gelu"),  # "gelu": the plain 2 d d_f FFN
-                norms_per_layer=(config.parallel_norms if config.parallel_block else
-                                 2 * config.pre_norms + 2 * config.sandwich_norms))
+                qk_norm=config.qk_norm, moe=config.moe, norm="rmsnorm",
+                mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
+                norms_per_layer=2 + 2 * config.sandwich_norms)
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
 
-def _rope_attention_inputs(config, b=2, t=5):
+def rope_attention_inputs(config, b=2, t=5):
+    """``make(rng)`` of an OpCase of the RoPE attention sublayer at ``config``: rows ``x`` ``(b, t,
+    d)`` and its weights drawn at ``1/sqrt(d)``."""
     def make(rng):
         scale = 1.0 / math.sqrt(config.d_model)
         params = {name: scale * rng.standard_normal(shape)
@@ -637,18 +577,18 @@ _TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, ff
              init_std=0.25)  # init_std ~ 1/sqrt(d): gradients far above the stencil's noise
 for _g in (4, 2, 1):
     register_case(OpCase("rope_attention", f"h=4 g={_g} causal (2, 5, 16)", ("N10", "A10", "A8"),
-                         _rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
+                         rope_attention_inputs(DecoderConfig(**{**_TINY, "n_kv_heads": _g})),
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
                          max_coords=12))
 register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), q/k/v biases", ("N10", "A10", "A8"),
-                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, qkv_bias=True)),
+                     rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, qkv_bias=True)),
                      *layer_case_ops(rope_attention_forward, rope_attention_backward),
                      ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v"),
                      group="attention execution", max_coords=12))
 register_case(OpCase("rope_attention", "h=4 g=2 causal (2, 5, 16), sliding window 3",
                      ("N10", "A10", "A8", "A12"),
-                     _rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, sliding_window=3)),
+                     rope_attention_inputs(DecoderConfig(**_TINY, n_kv_heads=2, sliding_window=3)),
                      *layer_case_ops(rope_attention_forward, rope_attention_backward),
                      ("x", "w_q", "w_k", "w_v", "w_o"), group="attention execution",
                      max_coords=12))
@@ -660,7 +600,6 @@ register_case(ParamCase("decoder", "GQA h=4 g=2, 2 layers, dropout 0.25, tied, l
 # QK-norm (N18) and the context-extension rules (N13-N17) as options of the same sublayer
 _OPTIONS = {
     "QK-norm per head (Qwen3)": (dict(qk_norm="head"), ("N18", "N2")),
-    "QK-norm on the projections (OLMo 2)": (dict(qk_norm="projection"), ("N18", "N2")),
     "linear scaling s=2": (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), ("N13",)),
     "dynamic NTK past 3 tokens": (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0,
                                                          original_max_seq_len=3)), ("N14",)),
@@ -675,7 +614,7 @@ _OPTIONS = {
 for _label, (_fields, _ids) in _OPTIONS.items():
     _config = DecoderConfig(**_TINY, n_kv_heads=2, **_fields)
     register_case(OpCase("rope_attention", f"h=4 g=2 causal (2, 5, 16), {_label}",
-                         ("N10", "A10", "A8", *_ids), _rope_attention_inputs(_config),
+                         ("N10", "A10", "A8", *_ids), rope_attention_inputs(_config),
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", *rope_attention_shapes(_config)), group="attention execution",
                          max_coords=12))
@@ -696,27 +635,6 @@ register_case(ParamCase("decoder", "Gemma 3: QK-norm, the local layer's own RoPE
                             window_layers=(False, True), local_rope_base=100.0,
                             rope_scaling=dict(rope_type="linear", factor=4.0)), train=False),
                         backward, max_coords=2, step=2.5e-4))
-
-# The block's shapes: parallel (N21) and normalised after the sublayers (N22), with LayerNorm (N1)
-# and the plain GELU FFN (N5, N6)
-_BLOCKS = {
-    "Falcon-7B: parallel block, one LayerNorm, MQA, exact-GELU MLP, tied": (dict(
-        n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
-        ffn_activation="gelu", tie_embeddings=True), ("N21", "N1", "N6"), False),
-    "Falcon-40B: parallel block, two LayerNorms, GQA, tanh-GELU MLP, dropout 0.25": (dict(
-        n_kv_heads=2, parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
-        ffn_activation="gelu_tanh", d_ff=24, dropout=0.25), ("N21", "N1", "N6"), True),
-    "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": (
-        PALM, ("N21", "N1", "N7"), False),
-    "OLMo 2: RMSNorm after each sublayer only, QK-norm on the projections": (dict(
-        n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
-        ("N22", "N18"), False),
-}
-for _label, (_fields, _ids, _train) in _BLOCKS.items():
-    register_case(ParamCase("decoder", _label, ("M3", *_ids),
-                            model_case_maker(forward, init_params,
-                                             DecoderConfig(**{**_TINY, **_fields}), train=_train),
-                            backward, max_coords=2, step=2.5e-4))
 
 # Mixtures of experts (E1-E5) as the decoder's feed-forward, their auxiliary losses in the loss
 _EXPERT_CASES = {

@@ -16,13 +16,11 @@ from refmath._validate import (check_choice, check_field, check_flag, check_int,
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.ffn import swiglu_hidden_size
 from refmath.moe import MoEConfig, as_moe_config
-from refmath.models.blocks import NORMS
 from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
 
 __all__ = [
     "check_shared_fields", "ffn_width", "FamilyConfig", "QK_NORMS", "FFN_ACTIVATIONS",
-    "GATED_ACTIVATIONS", "PLAIN_ACTIVATIONS", "DecoderConfig", "gain", "attention_options",
-    "layer_config", "PALM", "PRESETS", "preset"
+    "DecoderConfig", "gain", "attention_options", "layer_config", "PRESETS", "preset"
 ]
 
 
@@ -51,13 +49,11 @@ def check_shared_fields(config) -> None:
 
 
 def ffn_width(config) -> int:
-    """The FFN's hidden width ``d_f``: ``d_ff`` if given, else, for the gated FFN, ``8d/3`` rounded
-    up to a multiple of ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), about as
-    many parameters as the plain FFN's ``4d`` (N5), which ``ffn_gated = False`` defaults to."""
+    """The FFN's hidden width ``d_f``: ``d_ff`` if given, else ``8d/3`` rounded up to a multiple of
+    ``ffn_multiple_of`` (N7, :func:`refmath.ffn.swiglu_hidden_size`), about as many parameters as
+    the plain FFN's ``4d`` (N5)."""
     if config.d_ff is not None:
         return config.d_ff
-    if not config.ffn_gated:
-        return 4 * config.d_model
     return swiglu_hidden_size(config.d_model, config.ffn_multiple_of)
 
 
@@ -100,12 +96,9 @@ class FamilyConfig:
         return ffn_width(self)
 
 
-QK_NORMS = ("head", "projection")  # where QK-norm's RMSNorm runs (N18)
-# the FFN's activation: the gate of SwiGLU (N7) or GeGLU (N20), or the nonlinearity of the plain
-# two-layer FFN (N5, N6: exact GELU for Falcon, tanh-GELU for GPT-J)
-FFN_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-GATED_ACTIVATIONS = ("silu", "gelu_tanh")
-PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh")
+QK_NORMS = ("head",)  # where QK-norm's RMSNorm runs (N18): over each head (OLMo 2's: olmo2.py)
+# the gate of the FFN: SwiGLU's SiLU (N7) or GeGLU's tanh-GELU (N20)
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +124,8 @@ class DecoderConfig(FamilyConfig):
     (:class:`refmath.positions.RopeScaling` or a dict of its fields: linear, dynamic NTK, Llama 3.1's
     llama3, YaRN, LongRoPE; N13-N17). ``qk_norm`` RMS-normalises queries and keys before RoPE
     (N18): ``"head"`` over each head's ``d_h`` coordinates with one gain of ``d_h`` shared by the
-    heads (Qwen3, Gemma 3), ``"projection"`` over the whole query (``h d_h``) and key (``g d_h``)
-    projections (OLMo 2); ``None`` (the default) normalises neither.
+    heads (Qwen3, Gemma 3); ``None`` (the default) normalises neither. (OLMo 2's QK-norm over the
+    whole projections is :mod:`refmath.models.olmo2`'s.)
 
     Per-layer attention: with ``window_layers`` (one flag per layer) only the flagged layers slide
     their window of ``sliding_window``, the others attend to every earlier position (Gemma 2's
@@ -146,17 +139,9 @@ class DecoderConfig(FamilyConfig):
     scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
     on each sublayer's output before the residual sum (Gemma 2 and 3).
 
-    The block's shape: ``parallel_block`` makes attention and FFN read the same input and add to
-    the residual together, :math:`x' = x + \operatorname{Attn}(N_1(x)) + \operatorname{FFN}(N_2(x))`
-    (GPT-J, PaLM, Falcon; N21), with one norm :math:`N_2 = N_1` (``parallel_norms`` = 1: GPT-J,
-    PaLM, Falcon-7B) or two (``parallel_norms`` = 2: Falcon-40B's ``ln_attn`` and ``ln_mlp``).
-    ``pre_norms`` = False (with ``sandwich_norms``) drops the norms before the sublayers and keeps
-    those after them, :math:`x' = x + \operatorname{RMSNorm}(F(x))` (OLMo 2; N22). ``norm`` is every
-    layer norm of the blocks and the final one (QK-norm stays RMSNorm): ``"rmsnorm"``,
-    ``"layernorm"`` (with its bias ``beta``, Falcon) or ``"layernorm_no_bias"`` (PaLM).
-    ``ffn_gated`` = False makes the FFN the plain two-layer one without biases,
-    :math:`\phi(x W_1) W_2` with ``ffn_activation`` :math:`\phi` ``"gelu"`` (exact, Falcon) or
-    ``"gelu_tanh"`` (GPT-J), of default width ``4 d``.
+    The parallel block of Falcon, PaLM and GPT-J, with LayerNorm and the plain GELU FFN, is
+    :mod:`refmath.models.falcon`'s; OLMo 2's norms after the sublayers only (N22)
+    :mod:`refmath.models.olmo2`'s.
     """
 
     n_kv_heads: int | None = None
@@ -173,11 +158,6 @@ class DecoderConfig(FamilyConfig):
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sandwich_norms: bool = False
-    parallel_block: bool = False
-    parallel_norms: int = 1
-    pre_norms: bool = True
-    norm: str = "rmsnorm"
-    ffn_gated: bool = True
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -193,7 +173,6 @@ class DecoderConfig(FamilyConfig):
         check_field(self, "embed_scale", check_flag)
         check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
         check_field(self, "sandwich_norms", check_flag)
-        self._check_block()
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
             check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         object.__setattr__(self, "rope_scaling",
@@ -206,29 +185,6 @@ class DecoderConfig(FamilyConfig):
             source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
             raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "
                              f"for RoPE's coordinate pairs")
-
-    def _check_block(self) -> None:
-        """The fields of the block's shape (its norms, their place, the FFN), and their mixtures
-        that no model has."""
-        for name in ("parallel_block", "pre_norms", "ffn_gated"):
-            check_field(self, name, check_flag)
-        check_field(self, "parallel_norms", check_choice, (1, 2))
-        check_field(self, "norm", check_choice, NORMS)
-        if self.parallel_norms == 2 and not self.parallel_block:
-            raise ValueError("DecoderConfig.parallel_norms = 2 gives the FFN of a parallel block "
-                             "its own norm; parallel_block is False")
-        if self.parallel_block and (self.sandwich_norms or not self.pre_norms):
-            raise ValueError("DecoderConfig.parallel_block normalises the block's input only; "
-                             f"sandwich_norms = {self.sandwich_norms} and pre_norms = "
-                             f"{self.pre_norms} ask for norms after the sublayers")
-        if not self.pre_norms and not self.sandwich_norms:
-            raise ValueError("DecoderConfig.pre_norms = False moves the norms after the sublayers "
-                             "(OLMo 2), which needs sandwich_norms = True")
-        allowed = GATED_ACTIVATIONS if self.ffn_gated else PLAIN_ACTIVATIONS
-        if self.ffn_activation not in allowed:
-            kind = "gated FFN" if self.ffn_gated else "plain FFN (ffn_gated = False)"
-            raise ValueError(f"DecoderConfig.ffn_activation = {self.ffn_activation!r} is not one "
-                             f"of the {kind}'s: {', '.join(map(repr, allowed))}")
 
     @property
     def kv_heads(self) -> int:
@@ -285,12 +241,6 @@ def _layer_config(config, layer: int):
     return dataclasses.replace(config, **fields)
 
 
-# PaLM's block (Chowdhery et al. 2022, Sec. 2): attention and a SwiGLU FFN in parallel on one
-# LayerNorm without bias, multi-query attention, no biases anywhere, the output projection shared
-# with the input embedding. PaLM's weights were never released, so no checkpoint loads into it;
-# refmath.sizing's "palm-540b" counts the published model.
-PALM = dict(parallel_block=True, n_kv_heads=1, norm="layernorm_no_bias", tie_embeddings=True)
-
 PRESETS = {
     # For lessons and quick training runs on a CPU: byte-level vocabulary, GQA with g = h/2.
     "tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
@@ -299,9 +249,6 @@ PRESETS = {
     # released checkpoint: 32k vocabulary, d_h = 64, GQA with g = 4 of h = 12.
     "llama-small": dict(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12,
                         n_kv_heads=4, ffn_multiple_of=256, norm_eps=1e-5),
-    # PaLM's recipe at the size of "tiny": its SwiGLU is 4d wide (PaLM-540B's 73728 = 4 x 18432)
-    "palm-tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
-                      d_ff=256, norm_eps=1e-5, **PALM),
 }
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from refmath.moe import MoEConfig
 from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
-                                      interleaved_to_half, join_heads_columns, linear_out, refuse,
-                                      refuse_common, require, rope_context, rope_from_hf,
-                                      rope_to_hf, split_heads_columns, swiglu_layers_to_hf,
-                                      fuse_phi3, take_ends, take_feed_forward_layer, take_head,
-                                      take_phi3_layer, take_swiglu)
+                                      interleaved_to_half, linear_out, refuse, refuse_common,
+                                      require, rope_context, rope_from_hf, rope_to_hf,
+                                      swiglu_layers_to_hf, fuse_phi3, take_ends,
+                                      take_feed_forward_layer, take_phi3_layer, take_swiglu)
 from refmath.models.decoder_config import DecoderConfig
 
 __all__ = [
@@ -25,11 +24,10 @@ __all__ = [
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
 # mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
-# gemma, gemma2 and gemma3_text with Gemma's options; olmo2 with its norms after the sublayers
-# and QK-norm on the projections; phi3 with its fused projections and LongRoPE; falcon with its
-# parallel block of LayerNorms and its plain GELU MLP (its own section below)
+# gemma, gemma2 and gemma3_text with Gemma's options; phi3 with its fused projections and LongRoPE
+# (falcon is refmath.models.falcon's, olmo2 refmath.models.olmo2's)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "falcon")
+                  "gemma", "gemma2", "gemma3_text", "phi3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
@@ -167,8 +165,6 @@ def _gemma_from_hf(hf: dict) -> dict:
 def config_from_hf(hf: dict) -> DecoderConfig:
     kind = hf["model_type"]
     refuse_common(hf, experts=kind in _EXPERT_LAYOUTS, softcap=kind in ("gemma2", "gemma3_text"))
-    if kind == "falcon":
-        return _falcon_from_hf(hf)
     gemma = _gemma_from_hf(hf)
     if not gemma:
         require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
@@ -185,8 +181,6 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     if kind in QWEN_TYPES:
         fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
     fields.update(gemma)
-    if kind == "olmo2":  # RMSNorm after each sublayer (none before), QK-norm on the projections
-        fields.update(qk_norm="projection", sandwich_norms=True, pre_norms=False)
     return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
         vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
@@ -198,8 +192,6 @@ def config_from_hf(hf: dict) -> DecoderConfig:
 
 
 def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
-    if hf["model_type"] == "falcon":
-        return _falcon_params(config, weights)
     d = config.d_model
     widths = {"q": config.n_heads * config.d_h, "k": config.kv_heads * config.d_h,
               "v": config.kv_heads * config.d_h}
@@ -221,16 +213,7 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
             for name in ("q", "k"):
                 params[p + f"attn.{name}_norm.gamma"] = weights.take(
                     h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        elif config.qk_norm == "projection":  # olmo2's, over the whole projections
-            for name in ("q", "k"):
-                params[p + f"attn.{name}_norm.gamma"] = weights.take(
-                    h + f"self_attn.{name}_norm.weight", (widths[name],))
-        if not config.pre_norms:  # OLMo 2: its post_attention_layernorm is the attention's output
-            for ours, theirs in (("ln1_post", "post_attention_layernorm"),
-                                 ("ln2_post", "post_feedforward_layernorm")):
-                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
-            take_swiglu(weights, params, h, p, d, config.d_f)
-        elif config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
+        if config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
             names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm")
             for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
@@ -341,7 +324,7 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
@@ -385,18 +368,7 @@ def _qwen_window_fields(config: DecoderConfig) -> dict:
 
 
 def to_hf(config: DecoderConfig, params: dict):
-    if config.parallel_block or config.norm != "rmsnorm" or not config.ffn_gated:
-        return _falcon_to_hf(config, params)
-    if not config.pre_norms:
-        kind = "olmo2"
-        _require_fields(config, kind, "norms after the sublayers only (pre_norms = False)",
-                        dict(_LLAMA_PLAIN, qk_norm="projection", ffn_activation="silu"))
-    elif config.qk_norm == "projection":
-        raise HFCheckpointError("qk_norm = 'projection' is OLMo 2's, which normalises after the "
-                                "sublayers only (sandwich_norms with pre_norms = False); this "
-                                "config has its norms before them")
-    else:
-        kind = _gemma_kind(config) or _llama_kind(config)
+    kind = _gemma_kind(config) or _llama_kind(config)
     gemma = kind if kind in GEMMA_TYPES else None
     architecture = _ARCHITECTURES[kind]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
@@ -409,11 +381,11 @@ def to_hf(config: DecoderConfig, params: dict):
           "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
-    if kind in ("olmo2", "phi3"):  # their defaults name ids a small vocabulary may not have; a
-        hf.update(_NO_TOKEN_IDS)   # tokenizer saved beside the weights sets them (save_tokenizer)
+    if kind == "phi3":  # its defaults name ids a small vocabulary may not have; a tokenizer
+        hf.update(_NO_TOKEN_IDS)  # saved beside the weights sets them (save_tokenizer)
     if gemma:
         _gemma_to_hf(config, kind, hf)
-    elif kind in ("llama", "olmo2"):
+    elif kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
     elif kind == "phi3":
         hf.update(sliding_window=config.sliding_window,
@@ -462,165 +434,5 @@ def to_hf(config: DecoderConfig, params: dict):
     return hf, tensors
 
 
-# ---- Hugging Face: Falcon ------------------------------------------------------------------------
-
-# Falcon's activation names: exact GELU, or its tanh form under either of transformers' names
-_FALCON_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-
-
-def _falcon_layout(config: DecoderConfig) -> dict:
-    """The fields of a falcon config that fix its block and its ``query_key_value`` layout.
-
-    transformers' new decoder architecture (Falcon-40B) groups the fused projection by key/value
-    head, ``[q_1 .. q_{h/g}, k, v]`` per group, and runs the parallel block with one norm or two
-    (``ln_attn``, ``ln_mlp``); the old one (Falcon-7B) lays it out as ``[q_1 .. q_h, k, v]``
-    (``multi_query``, ``g = 1``) or ``[q, k, v]`` per head (``g = h``), and also runs the
-    sequential block (``parallel_attn`` False). The two old layouts are the grouped one with
-    ``g = 1`` and ``g = h``, so one rule reads them all.
-    """
-    old = not config.parallel_block or (config.kv_heads == 1 and config.parallel_norms == 1)
-    return dict(new_decoder_architecture=not old, multi_query=config.kv_heads == 1,
-                parallel_attn=config.parallel_block,
-                num_ln_in_parallel_attn=None if old else config.parallel_norms)
-
-
-def _falcon_norm_names(config: DecoderConfig) -> dict:
-    """``{refmath norm: Falcon's}`` of one layer."""
-    if not config.parallel_block:
-        return {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
-    if config.parallel_norms == 2:
-        return {"ln1": "ln_attn", "ln2": "ln_mlp"}
-    return {"ln1": "input_layernorm"}
-
-
-def _falcon_from_hf(hf: dict) -> DecoderConfig:
-    """A falcon config: the parallel block of LayerNorms and a plain GELU MLP, RoPE (``"half"``),
-    no biases; ALiBi (Falcon-RW) and biased projections are refused."""
-    if hf.get("alibi"):
-        refuse(hf, "alibi", True, "refmath's decoder places positions by RoPE, not ALiBi's biases")
-    if hf.get("bias"):
-        refuse(hf, "bias", True, "refmath's Falcon has no biases on its projections and MLP")
-    act = hf.get("activation", "gelu")
-    if act not in _FALCON_ACTIVATIONS:
-        refuse(hf, "activation", act, "refmath's plain FFN takes GELU, exact or tanh")
-    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    new, parallel = bool(hf.get("new_decoder_architecture")), bool(hf.get("parallel_attn", True))
-    norms = hf.get("num_ln_in_parallel_attn")
-    if new:
-        if not parallel:
-            refuse(hf, "parallel_attn", False, "the new decoder architecture runs the parallel "
-                   "block only (transformers builds no post_attention_layernorm for it)")
-        norms = 2 if norms is None else int(norms)
-        if norms not in (1, 2):
-            refuse(hf, "num_ln_in_parallel_attn", norms, "a parallel block has one norm or two")
-        kv_heads = int(hf.get("num_kv_heads") or heads)
-    else:
-        if norms not in (None, 1):
-            refuse(hf, "num_ln_in_parallel_attn", norms, "transformers' old decoder "
-                   "architecture reads input_layernorm alone")
-        norms = 1
-        kv_heads = 1 if hf.get("multi_query", True) else heads
-        if kv_heads == heads and int(hf.get("num_kv_heads") or heads) != heads:
-            refuse(hf, "num_kv_heads", hf["num_kv_heads"], "the old decoder architecture "
-                   "without multi_query has a key and a value per head")
-    base, scaling = rope_from_hf(hf)
-    return DecoderConfig(
-        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, scaling), d_model=d,
-        n_layers=int(hf["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv_heads,
-        d_ff=int(hf.get("ffn_hidden_size") or 4 * d), rope_base=base, rope_scaling=scaling,
-        rope_layout="half", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        ffn_gated=False, ffn_activation=_FALCON_ACTIVATIONS[act], parallel_block=parallel,
-        parallel_norms=norms if parallel else 1,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
-
-
-def _falcon_params(config: DecoderConfig, weights) -> dict:
-    d, h, g, d_h, f = config.d_model, config.n_heads, config.kv_heads, config.d_h, config.d_f
-    params = {}
-    for i in range(config.n_layers):
-        t, p = f"transformer.h.{i}.", f"layers.{i}."
-        for ours, theirs in _falcon_norm_names(config).items():
-            params[p + ours + ".gamma"] = weights.take(t + theirs + ".weight", (d,))
-            params[p + ours + ".beta"] = weights.take(t + theirs + ".bias", (d,))
-        fused = weights.take(t + "self_attention.query_key_value.weight", ((h + 2 * g) * d_h, d),
-                             transpose=True)
-        # per key/value group: its h/g queries, then its key and its value (_falcon_layout)
-        params[p + "attn.w_q"], params[p + "attn.w_k"], params[p + "attn.w_v"] = \
-            split_heads_columns(fused, g, ((h // g) * d_h, d_h, d_h))
-        params[p + "attn.w_o"] = weights.take(t + "self_attention.dense.weight", (d, h * d_h),
-                                              transpose=True)
-        params[p + "ffn.w_up"] = weights.take(t + "mlp.dense_h_to_4h.weight", (f, d),
-                                              transpose=True)
-        params[p + "ffn.w_down"] = weights.take(t + "mlp.dense_4h_to_h.weight", (d, f),
-                                                transpose=True)
-    params["tok_emb"] = weights.take("transformer.word_embeddings.weight", (config.vocab_size, d))
-    params["ln_f.gamma"] = weights.take("transformer.ln_f.weight", (d,))
-    params["ln_f.beta"] = weights.take("transformer.ln_f.bias", (d,))
-    take_head(weights, config.tie_embeddings, params, config.vocab_size, d)
-    return params
-
-
-def _require_fields(config: DecoderConfig, kind: str, why: str, needed: dict) -> None:
-    """Refuse to write ``config`` as ``kind`` unless each field has its value in ``needed``."""
-    for field, value in needed.items():
-        if getattr(config, field) != value:
-            raise HFCheckpointError(f"a decoder with {why} is written as {kind}, which needs "
-                                    f"{field} = {value!r}; this config has "
-                                    f"{getattr(config, field)!r}")
-
-
 # Special-token ids are the tokenizer's to give: None rather than a type's defaults
 _NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
-
-# What only the Gemmas, the Qwens, Mistral and the mixtures of experts have: the plain value that
-# the types without it need
-_LLAMA_PLAIN = dict(qkv_bias=False, qk_norm=None, sliding_window=None, window_layers=None,
-                    moe=None, norm_offset=0.0, embed_scale=False, query_pre_attn_scalar=None,
-                    attn_softcap=None, final_softcap=None)
-
-
-def _falcon_to_hf(config: DecoderConfig, params: dict):
-    why = "a parallel block, LayerNorm or the plain GELU FFN"
-    _require_fields(config, "falcon", why, dict(
-        _LLAMA_PLAIN, norm="layernorm", ffn_gated=False, sandwich_norms=False, pre_norms=True))
-    if config.d_h * config.n_heads != config.d_model:
-        raise HFCheckpointError(f"falcon's heads are d_model / n_heads wide; this config has "
-                                f"head_dim = {config.d_h} with d_model = {config.d_model} and "
-                                f"n_heads = {config.n_heads}")
-    if not config.parallel_block and config.kv_heads not in (1, config.n_heads):
-        raise HFCheckpointError(f"falcon's sequential block (the old decoder architecture) has "
-                                f"one key/value head or n_heads; this config has n_kv_heads = "
-                                f"{config.kv_heads}")
-    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
-    activation = "gelu" if config.ffn_activation == "gelu" else "gelu_pytorch_tanh"
-    hf = {"model_type": "falcon", "architectures": ["FalconForCausalLM"],
-          "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-          "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-          "num_kv_heads": config.kv_heads, **_falcon_layout(config), "alibi": False,
-          "bias": False, "activation": activation, "ffn_hidden_size": config.d_f,
-          "layer_norm_epsilon": config.norm_eps, "rope_parameters": rope_parameters,
-          "max_position_embeddings": config.max_seq_len if context is None else context,
-          "tie_word_embeddings": config.tie_embeddings, **_NO_TOKEN_IDS}
-
-    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
-        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
-
-    tensors = {}
-    for i in range(config.n_layers):
-        t, p = f"transformer.h.{i}.", f"layers.{i}."
-        for ours, theirs in _falcon_norm_names(config).items():
-            tensors[t + theirs + ".weight"] = params[p + ours + ".gamma"]
-            tensors[t + theirs + ".bias"] = params[p + ours + ".beta"]
-        blocks = [rotated(params[p + "attn.w_q"]), rotated(params[p + "attn.w_k"]),
-                  params[p + "attn.w_v"]]
-        tensors[t + "self_attention.query_key_value.weight"] = linear_out(
-            join_heads_columns(blocks, config.kv_heads))
-        tensors[t + "self_attention.dense.weight"] = linear_out(params[p + "attn.w_o"])
-        tensors[t + "mlp.dense_h_to_4h.weight"] = linear_out(params[p + "ffn.w_up"])
-        tensors[t + "mlp.dense_4h_to_h.weight"] = linear_out(params[p + "ffn.w_down"])
-    tensors["transformer.word_embeddings.weight"] = params["tok_emb"]
-    tensors["transformer.ln_f.weight"] = params["ln_f.gamma"]
-    tensors["transformer.ln_f.bias"] = params["ln_f.beta"]
-    if not config.tie_embeddings:
-        tensors["lm_head.weight"] = linear_out(params["lm_head"])
-    return hf, tensors

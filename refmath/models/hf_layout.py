@@ -292,15 +292,12 @@ def linear_out(w: np.ndarray) -> np.ndarray:
 
 def swiglu_layers_to_hf(config, params: dict, tensors: dict,
                         layout: ExpertLayout | None = None) -> None:
-    """Every layer's norms (Llama's two, Gemma 2's four or OLMo 2's two after the sublayers) and
+    """Every layer's norms (Llama's two or Gemma 2's four) and
     feed-forward (a mixture of experts in ``layout`` where ``config.moe`` has one), the token
     table, the final norm and the head, under Llama's names."""
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
-        if not config.pre_norms:  # OLMo 2's two norms, after the sublayers
-            tensors[h + "post_attention_layernorm.weight"] = params[p + "ln1_post.gamma"]
-            tensors[h + "post_feedforward_layernorm.weight"] = params[p + "ln2_post.gamma"]
-        elif config.sandwich_norms:  # Gemma 2/3's names for the four norms
+        if config.sandwich_norms:  # Gemma 2/3's names for the four norms
             tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
             tensors[h + "post_attention_layernorm.weight"] = params[p + "ln1_post.gamma"]
             tensors[h + "pre_feedforward_layernorm.weight"] = params[p + "ln2.gamma"]

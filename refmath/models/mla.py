@@ -108,12 +108,8 @@ class MLAConfig(FamilyConfig):
 
     # M3's block, which M4 keeps as it is: the options of DecoderConfig that the shared layer code
     # (refmath.models.decoder) reads, fixed at Llama's values (class constants, not fields)
-    norm: ClassVar[str] = "rmsnorm"
     norm_offset: ClassVar[float] = 0.0
-    pre_norms: ClassVar[bool] = True
     sandwich_norms: ClassVar[bool] = False
-    parallel_block: ClassVar[bool] = False
-    ffn_gated: ClassVar[bool] = True
     ffn_activation: ClassVar[str] = "silu"
     embed_scale: ClassVar[bool] = False
     final_softcap: ClassVar[float | None] = None

@@ -15,6 +15,7 @@ from refmath.inference.kv_cache import generate_cached, prefill
 from refmath.inference.weight_layout import decode_layout
 from refmath.models import model_module
 from refmath.models.decoder import DecoderConfig
+from refmath.models.falcon import FalconConfig
 from refmath.models.gpt import GPTConfig
 from refmath.models.mla import MLAConfig
 from refmath.moe import MoEConfig
@@ -32,18 +33,14 @@ CASES = {
     "gpt-exact-gelu-untied": ("gpt", dataclasses.replace(GPT, gelu_approximate=False,
                                                          tie_embeddings=False)),
     "llama-gqa-half": ("llama", LLAMA),
-    # MQA, Qwen2's biases, LayerNorm with its shift, Falcon's plain exact-GELU FFN, Llama 3.1's
-    # rope scaling
-    "llama-mqa-bias-layernorm-gelu-llama3": ("llama", dataclasses.replace(
-        LLAMA, n_kv_heads=1, qkv_bias=True, norm="layernorm", ffn_gated=False,
-        ffn_activation="gelu", rope_layout="interleaved",
+    # MQA, Qwen2's biases, Llama 3.1's rope scaling
+    "llama-mqa-bias-llama3": ("llama", dataclasses.replace(
+        LLAMA, n_kv_heads=1, qkv_bias=True, rope_layout="interleaved",
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_seq_len=8))),
-    # PaLM's bias-free LayerNorm, GPT-J's tanh GELU, and Gemma's options that act outside the
-    # layers or through their gains and score scale
-    "llama-nobias-norm-tanh-gemma-options": ("llama", dataclasses.replace(
-        LLAMA, norm="layernorm_no_bias", ffn_gated=False, ffn_activation="gelu_tanh",
-        norm_offset=1.0, embed_scale=True, query_pre_attn_scalar=16.0, final_softcap=30.0,
+    # Gemma's options that act outside the layers or through their gains and score scale
+    "llama-gemma-options": ("llama", dataclasses.replace(
+        LLAMA, norm_offset=1.0, embed_scale=True, query_pre_attn_scalar=16.0, final_softcap=30.0,
         tie_embeddings=True)),
 }
 
@@ -106,7 +103,8 @@ def test_generate_on_the_cpu_backend_steps_through_the_compiled_layers(monkeypat
     ("llama", dataclasses.replace(LLAMA, sliding_window=4)),
     ("llama", dataclasses.replace(LLAMA, attn_softcap=50.0)),
     ("llama", dataclasses.replace(LLAMA, sandwich_norms=True)),
-    ("llama", dataclasses.replace(LLAMA, parallel_block=True)),
+    ("falcon", FalconConfig(vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4,
+                            n_kv_heads=2, d_ff=48, rope_layout="half")),
     ("llama", dataclasses.replace(LLAMA, ffn_activation="gelu_tanh")),  # GeGLU
     ("llama", dataclasses.replace(LLAMA, moe=MoEConfig(n_experts=4, top_k=2, d_expert=16))),
     ("gpt", dataclasses.replace(GPT, norm_position="post")),

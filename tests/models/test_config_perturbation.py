@@ -39,14 +39,15 @@ _GPT = dict(vocab_size=61, max_seq_len=16, n_layers=2, d_model=32, n_heads=4, d_
 # field that only matters in one shape (parallel_norms, local_rope_base) has a base where it does.
 BASES = {
     "llama": dict(_LLAMA),
-    "llama-layernorm-plain-ffn": dict(_LLAMA, norm="layernorm", ffn_gated=False,
-                                      ffn_activation="gelu", qkv_bias=True),
+    "llama-biases": dict(_LLAMA, qkv_bias=True),
     "gemma": dict(_LLAMA, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
                   tie_embeddings=True, sandwich_norms=True, qk_norm="head", sliding_window=3,
                   window_layers=(True, False), local_rope_base=100.0, attn_softcap=50.0),
-    "falcon": dict(_LLAMA, parallel_block=True, parallel_norms=2, norm="layernorm",
-                   ffn_gated=False, ffn_activation="gelu"),
-    "olmo2": dict(_LLAMA, pre_norms=False, sandwich_norms=True, qk_norm="projection"),
+    "falcon": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                   n_kv_heads=2, d_ff=48, rope_layout="half", parallel_norms=2),
+    "falcon-sequential": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                              n_kv_heads=2, d_ff=48, parallel_block=False),
+    "olmo2": dict(_LLAMA),
     "mixtral": dict(_LLAMA, moe=MoEConfig(n_experts=4, top_k=2, d_expert=16)),
     "gpt": dict(_GPT),
     "gpt-post": dict(_GPT, norm_position="post"),
@@ -57,13 +58,15 @@ BASES = {
                    n_kv_heads=2, d_ff=48),
 }
 MODEL_OF = {"gpt": "gpt", "gpt-post": "gpt", "gpt-banded": "gpt", "mla": "mla",
-            "cohere": "cohere"}  # the others are "llama"
+            "cohere": "cohere", "falcon": "falcon", "olmo2": "olmo2",
+            "falcon-sequential": "falcon"}  # the others are "llama"
 
 # Values to try for a field besides the generic ones (the other flag, a nearby number): the
 # choices of the string fields and a value for the fields whose default is None.
 HINTS = {
-    "norm": ("rmsnorm", "layernorm", "layernorm_no_bias"),
-    "ffn_activation": ("silu", "gelu_tanh", "gelu"),
+    "norm": ("layernorm", "layernorm_no_bias"),
+    "ffn": ("gelu", "gelu_tanh", "swiglu"),
+    "ffn_activation": ("silu", "gelu_tanh"),
     "rope_layout": ("interleaved", "half"),
     "attention_backend": ("cpu", "numpy"),
     "norm_position": ("pre", "post"),
@@ -214,11 +217,11 @@ def test_every_field_of_every_model_is_perturbed_somewhere():
 
 def test_the_bases_that_the_compiled_layers_take_do_run_them():
     """Not vacuous: the plain bases run the compiled layers (unperturbed, and in the cases above)."""
-    for base in ("llama", "llama-layernorm-plain-ffn", "gpt"):
+    for base in ("llama", "llama-biases", "gpt"):
         model = MODEL_OF.get(base, "llama")
         config = config_class(model)(**BASES[base])
         params = {n: v.astype(np.float32) for n, v in _params(model, config).items()}
         assert compiled_step.compiled_layers(model_module(model), params, config) is not None, base
     if len(RAN_COMPILED) == 0 and len(CASES) > 0:
         pytest.skip("run with the perturbation cases to see which bases ran compiled")
-    assert {"llama", "llama-layernorm-plain-ffn", "gpt"} <= RAN_COMPILED
+    assert {"llama", "llama-biases", "gpt"} <= RAN_COMPILED

@@ -106,7 +106,11 @@ def test_the_hooks_answer_for_a_plain_config(name):
                                    "mla": dict(vocab_size=11, max_seq_len=8, d_model=16,
                                                n_layers=1, n_heads=2, d_c=8, d_rope=4),
                                    "cohere": dict(vocab_size=11, max_seq_len=8, d_model=16,
-                                                  n_layers=1, n_heads=2, d_ff=24)}[name])
+                                                  n_layers=1, n_heads=2, d_ff=24),
+                                   "falcon": dict(vocab_size=11, max_seq_len=8, d_model=16,
+                                                  n_layers=1, n_heads=2),
+                                   "olmo2": dict(vocab_size=11, max_seq_len=8, d_model=16,
+                                                 n_layers=1, n_heads=2)}[name])
     assert module.cache_stale(config, 4, 1) is False
     rope = module.rope_options(config, 3, 4)
     assert rope is None or rope["offset"] == 3

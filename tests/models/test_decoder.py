@@ -274,8 +274,7 @@ def test_config_stores_plain_python_numbers():
 def test_config_round_trips_through_json():
     config = tiny(n_kv_heads=1, head_dim=6, d_ff=20, tie_embeddings=True, dropout=0.1)
     assert DecoderConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
-    config = tiny(parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
-                  ffn_activation="gelu")
+    config = tiny(sandwich_norms=True, qk_norm="head", ffn_activation="gelu_tanh")
     assert DecoderConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
 
 
@@ -383,86 +382,9 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(window)
         tiny(attention_backend="cuda")
 
 
-# ---- the block's shapes: parallel (N21), norms after the sublayers (N22), LayerNorm, plain FFN
+# ---- the sandwich norms; the parallel block is test_falcon.py's, OLMo 2's norms test_olmo2.py's
 
-FALCON_7B = dict(n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
-                 ffn_activation="gelu")
-FALCON_40B = dict(FALCON_7B, n_kv_heads=2, parallel_norms=2)
-OLMO_2 = dict(sandwich_norms=True, pre_norms=False, qk_norm="projection")
-
-
-def test_parameters_of_each_block_shape():
-    d, layer = 16, "layers.1."
-    one = decoder.param_shapes(tiny(**FALCON_7B))
-    # one LayerNorm (gain and bias) feeds both branches: no ln2; the plain FFN is 4d wide
-    assert [n for n in one if n.startswith(layer + "ln")] == [layer + "ln1.gamma",
-                                                              layer + "ln1.beta"]
-    assert one[layer + "ffn.w_up"] == (d, 4 * d) and one[layer + "ffn.w_down"] == (4 * d, d)
-    assert layer + "ffn.w_gate" not in one and one["ln_f.beta"] == (d,)
-    two = decoder.param_shapes(tiny(**FALCON_40B))
-    assert {layer + "ln2.gamma", layer + "ln2.beta"} <= set(two)
-    palm = decoder.param_shapes(tiny(parallel_block=True, norm="layernorm_no_bias"))
-    assert not any(n.endswith(".beta") for n in palm) and layer + "ln2.gamma" not in palm
-    olmo = decoder.param_shapes(tiny(**OLMO_2))
-    assert [n for n in olmo if n.startswith(layer + "ln")] == [layer + "ln1_post.gamma",
-                                                               layer + "ln2_post.gamma"]
-    # a LayerNorm's bias, like its gain, is exempt from weight decay (O5), and starts at 0
-    assert not takes_weight_decay(layer + "ln1.beta")
-    params = decoder.init_params(tiny(**FALCON_40B))
-    assert np.all(params[layer + "ln2.beta"] == 0) and np.all(params[layer + "ln2.gamma"] == 1)
-
-
-def _branch_inputs(config, params, x, name):
-    return decoder.norm_forward(x, sub_params(params, "layers.0"), name, config)[0]
-
-
-@pytest.mark.parametrize("fields", [FALCON_7B, FALCON_40B], ids=["one norm", "two norms"])
-def test_parallel_block_adds_both_branches_of_the_blocks_input_n21(fields):
-    """x' = x + Attn(N1(x)) + FFN(N2(x)), with N2 = N1 for one norm, from the ops themselves."""
-    config = tiny(**fields)
-    params = random_params(decoder, config, seed=2)
-    x = np.random.default_rng(3).standard_normal((B, T, 16))
-    layer = sub_params(params, "layers.0")
-    out, _ = decoder.layer_forward(x, layer, 0, config, decoder.ROPE_GQA)
-    h1 = _branch_inputs(config, params, x, "ln1")
-    h2 = _branch_inputs(config, params, x, "ln2") if config.parallel_norms == 2 else h1
-    attn = decoder.rope_attention_forward(h1, sub_params(layer, "attn"), config)[0]
-    ffn = decoder.plain_ffn_forward(h2, sub_params(layer, "ffn"), approximate=False)[0]
-    np.testing.assert_allclose(out, x + attn + ffn, rtol=1e-13, atol=1e-13)
-    # and not the sequential layer's x + A + F(N(x + A))
-    sequential = dataclasses.replace(config, parallel_block=False, parallel_norms=1)
-    seq_params = {**layer, "ln2.gamma": layer["ln1.gamma"], "ln2.beta": layer["ln1.beta"]}
-    assert not np.allclose(decoder.layer_forward(x, seq_params, 0, sequential,
-                                                 decoder.ROPE_GQA)[0], out)
-
-
-def test_olmo2_normalises_each_branch_output_not_its_input_n22():
-    """x' = x + RMSNorm(Attn(x)), x'' = x' + RMSNorm(FFN(x'))."""
-    config = tiny(**OLMO_2)
-    params = random_params(decoder, config, seed=4)
-    x = np.random.default_rng(5).standard_normal((B, T, 16))
-    layer = sub_params(params, "layers.0")
-    out, _ = decoder.layer_forward(x, layer, 0, config, decoder.ROPE_GQA)
-    a = decoder.rope_attention_forward(x, sub_params(layer, "attn"), config)[0]
-    x1 = x + rmsnorm_forward(a, layer["ln1_post.gamma"], config.norm_eps)[0]
-    f = decoder.ffn_forward(x1, sub_params(layer, "ffn"))[0]
-    expected = x1 + rmsnorm_forward(f, layer["ln2_post.gamma"], config.norm_eps)[0]
-    np.testing.assert_allclose(out, expected, rtol=1e-13, atol=1e-13)
-
-
-def test_layernorm_without_bias_is_layernorm_with_a_zero_bias():
-    with_bias = tiny(parallel_block=True, norm="layernorm")
-    params = random_params(decoder, with_bias, seed=6)
-    no_bias = dataclasses.replace(with_bias, norm="layernorm_no_bias")
-    zero = {n: (np.zeros_like(v) if n.endswith(".beta") else v) for n, v in params.items()}
-    tokens = random_batch()["tokens"]
-    np.testing.assert_array_equal(
-        decoder.logits({n: v for n, v in params.items() if not n.endswith(".beta")}, tokens,
-                       no_bias), decoder.logits(zero, tokens, with_bias))
-
-
-@pytest.mark.parametrize("fields", [FALCON_7B, FALCON_40B, OLMO_2, dict(norm="layernorm_no_bias")],
-                         ids=["Falcon-7B", "Falcon-40B", "OLMo 2", "LayerNorm without bias"])
+@pytest.mark.parametrize("fields", [dict(sandwich_norms=True)], ids=["sandwich norms"])
 def test_cached_decoding_of_each_block_shape_equals_recomputing(fields):
     """Prefill, then one token at a time through the KV cache: the logits of the whole sequence."""
     from refmath.inference.kv_cache import decode_step, prefill
@@ -477,29 +399,12 @@ def test_cached_decoding_of_each_block_shape_equals_recomputing(fields):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-12, atol=1e-12)
 
 
-def test_palm_preset_is_palms_block_and_counts_its_parameters():
-    config = decoder.preset("palm-tiny")
-    assert (config.parallel_block, config.parallel_norms, config.kv_heads, config.norm,
-            config.ffn_gated, config.tie_embeddings, config.qkv_bias) == (
-        True, 1, 1, "layernorm_no_bias", True, True, False)
-    d, f, h, d_h, v, n_layers = 64, 256, 4, 16, 256, 2
-    # per layer: one LayerNorm gain, W_Q and W_O (d x h d_h), one key and one value head
-    # (d x d_h each), the SwiGLU's three d x d_f matrices; then the shared table and ln_f's gain
-    per_layer = d + 2 * d * h * d_h + 2 * d * d_h + 3 * d * f
-    expected = v * d + n_layers * per_layer + d
-    assert sum(math.prod(s) for s in decoder.param_shapes(config).values()) == expected
-
-
 @pytest.mark.parametrize("overrides, message", [
-    (dict(parallel_norms=3), "parallel_norms"),
-    (dict(parallel_norms=2), "parallel_norms = 2"),
-    (dict(parallel_block=1), "parallel_block"),
-    (dict(parallel_block=True, sandwich_norms=True), "parallel_block"),
-    (dict(pre_norms=False), "pre_norms = False"),
-    (dict(norm="batchnorm"), "norm"),
-    (dict(ffn_activation="gelu"), "ffn_activation = 'gelu'"),
-    (dict(ffn_gated=False), "ffn_activation = 'silu'"),
-    (dict(ffn_gated="no"), "ffn_gated"),
+    (dict(pre_norms=False), "pre_norms"),
+    (dict(qk_norm="projection"), "qk_norm"),
+    (dict(ffn_activation="gelu"), "ffn_activation"),
+    (dict(parallel_block=True), "parallel_block"),
+    (dict(norm="layernorm"), "norm"),
 ])
 def test_block_options_are_checked_naming_the_field(overrides, message):
     with pytest.raises((ValueError, TypeError), match=message):

@@ -14,14 +14,17 @@ product with ``cap * tanh(s / cap)`` before the mask (SDPA has no cap), an RMSNo
 sublayer's output, and per-layer windows and RoPE bases. A mixture-of-experts layer is
 ``tests/_torch_moe.py``'s (``torch.topk``, ``index_add``), its auxiliary losses added to the loss.
 The block's other shapes are written out as their models compute them: a parallel block as one
-sum ``x + attn(h1) + ffn(h2)`` (Falcon, PaLM), ``F.layer_norm`` (with its bias or without it),
-the plain MLP as ``F.gelu`` between two ``F.linear``, and OLMo 2's branches reading ``x`` itself
-with ``F.rms_norm`` on their outputs.
+sum ``x + attn(h1) + ffn(h2)`` (Falcon, PaLM: :mod:`refmath.models.falcon`), ``F.layer_norm``
+(with its bias or without it), the plain MLP as ``F.gelu`` between two ``F.linear``, and OLMo 2's
+branches reading ``x`` itself with ``F.rms_norm`` on their outputs.
 """
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from refmath.models import decoder
+from refmath.models import decoder, falcon, olmo2
 from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
@@ -64,9 +67,33 @@ def attention(q, k, v, config, window):
     return torch.softmax(s.masked_fill(~visible, -torch.inf), dim=-1) @ v
 
 
+def falcon_view(config: falcon.FalconConfig) -> SimpleNamespace:
+    """A FalconConfig as :func:`torch_decoder` reads a configuration: Llama's options at their
+    plain values, and Falcon's block, norm and FFN."""
+    return SimpleNamespace(
+        **dataclasses.asdict(config), kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=0.0,
+        embed_scale=False, qk_norm=None, sliding_window=None, window_layers=None,
+        local_rope_base=None, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
+        moe=None, sandwich_norms=False, pre_norms=True, ffn_gated=config.ffn == "swiglu",
+        ffn_activation="silu" if config.ffn == "swiglu" else config.ffn)
+
+
+def olmo2_view(config: olmo2.OLMo2Config) -> SimpleNamespace:
+    """An OLMo2Config as :func:`torch_decoder` reads a configuration: Llama's options at their
+    plain values, QK-norm over the projections and the norms after the sublayers only."""
+    return SimpleNamespace(
+        **dataclasses.asdict(config), kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=0.0,
+        embed_scale=False, qk_norm="projection", sliding_window=None, window_layers=None,
+        local_rope_base=None, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
+        moe=None, sandwich_norms=True, pre_norms=False, ffn_activation="silu")
+
+
 def torch_decoder(P, tokens, config, drops):
     """Logits of the M3 network from torch tensors ``P`` (refmath's names and layouts), and the
-    sum of its mixture-of-experts layers' auxiliary losses."""
+    sum of its mixture-of-experts layers' auxiliary losses; ``config`` a DecoderConfig, or a
+    :func:`falcon_view` of a FalconConfig (its ``norm``, ``ffn_gated`` and ``parallel_block``) or
+    :func:`olmo2_view` of an OLMo2Config (its ``pre_norms``)."""
+    norm_kind = getattr(config, "norm", "rmsnorm")
     h, g, d_h, eps = config.n_heads, config.kv_heads, config.d_h, config.norm_eps
 
     def norm(x, gamma, width):
@@ -74,7 +101,7 @@ def torch_decoder(P, tokens, config, drops):
 
     def layer_norm(x, name):  # a block's or the final norm: RMSNorm, LayerNorm with or without bias
         gamma = config.norm_offset + P[name + ".gamma"]
-        if config.norm == "rmsnorm":
+        if norm_kind == "rmsnorm":
             return F.rms_norm(x, (d,), gamma, eps)
         return F.layer_norm(x, (d,), gamma, P.get(name + ".beta"), eps)
 
@@ -117,7 +144,7 @@ def torch_decoder(P, tokens, config, drops):
                     name[len(prefix):]: value for name, value in P.items()
                     if name.startswith(prefix)})
                 aux = aux + layer_aux
-            elif not config.ffn_gated:  # Falcon's and GPT-J's MLP: down(gelu(up(x)))
+            elif not getattr(config, "ffn_gated", True):  # Falcon's, GPT-J's: down(gelu(up(x)))
                 approximate = "tanh" if config.ffn_activation == "gelu_tanh" else "none"
                 f = F.linear(F.gelu(F.linear(hn, p("ffn.w_up").T), approximate=approximate),
                              p("ffn.w_down").T)
@@ -132,9 +159,9 @@ def torch_decoder(P, tokens, config, drops):
             return y if drops[i][which] is None else y * drops[i][which]
 
         def pre_norm(y, name):  # OLMo 2 has none: its branches read the residual stream itself
-            return layer_norm(y, f"layers.{i}.{name}") if config.pre_norms else y
+            return layer_norm(y, f"layers.{i}.{name}") if getattr(config, "pre_norms", True) else y
 
-        if config.parallel_block:  # GPT-J, PaLM, Falcon: both branches read the block's input
+        if getattr(config, "parallel_block", False):  # GPT-J, PaLM, Falcon: on the block's input
             h1 = layer_norm(x, f"layers.{i}.ln1")
             h2 = layer_norm(x, f"layers.{i}.ln2") if config.parallel_norms == 2 else h1
             x = x + dropped(attention_branch(h1), 0) + dropped(ffn_branch(h2), 1)
@@ -163,7 +190,6 @@ CASES = {
     "GQA, tied head, dropout, loss mask, rope_base 500": dict(n_kv_heads=2, tie_embeddings=True,
                                                               dropout=0.2, rope_base=500.0),
     "QK-norm per head (Qwen3)": dict(n_kv_heads=2, qk_norm="head"),
-    "QK-norm on the projections (OLMo 2)": dict(n_kv_heads=2, qk_norm="projection"),
     "linear scaling": dict(n_kv_heads=2, rope_scaling=dict(rope_type="linear", factor=4.0)),
     "dynamic NTK past 4 tokens": dict(n_kv_heads=2, rope_scaling=dict(
         rope_type="dynamic", factor=2.0, original_max_seq_len=4)),
@@ -193,18 +219,27 @@ CASES = {
         n_kv_heads=2, qkv_bias=True, moe=dict(n_experts=4, top_k=2, d_expert=8, d_shared=12,
                                               shared_gate=True, first_dense=1,
                                               balance_coef=0.05)),
+}
+
+
+# Falcon's file (refmath.models.falcon), with the same oracle
+FALCON_CASES = {
     "Falcon-7B: parallel block, one LayerNorm, MQA, exact-GELU MLP, tied": dict(
-        n_kv_heads=1, parallel_block=True, norm="layernorm", ffn_gated=False,
-        ffn_activation="gelu", tie_embeddings=True),
+        n_kv_heads=1, tie_embeddings=True),
     "Falcon-40B: parallel block, two LayerNorms, GQA, dropout": dict(
-        n_kv_heads=2, parallel_block=True, parallel_norms=2, norm="layernorm", ffn_gated=False,
-        ffn_activation="gelu", d_ff=24, dropout=0.2),
+        n_kv_heads=2, parallel_norms=2, d_ff=24, dropout=0.2),
     "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": dict(
-        n_kv_heads=1, parallel_block=True, norm="layernorm_no_bias", tie_embeddings=True),
+        n_kv_heads=1, norm="layernorm_no_bias", ffn="swiglu", d_ff=48, tie_embeddings=True),
     "sequential LayerNorm blocks, tanh-GELU MLP": dict(
-        n_kv_heads=4, norm="layernorm", ffn_gated=False, ffn_activation="gelu_tanh"),
-    "OLMo 2: norms after the sublayers only, QK-norm on the projections": dict(
-        n_kv_heads=2, sandwich_norms=True, pre_norms=False, qk_norm="projection"),
+        n_kv_heads=4, parallel_block=False, ffn="gelu_tanh"),
+}
+
+
+# OLMo 2's file (refmath.models.olmo2), with the same oracle
+OLMO2_CASES = {
+    "OLMo 2: norms after the sublayers only, QK-norm on the projections": dict(n_kv_heads=2),
+    "OLMo 2: MQA, head_dim 6, tied, dropout": dict(n_kv_heads=1, head_dim=6, tie_embeddings=True,
+                                                   dropout=0.2),
 }
 
 
@@ -212,11 +247,31 @@ CASES = {
 def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
     config = DecoderConfig(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
                            ffn_multiple_of=8, init_std=0.25, **overrides)
+    equal_torch(decoder, config, config)
+
+
+@pytest.mark.parametrize("overrides", FALCON_CASES.values(), ids=FALCON_CASES.keys())
+def test_falcon_loss_logits_and_every_gradient_equal_torch(overrides):
+    config = falcon.FalconConfig(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
+                                 init_std=0.25, **overrides)
+    equal_torch(falcon, config, falcon_view(config))
+
+
+@pytest.mark.parametrize("overrides", OLMO2_CASES.values(), ids=OLMO2_CASES.keys())
+def test_olmo2_loss_logits_and_every_gradient_equal_torch(overrides):
+    config = olmo2.OLMo2Config(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
+                               ffn_multiple_of=8, init_std=0.25, **overrides)
+    equal_torch(olmo2, config, olmo2_view(config))
+
+
+def equal_torch(model, config, view):
+    """``model``'s loss, logits and every gradient at ``config`` against :func:`torch_decoder`
+    reading ``view``."""
     rng = np.random.default_rng(0)
-    params = decoder.init_params(config, seed=1)
+    params = model.init_params(config, seed=1)
     for name in params:
         if name.endswith(".gamma"):  # an applied gain near 1 (a stored w near 0 for Gemma)
-            params[name] = (1.0 - config.norm_offset) + 0.2 * rng.standard_normal(params[name].shape)
+            params[name] = (1.0 - view.norm_offset) + 0.2 * rng.standard_normal(params[name].shape)
         elif name.endswith(".beta"):  # a LayerNorm's bias off 0
             params[name] = 0.2 * rng.standard_normal(params[name].shape)
     batch = {"tokens": rng.integers(0, V, (B, T)), "targets": rng.integers(0, V, (B, T))}
@@ -225,21 +280,21 @@ def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
     if train:
         batch["loss_mask"] = (np.arange(T) >= 2).astype(np.int64)[None].repeat(B, axis=0)
 
-    loss, cache = decoder.forward(params, batch, config, train=train,
-                                  rng=np.random.default_rng(5) if train else None)
-    grads = decoder.backward(cache)
+    loss, cache = model.forward(params, batch, config, train=train,
+                                rng=np.random.default_rng(5) if train else None)
+    grads = model.backward(cache)
     # The dropout masks are inputs of the function: hand refmath's to torch.
     drops = [tuple(None if m is None else torch.as_tensor(m) for m in (lc.attn.drop, lc.ffn.drop))
              for lc in cache.layers]
 
     P = {name: torch.tensor(value, requires_grad=True) for name, value in params.items()}
-    z, aux = torch_decoder(P, torch.as_tensor(batch["tokens"]), config, drops)
+    z, aux = torch_decoder(P, torch.as_tensor(batch["tokens"]), view, drops)
     t_loss = torch_loss(z, batch) + aux
     t_loss.backward()
 
     np.testing.assert_allclose(loss, t_loss.item(), rtol=1e-12)
     if not train:
-        np.testing.assert_allclose(decoder.logits(params, batch["tokens"], config),
+        np.testing.assert_allclose(model.logits(params, batch["tokens"], config),
                                    z.detach().numpy(), rtol=1e-10, atol=1e-12)
     assert set(grads) == set(P)
     for name, value in P.items():

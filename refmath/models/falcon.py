@@ -1,0 +1,604 @@
+r"""Falcon (``falcon``), with PaLM's and GPT-J's parallel block: Llama's decoder with these
+differences.
+
+- **A parallel block** (N21): attention and the FFN read the block's input and add to the
+  residual together, on one norm (Falcon-7B, PaLM, GPT-J) or two (Falcon-40B's ``ln_attn`` and
+  ``ln_mlp``),
+
+  .. math::
+      x' = x + \operatorname{Attn}(N_1(x)) + \operatorname{FFN}(N_2(x)),\qquad N_2 = N_1
+      \ \text{(one norm)}
+
+  or, in Falcon's old sequential layout, Llama's two sublayers one after the other.
+- **LayerNorm** (N1) with its bias :math:`\beta` for every norm (Falcon), or without one (PaLM);
+  RMSNorm nowhere.
+- **A plain two-layer FFN without biases** (N5, N6), :math:`\operatorname{GELU}(h W_1) W_2` with
+  exact GELU (Falcon) or its tanh form (GPT-J), of width ``4d``; PaLM keeps Llama's SwiGLU (N7).
+
+Everything else is Llama's: RoPE (N10) on grouped-query attention (A10) with the causal mask,
+computed by Llama's own sublayer (:data:`refmath.models.rope_attention.ROPE_GQA`), no biases, an
+output head tied to the token table or not. The layer is the list of block calls of
+:mod:`refmath.models.blocks` in :func:`block_forward`, its backward the mirror in
+:func:`layer_backward`.
+
+Parameters (flat dict, row vectors ``x @ W``)::
+
+    tok_emb                          (V, d)
+    layers.{i}.ln1.gamma, ln1.beta   (d,), (d,)   the block's first norm (no beta without bias)
+    layers.{i}.attn.w_q, w_k, w_v    (d, h d_h), (d, g d_h), (d, g d_h)
+    layers.{i}.attn.w_o              (h d_h, d)
+    layers.{i}.ln2.gamma, ln2.beta   (d,), (d,)   the FFN's own norm: absent with one norm
+    layers.{i}.ffn.w_up, w_down      (d, d_f), (d_f, d)
+    layers.{i}.ffn.w_gate            (d, d_f)     only with the SwiGLU (PaLM)
+    ln_f.gamma, ln_f.beta            (d,), (d,)
+    lm_head                          (d, V)       only when tie_embeddings is False
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+
+from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
+from refmath.attention import ATTENTION_BACKENDS
+from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.losses import (CrossEntropyCache, IGNORE_INDEX, cross_entropy_backward,
+                            cross_entropy_forward)
+from refmath.models import blocks
+from refmath.models.batch import check_lm_batch, check_tokens
+from refmath.models.cases import model_case_maker
+from refmath.models.common import (CacheSpec, TrainingRecipe, layer_dropout_masks, prefixed,
+                                   sub_params)
+from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, join_heads_columns,
+                                      linear_out, refuse, refuse_common, rope_context,
+                                      rope_from_hf, rope_to_hf, split_heads_columns, take_head)
+from refmath.models.params import check_param_dict, draw_params
+from refmath.models.rope_attention import (cache_stale, rope_attention_backward,
+                                           rope_attention_cached, rope_attention_forward,
+                                           rope_attention_shapes, rope_attention_state,
+                                           rope_options)
+from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
+from refmath.registry import ParamCase, register_case
+
+__all__ = [
+    "FalconConfig", "NORMS", "FFNS", "PALM", "PRESETS", "preset", "TRAINING_RECIPE",
+    "param_shapes", "init_params", "layer_norm", "ffn_forward", "LayerCache", "block_forward",
+    "layer_forward", "layer_backward", "FalconCache", "network_forward", "network_backward",
+    "forward", "backward", "logits", "layer_kv", "rope_options", "cache_stale", "cache_spec",
+    "embed", "cached_layer", "head", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields",
+    "HF_MODEL_TYPES", "key_table", "config_from_hf", "params_from_hf", "to_hf"
+]
+
+# ---- configuration -------------------------------------------------------------------------------
+
+NORMS = ("layernorm", "layernorm_no_bias")  # LayerNorm with its bias (Falcon), without (PaLM)
+# the FFN: plain with exact GELU (Falcon) or tanh-GELU (GPT-J), or the SwiGLU (PaLM)
+FFNS = ("gelu", "gelu_tanh", "swiglu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FalconConfig:
+    """Sizes and options of Falcon and the parallel-block decoders. ``dataclasses.asdict``
+    round-trips through JSON. The defaults are Llama's
+    (:class:`refmath.models.decoder.DecoderConfig`) where both have the field."""
+
+    vocab_size: int  # V, rows of the token table
+    max_seq_len: int  # the longest sequence accepted (RoPE has no table: a contract, not a size)
+    d_model: int  # d, the residual stream's width
+    n_layers: int  # L, blocks
+    n_heads: int  # h query heads, each d_h = d / h wide
+    n_kv_heads: int | None = None  # g key/value heads (A10); None: h; 1: multi-query (Falcon-7B)
+    d_ff: int | None = None  # d_f, the FFN's hidden width; None: 4d
+    parallel_block: bool = True  # attention and FFN side by side (N21); False: one after the other
+    parallel_norms: int = 1  # the parallel block's norms: 1 (shared) or 2 (ln_attn, ln_mlp)
+    norm: str = "layernorm"  # one of NORMS, every norm of the blocks and the final one
+    ffn: str = "gelu"  # one of FFNS
+    norm_eps: float = 1e-6  # the LayerNorms' epsilon
+    rope_base: float = 10000.0  # RoPE's base theta (N10)
+    rope_layout: str = "interleaved"  # RoPE's pairs: (2i, 2i+1), or Hugging Face's "half"
+    rope_scaling: RopeScaling | None = None  # a context-extension rule (N13-N17), or None
+    tie_embeddings: bool = False  # the head is the token table transposed
+    dropout: float = 0.0  # residual dropout on each branch's output, in training only
+    init_std: float = 0.02  # sigma of every weight at init (residual outputs: sigma / sqrt(2L))
+    attention_backend: str = "numpy"  # training's causal attention: NumPy or the "cpu" kernel
+
+    # Llama's attention sublayer (refmath.models.rope_attention) reads these options, which no
+    # model of this file has: class constants, not fields
+    qkv_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[str | None] = None
+    sliding_window: ClassVar[int | None] = None
+    query_pre_attn_scalar: ClassVar[float | None] = None
+    attn_softcap: ClassVar[float | None] = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            check_field(self, name, check_int, 1)
+        for name in ("n_kv_heads", "d_ff"):
+            check_field(self, name, check_int, 1, optional=True)
+        check_field(self, "parallel_block", check_flag)
+        check_field(self, "parallel_norms", check_choice, (1, 2))
+        check_field(self, "norm", check_choice, NORMS)
+        check_field(self, "ffn", check_choice, FFNS)
+        for name in ("norm_eps", "init_std"):
+            check_field(self, name, check_real, 0.0, low_open=True)
+        check_field(self, "rope_base", check_real, 1.0, low_open=True)
+        check_field(self, "rope_layout", check_choice, ROPE_LAYOUTS)
+        object.__setattr__(self, "rope_scaling",
+                           as_rope_scaling(self.rope_scaling, "FalconConfig.rope_scaling"))
+        check_field(self, "tie_embeddings", check_flag)
+        check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
+        check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
+        if self.parallel_norms == 2 and not self.parallel_block:
+            raise ValueError("FalconConfig.parallel_norms = 2 gives the FFN of a parallel block "
+                             "its own norm; parallel_block is False")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"FalconConfig: n_heads = {self.n_heads} must divide d_model = "
+                             f"{self.d_model} into an even head width (RoPE rotates pairs)")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"FalconConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
+                             f"{self.n_heads}")
+
+    @property
+    def d_h(self) -> int:
+        """The head width, ``d / h``."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """``g``, the number of key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def d_f(self) -> int:
+        """The FFN's hidden width: ``d_ff``, or ``4d``."""
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+
+# PaLM's block (Chowdhery et al. 2022, Sec. 2): attention and a SwiGLU FFN in parallel on one
+# LayerNorm without bias, multi-query attention, no biases anywhere, the output projection shared
+# with the input embedding. PaLM's weights were never released, so no checkpoint loads into it;
+# refmath.sizing's "palm-540b" counts the published model.
+PALM = dict(n_kv_heads=1, norm="layernorm_no_bias", ffn="swiglu", tie_embeddings=True)
+
+PRESETS = {
+    # PaLM's recipe at the size of the decoder's "tiny": its SwiGLU is 4d wide (PaLM-540B's
+    # 73728 = 4 x 18432)
+    "palm-tiny": dict(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+                      d_ff=256, norm_eps=1e-5, **PALM),
+}
+
+
+def preset(name: str, **overrides) -> FalconConfig:
+    """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return FalconConfig(**{**PRESETS[name], **overrides})
+
+
+# The default of `python -m refmath train`: Falcon-7B's block (multi-query attention, one
+# LayerNorm) at the size of the decoder's recipe
+TRAINING_RECIPE = TrainingRecipe(
+    {"name": "chars", "seq_len": 64},
+    dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=1, norm_eps=1e-5),
+    steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
+
+
+def _check_config(config) -> None:
+    if type(config) is not FalconConfig:  # exactly: a subclass may add fields this file ignores
+        raise TypeError(f"config must be a FalconConfig (exactly that class, not a subclass), "
+                        f"got {type(config).__name__}")
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+def _norm_shapes(config: FalconConfig, name: str) -> dict:
+    d = config.d_model
+    return {name + ".gamma": (d,), **({name + ".beta": (d,)} if config.norm == "layernorm" else {})}
+
+
+def param_shapes(config: FalconConfig) -> dict:
+    """``{name: shape}`` of every parameter (see the module docstring), in order."""
+    _check_config(config)
+    d, f = config.d_model, config.d_f
+    ffn = {"w_up": (d, f), "w_down": (f, d)}
+    if config.ffn == "swiglu":
+        ffn = {"w_gate": (d, f), **ffn}
+    shapes = {"tok_emb": (config.vocab_size, d)}
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        shapes.update(_norm_shapes(config, p + "ln1"))
+        shapes.update({p + "attn." + k: v for k, v in rope_attention_shapes(config).items()})
+        if not config.parallel_block or config.parallel_norms == 2:
+            shapes.update(_norm_shapes(config, p + "ln2"))
+        shapes.update({p + "ffn." + k: v for k, v in ffn.items()})
+    shapes.update(_norm_shapes(config, "ln_f"))
+    if not config.tie_embeddings:
+        shapes["lm_head"] = (d, config.vocab_size)
+    return shapes
+
+
+def init_params(config: FalconConfig, seed=0, dtype=np.float64) -> dict:
+    r"""Gains at 1, biases at 0; weights and the token table :math:`\mathcal N(0, \sigma^2)` with
+    :math:`\sigma` = ``init_std``, the residual outputs (``attn.w_o``, ``ffn.w_down``) at
+    :math:`\sigma/\sqrt{2L}` (N11; :func:`refmath.models.params.draw_params`)."""
+    return draw_params(param_shapes(config), seed, dtype, config.init_std, config.n_layers,
+                       ("attn.w_o", "ffn.w_down"))
+
+
+# ---- the layer: two norms or one, attention and FFN side by side or in turn ----------------------
+
+def layer_norm(params: dict, name: str, config: FalconConfig):
+    """The norm ``name`` (``"ln1"``, ``"ln_f"``, ...) as a function of the rows."""
+    return lambda x: blocks.norm_forward(x, config.norm, params[name + ".gamma"],
+                                         params.get(name + ".beta"), config.norm_eps)
+
+
+def ffn_forward(h, params: dict, config: FalconConfig):
+    r"""The FFN branch on the normalised rows ``h``: :math:`\operatorname{GELU}(h W_1) W_2`
+    (:func:`refmath.models.blocks.plain_ffn_forward`, exact or tanh GELU), or PaLM's SwiGLU
+    (:func:`refmath.models.blocks.ffn_forward`). Returns ``(y, cache)``."""
+    if config.ffn == "swiglu":
+        return blocks.ffn_forward(h, params)
+    return blocks.plain_ffn_forward(h, params, approximate=config.ffn == "gelu_tanh")
+
+
+class LayerCache(NamedTuple):
+    attn: blocks.SublayerCache  # its branch cache is the attention's
+    ffn: blocks.SublayerCache  # its branch cache is the FFN's
+    parallel: int  # 0: sequential sublayers; 1 or 2: a parallel block with that many norms
+    swiglu: bool  # whether the FFN was the SwiGLU (else the plain GELU FFN)
+
+
+def block_forward(x, params: dict, config: FalconConfig, attn_branch, ffn_branch,
+                  drops=(None, None)):
+    r"""The residual block around a layer's attention and FFN branches (each ``rows -> (rows,
+    cache)``): the parallel block :math:`x + \operatorname{Attn}(N_1(x)) +
+    \operatorname{FFN}(N_2(x))` (N21), or the two sublayers in turn, :math:`x' = x +
+    \operatorname{Attn}(N_1(x))`, :math:`x'' = x' + \operatorname{FFN}(N_2(x'))` (N4). Returns
+    ``(x'', attn, ffn)``, the branches' :class:`refmath.models.blocks.SublayerCache`\ s."""
+    norm1 = layer_norm(params, "ln1", config)
+    if not config.parallel_block:
+        x, attn = blocks.sublayer_forward(x, norm1, attn_branch, drops[0])
+        norm2 = layer_norm(params, "ln2", config)
+        x, ffn = blocks.sublayer_forward(x, norm2, ffn_branch, drops[1])
+        return x, attn, ffn
+    norm2 = layer_norm(params, "ln2", config) if config.parallel_norms == 2 else None
+    return blocks.parallel_forward(x, (norm1, norm2), (attn_branch, ffn_branch), drops)
+
+
+def layer_forward(x, params: dict, config: FalconConfig, drops=(None, None)):
+    """One layer on its ``params`` (without ``layers.{i}.``): Llama's RoPE attention and the FFN
+    in :func:`block_forward`. ``drops``: the two branches' residual dropout multipliers. Returns
+    ``(x', cache)``."""
+    attn, ffn = sub_params(params, "attn"), sub_params(params, "ffn")
+    x, attn_cache, ffn_cache = block_forward(
+        x, params, config, lambda h: rope_attention_forward(h, attn, config),
+        lambda h: ffn_forward(h, ffn, config), drops)
+    parallel = config.parallel_norms if config.parallel_block else 0
+    return x, LayerCache(attn_cache, ffn_cache, parallel, config.ffn == "swiglu")
+
+
+def layer_backward(dout, cache: LayerCache):
+    """Gradients of :func:`layer_forward`, the mirror: in a parallel block both branches back to
+    their input and through the norm(s), plus the identity path; sequentially the FFN's sublayer,
+    then the attention's. Returns ``(dx, grads)`` named relative to ``layers.{i}.``."""
+    backwards = (rope_attention_backward,
+                 blocks.ffn_backward if cache.swiglu else blocks.plain_ffn_backward)
+    if cache.parallel:
+        dx, norm1, norm2, attn_grads, ffn_grads = blocks.parallel_backward(
+            dout, cache.attn, cache.ffn, backwards, shared=cache.parallel == 1)
+    else:
+        dx, norm2, ffn_grads = blocks.sublayer_backward(dout, cache.ffn, backwards[1])
+        dx, norm1, attn_grads = blocks.sublayer_backward(dx, cache.attn, backwards[0])
+    return dx, {**prefixed("ln1", norm1), **prefixed("attn", attn_grads),
+                **prefixed("ln2", norm2), **prefixed("ffn", ffn_grads)}
+
+
+# ---- the network ---------------------------------------------------------------------------------
+
+class FalconCache(NamedTuple):
+    emb: EmbeddingCache
+    layers: tuple  # one LayerCache per layer
+    norm_f: object  # the final LayerNorm's cache
+    head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
+    tied: bool
+    loss: CrossEntropyCache | None = None  # None from a logits-only pass
+
+
+def _head_weight(params: dict, config: FalconConfig):
+    return params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
+
+
+def network_forward(params, tokens, config: FalconConfig, train: bool = False, rng=None):
+    r"""Logits ``(B, T, V)`` of checked ``tokens``: :math:`z = \operatorname{LN}(x^{(L)})\,
+    W_{\text{out}}` after the embedding and the ``L`` layers; the residual dropout masks drawn from
+    ``rng`` only when ``train`` and ``dropout > 0``. Returns ``(z, cache)``."""
+    table = params["tok_emb"]
+    drops = layer_dropout_masks(rng, tokens.shape + (config.d_model,), config.dropout,
+                                table.dtype, config.n_layers, train)
+    x, emb = embedding_forward(tokens, table)
+    layers = []
+    for i in range(config.n_layers):
+        x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), config, drops[i])
+        layers.append(layer)
+    x, norm_f = layer_norm(params, "ln_f", config)(x)
+    z, head_cache = linear_forward(x, _head_weight(params, config))
+    return z, FalconCache(emb, tuple(layers), norm_f, head_cache, config.tie_embeddings)
+
+
+def network_backward(dz, cache: FalconCache) -> dict:
+    """Gradients of :func:`network_forward` given ``dz``, the forward in reverse; the tied table
+    gets both its lookup's and the head's gradient."""
+    dx, dw_out, _ = linear_backward(dz, cache.head)
+    dx, norm_grads = blocks.norm_backward(dx, cache.norm_f)
+    grads = prefixed("ln_f", norm_grads)
+    for i in reversed(range(len(cache.layers))):
+        dx, layer_grads = layer_backward(dx, cache.layers[i])
+        grads.update(prefixed(f"layers.{i}", layer_grads))
+    grads["tok_emb"] = embedding_backward(dx, cache.emb)
+    if cache.tied:
+        grads["tok_emb"] = grads["tok_emb"] + dw_out.T
+    else:
+        grads["lm_head"] = dw_out
+    return grads
+
+
+def forward(params, batch, config: FalconConfig, train: bool = False, rng=None):
+    """Mean next-token cross-entropy of a batch (L2, L5): ``(loss, cache)``; the batch as
+    :func:`refmath.models.decoder.forward` takes it. With ``train`` and ``dropout > 0`` the masks
+    are drawn from ``rng`` (a ``numpy.random.Generator``) and kept for :func:`backward`."""
+    _check_config(config)
+    check_param_dict(params, param_shapes(config))
+    tokens, targets, loss_mask = check_lm_batch(batch, config)
+    z, cache = network_forward(params, tokens, config, train, rng)
+    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
+    return loss, cache._replace(loss=ce)
+
+
+def backward(cache: FalconCache) -> dict:
+    """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
+    if cache.loss is None:
+        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
+    return network_backward(cross_entropy_backward(1.0, cache.loss), cache)
+
+
+def logits(params, tokens, config: FalconConfig) -> np.ndarray:
+    """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
+    check_param_dict(params, param_shapes(config))
+    return network_forward(params, check_tokens("tokens", tokens, config), config)[0]
+
+
+def layer_kv(cache: FalconCache) -> list:
+    """Per layer, the rotated keys and the values ``(B, g, T, d_h)`` a KV cache keeps."""
+    return [rope_attention_state(layer.attn.branch) for layer in cache.layers]
+
+
+# ---- inference with a KV cache (K2, K3); rope_options and cache_stale are Llama's ----------------
+
+def cache_spec(config: FalconConfig, batch: int, max_len: int) -> CacheSpec:
+    """Keys and values of ``g`` heads per layer, ``(L, B, g, max_len, d_h)`` each."""
+    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
+    return CacheSpec("kv", (shape, shape))
+
+
+def embed(params, tokens, config: FalconConfig, offset: int) -> np.ndarray:
+    """The new rows' embeddings; positions enter through RoPE only."""
+    return embedding_forward(tokens, params["tok_emb"])[0]
+
+
+def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int) -> np.ndarray:
+    """Layer ``layer`` on the new rows ``x`` at positions ``offset..``: :func:`block_forward`
+    with Llama's cached attention step, which appends the keys and values to the layer's cache
+    and attends over every cached position."""
+    p = sub_params(params, f"layers.{layer}")
+    attn, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
+    return block_forward(
+        x, p, config, lambda h: (rope_attention_cached(h, attn, config, slot, offset), None),
+        lambda h: ffn_forward(h, ffn, config))[0]
+
+
+def head(params, x, config: FalconConfig) -> np.ndarray:
+    """Final LayerNorm and output projection of the new rows: ``(B, n, V)``."""
+    x, _ = layer_norm(params, "ln_f", config)(x)
+    return linear_forward(x, _head_weight(params, config))[0]
+
+
+COMPILED_FIELDS = None  # the compiled decode layer is not handed these layers: the NumPy step runs
+
+
+def compiled_layer_spec(params, config: FalconConfig) -> None:
+    """None: the NumPy step runs every layer."""
+    return None
+
+
+def sizing_fields(config: FalconConfig) -> dict:
+    """What :mod:`refmath.sizing` counts of this model."""
+    return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
+                kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
+                vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
+                norm=config.norm, mlp="swiglu" if config.ffn == "swiglu" else "gelu",
+                norms_per_layer=config.parallel_norms if config.parallel_block else 2)
+
+
+# ---- Hugging Face: one key table, read by params_from_hf and written by to_hf --------------------
+
+HF_MODEL_TYPES = ("falcon",)
+
+# Falcon's activation names: exact GELU, or its tanh form under either of transformers' names
+_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+# (Hugging Face's name under transformer.h.{i}., refmath's under layers.{i}.), linear weights
+# stored transposed
+LAYER_LINEARS = (("self_attention.dense.weight", "attn.w_o"),
+                 ("mlp.dense_h_to_4h.weight", "ffn.w_up"),
+                 ("mlp.dense_4h_to_h.weight", "ffn.w_down"))
+# the one tensor that is not a table row: w_q, w_k and w_v fused, grouped by key/value head
+QKV = "self_attention.query_key_value.weight"
+
+
+def _norm_names(config: FalconConfig) -> tuple:
+    """``((refmath's norm, Falcon's), ...)`` of one layer."""
+    if not config.parallel_block:
+        return (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
+    if config.parallel_norms == 2:
+        return (("ln1", "ln_attn"), ("ln2", "ln_mlp"))
+    return (("ln1", "input_layernorm"),)
+
+
+def key_table(config: FalconConfig) -> list:
+    """``[(Hugging Face name, refmath name, transposed)]`` of every parameter but the fused
+    ``query_key_value`` (:data:`QKV`) and ``lm_head``."""
+    rows = [("transformer.word_embeddings.weight", "tok_emb", False)]
+    for i in range(config.n_layers):
+        t, p = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in _norm_names(config):
+            rows += [(t + theirs + ".weight", p + ours + ".gamma", False),
+                     (t + theirs + ".bias", p + ours + ".beta", False)]
+        rows += [(t + theirs, p + ours, True) for theirs, ours in LAYER_LINEARS]
+    return rows + [("transformer.ln_f.weight", "ln_f.gamma", False),
+                   ("transformer.ln_f.bias", "ln_f.beta", False)]
+
+
+def _qkv_widths(config: FalconConfig) -> tuple:
+    """Per key/value group of the fused projection: its ``h/g`` queries, its key, its value.
+
+    transformers' new decoder architecture (Falcon-40B) groups it so; the old one (Falcon-7B) lays
+    it out as ``[q_1 .. q_h, k, v]`` (``multi_query``, ``g = 1``) or ``[q, k, v]`` per head
+    (``g = h``), which are the grouped layout with ``g = 1`` and ``g = h``: one rule reads all."""
+    d_h = config.d_h
+    return ((config.n_heads // config.kv_heads) * d_h, d_h, d_h)
+
+
+def config_from_hf(hf: dict) -> FalconConfig:
+    """A :class:`FalconConfig` from a ``falcon`` ``config.json``: the parallel block of LayerNorms
+    (or the old sequential one) and a plain GELU MLP, RoPE (``"half"``), no biases; ALiBi
+    (Falcon-RW), biased projections and another activation are refused."""
+    refuse_common(hf)
+    if hf.get("alibi"):
+        refuse(hf, "alibi", True, "refmath's decoder places positions by RoPE, not ALiBi's biases")
+    if hf.get("bias"):
+        refuse(hf, "bias", True, "refmath's Falcon has no biases on its projections and MLP")
+    act = hf.get("activation", "gelu")
+    if act not in _ACTIVATIONS:
+        refuse(hf, "activation", act, "refmath's plain FFN takes GELU, exact or tanh")
+    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    new, parallel = bool(hf.get("new_decoder_architecture")), bool(hf.get("parallel_attn", True))
+    norms = hf.get("num_ln_in_parallel_attn")
+    if new:
+        if not parallel:
+            refuse(hf, "parallel_attn", False, "the new decoder architecture runs the parallel "
+                   "block only (transformers builds no post_attention_layernorm for it)")
+        norms = 2 if norms is None else int(norms)
+        if norms not in (1, 2):
+            refuse(hf, "num_ln_in_parallel_attn", norms, "a parallel block has one norm or two")
+        kv_heads = int(hf.get("num_kv_heads") or heads)
+    else:
+        if norms not in (None, 1):
+            refuse(hf, "num_ln_in_parallel_attn", norms, "transformers' old decoder "
+                   "architecture reads input_layernorm alone")
+        norms = 1
+        kv_heads = 1 if hf.get("multi_query", True) else heads
+        if kv_heads == heads and int(hf.get("num_kv_heads") or heads) != heads:
+            refuse(hf, "num_kv_heads", hf["num_kv_heads"], "the old decoder architecture "
+                   "without multi_query has a key and a value per head")
+    base, scaling = rope_from_hf(hf)
+    return FalconConfig(
+        vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, scaling), d_model=d,
+        n_layers=int(hf["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv_heads,
+        d_ff=int(hf.get("ffn_hidden_size") or 4 * d), rope_base=base, rope_scaling=scaling,
+        rope_layout="half", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        ffn=_ACTIVATIONS[act], parallel_block=parallel, parallel_norms=norms if parallel else 1,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
+
+
+def params_from_hf(hf: dict, config: FalconConfig, weights) -> dict:
+    """Every parameter, read through :func:`key_table`; the fused ``query_key_value`` split by
+    key/value group into ``w_q``, ``w_k``, ``w_v`` (:func:`_qkv_widths`)."""
+    shapes, params = param_shapes(config), {}
+    for theirs, ours, transposed in key_table(config):
+        shape = shapes[ours][::-1] if transposed else shapes[ours]
+        params[ours] = weights.take(theirs, shape, transpose=transposed)
+    widths, g = _qkv_widths(config), config.kv_heads
+    for i in range(config.n_layers):
+        fused = weights.take(f"transformer.h.{i}.{QKV}", (g * sum(widths), config.d_model),
+                             transpose=True)
+        p = f"layers.{i}.attn."
+        params[p + "w_q"], params[p + "w_k"], params[p + "w_v"] = split_heads_columns(fused, g,
+                                                                                      widths)
+    take_head(weights, config.tie_embeddings, params, config.vocab_size, config.d_model)
+    return params
+
+
+def _writable(config: FalconConfig) -> None:
+    """Refuse what no ``falcon`` checkpoint holds: PaLM's norm and SwiGLU, and a sequential block
+    with grouped key/value heads (the old decoder architecture has 1 or ``h``)."""
+    for field, allowed in (("norm", ("layernorm",)), ("ffn", ("gelu", "gelu_tanh"))):
+        if getattr(config, field) not in allowed:
+            raise HFCheckpointError(f"a FalconConfig is written as falcon, which needs {field} = "
+                                    f"{' or '.join(map(repr, allowed))}; this config has "
+                                    f"{getattr(config, field)!r}")
+    if not config.parallel_block and config.kv_heads not in (1, config.n_heads):
+        raise HFCheckpointError(f"falcon's sequential block (the old decoder architecture) has "
+                                f"one key/value head or n_heads; this config has n_kv_heads = "
+                                f"{config.kv_heads}")
+
+
+def to_hf(config: FalconConfig, params: dict):
+    """``(config.json fields, {name: tensor})`` of a ``FalconForCausalLM``, through the same
+    :func:`key_table` the reader reads; an ``"interleaved"`` RoPE layout is permuted to Hugging
+    Face's (:func:`refmath.models.hf_layout.interleaved_to_half`)."""
+    _writable(config)
+    # the old architecture where it suffices (a sequential block, or Falcon-7B's multi-query one)
+    old = not config.parallel_block or (config.kv_heads == 1 and config.parallel_norms == 1)
+    rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
+    hf = {"model_type": "falcon", "architectures": ["FalconForCausalLM"],
+          "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+          "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+          "num_kv_heads": config.kv_heads, "new_decoder_architecture": not old,
+          "multi_query": config.kv_heads == 1, "parallel_attn": config.parallel_block,
+          "num_ln_in_parallel_attn": None if old else config.parallel_norms, "alibi": False,
+          "bias": False, "activation": "gelu" if config.ffn == "gelu" else "gelu_pytorch_tanh",
+          "ffn_hidden_size": config.d_f, "layer_norm_epsilon": config.norm_eps,
+          "rope_parameters": rope_parameters,
+          "max_position_embeddings": config.max_seq_len if context is None else context,
+          "tie_word_embeddings": config.tie_embeddings,
+          "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
+    def rotated(w):  # the query and key columns in Hugging Face's "half" RoPE layout
+        return w if config.rope_layout == "half" else interleaved_to_half(w, config.d_h)
+
+    tensors = {theirs: linear_out(params[ours]) if transposed else params[ours]
+               for theirs, ours, transposed in key_table(config)}
+    for i in range(config.n_layers):
+        p = f"layers.{i}.attn."
+        tensors[f"transformer.h.{i}.{QKV}"] = linear_out(join_heads_columns(
+            [rotated(params[p + "w_q"]), rotated(params[p + "w_k"]), params[p + "w_v"]],
+            config.kv_heads))
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = linear_out(params["lm_head"])
+    return hf, tensors
+
+
+# ---- gradient-check cases ------------------------------------------------------------------------
+
+# init_std ~ 1/sqrt(d): gradients far above the stencil's noise
+_TINY = dict(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, init_std=0.25)
+_CASES = {
+    "Falcon-7B: parallel block, one LayerNorm, MQA, exact-GELU MLP, tied": (dict(
+        n_kv_heads=1, tie_embeddings=True), ("N21", "N1", "N6"), False),
+    "Falcon-40B: parallel block, two LayerNorms, GQA, tanh-GELU MLP, dropout 0.25": (dict(
+        n_kv_heads=2, parallel_norms=2, ffn="gelu_tanh", d_ff=24, dropout=0.25),
+        ("N21", "N1", "N6"), True),
+    # the SwiGLU 48 wide, as 8d/3 rounded up to a multiple of 8 gives it
+    "PaLM: parallel block, MQA, SwiGLU, LayerNorm without bias, tied": (
+        dict(PALM, d_ff=48), ("N21", "N1", "N7"), False),
+    "Falcon's sequential block: two LayerNorms in turn, MHA": (
+        dict(parallel_block=False), ("N4", "N1", "N6"), False),
+}
+for _label, (_fields, _ids, _train) in _CASES.items():
+    register_case(ParamCase("falcon", _label, ("M3", *_ids),
+                            model_case_maker(forward, init_params,
+                                             FalconConfig(**_TINY, **_fields), train=_train),
+                            backward, max_coords=2, step=2.5e-4))
