@@ -1,0 +1,79 @@
+r"""Lesson 13, real weights, the same function as the library everyone uses
+(``notebooks/13_real_weights.py``): the expected value and the known slips of each exercise,
+computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.table import exercise
+
+
+@exercise("13.1", "the embedding read from the file", "the section 'The safetensors format'",
+          "the offsets count from the end of the header, 8 + N bytes into the file",
+          uses=("params",), rtol=0.0)
+def _embedding_from_file(params):
+    return params["tok_emb"], {}
+
+
+@exercise("13.2", "W_Q from q_proj.weight", "the section 'Two "
+          "RoPE layouts, one function'", "within each head: half coordinate r, then r + d_h/2",
+          uses=("heads", "d_h"), rtol=0.0)
+def _interleaved_rows(heads, d_h):
+    from refmath import hf
+
+    moved = hf.interleaved_to_half(np.arange(heads * d_h), d_h)  # half row j <- interleaved moved[j]
+    return np.argsort(moved), {
+        "the rows in Hugging Face's order, unpermuted: its halves layout is not refmath's "
+        "interleaved one": np.arange(heads * d_h),
+        "the permutation the other way: interleaved to half, not back": moved}
+
+
+@exercise("13.4", "the bfloat16 patterns as numbers", "the section 'bfloat16 without bfloat16'",
+          "shift the 16 bits into the upper half of a uint32", uses=("patterns",), rtol=0.0)
+def _bfloat16_values(patterns):
+    patterns = np.asarray(patterns, dtype=np.uint16)
+    s, e, m = patterns >> 15, (patterns >> 7) & 0xFF, patterns & 0x7F
+    if not np.all((e > 0) & (e < 255)):
+        raise ValueError("13.4: the formula holds for normal numbers only")
+    return (-1.0) ** s * 2.0 ** (e.astype(np.int64) - 127) * (1 + m / 2**7), {
+        "the patterns read as float16: bfloat16 has float32's 8 exponent bits":
+            patterns.view(np.float16).astype(np.float32)}
+
+
+_GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
+                "n_layer": 12, "n_head": 12}
+_REAL_NEEDS = "the section 'What a real model needs'"
+
+
+@exercise("13.5a", "this lesson's parameter count", _REAL_NEEDS,
+          "embeddings, then per layer two RMSNorms, the four attention and three FFN matrices, "
+          "then the final norm (and an untied output)", uses=("hf_config",), rtol=0.0)
+def _tiny_count(hf_config):
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(hf_config)
+    d = hf_config["hidden_size"]
+    return total, {"the final norm forgotten (d)": total - d}
+
+
+@exercise("13.5b", "GPT-2 small's parameter count", _REAL_NEEDS,
+          "the final LayerNorm and the position table count too", rtol=0.0)
+def _gpt2_count():
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(_GPT2_CONFIG)
+    return total, {"the position table forgotten (1024 x 768)": total - 1024 * 768,
+                   "the final LayerNorm forgotten (2 x 768)": total - 2 * 768,
+                   "an output matrix counted: GPT-2 ties it to the token table":
+                       total + 50257 * 768}
+
+
+@exercise("13.5c", "GPT-2 small in float32, MiB", _REAL_NEEDS,
+          "4 bytes a parameter, and a MiB is 2^20 bytes")
+def _gpt2_mib():
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(_GPT2_CONFIG)
+    return 4 * total / 2**20, {"MB (10^6 bytes), not MiB (2^20)": 4 * total / 1e6,
+                               "2 bytes per parameter: that is bfloat16, not float32":
+                                   2 * total / 2**20}
