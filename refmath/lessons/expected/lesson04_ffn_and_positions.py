@@ -57,7 +57,21 @@ def _gelu_derivatives(points):
 def _swiglu_dx(dy, cache):
     from refmath.ffn import swiglu_backward
 
-    return swiglu_backward(dy, cache)[0], {}
+    def dx():
+        return swiglu_backward(dy, cache)[0]
+    # the two paths into x, written out as the lesson's equations give them
+    g, sig = cache.gate.x, cache.gate.sig
+    dm = dy @ cache.w_down.T
+    du = dm * g * sig
+    dg = dm * cache.up * sig * (1 + g * (1 - sig))
+    return dx(), {
+        **catalogued("swiglu: du uses the gate's input, not SiLU of it", dx),
+        **catalogued("silu: product rule forgotten", dx),
+        "SiLU'(g) taken as sigma(g): g sigma(g) is a product, its derivative has two terms":
+            (dm * cache.up * sig) @ cache.w_gate.T + du @ cache.w_up.T,
+        "only the gate's path, dg W_g^T: x feeds two projections, so du W_u^T adds to it":
+            dg @ cache.w_gate.T,
+        "only the up projection's path, du W_u^T: dg W_g^T is forgotten": du @ cache.w_up.T}
 
 
 @exercise("04.6", "(d_f, excess) at d = 1000", _N7,
@@ -67,10 +81,28 @@ def _swiglu_width():
 
     d_f = swiglu_hidden_size(1000, 64)
     excess = ffn_parameter_count(1000, d_f, gated=True) / ffn_parameter_count(1000, 4000) - 1
-    return (d_f, excess), {}
+
+    def pair(width, matrices=3):
+        return (width, matrices * width / (2 * 4000) - 1)
+    return (d_f, excess), {
+        "rounded down to a multiple of 64: round up, or the width falls short of 8d/3":
+            pair(64 * (8000 // 3 // 64)),
+        "rounded up to a multiple of 256 (the text's example), not of 64": pair(256 * -(-8000 // 768)),
+        "the excess in percent: write it as a fraction, like +0.125": (d_f, 100 * excess),
+        "SwiGLU counted with two matrices: it has three, W_g, W_u and W_d": pair(d_f, matrices=2)}
 
 
 _ROPE_ROW = np.array([[3.0, 4.0, 1.0, 0.0]])
+
+
+def _rotated(row, angles, halves=False):
+    """``row`` with its pairs turned by ``angles``: neighbours (x0, x1), (x2, x3), or, with
+    ``halves``, the other layout's (x0, x2), (x1, x3)."""
+    row = np.asarray(row, dtype=np.float64)[0]
+    first, second = (row[:2], row[2:]) if halves else (row[0::2], row[1::2])
+    turned = (first * np.cos(angles) - second * np.sin(angles),
+              first * np.sin(angles) + second * np.cos(angles))
+    return (np.concatenate(turned) if halves else np.stack(turned, axis=1).reshape(-1))[None]
 
 
 @exercise("04.7", "RoPE of (3, 4, 1, 0) at position 2", _N10,
@@ -78,7 +110,15 @@ _ROPE_ROW = np.array([[3.0, 4.0, 1.0, 0.0]])
 def _rope_rotated():
     from refmath.positions import rope_forward
 
-    return rope_forward(_ROPE_ROW, positions=np.array([2]))[0], {}
+    angles = 2 * np.array([1.0, 1 / 100])  # p omega_r for d_k = 4
+    return rope_forward(_ROPE_ROW, positions=np.array([2]))[0], {
+        "turned the wrong way, by -theta: the rotation is (x cos - y sin, x sin + y cos)":
+            _rotated(_ROPE_ROW, -angles),
+        "the pairs taken as (x0, x2) and (x1, x3): that is the halves layout; here pairs are "
+        "neighbours": _rotated(_ROPE_ROW, angles, halves=True),
+        "both pairs turned by p radians: pair 1 turns by p omega_1 = p / 100":
+            _rotated(_ROPE_ROW, np.array([2.0, 2.0])),
+        "the position left out: theta = p omega_r, not omega_r": _rotated(_ROPE_ROW, angles / 2)}
 
 
 @exercise("04.8", "RoPE dx", _N10, "the same rotation with -theta", atol=1e-15)

@@ -8,11 +8,32 @@ import numpy as np
 from refmath.lessons.table import exercise
 
 
+def _read_embedding(path, start=None, dtype="<f8"):
+    """``model.embed_tokens.weight`` read from the safetensors file at ``path``: from its offsets
+    counted from the end of the header, 8 + N bytes into the file, or from byte ``start + b``."""
+    import json
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))["model.embed_tokens.weight"]
+        begin, end = entry["data_offsets"]
+        f.seek((8 + n if start is None else start(n)) + begin)
+        return np.frombuffer(f.read(end - begin), dtype=dtype).reshape(entry["shape"])
+
+
 @exercise("13.1", "the embedding read from the file", "the section 'The safetensors format'",
           "the offsets count from the end of the header, 8 + N bytes into the file",
-          uses=("params",), rtol=0.0)
-def _embedding_from_file(params):
-    return params["tok_emb"], {}
+          uses=("params", "weights_path"), rtol=0.0)
+def _embedding_from_file(params, weights_path):
+    table = params["tok_emb"]
+    return table, {
+        "the offsets counted from the start of the file: they count from the end of the header":
+            _read_embedding(weights_path, start=lambda n: 0),
+        "the header's N bytes skipped but not the 8 bytes that give N":
+            _read_embedding(weights_path, start=lambda n: n),
+        "read big-endian: safetensors stores its numbers little-endian (<f8)":
+            _read_embedding(weights_path, dtype=">f8"),
+        "transposed: an embedding is a V x d lookup table, stored as it is used": table.T}
 
 
 @exercise("13.2", "W_Q from q_proj.weight", "the section 'Two "

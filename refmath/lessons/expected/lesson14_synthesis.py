@@ -2,6 +2,8 @@ r"""Lesson 14, one modern decoder, every piece (``notebooks/14_synthesis.py``): 
 and the known slips of each exercise, computed from the library and from the lesson's inputs."""
 from __future__ import annotations
 
+import numpy as np
+
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
@@ -17,14 +19,39 @@ def _decoder_logits(params, tokens, config):
         lambda: decoder.logits(params, tokens, config))
 
 
+def _mha_twin(params, tokens, config, heads):
+    """The logits of the MHA twin whose query head r reads the columns of shared head
+    ``heads[r]`` of each layer's w_k and w_v (a list of heads, or "columns": each column repeated
+    h/g times in place)."""
+    import dataclasses
+
+    from refmath.models import decoder
+
+    d, g, d_h = config.d_model, config.kv_heads, config.d_h
+    twin = dict(params)
+    for layer in range(config.n_layers):
+        for w in ("w_k", "w_v"):
+            name = f"layers.{layer}.attn.{w}"
+            if isinstance(heads, str):
+                twin[name] = np.repeat(params[name], config.n_heads // g, axis=1)
+            else:
+                twin[name] = params[name].reshape(d, g, d_h)[:, heads].reshape(d, -1)
+    return decoder.logits(twin, tokens, dataclasses.replace(config, n_kv_heads=config.n_heads))
+
+
 @exercise("14.2", "MHA twin of the GQA decoder", "the section 'From the Transformer to an LLM: "
           "what each change acts on'", "head r of the twin reads shared head gqa_head_map(h, g)[r]",
           uses=("params", "tokens", "config"), rtol=1e-10, atol=1e-12)
 def _mha_twin_logits(params, tokens, config):
     from refmath.models import decoder
 
+    h, g = config.n_heads, config.kv_heads
     # the twin is the same function: its logits are the GQA decoder's
-    return decoder.logits(params, tokens, config), {}
+    return decoder.logits(params, tokens, config), {
+        "the shared heads interleaved (np.tile): query head r reads shared head r mod g, where "
+        "it should read r // (h/g)": _mha_twin(params, tokens, config, np.arange(h) % g),
+        "each column repeated on its own (np.repeat on axis 1), not each head's block of d_h "
+        "columns": _mha_twin(params, tokens, config, "columns")}
 
 
 @exercise("14.3", "bound on the speed-up", "the section 'The cost of one decode step, all "

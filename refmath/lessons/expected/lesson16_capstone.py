@@ -3,6 +3,7 @@ r"""Lesson 16, the capstone, a GPT trained with your own backward passes
 computed from the library and from the lesson's inputs."""
 from __future__ import annotations
 
+from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise, flat_parameters
 
 
@@ -12,4 +13,13 @@ from refmath.lessons.table import exercise, flat_parameters
           atol=1e-14, prepare=flat_parameters)
 def _capstone_gradients(cache, backward, library):
     # the lesson's own backward through the model, with the library's four functions inside
-    return flat_parameters(backward(cache, library)), {}
+    def gradients():
+        return flat_parameters(backward(cache, library))
+    # a slip in one of the student's four functions, as the library with that slip applied (the
+    # slips the functions' own checks name that change this model's gradients)
+    slips = {}
+    for mistake in ("softmax: the -a a^T term dropped (a * dout)", "softmax: sum over the wrong axis",
+                    "layernorm: variance path dropped", "layernorm: dbeta averaged over rows",
+                    "gelu tanh: the 3 of d(x^3)/dx forgotten"):
+        slips.update(catalogued(mistake, gradients))
+    return gradients(), slips
