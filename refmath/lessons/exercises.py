@@ -1,5 +1,6 @@
 """``check("05.3", answer)``: the verdict on a numbered exercise, its expected value and slips
-taken from the table (:mod:`refmath.lessons.table`), and its hint on request."""
+(or, for a function the student writes, its reference, inputs and slips) taken from the table
+(:mod:`refmath.lessons.table`), and its hint on request."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -7,12 +8,13 @@ from typing import Any, Mapping
 import refmath.lessons.expected  # noqa: F401  (fills the table, one file per lesson)
 from refmath.lessons.checks import Verdict, _not_attempted, _unanswered, _verdict, check_close
 from refmath.lessons.leaks import record_expected
-from refmath.lessons.table import EXERCISES, Exercise
+from refmath.lessons.functions import check_function
+from refmath.lessons.table import EXERCISES, Exercise, FunctionExercise
 
 __all__ = ["check", "hint"]
 
 
-def _exercise_of(number: str) -> Exercise:
+def _exercise_of(number: str) -> Exercise | FunctionExercise:
     if number not in EXERCISES:
         raise ValueError(f"no exercise numbered {number!r} (known: {', '.join(sorted(EXERCISES))})")
     return EXERCISES[number]
@@ -23,10 +25,15 @@ def check(number: str, answer: Any) -> Verdict:
 
     The expected value is computed here, from the library and the lesson's inputs (read by name
     from the caller's namespace); a wrong answer is diagnosed as :func:`check_close` does, with the
-    section to reread after a first miss and the hint from the second on."""
+    section to reread after a first miss and the hint from the second on. The answer to a
+    write-the-function exercise is the student's function, judged by
+    :func:`~refmath.lessons.functions.check_function` against the table's reference (which the
+    student's may not call)."""
     import sys
 
     exercise, caller = _exercise_of(number), sys._getframe(1)
+    if isinstance(exercise, FunctionExercise):
+        return check_function(exercise.name, answer, hint=exercise.hint, **exercise.options())
     if _not_attempted(answer):
         record_expected(exercise.name, lambda: _expected_and_slips(exercise, caller)[0])
         return _unanswered(exercise.name)

@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
-__all__ = ["Exercise", "EXERCISES", "exercise", "flat_parameters"]
+__all__ = ["Exercise", "FunctionExercise", "EXERCISES", "exercise", "function_exercise",
+           "flat_parameters"]
 
 
 class Exercise(NamedTuple):
@@ -31,7 +32,17 @@ class Exercise(NamedTuple):
     prepare: Callable[[Any], Any] | None = None  # the answer as an array (a dict of weights...)
 
 
-EXERCISES: dict[str, Exercise] = {}
+class FunctionExercise(NamedTuple):
+    """One write-the-function exercise of a lesson, checked by
+    :func:`refmath.lessons.functions.check_function`."""
+
+    name: str  # what the verdict calls the student's function
+    section: str  # the lesson's section to reread
+    hint: str  # given from the second miss on, or by hint()
+    options: Callable[[], dict]  # check_function's keyword arguments: reference, inputs, slips...
+
+
+EXERCISES: dict[str, Exercise | FunctionExercise] = {}
 
 
 def exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, ...] = (),
@@ -41,6 +52,16 @@ def exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, .
         EXERCISES[number] = Exercise(name, section, hint, lambda *a: both(*a)[0],
                                      lambda *a: both(*a)[1], uses, rtol, atol, prepare)
         return both
+    return register
+
+
+def function_exercise(number: str, name: str, section: str, hint: str):
+    """Register the decorated ``() -> dict`` function, which gives the keyword arguments of
+    :func:`refmath.lessons.functions.check_function` (``reference``, ``inputs`` or ``case``,
+    ``slips``, ``oracle``...), as the write-the-function exercise ``number``."""
+    def register(options: Callable[[], dict]):
+        EXERCISES[number] = FunctionExercise(name, section, hint, options)
+        return options
     return register
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 
 _L2 = "the section 'L2, L3: cross-entropy and its gradient'"
@@ -100,6 +100,84 @@ def _adam_second_moment():
         "v_2 without its bias correction 1 - beta2^2": raw}
 
 
+def _library_adamw_step(theta, g, m, v, s, lr, betas, eps, weight_decay):
+    """refmath's AdamW on one weight array, its moments set to m, v and its counter to s - 1:
+    (new theta, new m, new v)."""
+    from refmath.optim import AdamW
+
+    optimiser = AdamW(lr, betas, eps, weight_decay=weight_decay, decay_of=lambda name: weight_decay)
+    optimiser.state["m"]["w"], optimiser.state["v"]["w"] = m, v
+    optimiser.step_count = s - 1
+    params = {"w": theta}
+    optimiser.step(params, {"w": g})
+    return params["w"], optimiser.state["m"]["w"], optimiser.state["v"]["w"]
+
+
+def _torch_adamw_step(theta, g, m, v, s, lr, betas, eps, weight_decay):
+    """The independent oracle: torch.optim.AdamW from the same state (ImportError without torch,
+    and the check skips it)."""
+    import torch
+
+    p = torch.tensor(theta, requires_grad=True)
+    optimiser = torch.optim.AdamW([p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    optimiser.state[p] = {"step": torch.tensor(float(s - 1)), "exp_avg": torch.tensor(m),
+                          "exp_avg_sq": torch.tensor(v)}
+    p.grad = torch.tensor(g)
+    optimiser.step()
+    return (p.detach().numpy(), optimiser.state[p]["exp_avg"].numpy(),
+            optimiser.state[p]["exp_avg_sq"].numpy())
+
+
+def _adamw_inputs():
+    """Five (theta, g, m, v, s, lr, betas, eps, weight_decay): a first step and later ones,
+    gradients from 1e-4 to 3 (so that eps matters), decay 0 and not, several betas."""
+    draw = np.random.default_rng(11)
+    scales = np.array([1e-4, 1e-2, 1.0, 3.0, 0.1, 1e-3])
+    inputs = []
+    for s, lr, betas, eps, weight_decay in ((1, 0.1, (0.9, 0.999), 1e-8, 0.1),
+                                            (2, 0.01, (0.9, 0.95), 1e-8, 0.1),
+                                            (5, 0.001, (0.8, 0.99), 1e-6, 0.0),
+                                            (40, 0.03, (0.9, 0.999), 1e-8, 0.5),
+                                            (3, 0.1, (0.5, 0.9), 1e-3, 0.01)):
+        g = scales * draw.standard_normal(6)
+        m = np.zeros(6) if s == 1 else 0.5 * scales * draw.standard_normal(6)
+        v = np.zeros(6) if s == 1 else (scales * draw.standard_normal(6)) ** 2
+        inputs.append((draw.standard_normal(6), g, m, v, s, lr, betas, eps, weight_decay))
+    return inputs
+
+
+def _corrected_moments_kept(theta, g, m, v, s, lr, betas, eps, weight_decay):
+    """The slip: m_hat and v_hat returned as the new moments."""
+    new_theta, new_m, new_v = _library_adamw_step(theta, g, m, v, s, lr, betas, eps, weight_decay)
+    return new_theta, new_m / (1 - betas[0] ** s), new_v / (1 - betas[1] ** s)
+
+
+def _decay_after_the_step(theta, g, m, v, s, lr, betas, eps, weight_decay):
+    """The slip: the decay applied after the Adam step, so that it shrinks the step as well."""
+    new_theta, new_m, new_v = _library_adamw_step(theta, g, m, v, s, lr, betas, eps, 0.0)
+    return (1 - lr * weight_decay) * new_theta, new_m, new_v
+
+
+@function_exercise("05.7", "your AdamW step", _O4,
+                   "m and v are running means of g and g^2; divide them by 1 - beta^s for the "
+                   "step only; the decay multiplies the old theta by 1 - lr lambda")
+def _adamw_step():
+    return dict(
+        reference=_library_adamw_step, inputs=_adamw_inputs, outputs=("theta", "m", "v"),
+        oracle=_torch_adamw_step, reference_name="refmath's AdamW",
+        oracle_name="torch.optim.AdamW", rtol=1e-12,
+        slips={**catalogued("adam: bias correction missing", _library_adamw_step),
+               **catalogued("adam: bias correction with beta instead of beta^s",
+                            _library_adamw_step),
+               **catalogued("adam: eps inside the square root", _library_adamw_step),
+               **catalogued("adamw: decay not scaled by the learning rate", _library_adamw_step),
+               **catalogued("adamw: decay also inside the moments", _library_adamw_step),
+               "m_hat and v_hat kept as the moments: the next step needs the raw m and v":
+                   _corrected_moments_kept,
+               "the decay applied after the Adam step: (1 - lr lambda) multiplies the old theta, "
+               "not the step": _decay_after_the_step})
+
+
 ADAMW_STEPS = 200
 
 
@@ -115,7 +193,7 @@ def _adamw_path(steps: int, optimiser=None):
     return np.array(path)
 
 
-@exercise("05.7", f"AdamW's weight after {ADAMW_STEPS} steps", _O4,
+@exercise("05.8", f"AdamW's weight after {ADAMW_STEPS} steps", _O4,
           "each step multiplies by (1 - lr * weight_decay); m_hat stays 0")
 def _adamw_after():
     path = _adamw_path(ADAMW_STEPS)
@@ -126,7 +204,7 @@ def _adamw_after():
         **catalogued("adamw: decay also inside the moments", lambda: _adamw_path(ADAMW_STEPS)[-1])}
 
 
-@exercise("05.8", "(peak, half-way rate)", _O6,
+@exercise("05.9", "(peak, half-way rate)", _O6,
           "at s = w both branches equal d^-1/2 w^-1/2; cos(pi/2) = 0")
 def _schedule_values():
     from refmath.optim import transformer_schedule, warmup_cosine
