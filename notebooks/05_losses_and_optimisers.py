@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 2
 #     ids: [L2, L3, L5, O1, O2, O3, O4, O6, O7]
-#     minutes: 45
+#     minutes: 55
 # ---
 
 # %% [markdown]
@@ -25,11 +25,12 @@
 # **Goals:** derive the cross-entropy gradient $p - y$ and compute it by hand; tell the mean
 # from the sum over answer tokens in the fine-tuning loss, and what each does to the gradient;
 # take one Adam step by hand and see why bias correction is needed; see why weight decay inside
-# Adam is not AdamW; read the two common learning-rate schedules.
+# Adam is not AdamW, and write AdamW's whole step from its equations; read the two common
+# learning-rate schedules.
 #
 # **Catalogue IDs:** L2, L3, L5, O1, O2, O3, O4, O6, O7
 #
-# **Duration:** 45 minutes
+# **Duration:** 55 minutes
 
 # %%
 import matplotlib.pyplot as plt
@@ -38,7 +39,7 @@ import numpy as np
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.losses import cross_entropy_forward
-from refmath.optim import SGD, Adam, AdamW, transformer_schedule, warmup_cosine
+from refmath.optim import SGD, Adam, transformer_schedule, warmup_cosine
 from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
@@ -326,7 +327,34 @@ check("05.6", v_hat_after_two)
 #
 # with the moments computed from the data gradient only: the same shrinkage as SGD's.
 
+# %% tags=["exercise"]
+# Exercise 05.7: write AdamW's whole step for one array of weights, from the equations of O1, O2
+# and O4: its value theta, its gradient g, the moments m and v before the step, the number s of
+# the step (1 for the first), the learning rate lr, betas = (beta1, beta2), eps and the decay
+# lambda (weight_decay). Return (new theta, new m, new v), the moments as the next step needs
+# them, without changing the arrays you are given. The check runs it on five inputs of its own (a
+# first step and later ones, gradients from 1e-4 to 3 so that eps matters, decay 0 and not)
+# against refmath's AdamW and torch.optim.AdamW (if installed); a step that calls refmath's
+# optimisers is refused.
+def my_adamw_step(theta, g, m, v, s, lr, betas, eps, weight_decay):
+    new_theta = new_m = new_v = ...
+    # BEGIN SOLUTION
+    beta1, beta2 = betas
+    new_m = beta1 * m + (1 - beta1) * g
+    new_v = beta2 * v + (1 - beta2) * g**2
+    m_hat, v_hat = new_m / (1 - beta1**s), new_v / (1 - beta2**s)
+    new_theta = (1 - lr * weight_decay) * theta - lr * m_hat / (np.sqrt(v_hat) + eps)
+    # END SOLUTION
+    return new_theta, new_m, new_v
+
+
 # %%
+check("05.7", my_adamw_step)
+
+# %%
+from refmath.optim import AdamW  # noqa: E402  (after the exercise it asks for)
+
+
 def run(optimiser, steps=50):
     p = {"w": np.array([1.0])}
     path = [1.0]
@@ -347,7 +375,7 @@ ax.legend()
 plt.show()
 
 # %% tags=["exercise"]
-# Exercise 05.7: the weight after 200 AdamW steps (four times the plot's) with a zero data
+# Exercise 05.8: the weight after 200 AdamW steps (four times the plot's) with a zero data
 # gradient, lr 0.1 and weight decay 0.1, starting from 1, in closed form.
 adamw_after_200 = ...
 # BEGIN SOLUTION
@@ -355,7 +383,7 @@ adamw_after_200 = (1 - 0.1 * 0.1) ** 200
 # END SOLUTION
 
 # %%
-check("05.7", adamw_after_200)
+check("05.8", adamw_after_200)
 
 # %%
 # The three runs' ends, printed after the exercise since AdamW's is its answer: SGD + L2 shrinks
@@ -391,7 +419,7 @@ axes[1].set(title="linear warmup, cosine decay to 10%", xlabel="step")
 plt.show()
 
 # %% tags=["exercise"]
-# Exercise 05.8: the peak of the original schedule for d = 512 and w = 4000 (where the two branches
+# Exercise 05.9: the peak of the original schedule for d = 512 and w = 4000 (where the two branches
 # meet), and the warmup-cosine rate at step 11000 (half-way through its decay) for the settings
 # of the right-hand plot. Give both as a pair (peak, half_way).
 schedule_values = ...
@@ -400,7 +428,7 @@ schedule_values = (512**-0.5 * 4000**-0.5, 3e-5 + 0.5 * (3e-4 - 3e-5))
 # END SOLUTION
 
 # %%
-check("05.8", schedule_values)
+check("05.9", schedule_values)
 check_true("your peak is above the rates one step before and after it",
            lambda values: values[0] > max(transformer_schedule(3999, 512, 4000),
                                           transformer_schedule(4001, 512, 4000)),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -96,6 +97,15 @@ PLANTS = {
         ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
          "dt = (1 - gate**2) * float(np.float32(np.sqrt(2 / np.pi))) * (1 + 3 * 0.044715 * x**2)",
          "your GELU backward", "sqrt(2/pi) rounded to float32"),
+        ("dx_swiglu = dg @ w_gate.T + (dm * s_act) @ w_up.T", "dx_swiglu = dg @ w_gate.T",
+         "SwiGLU dx", "only the gate's path"),
+        ("dg = dm * u_pre * sig * (1 + g_pre * (1 - sig))", "dg = dm * u_pre * sig * (1 - sig)",
+         "SwiGLU dx", "product rule forgotten"),
+        ("d_f_1000 = 64 * int(np.ceil(8 * 1000 / 3 / 64))",
+         "d_f_1000 = 64 * int(np.floor(8 * 1000 / 3 / 64))", "(d_f, excess) at d = 1000",
+         "rounded down to a multiple of 64"),
+        ("angles = np.array([2.0, 2.0 / 100])", "angles = np.array([2.0, 2.0])",
+         "RoPE of (3, 4, 1, 0) at position 2", "both pairs turned by p radians"),
     ],
     "05_losses_and_optimisers.py": [
         ("v_hat_after_two = v2 / (1 - 0.999**2)", "v_hat_after_two = v2",
@@ -120,6 +130,16 @@ PLANTS = {
          "mean over max(n, 2)"),
         ("dlogits = dout * np.where(cache.counted[..., None], per_token, 0.0)",
          "dlogits = dout * per_token", "your cross-entropy backward", "ignored tokens get a gradient"),
+        ("m_hat, v_hat = new_m / (1 - beta1**s), new_v / (1 - beta2**s)", "m_hat, v_hat = new_m, new_v",
+         "your AdamW step", "bias correction missing"),
+        ("new_theta = (1 - lr * weight_decay) * theta - lr * m_hat / (np.sqrt(v_hat) + eps)",
+         "new_theta = (1 - weight_decay) * theta - lr * m_hat / (np.sqrt(v_hat) + eps)",
+         "your AdamW step", "decay not scaled by the learning rate"),
+        ("new_theta = (1 - lr * weight_decay) * theta - lr * m_hat / (np.sqrt(v_hat) + eps)",
+         "new_theta = (1 - lr * weight_decay) * (theta - lr * m_hat / (np.sqrt(v_hat) + eps))",
+         "your AdamW step", "the decay applied after the Adam step"),
+        ("    return new_theta, new_m, new_v\n", "    return new_theta, m_hat, v_hat\n",
+         "your AdamW step", "m_hat and v_hat kept as the moments"),
     ],
     "06_encoder_decoder.py": [
         ("shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, :-1]], axis=1)",
@@ -239,6 +259,9 @@ PLANTS = {
         ("within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)",
          "within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])",
          "your half_to_interleaved", "not its inverse"),
+        ("f.seek(8 + n + begin)\n    embedding = np.frombuffer",
+         "f.seek(begin)\n    embedding = np.frombuffer", "the embedding read from the file",
+         "counted from the start of the file"),
         ("out = w[..., columns]", "out = w", "your half_to_interleaved", "left in the half layout"),
     ],
     "14_synthesis.py": [
@@ -249,6 +272,9 @@ PLANTS = {
          "tokens = context", "your cache bytes", "the sliding window ignored"),
         ("total = numbers * bits / 8 + 2 * numbers / 32", "total = numbers * bits / 8",
          "your cache bytes", "the quantisation scales left out"),
+        ("mha_params[name] = params[name].reshape(d, config.kv_heads, d_h)[:, repeat].reshape(d, -1)",
+         "mha_params[name] = np.tile(params[name], (1, config.n_heads // config.kv_heads))",
+         "MHA twin of the GQA decoder", "interleaved (np.tile)"),
     ],
     "15_mixture_of_experts.py": [
         ("\nexpert = 3 * 256 * 512", "\nexpert = 2 * 256 * 512", "the total",
@@ -332,7 +358,9 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "the total": ("the active parameters",),
         # the capstone's model runs with the student's LayerNorm backward
         "your LayerNorm backward": ("the gradient check of the whole model, with your backward passes",
-                                    "your model's gradients against the library's")}
+                                    "your model's gradients against the library's"),
+        "your model's gradients against the library's": (
+            "your LayerNorm backward", "the gradient check of the whole model, with your backward passes")}
 
 
 def _run(text, tmp_path, name):
@@ -398,3 +426,141 @@ def test_the_plants_cover_the_lessons_with_slips():
         assert len(plants) >= wanted, lesson
     with_slips = {p.name for p in NOTEBOOKS.glob("[0-9]*.py") if "slips=" in p.read_text()}
     assert with_slips == set(PLANTS), f"lessons with slips but no plants: {with_slips - set(PLANTS)}"
+
+
+# ---- the slips of single exercises, judged directly ------------------------------------------------
+#
+# Each exercise below is checked as its lesson checks it, ``check("NN.k", answer)``, with inputs made
+# here under the names the lesson uses; every wrong answer is written by hand the way a student with
+# the slip would write it, and must be rejected with the slip's name, and the right answer, written
+# by hand as well, accepted.
+
+def _verdict(number, answer, inputs, capsys):
+    """The line ``check(number, answer)`` prints, called from a namespace holding ``inputs`` (the
+    check reads the lesson's inputs by name from the namespace that calls it)."""
+    from refmath.lessons import check
+
+    capsys.readouterr()
+    exec("check(number, answer)", {**inputs, "check": check, "number": number, "answer": answer})
+    return capsys.readouterr().out.strip()
+
+
+def _judged(number, right, wrongs, inputs, capsys, monkeypatch):
+    """``right`` is accepted, in strict mode too (which also feeds every slip of the exercise to
+    its check), and each of ``wrongs``, ``{words of the slip's name: answer}``, named."""
+    import refmath.lessons.checks
+
+    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})
+    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
+    assert _verdict(number, right, inputs, capsys).startswith("right: ")
+    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "0")
+    for words, answer in wrongs.items():
+        said = _verdict(number, answer, inputs, capsys)
+        assert said.startswith("wrong: ") and "looks like: " in said and words in said, (words, said)
+
+
+def test_swiglu_dx_slips_are_named(capsys, monkeypatch):
+    from refmath.ffn import swiglu_forward
+
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((2, 3))
+    w_gate, w_up, w_down = (rng.standard_normal(s) for s in ((3, 4), (3, 4), (4, 3)))
+    y, swiglu_cache = swiglu_forward(xs, w_gate, w_up, w_down)
+    dy = rng.standard_normal(y.shape)
+    g, u = xs @ w_gate, xs @ w_up
+    sig = 1 / (1 + np.exp(-g))
+    dm = dy @ w_down.T
+    dg = dm * u * sig * (1 + g * (1 - sig))
+    du = dm * g * sig
+    _judged("04.5", dg @ w_gate.T + du @ w_up.T, {
+        "du uses the gate's input": dg @ w_gate.T + (dm * g) @ w_up.T,
+        "product rule forgotten": (dm * u * sig * (1 - sig)) @ w_gate.T + du @ w_up.T,
+        "SiLU'(g) taken as sigma(g)": (dm * u * sig) @ w_gate.T + du @ w_up.T,
+        "only the gate's path": dg @ w_gate.T,
+        "only the up projection's path": du @ w_up.T,
+    }, {"dy": dy, "swiglu_cache": swiglu_cache}, capsys, monkeypatch)
+
+
+def test_swiglu_width_slips_are_named(capsys, monkeypatch):
+    def excess(d_f, matrices=3):
+        return matrices * 1000 * d_f / (2 * 1000 * 4000) - 1
+
+    _judged("04.6", (2688, excess(2688)), {
+        "rounded down to a multiple of 64": (2624, excess(2624)),
+        "a multiple of 256": (2816, excess(2816)),
+        "in percent": (2688, 100 * excess(2688)),
+        "two matrices": (2688, excess(2688, matrices=2)),
+    }, {}, capsys, monkeypatch)
+
+
+def test_rope_rotation_slips_are_named(capsys, monkeypatch):
+    def turned(pairs, angles):
+        (x0, y0), (x1, y1) = pairs
+        return [x0 * np.cos(angles[0]) - y0 * np.sin(angles[0]),
+                x0 * np.sin(angles[0]) + y0 * np.cos(angles[0]),
+                x1 * np.cos(angles[1]) - y1 * np.sin(angles[1]),
+                x1 * np.sin(angles[1]) + y1 * np.cos(angles[1])]
+
+    neighbours, theta = [(3.0, 4.0), (1.0, 0.0)], [2.0, 2.0 / 100]
+    halves = turned([(3.0, 1.0), (4.0, 0.0)], theta)  # (x0, x2) and (x1, x3), back in place
+    _judged("04.7", np.array([turned(neighbours, theta)]), {
+        "the wrong way": np.array([turned(neighbours, [-2.0, -2.0 / 100])]),
+        "halves layout": np.array([[halves[0], halves[2], halves[1], halves[3]]]),
+        "both pairs turned by p radians": np.array([turned(neighbours, [2.0, 2.0])]),
+        "the position left out": np.array([turned(neighbours, [1.0, 1.0 / 100])]),
+    }, {}, capsys, monkeypatch)
+
+
+def test_safetensors_reading_slips_are_named(capsys, monkeypatch, tmp_path):
+    import json
+
+    rng = np.random.default_rng(4)
+    table, other = rng.standard_normal((5, 3)), rng.standard_normal(4)
+    # a safetensors file written by hand: another tensor first, so the table's offsets are not 0
+    header = json.dumps({"other": {"dtype": "F64", "shape": [4], "data_offsets": [0, 32]},
+                         "model.embed_tokens.weight": {"dtype": "F64", "shape": [5, 3],
+                                                       "data_offsets": [32, 152]}}).encode()
+    weights_path = tmp_path / "model.safetensors"
+    weights_path.write_bytes(len(header).to_bytes(8, "little") + header + other.astype("<f8").tobytes()
+                             + table.astype("<f8").tobytes())
+
+    def read(at, dtype="<f8"):
+        with open(weights_path, "rb") as f:
+            f.seek(at)
+            return np.frombuffer(f.read(120), dtype=dtype).reshape(5, 3)
+
+    n = len(header)
+    assert np.array_equal(read(8 + n + 32), table)
+    _judged("13.1", read(8 + n + 32), {
+        "counted from the start of the file": read(32),
+        "not the 8 bytes that give N": read(n + 32),
+        "big-endian": read(8 + n + 32, dtype=">f8"),
+        "transposed": read(8 + n + 32).T,
+    }, {"params": {"tok_emb": table}, "weights_path": weights_path}, capsys, monkeypatch)
+
+
+def test_mha_twin_slips_are_named(capsys, monkeypatch):
+    import dataclasses
+
+    from refmath.models import decoder
+
+    config = decoder.DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                                   n_kv_heads=2, ffn_multiple_of=16)
+    params = decoder.init_params(config, seed=2)
+    tokens = np.random.default_rng(5).integers(0, 32, (2, 7))
+    mha = dataclasses.replace(config, n_kv_heads=4)
+
+    def twin(expand):
+        expanded = dict(params)
+        for name in params:
+            if name.endswith(("attn.w_k", "attn.w_v")):
+                expanded[name] = expand(params[name])
+        return decoder.logits(expanded, tokens, mha)
+
+    def heads(order):
+        return lambda w: w.reshape(32, 2, 8)[:, order].reshape(32, 32)
+
+    _judged("14.2", twin(heads([0, 0, 1, 1])), {
+        "interleaved (np.tile)": twin(lambda w: np.tile(w, 2)),
+        "each column repeated on its own": twin(lambda w: np.repeat(w, 2, axis=1)),
+    }, {"params": params, "tokens": tokens, "config": config}, capsys, monkeypatch)

@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def lenient(monkeypatch):
-    import refmath.lessons
+    import refmath.lessons.checks
 
     monkeypatch.delenv("REFMATH_LESSONS_STRICT", raising=False)
-    monkeypatch.setattr(refmath.lessons, "_MISSES", {})  # each test starts with no miss counted
+    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})  # each test starts with no miss counted
 
 
 def test_a_right_answer_says_right_and_returns_true(capsys):
@@ -196,7 +196,7 @@ def test_a_give_away_printed_before_an_exercise_is_gone():
     text = (LESSONS[0].parent / "05_losses_and_optimisers.py").read_text()
     assert text.index('print(f"step {step}: m_hat') > text.index('check("05.5"')
     assert "0.99**50" not in text
-    assert text.index('after 50 steps {path[-1]') > text.index('check("05.7"')
+    assert text.index('after 50 steps {path[-1]') > text.index('check("05.8"')
     assert "4.328" not in (LESSONS[0].parent / "12_from_equation_to_kernel.py").read_text()
 
 
@@ -579,6 +579,36 @@ def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
 
     line = check("05.5", np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1])).line
     assert "looks like: eps left out of the denominator" in line and "printed precision" not in line
+
+
+def test_the_adamw_step_exercise_refuses_the_library_and_takes_a_step_written_out(capsys):
+    """Exercise 05.7 (a whole AdamW step): refmath's own step, handed in or called, is refused;
+    the step written from the equations is right."""
+    from refmath.lessons import check
+    from refmath.lessons.expected.lesson05_losses_and_optimisers import _library_adamw_step
+
+    def calls_adamw(theta, g, m, v, s, lr, betas, eps, weight_decay):
+        from refmath.optim import AdamW
+
+        optimiser = AdamW(lr, betas, eps, weight_decay=weight_decay, decay_of=lambda n: weight_decay)
+        optimiser.state["m"]["w"], optimiser.state["v"]["w"] = m.copy(), v.copy()
+        optimiser.step_count = s - 1
+        params = {"w": theta.copy()}
+        optimiser.step(params, {"w": g})
+        return params["w"], optimiser.state["m"]["w"], optimiser.state["v"]["w"]
+
+    def written_out(theta, g, m, v, s, lr, betas, eps, weight_decay):
+        (b1, b2) = betas
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        step = lr * (m / (1 - b1**s)) / (np.sqrt(v / (1 - b2**s)) + eps)
+        return (1 - lr * weight_decay) * theta - step, m, v
+
+    assert "write it yourself" in check("05.7", _library_adamw_step).line
+    line = check("05.7", calls_adamw).line
+    assert line.startswith("wrong: your AdamW step: this calls refmath.optim.") and \
+        line.endswith("write it yourself"), line
+    assert check("05.7", written_out), capsys.readouterr().out
+    assert check("05.7", ...).line.startswith("no answer yet")
 
 
 CHECK_CALLS = ("check", "check_close", "check_true", "check_function")

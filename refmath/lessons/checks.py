@@ -1,0 +1,360 @@
+"""The verdict on a value a student computed: one line, right, almost or wrong, with the slip
+it looks like.
+
+A check prints a single line about the student's answer:
+
+- ``no answer yet: NAME`` while the answer is still ``...``;
+- ``right: NAME``;
+- ``almost: NAME: right to the printed precision`` when the answer is the expected value rounded
+  to the digits a print showed (the student copied a printed number instead of computing it);
+- ``wrong: NAME: ...`` with a diagnosis: the slip it looks like (a known wrong answer the check
+  was given, such as a catalogued mistake of :mod:`refmath.mistakes`), the ratio got/expected
+  when the answer is a multiple of the expected one, or else the largest error and where it is.
+
+The expected array itself is never printed, so the check does not give the answer away. A check
+returns a :class:`Verdict`, true when right, which Jupyter does not display: the cell shows the
+verdict line only.
+
+The reference versions of the lessons carry the answers, and the test suite runs them with the
+environment variable ``REFMATH_LESSONS_STRICT=1``: an answer that is not right then raises
+``AssertionError`` instead of printing, so an answer that drifts from the library fails the tests,
+and so does a slip the check could not tell from the right answer.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from refmath.lessons.leaks import record_expected
+
+__all__ = ["Verdict", "check_close", "check_true", "catalogued", "strict"]
+
+
+NOT_YET = "no answer yet"
+
+
+def strict() -> bool:
+    """True when wrong answers must raise (``REFMATH_LESSONS_STRICT=1``, set by the test suite)."""
+    return os.environ.get("REFMATH_LESSONS_STRICT", "") not in ("", "0")
+
+
+class Verdict:
+    """What one check found: true when the answer is right, with the line it printed.
+
+    A check is the last call of its cell, so Jupyter would display its value after the printed
+    line (a stray ``True``/``False``); ``_ipython_display_`` displays nothing, and the cell shows
+    the verdict line alone.
+    """
+
+    __slots__ = ("ok", "line")
+
+    def __init__(self, ok: bool, line: str):
+        self.ok, self.line = bool(ok), line
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"Verdict({self.line!r})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def _verdict(status: str, name: str, detail: str = "") -> Verdict:
+    line = f"{status}: {name}" + (f": {detail}" if detail else "")
+    if status != "right" and strict():
+        raise AssertionError(line)
+    print(line)
+    return Verdict(status == "right", line)
+
+
+def _not_attempted(got: Any) -> bool:
+    return got is None or got is Ellipsis
+
+
+def _unanswered(name: str) -> Verdict:
+    return _verdict(NOT_YET, name, "replace the ... with your code")
+
+
+# How many times each check has said "wrong" in this kernel: a hint is rationed. The first miss
+# gets the diagnosis (the slip's name) and, where the check knows it, the section to reread; the
+# hint itself, often the formula, only from the second miss on, or on request (:func:`hint`).
+_MISSES: dict[str, int] = {}
+
+
+def _rationed(name: str, hint: str, section: str = "") -> str:
+    """The words a wrong verdict adds after its diagnosis: see :data:`_MISSES`."""
+    _MISSES[name] = _MISSES.get(name, 0) + 1
+    if not hint:
+        return f" (reread {section})" if section else ""
+    if _MISSES[name] == 1:
+        where = f"reread {section}; " if section else ""
+        return f" ({where}a second try that misses shows a hint)"
+    return f" ({hint})"
+
+
+def _as_array(value: Any) -> np.ndarray:
+    return np.asarray(value() if callable(value) else value, dtype=np.float64)
+
+
+def _errors(have: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """``|have - want|``, 0 where both are NaN or both the same infinity (an empty state's
+    ``m = -inf``: ``-inf - (-inf)`` would be NaN)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(want) | (have == want), 0.0, np.abs(have - want))
+
+
+def _within(have: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
+    """Elementwise ``|have - want| <= atol + rtol |want|``, NaN matching NaN, shapes equal."""
+    if have.shape != want.shape:
+        return False
+    nan_want = np.isnan(want)
+    if np.any(np.isnan(have) != nan_want):
+        return False
+    scale = np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
+    return bool(np.all(_errors(have, want) <= atol + rtol * scale))
+
+
+# A slip is recognised with at least this relative tolerance: the check's own can be 1e-12, and a
+# slip computed another way than the student's (the library with a mistake applied) differs from it
+# by rounding.
+SLIP_RTOL = 1e-9
+
+
+def _slip_values(name: str, slips: Mapping[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """Each slip's value. For a student, a slip that cannot be computed is not recognised; under
+    ``REFMATH_LESSONS_STRICT=1`` it raises, since a broken slip (a catalogued mistake whose line
+    has changed, a typo) would otherwise go unnoticed."""
+    values = []
+    for label, value in slips.items():
+        try:
+            values.append((label, _as_array(value)))
+        except Exception as err:
+            if strict():
+                raise AssertionError(f"{name}: the slip {label!r} cannot be computed "
+                                     f"({type(err).__name__}: {err})") from err
+    return values
+
+
+def _matching_slip(have, values, rtol, atol) -> str | None:
+    for label, value in values:
+        if _within(have, value, max(rtol, SLIP_RTOL), atol):
+            return label
+    return None
+
+
+def _decimals(values: np.ndarray, most: int = 12) -> int | None:
+    """The fewest decimals that write every one of ``values`` exactly, or None beyond ``most``."""
+    for d in range(most + 1):
+        if np.all(np.round(values, d) == values):
+            return d
+    return None
+
+
+def _rounded_from(have: np.ndarray, want: np.ndarray) -> int | None:
+    """The decimals ``d`` when ``have`` is ``want`` rounded to ``d`` decimals (a copied print).
+
+    Rounding to a single significant digit of a large value is not "the printed precision": the
+    rounded answer must agree with ``want`` to 0.5% (4.328 for 4.3281, 0.9 for 0.9000000033).
+    """
+    if have.shape != want.shape or have.size == 0 or not np.all(np.isfinite(want)):
+        return None
+    d = _decimals(have)
+    if d is None:
+        return None
+    half_step = 0.5 * 10.0 ** -d * (1 + 1e-9)
+    error = np.abs(have - want)
+    if np.all(error <= half_step) and np.all(error <= 5e-3 * np.abs(want)):
+        return d
+    return None
+
+
+def _ratio(have: np.ndarray, want: np.ndarray) -> float | None:
+    """c when ``have = c want`` (to 1e-9 relative) with ``want`` not all zero, else None."""
+    if have.shape != want.shape or not np.all(np.isfinite(want)) or not np.any(want):
+        return None
+    if np.any(have[want == 0] != 0):
+        return None
+    c = float(np.sum(have * want) / np.sum(want * want))
+    if not np.isfinite(c) or c == 0:
+        return None
+    return c if np.allclose(have, c * want, rtol=1e-9, atol=0) else None
+
+
+def _ratio_text(c: float, scalar: bool, rtol: float) -> str:
+    if math.isclose(c, -1.0, rel_tol=1e-9):
+        return "the sign is flipped" + ("" if scalar else " everywhere")
+    what = "got/expected" if scalar else "your answer is the expected one times"
+    if abs(c - 1) < 5e-3:
+        # Three digits would print "1": say how close without handing over the missing digits.
+        return f"{what} 1.00, off by less than 0.5%, beyond the tolerance of {rtol:.2g} relative"
+    return f"{what} {c:.3g}"
+
+
+def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
+                rtol: float = 1e-7, atol: float = 0.0, hint: str = "",
+                slips: Mapping[str, Any] | None = None, section: str = "") -> Verdict:
+    r"""Print whether ``got`` equals ``expected`` within ``|got - expected| <= atol + rtol |expected|``.
+
+    A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
+    ``max(rtol, 1e-9)``) is named; an answer that is ``expected`` rounded to the digits it shows
+    gets "right to the printed precision"; an answer that is a multiple of ``expected`` gets the
+    ratio (3 significant digits, or "the sign is flipped"); otherwise the largest error, where it
+    is, and the tolerance. The expected value is never printed.
+
+    Parameters
+    ----------
+    name : str
+        What the student computed, as the verdict should name it ("dX", "the softmax row").
+    got : array_like, or ``...``/``None`` for an answer not written yet
+        The student's value.
+    expected : array_like, or a callable returning it
+        The value to compare with; a callable is called only when ``got`` is there, so a check cell
+        can name a computation that would fail on an unfinished exercise.
+    rtol, atol : float
+        The tolerance, elementwise, in the form of :func:`numpy.isclose`.
+    hint : str
+        Where to look, often the formula: printed after the second wrong verdict of this check
+        and later ones, not the first (see :func:`hint` to ask for it).
+    slips : mapping of str to array_like or callable, optional
+        Typical wrong answers: what the slip is (printed as "looks like: ...") to the value it
+        gives, or a callable computing it (see :func:`catalogued`). Under
+        ``REFMATH_LESSONS_STRICT=1`` each slip is also fed to the check, which must reject it and
+        name it: a slip the check cannot tell from the right answer, or from an earlier slip,
+        raises ``AssertionError``.
+
+    section : str
+        The lesson's section to reread, named after a first wrong verdict.
+
+    Returns
+    -------
+    Verdict
+        True when right. Under ``REFMATH_LESSONS_STRICT=1`` an answer that is not right raises
+        AssertionError.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"check_close: name must be a non-empty str, got {name!r}")
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"check_close: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    if slips is not None and not isinstance(slips, Mapping):
+        raise TypeError(f"check_close: slips must be a mapping of str to values, got "
+                        f"{type(slips).__name__}")
+    record_expected(name, expected)
+    if _not_attempted(got):
+        return _unanswered(name)
+    want = _as_array(expected)
+    values = _slip_values(name, slips or {})
+    if strict():
+        _check_slips_are_told_apart(name, want, values, rtol, atol)
+    try:
+        have = np.asarray(got, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        return _verdict("wrong", name, f"not an array of real numbers ({err})")
+    status, detail = _diagnose(have, want, values, rtol, atol)
+    if status != "right":
+        detail += _rationed(name, hint, section)
+    return _verdict(status, name, detail)
+
+
+def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
+    """(status, detail) of ``have`` against ``want``: see :func:`check_close`."""
+    if _within(have, want, rtol, atol):
+        worst = float(_errors(have, want).max()) if have.size else 0.0
+        return "right", f"max error {worst:.2g}"
+    slip = _matching_slip(have, values, rtol, atol)
+    if slip is not None:
+        return "wrong", f"looks like: {slip}"
+    decimals = _rounded_from(have, want)
+    if decimals is not None:
+        digits = f"{decimals} decimal" + ("" if decimals == 1 else "s")
+        return "almost", (f"right to the printed precision ({digits}); keep full "
+                          "precision: compute it rather than copy a printed number")
+    if have.shape != want.shape:
+        return "wrong", f"shape {have.shape}, expected {want.shape}"
+    nan_got, nan_want = np.isnan(have), np.isnan(want)
+    if np.any(nan_got != nan_want):
+        where = np.unravel_index(np.argmax(nan_got != nan_want), have.shape) if have.ndim else ()
+        return "wrong", (f"NaN where a number is expected, or the reverse, at index "
+                         f"{tuple(int(i) for i in where)}")
+    # A scalar off the mark is always a multiple of the expected value: its ratio is the diagnosis.
+    c = _ratio(np.where(nan_want, 0.0, have), np.where(nan_want, 0.0, want))
+    if c is not None:
+        return "wrong", _ratio_text(c, have.size == 1, rtol)
+    error = _errors(have, want)
+    bound = atol + rtol * np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
+    excess = np.where(error > bound, error - bound, -np.inf)
+    index = tuple(int(i) for i in np.unravel_index(np.argmax(excess), have.shape)) if have.ndim else ()
+    return "wrong", (f"error {float(error[index]):.3g} at index {index}, tolerance "
+                     f"{float(bound[index]):.3g}")
+
+
+def _check_slips_are_told_apart(name, want, values, rtol, atol) -> None:
+    """Feed each slip to the check (strict mode): it must be rejected and named as itself."""
+    for label, value in values:
+        status, detail = _diagnose(value, want, values, rtol, atol)
+        if status == "right":
+            raise AssertionError(f"{name}: the slip {label!r} passes as the right answer")
+        if detail != f"looks like: {label}":
+            raise AssertionError(f"{name}: the slip {label!r} is reported as {detail!r}")
+
+
+_ABSENT = object()
+
+
+def check_true(name: str, condition: Any, why: str, *, of: Any = _ABSENT) -> Verdict:
+    """Print a verdict on a property of the student's answer (a shape, a sign, a sum).
+
+    ``why`` says what the property is, and is printed with a wrong verdict. With ``of=answer``,
+    ``condition`` is a function of the answer, called only once the answer is written (``...`` or
+    ``None`` gives "no answer yet"); without it, ``condition`` is the property's value, ``...`` or
+    ``None`` meaning not written yet. A condition that raises on the answer is a wrong verdict that
+    names the error.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"check_true: name must be a non-empty str, got {name!r}")
+    if of is not _ABSENT:
+        if not callable(condition):
+            raise TypeError(f"check_true: with of=..., condition must be a function of the answer, "
+                            f"got {type(condition).__name__}")
+        if _not_attempted(of):
+            return _unanswered(name)
+        try:
+            condition = condition(of)
+        except Exception as err:  # the answer has the wrong kind or shape for the property
+            return _verdict("wrong", name, f"{why} (checking your answer raised "
+                                           f"{type(err).__name__}: {err})")
+    if _not_attempted(condition):
+        return _unanswered(name)
+    ok = bool(condition)
+    return _verdict("right" if ok else "wrong", name, "" if ok else why)
+
+
+def catalogued(mistake: str, compute: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """A slip from :mod:`refmath.mistakes`, under the label ``"<mistake name> (<why>)"``: a
+    function that calls ``compute`` with the mistake applied, passing its arguments on.
+
+    For :func:`check_close`, ``compute`` takes no argument (a call of the library function the
+    mistake edits: ``lambda: layernorm_backward(dy, cache)[0]``) and the slip is its value; for
+    :func:`check_function`, ``compute`` is the library function itself (``layernorm_backward``)
+    and the slip is the wrong function, evaluated on the inputs the student's is. Raises
+    ``ValueError`` for a name the catalogue lacks."""
+    try:
+        from refmath.mistakes import MISTAKES, applied
+    except ImportError as err:  # the assignments' student copies of refmath leave the catalogue out
+        raise ValueError("catalogued: refmath.mistakes is not part of this copy of refmath") from err
+
+    found = [m for m in MISTAKES if m.name == mistake]
+    if not found:
+        raise ValueError(f"catalogued: no mistake named {mistake!r} in refmath.mistakes")
+    if not callable(compute):
+        raise TypeError(f"catalogued: compute must be callable, got {type(compute).__name__}")
+
+    def with_the_mistake(*args, **kwargs):
+        with applied(found[0]):
+            return compute(*args, **kwargs)
+
+    return {f"{found[0].name} ({found[0].why})": with_the_mistake}

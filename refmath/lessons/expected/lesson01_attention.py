@@ -1,0 +1,106 @@
+r"""Lesson 1, attention, step by step (``notebooks/01_attention.py``): the expected value and the
+known slips of each exercise, computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise
+
+
+_A6 = "the section 'A6 and A7: several heads'"
+_MHA_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+
+
+def _flat_weights(params) -> np.ndarray:
+    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in _MHA_WEIGHTS])
+
+
+@exercise("01.5", "the parameters with heads 0 and 1 swapped", _A6,
+          "head r owns columns r d_h .. (r + 1) d_h of w_q, w_k, w_v and the same rows of w_o",
+          uses=("params", "d_h"), prepare=_flat_weights)
+def _swapped_heads(params, d_h):
+    order = np.r_[d_h:2 * d_h, 0:d_h]
+    columns = {k: np.asarray(params[k])[:, order] for k in ("w_q", "w_k", "w_v")}
+    return _flat_weights({**columns, "w_o": np.asarray(params["w_o"])[order]}), {
+        "w_o left as it was: its rows must follow the heads they read": _flat_weights(
+            {**columns, "w_o": params["w_o"]}),
+        "the rows of w_q, w_k, w_v swapped, not their columns (the heads split the output width)":
+            _flat_weights({**{k: np.asarray(params[k])[order] for k in ("w_q", "w_k", "w_v")},
+                           "w_o": np.asarray(params["w_o"])[order]}),
+        "nothing swapped": _flat_weights(params)}
+
+
+@exercise("01.1", "the masked output", "the section 'A3: a worked example to check by hand'",
+          "o = sum_j a_j v_j with a = (1/3, 2/3, 0)", uses=("q", "k", "v"))
+def _masked_output(q, k, v):
+    from refmath.attention import sdpa_forward
+
+    mask = np.array([[0.0, 0.0, -np.inf]])
+    return sdpa_forward(q, k, v, mask=mask, scale=1.0)[0], {
+        "the unmasked weights (1/4, 1/2, 1/4)": sdpa_forward(q, k, v, scale=1.0)[0],
+        "the masked weights not renormalised, (1/4, 1/2, 0)": np.array([[0.25, 0.5, 0.0]]) @ v}
+
+
+_A5 = "the section 'A5: the softmax Jacobian'"
+_A8 = "the section 'A8: the backward pass, by hand'"
+
+
+@exercise("01.3", "the Jacobian of (1/4, 1/2, 1/4)", _A5,
+          "the diagonal is a_j (1 - a_j), off the diagonal -a_j a_u")
+def _jacobian_a3():
+    from refmath.softmax import softmax_jacobian
+
+    a = np.array([0.25, 0.5, 0.25])
+    return softmax_jacobian(a), {
+        "diag(a) alone: the -a a^T term is forgotten": np.diag(a),
+        "a a^T taken as the inner product (a number), not the outer product (a matrix)":
+            np.diag(a) - a @ a,
+        "the sign flipped: a a^T - diag(a)": -softmax_jacobian(a)}
+
+
+def _dq_with_a_slip(dout, cache, reduce=np.sum, transposed=False):
+    """dQ of attention without dropout, with a slip in dS: another reduction of A dA, or dS
+    transposed."""
+    a, d_a = cache.a, dout @ cache.v.T
+    d_s = a * (d_a - reduce(a * d_a, axis=1, keepdims=True))
+    return (d_s.T if transposed else d_s) @ cache.k * cache.scale
+
+
+@exercise("01.6", "dQ (causal)", _A8, "the same formula, with the causal weights",
+          uses=("dO", "cache_causal", "cache"), atol=1e-15)
+def _causal_dq(dout, cache_causal, cache):
+    from refmath.attention import sdpa_backward
+
+    def dq():
+        return sdpa_backward(dout, cache_causal)[0]
+    return dq(), {
+        **catalogued("sdpa: scale missing from dQ", dq),
+        **catalogued("softmax: sign of the correction flipped", dq),
+        **catalogued("softmax: the -a a^T term dropped (a * dout)", dq),
+        "the unmasked weights A, not A_causal": sdpa_backward(dout, cache)[0],
+        "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
+            _dq_with_a_slip(dout, cache_causal, reduce=np.mean),
+        "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
+            _dq_with_a_slip(dout, cache_causal, transposed=True)}
+
+
+@exercise("01.7", "(dV, dQ) with dropout", _A8,
+          "D multiplies A in dV and dA = dO V^T; dS uses A itself",
+          uses=("dO", "cache_drop"), atol=1e-15)
+def _dropout_dv_dq(dout, cache):
+    from refmath.attention import sdpa_backward
+
+    def dv_dq():
+        grads = sdpa_backward(dout, cache)
+        return np.concatenate([grads[2], grads[0]])
+    # A * D inside dS: the softmax's Jacobian is of A, before dropout
+    dropped = cache.a * cache.dropout_mask
+    d_a = (dout @ cache.v.T) * cache.dropout_mask
+    d_s = dropped * (d_a - np.sum(dropped * d_a, axis=1, keepdims=True))
+    return dv_dq(), {
+        **catalogued("sdpa: dropout mask ignored in dA", dv_dq),
+        **catalogued("sdpa: dV from the weights before dropout", dv_dq),
+        **catalogued("sdpa: scale missing from dQ", dv_dq),
+        "A * D inside dS: the softmax's Jacobian is of A, before dropout":
+            np.concatenate([dropped.T @ dout, d_s @ cache.k * cache.scale])}

@@ -1,0 +1,74 @@
+r"""Lesson 2, normalisation, its backward pass, and where to put it
+(``notebooks/02_normalisation.py``): the expected value and the known slips of each exercise,
+computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise
+
+
+@exercise("02.5", "the stream's RMS after 8 blocks", "the section 'N4: Post-LN against Pre-LN'",
+          "each block adds RMSNorm(x), of RMS 1 and x's direction, so the RMS grows by 1 a block",
+          uses=("stream0",))
+def _stream_rms(stream0):
+    from refmath.norms import rmsnorm_forward
+
+    stream = np.asarray(stream0, dtype=np.float64)
+    branch = stream
+    for _ in range(8):
+        branch = rmsnorm_forward(stream, np.ones(stream.shape[-1]), eps=1e-6)[0]
+        stream = stream + branch
+    rms = float(np.sqrt(np.mean(stream**2)))
+    return rms, {"the RMS of the last block's normalised input, not of the stream: "
+                 "RMSNorm bounds what a branch reads, not the stream": float(
+                     np.sqrt(np.mean(branch**2))),
+                 "the starting stream left out: 8 blocks of RMS 1 add to 8, on top of stream0":
+                     rms - float(np.sqrt(np.mean(np.asarray(stream0, dtype=float)**2)))}
+
+
+_N_LN = "the section 'The LayerNorm backward: three terms'"
+_N_RMS = "the section 'The RMSNorm backward: two terms'"
+
+
+@exercise("02.1", "LayerNorm dx", _N_LN, "(g - mean(g) - xhat mean(g xhat)) / sigma",
+          uses=("dy", "ln_cache"))
+def _layernorm_dx(dy, cache):
+    from refmath.norms import layernorm_backward
+
+    def dx():
+        return layernorm_backward(dy, cache)[0]
+    rstd = np.asarray(cache.rstd)  # 1 / sigma
+    return dx(), {**catalogued("layernorm: variance path dropped", dx),
+                  "the 1/sigma forgotten": dx() / rstd,
+                  "the mean path dropped: only the direct and sigma terms":
+                      dx() + np.mean(dy) * rstd}
+
+
+@exercise("02.2", "RMSNorm dx", _N_RMS, "r g - r^3 x mean(g x): no mean term",
+          uses=("dy", "rms_cache"))
+def _rmsnorm_dx(dy, cache):
+    from refmath.norms import rmsnorm_backward
+
+    def dx():
+        return rmsnorm_backward(dy, cache)[0]
+    r = np.asarray(cache.rrms)
+    return dx(), {**catalogued("rmsnorm: r^2 instead of r^3", dx),
+                  "LayerNorm's mean term kept (RMSNorm subtracts no mean)": dx() - np.mean(dy) * r,
+                  "the sign of the r^3 term flipped": 2 * r * dy - dx()}
+
+
+@exercise("02.3", "(dgamma, dbeta)", _N_LN,
+          "gamma and beta are shared by every row: sum over the rows",
+          uses=("upstream", "xs", "gamma", "beta"))
+def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
+    from refmath.norms import layernorm_backward, layernorm_forward
+
+    def both():
+        return np.stack(layernorm_backward(upstream, layernorm_forward(xs, gamma, beta)[1])[1:])
+    return both(), {**catalogued("layernorm: dbeta averaged over rows", both),
+                    "both averaged over the rows, not summed": both() / np.shape(xs)[0],
+                    "dgamma and dbeta swapped": both()[::-1],
+                    "dgamma from x instead of xhat":
+                        np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])}

@@ -1,0 +1,64 @@
+r"""Lesson 3, attention without the $T \times T$ matrix, and decoding without recomputation
+(``notebooks/03_flash_and_kv_cache.py``): the expected value and the known slips of each
+exercise, computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise
+
+
+_F1 = "the section 'F1-F3: attention as a ratio of sums, merged block by block'"
+
+
+@exercise("03.1", "(m, l) of the merge", _F1, "rescale each l by e^(its m - the larger m)",
+          uses=("a", "b"))
+def _merged_m_l(a, b):
+    from refmath.softmax import online_softmax_merge
+
+    merged = online_softmax_merge(a, b)
+    smaller = min(a.m, b.m)
+    return (merged.m, merged.l), {
+        "the l added without rescaling them to the larger m": (merged.m, a.l + b.l),
+        "rescaled to the smaller m, not the larger":
+            (smaller, merged.l * np.exp(merged.m - smaller))}
+
+
+@exercise("03.3", "dQ from the logsumexp", "the section 'F4: the backward pass from the logsumexp'",
+          "P = exp(S - lse) at visible pairs, 0 elsewhere; delta = rowsum(dO * O)",
+          uses=("do_small", "q_small", "k_small", "v_small", "o_small", "lse_small"),
+          rtol=1e-10, atol=1e-14)
+def _dq_from_lse(do, q, k, v, o, lse):
+    from refmath.flash import flash_attention_backward
+
+    def dq():
+        return flash_attention_backward(do, q, k, v, o, lse, causal=True, block_q=2, block_k=2)[0]
+    return dq(), {
+        **catalogued("flash: delta = rowsum(dO * O) left out", dq),
+        **catalogued("flash: causal mask forgotten in the backward", dq),
+        "the scale tau = 1/sqrt(d) missing from dQ (it is in S and in dQ)":
+            np.sqrt(np.shape(q)[-1]) * dq()}
+
+
+@exercise("03.4", "dense bytes at T = 2048",
+          "the section 'F6: what the tiles save is traffic to slow memory'",
+          "4 h T^2 for S and P (each written and read) plus 4 h T d_h for Q, K, V, O", rtol=0.0)
+def _dense_bytes_2048():
+    from refmath.flash import attention_memory_traffic
+
+    total = attention_memory_traffic(1, 12, 2048, 2048, 64, bytes_per_element=2).total_bytes
+    return total, {"elements, not bytes: the 2 bytes of each forgotten": total / 2}
+
+
+@exercise("03.5", "the cache bytes", "the section 'K6-K7: what the cache costs in memory'",
+          "2 (K and V) x B x L x T x g x d_h x bytes", rtol=0.0)
+def _cache_bytes():
+    from refmath.sizing import kv_cache_bytes
+
+    def size(batch=8, layers=40):
+        return kv_cache_bytes(batch=batch, layers=layers, tokens=4096, kv_heads=8, head_dim=128,
+                              bytes_per_element=2)
+    return size(), {**catalogued("kv cache: the factor 2 for K and V forgotten", size),
+                    "one layer only (x 40 layers forgotten)": size(layers=1),
+                    "one sequence only (x a batch of 8 forgotten)": size(batch=1)}

@@ -1,0 +1,76 @@
+r"""Lesson 6, the encoder-decoder Transformer (``notebooks/06_encoder_decoder.py``): the expected
+value and the known slips of each exercise, computed from the library and from the lesson's
+inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise
+
+
+@exercise("06.3", "tensor2tensor target", "the section 'L4: label smoothing, three conventions'",
+          "1 - eps on the right token y, eps / (V - 1) on each of the others",
+          uses=("z", "y"))
+def _tensor2tensor_target(z, y):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    vocab, eps = np.shape(z)[-1], 0.1
+    target = np.full(vocab, eps / (vocab - 1))
+    target[int(y[0])] = 1 - eps
+    # refmath's own target for the same eps: q = p - dloss/dlogits (the gradient is p - q)
+    ours = softmax_forward(z)[0] - cross_entropy_backward(1.0, cross_entropy_forward(
+        z, y, label_smoothing=eps)[1])
+    return target, {"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
+                    "eps / (V - 1) on the others and nothing extra on y": ours[0]}
+
+
+_L1 = "the section 'L1: the decoder reads the target shifted right by one'"
+
+
+@exercise("06.1", "shifted decoder input", _L1,
+          "a column of BOS ids in front, the last target token dropped",
+          uses=("targets_2", "bos"), rtol=0.0)
+def _shifted_decoder_input(targets, bos):
+    from refmath.models import transformer
+
+    targets = np.asarray(targets)
+    return transformer.shift_right(targets, bos_id=bos), {
+        "the targets themselves, not shifted": targets,
+        "shifted the wrong way: the first target dropped, BOS put last":
+            np.concatenate([targets[:, 1:], np.full((len(targets), 1), bos)], axis=1)}
+
+
+@exercise("06.2", "p(y | x)", _L1, "p[0, t, tgt[0, t]] is the factor of position t",
+          uses=("loss", "z", "tgt"))
+def _target_probability(loss, z, tgt):
+    from refmath.softmax import softmax_forward
+
+    tgt = np.asarray(tgt)
+    factors = softmax_forward(z)[0][0, np.arange(tgt.shape[1]), tgt[0]]
+    return np.exp(-tgt.shape[1] * float(loss)), {
+        "the mean of the probabilities, not their product": float(np.mean(factors)),
+        "the loss exp(-l) of the mean, not of the sum over the tokens": np.exp(-float(loss))}
+
+
+@exercise("06.4", "its loss through refmath", "the section 'L4: label smoothing, three conventions'",
+          "label_smoothing = eps V / (V - 1)", uses=("z", "y"))
+def _tensor2tensor_loss(z, y):
+    from refmath.losses import cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    target = _tensor2tensor_target(z, y)[0]
+    return float(-(target * np.log(softmax_forward(z)[0][0])).sum()), {
+        "label_smoothing = eps itself: refmath's eps / V on every token, not tensor2tensor's "
+        "target": float(cross_entropy_forward(z, y, label_smoothing=0.1)[0])}
+
+
+@exercise("06.7", "dE", "the section 'N12: the embedding lookup, and repeated tokens in its "
+          "backward'", "each token's gradient is added to its row: np.add.at(dE, ids, dy)",
+          uses=("dy", "emb_cache"), rtol=0.0)
+def _embedding_gradient(dy, cache):
+    from refmath.embedding import embedding_backward
+
+    return embedding_backward(dy, cache), catalogued(
+        "embedding: repeated ids keep one contribution", lambda: embedding_backward(dy, cache))

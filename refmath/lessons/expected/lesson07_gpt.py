@@ -1,0 +1,135 @@
+r"""Lesson 7, GPT, a decoder on its own (``notebooks/07_gpt.py``): the expected value and the known
+slips of each exercise, computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise, flat_parameters
+
+
+@exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning'",
+          "the inputs are the row without its last token, the targets the row without its first",
+          uses=("row_of_tokens",))
+def _shifted_pair(row):
+    row = np.asarray(row)
+    return (row[:, :-1], row[:, 1:]), {
+        "shifted the wrong way: the targets come before the inputs": (row[:, 1:], row[:, :-1]),
+        "not shifted: the targets are the inputs, so each position is scored on its own token":
+            (row[:, :-1], row[:, :-1])}
+
+
+_N11 = "the section 'N11: initialisation, std 0.02 and residual projections scaled by $1/\\sqrt{2L}$'"
+_SFT = "the section 'The prefix is the conditioning: tasks, instructions, preferences'"
+
+
+@exercise("07.1", "dP", "the section 'N9: learned absolute positions'",
+          "row offset + t gets the batch sum of dy[:, t]", uses=("dy", "pos_cache"), rtol=0.0)
+def _position_table_gradient(dy, cache):
+    from refmath.positions import learned_positions_backward
+
+    def d_table():
+        return learned_positions_backward(dy, cache)[1]
+    return d_table(), {
+        **catalogued("learned positions: table gradient averaged over the batch", d_table),
+        **catalogued("learned positions: offset ignored", d_table)}
+
+
+def _count(shapes) -> int:
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+@exercise("07.2", "GPT-2 small parameters", "the section 'M2: GPT, Post-LN (GPT-1) and Pre-LN "
+          "(GPT-2)'", "per layer 12 d^2 + 13 d", rtol=0.0)
+def _gpt2_small_parameters():
+    from refmath.models import gpt
+
+    config = gpt.GPT_CONFIGS["gpt2-small"]
+    total, d = _count(gpt.param_shapes(config)), config.d_model
+    return total, {"the position table forgotten (T_ctx d)": total - config.max_seq_len * d,
+                   "the final LayerNorm forgotten (2 d)": total - 2 * d,
+                   "an untied output matrix counted (V d more: GPT-2 reuses E)":
+                       total + config.vocab_size * d}
+
+
+@exercise("07.3a", "prescribed std", _N11, "0.02 / sqrt(2 L): two residual writers per layer",
+          uses=("config4",))
+def _prescribed_std(config):
+    layers = config.n_layers
+    return 0.02 / math.sqrt(2 * layers), {
+        "0.02 / sqrt(L): each layer has two residual writers, attention and the FFN":
+            0.02 / math.sqrt(layers),
+        "0.02, unscaled: w_o writes into the residual stream": 0.02}
+
+
+@exercise("07.3b", "measured std of w_o", _N11,
+          "params4[f'layers.{i}.attn.w_o'].std() for each layer i, then their mean",
+          uses=("params4", "config4"))
+def _measured_std(params, config):
+    stds = [float(np.std(params[f"layers.{i}.attn.w_o"])) for i in range(config.n_layers)]
+    return float(np.mean(stds)), {
+        "the rule's std, not the one measured on params4": 0.02 / math.sqrt(2 * config.n_layers),
+        "layer 0's std only, not the mean over the layers": stds[0]}
+
+
+@exercise("07.4", "mean of the prefix losses", "the section 'L6: one masked pass scores every "
+          "prefix'", "loss_mask 1 on the last of the n positions only, then the mean over n",
+          uses=("params", "batch", "gpt_config"), rtol=1e-13)
+def _mean_of_prefixes(params, batch, config):
+    from refmath.models import gpt
+
+    return float(gpt.forward(params, batch, config)[0]), {}
+
+
+def _sft_mask(batch, first: int) -> np.ndarray:
+    mask = np.zeros(np.shape(batch["tokens"]), dtype=int)
+    mask[:, first:] = 1
+    return mask
+
+
+@exercise("07.6a", "the SFT loss", _SFT,
+          "the first answer token is the target of the question's last position",
+          uses=("params", "sft_batch", "gpt_config", "q_ids"))
+def _gpt_sft_loss(params, batch, config, q_ids):
+    from refmath.models import gpt
+
+    def loss(first, summed=True):
+        mask = _sft_mask(batch, first)
+        mean = float(gpt.forward(params, {**batch, "loss_mask": mask}, config)[0])
+        return mean * mask.sum() if summed else mean
+    first = len(q_ids) - 1
+    return loss(first), {
+        "the question's tokens counted too (the plain language-model loss)":
+            float(gpt.forward(params, batch, config)[0]),
+        "the first answer token left out (the mask starts one position late)": loss(first + 1),
+        "the mean over the answer, not the sum (gpt.forward's reduction)":
+            loss(first, summed=False)}
+
+
+@exercise("07.6b", "answer_mask", _SFT,
+          "1 on the positions whose target is an answer token, 0 elsewhere",
+          uses=("sft_batch", "q_ids"), rtol=0.0)
+def _gpt_answer_mask(batch, q_ids):
+    first = len(q_ids) - 1
+    return _sft_mask(batch, first), {
+        "the mask starts one position late: the question's last position predicts the first "
+        "answer token": _sft_mask(batch, first + 1),
+        "the question's positions marked, not the answer's": 1 - _sft_mask(batch, first)}
+
+
+@exercise("07.7", "parameters after one AdamW step", "the section 'O5: which parameters take "
+          "weight decay'", "a decayed parameter is multiplied by 1 - lr lambda, the others kept",
+          uses=("before",), rtol=1e-15, prepare=flat_parameters)
+def _after_one_adamw_step(before):
+    from refmath.optim import AdamW, takes_weight_decay
+
+    stepped = {name: np.array(value, dtype=np.float64) for name, value in before.items()}
+    AdamW(lr=0.1, weight_decay=0.5).step(stepped, {n: np.zeros_like(v) for n, v in stepped.items()})
+    return flat_parameters(stepped), {
+        "every parameter decayed, biases, norms and embeddings too":
+            flat_parameters(before) * (1 - 0.1 * 0.5),
+        "the decay not scaled by the learning rate: 1 - lambda":
+            flat_parameters({n: v * (1 - 0.5 if takes_weight_decay(n) else 1.0)
+                              for n, v in before.items()})}

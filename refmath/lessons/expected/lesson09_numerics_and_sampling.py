@@ -1,0 +1,61 @@
+r"""Lesson 9, numerics and sampling at inference time (``notebooks/09_numerics_and_sampling.py``):
+the expected value and the known slips of each exercise, computed from the library and from the
+lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.table import exercise
+
+
+@exercise("09.1", "stable softmax rows", "the section 'A11: the stable softmax, and a row with "
+          "nothing to attend to'", "a row of -inf gives zeros, not NaN",
+          uses=("rows",), rtol=1e-14, atol=1e-300)
+def _stable_rows(rows):
+    from refmath.softmax import softmax_forward
+
+    right = softmax_forward(rows)[0]
+    return right, {"NaN for the fully masked row: its max is -inf, and -inf - (-inf) is NaN":
+                   np.where(np.isneginf(rows).all(axis=1, keepdims=True), np.nan, right)}
+
+
+def _first_broken_x() -> float:
+    """The first x on a fine grid where the float16 sum of exp(x - 2), exp(x - 1), exp(x) is inf."""
+    grid = np.arange(10.0, 11.5, 1e-4)
+    with np.errstate(over="ignore"):
+        sums = np.array([np.exp(np.array([x - 2, x - 1, x], dtype=np.float16)).sum(
+            dtype=np.float16) for x in grid])
+    return float(grid[np.argmax(np.isinf(sums))])
+
+
+# float16 rounds each exponential to 11 bits, so the grid finds the crossing to about 1e-3
+@exercise("09.2", "x where the float16 sum overflows", "the section 'S4: why half precision "
+          "needs the shift'", "e^x (1 + e^-1 + e^-2) = 65504: take the log of both sides",
+          rtol=2e-3)
+def _x_sum_overflows():
+    x = _first_broken_x()
+    return x, {"where e^x alone overflows: the other two terms of the sum count too":
+               np.log(65504), "log2 taken for ln": x / np.log(2)}
+
+
+@exercise("09.3", "visible pairs, T = 10, w = 4", "the section 'A12: a sliding window'",
+          "w (w + 1) / 2 for the first w rows, then w for each of the T - w others", rtol=0.0)
+def _window_pairs():
+    from refmath.attention import local_window_mask
+
+    return int(np.count_nonzero(local_window_mask(10, 4) == 0)), {
+        "T w: the first w - 1 rows see fewer than w keys": 10 * 4,
+        "the causal count T (T + 1) / 2: the window hides the older keys": 10 * 11 // 2}
+
+
+@exercise("09.4", "top-p, p = 0.6", "the section 'L7: picking the next token'",
+          "sort, keep a token while the mass before it is below p, renormalise",
+          uses=("pi4",), rtol=1e-14)
+def _top_p_by_hand(pi):
+    from refmath.inference.sampling import top_p_filter
+
+    kept = top_p_filter(pi, 0.6)
+    return kept, {"the kept probabilities not renormalised to sum to one":
+                  np.where(kept > 0, pi, 0.0),
+                  "only the most likely token: top-p keeps tokens until their mass reaches p":
+                      np.eye(len(pi))[int(np.argmax(pi))]}

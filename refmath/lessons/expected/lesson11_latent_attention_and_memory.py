@@ -1,0 +1,128 @@
+r"""Lesson 11, latent attention, shared pages, and memory
+(``notebooks/11_latent_attention_and_memory.py``): the expected value and the known slips of
+each exercise, computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.table import exercise
+
+
+@exercise("11.2", "the smallest exact latent widths", "the section 'K8: weight absorption'",
+          "W_K = W_DKV W_UK holds exactly only if d_c >= rank(W_K): np.linalg.matrix_rank",
+          uses=("mha_w_k", "factored_w_k"), rtol=0.0)
+def _smallest_latent(w_k, factored):
+    ranks = [int(np.linalg.matrix_rank(np.asarray(w, dtype=np.float64))) for w in (w_k, factored)]
+    width = np.shape(w_k)[1]
+    return ranks, {"the widths of the matrices, not their ranks: a product through 6 numbers has "
+                   "rank at most 6": [width, np.shape(factored)[1]],
+                   "one head's key width: the latent is shared by every head, so it must hold "
+                   "all of their keys": [width // 4, width // 4]}
+
+
+@exercise("11.1", "absorbed scores", "the section 'K8: weight absorption, scoring against the "
+          "cache without expanding it'", "q_hat = q W_UK^T (width d_c), then q_hat c_j^T",
+          uses=("q_c", "c_lat", "W_UK"), rtol=0.0)
+def _absorbed_scores(q_c, c_lat, w_uk):
+    scores = q_c @ (c_lat @ w_uk).T
+    return scores, {"the scores scaled by 1/sqrt(d_k): the exercise asks for q_hat c_j^T":
+                    scores / np.sqrt(np.shape(w_uk)[1])}
+
+
+_S3 = "the section 'S3: how much each attention design saves, computed'"
+
+
+def _deepseek_v2_numbers(kind: str) -> float:
+    """Numbers cached per token and layer by DeepSeek-V2's attention shape, as MLA or as MHA."""
+    from refmath.sizing import PRESETS, attention_cache_rows
+
+    ds = PRESETS["deepseek-v2"]
+    rows = {r.kind: r for r in attention_cache_rows(ds.n_layers, ds.n_heads, ds.kv_heads,
+                                                    ds.head_dim, 8192, latent_dim=ds.d_c,
+                                                    rope_dim=ds.d_rope)}
+    return rows[kind].bytes_per_token / (ds.n_layers * 2)
+
+
+@exercise("11.4a", "MLA numbers per token and layer", _S3, "the latent d_c and the rotary key d_R",
+          rtol=0.0)
+def _mla_numbers():
+    mla = _deepseek_v2_numbers("MLA")
+    return mla, {"the latent alone: the shared rotary key (64 numbers) is cached too": mla - 64,
+                 "x2 for K and V: MLA caches one latent for both": 2 * mla}
+
+
+@exercise("11.4b", "MHA numbers per token and layer", _S3, "2 (K and V) x h x d_h", rtol=0.0)
+def _mha_numbers():
+    mha = _deepseek_v2_numbers("MHA")
+    return mha, {"K or V only: the cache holds both, a factor 2": mha / 2}
+
+
+@exercise("11.4c", "MHA / MLA", _S3, "the MHA count over the MLA count")
+def _mha_over_mla():
+    ratio = _deepseek_v2_numbers("MHA") / _deepseek_v2_numbers("MLA")
+    return ratio, {"MLA / MHA, the ratio upside down": 1 / ratio}
+
+
+_K11 = "the section 'K11: sharing a prompt between sequences, and copying on write'"
+
+
+def _pages_used(shared: bool) -> int:
+    """Pages in use after 16 samples of a 1000-token prompt (pages of 16 tokens) each append one
+    token: forked from one prompt (the original appends last), or each with its own copy."""
+    from refmath.inference.paged import PagedKVCache
+
+    def kv(values):
+        x = np.repeat(np.asarray(values, dtype=float)[:, None, None], 2, axis=2)
+        return x, -x
+    cache = PagedKVCache(n_pages=1100, page_size=16, n_kv_heads=1, head_dim=2)
+    if shared:
+        cache.add_sequence(0)
+        cache.append(0, *kv(np.arange(1000)))
+        for child in range(1, 16):
+            cache.fork(0, child)
+    for seq in range(15, -1, -1):
+        if not shared:
+            cache.add_sequence(seq)
+            cache.append(seq, *kv(np.arange(1000)))
+        cache.append(seq, *kv([1000 + seq]))
+    return cache.pages_used
+
+
+@exercise("11.5a", "pages with sharing", _K11,
+          "the full prompt pages once, its part-full last page, and one copy per fork", rtol=0.0)
+def _pages_shared():
+    used = _pages_used(shared=True)
+    return used, {"no copy on write: the forks' tokens taken to fit in the shared last page":
+                  used - 15,
+                  "a copy for every sample, the original too": used + 1}
+
+
+@exercise("11.5b", "pages without sharing", _K11,
+          "each sample holds the whole prompt: 16 x ceil(1000 / 16)", rtol=0.0)
+def _pages_unshared():
+    used = _pages_used(shared=False)
+    return used, {"a new page for each sample's token: the last prompt page holds 8 tokens, "
+                  "with room to spare": used + 16}
+
+
+_S1 = "the section 'S1 and S2: memory for serving and for training'"
+
+
+@exercise("11.6a", "serving, rule of thumb", _S1, "2 bytes a parameter, times 1.2")
+def _serve_bytes():
+    from refmath.sizing import inference_memory_rule_of_thumb
+
+    total = inference_memory_rule_of_thumb(1000).total
+    return total, {"the weights alone, 2 P: the 20% allowance forgotten": total / 1.2}
+
+
+@exercise("11.6b", "AdamW training state", _S1,
+          "2 + 2 + 4 + 8 bytes a parameter: weights, gradients, master copy, two moments",
+          rtol=0.0)
+def _train_bytes():
+    from refmath.sizing import adamw_training_memory
+
+    total = adamw_training_memory(1000).total
+    return total, {"12 bytes a parameter: the master copy or one of the two moments forgotten":
+                   total * 12 / 16,
+                   "the fp16 weights and gradients alone, 4 bytes a parameter": total * 4 / 16}

@@ -1,0 +1,100 @@
+r"""Lesson 13, real weights, the same function as the library everyone uses
+(``notebooks/13_real_weights.py``): the expected value and the known slips of each exercise,
+computed from the library and from the lesson's inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from refmath.lessons.table import exercise
+
+
+def _read_embedding(path, start=None, dtype="<f8"):
+    """``model.embed_tokens.weight`` read from the safetensors file at ``path``: from its offsets
+    counted from the end of the header, 8 + N bytes into the file, or from byte ``start + b``."""
+    import json
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))["model.embed_tokens.weight"]
+        begin, end = entry["data_offsets"]
+        f.seek((8 + n if start is None else start(n)) + begin)
+        return np.frombuffer(f.read(end - begin), dtype=dtype).reshape(entry["shape"])
+
+
+@exercise("13.1", "the embedding read from the file", "the section 'The safetensors format'",
+          "the offsets count from the end of the header, 8 + N bytes into the file",
+          uses=("params", "weights_path"), rtol=0.0)
+def _embedding_from_file(params, weights_path):
+    table = params["tok_emb"]
+    return table, {
+        "the offsets counted from the start of the file: they count from the end of the header":
+            _read_embedding(weights_path, start=lambda n: 0),
+        "the header's N bytes skipped but not the 8 bytes that give N":
+            _read_embedding(weights_path, start=lambda n: n),
+        "read big-endian: safetensors stores its numbers little-endian (<f8)":
+            _read_embedding(weights_path, dtype=">f8"),
+        "transposed: an embedding is a V x d lookup table, stored as it is used": table.T}
+
+
+@exercise("13.2", "W_Q from q_proj.weight", "the section 'Two "
+          "RoPE layouts, one function'", "within each head: half coordinate r, then r + d_h/2",
+          uses=("heads", "d_h"), rtol=0.0)
+def _interleaved_rows(heads, d_h):
+    from refmath import hf
+
+    moved = hf.interleaved_to_half(np.arange(heads * d_h), d_h)  # half row j <- interleaved moved[j]
+    return np.argsort(moved), {
+        "the rows in Hugging Face's order, unpermuted: its halves layout is not refmath's "
+        "interleaved one": np.arange(heads * d_h),
+        "the permutation the other way: interleaved to half, not back": moved}
+
+
+@exercise("13.4", "the bfloat16 patterns as numbers", "the section 'bfloat16 without bfloat16'",
+          "shift the 16 bits into the upper half of a uint32", uses=("patterns",), rtol=0.0)
+def _bfloat16_values(patterns):
+    patterns = np.asarray(patterns, dtype=np.uint16)
+    s, e, m = patterns >> 15, (patterns >> 7) & 0xFF, patterns & 0x7F
+    if not np.all((e > 0) & (e < 255)):
+        raise ValueError("13.4: the formula holds for normal numbers only")
+    return (-1.0) ** s * 2.0 ** (e.astype(np.int64) - 127) * (1 + m / 2**7), {
+        "the patterns read as float16: bfloat16 has float32's 8 exponent bits":
+            patterns.view(np.float16).astype(np.float32)}
+
+
+_GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
+                "n_layer": 12, "n_head": 12}
+_REAL_NEEDS = "the section 'What a real model needs'"
+
+
+@exercise("13.5a", "this lesson's parameter count", _REAL_NEEDS,
+          "embeddings, then per layer two RMSNorms, the four attention and three FFN matrices, "
+          "then the final norm (and an untied output)", uses=("hf_config",), rtol=0.0)
+def _tiny_count(hf_config):
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(hf_config)
+    d = hf_config["hidden_size"]
+    return total, {"the final norm forgotten (d)": total - d}
+
+
+@exercise("13.5b", "GPT-2 small's parameter count", _REAL_NEEDS,
+          "the final LayerNorm and the position table count too", rtol=0.0)
+def _gpt2_count():
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(_GPT2_CONFIG)
+    return total, {"the position table forgotten (1024 x 768)": total - 1024 * 768,
+                   "the final LayerNorm forgotten (2 x 768)": total - 2 * 768,
+                   "an output matrix counted: GPT-2 ties it to the token table":
+                       total + 50257 * 768}
+
+
+@exercise("13.5c", "GPT-2 small in float32, MiB", _REAL_NEEDS,
+          "4 bytes a parameter, and a MiB is 2^20 bytes")
+def _gpt2_mib():
+    from refmath.sizing import hf_parameter_count
+
+    total = hf_parameter_count(_GPT2_CONFIG)
+    return 4 * total / 2**20, {"MB (10^6 bytes), not MiB (2^20)": 4 * total / 1e6,
+                               "2 bytes per parameter: that is bfloat16, not float32":
+                                   2 * total / 2**20}

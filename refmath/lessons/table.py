@@ -1,0 +1,71 @@
+"""The table of the lessons' numbered exercises, filled by the files of
+:mod:`refmath.lessons.expected`, one per lesson.
+
+A lesson's check cell is one call, ``check("05.3", answer)``: the expected value, the known slips
+and the hint live here, computed from the library, so that nothing in the lesson (not the check
+cell's source on the student site, not a variable, not a print) holds the answer before the
+student has tried. An exercise computes from the lesson's own inputs, read by name from the
+namespace that calls the check (``uses``), so the numbers the student sees are the numbers
+checked, and the lesson stays the one place they are written.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import numpy as np
+
+__all__ = ["Exercise", "FunctionExercise", "EXERCISES", "exercise", "function_exercise",
+           "flat_parameters"]
+
+
+class Exercise(NamedTuple):
+    """One value exercise of a lesson."""
+
+    name: str  # what the verdict calls the answer
+    section: str  # the lesson's section to reread after a first miss
+    hint: str  # the formula or the step, given from the second miss on, or by hint()
+    expected: Callable[..., Any]  # the expected value from the lesson's inputs (``uses``)
+    slips: Callable[..., Mapping[str, Any]]  # the known wrong answers, from the same inputs
+    uses: tuple[str, ...] = ()  # the lesson's variables the two functions take, by name
+    rtol: float = 1e-12
+    atol: float = 0.0
+    prepare: Callable[[Any], Any] | None = None  # the answer as an array (a dict of weights...)
+
+
+class FunctionExercise(NamedTuple):
+    """One write-the-function exercise of a lesson, checked by
+    :func:`refmath.lessons.functions.check_function`."""
+
+    name: str  # what the verdict calls the student's function
+    section: str  # the lesson's section to reread
+    hint: str  # given from the second miss on, or by hint()
+    options: Callable[[], dict]  # check_function's keyword arguments: reference, inputs, slips...
+
+
+EXERCISES: dict[str, Exercise | FunctionExercise] = {}
+
+
+def exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, ...] = (),
+             rtol: float = 1e-12, atol: float = 0.0, prepare: Callable[[Any], Any] | None = None):
+    """Register the decorated ``(*uses) -> (expected, slips)`` function as exercise ``number``."""
+    def register(both: Callable[..., tuple[Any, Mapping[str, Any]]]):
+        EXERCISES[number] = Exercise(name, section, hint, lambda *a: both(*a)[0],
+                                     lambda *a: both(*a)[1], uses, rtol, atol, prepare)
+        return both
+    return register
+
+
+def function_exercise(number: str, name: str, section: str, hint: str):
+    """Register the decorated ``() -> dict`` function, which gives the keyword arguments of
+    :func:`refmath.lessons.functions.check_function` (``reference``, ``inputs`` or ``case``,
+    ``slips``, ``oracle``...), as the write-the-function exercise ``number``."""
+    def register(options: Callable[[], dict]):
+        EXERCISES[number] = FunctionExercise(name, section, hint, options)
+        return options
+    return register
+
+
+def flat_parameters(params) -> np.ndarray:
+    """A dict of arrays as one float64 vector, its names in sorted order: how an exercise whose
+    answer is a set of parameters compares it (``prepare=flat_parameters``)."""
+    return np.concatenate([np.asarray(params[n], dtype=np.float64).ravel() for n in sorted(params)])
