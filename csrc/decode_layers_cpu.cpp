@@ -91,7 +91,7 @@ void rotate(const DecodeLayersShape& s, float* rows, idx count, const float* cos
     }
 }
 
-// f1 = activation(f1) (times f2 for SwiGLU), the formulas of refmath.fused: SiLU through the
+// f1 = activation(f1) (times f2 for SwiGLU), the formulas of refmath.fast.fused: SiLU through the
 // overflow-free sigmoid [g >= 0 ? 1 : e] / (1 + e), e = exp(-|g|); GELU tanh or exact.
 void activate(const DecodeLayersShape& s, float* f1, const float* f2) {
     const idx n = s.batch * s.d_ff;
