@@ -44,7 +44,6 @@ from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
-from refmath.sizing import kv_cache_bytes
 from refmath.softmax import (
     OnlineSoftmaxState,
     online_softmax_block,
@@ -393,8 +392,7 @@ plt.show()
 
 # %%
 for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
-    size = kv_cache_bytes(batch=1, layers=32, tokens=8192, kv_heads=g, head_dim=128,
-                          bytes_per_element=2)
+    size = 2 * 1 * 32 * 8192 * g * 128 * 2  # 2 B L T g d_h b
     print(f"{name} g={g:2d}: {size / 2**20:8.0f} MiB")
 
 # %% tags=["exercise"]
@@ -407,6 +405,18 @@ cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2
 
 # %%
 check("03.5", cache_bytes)
+
+# %% [markdown]
+# The library's `kv_cache_bytes` is K6: for the three designs above it gives the same sizes.
+
+# %%
+from refmath.sizing import kv_cache_bytes
+
+for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
+    size = kv_cache_bytes(batch=1, layers=32, tokens=8192, kv_heads=g, head_dim=128,
+                          bytes_per_element=2)
+    assert size == 2 * 1 * 32 * 8192 * g * 128 * 2
+    print(f"kv_cache_bytes, {name}: {size / 2**20:.0f} MiB")
 
 # %% [markdown]
 # ## K10: paging
