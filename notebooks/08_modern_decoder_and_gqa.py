@@ -426,6 +426,28 @@ plt.show()
 # - **LongRoPE** (N17; Ding et al., 2024, Phi-3): a searched divisor per pair, one set for short
 #   and one for long sequences, and $m = \sqrt{1 + \ln s/\ln L}$.
 
+# %% [markdown]
+# **Exercise 08.6.** Llama 3.1's rule by hand for $d_h = 8$, $b = 500$, $L = 32$, $s = 8$, $\alpha = 1$,
+# $\beta = 4$. The frequencies are $\omega_r = 500^{-r/4}$; a pair whose wavelength is under
+# $L/\beta = 8$ keeps $\omega_r$, one over $L/\alpha = 32$ gets $\omega_r/8$, and one between gets
+# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$ with $\gamma = (L/\lambda_r - \alpha)/(\beta - \alpha)$.
+
+# %% tags=["exercise"]
+llama3_by_hand = ...
+# BEGIN SOLUTION
+w = 500.0 ** (-np.arange(4) / 4)
+lam = 2 * np.pi / w
+gamma = (32 / lam - 1) / (4 - 1)
+llama3_by_hand = np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w))
+# END SOLUTION
+
+# %%
+check("08.6", llama3_by_hand)
+
+# %% [markdown]
+# The library's `rope_inv_freq` computes every rule; on Llama 3.1's shape ($d_h = 128$,
+# $b = 500{,}000$, $L = 8192$, $s = 8$) each one slows the pairs this way:
+
 # %%
 from refmath.positions import rope_forward, rope_frequencies_change, rope_inv_freq
 
@@ -449,24 +471,6 @@ ax.set(xscale="log", yscale="log", xlabel=r"wavelength $\lambda_r = 2\pi/\omega_
        ylabel=r"$\omega'_r / \omega_r$", title="how each rule slows RoPE's pairs (s = 8)")
 ax.legend(fontsize=8)
 plt.show()
-
-# %% [markdown]
-# **Exercise 08.6.** Llama 3.1's rule by hand for $d_h = 8$, $b = 500$, $L = 32$, $s = 8$, $\alpha = 1$,
-# $\beta = 4$. The frequencies are $\omega_r = 500^{-r/4}$; a pair whose wavelength is under
-# $L/\beta = 8$ keeps $\omega_r$, one over $L/\alpha = 32$ gets $\omega_r/8$, and one between gets
-# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$ with $\gamma = (L/\lambda_r - \alpha)/(\beta - \alpha)$.
-
-# %% tags=["exercise"]
-llama3_by_hand = ...
-# BEGIN SOLUTION
-w = 500.0 ** (-np.arange(4) / 4)
-lam = 2 * np.pi / w
-gamma = (32 / lam - 1) / (4 - 1)
-llama3_by_hand = np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w))
-# END SOLUTION
-
-# %%
-check("08.6", llama3_by_hand)
 
 # %% [markdown]
 # **A length-dependent rule invalidates the cache.** Keys are cached already rotated (K3). Dynamic

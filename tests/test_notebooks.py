@@ -403,6 +403,7 @@ ONE_CALL_ANSWERS = {
     "02.3": "refmath.norms.layernorm_backward",
     "03.1": "refmath.softmax.online_softmax_merge",
     "03.3": "refmath.flash.flash_attention_backward",
+    "03.4": "refmath.flash.attention_memory_traffic",
     "03.5": "refmath.sizing.kv_cache_bytes",
     "04.3": "refmath.ffn.gelu_backward",
     "04.5": "refmath.ffn.swiglu_backward",
@@ -414,6 +415,7 @@ ONE_CALL_ANSWERS = {
     "08.5a": "refmath.sizing.attention_design_cost",
     "08.5b": "refmath.sizing.attention_design_cost",
     "08.5c": "refmath.sizing.attention_design_cost",
+    "08.6": "refmath.positions.rope_inv_freq",
     "08.7a": "refmath.ffn.softcap_forward",
     "09.1": "refmath.softmax.softmax_forward",
     "09.3": "refmath.attention.local_window_mask",
@@ -442,8 +444,6 @@ ONE_CALL_ANSWERS = {
 # The same, still at hand before the check: the lesson teaches with the function before the
 # exercise (a printed table, a figure), so the teaching cells must be rewritten first.
 STILL_ONE_CALL = {
-    "03.4": "refmath.flash.attention_memory_traffic",
-    "08.6": "refmath.positions.rope_inv_freq",
     "14.1": "refmath.models.decoder.logits",
     "14.2": "refmath.models.decoder.logits",
 }
