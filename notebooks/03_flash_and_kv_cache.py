@@ -38,13 +38,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.attention import causal_mask, sdpa_forward
-from refmath.flash import FlashCounters, attention_memory_traffic, flash_attention_forward
+from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
-from refmath.sizing import kv_cache_bytes
 from refmath.softmax import (
     OnlineSoftmaxState,
     online_softmax_block,
@@ -294,9 +293,24 @@ for name, array in (("q", q_small), ("k", k_small), ("v", v_small)):
 #
 # For long sequences the dense form moves about $2 B_q / d_h$ times as much. The flash counters
 # count the tiled form's loads and stores as the loop makes them; `attention_memory_traffic`
-# gives both in closed form.
+# gives both in closed form (both after exercise 03.4, which asks for the dense count).
+
+# %% tags=["exercise"]
+# Exercise 03.4: the bytes the *dense* forward moves (read plus written) for one sequence of
+# T = 2048 tokens at GPT-2's shape (h = 12, d_h = 64, 2 bytes per element), from the counts
+# above: Q, K, V read once, S and P written and read, O written.
+dense_2048 = ...
+# BEGIN SOLUTION
+T2, h2, dh2 = 2048, 12, 64
+dense_2048 = 2 * (3 * h2 * T2 * dh2 + 4 * h2 * T2 * T2 + h2 * T2 * dh2)
+# END SOLUTION
 
 # %%
+check("03.4", dense_2048)
+
+# %%
+from refmath.flash import attention_memory_traffic
+
 counters = FlashCounters()
 q_t, k_t, v_t = (rng.standard_normal((1, 2, 100, 8)) for _ in range(3))
 flash_attention_forward(q_t, k_t, v_t, block_q=32, block_k=16, counters=counters)
@@ -330,19 +344,6 @@ ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="MiB moved
 ax.set_xticks(lengths, [str(t) for t in lengths], rotation=45)
 ax.legend(fontsize=8)
 plt.show()
-
-# %% tags=["exercise"]
-# Exercise 03.4: the bytes the *dense* forward moves (read plus written) for one sequence of
-# T = 2048 tokens at GPT-2's shape (h = 12, d_h = 64, 2 bytes per element), from the counts
-# above: Q, K, V read once, S and P written and read, O written.
-dense_2048 = ...
-# BEGIN SOLUTION
-T2, h2, dh2 = 2048, 12, 64
-dense_2048 = 2 * (3 * h2 * T2 * dh2 + 4 * h2 * T2 * T2 + h2 * T2 * dh2)
-# END SOLUTION
-
-# %%
-check("03.4", dense_2048)
 
 # %% [markdown]
 # Both curves grow like $T^2$: tiling does not change the order, it divides the constant by
@@ -393,8 +394,7 @@ plt.show()
 
 # %%
 for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
-    size = kv_cache_bytes(batch=1, layers=32, tokens=8192, kv_heads=g, head_dim=128,
-                          bytes_per_element=2)
+    size = 2 * 1 * 32 * 8192 * g * 128 * 2  # 2 B L T g d_h b
     print(f"{name} g={g:2d}: {size / 2**20:8.0f} MiB")
 
 # %% tags=["exercise"]
@@ -407,6 +407,18 @@ cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2
 
 # %%
 check("03.5", cache_bytes)
+
+# %% [markdown]
+# The library's `kv_cache_bytes` is K6: for the three designs above it gives the same sizes.
+
+# %%
+from refmath.sizing import kv_cache_bytes
+
+for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
+    size = kv_cache_bytes(batch=1, layers=32, tokens=8192, kv_heads=g, head_dim=128,
+                          bytes_per_element=2)
+    assert size == 2 * 1 * 32 * 8192 * g * 128 * 2
+    print(f"kv_cache_bytes, {name}: {size / 2**20:.0f} MiB")
 
 # %% [markdown]
 # ## K10: paging

@@ -49,7 +49,7 @@ from refmath.ffn import (
 )
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
-from refmath.positions import rope_angles, rope_forward, sinusoidal_positions
+from refmath.positions import rope_angles, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -361,11 +361,9 @@ plt.show()
 print("angles for d_k = 4 at positions 0..3 (one column per pair):\n",
       rope_angles(np.arange(4), 4))
 pair = np.array([[3.0, 4.0]])  # d_k = 2: one pair, omega_0 = 1, so the angle is p radians
-rotated_at_1, _ = rope_forward(pair, positions=np.array([1]))
 by_hand = np.array([[3 * np.cos(1) - 4 * np.sin(1), 3 * np.sin(1) + 4 * np.cos(1)]])
-print("(3, 4) at position 1:", rotated_at_1, " by hand:", by_hand,
-      " length:", np.linalg.norm(rotated_at_1))
-np.testing.assert_allclose(rotated_at_1, by_hand, rtol=1e-14)
+print("(3, 4) at position 1, by hand:", by_hand, " length:", np.linalg.norm(by_hand))
+np.testing.assert_allclose(np.linalg.norm(by_hand), 5.0, rtol=1e-14)
 
 # %% tags=["exercise"]
 # Exercise 04.7: the row x = (3, 4, 1, 0) (d_k = 4) rotated by RoPE at position 2. Pair 0 turns by
@@ -381,6 +379,17 @@ rotated_by_hand = turned.reshape(1, 4)
 
 # %%
 check("04.7", rotated_by_hand)
+
+# %% [markdown]
+# The library's `rope_forward` turns every pair at once; on the pair $(3, 4)$ at position 1 it gives
+# the rotation by hand above.
+
+# %%
+from refmath.positions import rope_forward
+
+rotated_at_1, _ = rope_forward(pair, positions=np.array([1]))
+print("rope_forward: (3, 4) at position 1:", rotated_at_1)
+np.testing.assert_allclose(rotated_at_1, by_hand, rtol=1e-14)
 
 # %% [markdown]
 # **Scores depend on the offset only.** Rotations preserve lengths and compose by adding angles,

@@ -55,7 +55,7 @@ from refmath.attention import (
 from refmath.gradcheck import check_param_gradients, relative_error
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
-from refmath.sizing import attention_design_cost, attention_parameter_count
+from refmath.sizing import attention_parameter_count
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -314,14 +314,12 @@ check_true("your dK holds all of the per-head gradient",
 # head still scores every key, so **the score arithmetic does not depend on $g$**: grouping divides
 # the K/V projections, their parameters and the cache by $h/g$, and nothing else. What it buys at
 # decode time is fewer bytes to read (lesson 10: decode is bound by memory bandwidth), not fewer
-# FLOPs. `refmath.sizing.attention_design_cost` gives the counts.
+# FLOPs. `refmath.sizing.attention_design_cost` gives the counts (after exercise 08.5, which asks
+# for two of them); the parameters first:
 
 # %%
 for name, groups in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
-    cost = attention_design_cost(4096, 32, groups, 128, context=8192)
-    print(f"{name} g = {groups:2}: params {attention_parameter_count(4096, 32, groups, 128):>11,}; "
-          f"per step: scores {cost.score_flops / 1e6:6.1f} MFLOP, K/V projections "
-          f"{cost.kv_projection_flops / 1e6:5.1f} MFLOP, cache read {cost.cache_bytes / 2**20:5.1f} MiB")
+    print(f"{name} g = {groups:2}: params {attention_parameter_count(4096, 32, groups, 128):>11,}")
 assert attention_parameter_count(4096, 32, 8, 128) == 2 * 4096**2 + 2 * 4096 * 1024 == 41_943_040
 layer0_attn = n_params({k: v for k, v in shapes.items() if k.startswith("layers.0.attn.")})
 assert layer0_attn == attention_parameter_count(m3.d_model, m3.n_heads, m3.kv_heads, m3.d_h)
@@ -351,6 +349,14 @@ check("08.5b", cache_bytes_by_hand)
 check("08.5c", mha_over_gqa)
 
 # %%
+from refmath.sizing import attention_design_cost
+
+for name, groups in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
+    cost = attention_design_cost(4096, 32, groups, 128, context=8192)
+    print(f"{name} g = {groups:2}: per step: scores {cost.score_flops / 1e6:6.1f} MFLOP, K/V "
+          f"projections {cost.kv_projection_flops / 1e6:5.1f} MFLOP, cache read "
+          f"{cost.cache_bytes / 2**20:5.1f} MiB")
+
 group_counts = [32, 16, 8, 4, 2, 1]
 costs = [attention_design_cost(4096, 32, gg, 128, context=8192) for gg in group_counts]
 assert len({c.score_flops for c in costs}) == 1
@@ -420,6 +426,28 @@ plt.show()
 # - **LongRoPE** (N17; Ding et al., 2024, Phi-3): a searched divisor per pair, one set for short
 #   and one for long sequences, and $m = \sqrt{1 + \ln s/\ln L}$.
 
+# %% [markdown]
+# **Exercise 08.6.** Llama 3.1's rule by hand for $d_h = 8$, $b = 500$, $L = 32$, $s = 8$, $\alpha = 1$,
+# $\beta = 4$. The frequencies are $\omega_r = 500^{-r/4}$; a pair whose wavelength is under
+# $L/\beta = 8$ keeps $\omega_r$, one over $L/\alpha = 32$ gets $\omega_r/8$, and one between gets
+# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$ with $\gamma = (L/\lambda_r - \alpha)/(\beta - \alpha)$.
+
+# %% tags=["exercise"]
+llama3_by_hand = ...
+# BEGIN SOLUTION
+w = 500.0 ** (-np.arange(4) / 4)
+lam = 2 * np.pi / w
+gamma = (32 / lam - 1) / (4 - 1)
+llama3_by_hand = np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w))
+# END SOLUTION
+
+# %%
+check("08.6", llama3_by_hand)
+
+# %% [markdown]
+# The library's `rope_inv_freq` computes every rule; on Llama 3.1's shape ($d_h = 128$,
+# $b = 500{,}000$, $L = 8192$, $s = 8$) each one slows the pairs this way:
+
 # %%
 from refmath.positions import rope_forward, rope_frequencies_change, rope_inv_freq
 
@@ -443,24 +471,6 @@ ax.set(xscale="log", yscale="log", xlabel=r"wavelength $\lambda_r = 2\pi/\omega_
        ylabel=r"$\omega'_r / \omega_r$", title="how each rule slows RoPE's pairs (s = 8)")
 ax.legend(fontsize=8)
 plt.show()
-
-# %% [markdown]
-# **Exercise 08.6.** Llama 3.1's rule by hand for $d_h = 8$, $b = 500$, $L = 32$, $s = 8$, $\alpha = 1$,
-# $\beta = 4$. The frequencies are $\omega_r = 500^{-r/4}$; a pair whose wavelength is under
-# $L/\beta = 8$ keeps $\omega_r$, one over $L/\alpha = 32$ gets $\omega_r/8$, and one between gets
-# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$ with $\gamma = (L/\lambda_r - \alpha)/(\beta - \alpha)$.
-
-# %% tags=["exercise"]
-llama3_by_hand = ...
-# BEGIN SOLUTION
-w = 500.0 ** (-np.arange(4) / 4)
-lam = 2 * np.pi / w
-gamma = (32 / lam - 1) / (4 - 1)
-llama3_by_hand = np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w))
-# END SOLUTION
-
-# %%
-check("08.6", llama3_by_hand)
 
 # %% [markdown]
 # **A length-dependent rule invalidates the cache.** Keys are cached already rotated (K3). Dynamic
@@ -528,10 +538,8 @@ assert change < 1e-3
 # with its own `decoder.layer_config`.
 
 # %%
-from refmath.ffn import softcap_forward
-
 x = np.linspace(-150, 150, 601)
-y, _ = softcap_forward(x, 50.0)
+y = 50.0 * np.tanh(x / 50.0)  # Gemma 2's cap on the attention scores, c = 50
 fig, (left, right) = plt.subplots(1, 2, figsize=(7, 2.8), layout="constrained")
 left.plot(x, x, color="grey", lw=0.8, ls="--", label="identity")
 left.plot(x, y, label="$50 \\tanh(x/50)$")
@@ -565,6 +573,17 @@ check("08.7a", capped)
 
 # %%
 check("08.7b", slope)
+
+# %% [markdown]
+# The library's `softcap_forward` is that cap; its cache keeps $\tanh(x/c)$, from which the
+# backward takes the slope $1 - \tanh^2(x/c)$.
+
+# %%
+from refmath.ffn import softcap_forward
+
+capped_scores, softcap_cache = softcap_forward(np.array([0.0, 25.0, 50.0, 100.0]), 50.0)
+print("softcap_forward at (0, 25, 50, 100), c = 50:", capped_scores,
+      " slopes:", 1 - softcap_cache.tanh**2)
 
 # %% [markdown]
 # ## N21, N22: the parallel block, and norms after the sublayers

@@ -35,7 +35,7 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refmath.attention import local_window_mask, sdpa_forward
+from refmath.attention import sdpa_forward
 from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.inference.generate import generate
 from refmath.inference.sampling import next_token_distribution, sample_token, top_k_filter
@@ -228,9 +228,10 @@ assert rel16 > 0.05 and rel32 < 0.001
 
 # %%
 T, w = 6, 3
-mask = local_window_mask(T, w)
-print((mask == 0).astype(int))
-visible = int(np.count_nonzero(mask == 0))
+query, key = np.arange(T)[:, None], np.arange(T)[None, :]
+seen = (key <= query) & (key > query - w)  # query i sees keys i - w + 1 .. i
+print(seen.astype(int))
+visible = int(np.count_nonzero(seen))
 assert visible == w * (w + 1) // 2 + (T - w) * w == 15
 
 
@@ -257,6 +258,8 @@ check("09.3", pairs_by_formula)
 # counters confirm the tally, and the output equals dense attention with the same mask.
 
 # %%
+from refmath.attention import local_window_mask
+
 T, w, block, D = 48, 16, 8, 8
 q, k, v = (rng.standard_normal((1, 1, T, D)) for _ in range(3))
 counters = FlashCounters()

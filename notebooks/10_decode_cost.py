@@ -41,7 +41,6 @@ import numpy as np
 
 from refmath import kernels
 from refmath.attention import sdpa_forward
-from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.quantized import QuantizedKVCache, decode_with_quantized_cache
 from refmath.lessons import catalogued, check, check_function, check_true
 from refmath.models import decoder
@@ -86,21 +85,13 @@ rng = np.random.default_rng(0)
 # that changes how positions are counted or scaled (an offset, a RoPE scaling rule for longer
 # contexts) must recompute the cache, not reuse it.
 #
-# Below, a tiny decoder (2 layers, 4 query heads, 2 key/value heads of width 16) prefills 3 tokens
-# and decodes 3 more.
+# Below, a tiny decoder (2 layers, 4 query heads, 2 key/value heads of width 16) and six tokens;
+# after exercise 10.1 it prefills the first 3 and decodes 3 more.
 
 # %%
 config = decoder.preset("tiny", max_seq_len=32)
 params = decoder.init_params(config, seed=0)
 tokens = np.array([[5, 17, 42, 7, 99, 3]])
-_, cache = prefill(decoder, params, config, tokens[:, :3])
-keys_after_prefill = cache.layer(0)[0].copy()
-for t in range(3, 6):
-    decode_step(decoder, params, config, cache, tokens[:, t])
-cached_keys = cache.layer(0)[0]  # (B, g, T, d_h)
-# once written, a key never changes: the first three rows are exactly those of the prefill
-np.testing.assert_array_equal(cached_keys[:, :, :3], keys_after_prefill)
-print("cached keys of layer 0:", cached_keys.shape)
 
 # %% [markdown]
 # **Exercise 10.1.** Rebuild layer 0's keys by hand: RMS-normalise the token embeddings with
@@ -118,6 +109,22 @@ keys_by_hand, _ = rope_forward(raw, base=config.rope_base)  # row j rotated by p
 
 # %%
 check("10.1", keys_by_hand)
+
+# %% [markdown]
+# The cache holds exactly those keys: prefill 3 tokens, decode 3 more, and layer 0's cache is the
+# keys you rebuilt; once written, a key never changes.
+
+# %%
+from refmath.inference.kv_cache import decode_step, prefill
+
+_, cache = prefill(decoder, params, config, tokens[:, :3])
+keys_after_prefill = cache.layer(0)[0].copy()
+for t in range(3, 6):
+    decode_step(decoder, params, config, cache, tokens[:, t])
+cached_keys = cache.layer(0)[0]  # (B, g, T, d_h)
+# once written, a key never changes: the first three rows are exactly those of the prefill
+np.testing.assert_array_equal(cached_keys[:, :, :3], keys_after_prefill)
+print("cached keys of layer 0:", cached_keys.shape)
 
 # %% [markdown]
 # What a decode step does with the cache is the equation at the top for one new query per

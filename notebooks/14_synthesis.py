@@ -45,7 +45,7 @@ from refmath.ffn import swiglu_forward
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
 from refmath.lessons import check, check_function
-from refmath.models import decoder
+from refmath.models.decoder import DecoderConfig, init_params
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
 from refmath.sizing import PRESETS, decode_step_traffic, format_bytes, quantized_kv_cache_bytes
@@ -83,9 +83,9 @@ rng = np.random.default_rng(0)
 # `swiglu_forward` (N7).
 
 # %%
-config = decoder.DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                               n_kv_heads=2, ffn_multiple_of=16)
-params = decoder.init_params(config, seed=0)
+config = DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                       n_kv_heads=2, ffn_multiple_of=16)
+params = init_params(config, seed=0)
 tokens = rng.integers(0, 32, (2, 7))
 print("the logits to compute: (B, T, V) =", (*tokens.shape, config.vocab_size))
 
@@ -156,6 +156,8 @@ check("14.1", my_logits)
 # tokens of full recomputation, and the tiled attention equals the dense one.
 
 # %%
+from refmath.models import decoder
+
 prompt = np.array([3, 1, 4, 1, 5])
 full = generate(decoder, params, config, prompt, 6, greedy=True)
 cached = generate_cached(decoder, params, config, prompt, 6, greedy=True).tokens

@@ -64,7 +64,6 @@ from refmath.optim import AdamW
 from refmath.sizing import (
     PRESETS,
     ModelConfig,
-    active_parameters,
     expert_parallel_traffic,
     format_bytes,
     memory_against_compute,
@@ -645,25 +644,6 @@ plt.show()
 # the first; `active_parameters` also gives `matmul`, the weights a token multiplies by (the
 # logits' $d V$ included, the lookup not), whose double is its FLOPs through the weights.
 
-# %%
-for name in ("mixtral-8x7b", "deepseek-v2", "deepseek-v3"):
-    cfg = PRESETS[name]
-    counts = active_parameters(cfg)
-    print(f"{name:13s} total {counts.total / 1e9:7.2f}B "
-          f"(published {float(cfg.published_params) / 1e9:g}B)   active "
-          f"{counts.active / 1e9:6.2f}B, matmul {counts.matmul / 1e9:6.2f}B "
-          f"(published {float(cfg.published_active) / 1e9:g}B)   {cfg.moe_layers} MoE layers")
-mixtral = active_parameters(PRESETS["mixtral-8x7b"])
-v3 = active_parameters(PRESETS["deepseek-v3"])
-assert (round(mixtral.total / 1e8), round(mixtral.active / 1e8)) == (467, 129)
-assert round(v3.total / 1e9) == 671 and round(v3.matmul / 1e9) == 37
-
-# %% [markdown]
-# Mixtral's 46.7B and 12.9B come out to every digit published. DeepSeek-V3's 671B does too; its
-# 37B is the matmul count rounded (36.6B), where the convention Mixtral's figure follows gives
-# 37.6B: the published figures do not all use one convention (the docstring of
-# `refmath.sizing.active_parameters` has the details).
-
 # %% [markdown]
 # **Exercise 15.4.** A small MoE decoder: $L = 4$ layers, $d = 256$, multi-head attention with
 # $h = g = 4$ heads of 64 ($4 d^2$ parameters a layer), two RMSNorm gains of $d$ per layer and a
@@ -688,12 +668,36 @@ check("15.4a", toy_total)
 check("15.4b", toy_active)
 
 # %%
+from refmath.sizing import active_parameters
+
 toy = ModelConfig("toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, head_dim=64,
                   vocab_size=1000, moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1))
 toy_counts = active_parameters(toy)
 print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
       f"({toy_counts.active / toy_counts.total:.0%})")
 assert parameter_counts(toy).total == toy_counts.total
+
+# %% [markdown]
+# The same count for three published models:
+
+# %%
+for name in ("mixtral-8x7b", "deepseek-v2", "deepseek-v3"):
+    cfg = PRESETS[name]
+    counts = active_parameters(cfg)
+    print(f"{name:13s} total {counts.total / 1e9:7.2f}B "
+          f"(published {float(cfg.published_params) / 1e9:g}B)   active "
+          f"{counts.active / 1e9:6.2f}B, matmul {counts.matmul / 1e9:6.2f}B "
+          f"(published {float(cfg.published_active) / 1e9:g}B)   {cfg.moe_layers} MoE layers")
+mixtral = active_parameters(PRESETS["mixtral-8x7b"])
+v3 = active_parameters(PRESETS["deepseek-v3"])
+assert (round(mixtral.total / 1e8), round(mixtral.active / 1e8)) == (467, 129)
+assert round(v3.total / 1e9) == 671 and round(v3.matmul / 1e9) == 37
+
+# %% [markdown]
+# Mixtral's 46.7B and 12.9B come out to every digit published. DeepSeek-V3's 671B does too; its
+# 37B is the matmul count rounded (36.6B), where the convention Mixtral's figure follows gives
+# 37.6B: the published figures do not all use one convention (the docstring of
+# `refmath.sizing.active_parameters` has the details).
 
 # %% [markdown]
 # ## E9, E10: the memory against the compute, and the all-to-all
