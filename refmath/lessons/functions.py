@@ -11,7 +11,7 @@ import numpy as np
 from refmath.lessons.checks import (NOT_YET, SLIP_RTOL, Verdict, _diagnose, _not_attempted, _rationed,
                                     _unanswered, _verdict, _within, strict)
 from refmath.lessons.library_refusal import library_used
-from refmath.lessons.trials import _call, _resolve_cases, _Trial, _trials_of_cases
+from refmath.lessons.trials import call_on_copy, resolve_cases, Trial, trials_of_cases
 
 __all__ = ["check_function"]
 
@@ -43,7 +43,7 @@ def _output_names(value: Any, names) -> tuple[str, ...]:
     return ("the output",)
 
 
-def _outputs(value: Any, names: tuple[str, ...], trial: _Trial) -> list[np.ndarray]:
+def _outputs(value: Any, names: tuple[str, ...], trial: Trial) -> list[np.ndarray]:
     """``value`` as float64 arrays in the order of ``names``; raises :class:`_Failed` when its
     kind or count does not fit."""
     if trial.case is not None:
@@ -72,11 +72,11 @@ def _outputs(value: Any, names: tuple[str, ...], trial: _Trial) -> list[np.ndarr
     return arrays
 
 
-def _evaluate(func: Callable, trials: list[_Trial], names) -> list[list[np.ndarray]]:
+def _evaluate(func: Callable, trials: list[Trial], names) -> list[list[np.ndarray]]:
     results = []
     for trial in trials:
         try:
-            value = _call(func, trial)
+            value = call_on_copy(func, trial)
         except _Failed:
             raise
         except Exception as err:
@@ -151,7 +151,7 @@ def _torch_expected(oracle, trials, names):
     otherwise ``oracle`` takes the exercise's arguments and returns the expected value itself."""
     if trials[0].case is None:
         try:
-            return [_outputs(_call(oracle, trial), names, trial) for trial in trials], ""
+            return [_outputs(call_on_copy(oracle, trial), names, trial) for trial in trials], ""
         except ImportError:
             return None, "torch is not installed: its check is skipped"
     try:
@@ -289,19 +289,19 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
         return _verdict("wrong", name, f"not a function but a {type(func).__name__}")
 
     if case is not None:
-        cases = _resolve_cases(case)
-        trials = _trials_of_cases(cases, tuple(seeds))
+        cases = resolve_cases(case)
+        trials = trials_of_cases(cases, tuple(seeds))
         names = tuple(f"d{w}" for w in cases[0].wrt)
     else:
         given = inputs() if callable(inputs) else inputs
-        trials = [_Trial(f"input {i + 1}", tuple(a), {}) if isinstance(a, (tuple, list))
-                  else _Trial(f"input {i + 1}", (), dict(a)) for i, a in enumerate(given)]
+        trials = [Trial(f"input {i + 1}", tuple(a), {}) if isinstance(a, (tuple, list))
+                  else Trial(f"input {i + 1}", (), dict(a)) for i, a in enumerate(given)]
         if not trials:
             raise ValueError("check_function: inputs is empty")
-        names = _output_names(_call(reference, trials[0]), outputs)
+        names = _output_names(call_on_copy(reference, trials[0]), outputs)
 
     try:
-        unwritten = _unwritten(_call(func, trials[0]))
+        unwritten = _unwritten(call_on_copy(func, trials[0]))
     except NotImplementedError:
         unwritten = True
     except Exception:

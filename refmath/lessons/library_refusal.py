@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from refmath.lessons.trials import _call
+from refmath.lessons.trials import call_on_copy
 
 __all__ = ["library_used"]
 
@@ -85,7 +85,7 @@ def _answer_functions(reference: Callable, trial) -> dict:
         return {code: f"{module}.{getattr(code, 'co_qualname', code.co_name)}"}
     with _CallTrace(None) as trace:
         try:
-            _call(reference, trial)
+            call_on_copy(reference, trial)
         except Exception:
             pass  # the reference's own failure is reported where it is evaluated
     return trace.found
@@ -120,7 +120,7 @@ def library_used(func: Callable, reference: Callable, trial, also: tuple = (),
         wrapped = getattr(wrapped, "__wrapped__", None)
     with _CallTrace(answers) as trace:
         try:
-            _call(func, trial)
+            call_on_copy(func, trial)
         except Exception:
             pass  # a failing function is diagnosed by the check itself
     found = sorted(trace.found.values(), key=lambda name: name.startswith("the check's"))

@@ -7,8 +7,10 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+__all__ = ["Trial", "call_on_copy", "trials_of_cases", "resolve_cases"]
 
-class _Trial(NamedTuple):
+
+class Trial(NamedTuple):
     """One set of arguments a function exercise is called with."""
 
     label: str  # where, for the verdict: a registry case's name, or "input 2"
@@ -20,7 +22,7 @@ class _Trial(NamedTuple):
     dout: np.ndarray | None = None
 
 
-def _call(func: Callable, trial: _Trial) -> Any:
+def call_on_copy(func: Callable, trial: Trial) -> Any:
     """``func`` on a private copy of the trial's arguments (a function that updates its arguments
     in place must not change what the next function sees)."""
     import copy
@@ -28,7 +30,7 @@ def _call(func: Callable, trial: _Trial) -> Any:
     return func(*copy.deepcopy(trial.args), **copy.deepcopy(trial.kwargs))
 
 
-def _trials_of_cases(cases, seeds) -> list[_Trial]:
+def trials_of_cases(cases, seeds) -> list[Trial]:
     """One trial per case and seed, drawn as :func:`refmath.gradcheck.check_case` draws them: the
     case's inputs, then the upstream gradient; the backward is called on ``(dout, cache)``."""
     trials = []
@@ -41,11 +43,11 @@ def _trials_of_cases(cases, seeds) -> list[_Trial]:
             out, cache = case.forward(**inputs)
             dout = rng.standard_normal(np.shape(out))
             label = case.name if len(seeds) == 1 else f"{case.name}, seed {seed}"
-            trials.append(_Trial(label, (dout, cache), {}, case, seed, inputs, dout))
+            trials.append(Trial(label, (dout, cache), {}, case, seed, inputs, dout))
     return trials
 
 
-def _resolve_cases(case) -> list:
+def resolve_cases(case) -> list:
     import fnmatch
 
     from refmath.gradcheck import all_cases

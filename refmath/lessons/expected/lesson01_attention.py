@@ -7,6 +7,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 _A6 = "the section 'A6 and A7: several heads'"
 _MHA_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")

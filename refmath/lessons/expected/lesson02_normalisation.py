@@ -8,6 +8,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("02.5", "the stream's RMS after 8 blocks", "the section 'N4: Post-LN against Pre-LN'",
           "each block adds RMSNorm(x), of RMS 1 and x's direction, so the RMS grows by 1 a block",

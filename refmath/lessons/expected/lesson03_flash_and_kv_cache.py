@@ -8,6 +8,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 _F1 = "the section 'F1-F3: attention as a ratio of sums, merged block by block'"
 

@@ -8,6 +8,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 _N6 = "the section 'N6: GELU, its tanh approximation, and SiLU'"
 _N7 = "the section 'N7: SwiGLU, its backward, and its width'"

@@ -8,6 +8,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise, function_exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 _L2 = "the section 'L2, L3: cross-entropy and its gradient'"
 _L5 = "the section 'L5: the fine-tuning loss'"

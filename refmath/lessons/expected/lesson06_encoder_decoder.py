@@ -8,6 +8,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("06.3", "tensor2tensor target", "the section 'L4: label smoothing, three conventions'",
           "1 - eps on the right token y, eps / (V - 1) on each of the others",

@@ -9,6 +9,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise, flat_parameters
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning'",
           "the inputs are the row without its last token, the targets the row without its first",

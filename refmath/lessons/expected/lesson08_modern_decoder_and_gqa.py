@@ -7,6 +7,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 _HEAD_SUM = "the section 'The head-sum in the key and value gradients'"
 _A13 = "the section 'A13: what grouping saves, and what it does not'"

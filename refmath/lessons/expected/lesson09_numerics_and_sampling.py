@@ -7,6 +7,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("09.1", "stable softmax rows", "the section 'A11: the stable softmax, and a row with "
           "nothing to attend to'", "a row of -inf gives zeros, not NaN",

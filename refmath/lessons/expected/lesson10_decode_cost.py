@@ -6,6 +6,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 def _layer0_keys(params, config, tokens, rotated: bool = True) -> np.ndarray:
     """Layer 0's cached keys after a prefill of 3 tokens and 3 decode steps (the lesson's run),

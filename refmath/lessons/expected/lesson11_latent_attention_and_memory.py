@@ -7,6 +7,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("11.2", "the smallest exact latent widths", "the section 'K8: weight absorption'",
           "W_K = W_DKV W_UK holds exactly only if d_c >= rank(W_K): np.linalg.matrix_rank",

@@ -7,6 +7,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 def _forward_scratch_bytes(d: int, block_q: int = 128, block_k: int = 128, leave_out=()) -> int:
     """Bytes of one thread's scratch in the C++ forward pass (csrc/flash_cpu.cpp), padded to 16

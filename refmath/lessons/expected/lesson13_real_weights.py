@@ -7,6 +7,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 def _read_embedding(path, start=None, dtype="<f8"):
     """``model.embed_tokens.weight`` read from the safetensors file at ``path``: from its offsets

@@ -7,6 +7,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("14.1", "logits of the whole decoder", "the section 'The recurrence'",
           "rotate Q and K after splitting heads; values are never rotated",

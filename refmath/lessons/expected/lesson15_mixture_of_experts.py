@@ -6,6 +6,9 @@ import numpy as np
 
 from refmath.lessons.table import exercise
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 _E7 = "the section 'E7, E2, E3: top-2 routing by hand'"
 _E5 = "the section 'E5: load balance'"

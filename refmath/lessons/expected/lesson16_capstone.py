@@ -6,6 +6,9 @@ from __future__ import annotations
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise, flat_parameters
 
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
+__all__ = []
+
 
 @exercise("16.5", "your model's gradients against the library's", "the section 'The whole "
           "model, checked'", "each of your four backward passes is checked above: fix the one "
