@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 3
 #     minutes: 45
-#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22]
+#     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22, M5]
 # ---
 
 # %% [markdown]
@@ -34,7 +34,7 @@
 # rule and YaRN each slow its pairs; see why QK-norm bounds the scores, and what a soft cap does
 # to a score and to its gradient.
 #
-# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22
+# **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22, M5
 #
 # **Duration:** about 45 minutes.
 
@@ -618,6 +618,33 @@ loss_p, cache_p = falcon.forward(p_params, batch, palm)
 grad_check = check_param_gradients(lambda p: falcon.forward(p, batch, palm)[0],
                                    falcon.backward(cache_p), p_params)
 print(f"PaLM-shaped parallel decoder: loss {float(loss_p):.4f}; gradient check passed: "
+      f"{grad_check.passed}")
+
+# %% [markdown]
+# Cohere's Command-R (M5, `refmath.models.cohere`) is the same parallel block, written as a family of
+# its own: one LayerNorm without a bias feeds attention and a SwiGLU, RoPE rotates interleaved pairs,
+# the head is the token table transposed, and the logits are scaled by a constant $s$
+# (`logit_scale`), $z = s\, \operatorname{LN}(x^{(L)})\, E^\top$. Since $s$ multiplies the logits
+# and nothing else, doubling it doubles every logit, and the softmax sharpens: the same weights give
+# another distribution.
+
+# %%
+from refmath.models import cohere
+
+def command_r(logit_scale):
+    return cohere.CohereConfig(vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=4,
+                               n_kv_heads=2, d_ff=32, logit_scale=logit_scale)
+
+
+c_params = cohere.init_params(command_r(0.25), seed=5)
+z_quarter = cohere.logits(c_params, batch["tokens"], command_r(0.25))
+z_half = cohere.logits(c_params, batch["tokens"], command_r(0.5))
+print("logits at s = 1/2 are exactly twice those at s = 1/4:",
+      np.array_equal(z_half, 2 * z_quarter))
+loss_c, cache_c = cohere.forward(c_params, batch, command_r(0.25))
+grad_check = check_param_gradients(lambda p: cohere.forward(p, batch, command_r(0.25))[0],
+                                   cohere.backward(cache_c), c_params)
+print(f"Command-R-shaped decoder: loss {float(loss_c):.4f}; gradient check passed: "
       f"{grad_check.passed}")
 
 # %% [markdown]
