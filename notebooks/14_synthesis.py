@@ -48,7 +48,7 @@ from refmath.lessons import check, check_function
 from refmath.models.decoder import DecoderConfig, init_params
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
-from refmath.sizing import PRESETS, decode_step_traffic, format_bytes, quantized_kv_cache_bytes
+from refmath.sizing import PRESETS, format_bytes
 
 np.set_printoptions(precision=4, suppress=True)
 rng = np.random.default_rng(0)
@@ -166,25 +166,36 @@ np.testing.assert_array_equal(full, cached)
 
 # %% [markdown]
 # **Exercise 14.2.** Turn the decoder into its MHA twin (every query head with its own key/value
-# head) by repeating each shared head's columns of `w_k` and `w_v`, as in lesson 8. Is it the
-# same function? Compute its logits with `decoder.logits` and a config with `n_kv_heads=4`.
+# head) by repeating each shared head's block of $d_h$ columns of `w_k` and `w_v`, as in lesson 8:
+# query head $r$ must read shared head `gqa_head_map(h, g)[r]`. Write `twin_w_k`, the twin's `w_k`
+# of layer 0, of shape $(d, h\,d_h)$.
 
 # %% tags=["exercise"]
-mha_logits = ...
+twin_w_k = ...
 # BEGIN SOLUTION
-mha_config = dataclasses.replace(config, n_kv_heads=config.n_heads)
 d, d_h = config.d_model, config.d_h
 repeat = gqa_head_map(config.n_heads, config.kv_heads)
+twin_w_k = params["layers.0.attn.w_k"].reshape(d, config.kv_heads, d_h)[:, repeat].reshape(d, -1)
+# END SOLUTION
+
+# %%
+check("14.2", twin_w_k)
+
+# %% [markdown]
+# Is the twin the same function? Expand every layer's `w_k` and `w_v` the same way and compare its
+# logits with the GQA decoder's.
+
+# %%
+mha_config = dataclasses.replace(config, n_kv_heads=config.n_heads)
+head_of = gqa_head_map(config.n_heads, config.kv_heads)
 mha_params = dict(params)
 for layer in range(config.n_layers):
     for w in ("w_k", "w_v"):
         name = f"layers.{layer}.attn.{w}"
-        mha_params[name] = params[name].reshape(d, config.kv_heads, d_h)[:, repeat].reshape(d, -1)
-mha_logits = decoder.logits(mha_params, tokens, mha_config)
-# END SOLUTION
-
-# %%
-check("14.2", mha_logits)
+        mha_params[name] = params[name].reshape(config.d_model, config.kv_heads,
+                                                config.d_h)[:, head_of].reshape(config.d_model, -1)
+gap = np.abs(decoder.logits(mha_params, tokens, mha_config) - decoder.logits(params, tokens, config))
+print(f"largest logit difference, MHA twin against the GQA decoder: {gap.max():.1e}")
 
 # %% [markdown]
 # The twin computes the same function with $h/g = 2$ times the K/V parameters and cache: GQA is a
@@ -199,35 +210,8 @@ check("14.2", mha_logits)
 # GQA designs read the same 15.0 GB of weights; MHA's wider K and V projections add
 # $L \cdot 2 \cdot d\,(h - g)\,d_h = 805{,}306{,}368$ weights, 1.6 GB in bf16.
 
-# %%
-llama = PRESETS["llama-3-8b"]
-batch, context = 16, 8192
-designs = {}
-for label, kv_heads, bits in (("MHA, bf16", 32, None), ("GQA g=8, bf16", 8, None),
-                              ("GQA g=8, int8", 8, 8), ("GQA g=8, int4", 8, 4)):
-    shape = dataclasses.replace(llama, kv_heads=kv_heads)
-    step = decode_step_traffic(shape, context, batch)
-    cache = step.cache_bytes if bits is None else quantized_kv_cache_bytes(
-        batch, shape.n_layers, context, kv_heads, shape.head_dim, bits=bits, group_size=32).total
-    designs[label] = (step.weight_bytes, cache)
-    print(f"{label:15s}: weights {format_bytes(step.weight_bytes)}, cache {format_bytes(cache)}")
-
-# %% [markdown]
-# **Exercise 14.3.** From `designs`, compute how many times fewer bytes a decode step of "GQA g=8,
-# int4" reads than one of "MHA, bf16" (weights and cache together). By the bandwidth bound, that is
-# also its speed-up at best.
-
 # %% tags=["exercise"]
-speedup_bound = ...
-# BEGIN SOLUTION
-speedup_bound = sum(designs["MHA, bf16"]) / sum(designs["GQA g=8, int4"])
-# END SOLUTION
-
-# %%
-check("14.3", speedup_bound)
-
-# %% tags=["exercise"]
-# Exercise 14.4: write the cache side of that picture as one function, for any decoder shape of
+# Exercise 14.3: write the cache side of this picture as one function, for any decoder shape of
 # `PRESETS` (fields `layers`, `kv_heads`, `head_dim`, `sliding_window`: None or w): the bytes of
 # the KV cache a decode step of `batch` sequences at `context` tokens reads, in bf16 (bits=None)
 # or quantised to `bits` bits in groups of 32 with one 2-byte scale per group. A sliding window
@@ -248,6 +232,11 @@ def my_cache_bytes(shape, context, batch, bits=None):
 
 
 # %%
+from refmath.sizing import decode_step_traffic, quantized_kv_cache_bytes
+
+llama = PRESETS["llama-3-8b"]
+
+
 def library_cache_bytes(shape, context, batch, bits=None):
     if bits is None:
         return decode_step_traffic(shape, context, batch).cache_bytes
@@ -276,6 +265,32 @@ check_function("your cache bytes", my_cache_bytes, library_cache_bytes, inputs=c
                                                    min(context, shape.sliding_window or context),
                                                    shape.kv_heads, shape.head_dim, bits=bits,
                                                    group_size=32).payload})
+
+# %%
+batch, context = 16, 8192
+designs = {}
+for label, kv_heads, bits in (("MHA, bf16", 32, None), ("GQA g=8, bf16", 8, None),
+                              ("GQA g=8, int8", 8, 8), ("GQA g=8, int4", 8, 4)):
+    shape = dataclasses.replace(llama, kv_heads=kv_heads)
+    step = decode_step_traffic(shape, context, batch)
+    cache = step.cache_bytes if bits is None else quantized_kv_cache_bytes(
+        batch, shape.n_layers, context, kv_heads, shape.head_dim, bits=bits, group_size=32).total
+    designs[label] = (step.weight_bytes, cache)
+    print(f"{label:15s}: weights {format_bytes(step.weight_bytes)}, cache {format_bytes(cache)}")
+
+# %% [markdown]
+# **Exercise 14.4.** From `designs`, compute how many times fewer bytes a decode step of "GQA g=8,
+# int4" reads than one of "MHA, bf16" (weights and cache together). By the bandwidth bound, that is
+# also its speed-up at best.
+
+# %% tags=["exercise"]
+speedup_bound = ...
+# BEGIN SOLUTION
+speedup_bound = sum(designs["MHA, bf16"]) / sum(designs["GQA g=8, int4"])
+# END SOLUTION
+
+# %%
+check("14.4", speedup_bound)
 
 # %%
 labels = list(designs)

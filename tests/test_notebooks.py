@@ -376,10 +376,7 @@ def test_the_scan_for_asked_functions_finds_an_early_import():
 
 # Lessons whose student copy still names an asked-for function before its check, and why; the
 # test below fails for any other lesson that does, and for one of these that no longer does.
-# 14: the picture of exercise 14.3 is drawn with decode_step_traffic and quantized_kv_cache_bytes,
-# which exercise 14.4 asks the student to write: the function exercise must come first, and the
-# numbers of the two exercises (keyed in refmath.lessons) swap with it.
-STILL_NAMED = {"14_synthesis.py"}
+STILL_NAMED: set = set()
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
@@ -452,11 +449,8 @@ ONE_CALL_ANSWERS = {
     "15.5a": "refmath.sizing.expert_parallel_bytes",
     "15.5b": "refmath.sizing.expert_parallel_bytes",
 }
-# The same, still at hand before the check: 14.2 asks for its answer through decoder.logits (of
-# the MHA twin, whose logits are the GQA decoder's), so the exercise itself must change.
-STILL_ONE_CALL = {
-    "14.2": "refmath.models.decoder.logits",
-}
+# The same, still at hand before the check (none now; an entry names an exercise to change).
+STILL_ONE_CALL: dict = {}
 
 
 def _check_line(student: str, number: str) -> int:

@@ -22,42 +22,31 @@ def _decoder_logits(params, tokens, config):
         lambda: decoder.logits(params, tokens, config))
 
 
-def _mha_twin(params, tokens, config, heads):
-    """The logits of the MHA twin whose query head r reads the columns of shared head
-    ``heads[r]`` of each layer's w_k and w_v (a list of heads, or "columns": each column repeated
-    h/g times in place)."""
-    import dataclasses
-
-    from refmath.models import decoder
-
-    d, g, d_h = config.d_model, config.kv_heads, config.d_h
-    twin = dict(params)
-    for layer in range(config.n_layers):
-        for w in ("w_k", "w_v"):
-            name = f"layers.{layer}.attn.{w}"
-            if isinstance(heads, str):
-                twin[name] = np.repeat(params[name], config.n_heads // g, axis=1)
-            else:
-                twin[name] = params[name].reshape(d, g, d_h)[:, heads].reshape(d, -1)
-    return decoder.logits(twin, tokens, dataclasses.replace(config, n_kv_heads=config.n_heads))
+def _twin_w_k(params, config, heads):
+    """Layer 0's w_k of the MHA twin whose query head r reads the columns of shared head
+    ``heads[r]`` (a list of heads, or "columns": each column repeated h/g times in place)."""
+    w, d, g, d_h = params["layers.0.attn.w_k"], config.d_model, config.kv_heads, config.d_h
+    if isinstance(heads, str):
+        return np.repeat(w, config.n_heads // g, axis=1)
+    return w.reshape(d, g, d_h)[:, heads].reshape(d, -1)
 
 
-@exercise("14.2", "MHA twin of the GQA decoder", "the section 'From the Transformer to an LLM: "
+@exercise("14.2", "layer 0's w_k of the MHA twin", "the section 'From the Transformer to an LLM: "
           "what each change acts on'", "head r of the twin reads shared head gqa_head_map(h, g)[r]",
-          uses=("params", "tokens", "config"), rtol=1e-10, atol=1e-12)
-def _mha_twin_logits(params, tokens, config):
-    from refmath.models import decoder
+          uses=("params", "config"))
+def _mha_twin_w_k(params, config):
+    from refmath.attention import gqa_head_map
 
     h, g = config.n_heads, config.kv_heads
-    # the twin is the same function: its logits are the GQA decoder's
-    return decoder.logits(params, tokens, config), {
+    return _twin_w_k(params, config, gqa_head_map(h, g)), {
         "the shared heads interleaved (np.tile): query head r reads shared head r mod g, where "
-        "it should read r // (h/g)": _mha_twin(params, tokens, config, np.arange(h) % g),
+        "it should read r // (h/g)": _twin_w_k(params, config, np.arange(h) % g),
         "each column repeated on its own (np.repeat on axis 1), not each head's block of d_h "
-        "columns": _mha_twin(params, tokens, config, "columns")}
+        "columns": _twin_w_k(params, config, "columns"),
+        "w_k left as it was: g heads, not h": params["layers.0.attn.w_k"]}
 
 
-@exercise("14.3", "bound on the speed-up", "the section 'The cost of one decode step, all "
+@exercise("14.4", "bound on the speed-up", "the section 'The cost of one decode step, all "
           "together'", "the sum of weights and cache for MHA, over the same sum for int4 GQA",
           uses=("batch", "context"))
 def _speedup_bound(batch, context):
