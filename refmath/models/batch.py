@@ -1,4 +1,5 @@
-"""Checks of the batches that the decoder-only models (GPT, the modern decoder, MLA) take.
+"""Checks of the batches that the decoder-only models (GPT, the modern decoder, MLA) take, and
+the next-token loss the family files put on their networks' logits.
 
 A batch is a dict of integer arrays: ``tokens`` ``(B, T)`` (the inputs), ``targets`` ``(B, T)``
 (the next tokens, or :data:`refmath.losses.IGNORE_INDEX` where nothing is predicted) and an
@@ -12,9 +13,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from refmath._validate import check_ndim, int_array
-from refmath.losses import IGNORE_INDEX
+from refmath.losses import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
 
-__all__ = ["check_tokens", "check_lm_batch"]
+__all__ = ["check_tokens", "check_lm_batch", "next_token_loss", "next_token_loss_backward"]
 
 LM_BATCH_KEYS = ("tokens", "targets", "loss_mask")
 
@@ -67,3 +68,18 @@ def check_lm_batch(batch, config):
             raise ValueError(f"batch['loss_mask'] must hold only 0 and 1, got values "
                              f"{np.unique(loss_mask)[:10]}")
     return tokens, targets, loss_mask
+
+
+def next_token_loss(z, cache, targets, loss_mask):
+    """The mean next-token cross-entropy of the logits ``z`` (L2, with the loss mask of L5), and
+    the network's ``cache`` with the loss's own cache in its ``loss`` field: ``(loss, cache)``."""
+    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
+    return loss, cache._replace(loss=ce)
+
+
+def next_token_loss_backward(cache, network_backward) -> dict:
+    """Every parameter's gradient of the loss of :func:`next_token_loss`: the loss's backward
+    (``dL/dL = 1``) handed to the network's ``network_backward(dz, cache)``."""
+    if cache.loss is None:
+        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
+    return network_backward(cross_entropy_backward(1.0, cache.loss), cache)

@@ -44,10 +44,10 @@ from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_
                                split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
-from refmath.losses import (IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward,
-                            cross_entropy_forward)
+from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
-from refmath.models.batch import check_lm_batch, check_tokens
+from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
+                                  next_token_loss_backward)
 from refmath.models.cases import model_case_maker
 from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
 from refmath.models.hf_layout import linear_out, refuse, refuse_common, require, rope_from_hf, take_head
@@ -326,15 +326,12 @@ def forward(params, batch, config: CohereConfig, train: bool = False, rng=None):
     check_param_dict(params, param_shapes(config))
     tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = network_forward(params, tokens, config)
-    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
-    return loss, cache._replace(loss=ce)
+    return next_token_loss(z, cache, targets, loss_mask)
 
 
 def backward(cache: CohereCache) -> dict:
     """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
-    if cache.loss is None:
-        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
-    return network_backward(cross_entropy_backward(1.0, cache.loss), cache)
+    return next_token_loss_backward(cache, network_backward)
 
 
 def logits(params, tokens, config: CohereConfig) -> np.ndarray:

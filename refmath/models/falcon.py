@@ -44,10 +44,10 @@ from refmath._validate import check_choice, check_field, check_flag, check_int, 
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
-from refmath.losses import (CrossEntropyCache, IGNORE_INDEX, cross_entropy_backward,
-                            cross_entropy_forward)
+from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
-from refmath.models.batch import check_lm_batch, check_tokens
+from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
+                                  next_token_loss_backward)
 from refmath.models.cases import model_case_maker
 from refmath.models.common import (CacheSpec, TrainingRecipe, layer_dropout_masks, prefixed,
                                    sub_params)
@@ -353,15 +353,12 @@ def forward(params, batch, config: FalconConfig, train: bool = False, rng=None):
     check_param_dict(params, param_shapes(config))
     tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = network_forward(params, tokens, config, train, rng)
-    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
-    return loss, cache._replace(loss=ce)
+    return next_token_loss(z, cache, targets, loss_mask)
 
 
 def backward(cache: FalconCache) -> dict:
     """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
-    if cache.loss is None:
-        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
-    return network_backward(cross_entropy_backward(1.0, cache.loss), cache)
+    return next_token_loss_backward(cache, network_backward)
 
 
 def logits(params, tokens, config: FalconConfig) -> np.ndarray:
