@@ -70,7 +70,7 @@ _FALCON = ["tests/models/test_falcon.py", "tests/models/test_falcon_hf.py",
            "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
 _OLMO2 = ["tests/models/test_olmo2.py", "tests/models/test_olmo2_hf.py",
           "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
-_GEMMA = ["tests/models/test_gemma.py", "tests/test_hf.py",
+_GEMMA = ["tests/models/test_gemma.py", "tests/models/test_gemma_hf.py",
           "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
 RELEVANT_TESTS.update({
     "refmath.models.blocks": _DECODER + _COHERE + _FALCON + _OLMO2 + _GEMMA,
