@@ -62,7 +62,7 @@ RELEVANT_TESTS = {
     "refmath.sizing": ["tests/test_sizing.py"],
 }
 # The files the models are written in, each tested through the models that use it: the blocks
-# and the RoPE attention through the decoder (and Cohere, Falcon, OLMo 2), the configurations, checkpoint tables
+# and the RoPE attention through the decoder (and Cohere, Falcon, OLMo 2, Gemma), the configurations, checkpoint tables
 # and gradient cases through their model's files.
 _DECODER = RELEVANT_TESTS["refmath.models.decoder"]
 _COHERE = ["tests/models/test_cohere.py", "tests/test_gradcheck.py"]
@@ -70,9 +70,11 @@ _FALCON = ["tests/models/test_falcon.py", "tests/models/test_falcon_hf.py",
            "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
 _OLMO2 = ["tests/models/test_olmo2.py", "tests/models/test_olmo2_hf.py",
           "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
+_GEMMA = ["tests/models/test_gemma.py", "tests/models/test_gemma_hf.py",
+          "tests/models/test_decoder_torch.py", "tests/test_gradcheck.py"]
 RELEVANT_TESTS.update({
-    "refmath.models.blocks": _DECODER + _COHERE + _FALCON + _OLMO2,
-    "refmath.models.rope_attention": _DECODER + _FALCON + _OLMO2,
+    "refmath.models.blocks": _DECODER + _COHERE + _FALCON + _OLMO2 + _GEMMA,
+    "refmath.models.rope_attention": _DECODER + _FALCON + _OLMO2 + _GEMMA,
     "refmath.models.decoder_config": _DECODER + ["tests/models/test_config_perturbation.py"],
     "refmath.models.decoder_hf": ["tests/test_hf.py", "tests/models/test_decoder.py"],
     "refmath.models.cases": _DECODER + RELEVANT_TESTS["refmath.models.mla"] + _COHERE,
@@ -82,6 +84,7 @@ RELEVANT_TESTS.update({
     "refmath.models.cohere": _COHERE + ["tests/models/test_config_perturbation.py"],
     "refmath.models.falcon": _FALCON + ["tests/models/test_config_perturbation.py"],
     "refmath.models.olmo2": _OLMO2 + ["tests/models/test_config_perturbation.py"],
+    "refmath.models.gemma": _GEMMA + ["tests/models/test_config_perturbation.py"],
 })
 
 

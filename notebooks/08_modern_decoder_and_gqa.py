@@ -534,8 +534,8 @@ assert change < 1e-3
 # Gemma 2 and 3 also normalise each sublayer's *output* ("sandwich" norms). Their layers alternate
 # between **local** ones, which slide a window of 4096 tokens (Gemma 3: 1024, five local layers
 # per global one, the local ones with their own RoPE base), and **global** ones, which see the
-# whole context: `DecoderConfig(window_layers=..., local_rope_base=...)`, each layer computing
-# with its own `decoder.layer_config`.
+# whole context: `GemmaConfig(windows=..., local_rope_base=...)` (`refmath.models.gemma`, Llama's
+# decoder with these differences), each layer computing with its own `gemma.layer_config`.
 
 # %%
 x = np.linspace(-150, 150, 601)
@@ -548,11 +548,13 @@ left.legend(fontsize=8)
 right.plot(x, 1 - (y / 50) ** 2)
 right.set(xlabel="score $x$", ylabel="$\\partial y / \\partial x$", title="its slope")
 plt.show()
-gemma = decoder.DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=4, n_heads=4,
-                              n_kv_heads=2, sliding_window=4, window_layers=(True, True, True, False),
-                              local_rope_base=100.0, rope_base=10000.0)
+from refmath.models import gemma as gemma_model
+
+gemma = gemma_model.GemmaConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=4, n_heads=4,
+                                n_kv_heads=2, head_dim=4, d_ff=48, generation=3,
+                                windows=(4, 4, 4, None), local_rope_base=100.0, rope_base=10000.0)
 for i in range(gemma.n_layers):
-    layer = decoder.layer_config(gemma, i)
+    layer = gemma_model.layer_config(gemma, i)
     print(f"layer {i}: window {layer.sliding_window}, RoPE base {layer.rope_base:g}")
 
 # %% [markdown]

@@ -25,12 +25,6 @@ format.
                                                      renormalised)
 ``qwen2_moe``, ``qwen3_moe``        ``"llama"``      Qwen2 / Qwen3 with experts; Qwen2-MoE's
                                                      shared expert behind its sigmoid gate
-``gemma``                           ``"llama"``      ``(1 + w)`` norms, embeddings times
-                                                     :math:`\sqrt d`, GeGLU
-``gemma2``                          ``"llama"``      plus sandwich norms, capped scores and
-                                                     logits, ``query_pre_attn_scalar``, local and
-                                                     global layers (``window_layers``)
-``gemma3_text``                     ``"llama"``      plus QK-norm; the local layers' own RoPE base
 ``phi3``                            ``"llama"``      Llama with fused ``qkv_proj`` and
                                                      ``gate_up_proj`` (split on the way in),
                                                      LongRoPE, a window on every layer; a decoder
@@ -49,13 +43,19 @@ format.
                                                      ``w_k``, ``w_v``; no ALiBi
 ``olmo2``                           ``"olmo2"``      RMSNorm after each sublayer and none before,
                                                      QK-norm over the whole projections
+``gemma``                           ``"gemma"``      ``(1 + w)`` norms, embeddings times
+                                                     :math:`\sqrt d`, GeGLU, tied head
+``gemma2``                          ``"gemma"``      plus sandwich norms, capped scores and
+                                                     logits, ``query_pre_attn_scalar``, local and
+                                                     global layers (``windows``)
+``gemma3_text``                     ``"gemma"``      plus QK-norm; the local layers' own RoPE base
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
 its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, and its sinusoid
 table puts every sine before every cosine; refmath's encoder-decoder, the paper's, has none of these.
 
-The ``"llama"``, ``"falcon"`` and ``"olmo2"`` types load with their rope scaling (``rope_parameters.rope_type``
+The ``"llama"``, ``"falcon"``, ``"olmo2"`` and ``"gemma"`` types load with their rope scaling (``rope_parameters.rope_type``
 ``linear``, ``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``rope_scaling``), the
 ``"mla"`` types with the length-independent ones (``linear``, ``llama3``, ``yarn``, with
 DeepSeek's ``mscale_all_dim``). Anything else is refused with a message that names the field and
@@ -301,8 +301,7 @@ def checkpoint_family(hf: dict) -> str:
 
     It names the checkpoint, where :func:`config_from_hf`'s model name names refmath's code that
     computes it: a Gemma 2 checkpoint is of the family ``"gemma2"`` and runs as the model
-    ``"llama"``, whose file holds Llama and the families written as its options (see the table
-    above); a Falcon checkpoint is ``"falcon"`` both ways."""
+    ``"gemma"`` (see the table above); a Falcon checkpoint is ``"falcon"`` both ways."""
     _model_of(hf)
     return str(hf["model_type"])
 

@@ -156,7 +156,8 @@ def test_param_check_refuses_float32_and_zero_coordinates():
 def test_registry_groups():
     groups = {case.group for case in EVERY_CASE}
     assert groups == set(GROUPS)
-    assert {c.op for c in all_cases("models")} == {"transformer", "gpt", "decoder", "mla", "cohere", "falcon", "olmo2"}
+    assert {c.op for c in all_cases("models")} == {"transformer", "gpt", "decoder", "mla", "cohere", "falcon", "olmo2",
+                                                     "gemma"}
     assert "flash_attention" in {c.op for c in all_cases("attention execution")}
     with pytest.raises(ValueError, match="group"):
         all_cases("model")

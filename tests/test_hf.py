@@ -37,8 +37,7 @@ from _hf_oracle import (REL, TOKENS, VOCAB, edit_config, float64_internals,  # n
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "gemma", "gemma2", "gemma3_text", "phi3")
-GEMMAS = ("gemma", "gemma2", "gemma3_text")
+               "deepseek_v3-moe", "phi3")
 EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe", "deepseek_v3-moe")
 
 
@@ -110,7 +109,7 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
     error = relative_error(z, reference)
     print(f"{variant}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if variant in SCALED or variant in ("qwen3", *EXPERTS, *GEMMAS,
+    if variant in SCALED or variant in ("qwen3", *EXPERTS,
                                         *QWEN_WINDOWS):  # float64 rounding
         assert error < 1e-13                                         # (~1e-15), with room to spare
 
@@ -161,11 +160,11 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", [*EXPERTS, *GEMMAS, *QWEN_WINDOWS])
-def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path):
+@pytest.mark.parametrize("variant", [*EXPERTS, *QWEN_WINDOWS])
+def test_cached_decode_of_experts_and_windows_equals_recomputing(variant, tmp_path):
     """Each decode step routes its one new token as the whole sequence routed it (E4 on one row);
-    Gemma's capped scores, local and global layers and their two RoPEs are the same one row at a
-    time."""
+    a window on some layers is the same one row at a time (Gemma's local layers:
+    tests/models/test_gemma_hf.py)."""
     from refmath.inference.kv_cache import decode_step, prefill
 
     model_type, overrides = VARIANTS[variant]
@@ -180,7 +179,7 @@ def test_cached_decode_of_experts_and_gemma_equals_recomputing(variant, tmp_path
         np.testing.assert_allclose(z, full[:, t], rtol=1e-11, atol=1e-11 * np.abs(full).max())
 
 
-@pytest.mark.parametrize("variant", ["qwen3", *EXPERTS, *GEMMAS, *sorted(SCALED)])
+@pytest.mark.parametrize("variant", ["qwen3", *EXPERTS, *sorted(SCALED)])
 def test_generate_hf_runs_each_new_type(variant, tmp_path):
     model_type, overrides = VARIANTS[variant]
     random_model(model_type, seed=6, **overrides).save_pretrained(tmp_path,
@@ -335,9 +334,6 @@ def test_refmath_trained_model_saved_loads_in_transformers(model_name, tmp_path,
 def refmath_configs():
     from refmath.models import decoder, gpt, mla
 
-    gemma = dict(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
-                 n_kv_heads=2, head_dim=6, d_ff=40, rope_base=300.0, norm_offset=1.0,
-                 embed_scale=True, ffn_activation="gelu_tanh", tie_embeddings=True)
     return {
         "qwen2 (q/k/v biases, tied, interleaved RoPE)": ("llama", decoder.DecoderConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
@@ -373,16 +369,6 @@ def refmath_configs():
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
             d_rope=4, head_dim=6, v_head_dim=10, q_lora_rank=8, latent_norm=True, d_ff=40,
             rope_layout="half", latent_norm_eps=1e-6, norm_eps=1e-5)),
-        "gemma (GeGLU, (1 + w) norms, scaled embeddings)": ("llama", decoder.DecoderConfig(
-            **gemma)),
-        "gemma2 (capped scores and logits, sandwich norms, a local layer)": (
-            "llama", decoder.DecoderConfig(**gemma, sandwich_norms=True, query_pre_attn_scalar=12.0,
-                                           attn_softcap=2.0, final_softcap=3.0, sliding_window=4,
-                                           window_layers=(True, False))),
-        "gemma3_text (QK-norm, the local layer's own RoPE)": ("llama", decoder.DecoderConfig(
-            **gemma, sandwich_norms=True, qk_norm="head", query_pre_attn_scalar=10.0,
-            sliding_window=4, window_layers=(True, False), local_rope_base=100.0,
-            rope_scaling=dict(rope_type="linear", factor=4.0))),
         "phi3 (LongRoPE past 8 tokens, sliding window 4, interleaved RoPE)": (
             "llama", decoder.DecoderConfig(
                 vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -443,8 +429,8 @@ def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp
     error = relative_error(z, hf_logits(float64_internals(model, monkeypatch), tokens))
     print(f"{label}: largest logit difference {error:.1e} of the largest logit")
     assert error < REL
-    if getattr(config, "moe", None) or getattr(config, "embed_scale", False):  # float64 rounding,
-        assert error < 1e-13                                                 # with room to spare
+    if getattr(config, "moe", None):  # float64 rounding,
+        assert error < 1e-13          # with room to spare
 
 
 def test_longrope_is_written_as_phi3_with_its_fused_projections(tmp_path):
@@ -525,27 +511,20 @@ def llama_dir(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, written", [
-    ("gemma2", "gemma2"), ("qwen3", "qwen3"),
+    ("qwen3", "qwen3"),
     ("mistral", "mistral"), ("llama", "llama"), ("gpt2", "gpt2"), ("deepseek_v3", "deepseek_v3"),
     # a Phi-3 without LongRoPE computes a windowed Mistral, and is written as one (hf.py's table)
     ("phi3", "mistral")])
 def test_a_checkpoint_reports_its_own_family(model_type, written, tmp_path):
-    """A Gemma 2 checkpoint is of the family "gemma2" though refmath's "llama" model computes it,
-    and saving what was loaded writes the family of what it computes."""
+    """A checkpoint reports its own family (a Qwen3 one "qwen3", though refmath's "llama" model
+    computes it), and saving what was loaded writes the family of what it computes (Gemma's:
+    tests/models/test_gemma_hf.py)."""
     random_model(model_type).save_pretrained(tmp_path / "in", safe_serialization=True)
     assert hf.checkpoint_family(hf.read_config(tmp_path / "in")) == model_type
     name, config, params = hf.load_checkpoint(tmp_path / "in")
     assert name == hf.config_from_hf(hf.read_config(tmp_path / "in"))[0]
     hf.save_checkpoint(tmp_path / "out", name, config, params)
     assert hf.checkpoint_family(hf.read_config(tmp_path / "out")) == written
-
-
-def test_generate_names_the_checkpoints_family(tmp_path):
-    random_model("gemma2").save_pretrained(tmp_path, safe_serialization=True)
-    status, _, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
-                               "--greedy", "--max-new-tokens", "2"])
-    assert status == 0, err
-    assert "a gemma2 checkpoint as refmath's llama model" in err
 
 
 def test_checkpoint_family_refuses_an_unsupported_model_type():

@@ -263,7 +263,7 @@ def _from_hf(args: argparse.Namespace) -> int:
     directory = Path(args.hf)
     hf_config = read_config(directory)
     config_from_hf(hf_config)  # refuse an unsupported model before any weight
-    family = checkpoint_family(hf_config)  # its own model_type, "gemma2" where the model is "llama"
+    family = checkpoint_family(hf_config)  # its own model_type, "gemma2" where the model is "gemma"
     tokenizer = _hf_tokenizer(directory)
     if args.prompt is not None:
         if tokenizer is None:

@@ -49,6 +49,7 @@ MODELS = {
     "cohere": ModelEntry("refmath.models.cohere", "CohereConfig", "M5", True),
     "falcon": ModelEntry("refmath.models.falcon", "FalconConfig", "M3", True),
     "olmo2": ModelEntry("refmath.models.olmo2", "OLMo2Config", "M3", True),
+    "gemma": ModelEntry("refmath.models.gemma", "GemmaConfig", "M3", True),
 }
 DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
 

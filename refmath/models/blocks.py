@@ -12,7 +12,8 @@ configuration: every size, kind and option arrives as an argument.
 A family file writes its layer as a list of these calls and its backward as the mirror
 (:mod:`refmath.models.decoder` for Llama and the families written as its options,
 :mod:`refmath.models.falcon` for the parallel block, :mod:`refmath.models.olmo2` for the norms
-after the sublayers, :mod:`refmath.models.cohere`).
+after the sublayers, :mod:`refmath.models.gemma` for the sandwich norms and GeGLU,
+:mod:`refmath.models.cohere`).
 """
 from __future__ import annotations
 

@@ -10,10 +10,9 @@ and the network is token embedding, ``L`` such layers, a final RMSNorm and an ou
 (untied by default), followed by the vocabulary softmax inside the cross-entropy. There are no
 biases (except, with ``qkv_bias``, on the query, key and value projections, as in Qwen2) and no
 learned or fixed position table: positions enter only through the rotation of queries and keys
-(RoPE, N10) inside attention. The configuration also adds a norm on each sublayer's output
-(Gemma 2 and 3's sandwich, :class:`DecoderConfig`). The parallel block of Falcon, PaLM and GPT-J
-is :mod:`refmath.models.falcon`'s, OLMo 2's norms after the sublayers only
-:mod:`refmath.models.olmo2`'s.
+(RoPE, N10) inside attention. The parallel block of Falcon, PaLM and GPT-J is
+:mod:`refmath.models.falcon`'s, OLMo 2's norms after the sublayers only
+:mod:`refmath.models.olmo2`'s, Gemma's options :mod:`refmath.models.gemma`'s.
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
 parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
@@ -44,9 +43,6 @@ Parameters (flat dict, row vectors ``x @ W`` with ``W`` shaped ``d_in x d_out``)
                                  the router and experts of refmath.moe
     ln_f.gamma                   (d,)
     lm_head                      (d, V)         absent when tie_embeddings (then W = tok_emb^T)
-
-``sandwich_norms`` adds ``layers.{i}.ln1_post`` and ``ln2_post`` (the norms after the
-sublayers).
 """
 from __future__ import annotations
 
@@ -57,22 +53,20 @@ import numpy as np
 
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
-from refmath import ffn as ffn_ops
 from refmath import moe as moe_ops
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
 from refmath.models import blocks
 # the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
 # under this module's name too (their paths before the split)
-from refmath.models.blocks import (PostNormCache, SublayerCache, ffn_backward, ffn_forward,
-                                   geglu_ffn_backward, norm_backward, post_normed,
-                                   post_normed_backward, sublayer_backward, sublayer_forward)
+from refmath.models.blocks import (SublayerCache, ffn_backward, ffn_forward, norm_backward,
+                                   sublayer_backward, sublayer_forward)
 from refmath.models.cases import (SelectionChanged, case_batch, case_params, model_case_maker,
                                    moe_case_maker, routed_experts, routing_margin)
 from refmath.models.contract import ANY, allowed
-from refmath.models.decoder_config import (FFN_ACTIVATIONS, PRESETS, QK_NORMS, DecoderConfig,
+from refmath.models.decoder_config import (PRESETS, QK_NORMS, DecoderConfig,
                                            FamilyConfig, attention_options, check_shared_fields,
                                            ffn_width, gain, layer_config, preset)
-from refmath.models.decoder_hf import (GEMMA_TYPES, HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
+from refmath.models.decoder_hf import (HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
                                        params_from_hf, to_hf)
 from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_stale,
                                            queries_keys, rope_attention_backward,
@@ -127,18 +121,13 @@ def ffn_shapes(config, layer: int) -> dict:
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
     """``{name: shape}`` of every parameter of a decoder with the given attention, in order."""
     d, vocab = config.d_model, config.vocab_size
-    sandwich = config.sandwich_norms
     shapes = {"tok_emb": (vocab, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
         shapes.update(norm_shapes(config, prefix + "ln1"))
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
-        if sandwich:
-            shapes.update(norm_shapes(config, prefix + "ln1_post"))
         shapes.update(norm_shapes(config, prefix + "ln2"))
-        if sandwich:
-            shapes.update(norm_shapes(config, prefix + "ln2_post"))
         for name, shape in ffn_shapes(config, i).items():
             shapes[prefix + "ffn." + name] = shape
     shapes.update(norm_shapes(config, "ln_f"))
@@ -148,10 +137,9 @@ def decoder_param_shapes(config, attention: AttentionOps) -> dict:
 
 
 def init_decoder_params(config, seed, dtype, attention: AttentionOps) -> dict:
-    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`); the
-    applied gains start at 1 (Gemma's stored ``w`` of ``1 + w`` at 0)."""
+    r"""Draw the parameters of a decoder with the given attention (see :func:`init_params`)."""
     return draw_params(decoder_param_shapes(config, attention), seed, dtype, config.init_std,
-                       config.n_layers, RESIDUAL_OUTPUTS, gain=1.0 - config.norm_offset)
+                       config.n_layers, RESIDUAL_OUTPUTS)
 
 
 def check_params(params, config, attention: AttentionOps) -> None:
@@ -200,32 +188,26 @@ def layer_norm(params: dict, name: str, config) -> Callable:
 
 
 def layer_ffn_forward(h, params: dict, config, layer: int):
-    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the dense gated FFN
-    (SwiGLU, GeGLU), or the mixture of experts (:func:`refmath.moe.moe_forward`) on a layer
+    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the SwiGLU, or the
+    mixture of experts (:func:`refmath.moe.moe_forward`) on a layer
     ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
         return moe_ops.moe_forward(h, params, config.moe)
-    return ffn_forward(h, params, config.ffn_activation)
+    return ffn_forward(h, params)
 
 
 class LayerCache(NamedTuple):
     attn: SublayerCache  # its branch cache is the attention's cache
     ffn: SublayerCache  # its branch cache is a SwiGLUCache, or a mixture of experts' cache
     moe: bool = False  # whether the feed-forward was the mixture of experts
-    sandwich: bool = False  # whether each branch ended in its own norm (PostNormCache)
-    geglu: bool = False  # whether the dense FFN gated with tanh-GELU
 
 
 def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
                   drops=(None, None)):
-    r"""The residual block around a layer's attention and FFN branches, with the norms where
-    ``config`` places them: Pre-norm sublayers one after the other (N2, N4), each branch's output
-    normalised too (``sandwich_norms``). ``params`` are the layer's (without ``layers.{i}.``); each branch maps rows to
-    ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
+    r"""The residual block around a layer's attention and FFN branches: Pre-norm sublayers one
+    after the other (N2, N4). ``params`` are the layer's (without ``layers.{i}.``); each branch
+    maps rows to ``(rows, cache)``. Returns ``(x'', attn, ffn)``, their :class:`SublayerCache`\ s.
     """
-    if config.sandwich_norms:
-        attn_branch = post_normed(attn_branch, layer_norm(params, "ln1_post", config))
-        ffn_branch = post_normed(ffn_branch, layer_norm(params, "ln2_post", config))
     x, attn = sublayer_forward(x, layer_norm(params, "ln1", config), attn_branch, drops[0])
     x, ffn = sublayer_forward(x, layer_norm(params, "ln2", config), ffn_branch, drops[1])
     return x, attn, ffn
@@ -235,8 +217,7 @@ def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
                   drops=(None, None)):
     r"""Decoder layer ``layer``: :math:`x' = x + \operatorname{Attn}(\operatorname{RMSNorm}(x))`,
     then :math:`x'' = x' + \operatorname{FFN}(\operatorname{RMSNorm}(x'))` with the SwiGLU or, on
-    a layer ``config.moe`` selects, the mixture of experts as FFN; the norms and the block's shape
-    as ``config`` says (:func:`block_forward`).
+    a layer ``config.moe`` selects, the mixture of experts as FFN (:func:`block_forward`).
 
     ``params`` are this layer's parameters without the ``layers.{i}.`` prefix; ``drops`` the two
     residual dropout multipliers. Returns ``(x'', cache)``.
@@ -246,9 +227,7 @@ def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
     x, attn, ffn = block_forward(
         x, params, config, lambda h: attention.forward(h, attn_params, config),
         lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
-    moe = is_moe_layer(config, layer)
-    geglu = not moe and config.ffn_activation == "gelu_tanh"
-    return x, LayerCache(attn, ffn, moe, config.sandwich_norms, geglu)
+    return x, LayerCache(attn, ffn, is_moe_layer(config, layer))
 
 
 def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
@@ -256,16 +235,11 @@ def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
 
     A mixture of experts' backward also carries the gradient of its auxiliary losses, which
     :func:`lm_forward` added to the loss."""
-    ffn_back = (moe_ops.moe_backward if cache.moe else geglu_ffn_backward if cache.geglu
-                else ffn_backward)
-    attn_back, post_grads = attention.backward, {}
-    if cache.sandwich:
-        ffn_back = post_normed_backward(ffn_back, post_grads, "ln2_post")
-        attn_back = post_normed_backward(attn_back, post_grads, "ln1_post")
+    ffn_back = moe_ops.moe_backward if cache.moe else ffn_backward
     dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
-    dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attn_back)
+    dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attention.backward)
     grads = {**prefixed("ln1", norm1), **prefixed("attn", attn_grads), **prefixed("ln2", norm2),
-             **prefixed("ffn", ffn_grads), **post_grads}
+             **prefixed("ffn", ffn_grads)}
     return dx, grads
 
 
@@ -280,8 +254,6 @@ class DecoderCache(NamedTuple):
     head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
     tied: bool
     loss: CrossEntropyCache | None  # None when the cache came from a logits-only pass
-    embed_scale: np.ndarray | None = None  # sqrt(d) times the embeddings (Gemma), or None
-    softcap: object = None  # the final logits' soft-capping cache (Gemma 2), or None
 
 
 def decoder_forward(params, tokens, config, attention: AttentionOps, train=False, rng=None):
@@ -298,9 +270,6 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
     drops = layer_dropout_masks(rng, tokens.shape + (config.d_model,), config.dropout, table.dtype,
                                 config.n_layers, train)
     x, emb = embedding_forward(tokens, table)
-    scale = embedding_scale(config, table.dtype)
-    if scale is not None:
-        x = x * scale
     layers = []
     for i in range(config.n_layers):
         x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), i, config, attention,
@@ -309,18 +278,7 @@ def decoder_forward(params, tokens, config, attention: AttentionOps, train=False
     x, norm_f = norm_forward(x, params, "ln_f", config)
     w_out = table.T if config.tie_embeddings else params["lm_head"]
     z, head = linear_forward(x, w_out)
-    cap = None
-    if config.final_softcap is not None:
-        z, cap = ffn_ops.softcap_forward(z, config.final_softcap)
-    return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None,
-                           scale, cap)
-
-
-def embedding_scale(config, dtype):
-    r"""The factor of the embeddings, :math:`\sqrt d` in the parameters' dtype (Gemma), or None."""
-    if not config.embed_scale:
-        return None
-    return np.asarray(math.sqrt(config.d_model), dtype=dtype)
+    return z, DecoderCache(attention, emb, tuple(layers), norm_f, head, config.tie_embeddings, None)
 
 
 def decoder_backward(dz, cache: DecoderCache) -> dict:
@@ -328,16 +286,12 @@ def decoder_backward(dz, cache: DecoderCache) -> dict:
 
     With tied embeddings the table gets both its lookup gradient and the head's (transposed).
     """
-    if cache.softcap is not None:
-        dz = ffn_ops.softcap_backward(dz, cache.softcap)
     dx, dw_out, _ = linear_backward(dz, cache.head)
     dx, norm_grads = norm_backward(dx, cache.norm_f)
     grads = prefixed("ln_f", norm_grads)
     for i in reversed(range(len(cache.layers))):
         dx, layer_grads = layer_backward(dx, cache.layers[i], cache.attention)
         grads.update(prefixed(f"layers.{i}", layer_grads))
-    if cache.embed_scale is not None:
-        dx = dx * cache.embed_scale
     dtable = embedding_backward(dx, cache.emb)
     if cache.tied:
         grads["tok_emb"] = dtable + dw_out.T
@@ -453,19 +407,14 @@ def cache_spec(config: DecoderConfig, batch: int, max_len: int) -> CacheSpec:
 def embed(params, tokens, config, offset: int) -> np.ndarray:
     """The new rows' embeddings ``(B, n, d)``; positions enter through RoPE only, so ``offset``
     changes nothing here."""
-    x = embedding_forward(tokens, params["tok_emb"])[0]
-    scale = embedding_scale(config, x.dtype)
-    return x if scale is None else x * scale
+    return embedding_forward(tokens, params["tok_emb"])[0]
 
 
 def head(params, x, config) -> np.ndarray:
     """Final norm and output projection of the new rows: logits ``(B, n, V)``."""
     x, _ = norm_forward(x, params, "ln_f", config)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    z = linear_forward(x, w_out)[0]
-    if config.final_softcap is not None:
-        z = ffn_ops.softcap_forward(z, config.final_softcap)[0]
-    return z
+    return linear_forward(x, w_out)[0]
 
 
 def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,
@@ -500,24 +449,19 @@ COMPILED_FIELDS = {
     # sizes, handed to the kernel as its shape (d_f from d_ff or ffn_multiple_of)
     "vocab_size": ANY, "max_seq_len": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY,
     "n_kv_heads": ANY, "head_dim": ANY, "d_ff": ANY, "ffn_multiple_of": ANY,
-    # the RMSNorms: eps, the gain as gain() applies it
-    "norm_eps": ANY, "norm_offset": ANY,
+    # the RMSNorms: eps
+    "norm_eps": ANY,
     # RoPE: the rotation at each position comes from rope_options (a rope scaling included; a
     # length-dependent one is refused at a step where it changes, see cache_stale)
     "rope_base": ANY, "rope_layout": ANY, "rope_scaling": ANY,
-    # attention: biases, and the score scale (query_pre_attn_scalar) as score_scale gives it
-    "qkv_bias": ANY, "query_pre_attn_scalar": ANY,
-    # the FFN: SwiGLU (not GeGLU)
-    "ffn_activation": ("silu",),
-    # outside the layers: embed (embed_scale) and head (tied table, final_softcap) run in NumPy
-    "tie_embeddings": ANY, "embed_scale": ANY, "final_softcap": ANY,
+    # attention: biases
+    "qkv_bias": ANY,
+    # outside the layers: embed and head (tied table) run in NumPy
+    "tie_embeddings": ANY,
     # training only: no decode step reads them
     "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
-    # the block: pre-norm sequential sublayers only
-    "sandwich_norms": (False,),
-    # not computed: every layer attends to every position with one dense FFN, no QK-norm, no cap
+    # not computed: every layer attends to every position with one dense FFN, no QK-norm
     "moe": (None,), "qk_norm": (None,), "sliding_window": (None,), "window_layers": (None,),
-    "local_rope_base": (None,), "attn_softcap": (None,),
 }
 
 
@@ -555,9 +499,8 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings,
                 sliding_window=config.sliding_window, window_layers=config.window_layers,
-                qk_norm=config.qk_norm, moe=config.moe, norm="rmsnorm",
-                mlp="geglu" if config.ffn_activation == "gelu_tanh" else "swiglu",
-                norms_per_layer=2 + 2 * config.sandwich_norms)
+                qk_norm=config.qk_norm, moe=config.moe, norm="rmsnorm", mlp="swiglu",
+                norms_per_layer=2)
 
 
 # ---- gradient-check cases ------------------------------------------------------------------------
@@ -608,8 +551,6 @@ _OPTIONS = {
     "YaRN with temperature, QK-norm": (dict(qk_norm="head", rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_seq_len=4, beta_fast=4.0, beta_slow=0.5)),
         ("N16", "N18")),
-    "Gemma 2's score scale and cap": (dict(query_pre_attn_scalar=6.0, attn_softcap=1.5),
-                                      ("N19",)),
 }
 for _label, (_fields, _ids) in _OPTIONS.items():
     _config = DecoderConfig(**_TINY, n_kv_heads=2, **_fields)
@@ -618,24 +559,6 @@ for _label, (_fields, _ids) in _OPTIONS.items():
                          *layer_case_ops(rope_attention_forward, rope_attention_backward),
                          ("x", *rope_attention_shapes(_config)), group="attention execution",
                          max_coords=12))
-# Gemma's options (N19, N20): the whole network, its capped logits and local layers included
-_GEMMA = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh", tie_embeddings=True,
-              sandwich_norms=True, sliding_window=3)
-register_case(ParamCase("decoder", "Gemma 2: GeGLU, (1 + w) and sandwich norms, caps, a local "
-                        "layer", ("M3", "N19", "N20", "A12"),
-                        model_case_maker(forward, init_params, DecoderConfig(
-                            **_TINY, **_GEMMA, n_kv_heads=2, query_pre_attn_scalar=6.0,
-                            attn_softcap=1.5, final_softcap=2.0, window_layers=(True, False)),
-                            train=False),
-                        backward, max_coords=2, step=2.5e-4))
-register_case(ParamCase("decoder", "Gemma 3: QK-norm, the local layer's own RoPE base, linear "
-                        "scaling on the global one", ("M3", "N13", "N18", "N20"),
-                        model_case_maker(forward, init_params, DecoderConfig(
-                            **_TINY, **_GEMMA, n_kv_heads=2, qk_norm="head",
-                            window_layers=(False, True), local_rope_base=100.0,
-                            rope_scaling=dict(rope_type="linear", factor=4.0)), train=False),
-                        backward, max_coords=2, step=2.5e-4))
-
 # Mixtures of experts (E1-E5) as the decoder's feed-forward, their auxiliary losses in the loss
 _EXPERT_CASES = {
     "Mixtral: 4 experts, top 2 renormalised, balance and z-losses": dict(moe=dict(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 from refmath._validate import (check_choice, check_field, check_flag, check_int, check_real,
                                check_window_layers)
@@ -19,7 +20,7 @@ from refmath.moe import MoEConfig, as_moe_config
 from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
 
 __all__ = [
-    "check_shared_fields", "ffn_width", "FamilyConfig", "QK_NORMS", "FFN_ACTIVATIONS",
+    "check_shared_fields", "ffn_width", "FamilyConfig", "QK_NORMS",
     "DecoderConfig", "gain", "attention_options", "layer_config", "PRESETS", "preset"
 ]
 
@@ -97,8 +98,6 @@ class FamilyConfig:
 
 
 QK_NORMS = ("head",)  # where QK-norm's RMSNorm runs (N18): over each head (OLMo 2's: olmo2.py)
-# the gate of the FFN: SwiGLU's SiLU (N7) or GeGLU's tanh-GELU (N20)
-FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,24 +123,16 @@ class DecoderConfig(FamilyConfig):
     (:class:`refmath.positions.RopeScaling` or a dict of its fields: linear, dynamic NTK, Llama 3.1's
     llama3, YaRN, LongRoPE; N13-N17). ``qk_norm`` RMS-normalises queries and keys before RoPE
     (N18): ``"head"`` over each head's ``d_h`` coordinates with one gain of ``d_h`` shared by the
-    heads (Qwen3, Gemma 3); ``None`` (the default) normalises neither. (OLMo 2's QK-norm over the
+    heads (Qwen3); ``None`` (the default) normalises neither. (OLMo 2's QK-norm over the
     whole projections is :mod:`refmath.models.olmo2`'s.)
 
     Per-layer attention: with ``window_layers`` (one flag per layer) only the flagged layers slide
-    their window of ``sliding_window``, the others attend to every earlier position (Gemma 2's
-    alternation, Gemma 3's five local layers per global one, GPT-3's banded and dense layers);
-    ``local_rope_base`` gives the sliding layers their own RoPE base, without ``rope_scaling``
-    (Gemma 3). Gemma's options: ``norm_offset`` = 1 makes every RMSNorm gain ``1 + gamma`` (the
-    stored gain starts at 0); ``embed_scale`` multiplies the embeddings by :math:`\sqrt d` (the
-    tied head still reads the unscaled table); ``ffn_activation`` ``"gelu_tanh"`` makes the gated
-    FFN a GeGLU; ``query_pre_attn_scalar`` = ``s`` scales the scores by :math:`1/\sqrt s` instead
-    of :math:`1/\sqrt{d_h}`; ``attn_softcap`` and ``final_softcap`` = ``c`` cap the attention
-    scores and the logits at :math:`c \tanh(x / c)` (Gemma 2); ``sandwich_norms`` adds an RMSNorm
-    on each sublayer's output before the residual sum (Gemma 2 and 3).
+    their window of ``sliding_window``, the others attend to every earlier position (Qwen2's and
+    Qwen3's upper or lower layers).
 
     The parallel block of Falcon, PaLM and GPT-J, with LayerNorm and the plain GELU FFN, is
     :mod:`refmath.models.falcon`'s; OLMo 2's norms after the sublayers only (N22)
-    :mod:`refmath.models.olmo2`'s.
+    :mod:`refmath.models.olmo2`'s, Gemma's options :mod:`refmath.models.gemma`'s.
     """
 
     n_kv_heads: int | None = None
@@ -150,14 +141,11 @@ class DecoderConfig(FamilyConfig):
     rope_scaling: RopeScaling | None = None
     qk_norm: str | None = None
     window_layers: tuple | None = None
-    local_rope_base: float | None = None
-    norm_offset: float = 0.0
-    embed_scale: bool = False
-    ffn_activation: str = "silu"
-    query_pre_attn_scalar: float | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    sandwich_norms: bool = False
+
+    # what the attention sublayer (refmath.models.rope_attention) reads of Gemma's options: none
+    norm_offset: ClassVar[float] = 0.0
+    query_pre_attn_scalar: ClassVar[float | None] = None
+    attn_softcap: ClassVar[float | None] = None
 
     def __post_init__(self):
         check_shared_fields(self)
@@ -165,16 +153,6 @@ class DecoderConfig(FamilyConfig):
         check_field(self, "qkv_bias", check_flag)
         check_field(self, "sliding_window", check_int, 1, optional=True)
         check_window_layers(self)
-        check_field(self, "local_rope_base", check_real, 1.0, low_open=True, optional=True)
-        if self.local_rope_base is not None and self.window_layers is None:
-            raise ValueError("DecoderConfig.local_rope_base is the RoPE base of the sliding layers "
-                             "of window_layers, which is None")
-        check_field(self, "norm_offset", check_real)
-        check_field(self, "embed_scale", check_flag)
-        check_field(self, "ffn_activation", check_choice, FFN_ACTIVATIONS)
-        check_field(self, "sandwich_norms", check_flag)
-        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
-            check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         object.__setattr__(self, "rope_scaling",
                            as_rope_scaling(self.rope_scaling, "DecoderConfig.rope_scaling"))
         check_field(self, "qk_norm", check_choice, QK_NORMS, optional=True)
@@ -198,15 +176,13 @@ class DecoderConfig(FamilyConfig):
 
     @property
     def score_scale(self) -> float:
-        r"""The factor of the attention scores: :math:`1/\sqrt{d_h}`, or
-        :math:`1/\sqrt{s}` with ``query_pre_attn_scalar`` = ``s``."""
-        return (self.d_h if self.query_pre_attn_scalar is None
-                else self.query_pre_attn_scalar) ** -0.5
+        r"""The factor of the attention scores: :math:`1/\sqrt{d_h}`."""
+        return self.d_h ** -0.5
 
 
 def gain(config, gamma):
-    """An RMSNorm's gain as the model applies it: ``gamma``, or ``norm_offset + gamma`` (Gemma
-    stores ``w`` and scales by ``1 + w``)."""
+    """An RMSNorm's gain as the model applies it: ``gamma``, or ``norm_offset + gamma`` (Gemma,
+    :mod:`refmath.models.gemma`, stores ``w`` and scales by ``1 + w``)."""
     offset = config.norm_offset
     return offset + gamma if offset else gamma
 
@@ -224,8 +200,8 @@ def attention_options(config) -> dict:
 
 def layer_config(config, layer: int):
     """The configuration layer ``layer`` computes with: ``config`` itself, or, with
-    ``window_layers``, ``config`` with that layer's window (``sliding_window`` or None) and RoPE
-    (``local_rope_base`` without scaling on a sliding layer). Built once per layer and kept."""
+    ``window_layers``, ``config`` with that layer's window (``sliding_window`` or None). Built once
+    per layer and kept."""
     if config.window_layers is None:
         return config
     return _layer_config(config, layer)
@@ -234,11 +210,8 @@ def layer_config(config, layer: int):
 @functools.lru_cache(maxsize=1024)
 def _layer_config(config, layer: int):
     slides = config.window_layers[layer]
-    fields = dict(window_layers=None, local_rope_base=None,
-                  sliding_window=config.sliding_window if slides else None)
-    if slides and config.local_rope_base is not None:
-        fields.update(rope_base=config.local_rope_base, rope_scaling=None)
-    return dataclasses.replace(config, **fields)
+    return dataclasses.replace(config, window_layers=None,
+                               sliding_window=config.sliding_window if slides else None)
 
 
 PRESETS = {

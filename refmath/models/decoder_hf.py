@@ -12,23 +12,22 @@ from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheck
                                       interleaved_to_half, linear_out, refuse, refuse_common,
                                       require, rope_context, rope_from_hf, rope_to_hf,
                                       swiglu_layers_to_hf, fuse_phi3, take_ends,
-                                      take_feed_forward_layer, take_phi3_layer, take_swiglu)
+                                      take_feed_forward_layer, take_phi3_layer)
 from refmath.models.decoder_config import DecoderConfig
 
 __all__ = [
-    "HF_MODEL_TYPES", "GEMMA_TYPES", "QWEN_TYPES", "config_from_hf", "params_from_hf", "to_hf"
+    "HF_MODEL_TYPES", "QWEN_TYPES", "config_from_hf", "params_from_hf", "to_hf"
 ]
 
 
-# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, gemma, olmo2, phi3 ----
+# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, phi3 ------------------
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
 # mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
-# gemma, gemma2 and gemma3_text with Gemma's options; phi3 with its fused projections and LongRoPE
-# (falcon is refmath.models.falcon's, olmo2 refmath.models.olmo2's)
+# phi3 with its fused projections and LongRoPE (falcon is refmath.models.falcon's, olmo2
+# refmath.models.olmo2's, gemma, gemma2 and gemma3_text refmath.models.gemma's)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "gemma", "gemma2", "gemma3_text", "phi3")
-GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+                  "phi3")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
 
@@ -105,82 +104,22 @@ def _moe_from_hf(hf: dict) -> MoEConfig | None:
                      d_shared=shared, shared_gate=shared > 0)
 
 
-def _gemma_from_hf(hf: dict) -> dict:
-    r"""The DecoderConfig fields of a gemma, gemma2 or gemma3_text config (none for the others).
-
-    Every Gemma scales its norms by ``1 + w`` and its embeddings by :math:`\sqrt d`, and gates
-    its FFN with tanh-GELU (Gemma 1's legacy ``hidden_act="gelu"`` meant that too, as transformers
-    reads it). Gemma 2 and 3 add the sandwich norms, ``query_pre_attn_scalar`` and local layers
-    (``layer_types``, or the released alternation when absent); Gemma 2 caps its scores and logits,
-    Gemma 3 normalises each head's queries and keys and gives its local layers their own RoPE.
-    """
-    kind = hf["model_type"]
-    if kind not in GEMMA_TYPES:
-        return {}
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu") or (act == "gelu" and kind != "gemma"):
-        refuse(hf, "hidden_activation", act, "refmath's GeGLU gates with tanh-GELU")
-    fields = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
-    if kind == "gemma":
-        return fields
-    if hf.get("use_bidirectional_attention"):
-        refuse(hf, "use_bidirectional_attention", True, "refmath's decoder is causal")
-    layers = int(hf["num_hidden_layers"])
-    pattern = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern",
-                                                     hf.get("_sliding_window_pattern", 6)))
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
-                                      "full_attention" for i in range(layers)]
-    slides = tuple(t == "sliding_attention" for t in types)
-    if set(types) - {"sliding_attention", "full_attention"} or len(types) != layers:
-        refuse(hf, "layer_types", types, "refmath reads one sliding_attention or full_attention "
-               "per layer")
-    fields.update(sandwich_norms=True,
-                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or
-                                              int(hf.get("head_dim") or 256)),
-                  attn_softcap=hf.get("attn_logit_softcapping"),
-                  final_softcap=hf.get("final_logit_softcapping"))
-    if any(slides):
-        fields.update(sliding_window=int(hf["sliding_window"]),
-                      window_layers=None if all(slides) else slides)
-    if kind == "gemma3_text":
-        fields["qk_norm"] = "head"
-        rope = hf.get("rope_parameters") or {}
-        if "sliding_attention" in rope:  # transformers 5: one rope per layer type
-            local = rope_from_hf({**hf, "rope_parameters": rope["sliding_attention"]})
-            fields["rope"] = rope_from_hf({**hf, "rope_parameters": rope["full_attention"]})
-        else:
-            local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
-            fields["rope"] = rope_from_hf(hf)
-        if local[1] is not None:
-            refuse(hf, "rope_parameters.sliding_attention", rope["sliding_attention"],
-                   "refmath's local layers rotate at their own base without a scaling")
-        if fields.get("window_layers") is not None:
-            fields["local_rope_base"] = local[0]
-        elif all(slides):  # every layer is local: the local rope is the rope
-            fields["rope"] = local
-    return fields
-
-
 def config_from_hf(hf: dict) -> DecoderConfig:
     kind = hf["model_type"]
-    refuse_common(hf, experts=kind in _EXPERT_LAYOUTS, softcap=kind in ("gemma2", "gemma3_text"))
-    gemma = _gemma_from_hf(hf)
-    if not gemma:
-        require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
+    refuse_common(hf, experts=kind in _EXPERT_LAYOUTS)
+    require(hf, "hidden_act", ("silu",), "silu", "refmath's SwiGLU gates with SiLU")
     if kind not in ("qwen2", "qwen2_moe"):
         require(hf, "attention_bias", (False,), False, "refmath's decoder has no bias on the "
                  "output projection (q/k/v biases alone are Qwen2's)")
     require(hf, "mlp_bias", (False,), False, "refmath's SwiGLU has no biases")
     heads = int(hf["num_attention_heads"])
-    base, scaling = gemma.pop("rope", None) or rope_from_hf(hf)
+    base, scaling = rope_from_hf(hf)
     qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
     fields = dict(qk_norm="head" if kind in ("qwen3", "qwen3_moe") else None,
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   sliding_window=_hf_window(hf))
     if kind in QWEN_TYPES:
         fields["sliding_window"], fields["window_layers"] = _qwen_windows(hf)
-    fields.update(gemma)
     return DecoderConfig(rope_scaling=scaling, moe=_moe_from_hf(hf), **fields,
         vocab_size=int(hf["vocab_size"]), max_seq_len=rope_context(hf, rope_from_hf(hf)[1]),
         d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
@@ -213,15 +152,8 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
             for name in ("q", "k"):
                 params[p + f"attn.{name}_norm.gamma"] = weights.take(
                     h + f"self_attn.{name}_norm.weight", (config.d_h,))
-        if config.sandwich_norms:  # Gemma 2/3: post_attention_layernorm is the attention's output
-            names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm")
-            for ours, theirs in zip(("ln1", "ln1_post", "ln2", "ln2_post"), names):
-                params[p + ours + ".gamma"] = weights.take(h + theirs + ".weight", (d,))
-            take_swiglu(weights, params, h, p, d, config.d_f)
-        else:
-            take_feed_forward_layer(weights, params, h, p, config, i,
-                                    _EXPERT_LAYOUTS.get(hf["model_type"]))
+        take_feed_forward_layer(weights, params, h, p, config, i,
+                                _EXPERT_LAYOUTS.get(hf["model_type"]))
         # Older Llama files store RoPE's frequencies as a buffer: derived from rope_theta.
         if weights.has(h + "self_attn.rotary_emb.inv_freq"):
             weights.skip(h + "self_attn.rotary_emb.inv_freq")
@@ -267,68 +199,14 @@ def _moe_kind(config: DecoderConfig) -> str:
     return "mixtral"
 
 
-def _gemma_kind(config: DecoderConfig) -> str | None:
-    """gemma, gemma2 or gemma3_text for a config with Gemma's options (None without any of them);
-    a mixture of Gemma's options and others no Gemma has is refused."""
-    options = dict(norm_offset=config.norm_offset != 0.0, embed_scale=config.embed_scale,
-                   ffn_activation=config.ffn_activation != "silu",
-                   sandwich_norms=config.sandwich_norms,
-                   query_pre_attn_scalar=config.query_pre_attn_scalar is not None,
-                   attn_softcap=config.attn_softcap is not None,
-                   final_softcap=config.final_softcap is not None,
-                   local_rope_base=config.local_rope_base is not None)
-    if not any(options.values()):
-        return None
-    kind = ("gemma3_text" if config.qk_norm == "head" else "gemma2" if config.sandwich_norms
-            else "gemma")
-    needed = dict(norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-                  tie_embeddings=True, moe=None, qkv_bias=False)
-    if kind == "gemma":
-        needed.update(query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
-                      sliding_window=None)
-    else:
-        needed.update(sandwich_norms=True, qk_norm="head" if kind == "gemma3_text" else None)
-    for field, value in needed.items():
-        if getattr(config, field) != value:
-            raise HFCheckpointError(f"a decoder with Gemma's options is written as {kind}, which "
-                                    f"needs {field} = {value!r}; this config has "
-                                    f"{getattr(config, field)!r}")
-    return kind
-
-
-def _gemma_to_hf(config: DecoderConfig, kind: str, hf: dict) -> None:
-    """The fields a gemma, gemma2 or gemma3_text config adds to the Llama ones in ``hf``."""
-    if kind == "gemma":
-        hf.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
-        return
-    slides = config.window_layers or (config.sliding_window is not None,) * config.n_layers
-    hf.pop("hidden_act")
-    scalar = (config.d_h if config.query_pre_attn_scalar is None
-              else config.query_pre_attn_scalar)
-    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-              # transformers' Gemma configs take an integer where it is one
-              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-              attn_logit_softcapping=config.attn_softcap,
-              final_logit_softcapping=config.final_softcap,
-              sliding_window=config.sliding_window or config.max_seq_len,
-              layer_types=["sliding_attention" if f else "full_attention" for f in slides])
-    if kind == "gemma3_text":
-        local = config.rope_base if config.local_rope_base is None else config.local_rope_base
-        hf.update(use_bidirectional_attention=False, rope_parameters={
-            "full_attention": hf["rope_parameters"],
-            "sliding_attention": {"rope_type": "default", "rope_theta": local}})
-
-
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
-    """The Hugging Face type of a decoder without Gemma's options: llama, mistral (a window),
+    """The Hugging Face type of a decoder: llama, mistral (a window),
     qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
     MoE. Qwen2 and Qwen3 slide their window on the layers their ``layer_types`` name, so they
     take a window on every layer or on some (``window_layers``)."""
@@ -343,8 +221,8 @@ def _llama_kind(config: DecoderConfig) -> str:
                                 "biases without an output bias; this config has qkv_bias = True")
     if config.window_layers is not None and not (config.qk_norm or config.qkv_bias):
         raise HFCheckpointError("window_layers (a window on some layers only) is written as "
-                                "qwen2 (with qkv_bias), qwen3 (with qk_norm), or gemma2 and "
-                                "gemma3_text (with Gemma's other options)")
+                                "qwen2 (with qkv_bias), qwen3 (with qk_norm), or, as Gemma 2 "
+                                "or 3, by refmath.models.gemma")
     if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
             and not config.qk_norm and not config.qkv_bias
             and config.d_h * config.n_heads == config.d_model):
@@ -368,8 +246,7 @@ def _qwen_window_fields(config: DecoderConfig) -> dict:
 
 
 def to_hf(config: DecoderConfig, params: dict):
-    kind = _gemma_kind(config) or _llama_kind(config)
-    gemma = kind if kind in GEMMA_TYPES else None
+    kind = _llama_kind(config)
     architecture = _ARCHITECTURES[kind]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
     hf = {"model_type": kind, "architectures": [architecture],
@@ -383,9 +260,7 @@ def to_hf(config: DecoderConfig, params: dict):
           "tie_word_embeddings": config.tie_embeddings}
     if kind == "phi3":  # its defaults name ids a small vocabulary may not have; a tokenizer
         hf.update(_NO_TOKEN_IDS)  # saved beside the weights sets them (save_tokenizer)
-    if gemma:
-        _gemma_to_hf(config, kind, hf)
-    elif kind == "llama":
+    if kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
     elif kind == "phi3":
         hf.update(sliding_window=config.sliding_window,

@@ -292,19 +292,13 @@ def linear_out(w: np.ndarray) -> np.ndarray:
 
 def swiglu_layers_to_hf(config, params: dict, tensors: dict,
                         layout: ExpertLayout | None = None) -> None:
-    """Every layer's norms (Llama's two or Gemma 2's four) and
+    """Every layer's two norms and
     feed-forward (a mixture of experts in ``layout`` where ``config.moe`` has one), the token
     table, the final norm and the head, under Llama's names."""
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
-        if config.sandwich_norms:  # Gemma 2/3's names for the four norms
-            tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
-            tensors[h + "post_attention_layernorm.weight"] = params[p + "ln1_post.gamma"]
-            tensors[h + "pre_feedforward_layernorm.weight"] = params[p + "ln2.gamma"]
-            tensors[h + "post_feedforward_layernorm.weight"] = params[p + "ln2_post.gamma"]
-        else:
-            tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
-            tensors[h + "post_attention_layernorm.weight"] = params[p + "ln2.gamma"]
+        tensors[h + "input_layernorm.weight"] = params[p + "ln1.gamma"]
+        tensors[h + "post_attention_layernorm.weight"] = params[p + "ln2.gamma"]
         if _moe_layer(config, i):
             moe_to_hf(params, tensors, h, p, config, layout)
             continue

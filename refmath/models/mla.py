@@ -109,10 +109,6 @@ class MLAConfig(FamilyConfig):
     # M3's block, which M4 keeps as it is: the options of DecoderConfig that the shared layer code
     # (refmath.models.decoder) reads, fixed at Llama's values (class constants, not fields)
     norm_offset: ClassVar[float] = 0.0
-    sandwich_norms: ClassVar[bool] = False
-    ffn_activation: ClassVar[str] = "silu"
-    embed_scale: ClassVar[bool] = False
-    final_softcap: ClassVar[float | None] = None
     window_layers: ClassVar[tuple | None] = None
 
     def __post_init__(self):

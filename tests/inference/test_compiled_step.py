@@ -16,6 +16,7 @@ from refmath.inference.weight_layout import decode_layout
 from refmath.models import model_module
 from refmath.models.decoder import DecoderConfig
 from refmath.models.falcon import FalconConfig
+from refmath.models.gemma import GemmaConfig
 from refmath.models.gpt import GPTConfig
 from refmath.models.mla import MLAConfig
 from refmath.moe import MoEConfig
@@ -38,10 +39,6 @@ CASES = {
         LLAMA, n_kv_heads=1, qkv_bias=True, rope_layout="interleaved",
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_seq_len=8))),
-    # Gemma's options that act outside the layers or through their gains and score scale
-    "llama-gemma-options": ("llama", dataclasses.replace(
-        LLAMA, norm_offset=1.0, embed_scale=True, query_pre_attn_scalar=16.0, final_softcap=30.0,
-        tie_embeddings=True)),
 }
 
 
@@ -101,17 +98,16 @@ def test_generate_on_the_cpu_backend_steps_through_the_compiled_layers(monkeypat
 @pytest.mark.parametrize("model, config", [
     ("llama", dataclasses.replace(LLAMA, qk_norm="head")),
     ("llama", dataclasses.replace(LLAMA, sliding_window=4)),
-    ("llama", dataclasses.replace(LLAMA, attn_softcap=50.0)),
-    ("llama", dataclasses.replace(LLAMA, sandwich_norms=True)),
     ("falcon", FalconConfig(vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4,
                             n_kv_heads=2, d_ff=48, rope_layout="half")),
-    ("llama", dataclasses.replace(LLAMA, ffn_activation="gelu_tanh")),  # GeGLU
+    ("gemma", GemmaConfig(vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4,
+                          n_kv_heads=2, head_dim=8, d_ff=48, rope_layout="half")),  # GeGLU
     ("llama", dataclasses.replace(LLAMA, moe=MoEConfig(n_experts=4, top_k=2, d_expert=16))),
     ("gpt", dataclasses.replace(GPT, norm_position="post")),
     ("gpt", dataclasses.replace(GPT, sliding_window=4)),
     ("mla", MLAConfig(vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4, d_c=16,
                       d_rope=8, d_ff=48)),
-], ids=["qk-norm", "window", "softcap", "sandwich", "parallel", "geglu", "moe", "post-ln",
+], ids=["qk-norm", "window", "parallel", "gemma-geglu", "moe", "post-ln",
         "gpt-window", "mla"])
 def test_a_layer_the_compiled_step_does_not_compute_keeps_the_numpy_step(model, config):
     module = model_module(model)

@@ -21,7 +21,7 @@ from refmath.inference.kv_cache import (
     generate_naive,
     prefill,
 )
-from refmath.models import common, decoder, gpt, mla
+from refmath.models import common, decoder, gemma, gpt, mla
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
 from _support import float32_rule
@@ -59,15 +59,18 @@ CONFIGS = {
 }
 # Sliding layers (A12): their caches keep only the window's rows, so every test of the contents
 # above (which reads positions 0..T-1 back) would not apply; the tests below are theirs. Layers 0
-# and 2 slide a window of 3 with their own RoPE base (Gemma 2's alternation, Gemma 3's local
-# base); "decoder-all-slide" slides every layer (Mistral).
+# and 2 slide a window of 3 (Qwen2's window on some layers; Gemma 3's with their own RoPE base);
+# "decoder-all-slide" slides every layer (Mistral).
 WINDOWED = {
     "decoder-windows": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX,
                                                        d_model=16, n_layers=3, n_heads=4,
                                                        n_kv_heads=2, ffn_multiple_of=8,
                                                        init_std=0.3, sliding_window=3,
-                                                       window_layers=(True, False, True),
-                                                       local_rope_base=100.0)),
+                                                       window_layers=(True, False, True))),
+    "gemma-windows": (gemma, gemma.GemmaConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16,
+                                               n_layers=3, n_heads=4, n_kv_heads=2, head_dim=4,
+                                               d_ff=48, init_std=0.3, generation=3,
+                                               windows=(3, None, 3), local_rope_base=100.0)),
     "decoder-all-slide": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX,
                                                          d_model=16, n_layers=2, n_heads=4,
                                                          n_kv_heads=1, ffn_multiple_of=8,
@@ -766,7 +769,7 @@ def test_sliding_layers_keep_their_window_and_decode_equals_recomputation(name, 
     module, config, params = setup(name)
     tokens = random_tokens((2, T_MAX), seed=21)
     z, cache = prefill(module, params, config, tokens[:, :p], all_logits=True)
-    windows = [decoder.layer_config(config, i).sliding_window for i in range(config.n_layers)]
+    windows = [module.layer_config(config, i).sliding_window for i in range(config.n_layers)]
     assert [cache.keys[i].shape[2] for i in range(config.n_layers)] == \
         [T_MAX if w is None else w for w in windows]
     assert [cache.ring_size(i) for i in range(config.n_layers)] == windows
@@ -776,7 +779,7 @@ def test_sliding_layers_keep_their_window_and_decode_equals_recomputation(name, 
         expected = module.logits(params, tokens[:, :t + 1], config)[:, -1]
         np.testing.assert_allclose(z_t, expected, rtol=RTOL, atol=0)
     # What each layer still holds is the model's own keys and values of its last positions.
-    train = decoder.layer_kv(model_cache(module, params, config, tokens))
+    train = module.layer_kv(model_cache(module, params, config, tokens))
     for i, (k_ref, v_ref) in enumerate(train):
         first = 0 if windows[i] is None else T_MAX - windows[i]
         assert cache.first_kept(i) == first

@@ -40,9 +40,12 @@ _GPT = dict(vocab_size=61, max_seq_len=16, n_layers=2, d_model=32, n_heads=4, d_
 BASES = {
     "llama": dict(_LLAMA),
     "llama-biases": dict(_LLAMA, qkv_bias=True),
-    "gemma": dict(_LLAMA, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-                  tie_embeddings=True, sandwich_norms=True, qk_norm="head", sliding_window=3,
-                  window_layers=(True, False), local_rope_base=100.0, attn_softcap=50.0),
+    "llama-window": dict(_LLAMA, qk_norm="head", sliding_window=3),  # Qwen3's, on some layers
+    "gemma": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                  n_kv_heads=2, head_dim=8, d_ff=48, rope_layout="half", generation=3,
+                  windows=(3, None), local_rope_base=100.0, attn_softcap=50.0),
+    "gemma1": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                   n_kv_heads=2, head_dim=8, d_ff=48),
     "falcon": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
                    n_kv_heads=2, d_ff=48, rope_layout="half", parallel_norms=2),
     "falcon-sequential": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
@@ -59,20 +62,21 @@ BASES = {
 }
 MODEL_OF = {"gpt": "gpt", "gpt-post": "gpt", "gpt-banded": "gpt", "mla": "mla",
             "cohere": "cohere", "falcon": "falcon", "olmo2": "olmo2",
-            "falcon-sequential": "falcon"}  # the others are "llama"
+            "falcon-sequential": "falcon", "gemma": "gemma",
+            "gemma1": "gemma"}  # the others are "llama"
 
 # Values to try for a field besides the generic ones (the other flag, a nearby number): the
 # choices of the string fields and a value for the fields whose default is None.
 HINTS = {
     "norm": ("layernorm", "layernorm_no_bias"),
     "ffn": ("gelu", "gelu_tanh", "swiglu"),
-    "ffn_activation": ("silu", "gelu_tanh"),
     "rope_layout": ("interleaved", "half"),
     "attention_backend": ("cpu", "numpy"),
     "norm_position": ("pre", "post"),
     "qk_norm": ("head", "projection", None, True, False),
     "head_dim": (16, None), "d_ff": (40,), "n_kv_heads": (1, 4, None),
     "sliding_window": (3, None), "window_layers": ((True, False), (False, True), None),
+    "windows": ((None, 3), (3, 3), None), "generation": (2, 1),
     "local_rope_base": (100.0, None), "query_pre_attn_scalar": (16.0, None),
     "attn_softcap": (20.0, None), "final_softcap": (5.0, None),
     "rope_scaling": (dict(rope_type="linear", factor=2.0),

@@ -46,8 +46,8 @@ def test_a_missing_name_is_an_import_error_naming_the_module_and_the_name(hook):
 
 
 def test_an_allow_list_that_leaves_a_field_out_is_an_import_error():
-    fields = {k: v for k, v in model_module("llama").COMPILED_FIELDS.items() if k != "norm_offset"}
-    with pytest.raises(ImportError, match=r"COMPILED_FIELDS does not say .*DecoderConfig\.norm_offset"):
+    fields = {k: v for k, v in model_module("llama").COMPILED_FIELDS.items() if k != "qkv_bias"}
+    with pytest.raises(ImportError, match=r"COMPILED_FIELDS does not say .*DecoderConfig\.qkv_bias"):
         contract.check_module(_fake(None, fields), "DecoderConfig", decoder_only=True)
 
 
@@ -90,7 +90,7 @@ def test_the_compiled_step_asks_the_allow_list():
     config = DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=1, n_heads=2)
     params = {k: v.astype(np.float32) for k, v in llama.init_params(config).items()}
     assert compiled_step.compiled_layers(llama, params, config) is not None
-    for field, value in [("qk_norm", "head"), ("sliding_window", 4), ("attn_softcap", 5.0)]:
+    for field, value in [("qk_norm", "head"), ("sliding_window", 4)]:
         changed = dataclasses.replace(config, **{field: value})
         p = {k: v.astype(np.float32) for k, v in llama.init_params(changed).items()}
         assert compiled_step.compiled_layers(llama, p, changed) is None, field
@@ -110,7 +110,10 @@ def test_the_hooks_answer_for_a_plain_config(name):
                                    "falcon": dict(vocab_size=11, max_seq_len=8, d_model=16,
                                                   n_layers=1, n_heads=2),
                                    "olmo2": dict(vocab_size=11, max_seq_len=8, d_model=16,
-                                                 n_layers=1, n_heads=2)}[name])
+                                                 n_layers=1, n_heads=2),
+                                   "gemma": dict(vocab_size=11, max_seq_len=8, d_model=16,
+                                                 n_layers=1, n_heads=2, head_dim=8,
+                                                 d_ff=24)}[name])
     assert module.cache_stale(config, 4, 1) is False
     rope = module.rope_options(config, 3, 4)
     assert rope is None or rope["offset"] == 3

@@ -11,7 +11,8 @@ checks against transformers' initialisers), the rotation and its gradient stay t
 Gemma's options are written as Gemma's own code writes them: ``(1 + w)`` gains, the embedding
 times :math:`\sqrt d`, ``F.gelu(approximate="tanh")`` as the gate, the scores as an explicit
 product with ``cap * tanh(s / cap)`` before the mask (SDPA has no cap), an RMSNorm on each
-sublayer's output, and per-layer windows and RoPE bases. A mixture-of-experts layer is
+sublayer's output, and per-layer windows and RoPE bases (:mod:`refmath.models.gemma`). A
+mixture-of-experts layer is
 ``tests/_torch_moe.py``'s (``torch.topk``, ``index_add``), its auxiliary losses added to the loss.
 The block's other shapes are written out as their models compute them: a parallel block as one
 sum ``x + attn(h1) + ffn(h2)`` (Falcon, PaLM: :mod:`refmath.models.falcon`), ``F.layer_norm``
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from refmath.models import decoder, falcon, olmo2
+from refmath.models import decoder, falcon, gemma, olmo2
 from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 
 torch = pytest.importorskip("torch", reason="PyTorch is the oracle; install the 'oracle' extra")
@@ -65,6 +66,33 @@ def attention(q, k, v, config, window):
     behind = torch.arange(t)[:, None] - torch.arange(t)[None, :]  # query minus key position
     visible = (behind >= 0) & (behind < (t if window is None else window))
     return torch.softmax(s.masked_fill(~visible, -torch.inf), dim=-1) @ v
+
+
+# The options of Gemma (refmath.models.gemma) at their plain values: what a Llama-family config
+# lacks, for torch_decoder, which reads them
+PLAIN = dict(norm_offset=0.0, embed_scale=False, local_rope_base=None, query_pre_attn_scalar=None,
+             attn_softcap=None, final_softcap=None, sandwich_norms=False, ffn_activation="silu")
+
+
+def llama_view(config: DecoderConfig) -> SimpleNamespace:
+    """A DecoderConfig as :func:`torch_decoder` reads a configuration: its fields, and Gemma's
+    options at their plain values."""
+    return SimpleNamespace(**{**dataclasses.asdict(config), **PLAIN, "moe": config.moe,
+                              "rope_scaling": config.rope_scaling},
+                           kv_heads=config.kv_heads, d_h=config.d_h)
+
+
+def gemma_view(config: gemma.GemmaConfig) -> SimpleNamespace:
+    """A GemmaConfig as :func:`torch_decoder` reads a configuration: Gemma's options, its layers'
+    windows as one window and the flags of the layers that slide it."""
+    windows = config.windows or (None,) * config.n_layers
+    window = next((w for w in windows if w is not None), None)
+    return SimpleNamespace(
+        **{**dataclasses.asdict(config), "rope_scaling": config.rope_scaling},
+        kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+        sandwich_norms=config.sandwich_norms, qk_norm=config.qk_norm, tie_embeddings=True,
+        dropout=0.0, moe=None, qkv_bias=False, sliding_window=window,
+        window_layers=None if window is None else tuple(w is not None for w in windows))
 
 
 def falcon_view(config: falcon.FalconConfig) -> SimpleNamespace:
@@ -201,17 +229,6 @@ CASES = {
     "LongRoPE past 4 tokens": dict(n_kv_heads=2, rope_scaling=dict(
         rope_type="longrope", factor=4.0, original_max_seq_len=4, short_factor=(1.0, 2.0),
         long_factor=(1.5, 5.0))),
-    "Gemma: GeGLU, (1 + w) gains, scaled embeddings, tied": dict(
-        n_kv_heads=1, head_dim=6, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-        tie_embeddings=True),
-    "Gemma 2: caps, sandwich norms, a local layer, dropout": dict(
-        n_kv_heads=2, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-        sandwich_norms=True, query_pre_attn_scalar=6.0, attn_softcap=1.5, final_softcap=2.0,
-        sliding_window=3, window_layers=(True, False), dropout=0.2),
-    "Gemma 3: QK-norm, local layer with its own RoPE base": dict(
-        n_kv_heads=2, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
-        sandwich_norms=True, qk_norm="head", sliding_window=3, window_layers=(False, True),
-        local_rope_base=100.0, rope_scaling=dict(rope_type="linear", factor=4.0)),
     "Mixtral's experts: top 2 of 4 renormalised, balance and z-losses": dict(
         n_kv_heads=2, moe=dict(n_experts=4, top_k=2, d_expert=8, norm_topk=True,
                                balance_coef=0.05, z_coef=0.01)),
@@ -219,6 +236,18 @@ CASES = {
         n_kv_heads=2, qkv_bias=True, moe=dict(n_experts=4, top_k=2, d_expert=8, d_shared=12,
                                               shared_gate=True, first_dense=1,
                                               balance_coef=0.05)),
+}
+
+
+# Gemma's file (refmath.models.gemma), with the same oracle
+GEMMA_CASES = {
+    "Gemma: GeGLU, (1 + w) gains, scaled embeddings, tied": dict(n_kv_heads=1, head_dim=6),
+    "Gemma 2: caps, sandwich norms, a local layer": dict(
+        n_kv_heads=2, generation=2, query_pre_attn_scalar=6.0, attn_softcap=1.5,
+        final_softcap=2.0, windows=(3, None)),
+    "Gemma 3: QK-norm, local layer with its own RoPE base": dict(
+        n_kv_heads=2, generation=3, windows=(None, 3), local_rope_base=100.0,
+        rope_scaling=dict(rope_type="linear", factor=4.0)),
 }
 
 
@@ -247,7 +276,15 @@ OLMO2_CASES = {
 def test_loss_logits_and_every_gradient_equal_torch_m3(overrides):
     config = DecoderConfig(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2, n_heads=4,
                            ffn_multiple_of=8, init_std=0.25, **overrides)
-    equal_torch(decoder, config, config)
+    equal_torch(decoder, config, llama_view(config))
+
+
+@pytest.mark.parametrize("overrides", GEMMA_CASES.values(), ids=GEMMA_CASES.keys())
+def test_gemma_loss_logits_and_every_gradient_equal_torch(overrides):
+    config = gemma.GemmaConfig(**{**dict(vocab_size=V, max_seq_len=T, d_model=16, n_layers=2,
+                                         n_heads=4, head_dim=4, d_ff=48, init_std=0.25),
+                                  **overrides})
+    equal_torch(gemma, config, gemma_view(config))
 
 
 @pytest.mark.parametrize("overrides", FALCON_CASES.values(), ids=FALCON_CASES.keys())
