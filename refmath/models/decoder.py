@@ -54,7 +54,7 @@ import numpy as np
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward
 from refmath import moe as moe_ops
-from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from refmath.losses import IGNORE_INDEX, CrossEntropyCache
 from refmath.models import blocks
 # the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
 # under this module's name too (their paths before the split)
@@ -76,7 +76,8 @@ from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_s
 from refmath.models.common import (AttentionOps, CacheSpec, TrainingRecipe, layer_dropout_masks,
                                    prefixed, sub_params)
 from refmath.models.params import check_param_dict, draw_params
-from refmath.models.batch import check_lm_batch, check_tokens
+from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
+                                  next_token_loss_backward)
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 __all__ = [
@@ -308,10 +309,10 @@ def lm_forward(params, batch, config, attention: AttentionOps, train=False, rng=
     check_params(params, config, attention)
     tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = decoder_forward(params, tokens, config, attention, train, rng)
-    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
+    loss, cache = next_token_loss(z, cache, targets, loss_mask)
     if config.moe is not None:
         loss = (loss + moe_aux_loss(cache)).astype(loss.dtype)
-    return loss, cache._replace(loss=ce)
+    return loss, cache
 
 
 def moe_aux_loss(cache: DecoderCache) -> float:
@@ -364,9 +365,7 @@ def backward(cache: DecoderCache) -> dict:
 
     Works for any decoder of this family (M4 too): the cache records which attention ran.
     """
-    if cache.loss is None:
-        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
-    return decoder_backward(cross_entropy_backward(1.0, cache.loss), cache)
+    return next_token_loss_backward(cache, decoder_backward)
 
 
 def decoder_logits(params, tokens, config, attention: AttentionOps) -> np.ndarray:

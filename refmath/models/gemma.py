@@ -56,10 +56,10 @@ from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (LinearCache, SoftcapCache, linear_backward, linear_forward,
                          softcap_backward, softcap_forward)
-from refmath.losses import (IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward,
-                            cross_entropy_forward)
+from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
-from refmath.models.batch import check_lm_batch, check_tokens
+from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
+                                  next_token_loss_backward)
 from refmath.models.cases import model_case_maker
 from refmath.models.common import (CacheSpec, TrainingRecipe, prefixed, sub_params,
                                    layer_dropout_masks)
@@ -377,15 +377,12 @@ def forward(params, batch, config: GemmaConfig, train: bool = False, rng=None):
     check_param_dict(params, param_shapes(config))  # param_shapes checks the config's class
     tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = network_forward(params, tokens, config, train, rng)
-    loss, ce = cross_entropy_forward(z, targets, ignore_index=IGNORE_INDEX, loss_mask=loss_mask)
-    return loss, cache._replace(loss=ce)
+    return next_token_loss(z, cache, targets, loss_mask)
 
 
 def backward(cache: GemmaCache) -> dict:
     """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
-    if cache.loss is None:
-        raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
-    return network_backward(cross_entropy_backward(1.0, cache.loss), cache)
+    return next_token_loss_backward(cache, network_backward)
 
 
 def logits(params, tokens, config: GemmaConfig) -> np.ndarray:
