@@ -17,9 +17,9 @@ refmath's weights are laid out by refmath.inference.weight_layout.decode_layout 
 before any timing; --layout stored keeps the loader's (in, out) rows. Its decode-step products
 (--products) are generate's own choice by default: on --backend cpu, refmath.kernels.rows_matmul
 with two or more threads or in the decode layout, otherwise NumPy's BLAS. "blas" and "kernel" fix
-one of them (refmath.ffn.compiled_rows(False) or compiled_rows()); "both" times BLAS's, and
-rows_matmul's as a third side in the same turns, and prints the two side by side. Wherever the
-products run on rows_matmul, each decode step runs every layer in one compiled call
+one of them (products=refmath.fast.products.blas_products or kernel_products); "both" times
+BLAS's, and rows_matmul's as a third side in the same turns, and prints the two side by side.
+Wherever the products run on rows_matmul, each decode step runs every layer in one compiled call
 (refmath.inference.compiled_step); on BLAS's products the NumPy layers run.
 
 The generated token ids must be identical (printed: yes, or the first position where they part).
@@ -80,7 +80,7 @@ from _bandwidth import ReadReference
 from _common import fmt_bytes, interleaved_best_ms, load_average
 
 from refmath import hf, kernels, train
-from refmath.ffn import compiled_rows
+from refmath.fast.products import blas_products, kernel_products
 from refmath.data import make_task
 from refmath.inference.generate import generate
 from refmath.inference.weight_layout import decode_layout
@@ -120,7 +120,7 @@ def parse_args(argv=None):
     parser.add_argument("--products", choices=PRODUCTS, default="default",
                         help="refmath's decode-step products: generate's choice (rows_matmul on "
                              "--backend cpu with 2+ threads, BLAS otherwise), NumPy's BLAS, "
-                             "refmath.kernels.rows_matmul (inside refmath.ffn.compiled_rows), or "
+                             "refmath.kernels.rows_matmul (refmath.fast.products), or "
                              "both: BLAS, and rows_matmul timed in the same turns as a third side")
     parser.add_argument("--layout", choices=("decode", "stored"), default="decode",
                         help="refmath's weight matrices as the rows of W^T (decode_layout) or as "
@@ -197,19 +197,19 @@ def sides(model, config, params, t_model, prompt, tokens, backend, products):
                                                pad_token_id=0, eos_token_id=None)
     t_model.generation_config = generation
 
-    def ours(kernel=None):  # None: generate's own choice of products
-        with compiled_rows(kernel) if kernel is not None else contextlib.nullcontext():
-            return generate(model, params, config, prompt, tokens, greedy=True,
-                            backend=backend)[-tokens:]
+    def ours(choice=None):  # None: generate's own choice of products
+        return generate(model, params, config, prompt, tokens, greedy=True, backend=backend,
+                        products=choice)[-tokens:]
 
     def theirs():
         with torch.inference_mode():
             out = t_model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
         return out[0, -tokens:].numpy()
-    kernel = {"default": None, "blas": False, "kernel": True, "both": False}[products]
-    fns = {"refmath": lambda: ours(kernel), "transformers": theirs}
+    choice = {"default": None, "blas": blas_products, "kernel": kernel_products,
+              "both": blas_products}[products]
+    fns = {"refmath": lambda: ours(choice), "transformers": theirs}
     if products == "both":
-        fns["refmath, rows_matmul"] = lambda: ours(True)
+        fns["refmath, rows_matmul"] = lambda: ours(kernel_products)
     return fns
 
 

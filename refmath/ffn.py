@@ -6,19 +6,16 @@ Row vectors throughout: ``y = x @ W + b`` with ``W`` shaped ``(d_in, d_out)``.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from typing import NamedTuple
 
 import numpy as np
 
-from refmath import kernels
 from refmath._validate import (check_axis, check_choice, check_flag, check_int, check_min_ndim,
                                check_ndim, check_real, float_array)
 from refmath.registry import OpCase, register_case
 
-__all__ = ["compiled_rows", "compiled_rows_choice", "matmul_rows", "matmul_rows_many",
+__all__ = ["matmul_rows", "matmul_rows_many",
            "LinearCache", "linear_forward", "linear_backward", "ReLUCache", "relu_forward",
            "relu_backward", "standard_normal_cdf", "GELUCache", "gelu_forward", "gelu_backward",
            "sigmoid", "SiLUCache", "silu_forward", "silu_backward", "check_softcap", "SoftcapCache",
@@ -55,76 +52,25 @@ def _check_bias(b, b_name, w, w_name):
     return b
 
 
-# Inside compiled_rows(), products of at most this many float32 rows run on
-# refmath.kernels.rows_matmul instead of BLAS; up to the second count where every matrix is
-# stored as the rows of its transpose (refmath.inference.weight_layout.decode_layout), whose dot
-# products BLAS reads slowly: at 8 rows, 12 small-Llama layers took the kernel 50 ms and BLAS 75
-# ms on one thread of a 2-core Zen 4, 24 and 41 ms on two (at 16 rows BLAS was faster).
-_COMPILED_ROWS_MAX = 4
-_COMPILED_ROWS_MAX_TRANSPOSED = 8
-# None: nobody chose (BLAS; refmath.inference.generate then chooses for its decode steps).
-_compiled_rows = contextvars.ContextVar("compiled_rows", default=None)
-
-
-@contextlib.contextmanager
-def compiled_rows(enabled: bool = True):
-    """Within this block, :func:`matmul_rows` multiplies a few float32 rows (up to 4, or 8 for
-    matrices in :func:`refmath.inference.weight_layout.decode_layout`) with
-    :func:`refmath.kernels.rows_matmul`, on the C++ kernels' OpenMP threads, rather than NumPy's
-    BLAS: the same sums, rounded in another order. ``enabled=False`` keeps BLAS's products inside
-    the block, whatever a caller would choose.
-
-    Outside any such block products are BLAS's, except in
-    :func:`refmath.inference.generate.generate` on ``backend="cpu"`` with two or more OpenMP
-    threads (or any number, for parameters in
-    :func:`refmath.inference.weight_layout.decode_layout`), whose decode steps run inside it
-    (their products and their attention then share one thread pool). Measured with
-    ``benchmarks/generate.py --products both`` on a 2-core AVX2 machine, generation inside it made
-    1.03-1.12x BLAS's tokens/s on 2 threads and 0.89-0.99x on 1."""
-    token = _compiled_rows.set(check_flag("enabled", enabled))
-    try:
-        yield
-    finally:
-        _compiled_rows.reset(token)
-
-
-def compiled_rows_choice() -> bool | None:
-    """What the innermost :func:`compiled_rows` block chose (True or False), or None outside every
-    such block."""
-    return _compiled_rows.get()
-
-
 def matmul_rows(x, w):
     """``x @ w`` for ``x`` of shape ``(..., d_in)``, computed as one 2-D matrix product.
 
     Every row goes through the same ``w``, so the leading dimensions fold into one (the reshapes are
     free for contiguous ``x``): a single BLAS call on a ``(rows, d_in)`` matrix. For a 3-D ``x``
     NumPy would instead run one product per batch entry, which with 2 BLAS threads cost up to twice
-    the CPU time at (8, 256, d) inputs. Inside :func:`compiled_rows`, a few float32 rows go to the
-    C++ kernel instead.
+    the CPU time at (8, 256, d) inputs.
     """
     return matmul_rows_many(x, (w,))[0]
 
 
-def _few_enough_rows(rows: int, ws) -> bool:
-    """Whether ``rows`` rows times the matrices ``ws`` go to the kernel inside
-    :func:`compiled_rows` (the layout is looked at only past the plain limit: a decode step's one
-    row never pays for it)."""
-    return rows <= _COMPILED_ROWS_MAX or (rows <= _COMPILED_ROWS_MAX_TRANSPOSED and
-                                          all(w.T.flags.c_contiguous for w in ws))
-
-
 def matmul_rows_many(x, ws) -> list:
-    """``[matmul_rows(x, w) for w in ws]``; inside :func:`compiled_rows`, one kernel call for all
-    of them (:func:`refmath.kernels.rows_matmul_many`), e.g. a layer's Q, K and V projections."""
+    """``[matmul_rows(x, w) for w in ws]``, e.g. a layer's Q, K and V projections. The ops that
+    project at a decode step take a function of this signature as ``matmul=`` (this one by
+    default), so that a caller can hand them another way to compute the same products
+    (:mod:`refmath.fast.products`)."""
     rows = math.prod(x.shape[:-1])  # not -1: that cannot be resolved when d_in is 0
     x2 = x.reshape(rows, x.shape[-1])
-    if (_compiled_rows.get() and x.dtype == np.float32 and all(w.dtype == np.float32 for w in ws)
-            and _few_enough_rows(rows, ws)):
-        ys = kernels.rows_matmul_many(x2, ws)
-    else:
-        ys = [x2 @ w for w in ws]
-    return [y.reshape(x.shape[:-1] + (w.shape[1],)) for y, w in zip(ys, ws)]
+    return [(x2 @ w).reshape(x.shape[:-1] + (w.shape[1],)) for w in ws]
 
 
 class LinearCache(NamedTuple):
@@ -133,17 +79,18 @@ class LinearCache(NamedTuple):
     has_bias: bool
 
 
-def linear_forward(x, w, b=None):
+def linear_forward(x, w, b=None, *, matmul=matmul_rows_many):
     r"""Affine map on row vectors (the building block of N5, N7 and every projection).
 
     .. math::
         y = x W + b
 
     Shapes: ``x`` is ``(..., d_in)``, ``w`` is ``(d_in, d_out)``, ``b`` is ``(d_out,)`` or ``None``;
-    ``y`` is ``(..., d_out)``. Returns ``(y, cache)``.
+    ``y`` is ``(..., d_out)``. Returns ``(y, cache)``. ``matmul``: how the product is computed, a
+    function with :func:`matmul_rows_many`'s signature (that one by default).
     """
     x, w, b = _check_linear(x, w, b)
-    y = matmul_rows(x, w)
+    y = matmul(x, (w,))[0]
     if b is not None and np.result_type(y, b) == y.dtype:
         y += b  # in place: y is the product's fresh array, and b does not widen it
     elif b is not None:
@@ -481,7 +428,7 @@ class SwiGLUCache(NamedTuple):
     hidden: np.ndarray  # SiLU(x W_g) * (x W_u), the input of W_d
 
 
-def swiglu_forward(x, w_gate, w_up, w_down):
+def swiglu_forward(x, w_gate, w_up, w_down, *, matmul=matmul_rows_many):
     r"""SwiGLU feed-forward network without biases (catalogue N7, LLaMA style).
 
     .. math::
@@ -492,13 +439,14 @@ def swiglu_forward(x, w_gate, w_up, w_down):
     ``2 d d_f`` for the two-matrix FFN (:func:`ffn_parameter_count`, :func:`swiglu_hidden_size`).
 
     Shapes: ``x`` ``(..., d)``, ``w_gate`` and ``w_up`` ``(d, d_f)``, ``w_down`` ``(d_f, d_out)``.
-    Returns ``(y, cache)`` with ``y`` of shape ``(..., d_out)``.
+    Returns ``(y, cache)`` with ``y`` of shape ``(..., d_out)``; ``matmul`` as in
+    :func:`linear_forward`.
     """
     x, w_gate, w_up, w_down = _check_gated(x, w_gate, w_up, w_down)
-    g, gate = silu_forward(matmul_rows(x, w_gate))
-    up = matmul_rows(x, w_up)
+    g, gate = silu_forward(matmul(x, (w_gate,))[0])
+    up = matmul(x, (w_up,))[0]
     hidden = g * up
-    return matmul_rows(hidden, w_down), SwiGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
+    return matmul(hidden, (w_down,))[0], SwiGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
 
 
 def swiglu_backward(dout, cache: SwiGLUCache):
@@ -543,7 +491,7 @@ class GeGLUCache(NamedTuple):
     hidden: np.ndarray  # GELU_tanh(x W_g) * (x W_u), the input of W_d
 
 
-def geglu_forward(x, w_gate, w_up, w_down):
+def geglu_forward(x, w_gate, w_up, w_down, *, matmul=matmul_rows_many):
     r"""GeGLU feed-forward network without biases (catalogue N20; the MLP of Gemma 1, 2 and 3).
 
     .. math::
@@ -554,13 +502,14 @@ def geglu_forward(x, w_gate, w_up, w_down):
     activation. The shapes, the ``3 d d_f`` parameters and the cache's layout are SwiGLU's.
 
     Shapes: ``x`` ``(..., d)``, ``w_gate`` and ``w_up`` ``(d, d_f)``, ``w_down`` ``(d_f, d_out)``.
-    Returns ``(y, cache)`` with ``y`` of shape ``(..., d_out)``.
+    Returns ``(y, cache)`` with ``y`` of shape ``(..., d_out)``; ``matmul`` as in
+    :func:`linear_forward`.
     """
     x, w_gate, w_up, w_down = _check_gated(x, w_gate, w_up, w_down)
-    a, gate = gelu_forward(matmul_rows(x, w_gate), approximate="tanh")
-    up = matmul_rows(x, w_up)
+    a, gate = gelu_forward(matmul(x, (w_gate,))[0], approximate="tanh")
+    up = matmul(x, (w_up,))[0]
     hidden = a * up
-    return matmul_rows(hidden, w_down), GeGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
+    return matmul(hidden, (w_down,))[0], GeGLUCache(x, w_gate, w_up, w_down, gate, up, hidden)
 
 
 def geglu_backward(dout, cache: GeGLUCache):

@@ -261,10 +261,10 @@ def rows_matmul(x, w, out=None):
     A decode step at batch 1 multiplies one row by every weight matrix: two FLOPs per weight read,
     so its time is the time to stream the weights. This kernel streams them on the OpenMP threads
     of the decode kernels, so that a step's products and its attention can share one thread pool
-    (:func:`refmath.ffn.compiled_rows`). ``x``: ``(m, k)`` float32, ``m`` a few rows (any ``m``
-    gives the product; the kernel is made for a decode step's one to four). ``w``: float32 ``(k, n)``, C-contiguous, or the transpose of a C-contiguous
-    ``(n, k)`` array (a tied head's ``embedding.T``), read where it lies; any other layout is
-    copied first. ``out``: an optional C-contiguous float32 ``(m, n)`` array to write. Returns
+    (:func:`refmath.fast.products.kernel_products`). ``x``: ``(m, k)`` float32, ``m`` a few rows
+    (any ``m`` gives the product; the kernel is made for a decode step's one to four). ``w``:
+    float32 ``(k, n)``, C-contiguous, or the transpose of a C-contiguous ``(n, k)`` array (a tied
+    head's ``embedding.T``), read where it lies; any other layout is copied first. ``out``: an optional C-contiguous float32 ``(m, n)`` array to write. Returns
     ``(m, n)`` float32. Each output is a float32 sum over ``k`` with vector accumulators; with
     several threads a ``(k, n)`` matrix's rows are cut into one stretch per thread and the partial
     sums added in thread order, so the last bits can change with the thread count.

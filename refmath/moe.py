@@ -55,7 +55,7 @@ import numpy as np
 
 from refmath._validate import (as_dataclass, check_axis, check_choice, check_field, check_flag,
                                check_int, check_min_ndim, check_ndim, check_real, float_array)
-from refmath.ffn import matmul_rows, sigmoid, swiglu_backward, swiglu_forward
+from refmath.ffn import matmul_rows, matmul_rows_many, sigmoid, swiglu_backward, swiglu_forward
 from refmath.registry import OpCase, register_case
 from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
 
@@ -210,7 +210,7 @@ class RouterScoresCache(NamedTuple):
     scores: np.ndarray  # (..., E): what the backward of either scoring needs
 
 
-def router_scores(x, w, scoring: str = "softmax"):
+def router_scores(x, w, scoring: str = "softmax", *, matmul=matmul_rows_many):
     r"""The router (catalogue E1): logits :math:`z = x W_r` and one score per expert.
 
     .. math::
@@ -224,7 +224,8 @@ def router_scores(x, w, scoring: str = "softmax"):
     the model's dtype; here the dtype of ``x`` is kept, like every op of the library.
 
     Shapes: ``x`` ``(..., d)``, ``w`` ``(d, E)``; returns ``(logits, scores, cache)``, both
-    ``(..., E)``.
+    ``(..., E)``. ``matmul``: how the product is computed, as in
+    :func:`refmath.ffn.linear_forward`.
     """
     x = float_array("x", x)
     w = float_array("w", w)
@@ -232,7 +233,7 @@ def router_scores(x, w, scoring: str = "softmax"):
     check_ndim("w", w, 2, "(d, n_experts)")
     check_axis("w", w, 0, x.shape[-1], f"x.shape = {x.shape} (d)")
     check_choice("scoring", scoring, SCORINGS)
-    logits = matmul_rows(x, w)
+    logits = matmul(x, (w,))[0]
     scores = softmax_forward(logits)[0] if scoring == "softmax" else sigmoid(logits)
     return logits, scores, RouterScoresCache(x, w, scoring, scores)
 
@@ -701,7 +702,7 @@ class MoECache(NamedTuple):
     has_bias: bool
 
 
-def moe_forward(x, params, moe):
+def moe_forward(x, params, moe, *, matmul=matmul_rows_many):
     r"""The mixture-of-experts feed-forward (catalogue E4), with its auxiliary losses (E5).
 
     .. math::
@@ -736,7 +737,8 @@ def moe_forward(x, params, moe):
     every expert (see the module docstring): its output is NaN and the load is NaN.
 
     Shapes: ``x`` ``(..., d)``; ``params`` keyed as :func:`moe_param_shapes` (without the layer's
-    prefix). Returns ``(y, cache)``, ``y`` of the shape of ``x``.
+    prefix). Returns ``(y, cache)``, ``y`` of the shape of ``x``. ``matmul``: how the router's and
+    the experts' products are computed, as in :func:`refmath.ffn.linear_forward`.
     """
     moe = _config(moe)
     x = float_array("x", x)
@@ -746,7 +748,8 @@ def moe_forward(x, params, moe):
     n = math.prod(x.shape[:-1])
     rows = x.reshape(n, d)
 
-    logits, scores, router = router_scores(rows, params["router.w"], moe.scoring)
+    logits, scores, router = router_scores(rows, params["router.w"], moe.scoring,
+                                           matmul=matmul)
     indices, gates, routing = route(scores, moe, params.get("router.bias"))
     # Which token goes to which expert, and with which gate. A token with no ranking (NaN
     # scores) goes to every expert, weighted by NaN: nothing it touches stays finite.
@@ -766,7 +769,8 @@ def moe_forward(x, params, moe):
         if tokens.size == 0:
             experts.append(None)
             continue
-        out, swiglu = swiglu_forward(rows[tokens], w_gate[e], w_up[e], w_down[e])
+        out, swiglu = swiglu_forward(rows[tokens], w_gate[e], w_up[e], w_down[e],
+                                     matmul=matmul)
         expert_gates = weight[tokens, e]
         y[tokens] += expert_gates[:, None] * out  # a token appears once per expert
         experts.append(ExpertCache(tokens, expert_gates, out, swiglu))
@@ -774,10 +778,10 @@ def moe_forward(x, params, moe):
     shared = shared_out = shared_gate = None
     if moe.shared_width:
         shared_out, shared = swiglu_forward(rows, params["shared.w_gate"], params["shared.w_up"],
-                                            params["shared.w_down"])
+                                            params["shared.w_down"], matmul=matmul)
         if moe.shared_gate:
             w_g = params["shared_gate.w"]
-            gate = sigmoid(matmul_rows(rows, w_g))  # (N, 1)
+            gate = sigmoid(matmul(rows, (w_g,))[0])  # (N, 1)
             y += gate * shared_out
             shared_gate = (rows, w_g, gate)
         else:

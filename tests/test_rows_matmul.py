@@ -1,13 +1,14 @@
 """refmath.kernels.rows_matmul: a few float32 rows times large matrices (the products of a decode
 step), against the float64 product within float32's derived summation bound, on every remainder
 path of the kernel (rows of w not a multiple of 8, columns not a multiple of 8), both layouts, one
-and several threads; and its refusals. Then decode steps inside refmath.ffn.compiled_rows, which
-route their products to it: float32's logits."""
+and several threads; and its refusals. Then decode steps on refmath.fast.products.kernel_products,
+which route their products to it: float32's logits."""
 import numpy as np
 import pytest
 
 from refmath import kernels
-from refmath.ffn import compiled_rows, matmul_rows, matmul_rows_many
+from refmath.fast.products import blas_products, kernel_products
+from refmath.ffn import matmul_rows, matmul_rows_many
 from refmath.inference import kv_cache
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached
@@ -127,16 +128,16 @@ def test_outputs_that_share_memory_with_the_inputs_are_refused():
         kernels.rows_matmul(x, w, out=frozen)
 
 
-def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
+def test_kernel_products_send_a_few_float32_rows_to_the_kernel_and_the_rest_to_blas():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 1, 300), dtype=np.float32)
     w = rng.standard_normal((300, 200), dtype=np.float32)
     blas = matmul_rows(x, w)
     assert np.array_equal(blas, (x.reshape(1, 300) @ w).reshape(1, 1, 200))
-    with compiled_rows():
-        y, y2 = matmul_rows_many(x, (w, w[:, :50]))
-        many_rows = matmul_rows(np.repeat(x, 8, axis=1), w)  # 8 rows: BLAS again
-        wide = matmul_rows(x.astype(np.float64), w)  # float64: BLAS again
+    assert blas_products is matmul_rows_many  # the reference ops' own products
+    y, y2 = kernel_products(x, (w, w[:, :50]))
+    many_rows = kernel_products(np.repeat(x, 8, axis=1), (w,))[0]  # 8 rows: BLAS again
+    wide = kernel_products(x.astype(np.float64), (w,))[0]  # float64: BLAS again
     assert y.shape == (1, 1, 200) and y2.shape == (1, 1, 50)
     check_product(y.reshape(1, 200), x.reshape(1, 300), w)
     check_product(y2.reshape(1, 50), x.reshape(1, 300), w[:, :50])
@@ -145,7 +146,7 @@ def test_matmul_rows_uses_the_kernel_only_inside_compiled_rows():
 
 
 def test_up_to_eight_rows_go_to_the_kernel_for_matrices_stored_transposed(monkeypatch):
-    """Inside compiled_rows, 5 to 8 rows reach the kernel only when every matrix is stored as the
+    """In kernel_products, 5 to 8 rows reach the kernel only when every matrix is stored as the
     rows of its transpose (the decode layout); 9 rows never do."""
     rng = np.random.default_rng(6)
     w = rng.standard_normal((300, 200), dtype=np.float32)
@@ -157,13 +158,12 @@ def test_up_to_eight_rows_go_to_the_kernel_for_matrices_stored_transposed(monkey
         return kernel(x, ws, outs)
 
     monkeypatch.setattr(kernels, "rows_matmul_many", counted)
-    with compiled_rows():
-        for rows in (4, 8, 9):
-            x = rng.standard_normal((rows, 300), dtype=np.float32)
-            for weight in (w, w_t):
-                y = matmul_rows(x, weight)
-                check_product(y, x, w)
-            matmul_rows_many(x, (w_t, w))  # one matrix stored as refmath stores it: BLAS past 4
+    for rows in (4, 8, 9):
+        x = rng.standard_normal((rows, 300), dtype=np.float32)
+        for weight in (w, w_t):
+            y = kernel_products(x, (weight,))[0]
+            check_product(y, x, w)
+        kernel_products(x, (w_t, w))  # one matrix stored as refmath stores it: BLAS past 4
     assert calls == [4, 4, 4, 8]
 
 
@@ -173,8 +173,9 @@ def test_up_to_eight_rows_go_to_the_kernel_for_matrices_stored_transposed(monkey
     ("llama", DecoderConfig(vocab_size=97, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
                             n_kv_heads=2, d_ff=48, tie_embeddings=False, rope_layout="half")),
 ], ids=["gpt-tied", "llama"])
-def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(model, config, monkeypatch):
-    """Inside compiled_rows, every product of a NumPy decode step goes through rows_matmul (the
+def test_decode_steps_on_kernel_products_run_their_products_on_the_kernel(model, config,
+                                                                          monkeypatch):
+    """With kernel_products, every product of a NumPy decode step goes through rows_matmul (the
     prefill's five rows do not, but for the tied head's), and the logits are float32's: within
     twice the plain float32 model's error of float64's. (The compiled layers, which take these
     steps by default, call the same kernel from C++: tests/inference/test_compiled_step.py.)"""
@@ -192,8 +193,8 @@ def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(mode
     monkeypatch.setattr(kernels, "rows_matmul_many", counted)
     generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu")
     assert calls == []  # not by default
-    with compiled_rows():
-        on_kernel = generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu")
+    on_kernel = generate_cached(model, params, config, prompt, 6, greedy=True, backend="cpu",
+                                products=kernel_products)
     monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
     # per layer: Q/K/V (GPT: its one fused matrix), the output, the FFN's input(s), the FFN's
     # output; then the head. Five decode steps (the sixth token is picked, never fed).
@@ -215,8 +216,8 @@ def test_decode_steps_inside_compiled_rows_run_their_products_on_the_kernel(mode
     (1, "cpu", None, False, False),    # on 1 thread BLAS measured faster on (in, out) rows
     (1, "cpu", None, True, True),      # and slower than the kernel on the decode layout's
     (2, "numpy", None, True, False),   # the NumPy backend stays NumPy
-    (2, "cpu", False, True, False),    # compiled_rows(False) keeps BLAS's
-    (1, "cpu", True, False, True),     # compiled_rows() gets the kernel on any thread count
+    (2, "cpu", False, True, False),    # products=blas_products keeps BLAS's
+    (1, "cpu", True, False, True),     # products=kernel_products gets the kernel on any count
 ])
 def test_generate_chooses_the_products_by_thread_count_unless_the_caller_chose(
         threads, backend, choice, layout, on_kernel, monkeypatch):
@@ -238,22 +239,24 @@ def test_generate_chooses_the_products_by_thread_count_unless_the_caller_chose(
     # the NumPy layers, whose products are counted here (the compiled ones run inside the same
     # choice: tests/inference/test_compiled_step.py)
     monkeypatch.setattr(kv_cache, "_compiled_layers", lambda *args: None)
-    if choice is None:
-        out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
-    else:
-        with compiled_rows(choice):
-            out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
+    products = {None: None, True: kernel_products, False: blas_products}[choice]
+    out = generate("llama", params, config, prompt, 4, greedy=True, backend=backend,
+                   products=products)
     # three decode steps (the fourth token is picked from the last one), 4 products per layer
     # and the head in each; in the decode layout the prefill's 5 rows too
     per_pass = config.n_layers * 4 + 1
     assert calls == (([5] * per_pass if layout else []) + [1] * 3 * per_pass if on_kernel else [])
     monkeypatch.setattr(kernels, "rows_matmul_many", kernel)
-    with compiled_rows(False):
-        blas = generate("llama", params, config, prompt, 4, greedy=True, backend=backend)
+    blas = generate("llama", params, config, prompt, 4, greedy=True, backend=backend,
+                    products=blas_products)
     np.testing.assert_array_equal(out, blas)
 
 
-def test_compiled_rows_takes_a_flag():
-    with pytest.raises(TypeError, match="enabled"):
-        with compiled_rows("yes"):
-            pass
+def test_products_must_be_a_function():
+    config = DecoderConfig(vocab_size=97, max_seq_len=16, d_model=32, n_layers=1, n_heads=4,
+                           n_kv_heads=2, d_ff=48)
+    params = model_module("llama").init_params(config, seed=0)
+    with pytest.raises(TypeError, match="products must be None or a function"):
+        generate("llama", params, config, np.arange(3), 2, greedy=True, products="kernel")
+    with pytest.raises(TypeError, match="products must be None or a function"):
+        kv_cache.prefill("llama", params, config, np.arange(3), products=True)

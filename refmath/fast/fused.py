@@ -151,15 +151,16 @@ def _gate_and_up_input_grads(x, dg, du, w_gate, w_up):
     return dx.reshape(x.shape), x_rows.T @ dg, x_rows.T @ du
 
 
-def swiglu_forward(x, w_gate, w_up, w_down):
+def swiglu_forward(x, w_gate, w_up, w_down, *, matmul=matmul_rows_many):
     r""":math:`[\operatorname{SiLU}(x W_g) \odot (x W_u)]\, W_d`, as
     :func:`refmath.ffn.swiglu_forward` (whose checks the caller has made: float arrays of matching
-    shapes); returns ``(y, cache)`` with the same :class:`refmath.ffn.SwiGLUCache`.
+    shapes); returns ``(y, cache)`` with the same :class:`refmath.ffn.SwiGLUCache`. ``matmul``:
+    how the products are computed, as in :func:`refmath.ffn.linear_forward`.
 
     The sigmoid is :func:`refmath.ffn.sigmoid`'s overflow-free form,
     :math:`\sigma(g) = [g \ge 0\ ?\ 1 : e] / (1 + e)` with :math:`e = e^{-|g|}`.
     """
-    g, up = matmul_rows_many(x, (w_gate, w_up))
+    g, up = matmul(x, (w_gate, w_up))
     shape = g.shape
     g, up = _rows(g), _rows(up)
     sig, hidden = np.empty_like(g), np.empty_like(g)
@@ -177,7 +178,7 @@ def swiglu_forward(x, w_gate, w_up, w_down):
         np.multiply(gb, sb, out=e)  # SiLU(g)
         e *= up[rows]
     g, sig, up, hidden = (x.reshape(shape) for x in (g, sig, up, hidden))
-    return matmul_rows(hidden, w_down), SwiGLUCache(x, w_gate, w_up, w_down, SiLUCache(g, sig), up,
+    return matmul(hidden, (w_down,))[0], SwiGLUCache(x, w_gate, w_up, w_down, SiLUCache(g, sig), up,
                                                     hidden)
 
 
@@ -206,15 +207,16 @@ def swiglu_backward(dout, cache: SwiGLUCache):
     return (*_gate_and_up_input_grads(x, dg, du, w_gate, w_up), dw_down)
 
 
-def geglu_forward(x, w_gate, w_up, w_down):
+def geglu_forward(x, w_gate, w_up, w_down, *, matmul=matmul_rows_many):
     r""":math:`[\operatorname{GELU}_{\tanh}(x W_g) \odot (x W_u)]\, W_d`, as
     :func:`refmath.ffn.geglu_forward` (whose checks the caller has made: float arrays of matching
-    shapes); returns ``(y, cache)`` with the same :class:`refmath.ffn.GeGLUCache`.
+    shapes); returns ``(y, cache)`` with the same :class:`refmath.ffn.GeGLUCache`. ``matmul``:
+    how the products are computed, as in :func:`refmath.ffn.linear_forward`.
 
     The gate is :func:`refmath.ffn.gelu_forward`'s tanh form,
     :math:`\tfrac12 g (1 + t)` with :math:`t = \tanh(\sqrt{2/\pi}(g + 0.044715 g^3))`.
     """
-    g, up = matmul_rows_many(x, (w_gate, w_up))
+    g, up = matmul(x, (w_gate, w_up))
     shape = g.shape
     g, up = _rows(g), _rows(up)
     t, hidden = np.empty_like(g), np.empty_like(g)
@@ -225,7 +227,7 @@ def geglu_forward(x, w_gate, w_up, w_down):
         hb *= tb + 1.0  # GELU_tanh(g)
         hb *= up[rows]
     g, t, up, hidden = (x.reshape(shape) for x in (g, t, up, hidden))
-    return matmul_rows(hidden, w_down), GeGLUCache(x, w_gate, w_up, w_down, GELUCache(g, t, True),
+    return matmul(hidden, (w_down,))[0], GeGLUCache(x, w_gate, w_up, w_down, GELUCache(g, t, True),
                                                    up, hidden)
 
 

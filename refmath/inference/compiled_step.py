@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath import kernels
-from refmath.ffn import compiled_rows_choice
+from refmath.fast.products import blas_products, kernel_products
 from refmath.inference.layer_formats import LAYER_MATRICES
 from refmath.positions import rope_angles
 
@@ -84,25 +84,26 @@ class CompiledLayers:
         self._bound = None  # (cache, the extension's DecodeLayers over its blocks)
         self._no_rotation = np.zeros(0, np.float32)
 
-    def runs(self, cache) -> bool:
+    def runs(self, cache, products=None) -> bool:
         """Whether :meth:`step` takes this :class:`refmath.inference.kv_cache.KVCache` now: one on
         ``backend="cpu"`` with room for the step, whose layers keep every position (no ring),
-        inside a :func:`refmath.ffn.compiled_rows` block that chose the kernel (the NumPy step's
-        products then run on it too; for stored weights, also outside every such block), and no
+        for a caller whose ``products`` are :func:`refmath.fast.products.kernel_products` (the
+        NumPy step's products then run on the kernel too; for stored weights, also when the caller
+        named none: None), and no
         rope scaling whose frequencies would change at this step (the NumPy step raises for that,
         see :func:`refmath.models.decoder.cache_stale`)."""
-        choice = compiled_rows_choice()
-        chosen = choice or (choice is None and self.weights != "f32")
+        chosen = products is kernel_products or (products is None and self.weights != "f32")
         if not (chosen and cache.backend == "cpu" and cache.max_len > cache.length):
             return False
         if any(cache.ring_size(i) is not None for i in range(cache.n_layers)):
             return False
         return not self.module.cache_stale(self.config, cache.length, 1)
 
-    def step(self, cache, ids: np.ndarray) -> np.ndarray:
+    def step(self, cache, ids: np.ndarray, products=None) -> np.ndarray:
         """Feed ``ids`` ``(B,)`` at position ``cache.length`` through every layer, appending each
         layer's key and value to ``cache`` (whose length then grows by one); returns the logits
-        ``(B, V)``. The caller has checked :meth:`runs`."""
+        ``(B, V)``, the head's product computed by ``products`` (None:
+        :func:`refmath.fast.products.blas_products`). The caller has checked :meth:`runs`."""
         if self._bound is None or self._bound[0] is not cache:
             layers = [dict(layer, keys=k, values=v)
                       for layer, k, v in zip(self._layers, cache.keys, cache.values)]
@@ -116,7 +117,8 @@ class CompiledLayers:
         for layer in range(cache.n_layers):
             cache.counts.record_step(layer, offset + 1, offset + 1)
         cache.length = offset + 1
-        return self.module.head(self.params, x[:, None], self.config)[:, 0]
+        matmul = blas_products if products is None else products
+        return self.module.head(self.params, x[:, None], self.config, matmul=matmul)[:, 0]
 
     def _rotation(self, position: int):
         """RoPE's cos and sin at ``position`` in float32, as :func:`refmath.positions.rope_forward`

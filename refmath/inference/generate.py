@@ -12,13 +12,13 @@ top-k and top-p).
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
 
-from refmath import ffn, kernels
+from refmath import kernels
+from refmath.fast.products import check_products, kernel_products
 from refmath._validate import check_choice, check_flag, check_int, check_ndim
 from refmath.inference import kv_cache
 from refmath.inference.layer_formats import WEIGHTS, restored_params, stored_layer_weights
@@ -91,7 +91,7 @@ def _resolve(model) -> ModuleType:
 def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_id: int | Sequence[int] | None = None, seed=0, cache: bool = True,
-             backend: str = "numpy", weights: str = "f32") -> np.ndarray:
+             backend: str = "numpy", weights: str = "f32", products=None) -> np.ndarray:
     r"""Continue ``prompt_ids`` with a decoder-only model (L7).
 
     ``model`` is ``"gpt"``, ``"llama"``, ``"mla"`` or a module with
@@ -108,8 +108,8 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     kept token change, so the window is prefilled afresh. ``cache=False`` recomputes the whole
     prefix at every step: the same tokens (up to rounding), at :math:`O(T^2)` cost (K4). On
     ``backend="cpu"`` with two or more OpenMP threads, the decode steps' products run on
-    :func:`refmath.kernels.rows_matmul` (see :func:`refmath.ffn.compiled_rows`; the call inside
-    ``compiled_rows(False)`` keeps BLAS's), and on one thread too for parameters laid out by
+    :func:`refmath.kernels.rows_matmul` (:func:`refmath.fast.products.kernel_products`; a call
+    with ``products=blas_products`` keeps BLAS's), and on one thread too for parameters laid out by
     :func:`refmath.inference.weight_layout.decode_layout`, which streams the weights faster; there
     the decode steps of refmath's decoder and of GPT run every layer in one compiled call
     (:mod:`refmath.inference.compiled_step`), the NumPy layers' tokens at float32 rounding.
@@ -123,6 +123,11 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     NumPy model runs on the matrices explicitly dequantised, the reference. Only models whose
     compiled step takes their layers (refmath's decoder and GPT, within their
     ``COMPILED_FIELDS``) are accepted; any other raises ``ValueError`` naming ``weights``.
+
+    ``products``: how the cached steps' products are computed,
+    :func:`refmath.fast.products.blas_products` or :func:`~refmath.fast.products.kernel_products`
+    (then on every backend); None (the default) takes the rule above. ``cache=False`` recomputes
+    with the model's own forward, on BLAS's products whatever ``products`` says.
 
     Returns the prompt followed by the new tokens, in the prompt's shape but longer.
     """
@@ -141,30 +146,31 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     if check_choice("weights", weights, WEIGHTS) != "f32":
         stored = stored_layer_weights(module, params, config, weights)
         params = restored_params(params, stored, weights)
+    if check_products(products) is None:
+        products = _decode_products(backend, params)
     if check_flag("cache", cache) and _has_kv_cache(module):
         next_logits = kv_cache.sliding_next_logits(module, params, config, window, backend,
-                                                   stored, weights)
+                                                   stored, weights, products)
     else:
         def next_logits(tokens):
             return module.logits(params, tokens[:, -window:], config)[:, -1, :]
 
-    with _decode_products(backend, params):
-        out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens,
-                           pick, eos_ids)
+    out = _decode_loop(next_logits, np.atleast_2d(prompt).astype(np.int64), max_new_tokens, pick,
+                       eos_ids)
     return out[0] if prompt.ndim == 1 else out
 
 
 def _decode_products(backend: str, params):
-    """Where the decode steps' products run: on ``backend="cpu"``, on
-    :func:`refmath.kernels.rows_matmul` (inside :func:`refmath.ffn.compiled_rows`) with two or
-    more OpenMP threads, or at any thread count for parameters in
+    """Where the decode steps' products run when the caller named none: on ``backend="cpu"``,
+    on :func:`refmath.kernels.rows_matmul` (:func:`refmath.fast.products.kernel_products`) with
+    two or more OpenMP threads, or at any thread count for parameters in
     :func:`refmath.inference.weight_layout.decode_layout`, where each measured faster than BLAS
-    (rows_matmul reads ``(in, out)`` rows slower than BLAS on one thread); otherwise, or where the
-    caller is inside a ``compiled_rows`` block of its own, as they are."""
-    if (backend == "cpu" and ffn.compiled_rows_choice() is None and kernels.cpu_available()
+    (rows_matmul reads ``(in, out)`` rows slower than BLAS on one thread); otherwise None: BLAS's
+    products, the compiled layers only for weights stored in a narrower format."""
+    if (backend == "cpu" and kernels.cpu_available()
             and (kernels.cpu_threads() >= 2 or in_decode_layout(params))):
-        return ffn.compiled_rows()
-    return contextlib.nullcontext()
+        return kernel_products
+    return None
 
 
 def _has_kv_cache(module) -> bool:

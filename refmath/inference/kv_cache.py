@@ -59,6 +59,7 @@ import numpy as np
 from refmath._validate import check_choice, check_int, check_ndim, int_array
 from refmath.attention import causal_mask, local_window_mask, sdpa_forward
 from refmath import kernels
+from refmath.fast.products import blas_products, check_products
 from refmath.inference.compiled_step import CompiledLayers, compiled_layers
 from refmath.inference.decode import decode_attention
 from refmath.kernels import BACKENDS
@@ -561,10 +562,14 @@ def _check_cache_backend(backend, dtype: np.dtype) -> None:
                          f"{kernels.cuda_build_info()}")
 
 
-def _forward_rows(module, params, config, cache, tokens: np.ndarray, mla_path) -> np.ndarray:
+def _forward_rows(module, params, config, cache, tokens: np.ndarray, mla_path,
+                  products=None) -> np.ndarray:
     """Run ``tokens`` ``(B, n)`` at positions ``cache.length ..`` through every layer of the model
     ``module`` (its ``embed``, ``cached_layer`` and ``head``), extending the cache; returns the
-    logits ``(B, n, V)``. ``length`` advances once every layer is written."""
+    logits ``(B, n, V)``. ``length`` advances once every layer is written. ``products`` (None:
+    :func:`refmath.fast.products.blas_products`) computes every product of the layers and the
+    head, as their ``matmul``."""
+    matmul = blas_products if products is None else products
     offset, n = cache.length, tokens.shape[1]
     # mla_path chooses how a latent cache is read, so only the models that keep one take it
     options = {"mla_path": mla_path} if isinstance(cache, LatentCache) else {}
@@ -580,13 +585,15 @@ def _forward_rows(module, params, config, cache, tokens: np.ndarray, mla_path) -
                          f"token(s) would need positions up to {offset + n - 1} (0-based)")
     x = module.embed(params, tokens, config, offset)
     for layer in range(config.n_layers):
-        x = module.cached_layer(x, params, layer, config, _Slot(cache, layer), offset, **options)
+        x = module.cached_layer(x, params, layer, config, _Slot(cache, layer), offset,
+                                matmul=matmul, **options)
     cache.length = offset + n
-    return module.head(params, x, config)
+    return module.head(params, x, config, matmul=matmul)
 
 
 def prefill(model, params, config, prompt_ids, all_logits: bool = False,
-            mla_path: str = "absorbed", max_len: int | None = None, backend: str = "numpy"):
+            mla_path: str = "absorbed", max_len: int | None = None, backend: str = "numpy",
+            products=None):
     r"""Run a prompt of ``P`` tokens in one causal pass and keep every layer's keys and values (K5).
 
     ``prompt_ids``: int ``(B, P)`` (or ``(P,)`` for one sequence) with ``1 <= P <= max_seq_len``.
@@ -598,21 +605,25 @@ def prefill(model, params, config, prompt_ids, all_logits: bool = False,
     :func:`decode_step`) picks the absorbed or expanded attention. ``backend`` chooses who
     computes attention, now and in later decode steps: ``"numpy"``, ``"cpu"`` (the C++ kernels) or
     ``"cuda"`` (the CUDA kernels, the cache in GPU memory); the kernels need float32 parameters,
-    and for MLA the absorbed path.
+    and for MLA the absorbed path. ``products``: how the layers' and the head's products are
+    computed, :func:`refmath.fast.products.blas_products` (None, the default) or
+    :func:`~refmath.fast.products.kernel_products` (a few float32 rows on the C++ rows kernel).
     """
     module = _model(model, config)
     _check_mla_path(mla_path)
+    check_products(products)
     dtype = check_param_dict(params, module.param_shapes(config))
     prompt = np.asarray(prompt_ids)
     unbatched = prompt.ndim == 1
     tokens = check_tokens("prompt_ids", prompt[None] if unbatched else prompt, config)
     cache = empty_cache(module, config, tokens.shape[0], dtype, max_len, backend)
-    logits = _forward_rows(module, params, config, cache, tokens, mla_path)
+    logits = _forward_rows(module, params, config, cache, tokens, mla_path, products)
     logits = logits if all_logits else logits[:, -1]
     return (logits[0] if unbatched else logits), cache
 
 
-def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbed") -> np.ndarray:
+def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbed",
+                products=None) -> np.ndarray:
     r"""Feed one token per sequence at position ``t = cache.length`` and return its logits (K2, K3).
 
     Each layer computes the new row's query, key and value, appends the key and value to the cache
@@ -625,9 +636,11 @@ def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbe
     ``token_id``: an int (then ``cache.batch`` must be 1 and the logits are ``(V,)``) or int
     ``(B,)``. The cache is updated in place (``length`` grows by one). Raises ``ValueError`` when
     the cache is full (``max_seq_len`` positions) or an id is outside ``[0, vocab_size)``.
+    ``products``: how the step's products are computed, as in :func:`prefill`.
     """
     module = _model(model, config)
     _check_mla_path(mla_path)
+    check_products(products)
     dtype = check_param_dict(params, module.param_shapes(config))
     _check_cache(cache, module, config, dtype)
     ids = np.asarray(token_id)
@@ -639,19 +652,20 @@ def decode_step(model, params, config, cache, token_id, mla_path: str = "absorbe
     if ids.shape[0] != cache.batch:
         raise ValueError(f"token_id has {ids.shape[0]} token(s) (shape {ids.shape}) but the cache "
                          f"holds B = {cache.batch} sequence(s)")
-    logits = _step(module, params, config, cache, ids, mla_path)
+    logits = _step(module, params, config, cache, ids, mla_path, products=products)
     return logits[0] if unbatched else logits
 
 
 def _step(module, params, config, cache, ids: np.ndarray, mla_path,
-          layers: CompiledLayers | None = None) -> np.ndarray:
+          layers: CompiledLayers | None = None, products=None) -> np.ndarray:
     """One decode step past the door's checks: ``ids`` ``(B,)``, the logits ``(B, V)``. The
     generators check the model, the parameters and the cache once, at their prefill, and then
     step with this: the ids they feed are their own picks. With ``layers`` (their
-    :func:`refmath.inference.compiled_step.compiled_layers`), a step it runs goes through it."""
-    if layers is not None and isinstance(cache, KVCache) and layers.runs(cache):
-        return layers.step(cache, ids)
-    return _forward_rows(module, params, config, cache, ids[:, None], mla_path)[:, 0]
+    :func:`refmath.inference.compiled_step.compiled_layers`), a step it runs with ``products``
+    (:meth:`~refmath.inference.compiled_step.CompiledLayers.runs`) goes through it."""
+    if layers is not None and isinstance(cache, KVCache) and layers.runs(cache, products):
+        return layers.step(cache, ids, products)
+    return _forward_rows(module, params, config, cache, ids[:, None], mla_path, products)[:, 0]
 
 
 def _compiled_layers(module, params, config, backend: str, stored=None,
@@ -716,7 +730,7 @@ def _generation_loop(model, params, config, prompt_ids, max_new_tokens, sampling
 def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
                     greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
                     top_p: float | None = None, seed=0, mla_path: str = "absorbed",
-                    backend: str = "numpy") -> Generation:
+                    backend: str = "numpy", products=None) -> Generation:
     r"""Generate with the KV cache: one :func:`prefill`, then one :func:`decode_step` per new token
     but the last (which is only sampled) (K2, K4).
 
@@ -726,11 +740,13 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     there is no ``eos_id``. Returns a :class:`Generation`; from a 1-token prompt, processing
     ``N = max_new_tokens`` positions evaluates :math:`\sum_{t=1}^N t = N(N+1)/2` pairs.
     ``backend`` (see :func:`prefill`) chooses who computes attention; the backends give the same
-    greedy tokens unless two logits lie within float32 rounding of each other. On ``"cpu"``
-    inside :func:`refmath.ffn.compiled_rows`, the decode steps of refmath's decoder and of GPT
-    run every layer in one compiled call (:mod:`refmath.inference.compiled_step`).
+    greedy tokens unless two logits lie within float32 rounding of each other; ``products`` (see
+    :func:`prefill`) how the products are computed. On ``"cpu"`` with
+    :func:`refmath.fast.products.kernel_products`, the decode steps of refmath's decoder and of
+    GPT run every layer in one compiled call (:mod:`refmath.inference.compiled_step`).
     """
     _check_mla_path(mla_path)
+    check_products(products)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     params = _split_once(params)
     state = {}
@@ -738,11 +754,11 @@ def generate_cached(model, params, config, prompt_ids, max_new_tokens: int, *,
     def next_logits(module, tokens, step, counts):
         if step == 0:
             z, state["cache"] = prefill(module, params, config, tokens, mla_path=mla_path,
-                                        backend=backend)
+                                        backend=backend, products=products)
             state["layers"] = _compiled_layers(module, params, config, backend)
         else:
             z = _step(module, params, config, state["cache"], tokens[:, -1], mla_path,
-                      state["layers"])
+                      state["layers"], products)
         if step == max_new_tokens - 1:
             counts.add(state["cache"].counts)
         return z
@@ -781,7 +797,7 @@ def _split_once(params):
 
 
 def sliding_next_logits(model, params, config, window: int, backend: str = "numpy", stored=None,
-                        weights: str = "f32"):
+                        weights: str = "f32", products=None):
     """``next_logits(tokens)`` for a decoding loop that feeds at most the last ``window`` tokens
     (:func:`refmath.inference.generate.generate`): the logits ``(B, V)`` of the token after each
     row of ``tokens`` ``(B, T)``. One decode step while the cache holds every token but the newest;
@@ -791,8 +807,10 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
     frequencies, which invalidates the cached keys). The model and the parameters are checked at
     each prefill, not at each step. ``stored`` and ``weights``: the layers' matrices in a narrower
     format for the compiled decode step, ``params`` then being what they stand for (see
-    :func:`refmath.inference.compiled_step.compiled_layers`)."""
+    :func:`refmath.inference.compiled_step.compiled_layers`). ``products``: how the products are
+    computed, as in :func:`prefill`."""
     module = _model(model, config)
+    check_products(products)
     params = _split_once(params)
     state = {"cache": None}
 
@@ -801,8 +819,9 @@ def sliding_next_logits(model, params, config, window: int, backend: str = "nump
         if (cache is not None and cache.length == tokens.shape[1] - 1 < window
                 and not module.cache_stale(config, cache.length, 1)):
             return _step(module, params, config, cache, tokens[:, -1], "absorbed",
-                         state["layers"])
-        z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend)
+                         state["layers"], products)
+        z, state["cache"] = prefill(module, params, config, tokens[:, -window:], backend=backend,
+                                    products=products)
         if "layers" not in state:  # the parameters are checked by this first prefill
             state["layers"] = _compiled_layers(module, params, config, backend, stored, weights)
         return z

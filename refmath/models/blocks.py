@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from refmath.ffn import LinearCache, SwiGLUCache, linear_backward, linear_forward
+from refmath.ffn import (LinearCache, SwiGLUCache, linear_backward, linear_forward,
+                         matmul_rows_many)
 from refmath.fast.fused import BiasGELUCache, swiglu_backward, swiglu_forward
 from refmath.fast import fused as fused_ops
 from refmath.models.common import apply_mask, prefixed
@@ -155,13 +156,15 @@ def parallel_backward(dout, attn: SublayerCache, ffn: SublayerCache, backwards: 
     return dout + dx_attn + dx_ffn, attn_norm_grads, ffn_norm_grads, attn_grads, ffn_grads
 
 
-def ffn_forward(h, params: dict, activation: str = "silu"):
+def ffn_forward(h, params: dict, activation: str = "silu", *, matmul=matmul_rows_many):
     """The SwiGLU branch (N7) with this layer's ``w_gate``, ``w_up``, ``w_down``: the numbers of
     :func:`refmath.ffn.swiglu_forward`, computed in place by :func:`refmath.fast.fused.swiglu_forward`;
-    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fast.fused.geglu_forward`)."""
+    with ``activation="gelu_tanh"`` Gemma's GeGLU (N20, :func:`refmath.fast.fused.geglu_forward`).
+    ``matmul``: how the products are computed (:func:`refmath.ffn.linear_forward`)."""
+    w = (params["w_gate"], params["w_up"], params["w_down"])
     if activation == "gelu_tanh":
-        return fused_ops.geglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
-    return swiglu_forward(h, params["w_gate"], params["w_up"], params["w_down"])
+        return fused_ops.geglu_forward(h, *w, matmul=matmul)
+    return swiglu_forward(h, *w, matmul=matmul)
 
 
 def ffn_backward(dy, cache: SwiGLUCache):
@@ -183,7 +186,7 @@ class PlainFFNCache(NamedTuple):
     second: LinearCache  # y = a W_2
 
 
-def plain_ffn_forward(h, params: dict, approximate: bool):
+def plain_ffn_forward(h, params: dict, approximate: bool, *, matmul=matmul_rows_many):
     r"""The plain two-layer FFN without biases (N5, N6; Falcon, GPT-J), with this layer's ``w_up``
     (:math:`W_1`, ``(d, d_f)``) and ``w_down`` (:math:`W_2`, ``(d_f, d)``):
 
@@ -192,11 +195,11 @@ def plain_ffn_forward(h, params: dict, approximate: bool):
 
     the GELU exact or, with ``approximate``, in its tanh form
     (:func:`refmath.fast.fused.bias_gelu_forward`, the numbers of :func:`refmath.ffn.gelu_forward`).
-    Returns ``(y, cache)``.
+    Returns ``(y, cache)``; ``matmul`` as in :func:`ffn_forward`.
     """
-    z, first = linear_forward(h, params["w_up"])
+    z, first = linear_forward(h, params["w_up"], matmul=matmul)
     a, act = fused_ops.bias_gelu_forward(z, None, approximate)
-    y, second = linear_forward(a, params["w_down"])
+    y, second = linear_forward(a, params["w_down"], matmul=matmul)
     return y, PlainFFNCache(first, act, second)
 
 

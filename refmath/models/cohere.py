@@ -43,7 +43,7 @@ from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_
                                causal_attention_forward, causal_attention_kv, merge_heads,
                                split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
 from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
@@ -193,12 +193,14 @@ def cache_stale(config: CohereConfig, length: int, n: int) -> bool:
     return False
 
 
-def queries_keys_values(x, params: dict, config: CohereConfig, offset: int = 0):
+def queries_keys_values(x, params: dict, config: CohereConfig, offset: int = 0,
+                        matmul=matmul_rows_many):
     """The rotated queries ``(B, h, n, d_h)``, keys and values ``(B, g, n, d_h)`` of the rows
-    ``x`` at positions ``offset..``, and the caches of their steps in order."""
-    q, q_proj = linear_forward(x, params["w_q"])
-    k, k_proj = linear_forward(x, params["w_k"])
-    v, v_proj = linear_forward(x, params["w_v"])
+    ``x`` at positions ``offset..``, and the caches of their steps in order; ``matmul`` computes
+    the projections (:func:`refmath.ffn.linear_forward`)."""
+    q, q_proj = linear_forward(x, params["w_q"], matmul=matmul)
+    k, k_proj = linear_forward(x, params["w_k"], matmul=matmul)
+    v, v_proj = linear_forward(x, params["w_v"], matmul=matmul)
     q, k, v = split_heads(q, config.n_heads), split_heads(k, config.kv_heads), split_heads(
         v, config.kv_heads)
     q_norm = k_norm = None
@@ -358,25 +360,27 @@ def embed(params, tokens, config: CohereConfig, offset: int) -> np.ndarray:
     return embedding_forward(tokens, params["tok_emb"])[0]
 
 
-def cached_layer(x, params, layer: int, config: CohereConfig, slot, offset: int) -> np.ndarray:
+def cached_layer(x, params, layer: int, config: CohereConfig, slot, offset: int, *,
+                 matmul=matmul_rows_many) -> np.ndarray:
     """Block ``layer`` on the new rows ``x`` at positions ``offset..``, its attention appending
     the keys and values to the layer's cache and attending over every cached position."""
     p = sub_params(params, f"layers.{layer}")
     w, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
 
     def attn(h):
-        q, k, v, _ = queries_keys_values(h, w, config, offset)
-        return linear_forward(merge_heads(slot.attend(q, k, v, offset)), w["w_o"])[0], None
+        q, k, v, _ = queries_keys_values(h, w, config, offset, matmul=matmul)
+        o = merge_heads(slot.attend(q, k, v, offset))
+        return linear_forward(o, w["w_o"], matmul=matmul)[0], None
 
     return blocks.parallel_forward(x, (_norm(p, "ln1", config), None),
-                                   (attn, lambda h: blocks.ffn_forward(h, ffn)))[0]
+                                   (attn, lambda h: blocks.ffn_forward(h, ffn, matmul=matmul)))[0]
 
 
-def head(params, x, config: CohereConfig) -> np.ndarray:
+def head(params, x, config: CohereConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final norm, output projection and logit scale of the new rows: ``(B, n, V)``."""
     x, _ = _norm(params, "ln_f", config)(x)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out)[0] * config.logit_scale
+    return linear_forward(x, w_out, matmul=matmul)[0] * config.logit_scale
 
 
 COMPILED_FIELDS = None  # the compiled decode layer has no parallel block: the NumPy step runs

@@ -121,11 +121,12 @@ class SplitParams(dict):
         return split
 
 
-def projections(u, params: dict, names: str) -> list:
+def projections(u, params: dict, names: str, matmul=matmul_rows_many) -> list:
     """``u W_n (+ b_n)`` for each ``n`` in ``names`` (``"qkv"``: the query, key and value
-    projections), as one grouped product (:func:`refmath.ffn.matmul_rows_many`: inside
-    :func:`refmath.ffn.compiled_rows`, one pass of the kernel's threads over the three matrices)."""
-    ys = matmul_rows_many(u, [params[f"w_{n}"] for n in names])
+    projections), as one grouped product of ``matmul`` (:func:`refmath.ffn.matmul_rows_many`'s
+    signature; :func:`refmath.fast.products.kernel_products` makes it one pass of the kernel's
+    threads over the three matrices)."""
+    ys = matmul(u, [params[f"w_{n}"] for n in names])
     return [y + params[f"b_{n}"] if f"b_{n}" in params else y for n, y in zip(names, ys)]
 
 

@@ -27,7 +27,12 @@ A decoder-only model (``ModelEntry.decoder_only``) also defines its inference st
 - ``cache_spec(config, batch, max_len)``: the cache it keeps (a
   :class:`refmath.models.common.CacheSpec`);
 - ``embed(params, tokens, config, offset)``, ``cached_layer(x, params, layer, config, slot,
-  offset, **options)``, ``head(params, x, config)``: one step, split where the cache sits;
+  offset, *, matmul, **options)``, ``head(params, x, config, *, matmul)``: one step, split where
+  the cache sits. ``matmul`` (keyword, default :func:`refmath.ffn.matmul_rows_many`) computes
+  every product of the layer and of the head: a function with that one's signature, ``(x, ws) ->
+  [x @ w for w in ws]``, which the model passes down to each block it calls. The cache's steps
+  hand it :mod:`refmath.fast.products`' choice (BLAS, or the C++ rows kernel for a few rows), so
+  the model holds no switch of its own;
 - ``cache_stale(config, length, n) -> bool``: whether appending ``n`` rows to a cache of
   ``length`` positions would mix keys computed at different RoPE frequencies (a length-dependent
   rope scaling); the decoding loop then prefills afresh. A model without such scalings returns

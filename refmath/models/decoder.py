@@ -52,7 +52,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath import moe as moe_ops
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache
 from refmath.models import blocks
@@ -188,13 +188,13 @@ def layer_norm(params: dict, name: str, config) -> Callable:
     return lambda x: norm_forward(x, params, name, config)
 
 
-def layer_ffn_forward(h, params: dict, config, layer: int):
+def layer_ffn_forward(h, params: dict, config, layer: int, matmul=matmul_rows_many):
     """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the SwiGLU, or the
     mixture of experts (:func:`refmath.moe.moe_forward`) on a layer
     ``config.moe`` selects. Returns ``(y, cache)``."""
     if is_moe_layer(config, layer):
-        return moe_ops.moe_forward(h, params, config.moe)
-    return ffn_forward(h, params)
+        return moe_ops.moe_forward(h, params, config.moe, matmul=matmul)
+    return ffn_forward(h, params, matmul=matmul)
 
 
 class LayerCache(NamedTuple):
@@ -409,34 +409,37 @@ def embed(params, tokens, config, offset: int) -> np.ndarray:
     return embedding_forward(tokens, params["tok_emb"])[0]
 
 
-def head(params, x, config) -> np.ndarray:
-    """Final norm and output projection of the new rows: logits ``(B, n, V)``."""
+def head(params, x, config, *, matmul=matmul_rows_many) -> np.ndarray:
+    """Final norm and output projection of the new rows: logits ``(B, n, V)``, the projection
+    computed by ``matmul`` (:mod:`refmath.models.contract`)."""
     x, _ = norm_forward(x, params, "ln_f", config)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out)[0]
+    return linear_forward(x, w_out, matmul=matmul)[0]
 
 
 def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,
-                        **options) -> np.ndarray:
+                        *, matmul=matmul_rows_many, **options) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` ``(B, n, d)`` at positions ``offset..``: the residual
     block of :func:`layer_forward`, with the attention's cached step (``attention.cached``)
-    reading and extending the layer's cache through ``slot``. ``options`` go to that step."""
+    reading and extending the layer's cache through ``slot``. ``options`` go to that step;
+    ``matmul`` computes every product of the layer (:mod:`refmath.models.contract`)."""
     config = layer_config(config, layer)
     p = sub_params(params, f"layers.{layer}")
     w, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
 
     def attn_branch(u):
-        return attention.cached(u, w, config, slot, offset, **options), None
+        return attention.cached(u, w, config, slot, offset, matmul=matmul, **options), None
 
     def ffn_branch(u):
-        return layer_ffn_forward(u, ffn, config, layer)
+        return layer_ffn_forward(u, ffn, config, layer, matmul=matmul)
 
     return block_forward(x, p, config, attn_branch, ffn_branch)[0]
 
 
-def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int) -> np.ndarray:
+def cached_layer(x, params, layer: int, config: DecoderConfig, slot, offset: int, *,
+                 matmul=matmul_rows_many) -> np.ndarray:
     """One M3 layer at inference (see :func:`family_cached_layer`)."""
-    return family_cached_layer(x, params, layer, config, ROPE_GQA, slot, offset)
+    return family_cached_layer(x, params, layer, config, ROPE_GQA, slot, offset, matmul=matmul)
 
 
 

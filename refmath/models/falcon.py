@@ -43,7 +43,7 @@ import numpy as np
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
 from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
@@ -235,13 +235,14 @@ def layer_norm(params: dict, name: str, config: FalconConfig):
                                          params.get(name + ".beta"), config.norm_eps)
 
 
-def ffn_forward(h, params: dict, config: FalconConfig):
+def ffn_forward(h, params: dict, config: FalconConfig, matmul=matmul_rows_many):
     r"""The FFN branch on the normalised rows ``h``: :math:`\operatorname{GELU}(h W_1) W_2`
     (:func:`refmath.models.blocks.plain_ffn_forward`, exact or tanh GELU), or PaLM's SwiGLU
     (:func:`refmath.models.blocks.ffn_forward`). Returns ``(y, cache)``."""
     if config.ffn == "swiglu":
-        return blocks.ffn_forward(h, params)
-    return blocks.plain_ffn_forward(h, params, approximate=config.ffn == "gelu_tanh")
+        return blocks.ffn_forward(h, params, matmul=matmul)
+    return blocks.plain_ffn_forward(h, params, approximate=config.ffn == "gelu_tanh",
+                                    matmul=matmul)
 
 
 class LayerCache(NamedTuple):
@@ -385,21 +386,23 @@ def embed(params, tokens, config: FalconConfig, offset: int) -> np.ndarray:
     return embedding_forward(tokens, params["tok_emb"])[0]
 
 
-def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int) -> np.ndarray:
+def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int, *,
+                 matmul=matmul_rows_many) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` at positions ``offset..``: :func:`block_forward`
     with Llama's cached attention step, which appends the keys and values to the layer's cache
     and attends over every cached position."""
     p = sub_params(params, f"layers.{layer}")
     attn, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
     return block_forward(
-        x, p, config, lambda h: (rope_attention_cached(h, attn, config, slot, offset), None),
-        lambda h: ffn_forward(h, ffn, config))[0]
+        x, p, config,
+        lambda h: (rope_attention_cached(h, attn, config, slot, offset, matmul=matmul), None),
+        lambda h: ffn_forward(h, ffn, config, matmul=matmul))[0]
 
 
-def head(params, x, config: FalconConfig) -> np.ndarray:
+def head(params, x, config: FalconConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final LayerNorm and output projection of the new rows: ``(B, n, V)``."""
     x, _ = layer_norm(params, "ln_f", config)(x)
-    return linear_forward(x, _head_weight(params, config))[0]
+    return linear_forward(x, _head_weight(params, config), matmul=matmul)[0]
 
 
 COMPILED_FIELDS = None  # the compiled decode layer is not handed these layers: the NumPy step runs

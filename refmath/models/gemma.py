@@ -55,6 +55,7 @@ from refmath._validate import check_choice, check_field, check_int, check_real
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import (LinearCache, SoftcapCache, linear_backward, linear_forward,
+                         matmul_rows_many,
                          softcap_backward, softcap_forward)
 from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
@@ -416,21 +417,23 @@ def embed(params, tokens, config: GemmaConfig, offset: int) -> np.ndarray:
     return embedding_forward(tokens, table)[0] * _embed_scale(config, table.dtype)
 
 
-def cached_layer(x, params, layer: int, config: GemmaConfig, slot, offset: int) -> np.ndarray:
+def cached_layer(x, params, layer: int, config: GemmaConfig, slot, offset: int, *,
+                 matmul=matmul_rows_many) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` at positions ``offset..``: :func:`block_forward`
     around Llama's cached attention step at this layer's window and RoPE, and the GeGLU."""
     config = layer_config(config, layer)
     p = sub_params(params, f"layers.{layer}")
     attn, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
     return block_forward(
-        x, p, config, lambda h: (rope_attention_cached(h, attn, config, slot, offset), None),
-        lambda h: blocks.ffn_forward(h, ffn, "gelu_tanh"))[0]
+        x, p, config,
+        lambda h: (rope_attention_cached(h, attn, config, slot, offset, matmul=matmul), None),
+        lambda h: blocks.ffn_forward(h, ffn, "gelu_tanh", matmul=matmul))[0]
 
 
-def head(params, x, config: GemmaConfig) -> np.ndarray:
+def head(params, x, config: GemmaConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final RMSNorm, the tied output projection and the cap of the new rows: ``(B, n, V)``."""
     x, _ = layer_norm(params, "ln_f", config)(x)
-    z = linear_forward(x, params["tok_emb"].T)[0]
+    z = linear_forward(x, params["tok_emb"].T, matmul=matmul)[0]
     return z if config.final_softcap is None else softcap_forward(z, config.final_softcap)[0]
 
 

@@ -33,7 +33,7 @@ from refmath.attention import (CausalAttentionCache, causal_attention_backward,
                                local_window_mask, merge_heads, mha_backward, mha_forward,
                                split_heads)
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.fast.fused import (BiasGELUCache, bias_gelu_backward, bias_gelu_forward, layernorm_backward,
                            layernorm_forward)
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
@@ -275,16 +275,17 @@ def kernel_attention_state(cache: KernelAttentionCache):
     return causal_attention_kv(cache.attn)
 
 
-def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int):
+def cached_attention(u, params: dict, config: GPTConfig, slot, offset: int,
+                     matmul=matmul_rows_many):
     """The attention branch at inference: ``slot.attend(q, k, v, offset, window)`` appends the new
     rows' keys and values to the layer's cache and attends over every cached position (the last
     ``sliding_window`` of them on a sliding layer). ``u`` is ``(B, n, d)``; returns
     ``(B, n, d)``. (GPT's positions enter at the embedding, so the projections need no
     ``offset``, and a window counts back from the absolute position of each query.)"""
     h = config.n_heads
-    q, k, v = (split_heads(y, h) for y in projections(u, params, "qkv"))
+    q, k, v = (split_heads(y, h) for y in projections(u, params, "qkv", matmul))
     o = slot.attend(q, k, v, offset, window=config.sliding_window)
-    return linear_forward(merge_heads(o), params["w_o"], params["b_o"])[0]
+    return linear_forward(merge_heads(o), params["w_o"], params["b_o"], matmul=matmul)[0]
 
 
 # GPT's attention, as the decoders of refmath.models.decoder have theirs: in NumPy or in the kernel
@@ -317,7 +318,8 @@ class GELUFFNCache(NamedTuple):
     second: LinearCache  # y = a W_2 + b_2
 
 
-def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None):
+def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=None,
+                         matmul=matmul_rows_many):
     r"""GELU FFN with biases as a residual sublayer (``ln2``, ``ffn``); ``x`` is ``(B, T, d)``.
 
     The branch is :func:`refmath.ffn.ffn_forward`'s
@@ -329,9 +331,9 @@ def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=Non
     drop = dropout_mask(rng, x.shape, config.dropout, x.dtype)
 
     def branch(u):
-        h, first = linear_forward(u, w1)
+        h, first = linear_forward(u, w1, matmul=matmul)
         a, act = bias_gelu_forward(h, b1, config.gelu_approximate)
-        y, second = linear_forward(a, w2, b2)
+        y, second = linear_forward(a, w2, b2, matmul=matmul)
         return y, GELUFFNCache(first, act, second)
 
     return _residual_forward(x, params[p + "ln2.gamma"], params[p + "ln2.beta"], branch, drop, config)
@@ -483,7 +485,8 @@ def embed(params, tokens, config: GPTConfig, offset: int) -> np.ndarray:
     return x
 
 
-def cached_layer(x, params, layer: int, config: GPTConfig, slot, offset: int) -> np.ndarray:
+def cached_layer(x, params, layer: int, config: GPTConfig, slot, offset: int, *,
+                 matmul=matmul_rows_many) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` at positions ``offset..``: the attention sublayer with
     :func:`cached_attention` reading and extending the layer's cache through ``slot`` (with the
     layer's window), then the FFN sublayer (per token, as in training)."""
@@ -491,19 +494,20 @@ def cached_layer(x, params, layer: int, config: GPTConfig, slot, offset: int) ->
     attn_params = sub_params(params, p + "attn")
 
     def branch(u):
-        return cached_attention(u, attn_params, layer_config(config, layer), slot, offset), None
+        return cached_attention(u, attn_params, layer_config(config, layer), slot, offset,
+                                matmul=matmul), None
 
     x, _ = _residual_forward(x, params[p + "ln1.gamma"], params[p + "ln1.beta"], branch, None,
                              config)
-    return ffn_sublayer_forward(x, params, layer, config)[0]
+    return ffn_sublayer_forward(x, params, layer, config, matmul=matmul)[0]
 
 
-def head(params, x, config: GPTConfig) -> np.ndarray:
+def head(params, x, config: GPTConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final LayerNorm (Pre-LN only) and output projection of the new rows: ``(B, n, V)``."""
     if config.norm_position == "pre":
         x, _ = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out)[0]
+    return linear_forward(x, w_out, matmul=matmul)[0]
 
 
 

@@ -54,7 +54,7 @@ import numpy as np
 from refmath._validate import check_field, check_flag, check_int, check_real
 from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backward, sdpa_forward,
                                split_heads)
-from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.models import decoder
 from refmath.models.hf_layout import (DEEPSEEK_EXPERTS, HFCheckpointError, join_heads_columns,
                                       linear_out, refuse, refuse_common, require, rope_from_hf,
@@ -310,7 +310,8 @@ def mla_state(cache: MLACache):
     return cache.k_up.x, cache.attn.k[:, 0, :, d_k:]
 
 
-def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str = "absorbed"):
+def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str = "absorbed",
+               matmul=matmul_rows_many):
     r"""MLA at inference with a latent cache (K8, K9): the new rows ``u`` ``(B, n, d)`` at positions
     ``offset..`` append their ``c`` and ``k^R`` to the layer's cache ``slot`` (``slot.store(c, k_r,
     offset)`` gives back every filled row) and attend over all of them; returns ``(B, n, d)``.
@@ -320,7 +321,8 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
     attention with ONE key/value head shared by all ``h`` query heads (like MQA): key
     :math:`[c_j\ k^R_j]`, value :math:`c_j`, widths :math:`d_c + d_R` and :math:`d_c`.
     Expanded: :math:`k^C = c W_{UK}`, :math:`v = c W_{UV}` for every cached row, then attention as
-    in :func:`refmath.models.mla.mla_forward`. (A production kernel would also fold
+    in :func:`refmath.models.mla.mla_forward`. ``matmul`` computes the projections
+    (:func:`refmath.ffn.linear_forward`). (A production kernel would also fold
     :math:`W_{UQ} W_{UK,r}^\top` and :math:`W_{UV,r} W_{O,r}` into single matrices offline.)
     """
     h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
@@ -329,18 +331,19 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
     n = u.shape[1]
     t = offset + n
     # The new rows' latents and rotary keys, stored; then the whole filled cache is read back.
-    c, _ = linear_forward(u, w["w_dkv"])
+    c, _ = linear_forward(u, w["w_dkv"], matmul=matmul)
     if config.latent_norm:
         c, _ = rmsnorm_forward(c, w["kv_norm.gamma"], eps)
-    k_r, _ = rope_forward(linear_forward(u, w["w_kr"])[0], **rope)
+    k_r, _ = rope_forward(linear_forward(u, w["w_kr"], matmul=matmul)[0], **rope)
     latents, rope_keys = slot.store(c, k_r, offset)
     # Queries: content part q^C and rotary part q^R, the latter rotated at positions offset.. .
     if config.q_lora_rank is not None:
-        u, _ = linear_forward(u, w["w_dq"])
+        u, _ = linear_forward(u, w["w_dq"], matmul=matmul)
         if config.latent_norm:
             u, _ = rmsnorm_forward(u, w["q_norm.gamma"], eps)
-    q_c = split_heads(linear_forward(u, w["w_q" if config.q_lora_rank is None else "w_uq"])[0], h)
-    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"])[0], h), **rope)
+    w_q = w["w_q" if config.q_lora_rank is None else "w_uq"]
+    q_c = split_heads(linear_forward(u, w_q, matmul=matmul)[0], h)
+    q_r, _ = rope_forward(split_heads(linear_forward(u, w["w_qr"], matmul=matmul)[0], h), **rope)
 
     b = u.shape[0]
     mask = causal_mask(n, t, dtype=u.dtype)
@@ -353,12 +356,12 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
         o = np.einsum("bhnc,chv->bhnv", o_latent, w["w_uv"].reshape(-1, h, d_v))
     else:
         shared_r = np.broadcast_to(rope_keys[:, None], (b, h, t, d_r))  # one rotary key, all heads
-        k_c = split_heads(linear_forward(latents, w["w_uk"])[0], h)
-        v = split_heads(linear_forward(latents, w["w_uv"])[0], h)
+        k_c = split_heads(linear_forward(latents, w["w_uk"], matmul=matmul)[0], h)
+        v = split_heads(linear_forward(latents, w["w_uv"], matmul=matmul)[0], h)
         o, _ = sdpa_forward(np.concatenate([q_c, q_r], axis=-1),
                             np.concatenate([k_c, shared_r], axis=-1), v, mask=mask, scale=scale)
     slot.record(mask)
-    return linear_forward(merge_heads(o), w["w_o"])[0]
+    return linear_forward(merge_heads(o), w["w_o"], matmul=matmul)[0]
 
 
 MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state, mla_cached)
@@ -445,11 +448,11 @@ def compiled_layer_spec(params, config: MLAConfig) -> None:
 
 
 def cached_layer(x, params, layer: int, config: MLAConfig, slot, offset: int,
-                 mla_path: str = "absorbed") -> np.ndarray:
+                 mla_path: str = "absorbed", *, matmul=matmul_rows_many) -> np.ndarray:
     """One M4 layer at inference: M3's layer with :func:`mla_cached` as its attention step
     (``mla_path``: the absorbed or the expanded attention)."""
     return decoder.family_cached_layer(x, params, layer, config, MLA, slot, offset,
-                                       mla_path=mla_path)
+                                       mla_path=mla_path, matmul=matmul)
 
 
 # ---- sizes: what refmath.sizing counts of this model ---------------------------------------------

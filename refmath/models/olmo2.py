@@ -40,7 +40,8 @@ import numpy as np
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import LinearCache, linear_backward, linear_forward, swiglu_hidden_size
+from refmath.ffn import (LinearCache, linear_backward, linear_forward, matmul_rows_many,
+                         swiglu_hidden_size)
 from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
 from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
@@ -314,21 +315,23 @@ def embed(params, tokens, config: OLMo2Config, offset: int) -> np.ndarray:
     return embedding_forward(tokens, params["tok_emb"])[0]
 
 
-def cached_layer(x, params, layer: int, config: OLMo2Config, slot, offset: int) -> np.ndarray:
+def cached_layer(x, params, layer: int, config: OLMo2Config, slot, offset: int, *,
+                 matmul=matmul_rows_many) -> np.ndarray:
     """Layer ``layer`` on the new rows ``x`` at positions ``offset..``: :func:`block_forward`
     around Llama's cached attention step (it appends the new keys and values to the layer's cache
     and attends over every cached position) and the SwiGLU."""
     p = sub_params(params, f"layers.{layer}")
     attn, ffn = sub_params(p, "attn"), sub_params(p, "ffn")
     return block_forward(
-        x, p, config, lambda h: (rope_attention_cached(h, attn, config, slot, offset), None),
-        lambda h: blocks.ffn_forward(h, ffn))[0]
+        x, p, config,
+        lambda h: (rope_attention_cached(h, attn, config, slot, offset, matmul=matmul), None),
+        lambda h: blocks.ffn_forward(h, ffn, matmul=matmul))[0]
 
 
-def head(params, x, config: OLMo2Config) -> np.ndarray:
+def head(params, x, config: OLMo2Config, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final RMSNorm and output projection of the new rows: ``(B, n, V)``."""
     x, _ = layer_norm(params, "ln_f", config)(x)
-    return linear_forward(x, _head_weight(params, config))[0]
+    return linear_forward(x, _head_weight(params, config), matmul=matmul)[0]
 
 
 COMPILED_FIELDS = None  # the compiled decode layer normalises before the sublayers: the NumPy step

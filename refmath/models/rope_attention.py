@@ -10,7 +10,7 @@ from typing import NamedTuple
 from refmath.attention import (CausalAttentionCache, causal_attention_backward,
                                causal_attention_forward, causal_attention_kv, merge_heads,
                                split_heads)
-from refmath.ffn import LinearCache, linear_backward, linear_forward
+from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.models.common import AttentionOps, projections
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (RoPECache, rope_backward, rope_forward, rope_frequencies_change,
@@ -65,7 +65,8 @@ def rope_options(config: DecoderConfig, offset: int, length: int) -> dict:
     return rope
 
 
-def queries_keys(x, params: dict, config: DecoderConfig, offset: int = 0, length: int | None = None):
+def queries_keys(x, params: dict, config: DecoderConfig, offset: int = 0, length: int | None = None,
+                 matmul=matmul_rows_many):
     r"""The rotated queries ``(B, h, n, d_h)`` and keys ``(B, g, n, d_h)`` of the rows ``x``
     ``(B, n, d)`` at positions ``offset..``, and what their backward needs.
 
@@ -74,12 +75,13 @@ def queries_keys(x, params: dict, config: DecoderConfig, offset: int = 0, length
         N18)},\quad \tilde Q = m\,\operatorname{RoPE}_{\omega'}(\hat Q)
 
     and the same for keys; ``length`` (default ``offset + n``) is the sequence length a
-    length-dependent rope scaling sees. Returns ``(q, k, caches)`` with ``caches`` the tuple
+    length-dependent rope scaling sees; ``matmul`` computes the projections
+    (:func:`refmath.ffn.linear_forward`). Returns ``(q, k, caches)`` with ``caches`` the tuple
     ``(q_proj, k_proj, q_norm, k_norm, q_rope, k_rope)``.
     """
     h, g, n = config.n_heads, config.kv_heads, x.shape[-2]
-    q, q_proj = linear_forward(x, params["w_q"], params.get("b_q"))
-    k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"))
+    q, q_proj = linear_forward(x, params["w_q"], params.get("b_q"), matmul=matmul)
+    k, k_proj = linear_forward(x, params["w_k"], params.get("b_k"), matmul=matmul)
     q_norm = k_norm = None
     if config.qk_norm == "projection":  # OLMo 2: the whole projection, before the heads split
         q, q_norm = rmsnorm_forward(q, gain(config, params["q_norm.gamma"]), config.norm_eps)
@@ -158,7 +160,8 @@ def rope_attention_state(cache: RoPEAttentionCache):
     return causal_attention_kv(cache.attn)
 
 
-def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, **options):
+def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: int, *,
+                          matmul=matmul_rows_many, **options):
     """M3's attention at inference (K2, K3): the new rows ``u`` ``(B, n, d)`` at positions
     ``offset..`` give queries and keys rotated there; ``slot.attend(q, k, v, offset, window)``
     appends the keys and values to the layer's cache and attends over every cached position (the
@@ -168,7 +171,8 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
     QK-norm and a rope scaling (N13-N18) go through :func:`queries_keys`. A length-dependent
     scaling whose frequencies change between ``offset`` and ``offset + n`` tokens makes the cached
     keys stale (they were rotated at other frequencies, K3): that raises ``ValueError``, and
-    :func:`cache_stale` lets a decoding loop prefill afresh instead.
+    :func:`cache_stale` lets a decoding loop prefill afresh instead. ``matmul`` computes the
+    projections (:func:`refmath.ffn.matmul_rows_many`'s signature, :mod:`refmath.models.contract`).
     """
     if cache_stale(config, offset, u.shape[-2]):
         raise ValueError(f"rope_scaling {config.rope_scaling.rope_type!r} changes RoPE's "
@@ -176,17 +180,17 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
                          f"keys cached for positions 0..{offset - 1} are stale; prefill afresh")
     # BEGIN SOLUTION
     if config.qk_norm is not None or config.rope_scaling is not None:
-        q, k, _ = queries_keys(u, params, config, offset)
-        v = split_heads(linear_forward(u, params["w_v"], params.get("b_v"))[0], config.kv_heads)
-        o = slot.attend(q, k, v, offset, **attention_options(config))
-        return linear_forward(merge_heads(o), params["w_o"])[0]
+        q, k, _ = queries_keys(u, params, config, offset, matmul=matmul)
+        v = linear_forward(u, params["w_v"], params.get("b_v"), matmul=matmul)[0]
+        o = slot.attend(q, k, split_heads(v, config.kv_heads), offset, **attention_options(config))
+        return linear_forward(merge_heads(o), params["w_o"], matmul=matmul)[0]
     h, g = config.n_heads, config.kv_heads
     rope = dict(offset=offset, base=config.rope_base, layout=config.rope_layout)
-    q, k, v = projections(u, params, "qkv")
+    q, k, v = projections(u, params, "qkv", matmul)
     q, _ = rope_forward(split_heads(q, h), **rope)
     k, _ = rope_forward(split_heads(k, g), **rope)
     o = slot.attend(q, k, split_heads(v, g), offset, **attention_options(config))
-    return linear_forward(merge_heads(o), params["w_o"])[0]
+    return linear_forward(merge_heads(o), params["w_o"], matmul=matmul)[0]
     # END SOLUTION
 
 

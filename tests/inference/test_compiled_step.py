@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from refmath import kernels
-from refmath.ffn import compiled_rows
+from refmath.fast.products import blas_products, kernel_products
 from refmath.inference import compiled_step
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import generate_cached, prefill
@@ -53,9 +53,9 @@ def _params(model, config, seed=0):
 def _counting(monkeypatch) -> list:
     steps, real = [], compiled_step.CompiledLayers.step
 
-    def counted(self, cache, ids):
+    def counted(self, cache, ids, products=None):
         steps.append(cache.length)
-        return real(self, cache, ids)
+        return real(self, cache, ids, products)
 
     monkeypatch.setattr(compiled_step.CompiledLayers, "step", counted)
     return steps
@@ -71,8 +71,8 @@ def test_compiled_steps_give_the_numpy_steps_tokens_and_float32_logits(case, lay
         params = decode_layout(params)
     prompt = np.stack([np.arange(5), np.arange(5, 10)]) % config.vocab_size  # batch 2
     steps = _counting(monkeypatch)
-    with compiled_rows():
-        fast = generate_cached(model, params, config, prompt, 10, greedy=True, backend="cpu")
+    fast = generate_cached(model, params, config, prompt, 10, greedy=True, backend="cpu",
+                           products=kernel_products)
     assert steps == list(range(5, 14))  # every decode step, at positions 5..13
     plain = generate_cached(model, params, config, prompt, 10, greedy=True)
     ref64 = generate_cached(model, params64, config, plain.tokens[:, :5], 10, greedy=True)
@@ -89,9 +89,10 @@ def test_generate_on_the_cpu_backend_steps_through_the_compiled_layers(monkeypat
     steps = _counting(monkeypatch)
     out = generate("llama", params, LLAMA, np.arange(4), 6, greedy=True, backend="cpu")
     assert steps == [4, 5, 6, 7, 8]
-    with compiled_rows(False):  # BLAS's products: the NumPy layers
-        np.testing.assert_array_equal(out, generate("llama", params, LLAMA, np.arange(4), 6,
-                                                    greedy=True, backend="cpu"))
+    # BLAS's products: the NumPy layers
+    np.testing.assert_array_equal(out, generate("llama", params, LLAMA, np.arange(4), 6,
+                                                greedy=True, backend="cpu",
+                                                products=blas_products))
     assert len(steps) == 5
 
 
@@ -127,14 +128,13 @@ def test_the_compiled_step_leaves_a_full_cache_to_the_numpy_steps_error():
               for name, value in module.init_params(LLAMA, seed=0).items()}
     layers = compiled_step.compiled_layers(module, params, LLAMA)
     _, cache = prefill("llama", params, LLAMA, np.arange(4), max_len=4, backend="cpu")
-    with compiled_rows():
-        assert not layers.runs(cache)  # full: _forward_rows raises its own ValueError
-        _, roomy = prefill("llama", params, LLAMA, np.arange(4), max_len=8, backend="cpu")
-        assert layers.runs(roomy)
-    assert not layers.runs(roomy)  # outside compiled_rows: BLAS's products, the NumPy layers
+    assert not layers.runs(cache, kernel_products)  # full: _forward_rows raises its own error
+    _, roomy = prefill("llama", params, LLAMA, np.arange(4), max_len=8, backend="cpu")
+    assert layers.runs(roomy, kernel_products)
+    assert not layers.runs(roomy, blas_products)  # BLAS's products: the NumPy layers
+    assert not layers.runs(roomy)  # no choice, float32 weights: the NumPy layers too
     _, numpy_cache = prefill("llama", params, LLAMA, np.arange(4), max_len=8)
-    with compiled_rows():
-        assert not layers.runs(numpy_cache)
+    assert not layers.runs(numpy_cache, kernel_products)
 
 
 # ---- the extension's own checks: errors, never a read past a buffer -----------------------------

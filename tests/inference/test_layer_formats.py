@@ -56,9 +56,9 @@ def _step_logits(model, params, config, tokens, prompt_len, backend, stored=None
 def _counting(monkeypatch) -> list:
     steps, real = [], compiled_step.CompiledLayers.step
 
-    def counted(self, cache, ids):
+    def counted(self, cache, ids, products=None):
         steps.append((cache.length, self.weights))
-        return real(self, cache, ids)
+        return real(self, cache, ids, products)
 
     monkeypatch.setattr(compiled_step.CompiledLayers, "step", counted)
     return steps

@@ -2,10 +2,10 @@
 configuration, one at a time, and compare.
 
 The fast paths are the decode step on ``backend="cpu"`` with the compiled decode layers and the
-weights in :func:`refmath.inference.weight_layout.decode_layout` (inside
-:func:`refmath.ffn.compiled_rows`), the decode step on ``backend="cpu"`` with NumPy's layers around
-the attention kernel, and the training attention kernel (``attention_backend="cpu"``). Each runs
-teacher-forced on a fixed token sequence: a prompt, then one decode step per token. Each must
+weights in :func:`refmath.inference.weight_layout.decode_layout` (products on
+:func:`refmath.fast.products.kernel_products`), the decode step on ``backend="cpu"`` with
+NumPy's layers around the attention kernel, and the training attention kernel
+(``attention_backend="cpu"``). Each runs teacher-forced on a fixed token sequence: a prompt, then one decode step per token. Each must
 either refuse (``ValueError``, or the compiled layer's None, which leaves the NumPy step) or give
 the float64 NumPy logits within the float32 rule (tests/_support.py). A field added to a config
 that some fast path ignores fails here as soon as the field is given a value other than its
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from refmath import kernels
-from refmath.ffn import compiled_rows
+from refmath.fast.products import blas_products, kernel_products
 from refmath.inference import compiled_step
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.weight_layout import decode_layout
@@ -139,21 +139,24 @@ def _params(model: str, config, seed=0) -> dict:
 PROMPT, TOKENS = 5, 9
 
 
-def _cached_logits(model: str, params, config, tokens, backend: str, compiled: bool):
+def _cached_logits(model: str, params, config, tokens, backend: str, compiled: bool, products):
     """Logits of positions ``PROMPT - 1 .. TOKENS - 1``: a prefill of the prompt, then one decode
     step per token (on the compiled layers where they take the step, afresh from a prefill where
-    the model's ``cache_stale`` says the cached keys no longer hold)."""
+    the model's ``cache_stale`` says the cached keys no longer hold), the products on
+    ``products``."""
     module = model_module(model)
     layers = compiled_step.compiled_layers(module, params, config) if compiled else None
-    z, cache = prefill(model, params, config, tokens[:, :PROMPT], backend=backend)
+    z, cache = prefill(model, params, config, tokens[:, :PROMPT], backend=backend,
+                       products=products)
     out = [z]
     for t in range(PROMPT, TOKENS):
         if module.cache_stale(config, cache.length, 1):
-            z, cache = prefill(model, params, config, tokens[:, :t + 1], backend=backend)
-        elif layers is not None and layers.runs(cache):
-            z = layers.step(cache, tokens[:, t])
+            z, cache = prefill(model, params, config, tokens[:, :t + 1], backend=backend,
+                               products=products)
+        elif layers is not None and layers.runs(cache, products):
+            z = layers.step(cache, tokens[:, t], products)
         else:
-            z = decode_step(model, params, config, cache, tokens[:, t])
+            z = decode_step(model, params, config, cache, tokens[:, t], products=products)
         out.append(z)
     return np.stack(out, axis=1), layers is not None
 
@@ -176,25 +179,26 @@ def test_every_fast_path_refuses_or_computes_a_perturbed_config(base, field, val
     floor = 4 * np.finfo(np.float32).eps * np.abs(ref64).max()
     label = f"{base} with {field} = {value!r}"
 
-    with compiled_rows():  # the compiled layers, the rows kernel, the decode layout
-        try:
-            fast, compiled = _cached_logits(model, decode_layout(params32), config, tokens, "cpu",
-                                            compiled=True)
-        except ValueError:  # refused in words (a kernel that does not take an option)
-            fast = None
-        if fast is not None:
-            float32_rule(f"compiled decode step, {label}", fast, ref64[:, PROMPT - 1:],
-                         plain[:, PROMPT - 1:], floor=floor)
-            if compiled:
-                RAN_COMPILED.add(base)
-    with compiled_rows(False):  # the attention kernel between NumPy's layers
-        try:
-            fast = _cached_logits(model, params32, config, tokens, "cpu", compiled=False)[0]
-        except ValueError:
-            fast = None
-        if fast is not None:
-            float32_rule(f"cpu decode step, {label}", fast, ref64[:, PROMPT - 1:],
-                         plain[:, PROMPT - 1:], floor=floor)
+    # the compiled layers, the rows kernel, the decode layout
+    try:
+        fast, compiled = _cached_logits(model, decode_layout(params32), config, tokens, "cpu",
+                                        compiled=True, products=kernel_products)
+    except ValueError:  # refused in words (a kernel that does not take an option)
+        fast = None
+    if fast is not None:
+        float32_rule(f"compiled decode step, {label}", fast, ref64[:, PROMPT - 1:],
+                     plain[:, PROMPT - 1:], floor=floor)
+        if compiled:
+            RAN_COMPILED.add(base)
+    # the attention kernel between NumPy's layers, BLAS's products
+    try:
+        fast = _cached_logits(model, params32, config, tokens, "cpu", compiled=False,
+                              products=blas_products)[0]
+    except ValueError:
+        fast = None
+    if fast is not None:
+        float32_rule(f"cpu decode step, {label}", fast, ref64[:, PROMPT - 1:],
+                     plain[:, PROMPT - 1:], floor=floor)
     try:  # the training attention kernel
         kernel_config = dataclasses.replace(config, attention_backend="cpu")
         fast = module.logits(params32, tokens, kernel_config)
