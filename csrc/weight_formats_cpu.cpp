@@ -151,21 +151,37 @@ REFMATH_AVX512 inline f32x16 wide_codes_to_floats(const void* p) {
 #endif
 }
 
-REFMATH_AVX512 inline float f16c_to_float(std::uint16_t bits) { return _cvtsh_ss(bits); }
+#define REFMATH_AVX2 __attribute__((target("arch=x86-64-v3")))
+// One float16 (a Q8_0 scale): for the AVX2 and the AVX-512 copies alike.
+REFMATH_AVX2 inline float f16c_to_float(std::uint16_t bits) { return _cvtsh_ss(bits); }
+
+// The same for the AVX2 copy (x86-64-v3, which has F16C), 8 lanes. GCC's target_clones cannot
+// hold these (its baseline clone would call them), so that copy is a function of its own.
+REFMATH_AVX2 inline tile::f32x8 f16c_to_floats8(const void* p) {
+    __m128i h;
+    std::memcpy(&h, p, sizeof h);
+    const __m256 v = _mm256_cvtph_ps(h);
+    return reinterpret_cast<const tile::f32x8&>(v);
+}
+REFMATH_AVX2 inline tile::f32x8 avx2_codes_to_floats(const void* p) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        static_cast<const __m128i*>(p))));  // 8 bytes, unaligned
+    return reinterpret_cast<const tile::f32x8&>(v);
+}
 #pragma GCC diagnostic pop
 #else
 #define REFMATH_F16C_DECODE 0
 #endif
 
 // The decoders: one row's weights i..i+L-1 as a vector V of L lanes (i a multiple of L), and
-// weight i alone. kWide: the 16-lane copy's F16C and AVX-512 conversions (the same values: every
+// weight i alone. kX86: the x86 copies' F16C, AVX2 and AVX-512 conversions (the same values: every
 // conversion here is exact).
-template <bool kWide>
+template <bool kX86>
 REFMATH_INLINE float half_value(const unsigned char* p) {
     std::uint16_t bits;
     std::memcpy(&bits, p, sizeof bits);  // unaligned: Q8_0 blocks are 34 bytes apart
 #if REFMATH_F16C_DECODE
-    if constexpr (kWide) return f16c_to_float(bits);
+    if constexpr (kX86) return f16c_to_float(bits);
 #endif
     return half_to_float(bits);
 }
@@ -183,24 +199,25 @@ struct Bf16 {
     }
 };
 
-template <bool kWide>
+template <bool kX86>
 struct F16 {
     static idx row_bytes(idx k) { return 2 * k; }
     template <class V>
     REFMATH_INLINE static V load(const unsigned char* row, idx i) {
 #if REFMATH_F16C_DECODE
-        if constexpr (kWide) return f16c_to_floats(row + 2 * i);
+        if constexpr (kX86 && tile::kLanes<V> == 16) return f16c_to_floats(row + 2 * i);
+        if constexpr (kX86 && tile::kLanes<V> == 8) return f16c_to_floats8(row + 2 * i);
 #endif
         return halves_to_floats<V>(row + 2 * i);
     }
     REFMATH_INLINE static float one(const unsigned char* row, idx i) {
-        return half_value<kWide>(row + 2 * i);
+        return half_value<kX86>(row + 2 * i);
     }
 };
 
 // Q8_0: weights i..i+L-1 lie in block i / 32; each is its int8 code times the block's scale, exact
 // in float32 (an 8-bit integer times an 11-bit significand).
-template <bool kWide>
+template <bool kX86>
 struct Q8 {
     static idx row_bytes(idx k) { return k / kQ8Block * kQ8BlockBytes; }
     template <class V>
@@ -208,14 +225,17 @@ struct Q8 {
         const unsigned char* block = row + i / kQ8Block * kQ8BlockBytes;
         const unsigned char* codes = block + 2 + i % kQ8Block;
 #if REFMATH_F16C_DECODE
-        if constexpr (kWide) return wide_codes_to_floats(codes) * half_value<kWide>(block);
+        if constexpr (kX86 && tile::kLanes<V> == 16)
+            return wide_codes_to_floats(codes) * half_value<kX86>(block);
+        if constexpr (kX86 && tile::kLanes<V> == 8)
+            return avx2_codes_to_floats(codes) * half_value<kX86>(block);
 #endif
-        return codes_to_floats<V>(codes) * half_value<kWide>(block);
+        return codes_to_floats<V>(codes) * half_value<kX86>(block);
     }
     REFMATH_INLINE static float one(const unsigned char* row, idx i) {  // k % 32 == 0: unused
         const unsigned char* block = row + i / kQ8Block * kQ8BlockBytes;
         return static_cast<float>(static_cast<std::int8_t>(block[2 + i % kQ8Block])) *
-               half_value<kWide>(block);
+               half_value<kX86>(block);
     }
 };
 
@@ -293,47 +313,52 @@ REFMATH_INLINE void range(const float* x, idx m, idx k, const void* w, idx n, fl
 // merged them into a single loop that decoded every format and picked one (all three then ran at
 // the slowest one's speed).
 //
-// The 8-lane copy (AVX2's 16 registers of 8 floats): 2 outputs and 1 row of x at a time, 4
+// The 8-lane copies (AVX2's 16 registers of 8 floats): 2 outputs and 1 row of x at a time, 4
 // registers of accumulators and 4 of running totals. (GCC keeps 16-lane vector-extension values
-// in memory on AVX2, which ran 5x slower.)
+// in memory on AVX2, which ran 5x slower.) bfloat16 needs only integer shifts, so one function with
+// an x86-64-v3 and a baseline clone serves; float16 and Q8_0 have a copy with F16C's and AVX2's
+// conversions for x86-64-v3 CPUs and a portable one for the rest.
 using Rows = void (*)(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, idx j1);
 
-REFMATH_MULTIVERSION
-void bf16_rows(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, idx j1) {
-    range<Bf16, tile::f32x8, 2, 1>(x, m, k, w, n, y, j0, j1);
-}
-
-REFMATH_MULTIVERSION
-void f16_rows(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, idx j1) {
-    range<F16<false>, tile::f32x8, 2, 1>(x, m, k, w, n, y, j0, j1);
-}
-
-REFMATH_MULTIVERSION
-void q8_0_rows(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, idx j1) {
-    range<Q8<false>, tile::f32x8, 2, 1>(x, m, k, w, n, y, j0, j1);
-}
+#define REFMATH_ROWS(name, attributes, D, V, outputs, rows_x)                                    \
+    attributes void name(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, \
+                         idx j1) {                                                            \
+        range<D, V, outputs, rows_x>(x, m, k, w, n, y, j0, j1);                                \
+    }
+REFMATH_ROWS(bf16_rows, REFMATH_MULTIVERSION, Bf16, tile::f32x8, 2, 1)
+REFMATH_ROWS(f16_rows, , F16<false>, tile::f32x8, 2, 1)
+REFMATH_ROWS(q8_0_rows, , Q8<false>, tile::f32x8, 2, 1)
 
 #if REFMATH_HAVE_AVX512
-// The 16-lane copy (AVX-512's 32 registers of 16 floats): 4 outputs and up to 4 rows of x at a
-// time, 16 accumulators; float16 decoded by F16C. (flatten: the F16C helpers are inlined here,
-// where the target allows them, and not into the generic templates on the way.)
-#define REFMATH_WIDE_ROWS(name, D)                                                                \
-    REFMATH_AVX512 __attribute__((flatten)) void name(const float* x, idx m, idx k, const void* w, \
-                                                      idx n, float* y, idx j0, idx j1) {         \
-        range<D, f32x16, 4, 4>(x, m, k, w, n, y, j0, j1);                                               \
-    }
-REFMATH_WIDE_ROWS(bf16_rows_wide, Bf16)
-REFMATH_WIDE_ROWS(f16_rows_wide, F16<true>)
-REFMATH_WIDE_ROWS(q8_0_rows_wide, Q8<true>)
-#undef REFMATH_WIDE_ROWS
+// (flatten: the intrinsics' helpers are inlined here, where the target allows them, and not into
+// the generic templates on the way.)
+REFMATH_ROWS(f16_rows_avx2, REFMATH_AVX2 __attribute__((flatten)), F16<true>, tile::f32x8, 2, 1)
+REFMATH_ROWS(q8_0_rows_avx2, REFMATH_AVX2 __attribute__((flatten)), Q8<true>, tile::f32x8, 2, 1)
+
+// The 16-lane copies (AVX-512's 32 registers of 16 floats): 4 outputs and up to 4 rows of x at a
+// time, 16 accumulators, F16C and AVX-512's conversions.
+REFMATH_ROWS(bf16_rows_wide, REFMATH_AVX512 __attribute__((flatten)), Bf16, f32x16, 4, 4)
+REFMATH_ROWS(f16_rows_wide, REFMATH_AVX512 __attribute__((flatten)), F16<true>, f32x16, 4, 4)
+REFMATH_ROWS(q8_0_rows_wide, REFMATH_AVX512 __attribute__((flatten)), Q8<true>, f32x16, 4, 4)
 #endif
+#undef REFMATH_ROWS
 
 Rows rows_for(WeightFormat format) {
+#if REFMATH_HAVE_AVX512
+    static const bool avx2 = std::strcmp(tile::narrow_copy(), "x86-64-v3") == 0;
+    const bool wide = tile::wide_vectors();
     switch (format) {
-        case WeightFormat::bf16: return REFMATH_PICK_WIDTH(bf16_rows);
-        case WeightFormat::f16: return REFMATH_PICK_WIDTH(f16_rows);
-        case WeightFormat::q8_0: return REFMATH_PICK_WIDTH(q8_0_rows);
+        case WeightFormat::bf16: return wide ? bf16_rows_wide : bf16_rows;
+        case WeightFormat::f16: return wide ? f16_rows_wide : avx2 ? f16_rows_avx2 : f16_rows;
+        case WeightFormat::q8_0: return wide ? q8_0_rows_wide : avx2 ? q8_0_rows_avx2 : q8_0_rows;
     }
+#else
+    switch (format) {
+        case WeightFormat::bf16: return bf16_rows;
+        case WeightFormat::f16: return f16_rows;
+        case WeightFormat::q8_0: return q8_0_rows;
+    }
+#endif
     return nullptr;
 }
 
