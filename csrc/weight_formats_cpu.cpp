@@ -313,9 +313,10 @@ REFMATH_INLINE void range(const float* x, idx m, idx k, const void* w, idx n, fl
 // merged them into a single loop that decoded every format and picked one (all three then ran at
 // the slowest one's speed).
 //
-// The 8-lane copies (AVX2's 16 registers of 8 floats): 2 outputs and 1 row of x at a time, 4
-// registers of accumulators and 4 of running totals. (GCC keeps 16-lane vector-extension values
-// in memory on AVX2, which ran 5x slower.) bfloat16 needs only integer shifts, so one function with
+// The 8-lane copies (AVX2's 16 registers of 8 floats): 2 outputs and up to 2 rows of x at a time,
+// 8 registers of accumulators (with one row of x at a time, 4 rows of x read 1.1-2x slower than
+// float32 in cache: each weight decoded 4 times). GCC keeps 16-lane vector-extension values in
+// memory on AVX2, which ran 5x slower, hence two 8-lane vectors for the 16 lanes. bfloat16 needs only integer shifts, so one function with
 // an x86-64-v3 and a baseline clone serves; float16 and Q8_0 have a copy with F16C's and AVX2's
 // conversions for x86-64-v3 CPUs and a portable one for the rest.
 using Rows = void (*)(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, idx j1);
@@ -325,15 +326,15 @@ using Rows = void (*)(const float* x, idx m, idx k, const void* w, idx n, float*
                          idx j1) {                                                            \
         range<D, V, outputs, rows_x>(x, m, k, w, n, y, j0, j1);                                \
     }
-REFMATH_ROWS(bf16_rows, REFMATH_MULTIVERSION, Bf16, tile::f32x8, 2, 1)
-REFMATH_ROWS(f16_rows, , F16<false>, tile::f32x8, 2, 1)
-REFMATH_ROWS(q8_0_rows, , Q8<false>, tile::f32x8, 2, 1)
+REFMATH_ROWS(bf16_rows, REFMATH_MULTIVERSION, Bf16, tile::f32x8, 2, 2)
+REFMATH_ROWS(f16_rows, , F16<false>, tile::f32x8, 2, 2)
+REFMATH_ROWS(q8_0_rows, , Q8<false>, tile::f32x8, 2, 2)
 
 #if REFMATH_HAVE_AVX512
 // (flatten: the intrinsics' helpers are inlined here, where the target allows them, and not into
 // the generic templates on the way.)
-REFMATH_ROWS(f16_rows_avx2, REFMATH_AVX2 __attribute__((flatten)), F16<true>, tile::f32x8, 2, 1)
-REFMATH_ROWS(q8_0_rows_avx2, REFMATH_AVX2 __attribute__((flatten)), Q8<true>, tile::f32x8, 2, 1)
+REFMATH_ROWS(f16_rows_avx2, REFMATH_AVX2 __attribute__((flatten)), F16<true>, tile::f32x8, 2, 2)
+REFMATH_ROWS(q8_0_rows_avx2, REFMATH_AVX2 __attribute__((flatten)), Q8<true>, tile::f32x8, 2, 2)
 
 // The 16-lane copies (AVX-512's 32 registers of 16 floats): 4 outputs and up to 4 rows of x at a
 // time, 16 accumulators, F16C and AVX-512's conversions.
