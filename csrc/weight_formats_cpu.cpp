@@ -1,10 +1,12 @@
 // See weight_formats_cpu.h. Each thread takes a stretch of the outputs and computes them G at a
-// time (G rows of w, G forward read streams): each 16 weights of each row are decoded straight
-// into registers (one 16-lane vector, or two of 8 lanes; no buffer in memory), and the matching 16
-// floats of each of up to M rows of x are loaded once for the whole group and multiplied into
-// G * M accumulators.
-// A weight is decoded once per M rows of x, an x vector loaded once per G outputs, and each output
-// is reduced from 16 lanes to one number once, at the end.
+// time (G = 4 in the 16-lane copy, 2 in the 8-lane ones): each 16 weights of each row are decoded
+// straight into registers (one 16-lane vector, or two of 8 lanes; no buffer in memory), and the
+// matching 16 floats of each of up to M rows of x are loaded once for the whole group and
+// multiplied into G * M accumulators. A weight is decoded once per M rows of x, an x vector loaded
+// once per G outputs, and each output is reduced from 16 lanes to one number once, at the end.
+// The G rows come from G equal parts of the stretch, so that each part is read as one long forward
+// stream (rows_matmul_cpu's two halves); G adjacent rows read side by side, short streams that
+// restart every G rows, read from memory 1.5-3x slower (bf16, 2048 x 768, m = 1, one thread).
 //
 // The previous rung decoded one output row 256 weights at a time into a float32 buffer, then took
 // a 16-lane dot product of the buffer with each row of x, reducing the lanes once per 256 weights:
@@ -290,23 +292,25 @@ REFMATH_INLINE void group(const float* x, idx m, idx k, const unsigned char* w, 
     for (idx r = 0; r < m; r += kRowsX) {
         const float* xr = x + r * k;
         float* yr = y + r * n;
-        switch (std::min<idx>(kRowsX, m - r)) {
-            case 1: outputs<D, V, G, 1>(xr, k, w, n, yr, j, stride); break;
-            case 2: if constexpr (kRowsX >= 2) outputs<D, V, G, 2>(xr, k, w, n, yr, j, stride); break;
-            case 3: if constexpr (kRowsX >= 3) outputs<D, V, G, 3>(xr, k, w, n, yr, j, stride); break;
-            default: if constexpr (kRowsX >= 4) outputs<D, V, G, 4>(xr, k, w, n, yr, j, stride); break;
-        }
+        const idx rows_x = std::min<idx>(kRowsX, m - r);
+        if (rows_x == 1) outputs<D, V, G, 1>(xr, k, w, n, yr, j, stride);
+        if constexpr (kRowsX >= 2) if (rows_x == 2) outputs<D, V, G, 2>(xr, k, w, n, yr, j, stride);
+        if constexpr (kRowsX >= 3) if (rows_x == 3) outputs<D, V, G, 3>(xr, k, w, n, yr, j, stride);
+        if constexpr (kRowsX >= 4) if (rows_x == 4) outputs<D, V, G, 4>(xr, k, w, n, yr, j, stride);
     }
 }
 
-// Outputs j0..j1: kOutputs at a time (one read stream each), the last few one at a time.
+// Outputs j0..j1: kOutputs at a time, one from each of kOutputs equal parts of the stretch (one
+// forward read stream each), the few left over one at a time.
 template <class D, class V, int kOutputs, int kRowsX>
 REFMATH_INLINE void range(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0,
                           idx j1) {
     const auto* bytes = static_cast<const unsigned char*>(w);
-    const idx count = (j1 - j0) / kOutputs;
-    for (idx c = 0; c < count; ++c) group<D, V, kOutputs, kRowsX>(x, m, k, bytes, n, y, j0 + c, count);
-    for (idx j = j0 + kOutputs * count; j < j1; ++j) group<D, V, 1, kRowsX>(x, m, k, bytes, n, y, j, 0);
+    const idx count = (j1 - j0) / kOutputs;  // outputs j0 + c + g count, g < kOutputs
+    for (idx c = 0; c < count; ++c)
+        group<D, V, kOutputs, kRowsX>(x, m, k, bytes, n, y, j0 + c, count);
+    for (idx j = j0 + kOutputs * count; j < j1; ++j)
+        group<D, V, 1, kRowsX>(x, m, k, bytes, n, y, j, 0);
 }
 
 // One function per format and copy: with the three formats' loops inlined into one function, GCC
@@ -316,9 +320,10 @@ REFMATH_INLINE void range(const float* x, idx m, idx k, const void* w, idx n, fl
 // The 8-lane copies (AVX2's 16 registers of 8 floats): 2 outputs and up to 2 rows of x at a time,
 // 8 registers of accumulators (with one row of x at a time, 4 rows of x read 1.1-2x slower than
 // float32 in cache: each weight decoded 4 times). GCC keeps 16-lane vector-extension values in
-// memory on AVX2, which ran 5x slower, hence two 8-lane vectors for the 16 lanes. bfloat16 needs only integer shifts, so one function with
-// an x86-64-v3 and a baseline clone serves; float16 and Q8_0 have a copy with F16C's and AVX2's
-// conversions for x86-64-v3 CPUs and a portable one for the rest.
+// memory on AVX2, which ran 5x slower, hence two 8-lane vectors for the 16 lanes. bfloat16 needs
+// only integer shifts, so one function with an x86-64-v3 and a baseline clone serves; float16 and
+// Q8_0 have a copy with F16C's and AVX2's conversions for x86-64-v3 CPUs and a portable one for
+// the rest.
 using Rows = void (*)(const float* x, idx m, idx k, const void* w, idx n, float* y, idx j0, idx j1);
 
 #define REFMATH_ROWS(name, attributes, D, V, outputs, rows_x)                                    \
