@@ -166,7 +166,9 @@ def greedy_run(model, config, steps, stored, fmt, prompt, n):
         next_logits = sliding_next_logits(model, steps, config, config.max_seq_len, "cpu", stored,
                                           fmt)
         tokens = prompt[None]
-        with compiled_rows() if fmt == "f32" else contextlib.nullcontext():
+        # generate runs decode-layout parameters (every format's here) in compiled_rows: the head's
+        # product and the prefill's then run on rows_matmul for every format, not BLAS for some
+        with compiled_rows():
             for _ in range(n):
                 tokens = np.concatenate([tokens, next_logits(tokens).argmax(-1)[:, None]], axis=1)
         return tokens

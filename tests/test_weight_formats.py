@@ -345,6 +345,31 @@ def test_the_product_against_the_float32_weights_within_its_bound_row_by_row(fmt
 
 
 @needs_cpu
+@pytest.mark.parametrize("fmt", wf.FORMATS)
+def test_the_8_and_16_lane_copies_sum_in_the_same_order(fmt):
+    # Every output's sum is spelled out lane by lane (16 lanes: one AVX-512 vector or two AVX2
+    # ones), so both copies give the same bits wherever both fuse their multiply-adds (x86-64-v3
+    # and v4); a baseline copy without fused multiply-adds is held to the rule only. Shapes cross
+    # the 256-weight chunks, the 4- and 2-output groups, 1 to 5 rows of x and k % 16 tails.
+    if kernels.cpu_vector_lanes() != 16:
+        pytest.skip("the CPU runs only the 8-lane copy")
+    try:
+        fused = kernels.cpu_vector_lanes(8) == 8 and kernels._cpu().narrow_copy() == "x86-64-v3"
+        for seed, (m, n, k) in enumerate([(1, 37, 800), (4, 11, 544), (5, 9, 96), (3, 2, 23)]):
+            k = k // 32 * 32 if fmt == "q8_0" else k
+            stored = wf.quantize(random_weights(seed, n, k), fmt)
+            x = random_weights(seed + 100, m, k)
+            kernels.cpu_vector_lanes(8)
+            narrow = check_kernel(x, stored, fmt, f"{fmt} 8 lanes m={m} n={n} k={k}")
+            kernels.cpu_vector_lanes(16)
+            wide = check_kernel(x, stored, fmt, f"{fmt} 16 lanes m={m} n={n} k={k}")
+            if fused:
+                np.testing.assert_array_equal(narrow, wide)
+    finally:
+        kernels.cpu_vector_lanes(16)
+
+
+@needs_cpu
 def test_every_16_bit_pattern_is_restored_exactly():
     # k = 1 and x = 1: each output is one restored weight, every bit pattern of both formats once
     patterns = np.arange(2**16, dtype=np.uint16).reshape(-1, 1)
