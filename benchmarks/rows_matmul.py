@@ -9,7 +9,7 @@ MiB for 12 layers, far more than the last-level cache, so every pass reads memor
 pass over all of them, as a decode step makes it:
 
 * rows_matmul, grouped: one call per layer's Q/K/V, output, gate/up and down products (what a
-  decode step on backend="cpu" does: refmath.ffn.matmul_rows_many);
+  decode step on backend="cpu" does: refmath.fast.products.kernel_products);
 * rows_matmul, one call per matrix;
 * NumPy's BLAS (np.matmul into a preallocated output), one call per matrix.
 

@@ -36,7 +36,6 @@ Nothing is asserted: the figures belong to the machine and its load (printed fir
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import statistics
 
@@ -45,7 +44,7 @@ from _bandwidth import ReadReference, default_evict_mib
 from _common import fmt_bytes, load_average, neutral_reader, print_table, rotated_times
 
 from refmath import kernels
-from refmath.ffn import compiled_rows
+from refmath.fast.products import kernel_products
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import sliding_next_logits
 from refmath.inference.layer_formats import WEIGHTS, restored_params, stored_layer_weights
@@ -115,10 +114,11 @@ def layer_forms(module, params, config, fmt):
     return restored_params(decode_layout(params), stored, fmt), stored
 
 
-def step_logits(model, params, config, tokens, prompt_len, backend, stored=None, fmt="f32"):
+def step_logits(model, params, config, tokens, prompt_len, backend, stored=None, fmt="f32",
+                products=None):
     """The ``(N, V)`` logits after each prefix of ``tokens`` ``(1, T)`` from ``prompt_len`` on."""
     next_logits = sliding_next_logits(model, params, config, config.max_seq_len, backend, stored,
-                                      fmt)
+                                      fmt, products)
     return np.concatenate([next_logits(tokens[:, :t]) for t in range(prompt_len, tokens.shape[1])])
 
 
@@ -148,10 +148,11 @@ def quality(label, model, config, params, args, rows):
     scale = float(np.abs(ref_logits).max())
     for fmt in args.formats:
         steps, stored = layer_forms(module, params, config, fmt)
-        with compiled_rows() if fmt == "f32" else contextlib.nullcontext():
-            logits = step_logits(model, steps, config, ref, args.prompt_tokens, "cpu", stored, fmt)
-            free = generate(model, params, config, prompt, args.tokens, greedy=True,
-                            backend="cpu", weights=fmt)
+        products = kernel_products if fmt == "f32" else None
+        logits = step_logits(model, steps, config, ref, args.prompt_tokens, "cpu", stored, fmt,
+                             products)
+        free = generate(model, params, config, prompt, args.tokens, greedy=True, backend="cpu",
+                        weights=fmt, products=products)
         error = float(np.abs(logits - ref_logits).max())
         agree = float(np.mean(logits.argmax(-1) == ref_logits.argmax(-1)))
         differ = np.flatnonzero(free[args.prompt_tokens:] != ref[0, args.prompt_tokens:])
@@ -163,14 +164,13 @@ def greedy_run(model, config, steps, stored, fmt, prompt, n):
     """generate's greedy loop on the cpu backend, with the stored weights made beforehand (as the
     command makes them once per run): one prefill, then n - 1 decode steps."""
     def run():
-        next_logits = sliding_next_logits(model, steps, config, config.max_seq_len, "cpu", stored,
-                                          fmt)
-        tokens = prompt[None]
-        # generate runs decode-layout parameters (every format's here) in compiled_rows: the head's
+        # generate gives decode-layout parameters (every format's here) kernel_products: the head's
         # product and the prefill's then run on rows_matmul for every format, not BLAS for some
-        with compiled_rows():
-            for _ in range(n):
-                tokens = np.concatenate([tokens, next_logits(tokens).argmax(-1)[:, None]], axis=1)
+        next_logits = sliding_next_logits(model, steps, config, config.max_seq_len, "cpu", stored,
+                                          fmt, kernel_products)
+        tokens = prompt[None]
+        for _ in range(n):
+            tokens = np.concatenate([tokens, next_logits(tokens).argmax(-1)[:, None]], axis=1)
         return tokens
     return run
 
