@@ -33,6 +33,9 @@ def _ticked(cell):
 
 def test_every_catalogue_id_is_listed_once():
     assert not set(COVERED) & set(LATER), "an ID is both covered and left for later"
+    ids = [m.group(1) for m in ROW.finditer(PAGE)]
+    assert len(ids) == len(set(ids)), \
+        f"IDs with two rows: {sorted({i for i in ids if ids.count(i) > 1})}"
     if SHARED.exists():
         shared_ids = set(re.findall(r"^\|\s*([A-Z]\d+)\s*\|", SHARED.read_text(), re.MULTILINE))
         missing = shared_ids - set(COVERED) - set(LATER)
