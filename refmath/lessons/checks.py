@@ -232,7 +232,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 
     Returns
     -------
-    Verdict
+    refmath.lessons.checks.Verdict
         True when right. Under ``REFMATH_LESSONS_STRICT=1`` an answer that is not right raises
         AssertionError.
     """

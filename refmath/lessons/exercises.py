@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import refmath.lessons.expected  # noqa: F401  (fills the table, one file per lesson)
-import refmath.lessons.checks as checks
-from refmath.lessons.checks import _not_attempted, _unanswered, _verdict, check_close
+from refmath.lessons.checks import Verdict, _not_attempted, _unanswered, _verdict, check_close
 from refmath.lessons.leaks import record_expected
 from refmath.lessons.functions import check_function
 from refmath.lessons.table import EXERCISES, Exercise, FunctionExercise
@@ -21,7 +20,7 @@ def _exercise_of(number: str) -> Exercise | FunctionExercise:
     return EXERCISES[number]
 
 
-def check(number: str, answer: Any) -> checks.Verdict:
+def check(number: str, answer: Any) -> Verdict:
     """Print the verdict on the student's ``answer`` to exercise ``number`` ("05.3").
 
     The expected value is computed here, from the library and the lesson's inputs (read by name

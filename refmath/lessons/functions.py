@@ -8,7 +8,6 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-import refmath.lessons.checks as checks
 from refmath.lessons.checks import (NOT_YET, SLIP_RTOL, Verdict, _diagnose, _not_attempted, _rationed,
                                     _unanswered, _verdict, _within, strict)
 from refmath.lessons.library_refusal import library_used
@@ -185,7 +184,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
                    slips: Mapping[str, Callable] | None = None, oracle: Callable | None = None,
                    oracle_name: str = "torch", reference_name: str | None = None,
                    rtol: float = 1e-10, atol: float | None = None, max_coords: int | None = 128,
-                   hint: str = "", refuse: tuple = (), allow: tuple = ()) -> checks.Verdict:
+                   hint: str = "", refuse: tuple = (), allow: tuple = ()) -> Verdict:
     r"""Print whether the student's function ``func`` computes what ``reference`` does.
 
     The write-the-function exercise: the student writes a whole forward or backward function, and
@@ -269,7 +268,7 @@ def check_function(name: str, func: Any, reference: Callable, *, case: Any = Non
 
     Returns
     -------
-    Verdict
+    refmath.lessons.checks.Verdict
         True when right. Under ``REFMATH_LESSONS_STRICT=1`` a verdict that is not right raises
         AssertionError.
     """
