@@ -319,3 +319,22 @@ def edit_config(directory: Path, **fields) -> None:
     config = json.loads(path.read_text())
     config.update(fields)
     path.write_text(json.dumps(config))
+
+
+def greedy_tokens_match(model, directory, monkeypatch, new_tokens: int = 16):
+    """Save ``model`` to ``directory``, read it with refmath.hf, and require refmath's greedy
+    tokens through its KV cache to be those of ``model.generate`` in float64, after a 6-token
+    prompt (end-of-sequence ignored, so that both run ``new_tokens`` steps)."""
+    from refmath.inference.generate import generate
+
+    model.save_pretrained(directory, safe_serialization=True)
+    name, config, params = hf.load_checkpoint(directory, dtype=np.float64)
+    prompt = TOKENS[0, :6]
+    ours = generate(name, params, config, prompt, new_tokens, greedy=True)
+    float64_internals(model, monkeypatch)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=new_tokens,
+                                do_sample=False, pad_token_id=0)[0].numpy()
+    np.testing.assert_array_equal(ours, theirs)
+

@@ -12,12 +12,11 @@ pytest.importorskip("transformers", reason="the comparison needs transformers>=5
 pytest.importorskip("safetensors", reason="checkpoints are safetensors: install the 'hf' extra")
 
 from refmath import hf  # noqa: E402
-from refmath.inference.generate import generate  # noqa: E402
 from refmath.inference.kv_cache import decode_step, prefill  # noqa: E402
 from refmath.models import gemma  # noqa: E402
 from refmath.models.gemma import GemmaConfig  # noqa: E402
 
-from _hf_oracle import (REL, TOKENS, VOCAB, float64_internals, hf_logits,  # noqa: E402
+from _hf_oracle import (REL, TOKENS, VOCAB, float64_internals, greedy_tokens_match, hf_logits,  # noqa: E402
                         load_float64, random_model, relative_error, run_main)
 
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -39,16 +38,7 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(model_type, tmp_path
 @pytest.mark.parametrize("model_type", GEMMAS)
 def test_greedy_generation_gives_the_tokens_of_transformers(model_type, tmp_path, monkeypatch):
     model = random_model(model_type, seed=1)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
-    prompt = TOKENS[0, :6]
-    ours = generate(name, params, config, prompt, 16, greedy=True)  # through the KV cache
-    float64_internals(model, monkeypatch)
-    model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
-    with torch.no_grad():
-        theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
-                                pad_token_id=0)[0].numpy()
-    np.testing.assert_array_equal(ours, theirs)
+    greedy_tokens_match(model, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("model_type", GEMMAS)

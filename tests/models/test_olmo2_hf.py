@@ -12,11 +12,10 @@ pytest.importorskip("transformers", reason="the comparison needs transformers>=5
 pytest.importorskip("safetensors", reason="checkpoints are safetensors: install the 'hf' extra")
 
 from refmath import hf  # noqa: E402
-from refmath.inference.generate import generate  # noqa: E402
 from refmath.inference.kv_cache import decode_step, prefill  # noqa: E402
 from refmath.models import olmo2  # noqa: E402
 
-from _hf_oracle import (REL, TOKENS, VOCAB, edit_config, float64_internals,  # noqa: E402
+from _hf_oracle import (REL, TOKENS, VOCAB, edit_config, float64_internals, greedy_tokens_match,  # noqa: E402
                         hf_logits, load_float64, one_line_error, random_model, relative_error)
 
 # the tiny OLMo 2 as it comes, and with a linear rope scaling and one key/value head
@@ -39,16 +38,7 @@ def test_loaded_checkpoint_gives_the_logits_of_transformers(variant, tmp_path, m
 
 def test_greedy_generation_gives_the_tokens_of_transformers(tmp_path, monkeypatch):
     model = random_model("olmo2", seed=1)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    name, config, params = hf.load_checkpoint(tmp_path, dtype=np.float64)
-    prompt = TOKENS[0, :6]
-    ours = generate(name, params, config, prompt, 16, greedy=True)  # through the KV cache
-    float64_internals(model, monkeypatch)
-    model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
-    with torch.no_grad():
-        theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
-                                pad_token_id=0)[0].numpy()
-    np.testing.assert_array_equal(ours, theirs)
+    greedy_tokens_match(model, tmp_path, monkeypatch)
 
 
 def test_cached_decode_equals_recomputing(tmp_path):
