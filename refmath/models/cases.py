@@ -55,7 +55,8 @@ def model_case_maker(model_forward, model_init_params, config, train: bool):
 
 def routed_experts(cache) -> tuple:
     """The experts every mixture-of-experts layer of a forward pass chose, per token."""
-    return tuple(layer.ffn.branch.indices for layer in cache.layers if layer.moe)
+    return tuple(layer.ffn.branch.indices for layer in cache.layers
+                 if isinstance(layer.ffn.branch, moe_ops.MoECache))
 
 
 def routing_margin(cache, params: dict) -> float:
@@ -63,7 +64,8 @@ def routing_margin(cache, params: dict) -> float:
     mixture-of-experts layers: how near its selection is to changing."""
     return min(moe_ops.routing_margin(layer.ffn.branch.router.scores, layer.ffn.branch.moe,
                                       params.get(f"layers.{i}.ffn.router.bias"))
-               for i, layer in enumerate(cache.layers) if layer.moe)
+               for i, layer in enumerate(cache.layers)
+               if isinstance(layer.ffn.branch, moe_ops.MoECache))
 
 
 class SelectionChanged(RuntimeError):

@@ -66,6 +66,7 @@ from refmath.models.contract import ANY, allowed
 from refmath.models.decoder_config import (PRESETS, QK_NORMS, DecoderConfig,
                                            FamilyConfig, attention_options, check_shared_fields,
                                            ffn_width, gain, layer_config, preset)
+from refmath.models.feed_forward import FeedForward, mixture_of_experts, swiglu
 from refmath.models.decoder_hf import (HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
                                        params_from_hf, to_hf)
 from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_stale,
@@ -81,7 +82,7 @@ from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 __all__ = [
-    "TRAINING_RECIPE", "is_moe_layer", "decoder_param_shapes", "init_decoder_params",
+    "TRAINING_RECIPE", "is_moe_layer", "feed_forward", "decoder_param_shapes", "init_decoder_params",
     "param_shapes", "init_params", "norm_forward", "layer_norm", "LayerCache", "block_forward",
     "layer_forward", "layer_backward", "DecoderCache", "decoder_forward", "decoder_backward",
     "lm_forward", "moe_aux_loss", "expert_loads", "layer_states", "forward", "backward",
@@ -109,14 +110,13 @@ def is_moe_layer(config, layer: int) -> bool:
     return config.moe is not None and config.moe.is_moe_layer(layer)
 
 
-def ffn_shapes(config, layer: int) -> dict:
-    """``{name: shape}`` of layer ``layer``'s feed-forward, relative to its ``ffn.`` prefix: the
-    dense gated FFN's three matrices, or the mixture of experts'
-    (:func:`refmath.moe.moe_param_shapes`)."""
+def feed_forward(config, layer: int) -> FeedForward:
+    """Layer ``layer``'s feed-forward branch: the mixture of experts of ``config.moe`` on a layer it
+    selects, the SwiGLU of width ``d_f`` on the others. The one place a layer's kind is decided:
+    the parameters, the forward, the backward and the loss take it from here."""
     if is_moe_layer(config, layer):
-        return moe_ops.moe_param_shapes(config.d_model, config.moe)
-    d, d_f = config.d_model, config.d_f
-    return {"w_gate": (d, d_f), "w_up": (d, d_f), "w_down": (d_f, d)}
+        return mixture_of_experts(config.d_model, config.moe)
+    return swiglu(config.d_model, config.d_f)
 
 
 def decoder_param_shapes(config, attention: AttentionOps) -> dict:
@@ -129,7 +129,7 @@ def decoder_param_shapes(config, attention: AttentionOps) -> dict:
         for name, shape in attention.shapes(config).items():
             shapes[prefix + "attn." + name] = shape
         shapes.update(norm_shapes(config, prefix + "ln2"))
-        for name, shape in ffn_shapes(config, i).items():
+        for name, shape in feed_forward(config, i).shapes.items():
             shapes[prefix + "ffn." + name] = shape
     shapes.update(norm_shapes(config, "ln_f"))
     if not config.tie_embeddings:
@@ -188,19 +188,10 @@ def layer_norm(params: dict, name: str, config) -> Callable:
     return lambda x: norm_forward(x, params, name, config)
 
 
-def layer_ffn_forward(h, params: dict, config, layer: int, matmul=matmul_rows_many):
-    """Layer ``layer``'s feed-forward branch on the normalised rows ``h``: the SwiGLU, or the
-    mixture of experts (:func:`refmath.moe.moe_forward`) on a layer
-    ``config.moe`` selects. Returns ``(y, cache)``."""
-    if is_moe_layer(config, layer):
-        return moe_ops.moe_forward(h, params, config.moe, matmul=matmul)
-    return ffn_forward(h, params, matmul=matmul)
-
-
 class LayerCache(NamedTuple):
     attn: SublayerCache  # its branch cache is the attention's cache
-    ffn: SublayerCache  # its branch cache is a SwiGLUCache, or a mixture of experts' cache
-    moe: bool = False  # whether the feed-forward was the mixture of experts
+    ffn: SublayerCache  # its branch cache is the feed-forward's cache
+    feed_forward: FeedForward  # which feed-forward ran, so that backward needs only the cache
 
 
 def block_forward(x, params: dict, config, attn_branch: Callable, ffn_branch: Callable,
@@ -225,10 +216,11 @@ def layer_forward(x, params: dict, layer: int, config, attention: AttentionOps,
     """
     config = layer_config(config, layer)
     attn_params, ffn_params = sub_params(params, "attn"), sub_params(params, "ffn")
+    ffn_ops = feed_forward(config, layer)
     x, attn, ffn = block_forward(
         x, params, config, lambda h: attention.forward(h, attn_params, config),
-        lambda h: layer_ffn_forward(h, ffn_params, config, layer), drops)
-    return x, LayerCache(attn, ffn, is_moe_layer(config, layer))
+        lambda h: ffn_ops.forward(h, ffn_params), drops)
+    return x, LayerCache(attn, ffn, ffn_ops)
 
 
 def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
@@ -236,8 +228,7 @@ def layer_backward(dout, cache: LayerCache, attention: AttentionOps):
 
     A mixture of experts' backward also carries the gradient of its auxiliary losses, which
     :func:`lm_forward` added to the loss."""
-    ffn_back = moe_ops.moe_backward if cache.moe else ffn_backward
-    dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, ffn_back)
+    dx, norm2, ffn_grads = sublayer_backward(dout, cache.ffn, cache.feed_forward.backward)
     dx, norm1, attn_grads = sublayer_backward(dx, cache.attn, attention.backward)
     grads = {**prefixed("ln1", norm1), **prefixed("attn", attn_grads), **prefixed("ln2", norm2),
              **prefixed("ffn", ffn_grads)}
@@ -310,20 +301,22 @@ def lm_forward(params, batch, config, attention: AttentionOps, train=False, rng=
     tokens, targets, loss_mask = check_lm_batch(batch, config)
     z, cache = decoder_forward(params, tokens, config, attention, train, rng)
     loss, cache = next_token_loss(z, cache, targets, loss_mask)
-    if config.moe is not None:
+    if config.moe is not None:  # (adding the dense layers' 0 would change nothing but the dtype)
         loss = (loss + moe_aux_loss(cache)).astype(loss.dtype)
     return loss, cache
 
 
 def moe_aux_loss(cache: DecoderCache) -> float:
-    """The auxiliary losses of every mixture-of-experts layer of a forward pass, summed (E5)."""
-    return sum(float(layer.ffn.branch.aux_loss) for layer in cache.layers if layer.moe)
+    """The auxiliary losses of a forward pass's layers, summed (E5): each feed-forward's own, 0
+    for a dense one."""
+    return sum(layer.feed_forward.aux_loss(layer.ffn.branch) for layer in cache.layers)
 
 
 def expert_loads(cache: DecoderCache) -> dict:
     """``{layer: tokens routed to each expert}`` of a forward pass's mixture-of-experts layers:
     what a training log plots, and what DeepSeek-V3's bias balancing reads (E6)."""
-    return {i: layer.ffn.branch.load for i, layer in enumerate(cache.layers) if layer.moe}
+    return {i: layer.ffn.branch.load for i, layer in enumerate(cache.layers)
+            if isinstance(layer.ffn.branch, moe_ops.MoECache)}
 
 
 def layer_states(cache: DecoderCache) -> list:
@@ -431,7 +424,7 @@ def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, 
         return attention.cached(u, w, config, slot, offset, matmul=matmul, **options), None
 
     def ffn_branch(u):
-        return layer_ffn_forward(u, ffn, config, layer, matmul=matmul)
+        return feed_forward(config, layer).forward(u, ffn, matmul=matmul)
 
     return block_forward(x, p, config, attn_branch, ffn_branch)[0]
 
