@@ -397,3 +397,26 @@ def test_the_flash_kernel_backend_gives_the_reference_loss_and_gradients(window)
 def test_block_options_are_checked_naming_the_field(overrides, message):
     with pytest.raises((ValueError, TypeError), match=message):
         tiny(**overrides)
+
+
+def test_a_layers_feed_forward_is_one_component_chosen_once_e1_n7():
+    # Qwen2-MoE's shape: the first layer dense, the others a mixture of experts. The layer takes
+    # the component's shapes, forward and backward, and its auxiliary loss joins the model's.
+    config = DecoderConfig(vocab_size=11, max_seq_len=8, d_model=16, n_layers=2, n_heads=4,
+                           n_kv_heads=2, ffn_multiple_of=8, moe=dict(
+                               n_experts=4, top_k=2, d_expert=8, first_dense=1, balance_coef=0.05))
+    dense, mixture = decoder.feed_forward(config, 0), decoder.feed_forward(config, 1)
+    assert (dense.name, mixture.name) == ("swiglu", "moe")
+    shapes = decoder.param_shapes(config)
+    for i, component in enumerate((dense, mixture)):
+        assert {name: shape for name, shape in shapes.items()
+                if name.startswith(f"layers.{i}.ffn.")} == {
+            f"layers.{i}.ffn.{name}": shape for name, shape in component.shapes.items()}
+    params = decoder.init_params(config, seed=0)
+    tokens = np.arange(10).reshape(2, 5)
+    loss, cache = decoder.forward(params, {"tokens": tokens, "targets": tokens}, config)
+    assert [layer.feed_forward.name for layer in cache.layers] == ["swiglu", "moe"]
+    assert cache.layers[0].feed_forward.aux_loss(cache.layers[0].ffn.branch) == 0.0
+    aux = cache.layers[1].ffn.branch.aux_loss
+    assert aux > 0 and decoder.moe_aux_loss(cache) == float(aux)
+    assert list(decoder.expert_loads(cache)) == [1]
