@@ -35,6 +35,7 @@ Parameters (flat dict, row vectors ``x @ W``)::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -49,6 +50,7 @@ from refmath.models import blocks
 from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
                                   next_token_loss_backward)
 from refmath.models.cases import model_case_maker
+from refmath.models.contract import ANY, allowed
 from refmath.models.common import (CacheSpec, TrainingRecipe, layer_dropout_masks, prefixed,
                                    sub_params)
 from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, join_heads_columns,
@@ -405,12 +407,54 @@ def head(params, x, config: FalconConfig, *, matmul=matmul_rows_many) -> np.ndar
     return linear_forward(x, _head_weight(params, config), matmul=matmul)[0]
 
 
-COMPILED_FIELDS = None  # the compiled decode layer is not handed these layers: the NumPy step runs
+# What the compiled decode layer (refmath.kernels.decode_layers) computes of these layers, field by
+# field (refmath.models.contract): its layer is two pre-norm sublayers in turn, so Falcon's old
+# sequential layout, with any of the norms and FFNs; the parallel block keeps the NumPy step.
+COMPILED_FIELDS = {
+    # sizes, handed to the kernel as its shape
+    "vocab_size": ANY, "max_seq_len": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY,
+    "n_kv_heads": ANY, "d_ff": ANY,
+    # the block: sequential only (parallel_norms is then 1, which __post_init__ enforces)
+    "parallel_block": (False,), "parallel_norms": (1,),
+    # LayerNorm with its bias, or without (PaLM's): a zero shift, which adds exactly nothing
+    "norm": ANY, "norm_eps": ANY,
+    # the plain FFN with exact or tanh GELU and no biases, or the SwiGLU
+    "ffn": ANY,
+    # RoPE: the rotation at each position comes from rope_options, as Llama's
+    "rope_base": ANY, "rope_layout": ANY, "rope_scaling": ANY,
+    # outside the layers: embed and head run in NumPy
+    "tie_embeddings": ANY,
+    # training only: no decode step reads them
+    "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
+}
+
+# the kernel's names of the FFNs
+_KERNEL_FFNS = {"gelu": "gelu_exact", "gelu_tanh": "gelu_tanh", "swiglu": "swiglu"}
 
 
-def compiled_layer_spec(params, config: FalconConfig) -> None:
-    """None: the NumPy step runs every layer."""
-    return None
+def compiled_layer_spec(params, config: FalconConfig):
+    """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
+    call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, or None unless every field
+    of ``config`` has a value :data:`COMPILED_FIELDS` lists (the sequential layout)."""
+    if type(config) is not FalconConfig or not allowed(config, COMPILED_FIELDS):
+        return None
+    layers = []
+    for i in range(config.n_layers):
+        p = sub_params(params, f"layers.{i}")
+        layer = {}
+        for norm in ("1", "2"):
+            gamma = p[f"ln{norm}.gamma"]
+            layer[f"norm{norm}_gain"] = gamma
+            layer[f"norm{norm}_shift"] = p.get(f"ln{norm}.beta", np.zeros_like(gamma))
+        layer.update({name: p[f"attn.{name}"] for name in ("w_q", "w_k", "w_v", "w_o")})
+        names = ("w_gate", "w_up", "w_down") if config.ffn == "swiglu" else ("w_up", "w_down")
+        layer.update({name: p[f"ffn.{name}"] for name in names})
+        layers.append(layer)
+    shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.kv_heads,
+                 head_dim=config.d_h, d_ff=config.d_f, norm="layer", eps=config.norm_eps,
+                 ffn=_KERNEL_FFNS[config.ffn], rope=config.rope_layout,
+                 scale=1.0 / math.sqrt(config.d_h))
+    return shape, layers
 
 
 def sizing_fields(config: FalconConfig) -> dict:

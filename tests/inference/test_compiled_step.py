@@ -39,6 +39,17 @@ CASES = {
         LLAMA, n_kv_heads=1, qkv_bias=True, rope_layout="interleaved",
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_seq_len=8))),
+    # Falcon's old sequential layout: LayerNorm with its bias, exact GELU, multi-query
+    "falcon-sequential-gelu-mqa": ("falcon", FalconConfig(
+        vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, d_ff=48,
+        parallel_block=False, rope_layout="half")),
+    # the same layout with PaLM's bias-free LayerNorm (a zero shift) and the SwiGLU, tied
+    "falcon-sequential-swiglu-nobias": ("falcon", FalconConfig(
+        vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4, d_ff=48,
+        parallel_block=False, norm="layernorm_no_bias", ffn="swiglu", tie_embeddings=True)),
+    "falcon-sequential-gelu-tanh": ("falcon", FalconConfig(
+        vocab_size=97, max_seq_len=24, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+        d_ff=48, parallel_block=False, ffn="gelu_tanh")),
 }
 
 
