@@ -578,10 +578,10 @@ def params_from_hf(hf: dict, config: FalconConfig, weights) -> dict:
 def _writable(config: FalconConfig) -> None:
     """Refuse what no ``falcon`` checkpoint holds: PaLM's norm and SwiGLU, and a sequential block
     with grouped key/value heads (the old decoder architecture has 1 or ``h``)."""
-    for field, allowed in (("norm", ("layernorm",)), ("ffn", ("gelu", "gelu_tanh"))):
-        if getattr(config, field) not in allowed:
+    for field, written in (("norm", ("layernorm",)), ("ffn", ("gelu", "gelu_tanh"))):
+        if getattr(config, field) not in written:
             raise HFCheckpointError(f"a FalconConfig is written as falcon, which needs {field} = "
-                                    f"{' or '.join(map(repr, allowed))}; this config has "
+                                    f"{' or '.join(map(repr, written))}; this config has "
                                     f"{getattr(config, field)!r}")
     if not config.parallel_block and config.kv_heads not in (1, config.n_heads):
         raise HFCheckpointError(f"falcon's sequential block (the old decoder architecture) has "

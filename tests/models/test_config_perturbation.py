@@ -26,44 +26,15 @@ from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.weight_layout import decode_layout
 from refmath.models import MODELS, config_class, model_module
 from refmath.moe import MoEConfig
+from _model_variants import VARIANTS
 from _support import float32_rule
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="needs refmath._C")
 
-_LLAMA = dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-              d_ff=48, rope_layout="half")
-_GPT = dict(vocab_size=61, max_seq_len=16, n_layers=2, d_model=32, n_heads=4, d_ff=64,
-            norm_position="pre", dropout=0.0)
-
-# The configurations each field is perturbed from: every block shape each model has, so that a
-# field that only matters in one shape (parallel_norms, local_rope_base) has a base where it does.
-BASES = {
-    "llama": dict(_LLAMA),
-    "llama-biases": dict(_LLAMA, qkv_bias=True),
-    "llama-window": dict(_LLAMA, qk_norm="head", sliding_window=3),  # Qwen3's, on some layers
-    "gemma": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                  n_kv_heads=2, head_dim=8, d_ff=48, rope_layout="half", generation=3,
-                  windows=(3, None), local_rope_base=100.0, attn_softcap=50.0),
-    "gemma1": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                   n_kv_heads=2, head_dim=8, d_ff=48),
-    "falcon": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                   n_kv_heads=2, d_ff=48, rope_layout="half", parallel_norms=2),
-    "falcon-sequential": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                              n_kv_heads=2, d_ff=48, parallel_block=False),
-    "olmo2": dict(_LLAMA),
-    "mixtral": dict(_LLAMA, moe=MoEConfig(n_experts=4, top_k=2, d_expert=16)),
-    "gpt": dict(_GPT),
-    "gpt-post": dict(_GPT, norm_position="post"),
-    "gpt-banded": dict(_GPT, sliding_window=3, window_layers=(False, True)),
-    "mla": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_c=16,
-                d_rope=8, d_ff=48),
-    "cohere": dict(vocab_size=61, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                   n_kv_heads=2, d_ff=48),
-}
-MODEL_OF = {"gpt": "gpt", "gpt-post": "gpt", "gpt-banded": "gpt", "mla": "mla",
-            "cohere": "cohere", "falcon": "falcon", "olmo2": "olmo2",
-            "falcon-sequential": "falcon", "gemma": "gemma",
-            "gemma1": "gemma"}  # the others are "llama"
+# The configurations each field is perturbed from: every block shape each model has
+# (tests/_model_variants.py).
+BASES = {label: fields for label, (_, fields) in VARIANTS.items()}
+MODEL_OF = {label: model for label, (model, _) in VARIANTS.items()}
 
 # Values to try for a field besides the generic ones (the other flag, a nearby number): the
 # choices of the string fields and a value for the fields whose default is None.
@@ -104,7 +75,7 @@ def _candidates(name: str, value) -> list:
 def _perturbations(base: str) -> list:
     """``[(field, value, config)]``: each field of the base configuration set to up to two other
     values its class accepts."""
-    model = MODEL_OF.get(base, "llama")
+    model = MODEL_OF[base]
     cls = config_class(model)
     config = cls(**BASES[base])
     found = []
@@ -167,7 +138,7 @@ RAN_COMPILED = set()  # the bases whose perturbations ran on the compiled layers
 @pytest.mark.parametrize("base, field, value, config", CASES,
                          ids=[f"{b}-{f}={v!r}"[:80] for b, f, v, _ in CASES])
 def test_every_fast_path_refuses_or_computes_a_perturbed_config(base, field, value, config):
-    model = MODEL_OF.get(base, "llama")
+    model = MODEL_OF[base]
     module = model_module(model)
     params64 = _params(model, config)
     params32 = {name: v.astype(np.float32) for name, v in params64.items()}
@@ -214,7 +185,7 @@ ONE_VALUE = {("mla", "attention_backend")}  # MLAConfig refuses the kernels (key
 
 def test_every_field_of_every_model_is_perturbed_somewhere():
     """No field escapes: each is given another value from at least one base."""
-    perturbed = {(MODEL_OF.get(base, "llama"), field) for base, field, _, _ in CASES}
+    perturbed = {(MODEL_OF[base], field) for base, field, _, _ in CASES}
     for model, entry in MODELS.items():
         if not entry.decoder_only:
             continue  # the encoder-decoder has no fast path to compare (no cache, no kernel)
@@ -226,7 +197,7 @@ def test_every_field_of_every_model_is_perturbed_somewhere():
 def test_the_bases_that_the_compiled_layers_take_do_run_them():
     """Not vacuous: the plain bases run the compiled layers (unperturbed, and in the cases above)."""
     for base in ("llama", "llama-biases", "gpt"):
-        model = MODEL_OF.get(base, "llama")
+        model = MODEL_OF[base]
         config = config_class(model)(**BASES[base])
         params = {n: v.astype(np.float32) for n, v in _params(model, config).items()}
         assert compiled_step.compiled_layers(model_module(model), params, config) is not None, base

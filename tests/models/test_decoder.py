@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from refmath.models import decoder
-from refmath.models.common import sub_params
 from refmath.models.decoder import IGNORE_INDEX, DecoderConfig
 from refmath.norms import rmsnorm_forward
 from refmath.optim import takes_weight_decay
@@ -167,27 +166,6 @@ def test_presets_are_valid_configs():
     assert decoder.preset("tiny", n_kv_heads=1).kv_heads == 1
     with pytest.raises(ValueError, match="unknown preset"):
         decoder.preset("huge")
-
-
-# ---- L6, K1, L5 ----------------------------------------------------------------------------------
-
-def test_parallel_loss_equals_every_prefix_run_separately_l6():
-    config = tiny()
-    params, batch = random_params(decoder, config), random_batch(ignored=False)
-    tokens, targets = batch["tokens"], batch["targets"]
-    full_loss, _ = decoder.forward(params, batch, config)
-    full_logits = decoder.logits(params, tokens, config)
-    prefix_losses = []
-    for t in range(1, T + 1):
-        only_last = np.zeros((B, t), dtype=np.int64)
-        only_last[:, -1] = 1
-        loss, _ = decoder.forward(params, {"tokens": tokens[:, :t], "targets": targets[:, :t],
-                                           "loss_mask": only_last}, config)
-        prefix_losses.append(loss)
-        last = decoder.logits(params, tokens[:, :t], config)[:, -1]
-        np.testing.assert_allclose(last, full_logits[:, t - 1], rtol=1e-12, atol=1e-13)
-    # Every prefix contributes its B last-position losses: the mean over prefixes is the full mean.
-    np.testing.assert_allclose(np.mean(prefix_losses), full_loss, rtol=1e-13)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])

@@ -181,26 +181,6 @@ def test_presets_and_defaults():
         mla.preset("v3")
 
 
-# ---- L6, K1, L5 ----------------------------------------------------------------------------------
-
-def test_parallel_loss_equals_every_prefix_run_separately_l6():
-    config = tiny(q_lora_rank=5)
-    params, batch = random_params(config), random_batch(ignored=False)
-    tokens, targets = batch["tokens"], batch["targets"]
-    full_loss, _ = mla.forward(params, batch, config)
-    full_logits = mla.logits(params, tokens, config)
-    prefix_losses = []
-    for t in range(1, T + 1):
-        only_last = np.zeros((B, t), dtype=np.int64)
-        only_last[:, -1] = 1
-        loss, _ = mla.forward(params, {"tokens": tokens[:, :t], "targets": targets[:, :t],
-                                       "loss_mask": only_last}, config)
-        prefix_losses.append(loss)
-        last = mla.logits(params, tokens[:, :t], config)[:, -1]
-        np.testing.assert_allclose(last, full_logits[:, t - 1], rtol=1e-12, atol=1e-13)
-    np.testing.assert_allclose(np.mean(prefix_losses), full_loss, rtol=1e-13)
-
-
 @pytest.mark.parametrize("overrides", [dict(), dict(q_lora_rank=5, latent_norm=True)])
 def test_appending_tokens_changes_no_earlier_logit_latent_or_rotary_key_k1(overrides):
     config = tiny(**overrides)

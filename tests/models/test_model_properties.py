@@ -1,9 +1,10 @@
 """What every model of refmath.models.MODELS satisfies, written once and parametrised over the
 registry, so that a new family file is checked by it without a line here: its configuration
 round-trips through JSON, its parameters match its shapes in either float dtype, float32 in gives
-float32 out, a prefix's logits do not see the tokens after it (L6), a loss mask is the same as
-ignored targets (L5), a bad batch is refused naming the key, the KV cache gives the full forward's
-logits (K2, K3), and the sizes calculator counts its parameters exactly."""
+float32 out, one pass scores every prefix as if it ran alone and a prefix's logits do not see
+the tokens after it (L6, K1; over every block shape of tests/_model_variants.py), a loss mask is
+the same as ignored targets (L5), a bad batch is refused naming the key, the KV cache gives the
+full forward's logits (K2, K3), and the sizes calculator counts its parameters exactly."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from refmath.inference.kv_cache import decode_step, prefill
 from refmath.losses import IGNORE_INDEX
 from refmath.models import DECODER_ONLY, MODELS, config_class, model_module
 from refmath.sizing import ModelConfig, parameter_counts
+from _model_variants import VARIANTS
 
 VOCAB, LENGTH = 13, 12
 
@@ -70,14 +72,53 @@ def test_float32_parameters_give_float32_loss_and_gradients_with_the_parameters_
         assert grad.dtype == np.float32 and grad.shape == params[key].shape, key
 
 
-@pytest.mark.parametrize("name", DECODER_ONLY)
-def test_a_prefix_sees_only_itself_l6(name):
-    module, config = model_module(name), tiny(name)
-    params, tokens = moved(name, config), batch()["tokens"]
-    full = module.logits(params, tokens, config)
-    for t in (1, 5, LENGTH - 1):
-        np.testing.assert_allclose(module.logits(params, tokens[:, :t], config), full[:, :t],
-                                   rtol=1e-12, atol=1e-12 * np.abs(full).max())
+def test_every_decoder_only_model_has_its_block_shapes_in_the_variants():
+    assert {model for model, _ in VARIANTS.values()} == set(DECODER_ONLY)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_one_pass_scores_every_prefix_as_if_run_alone_l6(variant):
+    # The causal mask makes position t see tokens 0..t only: the full pass's logits at t are those
+    # of the prefix run alone, and the mean loss is the mean over prefixes of each one's last
+    # position (every prefix contributes its B last tokens).
+    name, fields = VARIANTS[variant]
+    module, config = model_module(name), config_class(name)(**fields)
+    params = moved(name, config)
+    rng = np.random.default_rng(5)
+    b, t = 2, 7
+    tokens, targets = (rng.integers(0, config.vocab_size, (b, t)) for _ in range(2))
+    full_loss, _ = module.forward(params, {"tokens": tokens, "targets": targets}, config)
+    full_logits = module.logits(params, tokens, config)
+    prefix_losses = []
+    for n in range(1, t + 1):
+        last_only = np.zeros((b, n), dtype=np.int64)
+        last_only[:, -1] = 1
+        loss, _ = module.forward(params, {"tokens": tokens[:, :n], "targets": targets[:, :n],
+                                          "loss_mask": last_only}, config)
+        prefix_losses.append(float(loss))
+        np.testing.assert_allclose(module.logits(params, tokens[:, :n], config)[:, -1],
+                                   full_logits[:, n - 1], rtol=1e-12,
+                                   atol=1e-12 * np.abs(full_logits).max())
+    np.testing.assert_allclose(np.mean(prefix_losses), full_loss, rtol=1e-12)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tokens_after_a_prefix_change_none_of_its_logits_k1(variant):
+    # ... while another tail after the prefix changes the positions after it (so the comparison
+    # above is not vacuous).
+    name, fields = VARIANTS[variant]
+    module, config = model_module(name), config_class(name)(**fields)
+    params = moved(name, config)
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, config.vocab_size, (2, 8))
+    logits = module.logits(params, tokens, config)
+    for t in (1, 4, 7):
+        other = tokens.copy()
+        other[:, t:] = (other[:, t:] + 1 + rng.integers(0, 5, other[:, t:].shape)) % config.vocab_size
+        changed = module.logits(params, other, config)
+        np.testing.assert_allclose(changed[:, :t], logits[:, :t], rtol=1e-12,
+                                   atol=1e-12 * np.abs(logits).max())
+        assert not np.allclose(changed[:, t:], logits[:, t:])
 
 
 @pytest.mark.parametrize("name", DECODER_ONLY)
