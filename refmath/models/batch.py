@@ -14,8 +14,10 @@ import numpy as np
 
 from refmath._validate import check_ndim, int_array
 from refmath.losses import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
+from refmath.models.params import check_param_dict
 
-__all__ = ["check_tokens", "check_lm_batch", "next_token_loss", "next_token_loss_backward"]
+__all__ = ["check_tokens", "check_lm_batch", "next_token_loss", "next_token_loss_backward",
+           "network_loss", "network_logits"]
 
 LM_BATCH_KEYS = ("tokens", "targets", "loss_mask")
 
@@ -83,3 +85,20 @@ def next_token_loss_backward(cache, network_backward) -> dict:
     if cache.loss is None:
         raise ValueError("this cache has no loss: backward needs the cache of forward(...)")
     return network_backward(cross_entropy_backward(1.0, cache.loss), cache)
+
+
+def network_loss(params, batch, config, shapes: dict, network):
+    """A family's ``forward``: ``params`` checked against ``shapes`` and ``batch`` against
+    ``config``, then the network's logits and cache, ``network(tokens) -> (z, cache)``, and
+    :func:`next_token_loss` on them. Returns ``(loss, cache)``."""
+    check_param_dict(params, shapes)
+    tokens, targets, loss_mask = check_lm_batch(batch, config)
+    z, cache = network(tokens)
+    return next_token_loss(z, cache, targets, loss_mask)
+
+
+def network_logits(params, tokens, config, shapes: dict, network):
+    """A family's ``logits``: ``params`` and ``tokens`` checked, then the network's logits ``(B,
+    T, V)``, ``network(tokens)[0]``."""
+    check_param_dict(params, shapes)
+    return network(check_tokens("tokens", tokens, config))[0]

@@ -46,12 +46,12 @@ from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forw
 from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
-from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
-                                  next_token_loss_backward)
+from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
+from refmath.models.network import layers_backward, layers_forward, table_gradients
 from refmath.models.cases import model_case_maker
 from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
 from refmath.models.hf_layout import linear_out, refuse, refuse_common, require, rope_from_hf, take_head
-from refmath.models.params import check_param_dict, draw_params
+from refmath.models.params import draw_params
 from refmath.positions import RoPECache, rope_backward, rope_forward
 from refmath.registry import ParamCase, register_case
 
@@ -293,15 +293,19 @@ def network_forward(params, tokens, config: CohereConfig):
     r"""Logits ``(B, T, V)`` of checked ``tokens``: :math:`z = s\,\operatorname{LN}(x^{(L)})\,
     W_{\text{out}}` after the embedding and the ``L`` blocks. Returns ``(z, cache)``."""
     x, emb = embedding_forward(tokens, params["tok_emb"])
-    layers = []
-    for i in range(config.n_layers):
-        x, attn, ffn = layer_forward(x, sub_params(params, f"layers.{i}"), config)
-        layers.append((attn, ffn))
+    x, layers = layers_forward(x, params, config.n_layers,
+                               lambda i, x, p: _layer_pair(layer_forward(x, p, config)))
     x, norm_f = _norm(params, "ln_f", config)(x)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     z, head_cache = linear_forward(x, w_out)
-    return z * config.logit_scale, CohereCache(emb, tuple(layers), norm_f, head_cache,
+    return z * config.logit_scale, CohereCache(emb, layers, norm_f, head_cache,
                                                config.logit_scale, config.tie_embeddings)
+
+
+def _layer_pair(out):
+    """``(x, (attn, ffn))`` from :func:`layer_forward`'s ``(x, attn, ffn)``."""
+    x, attn, ffn = out
+    return x, (attn, ffn)
 
 
 def network_backward(dz, cache: CohereCache) -> dict:
@@ -309,26 +313,17 @@ def network_backward(dz, cache: CohereCache) -> dict:
     and the head's gradient."""
     dx, dw_out, _ = linear_backward(dz * cache.logit_scale, cache.head)
     dx, norm_grads = blocks.norm_backward(dx, cache.norm_f)
-    grads = prefixed("ln_f", norm_grads)
-    for i in reversed(range(len(cache.layers))):
-        dx, layer_grads = layer_backward(dx, *cache.layers[i])
-        grads.update(prefixed(f"layers.{i}", layer_grads))
-    dtable = embedding_backward(dx, cache.emb)
-    if cache.tied:
-        grads["tok_emb"] = dtable + dw_out.T
-    else:
-        grads.update(tok_emb=dtable, lm_head=dw_out)
-    return grads
+    dx, grads = layers_backward(dx, cache.layers, lambda dx, pair: layer_backward(dx, *pair))
+    return {**prefixed("ln_f", norm_grads), **grads,
+            **table_gradients(embedding_backward(dx, cache.emb), dw_out, cache.tied)}
 
 
 def forward(params, batch, config: CohereConfig, train: bool = False, rng=None):
     """Mean next-token cross-entropy of a batch (L2, L5): ``(loss, cache)``; the batch as
     :func:`refmath.models.decoder.forward` takes it. Command-R has no dropout, so ``train`` and
     ``rng`` change nothing."""
-    check_param_dict(params, param_shapes(config))
-    tokens, targets, loss_mask = check_lm_batch(batch, config)
-    z, cache = network_forward(params, tokens, config)
-    return next_token_loss(z, cache, targets, loss_mask)
+    return network_loss(params, batch, config, param_shapes(config),
+                        lambda tokens: network_forward(params, tokens, config))
 
 
 def backward(cache: CohereCache) -> dict:
@@ -338,8 +333,8 @@ def backward(cache: CohereCache) -> dict:
 
 def logits(params, tokens, config: CohereConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``."""
-    check_param_dict(params, param_shapes(config))
-    return network_forward(params, check_tokens("tokens", tokens, config), config)[0]
+    return network_logits(params, tokens, config, param_shapes(config),
+                          lambda tokens: network_forward(params, tokens, config))
 
 
 def layer_kv(cache: CohereCache) -> list:

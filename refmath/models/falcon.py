@@ -43,20 +43,18 @@ import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import ATTENTION_BACKENDS
-from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
-from refmath.losses import CrossEntropyCache
+from refmath.embedding import embedding_forward
+from refmath.ffn import linear_forward, matmul_rows_many
 from refmath.models import blocks
-from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
-                                  next_token_loss_backward)
+from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
+from refmath.models import network
 from refmath.models.cases import model_case_maker
 from refmath.models.contract import ANY, allowed
-from refmath.models.common import (CacheSpec, TrainingRecipe, layer_dropout_masks, prefixed,
-                                   sub_params)
+from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
 from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, join_heads_columns,
                                       linear_out, refuse, refuse_common, rope_context,
                                       rope_from_hf, rope_to_hf, split_heads_columns, take_head)
-from refmath.models.params import check_param_dict, draw_params
+from refmath.models.params import draw_params
 from refmath.models.rope_attention import (cache_stale, rope_attention_backward,
                                            rope_attention_cached, rope_attention_forward,
                                            rope_attention_shapes, rope_attention_state,
@@ -67,7 +65,7 @@ from refmath.registry import ParamCase, register_case
 __all__ = [
     "FalconConfig", "NORMS", "FFNS", "PALM", "PRESETS", "preset", "TRAINING_RECIPE",
     "param_shapes", "init_params", "layer_norm", "ffn_forward", "LayerCache", "block_forward",
-    "layer_forward", "layer_backward", "FalconCache", "network_forward", "network_backward",
+    "layer_forward", "layer_backward", "network_forward", "network_backward",
     "forward", "backward", "logits", "layer_kv", "rope_options", "cache_stale", "cache_spec",
     "embed", "cached_layer", "head", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields",
     "HF_MODEL_TYPES", "key_table", "config_from_hf", "params_from_hf", "to_hf"
@@ -301,76 +299,46 @@ def layer_backward(dout, cache: LayerCache):
 
 # ---- the network ---------------------------------------------------------------------------------
 
-class FalconCache(NamedTuple):
-    emb: EmbeddingCache
-    layers: tuple  # one LayerCache per layer
-    norm_f: object  # the final LayerNorm's cache
-    head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
-    tied: bool
-    loss: CrossEntropyCache | None = None  # None from a logits-only pass
-
-
 def _head_weight(params: dict, config: FalconConfig):
     return params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
 
 
 def network_forward(params, tokens, config: FalconConfig, train: bool = False, rng=None):
     r"""Logits ``(B, T, V)`` of checked ``tokens``: :math:`z = \operatorname{LN}(x^{(L)})\,
-    W_{\text{out}}` after the embedding and the ``L`` layers; the residual dropout masks drawn from
-    ``rng`` only when ``train`` and ``dropout > 0``. Returns ``(z, cache)``."""
-    table = params["tok_emb"]
-    drops = layer_dropout_masks(rng, tokens.shape + (config.d_model,), config.dropout,
-                                table.dtype, config.n_layers, train)
-    x, emb = embedding_forward(tokens, table)
-    layers = []
-    for i in range(config.n_layers):
-        x, layer = layer_forward(x, sub_params(params, f"layers.{i}"), config, drops[i])
-        layers.append(layer)
-    x, norm_f = layer_norm(params, "ln_f", config)(x)
-    z, head_cache = linear_forward(x, _head_weight(params, config))
-    return z, FalconCache(emb, tuple(layers), norm_f, head_cache, config.tie_embeddings)
+    W_{\text{out}}` after the embedding and the ``L`` layers (:func:`refmath.models.network.forward`);
+    the residual dropout masks drawn from ``rng`` only when ``train`` and ``dropout > 0``. Returns
+    ``(z, cache)``."""
+    return network.forward(params, tokens, config,
+                           lambda i, x, p, drops: layer_forward(x, p, config, drops),
+                           layer_norm(params, "ln_f", config), train, rng)
 
 
-def network_backward(dz, cache: FalconCache) -> dict:
+def network_backward(dz, cache: network.NetworkCache) -> dict:
     """Gradients of :func:`network_forward` given ``dz``, the forward in reverse; the tied table
     gets both its lookup's and the head's gradient."""
-    dx, dw_out, _ = linear_backward(dz, cache.head)
-    dx, norm_grads = blocks.norm_backward(dx, cache.norm_f)
-    grads = prefixed("ln_f", norm_grads)
-    for i in reversed(range(len(cache.layers))):
-        dx, layer_grads = layer_backward(dx, cache.layers[i])
-        grads.update(prefixed(f"layers.{i}", layer_grads))
-    grads["tok_emb"] = embedding_backward(dx, cache.emb)
-    if cache.tied:
-        grads["tok_emb"] = grads["tok_emb"] + dw_out.T
-    else:
-        grads["lm_head"] = dw_out
-    return grads
+    return network.backward(dz, cache, layer_backward)
 
 
 def forward(params, batch, config: FalconConfig, train: bool = False, rng=None):
     """Mean next-token cross-entropy of a batch (L2, L5): ``(loss, cache)``; the batch as
     :func:`refmath.models.decoder.forward` takes it. With ``train`` and ``dropout > 0`` the masks
     are drawn from ``rng`` (a ``numpy.random.Generator``) and kept for :func:`backward`."""
-    _check_config(config)
-    check_param_dict(params, param_shapes(config))
-    tokens, targets, loss_mask = check_lm_batch(batch, config)
-    z, cache = network_forward(params, tokens, config, train, rng)
-    return next_token_loss(z, cache, targets, loss_mask)
+    return network_loss(params, batch, config, param_shapes(config),  # it checks the config
+                        lambda tokens: network_forward(params, tokens, config, train, rng))
 
 
-def backward(cache: FalconCache) -> dict:
+def backward(cache: network.NetworkCache) -> dict:
     """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
     return next_token_loss_backward(cache, network_backward)
 
 
 def logits(params, tokens, config: FalconConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
-    check_param_dict(params, param_shapes(config))
-    return network_forward(params, check_tokens("tokens", tokens, config), config)[0]
+    return network_logits(params, tokens, config, param_shapes(config),
+                          lambda tokens: network_forward(params, tokens, config))
 
 
-def layer_kv(cache: FalconCache) -> list:
+def layer_kv(cache: network.NetworkCache) -> list:
     """Per layer, the rotated keys and the values ``(B, g, T, d_h)`` a KV cache keeps."""
     return [rope_attention_state(layer.attn.branch) for layer in cache.layers]
 

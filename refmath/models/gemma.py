@@ -59,8 +59,8 @@ from refmath.ffn import (LinearCache, SoftcapCache, linear_backward, linear_forw
                          softcap_backward, softcap_forward)
 from refmath.losses import CrossEntropyCache
 from refmath.models import blocks
-from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
-                                  next_token_loss_backward)
+from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
+from refmath.models.network import layers_backward, layers_forward, table_gradients
 from refmath.models.cases import model_case_maker
 from refmath.models.common import (CacheSpec, TrainingRecipe, prefixed, sub_params,
                                    layer_dropout_masks)
@@ -68,7 +68,7 @@ from refmath.models.decoder import rope_attention_inputs
 from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out, refuse,
                                       refuse_common, require, rope_context, rope_from_hf,
                                       rope_to_hf, take_head)
-from refmath.models.params import check_param_dict, draw_params
+from refmath.models.params import draw_params
 from refmath.models.rope_attention import (  # Llama's attention sublayer and hooks
     cache_stale, rope_attention_backward, rope_attention_cached, rope_attention_forward,
     rope_attention_shapes, rope_attention_state, rope_options)
@@ -344,16 +344,14 @@ def network_forward(params, tokens, config: GemmaConfig, train: bool = False, rn
     scale = _embed_scale(config, table.dtype)
     x = x * scale
     drops = layer_dropout_masks(rng, x.shape, config.dropout, x.dtype, config.n_layers, train)
-    caches = []
-    for i, drop in enumerate(drops):
-        x, cache = layer_forward(x, sub_params(params, f"layers.{i}"), i, config, drop)
-        caches.append(cache)
+    x, layers = layers_forward(x, params, config.n_layers,
+                               lambda i, x, p: layer_forward(x, p, i, config, drops[i]))
     x, norm_f = layer_norm(params, "ln_f", config)(x)
     z, head_cache = linear_forward(x, table.T)
     cap = None
     if config.final_softcap is not None:
         z, cap = softcap_forward(z, config.final_softcap)
-    return z, GemmaCache(emb, scale, tuple(caches), norm_f, head_cache, cap)
+    return z, GemmaCache(emb, scale, layers, norm_f, head_cache, cap)
 
 
 def network_backward(dz, cache: GemmaCache) -> dict:
@@ -363,22 +361,17 @@ def network_backward(dz, cache: GemmaCache) -> dict:
         dz = softcap_backward(dz, cache.softcap)
     dx, dw_out, _ = linear_backward(dz, cache.head)
     dx, norm_grads = blocks.norm_backward(dx, cache.norm_f)
-    grads = prefixed("ln_f", norm_grads)
-    for i in range(len(cache.layers) - 1, -1, -1):
-        dx, layer_grads = layer_backward(dx, cache.layers[i])
-        grads.update(prefixed(f"layers.{i}", layer_grads))
-    grads["tok_emb"] = embedding_backward(dx * cache.scale, cache.emb) + dw_out.T
-    return grads
+    dx, grads = layers_backward(dx, cache.layers, layer_backward)
+    return {**prefixed("ln_f", norm_grads), **grads,
+            **table_gradients(embedding_backward(dx * cache.scale, cache.emb), dw_out, True)}
 
 
 def forward(params, batch, config: GemmaConfig, train: bool = False, rng=None):
     """Mean next-token cross-entropy of a batch (L2, L5), ``(loss, cache)``, the batch as
     :func:`refmath.models.decoder.forward` takes it (Gemma has no dropout: ``train`` and ``rng``
     change nothing)."""
-    check_param_dict(params, param_shapes(config))  # param_shapes checks the config's class
-    tokens, targets, loss_mask = check_lm_batch(batch, config)
-    z, cache = network_forward(params, tokens, config, train, rng)
-    return next_token_loss(z, cache, targets, loss_mask)
+    return network_loss(params, batch, config, param_shapes(config),  # it checks the config
+                        lambda tokens: network_forward(params, tokens, config, train, rng))
 
 
 def backward(cache: GemmaCache) -> dict:
@@ -388,8 +381,8 @@ def backward(cache: GemmaCache) -> dict:
 
 def logits(params, tokens, config: GemmaConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without loss."""
-    check_param_dict(params, param_shapes(config))
-    return network_forward(params, check_tokens("tokens", tokens, config), config)[0]
+    return network_logits(params, tokens, config, param_shapes(config),
+                          lambda tokens: network_forward(params, tokens, config))
 
 
 def _attention_cache(layer: LayerCache):

@@ -39,20 +39,17 @@ import numpy as np
 
 from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
 from refmath.attention import ATTENTION_BACKENDS
-from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from refmath.ffn import (LinearCache, linear_backward, linear_forward, matmul_rows_many,
-                         swiglu_hidden_size)
-from refmath.losses import CrossEntropyCache
+from refmath.embedding import embedding_forward
+from refmath.ffn import linear_forward, matmul_rows_many, swiglu_hidden_size
 from refmath.models import blocks
-from refmath.models.batch import (check_lm_batch, check_tokens, next_token_loss,
-                                  next_token_loss_backward)
+from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
+from refmath.models import network
 from refmath.models.cases import model_case_maker
-from refmath.models.common import (CacheSpec, TrainingRecipe, layer_dropout_masks, prefixed,
-                                   sub_params)
+from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
 from refmath.models.decoder import rope_attention_inputs
 from refmath.models.hf_layout import (interleaved_to_half, linear_out, refuse_common, require,
                                       rope_context, rope_from_hf, rope_to_hf, take_head)
-from refmath.models.params import check_param_dict, draw_params
+from refmath.models.params import draw_params
 from refmath.models.rope_attention import (cache_stale, rope_options,  # Llama's hooks
                                            rope_attention_backward, rope_attention_cached,
                                            rope_attention_forward, rope_attention_shapes,
@@ -62,7 +59,7 @@ from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 __all__ = [
     "OLMo2Config", "TRAINING_RECIPE", "param_shapes", "init_params", "layer_norm", "LayerCache",
-    "block_forward", "layer_forward", "layer_backward", "OLMo2Cache", "network_forward",
+    "block_forward", "layer_forward", "layer_backward", "network_forward",
     "network_backward", "forward", "backward", "logits", "layer_kv", "rope_options",
     "cache_stale", "cache_spec", "embed", "cached_layer", "head", "COMPILED_FIELDS",
     "compiled_layer_spec", "sizing_fields", "HF_MODEL_TYPES", "key_table", "config_from_hf",
@@ -234,71 +231,46 @@ def layer_backward(dout, cache: LayerCache):
 
 # ---- the network ---------------------------------------------------------------------------------
 
-class OLMo2Cache(NamedTuple):
-    emb: EmbeddingCache
-    layers: tuple  # one LayerCache per layer
-    norm_f: object  # the final RMSNorm's cache
-    head: LinearCache  # its weight is lm_head, or tok_emb^T when tied
-    tied: bool
-    loss: CrossEntropyCache | None = None  # None from a logits-only pass
-
-
 def _head_weight(params: dict, config: OLMo2Config):
     return params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
 
 
 def network_forward(params, tokens, config: OLMo2Config, train: bool = False, rng=None):
     r"""Logits ``(B, T, V)`` of checked ``tokens``: :math:`z = \operatorname{RMSNorm}(x^{(L)})\,
-    W_{\text{out}}` after the embedding and the ``L`` layers; the residual dropout masks drawn from
-    ``rng`` only when ``train`` and ``dropout > 0``. Returns ``(z, cache)``."""
-    x, emb = embedding_forward(tokens, params["tok_emb"])
-    drops = layer_dropout_masks(rng, x.shape, config.dropout, x.dtype, config.n_layers, train)
-    caches = []
-    for i, drop in enumerate(drops):
-        x, cache = layer_forward(x, sub_params(params, f"layers.{i}"), config, drop)
-        caches.append(cache)
-    x, norm_f = layer_norm(params, "ln_f", config)(x)
-    z, head_cache = linear_forward(x, _head_weight(params, config))
-    return z, OLMo2Cache(emb, tuple(caches), norm_f, head_cache, config.tie_embeddings)
+    W_{\text{out}}` after the embedding and the ``L`` layers (:func:`refmath.models.network.forward`);
+    the residual dropout masks drawn from ``rng`` only when ``train`` and ``dropout > 0``. Returns
+    ``(z, cache)``."""
+    return network.forward(params, tokens, config,
+                           lambda i, x, p, drops: layer_forward(x, p, config, drops),
+                           layer_norm(params, "ln_f", config), train, rng)
 
 
-def network_backward(dz, cache: OLMo2Cache) -> dict:
+def network_backward(dz, cache: network.NetworkCache) -> dict:
     """Gradients of :func:`network_forward` given ``dz``, the forward in reverse; the tied table
     gets both its lookup's and the head's gradient."""
-    dx, dw_out, _ = linear_backward(dz, cache.head)
-    dx, norm_grads = blocks.norm_backward(dx, cache.norm_f)
-    grads = {"ln_f.gamma": norm_grads["gamma"]}
-    for i in range(len(cache.layers) - 1, -1, -1):
-        dx, layer_grads = layer_backward(dx, cache.layers[i])
-        grads.update(prefixed(f"layers.{i}", layer_grads))
-    dtable = embedding_backward(dx, cache.emb)
-    grads.update({"tok_emb": dtable + dw_out.T} if cache.tied else
-                 {"tok_emb": dtable, "lm_head": dw_out})
-    return grads
+    return network.backward(dz, cache, layer_backward)
 
 
 def forward(params, batch, config: OLMo2Config, train: bool = False, rng=None):
     """Mean next-token cross-entropy of a batch (L2, L5), ``(loss, cache)``, the batch as
     :func:`refmath.models.decoder.forward` takes it; the residual dropout masks (``train`` with
     ``dropout > 0``) come from ``rng``, a ``numpy.random.Generator``, and stay in the cache."""
-    check_param_dict(params, param_shapes(config))  # param_shapes checks the config's class
-    tokens, targets, loss_mask = check_lm_batch(batch, config)
-    z, cache = network_forward(params, tokens, config, train, rng)
-    return next_token_loss(z, cache, targets, loss_mask)
+    return network_loss(params, batch, config, param_shapes(config),  # it checks the config
+                        lambda tokens: network_forward(params, tokens, config, train, rng))
 
 
-def backward(cache: OLMo2Cache) -> dict:
+def backward(cache: network.NetworkCache) -> dict:
     """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
     return next_token_loss_backward(cache, network_backward)
 
 
 def logits(params, tokens, config: OLMo2Config) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
-    check_param_dict(params, param_shapes(config))
-    return network_forward(params, check_tokens("tokens", tokens, config), config)[0]
+    return network_logits(params, tokens, config, param_shapes(config),
+                          lambda tokens: network_forward(params, tokens, config))
 
 
-def layer_kv(cache: OLMo2Cache) -> list:
+def layer_kv(cache: network.NetworkCache) -> list:
     """Per layer, the rotated keys and the values ``(B, g, T, d_h)`` a KV cache keeps."""
     return [rope_attention_state(layer.attn.branch.branch) for layer in cache.layers]
 
