@@ -73,7 +73,9 @@ __all__ = [
 
 # ---- configuration -------------------------------------------------------------------------------
 
-NORMS = ("layernorm", "layernorm_no_bias")  # LayerNorm with its bias (Falcon), without (PaLM)
+# the kinds of refmath.norms.NORM_KINDS and refmath.ffn.FFN_KINDS this family takes:
+# LayerNorm with its bias (Falcon) or without (PaLM)
+NORMS = ("layernorm", "layernorm_no_bias")
 # the FFN: plain with exact GELU (Falcon) or tanh-GELU (GPT-J), or the SwiGLU (PaLM)
 FFNS = ("gelu", "gelu_tanh", "swiglu")
 
@@ -418,7 +420,7 @@ def sizing_fields(config: FalconConfig) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
-                norm=config.norm, mlp="swiglu" if config.ffn == "swiglu" else "gelu",
+                norm=config.norm, ffn=config.ffn,
                 norms_per_layer=config.parallel_norms if config.parallel_block else 2)
 
 
