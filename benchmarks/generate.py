@@ -99,7 +99,7 @@ SHAPES = {
 QUICK_SHAPES = {
     "gpt2-tiny": ("gpt", gpt.GPTConfig(vocab_size=512, max_seq_len=128, n_layers=2, d_model=64,
                                         n_heads=4, d_ff=256, norm_position="pre",
-                                        tie_embeddings=True, gelu_approximate=True, dropout=0.0)),
+                                        tie_embeddings=True, ffn="gelu_tanh", dropout=0.0)),
     "llama-tiny": ("llama", decoder.DecoderConfig(
         vocab_size=512, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
         d_ff=128, tie_embeddings=False, rope_layout="half", norm_eps=1e-5)),
@@ -165,7 +165,7 @@ def bytes_read(model: str, config, params: dict, prompt: int, tokens: int) -> tu
         if not (name == "tok_emb" and config.tie_embeddings):
             weights += one - params[name].nbytes
     if model == "gpt":
-        per_position = 2 * config.n_layers * config.n_heads * config.head_dim * 4
+        per_position = 2 * config.n_layers * config.n_heads * config.d_h * 4
     else:
         per_position = 2 * config.n_layers * config.kv_heads * config.d_h * 4
     positions = tokens * prompt + tokens * (tokens - 1) // 2

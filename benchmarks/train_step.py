@@ -139,7 +139,7 @@ def torch_gpt_loss(P: dict, tokens, targets, config: gpt.GPTConfig, sdpa: bool):
     b, t = tokens.shape
     d, h = config.d_model, config.n_heads
     eps = config.layernorm_eps
-    approximate = "tanh" if config.gelu_approximate else "none"
+    approximate = "tanh" if config.ffn == "gelu_tanh" else "none"
     causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # True above the diagonal: future keys
 
     def heads(z):  # (B, T, d) -> (B, h, T, d_h)
@@ -219,9 +219,9 @@ def build(model: str, args):
                   d_model=args.d_model, n_heads=args.heads)
     if model == "gpt":
         config = gpt.GPTConfig(**common, norm_position="pre", tie_embeddings=True,
-                               gelu_approximate=True, dropout=0.0, attention_backend=args.attention)
+                               ffn="gelu_tanh", dropout=0.0, attention_backend=args.attention)
         describe = (f"GPT (M2): Pre-LN, tied embeddings, GELU tanh, biases, d_ff = {config.d_ff}, "
-                    f"{config.n_heads} heads of {config.head_dim}, attention on {args.attention}")
+                    f"{config.n_heads} heads of {config.d_h}, attention on {args.attention}")
 
         def torch_loss(P, tokens, targets):
             return torch_gpt_loss(P, tokens, targets, config, args.torch_attention == "sdpa")

@@ -134,8 +134,7 @@ def bytes_per_token(model, config, params, stored, prompt, tokens) -> int:
         else:
             total += value.nbytes
     kv_heads = config.n_heads if model == "gpt" else config.kv_heads
-    head_dim = config.head_dim if model == "gpt" else config.d_h
-    per_position = 2 * config.n_layers * kv_heads * head_dim * 4
+    per_position = 2 * config.n_layers * kv_heads * config.d_h * 4
     return total + per_position * (prompt + (tokens - 1) / 2)
 
 

@@ -87,7 +87,7 @@ loss, cache = mla.forward(params, batch, m4)
 grads = mla.backward(cache)
 c, k_r = mla.layer_latents(cache)[0]
 print(f"loss {float(loss):.4f}; layer 0 caches c {c.shape} and k^R {k_r.shape}: "
-      f"{m4.d_c + m4.d_rope} numbers per token, MHA would cache 2 h d_h = {2 * m4.n_heads * m4.d_k}")
+      f"{m4.d_c + m4.d_rope} numbers per token, MHA would cache 2 h d_h = {2 * m4.n_heads * m4.d_h}")
 assert c.shape == (2, 7, 16) and k_r.shape == (2, 7, 4)
 result = check_param_gradients(lambda p: mla.forward(p, batch, m4)[0], grads, params, max_coords=4)
 print(f"gradient check of every tensor: passed {result.passed}, worst error "
@@ -178,7 +178,7 @@ for token in (8, 64, 150, 9):
 print(f"largest logit difference over the prompt and 4 steps: {worst:.1e} "
       f"(logits are of size {np.abs(z_abs).max():.2f})")
 assert worst < 1e-12
-h, d_k, d_v = mla_config.n_heads, mla_config.d_k, mla_config.d_v
+h, d_k, d_v = mla_config.n_heads, mla_config.d_h, mla_config.d_v
 print(f"numbers per cached token and layer: expanded {h * (d_k + d_v)}, "
       f"absorbed {mla_config.d_c + mla_config.d_rope}")
 

@@ -21,7 +21,15 @@ __all__ = ["matmul_rows", "matmul_rows_many",
            "sigmoid", "SiLUCache", "silu_forward", "silu_backward", "check_softcap", "SoftcapCache",
            "softcap_forward", "softcap_backward", "FFNCache", "ffn_forward", "ffn_backward",
            "SwiGLUCache", "swiglu_forward", "swiglu_backward", "GeGLUCache", "geglu_forward",
-           "geglu_backward", "swiglu_hidden_size", "ffn_parameter_count"]
+           "geglu_backward", "swiglu_hidden_size", "ffn_parameter_count", "FFN_KINDS",
+           "GATED_FFN_KINDS"]
+
+# The FFN kinds by name: one vocabulary for every model config's ``ffn`` field, refmath.sizing's
+# ModelConfig and the compiled decode layer. Gated, three matrices: SwiGLU (N7) and GeGLU with
+# tanh-GELU (N20). Plain, two matrices (N5): exact GELU, tanh-GELU, ReLU (the original
+# Transformer); their activations are ACTIVATIONS' entries of the same names.
+FFN_KINDS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu")
+GATED_FFN_KINDS = ("swiglu", "geglu")
 
 # ---- linear map ----------------------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ from refmath._validate import (check_axis, check_choice, check_flag, check_int, 
 __all__ = ["BACKENDS", "cpu_available", "cuda_available", "cpu_vector_lanes", "cpu_instructions",
            "cpu_threads", "set_cpu_threads", "cpu_thread_limit", "cpu_last_team",
            "backward_schedule", "stream_sum", "adamw_step", "rows_matmul", "rows_matmul_many",
-           "format_rows_matmul", "decode_layers", "build_info", "cuda_build_info", "softmax_rows",
+           "format_rows_matmul", "DECODE_LAYER_NORMS", "DECODE_LAYER_FFNS", "decode_layers",
+           "build_info", "cuda_build_info", "softmax_rows",
            "flash_attention_forward", "flash_attention_backward", "decode", "paged_decode",
            "FlashRung", "flash_ladder", "flash_versions"]
 
@@ -347,6 +348,13 @@ def format_rows_matmul(x, w, fmt: str, out=None):
     return out
 
 
+# The norm and FFN kinds the compiled decode layer computes, in refmath's one vocabulary
+# (refmath.norms.NORM_KINDS, refmath.ffn.FFN_KINDS), and the binding's names for them
+# (csrc/bindings.cpp): translated here, once, so that no caller spells a kind the kernel's way.
+DECODE_LAYER_NORMS = {"rmsnorm": "rms", "layernorm": "layer"}
+DECODE_LAYER_FFNS = {"swiglu": "swiglu", "gelu_tanh": "gelu_tanh", "gelu": "gelu_exact"}
+
+
 def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_heads: int,
                   head_dim: int, d_ff: int, norm: str, eps: float, ffn: str, rope: str,
                   scale: float, weights: str = "f32"):
@@ -354,13 +362,15 @@ def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_head
     :mod:`refmath.inference.compiled_step`, which builds its arguments from a model).
 
     Each entry of ``layers`` is a dict of one layer's float32 arrays: ``norm1_gain``,
-    ``norm2_gain`` (and ``norm1_shift``, ``norm2_shift`` for ``norm="layer"``); ``w_q``, ``w_k``,
-    ``w_v``, ``w_o`` as ``(in, out)`` matrices (C-contiguous, or in
+    ``norm2_gain`` (and ``norm1_shift``, ``norm2_shift`` for ``norm="layernorm"``); ``w_q``,
+    ``w_k``, ``w_v``, ``w_o`` as ``(in, out)`` matrices (C-contiguous, or in
     :func:`refmath.inference.weight_layout.decode_layout`), optional ``b_q``, ``b_k``, ``b_v``,
     ``b_o``; ``w_gate`` (``ffn="swiglu"`` only), ``w_up``, ``w_down`` and optional ``b_up``,
     ``b_down``; and the layer's cache blocks ``keys``, ``values`` ``(batch, kv_heads, T_max,
-    head_dim)``, written in place. ``norm``: ``"rms"`` or ``"layer"``; ``ffn``: ``"swiglu"``,
-    ``"gelu_tanh"`` or ``"gelu_exact"``; ``rope``: ``"none"``, ``"interleaved"`` or ``"half"``.
+    head_dim)``, written in place. ``norm``: ``"rmsnorm"`` or ``"layernorm"``; ``ffn``:
+    ``"swiglu"``, ``"gelu_tanh"`` or ``"gelu"`` (exact), the names of
+    :data:`refmath.norms.NORM_KINDS` and :data:`refmath.ffn.FFN_KINDS`; ``rope``: ``"none"``,
+    ``"interleaved"`` or ``"half"``.
     Every array is checked here, once; the object's ``step(x, position, cos, sin)`` then runs
     ``x`` ``(batch, d_model)`` through every layer in place, its key and value stored at row
     ``position``, with RoPE's ``cos`` and ``sin`` ``(head_dim / 2,)`` at that position. Raises
@@ -371,6 +381,8 @@ def decode_layers(batch: int, layers: list, *, d_model: int, heads: int, kv_head
     :mod:`refmath.weight_formats`), multiplied by :func:`format_rows_matmul`'s kernel (W1, W2).
     """
     check_choice("weights", weights, ("f32", "bf16", "f16", "q8_0"))
+    norm = DECODE_LAYER_NORMS[check_choice("norm", norm, tuple(DECODE_LAYER_NORMS))]
+    ffn = DECODE_LAYER_FFNS[check_choice("ffn", ffn, tuple(DECODE_LAYER_FFNS))]
     return _cpu().DecodeLayers(batch=batch, d_model=d_model, heads=heads, kv_heads=kv_heads,
                                head_dim=head_dim, d_ff=d_ff, norm=norm, eps=eps, ffn=ffn,
                                rope=rope, scale=scale, layers=layers, weights=weights)

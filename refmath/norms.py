@@ -11,8 +11,13 @@ import numpy as np
 from refmath._validate import check_min_ndim, check_real, float_array
 from refmath.registry import OpCase, register_case
 
-__all__ = ["LayerNormCache", "layernorm_forward", "layernorm_backward", "RMSNormCache",
-           "rmsnorm_forward", "rmsnorm_backward"]
+__all__ = ["NORM_KINDS", "LayerNormCache", "layernorm_forward", "layernorm_backward",
+           "RMSNormCache", "rmsnorm_forward", "rmsnorm_backward"]
+
+# The norm kinds by name: one vocabulary for every model config's ``norm`` field, the blocks
+# (refmath.models.blocks.norm_forward), refmath.sizing's ModelConfig and the compiled decode layer.
+# RMSNorm (N2); LayerNorm with its bias (N1); LayerNorm without one (PaLM, Command-R).
+NORM_KINDS = ("rmsnorm", "layernorm", "layernorm_no_bias")
 
 
 def _check_norm_inputs(x, gamma, beta=None):

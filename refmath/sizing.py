@@ -20,10 +20,11 @@ from typing import NamedTuple
 
 from refmath._validate import (check_choice, check_field, check_flag, check_int, check_real,
                                check_window_layers)
-from refmath.ffn import ffn_parameter_count
+from refmath.ffn import FFN_KINDS, GATED_FFN_KINDS, ffn_parameter_count
 from refmath.hf import config_from_hf
 from refmath.models import model_module
 from refmath.moe import MoEConfig, as_moe_config
+from refmath.norms import NORM_KINDS
 
 __all__ = ["kv_cache_bytes_per_token", "kv_cache_bytes", "mla_cache_bytes_per_token",
            "mla_cache_bytes", "QuantizedCacheBytes", "quantized_kv_cache_bytes", "weights_bytes",
@@ -205,9 +206,6 @@ def adamw_training_memory(params: int) -> TrainingMemory:
 
 # ---- model configurations and presets -----------------------------------------------------------
 
-_MLP_KINDS = ("swiglu", "geglu", "gelu", "relu")
-_NORM_KINDS = ("rmsnorm", "layernorm", "layernorm_no_bias")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -215,9 +213,11 @@ class ModelConfig:
 
     The fields that the models' configurations have too carry their names (``n_layers``,
     ``n_heads``, ``vocab_size``, ``tie_embeddings``, ``d_c``, ``d_rope``, ``q_lora_rank``,
-    ``v_head_dim``, ``latent_norm``, ``moe``; ``kv_heads`` and ``head_dim`` are the resolved
-    widths, the decoder's ``kv_heads`` and ``d_h``), so a model's ``sizing_fields`` passes them
-    through as they are. ``n_layers`` counts the layers that hold a KV cache (the decoder's).
+    ``v_head_dim``, ``latent_norm``, ``moe``, ``norm``, ``ffn``; ``kv_heads`` and ``head_dim`` are
+    the resolved widths, a model config's ``kv_heads`` and ``d_h``), so a model's
+    ``sizing_fields`` passes them through as they are. ``ffn`` and ``norm`` take the one vocabulary
+    of the models (:data:`refmath.ffn.FFN_KINDS`, :data:`refmath.norms.NORM_KINDS`). ``n_layers``
+    counts the layers that hold a KV cache (the decoder's).
     ``encoder_layers > 0`` makes an encoder-decoder with one embedding shared by source, target and
     (if tied) output, as in the original Transformer. ``d_c``/``d_rope`` make the attention MLA
     (catalogue K8, K9): ``head_dim`` is then its content query/key width :math:`d_k`,
@@ -250,12 +250,12 @@ class ModelConfig:
     head_dim: int
     d_ff: int | None = None
     vocab_size: int | None = None
-    mlp: str = "swiglu"              # "swiglu"/"geglu": 3 d d_f; "gelu"/"relu": 2 d d_f
-    norm: str = "rmsnorm"            # "rmsnorm": d gains; "layernorm": d gains + d biases;
-                                     # "layernorm_no_bias": d gains (PaLM)
+    ffn: str = "swiglu"              # of FFN_KINDS: "swiglu"/"geglu" 3 d d_f; the others 2 d d_f
+    norm: str = "rmsnorm"            # of NORM_KINDS: "rmsnorm" d gains; "layernorm" d gains + d
+                                     # biases; "layernorm_no_bias" d gains (PaLM)
     attention_bias: bool = False     # biases on Q, K, V and the output projection (GPT-2)
     qkv_bias: bool = False           # biases on Q, K and V only (Qwen2)
-    mlp_bias: bool = False           # biases on the FFN's layers (GPT-2, original Transformer)
+    ffn_bias: bool = False           # biases on the FFN's layers (GPT-2, original Transformer)
     tie_embeddings: bool = False     # the output projection reuses the embedding matrix
     learned_positions: int = 0       # rows of a learned position table (GPT-2: 1024)
     final_norm: bool = True          # one norm after the last layer (Pre-LN models)
@@ -288,8 +288,8 @@ class ModelConfig:
         check_window_layers(self, f" (config {self.name!r})")
         if (self.d_c is None) != (self.d_rope is None):
             raise ValueError("d_c and d_rope must be given together (an MLA cache holds both)")
-        check_field(self, "mlp", check_choice, _MLP_KINDS)
-        check_field(self, "norm", check_choice, _NORM_KINDS)
+        check_field(self, "ffn", check_choice, FFN_KINDS)
+        check_field(self, "norm", check_choice, NORM_KINDS)
         check_field(self, "qk_norm", check_choice, ("head", "projection"), optional=True)
         check_field(self, "latent_norm", check_flag)
         object.__setattr__(self, "moe", as_moe_config(self.moe, "ModelConfig.moe"))
@@ -320,10 +320,10 @@ class ModelConfig:
     def _check_moe(self) -> None:
         if self.moe is None:
             return
-        if self.mlp != "swiglu" or self.mlp_bias:
+        if self.ffn != "swiglu" or self.ffn_bias:
             raise ValueError(f"ModelConfig.moe: the experts are SwiGLUs without biases "
-                             f"(refmath.moe), so mlp must be 'swiglu' and mlp_bias False; got "
-                             f"mlp = {self.mlp!r}, mlp_bias = {self.mlp_bias} "
+                             f"(refmath.moe), so ffn must be 'swiglu' and ffn_bias False; got "
+                             f"ffn = {self.ffn!r}, ffn_bias = {self.ffn_bias} "
                              f"(config {self.name!r})")
         if self.encoder_layers:
             raise ValueError(f"ModelConfig.moe is written for decoder-only models; config "
@@ -364,14 +364,14 @@ PRESETS: dict[str, ModelConfig] = {
         # (Q W^Q), as refmath.models.transformer builds them: 63,045,632 parameters with 37,000
         # tokens. The paper's 65e6 needs about 3,800 more vocabulary rows; it does not say more.
         ModelConfig("transformer-base", n_layers=6, encoder_layers=6, d_model=512, n_heads=8,
-                    kv_heads=8, head_dim=64, d_ff=2048, vocab_size=37000, mlp="relu",
-                    norm="layernorm", mlp_bias=True, tie_embeddings=True, final_norm=False,
+                    kv_heads=8, head_dim=64, d_ff=2048, vocab_size=37000, ffn="relu",
+                    norm="layernorm", ffn_bias=True, tie_embeddings=True, final_norm=False,
                     published_params="65e6", source="Vaswani et al. 2017, Table 3"),
         # Radford et al. 2019 (GPT-2) with the released hparams: n_layer=12, n_embd=768,
         # n_head=12, n_ctx=1024, vocab 50257; the model card (openai-community/gpt2) says 124M.
         ModelConfig("gpt2-small", n_layers=12, d_model=768, n_heads=12, kv_heads=12, head_dim=64,
-                    d_ff=3072, vocab_size=50257, mlp="gelu", norm="layernorm", attention_bias=True,
-                    mlp_bias=True, tie_embeddings=True, learned_positions=1024, context=1024,
+                    d_ff=3072, vocab_size=50257, ffn="gelu", norm="layernorm", attention_bias=True,
+                    ffn_bias=True, tie_embeddings=True, learned_positions=1024, context=1024,
                     published_params="124e6",
                     source="GPT-2 model card (openai-community/gpt2)"),
         # Llama 2 paper (Touvron et al. 2023b) and params.json: dim 4096, 32 layers, 32 heads,
@@ -419,8 +419,8 @@ PRESETS: dict[str, ModelConfig] = {
         # counted here as dense (no window_layers): the cache, decode and prefill figures are
         # upper bounds for the banded half of the layers.
         ModelConfig("gpt-3-175b", n_layers=96, d_model=12288, n_heads=96, kv_heads=96,
-                    head_dim=128, d_ff=4 * 12288, vocab_size=50257, mlp="gelu", norm="layernorm",
-                    attention_bias=True, mlp_bias=True, tie_embeddings=True,
+                    head_dim=128, d_ff=4 * 12288, vocab_size=50257, ffn="gelu", norm="layernorm",
+                    attention_bias=True, ffn_bias=True, tie_embeddings=True,
                     learned_positions=2048, context=2048, published_params="175e9",
                     source="Brown et al. 2020, Table 2.1"),
         # Qwen2.5-7B model card and config.json (Qwen/Qwen2.5-7B): hidden 3584, 28 layers, 28
@@ -437,7 +437,7 @@ PRESETS: dict[str, ModelConfig] = {
         # ONE LayerNorm (with bias) per layer, no biases in the linear layers, tied output. The
         # card says 7B; the count is 6,921,720,704 (6.92B).
         ModelConfig("falcon-7b", n_layers=32, d_model=4544, n_heads=71, kv_heads=1, head_dim=64,
-                    d_ff=4 * 4544, vocab_size=65024, mlp="gelu", norm="layernorm",
+                    d_ff=4 * 4544, vocab_size=65024, ffn="gelu", norm="layernorm",
                     norms_per_layer=1, tie_embeddings=True, context=2048, published_params="7e9",
                     source="Falcon-7B model card (tiiuae/falcon-7b)"),
         # Gemma 2 report (Gemma Team 2024, arXiv:2408.00118), Tables 1-2, and config.json
@@ -451,7 +451,7 @@ PRESETS: dict[str, ModelConfig] = {
         # count exactly; its embedding, 917,962,752, has Table 1's 256,128 rows, while
         # config.json's table has 256,000 (used here): 9.24B either way.
         ModelConfig("gemma-2-9b", n_layers=42, d_model=3584, n_heads=16, kv_heads=8, head_dim=256,
-                    d_ff=14336, vocab_size=256000, mlp="geglu", norms_per_layer=4,
+                    d_ff=14336, vocab_size=256000, ffn="geglu", norms_per_layer=4,
                     tie_embeddings=True, context=8192, sliding_window=4096,
                     window_layers=_local_and_global(42, 2), published_params="9.24e9",
                     source="Gemma 2 report, Tables 1-2 (google/gemma-2-9b)"),
@@ -465,7 +465,7 @@ PRESETS: dict[str, ModelConfig] = {
         # published_params); the count's 10,759,155,456 parameters besides the embedding are the
         # report's "10,759M" non-embedding parameters.
         ModelConfig("gemma-3-12b", n_layers=48, d_model=3840, n_heads=16, kv_heads=8,
-                    head_dim=256, d_ff=15360, vocab_size=262208, mlp="geglu", norms_per_layer=4,
+                    head_dim=256, d_ff=15360, vocab_size=262208, ffn="geglu", norms_per_layer=4,
                     qk_norm="head", tie_embeddings=True, context=131072, sliding_window=1024,
                     window_layers=_local_and_global(48, 6),
                     source="Gemma 3 report / config.json (google/gemma-3-12b-pt)"),
@@ -476,7 +476,7 @@ PRESETS: dict[str, ModelConfig] = {
         # published_params); the count's 3,209,010,688 parameters besides the embedding are the
         # Gemma 3 report's "3,209M" non-embedding parameters.
         ModelConfig("gemma-3-4b", n_layers=34, d_model=2560, n_heads=8, kv_heads=4,
-                    head_dim=256, d_ff=10240, vocab_size=262208, mlp="geglu", norms_per_layer=4,
+                    head_dim=256, d_ff=10240, vocab_size=262208, ffn="geglu", norms_per_layer=4,
                     qk_norm="head", tie_embeddings=True, context=131072, sliding_window=1024,
                     window_layers=_local_and_global(34, 6),
                     source="Gemma 3 report / config.json (google/gemma-3-4b-pt)"),
@@ -487,7 +487,7 @@ PRESETS: dict[str, ModelConfig] = {
         # tied output. The card's "40B" does not round from the count, 41,303,293,952 (41.3B,
         # 3% more): the name rounds down (tests/test_sizing.py says by how much).
         ModelConfig("falcon-40b", n_layers=60, d_model=8192, n_heads=128, kv_heads=8,
-                    head_dim=64, d_ff=4 * 8192, vocab_size=65024, mlp="gelu", norm="layernorm",
+                    head_dim=64, d_ff=4 * 8192, vocab_size=65024, ffn="gelu", norm="layernorm",
                     norms_per_layer=2, tie_embeddings=True, context=2048, published_params="40e9",
                     source="Falcon-40B model card (tiiuae/falcon-40b)"),
         # Chowdhery et al. 2022, "PaLM", Table 1 and Sec. 2: 118 layers, d_model 18432, 48 heads
@@ -555,7 +555,7 @@ class ParamCounts(NamedTuple):
     embedding: int   # token embedding V x d
     positions: int   # learned position table (0 for sinusoidal or RoPE)
     attention: int   # every attention block, cross-attention included
-    mlp: int
+    ffn: int         # every feed-forward, MoE routers and experts included
     norms: int
     output: int      # untied output projection d x V (0 when tied)
     total: int
@@ -682,23 +682,23 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     cross-attention block and one more norm, and per encoder layer one attention, one MLP and
     ``norms_per_layer`` norms. Plus :math:`V d` for the embedding, the learned position table, a
     final norm per stack when ``final_norm``, and :math:`d V` for an untied output projection.
-    ``norms`` also holds QK-norm's and MLA's latent gains; ``mlp`` holds every feed-forward,
+    ``norms`` also holds QK-norm's and MLA's latent gains; ``ffn`` holds every feed-forward,
     routers and experts included.
     """
     _require_sizes(config, "parameter_counts")
     d, L = config.d_model, config.n_layers
     attn = _attention_count(config)
-    mlp = 0
+    ffn = 0
     if config.d_ff is not None:
-        mlp = ffn_parameter_count(d, config.d_ff, gated=config.mlp in ("swiglu", "geglu"),
-                                  biases=config.mlp_bias)
+        ffn = ffn_parameter_count(d, config.d_ff, gated=config.ffn in GATED_FFN_KINDS,
+                                  biases=config.ffn_bias)
     norm = _norm_count(config)
 
     attention = L * attn
     moe_layers = config.moe_layers
-    mlps = (L - moe_layers) * mlp
+    ffns = (L - moe_layers) * ffn
     if moe_layers:
-        mlps += moe_layers * moe_parameter_count(d, config.moe).total
+        ffns += moe_layers * moe_parameter_count(d, config.moe).total
     norms = L * config.norms_per_layer * norm
     if config.qk_norm == "head":  # one gain of d_h for the queries, one for the keys (N18)
         norms += L * 2 * config.head_dim
@@ -709,7 +709,7 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     if config.encoder_layers:
         # Decoder layers add cross-attention and its norm; encoder layers are self-attention + MLP.
         attention += L * attn + config.encoder_layers * attn
-        mlps += config.encoder_layers * mlp
+        ffns += config.encoder_layers * ffn
         norms += L * norm + config.encoder_layers * config.norms_per_layer * norm
     stacks = 2 if config.encoder_layers else 1
     norms += stacks * norm if config.final_norm else 0
@@ -717,8 +717,8 @@ def parameter_counts(config: ModelConfig) -> ParamCounts:
     embedding = config.vocab_size * d
     positions = config.learned_positions * d
     output = 0 if config.tie_embeddings else d * config.vocab_size
-    total = embedding + positions + attention + mlps + norms + output
-    return ParamCounts(embedding, positions, attention, mlps, norms, output, total)
+    total = embedding + positions + attention + ffns + norms + output
+    return ParamCounts(embedding, positions, attention, ffns, norms, output, total)
 
 
 class ActiveParams(NamedTuple):
@@ -867,7 +867,7 @@ def _ffn_macs(config: ModelConfig, experts: int | None = None) -> int:
     dense_layers = config.n_layers - config.moe_layers
     macs = 0
     if dense_layers:
-        macs += dense_layers * (3 if config.mlp in ("swiglu", "geglu") else 2) * d * config.d_ff
+        macs += dense_layers * (3 if config.ffn in GATED_FFN_KINDS else 2) * d * config.d_ff
     if config.moe_layers:
         moe = config.moe
         experts = moe.top_k if experts is None else experts

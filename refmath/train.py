@@ -58,7 +58,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refmath import kernels
-from refmath.models import MODELS, config_class, model_module
+from refmath.models import MODELS, config_class, model_module, saved_config_fields
 from refmath.models.common import TrainingRecipe
 from refmath.models.decoder import expert_loads, moe_aux_loss
 from refmath.moe import MoEConfig, balance_bias_update
@@ -71,8 +71,9 @@ from refmath.optim import AdamW, clip_grad_norm, warmup_cosine
 
 __all__ = ["CONFIG_FILE", "recipe", "default_config", "expert_models", "with_experts",
            "TrainSettings", "atomic_write", "CheckpointError", "Checkpoint", "save_checkpoint",
-           "load_checkpoint", "load_tokenizer", "evaluate", "reversal_accuracy", "save_loss_plot",
-           "TrainResult", "TrainingDiverged", "train"]
+           "load_checkpoint", "load_tokenizer",
+           "evaluate", "reversal_accuracy", "save_loss_plot", "TrainResult", "TrainingDiverged",
+           "train"]
 
 FORMAT = "refmath-train/1"
 CONFIG_FILE = "config.json"
@@ -274,7 +275,7 @@ def _read_meta(directory: Path) -> dict:
 
 def _config_from(meta: dict, path: Path):
     try:
-        config = config_class(meta["model"])(**meta["config"])
+        config = config_class(meta["model"])(**saved_config_fields(meta["model"], meta["config"]))
         settings = TrainSettings(**meta["train"])
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: invalid configuration for model {meta['model']!r}: {err}") from None

@@ -119,12 +119,12 @@ def test_swiglu_width_rounding_n7():
     assert swiglu_hidden_size(4096, 256) == 11008 == PRESETS["llama-2-7b"].d_ff
     # SwiGLU at that width has about the budget of a 4d GELU FFN: 3 d d_f vs 2 d (4d)
     gelu = ModelConfig("g", n_layers=1, d_model=4096, n_heads=32, kv_heads=32, head_dim=128,
-                       d_ff=4 * 4096, vocab_size=1, mlp="gelu")
-    swiglu = dataclasses.replace(gelu, d_ff=11008, mlp="swiglu")
-    assert parameter_counts(gelu).mlp == 2 * 4096 * 4 * 4096
-    assert parameter_counts(swiglu).mlp == 3 * 4096 * 11008
+                       d_ff=4 * 4096, vocab_size=1, ffn="gelu")
+    swiglu = dataclasses.replace(gelu, d_ff=11008, ffn="swiglu")
+    assert parameter_counts(gelu).ffn == 2 * 4096 * 4 * 4096
+    assert parameter_counts(swiglu).ffn == 3 * 4096 * 11008
     # rounding up adds under one multiple m to 8d/3, so the budgets differ by under 3m / (8d)
-    assert abs(parameter_counts(swiglu).mlp / parameter_counts(gelu).mlp - 1) < 3 * 256 / (8 * 4096)
+    assert abs(parameter_counts(swiglu).ffn / parameter_counts(gelu).ffn - 1) < 3 * 256 / (8 * 4096)
 
 
 @settings(max_examples=30, deadline=None)
@@ -289,8 +289,8 @@ def test_kv_heads_must_divide_heads():
         dataclasses.replace(PRESETS["llama-3-8b"], kv_heads=64)
     with pytest.raises(ValueError, match=r"ModelConfig.d_ff must be an int >= 1, got 0"):
         dataclasses.replace(PRESETS["llama-3-8b"], d_ff=0)
-    with pytest.raises(ValueError, match=r"mlp must be one of"):
-        dataclasses.replace(PRESETS["llama-3-8b"], mlp="relu2")
+    with pytest.raises(ValueError, match=r"ffn must be one of"):
+        dataclasses.replace(PRESETS["llama-3-8b"], ffn="relu2")
 
 
 def test_presets_are_frozen():
@@ -583,7 +583,7 @@ def test_moe_config_fields_are_checked():
     with pytest.raises(TypeError, match="ModelConfig.moe must be a MoEConfig"):
         ModelConfig(**base, moe=[4, 2, 8])
     with pytest.raises(ValueError, match="experts are SwiGLUs"):
-        ModelConfig(**base, mlp="gelu", moe=dict(n_experts=4, top_k=2, d_expert=8))
+        ModelConfig(**base, ffn="gelu", moe=dict(n_experts=4, top_k=2, d_expert=8))
     with pytest.raises(ValueError, match=r"ModelConfig.q_lora_rank describes MLA.*d_c"):
         ModelConfig(**base, q_lora_rank=4)
     with pytest.raises(ValueError, match=r"ModelConfig.latent_norm describes MLA"):

@@ -221,6 +221,41 @@ def saved_run(tmp_path):
     return tmp_path / "run"
 
 
+def _as_written_before(run, field: str, value) -> None:
+    """Make ``run`` a run as an older refmath wrote it: its GPT configuration's ``ffn`` saved as
+    ``field`` = ``value`` in both config.json and the copy the checkpoint embeds."""
+    def old(meta):
+        config = {k: v for k, v in meta["config"].items() if k != "ffn"}
+        return {**meta, "config": {**config, field: value}}
+
+    config_path, path = run / "config.json", run / "checkpoint.npz"
+    config_path.write_text(json.dumps(old(json.loads(config_path.read_text())), indent=2))
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    arrays["meta"] = np.array(json.dumps(old(json.loads(str(arrays["meta"]))), sort_keys=True))
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("saved, ffn", [(True, "gelu_tanh"), (False, "gelu")])
+def test_a_run_saved_with_gelu_approximate_still_loads_and_resumes(tmp_path, saved, ffn):
+    # GPTConfig.gelu_approximate became ffn ("gelu_tanh" / "gelu"): refmath.models.
+    # RETIRED_CONFIG_FIELDS translates it
+    saved_run = tmp_path / "run"
+    run_gpt(saved_run, 2, stop_after=1)
+    before = T.load_checkpoint(saved_run)
+    _as_written_before(saved_run, "gelu_approximate", saved)
+    assert "gelu_approximate" in json.loads((saved_run / "config.json").read_text())["config"]
+    loaded = T.load_checkpoint(saved_run)
+    assert loaded.config == dataclasses.replace(before.config, ffn=ffn)
+    for name, value in before.params.items():
+        np.testing.assert_array_equal(loaded.params[name], value)
+    assert T.train(None, saved_run, resume=True, out=open(os.devnull, "w")).step == 2
+    assert T.load_checkpoint(saved_run).config.ffn == ffn  # the file keeps its old field
+    _as_written_before(saved_run, "gelu_approximate", "tanh")  # never a flag's value: refused
+    with pytest.raises(T.CheckpointError, match=r"invalid configuration.*ffn must be one of"):
+        T.load_checkpoint(saved_run)
+
+
 def test_truncated_or_corrupt_checkpoint(saved_run):
     path = saved_run / "checkpoint.npz"
     data = path.read_bytes()

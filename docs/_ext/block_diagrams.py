@@ -191,8 +191,8 @@ def draw_mla_cache(ax, mla, config):
                  ((1.6, 1.5), (0.3, 2.2)), ((-0.3, 2.8), (-1.6, 3.5)), ((0.3, 2.8), (1.6, 3.5)),
                  ((-1.6, 4.1), (-0.3, 4.8)), ((1.6, 4.1), (0.3, 4.8)), ((0.0, 5.4), (0.0, 6.1))]:
         _arrow(ax, a, b)
-    n_heads, d_k = config.n_heads, config.d_k
-    ax.text(0.0, -0.75, f"MHA would cache 2 h d_h = {2 * n_heads * d_k} numbers per token and layer",
+    n_heads, d_h = config.n_heads, config.d_h
+    ax.text(0.0, -0.75, f"MHA would cache 2 h d_h = {2 * n_heads * d_h} numbers per token and layer",
             ha="center", fontsize=8.5, color="#555555")
     ax.set_xlim(-3.2, 3.2)
     ax.set_ylim(-1.1, 7.0)

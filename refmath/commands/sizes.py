@@ -131,7 +131,7 @@ def _print_parameters(config: ModelConfig, out, total: int | None = None, buffer
         counts = parameter_counts(config)
         published = f"; published {config.published_params}" if config.published_params else ""
         print(f"\nparameters (N7): {counts.total:,} ({counts.total:.3g}{published})", file=out)
-        for name in ("embedding", "positions", "attention", "mlp", "norms", "output"):
+        for name in ("embedding", "positions", "attention", "ffn", "norms", "output"):
             print(f"  {name:<10} {getattr(counts, name):>16,}", file=out)
         total = counts.total
     else:

@@ -30,7 +30,7 @@ from refmath.models.contract import check_module
 
 __all__ = [
     "ModelEntry", "MODELS", "DECODER_ONLY", "model_module", "config_class", "check_config",
-    "model_name"
+    "model_name", "RETIRED_CONFIG_FIELDS", "saved_config_fields"
 ]
 
 
@@ -90,3 +90,27 @@ def model_name(module: ModuleType) -> str:
             return name
     raise ValueError(f"{module.__name__} is not one of refmath's models: "
                      f"{', '.join(e.module for e in MODELS.values())}")
+
+
+# Fields that an older refmath saved in a configuration (a training run's config.json) under a name
+# since retired (CHANGELOG, "Public names that changed"), by (model, field): each gives today's
+# fields for the saved value. refmath.train reads a saved configuration through
+# saved_config_fields, the one place they are translated, so that older runs still load; the files
+# are left as they were written.
+RETIRED_CONFIG_FIELDS = {
+    # GPT's FFN kind was a flag: True the tanh form of GELU, False the exact one
+    ("gpt", "gelu_approximate"): lambda value: {
+        "ffn": "gelu_tanh" if value is True else "gelu" if value is False else value},
+}
+
+
+def saved_config_fields(name: str, fields: dict) -> dict:
+    """The fields of a saved configuration of model ``name``, each field of
+    :data:`RETIRED_CONFIG_FIELDS` under today's name."""
+    if not isinstance(fields, dict):
+        return fields  # not a configuration: refused where it is unpacked
+    current = {}
+    for field, value in fields.items():
+        translate = RETIRED_CONFIG_FIELDS.get((name, field))
+        current.update(translate(value) if translate else {field: value})
+    return current

@@ -21,30 +21,30 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from refmath._validate import check_choice
 from refmath.ffn import (LinearCache, SwiGLUCache, linear_backward, linear_forward,
                          matmul_rows_many)
 from refmath.fast.fused import BiasGELUCache, swiglu_backward, swiglu_forward
 from refmath.fast import fused as fused_ops
 from refmath.models.common import apply_mask, prefixed
-from refmath.norms import LayerNormCache, RMSNormCache, rmsnorm_backward, rmsnorm_forward
+from refmath.norms import (NORM_KINDS, LayerNormCache, RMSNormCache, rmsnorm_backward,
+                           rmsnorm_forward)
 
 __all__ = [
-    "NORMS", "LayerNormNoBiasCache", "norm_forward", "norm_backward", "SublayerCache",
+    "LayerNormNoBiasCache", "norm_forward", "norm_backward", "SublayerCache",
     "sublayer_forward", "sublayer_backward", "parallel_forward", "parallel_backward",
     "ffn_forward", "ffn_backward", "geglu_ffn_backward", "PlainFFNCache", "plain_ffn_forward",
     "plain_ffn_backward", "PostNormCache", "post_normed", "post_normed_backward"
 ]
 
-# the layer norms: RMSNorm (N2), LayerNorm with its bias (N1, Falcon) or without one (PaLM)
-NORMS = ("rmsnorm", "layernorm", "layernorm_no_bias")
-
 
 class LayerNormNoBiasCache(NamedTuple):
     ln: LayerNormCache  # of a LayerNorm whose bias is 0 and no parameter (PaLM)
 
+
 def norm_forward(x, kind: str, gamma, beta, eps: float):
-    r"""The layer norm ``kind`` (one of :data:`NORMS`) with gain ``gamma`` on the rows ``x``:
-    RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fast.fused.layernorm_forward`)
+    r"""The layer norm ``kind`` (one of :data:`refmath.norms.NORM_KINDS`) with gain ``gamma`` on
+    the rows ``x``: RMSNorm (N2), or LayerNorm (N1, :func:`refmath.fast.fused.layernorm_forward`)
 
     .. math::
         \operatorname{RMSNorm}(x) = \gamma \odot \frac{x}{\operatorname{rms}(x)},\qquad
@@ -53,6 +53,7 @@ def norm_forward(x, kind: str, gamma, beta, eps: float):
     ``beta`` is LayerNorm's bias (``"layernorm"``; None for the others: ``"layernorm_no_bias"``
     has :math:`\beta = 0` and no parameter). Returns ``(y, cache)``.
     """
+    check_choice("kind", kind, NORM_KINDS)  # another spelling must not fall through to the last
     if kind == "rmsnorm":
         return rmsnorm_forward(x, gamma, eps)
     if kind == "layernorm":

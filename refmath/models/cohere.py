@@ -392,7 +392,7 @@ def sizing_fields(config: CohereConfig) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_ff,
                 vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
-                qk_norm="projection" if config.qk_norm else None, norm=_NORM, mlp="swiglu",
+                qk_norm="projection" if config.qk_norm else None, norm=_NORM, ffn="swiglu",
                 norms_per_layer=1)
 
 

@@ -481,7 +481,8 @@ def compiled_layer_spec(params, config: DecoderConfig):
         layers.append(layer)
     shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.kv_heads,
                  head_dim=config.d_h, d_ff=config.d_f,
-                 norm="rms", eps=config.norm_eps, ffn="swiglu", rope=config.rope_layout, scale=config.score_scale)
+                 norm="rmsnorm", eps=config.norm_eps, ffn="swiglu", rope=config.rope_layout,
+                 scale=config.score_scale)
     return shape, layers
 
 # ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
@@ -494,7 +495,7 @@ def sizing_fields(config: DecoderConfig) -> dict:
                 vocab_size=config.vocab_size, qkv_bias=config.qkv_bias,
                 tie_embeddings=config.tie_embeddings,
                 sliding_window=config.sliding_window, window_layers=config.window_layers,
-                qk_norm=config.qk_norm, moe=config.moe, norm="rmsnorm", mlp="swiglu",
+                qk_norm=config.qk_norm, moe=config.moe, norm="rmsnorm", ffn="swiglu",
                 norms_per_layer=2)
 
 

@@ -87,8 +87,9 @@ class FamilyConfig:
     moe: MoEConfig | None = None
 
     @property
-    def query_key_width(self) -> int:
-        """The query/key width per head: ``head_dim``, or ``d_model // n_heads`` by default."""
+    def d_h(self) -> int:
+        """The head width :math:`d_h` the layers compute with: ``head_dim``, or
+        ``d_model // n_heads`` by default (MLA: the content query/key width, K9's :math:`d_k`)."""
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
@@ -168,11 +169,6 @@ class DecoderConfig(FamilyConfig):
     def kv_heads(self) -> int:
         """``g``, the number of key/value heads."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def d_h(self) -> int:
-        """The head width (queries, keys and values alike)."""
-        return self.query_key_width
 
     @property
     def score_scale(self) -> float:

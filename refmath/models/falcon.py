@@ -73,7 +73,9 @@ __all__ = [
 
 # ---- configuration -------------------------------------------------------------------------------
 
-NORMS = ("layernorm", "layernorm_no_bias")  # LayerNorm with its bias (Falcon), without (PaLM)
+# the kinds of refmath.norms.NORM_KINDS and refmath.ffn.FFN_KINDS this family takes:
+# LayerNorm with its bias (Falcon) or without (PaLM)
+NORMS = ("layernorm", "layernorm_no_bias")
 # the FFN: plain with exact GELU (Falcon) or tanh-GELU (GPT-J), or the SwiGLU (PaLM)
 FFNS = ("gelu", "gelu_tanh", "swiglu")
 
@@ -396,10 +398,6 @@ COMPILED_FIELDS = {
     "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
 }
 
-# the kernel's names of the FFNs
-_KERNEL_FFNS = {"gelu": "gelu_exact", "gelu_tanh": "gelu_tanh", "swiglu": "swiglu"}
-
-
 def compiled_layer_spec(params, config: FalconConfig):
     """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
     call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, or None unless every field
@@ -419,8 +417,8 @@ def compiled_layer_spec(params, config: FalconConfig):
         layer.update({name: p[f"ffn.{name}"] for name in names})
         layers.append(layer)
     shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.kv_heads,
-                 head_dim=config.d_h, d_ff=config.d_f, norm="layer", eps=config.norm_eps,
-                 ffn=_KERNEL_FFNS[config.ffn], rope=config.rope_layout,
+                 head_dim=config.d_h, d_ff=config.d_f, norm="layernorm", eps=config.norm_eps,
+                 ffn=config.ffn, rope=config.rope_layout,
                  scale=1.0 / math.sqrt(config.d_h))
     return shape, layers
 
@@ -430,7 +428,7 @@ def sizing_fields(config: FalconConfig) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
-                norm=config.norm, mlp="swiglu" if config.ffn == "swiglu" else "gelu",
+                norm=config.norm, ffn=config.ffn,
                 norms_per_layer=config.parallel_norms if config.parallel_block else 2)
 
 

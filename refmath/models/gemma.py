@@ -448,7 +448,7 @@ def sizing_fields(config: GemmaConfig) -> dict:
                 sliding_window=window,
                 window_layers=None if window is None or all(windows) else
                 tuple(w is not None for w in windows),
-                qk_norm=config.qk_norm, moe=None, norm="rmsnorm", mlp="geglu",
+                qk_norm=config.qk_norm, moe=None, norm="rmsnorm", ffn="geglu",
                 norms_per_layer=2 + 2 * config.sandwich_norms)
 
 

@@ -323,7 +323,8 @@ def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=Non
     r"""GELU FFN with biases as a residual sublayer (``ln2``, ``ffn``); ``x`` is ``(B, T, d)``.
 
     The branch is :func:`refmath.ffn.ffn_forward`'s
-    :math:`\operatorname{GELU}(u W_1 + b_1) W_2 + b_2`, with the bias and the GELU fused
+    :math:`\operatorname{GELU}(u W_1 + b_1) W_2 + b_2` (the tanh form for ``ffn="gelu_tanh"``, the
+    exact one for ``"gelu"``), with the bias and the GELU fused
     (:func:`refmath.fast.fused.bias_gelu_forward`: the same numbers, fewer passes over memory).
     """
     p = f"layers.{layer}."
@@ -332,7 +333,7 @@ def ffn_sublayer_forward(x, params: dict, layer: int, config: GPTConfig, rng=Non
 
     def branch(u):
         h, first = linear_forward(u, w1, matmul=matmul)
-        a, act = bias_gelu_forward(h, b1, config.gelu_approximate)
+        a, act = bias_gelu_forward(h, b1, config.ffn == "gelu_tanh")
         y, second = linear_forward(a, w2, b2, matmul=matmul)
         return y, GELUFFNCache(first, act, second)
 
@@ -471,7 +472,7 @@ def logits(params: dict, tokens, config: GPTConfig) -> np.ndarray:
 def cache_spec(config: GPTConfig, batch: int, max_len: int) -> CacheSpec:
     """Keys and values of every head per layer (``g = h``): ``(L, B, h, max_len, d_h)`` each, of
     which a banded layer keeps only its window's rows (:func:`layer_window`)."""
-    shape = (config.n_layers, batch, config.n_heads, max_len, config.head_dim)
+    shape = (config.n_layers, batch, config.n_heads, max_len, config.d_h)
     windows = tuple(layer_window(config, i) for i in range(config.n_layers))
     return CacheSpec("kv", (shape, shape),
                      windows=windows if any(w is not None for w in windows) else None)
@@ -529,7 +530,7 @@ COMPILED_FIELDS = {
     # sizes, handed to the kernel as its shape; the embedding and the head run in NumPy
     "vocab_size": ANY, "max_seq_len": ANY, "n_layers": ANY, "d_model": ANY, "n_heads": ANY,
     "d_ff": ANY, "tie_embeddings": ANY, "layernorm_eps": ANY,
-    "gelu_approximate": ANY,  # exact or tanh GELU
+    "ffn": ANY,  # exact or tanh GELU
     # training only: no decode step reads them
     "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
     # not computed: Post-LN, sliding windows
@@ -555,10 +556,10 @@ def compiled_layer_spec(params, config: GPTConfig):
         layer.update(w_up=p["ffn.w1"], b_up=p["ffn.b1"], w_down=p["ffn.w2"], b_down=p["ffn.b2"])
         layers.append(layer)
     shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.n_heads,
-                 head_dim=config.head_dim, d_ff=config.d_ff, norm="layer",
+                 head_dim=config.d_h, d_ff=config.d_ff, norm="layernorm",
                  eps=config.layernorm_eps,
-                 ffn="gelu_tanh" if config.gelu_approximate else "gelu_exact", rope="none",
-                 scale=1.0 / math.sqrt(config.head_dim))
+                 ffn=config.ffn, rope="none",
+                 scale=1.0 / math.sqrt(config.d_h))
     return shape, layers
 
 # ---- sizes: what refmath.sizing counts of this model ---------------------------------------------
@@ -567,9 +568,9 @@ def sizing_fields(config: GPTConfig) -> dict:
     """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
     name and source): what the parameter, memory and FLOP calculators need to know of it."""
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
-                kv_heads=config.n_heads, head_dim=config.head_dim, d_ff=config.d_ff,
-                vocab_size=config.vocab_size, mlp="gelu", norm="layernorm", attention_bias=True,
-                mlp_bias=True, tie_embeddings=config.tie_embeddings,
+                kv_heads=config.n_heads, head_dim=config.d_h, d_ff=config.d_ff,
+                vocab_size=config.vocab_size, ffn=config.ffn, norm="layernorm", attention_bias=True,
+                ffn_bias=True, tie_embeddings=config.tie_embeddings,
                 learned_positions=config.max_seq_len, final_norm=config.norm_position == "pre",
                 sliding_window=config.sliding_window, window_layers=config.window_layers)
 
@@ -592,7 +593,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
                              n_layers=int(hf["n_layer"]), d_model=d, n_heads=int(hf["n_head"]),
                              d_ff=int(hf.get("n_inner") or 4 * d), norm_position="pre",
                              tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                             gelu_approximate=act != "gelu", dropout=0.0,
+                             ffn="gelu" if act == "gelu" else "gelu_tanh", dropout=0.0,
                              layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
     # OpenAI GPT: transformers' "gelu" for this model is the tanh form (gelu_new); always tied.
     require(hf, "afn", ("gelu",), "gelu", "refmath's GPT uses GELU")
@@ -600,7 +601,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
     return GPTConfig(vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf["n_positions"]),
                          n_layers=int(hf["n_layer"]), d_model=d, n_heads=int(hf["n_head"]),
                          d_ff=4 * d, norm_position="post", tie_embeddings=True,
-                         gelu_approximate=True, dropout=0.0,
+                         ffn="gelu_tanh", dropout=0.0,
                          layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
 
@@ -657,7 +658,7 @@ def to_hf(config: GPTConfig, params: dict):
         hf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": d,
               "n_layer": config.n_layers, "n_head": config.n_heads, "n_positions": config.max_seq_len,
               "n_inner": config.d_ff, "vocab_size": config.vocab_size,
-              "activation_function": "gelu_new" if config.gelu_approximate else "gelu",
+              "activation_function": "gelu_new" if config.ffn == "gelu_tanh" else "gelu",
               "layer_norm_epsilon": config.layernorm_eps,
               "tie_word_embeddings": config.tie_embeddings}
         prefix, tok, pos = "transformer.", "wte", "wpe"
@@ -665,7 +666,7 @@ def to_hf(config: GPTConfig, params: dict):
         why = [f"{field} = {value!r}" for field, value, ok in (
             ("tie_embeddings", config.tie_embeddings, config.tie_embeddings),
             ("d_ff", config.d_ff, config.d_ff == 4 * d),
-            ("gelu_approximate", config.gelu_approximate, config.gelu_approximate)) if not ok]
+            ("ffn", config.ffn, config.ffn == "gelu_tanh")) if not ok]
         if why:
             raise HFCheckpointError(f"a Post-LN GPT is written as openai-gpt, which has a tied "
                                     f"head, d_ff = 4 d_model and tanh GELU; this config has "

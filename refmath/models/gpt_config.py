@@ -11,9 +11,10 @@ from refmath._validate import (check_choice, check_field, check_flag, check_int,
                                check_window_layers)
 from refmath.attention import ATTENTION_BACKENDS
 
-__all__ = ["NORM_POSITIONS", "GPTConfig", "layer_window", "layer_config", "GPT_CONFIGS"]
+__all__ = ["NORM_POSITIONS", "FFNS", "GPTConfig", "layer_window", "layer_config", "GPT_CONFIGS"]
 
 NORM_POSITIONS = ("pre", "post")
+FFNS = ("gelu", "gelu_tanh")  # of refmath.ffn.FFN_KINDS: the plain FFN with exact or tanh GELU
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -28,9 +29,11 @@ class GPTConfig:
       GPT-2's ``x + F(LN(x))`` with the final LayerNorm ``ln_f``.
     - ``tie_embeddings``: the output projection is the token table transposed (GPT-1 and GPT-2);
       ``False`` adds a separate ``lm_head`` of shape ``(d_model, vocab_size)``.
-    - ``gelu_approximate``: the tanh form of GELU. It is the default because OpenAI's GPT and GPT-2
-      code use it, so weights trained there only reproduce their outputs with the same form; the
-      exact ``x Phi(x)`` differs from it by less than 5e-4 (see ``refmath.ffn.gelu_forward``).
+    - ``ffn``: the FFN kind (:data:`FFNS`, of :data:`refmath.ffn.FFN_KINDS`): ``"gelu_tanh"``,
+      the tanh form of GELU, or ``"gelu"``, the exact ``x Phi(x)``. The tanh form is the default
+      because OpenAI's GPT and GPT-2 code use it, so weights trained there only reproduce their
+      outputs with the same form; the exact one differs from it by less than 5e-4 (see
+      ``refmath.ffn.gelu_forward``).
     - ``dropout``: one rate for the embedding sum, both residual branches and the attention
       weights (GPT-1 used 0.1 on all three); only active in ``forward(..., train=True)``.
     - ``init_std``: the std of every weight matrix and embedding at initialisation (0.02), divided
@@ -58,7 +61,7 @@ class GPTConfig:
     d_ff: int | None = None
     norm_position: str = "pre"
     tie_embeddings: bool = True
-    gelu_approximate: bool = True
+    ffn: str = "gelu_tanh"
     dropout: float = 0.1
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
@@ -76,8 +79,8 @@ class GPTConfig:
                 f"GPTConfig.n_heads = {self.n_heads} must divide GPTConfig.d_model = {self.d_model}"
             )
         check_field(self, "norm_position", check_choice, NORM_POSITIONS)
-        for field in ("tie_embeddings", "gelu_approximate"):
-            check_field(self, field, check_flag)
+        check_field(self, "tie_embeddings", check_flag)
+        check_field(self, "ffn", check_choice, FFNS)
         # 0 switches dropout off; 1 would keep nothing (and divide by 1 - p = 0)
         check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
         for field in ("layernorm_eps", "init_std"):
@@ -91,7 +94,8 @@ class GPTConfig:
         check_window_layers(self)
 
     @property
-    def head_dim(self) -> int:
+    def d_h(self) -> int:
+        """The head width :math:`d_h = d / h`."""
         return self.d_model // self.n_heads
 
 
@@ -124,7 +128,7 @@ GPT_CONFIGS = {
     # gives no dropout rate: 0.1 is GPT-1's, the usual choice when training this shape.
     "gpt2-small": GPTConfig(vocab_size=50257, max_seq_len=1024, n_layers=12, d_model=768,
                             n_heads=12, d_ff=3072, norm_position="pre", tie_embeddings=True,
-                            gelu_approximate=True, dropout=0.1),
+                            ffn="gelu_tanh", dropout=0.1),
     # Brown et al. 2020, Table 2.1 (as refmath.sizing's gpt-3-175b): 96 layers, width 12288, 96
     # heads of 128, context 2048, FFN width 4 d, GPT-2's 50257 tokens and Pre-LN; 174,604,259,328
     # parameters with the output tied to the token table. The layers alternate dense and locally
@@ -134,9 +138,9 @@ GPT_CONFIGS = {
     # No dropout rate is published either; 0 here.
     "gpt-3-175b": GPTConfig(vocab_size=50257, max_seq_len=2048, n_layers=96, d_model=12288,
                             n_heads=96, d_ff=4 * 12288, norm_position="pre", tie_embeddings=True,
-                            gelu_approximate=True, dropout=0.0, sliding_window=256,
+                            ffn="gelu_tanh", dropout=0.0, sliding_window=256,
                             window_layers=(False, True) * 48),
     # Small enough for gradient checks and lessons.
     "tiny": GPTConfig(vocab_size=17, max_seq_len=16, n_layers=2, d_model=16, n_heads=2, d_ff=32,
-                      norm_position="pre", tie_embeddings=True, gelu_approximate=True, dropout=0.1),
+                      norm_position="pre", tie_embeddings=True, ffn="gelu_tanh", dropout=0.1),
 }

@@ -85,9 +85,10 @@ class MLAConfig(FamilyConfig):
     r"""Sizes and options of the M4 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``d_c`` is the key/value latent width, ``d_rope`` the width :math:`d_R` of the rotary query and
-    key parts (even). ``head_dim`` (:math:`d_k`, the content query/key width per head) defaults to
-    ``d_model // n_heads``, ``v_head_dim`` (:math:`d_v`) to ``head_dim``. ``q_lora_rank`` is the
-    width of the compressed query :math:`c^Q`, or None for queries projected straight from ``x``.
+    key parts (even). ``head_dim`` (:math:`d_k`, the content query/key width per head, read as
+    :attr:`d_h`) defaults to ``d_model // n_heads``, ``v_head_dim`` (:math:`d_v`, read as
+    :attr:`d_v`) to ``head_dim``. ``q_lora_rank`` is the width of the compressed query
+    :math:`c^Q`, or None for queries projected straight from ``x``.
     ``latent_norm`` adds RMSNorms on the latents (see the module docstring), with epsilon
     ``latent_norm_eps`` (default: ``norm_eps``; DeepSeek-V2's released code fixes it at 1e-6
     whatever its other norms use). ``rope_scaling`` rescales the rotary part's frequencies
@@ -139,14 +140,9 @@ class MLAConfig(FamilyConfig):
         return self.norm_eps if self.latent_norm_eps is None else self.latent_norm_eps
 
     @property
-    def d_k(self) -> int:
-        """The content query/key width per head."""
-        return self.query_key_width
-
-    @property
     def d_v(self) -> int:
         """The value width per head."""
-        return self.d_k if self.v_head_dim is None else self.v_head_dim
+        return self.d_h if self.v_head_dim is None else self.v_head_dim
 
 
 PRESETS = {
@@ -198,7 +194,7 @@ class MLACache(NamedTuple):
 
 
 def mla_shapes(config: MLAConfig) -> dict:
-    d, h, d_k, d_v = config.d_model, config.n_heads, config.d_k, config.d_v
+    d, h, d_k, d_v = config.d_model, config.n_heads, config.d_h, config.d_v
     d_c, d_r, rank = config.d_c, config.d_rope, config.q_lora_rank
     shapes = {"w_dkv": (d, d_c)}
     if config.latent_norm:
@@ -227,7 +223,7 @@ def mla_rope(config: MLAConfig, offset: int = 0) -> dict:
 
 def mla_scale(config: MLAConfig) -> float:
     r"""The softmax scale :math:`1/\sqrt{d_k + d_R}`, times DeepSeek's YaRN correction (N16)."""
-    return rope_softmax_scale(config.d_k + config.d_rope, config.rope_scaling)
+    return rope_softmax_scale(config.d_h + config.d_rope, config.rope_scaling)
 
 
 def mla_forward(x, params: dict, config: MLAConfig):
@@ -325,7 +321,7 @@ def mla_cached(u, w: dict, config: MLAConfig, slot, offset: int, mla_path: str =
     (:func:`refmath.ffn.linear_forward`). (A production kernel would also fold
     :math:`W_{UQ} W_{UK,r}^\top` and :math:`W_{UV,r} W_{O,r}` into single matrices offline.)
     """
-    h, d_k, d_v, d_r = config.n_heads, config.d_k, config.d_v, config.d_rope
+    h, d_k, d_v, d_r = config.n_heads, config.d_h, config.d_v, config.d_rope
     eps = config.latent_eps
     rope = mla_rope(config, offset)
     n = u.shape[1]
@@ -461,7 +457,7 @@ def sizing_fields(config: MLAConfig) -> dict:
     """The fields of a :class:`refmath.sizing.ModelConfig` that describe this model (without its
     name and source): what the parameter, memory and FLOP calculators need to know of it."""
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
-                kv_heads=config.n_heads, head_dim=config.d_k, v_head_dim=config.d_v,
+                kv_heads=config.n_heads, head_dim=config.d_h, v_head_dim=config.d_v,
                 d_ff=config.d_f, vocab_size=config.vocab_size,
                 tie_embeddings=config.tie_embeddings, d_c=config.d_c, d_rope=config.d_rope,
                 q_lora_rank=config.q_lora_rank, latent_norm=config.latent_norm,
@@ -544,7 +540,7 @@ def config_from_hf(hf: dict) -> MLAConfig:
 
 def params_from_hf(hf: dict, config: MLAConfig, weights) -> dict:
     d, h = config.d_model, config.n_heads
-    d_c, d_r, d_k, d_v = config.d_c, config.d_rope, config.d_k, config.d_v
+    d_c, d_r, d_k, d_v = config.d_c, config.d_rope, config.d_h, config.d_v
     params = {}
     for i in range(config.n_layers):
         s, p = f"model.layers.{i}.self_attn.", f"layers.{i}.attn."
@@ -587,7 +583,7 @@ def to_hf(config: MLAConfig, params: dict):
           "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
           "num_attention_heads": h, "num_key_value_heads": h,
           "kv_lora_rank": config.d_c, "q_lora_rank": config.q_lora_rank,
-          "qk_rope_head_dim": config.d_rope, "qk_nope_head_dim": config.d_k,
+          "qk_rope_head_dim": config.d_rope, "qk_nope_head_dim": config.d_h,
           "v_head_dim": config.d_v, "intermediate_size": config.d_f, "hidden_act": "silu",
           "first_k_dense_replace": config.n_layers, "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_to_hf(config.rope_base, config.rope_scaling)[0],

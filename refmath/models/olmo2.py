@@ -319,7 +319,7 @@ def sizing_fields(config: OLMo2Config) -> dict:
     return dict(n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
                 kv_heads=config.kv_heads, head_dim=config.d_h, d_ff=config.d_f,
                 vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
-                qk_norm="projection", norm="rmsnorm", mlp="swiglu", norms_per_layer=2)
+                qk_norm="projection", norm="rmsnorm", ffn="swiglu", norms_per_layer=2)
 
 
 # ---- Hugging Face: one key table, read by params_from_hf and written by to_hf --------------------

@@ -120,7 +120,8 @@ class TransformerConfig:
                 raise ValueError(f"pad_id and bos_id must differ, both are {self.bos_id}")
 
     @property
-    def head_dim(self) -> int:
+    def d_h(self) -> int:
+        """The head width :math:`d_h = d / h` (the paper's :math:`d_k = d_v`)."""
         return self.d_model // self.n_heads
 
 

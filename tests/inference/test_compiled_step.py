@@ -31,7 +31,7 @@ GPT = GPTConfig(vocab_size=97, max_seq_len=24, n_layers=2, d_model=32, n_heads=4
 
 CASES = {
     "gpt-tied": ("gpt", GPT),
-    "gpt-exact-gelu-untied": ("gpt", dataclasses.replace(GPT, gelu_approximate=False,
+    "gpt-exact-gelu-untied": ("gpt", dataclasses.replace(GPT, ffn="gelu",
                                                          tie_embeddings=False)),
     "llama-gqa-half": ("llama", LLAMA),
     # MQA, Qwen2's biases, Llama 3.1's rope scaling
@@ -182,8 +182,10 @@ def test_decode_layers_refuses_wrong_arrays_by_name():
         kernels.decode_layers(1, [missing], **shape)
     with pytest.raises(ValueError, match="RMSNorm takes no shift"):
         kernels.decode_layers(1, [dict(layers[0], norm1_shift=layers[0]["norm1_gain"])], **shape)
-    with pytest.raises(ValueError, match="ffn must be one of swiglu, gelu_tanh, gelu_exact"):
+    with pytest.raises(ValueError, match="ffn must be one of 'swiglu', 'gelu_tanh', 'gelu', got 'rel"):
         kernels.decode_layers(1, layers, **dict(shape, ffn="relu"))
+    with pytest.raises(ValueError, match="norm must be one of 'rmsnorm', 'layernorm', got 'rms'"):
+        kernels.decode_layers(1, layers, **dict(shape, norm="rms"))  # the binding's own spelling
     with pytest.raises(ValueError, match="kv_heads must divide heads"):
         kernels.decode_layers(1, layers, **dict(shape, kv_heads=3))
 

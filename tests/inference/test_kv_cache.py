@@ -34,7 +34,7 @@ CONFIGS = {
                                         n_heads=4, d_ff=24, init_std=0.3)),
     "gpt-post-untied": (gpt, gpt.GPTConfig(vocab_size=V, max_seq_len=T_MAX, n_layers=2, d_model=12,
                                            n_heads=3, d_ff=20, norm_position="post",
-                                           tie_embeddings=False, gelu_approximate=False,
+                                           tie_embeddings=False, ffn="gelu",
                                            init_std=0.3)),
     "decoder-gqa": (decoder, decoder.DecoderConfig(vocab_size=V, max_seq_len=T_MAX, d_model=16,
                                                    n_layers=2, n_heads=4, n_kv_heads=2,
@@ -323,7 +323,7 @@ def test_cache_bytes_equal_sizing_formulas(name, dtype):
                                           config.d_rope, b)
     elif module is gpt:  # every head keeps its keys and values: g = h
         expected = sizing.kv_cache_bytes(batch, config.n_layers, config.max_seq_len,
-                                         config.n_heads, config.head_dim, b)
+                                         config.n_heads, config.d_h, b)
     else:
         expected = sizing.kv_cache_bytes(batch, config.n_layers, config.max_seq_len,
                                          config.kv_heads, config.d_h, b)

@@ -21,12 +21,14 @@ import pytest
 
 from refmath import kernels
 from refmath.fast.products import blas_products, kernel_products
+from refmath.ffn import FFN_KINDS
 from refmath.inference import compiled_step
 from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.weight_layout import decode_layout
 from refmath.models import MODELS, config_class, model_module
 from refmath.moe import MoEConfig
 from _model_variants import VARIANTS
+from refmath.norms import NORM_KINDS
 from _support import float32_rule
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="needs refmath._C")
@@ -39,8 +41,8 @@ MODEL_OF = {label: model for label, (model, _) in VARIANTS.items()}
 # Values to try for a field besides the generic ones (the other flag, a nearby number): the
 # choices of the string fields and a value for the fields whose default is None.
 HINTS = {
-    "norm": ("layernorm", "layernorm_no_bias"),
-    "ffn": ("gelu", "gelu_tanh", "swiglu"),
+    "norm": NORM_KINDS,  # every kind of the one vocabulary: a config refuses those it lacks
+    "ffn": FFN_KINDS,
     "rope_layout": ("interleaved", "half"),
     "attention_backend": ("cpu", "numpy"),
     "norm_position": ("pre", "post"),

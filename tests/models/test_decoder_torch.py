@@ -71,7 +71,7 @@ def attention(q, k, v, config, window):
 # The options of Gemma (refmath.models.gemma) at their plain values: what a Llama-family config
 # lacks, for torch_decoder, which reads them
 PLAIN = dict(norm_offset=0.0, embed_scale=False, local_rope_base=None, query_pre_attn_scalar=None,
-             attn_softcap=None, final_softcap=None, sandwich_norms=False, ffn_activation="silu")
+             attn_softcap=None, final_softcap=None, sandwich_norms=False, ffn="swiglu")
 
 
 def llama_view(config: DecoderConfig) -> SimpleNamespace:
@@ -89,7 +89,7 @@ def gemma_view(config: gemma.GemmaConfig) -> SimpleNamespace:
     window = next((w for w in windows if w is not None), None)
     return SimpleNamespace(
         **{**dataclasses.asdict(config), "rope_scaling": config.rope_scaling},
-        kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=1.0, embed_scale=True, ffn_activation="gelu_tanh",
+        kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=1.0, embed_scale=True, ffn="geglu",
         sandwich_norms=config.sandwich_norms, qk_norm=config.qk_norm, tie_embeddings=True,
         dropout=0.0, moe=None, qkv_bias=False, sliding_window=window,
         window_layers=None if window is None else tuple(w is not None for w in windows))
@@ -102,8 +102,7 @@ def falcon_view(config: falcon.FalconConfig) -> SimpleNamespace:
         **dataclasses.asdict(config), kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=0.0,
         embed_scale=False, qk_norm=None, sliding_window=None, window_layers=None,
         local_rope_base=None, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
-        moe=None, sandwich_norms=False, pre_norms=True, ffn_gated=config.ffn == "swiglu",
-        ffn_activation="silu" if config.ffn == "swiglu" else config.ffn)
+        moe=None, sandwich_norms=False, pre_norms=True)
 
 
 def olmo2_view(config: olmo2.OLMo2Config) -> SimpleNamespace:
@@ -113,13 +112,13 @@ def olmo2_view(config: olmo2.OLMo2Config) -> SimpleNamespace:
         **dataclasses.asdict(config), kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=0.0,
         embed_scale=False, qk_norm="projection", sliding_window=None, window_layers=None,
         local_rope_base=None, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
-        moe=None, sandwich_norms=True, pre_norms=False, ffn_activation="silu")
+        moe=None, sandwich_norms=True, pre_norms=False, ffn="swiglu")
 
 
 def torch_decoder(P, tokens, config, drops):
     """Logits of the M3 network from torch tensors ``P`` (refmath's names and layouts), and the
     sum of its mixture-of-experts layers' auxiliary losses; ``config`` a DecoderConfig, or a
-    :func:`falcon_view` of a FalconConfig (its ``norm``, ``ffn_gated`` and ``parallel_block``) or
+    :func:`falcon_view` of a FalconConfig (its ``norm``, ``ffn`` and ``parallel_block``) or
     :func:`olmo2_view` of an OLMo2Config (its ``pre_norms``)."""
     norm_kind = getattr(config, "norm", "rmsnorm")
     h, g, d_h, eps = config.n_heads, config.kv_heads, config.d_h, config.norm_eps
@@ -172,14 +171,13 @@ def torch_decoder(P, tokens, config, drops):
                     name[len(prefix):]: value for name, value in P.items()
                     if name.startswith(prefix)})
                 aux = aux + layer_aux
-            elif not getattr(config, "ffn_gated", True):  # Falcon's, GPT-J's: down(gelu(up(x)))
-                approximate = "tanh" if config.ffn_activation == "gelu_tanh" else "none"
+            elif config.ffn in ("gelu", "gelu_tanh"):  # Falcon's, GPT-J's: down(gelu(up(x)))
+                approximate = "tanh" if config.ffn == "gelu_tanh" else "none"
                 f = F.linear(F.gelu(F.linear(hn, p("ffn.w_up").T), approximate=approximate),
                              p("ffn.w_down").T)
             else:
                 gate = F.linear(hn, p("ffn.w_gate").T)
-                gate = (F.gelu(gate, approximate="tanh") if config.ffn_activation == "gelu_tanh"
-                        else F.silu(gate))
+                gate = F.gelu(gate, approximate="tanh") if config.ffn == "geglu" else F.silu(gate)
                 f = F.linear(gate * F.linear(hn, p("ffn.w_up").T), p("ffn.w_down").T)
             return layer_norm(f, f"layers.{i}.ln2_post") if config.sandwich_norms else f
 

@@ -57,13 +57,13 @@ def _batch(config, rng, b=2, t=6, prompt_len=0, n_ignored=0):
 # GELU, loss mask and ignored targets) at half the cost of the full product; the fifth bands the
 # first layer of a Post-LN network (the registered gpt case bands the second of a Pre-LN one).
 GRADCHECK_SETTINGS = [
-    dict(norm_position="pre", tie_embeddings=True, train=False, gelu_approximate=True),
-    dict(norm_position="pre", tie_embeddings=False, train=True, gelu_approximate=True,
+    dict(norm_position="pre", tie_embeddings=True, train=False, ffn="gelu_tanh"),
+    dict(norm_position="pre", tie_embeddings=False, train=True, ffn="gelu_tanh",
          prompt_len=2, n_ignored=1),
-    dict(norm_position="post", tie_embeddings=True, train=True, gelu_approximate=True),
-    dict(norm_position="post", tie_embeddings=False, train=False, gelu_approximate=False,
+    dict(norm_position="post", tie_embeddings=True, train=True, ffn="gelu_tanh"),
+    dict(norm_position="post", tie_embeddings=False, train=False, ffn="gelu",
          prompt_len=1),
-    dict(norm_position="post", tie_embeddings=True, train=True, gelu_approximate=True,
+    dict(norm_position="post", tie_embeddings=True, train=True, ffn="gelu_tanh",
          sliding_window=3, window_layers=(True, False)),
 ]
 
@@ -355,7 +355,7 @@ def test_layer_window_and_layer_config():
 
 def test_the_gpt3_175b_preset_alternates_dense_and_banded_layers():
     config = gpt.GPT_CONFIGS["gpt-3-175b"]
-    assert (config.n_layers, config.d_model, config.n_heads, config.head_dim, config.d_ff,
+    assert (config.n_layers, config.d_model, config.n_heads, config.d_h, config.d_ff,
             config.vocab_size, config.max_seq_len) == (96, 12288, 96, 128, 4 * 12288, 50257, 2048)
     assert config.window_layers == (False, True) * 48 and config.sliding_window == 256
     # Tokens 50257 * 12288 = 617,558,016; positions 2048 * 12288 = 25,165,824; per layer two
@@ -387,7 +387,7 @@ def test_to_hf_refuses_a_window_in_one_line(config):
 def test_config_round_trips_through_json_and_resolves_d_ff():
     config = gpt.GPTConfig(vocab_size=11, max_seq_len=9, n_layers=1, d_model=12, n_heads=3,
                            norm_position="post", tie_embeddings=False)
-    assert config.d_ff == 48 and config.head_dim == 4
+    assert config.d_ff == 48 and config.d_h == 4
     assert gpt.GPTConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
     for preset in gpt.GPT_CONFIGS.values():
         assert gpt.GPTConfig(**json.loads(json.dumps(dataclasses.asdict(preset)))) == preset
@@ -402,7 +402,8 @@ def test_config_round_trips_through_json_and_resolves_d_ff():
     ("d_ff", 0, ValueError, r"d_ff must be an int >= 1"),
     ("norm_position", "middle", ValueError, r"norm_position must be one of 'pre', 'post', got 'middle'"),
     ("tie_embeddings", 1, TypeError, r"tie_embeddings must be True or False, got 1"),
-    ("gelu_approximate", "tanh", TypeError, r"gelu_approximate must be True or False"),
+    ("ffn", "tanh", ValueError, r"ffn must be one of 'gelu', 'gelu_tanh', got 'tanh'"),
+    ("ffn", "swiglu", ValueError, r"ffn must be one of 'gelu', 'gelu_tanh', got 'swiglu'"),
     ("dropout", 1.0, ValueError, r"dropout must be a finite number in \[0, 1\), got 1.0"),
     ("dropout", -0.1, ValueError, r"dropout must be a finite number in \[0, 1\)"),
     ("dropout", True, TypeError, r"dropout must be a number, got True"),

@@ -74,7 +74,7 @@ def _torch_attention(u, p, prefix, n_heads, attn_drop, window=None):
 def _torch_logits(p, tokens, config, drops):
     """``p``: torch tensors (weights ``out x in``); ``drops``: refmath's dropout masks (or Nones)."""
     d, eps = config.d_model, config.layernorm_eps
-    approximate = "tanh" if config.gelu_approximate else "none"
+    approximate = "tanh" if config.ffn == "gelu_tanh" else "none"
 
     def dropped(x, mask):
         return x if mask is None else x * mask
@@ -107,8 +107,8 @@ SETTINGS = [
     dict(norm_position="pre", tie_embeddings=True, train=False),
     dict(norm_position="pre", tie_embeddings=False, train=True, loss_mask=True),
     dict(norm_position="post", tie_embeddings=True, train=True),
-    dict(norm_position="post", tie_embeddings=False, train=False, gelu_approximate=False, loss_mask=True),
-    dict(norm_position="pre", tie_embeddings=True, train=True, gelu_approximate=False),
+    dict(norm_position="post", tie_embeddings=False, train=False, ffn="gelu", loss_mask=True),
+    dict(norm_position="pre", tie_embeddings=True, train=True, ffn="gelu"),
     # GPT-3's alternation (dense first; the band width 3 is an example, the paper gives none),
     # then one band on both layers of a Post-LN network: 7 tokens reach past either window
     dict(norm_position="pre", tie_embeddings=True, train=True, sliding_window=3,

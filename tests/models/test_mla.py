@@ -130,13 +130,13 @@ def test_scores_are_content_plus_shared_rotary_part_over_sqrt_dk_plus_dr_k8_k9(o
     # K9: the two score terms summed, over sqrt(d_k + d_R); the rotary key broadcast over heads.
     content = q_c @ k_c.swapaxes(-1, -2)
     rotary = q_r @ k_r[:, None].swapaxes(-1, -2)
-    s = (content + rotary) / math.sqrt(config.d_k + config.d_rope)
+    s = (content + rotary) / math.sqrt(config.d_h + config.d_rope)
     s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
     attn = cache.layers[0].attn.branch.attn
     np.testing.assert_allclose(attn.a, softmax_forward(s)[0], rtol=1e-12, atol=1e-15)
-    assert attn.scale == 1.0 / math.sqrt(config.d_k + config.d_rope)
+    assert attn.scale == 1.0 / math.sqrt(config.d_h + config.d_rope)
     # K8: the content score through the absorbed query q^C W_UK^T against the cached latent.
-    w_uk = p["w_uk"].reshape(config.d_c, h, config.d_k).transpose(1, 0, 2)  # (h, d_c, d_k)
+    w_uk = p["w_uk"].reshape(config.d_c, h, config.d_h).transpose(1, 0, 2)  # (h, d_c, d_k)
     absorbed = (q_c @ w_uk.swapaxes(-1, -2)) @ cached_c[:, None].swapaxes(-1, -2)
     np.testing.assert_allclose(absorbed, content, rtol=1e-12, atol=1e-13)
 
@@ -174,7 +174,7 @@ def test_parameter_names_shapes_and_weight_decay_groups():
 
 def test_presets_and_defaults():
     config = mla.preset("tiny")
-    assert (config.d_k, config.d_v, config.d_c, config.d_rope) == (16, 16, 32, 8)
+    assert (config.d_h, config.d_v, config.d_c, config.d_rope) == (16, 16, 32, 8)
     small = mla.preset("small")
     assert small.q_lora_rank == 384 and small.latent_norm and small.d_f == 2048
     with pytest.raises(ValueError, match="unknown preset"):

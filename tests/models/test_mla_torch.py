@@ -45,7 +45,7 @@ def rope_complex(x, base, scaling=None):
 def torch_mla(x, p, config):
     """Multi-head latent attention; ``p(name)`` gives the layer's ``attn.<name>`` tensor."""
     b, t, _ = x.shape
-    h, d_k, d_v, eps, base = (config.n_heads, config.d_k, config.d_v, config.norm_eps,
+    h, d_k, d_v, eps, base = (config.n_heads, config.d_h, config.d_v, config.norm_eps,
                               config.rope_base)
 
     def heads(y, width):

@@ -283,7 +283,7 @@ def test_tying_removes_lm_head_and_uses_the_unscaled_table():
 
 def test_base_preset_sizes_and_parameter_count():
     cfg = tm.TRANSFORMER_BASE
-    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff) == (6, 512, 8, 64, 2048)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_h, cfg.d_ff) == (6, 512, 8, 64, 2048)
     assert (cfg.dropout, cfg.label_smoothing, cfg.tie_embeddings) == (0.1, 0.1, True)
     d, f, n, v = 512, 2048, 6, cfg.vocab_size
     ffn = 2 * d * f + f + d
