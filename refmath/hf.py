@@ -25,10 +25,6 @@ format.
                                                      renormalised)
 ``qwen2_moe``, ``qwen3_moe``        ``"llama"``      Qwen2 / Qwen3 with experts; Qwen2-MoE's
                                                      shared expert behind its sigmoid gate
-``phi3``                            ``"llama"``      Llama with fused ``qkv_proj`` and
-                                                     ``gate_up_proj`` (split on the way in),
-                                                     LongRoPE, a window on every layer; a decoder
-                                                     with LongRoPE is written as ``phi3``
 ``deepseek_v2``, ``deepseek_v3``    ``"mla"``        dense first layers, then experts with shared
                                                      ones (V2: softmax, group-limited; V3:
                                                      sigmoid, chosen with its bias)
@@ -45,10 +41,15 @@ format.
                                                      QK-norm over the whole projections
 ``gemma``                           ``"gemma"``      ``(1 + w)`` norms, embeddings times
                                                      :math:`\sqrt d`, GeGLU, tied head
+                                                     (or its own ``lm_head``: untied)
 ``gemma2``                          ``"gemma"``      plus sandwich norms, capped scores and
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``windows``)
 ``gemma3_text``                     ``"gemma"``      plus QK-norm; the local layers' own RoPE base
+``phi3``                            ``"phi3"``       Llama with fused ``qkv_proj`` and
+                                                     ``gate_up_proj`` (split on the way in, stacked
+                                                     on the way out), LongRoPE, a window on every
+                                                     layer
 ==================================  ===============  =============================================
 
 The encoder-decoder (``marian``) is not converted: Marian's attention projections carry biases,
@@ -56,7 +57,8 @@ its FFN is SiLU ("swish") rather than ReLU, it adds a bias to the final logits, 
 table puts every sine before every cosine; refmath's encoder-decoder, the paper's, has none of these.
 
 The ``"llama"``, ``"falcon"``, ``"olmo2"`` and ``"gemma"`` types load with their rope scaling (``rope_parameters.rope_type``
-``linear``, ``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``rope_scaling``), the
+``linear``, ``dynamic``, ``llama3``, ``yarn`` or ``longrope``: ``rope_scaling``), ``"phi3"``
+with LongRoPE, the
 ``"mla"`` types with the length-independent ones (``linear``, ``llama3``, ``yarn``, with
 DeepSeek's ``mscale_all_dim``). Anything else is refused with a message that names the field and
 its value (a router or layer placement transformers does not compute, another rope scaling,

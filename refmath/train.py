@@ -117,7 +117,7 @@ def with_experts(config, n_experts: int, top_k: int = 2, balance_coef: float = 0
     ``balance_coef`` (0.01, Switch Transformer's). Only the models of :func:`expert_models`
     take experts.
     """
-    if not hasattr(config, "moe"):
+    if "moe" not in {f.name for f in dataclasses.fields(config)}:  # a field (Phi-3's is a constant)
         raise ValueError(f"a {type(config).__name__} has no mixture-of-experts layers; experts go "
                          f"in the configurations of {', '.join(expert_models())}")
     width = -(-config.d_f // top_k)

@@ -306,6 +306,16 @@ def run_main(argv) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
+def generate_hf_runs(directory) -> None:
+    """``generate --hf`` greedily continues the prompt 1, 2, 3 from ``directory`` by up to 12
+    tokens (it may stop early at the config's end-of-sequence id)."""
+    status, out, err = run_main(["generate", "--hf", str(directory), "--prompt-ids", "1,2,3",
+                                 "--greedy", "--max-new-tokens", "12"])
+    assert status == 0, err
+    ids = [int(i) for i in out.strip().split(",")]
+    assert ids[:3] == [1, 2, 3] and 3 < len(ids) <= 15
+
+
 def one_line_error(directory) -> str:
     with pytest.raises(hf.HFCheckpointError) as info:
         hf.load_checkpoint(directory)
@@ -321,10 +331,14 @@ def edit_config(directory: Path, **fields) -> None:
     path.write_text(json.dumps(config))
 
 
-def greedy_tokens_match(model, directory, monkeypatch, new_tokens: int = 16):
+def greedy_tokens_match(model, directory, monkeypatch, new_tokens: int = 16,
+                        use_cache: bool = True):
     """Save ``model`` to ``directory``, read it with refmath.hf, and require refmath's greedy
     tokens through its KV cache to be those of ``model.generate`` in float64, after a 6-token
-    prompt (end-of-sequence ignored, so that both run ``new_tokens`` steps)."""
+    prompt (end-of-sequence ignored, so that both run ``new_tokens`` steps). ``use_cache=False``
+    makes transformers recompute every step: its cache keeps keys that a length-dependent rope
+    scaling (dynamic NTK, LongRoPE) rotated at shorter lengths, stale past the trained context
+    (K3), where refmath prefills afresh, which is recomputing."""
     from refmath.inference.generate import generate
 
     model.save_pretrained(directory, safe_serialization=True)
@@ -335,6 +349,7 @@ def greedy_tokens_match(model, directory, monkeypatch, new_tokens: int = 16):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=new_tokens,
-                                do_sample=False, pad_token_id=0)[0].numpy()
+                                do_sample=False, pad_token_id=0,
+                                use_cache=use_cache)[0].numpy()
     np.testing.assert_array_equal(ours, theirs)
 

@@ -28,6 +28,7 @@ VARIANTS = {
                               parallel_norms=2)),
     "falcon-sequential": ("falcon", dict(_SMALL, n_kv_heads=2, d_ff=48, parallel_block=False)),
     "olmo2": ("olmo2", dict(_LLAMA)),
+    "phi3": ("phi3", dict(_LLAMA)),
     "gpt": ("gpt", dict(_GPT)),
     "gpt-post": ("gpt", dict(_GPT, norm_position="post")),
     "gpt-banded": ("gpt", dict(_GPT, sliding_window=3, window_layers=(False, True))),

@@ -157,7 +157,7 @@ def test_registry_groups():
     groups = {case.group for case in EVERY_CASE}
     assert groups == set(GROUPS)
     assert {c.op for c in all_cases("models")} == {"transformer", "gpt", "decoder", "mla", "cohere", "falcon", "olmo2",
-                                                     "gemma"}
+                                                     "gemma", "phi3"}
     assert "flash_attention" in {c.op for c in all_cases("attention execution")}
     with pytest.raises(ValueError, match="group"):
         all_cases("model")

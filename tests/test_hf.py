@@ -31,13 +31,13 @@ from refmath.inference.generate import generate  # noqa: E402
 from refmath.models import model_module  # noqa: E402
 
 from _hf_oracle import (REL, TOKENS, VOCAB, edit_config, float64_internals,  # noqa: E402
-                        hf_config, hf_logits, load_float64, one_line_error, random_model,
-                        relative_error, run_main)
+                        generate_hf_runs, hf_config, hf_logits, load_float64, one_line_error,
+                        random_model, relative_error, run_main)
 
 
 MODEL_TYPES = ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
                "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe",
-               "deepseek_v3-moe", "phi3")
+               "deepseek_v3-moe")
 EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2-moe", "deepseek_v3-moe")
 
 
@@ -58,15 +58,11 @@ SCALED = {
     "llama-yarn-mscale": ("llama", rope("yarn", factor=4.0, original_max_position_embeddings=16,
                                         mscale=1.0, mscale_all_dim=0.5)),
     "qwen3-yarn": ("qwen3", rope("yarn", factor=4.0, original_max_position_embeddings=16)),
-    # Phi-3's per-pair factors, the long ones past 8 tokens
+    # LongRoPE's per-pair factors, the long ones past 8 tokens (Phi-3's own file:
+    # tests/models/test_phi3_hf.py)
     "llama-longrope": ("llama", rope("longrope", factor=4.0, original_max_position_embeddings=8,
                                      short_factor=[1.0, 1.2, 1.5, 2.0],
                                      long_factor=[1.0, 2.0, 5.0, 9.0])),
-    "phi3-longrope": ("phi3", dict(sliding_window=None, original_max_position_embeddings=8,
-                                   **rope("longrope", factor=4.0,
-                                          original_max_position_embeddings=8,
-                                          short_factor=[1.0, 1.2, 1.5, 2.0],
-                                          long_factor=[1.0, 2.0, 5.0, 9.0]))),
     # DeepSeek-V2's and V3's own terms: mscale = mscale_all_dim leaves m = 1 on the rotation and
     # moves the temperature into the softmax scale
     "deepseek_v2-yarn": ("deepseek_v2", rope("yarn", factor=40.0, original_max_position_embeddings=4,
@@ -126,7 +122,7 @@ def test_greedy_generation_gives_the_tokens_of_transformers(variant, tmp_path, m
     model.generation_config.eos_token_id = None  # 16 tokens, whatever they are
     # transformers' cache keeps the keys a dynamic NTK (or LongRoPE) rotated at shorter lengths
     # (stale past the trained context, K3); refmath prefills afresh there, which is recomputing
-    use_cache = variant not in ("llama-dynamic", "llama-longrope", "phi3-longrope")
+    use_cache = variant not in ("llama-dynamic", "llama-longrope")
     with torch.no_grad():
         theirs = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=16, do_sample=False,
                                 pad_token_id=0, use_cache=use_cache)[0].numpy()
@@ -147,7 +143,7 @@ def test_cached_decode_of_a_scaled_rope_equals_recomputing(variant, tmp_path):
     module = model_module(name)
     tokens = TOKENS[:, :12]
     full = module.logits(params, tokens, config)
-    if variant in ("llama-dynamic", "llama-longrope", "phi3-longrope"):
+    if variant in ("llama-dynamic", "llama-longrope"):
         z, cache = prefill(name, params, config, tokens[:, :8], all_logits=True)
         np.testing.assert_allclose(z, module.logits(params, tokens[:, :8], config), rtol=1e-12,
                                    atol=1e-12)
@@ -184,11 +180,7 @@ def test_generate_hf_runs_each_new_type(variant, tmp_path):
     model_type, overrides = VARIANTS[variant]
     random_model(model_type, seed=6, **overrides).save_pretrained(tmp_path,
                                                                   safe_serialization=True)
-    status, out, err = run_main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1,2,3",
-                                 "--greedy", "--max-new-tokens", "12"])
-    assert status == 0, err
-    ids = [int(i) for i in out.strip().split(",")]  # it may stop early at the config's eos
-    assert ids[:3] == [1, 2, 3] and 3 < len(ids) <= 15
+    generate_hf_runs(tmp_path)
 
 
 def test_mistral_window_is_the_models_window(tmp_path):
@@ -369,7 +361,7 @@ def refmath_configs():
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
             d_rope=4, head_dim=6, v_head_dim=10, q_lora_rank=8, latent_norm=True, d_ff=40,
             rope_layout="half", latent_norm_eps=1e-6, norm_eps=1e-5)),
-        "phi3 (LongRoPE past 8 tokens, sliding window 4, interleaved RoPE)": (
+        "mistral (LongRoPE past 8 tokens, sliding window 4, interleaved RoPE)": (
             "llama", decoder.DecoderConfig(
                 vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                 d_ff=40, rope_base=300.0, sliding_window=4, rope_scaling=dict(
@@ -433,26 +425,22 @@ def test_saved_checkpoint_gives_the_logits_of_refmath_in_transformers(label, tmp
         assert error < 1e-13          # with room to spare
 
 
-def test_longrope_is_written_as_phi3_with_its_fused_projections(tmp_path):
-    """Phi-3 stacks the query, key and value rows into qkv_proj and the gate and up rows into
-    gate_up_proj; the logits test above holds the stacking to transformers' reading of it.
-    Heads not d_model / n_heads wide have no Phi-3 (it sizes LongRoPE's factors by that width)
-    and stay llama."""
-    from safetensors.numpy import load_file
-
-    name, config = refmath_configs()["phi3 (LongRoPE past 8 tokens, sliding window 4, "
-                                      "interleaved RoPE)"]
-    hf.save_checkpoint(tmp_path, name, config, model_module(name).init_params(config))
-    written = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
-    tensors = load_file(str(tmp_path / hf.WEIGHTS_FILE))
-    assert (written["model_type"], written["sliding_window"]) == ("phi3", 4)
-    assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 32)
-    assert tensors["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 40, 32)
-    assert not any(key.endswith("q_proj.weight") for key in tensors)
-    wide = dataclasses.replace(config, head_dim=6, rope_scaling=dataclasses.replace(
+def test_a_llama_with_longrope_is_written_as_its_own_family(tmp_path):
+    """LongRoPE is a rope scaling of Llama's too: a decoder with it is written as llama or
+    mistral (a window), whatever its head width (the logits test above runs the mistral one in
+    transformers); Phi-3's fused checkpoint is refmath.models.phi3's."""
+    name, config = refmath_configs()["mistral (LongRoPE past 8 tokens, sliding window 4, "
+                                     "interleaved RoPE)"]
+    wide = dict(head_dim=6, rope_scaling=dataclasses.replace(
         config.rope_scaling, short_factor=(1.0, 1.5, 2.0), long_factor=(2.0, 6.0, 9.0)))
-    hf.save_checkpoint(tmp_path / "wide", name, wide, model_module(name).init_params(wide))
-    assert json.loads((tmp_path / "wide" / hf.CONFIG_FILE).read_text())["model_type"] == "mistral"
+    for i, (fields, kind) in enumerate(((dict(), "mistral"), (dict(sliding_window=None), "llama"),
+                                        (wide, "mistral"))):
+        changed = dataclasses.replace(config, **fields)
+        hf.save_checkpoint(tmp_path / str(i), name, changed,
+                           model_module(name).init_params(changed))
+        written = json.loads((tmp_path / str(i) / hf.CONFIG_FILE).read_text())
+        assert (written["model_type"], written["rope_parameters"]["rope_type"]) == (kind,
+                                                                                     "longrope")
 
 
 def test_interleaved_to_half_keeps_every_score():
@@ -513,8 +501,7 @@ def llama_dir(tmp_path):
 @pytest.mark.parametrize("model_type, written", [
     ("qwen3", "qwen3"),
     ("mistral", "mistral"), ("llama", "llama"), ("gpt2", "gpt2"), ("deepseek_v3", "deepseek_v3"),
-    # a Phi-3 without LongRoPE computes a windowed Mistral, and is written as one (hf.py's table)
-    ("phi3", "mistral")])
+])
 def test_a_checkpoint_reports_its_own_family(model_type, written, tmp_path):
     """A checkpoint reports its own family (a Qwen3 one "qwen3", though refmath's "llama" model
     computes it), and saving what was loaded writes the family of what it computes (Gemma's:
@@ -606,16 +593,6 @@ def test_refuses_a_dtype_that_is_not_floating(llama_dir):
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise = 0.1"),
 ])
 def test_refuses_what_its_experts_do_not_compute(variant, fields, message, tmp_path):
-    random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
-    edit_config(tmp_path, **fields)
-    assert message in one_line_error(tmp_path)
-
-
-@pytest.mark.parametrize("variant, fields, message", [
-    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                                   "partial_rotary_factor": 0.5}), "partial_rotary_factor = 0.5"),
-])
-def test_refuses_what_phi3_does_not_compute(variant, fields, message, tmp_path):
     random_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     edit_config(tmp_path, **fields)
     assert message in one_line_error(tmp_path)

@@ -50,6 +50,7 @@ MODELS = {
     "falcon": ModelEntry("refmath.models.falcon", "FalconConfig", "M3", True),
     "olmo2": ModelEntry("refmath.models.olmo2", "OLMo2Config", "M3", True),
     "gemma": ModelEntry("refmath.models.gemma", "GemmaConfig", "M3", True),
+    "phi3": ModelEntry("refmath.models.phi3", "Phi3Config", "M3", True),
 }
 DECODER_ONLY = tuple(name for name, entry in MODELS.items() if entry.decoder_only)
 

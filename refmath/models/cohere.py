@@ -49,7 +49,7 @@ from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models.network import layers_backward, layers_forward, table_gradients
 from refmath.models.cases import model_case_maker
-from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
+from refmath.models.common import CacheSpec, EvenHeads, TrainingRecipe, prefixed, sub_params
 from refmath.models.hf_layout import linear_out, refuse, refuse_common, require, rope_from_hf, take_head
 from refmath.models.params import draw_params
 from refmath.positions import RoPECache, rope_backward, rope_forward
@@ -68,7 +68,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class CohereConfig:
+class CohereConfig(EvenHeads):
     """Sizes and options of Command-R. ``dataclasses.asdict`` round-trips through JSON."""
 
     vocab_size: int  # V, rows of the token table (tied to the head)
@@ -95,22 +95,7 @@ class CohereConfig:
         check_field(self, "qk_norm", check_flag)
         check_field(self, "tie_embeddings", check_flag)
         check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"CohereConfig: n_heads = {self.n_heads} must divide d_model = "
-                             f"{self.d_model} into an even head width (RoPE rotates pairs)")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"CohereConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
-                             f"{self.n_heads}")
-
-    @property
-    def kv_heads(self) -> int:
-        """``g``, the number of key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def d_h(self) -> int:
-        """The head width, ``d / h``."""
-        return self.d_model // self.n_heads
+        self.check_heads()
 
 
 # The default of `python -m refmath train`: the size of the decoder's recipe.

@@ -1,5 +1,6 @@
-"""Plumbing the models share: parameter names under a prefix, dropout masks, and the two shapes a
-model fills in to plug into the rest of refmath (its attention, and its inference cache).
+"""Plumbing the models share: parameter names under a prefix, dropout masks, the two shapes a
+model fills in to plug into the rest of refmath (its attention, and its inference cache), and the
+head sizes of the configurations whose heads split ``d_model`` (:class:`EvenHeads`).
 
 Parameters live in one flat dict with dotted names (``"layers.0.attn.w_q"``); a layer or sublayer
 works on the entries under its prefix with the prefix removed (``"w_q"``), and hands its gradients
@@ -16,7 +17,7 @@ from refmath.ffn import matmul_rows_many
 
 __all__ = [
     "AttentionOps", "TrainingRecipe", "CacheSpec", "sub_params", "SplitParams", "projections",
-    "prefixed", "dropout_mask", "layer_dropout_masks", "apply_mask"
+    "prefixed", "dropout_mask", "layer_dropout_masks", "apply_mask", "EvenHeads"
 ]
 
 
@@ -162,3 +163,30 @@ def layer_dropout_masks(rng, shape, p: float, dtype, n_layers: int, train: bool)
 def apply_mask(x, mask):
     """``x * mask``, or ``x`` itself when there is no mask."""
     return x if mask is None else x * mask
+
+
+class EvenHeads:
+    """The heads of a configuration whose ``n_heads`` query heads split ``d_model`` into even
+    widths :math:`d_h = d / h` (RoPE rotates pairs), and whose ``n_kv_heads`` key/value heads
+    (None: ``n_heads``) each serve the same number of them (A10): Command-R's and Phi-3's. A
+    dataclass that derives from it calls :meth:`check_heads` in its ``__post_init__``."""
+
+    @property
+    def kv_heads(self) -> int:
+        """``g``, the number of key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def d_h(self) -> int:
+        """The head width, ``d / h``."""
+        return self.d_model // self.n_heads
+
+    def check_heads(self) -> None:
+        """Raise ``ValueError`` naming the class and the fields unless the heads divide as said."""
+        name = type(self).__name__
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"{name}: n_heads = {self.n_heads} must divide d_model = "
+                             f"{self.d_model} into an even head width (RoPE rotates pairs)")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"{name}.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
+                             f"{self.n_heads}")

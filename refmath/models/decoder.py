@@ -12,7 +12,8 @@ biases (except, with ``qkv_bias``, on the query, key and value projections, as i
 learned or fixed position table: positions enter only through the rotation of queries and keys
 (RoPE, N10) inside attention. The parallel block of Falcon, PaLM and GPT-J is
 :mod:`refmath.models.falcon`'s, OLMo 2's norms after the sublayers only
-:mod:`refmath.models.olmo2`'s, Gemma's options :mod:`refmath.models.gemma`'s.
+:mod:`refmath.models.olmo2`'s, Gemma's options :mod:`refmath.models.gemma`'s; Phi-3, this network
+with its checkpoint's fused projections and LongRoPE, is :mod:`refmath.models.phi3`'s.
 
 The attention sublayer is a parameter of the recurrence: an :class:`AttentionOps` bundles its
 parameter shapes, its forward/backward pair and the per-layer tensors an inference cache keeps.
@@ -87,8 +88,8 @@ __all__ = [
     "layer_forward", "layer_backward", "DecoderCache", "decoder_forward", "decoder_backward",
     "lm_forward", "moe_aux_loss", "expert_loads", "layer_states", "forward", "backward",
     "decoder_logits", "logits", "layer_kv", "cache_spec", "embed", "head", "family_cached_layer",
-    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "sizing_fields",
-    "rope_attention_inputs"
+    "cached_layer", "COMPILED_FIELDS", "compiled_layer_spec", "llama_layers_spec",
+    "sizing_fields", "rope_attention_inputs"
 ]
 
 
@@ -462,13 +463,22 @@ COMPILED_FIELDS = {
 
 def compiled_layer_spec(params, config: DecoderConfig):
     """What :mod:`refmath.inference.compiled_step` runs of this model's layers in one compiled
-    call (:func:`refmath.kernels.decode_layers`): ``(shape, layers)``, the sizes and options, and
+    call (:func:`refmath.kernels.decode_layers`): :func:`llama_layers_spec` with this model's
+    allow-list :data:`COMPILED_FIELDS`, or None."""
+    if type(config) is not DecoderConfig:
+        return None
+    return llama_layers_spec(params, config, COMPILED_FIELDS)
+
+
+def llama_layers_spec(params, config, fields: dict):
+    """Llama's layers as the compiled decode layer runs them, for any model whose layers are
+    these (this one, :mod:`refmath.models.phi3`): ``(shape, layers)``, the sizes and options, and
     each layer's arrays by the kernel's names. None unless every field of ``config`` has a value
-    :data:`COMPILED_FIELDS` lists (pre-norm sequential layers: RMSNorm, SwiGLU, optional
+    the allow-list ``fields`` lists (pre-norm sequential layers: RMSNorm, SwiGLU, optional
     query/key/value biases, RoPE with or without a rope scaling). The
     gains are as :func:`gain` applies them and the score scale as :func:`attention_options` gives
     it; RoPE's rotation (with a rope scaling) is the caller's, at each position."""
-    if type(config) is not DecoderConfig or not allowed(config, COMPILED_FIELDS):
+    if not allowed(config, fields):
         return None
     layers = []
     for i in range(config.n_layers):

@@ -11,8 +11,7 @@ from refmath.moe import MoEConfig
 from refmath.models.hf_layout import (MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, HFCheckpointError,
                                       interleaved_to_half, linear_out, refuse, refuse_common,
                                       require, rope_context, rope_from_hf, rope_to_hf,
-                                      swiglu_layers_to_hf, fuse_phi3, take_ends,
-                                      take_feed_forward_layer, take_phi3_layer)
+                                      swiglu_layers_to_hf, take_ends, take_feed_forward_layer)
 from refmath.models.decoder_config import DecoderConfig
 
 __all__ = [
@@ -20,23 +19,21 @@ __all__ = [
 ]
 
 
-# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts, phi3 ------------------
+# ---- Hugging Face: llama, mistral, qwen2, qwen3, their mixtures of experts -----------------------
 
 # RoPE in the "half" layout; any of them with a rope scaling (N13-N17), qwen3 with QK-norm (N18);
-# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4);
-# phi3 with its fused projections and LongRoPE (falcon is refmath.models.falcon's, olmo2
-# refmath.models.olmo2's, gemma, gemma2 and gemma3_text refmath.models.gemma's)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "phi3")
+# mixtral, qwen2_moe and qwen3_moe with mixture-of-experts feed-forwards (E1-E4) (falcon is
+# refmath.models.falcon's, olmo2 refmath.models.olmo2's, phi3 refmath.models.phi3's, gemma,
+# gemma2 and gemma3_text refmath.models.gemma's)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 _EXPERT_LAYOUTS = {"mixtral": MIXTRAL_EXPERTS, "qwen2_moe": QWEN_MOE_EXPERTS,
                    "qwen3_moe": QWEN_MOE_EXPERTS}
 
 
 def _hf_window(hf: dict) -> int | None:
-    """Mistral's, Mixtral's and Phi-3's sliding window (every layer's), or None where it masks
-    nothing."""
+    """Mistral's and Mixtral's sliding window (every layer's), or None where it masks nothing."""
     window = hf.get("sliding_window")
-    if hf["model_type"] not in ("mistral", "mixtral", "phi3") or not window:
+    if hf["model_type"] not in ("mistral", "mixtral") or not window:
         return None
     return int(window) if int(window) < int(hf["max_position_embeddings"]) else None
 
@@ -137,9 +134,6 @@ def params_from_hf(hf: dict, config: DecoderConfig, weights) -> dict:
     params = {}
     for i in range(config.n_layers):
         h, p = f"model.layers.{i}.", f"layers.{i}."
-        if hf["model_type"] == "phi3":  # its fused qkv_proj and gate_up_proj
-            take_phi3_layer(weights, params, h, p, config)
-            continue
         for name, width in widths.items():
             params[p + f"attn.w_{name}"] = weights.take(h + f"self_attn.{name}_proj.weight",
                                                         (width, d), transpose=True)
@@ -202,14 +196,15 @@ def _moe_kind(config: DecoderConfig) -> str:
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                   "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _llama_kind(config: DecoderConfig) -> str:
-    """The Hugging Face type of a decoder: llama, mistral (a window),
-    qwen2 (q/k/v biases), qwen3 (QK-norm), phi3 (LongRoPE) or, with experts, mixtral or a Qwen
-    MoE. Qwen2 and Qwen3 slide their window on the layers their ``layer_types`` name, so they
-    take a window on every layer or on some (``window_layers``)."""
+    """The Hugging Face type of a decoder: llama, mistral (a window), qwen2 (q/k/v biases), qwen3
+    (QK-norm) or, with experts, mixtral or a Qwen MoE, any of them with its rope scaling (LongRoPE
+    included; Phi-3 is :mod:`refmath.models.phi3`'s). Qwen2 and Qwen3 slide their window on the
+    layers their ``layer_types`` name, so they take a window on every layer or on some
+    (``window_layers``)."""
     if config.moe is not None:
         if config.window_layers is not None:
             raise HFCheckpointError("a decoder with experts is written here with one window for "
@@ -223,10 +218,6 @@ def _llama_kind(config: DecoderConfig) -> str:
         raise HFCheckpointError("window_layers (a window on some layers only) is written as "
                                 "qwen2 (with qkv_bias), qwen3 (with qk_norm), or, as Gemma 2 "
                                 "or 3, by refmath.models.gemma")
-    if (config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope"
-            and not config.qk_norm and not config.qkv_bias
-            and config.d_h * config.n_heads == config.d_model):
-        return "phi3"  # LongRoPE's home; phi3 sizes its factors by d_model / n_heads, else llama
     return ("qwen3" if config.qk_norm else "qwen2" if config.qkv_bias
             else "mistral" if config.sliding_window else "llama")
 
@@ -258,13 +249,8 @@ def to_hf(config: DecoderConfig, params: dict):
           "rms_norm_eps": config.norm_eps,
           "rope_parameters": rope_parameters,
           "tie_word_embeddings": config.tie_embeddings}
-    if kind == "phi3":  # its defaults name ids a small vocabulary may not have; a tokenizer
-        hf.update(_NO_TOKEN_IDS)  # saved beside the weights sets them (save_tokenizer)
     if kind == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
-    elif kind == "phi3":
-        hf.update(sliding_window=config.sliding_window,
-                  original_max_position_embeddings=config.rope_scaling.original_max_seq_len)
     elif kind == "qwen3":
         hf.update(attention_bias=False, **_qwen_window_fields(config))
     elif kind == "mistral":
@@ -304,10 +290,4 @@ def to_hf(config: DecoderConfig, params: dict):
             for name in ("q", "k"):
                 tensors[h + f"{name}_norm.weight"] = rotated(params[p + f"{name}_norm.gamma"])
     swiglu_layers_to_hf(config, params, tensors, _EXPERT_LAYOUTS.get(kind))
-    if kind == "phi3":
-        fuse_phi3(tensors, config.n_layers)
     return hf, tensors
-
-
-# Special-token ids are the tokenizer's to give: None rather than a type's defaults
-_NO_TOKEN_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)

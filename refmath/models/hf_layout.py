@@ -20,9 +20,8 @@ import numpy as np
 __all__ = [
     "HFCheckpointError", "refuse", "require", "refuse_common", "rope_from_hf", "rope_context",
     "rope_to_hf", "take_head", "MIXTRAL_EXPERTS", "QWEN_MOE_EXPERTS", "DEEPSEEK_EXPERTS",
-    "take_moe", "take_swiglu", "take_feed_forward_layer", "take_phi3_layer", "fuse_phi3",
-    "take_ends", "linear_out", "swiglu_layers_to_hf", "interleaved_to_half", "split_heads_columns",
-    "join_heads_columns"
+    "take_moe", "take_swiglu", "take_feed_forward_layer", "take_ends", "linear_out",
+    "swiglu_layers_to_hf", "interleaved_to_half", "split_heads_columns", "join_heads_columns"
 ]
 
 
@@ -242,39 +241,6 @@ def take_feed_forward_layer(weights, params: dict, h: str, p: str, config, layer
     params[p + "ln1.gamma"] = weights.take(h + "input_layernorm.weight", (d,))
     params[p + "ln2.gamma"] = weights.take(h + "post_attention_layernorm.weight", (d,))
     take_moe(weights, params, h, p, config, layout)
-
-
-def take_phi3_layer(weights, params: dict, h: str, p: str, config) -> None:
-    """One Phi-3 layer: its two norms (Llama's names), the fused ``qkv_proj`` (the query's rows,
-    then the key's, then the value's), ``o_proj``, the fused ``gate_up_proj`` (the gate's rows,
-    then the up projection's) and ``down_proj``."""
-    d, f = config.d_model, config.d_f
-    widths = (config.n_heads * config.d_h, config.kv_heads * config.d_h,
-              config.kv_heads * config.d_h)
-    params[p + "ln1.gamma"] = weights.take(h + "input_layernorm.weight", (d,))
-    params[p + "ln2.gamma"] = weights.take(h + "post_attention_layernorm.weight", (d,))
-    qkv = weights.take(h + "self_attn.qkv_proj.weight", (sum(widths), d), transpose=True)
-    edges = np.cumsum((0,) + widths)
-    for name, a, b in zip(("w_q", "w_k", "w_v"), edges[:-1], edges[1:]):
-        params[p + "attn." + name] = np.ascontiguousarray(qkv[:, a:b])
-    params[p + "attn.w_o"] = weights.take(h + "self_attn.o_proj.weight", (d, widths[0]),
-                                          transpose=True)
-    gate_up = weights.take(h + "mlp.gate_up_proj.weight", (2 * f, d), transpose=True)
-    params[p + "ffn.w_gate"] = np.ascontiguousarray(gate_up[:, :f])
-    params[p + "ffn.w_up"] = np.ascontiguousarray(gate_up[:, f:])
-    params[p + "ffn.w_down"] = weights.take(h + "mlp.down_proj.weight", (d, f), transpose=True)
-
-
-def fuse_phi3(tensors: dict, n_layers: int) -> None:
-    """Llama-named tensors in place as Phi-3 names them: each layer's q/k/v projections stacked
-    into ``qkv_proj`` and its gate and up projections into ``gate_up_proj`` (rows, torch's
-    ``out x in``)."""
-    for i in range(n_layers):
-        h = f"model.layers.{i}."
-        tensors[h + "self_attn.qkv_proj.weight"] = np.concatenate(
-            [tensors.pop(h + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
-        tensors[h + "mlp.gate_up_proj.weight"] = np.concatenate(
-            [tensors.pop(h + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
 
 
 def take_ends(weights, params: dict, config) -> None:

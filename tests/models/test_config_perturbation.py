@@ -27,8 +27,9 @@ from refmath.inference.kv_cache import decode_step, prefill
 from refmath.inference.weight_layout import decode_layout
 from refmath.models import MODELS, config_class, model_module
 from refmath.moe import MoEConfig
-from _model_variants import VARIANTS
 from refmath.norms import NORM_KINDS
+from refmath.positions import LENGTH_DEPENDENT
+from _model_variants import VARIANTS
 from _support import float32_rule
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="needs refmath._C")
@@ -56,7 +57,10 @@ HINTS = {
                      dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_seq_len=4),
                      dict(rope_type="dynamic", factor=2.0, original_max_seq_len=6),
-                     dict(rope_type="yarn", factor=4.0, original_max_seq_len=4), None),
+                     dict(rope_type="yarn", factor=4.0, original_max_seq_len=4),
+                     dict(rope_type="longrope", factor=4.0, original_max_seq_len=6,  # Phi-3's
+                          short_factor=(1.0, 1.5, 2.0, 3.0), long_factor=(1.0, 2.0, 5.0, 9.0)),
+                     None),
     "moe": (MoEConfig(n_experts=4, top_k=2, d_expert=16), None),
     "dropout": (0.1,), "v_head_dim": (4,), "q_lora_rank": (12,), "latent_norm_eps": (1e-3,),
 }
@@ -134,6 +138,18 @@ def _cached_logits(model: str, params, config, tokens, backend: str, compiled: b
     return np.stack(out, axis=1), layers is not None
 
 
+def _step_logits(module, params, tokens, config) -> np.ndarray:
+    """What the decode steps of :func:`_cached_logits` compute, by the full forward: the logits
+    of positions ``PROMPT - 1 .. TOKENS - 1``, each of its own prefix where the rope scaling's
+    rotation depends on the sequence's length (dynamic NTK, LongRoPE: a prefix past the trained
+    context rotates every position otherwise than the whole sequence does)."""
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling is None or scaling.rope_type not in LENGTH_DEPENDENT:
+        return module.logits(params, tokens, config)[:, PROMPT - 1:]
+    return np.stack([module.logits(params, tokens[:, :t + 1], config)[:, t]
+                     for t in range(PROMPT - 1, TOKENS)], axis=1)
+
+
 RAN_COMPILED = set()  # the bases whose perturbations ran on the compiled layers at least once
 
 
@@ -150,6 +166,8 @@ def test_every_fast_path_refuses_or_computes_a_perturbed_config(base, field, val
     ref64 = module.logits(params64, tokens, reference)
     plain = module.logits(params32, tokens, reference)
     floor = 4 * np.finfo(np.float32).eps * np.abs(ref64).max()
+    steps64 = _step_logits(module, params64, tokens, reference)
+    steps32 = _step_logits(module, params32, tokens, reference)
     label = f"{base} with {field} = {value!r}"
 
     # the compiled layers, the rows kernel, the decode layout
@@ -159,8 +177,7 @@ def test_every_fast_path_refuses_or_computes_a_perturbed_config(base, field, val
     except ValueError:  # refused in words (a kernel that does not take an option)
         fast = None
     if fast is not None:
-        float32_rule(f"compiled decode step, {label}", fast, ref64[:, PROMPT - 1:],
-                     plain[:, PROMPT - 1:], floor=floor)
+        float32_rule(f"compiled decode step, {label}", fast, steps64, steps32, floor=floor)
         if compiled:
             RAN_COMPILED.add(base)
     # the attention kernel between NumPy's layers, BLAS's products
@@ -170,8 +187,7 @@ def test_every_fast_path_refuses_or_computes_a_perturbed_config(base, field, val
     except ValueError:
         fast = None
     if fast is not None:
-        float32_rule(f"cpu decode step, {label}", fast, ref64[:, PROMPT - 1:],
-                     plain[:, PROMPT - 1:], floor=floor)
+        float32_rule(f"cpu decode step, {label}", fast, steps64, steps32, floor=floor)
     try:  # the training attention kernel
         kernel_config = dataclasses.replace(config, attention_backend="cpu")
         fast = module.logits(params32, tokens, kernel_config)

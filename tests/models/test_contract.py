@@ -111,6 +111,8 @@ def test_the_hooks_answer_for_a_plain_config(name):
                                                   n_layers=1, n_heads=2),
                                    "olmo2": dict(vocab_size=11, max_seq_len=8, d_model=16,
                                                  n_layers=1, n_heads=2),
+                                   "phi3": dict(vocab_size=11, max_seq_len=8, d_model=16,
+                                                n_layers=1, n_heads=2, d_ff=24),
                                    "gemma": dict(vocab_size=11, max_seq_len=8, d_model=16,
                                                  n_layers=1, n_heads=2, head_dim=8,
                                                  d_ff=24)}[name])
