@@ -609,9 +609,9 @@ check("10.7", q8_bound)
 # many bytes stay on this machine: in main memory when they outgrow the last-level cache, in the
 # cache when they fit (a large server cache holds all of this model, a laptop's only part of it),
 # and a repeated read of the same size finds them in the same place. The bound for $x$ bytes is
-# one token per read of $x$ bytes, $\beta(x) / x$ tokens/s; where every size comes from main
-# memory, $\beta$ is one number and the bound is the curve $\beta / x$, drawn dotted for the
-# float32 model's read.
+# one token per read of $x$ bytes (the fastest of the reads), $\beta(x) / x$ tokens/s; where
+# every size comes from main memory, $\beta$ is one number and the bound is the curve
+# $\beta / x$, drawn dotted for the float32 model's read.
 
 # %%
 from refmath.fast.products import kernel_products
@@ -701,12 +701,13 @@ else:
                     start = time.perf_counter()
                     kernels.stream_sum(buffer[:n])  # a plain sequential read of 4n bytes
                     reads[n].append(time.perf_counter() - start)
-    # Medians: a token and a read each take milliseconds and were timed in the same turns, so on
-    # a shared machine the other work disturbs both alike
-    read_seconds = {4 * n: float(np.median(t)) for n, t in reads.items()}  # bytes -> seconds
-    print(f"1 thread, medians of {rounds * steps} tokens and {rounds * len(formats)} reads per "
-          f"size, load average {os.getloadavg()[0]:.1f}; the cache a token reads: "
-          f"{cache_read / 1e3:.0f} kB on average")
+    # The bound is the fastest read of each size: nothing here read those bytes faster. A token's
+    # time is the median token's, the typical one; on a shared machine other work slows the
+    # median token, and the fraction of the bound shows it (the load average is printed)
+    read_seconds = {4 * n: min(t) for n, t in reads.items()}  # bytes -> seconds
+    print(f"1 thread: the median of {rounds * steps} tokens against the fastest of "
+          f"{rounds * len(formats)} reads of each size; load average {os.getloadavg()[0]:.1f}; "
+          f"the cache a token reads: {cache_read / 1e3:.0f} kB on average")
     for fmt, f in formats.items():
         f["rate"] = 1 / float(np.median(f["seconds"]))
         f["read"] = read_seconds[4 * (int(f["bytes"]) // 4)]  # a read of this format's bytes
@@ -742,7 +743,10 @@ plt.show()
 # **The fraction of the bound** is the share of a token's time that a plain read of its bytes
 # would take: 100% is a token that costs nothing but the reading of its weights at the speed a
 # read reaches. The rest, printed as the time beyond the read, is everything else a token costs,
-# and whatever the products lose against a plain read of the same bytes.
+# and whatever the products lose against a plain read of the same bytes. On a busy machine it
+# also holds the time other work took the core from the median token (the fastest read is hardly
+# disturbed), so the fractions fall as the printed load average rises: compare runs only at a
+# similar load.
 #
 # **Why the points fall below the curve.** A token is more than its weights: attention over the
 # cache, the rotation of the new query and key, the float32 head and the final norm in NumPy, the
@@ -760,9 +764,12 @@ plt.show()
 # 4 bytes it reads; in Q8_0, 2 FLOPs and a conversion for every 1.06 bytes, nearly four times the
 # work per byte. Where the core cannot do that work as fast as the bytes arrive, the step is
 # bound by the core, not the memory: the point sits further below its bound, and Q8_0 can come
-# out little faster than bf16. A GPU, with far more arithmetic per byte of bandwidth, hides the
-# conversion; llama.cpp's CPU kernel for Q8_0 rounds the activations to 8 bits as well and
-# multiplies integers, less work per byte for a little more rounding.
+# out little faster than bf16. `benchmarks/weight_formats.py` times the products alone against a
+# read of their bytes: on a 2-core Intel Xeon shared with other jobs (one thread, AVX-512, load
+# average 7.7), bf16's and f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at
+# 99-101% of the read, Q8_0's at 44% and 68%. A GPU, with far more arithmetic per byte of
+# bandwidth, hides the conversion; llama.cpp's CPU kernel for Q8_0 rounds the activations to 8
+# bits as well and multiplies integers, less work per byte for a little more rounding.
 
 
 # %% [markdown] tags=["question"]
