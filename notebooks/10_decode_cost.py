@@ -726,7 +726,7 @@ if measured:
     ax.plot([x / 1e6 for x, _ in curve], [1 / t for _, t in curve], "k.-",
             label="bound: one token per read of its bytes")
     beta = f32_bytes / formats["f32"]["read"]  # the float32 model's read, as one bandwidth
-    ax.plot(x_mb, beta / (x_mb * 1e6), "k:", lw=1, label=f"{beta / 1e9:.1f} GB/s / bytes")
+    ax.plot(x_mb, beta / (x_mb * 1e6), "k:", lw=1, label=f"the float32 model's read, {beta / 1e9:.1f} GB/s, / bytes")
     for (fmt, f), marker in zip(formats.items(), "osDv"):
         ax.plot(f["bytes"] / 1e6, f["rate"], marker, ms=8,
                 label=f"{fmt}: {f['rate']:.0f} tokens/s, {100 * f['rate'] / f['bound']:.0f}% of "
