@@ -609,9 +609,15 @@ check("10.7", q8_bound)
 # many bytes stay on this machine: in main memory when they outgrow the last-level cache, in the
 # cache when they fit (a large server cache holds all of this model, a laptop's only part of it),
 # and a repeated read of the same size finds them in the same place. The bound for $x$ bytes is
-# one token per read of $x$ bytes (the fastest of the reads), $\beta(x) / x$ tokens/s; where
-# every size comes from main memory, $\beta$ is one number and the bound is the curve
-# $\beta / x$, drawn dotted for the float32 model's read.
+# one token per read of $x$ bytes, $\beta(x) / x$ tokens/s; where every size comes from main
+# memory, $\beta$ is one number and the bound is the curve $\beta / x$, drawn dotted for the
+# float32 model's read.
+#
+# Tokens and reads alike are timed in CPU seconds of the one thread that runs them
+# (`time.thread_time`), not by the wall clock: on a shared machine the wall clock also counts the
+# time other programs held the core, which can triple a token's time; the CPU seconds count only
+# the time ours ran. Each figure is a median. (The other programs still share the caches and the
+# memory, so the figures move a little with the load average, printed.)
 
 # %%
 from refmath.fast.products import kernel_products
@@ -652,18 +658,19 @@ def one_thread():
 
 
 def decode_run(params_fmt, stored, fmt):
-    """One greedy generation of `steps` tokens after the prompt: (the seconds of each token, the
-    tokens). A token's time is one pass of the loop: pick it, append it, one decode step."""
+    """One greedy generation of `steps` tokens after the prompt: (the CPU seconds of each token,
+    the tokens). A token's time is one pass of the loop: pick it, append it, one decode step."""
     next_logits = sliding_next_logits(decoder, params_fmt, small_config, small_config.max_seq_len,
                                       "cpu", stored, fmt, kernel_products)
     tokens = small_prompt
     z = next_logits(tokens)  # the prefill: not timed
     seconds = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = time.thread_time()
         tokens = np.concatenate([tokens, z.argmax(axis=-1)[:, None]], axis=1)
         z = next_logits(tokens)  # one decode step
-        seconds.append(time.perf_counter() - start)
+        seconds.append(time.thread_time() - start)
+    assert kernels.cpu_last_team() == 1  # the step ran on this thread alone, as its CPU time says
     return seconds, tokens
 
 
@@ -698,14 +705,12 @@ else:
             for fmt, f in formats.items():
                 f["seconds"] += decode_run(f["params"], f["stored"], fmt)[0]
                 for n in sizes:
-                    start = time.perf_counter()
+                    start = time.thread_time()
                     kernels.stream_sum(buffer[:n])  # a plain sequential read of 4n bytes
-                    reads[n].append(time.perf_counter() - start)
-    # The bound is the fastest read of each size: nothing here read those bytes faster. A token's
-    # time is the median token's, the typical one; on a shared machine other work slows the
-    # median token, and the fraction of the bound shows it (the load average is printed)
-    read_seconds = {4 * n: min(t) for n, t in reads.items()}  # bytes -> seconds
-    print(f"1 thread: the median of {rounds * steps} tokens against the fastest of "
+                    reads[n].append(time.thread_time() - start)
+    # medians of CPU seconds, the tokens' and the reads' alike
+    read_seconds = {4 * n: float(np.median(t)) for n, t in reads.items()}  # bytes -> seconds
+    print(f"1 thread, CPU seconds: the median of {rounds * steps} tokens and of "
           f"{rounds * len(formats)} reads of each size; load average {os.getloadavg()[0]:.1f}; "
           f"the cache a token reads: {cache_read / 1e3:.0f} kB on average")
     for fmt, f in formats.items():
@@ -743,19 +748,19 @@ plt.show()
 # **The fraction of the bound** is the share of a token's time that a plain read of its bytes
 # would take: 100% is a token that costs nothing but the reading of its weights at the speed a
 # read reaches. The rest, printed as the time beyond the read, is everything else a token costs,
-# and whatever the products lose against a plain read of the same bytes. On a busy machine it
-# also holds the time other work took the core from the median token (the fastest read is hardly
-# disturbed), so the fractions fall as the printed load average rises: compare runs only at a
-# similar load.
+# and whatever the products lose against a plain read of the same bytes.
 #
 # **Why the points fall below the curve.** A token is more than its weights: attention over the
 # cache, the rotation of the new query and key, the float32 head and the final norm in NumPy, the
 # argmax, and Python's work around each step (the loop, the calls into the compiled module, the
 # small arrays they make). These costs do not shrink with the bytes of the weights, so the fewer
-# the bytes, the larger their share: the same fraction of a millisecond weighs more beside a Q8_0
-# token than beside a float32 one. In a 7-billion-parameter model the weights are hundreds of
-# times larger and these costs shrink in proportion; a small model like this one is the worst
-# case.
+# the bytes, the larger their share: the same millisecond weighs more beside a Q8_0 token than
+# beside a float32 one. In a 7-billion-parameter model the weights are hundreds of times larger
+# and these costs shrink in proportion; a small model like this one is the worst case. Where this
+# lesson was written (one thread of a 2-core Intel Xeon shared with other jobs, load average
+# 10), two runs gave float32 208-212 tokens/s (76% of its bound), bf16 366-381 (59-63%), f16
+# 350-388 (57-64%) and Q8_0 512-521 (54-56%), with 0.8-1.2 ms per token beyond the read in every
+# format: the fixed costs, the same for all four, are most of the gap there.
 #
 # **Why half the bytes is not twice the speed on a CPU.** The stored numbers are not the numbers
 # multiplied: each weight is turned back into float32 first (bf16 by a 16-bit shift, f16 by a
@@ -763,8 +768,9 @@ plt.show()
 # scale), by the same core that does the multiply-adds. In float32 a core does 2 FLOPs for every
 # 4 bytes it reads; in Q8_0, 2 FLOPs and a conversion for every 1.06 bytes, nearly four times the
 # work per byte. Where the core cannot do that work as fast as the bytes arrive, the step is
-# bound by the core, not the memory: the point sits further below its bound, and Q8_0 can come
-# out little faster than bf16. `benchmarks/weight_formats.py` times the products alone against a
+# bound by the core, not the memory: the point sits further below its bound, and Q8_0's gain
+# over bf16 falls short of the ratio of their bytes (1.84 here) by more than the fixed costs
+# explain. `benchmarks/weight_formats.py` times the products alone against a
 # read of their bytes: on a 2-core Intel Xeon shared with other jobs (one thread, AVX-512, load
 # average 7.7), bf16's and f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at
 # 99-101% of the read, Q8_0's at 44% and 68%. A GPU, with far more arithmetic per byte of
