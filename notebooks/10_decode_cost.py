@@ -768,14 +768,15 @@ plt.show()
 # scale), by the same core that does the multiply-adds. In float32 a core does 2 FLOPs for every
 # 4 bytes it reads; in Q8_0, 2 FLOPs and a conversion for every 1.06 bytes, nearly four times the
 # work per byte. Where the core cannot do that work as fast as the bytes arrive, the step is
-# bound by the core, not the memory: the point sits further below its bound, and Q8_0's gain
-# over bf16 falls short of the ratio of their bytes (1.84 here) by more than the fixed costs
-# explain. `benchmarks/weight_formats.py` times the products alone against a
-# read of their bytes: on a 2-core Intel Xeon shared with other jobs (one thread, AVX-512, load
-# average 7.7), bf16's and f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at
-# 99-101% of the read, Q8_0's at 44% and 68%. A GPU, with far more arithmetic per byte of
-# bandwidth, hides the conversion; llama.cpp's CPU kernel for Q8_0 rounds the activations to 8
-# bits as well and multiplies integers, less work per byte for a little more rounding.
+# bound by the core, not the memory, and the point sits further below its bound than the fixed
+# costs alone would put it. `benchmarks/weight_formats.py` times the products alone against a
+# read of their bytes: on the same machine (one thread, AVX-512, load average 7.7), bf16's and
+# f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at 99-101% of the read, Q8_0's at
+# 44% and 68%. In the whole generation above, that loss is mixed with the fixed costs and the
+# noise: compare the time beyond the read of Q8_0 with bf16's. A GPU, with far more arithmetic
+# per byte of bandwidth, hides the conversion; llama.cpp's CPU kernel for Q8_0 rounds the
+# activations to 8 bits as well and multiplies integers, less work per byte for a little more
+# rounding.
 
 
 # %% [markdown] tags=["question"]
