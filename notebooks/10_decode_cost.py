@@ -811,8 +811,9 @@ plt.show()
 #    bound on this machine, and, from the time beyond the read measured for Q8_0, the tokens per
 #    second you expect. What would make the prediction too optimistic?
 # 7. Time the four formats again on two threads (`kernels.cpu_thread_limit(2)` and
-#    `threadpool_limits(limits=2)`), with the reads on two threads as well. Which points move
-#    towards their bound, and why does Q8_0's move most?
+#    `threadpool_limits(limits=2)`), with the reads on two threads as well (time them by the wall
+#    clock then: `time.thread_time` counts one thread). Which points move towards their bound?
+#    Which of a token's costs does the second core share, and which stay on the first?
 #
 # ## References
 #
