@@ -7,8 +7,8 @@
 #     language: python
 #     name: python3
 #   refmath:
-#     figures: 3
-#     minutes: 45
+#     figures: 4
+#     minutes: 60
 #     ids: [K3, K5, K13, K12]
 # ---
 
@@ -18,22 +18,25 @@
 # Lesson 3 built the KV cache. This lesson asks what it holds and what each new token costs:
 # why keys and values are cached and queries are not, keys stored after their rotation (K3), the
 # cost of a prompt against the cost of one new token (K5), why a decode step is bound by memory
-# bandwidth rather than arithmetic, measured on this machine (K13), and a cache stored as small
-# integers to move fewer bytes (K12).
+# bandwidth rather than arithmetic, measured on this machine (K13), a cache stored as small
+# integers to move fewer bytes (K12), and weights stored in fewer bytes, their tokens per second
+# measured against the bandwidth bound.
 #
 # **Prerequisites:** lessons 3 (KV cache, K2, K6) and 8 (GQA and what it saves, A13).
 #
 # **Goals:** say which vectors a decode step needs; rebuild a cached RoPE key by hand; count
 # prefill and decode work; compute the arithmetic intensity of prefill and decode and the lower
 # bound on time per token from bytes and bandwidth; quantise a group to 4 bits by hand and bound
-# its error.
+# its error; count the bytes a token reads with its weights in Q8_0, and read refmath's own tokens
+# per second in float32, bf16, f16 and Q8_0 against the bound.
 #
 # **Catalogue IDs:** K3, K5, K13, K12
 #
-# **Duration:** about 45 minutes.
+# **Duration:** about 60 minutes.
 
 # %%
 import contextlib
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -527,6 +530,255 @@ for bits in (8, 4):
 assert quantized_kv_cache_bytes(1, 32, 8192, 8, 128, 8, 32).payload == full16 // 2
 
 
+# %% [markdown]
+# ## The bandwidth law, measured: fewer bytes per weight
+#
+# K12 stored the cache in fewer bytes. The weights can be stored the same way, and at batch 1
+# they are most of what a token reads. A decode step multiplies one row by every weight matrix:
+# each weight is read once per token and used in one multiply-add, 2 FLOPs. In float32 that is
+# half a FLOP per byte, far below the ridge point measured above (several FLOPs per byte), so the
+# arithmetic waits for the memory and K13's bound, written as a rate, is the whole story:
+#
+# $$\text{tokens/s} \;\le\; \frac{\beta}{\text{bytes read per token}}.$$
+#
+# `generate(..., weights=fmt)` stores the seven matrices of every layer ($W_q, W_k, W_v, W_o$
+# and the FFN's three) in a narrower format (`refmath.weight_formats`, catalogue W1 and W2):
+# `"bf16"` or `"f16"`, 2 bytes a weight, or `"q8_0"`, llama.cpp's 8-bit blocks: 32 `int8`
+# codes and one float16 scale per block of 32 weights, 34 bytes per 32 weights, K12's
+# $q/8 + 2/G$ with $q = 8$ and $G = 32$. The compiled decode step reads the stored bytes, turns
+# each back into the float32 number it stands for, and sums in float32. The embedding table, the
+# norms' gains and the output head stay float32; a token reads one row of the table.
+#
+# The model below is small enough to run in seconds and wide enough for its layers to outweigh
+# everything else: 4 layers of width $d = 512$, 8 query heads and $g = 2$ key/value heads of
+# $d_h = 64$, a SwiGLU width $d_f = 1536$, a vocabulary of $V = 256$, an untied head.
+
+# %%
+from refmath.models.decoder_config import DecoderConfig
+
+small_config = DecoderConfig(vocab_size=256, max_seq_len=64, d_model=512, n_layers=4, n_heads=8,
+                             n_kv_heads=2, d_ff=1536)
+given_bandwidth = 10e9  # bytes/s, for exercise 10.7: a round figure for one core's read
+print(small_config)
+
+# %% [markdown]
+# **Exercise 10.6.** With the layers stored in Q8_0, how many bytes of weights does one token
+# read? Count the seven matrices of each layer from the shapes above ($W_q$: $d \times h d_h$;
+# $W_k$, $W_v$: $d \times g d_h$; $W_o$: $h d_h \times d$; the FFN: three of $d \times d_f$), then
+# add the float32 parameters a token reads: the head ($d \times V$), the two gains of each layer
+# and the final norm's, and one row of the embedding table. (Not the KV cache.)
+
+# %% tags=["exercise"]
+q8_bytes_per_token = ...
+# BEGIN SOLUTION
+d, L, V = small_config.d_model, small_config.n_layers, small_config.vocab_size
+h, g, d_h, d_f = small_config.n_heads, small_config.kv_heads, small_config.d_h, small_config.d_f
+layer_weights = L * (2 * d * h * d_h + 2 * d * g * d_h + 3 * d * d_f)  # W_q, W_o; W_k, W_v; FFN
+q8_bytes_per_token = layer_weights * 34 / 32 + 4 * (d * V + (2 * L + 1) * d + d)
+# END SOLUTION
+
+# %%
+check("10.6", q8_bytes_per_token)
+
+# %% [markdown]
+# **Exercise 10.7.** On a memory system that reads `given_bandwidth` $= 10^{10}$ bytes per
+# second, at most how many tokens per second can this model make with its layers in Q8_0?
+
+# %% tags=["exercise"]
+q8_bound = ...
+# BEGIN SOLUTION
+q8_bound = given_bandwidth / q8_bytes_per_token
+# END SOLUTION
+
+# %%
+check("10.7", q8_bound)
+
+# %% [markdown]
+# ### The law on this machine
+#
+# Now the real thing, on one thread as the roofline above. Each format's weights are stored once
+# (`stored_layer_weights`, which `generate(..., weights=fmt)` calls afresh every time) and the
+# timed loop is `generate`'s own (`sliding_next_logits`: a prefill, then one compiled decode step
+# per token, greedy), so that only the tokens are timed; its tokens are checked against
+# `generate`'s. The bytes a token reads are those the stored arrays occupy, the float32 rest, and
+# the cache a step reads on average.
+#
+# The bound is measured, not assumed: a plain sequential read (`refmath.kernels.stream_sum`) of
+# exactly as many bytes as a token of each format reads, and of sizes between, timed in the same
+# turns as the tokens. A token reads its weights again and again, so its bytes sit wherever that
+# many bytes stay on this machine: in main memory when they outgrow the last-level cache, in the
+# cache when they fit (a large server cache holds all of this model, a laptop's only part of it),
+# and a repeated read of the same size finds them in the same place. The bound for $x$ bytes is
+# one token per read of $x$ bytes, $\beta(x) / x$ tokens/s; where every size comes from main
+# memory, $\beta$ is one number and the bound is the curve $\beta / x$, drawn dotted for the
+# float32 model's read.
+#
+# Tokens and reads alike are timed in CPU seconds of the one thread that runs them
+# (`time.thread_time`), not by the wall clock: on a shared machine the wall clock also counts the
+# time other programs held the core, which can triple a token's time; the CPU seconds count only
+# the time ours ran. Each figure is a median. (The other programs still share the caches and the
+# memory, so the figures move a little with the load average, printed.)
+
+# %%
+from refmath.fast.products import kernel_products
+from refmath.inference.generate import generate
+from refmath.inference.kv_cache import sliding_next_logits
+from refmath.inference.layer_formats import LAYER_MATRICES, restored_params, stored_layer_weights
+from refmath.inference.weight_layout import decode_layout
+from refmath.sizing import kv_cache_bytes_per_token
+from refmath.weight_formats import bytes_per_weight
+
+WEIGHT_FORMATS = ("f32", "bf16", "f16", "q8_0")
+small_params = decode_layout(decoder.init_params(small_config, seed=0, dtype=np.float32))
+small_prompt = np.arange(8)[None]  # one sequence of 8 tokens
+steps, rounds = 20, 4  # decode steps timed per run; runs per format
+
+
+def is_layer_matrix(name):
+    return name.rsplit(".", 1)[-1] in LAYER_MATRICES
+
+
+n_layer_weights = sum(v.size for k, v in small_params.items() if is_layer_matrix(k))
+float32_rest = (sum(v.nbytes for k, v in small_params.items()
+                    if not is_layer_matrix(k) and k != "tok_emb")
+                + small_params["tok_emb"][0].nbytes)  # the head, the gains, one embedding row
+keys_read = small_prompt.shape[1] + 1 + np.arange(steps)  # step j attends to 8 + j + 1 keys
+cache_read = kv_cache_bytes_per_token(small_config.n_layers, small_config.kv_heads,
+                                      small_config.d_h, 4) * keys_read.mean()
+
+
+def one_thread():
+    """One thread in every pool: BLAS and OpenMP (threadpoolctl, where installed) and refmath's
+    kernels, as the roofline above."""
+    stack = contextlib.ExitStack()
+    if threadpool_limits:
+        stack.enter_context(threadpool_limits(limits=1))
+    stack.enter_context(kernels.cpu_thread_limit(1))
+    return stack
+
+
+def decode_run(params_fmt, stored, fmt):
+    """One greedy generation of `steps` tokens after the prompt: (the CPU seconds of each token,
+    the tokens). A token's time is one pass of the loop: pick it, append it, one decode step."""
+    next_logits = sliding_next_logits(decoder, params_fmt, small_config, small_config.max_seq_len,
+                                      "cpu", stored, fmt, kernel_products)
+    tokens = small_prompt
+    z = next_logits(tokens)  # the prefill: not timed
+    seconds = []
+    for _ in range(steps):
+        start = time.thread_time()
+        tokens = np.concatenate([tokens, z.argmax(axis=-1)[:, None]], axis=1)
+        z = next_logits(tokens)  # one decode step
+        seconds.append(time.thread_time() - start)
+    assert kernels.cpu_last_team() == 1  # the step ran on this thread alone, as its CPU time says
+    return seconds, tokens
+
+
+measured = kernels.cpu_available()
+if not measured:
+    print("The compiled module refmath._C is not available here, so there is no compiled "
+          "generation to time: the figure below draws the bound at the roofline's bandwidth alone.")
+else:
+    formats = {}
+    for fmt in WEIGHT_FORMATS:
+        stored = None if fmt == "f32" else stored_layer_weights(decoder, small_params,
+                                                                small_config, fmt)
+        layer_bytes = (sum(s.nbytes for s in stored.values()) if stored else
+                       sum(v.nbytes for k, v in small_params.items() if is_layer_matrix(k)))
+        assert layer_bytes == n_layer_weights * bytes_per_weight(fmt)  # the count of 10.6
+        formats[fmt] = {"stored": stored, "bytes": layer_bytes + float32_rest + cache_read,
+                        "params": small_params if stored is None else
+                        restored_params(small_params, stored, fmt), "seconds": []}
+    # the reads: each format's bytes, and sizes between, to draw the bound as a curve
+    sizes = sorted({int(f["bytes"]) // 4 for f in formats.values()}
+                   | {int(x) for x in np.geomspace(0.2, 1.15, 5) * formats["f32"]["bytes"] / 4})
+    reads = {n: [] for n in sizes}  # floats read -> seconds of each read
+    with one_thread():
+        buffer = np.ones(max(sizes), dtype=np.float32)
+        kernels.stream_sum(buffer)  # untimed: every page touched once
+        for fmt, f in formats.items():  # untimed warm-up, and the tokens against generate's
+            _, tokens = decode_run(f["params"], f["stored"], fmt)
+            assert np.array_equal(tokens[0, :12], generate(
+                decoder, small_params, small_config, small_prompt[0], 4, greedy=True,
+                backend="cpu", weights=fmt, products=kernel_products))
+        for _ in range(rounds):  # in turns: each generation, then a read of every size
+            for fmt, f in formats.items():
+                f["seconds"] += decode_run(f["params"], f["stored"], fmt)[0]
+                for n in sizes:
+                    start = time.thread_time()
+                    kernels.stream_sum(buffer[:n])  # a plain sequential read of 4n bytes
+                    reads[n].append(time.thread_time() - start)
+    # medians of CPU seconds, the tokens' and the reads' alike
+    read_seconds = {4 * n: float(np.median(t)) for n, t in reads.items()}  # bytes -> seconds
+    print(f"1 thread, CPU seconds: the median of {rounds * steps} tokens and of "
+          f"{rounds * len(formats)} reads of each size; load average {os.getloadavg()[0]:.1f}; "
+          f"the cache a token reads: {cache_read / 1e3:.0f} kB on average")
+    for fmt, f in formats.items():
+        f["rate"] = 1 / float(np.median(f["seconds"]))
+        f["read"] = read_seconds[4 * (int(f["bytes"]) // 4)]  # a read of this format's bytes
+        f["bound"] = 1 / f["read"]  # tokens/s: one token per read of its bytes
+        print(f"{fmt:>5}: {f['bytes'] / 1e6:5.2f} MB per token, read at "
+              f"{f['bytes'] / f['read'] / 1e9:4.1f} GB/s; {f['rate']:6.1f} tokens/s, bound "
+              f"{f['bound']:6.1f}: {100 * f['rate'] / f['bound']:3.0f}% of it; "
+              f"{1e3 * (1 / f['rate'] - f['read']):.2f} ms per token beyond the read")
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
+f32_bytes = n_layer_weights * 4 + float32_rest + cache_read
+x_mb = np.linspace(0.2, 1.15, 200) * f32_bytes / 1e6
+if measured:
+    curve = sorted(read_seconds.items())
+    ax.plot([x / 1e6 for x, _ in curve], [1 / t for _, t in curve], "k.-",
+            label="bound: one token per read of its bytes")
+    beta = f32_bytes / formats["f32"]["read"]  # the float32 model's read, as one bandwidth
+    ax.plot(x_mb, beta / (x_mb * 1e6), "k:", lw=1, label=f"the float32 model's read, {beta / 1e9:.1f} GB/s, / bytes")
+    for (fmt, f), marker in zip(formats.items(), "osDv"):
+        ax.plot(f["bytes"] / 1e6, f["rate"], marker, ms=8,
+                label=f"{fmt}: {f['rate']:.0f} tokens/s, {100 * f['rate'] / f['bound']:.0f}% of "
+                      f"its bound")
+else:
+    ax.plot(x_mb, live_bandwidth / (x_mb * 1e6), "k-",
+            label=f"bound: {live_bandwidth / 1e9:.1f} GB/s / bytes per token")
+ax.set(xlabel="bytes read per token (MB)", ylabel="tokens per second",
+       title="greedy decoding at batch 1, one thread", ylim=(0, None))
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# **The fraction of the bound** is the share of a token's time that a plain read of its bytes
+# would take: 100% is a token that costs nothing but the reading of its weights at the speed a
+# read reaches. The rest, printed as the time beyond the read, is everything else a token costs,
+# and whatever the products lose against a plain read of the same bytes.
+#
+# **Why the points fall below the curve.** A token is more than its weights: attention over the
+# cache, the rotation of the new query and key, the float32 head and the final norm in NumPy, the
+# argmax, and Python's work around each step (the loop, the calls into the compiled module, the
+# small arrays they make). These costs do not shrink with the bytes of the weights, so the fewer
+# the bytes, the larger their share: the same millisecond weighs more beside a Q8_0 token than
+# beside a float32 one. In a 7-billion-parameter model the weights are hundreds of times larger
+# and these costs shrink in proportion; a small model like this one is the worst case. Where this
+# lesson was written (one thread of a 2-core Intel Xeon shared with other jobs, load average
+# 10), two runs gave float32 208-212 tokens/s (76% of its bound), bf16 366-381 (59-63%), f16
+# 350-388 (57-64%) and Q8_0 512-521 (54-56%), with 0.8-1.2 ms per token beyond the read in every
+# format: the fixed costs, the same for all four, are most of the gap there.
+#
+# **Why half the bytes is not twice the speed on a CPU.** The stored numbers are not the numbers
+# multiplied: each weight is turned back into float32 first (bf16 by a 16-bit shift, f16 by a
+# conversion instruction, Q8_0 by a conversion of the `int8` code and a multiply by its block's
+# scale), by the same core that does the multiply-adds. In float32 a core does 2 FLOPs for every
+# 4 bytes it reads; in Q8_0, 2 FLOPs and a conversion for every 1.06 bytes, nearly four times the
+# work per byte. Where the core cannot do that work as fast as the bytes arrive, the step is
+# bound by the core, not the memory, and the point sits further below its bound than the fixed
+# costs alone would put it. `benchmarks/weight_formats.py` times the products alone against a
+# read of their bytes: on the same machine (one thread, AVX-512, load average 7.7), bf16's and
+# f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at 99-101% of the read, Q8_0's at
+# 44% and 68%. In the whole generation above, that loss is mixed with the fixed costs and the
+# noise: compare the time beyond the read of Q8_0 with bf16's. A GPU, with far more arithmetic
+# per byte of bandwidth, hides the conversion; llama.cpp's CPU kernel for Q8_0 rounds the
+# activations to 8 bits as well and multiplies integers, less work per byte for a little more
+# rounding.
+
+
 # %% [markdown] tags=["question"]
 # **Question.** A decode step of Llama-3-8B at batch 1 and context 8192 moves about 16 GB. You
 # may either double the processor's FLOP rate or quantise the KV cache to int4 (groups of 32).
@@ -554,6 +806,14 @@ assert quantized_kv_cache_bytes(1, 32, 8192, 8, 128, 8, 32).payload == full16 //
 #    formula, and find the $T$ above which prefill is compute bound on this machine.
 # 4. Prove the half-step bound $|x - \hat x| \le s/2$, and find the input for which it is tight.
 # 5. Why may a RoPE cache become invalid if a serving system changes its position scaling rule?
+# 6. llama.cpp's Q4_0 stores a block of 32 weights as 16 bytes of 4-bit codes and one float16
+#    scale. Compute the bytes a token of the lesson's model reads with its layers in Q4_0, its
+#    bound on this machine, and, from the time beyond the read measured for Q8_0, the tokens per
+#    second you expect. What would make the prediction too optimistic?
+# 7. Time the four formats again on two threads (`kernels.cpu_thread_limit(2)` and
+#    `threadpool_limits(limits=2)`), with the reads on two threads as well (time them by the wall
+#    clock then: `time.thread_time` counts one thread). Which points move towards their bound?
+#    Which of a token's costs does the second core share, and which stay on the first?
 #
 # ## References
 #

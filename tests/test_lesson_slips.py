@@ -216,6 +216,12 @@ PLANTS = {
          "visible = np.ones((B, 1, T_max), dtype=bool)", "your decode attention", "the padding read"),
         ("heads = np.arange(H) // (H // G)", "heads = np.arange(H) % G", "your decode attention",
          "GQA heads interleaved"),
+        ("q8_bytes_per_token = layer_weights * 34 / 32 + 4 * (d * V + (2 * L + 1) * d + d)",
+         "q8_bytes_per_token = layer_weights * 1 + 4 * (d * V + (2 * L + 1) * d + d)",
+         "weight bytes a token reads in Q8_0", "scale of each block of 32 forgotten"),
+        ("q8_bound = given_bandwidth / q8_bytes_per_token",
+         "q8_bound = q8_bytes_per_token / given_bandwidth", "the bound in tokens/s in Q8_0",
+         "seconds per token"),
     ],
     "12_from_equation_to_kernel.py": [
         ("bound_o = 2 * numpy_error + 4 * U32 * np.abs(vg).max()", "bound_o = 2 * numpy_error",
@@ -356,6 +362,7 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",),
         "the load": ("L_ExpBal",),
         "the total": ("the active parameters",),
+        "weight bytes a token reads in Q8_0": ("the bound in tokens/s in Q8_0",),
         # the capstone's model runs with the student's LayerNorm backward
         "your LayerNorm backward": ("the gradient check of the whole model, with your backward passes",
                                     "your model's gradients against the library's"),
@@ -537,6 +544,36 @@ def test_safetensors_reading_slips_are_named(capsys, monkeypatch, tmp_path):
         "big-endian": read(8 + n + 32, dtype=">f8"),
         "transposed": read(8 + n + 32).T,
     }, {"params": {"tok_emb": table}, "weights_path": weights_path}, capsys, monkeypatch)
+
+
+def test_q8_0_bytes_and_bound_slips_are_named(capsys, monkeypatch):
+    from refmath.models.decoder_config import DecoderConfig
+
+    # a model of the lesson's kind, smaller: every count written out by hand
+    config = DecoderConfig(vocab_size=64, max_seq_len=16, d_model=64, n_layers=2, n_heads=4,
+                           n_kv_heads=2, d_ff=96)  # d_h = 16, so h d_h = 64 and g d_h = 32
+    layers = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96)
+    rest = 4 * (64 * 64 + 5 * 64 + 64)  # the head, 2L + 1 gains, one embedding row
+
+    def read(per_weight, extra=0):
+        return layers * per_weight + rest + extra
+
+    q8 = read(34 / 32)
+    _judged("10.6", q8, {
+        "the float16 scale of each block of 32 forgotten": read(1),
+        "bits, not bytes": read(8.5),
+        "counted for every weight": read(3),
+        "the float32 head, gains and embedding row left out": layers * 34 / 32,
+        "the whole embedding table counted": read(34 / 32, 4 * (64 * 64 - 64)),
+        "the layers left in float32": read(4),
+    }, {"small_config": config}, capsys, monkeypatch)
+    beta = 1e10
+    _judged("10.7", beta / q8, {
+        "seconds per token": q8 / beta,
+        "the float32 model's bound": beta / read(4),
+        "the scales forgotten": beta / read(1),
+        "bits per second over bytes": 8 * beta / q8,
+    }, {"small_config": config, "given_bandwidth": beta}, capsys, monkeypatch)
 
 
 def test_mha_twin_slips_are_named(capsys, monkeypatch):

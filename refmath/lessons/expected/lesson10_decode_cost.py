@@ -85,3 +85,68 @@ def _quantised_x(x):
     packed = quantize(x, bits=4, group_size=4)
     x_hat = dequantize(packed)
     return x_hat, {"the codes c, not x_hat = s c": x_hat / packed.scales[0]}
+
+
+_BANDWIDTH_LAW = "the section 'The bandwidth law, measured: fewer bytes per weight'"
+
+
+def _weight_bytes_per_token(config, per_weight: float, whole_table: bool = False,
+                            rest: bool = True) -> float:
+    """Bytes of weights one decode step of refmath's decoder with ``config`` reads: the layers'
+    seven matrices at ``per_weight`` bytes each
+    (:data:`refmath.inference.layer_formats.LAYER_MATRICES`, the ones ``generate(...,
+    weights=...)`` stores), every other parameter in float32, of the embedding table one row (the
+    token's) unless the head is the table itself (or ``whole_table``, a slip); counted from the
+    model's parameter shapes."""
+    from refmath.inference.layer_formats import LAYER_MATRICES
+    from refmath.models import decoder
+
+    def is_layer(name):
+        return name.rsplit(".", 1)[-1] in LAYER_MATRICES
+
+    shapes = decoder.param_shapes(config)
+    vocab, width = shapes["tok_emb"]
+    read_of_table = vocab * width if (config.tie_embeddings or whole_table) else width
+    layers = sum(int(np.prod(s)) for k, s in shapes.items() if is_layer(k))
+    others = sum(int(np.prod(s)) for k, s in shapes.items() if not is_layer(k) and k != "tok_emb")
+    return layers * per_weight + (4 * (others + read_of_table) if rest else 0)
+
+
+@exercise("10.6", "weight bytes a token reads in Q8_0", _BANDWIDTH_LAW,
+          "L (2 d h d_h + 2 d g d_h + 3 d d_f) weights at 34/32 bytes each (32 int8 codes and one "
+          "2-byte scale per block), plus 4 bytes for each of the d V head weights, the (2L + 1) d "
+          "gains and the d numbers of one embedding row",
+          uses=("small_config",))
+def _q8_bytes_per_token(small_config):
+    from refmath.weight_formats import bytes_per_weight
+
+    def read(per_weight, **slip):
+        return _weight_bytes_per_token(small_config, per_weight, **slip)
+
+    q8 = bytes_per_weight("q8_0")  # 34 / 32: Q8_0_BLOCK's bytes over the 32 weights it holds
+    return read(q8), {
+        "1 byte a weight: the float16 scale of each block of 32 forgotten": read(1.0),
+        "8.5 a weight: bits, not bytes": read(8 * q8),
+        "3 bytes a weight: the 2-byte scale counted for every weight, not once per block of 32":
+            read(3.0),
+        "the float32 head, gains and embedding row left out": read(q8, rest=False),
+        "the whole embedding table counted: a token reads one row of it": read(q8, whole_table=True),
+        "4 bytes a weight: the layers left in float32": read(bytes_per_weight("f32")),
+    }
+
+
+@exercise("10.7", "the bound in tokens/s in Q8_0", _BANDWIDTH_LAW,
+          "tokens/s <= bandwidth / bytes read per token, with your bytes of 10.6",
+          uses=("small_config", "given_bandwidth"))
+def _q8_bound(small_config, given_bandwidth):
+    from refmath.weight_formats import bytes_per_weight
+
+    q8 = _weight_bytes_per_token(small_config, bytes_per_weight("q8_0"))
+    return given_bandwidth / q8, {
+        "seconds per token (bytes / bandwidth), not tokens per second": q8 / given_bandwidth,
+        "the float32 model's bound":
+            given_bandwidth / _weight_bytes_per_token(small_config, bytes_per_weight("f32")),
+        "1 byte a weight: the scales forgotten":
+            given_bandwidth / _weight_bytes_per_token(small_config, 1.0),
+        "bits per second over bytes: 8 times too many tokens": 8 * given_bandwidth / q8,
+    }
