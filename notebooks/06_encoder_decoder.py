@@ -340,23 +340,29 @@ for name in ("decoder.layers.1.cross_attn.w_k", "tok_emb"):
 
 # %% [markdown]
 # **Exercise 06.6.** Check one more tensor the same way: the encoder's first-layer query matrix
-# `encoder.layers.0.self_attn.w_q`. Take 4 coordinates from `check_rng`, compute the numerical
-# gradient there with `numerical_gradient(phi, ...)`, and keep the analytic values at the same
-# coordinates.
+# `encoder.layers.0.self_attn.w_q`, at the 4 coordinates `coords_wq` drawn below. Compute the
+# numerical gradient there with `numerical_gradient(phi, ...)`, and read the hand-written
+# backward's values at the same coordinates out of `grads`. The check compares each of the two
+# with its own recomputation, so a copy of one into the other is caught: the two agree to about
+# $10^{-10}$, not exactly.
 
 # %% tags=["exercise"]
 name = "encoder.layers.0.self_attn.w_q"
-numeric_wq = ...   # central differences at 4 coordinates
-analytic_wq = ...  # grads[name] at the same coordinates
+coords_wq = check_rng.choice(params[name].size, size=4, replace=False)  # flat indices into w_q
+numeric_wq = ...   # central differences at coords_wq, shape (4,)
+analytic_wq = ...  # the hand-written backward (grads) at coords_wq, shape (4,)
 # BEGIN SOLUTION
-coords = check_rng.choice(params[name].size, size=4, replace=False)
-numeric_wq = numerical_gradient(phi, params[name], coords)
-analytic_wq = grads[name].reshape(-1)[coords]
+numeric_wq = numerical_gradient(phi, params[name], coords_wq)
+analytic_wq = grads[name].reshape(-1)[coords_wq]
 # END SOLUTION
 
 # %%
-check_close("hand-written dW_Q against central differences", analytic_wq,
-            lambda: numeric_wq, rtol=1e-6, atol=1e-10)
+check("06.6", (numeric_wq, analytic_wq))
+
+# %%
+# After the exercise: how closely your two agree (shown once you have answered).
+if numeric_wq is not ... and analytic_wq is not ...:
+    print(f"{name}: largest relative error {relative_error(analytic_wq, numeric_wq).max():.1e}")
 
 # %% [markdown]
 # The same code at the paper's base size ($L = 6$, $d = 512$, $h = 8$, $d_f = 2048$, a shared

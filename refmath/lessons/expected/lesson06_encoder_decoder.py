@@ -77,3 +77,30 @@ def _embedding_gradient(dy, cache):
 
     return embedding_backward(dy, cache), catalogued(
         "embedding: repeated ids keep one contribution", lambda: embedding_backward(dy, cache))
+
+
+_W_Q = "encoder.layers.0.self_attn.w_q"
+
+
+def _both_or_unwritten(answer):
+    """The pair (numeric, analytic) as a (2, 4) array; ``...`` while either is unwritten."""
+    if answer is Ellipsis or any(part is Ellipsis or part is None for part in answer):
+        return Ellipsis
+    return np.stack([np.asarray(part, dtype=np.float64).reshape(-1) for part in answer])
+
+
+@exercise("06.6", "(numeric, analytic) dW_Q at coords_wq", "the section 'M1: the original "
+          "encoder-decoder, forward and backward'",
+          "numerical_gradient(phi, params[name], coords_wq), and grads[name].reshape(-1)[coords_wq]",
+          uses=("phi", "params", "cache", "coords_wq"), prepare=_both_or_unwritten)
+def _gradient_check_of_w_q(phi, params, cache, coords):
+    from refmath.gradcheck import numerical_gradient
+    from refmath.models import transformer
+
+    # Each half against its own recomputation: central differences agree with the hand-written
+    # backward to about 1e-10, so a copy of one half into the other is told apart at rtol 1e-12.
+    numeric = numerical_gradient(phi, params[_W_Q], coords)
+    analytic = transformer.backward(cache)[_W_Q].reshape(-1)[coords]
+    return np.stack([numeric, analytic]), {
+        "the numerical gradient copied as the analytic one: read the hand-written backward's "
+        "values out of grads": np.stack([numeric, numeric])}
