@@ -297,7 +297,8 @@ check("08.4", dk_shared)
 
 # %%
 check_true("your dK holds all of the per-head gradient",
-           lambda dk: np.isclose(np.sum(dk), np.sum(per_head), rtol=1e-12, atol=1e-12),
+           lambda dk: np.allclose(np.sum(dk, axis=1), np.sum(per_head, axis=1), rtol=1e-12,
+                                  atol=1e-12),
            "each shared head is read by two query heads: nothing of their gradients is dropped",
            of=dk_shared)
 

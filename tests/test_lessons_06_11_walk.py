@@ -62,3 +62,31 @@ def test_06_6_a_copied_numerical_gradient_is_not_an_analytic_one(capsys):
     other = grads["encoder.layers.0.self_attn.w_k"].reshape(-1)[coords_wq]
     assert _said("06.6", (numeric, other), inputs, capsys).startswith("wrong: ")
     assert _said("06.6", (..., ...), inputs, capsys).startswith("no answer yet: ")
+
+
+# ---- 08.4: "your dK holds all of the per-head gradient" could not fail ---------------------------
+
+def _run_planted(lesson, replacements, tmp_path):
+    text = (NOTEBOOKS / lesson).read_text()
+    for old, new in replacements:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    script = tmp_path / lesson
+    script.write_text(text)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                            "OPENBLAS_NUM_THREADS": "1",
+                                            "REFMATH_LESSONS_STRICT": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+@pytest.mark.parametrize("slip", ["np.zeros((B, G, T, D))",
+                                  "per_head.reshape(B, G, H // G, T, D).mean(axis=2)"])
+def test_08_4_the_property_check_rejects_what_drops_gradient(slip, tmp_path):
+    # the total of any attention dK is 0 (every row of dS sums to 0), so the old check, which
+    # compared totals, said right to these; the per-position total over the heads is not 0
+    stdout = _run_planted("08_modern_decoder_and_gqa.py", [(
+        "dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)", f"dk_shared = {slip}")],
+        tmp_path)
+    assert "wrong: your dK holds all of the per-head gradient: " in stdout, stdout
