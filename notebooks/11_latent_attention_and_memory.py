@@ -235,8 +235,10 @@ assert mha_equivalent / cache_abs.nbytes == 128 / 40 == 3.2
 # Exercise 11.3: write the absorbed decode step for one token and h heads. `q_c` (h, d_k) and `q_r`
 # (h, d_R) are the new token's content and rotary queries; `c` (T, d_c) and `k_r` (T, d_R) are
 # the cache (the rotary keys are shared by every head); `w_uk` (h, d_c, d_k) and `w_uv`
-# (h, d_c, d_v) are the per-head up-projections. Return o (h, d_v). The check compares it with
-# the expanded computation (every head's keys and values built from the cache) on three caches.
+# (h, d_c, d_v) are the per-head up-projections. Return o (h, d_v). The first check compares it
+# with the expanded computation (every head's keys and values built from the cache) on three
+# caches; the second watches the arrays your function computes, and says wrong if one of them is
+# a key or a value (it has both a token axis T and a d_k or d_v axis).
 def my_absorbed_attention(q_c, q_r, c, k_r, w_uk, w_uv):
     out = ...
     # BEGIN SOLUTION
@@ -280,6 +282,9 @@ check_function("your absorbed MLA decode", my_absorbed_attention, expanded_atten
                           lambda q_c, q_r, c, k_r, w_uk, w_uv: expanded_attention(
                               q_c, q_r, c, k_r, w_uk, np.broadcast_to(np.eye(c.shape[1]),
                                                                       (len(q_c),) + (c.shape[1],) * 2))})
+
+# %%
+check("11.3b", my_absorbed_attention)
 
 
 # %% [markdown]

@@ -90,3 +90,48 @@ def test_08_4_the_property_check_rejects_what_drops_gradient(slip, tmp_path):
         "dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)", f"dk_shared = {slip}")],
         tmp_path)
     assert "wrong: your dK holds all of the per-head gradient: " in stdout, stdout
+
+
+# ---- 11.3: the expanded computation passed as the absorbed decode --------------------------------
+
+def _absorbed(q_c, q_r, c, k_r, w_uk, w_uv):
+    from refmath.softmax import softmax_forward
+
+    q_hat = np.einsum("hk,hck->hc", q_c, w_uk)
+    scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])
+    return np.einsum("hc,hcv->hv", softmax_forward(scores)[0] @ c, w_uv)
+
+
+def _expanded(q_c, q_r, c, k_r, w_uk, w_uv):
+    """The check cell's reference, copied into the student's function (the walk-through's)."""
+    from refmath.softmax import softmax_forward
+
+    keys = np.einsum("tc,hck->htk", c, w_uk)
+    values = np.einsum("tc,hcv->htv", c, w_uv)
+    scale = 1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1])
+    scores = scale * (np.einsum("hk,htk->ht", q_c, keys) + q_r @ k_r.T)
+    return np.einsum("ht,htv->hv", softmax_forward(scores)[0], values)
+
+
+def _per_head_loop(q_c, q_r, c, k_r, w_uk, w_uv):
+    from refmath.softmax import softmax_forward
+
+    out = []
+    for r in range(len(q_c)):
+        keys, values = c @ w_uk[r], c @ w_uv[r]
+        scores = (keys @ q_c[r] + k_r @ q_r[r]) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])
+        out.append(softmax_forward(scores)[0] @ values)
+    return np.stack(out)
+
+
+def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(capsys):
+    assert _said("11.3b", _absorbed, {}, capsys, strict=True).startswith("right: ")
+    for expanded in (_expanded, _per_head_loop):
+        said = _said("11.3b", expanded, {}, capsys)
+        assert said.startswith("wrong: ") and "looks like: keys c W_UK or values c W_UV" in said, said
+    assert _said("11.3b", lambda *a: ..., {}, capsys).startswith("no answer yet: ")
+    # ...and the three compute the same values (why 11.3's value check alone accepted them)
+    draw = np.random.default_rng(1)
+    args = [draw.standard_normal(s) for s in ((3, 5), (3, 2), (6, 7), (6, 2), (3, 7, 5), (3, 7, 4))]
+    np.testing.assert_allclose(_expanded(*args), _absorbed(*args), rtol=1e-12)
+    np.testing.assert_allclose(_per_head_loop(*args), _absorbed(*args), rtol=1e-12)
