@@ -135,3 +135,15 @@ def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(capsys)
     args = [draw.standard_normal(s) for s in ((3, 5), (3, 2), (6, 7), (6, 2), (3, 7, 5), (3, 7, 4))]
     np.testing.assert_allclose(_expanded(*args), _absorbed(*args), rtol=1e-12)
     np.testing.assert_allclose(_per_head_loop(*args), _absorbed(*args), rtol=1e-12)
+
+
+# ---- 09.2: the key is the root of the equation the exercise states -------------------------------
+
+def test_09_2_the_key_is_the_root_of_the_stated_equation(capsys):
+    root = np.log(65504) - np.log(1 + np.exp(-1) + np.exp(-2))
+    assert abs(np.exp(root) * (1 + np.exp(-1) + np.exp(-2)) - 65504) < 1e-9
+    said = _said("09.2", root, {}, capsys, strict=True)
+    assert said.startswith("right: ") and said.endswith("max error 0"), said
+    assert _said("09.2", np.log(65504 / (1 + np.exp(-1) + np.exp(-2))), {}, capsys).startswith("right: ")
+    for read_off in (10.7, 10.68, 10.6836):  # the figure's grid, 4 digits, float16's own break
+        assert not _said("09.2", read_off, {}, capsys).startswith("right: "), read_off
