@@ -246,9 +246,9 @@ print("GQA with g = 2 equals MHA with each key/value head repeated for its 2 que
 # $$A_0 = \begin{pmatrix} 1 & 0 \\ \tfrac12 & \tfrac12 \end{pmatrix}, \qquad
 #   A_1 = \begin{pmatrix} 1 & 0 \\ \tfrac14 & \tfrac34 \end{pmatrix}.$$
 #
-# With upstream gradients $dO_0 = (1, 2)^\top$ and $dO_1 = (2, 4)^\top$:
-# $dV^{(0)} = A_0^\top dO_0 = (1 + 1,\ 1) = (2, 1)$,
-# $dV^{(1)} = A_1^\top dO_1 = (2 + 1,\ 3) = (3, 3)$, so the shared head gets $dV = (5, 4)$.
+# The upstream gradients are $dO_0 = (1, 2)^\top$ and $dO_1 = (2, 4)^\top$. Each query head's
+# $dV^{(r)} = A_r^\top dO_r$ is a vector of two numbers, and the shared head gets their sum:
+# exercise 08.3 below.
 
 # %%
 q_small = np.array([0.0, 0.0, 0.0, 1.0]).reshape(1, 2, 2, 1)  # (B, H, T, D)

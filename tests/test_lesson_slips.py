@@ -348,7 +348,6 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "RMSNorm dx": ("your RMSNorm dx is orthogonal to x",),
         "dK of the shared heads": ("your dK holds all of the per-head gradient",),
         # answers computed from the planted one inherit its slip
-        "dE": ("row 2 receives (4, 1)",),
         "scale": ("x_hat", "error at most half a step"),
         "MHA numbers per token and layer": ("MHA / MLA",),
         "MLA numbers per token and layer": ("MHA / MLA",),

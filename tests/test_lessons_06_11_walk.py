@@ -147,3 +147,33 @@ def test_09_2_the_key_is_the_root_of_the_stated_equation(capsys):
     assert _said("09.2", np.log(65504 / (1 + np.exp(-1) + np.exp(-2))), {}, capsys).startswith("right: ")
     for read_off in (10.7, 10.68, 10.6836):  # the figure's grid, 4 digits, float16's own break
         assert not _said("09.2", read_off, {}, capsys).startswith("right: "), read_off
+
+
+# ---- answers readable in the student copy before their exercise's check ---------------------------
+
+# (lesson, the exercise's check call, text that gives its answer away)
+BEFORE_THE_CHECK = [
+    ("06_encoder_decoder.py", 'check("06.4"', r"\epsilon V / (V - 1)"),
+    ("06_encoder_decoder.py", 'check("06.7"', "(4, 1)"),
+    ("08_modern_decoder_and_gqa.py", 'check("08.3"', "(5, 4)"),
+    ("07_gpt.py", 'check("07.4"', "gpt.forward(params, batch, gpt_config)"),
+]
+
+
+@pytest.mark.parametrize("lesson,call,answer", BEFORE_THE_CHECK)
+def test_the_student_copy_holds_no_answer_before_its_check(lesson, call, answer):
+    from refmath.lessons import student_copy
+
+    student = student_copy((NOTEBOOKS / lesson).read_text(), lesson)
+    assert student.count(call) == 1
+    assert answer not in student[:student.index(call)], f"{lesson}: {answer!r} before {call}"
+
+
+@pytest.mark.parametrize("lesson,literal", [
+    ("06_encoder_decoder.py", "[4.0, 1.0]"),  # 06.7's property check held the answer's row
+    ("11_latent_attention_and_memory.py", "62 + 1 + 15"),  # 11.5a's answer, below its exercise
+])
+def test_no_answer_as_a_literal_below_its_exercise(lesson, literal):
+    from refmath.lessons import student_copy
+
+    assert literal not in student_copy((NOTEBOOKS / lesson).read_text(), lesson)
