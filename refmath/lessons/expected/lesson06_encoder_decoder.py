@@ -42,17 +42,24 @@ def _shifted_decoder_input(targets, bos):
     return transformer.shift_right(targets, bos_id=bos), {
         "the targets themselves, not shifted": targets,
         "shifted the wrong way: the first target dropped, BOS put last":
-            np.concatenate([targets[:, 1:], np.full((len(targets), 1), bos)], axis=1)}
+            np.concatenate([targets[:, 1:], np.full((len(targets), 1), bos)], axis=1),
+        "the first target token dropped, not the last: position t must read y_1 .. y_{t-1}, so "
+        "y_1 stays and y_m goes": np.concatenate([np.full((len(targets), 1), bos), targets[:, 1:]],
+                                                 axis=1)}
 
 
 @exercise("06.2", "p(y | x)", _L1, "p[0, t, tgt[0, t]] is the factor of position t",
-          uses=("loss", "z", "tgt"))
-def _target_probability(loss, z, tgt):
+          uses=("loss", "z", "tgt", "dec_in"))
+def _target_probability(loss, z, tgt, dec_in):
     from refmath.softmax import softmax_forward
 
     tgt = np.asarray(tgt)
-    factors = softmax_forward(z)[0][0, np.arange(tgt.shape[1]), tgt[0]]
+    probs = softmax_forward(z)[0][0]
+    factors = probs[np.arange(tgt.shape[1]), tgt[0]]
     return np.exp(-tgt.shape[1] * float(loss)), {
+        "the factors read at the decoder input, not at the target: position t is scored on y_t, "
+        "the token after the one it reads": float(
+            probs[np.arange(tgt.shape[1]), np.asarray(dec_in)[0]].prod()),
         "the mean of the probabilities, not their product": float(np.mean(factors)),
         "the loss exp(-l) of the mean, not of the sum over the tokens": np.exp(-float(loss))}
 

@@ -83,7 +83,13 @@ def _measured_std(params, config):
 def _mean_of_prefixes(params, batch, config):
     from refmath.models import gpt
 
-    return float(gpt.forward(params, batch, config)[0]), {}
+    # the slip: each prefix scored on all its positions (no loss mask), then those means averaged
+    unmasked = [float(gpt.forward(params, {"tokens": batch["tokens"][:, :n],
+                                           "targets": batch["targets"][:, :n]}, config)[0])
+                for n in range(1, np.shape(batch["tokens"])[1] + 1)]
+    return float(gpt.forward(params, batch, config)[0]), {
+        "no loss mask: each prefix's loss is the mean over all its positions, so the early "
+        "positions count again in every longer prefix": float(np.mean(unmasked))}
 
 
 def _sft_mask(batch, first: int) -> np.ndarray:

@@ -44,6 +44,8 @@ def _window_pairs():
 
     return int(np.count_nonzero(local_window_mask(10, 4) == 0)), {
         "T w: the first w - 1 rows see fewer than w keys": 10 * 4,
+        "w (w - 1) / 2 for the first rows: row t of the first w sees t + 1 keys, itself included, "
+        "so they see 1 + 2 + ... + w": 4 * 3 // 2 + (10 - 4) * 4,
         "the causal count T (T + 1) / 2: the window hides the older keys": 10 * 11 // 2}
 
 
@@ -57,4 +59,6 @@ def _top_p_by_hand(pi):
     return kept, {"the kept probabilities not renormalised to sum to one":
                   np.where(kept > 0, pi, 0.0),
                   "only the most likely token: top-p keeps tokens until their mass reaches p":
-                      np.eye(len(pi))[int(np.argmax(pi))]}
+                      np.eye(len(pi))[int(np.argmax(pi))],
+                  "left in sorted order, not put back at their tokens":
+                      np.sort(kept)[::-1]}

@@ -107,7 +107,9 @@ def _pages_shared():
 def _pages_unshared():
     used = _pages_used(shared=False)
     return used, {"a new page for each sample's token: the last prompt page holds 8 tokens, "
-                  "with room to spare": used + 16}
+                  "with room to spare": used + 16,
+                  "16 x floor(1000 / 16): each sample's last, part-full page of the prompt "
+                  "forgotten": 16 * (1000 // 16)}
 
 
 _S1 = "the section 'S1 and S2: memory for serving and for training'"
