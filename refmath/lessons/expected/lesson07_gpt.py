@@ -13,7 +13,8 @@ from refmath.lessons.table import exercise, flat_parameters
 __all__ = []
 
 
-@exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning'",
+@exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning: tasks, "
+          "instructions, preferences'",
           "the inputs are the row without its last token, the targets the row without its first",
           uses=("row_of_tokens",))
 def _shifted_pair(row):
