@@ -187,8 +187,11 @@ check("06.4", loss_t2t)
 
 # %% tags=["exercise"]
 # Exercise 06.5: write the cross-entropy backward with label smoothing (start from your lesson-5
-# function). `cache.label_smoothing` is eps; the other fields are lesson 5's: `probs` (..., V),
-# `targets`, `counted`, `n_counted`, `reduction`. Return dlogits. The check runs it as the
+# function). `cache.label_smoothing` is eps; the other fields are lesson 5's: `probs` (..., V) is
+# softmax(logits); `targets` (...) the target ids, with 0 at the positions left out of the loss;
+# `counted` (...) is True where a position enters the loss (not ignored, inside the loss mask);
+# `n_counted` is how many do; `reduction` is "mean" (the sum divided by n_counted) or "sum".
+# Return dlogits, shaped like probs; a position left out gets 0. The check runs it as the
 # backward of cross_entropy_forward on all eleven cross-entropy cases of the registry (with and
 # without smoothing, padding, loss masks, mean and sum) under the gradient check, and against
 # cross_entropy_backward (and torch's cross_entropy with label_smoothing, if installed).
