@@ -242,7 +242,9 @@ check_function("your smoothed cross-entropy backward", my_smoothed_cross_entropy
                           tensor2tensor_target,
                       **catalogued("cross-entropy: ignored tokens get a gradient",
                                    cross_entropy_backward),
-                      **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward)})
+                      **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
+                      **catalogued("cross-entropy: 1 - eps dropped from the smoothed target",
+                                   cross_entropy_backward)})
 
 # %% [markdown]
 # The library's gradient gives the smoothed target back, $q = p - \partial \ell / \partial z$:

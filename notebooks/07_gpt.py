@@ -506,7 +506,10 @@ check_function("your AdamW step", my_adamw_step, library_adamw_step, inputs=adam
                                    library_adamw_step),
                       **catalogued("adamw: decay also inside the moments", library_adamw_step),
                       "the decay applied to every parameter (biases, gains, embeddings too)":
-                          decay_everything})
+                          decay_everything,
+                      "the bias correction one step ahead, beta^(s + 1): s counts this step":
+                          lambda name, theta, g, m, v, s: library_adamw_step(name, theta, g, m, v,
+                                                                             s + 1)})
 
 # %% [markdown]
 # ## GPT learns

@@ -161,7 +161,8 @@ check_function("your SwiGLU backward", my_swiglu_backward, swiglu_backward, case
                slips={**catalogued("swiglu: du uses the gate's input, not SiLU of it",
                                    swiglu_backward),
                       **catalogued("silu: product rule forgotten", swiglu_backward),
-                      **catalogued("swiglu: gate and up weight gradients swapped", swiglu_backward)})
+                      **catalogued("swiglu: gate and up weight gradients swapped", swiglu_backward),
+                      **catalogued("swiglu: dx from the gate's path only", swiglu_backward)})
 
 # %% [markdown]
 # ## A9: one fused projection equals three

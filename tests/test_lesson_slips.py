@@ -164,6 +164,9 @@ PLANTS = {
         ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
          "q = (1 - eps) * np.eye(vocab)[cache.targets] + (1 - np.eye(vocab)[cache.targets]) * eps / "
          "max(vocab - 1, 1)", "your smoothed cross-entropy backward", "tensor2tensor's target"),
+        ("q = (1 - eps) * np.eye(vocab)[cache.targets] + eps / vocab",
+         "q = np.eye(vocab)[cache.targets] + eps / vocab", "your smoothed cross-entropy backward",
+         "1 - eps dropped from the smoothed target"),
     ],
     "07_gpt.py": [
         ("dP[1:3] = dy.sum(axis=0)", "dP[1:3] = dy.mean(axis=0)", "dP", "averaged over the batch"),
@@ -185,6 +188,9 @@ PLANTS = {
         ("new_theta = theta * (1 - LR * decay) - LR * m_hat / (np.sqrt(v_hat) + EPS)",
          "new_theta = theta * (1 - LR * decay) - LR * m_hat / np.sqrt(v_hat + EPS)",
          "your AdamW step", "eps inside the square root"),
+        ("m_hat, v_hat = new_m / (1 - beta1**s), new_v / (1 - beta2**s)",
+         "m_hat, v_hat = new_m / (1 - beta1**(s + 1)), new_v / (1 - beta2**(s + 1))",
+         "your AdamW step", "the bias correction one step ahead"),
     ],
     "08_modern_decoder_and_gqa.py": [
         ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
@@ -198,6 +204,8 @@ PLANTS = {
         ("du = dm * s\n", "du = dm * g\n", "your SwiGLU backward", "du uses the gate's input"),
         ("dg = dm * u * sig * (1 + g * (1 - sig))", "dg = dm * u * sig * (1 - sig)",
          "your SwiGLU backward", "product rule forgotten"),
+        ("dx = dg @ cache.w_gate.T + du @ cache.w_up.T", "dx = dg @ cache.w_gate.T",
+         "your SwiGLU backward", "dx from the gate's path only"),
     ],
     "09_numerics_and_sampling.py": [
         ("safe_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a fully masked row: shift by 0\n"
