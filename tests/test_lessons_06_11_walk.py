@@ -177,3 +177,36 @@ def test_no_answer_as_a_literal_below_its_exercise(lesson, literal):
     from refmath.lessons import student_copy
 
     assert literal not in student_copy((NOTEBOOKS / lesson).read_text(), lesson)
+
+
+# ---- nor anywhere in the student copy's text or output: the student site executes the copies ----
+
+# An expected value that a copy prints by coincidence, not as the answer: an untrained model's loss
+# is close to ln V, and lesson 7's training curves start there, as the mean of its prefix losses does.
+COINCIDENCES = {("07_gpt.py", "mean of the prefix losses")}
+
+
+@pytest.mark.parametrize("lesson", ["06_encoder_decoder.py", "07_gpt.py",
+                                    "08_modern_decoder_and_gqa.py", "09_numerics_and_sampling.py",
+                                    "11_latent_attention_and_memory.py"])
+def test_no_expected_value_anywhere_in_an_unanswered_copy(lesson, tmp_path):
+    """test_notebooks scans what a student reads before each check; the student site shows the
+    whole executed copy at once, so a print after a check must wait for the answer too."""
+    import json
+
+    from refmath.lessons import RECORD, student_copy
+    from test_notebooks import _gives_away
+
+    text = student_copy((NOTEBOOKS / lesson).read_text(), lesson)
+    (tmp_path / lesson).write_text(text)
+    records = tmp_path / "expected.jsonl"
+    run = subprocess.run([sys.executable, lesson], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                            "OPENBLAS_NUM_THREADS": "1",
+                                            "REFMATH_LESSONS_STRICT": "0", RECORD: str(records)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    recorded = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(recorded) >= 4
+    shown = [(r["name"], _gives_away(r["value"], run.stdout) or _gives_away(r["value"], text))
+             for r in recorded if (lesson, r["name"]) not in COINCIDENCES]
+    assert not [s for s in shown if s[1]], shown
