@@ -237,9 +237,8 @@ assert rel16 > 0.05 and rel32 < 0.001
 #
 # In a local (sliding-window) causal mask, query $i$ sees key $j$ only when
 # $i - w + 1 \le j \le i$ (0-based): itself and the $w - 1$ tokens before it. For $T = 6$, $w = 3$
-# the visible pairs number $1 + 2 + 3 + 3 + 3 + 3 = 15$, that is $w(w+1)/2 + (T - w)\,w$,
-# against $T(T+1)/2 = 21$ for the full causal mask. For long sequences that is $O(T w)$ instead of
-# $O(T^2)$.
+# the visible pairs number $1 + 2 + 3 + 3 + 3 + 3 = 15$, row by row, against $T(T+1)/2 = 21$ for
+# the full causal mask. For long sequences the count grows as $O(T w)$ instead of $O(T^2)$.
 
 # %%
 T, w = 6, 3
@@ -247,12 +246,13 @@ query, key = np.arange(T)[:, None], np.arange(T)[None, :]
 seen = (key <= query) & (key > query - w)  # query i sees keys i - w + 1 .. i
 print(seen.astype(int))
 visible = int(np.count_nonzero(seen))
-assert visible == w * (w + 1) // 2 + (T - w) * w == 15
+assert visible == 1 + 2 + 3 + 3 + 3 + 3 == 15  # the rows' counts, read off the mask above
 
 
 # %% [markdown]
-# **Exercise 09.3.** Count the visible pairs of a window $w = 4$ over $T = 10$ tokens with the
-# formula (not from the mask).
+# **Exercise 09.3.** Write the number of visible pairs as a formula in $T$ and $w$ (for
+# $T \ge w$: count the first $w$ rows, then the others), and evaluate it for a window $w = 4$ over
+# $T = 10$ tokens (not from the mask).
 
 # %% tags=["exercise"]
 pairs_by_formula = ...
