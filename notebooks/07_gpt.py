@@ -226,8 +226,6 @@ params = gpt.init_params(gpt_config, seed=3)
 seq = rng.integers(0, 32, (2, 8))
 batch = {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
 T = batch["tokens"].shape[1]
-parallel, _ = gpt.forward(params, batch, gpt_config)
-full_logits = gpt.logits(params, batch["tokens"], gpt_config)
 
 # %% [markdown]
 # **Exercise 07.4.** For each $n = 1, \dots, T$, run `gpt.forward` on the first $n$ tokens with a
@@ -250,8 +248,12 @@ mean_of_prefixes = np.mean(prefix_losses)
 check("07.4", mean_of_prefixes)
 
 # %%
-# After the exercise: the one pass's loss, which the T separate runs reproduce.
-print(f"one pass over T = {T}: loss {float(parallel):.12f}")
+# After the exercise: the one pass's loss, which the T separate runs reproduce (shown once you
+# have answered).
+parallel, _ = gpt.forward(params, batch, gpt_config)
+if mean_of_prefixes is not ...:
+    print(f"one pass over T = {T}: loss {float(parallel):.12f}; your T runs: "
+          f"{float(mean_of_prefixes):.12f}")
 
 # %% [markdown]
 # ## The prefix is the conditioning: tasks, instructions, preferences
@@ -504,7 +506,10 @@ check_function("your AdamW step", my_adamw_step, library_adamw_step, inputs=adam
                                    library_adamw_step),
                       **catalogued("adamw: decay also inside the moments", library_adamw_step),
                       "the decay applied to every parameter (biases, gains, embeddings too)":
-                          decay_everything})
+                          decay_everything,
+                      "the bias correction one step ahead, beta^(s + 1): s counts this step":
+                          lambda name, theta, g, m, v, s: library_adamw_step(name, theta, g, m, v,
+                                                                             s + 1)})
 
 # %% [markdown]
 # ## GPT learns

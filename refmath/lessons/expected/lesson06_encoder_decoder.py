@@ -42,17 +42,24 @@ def _shifted_decoder_input(targets, bos):
     return transformer.shift_right(targets, bos_id=bos), {
         "the targets themselves, not shifted": targets,
         "shifted the wrong way: the first target dropped, BOS put last":
-            np.concatenate([targets[:, 1:], np.full((len(targets), 1), bos)], axis=1)}
+            np.concatenate([targets[:, 1:], np.full((len(targets), 1), bos)], axis=1),
+        "the first target token dropped, not the last: position t must read y_1 .. y_{t-1}, so "
+        "y_1 stays and y_m goes": np.concatenate([np.full((len(targets), 1), bos), targets[:, 1:]],
+                                                 axis=1)}
 
 
 @exercise("06.2", "p(y | x)", _L1, "p[0, t, tgt[0, t]] is the factor of position t",
-          uses=("loss", "z", "tgt"))
-def _target_probability(loss, z, tgt):
+          uses=("loss", "z", "tgt", "dec_in"))
+def _target_probability(loss, z, tgt, dec_in):
     from refmath.softmax import softmax_forward
 
     tgt = np.asarray(tgt)
-    factors = softmax_forward(z)[0][0, np.arange(tgt.shape[1]), tgt[0]]
+    probs = softmax_forward(z)[0][0]
+    factors = probs[np.arange(tgt.shape[1]), tgt[0]]
     return np.exp(-tgt.shape[1] * float(loss)), {
+        "the factors read at the decoder input, not at the target: position t is scored on y_t, "
+        "the token after the one it reads": float(
+            probs[np.arange(tgt.shape[1]), np.asarray(dec_in)[0]].prod()),
         "the mean of the probabilities, not their product": float(np.mean(factors)),
         "the loss exp(-l) of the mean, not of the sum over the tokens": np.exp(-float(loss))}
 
@@ -77,3 +84,30 @@ def _embedding_gradient(dy, cache):
 
     return embedding_backward(dy, cache), catalogued(
         "embedding: repeated ids keep one contribution", lambda: embedding_backward(dy, cache))
+
+
+_W_Q = "encoder.layers.0.self_attn.w_q"
+
+
+def _both_or_unwritten(answer):
+    """The pair (numeric, analytic) as a (2, 4) array; ``...`` while either is unwritten."""
+    if answer is Ellipsis or any(part is Ellipsis or part is None for part in answer):
+        return Ellipsis
+    return np.stack([np.asarray(part, dtype=np.float64).reshape(-1) for part in answer])
+
+
+@exercise("06.6", "(numeric, analytic) dW_Q at coords_wq", "the section 'M1: the original "
+          "encoder-decoder, forward and backward'",
+          "numerical_gradient(phi, params[name], coords_wq), and grads[name].reshape(-1)[coords_wq]",
+          uses=("phi", "params", "cache", "coords_wq"), prepare=_both_or_unwritten)
+def _gradient_check_of_w_q(phi, params, cache, coords):
+    from refmath.gradcheck import numerical_gradient
+    from refmath.models import transformer
+
+    # Each half against its own recomputation: central differences agree with the hand-written
+    # backward to about 1e-10, so a copy of one half into the other is told apart at rtol 1e-12.
+    numeric = numerical_gradient(phi, params[_W_Q], coords)
+    analytic = transformer.backward(cache)[_W_Q].reshape(-1)[coords]
+    return np.stack([numeric, analytic]), {
+        "the numerical gradient copied as the analytic one: read the hand-written backward's "
+        "values out of grads": np.stack([numeric, numeric])}

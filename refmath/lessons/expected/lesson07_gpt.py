@@ -13,7 +13,8 @@ from refmath.lessons.table import exercise, flat_parameters
 __all__ = []
 
 
-@exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning'",
+@exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning: tasks, "
+          "instructions, preferences'",
           "the inputs are the row without its last token, the targets the row without its first",
           uses=("row_of_tokens",))
 def _shifted_pair(row):
@@ -83,7 +84,13 @@ def _measured_std(params, config):
 def _mean_of_prefixes(params, batch, config):
     from refmath.models import gpt
 
-    return float(gpt.forward(params, batch, config)[0]), {}
+    # the slip: each prefix scored on all its positions (no loss mask), then those means averaged
+    unmasked = [float(gpt.forward(params, {"tokens": batch["tokens"][:, :n],
+                                           "targets": batch["targets"][:, :n]}, config)[0])
+                for n in range(1, np.shape(batch["tokens"])[1] + 1)]
+    return float(gpt.forward(params, batch, config)[0]), {
+        "no loss mask: each prefix's loss is the mean over all its positions, so the early "
+        "positions count again in every longer prefix": float(np.mean(unmasked))}
 
 
 def _sft_mask(batch, first: int) -> np.ndarray:

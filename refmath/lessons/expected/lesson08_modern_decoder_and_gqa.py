@@ -99,8 +99,16 @@ def _llama3_frequencies():
     from refmath.positions import rope_inv_freq
 
     plain = 500.0 ** (-np.arange(4) / 4)
-    return rope_inv_freq(8, 500.0, dict(rope_type="llama3", factor=8.0,
-                                        original_max_seq_len=32))[0], {
+    right = rope_inv_freq(8, 500.0, dict(rope_type="llama3", factor=8.0,
+                                         original_max_seq_len=32))[0]
+    # the blended pairs with gamma and 1 - gamma exchanged: gamma weighs the kept omega
+    wavelength = 2 * np.pi / plain
+    gamma = (32 / wavelength - 1) / (4 - 1)
+    between = (wavelength >= 8) & (wavelength <= 32)
+    swapped = np.where(between, gamma * plain / 8 + (1 - gamma) * plain, right)
+    return right, {
+        "the blend's weights exchanged: gamma goes with omega (kept), 1 - gamma with omega / s":
+            swapped,
         "every pair divided by s = 8 (position interpolation)": plain / 8,
         "the frequencies left as they were": plain}
 

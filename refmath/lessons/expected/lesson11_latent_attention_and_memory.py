@@ -11,7 +11,10 @@ from refmath.lessons.table import exercise
 __all__ = []
 
 
-@exercise("11.2", "the smallest exact latent widths", "the section 'K8: weight absorption'",
+_K8 = "the section 'K8: weight absorption, scoring against the cache without expanding it'"
+
+
+@exercise("11.2", "the smallest exact latent widths", _K8,
           "W_K = W_DKV W_UK holds exactly only if d_c >= rank(W_K): np.linalg.matrix_rank",
           uses=("mha_w_k", "factored_w_k"), rtol=0.0)
 def _smallest_latent(w_k, factored):
@@ -23,8 +26,7 @@ def _smallest_latent(w_k, factored):
                    "all of their keys": [width // 4, width // 4]}
 
 
-@exercise("11.1", "absorbed scores", "the section 'K8: weight absorption, scoring against the "
-          "cache without expanding it'", "q_hat = q W_UK^T (width d_c), then q_hat c_j^T",
+@exercise("11.1", "absorbed scores", _K8, "q_hat = q W_UK^T (width d_c), then q_hat c_j^T",
           uses=("q_c", "c_lat", "W_UK"), rtol=0.0)
 def _absorbed_scores(q_c, c_lat, w_uk):
     scores = q_c @ (c_lat @ w_uk).T
@@ -105,7 +107,9 @@ def _pages_shared():
 def _pages_unshared():
     used = _pages_used(shared=False)
     return used, {"a new page for each sample's token: the last prompt page holds 8 tokens, "
-                  "with room to spare": used + 16}
+                  "with room to spare": used + 16,
+                  "16 x floor(1000 / 16): each sample's last, part-full page of the prompt "
+                  "forgotten": 16 * (1000 // 16)}
 
 
 _S1 = "the section 'S1 and S2: memory for serving and for training'"
@@ -129,3 +133,70 @@ def _train_bytes():
     return total, {"12 bytes a parameter: the master copy or one of the two moments forgotten":
                    total * 12 / 16,
                    "the fp16 weights and gradients alone, 4 bytes a parameter": total * 4 / 16}
+
+
+# ---- 11.3b: the absorbed decode forms no per-head key or value ----------------------------------
+#
+# 11.3's check compares values, and the expanded computation (keys c W_UK and values c W_UV built
+# per head) has the same values: it would pass as the absorbed step. This one runs the student's
+# function on inputs whose widths all differ and records the shape of every array a NumPy ufunc
+# (``@`` and ``np.exp`` included) or array function (``np.einsum``...) makes from them: an array
+# with both a cache axis (T) and a key or value axis (d_k or d_v) is a key or value formed.
+
+_H, _D_K, _D_R, _D_C, _D_V, _T = 3, 5, 2, 7, 4, 6
+
+
+class _Traced(np.ndarray):
+    """An array that records the shape of every array computed from it (``formed``)."""
+
+    formed: list = []
+
+    @staticmethod
+    def _plain(x):
+        if isinstance(x, _Traced):
+            return x.view(np.ndarray)
+        if isinstance(x, (list, tuple)):
+            return type(x)(_Traced._plain(y) for y in x)
+        return x
+
+    @staticmethod
+    def _traced(x):
+        if isinstance(x, np.ndarray) and not isinstance(x, _Traced):
+            _Traced.formed.append(x.shape)
+            return x.view(_Traced)
+        if isinstance(x, tuple):
+            return tuple(_Traced._traced(y) for y in x)
+        return x
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        out = getattr(ufunc, method)(*self._plain(inputs), **{k: self._plain(v) for k, v in kwargs.items()})
+        return self._traced(out)
+
+    def __array_function__(self, func, types, args, kwargs):
+        out = func(*self._plain(args), **{k: self._plain(v) for k, v in kwargs.items()})
+        return self._traced(out)
+
+
+def _keys_or_values_formed(func):
+    """1 when ``func`` (11.3's decode step) makes an array with a cache axis and a key or value
+    axis, else 0; ``...`` while the function is not written."""
+    if func is Ellipsis or func is None:
+        return Ellipsis
+    draw = np.random.default_rng(5)
+    args = [draw.standard_normal(shape).view(_Traced) for shape in
+            ((_H, _D_K), (_H, _D_R), (_T, _D_C), (_T, _D_R), (_H, _D_C, _D_K), (_H, _D_C, _D_V))]
+    _Traced.formed = []
+    out = func(*args)
+    if out is Ellipsis:
+        return Ellipsis
+    expanded = [shape for shape in _Traced.formed
+                if _T in shape and (_D_K in shape or _D_V in shape)]
+    return float(bool(expanded))
+
+
+@exercise("11.3b", "your absorbed decode, without a per-head key or value", _K8,
+          "score q_hat = q_c W_UK^T against the latents c themselves, and apply W_UV to the "
+          "weighted sum of the latents", prepare=_keys_or_values_formed, rtol=0.0)
+def _no_expanded_keys():
+    return 0.0, {"keys c W_UK or values c W_UV built from the cache: the expanded computation, "
+                 "which the absorbed step exists to avoid": 1.0}

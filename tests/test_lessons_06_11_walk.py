@@ -1,0 +1,212 @@
+"""What the student walk-through of lessons 06-09 and 11 found (issue 47, walkb), each a test:
+wrong answers that a check accepted, a key that was not the root of the stated equation, and
+answers readable in the student copy before their exercise.
+
+The slips the walk-through found unnamed are planted in tests/test_lesson_slips.py (PLANTS).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _said(number, answer, inputs, capsys, strict=False):
+    """The verdict line ``check(number, answer)`` prints from a namespace holding ``inputs``."""
+    from refmath.lessons import check
+
+    os.environ["REFMATH_LESSONS_STRICT"] = "1" if strict else "0"
+    capsys.readouterr()
+    exec("check(number, answer)", {**inputs, "check": check, "number": number, "answer": answer})
+    return capsys.readouterr().out.strip()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_misses(monkeypatch):
+    import refmath.lessons.checks
+
+    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})
+    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "0")
+
+
+# ---- 06.6: the gradient check compared the student's numbers with the student's ------------------
+
+def test_06_6_a_copied_numerical_gradient_is_not_an_analytic_one(capsys):
+    from refmath.gradcheck import numerical_gradient
+    from refmath.models import transformer as tm
+
+    config = tm.TRANSFORMER_TINY
+    params = tm.init_params(config, seed=1)
+    draw = np.random.default_rng(0)
+    batch = {"src": draw.integers(2, 13, (2, 6)), "src_lengths": np.array([6, 4]),
+             "tgt": draw.integers(2, 13, (2, 5))}
+
+    def phi():
+        return float(tm.forward(params, batch, config, train=True, rng=7)[0])
+
+    _, cache = tm.forward(params, batch, config, train=True, rng=7)
+    grads = tm.backward(cache)
+    name = "encoder.layers.0.self_attn.w_q"
+    coords_wq = np.array([237, 208, 141, 70])
+    numeric = numerical_gradient(phi, params[name], coords_wq)
+    analytic = grads[name].reshape(-1)[coords_wq]
+    inputs = {"phi": phi, "params": params, "cache": cache, "coords_wq": coords_wq}
+    assert _said("06.6", (numeric, analytic), inputs, capsys, strict=True).startswith("right: ")
+    copied = _said("06.6", (numeric, numeric.copy()), inputs, capsys)
+    assert copied.startswith("wrong: ") and "numerical gradient copied" in copied, copied
+    # another tensor's gradient, or other coordinates, are wrong too
+    other = grads["encoder.layers.0.self_attn.w_k"].reshape(-1)[coords_wq]
+    assert _said("06.6", (numeric, other), inputs, capsys).startswith("wrong: ")
+    assert _said("06.6", (..., ...), inputs, capsys).startswith("no answer yet: ")
+
+
+# ---- 08.4: "your dK holds all of the per-head gradient" could not fail ---------------------------
+
+def _run_planted(lesson, replacements, tmp_path):
+    text = (NOTEBOOKS / lesson).read_text()
+    for old, new in replacements:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    script = tmp_path / lesson
+    script.write_text(text)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                            "OPENBLAS_NUM_THREADS": "1",
+                                            "REFMATH_LESSONS_STRICT": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+@pytest.mark.parametrize("slip", ["np.zeros((B, G, T, D))",
+                                  "per_head.reshape(B, G, H // G, T, D).mean(axis=2)"])
+def test_08_4_the_property_check_rejects_what_drops_gradient(slip, tmp_path):
+    # the total of any attention dK is 0 (every row of dS sums to 0), so the old check, which
+    # compared totals, said right to these; the per-position total over the heads is not 0
+    stdout = _run_planted("08_modern_decoder_and_gqa.py", [(
+        "dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)", f"dk_shared = {slip}")],
+        tmp_path)
+    assert "wrong: your dK holds all of the per-head gradient: " in stdout, stdout
+
+
+# ---- 11.3: the expanded computation passed as the absorbed decode --------------------------------
+
+def _absorbed(q_c, q_r, c, k_r, w_uk, w_uv):
+    from refmath.softmax import softmax_forward
+
+    q_hat = np.einsum("hk,hck->hc", q_c, w_uk)
+    scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])
+    return np.einsum("hc,hcv->hv", softmax_forward(scores)[0] @ c, w_uv)
+
+
+def _expanded(q_c, q_r, c, k_r, w_uk, w_uv):
+    """The check cell's reference, copied into the student's function (the walk-through's)."""
+    from refmath.softmax import softmax_forward
+
+    keys = np.einsum("tc,hck->htk", c, w_uk)
+    values = np.einsum("tc,hcv->htv", c, w_uv)
+    scale = 1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1])
+    scores = scale * (np.einsum("hk,htk->ht", q_c, keys) + q_r @ k_r.T)
+    return np.einsum("ht,htv->hv", softmax_forward(scores)[0], values)
+
+
+def _per_head_loop(q_c, q_r, c, k_r, w_uk, w_uv):
+    from refmath.softmax import softmax_forward
+
+    out = []
+    for r in range(len(q_c)):
+        keys, values = c @ w_uk[r], c @ w_uv[r]
+        scores = (keys @ q_c[r] + k_r @ q_r[r]) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])
+        out.append(softmax_forward(scores)[0] @ values)
+    return np.stack(out)
+
+
+def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(capsys):
+    assert _said("11.3b", _absorbed, {}, capsys, strict=True).startswith("right: ")
+    for expanded in (_expanded, _per_head_loop):
+        said = _said("11.3b", expanded, {}, capsys)
+        assert said.startswith("wrong: ") and "looks like: keys c W_UK or values c W_UV" in said, said
+    assert _said("11.3b", lambda *a: ..., {}, capsys).startswith("no answer yet: ")
+    # ...and the three compute the same values (why 11.3's value check alone accepted them)
+    draw = np.random.default_rng(1)
+    args = [draw.standard_normal(s) for s in ((3, 5), (3, 2), (6, 7), (6, 2), (3, 7, 5), (3, 7, 4))]
+    np.testing.assert_allclose(_expanded(*args), _absorbed(*args), rtol=1e-12)
+    np.testing.assert_allclose(_per_head_loop(*args), _absorbed(*args), rtol=1e-12)
+
+
+# ---- 09.2: the key is the root of the equation the exercise states -------------------------------
+
+def test_09_2_the_key_is_the_root_of_the_stated_equation(capsys):
+    root = np.log(65504) - np.log(1 + np.exp(-1) + np.exp(-2))
+    assert abs(np.exp(root) * (1 + np.exp(-1) + np.exp(-2)) - 65504) < 1e-9
+    said = _said("09.2", root, {}, capsys, strict=True)
+    assert said.startswith("right: ") and said.endswith("max error 0"), said
+    assert _said("09.2", np.log(65504 / (1 + np.exp(-1) + np.exp(-2))), {}, capsys).startswith("right: ")
+    for read_off in (10.7, 10.68, 10.6836):  # the figure's grid, 4 digits, float16's own break
+        assert not _said("09.2", read_off, {}, capsys).startswith("right: "), read_off
+
+
+# ---- answers readable in the student copy before their exercise's check ---------------------------
+
+# (lesson, the exercise's check call, text that gives its answer away)
+BEFORE_THE_CHECK = [
+    ("06_encoder_decoder.py", 'check("06.4"', r"\epsilon V / (V - 1)"),
+    ("06_encoder_decoder.py", 'check("06.7"', "(4, 1)"),
+    ("08_modern_decoder_and_gqa.py", 'check("08.3"', "(5, 4)"),
+    ("07_gpt.py", 'check("07.4"', "gpt.forward(params, batch, gpt_config)"),
+]
+
+
+@pytest.mark.parametrize("lesson,call,answer", BEFORE_THE_CHECK)
+def test_the_student_copy_holds_no_answer_before_its_check(lesson, call, answer):
+    from refmath.lessons import student_copy
+
+    student = student_copy((NOTEBOOKS / lesson).read_text(), lesson)
+    assert student.count(call) == 1
+    assert answer not in student[:student.index(call)], f"{lesson}: {answer!r} before {call}"
+
+
+@pytest.mark.parametrize("lesson,literal", [
+    ("06_encoder_decoder.py", "[4.0, 1.0]"),  # 06.7's property check held the answer's row
+    ("11_latent_attention_and_memory.py", "62 + 1 + 15"),  # 11.5a's answer, below its exercise
+])
+def test_no_answer_as_a_literal_below_its_exercise(lesson, literal):
+    from refmath.lessons import student_copy
+
+    assert literal not in student_copy((NOTEBOOKS / lesson).read_text(), lesson)
+
+
+# ---- nor anywhere in the student copy's text or output: the student site executes the copies ----
+
+# An expected value that a copy prints by coincidence, not as the answer: an untrained model's loss
+# is close to ln V, and lesson 7's training curves start there, as the mean of its prefix losses does.
+COINCIDENCES = {("07_gpt.py", "mean of the prefix losses")}
+
+
+@pytest.mark.parametrize("lesson", ["06_encoder_decoder.py", "07_gpt.py",
+                                    "08_modern_decoder_and_gqa.py", "09_numerics_and_sampling.py",
+                                    "11_latent_attention_and_memory.py"])
+def test_no_expected_value_anywhere_in_an_unanswered_copy(lesson, tmp_path):
+    """test_notebooks scans what a student reads before each check; the student site shows the
+    whole executed copy at once, so a print after a check must wait for the answer too."""
+    import json
+
+    from refmath.lessons import RECORD, student_copy
+    from test_notebooks import _gives_away
+
+    text = student_copy((NOTEBOOKS / lesson).read_text(), lesson)
+    (tmp_path / lesson).write_text(text)
+    records = tmp_path / "expected.jsonl"
+    run = subprocess.run([sys.executable, lesson], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                            "OPENBLAS_NUM_THREADS": "1",
+                                            "REFMATH_LESSONS_STRICT": "0", RECORD: str(records)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    recorded = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(recorded) >= 4
+    shown = [(r["name"], _gives_away(r["value"], run.stdout) or _gives_away(r["value"], text))
+             for r in recorded if (lesson, r["name"]) not in COINCIDENCES]
+    assert not [s for s in shown if s[1]], shown
