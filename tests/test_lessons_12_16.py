@@ -1,0 +1,110 @@
+"""Lessons 12-16 as a student meets them (issue 47, walk C): the library refused where an exercise
+asks for the computation, slips named, and no answer computed or printed in the cells a student
+sees before answering.
+
+The lessons run as scripts (as tests/test_lesson_slips.py runs them), with one edit each: a planted
+answer in place of the solution, or the student copy itself, unanswered.
+"""
+import re
+import subprocess
+import sys
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from refmath import kernels
+from refmath.lessons import student_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+VERDICT = ("right: ", "wrong: ", "almost: ", "no answer yet: ")
+
+
+def _lesson(prefix):
+    return next(NOTEBOOKS.glob(f"{prefix}_*.py"))
+
+
+def _run(text, tmp_path, name="lesson.py"):
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                             "OPENBLAS_NUM_THREADS": "1",
+                                             "REFMATH_LESSONS_STRICT": "0"})
+
+
+def _planted(prefix, edits, tmp_path):
+    """The verdict lines of lesson ``prefix`` run with each ``old -> new`` of ``edits`` in place
+    (each ``old`` must occur once), and its standard output."""
+    text = _lesson(prefix).read_text()
+    for old, new in edits.items():
+        assert text.count(old) == 1, f"lesson {prefix}: {old!r} has changed"
+        text = text.replace(old, new)
+    run = _run(text, tmp_path)
+    assert run.returncode == 0, f"lesson {prefix} fails with the plant:\n{run.stderr[-3000:]}"
+    return [line for line in run.stdout.splitlines() if line.startswith(VERDICT)], run.stdout
+
+
+def _said(verdicts, name):
+    found = [v for v in verdicts if v.startswith(tuple(f"{s}{name}:" for s in VERDICT))]
+    assert found, f"no verdict on {name!r} among {verdicts}"
+    return found[0]
+
+
+# ---- lesson 12: the counts the lesson no longer computes, held to the kernel here -----------------
+
+def test_scratch_count_is_the_kernels_own_expression():
+    from refmath.lessons.expected.lesson12_from_equation_to_kernel import _forward_scratch_bytes
+
+    source = ROOT / "csrc" / "flash_cpu.cpp"
+    line = re.search(r"const idx per_thread =\s*tile::padded_floats\(([^;]*)\);", source.read_text())
+    expression = " ".join(line.group(1).split())  # the forward pass's, the first in the file
+    for d in (32, 64, 128, 256):  # C++ arithmetic on three names, which Python reads alike
+        floats = eval(expression, {}, {"kBlockQ": 128, "kBlockK": 128,
+                                       "shape": type("Shape", (), {"head_dim": d})})
+        assert 4 * (-(-floats // 16) * 16) == _forward_scratch_bytes(d), d
+
+
+@pytest.mark.skipif(not kernels.cpu_available(), reason="refmath._C is not built")
+def test_kernel_splits_follow_the_lessons_rule():
+    from refmath.lessons.expected.lesson12_from_equation_to_kernel import _cpu_splits
+
+    rng, threads = np.random.default_rng(0), kernels.cpu_threads()
+    for batch, kv_heads, n in ((1, 1, 32768), (1, 8, 8192), (4, 2, 3000)):
+        qs = rng.standard_normal((batch, 4 * kv_heads, 64)).astype(np.float32)
+        ks, vs = (rng.standard_normal((batch, kv_heads, n, 64)).astype(np.float32) for _ in "kv")
+        auto = kernels.decode(qs, ks, vs, [n] * batch)
+        rule = _cpu_splits(batch, kv_heads, n, threads)
+        same = [s for s in (rule - 1, rule, rule + 1) if s >= 1
+                and np.array_equal(auto, kernels.decode(qs, ks, vs, [n] * batch, splits=s))]
+        assert same == [rule], (batch, kv_heads, n, threads)
+
+
+SPLIT_DECODE_SOLUTION = """    alpha = np.exp(np.array(m_s) - max(m_s))
+    o = alpha @ np.array(u_s) / (alpha @ np.array(l_s))
+"""
+# 12.3 handed to the library's F2 and F3 (the walk's 7 lines): no m, l or u arithmetic of its own
+SPLIT_DECODE_BY_THE_LIBRARY = """    from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
+    state = online_softmax_block(k[:chunk] @ q / np.sqrt(d), v[:chunk])
+    for s in range(1, splits):
+        lo, hi = min(n, s * chunk), min(n, s * chunk + chunk)
+        state = online_softmax_merge(state, online_softmax_block(k[lo:hi] @ q / np.sqrt(d), v[lo:hi]))
+    o = online_softmax_result(state)
+"""
+
+
+def test_lesson_12_refuses_the_library_and_names_c_equal_1(tmp_path):
+    verdicts, out = _planted("12", {
+        SPLIT_DECODE_SOLUTION: SPLIT_DECODE_BY_THE_LIBRARY,
+        "bound_o = 2 * numpy_error + 4 * U32 * np.abs(vg).max()":
+            "bound_o = numpy_error + 4 * U32 * np.abs(vg).max()"}, tmp_path)
+    said = _said(verdicts, "your split-K decode")
+    assert said.startswith("wrong: ") and "calls refmath.softmax.online_softmax_" in said, said
+    said = _said(verdicts, "the rule's bound on o")
+    assert said.startswith("wrong: ") and "looks like: c = 1" in said, said
+    # the cells after 12.1 and 12.2 print no bound and no scratch count
+    assert not re.search(r"bound \d", out) and "KiB per thread" not in out
+    assert all(v.startswith("right: ") for v in verdicts
+               if not v.startswith(("wrong: your split-K", "wrong: the rule's bound"))), verdicts
