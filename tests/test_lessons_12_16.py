@@ -108,3 +108,48 @@ def test_lesson_12_refuses_the_library_and_names_c_equal_1(tmp_path):
     assert not re.search(r"bound \d", out) and "KiB per thread" not in out
     assert all(v.startswith("right: ") for v in verdicts
                if not v.startswith(("wrong: your split-K", "wrong: the rule's bound"))), verdicts
+
+
+# ---- lesson 14 ---------------------------------------------------------------------------------
+
+def test_lesson_14_refuses_the_library_and_names_its_slips(tmp_path):
+    # 14.1 handed to the library's decoder (a value check accepted it); 14.3 with 4-byte scales
+    verdicts, _ = _planted("14", {
+        '    logits = final @ params["lm_head"]\n':
+            '    from refmath.models import decoder\n'
+            '    logits = decoder.logits(params, tokens, config)\n',
+        "total = numbers * bits / 8 + 2 * numbers / 32": "total = numbers * bits / 8 + 4 * numbers / 32"},
+        tmp_path)
+    said = _said(verdicts, "logits of the whole decoder")
+    assert said.startswith("wrong: ") and "refmath.models.decoder.logits" in said, said
+    said = _said(verdicts, "your cache bytes")
+    assert said.startswith("wrong: ") and "looks like: 4-byte (float32) scales" in said, said
+
+
+def test_lesson_14_names_the_final_rmsnorm_forgotten(tmp_path):
+    verdicts, _ = _planted("14", {
+        '    final, _ = rmsnorm_forward(H, params["ln_f.gamma"], config.norm_eps)\n':
+            "    final = H\n"}, tmp_path)
+    said = _said(verdicts, "logits of the whole decoder")
+    assert said.startswith("wrong: ") and "looks like: the final RMSNorm forgotten" in said, said
+
+
+def test_the_mha_twin_is_the_gqa_decoder():
+    # what lesson 14 states after exercise 14.2 (and leaves to its exercise 1)
+    import dataclasses
+
+    from refmath.attention import gqa_head_map
+    from refmath.models import decoder
+
+    config = decoder.DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2,
+                                   n_heads=4, n_kv_heads=2, ffn_multiple_of=16)
+    params = decoder.init_params(config, seed=0)
+    tokens = np.random.default_rng(0).integers(0, 32, (2, 7))
+    head_of, twin = gqa_head_map(config.n_heads, config.kv_heads), dict(params)
+    for name in params:
+        if name.endswith(("attn.w_k", "attn.w_v")):
+            twin[name] = params[name].reshape(config.d_model, config.kv_heads,
+                                              config.d_h)[:, head_of].reshape(config.d_model, -1)
+    mha = dataclasses.replace(config, n_kv_heads=config.n_heads)
+    gap = np.abs(decoder.logits(twin, tokens, mha) - decoder.logits(params, tokens, config)).max()
+    assert gap <= 1e-13 * np.abs(decoder.logits(params, tokens, config)).max()
