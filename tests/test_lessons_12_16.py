@@ -153,3 +153,34 @@ def test_the_mha_twin_is_the_gqa_decoder():
     mha = dataclasses.replace(config, n_kv_heads=config.n_heads)
     gap = np.abs(decoder.logits(twin, tokens, mha) - decoder.logits(params, tokens, config)).max()
     assert gap <= 1e-13 * np.abs(decoder.logits(params, tokens, config)).max()
+
+
+# ---- lesson 15 ---------------------------------------------------------------------------------
+
+def test_lesson_15_imports_no_asked_for_function_before_its_exercise():
+    import ast
+
+    first_cell = ast.parse(_lesson("15").read_text().split("# %%")[2])  # after the header
+    imported = {alias.name for node in ast.walk(first_cell)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    for name in ("expert_load", "expert_balance_loss", "softmax_forward", "parameter_counts",
+                 "expert_parallel_traffic", "router_scores_backward", "route_backward",
+                 "active_parameters", "expert_parallel_bytes"):
+        assert name not in imported, name
+
+
+def _student_run(prefix, tmp_path):
+    run = _run(student_copy(_lesson(prefix).read_text()), tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.mark.parametrize("prefix, answers", [
+    # 15.1 ties and loads, 15.2's f, 15.4's counts, 15.5's bytes (and their rows of the token)
+    ("15", ("(2, 3, 2, 1)", "1.3333", "15,726,848", "6,289,664", "220.50 KiB", "98.00 KiB",
+            "7.00 rows", "15.75 on")),
+])
+def test_unanswered_student_copy_prints_no_answer(prefix, answers, tmp_path):
+    out = _student_run(prefix, tmp_path)
+    for answer in answers:
+        assert answer not in out, answer
