@@ -184,3 +184,41 @@ def test_unanswered_student_copy_prints_no_answer(prefix, answers, tmp_path):
     out = _student_run(prefix, tmp_path)
     for answer in answers:
         assert answer not in out, answer
+
+
+# ---- lesson 16 ---------------------------------------------------------------------------------
+
+SOFTMAX_16 = "    dx = a * (dout - np.sum(a * dout, axis=-1, keepdims=True))\n"
+
+
+def test_capstone_says_whose_backward_passes_run(tmp_path):
+    # the walk's plant: the softmax backward calls the library's, the LayerNorm backward is it
+    verdicts, out = _planted("16", {
+        SOFTMAX_16: "    from refmath.softmax import softmax_backward as library_backward\n"
+                    "    dx = library_backward(dout, cache)\n",
+        "    return dx, dgamma, dbeta\n": "    return dx, dgamma, dbeta\n\n\n"
+                                        "from refmath.norms import layernorm_backward as my_layernorm_backward\n"},
+        tmp_path)
+    assert _said(verdicts, "your softmax backward").startswith("wrong: ")
+    assert _said(verdicts, "your LayerNorm backward").startswith("wrong: ")
+    assert "softmax: the library's: yours calls refmath.softmax.softmax_backward" in out, out
+    assert "layernorm: the library's: yours is refmath.norms.layernorm_backward" in out, out
+    assert not any(v.startswith("right: ") and "your backward passes" in v for v in verdicts)
+    assert not any(v.startswith("right: your model's gradients") for v in verdicts)
+
+
+def test_capstone_names_its_slips_and_does_not_crash(tmp_path):
+    # the walk's four slips at once: each named, and the training cell ends with a sentence
+    verdicts, out = _planted("16", {
+        SOFTMAX_16: SOFTMAX_16.replace("np.sum", "np.mean"),
+        "    g = dout * cache.gamma\n": "    g = dout\n",
+        "(1 + 3 * 0.044715 * x**2)": "(1 + 0.044715 * x**2)",
+        "per_token = per_token / max(cache.n_counted, 1)": "per_token = per_token / cache.counted.size"},
+        tmp_path)
+    for name, words in (("your softmax backward", "a mean for the sum"),
+                        ("your LayerNorm backward", "gamma left out of dx"),
+                        ("your GELU backward", "the 3 of d(x^3)/dx forgotten"),
+                        ("your cross-entropy backward", "mean over every position")):
+        said = _said(verdicts, name)
+        assert said.startswith("wrong: ") and "looks like: " in said and words in said, said
+    assert "loss: first step" in out  # the training ran to its end, its figure with it
