@@ -155,6 +155,23 @@ def test_the_mha_twin_is_the_gqa_decoder():
     assert gap <= 1e-13 * np.abs(decoder.logits(params, tokens, config)).max()
 
 
+# ---- lesson 13 ---------------------------------------------------------------------------------
+
+def test_lesson_13_names_the_untied_output_left_out(tmp_path):
+    verdicts, _ = _planted("13", {
+        "tiny_count = V * d + L * per_layer + d + (V * d if untied else 0)":
+            "tiny_count = V * d + L * per_layer + d"}, tmp_path)
+    said = _said(verdicts, "this lesson's parameter count")
+    assert said.startswith("wrong: ") and "looks like: the untied output matrix left out" in said, said
+
+
+def test_lesson_13_keeps_no_answer_of_13_2_in_a_variable():
+    # the figure's matrix of equal rows and columns gave rows = same.argmax(axis=0)
+    text = _lesson("13").read_text()
+    figure = text[:text.index("**Exercise 13.2.**")]
+    assert not re.search(r"^same = ", figure, re.MULTILINE)
+
+
 # ---- lesson 15 ---------------------------------------------------------------------------------
 
 def test_lesson_15_imports_no_asked_for_function_before_its_exercise():
@@ -176,6 +193,10 @@ def _student_run(prefix, tmp_path):
 
 
 @pytest.mark.parametrize("prefix, answers", [
+    # 12.1's bound, 12.2's scratch (its count and KiB, and the markdown's 330 KB)
+    ("12", ("3.12e-06", "329,216", "329216", "321.5 KiB", "330 KB")),
+    # 13.4's decoded values, 13.5's counts (and GPT-2's size)
+    ("13", ("3.140625", "'0xC020'", "18,720", "151,880", "124,439,808", "475 MiB")),
     # 15.1 ties and loads, 15.2's f, 15.4's counts, 15.5's bytes (and their rows of the token)
     ("15", ("(2, 3, 2, 1)", "1.3333", "15,726,848", "6,289,664", "220.50 KiB", "98.00 KiB",
             "7.00 rows", "15.75 on")),
