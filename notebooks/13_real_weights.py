@@ -492,8 +492,8 @@ check("13.5b", gpt2_count)
 check("13.5c", gpt2_float32_mib)
 
 # %% [markdown]
-# In bfloat16 GPT-2 small takes half its float32 size. `benchmarks/hf_load.py` writes a checkpoint of that shape and measures the load's peak memory at
-# about 1.07 times the converted parameters. An 8B model needs about 30 GiB in float32, and the
+# In bfloat16 GPT-2 small takes half its float32 size. `benchmarks/hf_load.py` writes a checkpoint
+# of that shape and measures the load's peak memory at about 1.07 times the converted parameters. An 8B model needs about 30 GiB in float32, and the
 # activations of a forward pass on top; `python -m refmath sizes --hf DIR` gives the parameter
 # count, the KV cache per token and the training memory from the directory's own `config.json`.
 

@@ -765,8 +765,8 @@ v3_cfg = PRESETS["deepseek-v3"]
 traffics = {"64 devices": expert_parallel_traffic(v3_cfg, devices=64),
             "node-limited, 4 of 8 nodes": expert_parallel_traffic(v3_cfg, node_limited=True)}
 # the bytes a layer are 15.5's answers: shown once yours are right
-answered = all(isinstance(yours, (int, float, np.number)) and np.isclose(yours, t.per_layer, rtol=1e-12)
-               for yours, t in zip((bytes_64_devices, bytes_node_limited), traffics.values()))
+answered = all(isinstance(yours, (int, float, np.number))
+               and np.isclose(yours, t.per_layer, rtol=1e-12) for yours, t in zip((bytes_64_devices, bytes_node_limited), traffics.values()))
 if not answered:
     print("the library's traffic is shown here once 15.5a and 15.5b are right")
 for label, traffic in traffics.items() if answered else ():
@@ -776,8 +776,9 @@ for label, traffic in traffics.items() if answered else ():
 row_bytes = v3_cfg.d_model * 2
 print(f"the token's hidden row itself: {format_bytes(row_bytes)}")
 if answered:  # in rows of the token, still 15.5's answers
-    print(f"node-limited routing moves {expert_parallel_bytes(7168, 8, 8, max_devices=4) / row_bytes:.2f} "
-          f"rows a layer, {expert_parallel_bytes(7168, 8, 64) / row_bytes:.2f} on 64 devices")
+    node_limited_rows = expert_parallel_bytes(7168, 8, 8, max_devices=4) / row_bytes
+    print(f"node-limited routing moves {node_limited_rows:.2f} rows a layer, "
+          f"{expert_parallel_bytes(7168, 8, 64) / row_bytes:.2f} on 64 devices")
 
 # %% [markdown] tags=["question"]
 # **Question.** At decode with a batch of $B$ tokens, how many of a layer's experts must be read

@@ -80,7 +80,8 @@ def _tiny_count(hf_config):
     v, untied = hf_config["vocab_size"], not hf_config.get("tie_word_embeddings", False)
     slips = {"the final norm forgotten (d)": total - d}
     if untied:  # this lesson's checkpoint: its own output matrix, V x d
-        slips["the untied output matrix left out (V x d): tie_word_embeddings is false"] = total - v * d
+        slips["the untied output matrix left out (V x d): tie_word_embeddings is false"] = \
+            total - v * d
     return total, slips
 
 

@@ -33,7 +33,9 @@ def _logits_without_final_norm(params, tokens, config):
     from refmath.models import decoder
 
     norm = decoder.norm_forward
-    skip_final = lambda x, p, name, c: (x, None) if name == "ln_f" else norm(x, p, name, c)  # noqa: E731
+    def skip_final(x, p, name, c):
+        return (x, None) if name == "ln_f" else norm(x, p, name, c)
+
     with mock.patch.object(decoder, "norm_forward", skip_final):
         return decoder.logits(params, tokens, config)
 
