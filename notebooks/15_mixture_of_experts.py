@@ -48,28 +48,12 @@ from refmath.data import CharLMTask
 from refmath.ffn import sigmoid, swiglu_forward
 from refmath.lessons import catalogued, check, check_function
 from refmath.models import decoder
-from refmath.moe import (
-    MoEConfig,
-    expert_balance_loss,
-    expert_balance_loss_backward,
-    expert_load,
-    moe_backward,
-    moe_forward,
-    moe_param_shapes,
-    router_scores_backward,
-    router_z_loss,
-    routing_margin,
-)
+from refmath.moe import MoEConfig, moe_backward, moe_forward, moe_param_shapes, routing_margin
 from refmath.optim import AdamW
-from refmath.sizing import (
-    PRESETS,
-    ModelConfig,
-    expert_parallel_traffic,
-    format_bytes,
-    memory_against_compute,
-    parameter_counts,
-)
-from refmath.softmax import SoftmaxCache, softmax_backward, softmax_forward
+from refmath.sizing import PRESETS, ModelConfig, format_bytes
+
+# The functions that compute an exercise's answer (expert_load, expert_balance_loss,
+# parameter_counts, ...) are imported only after their exercise.
 
 np.set_printoptions(precision=4, suppress=True)
 
@@ -171,9 +155,7 @@ mixtral_style = MoEConfig(n_experts=4, top_k=2, d_expert=1, norm_topk=True)
 unnormalised = MoEConfig(n_experts=4, top_k=2, d_expert=1)
 
 # %% [markdown]
-# Token 2's two best tie at $3/8$; token 3's four tie at $1/4$: the lower indices win. Every
-# token's gates sum to 1, and expert loads are $(2, 3, 2, 1)$ over the $N k = 8$ choices.
-# DeepSeek-V2 restricts the choice to the best groups of experts (one group per device, E2's
+# Where probabilities tie, the lower index wins, and every token's gates sum to 1. DeepSeek-V2 restricts the choice to the best groups of experts (one group per device, E2's
 # `group_limited_greedy`), and DeepSeek-V3 adds a *bias* $b$ to the scores before choosing
 # (`noaux_tc`, section E6). With two groups $\{0, 1\}$, $\{2, 3\}$ and one kept per token, token
 # 2's groups tie at their best $3/8$ and it takes experts 1 and 0 ($3/8$ and $1/8$, gates
@@ -352,6 +334,8 @@ check_function("your gates backward", my_route_backward, route_backward,
 # (the softmax, then $x^\top dz$) give exactly the router weight's gradient of `moe_backward`.
 
 # %%
+from refmath.moe import router_scores_backward
+
 value0, cache0 = along(0.0)
 _, grads0 = moe_backward(c_dir, cache0)
 dg0 = np.array([[np.sum(c_dir[0] * cache0.experts[e].out[0]) for e in cache0.indices[0]]])
@@ -396,24 +380,6 @@ np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15
 # and each row's $\log \sum_e e^{z}$ is $\ln 8$ (the last row's $\ln 4$), so the z-loss is
 # $\frac14 (3 \cdot 9 + 4) (\ln 2)^2 = \frac{31}{4} (\ln 2)^2$.
 
-# %%
-N_even, E4, k2 = 8, 4, 2
-uniform = np.full((N_even, E4), 1 / E4)
-round_robin = np.array([[n % E4, (n + 1) % E4] for n in range(N_even)])  # each expert 4 times
-collapsed = np.tile([0.5, 0.5, 0.0, 0.0], (N_even, 1))
-to_the_first_two = np.tile([0, 1], (N_even, 1))
-at_balance = expert_balance_loss(uniform, expert_load(round_robin, E4), k2)[0]
-at_collapse = expert_balance_loss(collapsed, expert_load(to_the_first_two, E4), k2)[0]
-worked_load = expert_load(route(worked_probs, mixtral_style)[0], 4)
-worked_balance = expert_balance_loss(worked_probs, worked_load, 2)[0]
-worked_z = router_z_loss(worked_logits)[0]
-print(f"balanced: {at_balance:.4f}   collapsed onto 2 of 4: {at_collapse:.4f} (E / k = {E4 / k2})")
-print(f"worked example: load {worked_load}, L_ExpBal {worked_balance:.4f}, z-loss {worked_z:.6f} "
-      f"= 31/4 (ln 2)^2 = {31 / 4 * np.log(2) ** 2:.6f}")
-assert at_balance == 1.0 and at_collapse == E4 / k2
-np.testing.assert_array_equal(worked_load, [2, 3, 2, 1])
-np.testing.assert_allclose([worked_balance, worked_z], [1.0, 31 / 4 * np.log(2) ** 2], rtol=1e-14)
-
 # %% [markdown]
 # **Exercise 15.2.** Six tokens, four experts, top-2, with the router probabilities below (no ties
 # among the two best of any row). Compute the load of each expert and $\mathcal L_{\text{ExpBal}}$.
@@ -440,7 +406,26 @@ check("15.2a", load6_by_hand)
 check("15.2b", balance_loss_by_hand)
 
 # %%
-load6 = expert_load(route(probs6, unnormalised)[0], 4)  # after the exercise: used below
+# After the exercise: the library's load and balance loss, on the examples of the section
+from refmath.moe import expert_balance_loss, expert_load, router_z_loss
+
+N_even, E4, k2 = 8, 4, 2
+uniform = np.full((N_even, E4), 1 / E4)
+round_robin = np.array([[n % E4, (n + 1) % E4] for n in range(N_even)])  # each expert 4 times
+collapsed = np.tile([0.5, 0.5, 0.0, 0.0], (N_even, 1))
+to_the_first_two = np.tile([0, 1], (N_even, 1))
+at_balance = expert_balance_loss(uniform, expert_load(round_robin, E4), k2)[0]
+at_collapse = expert_balance_loss(collapsed, expert_load(to_the_first_two, E4), k2)[0]
+worked_load = expert_load(route(worked_probs, mixtral_style)[0], 4)
+worked_balance = expert_balance_loss(worked_probs, worked_load, 2)[0]
+worked_z = router_z_loss(worked_logits)[0]
+print(f"balanced: {at_balance:.4f}   collapsed onto 2 of 4: {at_collapse:.4f} (E / k = {E4 / k2})")
+print(f"worked example: load {worked_load}, L_ExpBal {worked_balance:.4f}, z-loss {worked_z:.6f} "
+      f"= 31/4 (ln 2)^2 = {31 / 4 * np.log(2) ** 2:.6f}")
+assert at_balance == 1.0 and at_collapse == E4 / k2
+np.testing.assert_array_equal(worked_load, [2, 3, 2, 1])
+np.testing.assert_allclose([worked_balance, worked_z], [1.0, 31 / 4 * np.log(2) ** 2], rtol=1e-14)
+load6 = expert_load(route(probs6, unnormalised)[0], 4)  # used below
 
 # %% [markdown]
 # The load is a count of a selection, piecewise constant like the selection itself: no gradient
@@ -448,14 +433,17 @@ load6 = expert_load(route(probs6, unnormalised)[0], 4)  # after the exercise: us
 # $\partial \mathcal L / \partial p_{n,i} = f_i / N$, and through the softmax (A5)
 # $\partial \mathcal L / \partial z_{n,i} = p_{n,i}\,(f_i - \sum_u p_{n,u} f_u) / N$: positive
 # for the experts loaded above the token's probability-weighted average, whose logits gradient
-# descent therefore lowers, negative for the others. Here expert 3 ($f = 1/3$) gains on every
-# token and experts 0 and 1 ($f = 4/3$) lose.
+# descent therefore lowers, negative for the others. Here the least loaded expert gains on every
+# token and the two most loaded lose (the signs below).
 
 # %%
+from refmath.moe import expert_balance_loss_backward
+from refmath.softmax import SoftmaxCache, softmax_backward
+
 _, balance_cache = expert_balance_loss(probs6, load6, 2)
 dz6 = softmax_backward(expert_balance_loss_backward(1.0, balance_cache), SoftmaxCache(probs6))
 f_of_6 = 4 / (2 * 6) * load6
-print("f =", f_of_6, "\ndL/dz per token:\n", dz6)
+print("sign of dL/dz per token (rows) and expert (columns):\n", np.sign(dz6).astype(int))
 np.testing.assert_array_equal(np.sign(dz6), np.sign(f_of_6 - probs6 @ f_of_6[:, None]))
 assert np.all(dz6[:, 3] < 0) and np.all(dz6[:, :2] > 0)
 
@@ -668,14 +656,18 @@ check("15.4a", toy_total)
 check("15.4b", toy_active)
 
 # %%
-from refmath.sizing import active_parameters
+from refmath.sizing import active_parameters, parameter_counts
 
 toy = ModelConfig("toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, head_dim=64,
                   vocab_size=1000, moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1))
 toy_counts = active_parameters(toy)
-print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
-      f"({toy_counts.active / toy_counts.total:.0%})")
 assert parameter_counts(toy).total == toy_counts.total
+if all(isinstance(yours, (int, float, np.number)) and yours == counted  # shown once 15.4 is right
+       for yours, counted in ((toy_total, toy_counts.total), (toy_active, toy_counts.active))):
+    print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
+          f"({toy_counts.active / toy_counts.total:.0%}): the library agrees")
+else:
+    print("the library's counts are compared here once 15.4a and 15.4b are right")
 
 # %% [markdown]
 # The same count for three published models:
@@ -707,6 +699,8 @@ assert round(v3.total / 1e9) == 671 and round(v3.matmul / 1e9) == 37
 # $b P$ bytes: a dense model holds about $b/2$ bytes per FLOP of a token, an MoE many more.
 
 # %%
+from refmath.sizing import memory_against_compute
+
 rows = {}
 for name in ("llama-3-8b", "mixtral-8x7b", "deepseek-v2", "deepseek-v3"):
     m = memory_against_compute(PRESETS[name])
@@ -765,19 +759,26 @@ check("15.5a", bytes_64_devices)
 check("15.5b", bytes_node_limited)
 
 # %%
-from refmath.sizing import expert_parallel_bytes
+from refmath.sizing import expert_parallel_bytes, expert_parallel_traffic
 
 v3_cfg = PRESETS["deepseek-v3"]
-for label, traffic in (("64 devices", expert_parallel_traffic(v3_cfg, devices=64)),
-                       ("node-limited, 4 of 8 nodes", expert_parallel_traffic(v3_cfg,
-                                                                              node_limited=True))):
+traffics = {"64 devices": expert_parallel_traffic(v3_cfg, devices=64),
+            "node-limited, 4 of 8 nodes": expert_parallel_traffic(v3_cfg, node_limited=True)}
+# the bytes a layer are 15.5's answers: shown once yours are right
+answered = all(isinstance(yours, (int, float, np.number))
+               and np.isclose(yours, t.per_layer, rtol=1e-12) for yours, t in zip((bytes_64_devices, bytes_node_limited), traffics.values()))
+if not answered:
+    print("the library's traffic is shown here once 15.5a and 15.5b are right")
+for label, traffic in traffics.items() if answered else ():
     print(f"{label:28s} {format_bytes(traffic.per_layer):>10s} a layer, "
           f"{format_bytes(traffic.per_token):>10s} a token through the "
           f"{v3_cfg.moe_layers} MoE layers")
 row_bytes = v3_cfg.d_model * 2
-print(f"the token's hidden row itself: {format_bytes(row_bytes)}; node-limited routing moves "
-      f"{expert_parallel_bytes(7168, 8, 8, max_devices=4) / row_bytes:.2f} rows a layer, "
-      f"{expert_parallel_bytes(7168, 8, 64) / row_bytes:.2f} on 64 devices")
+print(f"the token's hidden row itself: {format_bytes(row_bytes)}")
+if answered:  # in rows of the token, still 15.5's answers
+    node_limited_rows = expert_parallel_bytes(7168, 8, 8, max_devices=4) / row_bytes
+    print(f"node-limited routing moves {node_limited_rows:.2f} rows a layer, "
+          f"{expert_parallel_bytes(7168, 8, 64) / row_bytes:.2f} on 64 devices")
 
 # %% [markdown] tags=["question"]
 # **Question.** At decode with a batch of $B$ tokens, how many of a layer's experts must be read

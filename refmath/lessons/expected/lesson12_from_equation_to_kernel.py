@@ -13,7 +13,7 @@ __all__ = []
 
 def _forward_scratch_bytes(d: int, block_q: int = 128, block_k: int = 128, leave_out=()) -> int:
     """Bytes of one thread's scratch in the C++ forward pass (csrc/flash_cpu.cpp), padded to 16
-    floats; the lesson checks the same count against the kernel's own expression."""
+    floats; tests/test_lessons_12_16.py holds the kernel's own expression to the same count."""
     parts = {"S": block_q * block_k, "U": block_q * d, "PV": block_q * d,
              "m, l, alpha": 3 * block_q, "KT": d * block_k, "Vs": block_k * d}
     floats = sum(n for name, n in parts.items() if name not in leave_out)
@@ -37,8 +37,8 @@ def _scratch_bytes():
 
 
 def _cpu_splits(batch: int, kv_heads: int, longest: int, threads: int) -> int:
-    """choose_splits of csrc/decode_cpu.cpp for a contiguous cache (the lesson checks it against
-    the kernel's choice)."""
+    """choose_splits of csrc/decode_cpu.cpp for a contiguous cache (tests/test_lessons_12_16.py
+    holds the kernel's choice to it)."""
     if threads == 1:
         return 1
     return max(1, min(-(-8 * threads // (batch * kv_heads)), longest // 512))
@@ -67,6 +67,7 @@ def _float32_bound(ref_o, np32_o, vg):
         "u = 2^-23: that is the gap after 1, the unit roundoff is half of it":
             2 * error + 4 * 2.0**-23 * big_v,
         "the floor 4 u M left out": 2 * error,
+        "c = 1: an output's factor is 2": error + 4 * u * big_v,
         "c = 3, the factor of the gradients": 3 * error + 4 * u * big_v,
         "M = max |o|: the floor is set by the values summed, max |v|":
             2 * error + 4 * u * float(np.abs(ref_o).max()),

@@ -77,7 +77,12 @@ def _tiny_count(hf_config):
 
     total = hf_parameter_count(hf_config)
     d = hf_config["hidden_size"]
-    return total, {"the final norm forgotten (d)": total - d}
+    v, untied = hf_config["vocab_size"], not hf_config.get("tie_word_embeddings", False)
+    slips = {"the final norm forgotten (d)": total - d}
+    if untied:  # this lesson's checkpoint: its own output matrix, V x d
+        slips["the untied output matrix left out (V x d): tie_word_embeddings is false"] = \
+            total - v * d
+    return total, slips
 
 
 @exercise("13.5b", "GPT-2 small's parameter count", _REAL_NEEDS,

@@ -5,21 +5,90 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
-# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
-__all__ = []
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; the lesson imports only the
+# reference and slips of 14.3 by name, after its exercise (its check cell is a check_function call).
+__all__ = ["cache_bytes_reference", "cache_bytes_scales_left_out", "cache_bytes_with_float32_scales"]
 
 
-@exercise("14.1", "logits of the whole decoder", "the section 'The recurrence'",
-          "rotate Q and K after splitting heads; values are never rotated",
-          uses=("params", "tokens", "config"), rtol=1e-10, atol=1e-12)
-def _decoder_logits(params, tokens, config):
+def _decoder_inputs():
+    """The lesson's model and tokens (config, init_params(seed=0), default_rng(0)'s tokens), and an
+    MQA model of one layer on one shorter sequence: ``(params, tokens, config)`` each."""
+    from refmath.models.decoder import DecoderConfig, init_params
+
+    lesson = DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                           n_kv_heads=2, ffn_multiple_of=16)
+    mqa = DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=1, n_heads=4,
+                        n_kv_heads=1, ffn_multiple_of=16)
+    return [(init_params(lesson, seed=0), np.random.default_rng(0).integers(0, 32, (2, 7)), lesson),
+            (init_params(mqa, seed=1), np.random.default_rng(1).integers(0, 32, (1, 5)), mqa)]
+
+
+def _logits_without_final_norm(params, tokens, config):
+    """A slip: the logits of the last layer's output itself, RMSNorm_final left out (the library's
+    decoder with its final norm, and only that one, made the identity)."""
+    from unittest import mock
+
     from refmath.models import decoder
 
-    return decoder.logits(params, tokens, config), catalogued(
-        "sdpa: the 1/sqrt(d_k) scale missing from the scores",
-        lambda: decoder.logits(params, tokens, config))
+    norm = decoder.norm_forward
+    def skip_final(x, p, name, c):
+        return (x, None) if name == "ln_f" else norm(x, p, name, c)
+
+    with mock.patch.object(decoder, "norm_forward", skip_final):
+        return decoder.logits(params, tokens, config)
+
+
+@function_exercise("14.1", "logits of the whole decoder", "the section 'The recurrence'",
+                   "rotate Q and K after splitting heads; values are never rotated")
+def _decoder_logits():
+    from refmath.models import decoder
+
+    # the library's decoder is the reference; its other ways in are refused as well
+    return dict(reference=decoder.logits, inputs=_decoder_inputs, rtol=1e-10,
+                reference_name="refmath's decoder.logits",
+                refuse=(decoder.decoder_logits, decoder.decoder_forward, decoder.forward,
+                        decoder.layer_forward, decoder.block_forward, decoder.head),
+                slips={**catalogued("sdpa: the 1/sqrt(d_k) scale missing from the scores",
+                                    decoder.logits),
+                       "the final RMSNorm forgotten: the logits come from RMSNorm_final(H^(L))":
+                           _logits_without_final_norm})
+
+
+def cache_bytes_reference(shape, context, batch, bits=None):
+    """Exercise 14.3's reference: the KV-cache bytes a decode step reads, from
+    :func:`refmath.sizing.decode_step_traffic` (bf16) or
+    :func:`refmath.sizing.quantized_kv_cache_bytes` (``bits`` bits in groups of 32, a 2-byte scale
+    each), the window's last ``w`` tokens only on a sliding-window shape."""
+    from refmath.sizing import decode_step_traffic
+
+    if bits is None:
+        return decode_step_traffic(shape, context, batch).cache_bytes
+    return _quantized(shape, context, batch, bits).total
+
+
+def _quantized(shape, context, batch, bits):
+    from refmath.sizing import quantized_kv_cache_bytes
+
+    kept = min(context, shape.sliding_window or context)
+    return quantized_kv_cache_bytes(batch, shape.n_layers, kept, shape.kv_heads, shape.head_dim,
+                                    bits=bits, group_size=32)
+
+
+def cache_bytes_scales_left_out(shape, context, batch, bits=None):
+    """A slip of 14.3: the quantised payload alone, without the scales."""
+    if bits is None:
+        return cache_bytes_reference(shape, context, batch)
+    return _quantized(shape, context, batch, bits).payload
+
+
+def cache_bytes_with_float32_scales(shape, context, batch, bits=None):
+    """A slip of 14.3: one 4-byte (float32) scale per group of 32, where refmath's are 2 bytes."""
+    if bits is None:
+        return cache_bytes_reference(shape, context, batch)
+    quantized = _quantized(shape, context, batch, bits)
+    return quantized.payload + 2 * quantized.scales
 
 
 def _twin_w_k(params, config, heads):
