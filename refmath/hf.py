@@ -41,7 +41,6 @@ format.
                                                      QK-norm over the whole projections
 ``gemma``                           ``"gemma"``      ``(1 + w)`` norms, embeddings times
                                                      :math:`\sqrt d`, GeGLU, tied head
-                                                     (or its own ``lm_head``: untied)
 ``gemma2``                          ``"gemma"``      plus sandwich norms, capped scores and
                                                      logits, ``query_pre_attn_scalar``, local and
                                                      global layers (``windows``)

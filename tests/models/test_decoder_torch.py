@@ -90,7 +90,7 @@ def gemma_view(config: gemma.GemmaConfig) -> SimpleNamespace:
     return SimpleNamespace(
         **{**dataclasses.asdict(config), "rope_scaling": config.rope_scaling},
         kv_heads=config.kv_heads, d_h=config.d_h, norm_offset=1.0, embed_scale=True, ffn="geglu",
-        sandwich_norms=config.sandwich_norms, qk_norm=config.qk_norm,
+        sandwich_norms=config.sandwich_norms, qk_norm=config.qk_norm, tie_embeddings=True,
         dropout=0.0, moe=None, qkv_bias=False, sliding_window=window,
         window_layers=None if window is None else tuple(w is not None for w in windows))
 
@@ -246,8 +246,6 @@ GEMMA_CASES = {
     "Gemma 3: QK-norm, local layer with its own RoPE base": dict(
         n_kv_heads=2, generation=3, windows=(None, 3), local_rope_base=100.0,
         rope_scaling=dict(rope_type="linear", factor=4.0)),
-    "Gemma 2: its own lm_head (untied), capped logits": dict(
-        n_kv_heads=2, generation=2, final_softcap=2.0, tie_embeddings=False),
 }
 
 

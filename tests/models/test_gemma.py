@@ -114,7 +114,7 @@ def test_config_round_trips_through_json():
     (dict(local_rope_base=100.0), "local_rope_base"),
     (dict(attn_softcap=0.0), "attn_softcap"),
     (dict(qk_norm="head"), "qk_norm"),
-    (dict(tie_embeddings=1), "tie_embeddings"),
+    (dict(tie_embeddings=False), "tie_embeddings"),
 ])
 def test_options_are_checked_naming_the_field(overrides, message):
     with pytest.raises((ValueError, TypeError), match=message):
