@@ -45,6 +45,7 @@ from refmath.attention import (ATTENTION_BACKENDS, CausalAttentionCache, causal_
 from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath.losses import CrossEntropyCache
+from refmath.models import check_config
 from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models.network import layers_backward, layers_forward, table_gradients
@@ -107,17 +108,11 @@ TRAINING_RECIPE = TrainingRecipe(
 _NORM = "layernorm_no_bias"
 
 
-def _check_config(config) -> None:
-    if type(config) is not CohereConfig:  # exactly: a subclass may add fields this file ignores
-        raise TypeError(f"config must be a CohereConfig (exactly that class, not a subclass), "
-                        f"got {type(config).__name__}")
-
-
 # ---- parameters ----------------------------------------------------------------------------------
 
 def param_shapes(config: CohereConfig) -> dict:
     """``{name: shape}`` of every parameter (see the module docstring)."""
-    _check_config(config)
+    check_config("cohere", config)
     d, h, g, d_h, f = config.d_model, config.n_heads, config.kv_heads, config.d_h, config.d_ff
     shapes = {"tok_emb": (config.vocab_size, d)}
     for i in range(config.n_layers):

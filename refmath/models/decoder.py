@@ -56,6 +56,7 @@ from refmath.embedding import EmbeddingCache, embedding_backward, embedding_forw
 from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
 from refmath import moe as moe_ops
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache
+from refmath.models import check_config
 from refmath.models import blocks
 # the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
 # under this module's name too (their paths before the split)
@@ -164,7 +165,7 @@ def init_params(config: DecoderConfig, seed=0, dtype=np.float64) -> dict:
     independent of depth (with ``moe``: each expert's and the shared experts' ``w_down`` too).
     RMSNorm gains start at 1, biases (``qkv_bias``, a router's selection bias) at 0.
     """
-    _check_config(config)
+    check_config("llama", config)
     return init_decoder_params(config, seed, dtype, ROPE_GQA)
 
 
@@ -328,12 +329,6 @@ def layer_states(cache: DecoderCache) -> list:
 # ---- the M3 model: the contract's functions --------------------------------------------------------
 
 
-def _check_config(config) -> None:
-    if type(config) is not DecoderConfig:  # exactly: a subclass may add fields this file ignores
-        raise TypeError(f"config must be a DecoderConfig (exactly that class, not a subclass), "
-                        f"got {type(config).__name__}")
-
-
 def forward(params, batch, config: DecoderConfig, train: bool = False, rng=None):
     r"""Loss of the M3 decoder on a batch: ``(loss, cache)`` (catalogue M3, L2, L5).
 
@@ -350,7 +345,7 @@ def forward(params, batch, config: DecoderConfig, train: bool = False, rng=None)
     the residual dropout masks are drawn from ``rng`` (a ``numpy.random.Generator``) and kept in the
     cache, so :func:`backward` is exact for them.
     """
-    _check_config(config)
+    check_config("llama", config)
     return lm_forward(params, batch, config, ROPE_GQA, train, rng)
 
 
@@ -372,7 +367,7 @@ def decoder_logits(params, tokens, config, attention: AttentionOps) -> np.ndarra
 
 def logits(params, tokens, config: DecoderConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
-    _check_config(config)
+    check_config("llama", config)
     return decoder_logits(params, tokens, config, ROPE_GQA)
 
 

@@ -45,6 +45,7 @@ from refmath._validate import check_choice, check_field, check_flag, check_int, 
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import embedding_forward
 from refmath.ffn import linear_forward, matmul_rows_many
+from refmath.models import check_config
 from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models import network
@@ -187,12 +188,6 @@ TRAINING_RECIPE = TrainingRecipe(
     steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
 
 
-def _check_config(config) -> None:
-    if type(config) is not FalconConfig:  # exactly: a subclass may add fields this file ignores
-        raise TypeError(f"config must be a FalconConfig (exactly that class, not a subclass), "
-                        f"got {type(config).__name__}")
-
-
 # ---- parameters ----------------------------------------------------------------------------------
 
 def _norm_shapes(config: FalconConfig, name: str) -> dict:
@@ -202,7 +197,7 @@ def _norm_shapes(config: FalconConfig, name: str) -> dict:
 
 def param_shapes(config: FalconConfig) -> dict:
     """``{name: shape}`` of every parameter (see the module docstring), in order."""
-    _check_config(config)
+    check_config("falcon", config)
     d, f = config.d_model, config.d_f
     ffn = {"w_up": (d, f), "w_down": (f, d)}
     if config.ffn == "swiglu":

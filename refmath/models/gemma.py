@@ -58,6 +58,7 @@ from refmath.ffn import (LinearCache, SoftcapCache, linear_backward, linear_forw
                          matmul_rows_many,
                          softcap_backward, softcap_forward)
 from refmath.losses import CrossEntropyCache
+from refmath.models import check_config
 from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models.network import layers_backward, layers_forward, table_gradients
@@ -229,17 +230,11 @@ TRAINING_RECIPE = TrainingRecipe(
     steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
 
 
-def _check_config(config) -> None:
-    if type(config) is not GemmaConfig:  # exactly: a subclass may add fields this file ignores
-        raise TypeError(f"config must be a GemmaConfig (exactly that class, not a subclass), "
-                        f"got {type(config).__name__}")
-
-
 # ---- parameters ----------------------------------------------------------------------------------
 
 def param_shapes(config: GemmaConfig) -> dict:
     """``{name: shape}`` of every parameter (see the module docstring), in order."""
-    _check_config(config)
+    check_config("gemma", config)
     d, f = config.d_model, config.d_f
     post = config.sandwich_norms
     attn = {"attn." + k: v for k, v in rope_attention_shapes(config).items()}
@@ -595,7 +590,7 @@ def to_hf(config: GemmaConfig, params: dict):
     ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM`` (by ``generation``), through the same
     :func:`key_table` the reader reads; an ``"interleaved"`` RoPE layout is permuted to Hugging
     Face's (:func:`refmath.models.hf_layout.interleaved_to_half`)."""
-    _check_config(config)
+    check_config("gemma", config)
     kind = HF_MODEL_TYPES[config.generation - 1]
     rope_parameters, context = rope_to_hf(config.rope_base, config.rope_scaling)
     hf = {"model_type": kind, "architectures": [_ARCHITECTURES[kind]],

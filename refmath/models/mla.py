@@ -55,6 +55,7 @@ from refmath._validate import check_field, check_flag, check_int, check_real
 from refmath.attention import (SDPACache, causal_mask, merge_heads, sdpa_backward, sdpa_forward,
                                split_heads)
 from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
+from refmath.models import check_config
 from refmath.models import decoder
 from refmath.models.hf_layout import (DEEPSEEK_EXPERTS, HFCheckpointError, join_heads_columns,
                                       linear_out, refuse, refuse_common, require, rope_from_hf,
@@ -366,12 +367,6 @@ MLA = AttentionOps(mla_shapes, mla_forward, mla_backward, mla_state, mla_cached)
 # ---- the M4 model: the contract's functions --------------------------------------------------------
 
 
-def _check_config(config) -> None:
-    if type(config) is not MLAConfig:  # exactly: a subclass may add fields this file ignores
-        raise TypeError(f"config must be an MLAConfig (exactly that class, not a subclass), "
-                        f"got {type(config).__name__}")
-
-
 def param_shapes(config: MLAConfig) -> dict:
     """``{name: shape}`` of every M4 parameter: M3's names with the attention of the module
     docstring."""
@@ -382,14 +377,14 @@ def init_params(config: MLAConfig, seed=0, dtype=np.float64) -> dict:
     r"""Initial parameters of the M4 decoder: :math:`\mathcal N(0, \sigma^2)` weights and
     embeddings (``config.init_std``), :math:`\sigma/\sqrt{2L}` for ``attn.w_o`` and ``ffn.w_down``,
     gains 1 (as :func:`refmath.models.decoder.init_params`)."""
-    _check_config(config)
+    check_config("mla", config)
     return init_decoder_params(config, seed, dtype, MLA)
 
 
 def forward(params, batch, config: MLAConfig, train: bool = False, rng=None):
     """Loss of the M4 decoder on a batch: ``(loss, cache)``; batch, dropout and loss as in
     :func:`refmath.models.decoder.forward` (M4, L2, L5)."""
-    _check_config(config)
+    check_config("mla", config)
     return lm_forward(params, batch, config, MLA, train, rng)
 
 
@@ -400,7 +395,7 @@ def backward(cache: DecoderCache) -> dict:
 
 def logits(params, tokens, config: MLAConfig) -> np.ndarray:
     """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
-    _check_config(config)
+    check_config("mla", config)
     return decoder.decoder_logits(params, tokens, config, MLA)
 
 

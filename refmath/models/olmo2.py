@@ -41,6 +41,7 @@ from refmath._validate import check_choice, check_field, check_flag, check_int, 
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.embedding import embedding_forward
 from refmath.ffn import linear_forward, matmul_rows_many, swiglu_hidden_size
+from refmath.models import check_config
 from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models import network
@@ -150,17 +151,11 @@ TRAINING_RECIPE = TrainingRecipe(
     steps=1000, batch_size=32, lr=3e-3, tasks=("chars", "reverse-lm"))
 
 
-def _check_config(config) -> None:
-    if type(config) is not OLMo2Config:  # exactly: a subclass may add fields this file ignores
-        raise TypeError(f"config must be an OLMo2Config (exactly that class, not a subclass), "
-                        f"got {type(config).__name__}")
-
-
 # ---- parameters ----------------------------------------------------------------------------------
 
 def param_shapes(config: OLMo2Config) -> dict:
     """``{name: shape}`` of every parameter (see the module docstring), in order."""
-    _check_config(config)
+    check_config("olmo2", config)
     d, f = config.d_model, config.d_f
     layer = {**{"attn." + k: v for k, v in rope_attention_shapes(config).items()},
              "ln1_post.gamma": (d,), "ln2_post.gamma": (d,),
