@@ -68,7 +68,7 @@ def test_nan_expected_where_nan_is_given_is_right():
 
 def test_strict_mode_raises_on_a_wrong_answer(monkeypatch):
     monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
-    with pytest.raises(AssertionError, match="wrong: s: got/expected 2"):
+    with pytest.raises(AssertionError, match="wrong: s: your answer is 2 times the expected value"):
         check_close("s", 2.0, 1.0)
     with pytest.raises(AssertionError, match="no answer yet: s"):
         check_close("s", ..., 1.0)
@@ -92,22 +92,55 @@ def test_a_verdict_is_true_when_right_and_jupyter_shows_nothing_of_it(capsys):
     assert not check_close("x", 2.0, 1.0) and "Verdict('wrong: x" in repr(check_close("x", 2.0, 1.0))
 
 
-def test_a_scalar_gets_the_ratio_and_not_the_expected_value(capsys):
-    assert not check_close("the loss", 2.5 * 4.0 / 3.0, 4.0 / 3.0, rtol=1e-12)
+def test_a_scalar_gets_a_factor_that_names_a_slip_and_never_the_ratio(capsys):
+    # a factor that names a slip (a forgotten 1/2, sqrt(d_k), a mean over 3 rows) is said exactly
+    assert not check_close("the loss", 2.0 * 4.0 / 3.0, 4.0 / 3.0, rtol=1e-12)
     out = capsys.readouterr().out
-    assert "got/expected 2.5" in out and "1.33" not in out
+    assert "your answer is 2 times the expected value" in out and "1.33" not in out
+    assert "1/sqrt(8) times" in check_close("dQ", 0.3 / np.sqrt(8), 0.3).line
+    assert "3/2 times" in check_close("n", 1.5 * 0.7, 0.7).line
     assert not check_close("the loss", -0.75, 0.75)
     assert "the sign is flipped" in capsys.readouterr().out
+    # any other ratio only gets a bracket: 2.47 x 4/3 is "between 2 and 3", not "2.47"
+    line = check_close("the loss", 2.47 * 4.0 / 3.0, 4.0 / 3.0, rtol=1e-12).line
+    assert "too large by a factor between 2 and 3" in line and "2.4" not in line
+    assert "too small by a factor between 1.5 and 2" in check_close("w", 0.659, 1.0).line
     # a near miss does not print "got/expected 1", nor the digits that would make it right
     near = check_close("the loss", 0.60502, 0.99**50, rtol=1e-12).line
-    assert "got/expected 1.00, off by less than 0.5%, beyond the tolerance of 1e-12" in near
+    assert "too large by less than a factor 1.1, beyond the tolerance of 1e-12" in near
     assert "0.605" not in near
+
+
+@pytest.mark.parametrize("rtol", [1e-12, 1e-6, 1e-3, 0.02, 0.09])
+def test_no_wrong_scalar_verdict_lets_the_expected_value_be_recovered(rtol):
+    """A wrong answer's verdict cannot be inverted into the expected value to the tolerance: for
+    every ratio got/expected that is not a factor naming a slip (an integer, its reciprocal, a
+    square root, p/q), a second expected value, further from the true one than a factor
+    (1 + rtol) / (1 - rtol), gives the same student answer the very same line: no single guess lies
+    within the tolerance of both, so the line does not give the expected value away."""
+    from refmath.lessons.checks import _named_factor
+
+    expected = 0.8137
+    draw = np.random.default_rng(0)
+    ratios = np.concatenate([[0.659, 1.0001, 0.995, 1.013, 1.3, 2.47, 37.2, 1e5, -0.4, -3.3],
+                             np.exp(draw.uniform(-8, 8, 300)) * draw.choice([-1, 1], 300)])
+    apart = (1 + rtol) / (1 - rtol) * 1.001
+    for c in ratios:
+        got = float(c * expected)
+        verdict = check_close("x", got, expected, rtol=rtol)
+        if verdict or _named_factor(c) is not None:
+            continue
+        assert "0.81" not in verdict.line, verdict.line
+        others = [check_close("x", got, expected * f, rtol=rtol).line for f in (apart, 1 / apart)]
+        assert verdict.line in others, (c, rtol, verdict.line, others)
 
 
 def test_an_array_that_is_a_multiple_gets_the_factor():
     expected = np.array([[0.5, -1.0], [0.0, 2.0]])
-    assert "times 0.125" in check_close("dV", expected / 8, expected).line
+    assert "times 1/8" in check_close("dV", expected / 8, expected).line
     assert "sign is flipped everywhere" in check_close("dV", -expected, expected).line
+    assert "too small by a factor between 1.1 and 1.25" in check_close("dV", expected / 1.17,
+                                                                        expected).line
 
 
 def test_a_printed_rounding_is_right_to_the_printed_precision_and_not_accepted():
@@ -117,7 +150,7 @@ def test_a_printed_rounding_is_right_to_the_printed_precision_and_not_accepted()
                                                    "(1 decimal); keep full precision")
     assert "(3 decimals)" in check_close("x log2 e", 4.328, 3 * np.log2(np.e), rtol=1e-12).line
     # a coarse rounding (0.6 for 0.605) is not a copied print but a wrong answer
-    assert check_close("w", 0.6, 0.99**50, rtol=1e-12).line.startswith("wrong: w: got/expected")
+    assert check_close("w", 0.6, 0.99**50, rtol=1e-12).line.startswith("wrong: w: too small by")
 
 
 def test_a_known_slip_is_named_before_anything_else(capsys):
@@ -370,7 +403,7 @@ def test_a_wrong_backward_names_its_slip_and_the_failing_gradient_check():
     assert "the gradient check fails on layernorm[rows (3, 8)]: dbeta has relative error" in verdict.line
     # without the slip the diagnosis is the ratio of the output that differs
     plain = check_function("LN", averaged, layernorm_backward, case="layernorm[rows (3, 8)]").line
-    assert "dbeta on layernorm[rows (3, 8)]: your answer is the expected one times 0.333" in plain
+    assert "dbeta on layernorm[rows (3, 8)]: your answer is the expected one times 1/3" in plain
 
 
 def test_a_function_that_raises_or_returns_the_wrong_kind_is_wrong_and_says_where():
