@@ -205,40 +205,7 @@ def my_attention(Q, K, V, mask=None):
 # %%
 from refmath.attention import sdpa_forward
 
-
-def refmath_attention(Q, K, V, mask=None):
-    """The reference: refmath's sdpa_forward, its output only."""
-    return sdpa_forward(Q, K, V, mask=mask)[0]
-
-
-def attention_inputs():
-    draw = np.random.default_rng(1)
-    Q, K, V = draw.standard_normal((4, 8)), draw.standard_normal((4, 8)), draw.standard_normal((4, 3))
-    cross_mask = np.zeros((2, 5))
-    cross_mask[:, 3] = -np.inf  # key 3 is padding
-    return [(Q, K, V, None), (Q, K, V, causal_mask(4)),
-            (draw.standard_normal((2, 16)), draw.standard_normal((5, 16)),
-             draw.standard_normal((5, 2)), cross_mask)]
-
-
-def column_softmax_attention(Q, K, V, mask=None):
-    """The slip: the softmax taken down each column (over the queries)."""
-    scores = Q @ K.T / np.sqrt(Q.shape[-1]) + (0.0 if mask is None else mask)
-    finite = np.where(np.isneginf(scores), -np.inf, scores - np.max(scores, axis=0, keepdims=True))
-    e = np.exp(finite)
-    return (e / e.sum(axis=0, keepdims=True)) @ V
-
-
-check_function("your attention forward", my_attention, refmath_attention, inputs=attention_inputs,
-               rtol=1e-12, reference_name="refmath's sdpa_forward",
-               hint="scores = Q K^T / sqrt(d_k) + mask; softmax along axis -1; then @ V",
-               slips={**catalogued("sdpa: the 1/sqrt(d_k) scale missing from the scores",
-                                   refmath_attention),
-                      "divided by d_k, not by sqrt(d_k)": lambda Q, K, V, mask=None:
-                          sdpa_forward(Q, K, V, mask=mask, scale=1 / Q.shape[-1])[0],
-                      "the mask ignored": lambda Q, K, V, mask=None: sdpa_forward(Q, K, V)[0],
-                      "the softmax down each column (over the queries), not along each row":
-                          column_softmax_attention})
+check("01.2", my_attention)
 
 # %% [markdown]
 # That is the library's `sdpa_forward`, which returns the output and a cache for the backward pass
@@ -321,24 +288,7 @@ def my_softmax_backward(dout, cache):
 
 
 # %%
-from refmath.softmax import softmax_backward
-
-def torch_softmax(x):
-    """The oracle: torch's softmax, as refmath treats masked rows (used only where torch is)."""
-    import torch
-
-    return torch.softmax(x.clamp(min=torch.finfo(x.dtype).min), -1) * ~torch.isneginf(x)
-
-
-check_function("your softmax backward", my_softmax_backward, softmax_backward, case="softmax[*",
-               oracle=torch_softmax, hint="dx = a * (dout - <a, dout>), the sum over the last axis",
-               slips={**catalogued("softmax: the -a a^T term dropped (a * dout)", softmax_backward),
-                      **catalogued("softmax: sign of the correction flipped", softmax_backward),
-                      **catalogued("softmax: sum over the wrong axis", softmax_backward),
-                      **catalogued("softmax: Jacobian's diagonal only", softmax_backward),
-                      **catalogued("softmax: a mean for the sum in <a, dout>", softmax_backward),
-                      "the sum over the row without the weights a: dout - sum(dout)":
-                          lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True))})
+check("01.4", my_softmax_backward)
 
 # %% [markdown]
 # ## A6 and A7: several heads, and attention across two sequences

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -75,3 +75,25 @@ def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
                     "dgamma and dbeta swapped": both()[::-1],
                     "dgamma from x instead of xhat":
                         np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])}
+
+
+def _torch_layernorm(x, gamma, beta):
+    """The oracle of 02.4 (used only where torch is installed): torch's own LayerNorm."""
+    import torch
+
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-5)
+
+
+@function_exercise("02.4", "your LayerNorm backward", _N_LN,
+                   "dx = rstd (g - mean(g) - xhat mean(g xhat)), g = gamma dout; "
+                   "dgamma and dbeta sum over every leading axis")
+def _layernorm_backward():
+    from refmath.norms import layernorm_backward
+
+    return dict(
+        reference=layernorm_backward, case="layernorm[*", oracle=_torch_layernorm,
+        slips={**catalogued("layernorm: variance path dropped", layernorm_backward),
+               **catalogued("layernorm: gamma left out of dx", layernorm_backward),
+               **catalogued("layernorm: dbeta averaged over rows", layernorm_backward),
+               **catalogued("layernorm: dgamma/dbeta sum over the first two axes only",
+                            layernorm_backward)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -65,3 +65,38 @@ def _cache_bytes():
     return size(), {**catalogued("kv cache: the factor 2 for K and V forgotten", size),
                     "one layer only (x 40 layers forgotten)": size(layers=1),
                     "one sequence only (x a batch of 8 forgotten)": size(batch=1)}
+
+
+def _merge_inputs(a, b, rng):
+    """The lesson's blocks A and B, and four query rows split into 3 + 5 keys: row 0 sees all of
+    them, row 1 only the first block, row 2 nothing, row 3 only the second block (drawn from the
+    lesson's generator, as the lesson's own cells draw)."""
+    from refmath.softmax import online_softmax_block
+
+    first, second = rng.standard_normal((4, 3)), rng.standard_normal((4, 5))
+    first[2:3], second[1:3] = -np.inf, -np.inf
+    block_a = online_softmax_block(first, rng.standard_normal((3, 2)))
+    block_b = online_softmax_block(second, rng.standard_normal((5, 2)))
+    return [(a, b), (block_a, block_b), (block_b, block_a)]
+
+
+def _nan_where_both_empty(state, a, b):
+    both = np.isneginf(a.m) & np.isneginf(b.m)
+    return state._replace(l=np.where(both, np.nan, state.l),
+                          u=np.where(both[..., None], np.nan, state.u))
+
+
+@function_exercise("03.2", "your online-softmax merge", _F1,
+                   "rescale both sides to the larger m; guard m = -inf", uses=("a", "b", "rng"))
+def _online_softmax_merge(a, b, rng):
+    from refmath.softmax import OnlineSoftmaxState, online_softmax_merge
+
+    return dict(
+        # drawn only once the function is written, as the lesson's cell drew them
+        reference=online_softmax_merge, inputs=lambda: _merge_inputs(a, b, rng),
+        slips={"l and u added without rescaling them to the larger m": lambda a, b:
+                   OnlineSoftmaxState(np.maximum(a.m, b.m), a.l + b.l, a.u + b.u),
+               "u added without rescaling (l is rescaled)": lambda a, b:
+                   online_softmax_merge(a, b)._replace(u=a.u + b.u),
+               "no guard for two empty sides: e^(-inf - (-inf)) is NaN": lambda a, b:
+                   _nan_where_both_empty(online_softmax_merge(a, b), a, b)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -132,3 +132,25 @@ def _rope_dx():
         return rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
                              rope_forward(_ROPE_ROW, positions=np.array([2]))[1])
     return dx(), catalogued("rope: forward rotation used in backward", dx)
+
+
+def _torch_gelu(x, approximate):
+    """The oracle of 04.4 (used only where torch is installed): torch's GELU, in the same form."""
+    import torch
+
+    return torch.nn.functional.gelu(x, approximate="tanh" if approximate else "none")
+
+
+@function_exercise("04.4", "your GELU backward", _N6,
+                   "Phi(x) + x phi(x); for tanh, the chain rule through t")
+def _gelu_backward():
+    from refmath.ffn import gelu_backward, gelu_forward
+
+    return dict(
+        reference=gelu_backward, case="gelu[*", oracle=_torch_gelu,
+        slips={**catalogued("gelu exact: x phi(x) term dropped", gelu_backward),
+               **catalogued("gelu tanh: the 3 of d(x^3)/dx forgotten", gelu_backward),
+               **catalogued("gelu tanh: sqrt(2/pi) rounded to float32", gelu_backward),
+               **catalogued("gelu tanh: 0.044715 rounded to float32", gelu_backward),
+               "the exact form used for both": lambda dout, cache: gelu_backward(
+                   dout, gelu_forward(cache.x)[1])})

@@ -218,3 +218,37 @@ def _schedule_values():
             peak, warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5))),
         "the floor forgotten: half of max_lr, not half-way from min_lr to max_lr":
             (peak, 0.5 * 3e-4)}
+
+
+def _torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, reduction="mean"):
+    """The oracle of 05.4 (used only where torch is installed): torch's cross_entropy, with the
+    loss mask written as ignored targets."""
+    import torch
+
+    if loss_mask is not None:
+        targets = torch.where(loss_mask.bool(), targets, ignore_index)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1), ignore_index=ignore_index,
+                                             reduction=reduction)
+
+
+_WITHOUT_SMOOTHING = [f"cross_entropy[{label}]" for label in (
+    "(T, V) = (4, 6)", "ignore_index -100, 2 of 5 ignored",
+    "loss_mask on a 2-token prompt, ignore_index -1", "one counted token of 4",
+    "3 leading axes (2, 1, 3, V=4), loss mask, 1 ignored", "V = 1",
+    "reduction sum, loss_mask on a 2-token prompt")]
+
+
+@function_exercise("05.4", "your cross-entropy backward", _L5,
+                   "p - y on the counted rows, 0 elsewhere; the mean divides by n_counted")
+def _cross_entropy_backward():
+    from refmath.losses import cross_entropy_backward
+
+    return dict(
+        reference=cross_entropy_backward, case=_WITHOUT_SMOOTHING, oracle=_torch_cross_entropy,
+        slips={**catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
+               **catalogued("cross-entropy: mean over every position, ignored ones too",
+                            cross_entropy_backward),
+               **catalogued("cross-entropy: ignored tokens get a gradient", cross_entropy_backward),
+               "the mean not divided by n (the sum's gradient)": lambda dout, cache:
+                   cross_entropy_backward(dout, cache._replace(reduction="sum"))})
