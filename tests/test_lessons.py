@@ -146,9 +146,9 @@ def test_an_array_that_is_a_multiple_gets_the_factor():
 def test_a_printed_rounding_is_right_to_the_printed_precision_and_not_accepted():
     theta = np.array([1.0, -2.0]) - 0.1 * np.array([0.3, -0.1]) / (np.array([0.3, 0.1]) + 1e-8)
     verdict = check_close("theta", [0.9, -1.9], theta, rtol=1e-12)
-    assert not verdict and verdict.line.startswith("almost: theta: right to the printed precision "
-                                                   "(1 decimal); keep full precision")
-    assert "(3 decimals)" in check_close("x log2 e", 4.328, 3 * np.log2(np.e), rtol=1e-12).line
+    assert not verdict and verdict.line.startswith("almost: theta: right to 1 decimal only; "
+                                                   "keep full precision")
+    assert "right to 3 decimals only" in check_close("x log2 e", 4.328, 3 * np.log2(np.e), rtol=1e-12).line
     # a coarse rounding (0.6 for 0.605) is not a copied print but a wrong answer
     assert check_close("w", 0.6, 0.99**50, rtol=1e-12).line.startswith("wrong: w: too small by")
 
@@ -611,7 +611,7 @@ def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
     from refmath.lessons import check
 
     line = check("05.5", np.array([1.0, -2.0]) - 0.1 * np.sign([0.3, -0.1])).line
-    assert "looks like: eps left out of the denominator" in line and "printed precision" not in line
+    assert "looks like: eps left out of the denominator" in line and "decimals only" not in line
 
 
 def test_the_adamw_step_exercise_refuses_the_library_and_takes_a_step_written_out(capsys):

@@ -5,8 +5,8 @@ A check prints a single line about the student's answer:
 
 - ``no answer yet: NAME`` while the answer is still ``...``;
 - ``right: NAME``;
-- ``almost: NAME: right to the printed precision`` when the answer is the expected value rounded
-  to the digits a print showed (the student copied a printed number instead of computing it);
+- ``almost: NAME: right to N decimals only`` when the answer is the expected value rounded to
+  the digits it shows (a number copied from a print, rounded by hand, or read off a coarse grid);
 - ``wrong: NAME: ...`` with a diagnosis: the slip it looks like (a known wrong answer the check
   was given, such as a catalogued mistake of :mod:`refmath.mistakes`), the factor when the
   answer is the expected one times a factor that names a slip (2, 1/8, sqrt(64)), only how much
@@ -270,7 +270,7 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
     ``max(rtol, 1e-9)``) is named; an answer that is ``expected`` rounded to the digits it shows
-    gets "right to the printed precision"; an answer that is ``c`` times ``expected`` gets "the
+    gets "right to N decimals only"; an answer that is ``c`` times ``expected`` gets "the
     sign is flipped" (c = -1), the factor itself when it names a slip (an integer or its
     reciprocal up to 4096, the square root of one, or p/q with q <= 16: a forgotten 1/2, sqrt(d_k),
     1/n), and otherwise only a bracket ("too large by a factor between 1.5 and 2"), wide enough
@@ -343,8 +343,10 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     decimals = _rounded_from(have, want)
     if decimals is not None:
         digits = f"{decimals} decimal" + ("" if decimals == 1 else "s")
-        return "almost", (f"right to the printed precision ({digits}); keep full "
-                          "precision: compute it rather than copy a printed number")
+        # where those digits came from is the student's to say: a print, a rounding by hand, a
+        # grid; the verdict says only that the rest of the digits are missing
+        return "almost", (f"right to {digits} only; keep full precision: compute it, do not "
+                          "round it, copy it from a print or read it off a coarse grid")
     if have.shape != want.shape:
         return "wrong", f"shape {have.shape}, expected {want.shape}"
     nan_got, nan_want = np.isnan(have), np.isnan(want)
