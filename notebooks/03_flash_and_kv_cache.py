@@ -82,13 +82,22 @@ print("block B: m =", b.m, " l =", b.l, " u =", b.u)
 weights = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
 print("dense o =", weights @ values)
 
+# %% [markdown]
+# A kernel that merges two tiles no longer has their scores, only their states. Here are two such
+# states, C and D, of blocks whose scores are not given: only F3 can merge them.
+
+# %%
+state_c = OnlineSoftmaxState(m=np.float64(2.0), l=np.float64(1.5), u=np.array([0.5, -1.0]))
+state_d = OnlineSoftmaxState(m=np.float64(3.5), l=np.float64(1.25), u=np.array([2.0, 0.25]))
+
 # %% tags=["exercise"]
-# Exercise 03.1: merge by hand the blocks A (scores 1 and 3) and B (scores -2, 0.5 and 2.5): give
-# (m, l) of the merged state, using the block statistics a.m, a.l, b.m, b.l printed above.
+# Exercise 03.1: merge by hand the states C and D above: give (m, l) of the merged state, from
+# state_c.m, state_c.l, state_d.m and state_d.l.
 merged_m_l = ...
 # BEGIN SOLUTION
-m_merged = max(a.m, b.m)
-merged_m_l = (m_merged, np.exp(a.m - m_merged) * a.l + np.exp(b.m - m_merged) * b.l)
+m_merged = max(state_c.m, state_d.m)
+merged_m_l = (m_merged, np.exp(state_c.m - m_merged) * state_c.l
+              + np.exp(state_d.m - m_merged) * state_d.l)
 # END SOLUTION
 
 # %%

@@ -16,7 +16,7 @@ _F1 = "the section 'F1-F3: attention as a ratio of sums, merged block by block'"
 
 
 @exercise("03.1", "(m, l) of the merge", _F1, "rescale each l by e^(its m - the larger m)",
-          uses=("a", "b"))
+          uses=("state_c", "state_d"))
 def _merged_m_l(a, b):
     from refmath.softmax import online_softmax_merge
 
@@ -26,6 +26,17 @@ def _merged_m_l(a, b):
         "the l added without rescaling them to the larger m": (merged.m, a.l + b.l),
         "rescaled to the smaller m, not the larger":
             (smaller, merged.l * np.exp(merged.m - smaller))}
+
+
+def _dq_by_hand(do, q, k, v, o, lse, offset):
+    """03.3 written out: query i sees keys 0 .. i + offset (the lesson's alignment is offset 2,
+    the number of keys beyond the queries; 0 is the mask of a square matrix, aligned top-left)."""
+    q, k, v, o, do, lse = (np.asarray(x)[0, 0] for x in (q, k, v, o, do, lse))
+    tau = 1 / np.sqrt(q.shape[-1])
+    visible = np.arange(len(k))[None, :] <= np.arange(len(q))[:, None] + offset
+    p = np.where(visible, np.exp(tau * q @ k.T - lse[:, None]), 0.0)
+    ds = p * (do @ v.T - np.sum(do * o, axis=1, keepdims=True))
+    return (tau * ds @ k)[None, None]
 
 
 @exercise("03.3", "dQ from the logsumexp", "the section 'F4: the backward pass from the logsumexp'",
@@ -41,7 +52,9 @@ def _dq_from_lse(do, q, k, v, o, lse):
         **catalogued("flash: delta = rowsum(dO * O) left out", dq),
         **catalogued("flash: causal mask forgotten in the backward", dq),
         "the scale tau = 1/sqrt(d) missing from dQ (it is in S and in dQ)":
-            np.sqrt(np.shape(q)[-1]) * dq()}
+            np.sqrt(np.shape(q)[-1]) * dq(),
+        "the causal mask aligned top-left (query i sees keys 0 .. i): with more keys than "
+        "queries, the last query sits at the last key": _dq_by_hand(do, q, k, v, o, lse, 0)}
 
 
 @exercise("03.4", "dense bytes at T = 2048",
