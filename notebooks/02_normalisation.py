@@ -134,8 +134,8 @@ dx_layernorm = (direct + through_mean + through_sigma) / sigma
 check("02.1", dx_layernorm)
 
 # %% [markdown]
-# The answer is $(0.3, -0.4, -0.1, 0.2)/\sqrt5$: it sums to zero and is orthogonal to $\hat x$,
-# as the two invariances demand. The exercises below use a random batch, with a random $\gamma$
+# Check your $dx$ against the two invariances: it sums to zero (shifting $x$ changes nothing) and
+# is orthogonal to $\hat x$ (neither does scaling it, at $\epsilon = 0$). The exercises below use a random batch, with a random $\gamma$
 # and $\epsilon > 0$, and a random upstream gradient; once you have written the backward for
 # them, central differences check the library's formula on the same batch.
 
@@ -268,9 +268,9 @@ for name, array in (("x", xs), ("gamma", gamma), ("beta", beta)):
 # Post-LN computes $y = \mathrm{LN}(x + F(x))$, with Jacobian $J_{\mathrm{LN}}(I + J_F)$: every
 # layer's gradient passes through a normalisation on the way down. Pre-LN computes
 # $y = x + F(\mathrm{LN}(x))$, with Jacobian $I + J_F J_{\mathrm{LN}}$: an identity path carries
-# the gradient from the loss to every layer unchanged.
-# (`tests/test_norms.py::test_post_and_pre_ln_jacobians_n4` checks both formulas against
-# numerical Jacobians.)
+# the gradient from the loss to every layer unchanged. (Both formulas can be checked against
+# numerical Jacobians with `refmath.gradcheck.numerical_gradient`, as this lesson checked the
+# LayerNorm backward.)
 #
 # Xiong et al. (2020) showed what this does at initialisation: for Post-LN, the gradient of the
 # last layer's weights does not shrink as the network gets deeper; for Pre-LN it shrinks like
