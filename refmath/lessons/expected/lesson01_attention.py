@@ -57,6 +57,8 @@ def _jacobian_a3():
     a = np.array([0.25, 0.5, 0.25])
     return softmax_jacobian(a), {
         "diag(a) alone: the -a a^T term is forgotten": np.diag(a),
+        "the diagonal only, a_j (1 - a_j): the off-diagonal -a_j a_u are not zero":
+            np.diag(a - a**2),
         "a a^T taken as the inner product (a number), not the outer product (a matrix)":
             np.diag(a) - a @ a,
         "the sign flipped: a a^T - diag(a)": -softmax_jacobian(a)}
