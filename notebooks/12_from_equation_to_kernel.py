@@ -394,7 +394,7 @@ else:
 def split_states(q, k, v, splits):
     """Each split's statistics by the library's F2 (an empty split gives the empty state)."""
     n = len(k)
-    chunk = -(-n // splits)
+    chunk = (n + splits - 1) // splits  # ceil(n / splits)
     cuts = [(min(n, s * chunk), min(n, s * chunk + chunk)) for s in range(splits)]
     return [online_softmax_block(k[lo:hi] @ q / np.sqrt(len(q)), v[lo:hi]) for lo, hi in cuts]
 

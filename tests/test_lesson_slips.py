@@ -85,7 +85,7 @@ PLANTS = {
     "03_flash_and_kv_cache.py": [
         ("merged_m_l = (m_merged, np.exp(state_c.m - m_merged) * state_c.l\n"
          "              + np.exp(state_d.m - m_merged) * state_d.l)",
-         "merged_m_l = (m_merged, state_c.l + state_d.l)", "(m, l) of the merge", "without rescaling"),
+         "merged_m_l = (m_merged, state_c.l + state_d.l)", "(m, l) of the merge", "neither rescaled"),
         # walk-through A (issue 47): the causal mask aligned top-left, query i seeing keys 0 .. i
         ("visible = np.arange(6)[None, :] <= np.arange(4)[:, None] + 2",
          "visible = np.arange(6)[None, :] <= np.arange(4)[:, None]",

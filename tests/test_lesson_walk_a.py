@@ -45,7 +45,7 @@ def test_03_1_merges_two_states_whose_scores_are_not_given():
     d = OnlineSoftmaxState(m=np.float64(3.5), l=np.float64(1.25), u=np.array([2.0, 0.25]))
     right = (3.5, np.exp(2.0 - 3.5) * 1.5 + 1.25)
     assert _line("03.1", right, state_c=c, state_d=d).startswith("right: ")
-    assert "without rescaling" in _line("03.1", (3.5, 2.75), state_c=c, state_d=d)
+    assert "neither rescaled" in _line("03.1", (3.5, 2.75), state_c=c, state_d=d)
 
 
 @pytest.mark.parametrize("number, right", [
@@ -99,3 +99,20 @@ def test_write_the_function_checks_hold_their_hint_and_slips():
     first = _line("01.2", forgot_the_scale)
     assert "scale missing from the scores" in first and "a second try" in first
     assert "softmax along axis -1" in _line("01.2", forgot_the_scale)
+
+
+def test_03_4_without_the_q_k_v_o_traffic_is_named():
+    """The probe of the report: the dense bytes of S and P alone, 2 * 4 * 12 * 2048^2."""
+    assert "S and P only" in _line("03.4", 2 * 4 * 12 * 2048**2)
+    assert _line("03.4", 2 * (4 * 12 * 2048**2 + 4 * 12 * 2048 * 64)).startswith("right: ")
+
+
+def test_05_4_the_upstream_gradient_left_out_is_named():
+    def without_dout(dout, cache):
+        onehot = np.eye(cache.probs.shape[-1])[cache.targets]
+        per_token = cache.probs - onehot
+        if cache.reduction == "mean":
+            per_token = per_token / max(cache.n_counted, 1)
+        return np.where(cache.counted[..., None], per_token, 0.0)
+
+    assert "the upstream gradient dout left out" in _line("05.4", without_dout)

@@ -23,7 +23,7 @@ def _merged_m_l(a, b):
     merged = online_softmax_merge(a, b)
     smaller = min(a.m, b.m)
     return (merged.m, merged.l), {
-        "the l added without rescaling them to the larger m": (merged.m, a.l + b.l),
+        "the two l added as they are, neither rescaled to the larger m": (merged.m, a.l + b.l),
         "rescaled to the smaller m, not the larger":
             (smaller, merged.l * np.exp(merged.m - smaller))}
 
@@ -64,7 +64,9 @@ def _dense_bytes_2048():
     from refmath.flash import attention_memory_traffic
 
     total = attention_memory_traffic(1, 12, 2048, 2048, 64, bytes_per_element=2).total_bytes
-    return total, {"elements, not bytes: the 2 bytes of each forgotten": total / 2}
+    q_k_v_o = 4 * 12 * 2048 * 64 * 2  # Q, K, V and O, each read or written once, in bytes
+    return total, {"elements, not bytes: the 2 bytes of each forgotten": total / 2,
+                   "S and P only: the traffic of Q, K, V and O left out": total - q_k_v_o}
 
 
 @exercise("03.5", "the cache bytes", "the section 'K6-K7: what the cache costs in memory'",
@@ -107,7 +109,7 @@ def _online_softmax_merge(a, b, rng):
     return dict(
         # drawn only once the function is written, as the lesson's cell drew them
         reference=online_softmax_merge, inputs=lambda: _merge_inputs(a, b, rng),
-        slips={"l and u added without rescaling them to the larger m": lambda a, b:
+        slips={"l and u added as they are, neither side rescaled to the larger m": lambda a, b:
                    OnlineSoftmaxState(np.maximum(a.m, b.m), a.l + b.l, a.u + b.u),
                "u added without rescaling (l is rescaled)": lambda a, b:
                    online_softmax_merge(a, b)._replace(u=a.u + b.u),

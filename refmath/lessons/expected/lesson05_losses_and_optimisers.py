@@ -261,4 +261,6 @@ def _cross_entropy_backward():
                             cross_entropy_backward),
                **catalogued("cross-entropy: ignored tokens get a gradient", cross_entropy_backward),
                "the mean not divided by n (the sum's gradient)": lambda dout, cache:
-                   cross_entropy_backward(dout, cache._replace(reduction="sum"))})
+                   cross_entropy_backward(dout, cache._replace(reduction="sum")),
+               "the upstream gradient dout left out: dlogits is dout times p - y": lambda dout,
+                   cache: cross_entropy_backward(np.ones_like(np.asarray(dout, dtype=float)), cache)})
