@@ -40,7 +40,7 @@ import numpy as np
 
 from refmath.attention import causal_mask, mha_forward
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check, check_function, check_true
+from refmath.lessons import check, check_true
 from refmath.softmax import softmax_forward
 
 np.set_printoptions(precision=4, suppress=True)
@@ -125,11 +125,6 @@ print("weights", w3, "output", w3 @ v)
 np.testing.assert_allclose(w3, [[0.25, 0.5, 0.25]], rtol=1e-15)
 np.testing.assert_allclose(w3 @ v, [[1.0, 1.0]], rtol=1e-15)
 
-e3_masked = e3 * np.array([[1.0, 1.0, 0.0]])  # e^(s - inf) = 0 for the masked third key
-w3_masked = e3_masked / e3_masked.sum(axis=1, keepdims=True)
-print("masked weights", w3_masked)
-np.testing.assert_allclose(w3_masked, [[1 / 3, 2 / 3, 0.0]], rtol=1e-15)
-
 # %% tags=["exercise"]
 # Exercise 01.1: the output row of the masked example (third key masked), by hand, from the
 # masked weights (1/3, 2/3, 0) and the values v above.
@@ -140,6 +135,13 @@ o_masked_by_hand = np.array([[1 / 3 * 1 + 2 / 3 * 0, 1 / 3 * 0 + 2 / 3 * 2]])
 
 # %%
 check("01.1", o_masked_by_hand)
+
+# %%
+# After the exercise: the mask applied to the exponentials, as a kernel applies it.
+e3_masked = e3 * np.array([[1.0, 1.0, 0.0]])  # e^(s - inf) = 0 for the masked third key
+w3_masked = e3_masked / e3_masked.sum(axis=1, keepdims=True)
+print("masked weights", w3_masked)
+np.testing.assert_allclose(w3_masked, [[1 / 3, 2 / 3, 0.0]], rtol=1e-15)
 
 # %% [markdown]
 # ## A4: why divide by $\sqrt{d_k}$

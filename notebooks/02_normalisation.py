@@ -46,7 +46,7 @@ import numpy as np
 
 from refmath.data import CharLMTask
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check, check_function, check_true
+from refmath.lessons import check, check_true
 from refmath.models import gpt
 from refmath.norms import layernorm_forward, rmsnorm_forward
 from refmath.optim import Adam

@@ -42,7 +42,7 @@ from refmath.flash import FlashCounters, flash_attention_forward
 from refmath.gradcheck import numerical_gradient, relative_error
 from refmath.inference.kv_cache import generate_cached, generate_naive
 from refmath.inference.paged import PagedKVCache
-from refmath.lessons import catalogued, check, check_function, check_true
+from refmath.lessons import check
 from refmath.models import decoder
 from refmath.softmax import (
     OnlineSoftmaxState,

@@ -46,7 +46,7 @@ from refmath.ffn import (
     swiglu_forward,
 )
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check, check_function, check_true
+from refmath.lessons import check, check_true
 from refmath.positions import rope_angles, sinusoidal_positions
 
 np.set_printoptions(precision=4, suppress=True)

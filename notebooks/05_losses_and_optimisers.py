@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refmath.gradcheck import numerical_gradient, relative_error
-from refmath.lessons import catalogued, check, check_function, check_true
+from refmath.lessons import check, check_true
 from refmath.optim import SGD, Adam
 from refmath.softmax import softmax_forward
 
