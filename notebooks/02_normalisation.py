@@ -113,9 +113,8 @@ for shift in (0.0, 10.0):
 # $x$ does not change the output), the third removes its component along $\hat x$ (scaling $x$
 # does not change it either, when $\epsilon = 0$).
 #
-# On the worked example, with the upstream gradient $dy = (1, 0, 0, 0)$ and $\gamma = 1$:
-# $g = (1, 0, 0, 0)$, $\overline g = 1/4$, $\overline{g \odot \hat x} = -3/(4\sqrt5)$, and
-# $\sigma = \sqrt5$.
+# On the worked example, with the upstream gradient $dy = (1, 0, 0, 0)$ and $\gamma = 1$, each
+# term is a mean over four numbers you can work out by hand.
 
 # %% tags=["exercise"]
 # Exercise 02.1: the three terms and dx for x = (2, 4, 6, 8), dy = (1, 0, 0, 0), gamma = 1, eps = 0.
