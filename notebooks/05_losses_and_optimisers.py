@@ -238,9 +238,8 @@ np.testing.assert_array_equal(grad_sum[:3], 0.0)
 # \theta_s = \theta_{s-1} - \eta\,\frac{\hat m_s}{\sqrt{\hat v_s} + \epsilon}.$$
 #
 # Early on $m_s$ and $v_s$ are too small by the factors $1 - \beta^s$ (they started at zero);
-# dividing by those factors corrects them. With a constant gradient $g$,
-# $m_s = (1-\beta_1)(1 + \beta_1 + \dots + \beta_1^{s-1}) g = (1-\beta_1^s) g$ exactly, so
-# $\hat m_s = g$ and $\hat v_s = g^2$ from the first step (O2).
+# dividing by those factors corrects them (O2): for a constant gradient, work out
+# $m_s = (1-\beta_1)(1 + \beta_1 + \dots + \beta_1^{s-1}) g$ and see what the division leaves.
 
 # %% tags=["exercise"]
 # Exercise 05.5: the weights after Adam's *first* step from theta = (1, -2) with the gradient
