@@ -211,40 +211,7 @@ def my_smoothed_cross_entropy_backward(dout, cache):
 # %%
 from refmath.losses import cross_entropy_backward
 
-def torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0,
-                        reduction="mean"):
-    """The oracle (used only where torch is installed): torch's cross_entropy, with the loss
-    mask written as ignored targets."""
-    import torch
-
-    if loss_mask is not None:
-        targets = torch.where(loss_mask.bool(), targets, ignore_index)
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
-        label_smoothing=label_smoothing, reduction=reduction)
-
-
-def tensor2tensor_target(dout, cache):
-    """A slip: 1 - eps on the right token and eps / (V - 1) on each other one."""
-    vocab = cache.probs.shape[-1]
-    eps = cache.label_smoothing * vocab / max(vocab - 1, 1)
-    return cross_entropy_backward(dout, cache._replace(label_smoothing=eps))
-
-
-check_function("your smoothed cross-entropy backward", my_smoothed_cross_entropy_backward,
-               cross_entropy_backward, case="cross_entropy[*", oracle=torch_cross_entropy,
-               hint="p - q with q = (1 - eps) onehot + eps / V, on the counted rows",
-               slips={**catalogued("cross-entropy: label smoothing left out of the gradient",
-                                   cross_entropy_backward),
-                      "no smoothing at all: the one-hot target, p - y": lambda dout, cache:
-                          cross_entropy_backward(dout, cache._replace(label_smoothing=0.0)),
-                      "tensor2tensor's target: eps / (V - 1) on the wrong tokens":
-                          tensor2tensor_target,
-                      **catalogued("cross-entropy: ignored tokens get a gradient",
-                                   cross_entropy_backward),
-                      **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
-                      **catalogued("cross-entropy: 1 - eps dropped from the smoothed target",
-                                   cross_entropy_backward)})
+check("06.5", my_smoothed_cross_entropy_backward)
 
 # %% [markdown]
 # The library's gradient gives the smoothed target back, $q = p - \partial \ell / \partial z$:

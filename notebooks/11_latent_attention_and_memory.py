@@ -251,41 +251,10 @@ def my_absorbed_attention(q_c, q_r, c, k_r, w_uk, w_uv):
 
 
 # %%
-def expanded_attention(q_c, q_r, c, k_r, w_uk, w_uv, scale=None):
-    """The reference: each head's content keys c W_UK and values c W_UV built, then attention."""
-    keys = np.einsum("tc,hck->htk", c, w_uk)
-    values = np.einsum("tc,hcv->htv", c, w_uv)
-    scale = 1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1]) if scale is None else scale
-    scores = scale * (np.einsum("hk,htk->ht", q_c, keys) + q_r @ k_r.T)
-    return np.einsum("ht,htv->hv", softmax_forward(scores)[0], values)
-
-
-def mla_decode_inputs():
-    draw = np.random.default_rng(11)
-    return [tuple(draw.standard_normal(shape) for shape in
-                  ((h, d_k), (h, d_r), (t, d_c), (t, d_r), (h, d_c, d_k), (h, d_c, d_v)))
-            for h, d_k, d_r, d_c, d_v, t in ((4, 8, 4, 16, 8, 5), (2, 3, 2, 6, 5, 1),
-                                             (3, 4, 2, 5, 4, 9))]
-
-
-check_function("your absorbed MLA decode", my_absorbed_attention, expanded_attention,
-               inputs=mla_decode_inputs, rtol=1e-12, allow=(softmax_forward,),
-               reference_name="the expanded attention (keys and values built per head)",
-               hint="q_hat = q_c W_UK^T per head; scale by 1/sqrt(d_k + d_R); W_UV after the sum",
-               slips={"the scale 1/sqrt(d_k): the rotary width counts too": lambda q_c, q_r, c, k_r,
-                          w_uk, w_uv: expanded_attention(q_c, q_r, c, k_r, w_uk, w_uv,
-                                                         scale=1 / np.sqrt(q_c.shape[-1])),
-                      "the rotary part left out of the scores": lambda q_c, q_r, c, k_r, w_uk, w_uv:
-                          expanded_attention(q_c, 0 * q_r, c, k_r, w_uk, w_uv,
-                                             scale=1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1])),
-                      "W_UV forgotten: the weighted sum of the latents, not of the values":
-                          lambda q_c, q_r, c, k_r, w_uk, w_uv: expanded_attention(
-                              q_c, q_r, c, k_r, w_uk, np.broadcast_to(np.eye(c.shape[1]),
-                                                                      (len(q_c),) + (c.shape[1],) * 2))})
+check("11.3", my_absorbed_attention)
 
 # %%
 check("11.3b", my_absorbed_attention)
-
 
 # %% [markdown]
 # ## S3: how much each attention design saves, computed

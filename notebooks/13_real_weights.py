@@ -249,22 +249,7 @@ def my_half_to_interleaved(w, head_dim):
 
 
 # %%
-def undo_interleaved_to_half(w, head_dim):
-    """The reference: the inverse of the library's permutation, found by applying it to 0, 1, ..."""
-    moved = hf.interleaved_to_half(np.arange(w.shape[-1]), head_dim)  # half column j <- moved[j]
-    return w[..., np.argsort(moved)]
-
-
-layout_inputs = [(q_proj.T, d_h), (k_proj.T, d_h), (rng.standard_normal(3 * 4), 4),
-                 (rng.standard_normal((5, 16)), 16), (rng.standard_normal((2, 3, 24)), 12)]
-check_function("your half_to_interleaved", my_half_to_interleaved, undo_interleaved_to_half,
-               inputs=layout_inputs, rtol=0, reference_name="the inverse of hf.interleaved_to_half",
-               hint="within each head, interleaved coordinate 2r is half coordinate r, 2r + 1 is "
-                    "r + head_dim / 2",
-               slips={"interleaved_to_half itself, not its inverse": hf.interleaved_to_half,
-                      "the permutation taken over the whole width, not within each head":
-                          lambda w, head_dim: undo_interleaved_to_half(w, w.shape[-1]),
-                      "the columns left in the half layout": lambda w, head_dim: w})
+check("13.3", my_half_to_interleaved)
 
 # %% [markdown] tags=["question"]
 # **Question.** `save_checkpoint` permutes the columns of $W_Q$ and $W_K$ but leaves $W_V$ and

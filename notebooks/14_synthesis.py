@@ -230,27 +230,10 @@ from refmath.lessons.expected.lesson14_synthesis import cache_bytes_scales_left_
 from refmath.lessons.expected.lesson14_synthesis import cache_bytes_with_float32_scales
 from refmath.sizing import decode_step_traffic, quantized_kv_cache_bytes
 
-llama = PRESETS["llama-3-8b"]
-
-mistral, gpt2 = PRESETS["mistral-7b"], PRESETS["gpt2-small"]
-cache_inputs = [(dataclasses.replace(llama, kv_heads=32), 8192, 16), (llama, 8192, 16),
-                (llama, 8192, 16, 8), (llama, 8192, 16, 4), (mistral, 8192, 4),
-                (mistral, 2048, 4, 4), (gpt2, 1024, 1)]
-check_function("your cache bytes", my_cache_bytes, library_cache_bytes, inputs=cache_inputs,
-               rtol=1e-12, reference_name="decode_step_traffic and quantized_kv_cache_bytes",
-               hint="2 B T' L g d_h numbers; T' = min(T, w); int: bits/8 a number plus 2 bytes a group",
-               slips={"K or V only: the factor 2 forgotten": lambda *args:
-                          library_cache_bytes(*args) / 2,
-                      "the sliding window ignored": lambda shape, *rest: library_cache_bytes(
-                          dataclasses.replace(shape, sliding_window=None), *rest),
-                      "the query heads counted, not the key/value heads": lambda shape, *rest:
-                          library_cache_bytes(dataclasses.replace(shape, kv_heads=shape.n_heads),
-                                              *rest),
-                      "the quantisation scales left out": cache_bytes_scales_left_out,
-                      "4-byte (float32) scales: refmath's are 2 bytes a group":
-                          cache_bytes_with_float32_scales})
+check("14.3", my_cache_bytes)
 
 # %%
+llama = PRESETS["llama-3-8b"]
 batch, context = 16, 8192
 designs = {}
 for label, kv_heads, bits in (("MHA, bf16", 32, None), ("GQA g=8, bf16", 8, None),

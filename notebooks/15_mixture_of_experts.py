@@ -295,38 +295,7 @@ def my_route_backward(dgates, cache):
 # %%
 from refmath.moe import route_backward
 
-def torch_gates(scores, moe, bias=None):
-    """The oracle: the gates in torch, with torch's own top-k (the cases have no ties)."""
-    import torch
-
-    choice = scores.detach()
-    if moe.routing == "group_limited_greedy":
-        best = choice.view(choice.shape[0], moe.n_groups, -1).amax(dim=-1)
-        kept = torch.zeros_like(best, dtype=torch.bool)
-        kept.scatter_(1, best.topk(moe.topk_groups, dim=-1).indices, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(moe.group_size, dim=1), -torch.inf)
-    chosen = scores.gather(1, choice.topk(moe.top_k, dim=-1).indices)
-    if moe.norm_topk:
-        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
-    return moe.scaling * chosen
-
-
-def outer_sum_forgotten(dgates, cache):
-    """The slip that leaves the outer 1/D off the renormalised gates' backward."""
-    dscores = route_backward(dgates, cache)
-    if cache.denominator is None:
-        return dscores
-    return dscores * cache.denominator
-
-
-check_function("your gates backward", my_route_backward, route_backward,
-               case=["moe_route[greedy*", "moe_route[group-limited*"], oracle=torch_gates,
-               hint="scale by rho; with D, ds_i = (dg_i - sum_j dg_j s_j / D) / D on the chosen; "
-                    "put the result at cache.indices",
-               slips={**catalogued("moe route: renormalisation's Jacobian dropped", route_backward),
-                      **catalogued("moe route: scaling left out of the backward", route_backward),
-                      "the outer 1/D forgotten: (dg - sum dg s / D), not divided by D again":
-                          outer_sum_forgotten})
+check("15.6", my_route_backward)
 
 # %% [markdown]
 # The whole gradient of the router comes from the gates: with $dg_j = \langle dy, E_j(x)\rangle$

@@ -5,11 +5,13 @@ A check prints a single line about the student's answer:
 
 - ``no answer yet: NAME`` while the answer is still ``...``;
 - ``right: NAME``;
-- ``almost: NAME: right to the printed precision`` when the answer is the expected value rounded
-  to the digits a print showed (the student copied a printed number instead of computing it);
+- ``almost: NAME: right to N decimals only`` when the answer is the expected value rounded to
+  the digits it shows (a number copied from a print, rounded by hand, or read off a coarse grid);
 - ``wrong: NAME: ...`` with a diagnosis: the slip it looks like (a known wrong answer the check
-  was given, such as a catalogued mistake of :mod:`refmath.mistakes`), the ratio got/expected
-  when the answer is a multiple of the expected one, or else the largest error and where it is.
+  was given, such as a catalogued mistake of :mod:`refmath.mistakes`), the factor when the
+  answer is the expected one times a factor that names a slip (2, 1/8, sqrt(64)), only how much
+  too large or too small (between 1.5x and 2x) when it is another multiple, or else the largest
+  error and where it is.
 
 The expected array itself is never printed, so the check does not give the answer away. A check
 returns a :class:`Verdict`, true when right, which Jupyter does not display: the cell shows the
@@ -185,14 +187,80 @@ def _ratio(have: np.ndarray, want: np.ndarray) -> float | None:
     return c if np.allclose(have, c * want, rtol=1e-9, atol=0) else None
 
 
+# A ratio that names a slip: an exact small fraction (a forgotten 1/2, a mean for a sum over n) or
+# the square root of a width (a forgotten 1/sqrt(d_k)). Only these are printed exactly: they
+# teach (the factor says which constant went missing), and a student who has made the slip
+# learns nothing from them that rereading the step would not give.
+_LARGEST_FACTOR = 4096
+_SMALL_FRACTIONS = 16
+
+# Any other ratio is only placed between two of these (and their reciprocals, for an answer too
+# small): "too large by between 1.5x and 2x". The ratio itself, to a digit or more, would hand
+# over the expected value: got divided by it.
+_LADDER = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0, 1e3, 1e4, 1e6, 1e9, math.inf)
+
+
+def _named_factor(c: float) -> str | None:
+    """``c`` written as the factor of a slip ("2", "1/8", "3/2", "sqrt(8)", "1/sqrt(8)") when it
+    is one exactly (to 1e-9 relative), else None."""
+    size = abs(c)
+    for value, text in ((size, ""), (1 / size, "1/")):
+        k = round(value)
+        if 2 <= k <= _LARGEST_FACTOR and math.isclose(value, k, rel_tol=1e-9):
+            return f"{text}{k}"
+        k2 = round(value * value)
+        root = math.isqrt(k2)
+        if 2 <= k2 <= _LARGEST_FACTOR and root * root != k2 and math.isclose(value * value, k2, rel_tol=1e-9):
+            return f"{text}sqrt({k2})"
+    for q in range(2, _SMALL_FRACTIONS + 1):
+        p = round(size * q)
+        if p >= 1 and math.gcd(p, q) == 1 and p != q and p <= _SMALL_FRACTIONS * q \
+                and math.isclose(size, p / q, rel_tol=1e-9):
+            return f"{p}/{q}"
+    return None
+
+
+def _bracket(size: float, rtol: float) -> tuple[float, float]:
+    """The rungs around ``size`` >= 1 of :data:`_LADDER` thinned for the tolerance.
+
+    No single guess lies within ``rtol`` of two expected values whose ratio exceeds
+    ``(1 + rtol) / (1 - rtol)``; a rung is kept only when it is more than the square of that (with
+    a margin) above the last one kept, and above ``1 + rtol`` (closer to 1 the answer would be
+    right), so that whatever ``size`` is in its bracket, the bracket also admits an expected value
+    that no guess shares with the true one. The rungs depend on ``rtol`` only, never on ``size``:
+    two answers in one bracket get one line."""
+    floor = 1.0 + rtol
+    spread = ((1.0 + rtol) / (1.0 - rtol)) ** 2.5 if rtol < 1 else math.inf
+    rungs = [1.0]
+    for rung in _LADDER[1:]:
+        if rung == math.inf or rung / max(rungs[-1], floor) >= spread:
+            rungs.append(rung)
+    low = max(r for r in rungs if r <= size)
+    return low, min(r for r in rungs if r > size)
+
+
 def _ratio_text(c: float, scalar: bool, rtol: float) -> str:
+    """The diagnosis of an answer that is ``c`` times the expected one: the sign, the factor when
+    it names a slip (:func:`_named_factor`), else only a bracket (:func:`_bracket`) from which the
+    expected value cannot be recovered to the tolerance."""
     if math.isclose(c, -1.0, rel_tol=1e-9):
         return "the sign is flipped" + ("" if scalar else " everywhere")
-    what = "got/expected" if scalar else "your answer is the expected one times"
-    if abs(c - 1) < 5e-3:
-        # Three digits would print "1": say how close without handing over the missing digits.
-        return f"{what} 1.00, off by less than 0.5%, beyond the tolerance of {rtol:.2g} relative"
-    return f"{what} {c:.3g}"
+    sign = "the sign flipped and " if c < 0 else ""
+    factor = _named_factor(c)
+    if factor is not None:
+        what = "your answer is" if scalar else "your answer is the expected one"
+        return f"{sign}{what} {factor} times the expected value" if scalar else \
+            f"{sign}{what} times {factor}"
+    size = abs(c)
+    larger = size > 1
+    low, high = _bracket(size if larger else 1 / size, rtol)
+    way = "too large" if larger else "too small"
+    if low == 1.0:
+        beyond = "" if sign else f", beyond the tolerance of {rtol:.2g} relative"
+        return f"{sign}{way} by less than a factor {high:g}{beyond}"
+    if high == math.inf:
+        return f"{sign}{way} by more than a factor {low:g}"
+    return f"{sign}{way} by a factor between {low:g} and {high:g}"
 
 
 def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
@@ -202,9 +270,13 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
     ``max(rtol, 1e-9)``) is named; an answer that is ``expected`` rounded to the digits it shows
-    gets "right to the printed precision"; an answer that is a multiple of ``expected`` gets the
-    ratio (3 significant digits, or "the sign is flipped"); otherwise the largest error, where it
-    is, and the tolerance. The expected value is never printed.
+    gets "right to N decimals only"; an answer that is ``c`` times ``expected`` gets "the
+    sign is flipped" (c = -1), the factor itself when it names a slip (an integer or its
+    reciprocal up to 4096, the square root of one, or p/q with q <= 16: a forgotten 1/2, sqrt(d_k),
+    1/n), and otherwise only a bracket ("too large by a factor between 1.5 and 2"), wide enough
+    that no value in it recovers ``expected`` to the tolerance (got / c would hand it over);
+    otherwise the largest error, where it is, and the tolerance. The expected value is never
+    printed.
 
     Parameters
     ----------
@@ -271,8 +343,10 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     decimals = _rounded_from(have, want)
     if decimals is not None:
         digits = f"{decimals} decimal" + ("" if decimals == 1 else "s")
-        return "almost", (f"right to the printed precision ({digits}); keep full "
-                          "precision: compute it rather than copy a printed number")
+        # where those digits came from is the student's to say: a print, a rounding by hand, a
+        # grid; the verdict says only that the rest of the digits are missing
+        return "almost", (f"right to {digits} only; keep full precision: compute it, do not "
+                          "round it, copy it from a print or read it off a coarse grid")
     if have.shape != want.shape:
         return "wrong", f"shape {have.shape}, expected {want.shape}"
     nan_got, nan_want = np.isnan(have), np.isnan(want)

@@ -33,7 +33,11 @@ def check(number: str, answer: Any) -> Verdict:
 
     exercise, caller = _exercise_of(number), sys._getframe(1)
     if isinstance(exercise, FunctionExercise):
-        return check_function(exercise.name, answer, hint=exercise.hint, **exercise.options())
+        # the options are built even before an answer, as the lesson's check cell built them: an
+        # exercise whose inputs draw from the lesson's generator draws the same numbers either way
+        inputs = _lesson_values(exercise.name, exercise.uses, caller)
+        return check_function(exercise.name, answer, hint=exercise.hint,
+                              **exercise.options(*inputs))
     if _not_attempted(answer):
         record_expected(exercise.name, lambda: _expected_and_slips(exercise, caller)[0])
         return _unanswered(exercise.name)
@@ -48,13 +52,18 @@ def check(number: str, answer: Any) -> Verdict:
                        hint=exercise.hint, section=exercise.section, slips=slips)
 
 
-def _expected_and_slips(exercise: Exercise, frame) -> tuple[Any, Mapping[str, Any]]:
+def _lesson_values(name: str, uses: tuple[str, ...], frame) -> list[Any]:
+    """The values of the lesson's variables ``uses`` in the namespace of the check's caller."""
     names = {**frame.f_builtins, **frame.f_globals, **frame.f_locals}
-    missing = [n for n in exercise.uses if n not in names]
+    missing = [n for n in uses if n not in names]
     if missing:
-        raise NameError(f"{exercise.name}: the check reads the lesson's {', '.join(missing)}; "
+        raise NameError(f"{name}: the check reads the lesson's {', '.join(missing)}; "
                         "run the lesson's cells above it first")
-    inputs = [names[n] for n in exercise.uses]
+    return [names[n] for n in uses]
+
+
+def _expected_and_slips(exercise: Exercise, frame) -> tuple[Any, Mapping[str, Any]]:
+    inputs = _lesson_values(exercise.name, exercise.uses, frame)
     return exercise.expected(*inputs), exercise.slips(*inputs)
 
 

@@ -39,7 +39,8 @@ class FunctionExercise(NamedTuple):
     name: str  # what the verdict calls the student's function
     section: str  # the lesson's section to reread
     hint: str  # given from the second miss on, or by hint()
-    options: Callable[[], dict]  # check_function's keyword arguments: reference, inputs, slips...
+    options: Callable[..., dict]  # check_function's keyword arguments: reference, inputs, slips...
+    uses: tuple[str, ...] = ()  # the lesson's variables ``options`` takes, by name
 
 
 EXERCISES: dict[str, Exercise | FunctionExercise] = {}
@@ -55,12 +56,16 @@ def exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, .
     return register
 
 
-def function_exercise(number: str, name: str, section: str, hint: str):
-    """Register the decorated ``() -> dict`` function, which gives the keyword arguments of
+def function_exercise(number: str, name: str, section: str, hint: str,
+                      uses: tuple[str, ...] = ()):
+    """Register the decorated ``(*uses) -> dict`` function, which gives the keyword arguments of
     :func:`refmath.lessons.functions.check_function` (``reference``, ``inputs`` or ``case``,
-    ``slips``, ``oracle``...), as the write-the-function exercise ``number``."""
-    def register(options: Callable[[], dict]):
-        EXERCISES[number] = FunctionExercise(name, section, hint, options)
+    ``slips``, ``oracle``...) from the lesson's variables named in ``uses`` (its worked example,
+    its random generator), as the write-the-function exercise ``number``. The hint and the slips
+    live here, not in the lesson's check cell, so that the cell (``check("01.2", my_attention)``)
+    shows no formula before the student's attempt."""
+    def register(options: Callable[..., dict]):
+        EXERCISES[number] = FunctionExercise(name, section, hint, options, tuple(uses))
         return options
     return register
 

@@ -17,4 +17,5 @@ from refmath.lessons.expected import (  # noqa: F401  (each file registers its e
     lesson14_synthesis,
     lesson15_mixture_of_experts,
     lesson16_capstone,
+    written_functions,
 )

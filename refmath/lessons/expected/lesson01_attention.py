@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -57,6 +57,8 @@ def _jacobian_a3():
     a = np.array([0.25, 0.5, 0.25])
     return softmax_jacobian(a), {
         "diag(a) alone: the -a a^T term is forgotten": np.diag(a),
+        "the diagonal only, a_j (1 - a_j): the off-diagonal -a_j a_u are not zero":
+            np.diag(a - a**2),
         "a a^T taken as the inner product (a number), not the outer product (a matrix)":
             np.diag(a) - a @ a,
         "the sign flipped: a a^T - diag(a)": -softmax_jacobian(a)}
@@ -107,3 +109,79 @@ def _dropout_dv_dq(dout, cache):
         **catalogued("sdpa: scale missing from dQ", dv_dq),
         "A * D inside dS: the softmax's Jacobian is of A, before dropout":
             np.concatenate([dropped.T @ dout, d_s @ cache.k * cache.scale])}
+
+
+_A4 = "the section 'A4: why divide by $\\sqrt{d_k}$'"
+
+
+def _refmath_attention(Q, K, V, mask=None):
+    """The reference of 01.2: refmath's sdpa_forward, its output only."""
+    from refmath.attention import sdpa_forward
+
+    return sdpa_forward(Q, K, V, mask=mask)[0]
+
+
+def _attention_inputs():
+    """No mask, a causal mask, and a cross-attention whose key 3 is padding (masked for every
+    query, so no column of its scores is fully masked: the column-softmax slip stays finite)."""
+    from refmath.attention import causal_mask
+
+    draw = np.random.default_rng(1)
+    Q, K, V = draw.standard_normal((4, 8)), draw.standard_normal((4, 8)), draw.standard_normal((4, 3))
+    cross_mask = np.zeros((2, 5))
+    cross_mask[:, 3] = -np.inf  # key 3 is padding
+    return [(Q, K, V, None), (Q, K, V, causal_mask(4)),
+            (draw.standard_normal((2, 16)), draw.standard_normal((5, 16)),
+             draw.standard_normal((5, 2)), cross_mask)]
+
+
+def _column_softmax_attention(Q, K, V, mask=None):
+    """The slip: the softmax taken down each column (over the queries). A column every query
+    masks (a padded key) has no weights at all: 0, not 0 / 0, so that the check prints no
+    warning of its own."""
+    scores = Q @ K.T / np.sqrt(Q.shape[-1]) + (0.0 if mask is None else mask)
+    top = np.max(scores, axis=0, keepdims=True)
+    e = np.exp(np.where(np.isneginf(scores), -np.inf, scores - np.where(np.isneginf(top), 0.0, top)))
+    total = e.sum(axis=0, keepdims=True)
+    return (e / np.where(total == 0, 1.0, total)) @ V
+
+
+@function_exercise("01.2", "your attention forward", _A4,
+                   "scores = Q K^T / sqrt(d_k) + mask; softmax along axis -1; then @ V")
+def _attention_forward():
+    from refmath.attention import sdpa_forward
+
+    return dict(
+        reference=_refmath_attention, inputs=_attention_inputs, rtol=1e-12,
+        reference_name="refmath's sdpa_forward",
+        slips={**catalogued("sdpa: the 1/sqrt(d_k) scale missing from the scores",
+                            _refmath_attention),
+               "divided by d_k, not by sqrt(d_k)": lambda Q, K, V, mask=None:
+                   sdpa_forward(Q, K, V, mask=mask, scale=1 / Q.shape[-1])[0],
+               "the mask ignored": lambda Q, K, V, mask=None: sdpa_forward(Q, K, V)[0],
+               "the softmax down each column (over the queries), not along each row":
+                   _column_softmax_attention})
+
+
+def _torch_softmax(x):
+    """The oracle of 01.4: torch's softmax, as refmath treats masked rows (used only where torch
+    is)."""
+    import torch
+
+    return torch.softmax(x.clamp(min=torch.finfo(x.dtype).min), -1) * ~torch.isneginf(x)
+
+
+@function_exercise("01.4", "your softmax backward", _A5,
+                   "dx = a * (dout - <a, dout>), the sum over the last axis")
+def _softmax_backward():
+    from refmath.softmax import softmax_backward
+
+    return dict(
+        reference=softmax_backward, case="softmax[*", oracle=_torch_softmax,
+        slips={**catalogued("softmax: the -a a^T term dropped (a * dout)", softmax_backward),
+               **catalogued("softmax: sign of the correction flipped", softmax_backward),
+               **catalogued("softmax: sum over the wrong axis", softmax_backward),
+               **catalogued("softmax: Jacobian's diagonal only", softmax_backward),
+               **catalogued("softmax: a mean for the sum in <a, dout>", softmax_backward),
+               "the sum over the row without the weights a: dout - sum(dout)":
+                   lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True))})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -27,7 +27,9 @@ def _stream_rms(stream0):
     return rms, {"the RMS of the last block's normalised input, not of the stream: "
                  "RMSNorm bounds what a branch reads, not the stream": float(
                      np.sqrt(np.mean(branch**2))),
-                 "the starting stream left out: 8 blocks of RMS 1 add to 8, on top of stream0":
+                 # 7 blocks, or 8 blocks with the starting stream left out, are both one RMS short
+                 # (stream0 has RMS 1): the label names both, and no number that gives the answer
+                 "one unit of RMS short: one block too few, or the starting stream left out":
                      rms - float(np.sqrt(np.mean(np.asarray(stream0, dtype=float)**2)))}
 
 
@@ -57,7 +59,10 @@ def _rmsnorm_dx(dy, cache):
     def dx():
         return rmsnorm_backward(dy, cache)[0]
     r = np.asarray(cache.rrms)
+    g, d = np.asarray(dy) * cache.gamma, np.shape(dy)[-1]
+    # r g - r^3 x sum(g x) = d dx - (d - 1) r g, since dx = r g - r^3 x mean(g x)
     return dx(), {**catalogued("rmsnorm: r^2 instead of r^3", dx),
+                  "a sum for the mean in r^3 x mean(g x)": d * dx() - (d - 1) * r * g,
                   "LayerNorm's mean term kept (RMSNorm subtracts no mean)": dx() - np.mean(dy) * r,
                   "the sign of the r^3 term flipped": 2 * r * dy - dx()}
 
@@ -75,3 +80,38 @@ def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
                     "dgamma and dbeta swapped": both()[::-1],
                     "dgamma from x instead of xhat":
                         np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])}
+
+
+def _torch_layernorm(x, gamma, beta):
+    """The oracle of 02.4 (used only where torch is installed): torch's own LayerNorm."""
+    import torch
+
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-5)
+
+
+def _sum_in_the_sigma_term(dout, cache):
+    """A slip of 02.4: the third term's mean over the d features written as a sum."""
+    from refmath.norms import layernorm_backward
+
+    _, dgamma, dbeta = layernorm_backward(dout, cache)
+    g = dout * cache.gamma
+    dx = cache.rstd * (g - g.mean(axis=-1, keepdims=True)
+                       - cache.xhat * np.sum(g * cache.xhat, axis=-1, keepdims=True))
+    return dx, dgamma, dbeta
+
+
+@function_exercise("02.4", "your LayerNorm backward", _N_LN,
+                   "dx = rstd (g - mean(g) - xhat mean(g xhat)), g = gamma dout; "
+                   "dgamma and dbeta sum over every leading axis")
+def _layernorm_backward():
+    from refmath.norms import layernorm_backward
+
+    return dict(
+        reference=layernorm_backward, case="layernorm[*", oracle=_torch_layernorm,
+        slips={**catalogued("layernorm: variance path dropped", layernorm_backward),
+               "a sum for the mean in the sigma term: xhat sum(g xhat), not xhat mean(g xhat)":
+                   _sum_in_the_sigma_term,
+               **catalogued("layernorm: gamma left out of dx", layernorm_backward),
+               **catalogued("layernorm: dbeta averaged over rows", layernorm_backward),
+               **catalogued("layernorm: dgamma/dbeta sum over the first two axes only",
+                            layernorm_backward)})

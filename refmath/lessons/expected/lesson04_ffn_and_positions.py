@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -39,7 +39,9 @@ def _silu_crossing():
           "SiLU(-u) = SiLU(u) - u; the minimum sits at minus the crossing point", rtol=1e-8)
 def _silu_minimum():
     return 1 - _silu_one(), {"0 (SiLU read as a ReLU that stops at 0)": 0.0,
-                             "the minimum's place, not its value": -_silu_one()}
+                             "the minimum's place, not its value": -_silu_one(),
+                             "the sign flipped: the minimum of SiLU lies below zero, "
+                             "SiLU(-u) = SiLU(u) - u": _silu_one() - 1}
 
 
 @exercise("04.3", "GELU'(0, 1, -2), exact and tanh", _N6,
@@ -49,10 +51,15 @@ def _gelu_derivatives(points):
 
     u = np.asarray(points, dtype=np.float64)
     t = np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3))
-    return np.stack([gelu_backward(np.ones(u.shape), gelu_forward(u, approximate=form)[1])
-                     for form in (False, True)]), {
+    exact, tanh = (gelu_backward(np.ones(u.shape), gelu_forward(u, approximate=form)[1])
+                   for form in (False, True))
+    return np.stack([exact, tanh]), {
         "the product rule's second term forgotten: Phi(u) and (1 + t) / 2 alone":
-            np.stack([standard_normal_cdf(u), 0.5 * (1 + t)])}
+            np.stack([standard_normal_cdf(u), 0.5 * (1 + t)]),
+        "exact form: the product rule's second term u phi(u) forgotten, Phi(u) alone":
+            np.stack([standard_normal_cdf(u), tanh]),
+        "tanh form: the product rule's second term forgotten, (1 + t) / 2 alone":
+            np.stack([exact, 0.5 * (1 + t)])}
 
 
 @exercise("04.5", "SwiGLU dx", _N7, "two paths into x: dg W_g^T and du W_u^T",
@@ -108,8 +115,15 @@ def _rotated(row, angles, halves=False):
     return (np.concatenate(turned) if halves else np.stack(turned, axis=1).reshape(-1))[None]
 
 
+def _as_row(answer):
+    """A row of four numbers, given as (4,) or (1, 4): the prompt says "the row", and both are
+    it (any other size is left as it is, and the check names its shape)."""
+    answer = np.asarray(answer, dtype=np.float64)
+    return answer.reshape(1, 4) if answer.size == 4 else answer
+
+
 @exercise("04.7", "RoPE of (3, 4, 1, 0) at position 2", _N10,
-          "pairs are (x0, x1) and (x2, x3); theta = p omega_r", atol=1e-15)
+          "pairs are (x0, x1) and (x2, x3); theta = p omega_r", atol=1e-15, prepare=_as_row)
 def _rope_rotated():
     from refmath.positions import rope_forward
 
@@ -124,7 +138,7 @@ def _rope_rotated():
         "the position left out: theta = p omega_r, not omega_r": _rotated(_ROPE_ROW, angles / 2)}
 
 
-@exercise("04.8", "RoPE dx", _N10, "the same rotation with -theta", atol=1e-15)
+@exercise("04.8", "RoPE dx", _N10, "the same rotation with -theta", atol=1e-15, prepare=_as_row)
 def _rope_dx():
     from refmath.positions import rope_backward, rope_forward
 
@@ -132,3 +146,37 @@ def _rope_dx():
         return rope_backward(np.array([[1.0, 0.0, 0.0, 1.0]]),
                              rope_forward(_ROPE_ROW, positions=np.array([2]))[1])
     return dx(), catalogued("rope: forward rotation used in backward", dx)
+
+
+def _torch_gelu(x, approximate):
+    """The oracle of 04.4 (used only where torch is installed): torch's GELU, in the same form."""
+    import torch
+
+    return torch.nn.functional.gelu(x, approximate="tanh" if approximate else "none")
+
+
+def _tanh_derivative_one_minus_t(dout, cache):
+    """A slip of 04.4: in the tanh form, d tanh(z)/dz written 1 - t for 1 - t^2."""
+    from refmath.ffn import gelu_backward
+
+    if not cache.approximate:
+        return gelu_backward(dout, cache)
+    x, t = cache.x, cache.gate
+    dt = (1.0 - t) * np.sqrt(2 / np.pi) * (1.0 + 3.0 * 0.044715 * x * x)
+    return dout * 0.5 * (1.0 + t + x * dt)
+
+
+@function_exercise("04.4", "your GELU backward", _N6,
+                   "Phi(x) + x phi(x); for tanh, the chain rule through t")
+def _gelu_backward():
+    from refmath.ffn import gelu_backward, gelu_forward
+
+    return dict(
+        reference=gelu_backward, case="gelu[*", oracle=_torch_gelu,
+        slips={**catalogued("gelu exact: x phi(x) term dropped", gelu_backward),
+               **catalogued("gelu tanh: the 3 of d(x^3)/dx forgotten", gelu_backward),
+               **catalogued("gelu tanh: sqrt(2/pi) rounded to float32", gelu_backward),
+               **catalogued("gelu tanh: 0.044715 rounded to float32", gelu_backward),
+               "the exact form used for both": lambda dout, cache: gelu_backward(
+                   dout, gelu_forward(cache.x)[1]),
+               "tanh form: tanh' taken as 1 - t, not 1 - t^2": _tanh_derivative_one_minus_t})

@@ -155,6 +155,12 @@ def _corrected_moments_kept(theta, g, m, v, s, lr, betas, eps, weight_decay):
     return new_theta, new_m / (1 - betas[0] ** s), new_v / (1 - betas[1] ** s)
 
 
+def _adam_with_l2(theta, g, m, v, s, lr, betas, eps, weight_decay):
+    """The slip the section is about: Adam with L2, the decay's gradient lambda theta added to g
+    before the moments, and no decoupled decay."""
+    return _library_adamw_step(theta, g + weight_decay * theta, m, v, s, lr, betas, eps, 0.0)
+
+
 def _decay_after_the_step(theta, g, m, v, s, lr, betas, eps, weight_decay):
     """The slip: the decay applied after the Adam step, so that it shrinks the step as well."""
     new_theta, new_m, new_v = _library_adamw_step(theta, g, m, v, s, lr, betas, eps, 0.0)
@@ -175,6 +181,8 @@ def _adamw_step():
                **catalogued("adam: eps inside the square root", _library_adamw_step),
                **catalogued("adamw: decay not scaled by the learning rate", _library_adamw_step),
                **catalogued("adamw: decay also inside the moments", _library_adamw_step),
+               "Adam + L2 (O3), not AdamW: lambda theta added to the gradient, inside the "
+               "moments, instead of the decay (1 - lr lambda) beside the step": _adam_with_l2,
                "m_hat and v_hat kept as the moments: the next step needs the raw m and v":
                    _corrected_moments_kept,
                "the decay applied after the Adam step: (1 - lr lambda) multiplies the old theta, "
@@ -217,4 +225,42 @@ def _schedule_values():
         **catalogued("warmup-cosine: progress measured over the whole run", lambda: (
             peak, warmup_cosine(11000, max_lr=3e-4, warmup=2000, total=20000, min_lr=3e-5))),
         "the floor forgotten: half of max_lr, not half-way from min_lr to max_lr":
-            (peak, 0.5 * 3e-4)}
+            (peak, 0.5 * 3e-4),
+        "the warm-up not subtracted: the cosine's phase is (s - w) / (S - w), not s / S":
+            (peak, 3e-5 + 0.5 * (3e-4 - 3e-5) * (1 + np.cos(np.pi * 11000 / 20000)))}
+
+
+def _torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, reduction="mean"):
+    """The oracle of 05.4 (used only where torch is installed): torch's cross_entropy, with the
+    loss mask written as ignored targets."""
+    import torch
+
+    if loss_mask is not None:
+        targets = torch.where(loss_mask.bool(), targets, ignore_index)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1), ignore_index=ignore_index,
+                                             reduction=reduction)
+
+
+_WITHOUT_SMOOTHING = [f"cross_entropy[{label}]" for label in (
+    "(T, V) = (4, 6)", "ignore_index -100, 2 of 5 ignored",
+    "loss_mask on a 2-token prompt, ignore_index -1", "one counted token of 4",
+    "3 leading axes (2, 1, 3, V=4), loss mask, 1 ignored", "V = 1",
+    "reduction sum, loss_mask on a 2-token prompt")]
+
+
+@function_exercise("05.4", "your cross-entropy backward", _L5,
+                   "p - y on the counted rows, 0 elsewhere; the mean divides by n_counted")
+def _cross_entropy_backward():
+    from refmath.losses import cross_entropy_backward
+
+    return dict(
+        reference=cross_entropy_backward, case=_WITHOUT_SMOOTHING, oracle=_torch_cross_entropy,
+        slips={**catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
+               **catalogued("cross-entropy: mean over every position, ignored ones too",
+                            cross_entropy_backward),
+               **catalogued("cross-entropy: ignored tokens get a gradient", cross_entropy_backward),
+               "the mean not divided by n (the sum's gradient)": lambda dout, cache:
+                   cross_entropy_backward(dout, cache._replace(reduction="sum")),
+               "the upstream gradient dout left out: dlogits is dout times p - y": lambda dout,
+                   cache: cross_entropy_backward(np.ones_like(np.asarray(dout, dtype=float)), cache)})
