@@ -78,13 +78,47 @@ def _quantiser_scale(x):
                    "max |x| / 15: the 16 levels split over both signs": scale * 7 / 15}
 
 
-@exercise("10.5b", "x_hat", _K12, "x_hat = s clip(round(x / s), -7, 7)", uses=("x",), rtol=0.0)
-def _quantised_x(x):
+def _x_hat(x) -> tuple[np.ndarray, float]:
+    """(x_hat, s): the lesson's x in one group of 4 bits, quantised and dequantised by the
+    library."""
     from refmath.inference.quantized import dequantize, quantize
 
     packed = quantize(x, bits=4, group_size=4)
-    x_hat = dequantize(packed)
-    return x_hat, {"the codes c, not x_hat = s c": x_hat / packed.scales[0]}
+    return dequantize(packed), float(packed.scales[0])
+
+
+def _x_hat_of_scale_8(x, largest_code: int) -> np.ndarray:
+    """10.5a's slip carried on: x_hat with s = max |x| / 8, codes clipped to +-largest_code."""
+    s = np.max(np.abs(x)) / 8
+    return s * np.clip(np.round(x / s), -largest_code, largest_code)
+
+
+@exercise("10.5b", "x_hat", _K12, "x_hat = s clip(round(x / s), -7, 7)", uses=("x",), rtol=0.0)
+def _quantised_x(x):
+    x_hat, s = _x_hat(x)
+    return x_hat, {"the codes c, not x_hat = s c": x_hat / s,
+                   "x_hat from the scale max |x| / 8 (not / 7), codes up to 8":
+                       _x_hat_of_scale_8(x, 8),
+                   "x_hat from the scale max |x| / 8 (not / 7), codes clipped to -7 .. 7":
+                       _x_hat_of_scale_8(x, 7)}
+
+
+@exercise("10.5c", "the error |x - x_hat|, at most half a step", _K12,
+          "|x - x_hat| element by element, with your x_hat of 10.5b", uses=("x",))
+def _quantisation_error(x):
+    # compared with the error of the library's x_hat, not with the bound s / 2 alone: an x_hat
+    # of a wrong scale can stay within half of the right step (s = max |x| / 8 does here)
+    x_hat, s = _x_hat(x)
+    error = np.abs(x - x_hat)
+    assert np.all(error <= s / 2), "rounding to the nearest code is off by at most half a step"
+    return error, {"the signed error x - x_hat, not its size |x - x_hat|": x - x_hat,
+                   "the error of the codes, |x / s - c|: divide by s no more": error / s,
+                   "the bound s / 2 for every element, not the error itself":
+                       np.full_like(error, s / 2),
+                   "x_hat from the scale max |x| / 8 (not / 7), codes up to 8":
+                       np.abs(x - _x_hat_of_scale_8(x, 8)),
+                   "x_hat from the scale max |x| / 8 (not / 7), codes clipped to -7 .. 7":
+                       np.abs(x - _x_hat_of_scale_8(x, 7))}
 
 
 _BANDWIDTH_LAW = "the section 'The bandwidth law, measured: fewer bytes per weight'"
