@@ -128,6 +128,7 @@ cached_keys = cache.layer(0)[0]  # (B, g, T, d_h)
 # once written, a key never changes: the first three rows are exactly those of the prefill
 np.testing.assert_array_equal(cached_keys[:, :, :3], keys_after_prefill)
 print("cached keys of layer 0:", cached_keys.shape)
+del cache  # not kept: two more decode steps on it would answer exercise 10.3
 
 # %% [markdown]
 # What a decode step does with the cache is the equation at the top for one new query per
@@ -205,19 +206,16 @@ check_function("your decode attention", my_decode_attention, decode_attention, i
 # $O(t\,h\,d_h)$ work per layer, linear in the context.
 
 # %%
-P = 5
-_, cache = prefill(decoder, params, config, tokens[:, :P])
-print("after a prefill of 5: visible pairs per head, per layer", cache.counts.visible,
-      " scores computed", cache.counts.scores)
-assert cache.counts.visible == [P * (P + 1) // 2] * config.n_layers == [15, 15]
-assert cache.counts.scores == [P * P] * config.n_layers
-decode_step(decoder, params, config, cache, tokens[:, P])
-print("after one decode step:", cache.counts.visible)
-assert cache.counts.visible == [15 + 6] * config.n_layers
-
-measured = [prefill(decoder, params, config, np.zeros((1, p), dtype=np.int64))[1].counts.visible[0]
-            for p in range(1, 17)]
-assert measured == [p * (p + 1) // 2 for p in range(1, 17)]
+P = 4
+_, demo = prefill(decoder, params, config, tokens[:, :P])
+print(f"after a prefill of {P}: visible pairs per head, per layer", demo.counts.visible,
+      " scores computed", demo.counts.scores)
+assert demo.counts.visible == [P * (P + 1) // 2] * config.n_layers
+assert demo.counts.scores == [P * P] * config.n_layers
+decode_step(decoder, params, config, demo, tokens[:, P])
+print("after one decode step:", demo.counts.visible)
+assert demo.counts.visible == [P * (P + 1) // 2 + P + 1] * config.n_layers
+del demo  # not kept: more decode steps on it would answer exercise 10.3
 
 # %% [markdown]
 # **Exercise 10.3.** A prompt of $P = 5$ tokens, then 3 decode steps. How many visible pairs per head
@@ -242,6 +240,10 @@ check("10.3", total_pairs)
 # past the window, each step costs the same.
 
 # %%
+measured = [prefill(decoder, params, config, np.zeros((1, p), dtype=np.int64))[1].counts.visible[0]
+            for p in range(1, 17)]
+assert measured == [p * (p + 1) // 2 for p in range(1, 17)]
+
 llama, mistral = PRESETS["llama-3-8b"], PRESETS["mistral-7b"]
 contexts = np.linspace(1, 65536, 257).astype(int)
 llama_steps = [decode_step_flops(llama, int(t)) for t in contexts]
@@ -290,15 +292,13 @@ plt.show()
 
 # %%
 llama = PRESETS["llama-3-8b"]
-step = decode_step_traffic(llama, context=8192)
-print(f"Llama-3-8B decode at t = 8192: {step.flops / 1e9:.1f} GFLOP, weights "
-      f"{format_bytes(step.weight_bytes)}, cache {format_bytes(step.cache_bytes)}, "
-      f"intensity {step.intensity:.2f} FLOP/byte")
+print("Llama-3-8B at t = 8192, FLOP per byte:")
 for batch in (1, 8, 64):
     print(f"  batch {batch:2}: decode intensity {decode_step_traffic(llama, 8192, batch).intensity:6.1f}")
 for tokens_in in (1, 64, 512, 4096):
     print(f"  prefill of {tokens_in:4}: intensity {prefill_traffic(llama, tokens_in).intensity:7.1f}")
-assert 1 < step.intensity < 1.3  # the attention FLOPs add a little at t = 8192
+# the attention FLOPs add a little at t = 8192
+assert 1 < decode_step_traffic(llama, context=8192).intensity < 1.3
 
 # %% [markdown]
 # **Exercise 10.4.** By hand: Llama-3-8B has $P_{\text{matmul}} + dV = 7{,}504{,}658{,}432$ weights
@@ -315,6 +315,16 @@ seconds_per_token = (2 * 7_504_658_432 + 8192 * 128 * 1024) / 2e12
 
 # %%
 check("10.4", seconds_per_token)
+
+# %%
+# After the exercise: the library's count of the same step (shown once you have answered; the
+# check compares with its bytes over 2e12 bytes/s).
+step = decode_step_traffic(llama, context=8192)
+if seconds_per_token is not ...:
+    print(f"Llama-3-8B decode at t = 8192: {step.flops / 1e9:.1f} GFLOP, weights "
+          f"{format_bytes(step.weight_bytes)}, cache {format_bytes(step.cache_bytes)}, "
+          f"intensity {step.intensity:.2f} FLOP/byte; {step.total_bytes / 2e12 * 1e3:.2f} ms per "
+          f"token at 2e12 bytes/s (you said {1e3 * seconds_per_token:.2f} ms)")
 
 # %% [markdown]
 # ### This machine's roofline, measured now
