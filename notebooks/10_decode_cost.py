@@ -194,7 +194,10 @@ check_function("your decode attention", my_decode_attention, decode_attention, i
                       "no 1/sqrt(D) scale": lambda q, k, v, lengths:
                           decode_attention(q, k, v, lengths, scale=1.0),
                       "GQA heads interleaved: head r reads r % g, not r // (h/g)": interleaved_heads,
-                      "an empty sequence gives NaN (0 / 0), not 0": nan_for_empty})
+                      "an empty sequence gives NaN (0 / 0), not 0": nan_for_empty,
+                      "the mask t <= length: one padding row read, rows 0 .. L, not 0 .. L - 1":
+                          lambda q, k, v, lengths: decode_attention(
+                              q, k, v, np.minimum(np.asarray(lengths) + 1, k.shape[2]))})
 
 # %% [markdown]
 # ## K5: the prompt is quadratic, each new token linear

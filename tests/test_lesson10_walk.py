@@ -33,7 +33,7 @@ def _fresh_misses(monkeypatch):
     monkeypatch.setenv("REFMATH_LESSONS_STRICT", "0")
 
 
-# ---- 10.5: "error at most half a step" passed the x_hat of a wrong scale ---------------------------
+# ---- 10.5: "error at most half a step" passed the x_hat of a wrong scale -------------------
 
 def test_10_5c_the_error_of_a_wrong_scale_is_wrong(capsys):
     x = np.array([3.5, -1.2, 0.3, 2.0])
@@ -60,7 +60,7 @@ def test_10_5_no_half_step_literal_in_the_copy():
     assert "0.25" not in student
 
 
-# ---- answers at hand before their check: 10.3's cache, 10.4's traffic -----------------------------
+# ---- answers at hand before their check: 10.3's cache, 10.4's traffic ---------------------
 
 def _namespace_before(number, tmp_path):
     """The student copy's variables when its run reaches ``check("number", ...)``: every cell

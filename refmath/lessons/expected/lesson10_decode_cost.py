@@ -10,19 +10,24 @@ from refmath.lessons.table import exercise
 __all__ = []
 
 
-def _layer0_keys(params, config, tokens, rotated: bool = True) -> np.ndarray:
+def _layer0_keys(params, config, tokens, rotated: bool = True,
+                 normed: bool = True) -> np.ndarray:
     """Layer 0's cached keys after a prefill of 3 tokens and 3 decode steps (the lesson's run),
-    or the same keys before RoPE's rotation."""
+    or, as slips, the same keys before RoPE's rotation, or projected from the embeddings without
+    the layer's RMSNorm (then rotated)."""
     from refmath.inference.kv_cache import decode_step, prefill
     from refmath.models import decoder
     from refmath.norms import rmsnorm_forward
+    from refmath.positions import rope_forward
 
     tokens = np.asarray(tokens)
-    if not rotated:
-        u, _ = rmsnorm_forward(params["tok_emb"][tokens], params["layers.0.ln1.gamma"],
-                               config.norm_eps)
+    if not (rotated and normed):
+        u = params["tok_emb"][tokens]
+        if normed:
+            u, _ = rmsnorm_forward(u, params["layers.0.ln1.gamma"], config.norm_eps)
         raw = (u @ params["layers.0.attn.w_k"]).reshape(*tokens.shape, config.kv_heads, config.d_h)
-        return raw.transpose(0, 2, 1, 3)
+        raw = raw.transpose(0, 2, 1, 3)
+        return rope_forward(raw, base=config.rope_base)[0] if rotated else raw
     _, cache = prefill(decoder, params, config, tokens[:, :3])
     for t in range(3, tokens.shape[1]):
         decode_step(decoder, params, config, cache, tokens[:, t])
@@ -35,7 +40,9 @@ def _layer0_keys(params, config, tokens, rotated: bool = True) -> np.ndarray:
 def _cached_keys(params, config, tokens):
     return _layer0_keys(params, config, tokens), {
         "the keys not rotated: the cache holds them after RoPE":
-            _layer0_keys(params, config, tokens, rotated=False)}
+            _layer0_keys(params, config, tokens, rotated=False),
+        "no RMSNorm before W_K: a layer projects its normalised input, not the embeddings":
+            _layer0_keys(params, config, tokens, normed=False)}
 
 
 @exercise("10.3", "visible pairs after a prefill of 5 and 3 steps", "the section 'K5: the prompt "
