@@ -44,7 +44,6 @@ import numpy as np
 
 from refmath import kernels
 from refmath.attention import sdpa_forward
-from refmath.inference.quantized import QuantizedKVCache, decode_with_quantized_cache
 from refmath.lessons import check, check_function
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
@@ -221,8 +220,8 @@ assert demo.counts.visible == [P * (P + 1) // 2 + P + 1] * config.n_layers
 del demo  # not kept: more decode steps on it would answer exercise 10.3
 
 # %% [markdown]
-# **Exercise 10.3.** A prompt of $P = 5$ tokens, then 3 decode steps. How many visible pairs per head
-# and layer in total? (Prefill, then each step's new query meets all keys so far, itself
+# **Exercise 10.3.** A prompt of $P = 5$ tokens, then 3 decode steps. How many visible pairs per
+# head and layer in total? (Prefill, then each step's new query meets all keys so far, itself
 # included.)
 
 # %% tags=["exercise"]
@@ -288,8 +287,9 @@ plt.show()
 #   \qquad I_{\text{decode}} \approx \frac{2B}{b},$$
 #
 # about 1 FLOP per byte at batch $B = 1$ in 16 bits (the approximation holds while the weights
-# dominate the bytes; each sequence's cache pulls $I$ lower at long contexts and large batches). A prefill of $T$ tokens reads the same
-# weights once for all $T$ tokens, so $I_{\text{prefill}} \approx 2BT/b$ grows with the prompt.
+# dominate the bytes; each sequence's cache pulls $I$ lower at long contexts and large batches).
+# A prefill of $T$ tokens reads the same weights once for all $T$ tokens, so
+# $I_{\text{prefill}} \approx 2BT/b$ grows with the prompt.
 # `refmath.sizing.decode_step_traffic` and `prefill_traffic` count both; `decode_time_lower_bound`
 # divides.
 
@@ -456,7 +456,8 @@ check("10.5c", error_by_hand)
 # $|x - \hat x| \le s/2$ holds for every element and every group size.
 
 # %%
-from refmath.inference.quantized import dequantize, quantize
+from refmath.inference.quantized import (QuantizedKVCache, decode_with_quantized_cache,
+                                         dequantize, quantize)
 
 kv = rng.standard_normal((1, 4, 256, 128))
 kv[..., [5, 40, 77, 100]] *= 10.0

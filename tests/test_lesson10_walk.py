@@ -139,3 +139,21 @@ def test_no_expected_value_anywhere_in_an_unanswered_copy(tmp_path):
     shown = [(r["name"], _gives_away(r["value"], run.stdout) or _gives_away(r["value"], text))
              for r in recorded]
     assert not [s for s in shown if s[1]], shown
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+def test_10_no_prose_line_over_100_characters():
+    # walkb: one markdown line of the K13 section was left unwrapped by an edit (135 characters)
+    long = [n for n, line in enumerate((NOTEBOOKS / LESSON).read_text().splitlines(), 1)
+            if line.startswith("# ") and len(line) > 100]
+    assert not long, long
+
+
+def test_10_5_the_quantiser_module_is_not_at_hand_before_its_check():
+    # walkb reached quantize/dequantize through the module of QuantizedKVCache, imported in the
+    # first cell; it is now imported after 10.5's checks, with quantize and dequantize
+    from refmath.lessons import student_copy
+
+    student = student_copy((NOTEBOOKS / LESSON).read_text(), LESSON)
+    assert "refmath.inference.quantized" not in student[:student.index('check("10.5c"')]
