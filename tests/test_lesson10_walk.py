@@ -139,6 +139,8 @@ def test_no_expected_value_anywhere_in_an_unanswered_copy(tmp_path):
     shown = [(r["name"], _gives_away(r["value"], run.stdout) or _gives_away(r["value"], text))
              for r in recorded]
     assert not [s for s in shown if s[1]], shown
+    # 10.4's bytes over the live bandwidth (printed beside it) give 10.4's answer to 2-3 digits
+    assert "on this machine: at least" not in run.stdout
 
 
 # ---- text -------------------------------------------------------------------------------------
