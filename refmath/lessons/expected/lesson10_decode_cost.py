@@ -63,12 +63,13 @@ def _visible_pairs(params, config, tokens):
 
 @exercise("10.4", "lower bound on time per token", "the section 'K13: decode is bound by memory "
           "bandwidth'", "weights are read once per step; add the whole cache",
-          uses=("llama",))
-def _seconds_per_token(llama):
-    from refmath.sizing import decode_step_traffic, decode_time_lower_bound
+          uses=())
+def _seconds_per_token():
+    from refmath.sizing import PRESETS, decode_step_traffic, decode_time_lower_bound
 
-    # the lesson's model (Llama-3-8B's shape) at t = 8192, batch 1, bf16
-    bound = decode_time_lower_bound(decode_step_traffic(llama, context=8192), 2e12)
+    # the lesson's model, Llama-3-8B's shape (its PRESETS entry), at t = 8192, batch 1, bf16
+    traffic = decode_step_traffic(PRESETS["llama-3-8b"], context=8192)
+    bound = decode_time_lower_bound(traffic, 2e12)
     return bound, {"the cache forgotten: the weights alone": 2 * 7_504_658_432 / 2e12,
                    "the weights counted in 1 byte, not 2 (bf16)": bound - 7_504_658_432 / 2e12}
 
