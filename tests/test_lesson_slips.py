@@ -278,6 +278,18 @@ PLANTS = {
         ("q8_bound = given_bandwidth / q8_bytes_per_token",
          "q8_bound = q8_bytes_per_token / given_bandwidth", "the bound in tokens/s in Q8_0",
          "seconds per token"),
+        # the slips the walk-through (walkb) found unnamed
+        ('u, _ = rmsnorm_forward(params["tok_emb"][tokens], params["layers.0.ln1.gamma"], '
+         'config.norm_eps)', 'u = params["tok_emb"][tokens]', "cached keys of layer 0",
+         "no RMSNorm before W_K"),
+        ("visible = np.arange(T_max)[None, None, :] < np.asarray(lengths)[:, None, None]",
+         "visible = np.arange(T_max)[None, None, :] <= np.asarray(lengths)[:, None, None]",
+         "your decode attention", "the mask t <= length"),
+        ("x_hat_by_hand = scale_by_hand * np.clip(np.round(x / scale_by_hand), -7, 7)",
+         "x_hat_by_hand = 3.5 / 8 * np.clip(np.round(x / (3.5 / 8)), -8, 8)", "x_hat",
+         "x_hat from the scale max |x| / 8"),
+        ("error_by_hand = np.abs(x - x_hat_by_hand)", "error_by_hand = x - x_hat_by_hand",
+         "the error |x - x_hat|, at most half a step", "the signed error"),
     ],
     "12_from_equation_to_kernel.py": [
         ("bound_o = 2 * numpy_error + 4 * U32 * np.abs(vg).max()", "bound_o = 2 * numpy_error",
@@ -412,7 +424,8 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         "RMSNorm dx": ("your RMSNorm dx is orthogonal to x",),
         "dK of the shared heads": ("your dK holds all of the per-head gradient",),
         # answers computed from the planted one inherit its slip
-        "scale": ("x_hat", "error at most half a step"),
+        "scale": ("x_hat", "the error |x - x_hat|, at most half a step"),
+        "x_hat": ("the error |x - x_hat|, at most half a step",),
         "MHA numbers per token and layer": ("MHA / MLA",),
         "MLA numbers per token and layer": ("MHA / MLA",),
         "W_Q from q_proj.weight": ("W_K from k_proj.weight",),

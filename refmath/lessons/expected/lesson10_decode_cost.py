@@ -10,19 +10,24 @@ from refmath.lessons.table import exercise
 __all__ = []
 
 
-def _layer0_keys(params, config, tokens, rotated: bool = True) -> np.ndarray:
+def _layer0_keys(params, config, tokens, rotated: bool = True,
+                 normed: bool = True) -> np.ndarray:
     """Layer 0's cached keys after a prefill of 3 tokens and 3 decode steps (the lesson's run),
-    or the same keys before RoPE's rotation."""
+    or, as slips, the same keys before RoPE's rotation, or projected from the embeddings without
+    the layer's RMSNorm (then rotated)."""
     from refmath.inference.kv_cache import decode_step, prefill
     from refmath.models import decoder
     from refmath.norms import rmsnorm_forward
+    from refmath.positions import rope_forward
 
     tokens = np.asarray(tokens)
-    if not rotated:
-        u, _ = rmsnorm_forward(params["tok_emb"][tokens], params["layers.0.ln1.gamma"],
-                               config.norm_eps)
+    if not (rotated and normed):
+        u = params["tok_emb"][tokens]
+        if normed:
+            u, _ = rmsnorm_forward(u, params["layers.0.ln1.gamma"], config.norm_eps)
         raw = (u @ params["layers.0.attn.w_k"]).reshape(*tokens.shape, config.kv_heads, config.d_h)
-        return raw.transpose(0, 2, 1, 3)
+        raw = raw.transpose(0, 2, 1, 3)
+        return rope_forward(raw, base=config.rope_base)[0] if rotated else raw
     _, cache = prefill(decoder, params, config, tokens[:, :3])
     for t in range(3, tokens.shape[1]):
         decode_step(decoder, params, config, cache, tokens[:, t])
@@ -35,7 +40,9 @@ def _layer0_keys(params, config, tokens, rotated: bool = True) -> np.ndarray:
 def _cached_keys(params, config, tokens):
     return _layer0_keys(params, config, tokens), {
         "the keys not rotated: the cache holds them after RoPE":
-            _layer0_keys(params, config, tokens, rotated=False)}
+            _layer0_keys(params, config, tokens, rotated=False),
+        "no RMSNorm before W_K: a layer projects its normalised input, not the embeddings":
+            _layer0_keys(params, config, tokens, normed=False)}
 
 
 @exercise("10.3", "visible pairs after a prefill of 5 and 3 steps", "the section 'K5: the prompt "
@@ -56,11 +63,13 @@ def _visible_pairs(params, config, tokens):
 
 @exercise("10.4", "lower bound on time per token", "the section 'K13: decode is bound by memory "
           "bandwidth'", "weights are read once per step; add the whole cache",
-          uses=("step",))
-def _seconds_per_token(step):
-    from refmath.sizing import decode_time_lower_bound
+          uses=())
+def _seconds_per_token():
+    from refmath.sizing import PRESETS, decode_step_traffic, decode_time_lower_bound
 
-    bound = decode_time_lower_bound(step, 2e12)  # step: the lesson's traffic at t = 8192
+    # the lesson's model, Llama-3-8B's shape (its PRESETS entry), at t = 8192, batch 1, bf16
+    traffic = decode_step_traffic(PRESETS["llama-3-8b"], context=8192)
+    bound = decode_time_lower_bound(traffic, 2e12)
     return bound, {"the cache forgotten: the weights alone": 2 * 7_504_658_432 / 2e12,
                    "the weights counted in 1 byte, not 2 (bf16)": bound - 7_504_658_432 / 2e12}
 
@@ -78,13 +87,47 @@ def _quantiser_scale(x):
                    "max |x| / 15: the 16 levels split over both signs": scale * 7 / 15}
 
 
-@exercise("10.5b", "x_hat", _K12, "x_hat = s clip(round(x / s), -7, 7)", uses=("x",), rtol=0.0)
-def _quantised_x(x):
+def _x_hat(x) -> tuple[np.ndarray, float]:
+    """(x_hat, s): the lesson's x in one group of 4 bits, quantised and dequantised by the
+    library."""
     from refmath.inference.quantized import dequantize, quantize
 
     packed = quantize(x, bits=4, group_size=4)
-    x_hat = dequantize(packed)
-    return x_hat, {"the codes c, not x_hat = s c": x_hat / packed.scales[0]}
+    return dequantize(packed), float(packed.scales[0])
+
+
+def _x_hat_of_scale_8(x, largest_code: int) -> np.ndarray:
+    """10.5a's slip carried on: x_hat with s = max |x| / 8, codes clipped to +-largest_code."""
+    s = np.max(np.abs(x)) / 8
+    return s * np.clip(np.round(x / s), -largest_code, largest_code)
+
+
+@exercise("10.5b", "x_hat", _K12, "x_hat = s clip(round(x / s), -7, 7)", uses=("x",), rtol=0.0)
+def _quantised_x(x):
+    x_hat, s = _x_hat(x)
+    return x_hat, {"the codes c, not x_hat = s c": x_hat / s,
+                   "x_hat from the scale max |x| / 8 (not / 7), codes up to 8":
+                       _x_hat_of_scale_8(x, 8),
+                   "x_hat from the scale max |x| / 8 (not / 7), codes clipped to -7 .. 7":
+                       _x_hat_of_scale_8(x, 7)}
+
+
+@exercise("10.5c", "the error |x - x_hat|, at most half a step", _K12,
+          "|x - x_hat| element by element, with your x_hat of 10.5b", uses=("x",))
+def _quantisation_error(x):
+    # compared with the error of the library's x_hat, not with the bound s / 2 alone: an x_hat
+    # of a wrong scale can stay within half of the right step (s = max |x| / 8 does here)
+    x_hat, s = _x_hat(x)
+    error = np.abs(x - x_hat)
+    assert np.all(error <= s / 2), "rounding to the nearest code is off by at most half a step"
+    return error, {"the signed error x - x_hat, not its size |x - x_hat|": x - x_hat,
+                   "the error of the codes, |x / s - c|: divide by s no more": error / s,
+                   "the bound s / 2 for every element, not the error itself":
+                       np.full_like(error, s / 2),
+                   "x_hat from the scale max |x| / 8 (not / 7), codes up to 8":
+                       np.abs(x - _x_hat_of_scale_8(x, 8)),
+                   "x_hat from the scale max |x| / 8 (not / 7), codes clipped to -7 .. 7":
+                       np.abs(x - _x_hat_of_scale_8(x, 7))}
 
 
 _BANDWIDTH_LAW = "the section 'The bandwidth law, measured: fewer bytes per weight'"
