@@ -44,7 +44,7 @@ import numpy as np
 
 from refmath import kernels
 from refmath.attention import sdpa_forward
-from refmath.lessons import check, check_function
+from refmath.lessons import check
 from refmath.models import decoder
 from refmath.norms import rmsnorm_forward
 from refmath.positions import rope_forward
@@ -159,44 +159,7 @@ def my_decode_attention(q, k_cache, v_cache, lengths):
 
 
 # %%
-from refmath.inference.decode import decode_attention
-
-def decode_inputs():
-    draw = np.random.default_rng(3)
-    inputs = []
-    for heads, kv_heads, lengths in ((4, 2, [5, 2, 0]), (4, 1, [6, 3, 1]), (2, 2, [4, 6, 2])):
-        k = draw.standard_normal((3, kv_heads, 6, 8))
-        v = draw.standard_normal((3, kv_heads, 6, 8))
-        for b, length in enumerate(lengths):  # padding: large numbers that must not be read
-            k[b, :, length:], v[b, :, length:] = 50.0, -50.0
-        inputs.append((draw.standard_normal((3, heads, 8)), k, v, np.array(lengths)))
-    return inputs
-
-
-def interleaved_heads(q, k_cache, v_cache, lengths):
-    """A slip: query head r reads key/value head r % g instead of r // (h / g)."""
-    heads = np.arange(q.shape[1]) % k_cache.shape[1]
-    return decode_attention(q, k_cache[:, heads], v_cache[:, heads], lengths)
-
-
-def nan_for_empty(q, k_cache, v_cache, lengths):
-    """A slip: a sequence with no key divides 0 by 0."""
-    out = decode_attention(q, k_cache, v_cache, lengths)
-    return np.where(np.asarray(lengths)[:, None, None] == 0, np.nan, out)
-
-
-check_function("your decode attention", my_decode_attention, decode_attention, inputs=decode_inputs,
-               rtol=1e-12, hint="mask the rows at or past each length; query head r reads "
-                                "r // (H / G)",
-               slips={"the padding read: every sequence attends to all T_max rows":
-                          lambda q, k, v, lengths: decode_attention(q, k, v, np.full(len(lengths), 6)),
-                      "no 1/sqrt(D) scale": lambda q, k, v, lengths:
-                          decode_attention(q, k, v, lengths, scale=1.0),
-                      "GQA heads interleaved: head r reads r % g, not r // (h/g)": interleaved_heads,
-                      "an empty sequence gives NaN (0 / 0), not 0": nan_for_empty,
-                      "the mask t <= length: one padding row read, rows 0 .. L, not 0 .. L - 1":
-                          lambda q, k, v, lengths: decode_attention(
-                              q, k, v, np.minimum(np.asarray(lengths) + 1, k.shape[2]))})
+check("10.2", my_decode_attention)
 
 # %% [markdown]
 # ## K5: the prompt is quadratic, each new token linear

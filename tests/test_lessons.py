@@ -648,7 +648,7 @@ CHECK_CALLS = ("check", "check_close", "check_true", "check_function")
 ONE_CALL = ("check", "check_function")
 # check cells in the student copies that are not one check(...) or check_function(...) call;
 # this number may only go down (a check converted to a numbered exercise lowers it)
-CHECK_CELLS_NOT_ONE_CALL = 12
+CHECK_CELLS_NOT_ONE_CALL = 8
 
 
 def _called(node) -> str | None:
@@ -710,11 +710,6 @@ def _check_cells_giving_away(text: str) -> list[str]:
     return found
 
 
-# Lesson 10 is being reworked by another helper: its check cell still calls check_function with its
-# hint and slips in the cell; it moves to refmath/lessons/expected with its rework.
-GIVING_AWAY_ALLOWED = {"10_decode_cost.py": 1}
-
-
 def test_no_check_cell_shows_a_hint_a_slip_or_the_reference():
     """A write-the-function exercise's check cell is one call, check("05.4", my_function), like a
     value exercise's: its hint, slips and reference live in refmath.lessons.expected, where the
@@ -723,7 +718,7 @@ def test_no_check_cell_shows_a_hint_a_slip_or_the_reference():
 
     found = {name: _check_cells_giving_away(text) for name, text in packaged_copies().items()}
     too_many = {name: cells for name, cells in found.items()
-                if len(cells) > GIVING_AWAY_ALLOWED.get(name, 0)}
+                if cells}
     assert not too_many, too_many
     # the scan sees each way a check cell can give the answer away
     assert _check_cells_giving_away('\n# %%\ncheck("05.4", f)\n') == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -43,6 +43,49 @@ def _cached_keys(params, config, tokens):
             _layer0_keys(params, config, tokens, rotated=False),
         "no RMSNorm before W_K: a layer projects its normalised input, not the embeddings":
             _layer0_keys(params, config, tokens, normed=False)}
+
+
+def _decode_inputs():
+    """GQA, MQA and MHA caches of 3 sequences (one of them empty in the first), whose padding
+    holds large numbers that must not be read."""
+    draw = np.random.default_rng(3)
+    inputs = []
+    for heads, kv_heads, lengths in ((4, 2, [5, 2, 0]), (4, 1, [6, 3, 1]), (2, 2, [4, 6, 2])):
+        k = draw.standard_normal((3, kv_heads, 6, 8))
+        v = draw.standard_normal((3, kv_heads, 6, 8))
+        for b, length in enumerate(lengths):
+            k[b, :, length:], v[b, :, length:] = 50.0, -50.0
+        inputs.append((draw.standard_normal((3, heads, 8)), k, v, np.array(lengths)))
+    return inputs
+
+
+@function_exercise("10.2", "your decode attention",
+                   "the section 'K3: RoPE keys are cached after their rotation'",
+                   "mask the rows at or past each length; query head r reads r // (H / G)")
+def _decode_attention():
+    from refmath.inference.decode import decode_attention
+
+    def interleaved_heads(q, k_cache, v_cache, lengths):
+        """A slip: query head r reads key/value head r % g instead of r // (h / g)."""
+        heads = np.arange(q.shape[1]) % k_cache.shape[1]
+        return decode_attention(q, k_cache[:, heads], v_cache[:, heads], lengths)
+
+    def nan_for_empty(q, k_cache, v_cache, lengths):
+        """A slip: a sequence with no key divides 0 by 0."""
+        out = decode_attention(q, k_cache, v_cache, lengths)
+        return np.where(np.asarray(lengths)[:, None, None] == 0, np.nan, out)
+
+    return dict(
+        reference=decode_attention, inputs=_decode_inputs, rtol=1e-12,
+        slips={"the padding read: every sequence attends to all T_max rows":
+                   lambda q, k, v, lengths: decode_attention(q, k, v, np.full(len(lengths), 6)),
+               "no 1/sqrt(D) scale": lambda q, k, v, lengths:
+                   decode_attention(q, k, v, lengths, scale=1.0),
+               "GQA heads interleaved: head r reads r % g, not r // (h/g)": interleaved_heads,
+               "an empty sequence gives NaN (0 / 0), not 0": nan_for_empty,
+               "the mask t <= length: one padding row read, rows 0 .. L, not 0 .. L - 1":
+                   lambda q, k, v, lengths: decode_attention(
+                       q, k, v, np.minimum(np.asarray(lengths) + 1, k.shape[2]))})
 
 
 @exercise("10.3", "visible pairs after a prefill of 5 and 3 steps", "the section 'K5: the prompt "
