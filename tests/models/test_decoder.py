@@ -1,4 +1,5 @@
-"""The M3 decoder: gradients of every parameter, L5, L6, K1, RoPE placement, config and batch checks.
+"""The M3 decoder: gradients of every parameter, L5, K1, RoPE placement, config and batch checks
+(L6 for every model is test_model_properties.py's).
 
 The PyTorch comparison lives in test_decoder_torch.py.
 """

@@ -1,6 +1,6 @@
-"""GPT (catalogue M2): gradients of every parameter, initialisation (N11), causal training (L6),
-prefix invariance (K1), the SFT loss mask (L5), dropout, banded layers (A12, GPT-3's pattern),
-configs and bad input."""
+"""GPT (catalogue M2): gradients of every parameter, initialisation (N11), prefix invariance of
+the cached keys and values (K1; L6 for every model is test_model_properties.py's), the SFT loss
+mask (L5), dropout, banded layers (A12, GPT-3's pattern), configs and bad input."""
 import dataclasses
 import json
 import math

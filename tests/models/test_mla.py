@@ -1,5 +1,5 @@
-"""The M4 (MLA) decoder: gradients of every parameter, the K8/K9 score, L5, L6, K1 on the cached
-latents, config and batch checks. The PyTorch comparison lives in test_mla_torch.py."""
+"""The M4 (MLA) decoder: gradients of every parameter, the K8/K9 score, L5, K1 on the cached
+latents (L6 for every model is test_model_properties.py's), config and batch checks. The PyTorch comparison lives in test_mla_torch.py."""
 import dataclasses
 import json
 import math
