@@ -34,6 +34,7 @@ so that at f32 both sides compute the same function and the KV bytes per token a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -149,18 +150,48 @@ def gguf_types(path) -> str:
     return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 
 
+@contextlib.contextmanager
+def _model_params(**fields):
+    """llama-cpp-python's Llama() builds its model parameters from
+    ``llama_model_default_params()`` and loads the model in the same call, exposing no argument
+    for some fields (``use_extra_bufts``): set them by wrapping that function while a Llama is
+    made."""
+    from llama_cpp import llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def chosen():
+        params = default()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+    low.llama_model_default_params = chosen
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 class LlamaCppPeer:
     """One GGUF file loaded by llama-cpp-python for greedy generation from token ids on
     ``threads`` threads (prefill and decode alike), with room for ``n_ctx`` positions, its KV
-    cache float32, nothing offloaded to a GPU."""
+    cache float32, nothing offloaded to a GPU.
 
-    def __init__(self, path, threads: int, n_ctx: int):
+    ``repack``: llama.cpp's "extra buffer types", on by default, which give quantised weights
+    (Q8_0 among them) a layout of the CPU backend's choosing when the model loads: AMX tiles where
+    the CPU has AMX, interleaved rows for its repacked products elsewhere. False is llama.cpp's
+    ``--no-repack``: the weights as stored in the file. (On the Intel Xeon with AMX these figures
+    were taken on, llama-cpp-python 0.3.36 built with -DGGML_NATIVE=ON crashed with SIGSEGV in
+    ``ggml_backend_amx_mul_mat`` on the first Q8_0 decode with it on.)"""
+
+    def __init__(self, path, threads: int, n_ctx: int, repack: bool = True):
         import llama_cpp
 
-        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads,
-                                   n_threads_batch=threads, n_ctx=n_ctx, n_gpu_layers=0,
-                                   type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                                   seed=0, verbose=False)
+        with _model_params(use_extra_bufts=repack):
+            self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads,
+                                       n_threads_batch=threads, n_ctx=n_ctx, n_gpu_layers=0,
+                                       type_k=llama_cpp.GGML_TYPE_F32,
+                                       type_v=llama_cpp.GGML_TYPE_F32, seed=0, verbose=False)
 
     def generate(self, prompt, n: int) -> np.ndarray:
         """The ``n`` greedy tokens after ``prompt`` (token ids). reset() first: otherwise

@@ -160,6 +160,9 @@ def parse_args(argv=None):
     parser.add_argument("--gguf-converter", metavar="PATH", default=None,
                         help="llama.cpp's convert_hf_to_gguf.py (default: $"
                              f"{_llamacpp.CONVERTER_ENV}); {_llamacpp.HOW_TO_GET_IT}")
+    parser.add_argument("--llamacpp-repack", choices=("on", "off"), default="on",
+                        help="llama.cpp's extra buffer types for quantised weights (AMX tiles, "
+                             "repacked rows): on, its default, or off, its --no-repack")
     parser.add_argument("--contend", type=int, default=0, metavar="N",
                         help="busy processes competing for the cores during every run")
     parser.add_argument("--quick", action="store_true",
@@ -392,7 +395,8 @@ def run_llamacpp(label: str, model: str, config, args, converter, rows: list) ->
         for threads in args.threads or [None]:
             with limit_threads(threads):
                 count = threads or kernels.cpu_threads()
-                peers = {fmt: _llamacpp.LlamaCppPeer(path, count, args.prompt_tokens + n)
+                peers = {fmt: _llamacpp.LlamaCppPeer(path, count, args.prompt_tokens + n,
+                                                     repack=args.llamacpp_repack == "on")
                          for fmt, path in ggufs.items()}
                 fns = {}
                 for fmt in args.weights:
@@ -488,7 +492,8 @@ def main(argv=None) -> int:
     skip = _llamacpp.missing(converter) if "llamacpp" in args.peers else None
     if "llamacpp" in args.peers and skip is None:
         print(f"llama.cpp: {_llamacpp.version()}, GGUF files made by {converter}; formats "
-              f"{', '.join(args.weights)}; Llama shapes only")
+              f"{', '.join(args.weights)}; Llama shapes only; its extra buffer types "
+              f"(repack) {args.llamacpp_repack}")
     rows, llama_rows = [], []
     with competitors(args.contend):
         for label, (model, config) in shapes.items():

@@ -144,3 +144,19 @@ def test_llamacpp_greedy_ids_are_refmaths_at_f32(tmp_path):
         peer.close()
     np.testing.assert_array_equal(theirs, ours)
     np.testing.assert_array_equal(again, ours)
+
+
+def test_repack_off_reaches_the_model_parameters_and_is_put_back(monkeypatch):
+    """Llama() takes no argument for use_extra_bufts: the peer sets it on the default parameters
+    while the model loads, and leaves llama-cpp-python's function as it was."""
+    low = types.SimpleNamespace(llama_model_default_params=lambda: types.SimpleNamespace(
+        use_extra_bufts=True, n_gpu_layers=-1))
+    package = types.ModuleType("llama_cpp")
+    package.llama_cpp = low
+    monkeypatch.setitem(sys.modules, "llama_cpp", package)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", low)
+    original = low.llama_model_default_params
+    with _llamacpp._model_params(use_extra_bufts=False):
+        params = low.llama_model_default_params()
+        assert params.use_extra_bufts is False and params.n_gpu_layers == -1
+    assert low.llama_model_default_params is original
