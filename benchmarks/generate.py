@@ -62,8 +62,9 @@ float32. refmath runs the same format with `generate(..., weights=FORMAT)`'s loo
 matrices made once beforehand, as the command makes them once). All formats of both sides, and a
 plain read of each side's bytes per token (its own: llama.cpp's files round the head and the
 embedding too, refmath's formats only the layers' matrices), take turns in one rotation, so that
-every ratio in a row is of runs made in the same minutes. Each row: tokens/s of both, their ratio,
-each side's bound and fraction of it, whether the ids are refmath's at that format (or the first
+every ratio in a row is of runs made in the same minutes. Each side's bound is its own bytes per
+token read at one bandwidth, the median over all those reads (the same for both sides). Each row:
+tokens/s of both, their ratio, each side's bound and fraction of it, whether the ids are refmath's at that format (or the first
 token where they part), and the load average when the row's turns ended. Without llama-cpp-python
 (or the converter) that table is skipped with a line saying what to install.
 
@@ -413,12 +414,21 @@ def run_llamacpp(label: str, model: str, config, args, converter, rows: list) ->
                       flush=True)
                 for peer in peers.values():
                     peer.close()
+            # One bandwidth for both sides: the median over every read of these turns (each its
+            # bytes over its seconds). The reads differ only in length, so a bound per side from
+            # its own few reads would carry that side's luck in which minutes they fell.
+            rates = sorted(reads[(fmt, side)].nbytes / t for fmt in args.weights
+                           for side in ("refmath", "llama.cpp")
+                           for t in times[(f"read {side}", fmt)])
+            bandwidth = statistics.median(rates)
+            print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(rates)} reads "
+                  f"in the same turns; {rates[0] / 1e9:.1f}-{rates[-1] / 1e9:.1f})", flush=True)
             for fmt in args.weights:
                 med = {side: n / statistics.median(times[(side, fmt)])
                        for side in ("refmath", "llama.cpp")}
                 best = {side: n / min(times[(side, fmt)]) for side in ("refmath", "llama.cpp")}
-                bound = {side: 1 / statistics.median(times[(f"read {side}", fmt)])
-                         for side in ("refmath", "llama.cpp")}
+                bound = {side: bandwidth / nbytes[fmt][i]
+                         for i, side in enumerate(("refmath", "llama.cpp"))}
                 rows.append([label, fmt, count,
                              f"{med['refmath']:.1f} ({best['refmath']:.1f})",
                              f"{med['llama.cpp']:.1f} ({best['llama.cpp']:.1f})",
@@ -523,9 +533,9 @@ def main(argv=None) -> int:
                         title=f"refmath against llama.cpp at each weight format: tokens/s from "
                               f"the median run (from the fastest), {args.repeats} runs per side "
                               f"in turns whose order reverses every round, every format of both "
-                              f"sides in the same turns; bound: one token per median cold read of "
-                              f"that side's bytes per token (weights + KV), timed in the same "
-                              f"turns; ids: llama.cpp's {args.tokens} against refmath's at the "
+                              f"sides in the same turns; bound: that side's bytes per token (weights + "
+                              f"KV) read at the median bandwidth of all the cold reads timed in "
+                              f"the same turns; ids: llama.cpp's {args.tokens} against refmath's at the "
                               f"same format")
     if not args.no_self:
         with competitors(args.contend):

@@ -64,9 +64,11 @@ def test_generate_benchmark_skips_the_peer_with_that_line(monkeypatch, capsys):
     import generate
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as in CI, which has neither
     assert generate.main(["--quick", "--peers", "llamacpp", "--no-self"]) == 0
     out = capsys.readouterr().out
-    assert "llama.cpp peer skipped: llama-cpp-python not installed (pip install -e '.[llamacpp]'" in out
+    assert ("llama.cpp peer skipped: llama-cpp-python, sentencepiece not installed "
+            "(pip install -e '.[llamacpp]'") in out
 
 
 def test_stand_in_tokenizer_is_one_llamas_converter_accepts(tmp_path):
