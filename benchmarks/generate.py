@@ -53,6 +53,21 @@ before the first run and ends them after the last, so that every figure is taken
 competing for the cores, as on a shared server or a laptop running something else. Timing: --repeats runs of each side in turns
 whose order reverses every round; tokens/s from the median run and from the fastest.
 
+llama.cpp (--peers llamacpp, with or instead of transformers; the `llamacpp` extra, see
+benchmarks/_llamacpp.py): the Llama-shaped checkpoints only. The same folder (with a stand-in
+tokenizer.json that llama.cpp's converter accepts) is converted by llama.cpp's own
+convert_hf_to_gguf.py to a GGUF file at each --weights format (f32, bf16, f16, q8 = Q8_0), and
+llama-cpp-python generates greedily from the same prompt ids on the same thread count, its KV cache
+float32. refmath runs the same format with `generate(..., weights=FORMAT)`'s loop (the stored
+matrices made once beforehand, as the command makes them once). All formats of both sides, and a
+plain read of each side's bytes per token (its own: llama.cpp's files round the head and the
+embedding too, refmath's formats only the layers' matrices), take turns in one rotation, so that
+every ratio in a row is of runs made in the same minutes. Each side's bound is its own bytes per
+token read at one bandwidth, the median over all those reads (the same for both sides). Each row:
+tokens/s of both, their ratio, each side's bound and fraction of it, whether the ids are refmath's at that format (or the first
+token where they part), and the load average when the row's turns ended. Without llama-cpp-python
+(or the converter) that table is skipped with a line saying what to install.
+
 Then, unless --no-self, the old table: refmath against itself on the tiny default models of
 `python -m refmath train` (recomputing every prefix, the KV cache in NumPy, in the C++ kernels).
 
@@ -60,6 +75,8 @@ Then, unless --no-self, the old table: refmath against itself on the tiny defaul
     python benchmarks/generate.py --threads 1 2            # GPT-2-124M and llama-small, 64 tokens
     OPENBLAS_NUM_THREADS=1 python benchmarks/generate.py --threads 1
     python benchmarks/generate.py --threads 1 2 --contend 1   # with one competing busy process
+    python benchmarks/generate.py --peers llamacpp --shapes llama-small --threads 1 2 \
+        --weights f32 bf16 f16 q8 --gguf-converter PATH/convert_hf_to_gguf.py --no-self
 
 Nothing is asserted: the figures belong to the machine (and its load, printed first and last).
 """
@@ -76,8 +93,10 @@ import tempfile
 import time
 
 import numpy as np
+import _llamacpp
 from _bandwidth import ReadReference
 from _common import fmt_bytes, interleaved_best_ms, load_average
+from weight_formats_quality import bytes_per_token, greedy_run, layer_forms
 
 from refmath import hf, kernels, train
 from refmath.fast.products import blas_products, kernel_products
@@ -130,6 +149,21 @@ def parse_args(argv=None):
                              "cold caches (default: 1.5 times the last-level cache; 0: warm)")
     parser.add_argument("--no-self", action="store_true",
                         help="skip the old table (refmath against itself on the tiny models)")
+    parser.add_argument("--peers", nargs="+", choices=("transformers", "llamacpp"),
+                        default=["transformers"],
+                        help="transformers: its generate on the float32 checkpoint; llamacpp: "
+                             "llama-cpp-python on the checkpoint converted to GGUF at each "
+                             "--weights format (Llama shapes only; the llamacpp extra)")
+    parser.add_argument("--weights", nargs="+", choices=tuple(_llamacpp.GGUF_TYPES),
+                        default=["f32"],
+                        help="formats of the llama.cpp comparison: refmath's generate --weights, "
+                             "and the GGUF type of that name (q8: Q8_0)")
+    parser.add_argument("--gguf-converter", metavar="PATH", default=None,
+                        help="llama.cpp's convert_hf_to_gguf.py (default: $"
+                             f"{_llamacpp.CONVERTER_ENV}); {_llamacpp.HOW_TO_GET_IT}")
+    parser.add_argument("--llamacpp-repack", choices=("on", "off"), default="on",
+                        help="llama.cpp's extra buffer types for quantised weights (AMX tiles, "
+                             "repacked rows): on, its default, or off, its --no-repack")
     parser.add_argument("--contend", type=int, default=0, metavar="N",
                         help="busy processes competing for the cores during every run")
     parser.add_argument("--quick", action="store_true",
@@ -313,6 +347,100 @@ def run_shape(label: str, model: str, config, args, rows: list) -> None:
                             f"{kernel / blas:.2f}x")
 
 
+# ---- llama.cpp as a peer (benchmarks/_llamacpp.py) -------------------------------------------------
+
+LLAMACPP_HEADERS = ["shape", "weights", "threads", "refmath tok/s", "llama.cpp tok/s",
+                    "refmath / llama.cpp", "bytes/token refmath, llama.cpp",
+                    "bound tok/s refmath, llama.cpp", "refmath of bound", "llama.cpp of bound",
+                    "ids as refmath's", "load (1 min)"]
+
+
+def parted(ours: np.ndarray, theirs: np.ndarray) -> str:
+    """"yes" for identical ids, else the first position (0-based, among the generated tokens)
+    where they differ."""
+    return "yes" if np.array_equal(ours, theirs) else f"from token {int(np.argmax(ours != theirs))}"
+
+
+def run_llamacpp(label: str, model: str, config, args, converter, rows: list) -> None:
+    """refmath and llama.cpp on one checkpoint at each --weights format and --threads count: one
+    rotation of turns per thread count holding every format of both sides and a plain read of each
+    side's bytes per token (see the module's docstring)."""
+    module = model_module(model)
+    rng = np.random.default_rng(0)  # the same weights and prompt as run_shape's
+    params = module.init_params(config, seed=0, dtype=np.float32)
+    prompt = rng.integers(0, config.vocab_size, args.prompt_tokens)
+    n = args.tokens
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_checkpoint(directory, model, config, params)
+        del params
+        _llamacpp.write_stand_in_tokenizer(directory, config.vocab_size)
+        _, r_config, r_params = hf.load_checkpoint(directory)
+        _, kv = bytes_read(model, r_config, r_params, args.prompt_tokens, n)
+        ggufs, ours, nbytes = {}, {}, {}
+        for fmt in args.weights:
+            ggufs[fmt] = _llamacpp.convert(directory, fmt, f"{directory}/model-{fmt}.gguf",
+                                           converter)
+            weights = _llamacpp.GGUF_TYPES[fmt]  # refmath's name for it too
+            steps, stored = layer_forms(module, r_params, r_config, weights)
+            ours[fmt] = greedy_run(model, r_config, steps, stored, weights, prompt, n)
+            nbytes[fmt] = (bytes_per_token(model, r_config, r_params, stored, args.prompt_tokens, n),
+                           _llamacpp.weight_bytes_per_token(ggufs[fmt]) + kv / n)
+            print(f"{label}, {fmt}: GGUF tensors {_llamacpp.gguf_types(ggufs[fmt])}; bytes per "
+                  f"token refmath {fmt_bytes(int(nbytes[fmt][0]))}, llama.cpp "
+                  f"{fmt_bytes(int(nbytes[fmt][1]))}", flush=True)
+        # One buffer for every read reference: each reads a prefix of it, its side's bytes.
+        largest = max(max(pair) for pair in nbytes.values())
+        buffer = np.ones(int(largest) // 4 + 1, np.float32)
+        reads = {(fmt, side): ReadReference(arrays=[buffer[:int(b) // 4]], evict_mib=args.evict_mib)
+                 for fmt, pair in nbytes.items() for side, b in zip(("refmath", "llama.cpp"), pair)}
+        for threads in args.threads or [None]:
+            with limit_threads(threads):
+                count = threads or kernels.cpu_threads()
+                peers = {fmt: _llamacpp.LlamaCppPeer(path, count, args.prompt_tokens + n,
+                                                     repack=args.llamacpp_repack == "on")
+                         for fmt, path in ggufs.items()}
+                fns = {}
+                for fmt in args.weights:
+                    fns[("refmath", fmt)] = lambda run=ours[fmt]: run()[0, -n:]
+                    fns[("llama.cpp", fmt)] = lambda peer=peers[fmt]: peer.generate(prompt, n)
+                    fns[("read refmath", fmt)] = reads[(fmt, "refmath")]
+                    fns[("read llama.cpp", fmt)] = reads[(fmt, "llama.cpp")]
+                # the first run of each side is its warm-up, and gives the ids compared
+                agree = {fmt: parted(fns[("refmath", fmt)](), fns[("llama.cpp", fmt)]())
+                         for fmt in args.weights}
+                times = time_sides(fns, args.repeats)
+                load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+                print(f"  {thread_line()}; llama.cpp n_threads {count}; {load_average()}",
+                      flush=True)
+                for peer in peers.values():
+                    peer.close()
+            # One bandwidth for both sides: the median over every read of these turns (each its
+            # bytes over its seconds). The reads differ only in length, so a bound per side from
+            # its own few reads would carry that side's luck in which minutes they fell.
+            rates = sorted(reads[(fmt, side)].nbytes / t for fmt in args.weights
+                           for side in ("refmath", "llama.cpp")
+                           for t in times[(f"read {side}", fmt)])
+            bandwidth = statistics.median(rates)
+            print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(rates)} reads "
+                  f"in the same turns; {rates[0] / 1e9:.1f}-{rates[-1] / 1e9:.1f})", flush=True)
+            for fmt in args.weights:
+                med = {side: n / statistics.median(times[(side, fmt)])
+                       for side in ("refmath", "llama.cpp")}
+                best = {side: n / min(times[(side, fmt)]) for side in ("refmath", "llama.cpp")}
+                bound = {side: bandwidth / nbytes[fmt][i]
+                         for i, side in enumerate(("refmath", "llama.cpp"))}
+                rows.append([label, fmt, count,
+                             f"{med['refmath']:.1f} ({best['refmath']:.1f})",
+                             f"{med['llama.cpp']:.1f} ({best['llama.cpp']:.1f})",
+                             f"{med['refmath'] / med['llama.cpp']:.2f} "
+                             f"({best['refmath'] / best['llama.cpp']:.2f})",
+                             f"{fmt_bytes(int(nbytes[fmt][0]))}, {fmt_bytes(int(nbytes[fmt][1]))}",
+                             f"{bound['refmath']:.1f}, {bound['llama.cpp']:.1f}",
+                             f"{100 * med['refmath'] / bound['refmath']:.0f}%",
+                             f"{100 * med['llama.cpp'] / bound['llama.cpp']:.0f}%",
+                             agree[fmt], f"{load:.1f}"])
+
+
 def print_table(headers, rows, title):
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
@@ -370,21 +498,45 @@ def main(argv=None) -> int:
           f"its decode-step products on {PRODUCTS[args.products]} (with rows_matmul, every "
           f"layer of a step in one compiled call)")
     shapes = QUICK_SHAPES if args.quick else {s: SHAPES[s] for s in args.shapes}
-    rows = []
+    converter = _llamacpp.converter_path(args.gguf_converter)
+    skip = _llamacpp.missing(converter) if "llamacpp" in args.peers else None
+    if "llamacpp" in args.peers and skip is None:
+        print(f"llama.cpp: {_llamacpp.version()}, GGUF files made by {converter}; formats "
+              f"{', '.join(args.weights)}; Llama shapes only; its extra buffer types "
+              f"(repack) {args.llamacpp_repack}")
+    rows, llama_rows = [], []
     with competitors(args.contend):
         for label, (model, config) in shapes.items():
-            run_shape(label, model, config, args, rows)
+            if "transformers" in args.peers:
+                run_shape(label, model, config, args, rows)
+            if "llamacpp" in args.peers and skip is None and model == "llama":
+                run_llamacpp(label, model, config, args, converter, llama_rows)
     print()
-    headers = ["shape", "threads", "refmath tok/s", "transformers tok/s", "refmath / transformers",
-               "same ids", "bound tok/s", "refmath of bound", "transformers of bound"]
-    if args.products == "both":
-        headers.append("refmath with rows_matmul tok/s, / BLAS's")
-    print_table(headers, rows,
-                title=f"tokens/s from the median run (from the fastest), {args.repeats} runs per "
-                      "side in turns whose order reverses every round; bound: one token per "
-                      "median (fastest) cold read of the bytes a token reads (weights + KV); "
-                      "'of bound': median tokens/s over the bound from the median read (from the "
-                      "fastest read)")
+    if "transformers" in args.peers:
+        headers = ["shape", "threads", "refmath tok/s", "transformers tok/s",
+                   "refmath / transformers", "same ids", "bound tok/s", "refmath of bound",
+                   "transformers of bound"]
+        if args.products == "both":
+            headers.append("refmath with rows_matmul tok/s, / BLAS's")
+        print_table(headers, rows,
+                    title=f"tokens/s from the median run (from the fastest), {args.repeats} runs "
+                          "per side in turns whose order reverses every round; bound: one token "
+                          "per median (fastest) cold read of the bytes a token reads (weights + "
+                          "KV); 'of bound': median tokens/s over the bound from the median read "
+                          "(from the fastest read)")
+    if "llamacpp" in args.peers:
+        if skip is not None:
+            print(f"llama.cpp peer skipped: {skip}")
+        else:
+            print("\n" if "transformers" in args.peers else "", end="")
+            print_table(LLAMACPP_HEADERS, llama_rows,
+                        title=f"refmath against llama.cpp at each weight format: tokens/s from "
+                              f"the median run (from the fastest), {args.repeats} runs per side "
+                              f"in turns whose order reverses every round, every format of both "
+                              f"sides in the same turns; bound: that side's bytes per token (weights + "
+                              f"KV) read at the median bandwidth of all the cold reads timed in "
+                              f"the same turns; ids: llama.cpp's {args.tokens} against refmath's at the "
+                              f"same format")
     if not args.no_self:
         with competitors(args.contend):
             self_comparison(min(args.tokens, 63), max(2, args.repeats))
