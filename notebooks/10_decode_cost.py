@@ -538,7 +538,7 @@ from refmath.models.decoder_config import DecoderConfig
 
 small_config = DecoderConfig(vocab_size=256, max_seq_len=64, d_model=512, n_layers=4, n_heads=8,
                              n_kv_heads=2, d_ff=1536)
-given_bandwidth = 10e9  # bytes/s, for exercise 10.7: a round figure for one core's read
+given_bandwidth = 25.6e9  # bytes/s, for exercise 10.7: two DDR4-3200 channels, a desktop's memory
 print(small_config)
 
 # %% [markdown]
@@ -561,8 +561,8 @@ q8_bytes_per_token = layer_weights * 34 / 32 + 4 * (d * V + (2 * L + 1) * d + d)
 check("10.6", q8_bytes_per_token)
 
 # %% [markdown]
-# **Exercise 10.7.** On a memory system that reads `given_bandwidth` $= 10^{10}$ bytes per
-# second, at most how many tokens per second can this model make with its layers in Q8_0?
+# **Exercise 10.7.** On a memory system that reads `given_bandwidth` $= 2.56 \times 10^{10}$ bytes
+# per second, at most how many tokens per second can this model make with its layers in Q8_0?
 
 # %% tags=["exercise"]
 q8_bound = ...
