@@ -48,11 +48,16 @@ from refmath.losses import CrossEntropyCache
 from refmath.models import check_config
 from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
+from refmath.models import network
+from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
 from refmath.models.network import layers_backward, layers_forward, table_gradients
 from refmath.models.cases import model_case_maker
-from refmath.models.common import CacheSpec, EvenHeads, TrainingRecipe, prefixed, sub_params
-from refmath.models.hf_layout import linear_out, refuse, refuse_common, require, rope_from_hf, take_head
-from refmath.models.params import draw_params
+from refmath.models.common import EvenHeads, TrainingRecipe, prefixed, sub_params
+from refmath.models.hf_layout import (ATTENTION_KEYS, GATED_FFN_KEYS, QK_NORM_KEYS, layer_key_rows,
+                                      linear_out, refuse, refuse_common, require, rope_from_hf,
+                                      take_head)
+from refmath.models.params import init_llama_params
+from refmath.models.rope_attention import cache_spec  # Llama's: g heads' keys and values a layer
 from refmath.positions import RoPECache, rope_backward, rope_forward
 from refmath.registry import ParamCase, register_case
 
@@ -114,27 +119,17 @@ def param_shapes(config: CohereConfig) -> dict:
     """``{name: shape}`` of every parameter (see the module docstring)."""
     check_config("cohere", config)
     d, h, g, d_h, f = config.d_model, config.n_heads, config.kv_heads, config.d_h, config.d_ff
-    shapes = {"tok_emb": (config.vocab_size, d)}
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "ln1.gamma": (d,), p + "attn.w_q": (d, h * d_h),
-                       p + "attn.w_k": (d, g * d_h), p + "attn.w_v": (d, g * d_h),
-                       p + "attn.w_o": (h * d_h, d)})
-        if config.qk_norm:
-            shapes.update({p + "attn.q_norm.gamma": (h, d_h), p + "attn.k_norm.gamma": (g, d_h)})
-        shapes.update({p + "ffn.w_gate": (d, f), p + "ffn.w_up": (d, f), p + "ffn.w_down": (f, d)})
-    shapes["ln_f.gamma"] = (d,)
-    if not config.tie_embeddings:
-        shapes["lm_head"] = (d, config.vocab_size)
-    return shapes
+    layer = {"ln1.gamma": (d,), "attn.w_q": (d, h * d_h), "attn.w_k": (d, g * d_h),
+             "attn.w_v": (d, g * d_h), "attn.w_o": (h * d_h, d)}
+    if config.qk_norm:
+        layer.update({"attn.q_norm.gamma": (h, d_h), "attn.k_norm.gamma": (g, d_h)})
+    layer.update({"ffn.w_gate": (d, f), "ffn.w_up": (d, f), "ffn.w_down": (f, d)})
+    return network.param_shapes(config, lambda i: layer, {"gamma": (d,)})
 
 
 def init_params(config: CohereConfig, seed=0, dtype=np.float64) -> dict:
-    r"""Gains at 1; weights and the token table :math:`\mathcal N(0, \sigma^2)` with :math:`\sigma`
-    = ``init_std``, the residual outputs (``attn.w_o``, ``ffn.w_down``) at
-    :math:`\sigma/\sqrt{2L}` (N11; :func:`refmath.models.params.draw_params`)."""
-    return draw_params(param_shapes(config), seed, dtype, config.init_std, config.n_layers,
-                       ("attn.w_o", "ffn.w_down"))
+    """Gains at 1, weights by :func:`refmath.models.params.init_llama_params`."""
+    return init_llama_params(param_shapes(config), config, seed, dtype)
 
 
 # ---- attention: grouped heads, per-head LayerNorm on queries and keys, interleaved RoPE -----------
@@ -324,17 +319,6 @@ def layer_kv(cache: CohereCache) -> list:
 
 # ---- inference with a KV cache (K2, K3) -----------------------------------------------------------
 
-def cache_spec(config: CohereConfig, batch: int, max_len: int) -> CacheSpec:
-    """Keys and values of ``g`` heads per layer, ``(L, B, g, max_len, d_h)`` each."""
-    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
-    return CacheSpec("kv", (shape, shape))
-
-
-def embed(params, tokens, config: CohereConfig, offset: int) -> np.ndarray:
-    """The new rows' embeddings; positions enter through RoPE only."""
-    return embedding_forward(tokens, params["tok_emb"])[0]
-
-
 def cached_layer(x, params, layer: int, config: CohereConfig, slot, offset: int, *,
                  matmul=matmul_rows_many) -> np.ndarray:
     """Block ``layer`` on the new rows ``x`` at positions ``offset..``, its attention appending
@@ -353,9 +337,8 @@ def cached_layer(x, params, layer: int, config: CohereConfig, slot, offset: int,
 
 def head(params, x, config: CohereConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final norm, output projection and logit scale of the new rows: ``(B, n, V)``."""
-    x, _ = _norm(params, "ln_f", config)(x)
-    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out, matmul=matmul)[0] * config.logit_scale
+    return network.head(params, x, _norm(params, "ln_f", config), config.tie_embeddings,
+                        matmul=matmul) * config.logit_scale
 
 
 COMPILED_FIELDS = None  # the compiled decode layer has no parallel block: the NumPy step runs
@@ -381,29 +364,18 @@ def sizing_fields(config: CohereConfig) -> dict:
 HF_MODEL_TYPES = ("cohere",)
 
 # (Hugging Face's name under model.layers.{i}., refmath's under layers.{i}., stored transposed)
-LAYER_KEYS = (
-    ("input_layernorm.weight", "ln1.gamma", False),
-    ("self_attn.q_proj.weight", "attn.w_q", True),
-    ("self_attn.k_proj.weight", "attn.w_k", True),
-    ("self_attn.v_proj.weight", "attn.w_v", True),
-    ("self_attn.o_proj.weight", "attn.w_o", True),
-    ("self_attn.q_norm.weight", "attn.q_norm.gamma", False),
-    ("self_attn.k_norm.weight", "attn.k_norm.gamma", False),
-    ("mlp.gate_proj.weight", "ffn.w_gate", True),
-    ("mlp.up_proj.weight", "ffn.w_up", True),
-    ("mlp.down_proj.weight", "ffn.w_down", True),
-)
+# Llama's rows (refmath.models.hf_layout) with the one norm of the parallel block, and QK-norm's
+# per-head gains when qk_norm
+LAYER_KEYS = ((("input_layernorm.weight", "ln1.gamma", False),) + ATTENTION_KEYS + QK_NORM_KEYS
+              + GATED_FFN_KEYS)
 END_KEYS = (("model.embed_tokens.weight", "tok_emb", False), ("model.norm.weight", "ln_f.gamma", False))
 
 
 def key_table(config: CohereConfig) -> list:
     """``[(Hugging Face name, refmath name, transposed)]`` of every parameter but ``lm_head``."""
     shapes = param_shapes(config)
-    rows = list(END_KEYS)
-    for i in range(config.n_layers):
-        rows += [(f"model.layers.{i}.{theirs}", f"layers.{i}.{ours}", transposed)
-                 for theirs, ours, transposed in LAYER_KEYS if f"layers.{i}.{ours}" in shapes]
-    return rows
+    return list(END_KEYS) + [row for row in layer_key_rows(config.n_layers, LAYER_KEYS)
+                             if row[1] in shapes]
 
 
 def config_from_hf(hf: dict) -> CohereConfig:

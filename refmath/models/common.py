@@ -1,6 +1,7 @@
 """Plumbing the models share: parameter names under a prefix, dropout masks, the two shapes a
 model fills in to plug into the rest of refmath (its attention, and its inference cache), and the
-head sizes of the configurations whose heads split ``d_model`` (:class:`EvenHeads`).
+head sizes of the configurations whose heads split ``d_model`` (:class:`EvenHeads`, and
+:class:`HeadDimHeads` where a ``head_dim`` field may set their width).
 
 Parameters live in one flat dict with dotted names (``"layers.0.attn.w_q"``); a layer or sublayer
 works on the entries under its prefix with the prefix removed (``"w_q"``), and hands its gradients
@@ -17,7 +18,8 @@ from refmath.ffn import matmul_rows_many
 
 __all__ = [
     "AttentionOps", "TrainingRecipe", "CacheSpec", "sub_params", "SplitParams", "projections",
-    "prefixed", "dropout_mask", "layer_dropout_masks", "apply_mask", "EvenHeads"
+    "prefixed", "dropout_mask", "layer_dropout_masks", "apply_mask", "EvenHeads",
+    "HeadDimHeads", "named_config"
 ]
 
 
@@ -165,11 +167,19 @@ def apply_mask(x, mask):
     return x if mask is None else x * mask
 
 
+def named_config(config_class: type, presets: dict, name: str, overrides: dict):
+    """``config_class`` with the fields of the preset ``presets[name]``, any of them overridden by
+    ``overrides``; a ``ValueError`` naming the presets for an unknown ``name``."""
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(presets)}")
+    return config_class(**{**presets[name], **overrides})
+
+
 class EvenHeads:
     """The heads of a configuration whose ``n_heads`` query heads split ``d_model`` into even
     widths :math:`d_h = d / h` (RoPE rotates pairs), and whose ``n_kv_heads`` key/value heads
-    (None: ``n_heads``) each serve the same number of them (A10): Command-R's and Phi-3's. A
-    dataclass that derives from it calls :meth:`check_heads` in its ``__post_init__``."""
+    (None: ``n_heads``) each serve the same number of them (A10): Command-R's, Falcon's and
+    Phi-3's. A dataclass that derives from it calls :meth:`check_heads` in its ``__post_init__``."""
 
     @property
     def kv_heads(self) -> int:
@@ -184,9 +194,32 @@ class EvenHeads:
     def check_heads(self) -> None:
         """Raise ``ValueError`` naming the class and the fields unless the heads divide as said."""
         name = type(self).__name__
+        self._check_head_width(name)
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"{name}.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
+                             f"{self.n_heads} (each key/value head serves h/g query heads)")
+
+    def _check_head_width(self, name: str) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"{name}: n_heads = {self.n_heads} must divide d_model = "
                              f"{self.d_model} into an even head width (RoPE rotates pairs)")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"{name}.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
-                             f"{self.n_heads}")
+
+
+class HeadDimHeads(EvenHeads):
+    """:class:`EvenHeads` of a configuration with a ``head_dim`` field, which sets the head width
+    :math:`d_h` when it is given (Gemma's, OLMo 2's and the Llama family's may differ from
+    :math:`d / h`); None keeps :math:`d / h`, which ``n_heads`` must then divide."""
+
+    @property
+    def d_h(self) -> int:
+        """The head width: ``head_dim``, or ``d / h``."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    def _check_head_width(self, name: str) -> None:
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"{name}.d_model = {self.d_model} is not divisible by n_heads = "
+                             f"{self.n_heads}; give head_dim explicitly")
+        if self.d_h % 2:
+            source = "d_model // n_heads" if self.head_dim is None else "head_dim"
+            raise ValueError(f"{name}: the head width {source} = {self.d_h} must be even for "
+                             f"RoPE's coordinate pairs")

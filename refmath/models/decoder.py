@@ -57,7 +57,7 @@ from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_row
 from refmath import moe as moe_ops
 from refmath.losses import IGNORE_INDEX, CrossEntropyCache
 from refmath.models import check_config
-from refmath.models import blocks
+from refmath.models import blocks, network, rope_attention
 # the family's blocks, configuration, attention, checkpoint tables and gradient-case makers, offered
 # under this module's name too (their paths before the split)
 from refmath.models.blocks import (SublayerCache, ffn_backward, ffn_forward, norm_backward,
@@ -71,6 +71,7 @@ from refmath.models.decoder_config import (PRESETS, QK_NORMS, DecoderConfig,
 from refmath.models.feed_forward import FeedForward, mixture_of_experts, swiglu
 from refmath.models.decoder_hf import (HF_MODEL_TYPES, QWEN_TYPES, config_from_hf,
                                        params_from_hf, to_hf)
+from refmath.models.network import embed  # the table's rows; positions enter by RoPE only
 from refmath.models.rope_attention import (ROPE_GQA, RoPEAttentionCache, cache_stale,
                                            queries_keys, rope_attention_backward,
                                            rope_attention_cached, rope_attention_forward,
@@ -386,24 +387,16 @@ def layer_kv(cache: DecoderCache) -> list:
 def cache_spec(config: DecoderConfig, batch: int, max_len: int) -> CacheSpec:
     """Keys and values of ``g`` heads per layer: ``(L, B, g, max_len, d_h)`` each, of which a
     sliding layer keeps only its window's rows (its ``sliding_window`` of :func:`layer_config`)."""
-    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
     windows = tuple(layer_config(config, i).sliding_window for i in range(config.n_layers))
-    return CacheSpec("kv", (shape, shape),
-                     windows=windows if any(w is not None for w in windows) else None)
-
-
-def embed(params, tokens, config, offset: int) -> np.ndarray:
-    """The new rows' embeddings ``(B, n, d)``; positions enter through RoPE only, so ``offset``
-    changes nothing here."""
-    return embedding_forward(tokens, params["tok_emb"])[0]
+    return rope_attention.cache_spec(config, batch, max_len,
+                                     windows if any(w is not None for w in windows) else None)
 
 
 def head(params, x, config, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final norm and output projection of the new rows: logits ``(B, n, V)``, the projection
     computed by ``matmul`` (:mod:`refmath.models.contract`)."""
-    x, _ = norm_forward(x, params, "ln_f", config)
-    w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-    return linear_forward(x, w_out, matmul=matmul)[0]
+    return network.head(params, x, layer_norm(params, "ln_f", config), config.tie_embeddings,
+                        matmul=matmul)
 
 
 def family_cached_layer(x, params, layer: int, config, attention: AttentionOps, slot, offset: int,

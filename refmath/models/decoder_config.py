@@ -16,6 +16,7 @@ from refmath._validate import (check_choice, check_field, check_flag, check_int,
                                check_window_layers)
 from refmath.attention import ATTENTION_BACKENDS
 from refmath.ffn import swiglu_hidden_size
+from refmath.models.common import HeadDimHeads, named_config
 from refmath.moe import MoEConfig, as_moe_config
 from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
 
@@ -28,6 +29,27 @@ __all__ = [
 # ---- configuration -------------------------------------------------------------------------------
 
 
+def check_rope_fields(config) -> None:
+    """Validate Llama's RoPE fields, as every family that rotates by them has them: ``rope_base``
+    above 1, ``rope_layout`` one of ``ROPE_LAYOUTS``; ``rope_scaling`` given as a dict of its fields
+    (``asdict``'s JSON form) is made a :class:`refmath.positions.RopeScaling`."""
+    check_field(config, "rope_base", check_real, 1.0, low_open=True)
+    check_field(config, "rope_layout", check_choice, ROPE_LAYOUTS)
+    object.__setattr__(config, "rope_scaling", as_rope_scaling(
+        config.rope_scaling, f"{type(config).__name__}.rope_scaling"))
+
+
+def check_training_fields(config) -> None:
+    """Validate the fields of the norms' epsilon and of training that every Llama-like family has:
+    ``norm_eps`` and ``init_std`` positive, ``tie_embeddings`` a flag, ``dropout`` in [0, 1),
+    ``attention_backend`` one of ``ATTENTION_BACKENDS``."""
+    for name in ("norm_eps", "init_std"):
+        check_field(config, name, check_real, 0.0, low_open=True)
+    check_field(config, "tie_embeddings", check_flag)
+    check_field(config, "dropout", check_real, 0.0, 1.0, high_open=True)
+    check_field(config, "attention_backend", check_choice, ATTENTION_BACKENDS)
+
+
 def check_shared_fields(config) -> None:
     """Validate the fields every decoder of this family has (M3 and M4 alike); ``moe`` given as a
     dict of its fields is made a :class:`refmath.moe.MoEConfig`."""
@@ -36,12 +58,8 @@ def check_shared_fields(config) -> None:
     check_field(config, "d_ff", check_int, 1, optional=True)
     check_field(config, "rope_base", check_real, 1.0, low_open=True)
     check_field(config, "rope_layout", check_choice, ROPE_LAYOUTS)
-    check_field(config, "norm_eps", check_real, 0.0, low_open=True)
-    check_field(config, "dropout", check_real, 0.0, 1.0, high_open=True)
-    check_field(config, "init_std", check_real, 0.0, low_open=True)
-    check_field(config, "tie_embeddings", check_flag)
+    check_training_fields(config)
     check_field(config, "head_dim", check_int, 1, optional=True)
-    check_field(config, "attention_backend", check_choice, ATTENTION_BACKENDS)
     # a dict of MoEConfig's fields (asdict's JSON form) becomes a MoEConfig
     object.__setattr__(config, "moe", as_moe_config(config.moe, f"{type(config).__name__}.moe"))
     if config.head_dim is None and config.d_model % config.n_heads:
@@ -102,7 +120,7 @@ QK_NORMS = ("head",)  # where QK-norm's RMSNorm runs (N18): over each head (OLMo
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecoderConfig(FamilyConfig):
+class DecoderConfig(FamilyConfig, HeadDimHeads):
     r"""Sizes and options of the M3 decoder. ``dataclasses.asdict`` round-trips through JSON.
 
     ``n_kv_heads`` (``g``) defaults to ``n_heads`` (MHA); ``g = 1`` is MQA, anything between that
@@ -157,18 +175,7 @@ class DecoderConfig(FamilyConfig):
         object.__setattr__(self, "rope_scaling",
                            as_rope_scaling(self.rope_scaling, "DecoderConfig.rope_scaling"))
         check_field(self, "qk_norm", check_choice, QK_NORMS, optional=True)
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"DecoderConfig.n_kv_heads = {self.n_kv_heads} must divide "
-                             f"n_heads = {self.n_heads} (each key/value head serves h/g query heads)")
-        if self.d_h % 2:
-            source = "head_dim" if self.head_dim is not None else "d_model // n_heads"
-            raise ValueError(f"DecoderConfig: the head width {source} = {self.d_h} must be even "
-                             f"for RoPE's coordinate pairs")
-
-    @property
-    def kv_heads(self) -> int:
-        """``g``, the number of key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        self.check_heads()
 
     @property
     def score_scale(self) -> float:
@@ -223,6 +230,4 @@ PRESETS = {
 
 def preset(name: str, **overrides) -> DecoderConfig:
     """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return DecoderConfig(**{**PRESETS[name], **overrides})
+    return named_config(DecoderConfig, PRESETS, name, overrides)

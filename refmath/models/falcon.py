@@ -41,26 +41,25 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import ATTENTION_BACKENDS
-from refmath.embedding import embedding_forward
-from refmath.ffn import linear_forward, matmul_rows_many
+from refmath._validate import check_choice, check_field, check_flag, check_int
+from refmath.ffn import matmul_rows_many
 from refmath.models import check_config
 from refmath.models import blocks
-from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models import network
 from refmath.models.cases import model_case_maker
 from refmath.models.contract import ANY, allowed
-from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
+from refmath.models.decoder_config import check_rope_fields, check_training_fields
+from refmath.models.common import EvenHeads, TrainingRecipe, named_config, prefixed, sub_params
 from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, join_heads_columns,
                                       linear_out, refuse, refuse_common, rope_context,
                                       rope_from_hf, rope_to_hf, split_heads_columns, take_head)
-from refmath.models.params import draw_params
-from refmath.models.rope_attention import (cache_stale, rope_attention_backward,
-                                           rope_attention_cached, rope_attention_forward,
-                                           rope_attention_shapes, rope_attention_state,
-                                           rope_options)
-from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
+from refmath.models.params import init_llama_params
+from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
+from refmath.models.rope_attention import (cache_spec, cache_stale, rope_options,  # Llama's hooks
+                                           rope_attention_backward, rope_attention_cached,
+                                           rope_attention_forward, rope_attention_shapes,
+                                           rope_attention_state)
+from refmath.positions import RopeScaling
 from refmath.registry import ParamCase, register_case
 
 __all__ = [
@@ -82,7 +81,7 @@ FFNS = ("gelu", "gelu_tanh", "swiglu")
 
 
 @dataclass(frozen=True, kw_only=True)
-class FalconConfig:
+class FalconConfig(EvenHeads):
     """Sizes and options of Falcon and the parallel-block decoders. ``dataclasses.asdict``
     round-trips through JSON. The defaults are Llama's
     (:class:`refmath.models.decoder.DecoderConfig`) where both have the field."""
@@ -124,34 +123,12 @@ class FalconConfig:
         check_field(self, "parallel_norms", check_choice, (1, 2))
         check_field(self, "norm", check_choice, NORMS)
         check_field(self, "ffn", check_choice, FFNS)
-        for name in ("norm_eps", "init_std"):
-            check_field(self, name, check_real, 0.0, low_open=True)
-        check_field(self, "rope_base", check_real, 1.0, low_open=True)
-        check_field(self, "rope_layout", check_choice, ROPE_LAYOUTS)
-        object.__setattr__(self, "rope_scaling",
-                           as_rope_scaling(self.rope_scaling, "FalconConfig.rope_scaling"))
-        check_field(self, "tie_embeddings", check_flag)
-        check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
-        check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
+        check_rope_fields(self)
+        check_training_fields(self)
         if self.parallel_norms == 2 and not self.parallel_block:
             raise ValueError("FalconConfig.parallel_norms = 2 gives the FFN of a parallel block "
                              "its own norm; parallel_block is False")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"FalconConfig: n_heads = {self.n_heads} must divide d_model = "
-                             f"{self.d_model} into an even head width (RoPE rotates pairs)")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"FalconConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
-                             f"{self.n_heads}")
-
-    @property
-    def d_h(self) -> int:
-        """The head width, ``d / h``."""
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """``g``, the number of key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        self.check_heads()
 
     @property
     def d_f(self) -> int:
@@ -175,9 +152,7 @@ PRESETS = {
 
 def preset(name: str, **overrides) -> FalconConfig:
     """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return FalconConfig(**{**PRESETS[name], **overrides})
+    return named_config(FalconConfig, PRESETS, name, overrides)
 
 
 # The default of `python -m refmath train`: Falcon-7B's block (multi-query attention, one
@@ -190,9 +165,9 @@ TRAINING_RECIPE = TrainingRecipe(
 
 # ---- parameters ----------------------------------------------------------------------------------
 
-def _norm_shapes(config: FalconConfig, name: str) -> dict:
+def _norm_shapes(config: FalconConfig) -> dict:
     d = config.d_model
-    return {name + ".gamma": (d,), **({name + ".beta": (d,)} if config.norm == "layernorm" else {})}
+    return {"gamma": (d,), **({"beta": (d,)} if config.norm == "layernorm" else {})}
 
 
 def param_shapes(config: FalconConfig) -> dict:
@@ -202,26 +177,17 @@ def param_shapes(config: FalconConfig) -> dict:
     ffn = {"w_up": (d, f), "w_down": (f, d)}
     if config.ffn == "swiglu":
         ffn = {"w_gate": (d, f), **ffn}
-    shapes = {"tok_emb": (config.vocab_size, d)}
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        shapes.update(_norm_shapes(config, p + "ln1"))
-        shapes.update({p + "attn." + k: v for k, v in rope_attention_shapes(config).items()})
-        if not config.parallel_block or config.parallel_norms == 2:
-            shapes.update(_norm_shapes(config, p + "ln2"))
-        shapes.update({p + "ffn." + k: v for k, v in ffn.items()})
-    shapes.update(_norm_shapes(config, "ln_f"))
-    if not config.tie_embeddings:
-        shapes["lm_head"] = (d, config.vocab_size)
-    return shapes
+    norm = _norm_shapes(config)
+    layer = {**prefixed("ln1", norm), **prefixed("attn", rope_attention_shapes(config))}
+    if not config.parallel_block or config.parallel_norms == 2:
+        layer.update(prefixed("ln2", norm))
+    layer.update(prefixed("ffn", ffn))
+    return network.param_shapes(config, lambda i: layer, norm)
 
 
 def init_params(config: FalconConfig, seed=0, dtype=np.float64) -> dict:
-    r"""Gains at 1, biases at 0; weights and the token table :math:`\mathcal N(0, \sigma^2)` with
-    :math:`\sigma` = ``init_std``, the residual outputs (``attn.w_o``, ``ffn.w_down``) at
-    :math:`\sigma/\sqrt{2L}` (N11; :func:`refmath.models.params.draw_params`)."""
-    return draw_params(param_shapes(config), seed, dtype, config.init_std, config.n_layers,
-                       ("attn.w_o", "ffn.w_down"))
+    """Gains at 1, biases at 0, weights by :func:`refmath.models.params.init_llama_params`."""
+    return init_llama_params(param_shapes(config), config, seed, dtype)
 
 
 # ---- the layer: two norms or one, attention and FFN side by side or in turn ----------------------
@@ -296,43 +262,10 @@ def layer_backward(dout, cache: LayerCache):
 
 # ---- the network ---------------------------------------------------------------------------------
 
-def _head_weight(params: dict, config: FalconConfig):
-    return params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-
-
-def network_forward(params, tokens, config: FalconConfig, train: bool = False, rng=None):
-    r"""Logits ``(B, T, V)`` of checked ``tokens``: :math:`z = \operatorname{LN}(x^{(L)})\,
-    W_{\text{out}}` after the embedding and the ``L`` layers (:func:`refmath.models.network.forward`);
-    the residual dropout masks drawn from ``rng`` only when ``train`` and ``dropout > 0``. Returns
-    ``(z, cache)``."""
-    return network.forward(params, tokens, config,
-                           lambda i, x, p, drops: layer_forward(x, p, config, drops),
-                           layer_norm(params, "ln_f", config), train, rng)
-
-
-def network_backward(dz, cache: network.NetworkCache) -> dict:
-    """Gradients of :func:`network_forward` given ``dz``, the forward in reverse; the tied table
-    gets both its lookup's and the head's gradient."""
-    return network.backward(dz, cache, layer_backward)
-
-
-def forward(params, batch, config: FalconConfig, train: bool = False, rng=None):
-    """Mean next-token cross-entropy of a batch (L2, L5): ``(loss, cache)``; the batch as
-    :func:`refmath.models.decoder.forward` takes it. With ``train`` and ``dropout > 0`` the masks
-    are drawn from ``rng`` (a ``numpy.random.Generator``) and kept for :func:`backward`."""
-    return network_loss(params, batch, config, param_shapes(config),  # it checks the config
-                        lambda tokens: network_forward(params, tokens, config, train, rng))
-
-
-def backward(cache: network.NetworkCache) -> dict:
-    """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
-    return next_token_loss_backward(cache, network_backward)
-
-
-def logits(params, tokens, config: FalconConfig) -> np.ndarray:
-    """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
-    return network_logits(params, tokens, config, param_shapes(config),
-                          lambda tokens: network_forward(params, tokens, config))
+# Falcon's network adds nothing of its own around its layers: the embedding, the layers in turn,
+# the final norm and the head (refmath.models.network), with the next-token loss on top
+network_forward, network_backward, forward, backward, logits = network.plain_network(
+    layer_forward, layer_backward, layer_norm, param_shapes)
 
 
 def layer_kv(cache: network.NetworkCache) -> list:
@@ -340,18 +273,7 @@ def layer_kv(cache: network.NetworkCache) -> list:
     return [rope_attention_state(layer.attn.branch) for layer in cache.layers]
 
 
-# ---- inference with a KV cache (K2, K3); rope_options and cache_stale are Llama's ----------------
-
-def cache_spec(config: FalconConfig, batch: int, max_len: int) -> CacheSpec:
-    """Keys and values of ``g`` heads per layer, ``(L, B, g, max_len, d_h)`` each."""
-    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
-    return CacheSpec("kv", (shape, shape))
-
-
-def embed(params, tokens, config: FalconConfig, offset: int) -> np.ndarray:
-    """The new rows' embeddings; positions enter through RoPE only."""
-    return embedding_forward(tokens, params["tok_emb"])[0]
-
+# ---- inference with a KV cache (K2, K3); embed, cache_spec, rope_options, cache_stale are Llama's -
 
 def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int, *,
                  matmul=matmul_rows_many) -> np.ndarray:
@@ -368,8 +290,8 @@ def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int,
 
 def head(params, x, config: FalconConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final LayerNorm and output projection of the new rows: ``(B, n, V)``."""
-    x, _ = layer_norm(params, "ln_f", config)(x)
-    return linear_forward(x, _head_weight(params, config), matmul=matmul)[0]
+    return network.head(params, x, layer_norm(params, "ln_f", config), config.tie_embeddings,
+                        matmul=matmul)
 
 
 # What the compiled decode layer (refmath.kernels.decode_layers) computes of these layers, field by

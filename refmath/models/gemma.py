@@ -61,19 +61,22 @@ from refmath.losses import CrossEntropyCache
 from refmath.models import check_config
 from refmath.models import blocks
 from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
+from refmath.models import network, rope_attention
 from refmath.models.network import layers_backward, layers_forward, table_gradients
 from refmath.models.cases import model_case_maker
-from refmath.models.common import (CacheSpec, TrainingRecipe, prefixed, sub_params,
+from refmath.models.common import (CacheSpec, HeadDimHeads, TrainingRecipe, prefixed, sub_params,
                                    layer_dropout_masks)
 from refmath.models.decoder import rope_attention_inputs
-from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, linear_out, refuse,
-                                      refuse_common, require, rope_context, rope_from_hf,
-                                      rope_to_hf, take_head)
+from refmath.models.decoder_config import check_rope_fields
+from refmath.models.hf_layout import (ATTENTION_KEYS, GATED_FFN_KEYS, QK_NORM_KEYS,
+                                      HFCheckpointError, interleaved_to_half, layer_key_rows,
+                                      linear_out, refuse, refuse_common, require, rope_context,
+                                      rope_from_hf, rope_to_hf, take_head)
 from refmath.models.params import draw_params
 from refmath.models.rope_attention import (  # Llama's attention sublayer and hooks
     cache_stale, rope_attention_backward, rope_attention_cached, rope_attention_forward,
     rope_attention_shapes, rope_attention_state, rope_options)
-from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
+from refmath.positions import RopeScaling
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 __all__ = [
@@ -91,7 +94,7 @@ GENERATIONS = (1, 2, 3)  # Gemma 1; Gemma 2 adds the sandwich norms; Gemma 3 QK-
 
 
 @dataclass(frozen=True, kw_only=True)
-class GemmaConfig:
+class GemmaConfig(HeadDimHeads):
     """Sizes and options of Gemma 1, 2 and 3. ``dataclasses.asdict`` round-trips through JSON."""
 
     vocab_size: int  # V, rows of the token table (and columns of the tied head)
@@ -127,23 +130,15 @@ class GemmaConfig:
             check_field(self, name, check_int, 1)
         check_field(self, "n_kv_heads", check_int, 1, optional=True)
         check_field(self, "generation", check_choice, GENERATIONS)
-        check_field(self, "rope_base", check_real, 1.0, low_open=True)
+        check_rope_fields(self)
         check_field(self, "local_rope_base", check_real, 1.0, low_open=True, optional=True)
-        check_field(self, "rope_layout", check_choice, ROPE_LAYOUTS)
-        object.__setattr__(self, "rope_scaling",
-                           as_rope_scaling(self.rope_scaling, "GemmaConfig.rope_scaling"))
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
             check_field(self, name, check_real, 0.0, low_open=True, optional=True)
         for name in ("norm_eps", "init_std"):
             check_field(self, name, check_real, 0.0, low_open=True)
         check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
         self._check_windows()
-        if self.head_dim % 2:
-            raise ValueError(f"GemmaConfig: the head width head_dim = {self.head_dim} must be "
-                             f"even for RoPE's coordinate pairs")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"GemmaConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
-                             f"{self.n_heads}")
+        self.check_heads()  # head_dim is required: it sets d_h
 
     def _check_windows(self):
         if self.windows is None:
@@ -162,16 +157,6 @@ class GemmaConfig:
                                  f"{self.windows!r}")
         if all(w is None for w in self.windows):
             raise ValueError("GemmaConfig.windows has no local layer: give None instead")
-
-    @property
-    def kv_heads(self) -> int:
-        """``g``, the number of key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def d_h(self) -> int:
-        """The head width."""
-        return self.head_dim
 
     @property
     def d_f(self) -> int:
@@ -395,8 +380,7 @@ def layer_kv(cache: GemmaCache) -> list:
 def cache_spec(config: GemmaConfig, batch: int, max_len: int) -> CacheSpec:
     """Keys and values of ``g`` heads per layer, ``(L, B, g, max_len, d_h)`` each, of which a local
     layer keeps only its window's rows."""
-    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
-    return CacheSpec("kv", (shape, shape), windows=config.windows)
+    return rope_attention.cache_spec(config, batch, max_len, windows=config.windows)
 
 
 def embed(params, tokens, config: GemmaConfig, offset: int) -> np.ndarray:
@@ -420,8 +404,7 @@ def cached_layer(x, params, layer: int, config: GemmaConfig, slot, offset: int, 
 
 def head(params, x, config: GemmaConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final RMSNorm, the tied output projection and the cap of the new rows: ``(B, n, V)``."""
-    x, _ = layer_norm(params, "ln_f", config)(x)
-    z = linear_forward(x, params["tok_emb"].T, matmul=matmul)[0]
+    z = network.head(params, x, layer_norm(params, "ln_f", config), tied=True, matmul=matmul)
     return z if config.final_softcap is None else softcap_forward(z, config.final_softcap)[0]
 
 
@@ -454,16 +437,7 @@ _ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM"}
 
 # (Hugging Face's name under model.layers.{i}., refmath's under layers.{i}., stored transposed)
-ATTENTION_KEYS = (
-    ("self_attn.q_proj.weight", "attn.w_q", True),
-    ("self_attn.k_proj.weight", "attn.w_k", True),
-    ("self_attn.v_proj.weight", "attn.w_v", True),
-    ("self_attn.o_proj.weight", "attn.w_o", True),
-)
-QK_NORM_KEYS = (  # Gemma 3
-    ("self_attn.q_norm.weight", "attn.q_norm.gamma", False),
-    ("self_attn.k_norm.weight", "attn.k_norm.gamma", False),
-)
+# with Llama's ATTENTION_KEYS, QK_NORM_KEYS (Gemma 3's) and GATED_FFN_KEYS (refmath.models.hf_layout)
 NORM_KEYS = {  # Gemma 1 names its norm before the FFN post_attention_layernorm, as Llama does
     1: (("input_layernorm.weight", "ln1.gamma", False),
         ("post_attention_layernorm.weight", "ln2.gamma", False)),
@@ -472,11 +446,6 @@ NORM_KEYS = {  # Gemma 1 names its norm before the FFN post_attention_layernorm,
         ("pre_feedforward_layernorm.weight", "ln2.gamma", False),
         ("post_feedforward_layernorm.weight", "ln2_post.gamma", False)),
 }
-FFN_KEYS = (
-    ("mlp.gate_proj.weight", "ffn.w_gate", True),
-    ("mlp.up_proj.weight", "ffn.w_up", True),
-    ("mlp.down_proj.weight", "ffn.w_down", True),
-)
 # the columns (and QK-norm's gains) that Hugging Face's "half" RoPE layout permutes within a head
 ROTATED = ("attn.w_q", "attn.w_k", "attn.q_norm.gamma", "attn.k_norm.gamma")
 
@@ -485,12 +454,9 @@ def key_table(config: GemmaConfig) -> list:
     """``[(Hugging Face name, refmath name, transposed)]`` of every parameter (the head is the
     token table)."""
     layer = (ATTENTION_KEYS + (QK_NORM_KEYS if config.qk_norm else ())
-             + NORM_KEYS[min(config.generation, 2)] + FFN_KEYS)
-    rows = [("model.embed_tokens.weight", "tok_emb", False)]
-    for i in range(config.n_layers):
-        rows += [(f"model.layers.{i}.{theirs}", f"layers.{i}.{ours}", transposed)
-                 for theirs, ours, transposed in layer]
-    return rows + [("model.norm.weight", "ln_f.gamma", False)]
+             + NORM_KEYS[min(config.generation, 2)] + GATED_FFN_KEYS)
+    return ([("model.embed_tokens.weight", "tok_emb", False)]
+            + layer_key_rows(config.n_layers, layer) + [("model.norm.weight", "ln_f.gamma", False)])
 
 
 def _windows_from_hf(hf: dict) -> tuple | None:

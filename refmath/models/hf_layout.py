@@ -21,7 +21,8 @@ __all__ = [
     "HFCheckpointError", "refuse", "require", "refuse_common", "rope_from_hf", "rope_context",
     "rope_to_hf", "take_head", "MIXTRAL_EXPERTS", "QWEN_MOE_EXPERTS", "DEEPSEEK_EXPERTS",
     "take_moe", "take_swiglu", "take_feed_forward_layer", "take_ends", "linear_out",
-    "swiglu_layers_to_hf", "interleaved_to_half", "split_heads_columns", "join_heads_columns"
+    "swiglu_layers_to_hf", "interleaved_to_half", "split_heads_columns", "join_heads_columns",
+    "ATTENTION_KEYS", "QK_NORM_KEYS", "GATED_FFN_KEYS", "layer_key_rows"
 ]
 
 
@@ -141,6 +142,33 @@ def rope_to_hf(base: float, scaling) -> tuple[dict, int | None]:
             params[name] = list(value) if isinstance(value, tuple) else value
     context = scaling.original_max_seq_len if scaling.rope_type == "dynamic" else None
     return params, context
+
+
+# ---- Llama's key rows, which the families written as its differences share ------------------------
+# (Hugging Face's name under model.layers.{i}., refmath's under layers.{i}., stored transposed)
+
+ATTENTION_KEYS = (
+    ("self_attn.q_proj.weight", "attn.w_q", True),
+    ("self_attn.k_proj.weight", "attn.w_k", True),
+    ("self_attn.v_proj.weight", "attn.w_v", True),
+    ("self_attn.o_proj.weight", "attn.w_o", True),
+)
+QK_NORM_KEYS = (  # QK-norm's gains (N18): Gemma 3's, OLMo 2's, Command-R's
+    ("self_attn.q_norm.weight", "attn.q_norm.gamma", False),
+    ("self_attn.k_norm.weight", "attn.k_norm.gamma", False),
+)
+GATED_FFN_KEYS = (  # the SwiGLU's (or GeGLU's) three projections
+    ("mlp.gate_proj.weight", "ffn.w_gate", True),
+    ("mlp.up_proj.weight", "ffn.w_up", True),
+    ("mlp.down_proj.weight", "ffn.w_down", True),
+)
+
+
+def layer_key_rows(n_layers: int, layer_keys) -> list:
+    """The key table's rows of ``n_layers`` layers, ``(model.layers.{i}.<theirs>,
+    layers.{i}.<ours>, transposed)``, from one layer's ``layer_keys``."""
+    return [(f"model.layers.{i}.{theirs}", f"layers.{i}.{ours}", transposed)
+            for i in range(n_layers) for theirs, ours, transposed in layer_keys]
 
 
 def take_head(weights, tied: bool, params: dict, v: int, d: int) -> None:

@@ -63,7 +63,7 @@ from refmath.models.hf_layout import (DEEPSEEK_EXPERTS, HFCheckpointError, join_
                                       take_ends, take_feed_forward_layer)
 from refmath.moe import MoEConfig
 from refmath.models.cases import model_case_maker, moe_case_maker
-from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe
+from refmath.models.common import AttentionOps, CacheSpec, TrainingRecipe, named_config
 from refmath.models.decoder_config import FamilyConfig, check_shared_fields
 from refmath.models.decoder import (DecoderCache, decoder_param_shapes, init_decoder_params,
                                     layer_states, lm_forward)
@@ -161,9 +161,7 @@ PRESETS = {
 
 def preset(name: str, **overrides) -> MLAConfig:
     """A named configuration from :data:`PRESETS`, with any field overridden by keyword."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return MLAConfig(**{**PRESETS[name], **overrides})
+    return named_config(MLAConfig, PRESETS, name, overrides)
 
 
 # The default of `python -m refmath train` (as GPT's: about 2.5 min on two busy CPU cores).

@@ -37,25 +37,26 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import ATTENTION_BACKENDS
-from refmath.embedding import embedding_forward
-from refmath.ffn import linear_forward, matmul_rows_many, swiglu_hidden_size
+from refmath._validate import check_field, check_int
+from refmath.ffn import matmul_rows_many, swiglu_hidden_size
 from refmath.models import check_config
 from refmath.models import blocks
-from refmath.models.batch import network_logits, network_loss, next_token_loss_backward
 from refmath.models import network
 from refmath.models.cases import model_case_maker
-from refmath.models.common import CacheSpec, TrainingRecipe, prefixed, sub_params
+from refmath.models.common import HeadDimHeads, TrainingRecipe, prefixed, sub_params
 from refmath.models.decoder import rope_attention_inputs
-from refmath.models.hf_layout import (interleaved_to_half, linear_out, refuse_common, require,
-                                      rope_context, rope_from_hf, rope_to_hf, take_head)
-from refmath.models.params import draw_params
-from refmath.models.rope_attention import (cache_stale, rope_options,  # Llama's hooks
+from refmath.models.decoder_config import check_rope_fields, check_training_fields
+from refmath.models.hf_layout import (ATTENTION_KEYS, GATED_FFN_KEYS, QK_NORM_KEYS,
+                                      interleaved_to_half, layer_key_rows, linear_out,
+                                      refuse_common, require, rope_context, rope_from_hf,
+                                      rope_to_hf, take_head)
+from refmath.models.params import init_llama_params
+from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
+from refmath.models.rope_attention import (cache_spec, cache_stale, rope_options,  # Llama's hooks
                                            rope_attention_backward, rope_attention_cached,
                                            rope_attention_forward, rope_attention_shapes,
                                            rope_attention_state)
-from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
+from refmath.positions import RopeScaling
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
 __all__ = [
@@ -71,7 +72,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class OLMo2Config:
+class OLMo2Config(HeadDimHeads):
     """Sizes and options of OLMo 2. ``dataclasses.asdict`` round-trips through JSON. The defaults
     are Llama's (:class:`refmath.models.decoder.DecoderConfig`)."""
 
@@ -108,40 +109,15 @@ class OLMo2Config:
             check_field(self, name, check_int, 1)
         for name in ("n_kv_heads", "head_dim", "d_ff"):
             check_field(self, name, check_int, 1, optional=True)
-        check_field(self, "rope_base", check_real, 1.0, low_open=True)
-        check_field(self, "rope_layout", check_choice, ROPE_LAYOUTS)
-        object.__setattr__(self, "rope_scaling",
-                           as_rope_scaling(self.rope_scaling, "OLMo2Config.rope_scaling"))
-        for name in ("norm_eps", "init_std"):
-            check_field(self, name, check_real, 0.0, low_open=True)
-        check_field(self, "tie_embeddings", check_flag)
-        check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
-        check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"OLMo2Config.d_model = {self.d_model} is not divisible by n_heads = "
-                             f"{self.n_heads}; give head_dim explicitly")
-        if self.d_h % 2:
-            raise ValueError(f"OLMo2Config: the head width {self.d_h} must be even for RoPE's "
-                             f"coordinate pairs")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"OLMo2Config.n_kv_heads = {self.n_kv_heads} must divide n_heads = "
-                             f"{self.n_heads}")
+        check_rope_fields(self)
+        check_training_fields(self)
+        self.check_heads()
 
     @property
     def d_f(self) -> int:
         """The SwiGLU's width: ``d_ff``, or :func:`refmath.ffn.swiglu_hidden_size`'s."""
         return swiglu_hidden_size(self.d_model, self.ffn_multiple_of) if self.d_ff is None \
             else self.d_ff
-
-    @property
-    def d_h(self) -> int:
-        """The head width: ``head_dim``, or ``d / h``."""
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def kv_heads(self) -> int:
-        """``g``, the number of key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
 
 # The default of `python -m refmath train`: the size of the decoder's recipe
@@ -160,21 +136,12 @@ def param_shapes(config: OLMo2Config) -> dict:
     layer = {**{"attn." + k: v for k, v in rope_attention_shapes(config).items()},
              "ln1_post.gamma": (d,), "ln2_post.gamma": (d,),
              "ffn.w_gate": (d, f), "ffn.w_up": (d, f), "ffn.w_down": (f, d)}
-    shapes = {"tok_emb": (config.vocab_size, d)}
-    for i in range(config.n_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    shapes["ln_f.gamma"] = (d,)
-    if not config.tie_embeddings:
-        shapes["lm_head"] = (d, config.vocab_size)
-    return shapes
+    return network.param_shapes(config, lambda i: layer, {"gamma": (d,)})
 
 
 def init_params(config: OLMo2Config, seed=0, dtype=np.float64) -> dict:
-    r"""Gains at 1; weights and the token table :math:`\mathcal N(0, \sigma^2)` with :math:`\sigma`
-    = ``init_std``, the residual outputs (``attn.w_o``, ``ffn.w_down``) at
-    :math:`\sigma/\sqrt{2L}` (N11; :func:`refmath.models.params.draw_params`)."""
-    return draw_params(param_shapes(config), seed, dtype, config.init_std, config.n_layers,
-                       ("attn.w_o", "ffn.w_down"))
+    """Gains at 1, weights by :func:`refmath.models.params.init_llama_params`."""
+    return init_llama_params(param_shapes(config), config, seed, dtype)
 
 
 # ---- the layer: each branch on the residual stream, its output normalised ------------------------
@@ -226,43 +193,10 @@ def layer_backward(dout, cache: LayerCache):
 
 # ---- the network ---------------------------------------------------------------------------------
 
-def _head_weight(params: dict, config: OLMo2Config):
-    return params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
-
-
-def network_forward(params, tokens, config: OLMo2Config, train: bool = False, rng=None):
-    r"""Logits ``(B, T, V)`` of checked ``tokens``: :math:`z = \operatorname{RMSNorm}(x^{(L)})\,
-    W_{\text{out}}` after the embedding and the ``L`` layers (:func:`refmath.models.network.forward`);
-    the residual dropout masks drawn from ``rng`` only when ``train`` and ``dropout > 0``. Returns
-    ``(z, cache)``."""
-    return network.forward(params, tokens, config,
-                           lambda i, x, p, drops: layer_forward(x, p, config, drops),
-                           layer_norm(params, "ln_f", config), train, rng)
-
-
-def network_backward(dz, cache: network.NetworkCache) -> dict:
-    """Gradients of :func:`network_forward` given ``dz``, the forward in reverse; the tied table
-    gets both its lookup's and the head's gradient."""
-    return network.backward(dz, cache, layer_backward)
-
-
-def forward(params, batch, config: OLMo2Config, train: bool = False, rng=None):
-    """Mean next-token cross-entropy of a batch (L2, L5), ``(loss, cache)``, the batch as
-    :func:`refmath.models.decoder.forward` takes it; the residual dropout masks (``train`` with
-    ``dropout > 0``) come from ``rng``, a ``numpy.random.Generator``, and stay in the cache."""
-    return network_loss(params, batch, config, param_shapes(config),  # it checks the config
-                        lambda tokens: network_forward(params, tokens, config, train, rng))
-
-
-def backward(cache: network.NetworkCache) -> dict:
-    """Gradients of the loss of :func:`forward` with respect to every parameter (same keys)."""
-    return next_token_loss_backward(cache, network_backward)
-
-
-def logits(params, tokens, config: OLMo2Config) -> np.ndarray:
-    """Next-token logits ``(B, T, V)`` for int ``tokens`` ``(B, T)``, without dropout or loss."""
-    return network_logits(params, tokens, config, param_shapes(config),
-                          lambda tokens: network_forward(params, tokens, config))
+# OLMo 2's network adds nothing of its own around its layers: the embedding, the layers in turn,
+# the final RMSNorm and the head (refmath.models.network), with the next-token loss on top
+network_forward, network_backward, forward, backward, logits = network.plain_network(
+    layer_forward, layer_backward, layer_norm, param_shapes)
 
 
 def layer_kv(cache: network.NetworkCache) -> list:
@@ -270,17 +204,7 @@ def layer_kv(cache: network.NetworkCache) -> list:
     return [rope_attention_state(layer.attn.branch.branch) for layer in cache.layers]
 
 
-# ---- inference with a KV cache (K2, K3); rope_options and cache_stale are Llama's ----------------
-
-def cache_spec(config: OLMo2Config, batch: int, max_len: int) -> CacheSpec:
-    """Keys and values of ``g`` heads per layer, ``(L, B, g, max_len, d_h)`` each."""
-    return CacheSpec("kv", ((config.n_layers, batch, config.kv_heads, max_len, config.d_h),) * 2)
-
-
-def embed(params, tokens, config: OLMo2Config, offset: int) -> np.ndarray:
-    """The new rows' embeddings; positions enter through RoPE only."""
-    return embedding_forward(tokens, params["tok_emb"])[0]
-
+# ---- inference with a KV cache (K2, K3); embed, cache_spec, rope_options, cache_stale are Llama's -
 
 def cached_layer(x, params, layer: int, config: OLMo2Config, slot, offset: int, *,
                  matmul=matmul_rows_many) -> np.ndarray:
@@ -297,8 +221,8 @@ def cached_layer(x, params, layer: int, config: OLMo2Config, slot, offset: int, 
 
 def head(params, x, config: OLMo2Config, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final RMSNorm and output projection of the new rows: ``(B, n, V)``."""
-    x, _ = layer_norm(params, "ln_f", config)(x)
-    return linear_forward(x, _head_weight(params, config), matmul=matmul)[0]
+    return network.head(params, x, layer_norm(params, "ln_f", config), config.tie_embeddings,
+                        matmul=matmul)
 
 
 COMPILED_FIELDS = None  # the compiled decode layer normalises before the sublayers: the NumPy step
@@ -322,30 +246,21 @@ def sizing_fields(config: OLMo2Config) -> dict:
 HF_MODEL_TYPES = ("olmo2",)
 
 # (Hugging Face's name under model.layers.{i}., refmath's under layers.{i}., stored transposed)
-LAYER_KEYS = (
-    ("self_attn.q_proj.weight", "attn.w_q", True),
-    ("self_attn.k_proj.weight", "attn.w_k", True),
-    ("self_attn.v_proj.weight", "attn.w_v", True),
-    ("self_attn.o_proj.weight", "attn.w_o", True),
-    ("self_attn.q_norm.weight", "attn.q_norm.gamma", False),
-    ("self_attn.k_norm.weight", "attn.k_norm.gamma", False),
+# Llama's rows (refmath.models.hf_layout), QK-norm's over the whole projection, and the two norms
+# on the branches' outputs in place of Llama's two before them
+LAYER_KEYS = ATTENTION_KEYS + QK_NORM_KEYS + (
     ("post_attention_layernorm.weight", "ln1_post.gamma", False),  # the attention's output norm
     ("post_feedforward_layernorm.weight", "ln2_post.gamma", False),
-    ("mlp.gate_proj.weight", "ffn.w_gate", True),
-    ("mlp.up_proj.weight", "ffn.w_up", True),
-    ("mlp.down_proj.weight", "ffn.w_down", True),
-)
+) + GATED_FFN_KEYS
 # the columns (and QK-norm's gains) that Hugging Face's "half" RoPE layout permutes within a head
 ROTATED = ("attn.w_q", "attn.w_k", "attn.q_norm.gamma", "attn.k_norm.gamma")
 
 
 def key_table(config: OLMo2Config) -> list:
     """``[(Hugging Face name, refmath name, transposed)]`` of every parameter but ``lm_head``."""
-    rows = [("model.embed_tokens.weight", "tok_emb", False)]
-    for i in range(config.n_layers):
-        rows += [(f"model.layers.{i}.{theirs}", f"layers.{i}.{ours}", transposed)
-                 for theirs, ours, transposed in LAYER_KEYS]
-    return rows + [("model.norm.weight", "ln_f.gamma", False)]
+    return ([("model.embed_tokens.weight", "tok_emb", False)]
+            + layer_key_rows(config.n_layers, LAYER_KEYS)
+            + [("model.norm.weight", "ln_f.gamma", False)])
 
 
 def config_from_hf(hf: dict) -> OLMo2Config:

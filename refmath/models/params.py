@@ -9,7 +9,7 @@ import numpy as np
 
 from refmath._validate import float_array
 
-__all__ = ["check_param_dict", "draw_params"]
+__all__ = ["check_param_dict", "draw_params", "init_llama_params"]
 
 
 def check_param_dict(params, shapes: dict) -> np.dtype:
@@ -64,3 +64,11 @@ def draw_params(shapes: dict, seed, dtype, init_std: float, n_layers: int,
             value = rng.normal(0.0, init_std, shape)
         params[name] = value.astype(dtype)
     return params
+
+
+def init_llama_params(shapes: dict, config, seed, dtype) -> dict:
+    r""":func:`draw_params` as the Llama-like families initialise: :math:`\sigma` =
+    ``config.init_std``, and the two projections that write into the residual stream, ``attn.w_o``
+    and ``ffn.w_down``, at :math:`\sigma/\sqrt{2L}` for ``config.n_layers`` layers (N11)."""
+    return draw_params(shapes, seed, dtype, config.init_std, config.n_layers,
+                       ("attn.w_o", "ffn.w_down"))

@@ -36,8 +36,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from refmath._validate import check_choice, check_field, check_flag, check_int, check_real
-from refmath.attention import ATTENTION_BACKENDS
+from refmath._validate import check_field, check_int
 from refmath.ffn import matmul_rows_many
 from refmath.models import check_config
 from refmath.models.cases import model_case_maker
@@ -46,10 +45,11 @@ from refmath.models.contract import ANY
 from refmath.models.decoder import (  # Llama's network, backward, cached step and sizes
     backward, cache_spec, decoder_logits, decoder_param_shapes, embed, family_cached_layer,
     head, init_decoder_params, layer_kv, llama_layers_spec, lm_forward, sizing_fields)
+from refmath.models.decoder_config import check_rope_fields, check_training_fields
 from refmath.models.hf_layout import (interleaved_to_half, linear_out, refuse, refuse_common,
                                       require, rope_context, rope_from_hf, rope_to_hf, take_head)
 from refmath.models.rope_attention import ROPE_GQA, cache_stale, rope_options  # Llama's hooks
-from refmath.positions import ROPE_LAYOUTS, RopeScaling, as_rope_scaling
+from refmath.positions import RopeScaling
 from refmath.registry import ParamCase, register_case
 
 __all__ = [
@@ -100,19 +100,12 @@ class Phi3Config(EvenHeads):
             check_field(self, name, check_int, 1)
         for name in ("n_kv_heads", "sliding_window"):
             check_field(self, name, check_int, 1, optional=True)
-        check_field(self, "rope_base", check_real, 1.0, low_open=True)
-        check_field(self, "rope_layout", check_choice, ROPE_LAYOUTS)
-        object.__setattr__(self, "rope_scaling",
-                           as_rope_scaling(self.rope_scaling, "Phi3Config.rope_scaling"))
+        check_rope_fields(self)
         if self.rope_scaling is not None and self.rope_scaling.rope_type != "longrope":
             raise ValueError(f"Phi3Config.rope_scaling must be LongRoPE's (rope_type "
                              f"'longrope') or None, got rope_type "
                              f"{self.rope_scaling.rope_type!r}")
-        for name in ("norm_eps", "init_std"):
-            check_field(self, name, check_real, 0.0, low_open=True)
-        check_field(self, "tie_embeddings", check_flag)
-        check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
-        check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
+        check_training_fields(self)
         self.check_heads()
 
     @property

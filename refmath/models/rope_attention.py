@@ -11,7 +11,7 @@ from refmath.attention import (CausalAttentionCache, causal_attention_backward,
                                causal_attention_forward, causal_attention_kv, merge_heads,
                                split_heads)
 from refmath.ffn import LinearCache, linear_backward, linear_forward, matmul_rows_many
-from refmath.models.common import AttentionOps, projections
+from refmath.models.common import AttentionOps, CacheSpec, projections
 from refmath.norms import RMSNormCache, rmsnorm_backward, rmsnorm_forward
 from refmath.positions import (RoPECache, rope_backward, rope_forward, rope_frequencies_change,
                                rope_inv_freq)
@@ -20,7 +20,7 @@ from refmath.models.decoder_config import DecoderConfig, attention_options, gain
 __all__ = [
     "RoPEAttentionCache", "rope_attention_shapes", "rope_options", "queries_keys",
     "rope_attention_forward", "rope_attention_backward", "rope_attention_state",
-    "rope_attention_cached", "ROPE_GQA", "cache_stale"
+    "rope_attention_cached", "ROPE_GQA", "cache_spec", "cache_stale"
 ]
 
 
@@ -196,6 +196,14 @@ def rope_attention_cached(u, params: dict, config: DecoderConfig, slot, offset: 
 
 ROPE_GQA = AttentionOps(rope_attention_shapes, rope_attention_forward, rope_attention_backward,
                         rope_attention_state, rope_attention_cached)
+
+
+def cache_spec(config, batch: int, max_len: int, windows=None) -> CacheSpec:
+    """What a KV cache keeps of this attention in every layer: the rotated keys and the values of
+    its ``g`` heads, ``(L, B, g, max_len, d_h)`` each; ``windows`` (one per layer, None: the whole
+    length) lets a sliding layer keep only its window's rows."""
+    shape = (config.n_layers, batch, config.kv_heads, max_len, config.d_h)
+    return CacheSpec("kv", (shape, shape), windows=windows)
 
 
 def cache_stale(config, length: int, n: int) -> bool:

@@ -70,7 +70,7 @@ def test_config_round_trips_through_json():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(n_kv_heads=3), "n_kv_heads = 3 must divide n_heads = 4"),
-    (dict(head_dim=5), "head width 5 must be even"),
+    (dict(head_dim=5), "head width head_dim = 5 must be even"),
     (dict(d_model=18), "give head_dim"),
     (dict(rope_layout="sideways"), "rope_layout"),
     (dict(dropout=1.0), "dropout"),
