@@ -138,7 +138,7 @@ def torch_gpt_loss(P: dict, tokens, targets, config: gpt.GPTConfig, sdpa: bool):
     """Pre-LN GPT-2 with tied embeddings (the benchmark's config), from torch functional ops."""
     b, t = tokens.shape
     d, h = config.d_model, config.n_heads
-    eps = config.layernorm_eps
+    eps = config.norm_eps
     approximate = "tanh" if config.ffn == "gelu_tanh" else "none"
     causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # True above the diagonal: future keys
 

@@ -334,7 +334,7 @@ class ModelConfig:
         return self.d_c is not None
 
     @property
-    def value_dim(self) -> int:
+    def d_v(self) -> int:
         """The value width per head: MLA's ``v_head_dim`` if given, else ``head_dim``."""
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
@@ -661,7 +661,7 @@ def _attention_count(config: ModelConfig) -> int:
     # One self-attention block's weights and biases; MLA's latent norm gains go to the norms.
     if config.is_mla:
         return mla_attention_parameter_count(config.d_model, config.n_heads, config.head_dim,
-                                             config.value_dim, config.d_c, config.d_rope,
+                                             config.d_v, config.d_c, config.d_rope,
                                              config.q_lora_rank)
     attn = attention_parameter_count(config.d_model, config.n_heads, config.kv_heads,
                                      config.head_dim, config.attention_bias)
@@ -824,7 +824,7 @@ def cache_bytes_by_layer(config: ModelConfig, tokens: int, batch: int = 1,
             sizes.append(mla_cache_bytes(batch, 1, kept, config.d_c, config.d_rope, b))
         else:
             sizes.append(kv_cache_bytes(batch, 1, kept, config.kv_heads, config.head_dim, b,
-                                        config.value_dim))
+                                        config.d_v))
     return tuple(sizes)
 
 
@@ -855,7 +855,7 @@ def _attention_macs(config: ModelConfig) -> int:
     d, h, g, dh = config.d_model, config.n_heads, config.kv_heads, config.head_dim
     if config.is_mla:
         # Each matrix once: in the absorbed decode too, W_UK acts on the query, W_UV on the output.
-        return mla_attention_parameter_count(d, h, dh, config.value_dim, config.d_c,
+        return mla_attention_parameter_count(d, h, dh, config.d_v, config.d_c,
                                              config.d_rope, config.q_lora_rank)
     return d * h * dh + 2 * d * g * dh + h * dh * d
 

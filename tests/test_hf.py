@@ -350,7 +350,7 @@ def refmath_configs():
             norm_position="post", dropout=0.0)),
         "gpt2 (untied, exact GELU)": ("gpt", gpt.GPTConfig(
             vocab_size=VOCAB, max_seq_len=32, n_layers=2, d_model=32, n_heads=4, d_ff=48,
-            tie_embeddings=False, ffn="gelu", dropout=0.0, layernorm_eps=1e-6)),
+            tie_embeddings=False, ffn="gelu", dropout=0.0, norm_eps=1e-6)),
         "deepseek_v3 (YaRN with mscale_all_dim)": ("mla", mla.MLAConfig(
             vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_c=12,
             d_rope=4, head_dim=6, v_head_dim=10, latent_norm=True, d_ff=40,

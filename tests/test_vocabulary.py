@@ -25,7 +25,10 @@ from refmath.models import (DECODER_ONLY, MODELS, RETIRED_CONFIG_FIELDS, blocks,
 from refmath.norms import NORM_KINDS
 
 # Names that once meant one of these concepts, and no config or public keyword may use again
-RETIRED = ("query_key_width", "d_k", "head_width", "mlp", "mlp_bias", "gelu_approximate")
+RETIRED = ("query_key_width", "d_k", "head_width", "mlp", "mlp_bias", "gelu_approximate",
+           "layernorm_eps", "ln_eps")
+# A value a saved configuration held for each retired field, to translate
+SAVED_VALUES = {"gelu_approximate": (True, False), "layernorm_eps": (1e-5,), "ln_eps": (1e-6,)}
 # How the kernels' binding spells the kinds: translated in refmath.kernels only
 KERNEL_SPELLINGS = ("rms", "layer", "gelu_exact")
 
@@ -73,6 +76,23 @@ def test_every_model_config_reads_its_head_width_as_d_h(name):
 def test_no_config_has_a_retired_name(cls):
     names = {f.name for f in dataclasses.fields(cls)} | set(dir(cls))
     assert not names & set(RETIRED), f"{cls.__name__}: {sorted(names & set(RETIRED))}"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_config_names_its_norms_epsilon_norm_eps(name):
+    # one name for the epsilon of a model's norms (MLA's latent norms may have a second one)
+    fields = {f.name for f in dataclasses.fields(CONFIG_CLASSES[name])}
+    assert "norm_eps" in fields
+    assert {f for f in fields if f.endswith("eps")} <= {"norm_eps", "latent_norm_eps"}
+
+
+def test_the_resolved_value_width_is_d_v_as_the_head_width_is_d_h():
+    # v_head_dim sets the value width, d_v is the width (MLAConfig's and sizing's alike)
+    mla = small_config("mla")
+    assert mla.d_v == mla.d_h and dataclasses.replace(mla, v_head_dim=6).d_v == 6
+    for cls in (CONFIG_CLASSES["mla"], sizing.ModelConfig):
+        assert isinstance(inspect.getattr_static(cls, "d_v"), property)
+        assert not hasattr(cls, "value_dim")
 
 
 def test_sizing_describes_every_model_with_the_models_names():
@@ -178,7 +198,7 @@ def test_every_retired_config_field_is_translated_to_current_fields():
     for (model, field), translate in RETIRED_CONFIG_FIELDS.items():
         assert field in RETIRED and model in MODELS
         config = small_config(model)
-        for value in (True, False):
+        for value in SAVED_VALUES[field]:
             current = translate(value)
             assert not set(current) & set(RETIRED)
             dataclasses.replace(config, **current)  # today's fields, valid values

@@ -102,6 +102,9 @@ RETIRED_CONFIG_FIELDS = {
     # GPT's FFN kind was a flag: True the tanh form of GELU, False the exact one
     ("gpt", "gelu_approximate"): lambda value: {
         "ffn": "gelu_tanh" if value is True else "gelu" if value is False else value},
+    # the norms' epsilon is norm_eps in every family
+    ("gpt", "layernorm_eps"): lambda value: {"norm_eps": value},
+    ("transformer", "ln_eps"): lambda value: {"norm_eps": value},
 }
 
 

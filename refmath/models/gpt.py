@@ -154,11 +154,11 @@ class SublayerCache(NamedTuple):
 def _residual_forward(x, gamma, beta, branch, drop, config: GPTConfig):
     """Pre-LN ``x + drop(F(LN(x)))`` or Post-LN ``LN(x + drop(F(x)))``; ``branch(u) -> (F(u), cache)``."""
     if config.norm_position == "pre":
-        u, ln = layernorm_forward(x, gamma, beta, config.layernorm_eps)
+        u, ln = layernorm_forward(x, gamma, beta, config.norm_eps)
         y, branch_cache = branch(u)
         return x + apply_mask(y, drop), SublayerCache(ln, branch_cache, drop)
     y, branch_cache = branch(x)
-    out, ln = layernorm_forward(x + apply_mask(y, drop), gamma, beta, config.layernorm_eps)
+    out, ln = layernorm_forward(x + apply_mask(y, drop), gamma, beta, config.norm_eps)
     return out, SublayerCache(ln, branch_cache, drop)
 
 
@@ -403,7 +403,7 @@ def _logits_forward(params: dict, tokens: np.ndarray, config: GPTConfig, rng=Non
         layers.append(layer_cache)
     ln_f = None
     if config.norm_position == "pre":
-        x, ln_f = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
+        x, ln_f = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.norm_eps)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     logits, head = linear_forward(x, w_out)
     cache = GPTCache(config, tuple(params), tok, pos, emb_drop, tuple(layers), ln_f, head, None)
@@ -506,7 +506,7 @@ def cached_layer(x, params, layer: int, config: GPTConfig, slot, offset: int, *,
 def head(params, x, config: GPTConfig, *, matmul=matmul_rows_many) -> np.ndarray:
     """Final LayerNorm (Pre-LN only) and output projection of the new rows: ``(B, n, V)``."""
     if config.norm_position == "pre":
-        x, _ = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.layernorm_eps)
+        x, _ = layernorm_forward(x, params["ln_f.gamma"], params["ln_f.beta"], config.norm_eps)
     w_out = params["tok_emb"].T if config.tie_embeddings else params["lm_head"]
     return linear_forward(x, w_out, matmul=matmul)[0]
 
@@ -529,7 +529,7 @@ def rope_options(config: GPTConfig, offset: int, length: int) -> None:
 COMPILED_FIELDS = {
     # sizes, handed to the kernel as its shape; the embedding and the head run in NumPy
     "vocab_size": ANY, "max_seq_len": ANY, "n_layers": ANY, "d_model": ANY, "n_heads": ANY,
-    "d_ff": ANY, "tie_embeddings": ANY, "layernorm_eps": ANY,
+    "d_ff": ANY, "tie_embeddings": ANY, "norm_eps": ANY,
     "ffn": ANY,  # exact or tanh GELU
     # training only: no decode step reads them
     "dropout": ANY, "init_std": ANY, "attention_backend": ANY,
@@ -557,7 +557,7 @@ def compiled_layer_spec(params, config: GPTConfig):
         layers.append(layer)
     shape = dict(d_model=config.d_model, heads=config.n_heads, kv_heads=config.n_heads,
                  head_dim=config.d_h, d_ff=config.d_ff, norm="layernorm",
-                 eps=config.layernorm_eps,
+                 eps=config.norm_eps,
                  ffn=config.ffn, rope="none",
                  scale=1.0 / math.sqrt(config.d_h))
     return shape, layers
@@ -594,7 +594,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
                              d_ff=int(hf.get("n_inner") or 4 * d), norm_position="pre",
                              tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                              ffn="gelu" if act == "gelu" else "gelu_tanh", dropout=0.0,
-                             layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                             norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
     # OpenAI GPT: transformers' "gelu" for this model is the tanh form (gelu_new); always tied.
     require(hf, "afn", ("gelu",), "gelu", "refmath's GPT uses GELU")
     require(hf, "tie_word_embeddings", (True,), True, "OpenAI GPT's head is its token table")
@@ -602,7 +602,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
                          n_layers=int(hf["n_layer"]), d_model=d, n_heads=int(hf["n_head"]),
                          d_ff=4 * d, norm_position="post", tie_embeddings=True,
                          ffn="gelu_tanh", dropout=0.0,
-                         layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
 
 def _hf_names(hf: dict, weights) -> dict:
@@ -659,7 +659,7 @@ def to_hf(config: GPTConfig, params: dict):
               "n_layer": config.n_layers, "n_head": config.n_heads, "n_positions": config.max_seq_len,
               "n_inner": config.d_ff, "vocab_size": config.vocab_size,
               "activation_function": "gelu_new" if config.ffn == "gelu_tanh" else "gelu",
-              "layer_norm_epsilon": config.layernorm_eps,
+              "layer_norm_epsilon": config.norm_eps,
               "tie_word_embeddings": config.tie_embeddings}
         prefix, tok, pos = "transformer.", "wte", "wpe"
     else:
@@ -674,7 +674,7 @@ def to_hf(config: GPTConfig, params: dict):
         hf = {"model_type": "openai-gpt", "architectures": ["OpenAIGPTLMHeadModel"], "n_embd": d,
               "n_layer": config.n_layers, "n_head": config.n_heads,
               "n_positions": config.max_seq_len, "vocab_size": config.vocab_size, "afn": "gelu",
-              "layer_norm_epsilon": config.layernorm_eps, "tie_word_embeddings": True}
+              "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": True}
         prefix, tok, pos = "transformer.", "tokens_embed", "positions_embed"
     tensors = {f"{prefix}{tok}.weight": params["tok_emb"], f"{prefix}{pos}.weight": params["pos_emb"]}
     for i in range(config.n_layers):

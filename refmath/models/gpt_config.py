@@ -63,7 +63,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     ffn: str = "gelu_tanh"
     dropout: float = 0.1
-    layernorm_eps: float = 1e-5
+    norm_eps: float = 1e-5
     init_std: float = 0.02
     attention_backend: str = "numpy"
     sliding_window: int | None = None
@@ -83,7 +83,7 @@ class GPTConfig:
         check_field(self, "ffn", check_choice, FFNS)
         # 0 switches dropout off; 1 would keep nothing (and divide by 1 - p = 0)
         check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
-        for field in ("layernorm_eps", "init_std"):
+        for field in ("norm_eps", "init_std"):
             check_field(self, field, check_real, 0.0, low_open=True)
         check_field(self, "attention_backend", check_choice, ATTENTION_BACKENDS)
         if self.attention_backend != "numpy" and self.dropout:

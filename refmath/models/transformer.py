@@ -98,7 +98,7 @@ class TransformerConfig:
     tie_embeddings: bool = True
     pad_id: int | None = 0
     bos_id: int = 1
-    ln_eps: float = 1e-5
+    norm_eps: float = 1e-5
 
     def __post_init__(self):
         for name in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "d_ff"):
@@ -111,7 +111,7 @@ class TransformerConfig:
             )
         check_field(self, "dropout", check_real, 0.0, 1.0, high_open=True)
         check_field(self, "label_smoothing", check_real, 0.0, 1.0)
-        check_field(self, "ln_eps", check_real, 0.0, low_open=True)
+        check_field(self, "norm_eps", check_real, 0.0, low_open=True)
         check_field(self, "tie_embeddings", check_flag)
         check_field(self, "bos_id", check_int, 0, self.vocab_size - 1)
         check_field(self, "pad_id", check_int, 0, self.vocab_size - 1, optional=True)
@@ -303,7 +303,7 @@ def encoder_layer_forward(x, layer: Mapping, config: TransformerConfig, pad_mask
 
     ``layer`` holds this layer's parameters without the ``encoder.layers.{i}.`` prefix.
     """
-    eps = config.ln_eps
+    eps = config.norm_eps
     u, attn = attention_sublayer_forward(x, sub_params(layer, "self_attn"), sub_params(layer, "ln1"),
                                          config.n_heads, pad_mask, drop, eps)
     y, ffn = ffn_sublayer_forward(u, sub_params(layer, "ffn"), sub_params(layer, "ln2"), drop, eps)
@@ -329,7 +329,7 @@ def decoder_layer_forward(y, memory, layer: Mapping, config: TransformerConfig, 
                           drop: _Dropout):
     """One decoder layer: causal self-attention, cross-attention over the encoder output
     ``memory`` (padding-masked), then the FFN, each Post-LN."""
-    eps = config.ln_eps
+    eps = config.norm_eps
     u, self_attn = attention_sublayer_forward(y, sub_params(layer, "self_attn"), sub_params(layer, "ln1"),
                                               config.n_heads, causal, drop, eps)
     r, cross_attn = attention_sublayer_forward(u, sub_params(layer, "cross_attn"), sub_params(layer, "ln2"),

@@ -407,7 +407,7 @@ def test_config_round_trips_through_json_and_resolves_d_ff():
     ("dropout", 1.0, ValueError, r"dropout must be a finite number in \[0, 1\), got 1.0"),
     ("dropout", -0.1, ValueError, r"dropout must be a finite number in \[0, 1\)"),
     ("dropout", True, TypeError, r"dropout must be a number, got True"),
-    ("layernorm_eps", 0.0, ValueError, r"layernorm_eps must be a finite number > 0, got 0.0"),
+    ("norm_eps", 0.0, ValueError, r"norm_eps must be a finite number > 0, got 0.0"),
     ("init_std", float("nan"), ValueError, r"init_std must be a finite number > 0, got nan"),
     ("sliding_window", 0, ValueError, r"GPTConfig.sliding_window must be an int >= 1, got 0"),
     ("sliding_window", 2.5, TypeError, r"sliding_window must be an int, got 2.5"),

@@ -73,7 +73,7 @@ def _torch_attention(u, p, prefix, n_heads, attn_drop, window=None):
 
 def _torch_logits(p, tokens, config, drops):
     """``p``: torch tensors (weights ``out x in``); ``drops``: refmath's dropout masks (or Nones)."""
-    d, eps = config.d_model, config.layernorm_eps
+    d, eps = config.d_model, config.norm_eps
     approximate = "tanh" if config.ffn == "gelu_tanh" else "none"
 
     def dropped(x, mask):

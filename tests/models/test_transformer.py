@@ -324,7 +324,7 @@ def test_config_round_trips_through_json():
     ({"dropout": 1.0}, "dropout"),
     ({"dropout": -0.1}, "dropout"),
     ({"label_smoothing": 1.5}, "label_smoothing"),
-    ({"ln_eps": 0.0}, "ln_eps"),
+    ({"norm_eps": 0.0}, "norm_eps"),
     ({"tie_embeddings": 1}, "tie_embeddings"),
     ({"bos_id": 13}, "bos_id"),
     ({"pad_id": -1}, "pad_id"),

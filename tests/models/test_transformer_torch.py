@@ -69,7 +69,7 @@ def torch_loss(params, batch, cfg, drop):
     src, tgt = torch.from_numpy(batch["src"]), torch.from_numpy(batch["tgt"])
     b, s = src.shape
     t = tgt.shape[1]
-    d, emb, eps = cfg.d_model, params["tok_emb"], cfg.ln_eps
+    d, emb, eps = cfg.d_model, params["tok_emb"], cfg.norm_eps
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
     src_visible = torch.arange(s)[None, :] < torch.from_numpy(batch["src_lengths"])[:, None]
     pad = torch.where(src_visible, 0.0, neg_inf).to(torch.float64)[:, None, None, :]
