@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, jo
                                       rope_from_hf, rope_to_hf, split_heads_columns, take_head)
 from refmath.models.params import init_llama_params
 from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
-from refmath.models.rope_attention import (cache_spec, cache_stale, rope_options,  # Llama's hooks
+from refmath.models.rope_attention import (PlainAttentionOptions, cache_spec, cache_stale, rope_options,  # Llama's hooks
                                            rope_attention_backward, rope_attention_cached,
                                            rope_attention_forward, rope_attention_shapes,
                                            rope_attention_state)
@@ -81,7 +81,7 @@ FFNS = ("gelu", "gelu_tanh", "swiglu")
 
 
 @dataclass(frozen=True, kw_only=True)
-class FalconConfig(EvenHeads):
+class FalconConfig(EvenHeads, PlainAttentionOptions):
     """Sizes and options of Falcon and the parallel-block decoders. ``dataclasses.asdict``
     round-trips through JSON. The defaults are Llama's
     (:class:`refmath.models.decoder.DecoderConfig`) where both have the field."""
@@ -105,14 +105,6 @@ class FalconConfig(EvenHeads):
     dropout: float = 0.0  # residual dropout on each branch's output, in training only
     init_std: float = 0.02  # sigma of every weight at init (residual outputs: sigma / sqrt(2L))
     attention_backend: str = "numpy"  # training's causal attention: NumPy or the "cpu" kernel
-
-    # Llama's attention sublayer (refmath.models.rope_attention) reads these options, which no
-    # model of this file has: class constants, not fields
-    qkv_bias: ClassVar[bool] = False
-    qk_norm: ClassVar[str | None] = None
-    sliding_window: ClassVar[int | None] = None
-    query_pre_attn_scalar: ClassVar[float | None] = None
-    attn_softcap: ClassVar[float | None] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):

@@ -52,7 +52,7 @@ from refmath.models.hf_layout import (ATTENTION_KEYS, GATED_FFN_KEYS, QK_NORM_KE
                                       rope_to_hf, take_head)
 from refmath.models.params import init_llama_params
 from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
-from refmath.models.rope_attention import (cache_spec, cache_stale, rope_options,  # Llama's hooks
+from refmath.models.rope_attention import (PlainAttentionOptions, cache_spec, cache_stale, rope_options,  # Llama's hooks
                                            rope_attention_backward, rope_attention_cached,
                                            rope_attention_forward, rope_attention_shapes,
                                            rope_attention_state)
@@ -72,7 +72,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class OLMo2Config(HeadDimHeads):
+class OLMo2Config(HeadDimHeads, PlainAttentionOptions):
     """Sizes and options of OLMo 2. ``dataclasses.asdict`` round-trips through JSON. The defaults
     are Llama's (:class:`refmath.models.decoder.DecoderConfig`)."""
 
@@ -94,14 +94,8 @@ class OLMo2Config(HeadDimHeads):
     init_std: float = 0.02  # sigma of every weight at init (residual outputs: sigma / sqrt(2L))
     attention_backend: str = "numpy"  # training's causal attention: NumPy or the "cpu" kernel
 
-    # Llama's attention sublayer (refmath.models.rope_attention) reads these options: OLMo 2's
-    # QK-norm over the projections, and none of the others (class constants, not fields)
+    # of Llama's attention options (PlainAttentionOptions), OLMo 2 has QK-norm over the projections
     qk_norm: ClassVar[str] = "projection"
-    norm_offset: ClassVar[float] = 0.0
-    qkv_bias: ClassVar[bool] = False
-    sliding_window: ClassVar[int | None] = None
-    query_pre_attn_scalar: ClassVar[float | None] = None
-    attn_softcap: ClassVar[float | None] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads",

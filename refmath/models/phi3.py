@@ -48,7 +48,8 @@ from refmath.models.decoder import (  # Llama's network, backward, cached step a
 from refmath.models.decoder_config import check_rope_fields, check_training_fields
 from refmath.models.hf_layout import (interleaved_to_half, linear_out, refuse, refuse_common,
                                       require, rope_context, rope_from_hf, rope_to_hf, take_head)
-from refmath.models.rope_attention import ROPE_GQA, cache_stale, rope_options  # Llama's hooks
+from refmath.models.rope_attention import (ROPE_GQA, PlainAttentionOptions,  # Llama's hooks
+                                           cache_stale, rope_options)
 from refmath.positions import RopeScaling
 from refmath.registry import ParamCase, register_case
 
@@ -63,7 +64,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class Phi3Config(EvenHeads):
+class Phi3Config(EvenHeads, PlainAttentionOptions):
     """Sizes and options of Phi-3. ``dataclasses.asdict`` round-trips through JSON."""
 
     vocab_size: int  # V, rows of the token table
@@ -83,17 +84,11 @@ class Phi3Config(EvenHeads):
     init_std: float = 0.02  # sigma of every weight at init (residual outputs: sigma / sqrt(2L))
     attention_backend: str = "numpy"  # training's causal attention: NumPy or the "cpu" kernel
 
-    # Llama's options that Phi-3 does not have, as Llama's code reads them: class constants, not
-    # fields. The layer's (refmath.models.decoder): no experts, one window for every layer, gains
-    # as stored; the attention's (refmath.models.rope_attention): no biases, no QK-norm, the
-    # score scale 1/sqrt(d_h), no cap
+    # Llama's layer options that Phi-3 does not have, as Llama's code (refmath.models.decoder)
+    # reads them: no experts, one window for every layer (class constants, not fields); its
+    # attention's are PlainAttentionOptions, but for the window above
     moe: ClassVar[None] = None
     window_layers: ClassVar[None] = None
-    norm_offset: ClassVar[float] = 0.0
-    qkv_bias: ClassVar[bool] = False
-    qk_norm: ClassVar[str | None] = None
-    query_pre_attn_scalar: ClassVar[float | None] = None
-    attn_softcap: ClassVar[float | None] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):

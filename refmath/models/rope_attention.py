@@ -5,7 +5,7 @@ about RoPE (:func:`rope_options`, :func:`cache_stale`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from refmath.attention import (CausalAttentionCache, causal_attention_backward,
                                causal_attention_forward, causal_attention_kv, merge_heads,
@@ -20,11 +20,25 @@ from refmath.models.decoder_config import DecoderConfig, attention_options, gain
 __all__ = [
     "RoPEAttentionCache", "rope_attention_shapes", "rope_options", "queries_keys",
     "rope_attention_forward", "rope_attention_backward", "rope_attention_state",
-    "rope_attention_cached", "ROPE_GQA", "cache_spec", "cache_stale"
+    "rope_attention_cached", "ROPE_GQA", "cache_spec", "cache_stale", "PlainAttentionOptions"
 ]
 
 
 # ---- the attention sublayer as a parameter of the recurrence ---------------------------------------
+
+
+class PlainAttentionOptions:
+    """The options this sublayer reads at the values that leave Llama's attention plain: no biases
+    on the projections, no QK-norm, every position attended (no sliding window), the scores scaled
+    by :math:`1/\sqrt{d_h}` and not capped, the norms' gains as stored. A family's configuration
+    that has none of them as fields derives from it, as class constants (not fields), and sets
+    again only those it has (OLMo 2's QK-norm, Phi-3's window)."""
+    qkv_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[str | None] = None
+    sliding_window: ClassVar[int | None] = None
+    query_pre_attn_scalar: ClassVar[float | None] = None
+    attn_softcap: ClassVar[float | None] = None
+    norm_offset: ClassVar[float] = 0.0
 
 
 class RoPEAttentionCache(NamedTuple):
