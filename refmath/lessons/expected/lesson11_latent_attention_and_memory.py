@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -200,3 +200,43 @@ def _keys_or_values_formed(func):
 def _no_expanded_keys():
     return 0.0, {"keys c W_UK or values c W_UV built from the cache: the expanded computation, "
                  "which the absorbed step exists to avoid": 1.0}
+
+
+def _expanded_attention(q_c, q_r, c, k_r, w_uk, w_uv, scale=None):
+    """The reference: each head's content keys c W_UK and values c W_UV built, then attention."""
+    from refmath.softmax import softmax_forward
+
+    keys = np.einsum("tc,hck->htk", c, w_uk)
+    values = np.einsum("tc,hcv->htv", c, w_uv)
+    scale = 1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1]) if scale is None else scale
+    scores = scale * (np.einsum("hk,htk->ht", q_c, keys) + q_r @ k_r.T)
+    return np.einsum("ht,htv->hv", softmax_forward(scores)[0], values)
+
+
+def _mla_decode_inputs():
+    draw = np.random.default_rng(11)
+    return [tuple(draw.standard_normal(shape) for shape in
+                  ((h, d_k), (h, d_r), (t, d_c), (t, d_r), (h, d_c, d_k), (h, d_c, d_v)))
+            for h, d_k, d_r, d_c, d_v, t in ((4, 8, 4, 16, 8, 5), (2, 3, 2, 6, 5, 1),
+                                             (3, 4, 2, 5, 4, 9))]
+
+
+@function_exercise("11.3", "your absorbed MLA decode",
+                   "the section 'K9: decoupled RoPE, and what MLA caches'",
+                   "q_hat = q_c W_UK^T per head; scale by 1/sqrt(d_k + d_R); W_UV after the sum")
+def _absorbed_attention():
+    from refmath.softmax import softmax_forward
+
+    expanded = _expanded_attention
+    return dict(
+        reference=expanded, inputs=_mla_decode_inputs, rtol=1e-12, allow=(softmax_forward,),
+        reference_name="the expanded attention (keys and values built per head)",
+        slips={"the scale 1/sqrt(d_k): the rotary width counts too": lambda q_c, q_r, c, k_r,
+                   w_uk, w_uv: expanded(q_c, q_r, c, k_r, w_uk, w_uv, scale=1 / np.sqrt(q_c.shape[-1])),
+               "the rotary part left out of the scores": lambda q_c, q_r, c, k_r, w_uk, w_uv:
+                   expanded(q_c, 0 * q_r, c, k_r, w_uk, w_uv,
+                            scale=1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1])),
+               "W_UV forgotten: the weighted sum of the latents, not of the values":
+                   lambda q_c, q_r, c, k_r, w_uk, w_uv: expanded(
+                       q_c, q_r, c, k_r, w_uk, np.broadcast_to(np.eye(c.shape[1]),
+                                                               (len(q_c),) + (c.shape[1],) * 2))})

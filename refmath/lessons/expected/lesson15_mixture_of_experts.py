@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -160,3 +161,44 @@ def _bytes_node_limited():
     return both, {"k sends: a node receives the token once, min(k, M) in all":
                   expert_parallel_bytes(7168, 8, 8),
                   "one way only: the outputs come back too": both / 2}
+
+
+def _torch_gates(scores, moe, bias=None):
+    """The oracle: the gates in torch, with torch's own top-k (the cases have no ties)."""
+    import torch
+
+    choice = scores.detach()
+    if moe.routing == "group_limited_greedy":
+        best = choice.view(choice.shape[0], moe.n_groups, -1).amax(dim=-1)
+        kept = torch.zeros_like(best, dtype=torch.bool)
+        kept.scatter_(1, best.topk(moe.topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(moe.group_size, dim=1), -torch.inf)
+    chosen = scores.gather(1, choice.topk(moe.top_k, dim=-1).indices)
+    if moe.norm_topk:
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return moe.scaling * chosen
+
+
+def _outer_sum_forgotten(dgates, cache):
+    """The slip that leaves the outer 1/D off the renormalised gates' backward."""
+    from refmath.moe import route_backward
+
+    dscores = route_backward(dgates, cache)
+    if cache.denominator is None:
+        return dscores
+    return dscores * cache.denominator
+
+
+@function_exercise("15.6", "your gates backward", "the section 'E3, E4: the gates carry the gradient'",
+                   "scale by rho; with D, ds_i = (dg_i - sum_j dg_j s_j / D) / D on the chosen; "
+                   "put the result at cache.indices")
+def _route_backward():
+    from refmath.moe import route_backward
+
+    return dict(
+        reference=route_backward, case=["moe_route[greedy*", "moe_route[group-limited*"],
+        oracle=_torch_gates,
+        slips={**catalogued("moe route: renormalisation's Jacobian dropped", route_backward),
+               **catalogued("moe route: scaling left out of the backward", route_backward),
+               "the outer 1/D forgotten: (dg - sum dg s / D), not divided by D again":
+                   _outer_sum_forgotten})
