@@ -187,7 +187,7 @@ def _student_run(prefix, tmp_path):
     ("12", ("3.12e-06", "329,216", "329216", "321.5 KiB", "330 KB")),
     # 13.4's decoded values, 13.5's counts (and GPT-2's size)
     ("13", ("3.140625", "'0xC020'", "18,720", "151,880", "124,439,808", "475 MiB")),
-    # 15.1 ties and loads, 15.2's f, 15.4's counts, 15.5's bytes (and their rows of the token)
+    # 15.1 ties and loads, 15.3's f, 15.5's counts, 15.6's bytes (and their rows of the token)
     ("15", ("(2, 3, 2, 1)", "1.3333", "15,726,848", "6,289,664", "220.50 KiB", "98.00 KiB",
             "7.00 rows", "15.75 on")),
 ])

@@ -63,106 +63,6 @@ def _worked_gates(logits):
                             softmax_forward(plain[1])[0]}
 
 
-def _load_of(probs, first_only: bool = False):
-    from refmath.moe import MoEConfig, expert_load, route
-
-    n = np.shape(probs)[1]
-    chosen = route(probs, MoEConfig(n_experts=n, top_k=2, d_expert=1))[0]
-    return expert_load(chosen[:, :1] if first_only else chosen, n)
-
-
-@exercise("15.2a", "the load", _E5, "count each expert among every token's two choices",
-          uses=("probs6",), rtol=0.0)
-def _load6(probs):
-    return _load_of(probs), {"the first choice only": _load_of(probs, first_only=True)}
-
-
-@exercise("15.2b", "L_ExpBal", _E5, "f_i = E / (k N) load_i, P_i the mean probability; sum f P",
-          uses=("probs6",))
-def _balance_loss6(probs):
-    from refmath.moe import expert_balance_loss
-
-    load, (n, e) = _load_of(probs), np.shape(probs)
-    mean_p = np.asarray(probs).mean(axis=0)
-    return expert_balance_loss(probs, load, 2)[0], {
-        "Switch's and Mixtral's (E / N) sum load P: k times DeepSeek's":
-            e / n * np.sum(load * mean_p),
-        "f_i = load_i, without E / (k N)": np.sum(load * mean_p),
-        "the load of the first choices only":
-            expert_balance_loss(probs, _load_of(probs, first_only=True), 1)[0]}
-
-
-@exercise("15.3", "the biases after one update", "the section 'E6: DeepSeek-V3's bias balancing'",
-          "b_i - gamma sign(load_i - mean load)", uses=("bias_before", "load_step"))
-def _bias_after(bias, load):
-    from refmath.moe import balance_bias_update
-
-    load = np.asarray(load, dtype=np.float64)
-    return balance_bias_update(bias, load, 0.001), {
-        "the sign flipped: the overloaded expert's bias raised":
-            balance_bias_update(bias, -load, 0.001),
-        "a step of gamma (load - mean), not gamma sign(load - mean)":
-            bias - 0.001 * (load - load.mean())}
-
-
-def _toy_counts():
-    from refmath.moe import MoEConfig
-    from refmath.sizing import ModelConfig, active_parameters
-
-    return active_parameters(ModelConfig(
-        "toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, head_dim=64, vocab_size=1000,
-        moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1)))
-
-
-_ONE_EXPERT = 3 * 256 * 512  # a SwiGLU expert: three d x d_e matrices
-
-
-@exercise("15.4a", "the total", _E8, "every expert counts, the shared one too, and the untied "
-          "output matrix", rtol=0.0)
-def _toy_total():
-    total = _toy_counts().total
-    return total, {"the shared expert forgotten": total - 4 * _ONE_EXPERT,
-                   "the output matrix forgotten (it is untied)": total - 1000 * 256,
-                   "2 d d_e per expert: a SwiGLU has three matrices": total - 4 * 9 * 256 * 512}
-
-
-@exercise("15.4b", "the active parameters", _E8,
-          "the total less the E - k routed experts each token leaves idle, in every layer",
-          rtol=0.0)
-def _toy_active():
-    counts = _toy_counts()
-    return counts.active, {
-        "all E routed experts taken off, the k chosen ones too": counts.total - 4 * 8 * _ONE_EXPERT,
-        "2 d d_e per idle expert taken off a right total: a SwiGLU has three matrices":
-            counts.total - 4 * 6 * 2 * 256 * 512,
-        # the two slips give one number: 9 experts at 2 d d_e less 6 idle ones is 21 d d_e a
-        # layer, as is the shared expert's 3 d d_e more taken off
-        "3 d d_e a layer short: 2 d d_e per expert throughout (a SwiGLU has three matrices), "
-        "or the shared expert taken off as well": counts.active - 4 * _ONE_EXPERT}
-
-
-@exercise("15.5a", "bytes on 64 devices", _E9,
-          "2 (there and back) x k x (1 - 1/D) x d x b", rtol=1e-12)
-def _bytes_64_devices():
-    from refmath.sizing import expert_parallel_bytes
-
-    both = expert_parallel_bytes(7168, 8, 64)
-    return both, {"one way only: the outputs come back too": both / 2,
-                  "(1 - 1/D) left out: an expert on the token's own device costs nothing":
-                      2 * 8 * 7168 * 2}
-
-
-@exercise("15.5b", "bytes, node-limited", _E9,
-          "a node receives the token once: min(k, M) sends, with (1 - 1/nodes)", rtol=1e-12)
-def _bytes_node_limited():
-    from refmath.sizing import expert_parallel_bytes
-
-    both = expert_parallel_bytes(7168, 8, 8, max_devices=4)
-    return both, {"k sends: a node receives the token once, min(k, M) in all":
-                  expert_parallel_bytes(7168, 8, 8),
-                  "one way only: the outputs come back too": both / 2}
-
-
 def _torch_gates(scores, moe, bias=None):
     """The oracle: the gates in torch, with torch's own top-k (the cases have no ties)."""
     import torch
@@ -189,7 +89,7 @@ def _outer_sum_forgotten(dgates, cache):
     return dscores * cache.denominator
 
 
-@function_exercise("15.6", "your gates backward", "the section 'E3, E4: the gates carry the gradient'",
+@function_exercise("15.2", "your gates backward", "the section 'E3, E4: the gates carry the gradient'",
                    "scale by rho; with D, ds_i = (dg_i - sum_j dg_j s_j / D) / D on the chosen; "
                    "put the result at cache.indices")
 def _route_backward():
@@ -202,3 +102,104 @@ def _route_backward():
                **catalogued("moe route: scaling left out of the backward", route_backward),
                "the outer 1/D forgotten: (dg - sum dg s / D), not divided by D again":
                    _outer_sum_forgotten})
+
+
+
+def _load_of(probs, first_only: bool = False):
+    from refmath.moe import MoEConfig, expert_load, route
+
+    n = np.shape(probs)[1]
+    chosen = route(probs, MoEConfig(n_experts=n, top_k=2, d_expert=1))[0]
+    return expert_load(chosen[:, :1] if first_only else chosen, n)
+
+
+@exercise("15.3a", "the load", _E5, "count each expert among every token's two choices",
+          uses=("probs6",), rtol=0.0)
+def _load6(probs):
+    return _load_of(probs), {"the first choice only": _load_of(probs, first_only=True)}
+
+
+@exercise("15.3b", "L_ExpBal", _E5, "f_i = E / (k N) load_i, P_i the mean probability; sum f P",
+          uses=("probs6",))
+def _balance_loss6(probs):
+    from refmath.moe import expert_balance_loss
+
+    load, (n, e) = _load_of(probs), np.shape(probs)
+    mean_p = np.asarray(probs).mean(axis=0)
+    return expert_balance_loss(probs, load, 2)[0], {
+        "Switch's and Mixtral's (E / N) sum load P: k times DeepSeek's":
+            e / n * np.sum(load * mean_p),
+        "f_i = load_i, without E / (k N)": np.sum(load * mean_p),
+        "the load of the first choices only":
+            expert_balance_loss(probs, _load_of(probs, first_only=True), 1)[0]}
+
+
+@exercise("15.4", "the biases after one update", "the section 'E6: DeepSeek-V3's bias balancing'",
+          "b_i - gamma sign(load_i - mean load)", uses=("bias_before", "load_step"))
+def _bias_after(bias, load):
+    from refmath.moe import balance_bias_update
+
+    load = np.asarray(load, dtype=np.float64)
+    return balance_bias_update(bias, load, 0.001), {
+        "the sign flipped: the overloaded expert's bias raised":
+            balance_bias_update(bias, -load, 0.001),
+        "a step of gamma (load - mean), not gamma sign(load - mean)":
+            bias - 0.001 * (load - load.mean())}
+
+
+def _toy_counts():
+    from refmath.moe import MoEConfig
+    from refmath.sizing import ModelConfig, active_parameters
+
+    return active_parameters(ModelConfig(
+        "toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, head_dim=64, vocab_size=1000,
+        moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1)))
+
+
+_ONE_EXPERT = 3 * 256 * 512  # a SwiGLU expert: three d x d_e matrices
+
+
+@exercise("15.5a", "the total", _E8, "every expert counts, the shared one too, and the untied "
+          "output matrix", rtol=0.0)
+def _toy_total():
+    total = _toy_counts().total
+    return total, {"the shared expert forgotten": total - 4 * _ONE_EXPERT,
+                   "the output matrix forgotten (it is untied)": total - 1000 * 256,
+                   "2 d d_e per expert: a SwiGLU has three matrices": total - 4 * 9 * 256 * 512}
+
+
+@exercise("15.5b", "the active parameters", _E8,
+          "the total less the E - k routed experts each token leaves idle, in every layer",
+          rtol=0.0)
+def _toy_active():
+    counts = _toy_counts()
+    return counts.active, {
+        "all E routed experts taken off, the k chosen ones too": counts.total - 4 * 8 * _ONE_EXPERT,
+        "2 d d_e per idle expert taken off a right total: a SwiGLU has three matrices":
+            counts.total - 4 * 6 * 2 * 256 * 512,
+        # the two slips give one number: 9 experts at 2 d d_e less 6 idle ones is 21 d d_e a
+        # layer, as is the shared expert's 3 d d_e more taken off
+        "3 d d_e a layer short: 2 d d_e per expert throughout (a SwiGLU has three matrices), "
+        "or the shared expert taken off as well": counts.active - 4 * _ONE_EXPERT}
+
+
+@exercise("15.6a", "bytes on 64 devices", _E9,
+          "2 (there and back) x k x (1 - 1/D) x d x b", rtol=1e-12)
+def _bytes_64_devices():
+    from refmath.sizing import expert_parallel_bytes
+
+    both = expert_parallel_bytes(7168, 8, 64)
+    return both, {"one way only: the outputs come back too": both / 2,
+                  "(1 - 1/D) left out: an expert on the token's own device costs nothing":
+                      2 * 8 * 7168 * 2}
+
+
+@exercise("15.6b", "bytes, node-limited", _E9,
+          "a node receives the token once: min(k, M) sends, with (1 - 1/nodes)", rtol=1e-12)
+def _bytes_node_limited():
+    from refmath.sizing import expert_parallel_bytes
+
+    both = expert_parallel_bytes(7168, 8, 8, max_devices=4)
+    return both, {"k sends: a node receives the token once, min(k, M) in all":
+                  expert_parallel_bytes(7168, 8, 8),
+                  "one way only: the outputs come back too": both / 2}
