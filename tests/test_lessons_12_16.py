@@ -233,3 +233,30 @@ def test_capstone_names_its_slips_and_does_not_crash(tmp_path):
         said = _verdict_of(verdicts, name)
         assert said.startswith("wrong: ") and "looks like: " in said and words in said, said
     assert "loss: first step" in out  # the training ran to its end, its figure with it
+
+
+def test_parameter_at_names_the_parameter_and_its_element():
+    from refmath.lessons.table import flat_parameters, parameter_at
+
+    # sorted names: "a" (2, 3), then "b" (a scalar), then "c" (4,): positions 0-5, 6, 7-10
+    params = {"c": np.arange(4.0), "a": np.arange(6.0).reshape(2, 3), "b": np.float64(9.0)}
+    flat = flat_parameters(params)
+    for position, name in ((0, "a[0, 0]"), (4, "a[1, 1]"), (6, "b"), (7, "c[0]"), (10, "c[3]")):
+        assert parameter_at(params, (position,)) == name
+    assert flat[4] == params["a"][1, 1] and flat[6] == params["b"] and flat[10] == params["c"][3]
+    with pytest.raises(IndexError, match="11"):
+        parameter_at(params, (11,))
+
+
+def test_16_5_a_wrong_gradient_is_named_by_its_parameter_and_element(tmp_path):
+    # one number of one gradient off: the verdict says which parameter and which element (it said
+    # "at index (N,)", a position in the concatenation of every gradient, which no student can read)
+    w1 = 'grads["layers.0.ffn.w1"]'
+    verdicts, _ = _planted("16", {
+        'check("16.5", grads if all_yours else None)':
+            f'check("16.5", {{**grads, "layers.0.ffn.w1": {w1} + 1e-3 * '
+            f'(np.arange({w1}.size).reshape({w1}.shape) == 7)}} if all_yours else None)'},
+        tmp_path)
+    said = _verdict_of(verdicts, "your model's gradients against the library's")
+    assert said.startswith("wrong: ") and " at layers.0.ffn.w1[0, 7], " in said, said
+    assert "index" not in said, said
