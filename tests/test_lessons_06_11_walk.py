@@ -117,6 +117,39 @@ def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(said):
     np.testing.assert_allclose(_per_head_loop(*args), _absorbed(*args), rtol=1e-12)
 
 
+
+# ---- 11.4c and 11.6: derived, not transcribed ------------------------------------------------
+#
+# 11.4 asked for MHA / MLA right under the counts' formulas, and 11.6 for 2P x 1.2 and 16P at
+# P = 1000 right under those two formulas: each answer was the text above, in code. Now 11.4c
+# solves 2 g d_h = d_c + d_R for g, 11.6a solves the rule of thumb for P, and 11.6b changes a
+# term of the 16 bytes. Each right answer, worked by hand, is accepted; each slip named.
+
+@pytest.mark.parametrize("number, right, slips", [
+    # DeepSeek-V2: d_c = 512, d_R = 64, d_h = 128, h = 128
+    ("11.4c", (512 + 64) / (2 * 128), {
+        "the factor 2 forgotten": (512 + 64) / 128,
+        "the rotary key left out": 512 / (2 * 128),
+        "the ratio MHA / MLA": 2 * 128 * 128 / (512 + 64)}),
+    ("11.6a", 80e9 / 2.4, {
+        "the 20% allowance forgotten": 80e9 / 2,
+        "80 GiB (2^30 bytes), not 80 GB": 80 * 2**30 / 2.4,
+        "the allowance taken off, not added": 80e9 / 1.6,
+        "1 byte a parameter": 80e9 / 1.2}),
+    ("11.6b", 12 * 1000, {
+        "the fp32 moments, as in the 16 P above": 16 * 1000,
+        "m and v counted as one moment": 10 * 1000,
+        "the fp32 master copy dropped as well": 8 * 1000}),
+])
+def test_11_4c_and_11_6_are_derived_and_their_slips_named(number, right, slips, said):
+    assert said(number, right, {}, strict=True).startswith("right: ")
+    for words, answer in slips.items():
+        line = said(number, answer, {})
+        assert line.startswith("wrong: ") and "looks like: " in line and words in line, (words, line)
+    if number == "11.6a":  # a whole number of parameters, rounded down, is the same answer
+        assert said(number, 33_333_333_333, {}).startswith("right: ")
+
+
 # ---- 09.2: the key is the root of the equation the exercise states -------------------------------
 
 def test_09_2_the_key_is_the_root_of_the_stated_equation(said):

@@ -62,10 +62,18 @@ def _mha_numbers():
     return mha, {"K or V only: the cache holds both, a factor 2": mha / 2}
 
 
-@exercise("11.4c", "MHA / MLA", _S3, "the MHA count over the MLA count")
-def _mha_over_mla():
-    ratio = _deepseek_v2_numbers("MHA") / _deepseek_v2_numbers("MLA")
-    return ratio, {"MLA / MHA, the ratio upside down": 1 / ratio}
+@exercise("11.4c", "GQA key/value heads that cache as much as MLA", _S3,
+          "GQA caches 2 g d_h numbers per token and layer: set that equal to d_c + d_R")
+def _kv_heads_like_mla():
+    from refmath.sizing import PRESETS
+
+    ds = PRESETS["deepseek-v2"]
+    mla, mha = _deepseek_v2_numbers("MLA"), _deepseek_v2_numbers("MHA")
+    per_kv_head = mha / ds.n_heads  # GQA's count is g of MHA's h equal shares (the calculator's rows)
+    return mla / per_kv_head, {
+        "the factor 2 forgotten: GQA caches a key and a value per head, 2 g d_h": 2 * mla / per_kv_head,
+        "the rotary key left out: MLA caches d_c + d_R": ds.d_c / per_kv_head,
+        "the ratio MHA / MLA: the question is the g with 2 g d_h = d_c + d_R": mha / mla}
 
 
 _K11 = "the section 'K11: sharing a prompt between sequences, and copying on write'"
@@ -115,24 +123,34 @@ def _pages_unshared():
 _S1 = "the section 'S1 and S2: memory for serving and for training'"
 
 
-@exercise("11.6a", "serving, rule of thumb", _S1, "2 bytes a parameter, times 1.2")
-def _serve_bytes():
+# 11.6a's answer is a count of parameters, which a student may round down to a whole one: that
+# moves it by under 1 in 3e10, so the tolerance is 1e-9 rather than the default 1e-12
+@exercise("11.6a", "the largest P served on 80 GB", _S1,
+          "the rule of thumb's bytes, 2 P x 1.2, equal to 80e9: solve for P", rtol=1e-9)
+def _largest_served():
     from refmath.sizing import inference_memory_rule_of_thumb
 
-    total = inference_memory_rule_of_thumb(1000).total
-    return total, {"the weights alone, 2 P: the 20% allowance forgotten": total / 1.2}
+    per_parameter = inference_memory_rule_of_thumb(1).total  # bytes a parameter, allowance included
+    return 80e9 / per_parameter, {
+        "the 20% allowance forgotten: 80e9 / 2": 80e9 / inference_memory_rule_of_thumb(1).weights,
+        "80 GiB (2^30 bytes), not 80 GB (10^9)": 80 * 2**30 / per_parameter,
+        "the allowance taken off, not added: 2 P x 0.8":
+            80e9 / (0.8 * inference_memory_rule_of_thumb(1).weights),
+        "1 byte a parameter: bf16 takes 2": 2 * 80e9 / per_parameter}
 
 
-@exercise("11.6b", "AdamW training state", _S1,
-          "2 + 2 + 4 + 8 bytes a parameter: weights, gradients, master copy, two moments",
-          rtol=0.0)
-def _train_bytes():
+@exercise("11.6b", "AdamW training state with bf16 moments", _S1,
+          "weights 2, gradients 2, master copy 4, and now 2 + 2 for m and v", rtol=0.0)
+def _train_bytes_bf16_moments():
     from refmath.sizing import adamw_training_memory
 
-    total = adamw_training_memory(1000).total
-    return total, {"12 bytes a parameter: the master copy or one of the two moments forgotten":
-                   total * 12 / 16,
-                   "the fp16 weights and gradients alone, 4 bytes a parameter": total * 4 / 16}
+    state = adamw_training_memory(1000)
+    fp32 = state.weights_fp16 + state.grads_fp16 + state.master_fp32  # unchanged
+    return fp32 + state.adam_moments_fp32 / 2, {
+        "the fp32 moments, as in the 16 P above": state.total,
+        "m and v counted as one moment: 2 bytes in all": fp32 + state.adam_moments_fp32 / 4,
+        "the fp32 master copy dropped as well": fp32 - state.master_fp32
+        + state.adam_moments_fp32 / 2}
 
 
 # ---- 11.3b: the absorbed decode forms no per-head key or value ----------------------------------
