@@ -260,8 +260,9 @@ check("11.3b", my_absorbed_attention)
 # ## S3: how much each attention design saves, computed
 #
 # A rule of thumb says GQA cuts the key/value heads by 4-8x and MLA caches roughly 5-10x less than
-# multi-head attention. The calculator gives exact figures instead. Per token and layer, MHA
-# caches $2 h d_h$ numbers, GQA $2 g d_h$, MQA $2 d_h$, MLA $d_c + d_R$.
+# multi-head attention. The calculator gives exact figures instead. Per token and layer, each
+# design caches what its attention reads back: MHA, GQA and MQA a key and a value of width $d_h$
+# for each of their $h$, $g$ or one key/value heads (lesson 8), MLA what K9 showed.
 #
 # Llama-3-8B has $h = 32$ and $g = 8$: its GQA cache is 4x smaller than MHA's, the low end of the
 # claim. Llama does not use MLA; the calculator's MLA row for it is a hypothetical one with
@@ -269,17 +270,18 @@ check("11.3b", my_absorbed_attention)
 
 # %% [markdown]
 # **Exercise 11.4.** DeepSeek-V2's attention shape: $L = 60$, $h = 128$, $d_h = 128$, $d_c = 512$,
-# $d_R = 64$. Per token and layer, how many numbers does MLA cache, how many would MHA of the
-# same shape cache, and what is the ratio?
+# $d_R = 64$. Per token and layer, how many numbers does MLA cache, and how many would MHA of the
+# same shape cache? (c) A GQA design of the same head width $d_h$ would cache as much as MLA with
+# how many key/value heads $g$? Set its count equal to MLA's and solve; $g$ need not be whole.
 
 # %% tags=["exercise"]
 mla_numbers = ...
 mha_numbers = ...
-ratio_mha_over_mla = ...
+kv_heads_like_mla = ...
 # BEGIN SOLUTION
 mla_numbers = 512 + 64
 mha_numbers = 2 * 128 * 128
-ratio_mha_over_mla = mha_numbers / mla_numbers
+kv_heads_like_mla = mla_numbers / (2 * 128)  # 2 g d_h = d_c + d_R
 # END SOLUTION
 
 # %%
@@ -289,7 +291,7 @@ check("11.4a", mla_numbers)
 check("11.4b", mha_numbers)
 
 # %%
-check("11.4c", ratio_mha_over_mla)
+check("11.4c", kv_heads_like_mla)
 
 # %%
 from refmath.sizing import attention_cache_rows
@@ -300,10 +302,11 @@ ds_rows = {r.kind: r for r in attention_cache_rows(ds.n_layers, ds.n_heads, ds.k
                                                    rope_dim=ds.d_rope)}
 
 # %% [markdown]
-# That ratio is well outside the quoted 5-10x. It depends entirely on the baseline: against GQA
-# with 8 key/value heads of the same width (2048 numbers) it is 3.6x, and MLA's cache is what GQA
-# would store with 2.25 key/value heads. The table below (printed once you have answered 11.4)
-# gives the bytes at $T = 8192$.
+# Against MHA of its own shape, MLA caches some 57 times less, well outside the quoted 5-10x. The
+# saving depends entirely on the baseline: against GQA with 8 key/value heads of the same width
+# (2048 numbers) it is 3.6x, and your $g$ says how few key/value heads GQA would need to match
+# MLA outright. The table below (printed once you have answered 11.4) gives the bytes at
+# $T = 8192$.
 
 # %%
 llama = PRESETS["llama-3-8b"]
@@ -312,7 +315,7 @@ for name in ("llama-3-8b", "deepseek-v2"):
     rows = attention_cache_rows(cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.head_dim, tokens=8192,
                                 latent_dim=cfg.d_c, rope_dim=cfg.d_rope)
     mha = rows[0].total
-    if ratio_mha_over_mla is not ...:  # the table holds 11.4's ratio: shown once answered
+    if kv_heads_like_mla is not ...:  # the table holds 11.4's counts: shown once answered
         print(f"{name} at T = 8192, bf16:")
         for row in rows:
             print(f"   {row.label:24s} {format_bytes(row.total):>11s}   "
@@ -466,22 +469,24 @@ if pages_shared is not ... and pages_unshared is not ...:  # shown once you have
 # $16P$ bytes, before any activation.
 
 # %% [markdown]
-# **Exercise 11.6.** For $P = 1000$: the bytes to serve by the rule of thumb, and the bytes of AdamW
-# training state.
+# **Exercise 11.6.** (a) By the rule of thumb, how many parameters $P$ can a GPU with 80 GB
+# ($80 \times 10^9$ bytes) serve in bf16 at most? (A fraction of a parameter is fine.) (b) Some
+# trainers keep AdamW's two moments in bf16, 2 bytes each, and everything else as above: how many
+# bytes of training state does that take for $P = 1000$?
 
 # %% tags=["exercise"]
-serve_bytes = ...
-train_bytes = ...
+largest_served = ...
+train_bytes_bf16_moments = ...
 # BEGIN SOLUTION
-serve_bytes = 2 * 1000 * 1.2
-train_bytes = (2 + 2 + 4 + 8) * 1000
+largest_served = 80e9 / (2 * 1.2)  # 2P x 1.2 bytes = 80e9
+train_bytes_bf16_moments = (2 + 2 + 4 + 2 * 2) * 1000  # m and v at 2 bytes each, not 4
 # END SOLUTION
 
 # %%
-check("11.6a", serve_bytes)
+check("11.6a", largest_served)
 
 # %%
-check("11.6b", train_bytes)
+check("11.6b", train_bytes_bf16_moments)
 
 # %% [markdown]
 # At full size, Llama-3-8B (8.03e9 parameters): 15 GiB of weights, 18 GiB by the rule of thumb,
@@ -552,8 +557,9 @@ plt.show()
 #    paths at context $t$, and find the $t$ above which absorption is cheaper.
 # 2. Show that MLA with $d_c = 2 h d_h$ and no rotary part can represent any MHA layer, so its
 #    savings come from choosing $d_c$ much smaller.
-# 3. With `attention_cache_rows`, find the number of GQA key/value heads whose cache equals
-#    MLA's for DeepSeek-V2's shape, and explain the 2.25.
+# 3. With `attention_cache_rows`, confirm your $g$ of exercise 11.4 for DeepSeek-V2's shape, then
+#    find it for the calculator's hypothetical MLA row of Llama-3-8B ($d_c = 4 d_h$,
+#    $d_R = d_h / 2$). Why do the two agree, although the models' widths differ?
 # 4. A paged cache with pages of $p$ tokens wastes under $p$ slots per sequence. For 256
 #    sequences of random lengths in $[1, 4096]$, estimate the waste for $p = 16$ and $p = 256$.
 # 5. Add activation memory to the training estimate: what must be stored per token and layer for

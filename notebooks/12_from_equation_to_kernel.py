@@ -327,7 +327,6 @@ def my_split_decode(q, k, v, splits):
 
 # %%
 from refmath.inference.decode import decode_attention
-from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
 
 check("12.3", my_split_decode)
 
@@ -366,20 +365,10 @@ else:
 # splits that hold keys 3000 to 3099, which is why averaging the splits' outputs is so wrong:
 
 # %%
-def split_states(q, k, v, splits):
-    """Each split's statistics by the library's F2 (an empty split gives the empty state)."""
-    n = len(k)
-    chunk = (n + splits - 1) // splits  # ceil(n / splits)
-    cuts = [(min(n, s * chunk), min(n, s * chunk + chunk)) for s in range(splits)]
-    return [online_softmax_block(k[lo:hi] @ q / np.sqrt(len(q)), v[lo:hi]) for lo, hi in cuts]
-
-
-def merged(states):
-    state = states[0]
-    for other in states[1:]:
-        state = online_softmax_merge(state, other)
-    return online_softmax_result(state)
-
+# each split's (m_s, l_s, u_s) by the library's F2 (chunks of ceil(n / splits) keys, an empty split
+# the empty state), and their F3 merge: the same functions that check 12.3's slips
+from refmath.lessons.expected.lesson12_from_equation_to_kernel import merged, split_states
+from refmath.softmax import online_softmax_result
 
 states = split_states(q_dec[0, 5], k_cache[0, heads[5], :4096], v_cache[0, heads[5], :4096], 16)
 shares = np.array([np.exp(st.m - max(s.m for s in states)) * st.l for st in states])

@@ -271,7 +271,7 @@ axes[1].legend(fontsize=8)
 plt.show()
 
 # %% tags=["exercise"]
-# Exercise 15.6: the gates' backward (E3), from the gates to the scores. `dgates` (N, k) is the
+# Exercise 15.2: the gates' backward (E3), from the gates to the scores. `dgates` (N, k) is the
 # gradient with respect to route's gates; `cache` is the RouteCache route returned:
 # cache.indices (N, k) the chosen experts, cache.chosen (N, k) their scores s_j,
 # cache.denominator (N, 1) their sum D (None when the gates are not renormalised),
@@ -295,7 +295,7 @@ def my_route_backward(dgates, cache):
 # %%
 from refmath.moe import route_backward
 
-check("15.6", my_route_backward)
+check("15.2", my_route_backward)
 
 # %% [markdown]
 # The whole gradient of the router comes from the gates: with $dg_j = \langle dy, E_j(x)\rangle$
@@ -350,7 +350,7 @@ np.testing.assert_allclose(dw_router, grads0["router.w"], rtol=1e-12, atol=1e-15
 # $\frac14 (3 \cdot 9 + 4) (\ln 2)^2 = \frac{31}{4} (\ln 2)^2$.
 
 # %% [markdown]
-# **Exercise 15.2.** Six tokens, four experts, top-2, with the router probabilities below (no ties
+# **Exercise 15.3.** Six tokens, four experts, top-2, with the router probabilities below (no ties
 # among the two best of any row). Compute the load of each expert and $\mathcal L_{\text{ExpBal}}$.
 
 # %% tags=["exercise"]
@@ -369,10 +369,10 @@ balance_loss_by_hand = np.sum(f6 * probs6.mean(axis=0))
 # END SOLUTION
 
 # %%
-check("15.2a", load6_by_hand)
+check("15.3a", load6_by_hand)
 
 # %%
-check("15.2b", balance_loss_by_hand)
+check("15.3b", balance_loss_by_hand)
 
 # %%
 # After the exercise: the library's load and balance loss, on the examples of the section
@@ -451,7 +451,7 @@ assert np.all(dz6[:, 3] < 0) and np.all(dz6[:, :2] > 0)
 # zero gradient).
 
 # %% [markdown]
-# **Exercise 15.3.** Biases $(0, 0.01, -0.02, 0)$, loads $(5, 1, 3, 3)$, $\gamma = 0.001$: the
+# **Exercise 15.4.** Biases $(0, 0.01, -0.02, 0)$, loads $(5, 1, 3, 3)$, $\gamma = 0.001$: the
 # biases after one update.
 
 # %% tags=["exercise"]
@@ -463,7 +463,7 @@ bias_after_by_hand = bias_before - 0.001 * np.array([1.0, -1.0, 0.0, 0.0])  # me
 # END SOLUTION
 
 # %%
-check("15.3", bias_after_by_hand)
+check("15.4", bias_after_by_hand)
 
 # %% [markdown]
 # A simulation of the rule alone: 512 tokens a step, 8 experts, top-2, sigmoid scores from
@@ -602,7 +602,7 @@ plt.show()
 # logits' $d V$ included, the lookup not), whose double is its FLOPs through the weights.
 
 # %% [markdown]
-# **Exercise 15.4.** A small MoE decoder: $L = 4$ layers, $d = 256$, multi-head attention with
+# **Exercise 15.5.** A small MoE decoder: $L = 4$ layers, $d = 256$, multi-head attention with
 # $h = g = 4$ heads of 64 ($4 d^2$ parameters a layer), two RMSNorm gains of $d$ per layer and a
 # final one, vocabulary 1000 with an untied output matrix, and in every layer an MoE
 # feed-forward: a router, $E = 8$ routed experts of width $d_e = 512$, top-2, and one shared
@@ -619,10 +619,10 @@ toy_active = toy_total - 4 * (8 - 2) * expert
 # END SOLUTION
 
 # %%
-check("15.4a", toy_total)
+check("15.5a", toy_total)
 
 # %%
-check("15.4b", toy_active)
+check("15.5b", toy_active)
 
 # %%
 from refmath.sizing import active_parameters, parameter_counts
@@ -631,12 +631,12 @@ toy = ModelConfig("toy-moe", n_layers=4, d_model=256, n_heads=4, kv_heads=4, hea
                   vocab_size=1000, moe=MoEConfig(n_experts=8, top_k=2, d_expert=512, n_shared=1))
 toy_counts = active_parameters(toy)
 assert parameter_counts(toy).total == toy_counts.total
-if all(isinstance(yours, (int, float, np.number)) and yours == counted  # shown once 15.4 is right
+if all(isinstance(yours, (int, float, np.number)) and yours == counted  # shown once 15.5 is right
        for yours, counted in ((toy_total, toy_counts.total), (toy_active, toy_counts.active))):
     print(f"total {toy_counts.total:,}, active {toy_counts.active:,} "
           f"({toy_counts.active / toy_counts.total:.0%}): the library agrees")
 else:
-    print("the library's counts are compared here once 15.4a and 15.4b are right")
+    print("the library's counts are compared here once 15.5a and 15.5b are right")
 
 # %% [markdown]
 # The same count for three published models:
@@ -709,7 +709,7 @@ plt.show()
 # $D = 8$ nodes.
 
 # %% [markdown]
-# **Exercise 15.5.** DeepSeek-V3: $d = 7168$, $k = 8$, bf16 ($b = 2$). The average bytes a token
+# **Exercise 15.6.** DeepSeek-V3: $d = 7168$, $k = 8$, bf16 ($b = 2$). The average bytes a token
 # sends and receives in one MoE layer with the 256 experts over $D = 64$ devices, and with
 # node-limited routing over 8 nodes, at most 4 per token.
 
@@ -722,10 +722,10 @@ bytes_node_limited = 2 * min(8, 4) * (1 - 1 / 8) * 7168 * 2
 # END SOLUTION
 
 # %%
-check("15.5a", bytes_64_devices)
+check("15.6a", bytes_64_devices)
 
 # %%
-check("15.5b", bytes_node_limited)
+check("15.6b", bytes_node_limited)
 
 # %%
 from refmath.sizing import expert_parallel_bytes, expert_parallel_traffic
@@ -733,18 +733,18 @@ from refmath.sizing import expert_parallel_bytes, expert_parallel_traffic
 v3_cfg = PRESETS["deepseek-v3"]
 traffics = {"64 devices": expert_parallel_traffic(v3_cfg, devices=64),
             "node-limited, 4 of 8 nodes": expert_parallel_traffic(v3_cfg, node_limited=True)}
-# the bytes a layer are 15.5's answers: shown once yours are right
+# the bytes a layer are 15.6's answers: shown once yours are right
 answered = all(isinstance(yours, (int, float, np.number))
                and np.isclose(yours, t.per_layer, rtol=1e-12) for yours, t in zip((bytes_64_devices, bytes_node_limited), traffics.values()))
 if not answered:
-    print("the library's traffic is shown here once 15.5a and 15.5b are right")
+    print("the library's traffic is shown here once 15.6a and 15.6b are right")
 for label, traffic in traffics.items() if answered else ():
     print(f"{label:28s} {format_bytes(traffic.per_layer):>10s} a layer, "
           f"{format_bytes(traffic.per_token):>10s} a token through the "
           f"{v3_cfg.moe_layers} MoE layers")
 row_bytes = v3_cfg.d_model * 2
 print(f"the token's hidden row itself: {format_bytes(row_bytes)}")
-if answered:  # in rows of the token, still 15.5's answers
+if answered:  # in rows of the token, still 15.6's answers
     node_limited_rows = expert_parallel_bytes(7168, 8, 8, max_devices=4) / row_bytes
     print(f"node-limited routing moves {node_limited_rows:.2f} rows a layer, "
           f"{expert_parallel_bytes(7168, 8, 64) / row_bytes:.2f} on 64 devices")

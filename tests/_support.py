@@ -80,3 +80,31 @@ def gradient_check(model, params, batch, config, train=False, seed=None, per_ten
         numeric = numerical_gradient(lambda: float(run()[0]), value, coords)
         errors[name] = float(relative_error(grads[name].reshape(-1)[coords], numeric).max())
     return errors
+
+
+def verdict_line(number, answer, inputs=None):
+    """The line ``check(number, answer)`` prints, called from a namespace holding ``inputs`` (a
+    lesson's check reads its inputs by name from the namespace that calls it, so they cannot be
+    passed as arguments). Under ``REFMATH_LESSONS_STRICT=1`` a wrong answer raises instead."""
+    from refmath.lessons import check
+
+    space = {**(inputs or {}), "check": check, "number": number, "answer": answer}
+    exec("verdict = check(number, answer)", space)
+    return space["verdict"].line
+
+
+def run_lesson(text, tmp_path, name="lesson.py", **env):
+    """Run a lesson's ``text`` as the script ``tmp_path/name``, from ``tmp_path``, as a student's
+    run without a display meets it: figures drawn off screen (Agg), one BLAS thread (the machine's
+    cores are shared), wrong answers printed rather than raised; ``env`` adds variables. Returns
+    the finished process (its ``stdout`` holds the verdict lines)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
+                                             "OPENBLAS_NUM_THREADS": "1",
+                                             "REFMATH_LESSONS_STRICT": "0", **env})

@@ -9,13 +9,12 @@ so this test confirms that the student's way of making the slip and the check's 
 The write-the-function exercises are planted the same way: one line of the student's function is
 edited, and ``refmath.lessons.check_function`` must name the slip function it now matches.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from _support import run_lesson
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -409,6 +408,13 @@ PLANTS = {
          "K or V only"),
         ("mla_numbers = 512 + 64", "mla_numbers = 512", "MLA numbers per token and layer",
          "the shared rotary key"),
+        ("kv_heads_like_mla = mla_numbers / (2 * 128)", "kv_heads_like_mla = mla_numbers / 128",
+         "GQA key/value heads that cache as much as MLA", "the factor 2 forgotten"),
+        ("largest_served = 80e9 / (2 * 1.2)", "largest_served = 80e9 / 2",
+         "the largest P served on 80 GB", "the 20% allowance forgotten"),
+        ("train_bytes_bf16_moments = (2 + 2 + 4 + 2 * 2) * 1000",
+         "train_bytes_bf16_moments = (2 + 2 + 4 + 2) * 1000",
+         "AdamW training state with bf16 moments", "counted as one moment"),
         ("pages_unshared = 16 * (full_pages + part_full)", "pages_unshared = 16 * full_pages",
          "pages without sharing", "16 x floor(1000 / 16)"),
         ("scores = (q_hat @ c.T + q_r @ k_r.T) / np.sqrt(q_c.shape[-1] + q_r.shape[-1])",
@@ -426,8 +432,8 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
         # answers computed from the planted one inherit its slip
         "scale": ("x_hat", "the error |x - x_hat|, at most half a step"),
         "x_hat": ("the error |x - x_hat|, at most half a step",),
-        "MHA numbers per token and layer": ("MHA / MLA",),
-        "MLA numbers per token and layer": ("MHA / MLA",),
+        "MLA numbers per token and layer": ("GQA key/value heads that cache as much as MLA",),
+        "GQA key/value heads that cache as much as MLA": ("MLA numbers per token and layer",),
         "W_Q from q_proj.weight": ("W_K from k_proj.weight",),
         "GPT-2 small's parameter count": ("GPT-2 small in float32, MiB",),
         "the load": ("L_ExpBal",),
@@ -438,15 +444,6 @@ ALSO = {"RoPE dx": ("rotating your dx forward gives dy back",),
                                     "your model's gradients against the library's"),
         "your model's gradients against the library's": (
             "your LayerNorm backward", "the gradient check of the whole model, with your backward passes")}
-
-
-def _run(text, tmp_path, name):
-    script = tmp_path / name
-    script.write_text(text)
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
-                                             "OPENBLAS_NUM_THREADS": "1",
-                                             "REFMATH_LESSONS_STRICT": "0"})
 
 
 def _apart(a, b):
@@ -477,7 +474,7 @@ def test_planted_slips_are_rejected_and_named(lesson, tmp_path):
         for right, slip, _, _ in batch:
             assert text.count(right) == 1, f"{lesson}: the solution line {right!r} has changed"
             text = text.replace(right, slip)
-        run = _run(text, tmp_path, lesson)
+        run = run_lesson(text, tmp_path, lesson)
         assert run.returncode == 0, f"{lesson}: the planted lesson fails:\n{run.stderr[-2000:]}"
         verdicts = [line for line in run.stdout.splitlines()
                     if line.startswith(("right: ", "wrong: ", "almost: ", "no answer yet: "))]
@@ -518,31 +515,21 @@ def test_the_plants_cover_the_lessons_with_slips():
 # the slip would write it, and must be rejected with the slip's name, and the right answer, written
 # by hand as well, accepted.
 
-def _verdict(number, answer, inputs, capsys):
-    """The line ``check(number, answer)`` prints, called from a namespace holding ``inputs`` (the
-    check reads the lesson's inputs by name from the namespace that calls it)."""
-    from refmath.lessons import check
+@pytest.fixture
+def judged(said):
+    """``judged(number, right, wrongs, inputs)``: ``right`` is accepted, in strict mode too (which
+    also feeds every slip of the exercise to its check), and each of ``wrongs``, ``{words of the
+    slip's name: answer}``, named."""
+    def judged(number, right, wrongs, inputs):
+        assert said(number, right, inputs, strict=True).startswith("right: ")
+        for words, answer in wrongs.items():
+            line = said(number, answer, inputs)
+            assert line.startswith("wrong: ") and "looks like: " in line and words in line, (words, line)
 
-    capsys.readouterr()
-    exec("check(number, answer)", {**inputs, "check": check, "number": number, "answer": answer})
-    return capsys.readouterr().out.strip()
-
-
-def _judged(number, right, wrongs, inputs, capsys, monkeypatch):
-    """``right`` is accepted, in strict mode too (which also feeds every slip of the exercise to
-    its check), and each of ``wrongs``, ``{words of the slip's name: answer}``, named."""
-    import refmath.lessons.checks
-
-    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})
-    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "1")
-    assert _verdict(number, right, inputs, capsys).startswith("right: ")
-    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "0")
-    for words, answer in wrongs.items():
-        said = _verdict(number, answer, inputs, capsys)
-        assert said.startswith("wrong: ") and "looks like: " in said and words in said, (words, said)
+    return judged
 
 
-def test_swiglu_dx_slips_are_named(capsys, monkeypatch):
+def test_swiglu_dx_slips_are_named(judged):
     from refmath.ffn import swiglu_forward
 
     rng = np.random.default_rng(3)
@@ -555,28 +542,28 @@ def test_swiglu_dx_slips_are_named(capsys, monkeypatch):
     dm = dy @ w_down.T
     dg = dm * u * sig * (1 + g * (1 - sig))
     du = dm * g * sig
-    _judged("04.5", dg @ w_gate.T + du @ w_up.T, {
+    judged("04.5", dg @ w_gate.T + du @ w_up.T, {
         "du uses the gate's input": dg @ w_gate.T + (dm * g) @ w_up.T,
         "product rule forgotten": (dm * u * sig * (1 - sig)) @ w_gate.T + du @ w_up.T,
         "SiLU'(g) taken as sigma(g)": (dm * u * sig) @ w_gate.T + du @ w_up.T,
         "only the gate's path": dg @ w_gate.T,
         "only the up projection's path": du @ w_up.T,
-    }, {"dy": dy, "swiglu_cache": swiglu_cache}, capsys, monkeypatch)
+    }, {"dy": dy, "swiglu_cache": swiglu_cache})
 
 
-def test_swiglu_width_slips_are_named(capsys, monkeypatch):
+def test_swiglu_width_slips_are_named(judged):
     def excess(d_f, matrices=3):
         return matrices * 1000 * d_f / (2 * 1000 * 4000) - 1
 
-    _judged("04.6", (2688, excess(2688)), {
+    judged("04.6", (2688, excess(2688)), {
         "rounded down to a multiple of 64": (2624, excess(2624)),
         "a multiple of 256": (2816, excess(2816)),
         "in percent": (2688, 100 * excess(2688)),
         "two matrices": (2688, excess(2688, matrices=2)),
-    }, {}, capsys, monkeypatch)
+    }, {})
 
 
-def test_rope_rotation_slips_are_named(capsys, monkeypatch):
+def test_rope_rotation_slips_are_named(judged):
     def turned(pairs, angles):
         (x0, y0), (x1, y1) = pairs
         return [x0 * np.cos(angles[0]) - y0 * np.sin(angles[0]),
@@ -586,15 +573,15 @@ def test_rope_rotation_slips_are_named(capsys, monkeypatch):
 
     neighbours, theta = [(3.0, 4.0), (1.0, 0.0)], [2.0, 2.0 / 100]
     halves = turned([(3.0, 1.0), (4.0, 0.0)], theta)  # (x0, x2) and (x1, x3), back in place
-    _judged("04.7", np.array([turned(neighbours, theta)]), {
+    judged("04.7", np.array([turned(neighbours, theta)]), {
         "the wrong way": np.array([turned(neighbours, [-2.0, -2.0 / 100])]),
         "halves layout": np.array([[halves[0], halves[2], halves[1], halves[3]]]),
         "both pairs turned by p radians": np.array([turned(neighbours, [2.0, 2.0])]),
         "the position left out": np.array([turned(neighbours, [1.0, 1.0 / 100])]),
-    }, {}, capsys, monkeypatch)
+    }, {})
 
 
-def test_safetensors_reading_slips_are_named(capsys, monkeypatch, tmp_path):
+def test_safetensors_reading_slips_are_named(judged, tmp_path):
     import json
 
     rng = np.random.default_rng(4)
@@ -614,15 +601,15 @@ def test_safetensors_reading_slips_are_named(capsys, monkeypatch, tmp_path):
 
     n = len(header)
     assert np.array_equal(read(8 + n + 32), table)
-    _judged("13.1", read(8 + n + 32), {
+    judged("13.1", read(8 + n + 32), {
         "counted from the start of the file": read(32),
         "not the 8 bytes that give N": read(n + 32),
         "big-endian": read(8 + n + 32, dtype=">f8"),
         "transposed": read(8 + n + 32).T,
-    }, {"params": {"tok_emb": table}, "weights_path": weights_path}, capsys, monkeypatch)
+    }, {"params": {"tok_emb": table}, "weights_path": weights_path})
 
 
-def test_q8_0_bytes_and_bound_slips_are_named(capsys, monkeypatch):
+def test_q8_0_bytes_and_bound_slips_are_named(judged):
     from refmath.models.decoder_config import DecoderConfig
 
     # a model of the lesson's kind, smaller: every count written out by hand
@@ -635,24 +622,24 @@ def test_q8_0_bytes_and_bound_slips_are_named(capsys, monkeypatch):
         return layers * per_weight + rest + extra
 
     q8 = read(34 / 32)
-    _judged("10.6", q8, {
+    judged("10.6", q8, {
         "the float16 scale of each block of 32 forgotten": read(1),
         "bits, not bytes": read(8.5),
         "counted for every weight": read(3),
         "the float32 head, gains and embedding row left out": layers * 34 / 32,
         "the whole embedding table counted": read(34 / 32, 4 * (64 * 64 - 64)),
         "the layers left in float32": read(4),
-    }, {"small_config": config}, capsys, monkeypatch)
+    }, {"small_config": config})
     beta = 1e10
-    _judged("10.7", beta / q8, {
+    judged("10.7", beta / q8, {
         "seconds per token": q8 / beta,
         "the float32 model's bound": beta / read(4),
         "the scales forgotten": beta / read(1),
         "bits per second over bytes": 8 * beta / q8,
-    }, {"small_config": config, "given_bandwidth": beta}, capsys, monkeypatch)
+    }, {"small_config": config, "given_bandwidth": beta})
 
 
-def test_mha_twin_slips_are_named(capsys, monkeypatch):
+def test_mha_twin_slips_are_named(judged):
     from refmath.models import decoder
 
     config = decoder.DecoderConfig(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
@@ -660,8 +647,8 @@ def test_mha_twin_slips_are_named(capsys, monkeypatch):
     params = decoder.init_params(config, seed=2)
     w_k = params["layers.0.attn.w_k"]  # (32, 2 heads of 8)
     by_hand = np.concatenate([w_k[:, :8], w_k[:, :8], w_k[:, 8:], w_k[:, 8:]], axis=1)
-    _judged("14.2", by_hand, {
+    judged("14.2", by_hand, {
         "interleaved (np.tile)": np.tile(w_k, 2),
         "each column repeated on its own": np.repeat(w_k, 2, axis=1),
         "w_k left as it was": w_k,
-    }, {"params": params, "config": config}, capsys, monkeypatch)
+    }, {"params": params, "config": config})

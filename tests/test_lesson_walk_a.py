@@ -6,23 +6,17 @@ import warnings
 import numpy as np
 import pytest
 
-from refmath.lessons import check
+from _support import verdict_line
 
 
-@pytest.fixture(autouse=True)
-def lenient(monkeypatch):
-    import refmath.lessons.checks
-
-    monkeypatch.delenv("REFMATH_LESSONS_STRICT", raising=False)
-    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})
+# every test starts from no miss and lenient checks (conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_misses")
 
 
 def _line(number, answer, **inputs):
     """The verdict line of ``check(number, answer)`` called from a namespace holding the lesson's
-    ``inputs`` (the check reads them by name from the namespace that calls it)."""
-    space = {**inputs, "check": check, "number": number, "answer": answer}
-    exec("verdict = check(number, answer)", space)
-    return space["verdict"].line
+    ``inputs``."""
+    return verdict_line(number, answer, inputs)
 
 
 def test_02_5_one_block_short_is_named_without_the_answer():

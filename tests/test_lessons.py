@@ -25,12 +25,8 @@ from refmath.lessons import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def lenient(monkeypatch):
-    import refmath.lessons.checks
-
-    monkeypatch.delenv("REFMATH_LESSONS_STRICT", raising=False)
-    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})  # each test starts with no miss counted
+# every test starts from no miss and lenient checks (conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_misses")
 
 
 def test_a_right_answer_says_right_and_returns_true(capsys):

@@ -4,38 +4,23 @@ answers readable in the student copy before their exercise.
 
 The slips the walk-through found unnamed are planted in tests/test_lesson_slips.py (PLANTS).
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _support import run_lesson
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def _said(number, answer, inputs, capsys, strict=False):
-    """The verdict line ``check(number, answer)`` prints from a namespace holding ``inputs``."""
-    from refmath.lessons import check
-
-    os.environ["REFMATH_LESSONS_STRICT"] = "1" if strict else "0"
-    capsys.readouterr()
-    exec("check(number, answer)", {**inputs, "check": check, "number": number, "answer": answer})
-    return capsys.readouterr().out.strip()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_misses(monkeypatch):
-    import refmath.lessons.checks
-
-    monkeypatch.setattr(refmath.lessons.checks, "_MISSES", {})
-    monkeypatch.setenv("REFMATH_LESSONS_STRICT", "0")
+# every test starts from no miss and lenient checks (conftest.py); ``said`` is its fixture
+pytestmark = pytest.mark.usefixtures("fresh_misses")
 
 
 # ---- 06.6: the gradient check compared the student's numbers with the student's ------------------
 
-def test_06_6_a_copied_numerical_gradient_is_not_an_analytic_one(capsys):
+def test_06_6_a_copied_numerical_gradient_is_not_an_analytic_one(said):
     from refmath.gradcheck import numerical_gradient
     from refmath.models import transformer as tm
 
@@ -55,13 +40,13 @@ def test_06_6_a_copied_numerical_gradient_is_not_an_analytic_one(capsys):
     numeric = numerical_gradient(phi, params[name], coords_wq)
     analytic = grads[name].reshape(-1)[coords_wq]
     inputs = {"phi": phi, "params": params, "cache": cache, "coords_wq": coords_wq}
-    assert _said("06.6", (numeric, analytic), inputs, capsys, strict=True).startswith("right: ")
-    copied = _said("06.6", (numeric, numeric.copy()), inputs, capsys)
+    assert said("06.6", (numeric, analytic), inputs, strict=True).startswith("right: ")
+    copied = said("06.6", (numeric, numeric.copy()), inputs)
     assert copied.startswith("wrong: ") and "numerical gradient copied" in copied, copied
     # another tensor's gradient, or other coordinates, are wrong too
     other = grads["encoder.layers.0.self_attn.w_k"].reshape(-1)[coords_wq]
-    assert _said("06.6", (numeric, other), inputs, capsys).startswith("wrong: ")
-    assert _said("06.6", (..., ...), inputs, capsys).startswith("no answer yet: ")
+    assert said("06.6", (numeric, other), inputs).startswith("wrong: ")
+    assert said("06.6", (..., ...), inputs).startswith("no answer yet: ")
 
 
 # ---- 08.4: "your dK holds all of the per-head gradient" could not fail ---------------------------
@@ -71,12 +56,7 @@ def _run_planted(lesson, replacements, tmp_path):
     for old, new in replacements:
         assert text.count(old) == 1, old
         text = text.replace(old, new)
-    script = tmp_path / lesson
-    script.write_text(text)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
-                                            "OPENBLAS_NUM_THREADS": "1",
-                                            "REFMATH_LESSONS_STRICT": "0"})
+    run = run_lesson(text, tmp_path, lesson)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
 
@@ -124,12 +104,12 @@ def _per_head_loop(q_c, q_r, c, k_r, w_uk, w_uv):
     return np.stack(out)
 
 
-def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(capsys):
-    assert _said("11.3b", _absorbed, {}, capsys, strict=True).startswith("right: ")
+def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(said):
+    assert said("11.3b", _absorbed, {}, strict=True).startswith("right: ")
     for expanded in (_expanded, _per_head_loop):
-        said = _said("11.3b", expanded, {}, capsys)
-        assert said.startswith("wrong: ") and "looks like: keys c W_UK or values c W_UV" in said, said
-    assert _said("11.3b", lambda *a: ..., {}, capsys).startswith("no answer yet: ")
+        line = said("11.3b", expanded, {})
+        assert line.startswith("wrong: ") and "looks like: keys c W_UK or values c W_UV" in line, line
+    assert said("11.3b", lambda *a: ..., {}).startswith("no answer yet: ")
     # ...and the three compute the same values (why 11.3's value check alone accepted them)
     draw = np.random.default_rng(1)
     args = [draw.standard_normal(s) for s in ((3, 5), (3, 2), (6, 7), (6, 2), (3, 7, 5), (3, 7, 4))]
@@ -137,16 +117,49 @@ def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(capsys)
     np.testing.assert_allclose(_per_head_loop(*args), _absorbed(*args), rtol=1e-12)
 
 
+
+# ---- 11.4c and 11.6: derived, not transcribed ------------------------------------------------
+#
+# 11.4 asked for MHA / MLA right under the counts' formulas, and 11.6 for 2P x 1.2 and 16P at
+# P = 1000 right under those two formulas: each answer was the text above, in code. Now 11.4c
+# solves 2 g d_h = d_c + d_R for g, 11.6a solves the rule of thumb for P, and 11.6b changes a
+# term of the 16 bytes. Each right answer, worked by hand, is accepted; each slip named.
+
+@pytest.mark.parametrize("number, right, slips", [
+    # DeepSeek-V2: d_c = 512, d_R = 64, d_h = 128, h = 128
+    ("11.4c", (512 + 64) / (2 * 128), {
+        "the factor 2 forgotten": (512 + 64) / 128,
+        "the rotary key left out": 512 / (2 * 128),
+        "the ratio MHA / MLA": 2 * 128 * 128 / (512 + 64)}),
+    ("11.6a", 80e9 / 2.4, {
+        "the 20% allowance forgotten": 80e9 / 2,
+        "80 GiB (2^30 bytes), not 80 GB": 80 * 2**30 / 2.4,
+        "the allowance taken off, not added": 80e9 / 1.6,
+        "1 byte a parameter": 80e9 / 1.2}),
+    ("11.6b", 12 * 1000, {
+        "the fp32 moments, as in the 16 P above": 16 * 1000,
+        "m and v counted as one moment": 10 * 1000,
+        "the fp32 master copy dropped as well": 8 * 1000}),
+])
+def test_11_4c_and_11_6_are_derived_and_their_slips_named(number, right, slips, said):
+    assert said(number, right, {}, strict=True).startswith("right: ")
+    for words, answer in slips.items():
+        line = said(number, answer, {})
+        assert line.startswith("wrong: ") and "looks like: " in line and words in line, (words, line)
+    if number == "11.6a":  # a whole number of parameters, rounded down, is the same answer
+        assert said(number, 33_333_333_333, {}).startswith("right: ")
+
+
 # ---- 09.2: the key is the root of the equation the exercise states -------------------------------
 
-def test_09_2_the_key_is_the_root_of_the_stated_equation(capsys):
+def test_09_2_the_key_is_the_root_of_the_stated_equation(said):
     root = np.log(65504) - np.log(1 + np.exp(-1) + np.exp(-2))
     assert abs(np.exp(root) * (1 + np.exp(-1) + np.exp(-2)) - 65504) < 1e-9
-    said = _said("09.2", root, {}, capsys, strict=True)
-    assert said.startswith("right: ") and said.endswith("max error 0"), said
-    assert _said("09.2", np.log(65504 / (1 + np.exp(-1) + np.exp(-2))), {}, capsys).startswith("right: ")
+    line = said("09.2", root, {}, strict=True)
+    assert line.startswith("right: ") and line.endswith("max error 0"), line
+    assert said("09.2", np.log(65504 / (1 + np.exp(-1) + np.exp(-2))), {}).startswith("right: ")
     for read_off in (10.7, 10.68, 10.6836):  # the figure's grid, 4 digits, float16's own break
-        assert not _said("09.2", read_off, {}, capsys).startswith("right: "), read_off
+        assert not said("09.2", read_off, {}).startswith("right: "), read_off
 
 
 # ---- answers readable in the student copy before their exercise's check ---------------------------
@@ -198,12 +211,8 @@ def test_no_expected_value_anywhere_in_an_unanswered_copy(lesson, tmp_path):
     from test_notebooks import _gives_away
 
     text = student_copy((NOTEBOOKS / lesson).read_text(), lesson)
-    (tmp_path / lesson).write_text(text)
     records = tmp_path / "expected.jsonl"
-    run = subprocess.run([sys.executable, lesson], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
-                                            "OPENBLAS_NUM_THREADS": "1",
-                                            "REFMATH_LESSONS_STRICT": "0", RECORD: str(records)})
+    run = run_lesson(text, tmp_path, lesson, **{RECORD: str(records)})
     assert run.returncode == 0, run.stderr[-2000:]
     recorded = [json.loads(line) for line in records.read_text().splitlines()]
     assert len(recorded) >= 4

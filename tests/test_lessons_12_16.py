@@ -6,9 +6,6 @@ The lessons run as scripts (as tests/test_lesson_slips.py runs them), with one e
 answer in place of the solution, or the student copy itself, unanswered.
 """
 import re
-import subprocess
-import sys
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +13,8 @@ import pytest
 
 from refmath import kernels
 from refmath.lessons import student_copy
+
+from _support import run_lesson
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -26,15 +25,6 @@ def _lesson(prefix):
     return next(NOTEBOOKS.glob(f"{prefix}_*.py"))
 
 
-def _run(text, tmp_path, name="lesson.py"):
-    script = tmp_path / name
-    script.write_text(text)
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg",
-                                             "OPENBLAS_NUM_THREADS": "1",
-                                             "REFMATH_LESSONS_STRICT": "0"})
-
-
 def _planted(prefix, edits, tmp_path):
     """The verdict lines of lesson ``prefix`` run with each ``old -> new`` of ``edits`` in place
     (each ``old`` must occur once), and its standard output."""
@@ -42,12 +32,12 @@ def _planted(prefix, edits, tmp_path):
     for old, new in edits.items():
         assert text.count(old) == 1, f"lesson {prefix}: {old!r} has changed"
         text = text.replace(old, new)
-    run = _run(text, tmp_path)
+    run = run_lesson(text, tmp_path)
     assert run.returncode == 0, f"lesson {prefix} fails with the plant:\n{run.stderr[-3000:]}"
     return [line for line in run.stdout.splitlines() if line.startswith(VERDICT)], run.stdout
 
 
-def _said(verdicts, name):
+def _verdict_of(verdicts, name):
     found = [v for v in verdicts if v.startswith(tuple(f"{s}{name}:" for s in VERDICT))]
     assert found, f"no verdict on {name!r} among {verdicts}"
     return found[0]
@@ -100,9 +90,9 @@ def test_lesson_12_refuses_the_library_and_names_c_equal_1(tmp_path):
         SPLIT_DECODE_SOLUTION: SPLIT_DECODE_BY_THE_LIBRARY,
         "bound_o = 2 * numpy_error + 4 * U32 * np.abs(vg).max()":
             "bound_o = numpy_error + 4 * U32 * np.abs(vg).max()"}, tmp_path)
-    said = _said(verdicts, "your split-K decode")
+    said = _verdict_of(verdicts, "your split-K decode")
     assert said.startswith("wrong: ") and "calls refmath.softmax.online_softmax_" in said, said
-    said = _said(verdicts, "the rule's bound on o")
+    said = _verdict_of(verdicts, "the rule's bound on o")
     assert said.startswith("wrong: ") and "looks like: c = 1" in said, said
     # the cells after 12.1 and 12.2 print no bound and no scratch count
     assert not re.search(r"bound \d", out) and "KiB per thread" not in out
@@ -120,9 +110,9 @@ def test_lesson_14_refuses_the_library_and_names_its_slips(tmp_path):
             '    logits = decoder.logits(params, tokens, config)\n',
         "total = numbers * bits / 8 + 2 * numbers / 32": "total = numbers * bits / 8 + 4 * numbers / 32"},
         tmp_path)
-    said = _said(verdicts, "logits of the whole decoder")
+    said = _verdict_of(verdicts, "logits of the whole decoder")
     assert said.startswith("wrong: ") and "refmath.models.decoder.logits" in said, said
-    said = _said(verdicts, "your cache bytes")
+    said = _verdict_of(verdicts, "your cache bytes")
     assert said.startswith("wrong: ") and "looks like: 4-byte (float32) scales" in said, said
 
 
@@ -130,7 +120,7 @@ def test_lesson_14_names_the_final_rmsnorm_forgotten(tmp_path):
     verdicts, _ = _planted("14", {
         '    final, _ = rmsnorm_forward(H, params["ln_f.gamma"], config.norm_eps)\n':
             "    final = H\n"}, tmp_path)
-    said = _said(verdicts, "logits of the whole decoder")
+    said = _verdict_of(verdicts, "logits of the whole decoder")
     assert said.startswith("wrong: ") and "looks like: the final RMSNorm forgotten" in said, said
 
 
@@ -161,7 +151,7 @@ def test_lesson_13_names_the_untied_output_left_out(tmp_path):
     verdicts, _ = _planted("13", {
         "tiny_count = V * d + L * per_layer + d + (V * d if untied else 0)":
             "tiny_count = V * d + L * per_layer + d"}, tmp_path)
-    said = _said(verdicts, "this lesson's parameter count")
+    said = _verdict_of(verdicts, "this lesson's parameter count")
     assert said.startswith("wrong: ") and "looks like: the untied output matrix left out" in said, said
 
 
@@ -187,7 +177,7 @@ def test_lesson_15_imports_no_asked_for_function_before_its_exercise():
 
 
 def _student_run(prefix, tmp_path):
-    run = _run(student_copy(_lesson(prefix).read_text()), tmp_path)
+    run = run_lesson(student_copy(_lesson(prefix).read_text()), tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -197,7 +187,7 @@ def _student_run(prefix, tmp_path):
     ("12", ("3.12e-06", "329,216", "329216", "321.5 KiB", "330 KB")),
     # 13.4's decoded values, 13.5's counts (and GPT-2's size)
     ("13", ("3.140625", "'0xC020'", "18,720", "151,880", "124,439,808", "475 MiB")),
-    # 15.1 ties and loads, 15.2's f, 15.4's counts, 15.5's bytes (and their rows of the token)
+    # 15.1 ties and loads, 15.3's f, 15.5's counts, 15.6's bytes (and their rows of the token)
     ("15", ("(2, 3, 2, 1)", "1.3333", "15,726,848", "6,289,664", "220.50 KiB", "98.00 KiB",
             "7.00 rows", "15.75 on")),
 ])
@@ -220,8 +210,8 @@ def test_capstone_says_whose_backward_passes_run(tmp_path):
         "    return dx, dgamma, dbeta\n": "    return dx, dgamma, dbeta\n\n\n"
                                         "from refmath.norms import layernorm_backward as my_layernorm_backward\n"},
         tmp_path)
-    assert _said(verdicts, "your softmax backward").startswith("wrong: ")
-    assert _said(verdicts, "your LayerNorm backward").startswith("wrong: ")
+    assert _verdict_of(verdicts, "your softmax backward").startswith("wrong: ")
+    assert _verdict_of(verdicts, "your LayerNorm backward").startswith("wrong: ")
     assert "softmax: the library's: yours calls refmath.softmax.softmax_backward" in out, out
     assert "layernorm: the library's: yours is refmath.norms.layernorm_backward" in out, out
     assert not any(v.startswith("right: ") and "your backward passes" in v for v in verdicts)
@@ -240,6 +230,33 @@ def test_capstone_names_its_slips_and_does_not_crash(tmp_path):
                         ("your LayerNorm backward", "gamma left out of dx"),
                         ("your GELU backward", "the 3 of d(x^3)/dx forgotten"),
                         ("your cross-entropy backward", "mean over every position")):
-        said = _said(verdicts, name)
+        said = _verdict_of(verdicts, name)
         assert said.startswith("wrong: ") and "looks like: " in said and words in said, said
     assert "loss: first step" in out  # the training ran to its end, its figure with it
+
+
+def test_parameter_at_names_the_parameter_and_its_element():
+    from refmath.lessons.table import flat_parameters, parameter_at
+
+    # sorted names: "a" (2, 3), then "b" (a scalar), then "c" (4,): positions 0-5, 6, 7-10
+    params = {"c": np.arange(4.0), "a": np.arange(6.0).reshape(2, 3), "b": np.float64(9.0)}
+    flat = flat_parameters(params)
+    for position, name in ((0, "a[0, 0]"), (4, "a[1, 1]"), (6, "b"), (7, "c[0]"), (10, "c[3]")):
+        assert parameter_at(params, (position,)) == name
+    assert flat[4] == params["a"][1, 1] and flat[6] == params["b"] and flat[10] == params["c"][3]
+    with pytest.raises(IndexError, match="11"):
+        parameter_at(params, (11,))
+
+
+def test_16_5_a_wrong_gradient_is_named_by_its_parameter_and_element(tmp_path):
+    # one number of one gradient off: the verdict says which parameter and which element (it said
+    # "at index (N,)", a position in the concatenation of every gradient, which no student can read)
+    w1 = 'grads["layers.0.ffn.w1"]'
+    verdicts, _ = _planted("16", {
+        'check("16.5", grads if all_yours else None)':
+            f'check("16.5", {{**grads, "layers.0.ffn.w1": {w1} + 1e-3 * '
+            f'(np.arange({w1}.size).reshape({w1}.shape) == 7)}} if all_yours else None)'},
+        tmp_path)
+    said = _verdict_of(verdicts, "your model's gradients against the library's")
+    assert said.startswith("wrong: ") and " at layers.0.ffn.w1[0, 7], " in said, said
+    assert "index" not in said, said

@@ -265,7 +265,8 @@ def _ratio_text(c: float, scalar: bool, rtol: float) -> str:
 
 def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
                 rtol: float = 1e-7, atol: float = 0.0, hint: str = "",
-                slips: Mapping[str, Any] | None = None, section: str = "") -> Verdict:
+                slips: Mapping[str, Any] | None = None, section: str = "",
+                where: Callable[[tuple[int, ...]], str] | None = None) -> Verdict:
     r"""Print whether ``got`` equals ``expected`` within ``|got - expected| <= atol + rtol |expected|``.
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
@@ -301,6 +302,10 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 
     section : str
         The lesson's section to reread, named after a first wrong verdict.
+    where : callable, optional
+        ``where(index)`` names the element at ``index`` of ``got`` where the index alone would not
+        say what it is (a set of parameters compared as one flat vector: "w_q[3, 5]"); the
+        verdict then says "at w_q[3, 5]" instead of "at index (1234,)".
 
     Returns
     -------
@@ -326,14 +331,17 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
         have = np.asarray(got, dtype=np.float64)
     except (TypeError, ValueError) as err:
         return _verdict("wrong", name, f"not an array of real numbers ({err})")
-    status, detail = _diagnose(have, want, values, rtol, atol)
+    status, detail = _diagnose(have, want, values, rtol, atol, where)
     if status != "right":
         detail += _rationed(name, hint, section)
     return _verdict(status, name, detail)
 
 
-def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
+def _diagnose(have, want, values, rtol, atol, where=None) -> tuple[str, str]:
     """(status, detail) of ``have`` against ``want``: see :func:`check_close`."""
+    def at(index):
+        return f"at {where(index)}" if where is not None else f"at index {index}"
+
     if _within(have, want, rtol, atol):
         worst = float(_errors(have, want).max()) if have.size else 0.0
         return "right", f"max error {worst:.2g}"
@@ -351,9 +359,9 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
         return "wrong", f"shape {have.shape}, expected {want.shape}"
     nan_got, nan_want = np.isnan(have), np.isnan(want)
     if np.any(nan_got != nan_want):
-        where = np.unravel_index(np.argmax(nan_got != nan_want), have.shape) if have.ndim else ()
-        return "wrong", (f"NaN where a number is expected, or the reverse, at index "
-                         f"{tuple(int(i) for i in where)}")
+        first = np.unravel_index(np.argmax(nan_got != nan_want), have.shape) if have.ndim else ()
+        return "wrong", (f"NaN where a number is expected, or the reverse, "
+                         f"{at(tuple(int(i) for i in first))}")
     # A scalar off the mark is always a multiple of the expected value: its ratio is the diagnosis.
     c = _ratio(np.where(nan_want, 0.0, have), np.where(nan_want, 0.0, want))
     if c is not None:
@@ -362,7 +370,7 @@ def _diagnose(have, want, values, rtol, atol) -> tuple[str, str]:
     bound = atol + rtol * np.abs(np.where(nan_want | np.isinf(want), 0.0, want))
     excess = np.where(error > bound, error - bound, -np.inf)
     index = tuple(int(i) for i in np.unravel_index(np.argmax(excess), have.shape)) if have.ndim else ()
-    return "wrong", (f"error {float(error[index]):.3g} at index {index}, tolerance "
+    return "wrong", (f"error {float(error[index]):.3g} {at(index)}, tolerance "
                      f"{float(bound[index]):.3g}")
 
 

@@ -42,14 +42,16 @@ def check(number: str, answer: Any) -> Verdict:
         record_expected(exercise.name, lambda: _expected_and_slips(exercise, caller)[0])
         return _unanswered(exercise.name)
     expected, slips = _expected_and_slips(exercise, caller)
+    given = answer  # as the student wrote it: where an index of the prepared array points
     if exercise.prepare is not None:
         try:
             answer = exercise.prepare(answer)
         except Exception as err:  # the answer has the wrong kind: say so, as check_close would
             return _verdict("wrong", exercise.name, f"not what the exercise asks for "
                             f"({type(err).__name__}: {err})")
+    where = None if exercise.where is None else (lambda index: exercise.where(given, index))
     return check_close(exercise.name, answer, expected, rtol=exercise.rtol, atol=exercise.atol,
-                       hint=exercise.hint, section=exercise.section, slips=slips)
+                       hint=exercise.hint, section=exercise.section, slips=slips, where=where)
 
 
 def _lesson_values(name: str, uses: tuple[str, ...], frame) -> list[Any]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 
 __all__ = ["Exercise", "FunctionExercise", "EXERCISES", "exercise", "function_exercise",
-           "flat_parameters"]
+           "flat_parameters", "parameter_at"]
 
 
 class Exercise(NamedTuple):
@@ -30,6 +30,9 @@ class Exercise(NamedTuple):
     rtol: float = 1e-12
     atol: float = 0.0
     prepare: Callable[[Any], Any] | None = None  # the answer as an array (a dict of weights...)
+    # (answer as given, index into the prepared array) -> what sits there, in the answer's own
+    # terms (a parameter and its element): so that "error at index (1234,)" says what 1234 is
+    where: Callable[[Any, tuple[int, ...]], str] | None = None
 
 
 class FunctionExercise(NamedTuple):
@@ -47,11 +50,18 @@ EXERCISES: dict[str, Exercise | FunctionExercise] = {}
 
 
 def exercise(number: str, name: str, section: str, hint: str, uses: tuple[str, ...] = (),
-             rtol: float = 1e-12, atol: float = 0.0, prepare: Callable[[Any], Any] | None = None):
-    """Register the decorated ``(*uses) -> (expected, slips)`` function as exercise ``number``."""
+             rtol: float = 1e-12, atol: float = 0.0, prepare: Callable[[Any], Any] | None = None,
+             where: Callable[[Any, tuple[int, ...]], str] | None = None):
+    """Register the decorated ``(*uses) -> (expected, slips)`` function as exercise ``number``.
+
+    ``where(answer, index)`` names the element at ``index`` of the prepared answer in the terms of
+    the answer as given; with ``prepare=flat_parameters`` it is :func:`parameter_at` unless given."""
+    if where is None and prepare is flat_parameters:
+        where = parameter_at
+
     def register(both: Callable[..., tuple[Any, Mapping[str, Any]]]):
         EXERCISES[number] = Exercise(name, section, hint, lambda *a: both(*a)[0],
-                                     lambda *a: both(*a)[1], uses, rtol, atol, prepare)
+                                     lambda *a: both(*a)[1], uses, rtol, atol, prepare, where)
         return both
     return register
 
@@ -74,3 +84,20 @@ def flat_parameters(params) -> np.ndarray:
     """A dict of arrays as one float64 vector, its names in sorted order: how an exercise whose
     answer is a set of parameters compares it (``prepare=flat_parameters``)."""
     return np.concatenate([np.asarray(params[n], dtype=np.float64).ravel() for n in sorted(params)])
+
+
+def parameter_at(params, index: tuple[int, ...]) -> str:
+    """The parameter and element that position ``index`` of :func:`flat_parameters` ``(params)``
+    holds, as ``"name[i, j]"`` (``"name"`` alone for a scalar): the flat vector is the sorted
+    names' arrays one after another, each in C order, so position p falls in the first name whose
+    running size passes p, at p minus the sizes before it, unravelled in that array's shape."""
+    (position,) = index
+    start = 0
+    for name in sorted(params):
+        shape = np.shape(params[name])
+        size = int(np.prod(shape, dtype=np.int64))
+        if position < start + size:
+            element = np.unravel_index(position - start, shape) if shape else ()
+            return name + (f"[{', '.join(str(int(i)) for i in element)}]" if shape else "")
+        start += size
+    raise IndexError(f"parameter_at: position {position} is past the {start} numbers of the parameters")

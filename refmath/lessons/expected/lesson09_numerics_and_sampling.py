@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -62,3 +62,34 @@ def _top_p_by_hand(pi):
                       np.eye(len(pi))[int(np.argmax(pi))],
                   "left in sorted order, not put back at their tokens":
                       np.sort(kept)[::-1]}
+
+
+def _without_the_crossing_token(probs, p):
+    """A slip: the least probable kept token (the one whose mass reaches p) dropped as well,
+    leaving nothing (0 / 0) when the first token alone reaches p."""
+    from refmath.inference.sampling import top_p_filter
+
+    kept = top_p_filter(probs, p) > 0
+    kept[np.flatnonzero(kept)[np.argmin(probs[kept])]] = False
+    with np.errstate(invalid="ignore"):
+        return np.where(kept, probs, 0.0) / np.where(kept, probs, 0.0).sum()
+
+
+@function_exercise("09.5", "your top-p filter", "the section 'L7: picking the next token'",
+                   "sort, keep while the mass before is below p, renormalise, unsort",
+                   uses=("pi", "pi4"))
+def _top_p_filter(pi, pi4):
+    from refmath.inference.sampling import top_p_filter
+
+    top_p_inputs = [(pi, 0.8), (pi4, 0.6), (np.array([0.5, 0.3, 0.2]), 0.8),
+                    (np.array([0.05, 0.7, 0.25]), 0.5), (np.array([0.125, 0.375, 0.5]), 1.0)]
+    return dict(
+        reference=top_p_filter, inputs=top_p_inputs, rtol=1e-14,
+        slips={"the kept probabilities not renormalised to sum to one": lambda probs, p:
+                   np.where(top_p_filter(probs, p) > 0, probs, 0.0),
+               "the token whose mass crosses p dropped: it is the one that reaches p":
+                   _without_the_crossing_token,
+               "a token whose preceding mass equals p kept: the test is mass before < p, "
+               "not <=": lambda probs, p: top_p_filter(probs, min(np.nextafter(p, 2.0), 1.0)),
+               "left in sorted order, not put back at their tokens": lambda probs, p:
+                   np.sort(top_p_filter(probs, p))[::-1]})

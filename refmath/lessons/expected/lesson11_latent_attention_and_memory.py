@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -62,10 +62,18 @@ def _mha_numbers():
     return mha, {"K or V only: the cache holds both, a factor 2": mha / 2}
 
 
-@exercise("11.4c", "MHA / MLA", _S3, "the MHA count over the MLA count")
-def _mha_over_mla():
-    ratio = _deepseek_v2_numbers("MHA") / _deepseek_v2_numbers("MLA")
-    return ratio, {"MLA / MHA, the ratio upside down": 1 / ratio}
+@exercise("11.4c", "GQA key/value heads that cache as much as MLA", _S3,
+          "GQA caches 2 g d_h numbers per token and layer: set that equal to d_c + d_R")
+def _kv_heads_like_mla():
+    from refmath.sizing import PRESETS
+
+    ds = PRESETS["deepseek-v2"]
+    mla, mha = _deepseek_v2_numbers("MLA"), _deepseek_v2_numbers("MHA")
+    per_kv_head = mha / ds.n_heads  # GQA's count is g of MHA's h equal shares (the calculator's rows)
+    return mla / per_kv_head, {
+        "the factor 2 forgotten: GQA caches a key and a value per head, 2 g d_h": 2 * mla / per_kv_head,
+        "the rotary key left out: MLA caches d_c + d_R": ds.d_c / per_kv_head,
+        "the ratio MHA / MLA: the question is the g with 2 g d_h = d_c + d_R": mha / mla}
 
 
 _K11 = "the section 'K11: sharing a prompt between sequences, and copying on write'"
@@ -115,24 +123,34 @@ def _pages_unshared():
 _S1 = "the section 'S1 and S2: memory for serving and for training'"
 
 
-@exercise("11.6a", "serving, rule of thumb", _S1, "2 bytes a parameter, times 1.2")
-def _serve_bytes():
+# 11.6a's answer is a count of parameters, which a student may round down to a whole one: that
+# moves it by under 1 in 3e10, so the tolerance is 1e-9 rather than the default 1e-12
+@exercise("11.6a", "the largest P served on 80 GB", _S1,
+          "the rule of thumb's bytes, 2 P x 1.2, equal to 80e9: solve for P", rtol=1e-9)
+def _largest_served():
     from refmath.sizing import inference_memory_rule_of_thumb
 
-    total = inference_memory_rule_of_thumb(1000).total
-    return total, {"the weights alone, 2 P: the 20% allowance forgotten": total / 1.2}
+    per_parameter = inference_memory_rule_of_thumb(1).total  # bytes a parameter, allowance included
+    return 80e9 / per_parameter, {
+        "the 20% allowance forgotten: 80e9 / 2": 80e9 / inference_memory_rule_of_thumb(1).weights,
+        "80 GiB (2^30 bytes), not 80 GB (10^9)": 80 * 2**30 / per_parameter,
+        "the allowance taken off, not added: 2 P x 0.8":
+            80e9 / (0.8 * inference_memory_rule_of_thumb(1).weights),
+        "1 byte a parameter: bf16 takes 2": 2 * 80e9 / per_parameter}
 
 
-@exercise("11.6b", "AdamW training state", _S1,
-          "2 + 2 + 4 + 8 bytes a parameter: weights, gradients, master copy, two moments",
-          rtol=0.0)
-def _train_bytes():
+@exercise("11.6b", "AdamW training state with bf16 moments", _S1,
+          "weights 2, gradients 2, master copy 4, and now 2 + 2 for m and v", rtol=0.0)
+def _train_bytes_bf16_moments():
     from refmath.sizing import adamw_training_memory
 
-    total = adamw_training_memory(1000).total
-    return total, {"12 bytes a parameter: the master copy or one of the two moments forgotten":
-                   total * 12 / 16,
-                   "the fp16 weights and gradients alone, 4 bytes a parameter": total * 4 / 16}
+    state = adamw_training_memory(1000)
+    fp32 = state.weights_fp16 + state.grads_fp16 + state.master_fp32  # unchanged
+    return fp32 + state.adam_moments_fp32 / 2, {
+        "the fp32 moments, as in the 16 P above": state.total,
+        "m and v counted as one moment: 2 bytes in all": fp32 + state.adam_moments_fp32 / 4,
+        "the fp32 master copy dropped as well": fp32 - state.master_fp32
+        + state.adam_moments_fp32 / 2}
 
 
 # ---- 11.3b: the absorbed decode forms no per-head key or value ----------------------------------
@@ -200,3 +218,43 @@ def _keys_or_values_formed(func):
 def _no_expanded_keys():
     return 0.0, {"keys c W_UK or values c W_UV built from the cache: the expanded computation, "
                  "which the absorbed step exists to avoid": 1.0}
+
+
+def _expanded_attention(q_c, q_r, c, k_r, w_uk, w_uv, scale=None):
+    """The reference: each head's content keys c W_UK and values c W_UV built, then attention."""
+    from refmath.softmax import softmax_forward
+
+    keys = np.einsum("tc,hck->htk", c, w_uk)
+    values = np.einsum("tc,hcv->htv", c, w_uv)
+    scale = 1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1]) if scale is None else scale
+    scores = scale * (np.einsum("hk,htk->ht", q_c, keys) + q_r @ k_r.T)
+    return np.einsum("ht,htv->hv", softmax_forward(scores)[0], values)
+
+
+def _mla_decode_inputs():
+    draw = np.random.default_rng(11)
+    return [tuple(draw.standard_normal(shape) for shape in
+                  ((h, d_k), (h, d_r), (t, d_c), (t, d_r), (h, d_c, d_k), (h, d_c, d_v)))
+            for h, d_k, d_r, d_c, d_v, t in ((4, 8, 4, 16, 8, 5), (2, 3, 2, 6, 5, 1),
+                                             (3, 4, 2, 5, 4, 9))]
+
+
+@function_exercise("11.3", "your absorbed MLA decode",
+                   "the section 'K9: decoupled RoPE, and what MLA caches'",
+                   "q_hat = q_c W_UK^T per head; scale by 1/sqrt(d_k + d_R); W_UV after the sum")
+def _absorbed_attention():
+    from refmath.softmax import softmax_forward
+
+    expanded = _expanded_attention
+    return dict(
+        reference=expanded, inputs=_mla_decode_inputs, rtol=1e-12, allow=(softmax_forward,),
+        reference_name="the expanded attention (keys and values built per head)",
+        slips={"the scale 1/sqrt(d_k): the rotary width counts too": lambda q_c, q_r, c, k_r,
+                   w_uk, w_uv: expanded(q_c, q_r, c, k_r, w_uk, w_uv, scale=1 / np.sqrt(q_c.shape[-1])),
+               "the rotary part left out of the scores": lambda q_c, q_r, c, k_r, w_uk, w_uv:
+                   expanded(q_c, 0 * q_r, c, k_r, w_uk, w_uv,
+                            scale=1 / np.sqrt(q_c.shape[-1] + q_r.shape[-1])),
+               "W_UV forgotten: the weighted sum of the latents, not of the values":
+                   lambda q_c, q_r, c, k_r, w_uk, w_uv: expanded(
+                       q_c, q_r, c, k_r, w_uk, np.broadcast_to(np.eye(c.shape[1]),
+                                                               (len(q_c),) + (c.shape[1],) * 2))})

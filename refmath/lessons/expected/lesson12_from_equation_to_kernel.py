@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
-# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
-__all__ = []
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; the lesson imports only the
+# split states and their merge by name, after exercise 12.3 (whose slips are built from them).
+__all__ = ["merged", "split_states"]
 
 
 def _forward_scratch_bytes(d: int, block_q: int = 128, block_k: int = 128, leave_out=()) -> int:
@@ -73,3 +74,79 @@ def _float32_bound(ref_o, np32_o, vg):
             2 * error + 4 * u * float(np.abs(ref_o).max()),
         "NumPy's error taken in float32, against the reference rounded to float32":
             2 * float(np.abs(np32_o - np.asarray(ref_o).astype(np.float32)).max()) + 4 * u * big_v}
+
+
+def _dense_decode(q, k, v, splits):
+    """The reference: q attends to all n keys at once (exactly, splits change nothing)."""
+    from refmath.inference.decode import decode_attention
+
+    return decode_attention(q[None, None], k[None, None], v[None, None], [len(k)])[0, 0]
+
+
+def _split_decode_inputs():
+    draw = np.random.default_rng(12)
+    return [(draw.standard_normal(16), 3 * draw.standard_normal((n, 16)),  # 3 k: peaked rows
+             draw.standard_normal((n, 16)), splits)
+            for n, splits in ((1000, 4), (10, 4), (3, 4), (5, 1))]
+
+
+def split_states(q, k, v, splits, chunk=None):
+    """Each split's statistics ``(m_s, l_s, u_s)`` by the library's F2, for one query row ``q``
+    (D,) over keys ``k`` and values ``v`` (n, D) with scale 1/sqrt(D): split s takes keys
+    ``[min(n, s c), min(n, s c + c))``, c = ceil(n / splits) unless ``chunk`` is given (an empty
+    split gives the empty state, m = -inf, l = 0, u = 0)."""
+    from refmath.softmax import online_softmax_block
+
+    n = len(k)
+    chunk = -(-n // splits) if chunk is None else chunk
+    cuts = [(min(n, s * chunk), min(n, s * chunk + chunk)) for s in range(splits)]
+    return [online_softmax_block(k[lo:hi] @ q / np.sqrt(len(q)), v[lo:hi]) for lo, hi in cuts]
+
+
+def merged(states):
+    """The F3 merge of the splits' states in order, and its output o = u / l."""
+    from refmath.softmax import online_softmax_merge, online_softmax_result
+
+    state = states[0]
+    for other in states[1:]:
+        state = online_softmax_merge(state, other)
+    return online_softmax_result(state)
+
+
+def _remainder_dropped(q, k, v, splits):
+    """A slip: chunks of n // splits keys, so the last n mod splits keys are never read, and with
+    fewer keys than splits none is (every split empty: 0 / 0)."""
+    chunk = len(k) // splits
+    return merged(split_states(q, k, v, splits, chunk)) if chunk else np.full(len(q), np.nan)
+
+
+def _nan_from_empty_splits(q, k, v, splits):
+    """A slip: o_s = u_s / l_s first, then o = sum_s (e^(m_s - m) l_s / l) o_s, where an empty
+    split's 0 / 0 is NaN."""
+    states = split_states(q, k, v, splits)
+    weights = np.array([np.exp(st.m - max(s.m for s in states)) * st.l for st in states])
+    with np.errstate(invalid="ignore"):
+        return (weights / weights.sum()) @ np.array([st.u / st.l for st in states])
+
+
+@function_exercise("12.3", "your split-K decode",
+                   "the section 'K2 and F3: a decode step, split across the cores'",
+                   "chunk = ceil(n / splits); rescale each split by e^(m_s - m); an empty split "
+                   "adds nothing")
+def _split_decode():
+    from refmath.softmax import online_softmax_block, online_softmax_merge, online_softmax_result
+
+    return dict(
+        reference=_dense_decode, inputs=_split_decode_inputs, rtol=1e-12,
+        reference_name="dense attention over all the keys",
+        slips={"the last keys dropped: chunks of n // splits keys": _remainder_dropped,
+               "the splits' outputs averaged: each must weigh e^(m_s - m) l_s": lambda q, k, v,
+                   splits: np.mean([online_softmax_result(st) for st in
+                                    split_states(q, k, v, splits) if st.l > 0], axis=0),
+               "u_s and l_s added without rescaling to the largest m":
+                   lambda q, k, v, splits: sum(st.u for st in split_states(q, k, v, splits))
+                   / sum(st.l for st in split_states(q, k, v, splits)),
+               "an empty split's o_s = 0 / 0 reaches the merge": _nan_from_empty_splits,
+               "no 1/sqrt(D) scale on the scores": lambda q, k, v, splits:
+                   _dense_decode(q * np.sqrt(len(q)), k, v, splits)},
+        refuse=(online_softmax_block, online_softmax_merge, online_softmax_result))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -106,3 +106,28 @@ def _gpt2_mib():
     return 4 * total / 2**20, {"MB (10^6 bytes), not MiB (2^20)": 4 * total / 1e6,
                                "2 bytes per parameter: that is bfloat16, not float32":
                                    2 * total / 2**20}
+
+
+def _undo_interleaved_to_half(w, head_dim):
+    """The reference: the inverse of the library's permutation, found by applying it to 0, 1, ..."""
+    from refmath import hf
+
+    moved = hf.interleaved_to_half(np.arange(w.shape[-1]), head_dim)  # half column j <- moved[j]
+    return w[..., np.argsort(moved)]
+
+
+@function_exercise("13.3", "your half_to_interleaved", "the section 'Two RoPE layouts, one function'",
+                   "within each head, interleaved coordinate 2r is half coordinate r, 2r + 1 is "
+                   "r + head_dim / 2", uses=("q_proj", "k_proj", "d_h", "rng"))
+def _half_to_interleaved(q_proj, k_proj, d_h, rng):
+    from refmath import hf
+
+    layout_inputs = [(q_proj.T, d_h), (k_proj.T, d_h), (rng.standard_normal(3 * 4), 4),
+                     (rng.standard_normal((5, 16)), 16), (rng.standard_normal((2, 3, 24)), 12)]
+    return dict(
+        reference=_undo_interleaved_to_half, inputs=layout_inputs, rtol=0,
+        reference_name="the inverse of hf.interleaved_to_half",
+        slips={"interleaved_to_half itself, not its inverse": hf.interleaved_to_half,
+               "the permutation taken over the whole width, not within each head":
+                   lambda w, head_dim: _undo_interleaved_to_half(w, w.shape[-1]),
+               "the columns left in the half layout": lambda w, head_dim: w})

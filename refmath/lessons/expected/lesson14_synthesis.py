@@ -2,6 +2,8 @@ r"""Lesson 14, one modern decoder, every piece (``notebooks/14_synthesis.py``): 
 and the known slips of each exercise, computed from the library and from the lesson's inputs."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from refmath.lessons.checks import catalogued
@@ -129,3 +131,26 @@ def _speedup_bound(batch, context):
         "the int4 cache without its scales (2 bytes per group of 32)":
             (mha_weights + mha_cache) / (gqa_weights + int4_payload),
         "the cache ratio upside down": (gqa_weights + int4_cache) / (mha_weights + mha_cache)}
+
+
+@function_exercise("14.3", "your cache bytes",
+                   "the section 'The cost of one decode step, all together'",
+                   "2 B T' L g d_h numbers; T' = min(T, w); int: bits/8 a number plus 2 bytes a group")
+def _cache_bytes():
+    from refmath.sizing import PRESETS
+
+    llama, mistral, gpt2 = PRESETS["llama-3-8b"], PRESETS["mistral-7b"], PRESETS["gpt2-small"]
+    cache_inputs = [(dataclasses.replace(llama, kv_heads=32), 8192, 16), (llama, 8192, 16),
+                    (llama, 8192, 16, 8), (llama, 8192, 16, 4), (mistral, 8192, 4),
+                    (mistral, 2048, 4, 4), (gpt2, 1024, 1)]
+    return dict(
+        reference=cache_bytes_reference, inputs=cache_inputs, rtol=1e-12,
+        reference_name="decode_step_traffic and quantized_kv_cache_bytes",
+        slips={"K or V only: the factor 2 forgotten": lambda *args: cache_bytes_reference(*args) / 2,
+               "the sliding window ignored": lambda shape, *rest: cache_bytes_reference(
+                   dataclasses.replace(shape, sliding_window=None), *rest),
+               "the query heads counted, not the key/value heads": lambda shape, *rest:
+                   cache_bytes_reference(dataclasses.replace(shape, kv_heads=shape.n_heads), *rest),
+               "the quantisation scales left out": cache_bytes_scales_left_out,
+               "4-byte (float32) scales: refmath's are 2 bytes a group":
+                   cache_bytes_with_float32_scales})

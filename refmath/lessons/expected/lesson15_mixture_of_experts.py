@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -62,6 +63,48 @@ def _worked_gates(logits):
                             softmax_forward(plain[1])[0]}
 
 
+def _torch_gates(scores, moe, bias=None):
+    """The oracle: the gates in torch, with torch's own top-k (the cases have no ties)."""
+    import torch
+
+    choice = scores.detach()
+    if moe.routing == "group_limited_greedy":
+        best = choice.view(choice.shape[0], moe.n_groups, -1).amax(dim=-1)
+        kept = torch.zeros_like(best, dtype=torch.bool)
+        kept.scatter_(1, best.topk(moe.topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(moe.group_size, dim=1), -torch.inf)
+    chosen = scores.gather(1, choice.topk(moe.top_k, dim=-1).indices)
+    if moe.norm_topk:
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return moe.scaling * chosen
+
+
+def _outer_sum_forgotten(dgates, cache):
+    """The slip that leaves the outer 1/D off the renormalised gates' backward."""
+    from refmath.moe import route_backward
+
+    dscores = route_backward(dgates, cache)
+    if cache.denominator is None:
+        return dscores
+    return dscores * cache.denominator
+
+
+@function_exercise("15.2", "your gates backward", "the section 'E3, E4: the gates carry the gradient'",
+                   "scale by rho; with D, ds_i = (dg_i - sum_j dg_j s_j / D) / D on the chosen; "
+                   "put the result at cache.indices")
+def _route_backward():
+    from refmath.moe import route_backward
+
+    return dict(
+        reference=route_backward, case=["moe_route[greedy*", "moe_route[group-limited*"],
+        oracle=_torch_gates,
+        slips={**catalogued("moe route: renormalisation's Jacobian dropped", route_backward),
+               **catalogued("moe route: scaling left out of the backward", route_backward),
+               "the outer 1/D forgotten: (dg - sum dg s / D), not divided by D again":
+                   _outer_sum_forgotten})
+
+
+
 def _load_of(probs, first_only: bool = False):
     from refmath.moe import MoEConfig, expert_load, route
 
@@ -70,13 +113,13 @@ def _load_of(probs, first_only: bool = False):
     return expert_load(chosen[:, :1] if first_only else chosen, n)
 
 
-@exercise("15.2a", "the load", _E5, "count each expert among every token's two choices",
+@exercise("15.3a", "the load", _E5, "count each expert among every token's two choices",
           uses=("probs6",), rtol=0.0)
 def _load6(probs):
     return _load_of(probs), {"the first choice only": _load_of(probs, first_only=True)}
 
 
-@exercise("15.2b", "L_ExpBal", _E5, "f_i = E / (k N) load_i, P_i the mean probability; sum f P",
+@exercise("15.3b", "L_ExpBal", _E5, "f_i = E / (k N) load_i, P_i the mean probability; sum f P",
           uses=("probs6",))
 def _balance_loss6(probs):
     from refmath.moe import expert_balance_loss
@@ -91,7 +134,7 @@ def _balance_loss6(probs):
             expert_balance_loss(probs, _load_of(probs, first_only=True), 1)[0]}
 
 
-@exercise("15.3", "the biases after one update", "the section 'E6: DeepSeek-V3's bias balancing'",
+@exercise("15.4", "the biases after one update", "the section 'E6: DeepSeek-V3's bias balancing'",
           "b_i - gamma sign(load_i - mean load)", uses=("bias_before", "load_step"))
 def _bias_after(bias, load):
     from refmath.moe import balance_bias_update
@@ -116,7 +159,7 @@ def _toy_counts():
 _ONE_EXPERT = 3 * 256 * 512  # a SwiGLU expert: three d x d_e matrices
 
 
-@exercise("15.4a", "the total", _E8, "every expert counts, the shared one too, and the untied "
+@exercise("15.5a", "the total", _E8, "every expert counts, the shared one too, and the untied "
           "output matrix", rtol=0.0)
 def _toy_total():
     total = _toy_counts().total
@@ -125,7 +168,7 @@ def _toy_total():
                    "2 d d_e per expert: a SwiGLU has three matrices": total - 4 * 9 * 256 * 512}
 
 
-@exercise("15.4b", "the active parameters", _E8,
+@exercise("15.5b", "the active parameters", _E8,
           "the total less the E - k routed experts each token leaves idle, in every layer",
           rtol=0.0)
 def _toy_active():
@@ -140,7 +183,7 @@ def _toy_active():
         "or the shared expert taken off as well": counts.active - 4 * _ONE_EXPERT}
 
 
-@exercise("15.5a", "bytes on 64 devices", _E9,
+@exercise("15.6a", "bytes on 64 devices", _E9,
           "2 (there and back) x k x (1 - 1/D) x d x b", rtol=1e-12)
 def _bytes_64_devices():
     from refmath.sizing import expert_parallel_bytes
@@ -151,7 +194,7 @@ def _bytes_64_devices():
                       2 * 8 * 7168 * 2}
 
 
-@exercise("15.5b", "bytes, node-limited", _E9,
+@exercise("15.6b", "bytes, node-limited", _E9,
           "a node receives the token once: min(k, M) sends, with (1 - 1/nodes)", rtol=1e-12)
 def _bytes_node_limited():
     from refmath.sizing import expert_parallel_bytes
