@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -111,3 +111,46 @@ def _gradient_check_of_w_q(phi, params, cache, coords):
     return np.stack([numeric, analytic]), {
         "the numerical gradient copied as the analytic one: read the hand-written backward's "
         "values out of grads": np.stack([numeric, numeric])}
+
+
+# The write-the-function exercise ----------------------------------------------------------
+
+def _torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0,
+                         reduction="mean"):
+    """The oracle (used only where torch is installed): torch's cross_entropy, with the loss
+    mask written as ignored targets."""
+    import torch
+
+    if loss_mask is not None:
+        targets = torch.where(loss_mask.bool(), targets, ignore_index)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction)
+
+
+def _tensor2tensor_target_backward(dout, cache):
+    """A slip: 1 - eps on the right token and eps / (V - 1) on each other one."""
+    from refmath.losses import cross_entropy_backward
+
+    vocab = cache.probs.shape[-1]
+    eps = cache.label_smoothing * vocab / max(vocab - 1, 1)
+    return cross_entropy_backward(dout, cache._replace(label_smoothing=eps))
+
+
+@function_exercise("06.5", "your smoothed cross-entropy backward",
+                   "the section 'L4: label smoothing, three conventions'",
+                   "p - q with q = (1 - eps) onehot + eps / V, on the counted rows")
+def _smoothed_cross_entropy_backward():
+    from refmath.losses import cross_entropy_backward
+
+    return dict(
+        reference=cross_entropy_backward, case="cross_entropy[*", oracle=_torch_cross_entropy,
+        slips={**catalogued("cross-entropy: label smoothing left out of the gradient",
+                            cross_entropy_backward),
+               "no smoothing at all: the one-hot target, p - y": lambda dout, cache:
+                   cross_entropy_backward(dout, cache._replace(label_smoothing=0.0)),
+               "tensor2tensor's target: eps / (V - 1) on the wrong tokens": _tensor2tensor_target_backward,
+               **catalogued("cross-entropy: ignored tokens get a gradient", cross_entropy_backward),
+               **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
+               **catalogued("cross-entropy: 1 - eps dropped from the smoothed target",
+                            cross_entropy_backward)})

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -147,3 +148,25 @@ def _palm_fused_width():
         "one FFN matrix (the gate forgotten)": h * d_h + 2 * d_h + d_f,
         "the down projection counted too (it reads the FFN's hidden, not x)":
             h * d_h + 2 * d_h + 3 * d_f}
+
+
+# The write-the-function exercise ----------------------------------------------------------
+
+def _torch_swiglu(x, w_gate, w_up, w_down):
+    """The oracle (used only where torch is installed): SwiGLU in torch, differentiated by autograd."""
+    import torch
+
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+@function_exercise("08.1", "your SwiGLU backward", "the section 'M3: the layer'",
+                   "du = dm * SiLU(g), dg = dm * u * SiLU'(g); weight gradients sum over every row")
+def _swiglu_backward():
+    from refmath.ffn import swiglu_backward
+
+    return dict(
+        reference=swiglu_backward, case="swiglu[*", oracle=_torch_swiglu,
+        slips={**catalogued("swiglu: du uses the gate's input, not SiLU of it", swiglu_backward),
+               **catalogued("silu: product rule forgotten", swiglu_backward),
+               **catalogued("swiglu: gate and up weight gradients swapped", swiglu_backward),
+               **catalogued("swiglu: dx from the gate's path only", swiglu_backward)})
