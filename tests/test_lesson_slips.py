@@ -82,6 +82,13 @@ PLANTS = {
         ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
          "dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.mean(upstream, axis=0)])",
          "(dgamma, dbeta)", "dbeta averaged over rows"),
+        # 02.3 is derived from y = gamma xhat + beta: gamma multiplied in, or the wrong axis summed
+        ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
+         "dgamma_dbeta = np.stack([np.sum(gamma * upstream * xhat_batch, axis=0), "
+         "np.sum(gamma * upstream, axis=0)])", "(dgamma, dbeta)", "g = gamma dy used for dy"),
+        ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
+         "dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=1), np.sum(upstream, axis=1)])",
+         "(dgamma, dbeta)", "summed over the features of each row"),
         ("dx = cache.rstd * (g - g_mean - cache.xhat * g_along_xhat)",
          "dx = cache.rstd * (g - g_mean)", "your LayerNorm backward", "variance path dropped"),
         ("rows = tuple(range(dout.ndim - 1))  # every leading axis",
