@@ -144,6 +144,13 @@ PLANTS = {
         ("    standard_normal_cdf(points) + points * density,\n",
          "    standard_normal_cdf(points),\n", "GELU'(0, 1, -2), exact and tanh",
          "exact form: the product rule's second term u phi(u) forgotten"),
+        # 04.3 is derived now: slips inside the tanh form's chain rule
+        ("0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2)",
+         "0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 0.044715 * points**2)",
+         "GELU'(0, 1, -2), exact and tanh", "the 3 of d(x^3)/dx forgotten"),
+        ("0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2)",
+         "0.5 * points * (1 - t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2)",
+         "GELU'(0, 1, -2), exact and tanh", "tanh' written 1 - t"),
         ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
          "dt = (1 - gate) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
          "your GELU backward", "1 - t, not 1 - t^2"),
