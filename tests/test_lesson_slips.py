@@ -200,6 +200,11 @@ PLANTS = {
         ("p_target = p[0, np.arange(4), tgt[0]].prod()", "p_target = p[0, np.arange(4), tgt[0]].mean()",
          "p(y | x)", "the mean of the probabilities"),
         ("np.add.at(d_table, ids, dy)", "d_table[ids] += dy", "dE", "repeated ids keep one contribution"),
+        # 06.3 derives the gradient of a smoothed cross-entropy, for tensor2tensor's target
+        ("dz_t2t = p[0] - q_t2t", "dz_t2t = q_t2t", "dloss/dz for tensor2tensor's target",
+         "target q itself, not the gradient"),
+        ("dz_t2t = p[0] - q_t2t", "dz_t2t = p[0] - np.eye(V)[0]", "dloss/dz for tensor2tensor's target",
+         "the smoothing left out"),
         ("shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, :-1]], axis=1)",
          "shifted_by_hand = np.concatenate([np.full((2, 1), bos), targets_2[:, 1:]], axis=1)",
          "shifted decoder input", "the first target token dropped, not the last"),

@@ -12,10 +12,9 @@ from refmath.lessons.table import exercise, function_exercise
 __all__ = []
 
 
-@exercise("06.3", "tensor2tensor target", "the section 'L4: label smoothing, three conventions'",
-          "1 - eps on the right token y, eps / (V - 1) on each of the others",
-          uses=("z", "y"))
 def _tensor2tensor_target(z, y):
+    """tensor2tensor's target for eps = 0.1 at one position, and refmath's own target for the same
+    eps (a slip of 06.3: the first row of the lesson's table taken for the second)."""
     from refmath.losses import cross_entropy_backward, cross_entropy_forward
     from refmath.softmax import softmax_forward
 
@@ -25,8 +24,27 @@ def _tensor2tensor_target(z, y):
     # refmath's own target for the same eps: q = p - dloss/dlogits (the gradient is p - q)
     ours = softmax_forward(z)[0] - cross_entropy_backward(1.0, cross_entropy_forward(
         z, y, label_smoothing=eps)[1])
-    return target, {"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
-                    "eps / (V - 1) on the others and nothing extra on y": ours[0]}
+    return target, ours[0]
+
+
+@exercise("06.3", "dloss/dz for tensor2tensor's target",
+          "the section 'L4: label smoothing, three conventions'",
+          "d/dz_u of -sum_v q_v (z_v - log sum_w e^(z_w)) is p_u - q_u, as sum_v q_v = 1; q has "
+          "1 - eps on y and eps / (V - 1) on each other token", uses=("z", "y"))
+def _tensor2tensor_gradient(z, y):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    target, ours = _tensor2tensor_target(z, y)
+    probs = softmax_forward(z)[0][0]
+    one_hot = cross_entropy_backward(1.0, cross_entropy_forward(z, y)[1])[0]
+    return probs - target, {
+        "tensor2tensor's target q itself, not the gradient p - q": target,
+        "q - p: the gradient of -sum q log p is p - q": target - probs,
+        "refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts eps / (V - 1) "
+        "on the others and nothing extra on y": probs - ours,
+        "lesson 5's one-hot gradient p - onehot(y): the smoothing left out": one_hot,
+        "p - q without the softmax: the logits z used for p": np.asarray(z)[0] - target}
 
 
 _L1 = "the section 'L1: the decoder reads the target shifted right by one'"
