@@ -15,14 +15,28 @@ __all__ = []
 
 @exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning: tasks, "
           "instructions, preferences'",
-          "the inputs are the row without its last token, the targets the row without its first",
-          uses=("row_of_tokens",))
-def _shifted_pair(row):
-    row = np.asarray(row)
-    return (row[:, :-1], row[:, 1:]), {
-        "shifted the wrong way: the targets come before the inputs": (row[:, 1:], row[:, :-1]),
+          "a row takes context + 1 tokens of the stream from its start: the inputs are its first "
+          "context tokens, the targets its last context tokens (CharLMTask.batch)",
+          uses=("stream", "starts", "context"), rtol=0.0)
+def _shifted_pair(stream, starts, context):
+    stream, starts = np.asarray(stream), np.asarray(starts)[:, None]
+
+    def window(offset, length=context):
+        """The ``length`` tokens of the stream from each start plus ``offset``."""
+        return stream[starts + offset + np.arange(length)]
+    # CharLMTask.batch's windows of context + 1 tokens, split as it splits them
+    windows = window(0, context + 1)
+    return (windows[:, :-1], windows[:, 1:]), {
+        "shifted the wrong way: the targets come before the inputs": (window(1), window(0)),
         "not shifted: the targets are the inputs, so each position is scored on its own token":
-            (row[:, :-1], row[:, :-1])}
+            (window(0), window(0)),
+        "the targets one token back: position t is scored on the token after its own, not before":
+            (window(0), window(-1)),
+        "the targets two tokens ahead: the next token is one position on":
+            (window(0), window(2)),
+        "rows of context tokens with the targets shifted inside them: the first inputs repeat as "
+        "targets, and the last target is missing (filled with the last input)":
+            (window(0), np.concatenate([window(1, context - 1), window(context - 1, 1)], axis=1))}
 
 
 _N11 = "the section 'N11: initialisation, std 0.02 and residual projections scaled by $1/\\sqrt{2L}$'"
