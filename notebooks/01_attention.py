@@ -387,8 +387,6 @@ if params_swapped is not ...:
 # computes them yet: the next two exercises are yours to write from these equations, with the
 # upstream gradient
 
-# %% [markdown]
-
 # %%
 dO = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
 
