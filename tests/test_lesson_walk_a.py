@@ -164,7 +164,12 @@ def test_07_5_rows_of_a_stream_take_context_plus_one_tokens():
         **inputs)
 
 
-def test_08_5c_and_08_7_slips_are_named():
+def test_08_5_and_08_7_slips_are_named():
+    _judged("08.5a", 2 * 2 * 32 * 128 * 8192, {  # q k^T and A V: h d_h t multiply-adds each
+        "half of it": 2 * 32 * 128 * 8192, "the g key/value heads": 2 * 2 * 8 * 128 * 8192})
+    _judged("08.5b", 2 * 8192 * 8 * 128 * 2, {
+        "the factor 2 for K and V forgotten": 8192 * 8 * 128 * 2,
+        "MHA's cache": 2 * 8192 * 32 * 128 * 2, "one token's keys and values": 2 * 8 * 128 * 2})
     weights, per_token = 2 * 4096**2 + 2 * 4096 * 1024, 2 * 8 * 128 * 2
     _judged("08.5c", 2 * weights / per_token, {
         "counted in numbers": weights / per_token,
