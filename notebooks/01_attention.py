@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 3
 #     ids: [A1, A2, A3, A4, A5, A6, A7, A8]
-#     minutes: 60
+#     minutes: 75
 # ---
 
 # %% [markdown]
@@ -30,7 +30,7 @@
 #
 # **Catalogue IDs:** A1, A2, A3, A4, A5, A6, A7, A8
 #
-# **Duration:** 60 minutes
+# **Duration:** 75 minutes
 
 # %%
 import time
@@ -264,19 +264,23 @@ print("saturated row:\n", softmax_jacobian(softmax_forward(np.array([0.0, 20.0, 
 
 # %% [markdown]
 # A backward pass never builds $J$: for an upstream gradient $da$ (a row), the gradient of the
-# scores is the row-vector product $da\,J$, and with $J = \operatorname{diag}(a) - a\,a^\top$ it
-# folds into one line with no $n \times n$ matrix in it:
+# scores is the row-vector product
 #
-# $$ds_u = \sum_j da_j\, a_j (\delta_{ju} - a_u) = a_u\Big(da_u - \sum_j a_j\, da_j\Big).$$
+# $$ds_u = \sum_j da_j\, J_{ju}.$$
 #
-# That is `refmath.softmax.softmax_backward`, the function every attention backward in this
-# library calls. Now write it yourself, for rows with any number of leading axes (a batch of
-# heads of queries) and with masked entries (where $a = 0$).
+# Put the entries of $J$ from the formula above into that sum and split it in two: the
+# $\delta_{ju}$ keeps one term of the sum, and the other term holds a sum over $j$ that does not
+# depend on $u$, one number per row. Written that way, $ds$ needs no $n \times n$ matrix: an
+# elementwise product, one sum per row, and a broadcast. That one line is
+# `refmath.softmax.softmax_backward`, the function every attention backward in this library calls.
+# Derive it on paper, then write it, for rows with any number of leading axes (a batch of heads of
+# queries) and with masked entries (where $a = 0$). (Check your line on the A3 row: with
+# $da = (1, 0, 0)$, $ds$ must be the first row of the Jacobian of 01.3.)
 
 # %% tags=["exercise"]
-# Exercise 01.4: write the softmax backward. `cache.a` is the softmax output a, of shape (..., n)
-# (0 at masked entries and on fully masked rows); `dout` has the same shape. Return dx, the
-# product dout J of every row, without building J. The check runs your function as the backward
+# Exercise 01.4: write the softmax backward from the line you derived. `cache.a` is the softmax
+# output a, of shape (..., n) (0 at masked entries and on fully masked rows); `dout` has the same
+# shape. Return dx, the product dout J of every row, without building J. The check runs your function as the backward
 # of the library's softmax_forward: a gradient check (central differences) on five cases, up to
 # 4-D, masked rows included, and a comparison with softmax_backward (and with torch, if installed).
 def my_softmax_backward(dout, cache):
@@ -378,16 +382,13 @@ if params_swapped is not ...:
 # $$dQ = \frac{dS\, K}{\sqrt{d_k}},\qquad dK = \frac{dS^\top Q}{\sqrt{d_k}},\qquad
 # dW_Q = X^\top dQ .$$
 #
-# The middle one is the softmax Jacobian of A5 applied to each row: $\sum_u A_{iu} dA_{iu}$ is the
-# mean of $dA$ under the row's weights. First without a mask, on the example of A1-A2:
+# The middle one is the softmax Jacobian of A5 applied to each row, your 01.4 line:
+# $\sum_u A_{iu} dA_{iu}$ is the mean of $dA$ under the row's weights. No code of this lesson
+# computes them yet: the next two exercises are yours to write from these equations, with the
+# upstream gradient
 
 # %%
 dO = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
-dV = A.T @ dO
-dA = dO @ V.T
-dS = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
-dQ, dK = dS @ K / np.sqrt(d_k), dS.T @ Q / np.sqrt(d_k)
-print("dV =\n", dV, "\ndQ =\n", dQ, "\ndK =\n", dK)
 
 # %% [markdown]
 # **Masked entries.** With the causal mask, $s_{ij} = -\infty$ above the diagonal, so
@@ -396,19 +397,20 @@ print("dV =\n", dV, "\ndQ =\n", dQ, "\ndK =\n", dK)
 # query masks gets zero rows in $dK$ and $dV$.
 
 # %% tags=["exercise"]
-# Exercise 01.6: dS and dQ for the causal case, from the causal weights `A_causal` and the same dO,
-# Q, K, V. (dA = dO V^T is unchanged; the weights are not.)
+# Exercise 01.6: dS and then the keys' gradient dK of the causal attention of A2 (the causal
+# weights `A_causal`, dO above, and Q, K, V of A1), from the equations of A8: which rows and
+# columns of dS does a key's gradient collect?
 A_causal = cache_causal.a
 dS_causal = ...
-dQ_causal = ...
+dK_causal = ...
 # BEGIN SOLUTION
 dA_causal = dO @ V.T
 dS_causal = A_causal * (dA_causal - np.sum(A_causal * dA_causal, axis=1, keepdims=True))
-dQ_causal = dS_causal @ K / np.sqrt(d_k)
+dK_causal = dS_causal.T @ Q / np.sqrt(d_k)
 # END SOLUTION
 
 # %%
-check("01.6", dQ_causal)
+check("01.6", dK_causal)
 
 # %%
 check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 0.0),
@@ -416,13 +418,16 @@ check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 
 
 # %% [markdown]
 # **Dropout.** In training, attention dropout multiplies the weights by a random mask $D$ (0 for a
-# dropped weight, $1/(1-p)$ for a kept one): $O = (A \odot D)\,V$. The backward must use the
-# *same* $D$:
+# dropped weight, $1/(1-p)$ for a kept one):
 #
-# $$dV = (A \odot D)^\top dO,\qquad dA = (dO\, V^\top) \odot D,$$
+# $$O = (A \odot D)\,V .$$
 #
-# then $dS$, $dQ$, $dK$ as before. That is why the cache keeps the mask. Below, $p = 1/2$: the
-# mask holds 0 and 2.
+# The forward pass now has one more step between the softmax and the product with $V$: call its
+# output $B = A \odot D$. The backward goes through it by the chain rule, with the *same* $D$ the
+# forward drew, which is why the cache keeps the mask: $O = BV$ gives $dV$ and $dB$ as A8 gave them
+# for $O = AV$, and an elementwise product by a constant passes its gradient through the same
+# product. From $dA$ on, the softmax, $dQ$ and $dK$ are A8's. Below, $p = 1/2$: the mask holds 0
+# and 2.
 
 # %%
 D = np.array([[2.0, 0.0, 0.0],
@@ -432,7 +437,8 @@ O_drop, cache_drop = sdpa_forward(Q, K, V, mask=mask, dropout_mask=D)
 print("output with dropout:\n", O_drop)
 
 # %% tags=["exercise"]
-# Exercise 01.7: dV and dQ of the causal attention with dropout mask D, by hand (dO as before).
+# Exercise 01.7: dV and dQ of the causal attention with dropout mask D (dO as before), from the
+# chain rule through B = A * D: derive dV and dA first, then dS and dQ as in A8.
 # Give them as one array: np.concatenate([dV_drop, dQ_drop]).
 dV_dQ_dropout = ...
 # BEGIN SOLUTION
@@ -448,12 +454,16 @@ dV_dQ_dropout = np.concatenate([dV_drop, dQ_drop])
 check("01.7", dV_dQ_dropout)
 
 # %% [markdown]
-# The library's `sdpa_backward` computes these gradients from the cache of the forward pass; the
-# unmasked ones by hand above are its numbers:
+# The library's `sdpa_backward` computes these gradients from the cache of the forward pass. The
+# equations of A8 without a mask, on the example of A1-A2, give its numbers:
 
 # %%
 from refmath.attention import sdpa_backward
 
+dV = A.T @ dO
+dA = dO @ V.T
+dS = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
+dQ, dK = dS @ K / np.sqrt(d_k), dS.T @ Q / np.sqrt(d_k)
 dq, dk, dv = sdpa_backward(dO, cache)
 for name, mine, library in (("dQ", dQ, dq), ("dK", dK, dk), ("dV", dV, dv)):
     np.testing.assert_allclose(mine, library, rtol=1e-12, atol=1e-15)

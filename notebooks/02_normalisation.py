@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 2
 #     ids: [N1, N2, N3, N4]
-#     minutes: 45
+#     minutes: 50
 # ---
 
 # %% [markdown]
@@ -29,7 +29,7 @@
 #
 # **Catalogue IDs:** N1, N2, N3, N4
 #
-# **Duration:** 45 minutes
+# **Duration:** 50 minutes
 
 # %%
 import os
@@ -106,8 +106,7 @@ for shift in (0.0, 10.0):
 #
 # $$dx = \frac{1}{\sigma}\Big(\underbrace{g}_{\text{direct}}
 # \;\underbrace{-\ \overline{g}}_{\text{through } \mu}
-# \;\underbrace{-\ \hat x\, \overline{g \odot \hat x}}_{\text{through } \sigma}\Big),\qquad
-# d\gamma = \sum_{\text{rows}} dy \odot \hat x,\qquad d\beta = \sum_{\text{rows}} dy ,$$
+# \;\underbrace{-\ \hat x\, \overline{g \odot \hat x}}_{\text{through } \sigma}\Big),$$
 #
 # with bars for means over the $d$ features. The second term removes the mean of $g$ (shifting
 # $x$ does not change the output), the third removes its component along $\hat x$ (scaling $x$
@@ -149,8 +148,7 @@ upstream = rng.standard_normal((3, 5))
 # With $r = (\overline{x^2} + \epsilon)^{-1/2}$ and $\hat x = r x$, there is no mean, so one path
 # disappears: $\partial r / \partial x_k = -r^3 x_k / d$ and
 #
-# $$dx = r\,\Big(g - \hat x\, \overline{g \odot \hat x}\Big) = r\,g - r^3\, x\, \overline{g \odot x},
-# \qquad d\gamma = \sum_{\text{rows}} dy \odot \hat x .$$
+# $$dx = r\,\Big(g - \hat x\, \overline{g \odot \hat x}\Big) = r\,g - r^3\, x\, \overline{g \odot x}.$$
 #
 # RMSNorm's output does change when $x$ is shifted, so its gradient need not sum to zero; when
 # $\epsilon = 0$ it is still orthogonal to $x$ (scaling $x$ then changes nothing; with
@@ -186,10 +184,21 @@ for name, array in (("x", xs), ("gamma", gamma)):
     print(f"d{name}: largest relative error {error:.1e}")
     assert error < 1e-7
 
+# %% [markdown]
+# ## The gradients of $\gamma$ and $\beta$
+#
+# So far only $dx$. The parameters have gradients too, and no formula for them is given here: take
+# them from the last step of the forward pass, $y_{ik} = \gamma_k\, \hat x_{ik} + \beta_k$ for
+# row $i$ and feature $k$. Two questions settle them: what is $\partial y_{ik} / \partial \gamma_k$
+# (and $\partial y_{ik} / \partial \beta_k$), and how many of the $y_{ik}$ does one $\gamma_k$ reach?
+# (The $g = \gamma \odot dy$ of the $dx$ formula is the gradient at $\hat x$; it is not the one
+# these need.)
+
 # %% tags=["exercise"]
-# Exercise 02.3: dgamma and dbeta of LayerNorm for the batch `xs` and the upstream gradient
-# `upstream` above (use the cache's xhat: `layernorm_forward(xs, gamma, beta)[1].xhat`).
-# Give the pair (dgamma, dbeta) as one array of shape (2, 5).
+# Exercise 02.3: dgamma and dbeta of LayerNorm for the batch `xs` (3 rows of 5 features) and the
+# upstream gradient `upstream` above, derived from y = gamma * xhat + beta (use the cache's xhat:
+# `layernorm_forward(xs, gamma, beta)[1].xhat`). Give the pair (dgamma, dbeta) as one array of
+# shape (2, 5).
 dgamma_dbeta = ...
 # BEGIN SOLUTION
 xhat_batch = layernorm_forward(xs, gamma, beta)[1].xhat

@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 3
 #     ids: [F1, F2, F3, F4, F5, F6, K2, K4, K6, K7, K10]
-#     minutes: 45
+#     minutes: 50
 # ---
 
 # %% [markdown]
@@ -31,7 +31,7 @@
 #
 # **Catalogue IDs:** F1, F2, F3, F4, F5, F6, K2, K4, K6, K7, K10
 #
-# **Duration:** 45 minutes
+# **Duration:** 50 minutes
 
 # %%
 import matplotlib.pyplot as plt
@@ -378,24 +378,27 @@ plt.show()
 # attention ($g = 32$) needs 4 GiB per sequence; sharing key/value heads (GQA $g = 8$, MQA
 # $g = 1$) divides it (K7).
 
-# %%
-for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
-    size = 2 * 1 * 32 * 8192 * g * 128 * 2  # 2 B L T g d_h b
-    print(f"{name} g={g:2d}: {size / 2**20:8.0f} MiB")
+# %% [markdown]
+# A server asks the question the other way round: the memory is given, and the cache decides how
+# long the sequences may be. A model card does not list $d_h$ or $g$ under those names either:
+# it gives the width $d$, the number of query heads $h$ (so $d_h = d / h$) and of key/value heads.
 
 # %% tags=["exercise"]
-# Exercise 03.5: the cache, in bytes, of a batch of 8 sequences of 4096 tokens for a model with
-# 40 layers, 8 key/value heads of width 128, stored in 2-byte floats.
-cache_bytes = ...
+# Exercise 03.5: a model of width d = 5120 with 40 layers, 40 query heads and 8 key/value heads
+# keeps its cache in 2-byte floats. A server gives the cache of a batch of 8 sequences 24 GiB
+# (24 * 2**30 bytes). How many tokens can each sequence hold, in whole tokens?
+tokens_that_fit = ...
 # BEGIN SOLUTION
-cache_bytes = 2 * 8 * 40 * 4096 * 8 * 128 * 2
+per_token = 2 * 40 * 8 * (5120 // 40) * 2  # K and V, every layer, every kv head, d_h = d / h, bytes
+tokens_that_fit = (24 * 2**30) // (8 * per_token)
 # END SOLUTION
 
 # %%
-check("03.5", cache_bytes)
+check("03.5", tokens_that_fit)
 
 # %% [markdown]
-# The library's `kv_cache_bytes` is K6: for the three designs above it gives the same sizes.
+# The library's `kv_cache_bytes` is K6: for the three designs above it gives 4 GiB, 1 GiB and
+# 128 MiB per sequence.
 
 # %%
 from refmath.sizing import kv_cache_bytes
@@ -403,6 +406,7 @@ from refmath.sizing import kv_cache_bytes
 for name, g in (("MHA", 32), ("GQA", 8), ("MQA", 1)):
     size = kv_cache_bytes(batch=1, layers=32, tokens=8192, kv_heads=g, head_dim=128,
                           bytes_per_element=2)
+    print(f"{name} g={g:2d}, 2 B L T g d_h b: {2 * 1 * 32 * 8192 * g * 128 * 2 / 2**20:8.0f} MiB")
     assert size == 2 * 1 * 32 * 8192 * g * 128 * 2
     print(f"kv_cache_bytes, {name}: {size / 2**20:.0f} MiB")
 

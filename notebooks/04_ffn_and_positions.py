@@ -9,7 +9,7 @@
 #   refmath:
 #     figures: 3
 #     ids: [N5, N6, N7, N8, N10]
-#     minutes: 45
+#     minutes: 50
 # ---
 
 # %% [markdown]
@@ -32,7 +32,7 @@
 #
 # **Catalogue IDs:** N5, N6, N7, N8, N10
 #
-# **Duration:** 45 minutes
+# **Duration:** 50 minutes
 
 # %%
 import matplotlib.pyplot as plt
@@ -157,21 +157,21 @@ check("04.2", silu_min)
 
 # %% [markdown]
 # **The GELU backward.** Both forms are elementwise, so the backward multiplies the upstream
-# gradient by the derivative. By the product rule, with $\varphi$ the standard normal density,
+# gradient by the derivative, and the derivatives are yours to take. The two forward passes:
 #
-# $$\frac{d}{du}\, u\,\Phi(u) = \Phi(u) + u\,\varphi(u),\qquad
-# \varphi(u) = \frac{e^{-u^2/2}}{\sqrt{2\pi}} ,$$
+# $$\mathrm{GELU}(u) = u\,\Phi(u),\qquad
+# \mathrm{GELU}_{\tanh}(u) = \tfrac12\, u\,(1 + t),\quad
+# t = \tanh\big(\sqrt{2/\pi}\,(u + 0.044715\,u^3)\big),$$
 #
-# and with $t = \tanh\big(\sqrt{2/\pi}\,(u + 0.044715\,u^3)\big)$ and $\tanh' = 1 - \tanh^2$,
-#
-# $$\frac{d}{du}\,\mathrm{GELU}_{\tanh}(u) = \tfrac12(1 + t) + \tfrac12\, u\,(1 - t^2)\,
-# \sqrt{2/\pi}\,\big(1 + 3 \cdot 0.044715\,u^2\big).$$
-#
-# At $u = 0$ both are exactly $1/2$; at $u = 1$ the exact one is $\Phi(1) + \varphi(1)$.
+# and the facts you need: $\Phi' = \varphi$, the standard normal density
+# $\varphi(u) = e^{-u^2/2} / \sqrt{2\pi}$, and $\tanh' = 1 - \tanh^2$. Each form is a product
+# of $u$ and a function of $u$; the tanh form's inner function is itself a composition (the chain
+# rule, twice).
 
 # %% tags=["exercise"]
-# Exercise 04.3: the derivative of both GELU forms at u = (0, 1, -2), as an array of shape (2, 3):
-# first row exact, second row tanh. (standard_normal_cdf is imported for Phi.)
+# Exercise 04.3: differentiate both GELU forms above, and give their derivatives at u = (0, 1, -2)
+# as an array of shape (2, 3): first row exact, second row tanh. (standard_normal_cdf is imported
+# for Phi.)
 points = np.array([0.0, 1.0, -2.0])
 gelu_derivatives = ...
 # BEGIN SOLUTION
@@ -185,6 +185,10 @@ gelu_derivatives = np.stack([
 
 # %%
 check("04.3", gelu_derivatives)
+
+# %% [markdown]
+# Your two derivatives are the whole of the GELU backward; the next exercise puts them in a
+# function, with the cache of the forward pass holding $\Phi(x)$ or $t$ already.
 
 # %% tags=["exercise"]
 # Exercise 04.4: write the GELU backward for both forms. `cache` is the GELUCache of gelu_forward:

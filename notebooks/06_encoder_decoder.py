@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 1
-#     minutes: 35
+#     minutes: 40
 #     ids: [L1, L4, M1, N12]
 # ---
 
@@ -30,7 +30,7 @@
 #
 # **Catalogue IDs:** L1, L4, M1, N12
 #
-# **Duration:** about 35 minutes.
+# **Duration:** about 40 minutes.
 
 # %%
 import dataclasses
@@ -140,9 +140,10 @@ check("06.2", p_target)
 # with another value of $\epsilon$ (exercise 06.4 finds which: compare the two columns). The
 # third cannot be reached by changing $\epsilon$: it gives the padding token exactly 0.
 #
-# The loss is the cross-entropy $-\sum_v q_v \log p_v$ and its gradient with respect to the logits
-# is $p - q$ (after the exercises below, the library's gradient gives $q$ back:
-# $q = p - \partial \ell / \partial z$ for one position). For $V = 5$ and $\epsilon = 0.1$:
+# Whatever the convention, the loss of one position is the cross-entropy
+# $\ell = -\sum_v q_v \log p_v$ with $p = \operatorname{softmax}(z)$. Lesson 5 differentiated it
+# for a one-hot $q$; a smoothed $q$ puts mass on every token, and its gradient is yours to derive
+# below. For $V = 5$ and $\epsilon = 0.1$, refmath's target is
 # $q = (0.92, 0.02, 0.02, 0.02, 0.02)$.
 
 # %%
@@ -158,32 +159,36 @@ np.testing.assert_allclose(q, [[0.92, 0.02, 0.02, 0.02, 0.02]], rtol=1e-13)
 np.testing.assert_allclose(smoothed, -(q * np.log(p)).sum(), rtol=1e-13)
 
 # %% [markdown]
-# **Exercises 06.3 and 06.4.** Write tensor2tensor's target for the same $V = 5$, $\epsilon = 0.1$, $y = 0$
-# ($1 - \epsilon$ on the right token, $\epsilon / (V - 1)$ on each other), then find the
-# `label_smoothing` value that makes refmath train towards it, and compute that loss with
+# **Exercises 06.3 and 06.4.** Take tensor2tensor's target for the same $V = 5$, $\epsilon = 0.1$,
+# $y = 0$ (the table's second row). 06.3: derive $\partial \ell / \partial z$ for a target $q$ that
+# is any distribution (write $\log p_v = z_v - \log \sum_u e^{z_u}$, and use $\sum_v q_v = 1$),
+# and give it for tensor2tensor's target at the logits `z` above. 06.4: find the `label_smoothing`
+# value that makes refmath train towards that target, and compute that loss with
 # `cross_entropy_forward`.
 
 # %% tags=["exercise"]
-q_t2t = ...         # (5,) the tensor2tensor target
+dz_t2t = ...        # (5,) the gradient of tensor2tensor's loss with respect to z
 eps_for_refmath = ...
 loss_t2t = ...      # cross_entropy_forward(z, y, label_smoothing=eps_for_refmath)[0]
 # BEGIN SOLUTION
 V, eps = 5, 0.1
 q_t2t = np.full(V, eps / (V - 1))
 q_t2t[0] = 1 - eps
+dz_t2t = p[0] - q_t2t  # d/dz_u of -sum_v q_v (z_v - logsumexp z) = -q_u + p_u sum_v q_v
 eps_for_refmath = eps * V / (V - 1)
 loss_t2t = float(cross_entropy_forward(z, y, label_smoothing=eps_for_refmath)[0])
 # END SOLUTION
 
 # %%
-check("06.3", q_t2t)
+check("06.3", dz_t2t)
 
 # %%
 check("06.4", loss_t2t)
 
 # %% [markdown]
-# Since the gradient is $p - q$, smoothing changes one thing in the backward pass of lesson 5:
-# the one-hot target becomes $q$.
+# The gradient you derived, $p - q$ for any target distribution, says that smoothing changes one
+# thing in the backward pass of lesson 5: the one-hot target becomes $q$. (So the library's
+# gradient gives $q$ back: $q = p - \partial \ell / \partial z$ for one position.)
 
 # %% tags=["exercise"]
 # Exercise 06.5: write the cross-entropy backward with label smoothing (start from your lesson-5

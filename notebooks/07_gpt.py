@@ -281,16 +281,23 @@ if mean_of_prefixes is not ...:
 # the higher probability; the model still generates by sampling its next-token distribution.
 #
 # Every one of these trains on the same pairs: the text is read by the model *and* is its own
-# target, one token apart. From a row of $T + 1$ tokens, the inputs are the first $T$ and the
-# targets the last $T$: position $t$ sees $a_1, \dots, a_t$ and is scored on $a_{t+1}$.
+# target, one token apart. Position $t$ of a row sees the tokens up to its own and is scored on the
+# token that follows it in the text. A training batch is cut from one long stream of token ids:
+# each row is a window of the stream that starts at a drawn position (`CharLMTask.batch` draws
+# them), and the model reads `context` tokens per row. How many tokens of the stream does a row
+# take, and where do its inputs and its targets sit in them?
 
 # %% tags=["exercise"]
-# Exercise 07.5: the inputs and the targets GPT trains on, from one row of eight token ids.
-# Give them as a pair (inputs, targets), each of shape (1, 7).
-row_of_tokens = np.array([[5, 17, 3, 3, 9, 0, 21, 4]])
+# Exercise 07.5: the batch GPT trains on from the stream below, with rows that start at `starts`
+# and a context of 4 tokens. Give the pair (inputs, targets), each of shape (3, 4): row i is read
+# from stream[starts[i]] on.
+stream = np.array([5, 17, 3, 3, 9, 0, 21, 4, 11, 2, 30, 7, 16, 25])
+starts = np.array([2, 7, 8])
+context = 4
 inputs_and_targets = ...
 # BEGIN SOLUTION
-inputs_and_targets = (row_of_tokens[:, :-1], row_of_tokens[:, 1:])
+windows = stream[starts[:, None] + np.arange(context + 1)]  # the last token is a target only
+inputs_and_targets = (windows[:, :-1], windows[:, 1:])
 # END SOLUTION
 
 # %%

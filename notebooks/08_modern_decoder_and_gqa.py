@@ -8,7 +8,7 @@
 #     name: python3
 #   refmath:
 #     figures: 3
-#     minutes: 45
+#     minutes: 55
 #     ids: [M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22, M5]
 # ---
 
@@ -36,7 +36,7 @@
 #
 # **Catalogue IDs:** M3, A9, A10, A13, N13, N14, N15, N16, N17, N18, N19, N20, N21, N22, M5
 #
-# **Duration:** about 45 minutes.
+# **Duration:** about 55 minutes.
 
 # %%
 import math
@@ -260,8 +260,9 @@ check("08.3", dv_shared)
 # %% [markdown]
 # **Exercise 08.4.** Now at a size where no one computes by hand: $h = 4$, $g = 2$, $T = 5$,
 # $d_h = 3$, float64. `per_head` holds the gradients each query head computes for its copy of the
-# keys, shape $(B, h, T, d_h)$. Sum them into the $g$ shared heads (a reshape to
-# $(B, g, h/g, T, d_h)$ and a sum); the check compares your $dK$ with central differences of
+# keys, shape $(B, h, T, d_h)$. Collect them into the $g$ shared heads: which query heads' copies
+# belong to shared head $u$ is the head map $\pi$ of A10 (no loop over heads is needed, and no
+# code above does it for you); the check compares your $dK$ with central differences of
 # $\phi(K) = \sum O \odot dO$ from `refmath.gradcheck.numerical_gradient`.
 
 # %% tags=["exercise"]
@@ -295,10 +296,12 @@ check_true("your dK holds all of the per-head gradient",
 # $2d^2 + 2d(d/4) = 41{,}943{,}040$; MQA ($g = 1$) has $34{,}603{,}008$.
 #
 # Per decode step at context $t$, count the work of one layer for one sequence (2 FLOPs per
-# multiply-add): the Q and O projections, $4 d h d_h$; the K and V projections, $4 d g d_h$; the
-# scores and the weighted sum, $4 h d_h t$; and the bytes of cache read, $2 t g d_h b$. Every query
-# head still scores every key, so **the score arithmetic does not depend on $g$**: grouping divides
-# the K/V projections, their parameters and the cache by $h/g$, and nothing else. What it buys at
+# multiply-add): the Q and O projections, $4 d h d_h$ (each a $d \times h d_h$ product with one
+# token's vector); the K and V projections, $4 d g d_h$; the scores $q k^\top$ and the weighted sum
+# $A V$ of every query head against the $t$ cached keys and values; and the bytes of cache read
+# ($b$ bytes per element). Count those last two yourself in exercise 08.5. Every query head still
+# scores every key, so **the score arithmetic does not depend on $g$**: grouping divides the K/V
+# projections, their parameters and the cache by $h/g$, and nothing else. What it buys at
 # decode time is fewer bytes to read (lesson 10: decode is bound by memory bandwidth), not fewer
 # FLOPs. `refmath.sizing.attention_design_cost` gives the counts (after exercise 08.5, which asks
 # for two of them); the parameters first:
@@ -312,17 +315,19 @@ assert layer0_attn == attention_parameter_count(m3.d_model, m3.n_heads, m3.kv_he
 
 # %% [markdown]
 # **Exercise 08.5.** For Llama-3-8B's shape ($d = 4096$, $h = 32$, $g = 8$, $d_h = 128$) at $t = 8192$
-# and 2-byte elements, compute by hand the score FLOPs and the cache bytes of one layer's decode
-# step, and the ratio of MHA's cache bytes to GQA's.
+# and 2-byte elements, count by hand (a) the FLOPs of the scores and the weighted sum, and (b) the
+# cache bytes, of one layer's decode step for one sequence. (c) A decode step reads the layer's
+# attention weights (the GQA count printed above, in 2-byte elements) and its cache: at what
+# context $t$ does the cache read of one sequence equal the weights' bytes?
 
 # %% tags=["exercise"]
 score_flops_by_hand = ...
 cache_bytes_by_hand = ...
-mha_over_gqa = ...
+cache_equals_weights_at = ...
 # BEGIN SOLUTION
-score_flops_by_hand = 4 * 32 * 128 * 8192
-cache_bytes_by_hand = 2 * 8192 * 8 * 128 * 2
-mha_over_gqa = 32 / 8
+score_flops_by_hand = 4 * 32 * 128 * 8192  # q k^T and A V: h d_h t multiply-adds each, 2 FLOPs
+cache_bytes_by_hand = 2 * 8192 * 8 * 128 * 2  # K and V, t tokens, g heads of d_h, 2 bytes
+cache_equals_weights_at = 2 * 41_943_040 / (2 * 8 * 128 * 2)  # weight bytes / cache bytes per token
 # END SOLUTION
 
 # %%
@@ -332,7 +337,7 @@ check("08.5a", score_flops_by_hand)
 check("08.5b", cache_bytes_by_hand)
 
 # %%
-check("08.5c", mha_over_gqa)
+check("08.5c", cache_equals_weights_at)
 
 # %%
 from refmath.sizing import attention_design_cost
@@ -416,7 +421,11 @@ plt.show()
 # **Exercise 08.6.** Llama 3.1's rule by hand for $d_h = 8$, $b = 500$, $L = 32$, $s = 8$, $\alpha = 1$,
 # $\beta = 4$. The frequencies are $\omega_r = 500^{-r/4}$; a pair whose wavelength is under
 # $L/\beta = 8$ keeps $\omega_r$, one over $L/\alpha = 32$ gets $\omega_r/8$, and one between gets
-# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$ with $\gamma = (L/\lambda_r - \alpha)/(\beta - \alpha)$.
+# $(1-\gamma)\,\omega_r/8 + \gamma\,\omega_r$. The weight $\gamma$ is linear in the number of
+# turns the pair makes over the trained context, $L/\lambda_r$, and it joins the two ends without a
+# jump: $\gamma = 0$ where the pair would be divided by $s$ ($\lambda_r = L/\alpha$) and
+# $\gamma = 1$ where it would be kept ($\lambda_r = L/\beta$). Work out $\gamma$ from that, then
+# give the four new frequencies.
 
 # %% tags=["exercise"]
 llama3_by_hand = ...
@@ -508,14 +517,14 @@ assert change < 1e-3
 #
 # Gemma 2 (Gemma Team, 2024) bounds its attention scores and its logits with a **soft cap**,
 #
-# $$ y = c \tanh(x / c), \qquad \frac{\partial y}{\partial x} = 1 - \tanh^2(x/c) = 1 - (y/c)^2 , $$
+# $$ y = c \tanh(x / c), $$
 #
 # with $c = 50$ on the scores (after the $1/\sqrt{s}$ scale, *before* the mask, so a masked
 # $-\infty$ stays $-\infty$) and $c = 30$ on the final logits. Below $c$ it is almost the
 # identity ($y = x - x^3/(3c^2) + \dots$); far above, the output flattens at $c$ and so does the
 # gradient: a score that has run away stops growing, and stops being pushed. Its backward is one
-# multiplication by the slope, which the cache keeps as $y$. Gemma's feed-forward is **GeGLU**,
-# SwiGLU with a tanh-GELU gate, $[\operatorname{GELU}_{\tanh}(x W_g) \odot x W_u] W_d$ (N20);
+# multiplication by the slope $\partial y / \partial x$ (exercise 08.7 asks for it). Gemma's
+# feed-forward is **GeGLU**, SwiGLU with a tanh-GELU gate, $[\operatorname{GELU}_{\tanh}(x W_g) \odot x W_u] W_d$ (N20);
 # every RMSNorm gain is $1 + w$ with $w$ stored, the embeddings are multiplied by $\sqrt d$, and
 # Gemma 2 and 3 also normalise each sublayer's *output* ("sandwich" norms). Their layers alternate
 # between **local** ones, which slide a window of 4096 tokens (Gemma 3: 1024, five local layers
@@ -526,13 +535,11 @@ assert change < 1e-3
 # %%
 x = np.linspace(-150, 150, 601)
 y = 50.0 * np.tanh(x / 50.0)  # Gemma 2's cap on the attention scores, c = 50
-fig, (left, right) = plt.subplots(1, 2, figsize=(7, 2.8), layout="constrained")
+fig, left = plt.subplots(figsize=(3.6, 2.8), layout="constrained")
 left.plot(x, x, color="grey", lw=0.8, ls="--", label="identity")
 left.plot(x, y, label="$50 \\tanh(x/50)$")
 left.set(xlabel="score $x$", ylabel="capped score", title="the cap")
 left.legend(fontsize=8)
-right.plot(x, 1 - (y / 50) ** 2)
-right.set(xlabel="score $x$", ylabel="$\\partial y / \\partial x$", title="its slope")
 plt.show()
 from refmath.models import gemma as gemma_model
 
@@ -544,16 +551,22 @@ for i in range(gemma.n_layers):
     print(f"layer {i}: window {layer.sliding_window}, RoPE base {layer.rope_base:g}")
 
 # %% [markdown]
-# **Exercise 08.7.** Scores $(0, 25, 50, 100)$ under Gemma 2's cap $c = 50$: write the capped scores
-# `capped` and the slopes `slope` $= \partial y/\partial x$ at each score.
+# **Exercise 08.7.** One query of Gemma 2's attention, $d_k = 4$, against four keys: its dot products
+# $q k_j^\top$ are `dots` below, and key 3 is masked. (a) Write the row's scores as they enter the
+# softmax, `capped` (the scale, the cap $c = 50$ and the mask, in the order the text above gives).
+# (b) Derive the slope of each of those scores with respect to its dot product,
+# $\partial s_j / \partial (q k_j^\top)$, the chain rule included, and give the four as `slope`
+# (a masked score is a constant).
 
 # %% tags=["exercise"]
+dots = np.array([0.0, 50.0, 100.0, 200.0])
 capped = ...
 slope = ...
 # BEGIN SOLUTION
-scores = np.array([0.0, 25.0, 50.0, 100.0])
-capped = 50.0 * np.tanh(scores / 50.0)
-slope = 1.0 - np.tanh(scores / 50.0) ** 2
+scaled = dots / np.sqrt(4)
+capped = 50.0 * np.tanh(scaled / 50.0) + np.array([0.0, 0.0, 0.0, -np.inf])
+# d/d dots of 50 tanh(dots / (2 * 50)): the c and the 1/c cancel, the 1/sqrt(d_k) stays
+slope = np.array([1.0, 1.0, 1.0, 0.0]) * (1.0 - np.tanh(scaled / 50.0) ** 2) / np.sqrt(4)
 # END SOLUTION
 
 # %%
@@ -564,7 +577,8 @@ check("08.7b", slope)
 
 # %% [markdown]
 # The library's `softcap_forward` is that cap; its cache keeps $\tanh(x/c)$, from which the
-# backward takes the slope $1 - \tanh^2(x/c)$.
+# backward takes the slope $1 - \tanh^2(x/c)$ (the $c$ outside and the $1/c$ inside cancel): 1 at
+# 0, and falling to 0 as the capped score nears $\pm c$.
 
 # %%
 from refmath.ffn import softcap_forward

@@ -110,3 +110,93 @@ def test_05_4_the_upstream_gradient_left_out_is_named():
         return np.where(cache.counted[..., None], per_token, 0.0)
 
     assert "the upstream gradient dout left out" in _line("05.4", without_dout)
+
+
+# ---- the exercises reworked to make the student derive (issue 47, round three) ----------------------
+#
+# Each right answer below is written by hand, as a student would derive it, and each slip as a
+# student with it would write it: the right one is accepted, every slip rejected with its name.
+
+def _judged(number, right, slips, **inputs):
+    assert _line(number, right, **inputs).startswith("right: "), _line(number, right, **inputs)
+    for words, wrong in slips.items():
+        said = _line(number, wrong, **inputs)
+        assert said.startswith("wrong: ") and "looks like: " in said and words in said, (words, said)
+
+
+def test_03_5_the_tokens_that_fit_are_worked_out_from_the_model_card():
+    per_token = 2 * 40 * 8 * (5120 // 40) * 2  # K and V, layers, kv heads, d_h = d / h, bytes
+    _judged("03.5", 24 * 2**30 // (8 * per_token), {
+        "the factor 2 for K and V forgotten": 24 * 2**30 // (8 * per_token // 2),
+        "rounded up": -(-24 * 2**30 // (8 * per_token)),
+        "not rounded down": 24 * 2**30 / (8 * per_token),
+        "the 40 query heads cached": 24 * 2**30 // (8 * 2 * 40 * 40 * 128 * 2),
+        "d_h taken as the width d": 24 * 2**30 // (8 * 2 * 40 * 8 * 5120 * 2),
+        "GiB read as 10^9 bytes": 24 * 10**9 // (8 * per_token)})
+
+
+def test_06_3_the_gradient_of_the_smoothed_loss_is_derived_not_the_target_copied():
+    z, y = np.array([[2.0, 1.0, 0.0, 0.0, -1.0]]), np.array([0])
+    p = np.exp(z[0]) / np.exp(z[0]).sum()
+    q = np.array([0.9, 0.025, 0.025, 0.025, 0.025])  # 1 - eps on y, eps / (V - 1) elsewhere
+    _judged("06.3", p - q, {"target q itself, not the gradient": q,
+                            "the smoothing left out": p - np.eye(5)[0],
+                            "refmath's target": p - (0.9 * np.eye(5)[0] + 0.02)}, z=z, y=y)
+
+
+def test_07_5_rows_of_a_stream_take_context_plus_one_tokens():
+    stream = np.array([5, 17, 3, 3, 9, 0, 21, 4, 11, 2, 30, 7, 16, 25])
+    starts, context = np.array([2, 7, 8]), 4
+    rows = np.stack([stream[s:s + context + 1] for s in starts])
+    inputs = dict(stream=stream, starts=starts, context=context)
+    _judged("07.5", (rows[:, :-1], rows[:, 1:]), {
+        "shifted the wrong way": (rows[:, 1:], rows[:, :-1]),
+        "not shifted": (rows[:, :-1], rows[:, :-1]),
+        "the targets one token back": (rows[:, :-1], np.stack([stream[s - 1:s + 3] for s in starts])),
+        "the first inputs repeat as targets": (
+            rows[:, :-1], np.stack([np.r_[stream[s + 1:s + 4], stream[s + 3]] for s in starts]))},
+        **inputs)
+
+
+def test_08_5_and_08_7_slips_are_named():
+    _judged("08.5a", 2 * 2 * 32 * 128 * 8192, {  # q k^T and A V: h d_h t multiply-adds each
+        "half of it": 2 * 32 * 128 * 8192, "the g key/value heads": 2 * 2 * 8 * 128 * 8192})
+    _judged("08.5b", 2 * 8192 * 8 * 128 * 2, {
+        "the factor 2 for K and V forgotten": 8192 * 8 * 128 * 2,
+        "MHA's cache": 2 * 8192 * 32 * 128 * 2, "one token's keys and values": 2 * 8 * 128 * 2})
+    weights, per_token = 2 * 4096**2 + 2 * 4096 * 1024, 2 * 8 * 128 * 2
+    _judged("08.5c", 2 * weights / per_token, {
+        "counted in numbers": weights / per_token,
+        "the factor 2 for K and V left out": 2 * weights / (per_token / 2),
+        "MHA's cache per token": 2 * weights / (2 * 32 * 128 * 2)})
+    dots = np.array([0.0, 50.0, 100.0, 200.0])
+    mask = np.array([0.0, 0.0, 0.0, -np.inf])
+    _judged("08.7a", 50 * np.tanh(dots / 2 / 50) + mask, {
+        "the mask added before the cap": 50 * np.tanh((dots / 2 + mask) / 50),
+        "no 1/sqrt(d_k) scale": 50 * np.tanh(dots / 50) + mask,
+        "the cap before the scale": 50 * np.tanh(dots / 50) / 2 + mask}, dots=dots)
+    slope = (1 - np.tanh(dots / 100) ** 2) / 2 * np.array([1, 1, 1, 0])
+    _judged("08.7b", slope, {
+        "the 1/sqrt(d_k) of the chain rule left out": 2 * slope,
+        "the masked key's slope taken as the cap's": (1 - np.tanh(dots / 100) ** 2) / 2}, dots=dots)
+
+
+def test_01_6_asks_the_keys_gradient_and_names_dq_for_it():
+    """01.6 is written from A8's equations (no code above computes them): dK of the causal case."""
+    from refmath.attention import causal_mask, sdpa_forward
+
+    X = np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
+    Q = X @ (np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]) / 2)
+    K = X @ np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    V = X @ np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    dO = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
+    _, cache = sdpa_forward(Q, K, V)
+    _, cache_causal = sdpa_forward(Q, K, V, mask=causal_mask(3))
+    A = cache_causal.a
+    dA = dO @ V.T
+    dS = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
+    inputs = dict(dO=dO, cache_causal=cache_causal, cache=cache)
+    _judged("01.6", dS.T @ Q / np.sqrt(2), {
+        "without the transpose of dS": dS @ Q / np.sqrt(2),
+        "scale 1/sqrt(d_k) missing from dK": dS.T @ Q,
+        "dQ's formula": dS @ K / np.sqrt(2)}, **inputs)

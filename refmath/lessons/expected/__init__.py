@@ -17,5 +17,4 @@ from refmath.lessons.expected import (  # noqa: F401  (each file registers its e
     lesson14_synthesis,
     lesson15_mixture_of_experts,
     lesson16_capstone,
-    written_functions,
 )

@@ -64,30 +64,34 @@ def _jacobian_a3():
         "the sign flipped: a a^T - diag(a)": -softmax_jacobian(a)}
 
 
-def _dq_with_a_slip(dout, cache, reduce=np.sum, transposed=False):
-    """dQ of attention without dropout, with a slip in dS: another reduction of A dA, or dS
-    transposed."""
+def _dk_with_a_slip(dout, cache, reduce=np.sum, scale=None):
+    """dK of attention without dropout, with a slip: another reduction of A dA in dS, or another
+    scale."""
     a, d_a = cache.a, dout @ cache.v.T
     d_s = a * (d_a - reduce(a * d_a, axis=1, keepdims=True))
-    return (d_s.T if transposed else d_s) @ cache.k * cache.scale
+    return d_s.T @ cache.q * (cache.scale if scale is None else scale)
 
 
-@exercise("01.6", "dQ (causal)", _A8, "the same formula, with the causal weights",
+@exercise("01.6", "dK (causal)", _A8,
+          "dS = A (dA - rowsum(A dA)) with the causal weights, then dK = dS^T Q / sqrt(d_k): key j "
+          "collects column j of dS",
           uses=("dO", "cache_causal", "cache"), atol=1e-15)
-def _causal_dq(dout, cache_causal, cache):
+def _causal_dk(dout, cache_causal, cache):
     from refmath.attention import sdpa_backward
 
-    def dq():
-        return sdpa_backward(dout, cache_causal)[0]
-    return dq(), {
-        **catalogued("sdpa: scale missing from dQ", dq),
-        **catalogued("softmax: sign of the correction flipped", dq),
-        **catalogued("softmax: the -a a^T term dropped (a * dout)", dq),
-        "the unmasked weights A, not A_causal": sdpa_backward(dout, cache)[0],
+    def dk():
+        return sdpa_backward(dout, cache_causal)[1]
+    return dk(), {
+        **catalogued("sdpa: dK without the transpose of dS", dk),
+        "the scale 1/sqrt(d_k) missing from dK: S = Q K^T / sqrt(d_k), so dK = dS^T Q / sqrt(d_k)":
+            _dk_with_a_slip(dout, cache_causal, scale=1.0),
+        "dQ's formula, dS K / sqrt(d_k): the keys' gradient is dS^T Q / sqrt(d_k)":
+            sdpa_backward(dout, cache_causal)[0],
+        **catalogued("softmax: sign of the correction flipped", dk),
+        **catalogued("softmax: the -a a^T term dropped (a * dout)", dk),
+        "the unmasked weights A, not A_causal": sdpa_backward(dout, cache)[1],
         "a mean for the sum in dS: <A, dA> is a weighted sum, its weights sum to one":
-            _dq_with_a_slip(dout, cache_causal, reduce=np.mean),
-        "dS transposed: dS^T K / sqrt(d_k) mixes keys, not queries":
-            _dq_with_a_slip(dout, cache_causal, transposed=True)}
+            _dk_with_a_slip(dout, cache_causal, reduce=np.mean)}
 
 
 @exercise("01.7", "(dV, dQ) with dropout", _A8,
@@ -184,4 +188,9 @@ def _softmax_backward():
                **catalogued("softmax: Jacobian's diagonal only", softmax_backward),
                **catalogued("softmax: a mean for the sum in <a, dout>", softmax_backward),
                "the sum over the row without the weights a: dout - sum(dout)":
-                   lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True))})
+                   lambda dout, cache: cache.a * (dout - np.sum(dout, axis=-1, keepdims=True)),
+               # the derivation's slip: J_ju = a_j (delta_ju - a_u) gives the factor a_u to both
+               # terms of ds_u, the second one's included
+               "the factor a_u left off the sum's term: a dout - <a, dout>":
+                   lambda dout, cache: cache.a * dout - np.sum(cache.a * dout, axis=-1,
+                                                               keepdims=True)})

@@ -67,9 +67,9 @@ def _rmsnorm_dx(dy, cache):
                   "the sign of the r^3 term flipped": 2 * r * dy - dx()}
 
 
-@exercise("02.3", "(dgamma, dbeta)", _N_LN,
-          "gamma and beta are shared by every row: sum over the rows",
-          uses=("upstream", "xs", "gamma", "beta"))
+@exercise("02.3", "(dgamma, dbeta)", "the section 'The gradients of $\\gamma$ and $\\beta$'",
+          "dy_ik/dgamma_k = xhat_ik, dy_ik/dbeta_k = 1, and gamma, beta are shared by every row: "
+          "sum dy * xhat and dy over the rows", uses=("upstream", "xs", "gamma", "beta"))
 def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
     from refmath.norms import layernorm_backward, layernorm_forward
 
@@ -79,7 +79,14 @@ def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
                     "both averaged over the rows, not summed": both() / np.shape(xs)[0],
                     "dgamma and dbeta swapped": both()[::-1],
                     "dgamma from x instead of xhat":
-                        np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)])}
+                        np.stack([np.sum(upstream * xs, axis=0), np.sum(upstream, axis=0)]),
+                    # the derivation's slips: dy/dgamma_k = xhat_k, not gamma_k xhat_k (g =
+                    # gamma dy is the gradient at xhat, for dx), and a gain is shared by the rows
+                    "g = gamma dy used for dy: g is the gradient at xhat, and dy/dgamma = xhat, "
+                    "dy/dbeta = 1": both() * gamma,
+                    "summed over the features of each row, not over the rows that share the gain":
+                        np.stack([np.sum(upstream * layernorm_forward(xs, gamma, beta)[1].xhat,
+                                         axis=-1), np.sum(upstream, axis=-1)])}
 
 
 def _torch_layernorm(x, gamma, beta):

@@ -69,17 +69,28 @@ def _dense_bytes_2048():
                    "S and P only: the traffic of Q, K, V and O left out": total - q_k_v_o}
 
 
-@exercise("03.5", "the cache bytes", "the section 'K6-K7: what the cache costs in memory'",
-          "2 (K and V) x B x L x T x g x d_h x bytes", rtol=0.0)
-def _cache_bytes():
+@exercise("03.5", "the tokens per sequence in 24 GiB",
+          "the section 'K6-K7: what the cache costs in memory'",
+          "one token of one sequence costs 2 (K and V) x L x g x d_h x bytes, with d_h = d / h and "
+          "g the key/value heads; the batch shares the 24 x 2^30 bytes; round down", rtol=0.0)
+def _tokens_that_fit():
     from refmath.sizing import kv_cache_bytes
 
-    def size(batch=8, layers=40):
-        return kv_cache_bytes(batch=batch, layers=layers, tokens=4096, kv_heads=8, head_dim=128,
-                              bytes_per_element=2)
-    return size(), {**catalogued("kv cache: the factor 2 for K and V forgotten", size),
-                    "one layer only (x 40 layers forgotten)": size(layers=1),
-                    "one sequence only (x a batch of 8 forgotten)": size(batch=1)}
+    budget, d, layers, heads, kv_heads = 24 * 2**30, 5120, 40, 40, 8
+
+    def fit(batch=8, kv=kv_heads, head_dim=d // heads, memory=budget):
+        """The whole tokens per sequence: the budget over the bytes one token costs the batch."""
+        return memory // kv_cache_bytes(batch=batch, layers=layers, tokens=1, kv_heads=kv,
+                                        head_dim=head_dim, bytes_per_element=2)
+    return fit(), {**catalogued("kv cache: the factor 2 for K and V forgotten", fit),
+                   "rounded up: the last, partial token does not fit": fit() + 1,
+                   "not rounded down to whole tokens": budget / kv_cache_bytes(
+                       batch=8, layers=layers, tokens=1, kv_heads=kv_heads, head_dim=d // heads,
+                       bytes_per_element=2),
+                   "the 40 query heads cached, not the 8 key/value heads": fit(kv=heads),
+                   "d_h taken as the width d, not d / h": fit(head_dim=d),
+                   "GiB read as 10^9 bytes": fit(memory=24 * 10**9),
+                   "the whole 24 GiB for one sequence (the batch of 8 forgotten)": fit(batch=1)}
 
 
 def _merge_inputs(a, b, rng):

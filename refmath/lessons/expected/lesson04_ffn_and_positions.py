@@ -59,7 +59,15 @@ def _gelu_derivatives(points):
         "exact form: the product rule's second term u phi(u) forgotten, Phi(u) alone":
             np.stack([standard_normal_cdf(u), tanh]),
         "tanh form: the product rule's second term forgotten, (1 + t) / 2 alone":
-            np.stack([exact, 0.5 * (1 + t)])}
+            np.stack([exact, 0.5 * (1 + t)]),
+        # the derivation's slips inside the chain rule of the tanh form
+        **catalogued("gelu tanh: the 3 of d(x^3)/dx forgotten", lambda: np.stack([
+            exact, gelu_backward(np.ones(u.shape), gelu_forward(u, approximate=True)[1])])),
+        "tanh form: tanh' written 1 - t, not 1 - t^2": np.stack([
+            exact, 0.5 * (1 + t) + 0.5 * u * (1 - t) * np.sqrt(2 / np.pi)
+            * (1 + 3 * 0.044715 * u**2)]),
+        "tanh form: the inner derivative sqrt(2/pi) (1 + 3 c u^2) left out of the chain rule":
+            np.stack([exact, 0.5 * (1 + t) + 0.5 * u * (1 - t**2)])}
 
 
 @exercise("04.5", "SwiGLU dx", _N7, "two paths into x: dg W_g^T and du W_u^T",

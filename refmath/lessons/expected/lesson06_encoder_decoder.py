@@ -6,16 +6,15 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
 
 
-@exercise("06.3", "tensor2tensor target", "the section 'L4: label smoothing, three conventions'",
-          "1 - eps on the right token y, eps / (V - 1) on each of the others",
-          uses=("z", "y"))
 def _tensor2tensor_target(z, y):
+    """tensor2tensor's target for eps = 0.1 at one position, and refmath's own target for the same
+    eps (a slip of 06.3: the first row of the lesson's table taken for the second)."""
     from refmath.losses import cross_entropy_backward, cross_entropy_forward
     from refmath.softmax import softmax_forward
 
@@ -25,8 +24,27 @@ def _tensor2tensor_target(z, y):
     # refmath's own target for the same eps: q = p - dloss/dlogits (the gradient is p - q)
     ours = softmax_forward(z)[0] - cross_entropy_backward(1.0, cross_entropy_forward(
         z, y, label_smoothing=eps)[1])
-    return target, {"refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts "
-                    "eps / (V - 1) on the others and nothing extra on y": ours[0]}
+    return target, ours[0]
+
+
+@exercise("06.3", "dloss/dz for tensor2tensor's target",
+          "the section 'L4: label smoothing, three conventions'",
+          "d/dz_u of -sum_v q_v (z_v - log sum_w e^(z_w)) is p_u - q_u, as sum_v q_v = 1; q has "
+          "1 - eps on y and eps / (V - 1) on each other token", uses=("z", "y"))
+def _tensor2tensor_gradient(z, y):
+    from refmath.losses import cross_entropy_backward, cross_entropy_forward
+    from refmath.softmax import softmax_forward
+
+    target, ours = _tensor2tensor_target(z, y)
+    probs = softmax_forward(z)[0][0]
+    one_hot = cross_entropy_backward(1.0, cross_entropy_forward(z, y)[1])[0]
+    return probs - target, {
+        "tensor2tensor's target q itself, not the gradient p - q": target,
+        "q - p: the gradient of -sum q log p is p - q": target - probs,
+        "refmath's target for eps = 0.1, eps / V on every token: tensor2tensor puts eps / (V - 1) "
+        "on the others and nothing extra on y": probs - ours,
+        "lesson 5's one-hot gradient p - onehot(y): the smoothing left out": one_hot,
+        "p - q without the softmax: the logits z used for p": np.asarray(z)[0] - target}
 
 
 _L1 = "the section 'L1: the decoder reads the target shifted right by one'"
@@ -111,3 +129,46 @@ def _gradient_check_of_w_q(phi, params, cache, coords):
     return np.stack([numeric, analytic]), {
         "the numerical gradient copied as the analytic one: read the hand-written backward's "
         "values out of grads": np.stack([numeric, numeric])}
+
+
+# The write-the-function exercise ----------------------------------------------------------
+
+def _torch_cross_entropy(logits, targets, ignore_index=-100, loss_mask=None, label_smoothing=0.0,
+                         reduction="mean"):
+    """The oracle (used only where torch is installed): torch's cross_entropy, with the loss
+    mask written as ignored targets."""
+    import torch
+
+    if loss_mask is not None:
+        targets = torch.where(loss_mask.bool(), targets, ignore_index)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction)
+
+
+def _tensor2tensor_target_backward(dout, cache):
+    """A slip: 1 - eps on the right token and eps / (V - 1) on each other one."""
+    from refmath.losses import cross_entropy_backward
+
+    vocab = cache.probs.shape[-1]
+    eps = cache.label_smoothing * vocab / max(vocab - 1, 1)
+    return cross_entropy_backward(dout, cache._replace(label_smoothing=eps))
+
+
+@function_exercise("06.5", "your smoothed cross-entropy backward",
+                   "the section 'L4: label smoothing, three conventions'",
+                   "p - q with q = (1 - eps) onehot + eps / V, on the counted rows")
+def _smoothed_cross_entropy_backward():
+    from refmath.losses import cross_entropy_backward
+
+    return dict(
+        reference=cross_entropy_backward, case="cross_entropy[*", oracle=_torch_cross_entropy,
+        slips={**catalogued("cross-entropy: label smoothing left out of the gradient",
+                            cross_entropy_backward),
+               "no smoothing at all: the one-hot target, p - y": lambda dout, cache:
+                   cross_entropy_backward(dout, cache._replace(label_smoothing=0.0)),
+               "tensor2tensor's target: eps / (V - 1) on the wrong tokens": _tensor2tensor_target_backward,
+               **catalogued("cross-entropy: ignored tokens get a gradient", cross_entropy_backward),
+               **catalogued("cross-entropy: mean over max(n, 2)", cross_entropy_backward),
+               **catalogued("cross-entropy: 1 - eps dropped from the smoothed target",
+                            cross_entropy_backward)})

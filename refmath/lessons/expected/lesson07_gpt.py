@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise, flat_parameters
+from refmath.lessons.table import exercise, flat_parameters, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -15,14 +15,28 @@ __all__ = []
 
 @exercise("07.5", "(inputs, targets)", "the section 'The prefix is the conditioning: tasks, "
           "instructions, preferences'",
-          "the inputs are the row without its last token, the targets the row without its first",
-          uses=("row_of_tokens",))
-def _shifted_pair(row):
-    row = np.asarray(row)
-    return (row[:, :-1], row[:, 1:]), {
-        "shifted the wrong way: the targets come before the inputs": (row[:, 1:], row[:, :-1]),
+          "a row takes context + 1 tokens of the stream from its start: the inputs are its first "
+          "context tokens, the targets its last context tokens (CharLMTask.batch)",
+          uses=("stream", "starts", "context"), rtol=0.0)
+def _shifted_pair(stream, starts, context):
+    stream, starts = np.asarray(stream), np.asarray(starts)[:, None]
+
+    def window(offset, length=context):
+        """The ``length`` tokens of the stream from each start plus ``offset``."""
+        return stream[starts + offset + np.arange(length)]
+    # CharLMTask.batch's windows of context + 1 tokens, split as it splits them
+    windows = window(0, context + 1)
+    return (windows[:, :-1], windows[:, 1:]), {
+        "shifted the wrong way: the targets come before the inputs": (window(1), window(0)),
         "not shifted: the targets are the inputs, so each position is scored on its own token":
-            (row[:, :-1], row[:, :-1])}
+            (window(0), window(0)),
+        "the targets one token back: position t is scored on the token after its own, not before":
+            (window(0), window(-1)),
+        "the targets two tokens ahead: the next token is one position on":
+            (window(0), window(2)),
+        "rows of context tokens with the targets shifted inside them: the first inputs repeat as "
+        "targets, and the last target is missing (filled with the last input)":
+            (window(0), np.concatenate([window(1, context - 1), window(context - 1, 1)], axis=1))}
 
 
 _N11 = "the section 'N11: initialisation, std 0.02 and residual projections scaled by $1/\\sqrt{2L}$'"
@@ -143,3 +157,68 @@ def _after_one_adamw_step(before):
         "the decay not scaled by the learning rate: 1 - lambda":
             flat_parameters({n: v * (1 - 0.5 if takes_weight_decay(n) else 1.0)
                               for n, v in before.items()})}
+
+
+# The write-the-function exercise ----------------------------------------------------------
+
+def _adamw_inputs():
+    draw = np.random.default_rng(7)
+    scales = np.array([1e-4, 1e-2, 1.0, 3.0, 0.1, 1e-3])
+    inputs = []
+    for name, s in (("layers.0.attn.w_q", 1), ("layers.0.attn.w_q", 5), ("layers.1.ln1.gamma", 3),
+                    ("tok_emb", 2), ("layers.1.ffn.b1", 4)):
+        g = scales * draw.standard_normal(6)
+        m = 0.0 if s == 1 else 0.5 * scales * draw.standard_normal(6)
+        v = 0.0 if s == 1 else (scales * draw.standard_normal(6)) ** 2
+        inputs.append((name, draw.standard_normal(6), g, np.zeros(6) + m, np.zeros(6) + v, s))
+    return inputs
+
+
+@function_exercise("07.8", "your AdamW step", "the section 'O5: which parameters take weight decay'",
+                   "bias-correct both moments with beta^s; decay (1 - lr wd) only where "
+                   "takes_weight_decay says so", uses=("LR", "BETAS", "EPS", "WD"))
+def _gpt_adamw_step(LR, BETAS, EPS, WD):
+    from refmath.optim import AdamW, takes_weight_decay
+
+    def library_adamw_step(name, theta, g, m, v, s):
+        """refmath's AdamW, its moments set to m, v and its counter to s - 1, taking one step."""
+        optimiser = AdamW(LR, BETAS, EPS, weight_decay=WD)
+        optimiser.state["m"][name], optimiser.state["v"][name] = m, v
+        optimiser.step_count = s - 1
+        params = {name: theta}
+        optimiser.step(params, {name: g})
+        return params[name], optimiser.state["m"][name], optimiser.state["v"][name]
+
+    def torch_adamw_step(name, theta, g, m, v, s):
+        """The oracle (used only where torch is installed): torch.optim.AdamW from the same state."""
+        import torch
+
+        p = torch.tensor(theta, requires_grad=True)
+        optimiser = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS,
+                                      weight_decay=WD if takes_weight_decay(name) else 0.0)
+        optimiser.state[p] = {"step": torch.tensor(float(s - 1)), "exp_avg": torch.tensor(m),
+                              "exp_avg_sq": torch.tensor(v)}
+        p.grad = torch.tensor(g)
+        optimiser.step()
+        state = optimiser.state[p]
+        return p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy()
+
+    def decay_everything(name, theta, g, m, v, s):
+        """A slip: the decay applied to biases, norm gains and embeddings too."""
+        return library_adamw_step("layers.0.attn.w_q", theta, g, m, v, s)
+
+    return dict(
+        reference=library_adamw_step, inputs=_adamw_inputs, outputs=("theta", "m", "v"),
+        oracle=torch_adamw_step, reference_name="refmath's AdamW",
+        oracle_name="torch.optim.AdamW", rtol=1e-12,
+        slips={**catalogued("adam: bias correction missing", library_adamw_step),
+               **catalogued("adam: bias correction with beta instead of beta^s",
+                            library_adamw_step),
+               **catalogued("adam: eps inside the square root", library_adamw_step),
+               **catalogued("adamw: decay not scaled by the learning rate", library_adamw_step),
+               **catalogued("adamw: decay also inside the moments", library_adamw_step),
+               "the decay applied to every parameter (biases, gains, embeddings too)":
+                   decay_everything,
+               "the bias correction one step ahead, beta^(s + 1): s counts this step":
+                   lambda name, theta, g, m, v, s: library_adamw_step(name, theta, g, m, v,
+                                                                      s + 1)})

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmath.lessons.table import exercise
+from refmath.lessons.checks import catalogued
+from refmath.lessons.table import exercise, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -46,7 +47,9 @@ def _shared_dv(do, cache):
                     sum(weights[r] @ do[0, r] for r in range(2)).reshape(dv.shape)}
 
 
-@exercise("08.4", "dK of the shared heads", _HEAD_SUM, "sum over the h/g query heads of each block",
+@exercise("08.4", "dK of the shared heads", _HEAD_SUM,
+          "pi(r) = floor(r / (h/g)): shared head u collects the h/g consecutive query heads "
+          "u h/g .. (u + 1) h/g - 1, a reshape to (B, g, h/g, T, d_h) and a sum over axis 2",
           uses=("q5", "k5", "v5", "do5", "per_head"), rtol=1e-7, atol=1e-9)
 def _shared_dk(q, k, v, do, per_head):
     from refmath.attention import causal_attention_forward
@@ -58,7 +61,10 @@ def _shared_dk(q, k, v, do, per_head):
     grouped = np.asarray(per_head).reshape(b, g, -1, t, d)
     return numerical_gradient(phi, k, np.arange(k.size)).reshape(k.shape), {
         "the mean over the sharing query heads, not the sum": grouped.mean(axis=2),
-        "one query head's copy only, the other sharing head's dropped": grouped[:, :, 0]}
+        "one query head's copy only, the other sharing head's dropped": grouped[:, :, 0],
+        # the head map read as r mod g: the copies of heads 0 and 2 summed, not of 0 and 1
+        "the query heads grouped as r mod g (interleaved), not in consecutive blocks of h/g":
+            np.asarray(per_head).reshape(b, -1, g, t, d).sum(axis=1)}
 
 
 def _llama3_design(kv_heads: int = 8):
@@ -83,18 +89,38 @@ def _decode_cache_bytes():
     size = _llama3_design().cache_bytes
     return size, {"the factor 2 for K and V forgotten": size / 2,
                   "every query head's keys and values (MHA's cache)":
-                      _llama3_design(kv_heads=32).cache_bytes}
+                      _llama3_design(kv_heads=32).cache_bytes,
+                  "one token's keys and values, not the t = 8192 cached ones":
+                      _cache_bytes_per_token()}
 
 
-@exercise("08.5c", "MHA / GQA cache", _A13, "the cache is proportional to g", rtol=0.0)
-def _mha_over_gqa():
-    ratio = _llama3_design(kv_heads=32).cache_bytes / _llama3_design().cache_bytes
-    return ratio, {"GQA / MHA, the ratio upside down": 1 / ratio}
+def _cache_bytes_per_token(kv_heads: int = 8) -> int:
+    """The cache bytes one cached token adds to one layer of Llama-3-8B's shape (2-byte elements)."""
+    from refmath.sizing import attention_design_cost
+
+    return attention_design_cost(4096, 32, kv_heads, 128, 1).cache_bytes
+
+
+@exercise("08.5c", "the context where the cache equals the weights", _A13,
+          "the weights' bytes, 2 x (2 d h d_h + 2 d g d_h), over the cache bytes one token adds, "
+          "2 g d_h x 2", rtol=1e-12)
+def _cache_equals_weights():
+    from refmath.sizing import attention_parameter_count
+
+    weights = attention_parameter_count(4096, 32, 8, 128)
+    at = 2 * weights / _cache_bytes_per_token()
+    return at, {"the weights counted in numbers, not in 2-byte elements":
+                    weights / _cache_bytes_per_token(),
+                "the factor 2 for K and V left out of the cache per token":
+                    2 * weights / (_cache_bytes_per_token() / 2),
+                "MHA's cache per token (every query head's keys and values)":
+                    2 * weights / _cache_bytes_per_token(kv_heads=32)}
 
 
 @exercise("08.6", "llama3 frequencies", "the section 'N13-N17: context extension, rescaling "
           "RoPE's frequencies'",
-          "pair 0 (wavelength 6.3) is kept; pair 1 (wavelength 30) is blended")
+          "gamma = (L / lambda - alpha) / (beta - alpha), 0 at lambda = L / alpha and 1 at "
+          "lambda = L / beta; pair 0 (wavelength 6.3) is kept, pair 1 (wavelength 30) blended")
 def _llama3_frequencies():
     from refmath.positions import rope_inv_freq
 
@@ -106,35 +132,70 @@ def _llama3_frequencies():
     gamma = (32 / wavelength - 1) / (4 - 1)
     between = (wavelength >= 8) & (wavelength <= 32)
     swapped = np.where(between, gamma * plain / 8 + (1 - gamma) * plain, right)
+    # gamma taken linear in the wavelength, from 0 at L / alpha to 1 at L / beta, not in L / lambda
+    in_wavelength = (32 / 1 - wavelength) / (32 / 1 - 32 / 4)
+    by_wavelength = np.where(between, (1 - in_wavelength) * plain / 8 + in_wavelength * plain,
+                             right)
     return right, {
         "the blend's weights exchanged: gamma goes with omega (kept), 1 - gamma with omega / s":
             swapped,
+        "gamma linear in the wavelength lambda, not in the turns L / lambda": by_wavelength,
         "every pair divided by s = 8 (position interpolation)": plain / 8,
         "the frequencies left as they were": plain}
 
 
-_CAPPED_SCORES = np.array([0.0, 25.0, 50.0, 100.0])
+_CAP, _D_K = 50.0, 4
+_MASK = np.array([0.0, 0.0, 0.0, -np.inf])  # key 3 masked
+
+
+def _capped_row(dots, scale=None, cap=_CAP, mask_first=False):
+    """The row's scores: the dot products scaled, capped, then masked (Gemma 2's order), or with
+    a slip: another scale, or the mask added before the cap (so -inf becomes -c)."""
+    from refmath.ffn import softcap_forward
+
+    x = np.asarray(dots, dtype=np.float64) * (1 / np.sqrt(_D_K) if scale is None else scale)
+    if mask_first:
+        return softcap_forward(x + _MASK, cap)[0]
+    return softcap_forward(x, cap)[0] + _MASK
 
 
 @exercise("08.7a", "the capped scores", _N19,
-          "y = c tanh(x / c): at x = c it is c tanh(1), about 0.76 c")
-def _capped_scores():
+          "scale by 1/sqrt(d_k) first, then y = c tanh(x / c), then add the mask (-inf stays -inf)",
+          uses=("dots",))
+def _capped_scores(dots):
     from refmath.ffn import softcap_forward
 
-    x = _CAPPED_SCORES
-    return softcap_forward(x, 50.0)[0], {"tanh(x / c) without the factor c": np.tanh(x / 50.0),
-                                         "c tanh(x), the score not divided by c":
-                                             50.0 * np.tanh(x)}
+    x = np.asarray(dots, dtype=np.float64)
+    return _capped_row(x), {
+        "the mask added before the cap: c tanh(-inf / c) = -c, and the masked key gets a weight":
+            _capped_row(x, mask_first=True),
+        "no 1/sqrt(d_k) scale before the cap": _capped_row(x, scale=1.0),
+        "the cap before the scale: c tanh(q k / c) / sqrt(d_k)":
+            softcap_forward(x, _CAP)[0] / np.sqrt(_D_K) + _MASK,
+        "tanh(x / c) without the factor c": _capped_row(x) / _CAP,
+        "c tanh(x), the score not divided by c": _capped_row(x, cap=1.0) * _CAP}
 
 
-@exercise("08.7b", "the slopes", _N19, "the derivative of c tanh(x / c) is 1 - tanh^2(x / c)")
-def _cap_slopes():
-    from refmath.ffn import softcap_forward
+@exercise("08.7b", "the slopes", _N19,
+          "d/d(q k) of c tanh((q k / sqrt(d_k)) / c) = (1 - tanh^2(x / c)) / sqrt(d_k) with x the "
+          "scaled score; a masked score is a constant: slope 0", uses=("dots",))
+def _cap_slopes(dots):
+    from refmath.ffn import softcap_backward, softcap_forward
 
-    x = _CAPPED_SCORES
-    return 1.0 - (softcap_forward(x, 50.0)[0] / 50.0) ** 2, {
-        "1 - tanh(x / c), not squared": 1.0 - np.tanh(x / 50.0),
-        "the slope of tanh(x), not divided by c": 1.0 - np.tanh(x) ** 2}
+    x = np.asarray(dots, dtype=np.float64) / np.sqrt(_D_K)
+    visible = np.isfinite(_MASK)
+    # the cap's backward at the scaled scores, times the scale's own derivative; none past the mask
+    slope = np.where(visible, softcap_backward(np.ones_like(x), softcap_forward(x, _CAP)[1])
+                     / np.sqrt(_D_K), 0.0)
+    t = np.tanh(x / _CAP)
+    return slope, {
+        "the 1/sqrt(d_k) of the chain rule left out": slope * np.sqrt(_D_K),
+        "1 - tanh(x / c), not squared": np.where(visible, (1.0 - t) / np.sqrt(_D_K), 0.0),
+        "the masked key's slope taken as the cap's, not 0: -inf + c tanh(...) is a constant":
+            np.where(visible, slope, (1.0 - t**2) / np.sqrt(_D_K)),
+        "the slope of the cap at the raw dot product, not at the scaled score":
+            np.where(visible, (1.0 - np.tanh(np.asarray(dots) / _CAP) ** 2) / np.sqrt(_D_K),
+                     0.0)}
 
 
 @exercise("08.8", "the fused input projection's width", "the section 'N21, N22: the parallel "
@@ -147,3 +208,25 @@ def _palm_fused_width():
         "one FFN matrix (the gate forgotten)": h * d_h + 2 * d_h + d_f,
         "the down projection counted too (it reads the FFN's hidden, not x)":
             h * d_h + 2 * d_h + 3 * d_f}
+
+
+# The write-the-function exercise ----------------------------------------------------------
+
+def _torch_swiglu(x, w_gate, w_up, w_down):
+    """The oracle (used only where torch is installed): SwiGLU in torch, differentiated by autograd."""
+    import torch
+
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+@function_exercise("08.1", "your SwiGLU backward", "the section 'M3: the layer'",
+                   "du = dm * SiLU(g), dg = dm * u * SiLU'(g); weight gradients sum over every row")
+def _swiglu_backward():
+    from refmath.ffn import swiglu_backward
+
+    return dict(
+        reference=swiglu_backward, case="swiglu[*", oracle=_torch_swiglu,
+        slips={**catalogued("swiglu: du uses the gate's input, not SiLU of it", swiglu_backward),
+               **catalogued("silu: product rule forgotten", swiglu_backward),
+               **catalogued("swiglu: gate and up weight gradients swapped", swiglu_backward),
+               **catalogued("swiglu: dx from the gate's path only", swiglu_backward)})
