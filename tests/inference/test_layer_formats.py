@@ -136,6 +136,11 @@ def test_a_tied_head_is_rounded_as_a_copy_and_the_embedding_stays_float32(fmt):
     x = np.random.default_rng(2).standard_normal((1, 1, GPT.d_model)).astype(np.float32)
     untied_head = dict(params, lm_head=restored["lm_head"])
     np.testing.assert_array_equal(gpt.head(restored, x, config), gpt.head(untied_head, x, config))
+    # generate without the cache runs the same untied model: the same tokens
+    prompt = np.arange(4)
+    np.testing.assert_array_equal(
+        generate("gpt", params, GPT, prompt, 6, greedy=True, weights=fmt, cache=False),
+        generate("gpt", params, GPT, prompt, 6, greedy=True, weights=fmt))
 
 
 @needs_cpu
