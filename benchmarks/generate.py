@@ -81,6 +81,8 @@ Then, unless --no-self, the old table: refmath against itself on the tiny defaul
     python benchmarks/generate.py --threads 1 2 --contend 1   # with one competing busy process
     python benchmarks/generate.py --peers llamacpp --shapes llama-small --threads 1 2 \
         --weights f32 bf16 f16 q8 --gguf-converter PATH/convert_hf_to_gguf.py --no-self
+    python benchmarks/generate.py --peers llamacpp --shapes llama-small --threads 1 \
+        --weights f32 bf16 f16 q8 --llamacpp-repack off --head-f32-too --no-self
 
 Nothing is asserted: the figures belong to the machine (and its load, printed first and last).
 """
