@@ -53,9 +53,10 @@ def compiled_layers(module, params, config, stored=None,
     :func:`~refmath.inference.layer_formats.stored_layer_weights` they were restored from: the
     layers' products then read the stored matrices (:func:`refmath.kernels.format_rows_matmul`'s
     kernel, summed in float32) and compute what the NumPy step computes on ``params``, up to
-    float32 rounding. Where ``stored`` also holds the head (:data:`~refmath.inference.
-    layer_formats.HEAD`, from :func:`~refmath.inference.layer_formats.stored_model`, with an
-    untied ``config`` whose ``lm_head`` is the restored head) and the model's head is one of
+    float32 rounding. Where ``stored`` also holds the head
+    (:data:`~refmath.inference.layer_formats.HEAD`, from
+    :func:`~refmath.inference.layer_formats.stored_model`, with an untied ``config`` whose
+    ``lm_head`` is the restored head) and the model's head is one of
     :data:`~refmath.inference.layer_formats.HEADS`, the head's product reads it too."""
     if not kernels.cpu_available():
         return None
