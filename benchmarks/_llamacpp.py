@@ -13,10 +13,13 @@ What each format means on each side (the same name is not the same bytes):
 
 * f32: every tensor float32 on both sides.
 * bf16, f16: the converter rounds every matrix, the output head and the embedding table included,
-  to 16 bits; refmath's ``weights=`` rounds the layers' seven matrices and keeps the head and the
-  embedding float32 (its bytes per token are larger by about the head's half).
+  to 16 bits; refmath's ``weights=`` rounds the layers' seven matrices and the output head and
+  keeps the embedding float32, of which a token reads one row (its bytes per token are larger by
+  half a row; until the head was stored, records up to 2026-12-07 00:49, by half the head).
 * q8 (GGUF ``Q8_0``, blocks of 32 int8 weights with one float16 scale): the converter quantises
-  the head and the embedding too; refmath's ``q8_0`` only the layers' matrices. llama.cpp also
+  the head and the embedding too; refmath's ``q8_0`` the layers' matrices and the head, the
+  embedding float32. Both round the head from the same float32 numbers by the same rule (a tied
+  head: refmath a copy of the table, its lookup reading the float32 one). llama.cpp also
   rounds the activations to Q8_0 (or to f16/bf16 for those formats) before each product, where
   refmath keeps them float32: the two sides' tokens part sooner at low precision for both reasons.
 

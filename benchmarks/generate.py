@@ -61,8 +61,12 @@ llama-cpp-python generates greedily from the same prompt ids on the same thread 
 float32. refmath runs the same format with `generate(..., weights=FORMAT)`'s loop (the stored
 matrices made once beforehand, as the command makes them once). All formats of both sides, and a
 plain read of each side's bytes per token (its own: llama.cpp's files round the head and the
-embedding too, refmath's formats only the layers' matrices), take turns in one rotation, so that
-every ratio in a row is of runs made in the same minutes. Each side's bound is its own bytes per
+embedding too, refmath's formats the layers' matrices and the head, its embedding float32, of
+which a token reads one row), take turns in one rotation, so that every ratio in a row is of runs
+made in the same minutes. --head-f32-too adds refmath with the head left in float32 (its layers
+alone stored, as generate did before the head was stored: records up to 2026-12-07 00:49) at
+bf16, f16 and q8 as one more side in the same turns, with a plain read of its bytes, and prints it
+against the head in the format in a second table. Each side's bound is its own bytes per
 token read at one bandwidth, the median over all those reads (the same for both sides). Each row:
 tokens/s of both, their ratio, each side's bound and fraction of it, whether the ids are refmath's at that format (or the first
 token where they part), and the load average when the row's turns ended. Without llama-cpp-python
@@ -77,6 +81,8 @@ Then, unless --no-self, the old table: refmath against itself on the tiny defaul
     python benchmarks/generate.py --threads 1 2 --contend 1   # with one competing busy process
     python benchmarks/generate.py --peers llamacpp --shapes llama-small --threads 1 2 \
         --weights f32 bf16 f16 q8 --gguf-converter PATH/convert_hf_to_gguf.py --no-self
+    python benchmarks/generate.py --peers llamacpp --shapes llama-small --threads 1 \
+        --weights f32 bf16 f16 q8 --llamacpp-repack off --head-f32-too --no-self
 
 Nothing is asserted: the figures belong to the machine (and its load, printed first and last).
 """
@@ -161,6 +167,10 @@ def parse_args(argv=None):
     parser.add_argument("--gguf-converter", metavar="PATH", default=None,
                         help="llama.cpp's convert_hf_to_gguf.py (default: $"
                              f"{_llamacpp.CONVERTER_ENV}); {_llamacpp.HOW_TO_GET_IT}")
+    parser.add_argument("--head-f32-too", action="store_true",
+                        help="with --peers llamacpp: also time refmath with its head left in "
+                             "float32 (the layers alone stored) at each narrower format, in the "
+                             "same turns, and print it against the head in the format")
     parser.add_argument("--llamacpp-repack", choices=("on", "off"), default="on",
                         help="llama.cpp's extra buffer types for quantised weights (AMX tiles, "
                              "repacked rows): on, its default, or off, its --no-repack")
@@ -355,16 +365,24 @@ LLAMACPP_HEADERS = ["shape", "weights", "threads", "refmath tok/s", "llama.cpp t
                     "ids as refmath's", "load (1 min)"]
 
 
+OLD_HEAD = "refmath, head f32"  # the side with the head left in float32 (--head-f32-too)
+HEAD_HEADERS = ["shape", "weights", "threads", "head in format tok/s", "head f32 tok/s",
+                "in format / f32", "bytes/token in format, f32", "bound tok/s in format, f32",
+                "of bound in format, f32", "ids as head f32's", "load (1 min)"]
+
+
 def parted(ours: np.ndarray, theirs: np.ndarray) -> str:
     """"yes" for identical ids, else the first position (0-based, among the generated tokens)
     where they differ."""
     return "yes" if np.array_equal(ours, theirs) else f"from token {int(np.argmax(ours != theirs))}"
 
 
-def run_llamacpp(label: str, model: str, config, args, converter, rows: list) -> None:
+def run_llamacpp(label: str, model: str, config, args, converter, rows: list,
+                 head_rows: list) -> None:
     """refmath and llama.cpp on one checkpoint at each --weights format and --threads count: one
     rotation of turns per thread count holding every format of both sides and a plain read of each
-    side's bytes per token (see the module's docstring)."""
+    side's bytes per token (see the module's docstring); with --head-f32-too, refmath with its head
+    left in float32 as a third side at the narrower formats, its rows in ``head_rows``."""
     module = model_module(model)
     rng = np.random.default_rng(0)  # the same weights and prompt as run_shape's
     params = module.init_params(config, seed=0, dtype=np.float32)
@@ -377,22 +395,36 @@ def run_llamacpp(label: str, model: str, config, args, converter, rows: list) ->
         _, r_config, r_params = hf.load_checkpoint(directory)
         _, kv = bytes_read(model, r_config, r_params, args.prompt_tokens, n)
         ggufs, ours, nbytes = {}, {}, {}
+        # the formats at which refmath also runs with its head left in float32
+        old_head = [fmt for fmt in args.weights if fmt != "f32"] if args.head_f32_too else []
+        old, old_bytes = {}, {}
         for fmt in args.weights:
             ggufs[fmt] = _llamacpp.convert(directory, fmt, f"{directory}/model-{fmt}.gguf",
                                            converter)
             weights = _llamacpp.GGUF_TYPES[fmt]  # refmath's name for it too
-            steps, stored = layer_forms(module, r_params, r_config, weights)
-            ours[fmt] = greedy_run(model, r_config, steps, stored, weights, prompt, n)
+            steps, run_config, stored = layer_forms(module, r_params, r_config, weights)
+            ours[fmt] = greedy_run(model, run_config, steps, stored, weights, prompt, n)
             nbytes[fmt] = (bytes_per_token(model, r_config, r_params, stored, args.prompt_tokens, n),
                            _llamacpp.weight_bytes_per_token(ggufs[fmt]) + kv / n)
             print(f"{label}, {fmt}: GGUF tensors {_llamacpp.gguf_types(ggufs[fmt])}; bytes per "
                   f"token refmath {fmt_bytes(int(nbytes[fmt][0]))}, llama.cpp "
                   f"{fmt_bytes(int(nbytes[fmt][1]))}", flush=True)
+            if fmt in old_head:
+                steps, run_config, stored = layer_forms(module, r_params, r_config, weights,
+                                                        head=False)
+                old[fmt] = greedy_run(model, run_config, steps, stored, weights, prompt, n)
+                old_bytes[fmt] = bytes_per_token(model, r_config, r_params, stored,
+                                                 args.prompt_tokens, n)
+                print(f"{label}, {fmt}, refmath's head left in float32: bytes per token "
+                      f"{fmt_bytes(int(old_bytes[fmt]))}", flush=True)
         # One buffer for every read reference: each reads a prefix of it, its side's bytes.
-        largest = max(max(pair) for pair in nbytes.values())
+        largest = max([max(pair) for pair in nbytes.values()] + list(old_bytes.values()))
         buffer = np.ones(int(largest) // 4 + 1, np.float32)
         reads = {(fmt, side): ReadReference(arrays=[buffer[:int(b) // 4]], evict_mib=args.evict_mib)
                  for fmt, pair in nbytes.items() for side, b in zip(("refmath", "llama.cpp"), pair)}
+        reads.update({(fmt, OLD_HEAD): ReadReference(arrays=[buffer[:int(b) // 4]],
+                                                     evict_mib=args.evict_mib)
+                      for fmt, b in old_bytes.items()})
         for threads in args.threads or [None]:
             with limit_threads(threads):
                 count = threads or kernels.cpu_threads()
@@ -405,9 +437,14 @@ def run_llamacpp(label: str, model: str, config, args, converter, rows: list) ->
                     fns[("llama.cpp", fmt)] = lambda peer=peers[fmt]: peer.generate(prompt, n)
                     fns[("read refmath", fmt)] = reads[(fmt, "refmath")]
                     fns[("read llama.cpp", fmt)] = reads[(fmt, "llama.cpp")]
+                    if fmt in old:
+                        fns[(OLD_HEAD, fmt)] = lambda run=old[fmt]: run()[0, -n:]
+                        fns[(f"read {OLD_HEAD}", fmt)] = reads[(fmt, OLD_HEAD)]
                 # the first run of each side is its warm-up, and gives the ids compared
                 agree = {fmt: parted(fns[("refmath", fmt)](), fns[("llama.cpp", fmt)]())
                          for fmt in args.weights}
+                agree_old = {fmt: parted(fns[("refmath", fmt)](), fns[(OLD_HEAD, fmt)]())
+                             for fmt in old}
                 times = time_sides(fns, args.repeats)
                 load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
                 print(f"  {thread_line()}; llama.cpp n_threads {count}; {load_average()}",
@@ -417,9 +454,8 @@ def run_llamacpp(label: str, model: str, config, args, converter, rows: list) ->
             # One bandwidth for both sides: the median over every read of these turns (each its
             # bytes over its seconds). The reads differ only in length, so a bound per side from
             # its own few reads would carry that side's luck in which minutes they fell.
-            rates = sorted(reads[(fmt, side)].nbytes / t for fmt in args.weights
-                           for side in ("refmath", "llama.cpp")
-                           for t in times[(f"read {side}", fmt)])
+            rates = sorted(reads[key].nbytes / t for key in reads
+                           for t in times[(f"read {key[1]}", key[0])])
             bandwidth = statistics.median(rates)
             print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s (median of the {len(rates)} reads "
                   f"in the same turns; {rates[0] / 1e9:.1f}-{rates[-1] / 1e9:.1f})", flush=True)
@@ -439,6 +475,21 @@ def run_llamacpp(label: str, model: str, config, args, converter, rows: list) ->
                              f"{100 * med['refmath'] / bound['refmath']:.0f}%",
                              f"{100 * med['llama.cpp'] / bound['llama.cpp']:.0f}%",
                              agree[fmt], f"{load:.1f}"])
+            for fmt in old:
+                new_rate = n / statistics.median(times[("refmath", fmt)])
+                old_rate = n / statistics.median(times[(OLD_HEAD, fmt)])
+                new_best = n / min(times[("refmath", fmt)])
+                old_best = n / min(times[(OLD_HEAD, fmt)])
+                new_bound, old_bound = bandwidth / nbytes[fmt][0], bandwidth / old_bytes[fmt]
+                head_rows.append([label, fmt, count, f"{new_rate:.1f} ({new_best:.1f})",
+                                  f"{old_rate:.1f} ({old_best:.1f})",
+                                  f"{new_rate / old_rate:.2f} ({new_best / old_best:.2f})",
+                                  f"{fmt_bytes(int(nbytes[fmt][0]))}, "
+                                  f"{fmt_bytes(int(old_bytes[fmt]))}",
+                                  f"{new_bound:.1f}, {old_bound:.1f}",
+                                  f"{100 * new_rate / new_bound:.0f}%, "
+                                  f"{100 * old_rate / old_bound:.0f}%",
+                                  agree_old[fmt], f"{load:.1f}"])
 
 
 def print_table(headers, rows, title):
@@ -504,13 +555,13 @@ def main(argv=None) -> int:
         print(f"llama.cpp: {_llamacpp.version()}, GGUF files made by {converter}; formats "
               f"{', '.join(args.weights)}; Llama shapes only; its extra buffer types "
               f"(repack) {args.llamacpp_repack}")
-    rows, llama_rows = [], []
+    rows, llama_rows, head_rows = [], [], []
     with competitors(args.contend):
         for label, (model, config) in shapes.items():
             if "transformers" in args.peers:
                 run_shape(label, model, config, args, rows)
             if "llamacpp" in args.peers and skip is None and model == "llama":
-                run_llamacpp(label, model, config, args, converter, llama_rows)
+                run_llamacpp(label, model, config, args, converter, llama_rows, head_rows)
     print()
     if "transformers" in args.peers:
         headers = ["shape", "threads", "refmath tok/s", "transformers tok/s",
@@ -537,6 +588,14 @@ def main(argv=None) -> int:
                               f"KV) read at the median bandwidth of all the cold reads timed in "
                               f"the same turns; ids: llama.cpp's {args.tokens} against refmath's at the "
                               f"same format")
+            if head_rows:
+                print()
+                print_table(HEAD_HEADERS, head_rows,
+                            title=f"refmath with its head in the format against its head left "
+                                  f"in float32 (the layers alone stored), in the same turns as "
+                                  f"the table above; the same bandwidth for the bounds; ids: "
+                                  f"the head-in-format run's {args.tokens} against the head-f32 "
+                                  f"run's")
     if not args.no_self:
         with competitors(args.contend):
             self_comparison(min(args.tokens, 63), max(2, args.repeats))

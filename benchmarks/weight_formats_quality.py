@@ -1,5 +1,6 @@
-"""Generation with the layers' weights in bf16, f16 and Q8_0 against the float32 model: the logit
-error, the greedy agreement, and tokens/s beside the bytes each token reads.
+"""Generation with the layers' weights and the output head in bf16, f16 and Q8_0 against the
+float32 model: the logit error, the greedy agreement, and tokens/s beside the bytes each token
+reads.
 
 Each model (--checkpoint, a run directory of `python -m refmath train`, and/or --shapes, random
 float32 weights) is run greedily for --tokens tokens after a --prompt-tokens random prompt by the
@@ -15,15 +16,21 @@ NumPy float32 model: those are the reference tokens. Then for each format (--for
   (teacher-forced), and, generating freely with the format, how many tokens come out before the
   first one that differs from the reference (all of them: "all").
 * speed: greedy generation of --speed-tokens tokens on the cpu backend (generate's loop, with the
-  stored weights made once beforehand, as the command makes them once), --repeats runs per format in turns whose order rotates every round; tokens/s
-  from the median run and the fastest. "bytes/token": the weights a token reads (the layers'
-  matrices in the format, the head and the norms in float32, one row of each embedding table)
-  plus the KV cache read on average over the run; "bound": a plain read of that many bytes
+  stored weights made once beforehand, as the command makes them once), --repeats runs per
+  format in turns whose order rotates every round; tokens/s from the median run and the fastest.
+  "bytes/token": the weights a token reads (the layers' matrices and the head in the format, the
+  norms in float32, one row of each embedding table, a tied table's too: its head is a rounded
+  copy) plus the KV cache read on average over the run; "bound": a plain read of that many bytes
   (benchmarks/_bandwidth.py, stream_sum on the same threads, after an untimed eviction), timed in
   the same turns, as tokens/s.
 
-The layers' matrices need inputs in whole 32-weight blocks for Q8_0 (refmath's default `train`
-Llama has d_ff 176: train it with ffn_multiple_of=32). A --checkpoint model's context is stretched
+The error against the float32 model now includes the head's rounding: the logits are
+norm(x) W~_out, where before the head was stored (records up to 2026-12-06) they were norm(x) W_out
+with W_out float32. W1 and W2 bound it as they bound any stored product
+(refmath.weight_formats.product_error_bound).
+
+The layers' matrices and the head need inputs in whole 32-weight blocks for Q8_0 (refmath's
+default `train` Llama has d_ff 176: train it with ffn_multiple_of=32). A --checkpoint model's context is stretched
 to hold prompt + tokens where it has RoPE (no table of positions to outgrow), so that every token
 after the prompt is one decode step.
 
@@ -47,7 +54,8 @@ from refmath import kernels
 from refmath.fast.products import kernel_products
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import sliding_next_logits
-from refmath.inference.layer_formats import WEIGHTS, restored_params, stored_layer_weights
+from refmath.inference.layer_formats import (HEAD, WEIGHTS, restored_params, stored_layer_weights,
+                                              stored_model)
 from refmath.inference.weight_layout import decode_layout
 from refmath.models import decoder, model_module
 
@@ -106,12 +114,18 @@ def models(args):
         yield f"{shape} (random)", model, config, {k: v.astype(np.float32) for k, v in params.items()}
 
 
-def layer_forms(module, params, config, fmt):
-    """``(params the steps read, stored matrices or None)`` for ``fmt``."""
+def layer_forms(module, params, config, fmt, head: bool = True):
+    """``(params the steps read, the config they run with, stored matrices or None)`` for ``fmt``:
+    as ``generate(..., weights=fmt)`` makes them (the layers' matrices and the head stored,
+    :func:`refmath.inference.layer_formats.stored_model`), or with ``head=False`` as it made them
+    before the head was stored: the layers' matrices alone, the head float32."""
     if fmt == "f32":
-        return decode_layout(params), None
+        return decode_layout(params), config, None
+    if head:
+        restored, run_config, stored = stored_model(module, decode_layout(params), config, fmt)
+        return restored, run_config, stored
     stored = stored_layer_weights(module, params, config, fmt)
-    return restored_params(decode_layout(params), stored, fmt), stored
+    return restored_params(decode_layout(params), stored, fmt), config, stored
 
 
 def step_logits(model, params, config, tokens, prompt_len, backend, stored=None, fmt="f32",
@@ -123,13 +137,18 @@ def step_logits(model, params, config, tokens, prompt_len, backend, stored=None,
 
 
 def bytes_per_token(model, config, params, stored, prompt, tokens) -> int:
-    """Weights a token reads (stored layer matrices, every other entry in float32, one row of each
-    embedding table unless it is also the head) plus the KV cache read on average."""
-    total = 0
+    """Weights a token reads plus the KV cache read on average: the stored matrices (the layers',
+    and the head where it is stored), every other entry of ``params`` (the float32 parameters,
+    with ``config`` as given) in float32, and one row of each embedding table, unless the table is
+    also the head and the head is not stored (then the head's product reads all of it)."""
+    stored = stored or {}
+    head_stored = HEAD in stored
+    total = stored[HEAD].nbytes if head_stored and HEAD not in params else 0  # a tied head's copy
     for name, value in params.items():
-        if stored is not None and name in stored:
+        if name in stored:
             total += stored[name].nbytes
-        elif name in ("tok_emb", "pos_emb") and not (name == "tok_emb" and config.tie_embeddings):
+        elif name in ("tok_emb", "pos_emb") and not (
+                name == "tok_emb" and config.tie_embeddings and not head_stored):
             total += value.nbytes // value.shape[0]
         else:
             total += value.nbytes
@@ -146,9 +165,9 @@ def quality(label, model, config, params, args, rows):
     ref_logits = step_logits(model, params, config, ref, args.prompt_tokens, "numpy")
     scale = float(np.abs(ref_logits).max())
     for fmt in args.formats:
-        steps, stored = layer_forms(module, params, config, fmt)
+        steps, run_config, stored = layer_forms(module, params, config, fmt)
         products = kernel_products if fmt == "f32" else None
-        logits = step_logits(model, steps, config, ref, args.prompt_tokens, "cpu", stored, fmt,
+        logits = step_logits(model, steps, run_config, ref, args.prompt_tokens, "cpu", stored, fmt,
                              products)
         free = generate(model, params, config, prompt, args.tokens, greedy=True, backend="cpu",
                         weights=fmt, products=products)
@@ -179,10 +198,10 @@ def speed(label, model, config, params, args, rows):
     prompt = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prompt_tokens)
     fns, nbytes = {}, {}
     for fmt in args.formats:
-        steps, stored = layer_forms(module, params, config, fmt)
+        steps, run_config, stored = layer_forms(module, params, config, fmt)
         nbytes[fmt] = bytes_per_token(model, config, params, stored, args.prompt_tokens,
                                       args.speed_tokens)
-        fns[fmt] = greedy_run(model, config, steps, stored, fmt, prompt, args.speed_tokens)
+        fns[fmt] = greedy_run(model, run_config, steps, stored, fmt, prompt, args.speed_tokens)
         fns[f"read {fmt}"] = ReadReference(nbytes[fmt], evict_mib=0).read
     evict = neutral_reader(default_evict_mib())
     times = rotated_times(fns, args.repeats, before=lambda name: evict and evict())

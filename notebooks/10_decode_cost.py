@@ -522,12 +522,14 @@ assert quantized_kv_cache_bytes(1, 32, 8192, 8, 128, 8, 32).payload == full16 //
 # $$\text{tokens/s} \;\le\; \frac{\beta}{\text{bytes read per token}}.$$
 #
 # `generate(..., weights=fmt)` stores the seven matrices of every layer ($W_q, W_k, W_v, W_o$
-# and the FFN's three) in a narrower format (`refmath.weight_formats`, catalogue W1 and W2):
-# `"bf16"` or `"f16"`, 2 bytes a weight, or `"q8_0"`, llama.cpp's 8-bit blocks: 32 `int8`
-# codes and one float16 scale per block of 32 weights, 34 bytes per 32 weights, K12's
-# $q/8 + 2/G$ with $q = 8$ and $G = 32$. The compiled decode step reads the stored bytes, turns
-# each back into the float32 number it stands for, and sums in float32. The embedding table, the
-# norms' gains and the output head stay float32; a token reads one row of the table.
+# and the FFN's three) and the output head in a narrower format (`refmath.weight_formats`,
+# catalogue W1 and W2): `"bf16"` or `"f16"`, 2 bytes a weight, or `"q8_0"`, llama.cpp's 8-bit
+# blocks: 32 `int8` codes and one float16 scale per block of 32 weights, 34 bytes per 32 weights,
+# K12's $q/8 + 2/G$ with $q = 8$ and $G = 32$. The compiled decode step reads the stored bytes,
+# turns each back into the float32 number it stands for, and sums in float32. The head is read
+# whole at every step like a layer's matrix, so it is stored the same way (llama.cpp's converter
+# rounds it too); the embedding table and the norms' gains stay float32, and a token reads one
+# row of the table (a tied head is rounded as a copy: the lookup still reads the float32 table).
 #
 # The model below is small enough to run in seconds and wide enough for its layers to outweigh
 # everything else: 4 layers of width $d = 512$, 8 query heads and $g = 2$ key/value heads of
@@ -542,11 +544,12 @@ given_bandwidth = 25.6e9  # bytes/s, for exercise 10.7: two DDR4-3200 channels, 
 print(small_config)
 
 # %% [markdown]
-# **Exercise 10.6.** With the layers stored in Q8_0, how many bytes of weights does one token
-# read? Count the seven matrices of each layer from the shapes above ($W_q$: $d \times h d_h$;
-# $W_k$, $W_v$: $d \times g d_h$; $W_o$: $h d_h \times d$; the FFN: three of $d \times d_f$), then
-# add the float32 parameters a token reads: the head ($d \times V$), the two gains of each layer
-# and the final norm's, and one row of the embedding table. (Not the KV cache.)
+# **Exercise 10.6.** With the layers and the head stored in Q8_0, how many bytes of weights does
+# one token read? Count the seven matrices of each layer from the shapes above ($W_q$:
+# $d \times h d_h$; $W_k$, $W_v$: $d \times g d_h$; $W_o$: $h d_h \times d$; the FFN: three of
+# $d \times d_f$) and the head ($d \times V$), then add the float32 parameters a token reads: the
+# two gains of each layer and the final norm's, and one row of the embedding table. (Not the KV
+# cache.)
 
 # %% tags=["exercise"]
 q8_bytes_per_token = ...
@@ -554,7 +557,7 @@ q8_bytes_per_token = ...
 d, L, V = small_config.d_model, small_config.n_layers, small_config.vocab_size
 h, g, d_h, d_f = small_config.n_heads, small_config.kv_heads, small_config.d_h, small_config.d_f
 layer_weights = L * (2 * d * h * d_h + 2 * d * g * d_h + 3 * d * d_f)  # W_q, W_o; W_k, W_v; FFN
-q8_bytes_per_token = layer_weights * 34 / 32 + 4 * (d * V + (2 * L + 1) * d + d)
+q8_bytes_per_token = (layer_weights + d * V) * 34 / 32 + 4 * ((2 * L + 1) * d + d)  # + the head
 # END SOLUTION
 
 # %%
@@ -577,7 +580,7 @@ check("10.7", q8_bound)
 # ### The law on this machine
 #
 # Now the real thing, on one thread as the roofline above. Each format's weights are stored once
-# (`stored_layer_weights`, which `generate(..., weights=fmt)` calls afresh every time) and the
+# (`stored_model`, which `generate(..., weights=fmt)` calls afresh every time) and the
 # timed loop is `generate`'s own (`sliding_next_logits`: a prefill, then one compiled decode step
 # per token, greedy), so that only the tokens are timed; its tokens are checked against
 # `generate`'s. The bytes a token reads are those the stored arrays occupy, the float32 rest, and
@@ -603,7 +606,7 @@ check("10.7", q8_bound)
 from refmath.fast.products import kernel_products
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import sliding_next_logits
-from refmath.inference.layer_formats import LAYER_MATRICES, restored_params, stored_layer_weights
+from refmath.inference.layer_formats import LAYER_MATRICES, stored_model
 from refmath.inference.weight_layout import decode_layout
 from refmath.sizing import kv_cache_bytes_per_token
 from refmath.weight_formats import bytes_per_weight
@@ -614,14 +617,15 @@ small_prompt = np.arange(8)[None]  # one sequence of 8 tokens
 steps, rounds = 20, 4  # decode steps timed per run; runs per format
 
 
-def is_layer_matrix(name):
-    return name.rsplit(".", 1)[-1] in LAYER_MATRICES
+def is_stored_matrix(name):
+    """The matrices a format stores: the layers' seven and the head."""
+    return name.rsplit(".", 1)[-1] in LAYER_MATRICES or name == "lm_head"
 
 
-n_layer_weights = sum(v.size for k, v in small_params.items() if is_layer_matrix(k))
+n_stored_weights = sum(v.size for k, v in small_params.items() if is_stored_matrix(k))
 float32_rest = (sum(v.nbytes for k, v in small_params.items()
-                    if not is_layer_matrix(k) and k != "tok_emb")
-                + small_params["tok_emb"][0].nbytes)  # the head, the gains, one embedding row
+                    if not is_stored_matrix(k) and k != "tok_emb")
+                + small_params["tok_emb"][0].nbytes)  # the gains, one embedding row
 keys_read = small_prompt.shape[1] + 1 + np.arange(steps)  # step j attends to 8 + j + 1 keys
 cache_read = kv_cache_bytes_per_token(small_config.n_layers, small_config.kv_heads,
                                       small_config.d_h, 4) * keys_read.mean()
@@ -661,14 +665,16 @@ if not measured:
 else:
     formats = {}
     for fmt in WEIGHT_FORMATS:
-        stored = None if fmt == "f32" else stored_layer_weights(decoder, small_params,
-                                                                small_config, fmt)
-        layer_bytes = (sum(s.nbytes for s in stored.values()) if stored else
-                       sum(v.nbytes for k, v in small_params.items() if is_layer_matrix(k)))
-        assert layer_bytes == n_layer_weights * bytes_per_weight(fmt)  # the count of 10.6
-        formats[fmt] = {"stored": stored, "bytes": layer_bytes + float32_rest + cache_read,
-                        "params": small_params if stored is None else
-                        restored_params(small_params, stored, fmt), "seconds": []}
+        if fmt == "f32":
+            params_fmt, stored = small_params, None
+        else:  # the restored float32 parameters (the NumPy reference) and the stored matrices;
+            # small_config's head is untied, so the config the run takes is small_config itself
+            params_fmt, _, stored = stored_model(decoder, small_params, small_config, fmt)
+        stored_bytes = (sum(s.nbytes for s in stored.values()) if stored else
+                        sum(v.nbytes for k, v in small_params.items() if is_stored_matrix(k)))
+        assert stored_bytes == n_stored_weights * bytes_per_weight(fmt)  # the count of 10.6
+        formats[fmt] = {"stored": stored, "bytes": stored_bytes + float32_rest + cache_read,
+                        "params": params_fmt, "seconds": []}
     # the reads: each format's bytes, and sizes between, to draw the bound as a curve
     sizes = sorted({int(f["bytes"]) // 4 for f in formats.values()}
                    | {int(x) for x in np.geomspace(0.2, 1.15, 5) * formats["f32"]["bytes"] / 4})
@@ -704,7 +710,7 @@ else:
 
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
-f32_bytes = n_layer_weights * 4 + float32_rest + cache_read
+f32_bytes = n_stored_weights * 4 + float32_rest + cache_read
 x_mb = np.linspace(0.2, 1.15, 200) * f32_bytes / 1e6
 if measured:
     curve = sorted(read_seconds.items())
@@ -731,8 +737,8 @@ plt.show()
 # and whatever the products lose against a plain read of the same bytes.
 #
 # **Why the points fall below the curve.** A token is more than its weights: attention over the
-# cache, the rotation of the new query and key, the float32 head and the final norm in NumPy, the
-# argmax, and Python's work around each step (the loop, the calls into the compiled module, the
+# cache, the rotation of the new query and key, the final norm in NumPy, the argmax, and Python's
+# work around each step (the loop, the calls into the compiled module, the head's among them, the
 # small arrays they make). These costs do not shrink with the bytes of the weights, so the fewer
 # the bytes, the larger their share: the same millisecond weighs more beside a Q8_0 token than
 # beside a float32 one. In a 7-billion-parameter model the weights are hundreds of times larger
@@ -740,7 +746,9 @@ plt.show()
 # lesson was written (one thread of a 2-core Intel Xeon shared with other jobs, load average
 # 10), two runs gave float32 208-212 tokens/s (76% of its bound), bf16 366-381 (59-63%), f16
 # 350-388 (57-64%) and Q8_0 512-521 (54-56%), with 0.8-1.2 ms per token beyond the read in every
-# format: the fixed costs, the same for all four, are most of the gap there.
+# format: the fixed costs, the same for all four, are most of the gap there. (Those runs kept the
+# head in float32, 0.5 MB a token here, 4% of a Q8_0 token's bytes; it is stored in the format
+# now.)
 #
 # **Why half the bytes is not twice the speed on a CPU.** The stored numbers are not the numbers
 # multiplied: each weight is turned back into float32 first (bf16 by a 16-bit shift, f16 by a

@@ -142,7 +142,7 @@ def test_generate_weights_are_the_apis_and_a_format_that_cannot_hold_them_is_one
         ids = [int(i) for i in captured.out.strip().split(",")]
         assert ids == generate("gpt", params, config, np.array([1]), 6, greedy=True,
                                weights="bf16").tolist()
-        assert "bf16 layer weights" in captured.err
+        assert "bf16 weights (layers and head)" in captured.err
     # d_model = 8: a row of 8 inputs cannot be whole 32-weight Q8_0 blocks
     assert main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1", "--weights", "q8"]) == 2
     err = capsys.readouterr().err.splitlines()  # the loading bar, then the one line

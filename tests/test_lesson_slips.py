@@ -9,6 +9,7 @@ so this test confirms that the student's way of making the slip and the check's 
 The write-the-function exercises are planted the same way: one line of the student's function is
 edited, and ``refmath.lessons.check_function`` must name the slip function it now matches.
 """
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -323,9 +324,12 @@ PLANTS = {
          "visible = np.ones((B, 1, T_max), dtype=bool)", "your decode attention", "the padding read"),
         ("heads = np.arange(H) // (H // G)", "heads = np.arange(H) % G", "your decode attention",
          "GQA heads interleaved"),
-        ("q8_bytes_per_token = layer_weights * 34 / 32 + 4 * (d * V + (2 * L + 1) * d + d)",
-         "q8_bytes_per_token = layer_weights * 1 + 4 * (d * V + (2 * L + 1) * d + d)",
+        ("q8_bytes_per_token = (layer_weights + d * V) * 34 / 32 + 4 * ((2 * L + 1) * d + d)",
+         "q8_bytes_per_token = (layer_weights + d * V) * 1 + 4 * ((2 * L + 1) * d + d)",
          "weight bytes a token reads in Q8_0", "scale of each block of 32 forgotten"),
+        ("q8_bytes_per_token = (layer_weights + d * V) * 34 / 32 + 4 * ((2 * L + 1) * d + d)",
+         "q8_bytes_per_token = layer_weights * 34 / 32 + 4 * (d * V + (2 * L + 1) * d + d)",
+         "weight bytes a token reads in Q8_0", "the head left in float32"),
         ("q8_bound = given_bandwidth / q8_bytes_per_token",
          "q8_bound = q8_bytes_per_token / given_bandwidth", "the bound in tokens/s in Q8_0",
          "seconds per token"),
@@ -670,20 +674,26 @@ def test_q8_0_bytes_and_bound_slips_are_named(judged):
     config = DecoderConfig(vocab_size=64, max_seq_len=16, d_model=64, n_layers=2, n_heads=4,
                            n_kv_heads=2, d_ff=96)  # d_h = 16, so h d_h = 64 and g d_h = 32
     layers = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96)
-    rest = 4 * (64 * 64 + 5 * 64 + 64)  # the head, 2L + 1 gains, one embedding row
+    head = 64 * 64  # d V, stored in the format as the layers are
+    rest = 4 * (5 * 64 + 64)  # 2L + 1 gains, one embedding row
 
     def read(per_weight, extra=0):
-        return layers * per_weight + rest + extra
+        return (layers + head) * per_weight + rest + extra
 
     q8 = read(34 / 32)
     judged("10.6", q8, {
         "the float16 scale of each block of 32 forgotten": read(1),
         "bits, not bytes": read(8.5),
         "counted for every weight": read(3),
-        "the float32 head, gains and embedding row left out": layers * 34 / 32,
+        "the head left in float32": layers * 34 / 32 + 4 * head + rest,
+        "the float32 gains and embedding row left out": (layers + head) * 34 / 32,
         "the whole embedding table counted": read(34 / 32, 4 * (64 * 64 - 64)),
-        "the layers left in float32": read(4),
+        "the layers and the head left in float32": read(4),
     }, {"small_config": config})
+    # a tied head: stored as a rounded copy, the lookup still one float32 row of the table
+    tied = dataclasses.replace(config, tie_embeddings=True)
+    judged("10.6", q8, {"the head left in float32": layers * 34 / 32 + 4 * head + 4 * 5 * 64},
+           {"small_config": tied})
     beta = 1e10
     judged("10.7", beta / q8, {
         "seconds per token": q8 / beta,

@@ -60,11 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "first), or the CUDA kernels with the cache on the GPU (default: numpy; "
                         "the decoders only)")
     parser.add_argument("--weights", choices=("f32", "bf16", "f16", "q8"), default="f32",
-                        help="the format the layers' weight matrices are stored in and read from "
-                        "at each decode step: float32, bfloat16, float16, or q8 (llama.cpp's Q8_0 "
-                        "blocks, 8.5 bits a weight); the sums stay float32. --backend cpu reads "
-                        "the stored bytes in the compiled step; the other backends run the "
-                        "matrices dequantised (default: f32; refmath's decoder and GPT only)")
+                        help="the format the layers' weight matrices and the output head are "
+                        "stored in and read from at each decode step: float32, bfloat16, float16, "
+                        "or q8 (llama.cpp's Q8_0 blocks, 8.5 bits a weight); the sums stay "
+                        "float32, and a tied head's embedding lookup reads the float32 table. "
+                        "--backend cpu reads the stored bytes in the compiled step; the other "
+                        "backends run the matrices dequantised (default: f32; refmath's decoder "
+                        "and GPT only)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="BLAS and C++ kernel threads (default: chosen from the size of the matrix products: "
                         "one for decoding with the KV cache, whose per-token products run slower "
@@ -189,7 +191,7 @@ def _from_run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
     if args.weights != "f32":
-        how += f", {args.weights} layer weights"
+        how += f", {args.weights} weights (layers and head)"
     if not MODELS[ckpt.model].decoder_only:
         how = "the encoder-decoder recomputes its decoder prefix"
     _report_speed(n, seconds, how)
@@ -293,6 +295,6 @@ def _from_hf(args: argparse.Namespace) -> int:
     new = len(out) - len(prompt)
     how = "recomputing every prefix" if args.no_cache else f"KV cache on {args.backend}"
     if args.weights != "f32":
-        how += f", {args.weights} layer weights"
+        how += f", {args.weights} weights (layers and head)"
     _report_speed(new, seconds, f"a {family} checkpoint as refmath's {model} model, {how}")
     return 0

@@ -10,6 +10,9 @@ model of width 768 on one thread, they took 3.9 ms of an 18 ms step while the pr
 (:func:`refmath.kernels.rows_matmul`'s kernel) and the same attention
 (:func:`refmath.inference.decode.decode_attention`'s kernel) with the small work in between done
 on buffers allocated once. The embedding and the head stay in Python: each runs once per step.
+With weights stored in a narrower format, the head's product reads the stored head too
+(:func:`refmath.kernels.format_rows_matmul`, the kernel of the layers' stored products, summed in
+float32; :func:`refmath.inference.layer_formats.stored_head`), after the model's own final norm.
 
 The NumPy layers (:func:`refmath.inference.kv_cache.decode_step` on the other backends) stay the
 reference: this path gives their logits up to float32 rounding (the norms' sums are taken in
@@ -31,7 +34,7 @@ import numpy as np
 
 from refmath import kernels
 from refmath.fast.products import blas_products, kernel_products
-from refmath.inference.layer_formats import LAYER_MATRICES
+from refmath.inference.layer_formats import HEAD, HEADS, LAYER_MATRICES
 from refmath.positions import rope_angles
 
 __all__ = ["compiled_layers", "CompiledLayers"]
@@ -50,7 +53,11 @@ def compiled_layers(module, params, config, stored=None,
     :func:`~refmath.inference.layer_formats.stored_layer_weights` they were restored from: the
     layers' products then read the stored matrices (:func:`refmath.kernels.format_rows_matmul`'s
     kernel, summed in float32) and compute what the NumPy step computes on ``params``, up to
-    float32 rounding."""
+    float32 rounding. Where ``stored`` also holds the head
+    (:data:`~refmath.inference.layer_formats.HEAD`, from
+    :func:`~refmath.inference.layer_formats.stored_model`, with an untied ``config`` whose
+    ``lm_head`` is the restored head) and the model's head is one of
+    :data:`~refmath.inference.layer_formats.HEADS`, the head's product reads it too."""
     if not kernels.cpu_available():
         return None
     found = module.compiled_layer_spec(params, config)
@@ -68,7 +75,12 @@ def compiled_layers(module, params, config, stored=None,
               if weights == "f32" or key not in LAYER_MATRICES]
     if not arrays or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in arrays):
         return None
-    return CompiledLayers(module, params, config, shape, layers, weights)
+    head = None
+    if (weights != "f32" and stored is not None and HEAD in stored
+            and getattr(module, "head", None) in HEADS and not config.tie_embeddings
+            and isinstance(params.get("lm_head"), np.ndarray)):
+        head = (params["lm_head"], np.ascontiguousarray(stored[HEAD]))
+    return CompiledLayers(module, params, config, shape, layers, weights, head)
 
 
 class CompiledLayers:
@@ -77,9 +89,13 @@ class CompiledLayers:
     Built once per generation by :func:`compiled_layers`; :meth:`step` binds the layers to a cache
     the first time it sees that cache (its blocks are checked once, by the extension)."""
 
-    def __init__(self, module, params, config, shape: dict, layers: list, weights: str = "f32"):
+    def __init__(self, module, params, config, shape: dict, layers: list, weights: str = "f32",
+                 head=None):
         self.module, self.params, self.config = module, params, config
         self.weights = weights  # the layers' matrices: "f32", or the format they are stored in
+        # (the restored lm_head the model's head multiplies by, the head stored in weights), or
+        # None: the head's product is the caller's products' on params' head
+        self._head = head
         self._shape, self._layers = shape, layers
         self._bound = None  # (cache, the extension's DecodeLayers over its blocks)
         self._no_rotation = np.zeros(0, np.float32)
@@ -118,7 +134,25 @@ class CompiledLayers:
             cache.counts.record_step(layer, offset + 1, offset + 1)
         cache.length = offset + 1
         matmul = blas_products if products is None else products
+        if self._head is not None:
+            matmul = self._stored_head_products(matmul)
         return self.module.head(self.params, x[:, None], self.config, matmul=matmul)[:, 0]
+
+    def _stored_head_products(self, others):
+        """``products`` for the model's head: its product with the restored ``lm_head`` (that
+        array, by identity: the one :data:`~refmath.inference.layer_formats.HEADS` multiply by)
+        read from the stored head by :func:`refmath.kernels.format_rows_matmul`, summed in float32;
+        any other product goes to ``others``."""
+        restored, stored = self._head
+
+        def products(x, ws):
+            if not (len(ws) == 1 and ws[0] is restored and x.dtype == np.float32):
+                return others(x, ws)
+            rows = x.reshape(-1, x.shape[-1])
+            y = kernels.format_rows_matmul(rows, stored, self.weights)
+            return [y.reshape(x.shape[:-1] + (stored.shape[0],))]
+
+        return products
 
     def _rotation(self, position: int):
         """RoPE's cos and sin at ``position`` in float32, as :func:`refmath.positions.rope_forward`

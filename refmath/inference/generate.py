@@ -21,7 +21,7 @@ from refmath import kernels
 from refmath.fast.products import check_products, kernel_products
 from refmath._validate import check_choice, check_flag, check_int, check_ndim
 from refmath.inference import kv_cache
-from refmath.inference.layer_formats import WEIGHTS, restored_params, stored_layer_weights
+from refmath.inference.layer_formats import WEIGHTS, stored_model
 from refmath.inference.sampling import token_picker
 from refmath.inference.weight_layout import in_decode_layout
 from refmath.models import DECODER_ONLY, MODELS, model_module
@@ -115,14 +115,18 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     (:mod:`refmath.inference.compiled_step`), the NumPy layers' tokens at float32 rounding.
 
     ``weights``: ``"f32"`` (the parameters as they are), or ``"bf16"``, ``"f16"``, ``"q8_0"``
-    (catalogue W1, W2): the layers' seven matrices are stored in that format
-    (:mod:`refmath.inference.layer_formats`; the embedding, norms, biases and head stay float32).
-    On ``backend="cpu"`` the compiled decode step reads the stored bytes
+    (catalogue W1, W2): the layers' seven matrices and the output head are stored in that format
+    (:func:`refmath.inference.layer_formats.stored_model`; the embedding, norms and biases stay
+    float32). A tied head is rounded as a copy: the embedding lookup still reads the float32
+    table, and only the head's product reads the rounded one. On ``backend="cpu"`` the compiled
+    decode step reads the stored bytes, the head's product included
     (:func:`refmath.kernels.format_rows_matmul`'s kernel, summed in float32); everywhere else
     (the prefill, ``cache=False``, the other backends, a step the compiled step does not take) the
     NumPy model runs on the matrices explicitly dequantised, the reference. Only models whose
     compiled step takes their layers (refmath's decoder and GPT, within their
-    ``COMPILED_FIELDS``) are accepted; any other raises ``ValueError`` naming ``weights``.
+    ``COMPILED_FIELDS``) and whose head is ``norm(x) W_out`` alone
+    (:data:`~refmath.inference.layer_formats.HEADS`) are accepted; any other raises
+    ``ValueError`` naming ``weights``.
 
     ``products``: how the cached steps' products are computed,
     :func:`refmath.fast.products.blas_products` or :func:`~refmath.fast.products.kernel_products`
@@ -144,8 +148,8 @@ def generate(model, params, config, prompt_ids, max_new_tokens: int, *, greedy: 
     window = config.max_seq_len
     stored = None
     if check_choice("weights", weights, WEIGHTS) != "f32":
-        stored = stored_layer_weights(module, params, config, weights)
-        params = restored_params(params, stored, weights)
+        # a tied head comes back untied (its rounded copy as lm_head): the run uses that config
+        params, config, stored = stored_model(module, params, config, weights)
     if check_products(products) is None:
         products = _decode_products(backend, params)
     if check_flag("cache", cache) and _has_kv_cache(module):

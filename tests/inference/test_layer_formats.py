@@ -1,9 +1,11 @@
-"""Generation with the layers' matrices in bf16, f16 and Q8_0 (refmath.inference.layer_formats,
-catalogue W1, W2): the compiled decode step reading the stored bytes against the NumPy model on the
-explicitly dequantised matrices, with the float32 rule, and the models and options it refuses."""
+"""Generation with the layers' matrices and the output head in bf16, f16 and Q8_0
+(refmath.inference.layer_formats, catalogue W1, W2): the compiled decode step reading the stored
+bytes against the NumPy model on the explicitly dequantised matrices, with the float32 rule, and
+the models and options it refuses."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -12,12 +14,13 @@ from refmath import kernels
 from refmath.inference import compiled_step
 from refmath.inference.generate import generate
 from refmath.inference.kv_cache import sliding_next_logits
-from refmath.inference.layer_formats import restored_params, stored_layer_weights
+from refmath.inference.layer_formats import (HEAD, restored_params, stored_head,
+                                              stored_layer_weights, stored_model)
 from refmath.models import model_module
 from refmath.models.decoder import DecoderConfig
 from refmath.models.gpt import GPTConfig
 from refmath.models.mla import MLAConfig
-from refmath.weight_formats import FORMATS
+from refmath.weight_formats import FORMATS, dequantize, quantize
 from _support import float32_rule
 
 needs_cpu = pytest.mark.skipif(not kernels.cpu_available(), reason="needs refmath._C")
@@ -69,13 +72,13 @@ def _counting(monkeypatch) -> list:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_compiled_step_reading_stored_weights_is_the_dequantised_reference(case, fmt,
                                                                                monkeypatch):
-    model, config = CASES[case]
+    model, config_given = CASES[case]
     module = model_module(model)
-    params = _params(model, config)
-    stored = stored_layer_weights(module, params, config, fmt)
-    # Q, K, V, O and the FFN's matrices: SwiGLU's three, GPT's plain two
-    assert len(stored) == config.n_layers * (7 if model == "llama" else 6)
-    restored = restored_params(params, stored, fmt)
+    params = _params(model, config_given)
+    restored, config, stored = stored_model(module, params, config_given, fmt)
+    # Q, K, V, O and the FFN's matrices (SwiGLU's three, GPT's plain two), and the head
+    assert len(stored) == config.n_layers * (7 if model == "llama" else 6) + 1
+    assert not config.tie_embeddings  # a tied head is run as the untied copy it was rounded from
     restored64 = {name: value.astype(np.float64) for name, value in restored.items()}
     prompt_len = 5
     tokens = generate(model, restored, config, np.stack([np.arange(5), np.arange(5, 10)]), 9,
@@ -87,12 +90,95 @@ def test_the_compiled_step_reading_stored_weights_is_the_dequantised_reference(c
     ref64 = _step_logits(model, restored64, config, tokens, prompt_len, "numpy")
     float32_rule(f"{fmt} layers, {case}", fast, ref64, plain,
                  floor=4 * np.finfo(np.float32).eps * np.abs(ref64).max())
-    # and the tokens of generate() on both backends
-    out = generate(model, params, config, tokens[:, :prompt_len], 9, greedy=True, backend="cpu",
-                   weights=fmt)
-    np.testing.assert_array_equal(out, generate(model, params, config, tokens[:, :prompt_len], 9,
-                                                greedy=True, weights=fmt))
+    # and the tokens of generate() on both backends, from the float32 parameters as given
+    out = generate(model, params, config_given, tokens[:, :prompt_len], 9, greedy=True,
+                   backend="cpu", weights=fmt)
+    np.testing.assert_array_equal(out, generate(model, params, config_given,
+                                                tokens[:, :prompt_len], 9, greedy=True,
+                                                weights=fmt))
     np.testing.assert_array_equal(out, tokens)
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_compiled_head_product_is_the_dequantised_reference(case, fmt):
+    # The head's product alone, as the compiled step makes it (its products function on the
+    # restored lm_head), against x @ dequantize(stored head).T in float64 and in plain float32.
+    model, config_given = CASES[case]
+    module = model_module(model)
+    restored, config, stored = stored_model(module, _params(model, config_given), config_given, fmt)
+    layers = compiled_step.compiled_layers(module, restored, config, stored, fmt)
+    rows = np.random.default_rng(1).standard_normal((3, 1, config.d_model)).astype(np.float32)
+    fast = layers._stored_head_products(None)(rows, (restored["lm_head"],))[0]
+    w = dequantize(stored[HEAD], fmt)  # (V, d), the float32 numbers the stored head stands for
+    ref64 = rows.astype(np.float64) @ w.T.astype(np.float64)
+    float32_rule(f"{fmt} head, {case}", fast, ref64, rows @ w.T)
+    # any other product goes to the products given
+    other = np.ones((config.d_model, 5), np.float32)
+    assert layers._stored_head_products(lambda x, ws: ["given"])(rows, (other,)) == ["given"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tied_head_is_rounded_as_a_copy_and_the_embedding_stays_float32(fmt):
+    params = _params("gpt", GPT)
+    assert GPT.tie_embeddings
+    restored, config, stored = stored_model(model_module("gpt"), params, GPT, fmt)
+    assert config == dataclasses.replace(GPT, tie_embeddings=False)
+    assert restored["tok_emb"] is params["tok_emb"]  # the lookup reads the float32 table
+    np.testing.assert_array_equal(stored[HEAD], quantize(params["tok_emb"], fmt))
+    np.testing.assert_array_equal(restored["lm_head"], dequantize(stored[HEAD], fmt).T)
+    assert not np.array_equal(restored["lm_head"], params["tok_emb"].T)
+    # the embedding of the run is the float32 table's row, the head the rounded copy's logits
+    gpt = model_module("gpt")
+    ids = np.array([[3]])
+    np.testing.assert_array_equal(gpt.embed(restored, ids, config, 0), gpt.embed(params, ids, GPT, 0))
+    x = np.random.default_rng(2).standard_normal((1, 1, GPT.d_model)).astype(np.float32)
+    untied_head = dict(params, lm_head=restored["lm_head"])
+    np.testing.assert_array_equal(gpt.head(restored, x, config), gpt.head(untied_head, x, config))
+    # generate without the cache runs the same untied model: the same tokens
+    prompt = np.arange(4)
+    np.testing.assert_array_equal(
+        generate("gpt", params, GPT, prompt, 6, greedy=True, weights=fmt, cache=False),
+        generate("gpt", params, GPT, prompt, 6, greedy=True, weights=fmt))
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", ["llama-gqa-half", "gpt-tied"])
+def test_the_compiled_step_reads_the_stored_head(case, fmt):
+    # Zeroing the stored head (and nothing of the float32 parameters) zeroes the compiled steps'
+    # logits: the head's product reads the stored bytes.
+    model, config_given = CASES[case]
+    restored, config, stored = stored_model(model_module(model), _params(model, config_given),
+                                            config_given, fmt)
+    tokens = np.arange(8)[None, :]
+    before = _step_logits(model, restored, config, tokens, 4, "cpu", stored, fmt)
+    stored[HEAD] = np.zeros_like(stored[HEAD])
+    after = _step_logits(model, restored, config, tokens, 4, "cpu", stored, fmt)
+    np.testing.assert_array_equal(before[:, 0], after[:, 0])  # the prefill is NumPy's
+    assert np.abs(before[:, 1:]).max() > 1e-3 and not after[:, 1:].any()
+
+
+def test_a_head_that_is_not_norm_times_w_out_is_refused_naming_weights():
+    # A stand-in model with the decoder's layers and a head of its own (a logit scale): storing
+    # its head would change what the head computes, so it is refused.
+    decoder = model_module("llama")
+    scaled = types.SimpleNamespace(**{k: getattr(decoder, k) for k in dir(decoder)
+                                      if not k.startswith("__")})
+    scaled.__name__ = "scaled_head"
+    scaled.head = lambda params, x, config, *, matmul=None: 0.5 * decoder.head(params, x, config)
+    params = _params("llama", LLAMA)
+    with pytest.raises(ValueError, match=r"^weights='f16' stores the output head .* scaled_head's "
+                                         r"head is not one of them: use weights='f32'$"):
+        stored_model(scaled, params, LLAMA, "f16")
+    with pytest.raises(ValueError, match=r"weights='q8_0' stores each logit's inputs in whole "
+                                         r"32-weight blocks, got lm_head with d_model = 48"):
+        stored_head(decoder, {"lm_head": np.ones((48, 97), np.float32)}, LLAMA, "q8_0")
+    with pytest.raises(TypeError, match=r"weights='bf16' rounds float32 matrices, got tok_emb "
+                                        r"\(the tied head, transposed\) of dtype float64"):
+        stored_head(decoder, {"tok_emb": np.ones((97, 64))},
+                    dataclasses.replace(LLAMA, tie_embeddings=True), "bf16")
 
 
 @needs_cpu
@@ -126,6 +212,9 @@ def test_the_restored_matrices_are_the_stored_ones_dequantised_and_nothing_else_
             assert not np.array_equal(restored[name], value)
         else:
             assert restored[name] is value  # embedding, norms, biases, head: float32 as given
+    # with the head (stored_model): the tied table's rounded copy is added as lm_head
+    restored, config, stored = stored_model(model_module("gpt"), params, GPT, "bf16")
+    assert set(restored) == set(params) | {"lm_head"} and HEAD in stored
 
 
 @pytest.mark.parametrize("model, config", [

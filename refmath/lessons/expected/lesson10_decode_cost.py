@@ -177,13 +177,16 @@ _BANDWIDTH_LAW = "the section 'The bandwidth law, measured: fewer bytes per weig
 
 
 def _weight_bytes_per_token(config, per_weight: float, whole_table: bool = False,
-                            rest: bool = True) -> float:
-    """Bytes of weights one decode step of refmath's decoder with ``config`` reads: the layers'
-    seven matrices at ``per_weight`` bytes each
-    (:data:`refmath.inference.layer_formats.LAYER_MATRICES`, the ones ``generate(...,
-    weights=...)`` stores), every other parameter in float32, of the embedding table one row (the
-    token's) unless the head is the table itself (or ``whole_table``, a slip); counted from the
-    model's parameter shapes."""
+                            rest: bool = True, head_f32: bool = False) -> float:
+    """Bytes of weights one decode step of refmath's decoder with ``config`` reads, as
+    ``generate(..., weights=...)`` stores them
+    (:func:`refmath.inference.layer_formats.stored_model`): the layers' seven matrices
+    (:data:`refmath.inference.layer_formats.LAYER_MATRICES`) and the output head's ``d V`` weights
+    at ``per_weight`` bytes each, every other parameter in float32, of the embedding table one row
+    (the token's; a tied head is a rounded copy, so the lookup still reads one float32 row);
+    counted from the model's parameter shapes. The slips: the whole table counted
+    (``whole_table``), the float32 rest left out (``not rest``), the head left in float32
+    (``head_f32``; a tied one then is the float32 table, read whole by the head's product)."""
     from refmath.inference.layer_formats import LAYER_MATRICES
     from refmath.models import decoder
 
@@ -192,16 +195,21 @@ def _weight_bytes_per_token(config, per_weight: float, whole_table: bool = False
 
     shapes = decoder.param_shapes(config)
     vocab, width = shapes["tok_emb"]
-    read_of_table = vocab * width if (config.tie_embeddings or whole_table) else width
+    head = vocab * width  # W_out, d x V: lm_head, or the tied table's rounded copy
     layers = sum(int(np.prod(s)) for k, s in shapes.items() if is_layer(k))
-    others = sum(int(np.prod(s)) for k, s in shapes.items() if not is_layer(k) and k != "tok_emb")
-    return layers * per_weight + (4 * (others + read_of_table) if rest else 0)
+    others = sum(int(np.prod(s)) for k, s in shapes.items()
+                 if not is_layer(k) and k not in ("tok_emb", "lm_head"))  # the gains
+    read_of_table = vocab * width if whole_table else width
+    if head_f32 and config.tie_embeddings:
+        read_of_table = 0  # the head's product reads the whole float32 table, counted as the head
+    stored = layers * per_weight + (4 if head_f32 else per_weight) * head
+    return stored + (4 * (others + read_of_table) if rest else 0)
 
 
 @exercise("10.6", "weight bytes a token reads in Q8_0", _BANDWIDTH_LAW,
-          "L (2 d h d_h + 2 d g d_h + 3 d d_f) weights at 34/32 bytes each (32 int8 codes and one "
-          "2-byte scale per block), plus 4 bytes for each of the d V head weights, the (2L + 1) d "
-          "gains and the d numbers of one embedding row",
+          "L (2 d h d_h + 2 d g d_h + 3 d d_f) + d V weights (the layers' and the head's) at "
+          "34/32 bytes each (32 int8 codes and one 2-byte scale per block), plus 4 bytes for each "
+          "of the (2L + 1) d gains and the d numbers of one embedding row",
           uses=("small_config",))
 def _q8_bytes_per_token(small_config):
     from refmath.weight_formats import bytes_per_weight
@@ -215,9 +223,11 @@ def _q8_bytes_per_token(small_config):
         "8.5 a weight: bits, not bytes": read(8 * q8),
         "3 bytes a weight: the 2-byte scale counted for every weight, not once per block of 32":
             read(3.0),
-        "the float32 head, gains and embedding row left out": read(q8, rest=False),
+        "the head left in float32: generate stores it in Q8_0 too, as the layers":
+            read(q8, head_f32=True),
+        "the float32 gains and embedding row left out": read(q8, rest=False),
         "the whole embedding table counted: a token reads one row of it": read(q8, whole_table=True),
-        "4 bytes a weight: the layers left in float32": read(bytes_per_weight("f32")),
+        "4 bytes a weight: the layers and the head left in float32": read(bytes_per_weight("f32")),
     }
 
 
