@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from refmath._validate import check_choice
-from refmath.models import decoder, gpt
+from refmath.models import decoder, falcon, gpt, olmo2
 from refmath.weight_formats import BLOCK, FORMATS, dequantize, quantize
 
 __all__ = ["WEIGHTS", "LAYER_MATRICES", "HEAD", "HEADS", "stored_layer_weights", "stored_head",
@@ -56,7 +56,7 @@ HEAD = "lm_head"  # the stored head's name: the untied head's parameter, tied or
 # The heads whose logits are norm(x) W_out, W_out = lm_head or tok_emb^T (tied), nothing more: the
 # head product that stored_head rounds is then the whole of what follows the final norm. By
 # identity, so that a model with a head of its own (a logit scale, a softcap) is not taken for one.
-HEADS = (decoder.head, gpt.head)
+HEADS = (decoder.head, gpt.head, falcon.head, olmo2.head)
 
 
 def stored_layer_weights(module, params: Mapping, config, weights: str) -> dict:
@@ -109,8 +109,8 @@ def stored_head(module, params: Mapping, config, weights: str) -> np.ndarray:
     name = getattr(module, "__name__", repr(module))
     if getattr(module, "head", None) not in HEADS:
         raise ValueError(f"weights={weights!r} stores the output head of models whose logits are "
-                         f"norm(x) W_out alone (refmath's decoder, Phi-3 and GPT); {name}'s head "
-                         f"is not one of them: use weights='f32'")
+                         f"norm(x) W_out alone (refmath's decoder, Phi-3, GPT, Falcon and OLMo 2); "
+                         f"{name}'s head is not one of them: use weights='f32'")
     tied = config.tie_embeddings
     w_out_t = params["tok_emb"] if tied else np.asarray(params["lm_head"]).T
     param = "tok_emb (the tied head, transposed)" if tied else "lm_head"

@@ -18,6 +18,7 @@ from refmath.inference.layer_formats import (HEAD, restored_params, stored_head,
                                               stored_layer_weights, stored_model)
 from refmath.models import model_module
 from refmath.models.decoder import DecoderConfig
+from refmath.models.falcon import FalconConfig
 from refmath.models.gpt import GPTConfig
 from refmath.models.mla import MLAConfig
 from refmath.weight_formats import FORMATS, dequantize, quantize
@@ -36,6 +37,11 @@ CASES = {
     # multi-query attention with biases, interleaved RoPE, an untied head
     "llama-mqa-bias-interleaved": ("llama", dataclasses.replace(
         LLAMA, n_kv_heads=1, qkv_bias=True, rope_layout="interleaved", tie_embeddings=False)),
+    # Falcon's sequential layout (the one the compiled layer takes): LayerNorms with their biases
+    # before the sublayers, a GELU FFN, and a LayerNorm before its head
+    "falcon-sequential": ("falcon", FalconConfig(vocab_size=97, max_seq_len=24, d_model=64,
+                                                 n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                                                 parallel_block=False)),
 }
 
 
