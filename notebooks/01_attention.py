@@ -377,15 +377,14 @@ if params_swapped is not ...:
 # product at a time:
 #
 # $$dV = A^\top dO,\qquad dA = dO\, V^\top,\qquad
-# dS_{ij} = A_{ij}\Big(dA_{ij} - \sum_u A_{iu}\, dA_{iu}\Big),$$
+# dS_{ij} = A_{ij}\Big(dA_{ij} - \sum_u A_{iu}\, dA_{iu}\Big).$$
 #
-# $$dQ = \frac{dS\, K}{\sqrt{d_k}},\qquad dK = \frac{dS^\top Q}{\sqrt{d_k}},\qquad
-# dW_Q = X^\top dQ .$$
-#
-# The middle one is the softmax Jacobian of A5 applied to each row, your 01.4 line:
-# $\sum_u A_{iu} dA_{iu}$ is the mean of $dA$ under the row's weights. No code of this lesson
-# computes them yet: the next two exercises are yours to write from these equations, with the
-# upstream gradient
+# The first two are the rule for a product $Y = XW$, $dX = dY\, W^\top$ and $dW = X^\top dY$,
+# applied to $O = AV$; the third is the softmax Jacobian of A5 applied to each row, your 01.4
+# line: $\sum_u A_{iu} dA_{iu}$ is the mean of $dA$ under the row's weights. The last step, from
+# $dS$ back to the queries and the keys through $S = QK^\top/\sqrt{d_k}$, is yours to derive
+# with the same rule (mind the transpose of $K$ and the scale). No code of this lesson computes
+# these yet: the next two exercises are yours to write, with the upstream gradient
 
 # %%
 dO = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
@@ -398,8 +397,8 @@ dO = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
 
 # %% tags=["exercise"]
 # Exercise 01.6: dS and then the keys' gradient dK of the causal attention of A2 (the causal
-# weights `A_causal`, dO above, and Q, K, V of A1), from the equations of A8: which rows and
-# columns of dS does a key's gradient collect?
+# weights `A_causal`, dO above, and Q, K, V of A1): dS from the equations of A8, dK derived from
+# S = Q K^T / sqrt(d_k). Which rows and columns of dS does a key's gradient collect?
 A_causal = cache_causal.a
 dS_causal = ...
 dK_causal = ...
@@ -426,8 +425,8 @@ check_true("dS is zero above the diagonal", lambda ds: np.all(np.triu(ds, 1) == 
 # output $B = A \odot D$. The backward goes through it by the chain rule, with the *same* $D$ the
 # forward drew, which is why the cache keeps the mask: $O = BV$ gives $dV$ and $dB$ as A8 gave them
 # for $O = AV$, and an elementwise product by a constant passes its gradient through the same
-# product. From $dA$ on, the softmax, $dQ$ and $dK$ are A8's. Below, $p = 1/2$: the mask holds 0
-# and 2.
+# product. From $dA$ on, the softmax is A8's, and $dQ$ comes from $dS$ the way your $dK$ of 01.6
+# did. Below, $p = 1/2$: the mask holds 0 and 2.
 
 # %%
 D = np.array([[2.0, 0.0, 0.0],
@@ -438,7 +437,8 @@ print("output with dropout:\n", O_drop)
 
 # %% tags=["exercise"]
 # Exercise 01.7: dV and dQ of the causal attention with dropout mask D (dO as before), from the
-# chain rule through B = A * D: derive dV and dA first, then dS and dQ as in A8.
+# chain rule through B = A * D: derive dV and dA first, then dS as in A8, and dQ from
+# S = Q K^T / sqrt(d_k) as you derived dK in 01.6.
 # Give them as one array: np.concatenate([dV_drop, dQ_drop]).
 dV_dQ_dropout = ...
 # BEGIN SOLUTION

@@ -519,8 +519,10 @@ assert change < 1e-3
 #
 # $$ y = c \tanh(x / c), $$
 #
-# with $c = 50$ on the scores (after the $1/\sqrt{s}$ scale, *before* the mask, so a masked
-# $-\infty$ stays $-\infty$) and $c = 30$ on the final logits. Below $c$ it is almost the
+# with $c = 50$ on the scores (after the score scale $1/\sqrt{d_k}$, *before* the mask, so a
+# masked $-\infty$ stays $-\infty$) and $c = 30$ on the final logits. Gemma 2's config writes that
+# scale $1/\sqrt{s_q}$, with $s_q$ its `query_pre_attn_scalar`: $d_k$ in the 2B and 9B models (the
+# 27B sets $d / h$), and not RoPE's factor $s$ above. Below $c$ the cap is almost the
 # identity ($y = x - x^3/(3c^2) + \dots$); far above, the output flattens at $c$ and so does the
 # gradient: a score that has run away stops growing, and stops being pushed. Its backward is one
 # multiplication by the slope $\partial y / \partial x$ (exercise 08.7 asks for it). Gemma's
@@ -671,8 +673,9 @@ check("08.8", fused_columns)
 # 1. Derive $dQ$ for GQA. Why does $dQ$ need no sum over heads, while $dK$ and $dV$ do?
 # 2. Show that MQA ($g = 1$) sums the key gradient over all $h$ query heads, and that MHA
 #    ($g = h$) sums over one head only.
-# 3. With `attention_design_cost`, find the context $t$ at which the cache read of one layer of
-#    Llama-3-8B's shape (GQA, $g = 8$) equals the bytes of that layer's attention weights in bf16.
+# 3. Exercise 08.5c found the context $t$ at which one layer's cache read equals its attention
+#    weights in bf16 at $g = 8$. With `attention_design_cost`, find it for MQA ($g = 1$) and MHA
+#    ($g = 32$) of the same shape. Why does it not grow exactly as $1/g$?
 # 4. Fuse the three projections of the modern decoder's layer 0 into one `w_qkv` and check with
 #    `mha_forward` that the layer's attention output does not change.
 # 5. The tiny M3 above has $g = 2$. Convert it to $g = 1$ by mean-pooling `w_k` and `w_v` over the

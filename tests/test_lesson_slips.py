@@ -89,6 +89,9 @@ PLANTS = {
         ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
          "dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=1), np.sum(upstream, axis=1)])",
          "(dgamma, dbeta)", "summed over the features of each row"),
+        ("dgamma_dbeta = np.stack([np.sum(upstream * xhat_batch, axis=0), np.sum(upstream, axis=0)])",
+         "dgamma_dbeta = np.stack([np.sum(gamma * upstream * xhat_batch, axis=0), "
+         "np.sum(upstream, axis=0)])", "(dgamma, dbeta)", "gamma multiplied into dgamma"),
         ("dx = cache.rstd * (g - g_mean - cache.xhat * g_along_xhat)",
          "dx = cache.rstd * (g - g_mean)", "your LayerNorm backward", "variance path dropped"),
         ("rows = tuple(range(dout.ndim - 1))  # every leading axis",
@@ -109,6 +112,9 @@ PLANTS = {
          "the tokens per sequence in 24 GiB", "the factor 2 for K and V forgotten"),
         ("per_token = 2 * 40 * 8 * (5120 // 40) * 2", "per_token = 2 * 40 * 40 * (5120 // 40) * 2",
          "the tokens per sequence in 24 GiB", "the 40 query heads cached"),
+        # walk-through (round four): 1 byte per element gives the same number as K and V once
+        ("per_token = 2 * 40 * 8 * (5120 // 40) * 2", "per_token = 2 * 40 * 8 * (5120 // 40) * 1",
+         "the tokens per sequence in 24 GiB", "or 1 byte per element"),
         ("tokens_that_fit = (24 * 2**30) // (8 * per_token)",
          "tokens_that_fit = -(-(24 * 2**30) // (8 * per_token))",
          "the tokens per sequence in 24 GiB", "rounded up"),
@@ -154,6 +160,18 @@ PLANTS = {
         ("dt = (1 - gate**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
          "dt = (1 - gate) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)",
          "your GELU backward", "1 - t, not 1 - t^2"),
+        # walk-through (round four): the rows swapped, sqrt(2/pi) or phi's 1/sqrt(2 pi) left out
+        ("gelu_derivatives = np.stack([\n    standard_normal_cdf(points) + points * density,\n"
+         "    0.5 * (1 + t) + 0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2),\n])",
+         "gelu_derivatives = np.stack([\n"
+         "    0.5 * (1 + t) + 0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2),\n"
+         "    standard_normal_cdf(points) + points * density,\n])",
+         "GELU'(0, 1, -2), exact and tanh", "the rows swapped"),
+        ("0.5 * points * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * points**2)",
+         "0.5 * points * (1 - t**2) * (1 + 3 * 0.044715 * points**2)",
+         "GELU'(0, 1, -2), exact and tanh", "the factor sqrt(2/pi) of the inner derivative"),
+        ("density = np.exp(-points**2 / 2) / np.sqrt(2 * np.pi)", "density = np.exp(-points**2 / 2)",
+         "GELU'(0, 1, -2), exact and tanh", "phi(u) without its 1/sqrt(2 pi)"),
     ],
     "05_losses_and_optimisers.py": [
         ("v_hat_after_two = v2 / (1 - 0.999**2)", "v_hat_after_two = v2",
@@ -254,6 +272,10 @@ PLANTS = {
         ("m_hat, v_hat = new_m / (1 - beta1**s), new_v / (1 - beta2**s)",
          "m_hat, v_hat = new_m / (1 - beta1**(s + 1)), new_v / (1 - beta2**(s + 1))",
          "your AdamW step", "the bias correction one step ahead"),
+        # walk-through (round four): the starts read as 1-based
+        ("windows = stream[starts[:, None] + np.arange(context + 1)]",
+         "windows = stream[starts[:, None] - 1 + np.arange(context + 1)]", "(inputs, targets)",
+         "the starts read as 1-based"),
     ],
     "08_modern_decoder_and_gqa.py": [
         ("dk_shared = per_head.reshape(B, G, H // G, T, D).sum(axis=2)",
@@ -279,6 +301,21 @@ PLANTS = {
          "capped = 50.0 * np.tanh((scaled + np.array([0.0, 0.0, 0.0, -np.inf])) / 50.0)",
          "the capped scores", "the mask added before the cap"),
         ("scaled = dots / np.sqrt(4)", "scaled = dots", "the capped scores", "no 1/sqrt(d_k) scale"),
+        # walk-through (round four): RoPE's s = 8 read as the score scale, the mask as a finite
+        # number or left out, an extra 1/c in the slope, the frequencies rounded to a print's digits
+        ("scaled = dots / np.sqrt(4)", "scaled = dots / np.sqrt(8)", "the capped scores",
+         "the scale 1/sqrt(8), RoPE's factor s"),
+        ("capped = 50.0 * np.tanh(scaled / 50.0) + np.array([0.0, 0.0, 0.0, -np.inf])",
+         "capped = 50.0 * np.tanh(scaled / 50.0) + np.array([0.0, 0.0, 0.0, -1e9])",
+         "the capped scores", "not a large finite number"),
+        ("capped = 50.0 * np.tanh(scaled / 50.0) + np.array([0.0, 0.0, 0.0, -np.inf])",
+         "capped = 50.0 * np.tanh(scaled / 50.0)", "the capped scores", "the mask not applied"),
+        ("slope = np.array([1.0, 1.0, 1.0, 0.0]) * (1.0 - np.tanh(scaled / 50.0) ** 2) / np.sqrt(4)",
+         "slope = np.array([1.0, 1.0, 1.0, 0.0]) * (1.0 - np.tanh(scaled / 50.0) ** 2) / np.sqrt(4) / 50",
+         "the slopes", "an extra 1/c"),
+        ("llama3_by_hand = np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w))",
+         "llama3_by_hand = np.round(np.where(lam < 8, w, np.where(lam > 32, w / 8, (1 - gamma) * w / 8 + gamma * w)), 4)",
+         "llama3 frequencies", "rounded to 4 decimals"),
         ("slope = np.array([1.0, 1.0, 1.0, 0.0]) * (1.0 - np.tanh(scaled / 50.0) ** 2) / np.sqrt(4)",
          "slope = np.array([1.0, 1.0, 1.0, 0.0]) * (1.0 - np.tanh(scaled / 50.0) ** 2)",
          "the slopes", "the 1/sqrt(d_k) of the chain rule left out"),

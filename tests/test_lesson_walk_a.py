@@ -132,7 +132,8 @@ def test_03_5_the_tokens_that_fit_are_worked_out_from_the_model_card():
         "not rounded down": 24 * 2**30 / (8 * per_token),
         "the 40 query heads cached": 24 * 2**30 // (8 * 2 * 40 * 40 * 128 * 2),
         "d_h taken as the width d": 24 * 2**30 // (8 * 2 * 40 * 8 * 5120 * 2),
-        "GiB read as 10^9 bytes": 24 * 10**9 // (8 * per_token)})
+        "GiB read as 10^9 bytes": 24 * 10**9 // (8 * per_token),
+        "or 1 byte per element": 24 * 2**30 // (8 * 2 * 40 * 8 * 128 * 1)})
 
 
 def test_06_3_the_gradient_of_the_smoothed_loss_is_derived_not_the_target_copied():
@@ -142,6 +143,9 @@ def test_06_3_the_gradient_of_the_smoothed_loss_is_derived_not_the_target_copied
     _judged("06.3", p - q, {"target q itself, not the gradient": q,
                             "the smoothing left out": p - np.eye(5)[0],
                             "refmath's target": p - (0.9 * np.eye(5)[0] + 0.02)}, z=z, y=y)
+    # z has shape (1, 5): a gradient of its shape is the same answer, and its slips are named too
+    _judged("06.3", (p - q)[None], {"target q itself, not the gradient": q[None]}, z=z, y=y)
+    assert "shape" in _line("06.3", (p - q)[:4], z=z, y=y)
 
 
 def test_07_5_rows_of_a_stream_take_context_plus_one_tokens():
@@ -154,7 +158,9 @@ def test_07_5_rows_of_a_stream_take_context_plus_one_tokens():
         "not shifted": (rows[:, :-1], rows[:, :-1]),
         "the targets one token back": (rows[:, :-1], np.stack([stream[s - 1:s + 3] for s in starts])),
         "the first inputs repeat as targets": (
-            rows[:, :-1], np.stack([np.r_[stream[s + 1:s + 4], stream[s + 3]] for s in starts]))},
+            rows[:, :-1], np.stack([np.r_[stream[s + 1:s + 4], stream[s + 3]] for s in starts])),
+        "the starts read as 1-based": (np.stack([stream[s - 1:s + 3] for s in starts]),
+                                       np.stack([stream[s:s + 4] for s in starts]))},
         **inputs)
 
 
@@ -174,15 +180,33 @@ def test_08_5_and_08_7_slips_are_named():
     _judged("08.7a", 50 * np.tanh(dots / 2 / 50) + mask, {
         "the mask added before the cap": 50 * np.tanh((dots / 2 + mask) / 50),
         "no 1/sqrt(d_k) scale": 50 * np.tanh(dots / 50) + mask,
-        "the cap before the scale": 50 * np.tanh(dots / 50) / 2 + mask}, dots=dots)
+        "the cap before the scale": 50 * np.tanh(dots / 50) / 2 + mask,
+        "the scale 1/sqrt(8), RoPE's factor s": 50 * np.tanh(dots / np.sqrt(8) / 50) + mask,
+        "the mask not applied": 50 * np.tanh(dots / 2 / 50)}, dots=dots)
+    # a masked score written as any large finite number is one slip, named as such
+    for finite in (-1e9, -1e30, -np.finfo(np.float64).max, -1e4):
+        capped = 50 * np.tanh(dots / 2 / 50)
+        capped[3] = finite
+        said = _line("08.7a", capped, dots=dots)
+        assert said.startswith("wrong: ") and "not a large finite number" in said, (finite, said)
+    # ... and a finite value above -1e4 is only wrong (it is no stand-in for -inf)
+    capped[3] = -100.0
+    assert "looks like" not in _line("08.7a", capped, dots=dots)
     slope = (1 - np.tanh(dots / 100) ** 2) / 2 * np.array([1, 1, 1, 0])
     _judged("08.7b", slope, {
         "the 1/sqrt(d_k) of the chain rule left out": 2 * slope,
-        "the masked key's slope taken as the cap's": (1 - np.tanh(dots / 100) ** 2) / 2}, dots=dots)
+        "the masked key's slope taken as the cap's": (1 - np.tanh(dots / 100) ** 2) / 2,
+        "an extra 1/c": slope / 50}, dots=dots)
+    omega = 500.0 ** (-np.arange(4) / 4)
+    turns = 32 * omega / (2 * np.pi)  # L / lambda
+    gamma = (turns - 1) / (4 - 1)
+    llama3 = np.where(turns > 4, omega, np.where(turns < 1, omega / 8,
+                                                 (1 - gamma) * omega / 8 + gamma * omega))
+    _judged("08.6", llama3, {"rounded to 4 decimals": np.round(llama3, 4)})
 
 
 def test_01_6_asks_the_keys_gradient_and_names_dq_for_it():
-    """01.6 is written from A8's equations (no code above computes them): dK of the causal case."""
+    """01.6: dS from A8's equations, dK derived from S = Q K^T / sqrt(d_k) (A8 shows neither dQ nor dK)."""
     from refmath.attention import causal_mask, sdpa_forward
 
     X = np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
@@ -200,3 +224,50 @@ def test_01_6_asks_the_keys_gradient_and_names_dq_for_it():
         "without the transpose of dS": dS @ Q / np.sqrt(2),
         "scale 1/sqrt(d_k) missing from dK": dS.T @ Q,
         "dQ's formula": dS @ K / np.sqrt(2)}, **inputs)
+
+
+def test_04_3_rows_swapped_and_the_constants_left_out_are_named():
+    """Round four: the rows swapped differ by under 1e-3 (read as a rounding before), and the two
+    normalising constants of the derivation, sqrt(2/pi) and phi's 1/sqrt(2 pi)."""
+    from math import erf
+
+    u = np.array([0.0, 1.0, -2.0])
+    big_phi = np.array([0.5 * (1 + erf(z / np.sqrt(2))) for z in u])
+    phi = np.exp(-u**2 / 2) / np.sqrt(2 * np.pi)
+    t = np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3))
+    inner = 1 + 3 * 0.044715 * u**2
+    exact = big_phi + u * phi
+    tanh = 0.5 * (1 + t) + 0.5 * u * (1 - t**2) * np.sqrt(2 / np.pi) * inner
+    _judged("04.3", np.stack([exact, tanh]), {
+        "the rows swapped": np.stack([tanh, exact]),
+        "the factor sqrt(2/pi) of the inner derivative left out":
+            np.stack([exact, 0.5 * (1 + t) + 0.5 * u * (1 - t**2) * inner]),
+        "phi(u) without its 1/sqrt(2 pi)": np.stack([big_phi + u * np.exp(-u**2 / 2), tanh])},
+        points=u)
+
+
+def test_02_3_gamma_in_dgamma_only_is_named():
+    """Round four: gamma multiplied into dgamma alone (dbeta right) is the slip of g = gamma dy
+    read as the gradient of gamma."""
+    rng = np.random.default_rng(5)
+    xs, upstream = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    gamma, beta = 1 + rng.standard_normal(5) / 4, rng.standard_normal(5)
+    xhat = (xs - xs.mean(1, keepdims=True)) / np.sqrt(xs.var(1, keepdims=True) + 1e-5)
+    inputs = dict(upstream=upstream, xs=xs, gamma=gamma, beta=beta)
+    _judged("02.3", np.stack([(upstream * xhat).sum(0), upstream.sum(0)]), {
+        "gamma multiplied into dgamma": np.stack([(gamma * upstream * xhat).sum(0), upstream.sum(0)]),
+        "g = gamma dy used for dy": np.stack([(gamma * upstream * xhat).sum(0),
+                                               (gamma * upstream).sum(0)])}, **inputs)
+
+
+def test_01_6_the_keys_gradient_is_not_shown_before_its_check():
+    """Round four: A8 printed dK = dS^T Q / sqrt(d_k) right above 01.6; the lesson now shows dV,
+    dA and dS only, and dQ and dK are derived from S = Q K^T / sqrt(d_k)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "notebooks" / "01_attention.py").read_text()
+    a8 = text[text.index("## A8"):text.index('check("01.6"')]
+    a8 = a8[:a8.rindex("# BEGIN SOLUTION")]  # up to 01.6's solution, which the student lacks
+    assert "dS_{ij} = A_{ij}" in a8
+    for shown in ("dS^\\top Q", "dS\\, K", "dS.T @ Q", "dS_causal.T"):
+        assert shown not in a8, shown

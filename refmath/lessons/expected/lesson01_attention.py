@@ -73,8 +73,9 @@ def _dk_with_a_slip(dout, cache, reduce=np.sum, scale=None):
 
 
 @exercise("01.6", "dK (causal)", _A8,
-          "dS = A (dA - rowsum(A dA)) with the causal weights, then dK = dS^T Q / sqrt(d_k): key j "
-          "collects column j of dS",
+          "dS = A (dA - rowsum(A dA)) with the causal weights; then back through "
+          "S = Q K^T / sqrt(d_k): s_ij reaches key j, so key j collects column j of dS (a "
+          "transpose), times q_i, with the scale",
           uses=("dO", "cache_causal", "cache"), atol=1e-15)
 def _causal_dk(dout, cache_causal, cache):
     from refmath.attention import sdpa_backward

@@ -84,6 +84,8 @@ def _layernorm_dgamma_dbeta(upstream, xs, gamma, beta):
                     # gamma dy is the gradient at xhat, for dx), and a gain is shared by the rows
                     "g = gamma dy used for dy: g is the gradient at xhat, and dy/dgamma = xhat, "
                     "dy/dbeta = 1": both() * gamma,
+                    "gamma multiplied into dgamma: dy/dgamma = xhat, without gamma (gamma dy is "
+                    "the gradient at xhat, for dx)": both() * np.stack([gamma, np.ones_like(gamma)]),
                     "summed over the features of each row, not over the rows that share the gain":
                         np.stack([np.sum(upstream * layernorm_forward(xs, gamma, beta)[1].xhat,
                                          axis=-1), np.sum(upstream, axis=-1)])}

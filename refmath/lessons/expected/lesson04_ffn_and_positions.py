@@ -67,7 +67,14 @@ def _gelu_derivatives(points):
             exact, 0.5 * (1 + t) + 0.5 * u * (1 - t) * np.sqrt(2 / np.pi)
             * (1 + 3 * 0.044715 * u**2)]),
         "tanh form: the inner derivative sqrt(2/pi) (1 + 3 c u^2) left out of the chain rule":
-            np.stack([exact, 0.5 * (1 + t) + 0.5 * u * (1 - t**2)])}
+            np.stack([exact, 0.5 * (1 + t) + 0.5 * u * (1 - t**2)]),
+        "tanh form: the factor sqrt(2/pi) of the inner derivative left out":
+            np.stack([exact, 0.5 * (1 + t) + 0.5 * u * (1 - t**2) * (1 + 3 * 0.044715 * u**2)]),
+        "exact form: phi(u) without its 1/sqrt(2 pi)":
+            np.stack([standard_normal_cdf(u) + u * np.exp(-u**2 / 2), tanh]),
+        # the two rows differ by under 1e-3 here, which would otherwise read as a rounding
+        "the rows swapped: the first row is the exact form, the second the tanh form":
+            np.stack([tanh, exact])}
 
 
 @exercise("04.5", "SwiGLU dx", _N7, "two paths into x: dg W_g^T and du W_u^T",

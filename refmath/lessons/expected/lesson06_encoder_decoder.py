@@ -27,10 +27,18 @@ def _tensor2tensor_target(z, y):
     return target, ours[0]
 
 
+def _as_one_row(answer, width: int) -> np.ndarray:
+    """The gradient of one row of logits, given as (width,) or as z's own shape (1, width): both
+    are it (any other size is left as it is, and the check names its shape)."""
+    answer = np.asarray(answer, dtype=np.float64)
+    return answer.reshape(width) if answer.size == width else answer
+
+
 @exercise("06.3", "dloss/dz for tensor2tensor's target",
           "the section 'L4: label smoothing, three conventions'",
           "d/dz_u of -sum_v q_v (z_v - log sum_w e^(z_w)) is p_u - q_u, as sum_v q_v = 1; q has "
-          "1 - eps on y and eps / (V - 1) on each other token", uses=("z", "y"))
+          "1 - eps on y and eps / (V - 1) on each other token", uses=("z", "y"),
+          prepare=lambda answer: _as_one_row(answer, 5))
 def _tensor2tensor_gradient(z, y):
     from refmath.losses import cross_entropy_backward, cross_entropy_forward
     from refmath.softmax import softmax_forward

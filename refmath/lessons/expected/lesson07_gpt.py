@@ -36,7 +36,9 @@ def _shifted_pair(stream, starts, context):
             (window(0), window(2)),
         "rows of context tokens with the targets shifted inside them: the first inputs repeat as "
         "targets, and the last target is missing (filled with the last input)":
-            (window(0), np.concatenate([window(1, context - 1), window(context - 1, 1)], axis=1))}
+            (window(0), np.concatenate([window(1, context - 1), window(context - 1, 1)], axis=1)),
+        "the starts read as 1-based: a start is an index into the stream, counted from 0":
+            (window(-1), window(0))}
 
 
 _N11 = "the section 'N11: initialisation, std 0.02 and residual projections scaled by $1/\\sqrt{2L}$'"
