@@ -521,11 +521,10 @@ assert change < 1e-3
 #
 # with $c = 50$ on the scores (after the score scale $1/\sqrt{d_k}$, *before* the mask, so a
 # masked $-\infty$ stays $-\infty$) and $c = 30$ on the final logits. Gemma 2's config writes that
-# scale $1/\sqrt{s_q}$, with $s_q$ its `query_pre_attn_scalar`: $d_k$ in the 2B and 9B models (the
-# 27B sets $d / h$), and not RoPE's factor $s$ above. Below $c$ the cap is almost the
-# identity ($y = x - x^3/(3c^2) + \dots$); far above, the output flattens at $c$ and so does the
-# gradient: a score that has run away stops growing, and stops being pushed. Its backward is one
-# multiplication by the slope $\partial y / \partial x$ (exercise 08.7 asks for it). Gemma's
+# scale $1/\sqrt{s_q}$, with $s_q$ its `query_pre_attn_scalar` (not RoPE's factor $s$ above).
+# Below $c$ the cap is almost the identity ($y = x - x^3/(3c^2) + \dots$); far above, the output
+# flattens at $c$ and so does the gradient: a score that has run away stops growing, and stops
+# being pushed. Its backward is one multiplication by the slope $\partial y / \partial x$ (exercise 08.7 asks for it). Gemma's
 # feed-forward is **GeGLU**, SwiGLU with a tanh-GELU gate, $[\operatorname{GELU}_{\tanh}(x W_g) \odot x W_u] W_d$ (N20);
 # every RMSNorm gain is $1 + w$ with $w$ stored, the embeddings are multiplied by $\sqrt d$, and
 # Gemma 2 and 3 also normalise each sublayer's *output* ("sandwich" norms). Their layers alternate
