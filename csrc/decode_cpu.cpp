@@ -20,6 +20,23 @@
 // A block is given as one pointer per key (to its key row and its value row), so a paged cache costs
 // the same as a contiguous one: a block may gather keys from several pages, and a page may be cut
 // across blocks, with no special case in the arithmetic.
+//
+// Where one thread stands on an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k and 128k, CPU
+// time, paired turns, the machine shared, load 3-5): 80-81% of a plain read of the same bytes
+// (9.6-9.9 against 11.9-12.4 GB/s, benchmarks/results/2026-12-07-0259-decode.md). With K and V in
+// the caches (T = 128, a C++ loop of calls) the kernel reads 22-27 GB/s, about twice what the core
+// reads from memory, so what is missing is overlap, not arithmetic: taking the whole online softmax
+// out (a fifth of that time; the result then wrong) moved the cold rate from 83-86% to 88-90% only.
+// The memory traffic is the software prefetches' (none at all: 70-77%). Tried there, none of them
+// faster from memory: requests 2, 3 or 4 blocks ahead; into level 1 (hint 3: 74-80%) or level 3
+// (hint 1: the same as 2); one request per 128 or 256 bytes, or only the first 0.5-2 KiB of each
+// 4 KiB, leaving the rest to the hardware prefetchers (66-81%); key rows or value rows alone
+// (75-78%); the requests spread one line per step of the score tile's loop; the look-ahead off (the
+// same, in 2 MiB pages); a 16-lane softmax of the whole block (one vector per row, the same bits:
+// 1-3% faster in cache, unchanged from memory); the folds pipelined (the next block's scores
+// before this block's P V, hiding the softmax's dependent chain: unchanged); P V tiles of 4 x 4
+// vectors (4-7% faster in cache, 79-80% from memory) or 4 x 1. A plain read that takes K and V in
+// the kernel's order (8 KiB of one, then of the other) reads as fast as one stream.
 #include "decode_cpu.h"
 
 #include <algorithm>
