@@ -22,21 +22,23 @@
 // across blocks, with no special case in the arithmetic.
 //
 // Where one thread stands on an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k and 128k, CPU
-// time, paired turns, the machine shared, load 3-5): 80-81% of a plain read of the same bytes
-// (9.6-9.9 against 11.9-12.4 GB/s, benchmarks/results/2026-12-07-0259-decode.md). With K and V in
-// the caches (T = 128, a C++ loop of calls) the kernel reads 22-27 GB/s, about twice what the core
-// reads from memory, so what is missing is overlap, not arithmetic: taking the whole online softmax
-// out (a fifth of that time; the result then wrong) moved the cold rate from 83-86% to 88-90% only.
-// The memory traffic is the software prefetches' (none at all: 70-77%). Tried there, none of them
-// faster from memory: requests 2, 3 or 4 blocks ahead; into level 1 (hint 3: 74-80%) or level 3
-// (hint 1: the same as 2); one request per 128 or 256 bytes, or only the first 0.5-2 KiB of each
-// 4 KiB, leaving the rest to the hardware prefetchers (66-81%); key rows or value rows alone
-// (75-78%); the requests spread one line per step of the score tile's loop; the look-ahead off (the
-// same, in 2 MiB pages); a 16-lane softmax of the whole block (one vector per row, the same bits:
-// 1-3% faster in cache, unchanged from memory); the folds pipelined (the next block's scores
-// before this block's P V, hiding the softmax's dependent chain: unchanged); P V tiles of 4 x 4
-// vectors (4-7% faster in cache, 79-80% from memory) or 4 x 1. A plain read that takes K and V in
-// the kernel's order (8 KiB of one, then of the other) reads as fast as one stream.
+// time, paired turns, the machine shared, load 3-5): 89-90% of a plain read of the same bytes (11.1
+// and 11.4 against 12.5 and 12.6 GB/s, benchmarks/results/2026-12-07-0310-decode.md), from 80-81%
+// before the requests were spread (LineRequests; 2026-12-07-0259-decode.md). With K and V in the
+// caches (T = 128, a C++ loop of calls) the kernel reads 22-27 GB/s, about twice what the core
+// reads from memory, so what was missing was overlap, not arithmetic: taking the whole online
+// softmax out (a fifth of that time; the result then wrong) moved the cold rate from 83-86% to
+// 88-90% only. The memory traffic is the software prefetches' (none at all: 70-77%). Tried there
+// and no faster from memory (before LineRequests): requests 2, 3 or 4 blocks ahead; into level 1
+// (hint 3: 74-80%) or with hint 1 (the same as hint 2); one request per 128 or 256 bytes, or only
+// the first 0.5-2 KiB of each 4 KiB, leaving the rest to the hardware prefetchers (66-81%); key
+// rows or value rows alone (75-78%); the look-ahead off (the same, in 2 MiB pages); a 16-lane
+// softmax of the whole block (one vector per row, the same bits: 1-3% faster in cache, unchanged
+// from memory); the folds pipelined (the next block's scores before this block's P V, hiding the
+// softmax's dependent chain: unchanged); 32-key blocks (10% faster in cache, 80% from memory
+// against 85%) and P V tiles of 4 x 4 vectors (4-7% faster in cache, 79-80% from memory): both
+// also make the bursts of requests larger. A plain read that takes K and V in the kernel's order (8 KiB
+// of one, then of the other) reads as fast as one stream.
 #include "decode_cpu.h"
 
 #include <algorithm>
@@ -249,7 +251,7 @@ REFMATH_INLINE void pv_tile(idx n, idx d0, const float* P, idx ldp, const KeyBlo
 
 // The whole width D for rows 0..MR-1: tiles of NV vectors V, then single vectors V, then single
 // 8-lane vectors, then the last columns one by one. The value rows of block 'ahead' are requested a
-// few per tile.
+// few lines per key of each full tile (LineRequests).
 template <int MR, int NV, class V>
 REFMATH_INLINE void pv_rows(idx n, idx D, const float* P, idx ldp, const KeyBlock& blk,
                             const float* alpha, float* U, const KeyBlock& ahead, bool pf) {
