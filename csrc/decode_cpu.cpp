@@ -7,7 +7,7 @@
 //   memory once per group, not once per query head.
 // * One long sequence must still keep every core streaming: the work items are
 //   (sequence, key/value head, split), where a split is a contiguous chunk of the sequence's keys
-//   (or pages; a paged item takes up to 8 key/value heads together, see decode_with). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
+//   (or pages; a paged item takes 2 key/value heads together, see decode_with). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
 //   splits of each (sequence, head) (F3). An empty split (more splits than keys) leaves the empty
 //   state m = -inf, l = 0, u = 0, which the merge skips.
 // * The arithmetic must keep up with memory, which takes tight inner loops: a block of kBlock keys
@@ -69,7 +69,17 @@ constexpr idx kPad = 8;                // room to round a block up to a whole re
 constexpr idx kItemsPerThread = 8;     // automatic splits: work items per thread (see choose_splits)
 constexpr idx kMinKeysPerSplit = 512;  // automatic splits keep at least this many keys each
 constexpr idx kMaxSplits = 1024;       // a bound on the scratch (B * H * splits * (D + 2) floats)
-constexpr idx kMaxHeadsPerItem = 8;    // key/value heads one paged work item reads together
+constexpr idx kMaxHeadsPerItem = 8;    // key/value heads a work item may read together
+// Key/value heads one paged work item reads together (see decode_with): 2, a rung on 8 (all the
+// heads of a page, one 64 KiB run of keys and one of values at G = 8, first chosen on a Zen 4).
+// Once the requests were spread over the fold (LineRequests), 8 heads per item were the slower on
+// an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k, page size 16, pages scattered, a C++ loop
+// of calls in paired turns, CPU time, load 2-3): 81-83% of a plain read of the same bytes, against
+// 84-87% with 4, 87-89% with 2 and 86-87% with 1. The likely reason: an item's state is a
+// head's queries and U (4 KiB at R = 4, D = 128) per head, so 8 heads cycle 32 KiB of state
+// through a 48 KiB level 1 beside the 16 KiB block of each fold. 2 heads still read 16 KiB runs of
+// a page. Not re-measured on the Zen 4.
+constexpr idx kPagedHeadsPerItem = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Up to kBlock keys: the key row and the value row of each (D floats each, anywhere in memory).
@@ -427,7 +437,7 @@ struct PagedCache {
 // kMinKeysPerSplit keys, where the fixed cost of a work item would start to show. On one thread
 // there is nothing to even out, so each (sequence, set of heads) is one item: a split costs its
 // start (state, first blocks requested with nothing to overlap them) and its share of the merge,
-// and a paged item, which holds 8 heads, was otherwise cut into 8 splits (1 thread, T = 1024, the
+// and a paged item, which then held 8 heads, was otherwise cut into 8 splits (1 thread, T = 1024, the
 // cache warm, Zen 4: 8 splits 0.30 ms against 0.28 ms for one, for paged and contiguous alike). A
 // requested count is used as given, except that more splits than the longest sequence has units
 // would only add empty ones, and that it is capped at kMaxSplits.
@@ -450,7 +460,7 @@ idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_pe
 // head's keys are page_size * D floats every G * page_size * D: at page_size 16, D = 128 and G = 8,
 // 8 KiB every 64 KiB. Every one of them then falls on the same eighth of the sets of a cache whose
 // way is 64 KiB (a common level-2 size), and the keys requested ahead evict each other before use.
-// Taking the G heads of a page together reads the page as one 64 KiB run instead.
+// Taking several heads of a page together reads them as one run instead: kPagedHeadsPerItem.
 template <class Cache>
 void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx units_per_min_split,
                  idx heads_per_item, float* o) {
@@ -623,7 +633,8 @@ void paged_decode_cpu(const DecodeShape& shape, const float* q, const float* k_p
     }
     const PagedCache cache{k_pages, v_pages, page_size, shape.kv_heads, shape.head_dim, max_pages,
                            page_table, lengths};
-    decode_with(shape, q, cache, std::max<idx>(1, kMinKeysPerSplit / page_size), kMaxHeadsPerItem, o);
+    decode_with(shape, q, cache, std::max<idx>(1, kMinKeysPerSplit / page_size), kPagedHeadsPerItem,
+                o);
 }
 
 }  // namespace refmath
