@@ -22,9 +22,10 @@
 // across blocks, with no special case in the arithmetic.
 //
 // Where one thread stands on an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k and 128k, CPU
-// time, paired turns, the machine shared, load 3-5): 89-90% of a plain read of the same bytes (11.1
-// and 11.4 against 12.5 and 12.6 GB/s, benchmarks/results/2026-12-07-0310-decode.md), from 80-81%
-// before the requests were spread (LineRequests; 2026-12-07-0259-decode.md). With K and V in the
+// time, paired turns, the machine shared, load 3-5): 89-92% of a plain read of the same bytes (10.8
+// and 11.1 against 12.1 and 12.0 GB/s, benchmarks/results/2026-12-07-0315-decode.md; the paged
+// decode at 1.01-1.06x its time), from 80-81% before the requests were spread (LineRequests;
+// 2026-12-07-0259-decode.md). With K and V in the
 // caches (T = 128, a C++ loop of calls) the kernel reads 22-27 GB/s, about twice what the core
 // reads from memory, so what was missing was overlap, not arithmetic: taking the whole online
 // softmax out (a fifth of that time; the result then wrong) moved the cold rate from 83-86% to
