@@ -7,7 +7,7 @@
 //   memory once per group, not once per query head.
 // * One long sequence must still keep every core streaming: the work items are
 //   (sequence, key/value head, split), where a split is a contiguous chunk of the sequence's keys
-//   (or pages; a paged item takes up to 8 key/value heads together, see decode_with). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
+//   (or pages; a paged item takes 2 key/value heads together, see decode_with). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
 //   splits of each (sequence, head) (F3). An empty split (more splits than keys) leaves the empty
 //   state m = -inf, l = 0, u = 0, which the merge skips.
 // * The arithmetic must keep up with memory, which takes tight inner loops: a block of kBlock keys
@@ -20,6 +20,26 @@
 // A block is given as one pointer per key (to its key row and its value row), so a paged cache costs
 // the same as a contiguous one: a block may gather keys from several pages, and a page may be cut
 // across blocks, with no special case in the arithmetic.
+//
+// Where one thread stands on an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k and 128k, CPU
+// time, paired turns, the machine shared, load 3-5): 89-92% of a plain read of the same bytes (10.8
+// and 11.1 against 12.1 and 12.0 GB/s, benchmarks/results/2026-12-07-0315-decode.md; the paged
+// decode at 1.01-1.06x its time), from 80-81% before the requests were spread (LineRequests;
+// 2026-12-07-0259-decode.md). With K and V in the
+// caches (T = 128, a C++ loop of calls) the kernel reads 22-27 GB/s, about twice what the core
+// reads from memory, so what was missing was overlap, not arithmetic: taking the whole online
+// softmax out (a fifth of that time; the result then wrong) moved the cold rate from 83-86% to
+// 88-90% only. The memory traffic is the software prefetches' (none at all: 70-77%). Tried there
+// and no faster from memory (before LineRequests): requests 2, 3 or 4 blocks ahead; into level 1
+// (hint 3: 74-80%) or with hint 1 (the same as hint 2); one request per 128 or 256 bytes, or only
+// the first 0.5-2 KiB of each 4 KiB, leaving the rest to the hardware prefetchers (66-81%); key
+// rows or value rows alone (75-78%); the look-ahead off (the same, in 2 MiB pages); a 16-lane
+// softmax of the whole block (one vector per row, the same bits: 1-3% faster in cache, unchanged
+// from memory); the folds pipelined (the next block's scores before this block's P V, hiding the
+// softmax's dependent chain: unchanged); 32-key blocks (10% faster in cache, 80% from memory
+// against 85%) and P V tiles of 4 x 4 vectors (4-7% faster in cache, 79-80% from memory): both
+// also make the bursts of requests larger. A plain read that takes K and V in the kernel's order (8 KiB
+// of one, then of the other) reads as fast as one stream.
 #include "decode_cpu.h"
 
 #include <algorithm>
@@ -50,7 +70,17 @@ constexpr idx kPad = 8;                // room to round a block up to a whole re
 constexpr idx kItemsPerThread = 8;     // automatic splits: work items per thread (see choose_splits)
 constexpr idx kMinKeysPerSplit = 512;  // automatic splits keep at least this many keys each
 constexpr idx kMaxSplits = 1024;       // a bound on the scratch (B * H * splits * (D + 2) floats)
-constexpr idx kMaxHeadsPerItem = 8;    // key/value heads one paged work item reads together
+constexpr idx kMaxHeadsPerItem = 8;    // key/value heads a work item may read together
+// Key/value heads one paged work item reads together (see decode_with): 2, a rung on 8 (all the
+// heads of a page, one 64 KiB run of keys and one of values at G = 8, first chosen on a Zen 4).
+// Once the requests were spread over the fold (LineRequests), 8 heads per item were the slower on
+// an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k, page size 16, pages scattered, a C++ loop
+// of calls in paired turns, CPU time, load 2-3): 81-83% of a plain read of the same bytes, against
+// 84-87% with 4, 87-89% with 2 and 86-87% with 1. The likely reason: an item's state is a
+// head's queries and U (4 KiB at R = 4, D = 128) per head, so 8 heads cycle 32 KiB of state
+// through a 48 KiB level 1 beside the 16 KiB block of each fold. 2 heads still read 16 KiB runs of
+// a page. Not re-measured on the Zen 4.
+constexpr idx kPagedHeadsPerItem = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Up to kBlock keys: the key row and the value row of each (D floats each, anywhere in memory).
@@ -79,6 +109,40 @@ REFMATH_INLINE void prefetch_row(const float* row, idx D) {
     for (std::uintptr_t a = reinterpret_cast<std::uintptr_t>(row) & ~std::uintptr_t{63}; a < end; a += 64)
         __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
 }
+
+// The lines of some rows (the same lines as prefetch_row's), requested a few at a time: a rung on
+// requesting each row's lines all at once. The fold used to request four rows of the next block
+// (32 lines) before each score tile and each P V tile; now score_rows requests NR lines per 64
+// bytes of its loop along d and pv_tile a few per key, so the requests go out at an even pace
+// among the multiply-adds. A core can keep only so many requests to memory in flight (its fill
+// buffers), and a burst of 32 left the rest waiting in its load queue, ahead of the tile's own
+// loads. On an Intel Xeon (Ice Lake, AVX-512; 1 thread, T = 32k, B = 1, H = 32, G = 8, D = 128, a
+// C++ loop of calls in paired turns, CPU time, caches in 2 MiB pages, load 4-5) the contiguous
+// decode read 10.8-11.0 GB/s against 10.2-10.6 (87-88% of a plain read in the same turns against
+// 84-86%), the paged one 10.1-10.5 against 10.0-10.2 (83-84% against 80-81%); the bits are the
+// same. The order of the lines among the requests mattered less than the pace: spreading the key
+// rows' requests alone gave half the gain.
+struct LineRequests {
+    const float* const* rows;  // the rows not yet begun
+    idx left, D;
+    std::uintptr_t line = 0, end = 0;  // the next line of the current row, and the row's end
+
+    // Request up to k more lines.
+    REFMATH_INLINE void issue(idx k) {
+        for (; k > 0; --k) {
+            if (line >= end) {
+                if (left == 0) return;
+                line = reinterpret_cast<std::uintptr_t>(*rows) & ~std::uintptr_t{63};
+                end = reinterpret_cast<std::uintptr_t>(*rows + D);
+                ++rows;
+                --left;
+            }
+            __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+            line += 64;
+        }
+    }
+    REFMATH_INLINE void rest() { issue(std::numeric_limits<idx>::max()); }
+};
 
 // The look-ahead (a rung on prefetch_row's one block ahead): besides the rows of the next block,
 // one line in every 4 KiB of memory that a cursor reads further on, requested well before the
@@ -125,8 +189,8 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
     constexpr int L = tile::kLanes<V>;
     const idx DL = D - D % L;
     for (idx j = 0; j < n; j += NR) {
-        if (pf)
-            for (idx t = j; t < j + NR && t < ahead.n; ++t) prefetch_row(ahead.k[t], D);
+        // The tile's share of the rows of 'ahead' (LineRequests): NR lines per 64 bytes along d.
+        LineRequests req{ahead.k + j, pf ? std::max<idx>(0, std::min<idx>(NR, ahead.n - j)) : 0, D};
         const float* kr[NR];
         for (int c = 0; c < NR; ++c) kr[c] = blk.k[j + c];
         V acc[A];
@@ -134,11 +198,13 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
         for (idx d = 0; d < DL; d += L) {
             V kv[NR];
             for (int c = 0; c < NR; ++c) kv[c] = tile::loadv<V>(kr[c] + d);
+            if (d % 16 == 0) req.issue(NR);
             for (int r = 0; r < MR; ++r) {
                 const V x = tile::loadv<V>(q + r * D + d);
                 for (int c = 0; c < NR; ++c) acc[r * NR + c] += x * kv[c];
             }
         }
+        req.rest();  // lines the loop did not reach (a row off a line boundary, D % 16 != 0)
         f32x8 halves[A8];
         for (int i = 0; i < A; ++i) halves[i] = tile::fold_halves(acc[i]);
         for (int i = A; i < A8; ++i) halves[i] = f32x8{};
@@ -171,12 +237,14 @@ REFMATH_INLINE void score_rows(idx n, idx D, const float* q, const KeyBlock& blk
 // context is a chain of one addition per block, not one per key.
 template <int MR, int NV, class V>
 REFMATH_INLINE void pv_tile(idx n, idx d0, const float* P, idx ldp, const KeyBlock& blk,
-                            const float* alpha, float* U, idx ldu) {
+                            const float* alpha, float* U, idx ldu, LineRequests* req = nullptr,
+                            idx per_key = 0) {
     constexpr int L = tile::kLanes<V>;
     V acc[MR][NV];
     for (int r = 0; r < MR; ++r)
         for (int c = 0; c < NV; ++c) acc[r][c] = tile::zerov<V>();
     for (idx j = 0; j < n; ++j) {
+        if (req != nullptr) req->issue(per_key);
         const float* vr = blk.v[j] + d0;
         V vv[NV];
         for (int c = 0; c < NV; ++c) vv[c] = tile::loadv<V>(vr + L * c);
@@ -194,7 +262,7 @@ REFMATH_INLINE void pv_tile(idx n, idx d0, const float* P, idx ldp, const KeyBlo
 
 // The whole width D for rows 0..MR-1: tiles of NV vectors V, then single vectors V, then single
 // 8-lane vectors, then the last columns one by one. The value rows of block 'ahead' are requested a
-// few per tile.
+// few lines per key of each full tile (LineRequests).
 template <int MR, int NV, class V>
 REFMATH_INLINE void pv_rows(idx n, idx D, const float* P, idx ldp, const KeyBlock& blk,
                             const float* alpha, float* U, const KeyBlock& ahead, bool pf) {
@@ -204,9 +272,14 @@ REFMATH_INLINE void pv_rows(idx n, idx D, const float* P, idx ldp, const KeyBloc
     idx next = pf ? 0 : ahead.n;  // the next row of 'ahead' to request
     idx d = 0;
     for (; d + L * NV <= D; d += L * NV) {
-        for (const idx until = std::min(ahead.n, next + per_tile); next < until; ++next)
-            prefetch_row(ahead.v[next], D);
-        pv_tile<MR, NV, V>(n, d, P, ldp, blk, alpha, U, D);
+        // The tile's rows of 'ahead', a few lines per key (LineRequests); D / 16 + 1 lines a row
+        // at most (one more where a row does not start on a line).
+        const idx rows = std::min(ahead.n, next + per_tile) - next;
+        LineRequests req{ahead.v + next, rows, D};
+        const idx per_key = n > 0 ? (rows * (D / 16 + 1) + n - 1) / n : 0;
+        pv_tile<MR, NV, V>(n, d, P, ldp, blk, alpha, U, D, &req, per_key);
+        req.rest();
+        next += rows;
     }
     for (; next < ahead.n; ++next) prefetch_row(ahead.v[next], D);
     for (; d + L <= D; d += L) pv_tile<MR, 1, V>(n, d, P, ldp, blk, alpha, U, D);
@@ -365,7 +438,7 @@ struct PagedCache {
 // kMinKeysPerSplit keys, where the fixed cost of a work item would start to show. On one thread
 // there is nothing to even out, so each (sequence, set of heads) is one item: a split costs its
 // start (state, first blocks requested with nothing to overlap them) and its share of the merge,
-// and a paged item, which holds 8 heads, was otherwise cut into 8 splits (1 thread, T = 1024, the
+// and a paged item, which then held 8 heads, was otherwise cut into 8 splits (1 thread, T = 1024, the
 // cache warm, Zen 4: 8 splits 0.30 ms against 0.28 ms for one, for paged and contiguous alike). A
 // requested count is used as given, except that more splits than the longest sequence has units
 // would only add empty ones, and that it is capped at kMaxSplits.
@@ -388,7 +461,7 @@ idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_pe
 // head's keys are page_size * D floats every G * page_size * D: at page_size 16, D = 128 and G = 8,
 // 8 KiB every 64 KiB. Every one of them then falls on the same eighth of the sets of a cache whose
 // way is 64 KiB (a common level-2 size), and the keys requested ahead evict each other before use.
-// Taking the G heads of a page together reads the page as one 64 KiB run instead.
+// Taking several heads of a page together reads them as one run instead: kPagedHeadsPerItem.
 template <class Cache>
 void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx units_per_min_split,
                  idx heads_per_item, float* o) {
@@ -561,7 +634,8 @@ void paged_decode_cpu(const DecodeShape& shape, const float* q, const float* k_p
     }
     const PagedCache cache{k_pages, v_pages, page_size, shape.kv_heads, shape.head_dim, max_pages,
                            page_table, lengths};
-    decode_with(shape, q, cache, std::max<idx>(1, kMinKeysPerSplit / page_size), kMaxHeadsPerItem, o);
+    decode_with(shape, q, cache, std::max<idx>(1, kMinKeysPerSplit / page_size), kPagedHeadsPerItem,
+                o);
 }
 
 }  // namespace refmath

@@ -310,8 +310,11 @@ def build_paged(seed, h, g, d, page_size, prompt, extra, n_pages=64):
     (4, 2, 32, 16, 40, 9),
     (8, 1, 64, 4, 23, 1),
     (8, 8, 128, 16, 130, 20),
-    (20, 10, 32, 8, 50, 5),  # a paged work item takes up to 8 key/value heads: sets of 8 and 2
-    (48, 24, 16, 4, 30, 3),  # three full sets
+    # A paged work item takes 2 key/value heads together (up to 8 in the code's bound): 5 sets of 2,
+    # 12 sets of 2, and 2 sets and a last one of a single head.
+    (20, 10, 32, 8, 50, 5),
+    (48, 24, 16, 4, 30, 3),
+    (10, 5, 32, 16, 37, 4),
 ])
 def test_paged_decode_permuted_shared_pages_and_nan_slots(h, g, d, page_size, prompt, extra):
     q, cache, tables, lengths, k, v = build_paged(h * d + prompt, h, g, d, page_size, prompt, extra)
