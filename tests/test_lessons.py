@@ -603,6 +603,44 @@ def test_a_numbered_check_computes_its_expected_value_from_the_lessons_inputs(ca
         check("05.1", p)
 
 
+def test_a_set_of_parameters_is_checked_by_name_and_shape_before_its_numbers():
+    """07.7, a dict of parameters compared through flat_parameters: a key renamed where it sorts
+    as the right one did, or a (1, n) row for an (n,) vector, holds the right numbers in the right
+    positions and was taken as right; a key missing or added was only a length. Each is wrong now,
+    and the verdict names the key."""
+    from refmath.lessons import check
+    from refmath.optim import AdamW
+
+    draw = np.random.default_rng(0)
+    before = {"tok_emb": draw.standard_normal((5, 4)), "layers.0.attn.w_q": draw.standard_normal((4, 4)),
+              "layers.0.ffn.b1": draw.standard_normal(8), "layers.0.ffn.b2": draw.standard_normal(4),
+              "ln_f.beta": draw.standard_normal(4), "ln_f.gamma": draw.standard_normal(4)}
+    stepped = {name: value.copy() for name, value in before.items()}
+    AdamW(lr=0.1, weight_decay=0.5).step(stepped, {n: np.zeros_like(v) for n, v in stepped.items()})
+    assert check("07.7", stepped)
+    assert check("07.7", dict(reversed(stepped.items())))  # the order of the keys is free
+    name = "wrong: parameters after one AdamW step: "
+    for answer, words in (
+            ({("ln_f.bias" if k == "ln_f.beta" else k): v for k, v in stepped.items()},
+             "missing: ln_f.beta; unexpected: ln_f.bias"),
+            ({**stepped, "layers.0.ffn.b1": stepped["layers.0.ffn.b1"][None]},
+             "layers.0.ffn.b1 has shape (1, 8), expected (8,)"),
+            ({**stepped, "layers.0.ffn.b1": stepped["layers.0.ffn.b1"][None],
+              "layers.0.ffn.b2": stepped["layers.0.ffn.b2"][:, None]},
+             "layers.0.ffn.b1 has shape (1, 8), expected (8,) (1 more parameter of another shape"),
+            ({k: v for k, v in stepped.items() if k != "ln_f.beta"}, "missing: ln_f.beta"),
+            ({**stepped, "extra": np.zeros(3)}, "unexpected: extra"),
+            ({k: v for k, v in stepped.items() if not k.startswith("l")},
+             "missing: layers.0.attn.w_q, layers.0.ffn.b1, layers.0.ffn.b2, ln_f.beta and 1 more"),
+            (np.concatenate([v.ravel() for v in stepped.values()]), "not what the exercise asks "
+             "for (TypeError: flat_parameters: expected a dict of arrays by parameter name")):
+        line = check("07.7", answer).line
+        assert line.startswith(name + words), line
+    # the numbers are still compared, and the wrong one named by its parameter
+    line = check("07.7", {**stepped, "tok_emb": stepped["tok_emb"] + 1e-3 * (np.arange(20) == 6).reshape(5, 4)}).line
+    assert line.startswith(name + "error 0.001 at tok_emb[1, 2]"), line
+
+
 def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
     from refmath.lessons import check
 
