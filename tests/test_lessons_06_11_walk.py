@@ -130,7 +130,11 @@ def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(said):
     ("11.4c", (512 + 64) / (2 * 128), {
         "the factor 2 forgotten": (512 + 64) / 128,
         "the rotary key left out": 512 / (2 * 128),
-        "the ratio MHA / MLA": 2 * 128 * 128 / (512 + 64)}),
+        "the ratio MHA / MLA": 2 * 128 * 128 / (512 + 64),
+        # g = 2.25 rounded to whole heads: down it was "the rotary key left out" alone (512 / 256
+        # is 2 too), up it was "4/3 times the expected value"; each now says g need not be whole
+        "g rounded down to whole heads (g need not be whole here), or the rotary key left out": 2,
+        "g rounded up to whole heads (g need not be whole here)": 3}),
     ("11.6a", 80e9 / 2.4, {
         "the 20% allowance forgotten": 80e9 / 2,
         "80 GiB (2^30 bytes), not 80 GB": 80 * 2**30 / 2.4,
