@@ -157,6 +157,13 @@ def test_a_known_slip_is_named_before_anything_else(capsys):
     assert check_close("dbeta", [1.0], expected, slips=slips).line == \
         "wrong: dbeta: looks like: one row only"  # a slip may have another shape
     broken = {"cannot be computed": lambda: 1 / 0}  # such a slip is skipped, not an error
+    # a slip copied from a print, rounded: the slip is named, then the rounding; the rounded right
+    # answer is still only almost, never the slip
+    thirds = np.array([1.0, 2.0]) / 3
+    assert check_close("p", [0.111, 0.222], thirds, slips={"a third of it": thirds / 3}).line == \
+        "wrong: p: looks like: a third of it; rounded as well, to 3 decimals"
+    assert check_close("p", [0.333, 0.667], thirds, slips={"a third of it": thirds / 3}).line.startswith(
+        "almost: p: right to 3 decimals only")
     assert "error 1 at index (2,)" in check_close("dbeta", [1.0, 2.0, 4.0], expected, slips=broken).line
 
 

@@ -271,7 +271,8 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
     ``max(rtol, 1e-9)``) is named; an answer that is ``expected`` rounded to the digits it shows
-    gets "right to N decimals only"; an answer that is ``c`` times ``expected`` gets "the
+    gets "right to N decimals only"; one that is a slip so rounded gets the slip's name and "rounded
+    as well, to N decimals"; an answer that is ``c`` times ``expected`` gets "the
     sign is flipped" (c = -1), the factor itself when it names a slip (an integer or its
     reciprocal up to 4096, the square root of one, or p/q with q <= 16: a forgotten 1/2, sqrt(d_k),
     1/n), and otherwise only a bracket ("too large by a factor between 1.5 and 2"), wide enough
@@ -355,6 +356,13 @@ def _diagnose(have, want, values, rtol, atol, where=None) -> tuple[str, str]:
         # grid; the verdict says only that the rest of the digits are missing
         return "almost", (f"right to {digits} only; keep full precision: compute it, do not "
                           "round it, copy it from a print or read it off a coarse grid")
+    # a slip, and rounded as well (a count given in billions, copied as 33.33): the slip is what
+    # to fix first, so it is named, with the rounding after it
+    for label, value in values:
+        decimals = _rounded_from(have, value)
+        if decimals is not None:
+            digits = f"{decimals} decimal" + ("" if decimals == 1 else "s")
+            return "wrong", f"looks like: {label}; rounded as well, to {digits}"
     if have.shape != want.shape:
         return "wrong", f"shape {have.shape}, expected {want.shape}"
     nan_got, nan_want = np.isnan(have), np.isnan(want)

@@ -152,7 +152,10 @@ def _largest_served():
         "80 GiB (2^30 bytes), not 80 GB (10^9)": 80 * 2**30 / per_parameter,
         "the allowance taken off, not added: 2 P x 0.8":
             80e9 / (0.8 * inference_memory_rule_of_thumb(1).weights),
-        "1 byte a parameter: bf16 takes 2": 2 * 80e9 / per_parameter}
+        "1 byte a parameter: bf16 takes 2": 2 * 80e9 / per_parameter,
+        # the figure as it is said aloud, "33 billion": P is the count of parameters itself
+        "P given in billions: the answer is the count of parameters, not the count / 1e9":
+            80e9 / per_parameter / 1e9}
 
 
 @exercise("11.6b", "AdamW training state with bf16 moments", _S1,
