@@ -147,6 +147,18 @@ def test_a_printed_rounding_is_right_to_the_printed_precision_and_not_accepted()
     assert "right to 3 decimals only" in check_close("x log2 e", 4.328, 3 * np.log2(np.e), rtol=1e-12).line
     # a coarse rounding (0.6 for 0.605) is not a copied print but a wrong answer
     assert check_close("w", 0.6, 0.99**50, rtol=1e-12).line.startswith("wrong: w: too small by")
+    # small entries printed to 4 decimals keep 2 significant digits: 0.0012 for 0.00118 is 1.7% off
+    # (the 0.5% that a coarse rounding is held to), and is a copied print all the same; so is an
+    # array whose small entries are printed with the large one's decimals
+    for got, want in ((0.0012, 0.00118), ([0.5123, 0.0012, 0.0], [0.51234, 0.00118, 3e-5]),
+                      ([0.33, 0.67], [1 / 3, 2 / 3])):
+        verdict = check_close("g", got, want, rtol=1e-12)
+        assert not verdict and verdict.line.startswith("almost: g: right to "), (got, verdict.line)
+    # ...but never a single significant digit (0.001 for 0.00118), a whole number (2 heads for
+    # 2.25, 12 for 12.4), one decimal off by more than 0.5% (1.2 for 1.18), or beyond half a step
+    for got, want in ((0.001, 0.00118), (2.0, 2.25), (12.0, 12.4), (1.2, 1.18), (0.0013, 0.00118)):
+        line = check_close("g", got, want, rtol=1e-12).line
+        assert line.startswith("wrong: g: "), (got, line)
 
 
 def test_a_known_slip_is_named_before_anything_else(capsys):

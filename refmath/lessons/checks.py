@@ -160,17 +160,28 @@ def _decimals(values: np.ndarray, most: int = 12) -> int | None:
 def _rounded_from(have: np.ndarray, want: np.ndarray) -> int | None:
     """The decimals ``d`` when ``have`` is ``want`` rounded to ``d`` decimals (a copied print).
 
-    Rounding to a single significant digit of a large value is not "the printed precision": the
-    rounded answer must agree with ``want`` to 0.5% (4.328 for 4.3281, 0.9 for 0.9000000033).
+    Every entry must be within half a step of ``d`` decimals of ``want``, and the rounding must
+    have kept enough of ``want`` to be a print's and not a guess's. Either every entry agrees with
+    ``want`` to 0.5% (4.328 for 4.3281, 0.9 for 0.9000000033), or the print shows at least two
+    decimals and at least two significant digits of the largest entry: a step of ``10^-d`` no
+    more than a tenth of ``max |want|`` (0.0012 for 0.00118, printed with 4 decimals, is 1.7% off
+    but its step is 1e-4; [0.5123, 0.0012] for [0.51234, 0.00118] too). Rounding to one
+    significant digit (0.6 for 0.605) or to a whole number (2 heads for 2.25) is not "the printed
+    precision", and gets the diagnosis a wrong answer gets. The verdict is "almost" either way,
+    never "right": the rule only chooses between two ways of saying wrong.
     """
     if have.shape != want.shape or have.size == 0 or not np.all(np.isfinite(want)):
         return None
     d = _decimals(have)
     if d is None:
         return None
-    half_step = 0.5 * 10.0 ** -d * (1 + 1e-9)
+    step = 10.0 ** -d
     error = np.abs(have - want)
-    if np.all(error <= half_step) and np.all(error <= 5e-3 * np.abs(want)):
+    if not np.all(error <= 0.5 * step * (1 + 1e-9)):
+        return None
+    if np.all(error <= 5e-3 * np.abs(want)):
+        return d
+    if d >= 2 and step <= 0.1 * float(np.max(np.abs(want))) * (1 + 1e-9):
         return d
     return None
 
