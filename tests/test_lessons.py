@@ -147,6 +147,18 @@ def test_a_printed_rounding_is_right_to_the_printed_precision_and_not_accepted()
     assert "right to 3 decimals only" in check_close("x log2 e", 4.328, 3 * np.log2(np.e), rtol=1e-12).line
     # a coarse rounding (0.6 for 0.605) is not a copied print but a wrong answer
     assert check_close("w", 0.6, 0.99**50, rtol=1e-12).line.startswith("wrong: w: too small by")
+    # small entries printed to 4 decimals keep 2 significant digits: 0.0012 for 0.00118 is 1.7% off
+    # (the 0.5% that a coarse rounding is held to), and is a copied print all the same; so is an
+    # array whose small entries are printed with the large one's decimals
+    for got, want in ((0.0012, 0.00118), ([0.5123, 0.0012, 0.0], [0.51234, 0.00118, 3e-5]),
+                      ([0.33, 0.67], [1 / 3, 2 / 3])):
+        verdict = check_close("g", got, want, rtol=1e-12)
+        assert not verdict and verdict.line.startswith("almost: g: right to "), (got, verdict.line)
+    # ...but never a single significant digit (0.001 for 0.00118), a whole number (2 heads for
+    # 2.25, 12 for 12.4), one decimal off by more than 0.5% (1.2 for 1.18), or beyond half a step
+    for got, want in ((0.001, 0.00118), (2.0, 2.25), (12.0, 12.4), (1.2, 1.18), (0.0013, 0.00118)):
+        line = check_close("g", got, want, rtol=1e-12).line
+        assert line.startswith("wrong: g: "), (got, line)
 
 
 def test_a_known_slip_is_named_before_anything_else(capsys):
@@ -157,6 +169,13 @@ def test_a_known_slip_is_named_before_anything_else(capsys):
     assert check_close("dbeta", [1.0], expected, slips=slips).line == \
         "wrong: dbeta: looks like: one row only"  # a slip may have another shape
     broken = {"cannot be computed": lambda: 1 / 0}  # such a slip is skipped, not an error
+    # a slip copied from a print, rounded: the slip is named, then the rounding; the rounded right
+    # answer is still only almost, never the slip
+    thirds = np.array([1.0, 2.0]) / 3
+    assert check_close("p", [0.111, 0.222], thirds, slips={"a third of it": thirds / 3}).line == \
+        "wrong: p: looks like: a third of it; rounded as well, to 3 decimals"
+    assert check_close("p", [0.333, 0.667], thirds, slips={"a third of it": thirds / 3}).line.startswith(
+        "almost: p: right to 3 decimals only")
     assert "error 1 at index (2,)" in check_close("dbeta", [1.0, 2.0, 4.0], expected, slips=broken).line
 
 
@@ -601,6 +620,44 @@ def test_a_numbered_check_computes_its_expected_value_from_the_lessons_inputs(ca
     del logits
     with pytest.raises(NameError, match="reads the lesson's logits"):
         check("05.1", p)
+
+
+def test_a_set_of_parameters_is_checked_by_name_and_shape_before_its_numbers():
+    """07.7, a dict of parameters compared through flat_parameters: a key renamed where it sorts
+    as the right one did, or a (1, n) row for an (n,) vector, holds the right numbers in the right
+    positions and was taken as right; a key missing or added was only a length. Each is wrong now,
+    and the verdict names the key."""
+    from refmath.lessons import check
+    from refmath.optim import AdamW
+
+    draw = np.random.default_rng(0)
+    before = {"tok_emb": draw.standard_normal((5, 4)), "layers.0.attn.w_q": draw.standard_normal((4, 4)),
+              "layers.0.ffn.b1": draw.standard_normal(8), "layers.0.ffn.b2": draw.standard_normal(4),
+              "ln_f.beta": draw.standard_normal(4), "ln_f.gamma": draw.standard_normal(4)}
+    stepped = {name: value.copy() for name, value in before.items()}
+    AdamW(lr=0.1, weight_decay=0.5).step(stepped, {n: np.zeros_like(v) for n, v in stepped.items()})
+    assert check("07.7", stepped)
+    assert check("07.7", dict(reversed(stepped.items())))  # the order of the keys is free
+    name = "wrong: parameters after one AdamW step: "
+    for answer, words in (
+            ({("ln_f.bias" if k == "ln_f.beta" else k): v for k, v in stepped.items()},
+             "missing: ln_f.beta; unexpected: ln_f.bias"),
+            ({**stepped, "layers.0.ffn.b1": stepped["layers.0.ffn.b1"][None]},
+             "layers.0.ffn.b1 has shape (1, 8), expected (8,)"),
+            ({**stepped, "layers.0.ffn.b1": stepped["layers.0.ffn.b1"][None],
+              "layers.0.ffn.b2": stepped["layers.0.ffn.b2"][:, None]},
+             "layers.0.ffn.b1 has shape (1, 8), expected (8,) (1 more parameter of another shape"),
+            ({k: v for k, v in stepped.items() if k != "ln_f.beta"}, "missing: ln_f.beta"),
+            ({**stepped, "extra": np.zeros(3)}, "unexpected: extra"),
+            ({k: v for k, v in stepped.items() if not k.startswith("l")},
+             "missing: layers.0.attn.w_q, layers.0.ffn.b1, layers.0.ffn.b2, ln_f.beta and 1 more"),
+            (np.concatenate([v.ravel() for v in stepped.values()]), "not what the exercise asks "
+             "for (TypeError: flat_parameters: expected a dict of arrays by parameter name")):
+        line = check("07.7", answer).line
+        assert line.startswith(name + words), line
+    # the numbers are still compared, and the wrong one named by its parameter
+    line = check("07.7", {**stepped, "tok_emb": stepped["tok_emb"] + 1e-3 * (np.arange(20) == 6).reshape(5, 4)}).line
+    assert line.startswith(name + "error 0.001 at tok_emb[1, 2]"), line
 
 
 def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):

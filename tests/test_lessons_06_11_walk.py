@@ -130,12 +130,18 @@ def test_11_3_the_expanded_computation_does_not_pass_as_the_absorbed_one(said):
     ("11.4c", (512 + 64) / (2 * 128), {
         "the factor 2 forgotten": (512 + 64) / 128,
         "the rotary key left out": 512 / (2 * 128),
-        "the ratio MHA / MLA": 2 * 128 * 128 / (512 + 64)}),
+        "the ratio MHA / MLA": 2 * 128 * 128 / (512 + 64),
+        # g = 2.25 rounded to whole heads: down it was "the rotary key left out" alone (512 / 256
+        # is 2 too), up it was "4/3 times the expected value"; each now says g need not be whole
+        "g rounded down to whole heads (g need not be whole here), or the rotary key left out": 2,
+        "g rounded up to whole heads (g need not be whole here)": 3}),
     ("11.6a", 80e9 / 2.4, {
         "the 20% allowance forgotten": 80e9 / 2,
         "80 GiB (2^30 bytes), not 80 GB": 80 * 2**30 / 2.4,
         "the allowance taken off, not added": 80e9 / 1.6,
-        "1 byte a parameter": 80e9 / 1.2}),
+        "1 byte a parameter": 80e9 / 1.2,
+        # the count in billions, as it is said aloud: it was "too small by more than a factor 1e+09"
+        "P given in billions": 33.333333333}),
     ("11.6b", 12 * 1000, {
         "the fp32 moments, as in the 16 P above": 16 * 1000,
         "m and v counted as one moment": 10 * 1000,
@@ -148,6 +154,9 @@ def test_11_4c_and_11_6_are_derived_and_their_slips_named(number, right, slips, 
         assert line.startswith("wrong: ") and "looks like: " in line and words in line, (words, line)
     if number == "11.6a":  # a whole number of parameters, rounded down, is the same answer
         assert said(number, 33_333_333_333, {}).startswith("right: ")
+        # in billions and rounded as printed: the slip first, then the rounding
+        line = said(number, 33.33, {})
+        assert "looks like: P given in billions" in line and "rounded as well, to 2 decimals" in line, line
 
 
 # ---- 09.2: the key is the root of the equation the exercise states -------------------------------

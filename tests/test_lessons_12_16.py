@@ -246,17 +246,41 @@ def test_parameter_at_names_the_parameter_and_its_element():
     assert flat[4] == params["a"][1, 1] and flat[6] == params["b"] and flat[10] == params["c"][3]
     with pytest.raises(IndexError, match="11"):
         parameter_at(params, (11,))
+    # the vector keeps its names and shapes, for the check to compare before the numbers; an array
+    # made from it (a product, a slice) has no layout, its positions need not hold the same
+    assert flat.layout == (("a", (2, 3)), ("b", ()), ("c", (4,)))
+    assert (flat * 2).layout is None and flat[::-1].layout is None
 
 
-def test_16_5_a_wrong_gradient_is_named_by_its_parameter_and_element(tmp_path):
+def test_16_5_names_a_wrong_key_shape_or_element_by_its_parameter(tmp_path):
     # one number of one gradient off: the verdict says which parameter and which element (it said
     # "at index (N,)", a position in the concatenation of every gradient, which no student can read)
     w1 = 'grads["layers.0.ffn.w1"]'
-    verdicts, _ = _planted("16", {
-        'check("16.5", grads if all_yours else None)':
-            f'check("16.5", {{**grads, "layers.0.ffn.w1": {w1} + 1e-3 * '
-            f'(np.arange({w1}.size).reshape({w1}.shape) == 7)}} if all_yours else None)'},
-        tmp_path)
-    said = _verdict_of(verdicts, "your model's gradients against the library's")
-    assert said.startswith("wrong: ") and " at layers.0.ffn.w1[0, 7], " in said, said
-    assert "index" not in said, said
+    # the names and shapes before the numbers: a key renamed where it sorts as the right one did,
+    # a (1, n) row for an (n,) bias, hold the right numbers in the right positions and were taken
+    # as right; a key missing or added was "shape (27744,), expected (27776,)", naming neither
+    plants = (
+        ("the right answer", "grads"),
+        ("a wrong element", f'{{**grads, "layers.0.ffn.w1": {w1} + 1e-3 * '
+                            f'(np.arange({w1}.size).reshape({w1}.shape) == 7)}}'),
+        ("a renamed key", '{("ln_f.bias" if k == "ln_f.beta" else k): v for k, v in grads.items()}'),
+        ("a reshaped bias", '{**grads, "layers.0.ffn.b1": grads["layers.0.ffn.b1"][None]}'),
+        ("a missing key", '{k: v for k, v in grads.items() if k != "ln_f.beta"}'),
+        ("an extra key", '{**grads, "extra": np.zeros(3)}'),
+    )
+    checks = "\n".join(f'check("16.5", {answer} if all_yours else None)' for _, answer in plants)
+    verdicts, _ = _planted("16", {'check("16.5", grads if all_yours else None)': checks}, tmp_path)
+    name = "your model's gradients against the library's: "
+    said = dict(zip((label for label, _ in plants),
+                    (v for v in verdicts if v.split(": ", 1)[1].startswith(name))))
+    assert len(said) == len(plants), verdicts
+    assert said["the right answer"].startswith("right: "), said
+    assert said["a wrong element"].startswith("wrong: ") and " at layers.0.ffn.w1[0, 7], " in \
+        said["a wrong element"], said
+    assert "index" not in said["a wrong element"], said
+    for label, words in (("a renamed key", "missing: ln_f.beta; unexpected: ln_f.bias"),
+                         ("a reshaped bias", "layers.0.ffn.b1 has shape (1, 128), expected (128,)"),
+                         ("a missing key", "missing: ln_f.beta"),
+                         ("an extra key", "unexpected: extra")):
+        assert said[label].startswith(f"wrong: {name}{words}"), (label, said[label])
+    assert "unexpected" not in said["a missing key"] and "missing" not in said["an extra key"], said

@@ -160,17 +160,28 @@ def _decimals(values: np.ndarray, most: int = 12) -> int | None:
 def _rounded_from(have: np.ndarray, want: np.ndarray) -> int | None:
     """The decimals ``d`` when ``have`` is ``want`` rounded to ``d`` decimals (a copied print).
 
-    Rounding to a single significant digit of a large value is not "the printed precision": the
-    rounded answer must agree with ``want`` to 0.5% (4.328 for 4.3281, 0.9 for 0.9000000033).
+    Every entry must be within half a step of ``d`` decimals of ``want``, and the rounding must
+    have kept enough of ``want`` to be a print's and not a guess's. Either every entry agrees with
+    ``want`` to 0.5% (4.328 for 4.3281, 0.9 for 0.9000000033), or the print shows at least two
+    decimals and at least two significant digits of the largest entry: a step of ``10^-d`` no
+    more than a tenth of ``max |want|`` (0.0012 for 0.00118, printed with 4 decimals, is 1.7% off
+    but its step is 1e-4; [0.5123, 0.0012] for [0.51234, 0.00118] too). Rounding to one
+    significant digit (0.6 for 0.605) or to a whole number (2 heads for 2.25) is not "the printed
+    precision", and gets the diagnosis a wrong answer gets. The verdict is "almost" either way,
+    never "right": the rule only chooses between two ways of saying wrong.
     """
     if have.shape != want.shape or have.size == 0 or not np.all(np.isfinite(want)):
         return None
     d = _decimals(have)
     if d is None:
         return None
-    half_step = 0.5 * 10.0 ** -d * (1 + 1e-9)
+    step = 10.0 ** -d
     error = np.abs(have - want)
-    if np.all(error <= half_step) and np.all(error <= 5e-3 * np.abs(want)):
+    if not np.all(error <= 0.5 * step * (1 + 1e-9)):
+        return None
+    if np.all(error <= 5e-3 * np.abs(want)):
+        return d
+    if d >= 2 and step <= 0.1 * float(np.max(np.abs(want))) * (1 + 1e-9):
         return d
     return None
 
@@ -271,7 +282,8 @@ def check_close(name: str, got: Any, expected: Any | Callable[[], Any], *,
 
     A wrong answer is diagnosed, most specific first: the first of ``slips`` it equals (within
     ``max(rtol, 1e-9)``) is named; an answer that is ``expected`` rounded to the digits it shows
-    gets "right to N decimals only"; an answer that is ``c`` times ``expected`` gets "the
+    gets "right to N decimals only"; one that is a slip so rounded gets the slip's name and "rounded
+    as well, to N decimals"; an answer that is ``c`` times ``expected`` gets "the
     sign is flipped" (c = -1), the factor itself when it names a slip (an integer or its
     reciprocal up to 4096, the square root of one, or p/q with q <= 16: a forgotten 1/2, sqrt(d_k),
     1/n), and otherwise only a bracket ("too large by a factor between 1.5 and 2"), wide enough
@@ -355,6 +367,13 @@ def _diagnose(have, want, values, rtol, atol, where=None) -> tuple[str, str]:
         # grid; the verdict says only that the rest of the digits are missing
         return "almost", (f"right to {digits} only; keep full precision: compute it, do not "
                           "round it, copy it from a print or read it off a coarse grid")
+    # a slip, and rounded as well (a count given in billions, copied as 33.33): the slip is what
+    # to fix first, so it is named, with the rounding after it
+    for label, value in values:
+        decimals = _rounded_from(have, value)
+        if decimals is not None:
+            digits = f"{decimals} decimal" + ("" if decimals == 1 else "s")
+            return "wrong", f"looks like: {label}; rounded as well, to {digits}"
     if have.shape != want.shape:
         return "wrong", f"shape {have.shape}, expected {want.shape}"
     nan_got, nan_want = np.isnan(have), np.isnan(want)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import refmath.lessons.expected  # noqa: F401  (fills the table, one file per lesson)
-from refmath.lessons.checks import Verdict, _not_attempted, _unanswered, _verdict, check_close
+from refmath.lessons.checks import (Verdict, _not_attempted, _rationed, _unanswered, _verdict,
+                                    check_close)
 from refmath.lessons.leaks import record_expected
 from refmath.lessons.functions import check_function
-from refmath.lessons.table import EXERCISES, Exercise, FunctionExercise
+from refmath.lessons.table import EXERCISES, Exercise, FunctionExercise, layout_difference
 
 __all__ = ["check", "hint"]
 
@@ -49,6 +50,13 @@ def check(number: str, answer: Any) -> Verdict:
         except Exception as err:  # the answer has the wrong kind: say so, as check_close would
             return _verdict("wrong", exercise.name, f"not what the exercise asks for "
                             f"({type(err).__name__}: {err})")
+        # a set of parameters: its names and shapes before its numbers, which alone would take a
+        # renamed key or a reshaped array for the right one (see layout_difference)
+        differs = layout_difference(answer, expected)
+        if differs is not None:
+            record_expected(exercise.name, expected)
+            return _verdict("wrong", exercise.name, differs + _rationed(
+                exercise.name, exercise.hint, exercise.section))
     where = None if exercise.where is None else (lambda index: exercise.where(given, index))
     return check_close(exercise.name, answer, expected, rtol=exercise.rtol, atol=exercise.atol,
                        hint=exercise.hint, section=exercise.section, slips=slips, where=where)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 
 __all__ = ["Exercise", "FunctionExercise", "EXERCISES", "exercise", "function_exercise",
-           "flat_parameters", "parameter_at"]
+           "FlatParameters", "flat_parameters", "layout_difference", "parameter_at"]
 
 
 class Exercise(NamedTuple):
@@ -80,10 +80,69 @@ def function_exercise(number: str, name: str, section: str, hint: str,
     return register
 
 
+class FlatParameters(np.ndarray):
+    """The vector :func:`flat_parameters` makes, with ``layout``: the ``(name, shape)`` of each
+    array in it, in order. The numbers alone do not say which parameter they came from: an answer
+    with a key renamed (that sorts where the old one did), an array reshaped, or a key missing or
+    added would be compared by position, or fail only by its total length; with the layout, a
+    check compares the names and the shapes first (:func:`layout_difference`).
+
+    The layout is set by :func:`flat_parameters` only: any array made from this one (a slice, a
+    product, a copy) has ``layout`` None, since its positions need not hold the same parameters."""
+
+    layout: tuple[tuple[str, tuple[int, ...]], ...] | None
+
+    def __array_finalize__(self, obj) -> None:
+        self.layout = None
+
+
 def flat_parameters(params) -> np.ndarray:
     """A dict of arrays as one float64 vector, its names in sorted order: how an exercise whose
-    answer is a set of parameters compares it (``prepare=flat_parameters``)."""
-    return np.concatenate([np.asarray(params[n], dtype=np.float64).ravel() for n in sorted(params)])
+    answer is a set of parameters compares it (``prepare=flat_parameters``). The vector is a
+    :class:`FlatParameters` that keeps each name and shape, so that the check compares them before
+    the values (:func:`layout_difference`)."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"flat_parameters: expected a dict of arrays by parameter name, got "
+                        f"{type(params).__name__}")
+    names = sorted(params)
+    arrays = [np.asarray(params[n], dtype=np.float64) for n in names]
+    flat = np.concatenate([a.ravel() for a in arrays] or [np.zeros(0)]).view(FlatParameters)
+    flat.layout = tuple((str(n), a.shape) for n, a in zip(names, arrays))
+    return flat
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    """``names`` joined by commas, the first ``most`` of them and a count of the rest."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def layout_difference(got: Any, want: Any) -> str | None:
+    """What differs between the parameter names and shapes of two :func:`flat_parameters`
+    vectors, as the verdict says it, or None when they agree (or either has no layout).
+
+    Names first, in one line: ``"missing: ln_f.beta; unexpected: ln_f.bias"``; then the first
+    array whose shape differs, by name: ``"layers.0.ffn.b1 has shape (1, 128), expected
+    (128,)"``, with how many more do. Only then are the values worth comparing: a renamed key
+    that sorts where the right one did, or a (1, n) row for an (n,) vector, holds the right
+    numbers in the right positions and would pass."""
+    got_layout, want_layout = getattr(got, "layout", None), getattr(want, "layout", None)
+    if got_layout is None or want_layout is None:
+        return None
+    have, expected = dict(got_layout), dict(want_layout)
+    missing = [n for n in expected if n not in have]
+    unexpected = [n for n in have if n not in expected]
+    if missing or unexpected:
+        return "; ".join(f"{what}: {_listed(names)}" for what, names in
+                         (("missing", missing), ("unexpected", unexpected)) if names)
+    reshaped = [n for n in expected if have[n] != expected[n]]
+    if reshaped:
+        first = reshaped[0]
+        more = len(reshaped) - 1
+        return (f"{first} has shape {have[first]}, expected {expected[first]}"
+                + (f" ({more} more parameter{'s' if more > 1 else ''} of another shape too)"
+                   if more else ""))
+    return None
 
 
 def parameter_at(params, index: tuple[int, ...]) -> str:

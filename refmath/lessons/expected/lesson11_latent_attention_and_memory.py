@@ -65,15 +65,31 @@ def _mha_numbers():
 @exercise("11.4c", "GQA key/value heads that cache as much as MLA", _S3,
           "GQA caches 2 g d_h numbers per token and layer: set that equal to d_c + d_R")
 def _kv_heads_like_mla():
+    import math
+
     from refmath.sizing import PRESETS
 
     ds = PRESETS["deepseek-v2"]
     mla, mha = _deepseek_v2_numbers("MLA"), _deepseek_v2_numbers("MHA")
     per_kv_head = mha / ds.n_heads  # GQA's count is g of MHA's h equal shares (the calculator's rows)
-    return mla / per_kv_head, {
+    g = mla / per_kv_head
+    slips = {
         "the factor 2 forgotten: GQA caches a key and a value per head, 2 g d_h": 2 * mla / per_kv_head,
         "the rotary key left out: MLA caches d_c + d_R": ds.d_c / per_kv_head,
         "the ratio MHA / MLA: the question is the g with 2 g d_h = d_c + d_R": mha / mla}
+    # g is not whole here (2.25 for DeepSeek-V2), and a student who rounds it to whole heads, as a
+    # real GQA model would have to, gives the whole number on either side. Rounded down it is also
+    # d_c / (2 d_h), the rotary key left out (512 / 256 = 2): one value, so one slip naming both.
+    for whole, way in ((math.floor(g), "down"), (math.ceil(g), "up")):
+        if whole == g or whole < 1:
+            continue
+        label = f"g rounded {way} to whole heads (g need not be whole here)"
+        same = [other for other, value in slips.items() if value == whole]
+        for other in same:
+            label = f"{label}, or {other}"
+            del slips[other]
+        slips[label] = float(whole)
+    return g, slips
 
 
 _K11 = "the section 'K11: sharing a prompt between sequences, and copying on write'"
@@ -136,7 +152,10 @@ def _largest_served():
         "80 GiB (2^30 bytes), not 80 GB (10^9)": 80 * 2**30 / per_parameter,
         "the allowance taken off, not added: 2 P x 0.8":
             80e9 / (0.8 * inference_memory_rule_of_thumb(1).weights),
-        "1 byte a parameter: bf16 takes 2": 2 * 80e9 / per_parameter}
+        "1 byte a parameter: bf16 takes 2": 2 * 80e9 / per_parameter,
+        # the figure as it is said aloud, "33 billion": P is the count of parameters itself
+        "P given in billions: the answer is the count of parameters, not the count / 1e9":
+            80e9 / per_parameter / 1e9}
 
 
 @exercise("11.6b", "AdamW training state with bf16 moments", _S1,
