@@ -660,6 +660,37 @@ def test_a_set_of_parameters_is_checked_by_name_and_shape_before_its_numbers():
     assert line.startswith(name + "error 0.001 at tok_emb[1, 2]"), line
 
 
+def test_the_fused_and_the_swapped_parameters_are_checked_by_name_and_shape_too():
+    """08.2 and 01.5 compare a dict of weights as 07.7 does: a reshaped w_qkv, a key added or a
+    key renamed is wrong, named; the right dict in any key order is right."""
+    from refmath.lessons import check
+
+    draw = np.random.default_rng(1)
+    d, h, g, d_h = 4, 2, 1, 2
+    separate = {"w_q": draw.standard_normal((d, h * d_h)), "w_k": draw.standard_normal((d, g * d_h)),
+                "w_v": draw.standard_normal((d, g * d_h)), "w_o": draw.standard_normal((h * d_h, d))}
+    w_qkv = np.concatenate([separate["w_q"], separate["w_k"], separate["w_v"]], axis=1)
+    fused = {"w_qkv": w_qkv, "w_o": separate["w_o"]}
+    assert check("08.2", fused) and check("08.2", {"w_o": separate["w_o"], "w_qkv": w_qkv})
+    name = "wrong: the fused parameters: "
+    for answer, words in (({"w_qkv": w_qkv.reshape(8, 4), "w_o": separate["w_o"]},
+                           "w_qkv has shape (8, 4), expected (4, 8)"),
+                          ({**fused, "b_qkv": np.zeros(8)}, "unexpected: b_qkv"),
+                          ({"w_qkv_t": w_qkv, "w_o": separate["w_o"]},
+                           "missing: w_qkv; unexpected: w_qkv_t")):
+        line = check("08.2", answer).line
+        assert line.startswith(name + words), line
+
+    d = 8
+    params = {k: draw.standard_normal((d, d)) for k in ("w_q", "w_k", "w_v", "w_o")}
+    d_h = 4
+    order = np.r_[d_h:2 * d_h, 0:d_h]
+    swapped = {**{k: params[k][:, order] for k in ("w_q", "w_k", "w_v")}, "w_o": params["w_o"][order]}
+    assert check("01.5", swapped)
+    line = check("01.5", {**swapped, "b_q": np.zeros(d)}).line
+    assert line.startswith("wrong: the parameters with heads 0 and 1 swapped: unexpected: b_q"), line
+
+
 def test_adam_without_eps_is_named_not_taken_for_a_copied_print(capsys):
     from refmath.lessons import check
 

@@ -5,33 +5,28 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise, function_exercise
+from refmath.lessons.table import exercise, flat_parameters, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
 
 
 _A6 = "the section 'A6 and A7: several heads'"
-_MHA_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
-
-
-def _flat_weights(params) -> np.ndarray:
-    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in _MHA_WEIGHTS])
 
 
 @exercise("01.5", "the parameters with heads 0 and 1 swapped", _A6,
           "head r owns columns r d_h .. (r + 1) d_h of w_q, w_k, w_v and the same rows of w_o",
-          uses=("params", "d_h"), prepare=_flat_weights)
+          uses=("params", "d_h"), prepare=flat_parameters)  # names and shapes before values
 def _swapped_heads(params, d_h):
     order = np.r_[d_h:2 * d_h, 0:d_h]
     columns = {k: np.asarray(params[k])[:, order] for k in ("w_q", "w_k", "w_v")}
-    return _flat_weights({**columns, "w_o": np.asarray(params["w_o"])[order]}), {
-        "w_o left as it was: its rows must follow the heads they read": _flat_weights(
+    return flat_parameters({**columns, "w_o": np.asarray(params["w_o"])[order]}), {
+        "w_o left as it was: its rows must follow the heads they read": flat_parameters(
             {**columns, "w_o": params["w_o"]}),
         "the rows of w_q, w_k, w_v swapped, not their columns (the heads split the output width)":
-            _flat_weights({**{k: np.asarray(params[k])[order] for k in ("w_q", "w_k", "w_v")},
+            flat_parameters({**{k: np.asarray(params[k])[order] for k in ("w_q", "w_k", "w_v")},
                            "w_o": np.asarray(params["w_o"])[order]}),
-        "nothing swapped": _flat_weights(params)}
+        "nothing swapped": flat_parameters(params)}
 
 
 @exercise("01.1", "the masked output", "the section 'A3: a worked example to check by hand'",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmath.lessons.checks import catalogued
-from refmath.lessons.table import exercise, function_exercise
+from refmath.lessons.table import exercise, flat_parameters, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
 __all__ = []
@@ -17,16 +17,12 @@ _A13 = "the section 'A13: what grouping saves, and what it does not'"
 _N19 = "the section 'N19, N20: Gemma's soft caps, GeGLU and local layers'"
 
 
-def _fused_weights(params) -> np.ndarray:
-    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in ("w_qkv", "w_o")])
-
-
 @exercise("08.2", "the fused parameters", "the section 'A9: one fused projection equals three'",
           "w_qkv = [w_q w_k w_v] side by side (axis=1), in that order; w_o unchanged",
-          uses=("separate",), prepare=_fused_weights)
+          uses=("separate",), prepare=flat_parameters)  # names and shapes before values
 def _fused_parameters(separate):
     def fused(*names):
-        return _fused_weights({"w_qkv": np.concatenate([separate[n] for n in names], axis=1),
+        return flat_parameters({"w_qkv": np.concatenate([separate[n] for n in names], axis=1),
                                "w_o": separate["w_o"]})
     return fused("w_q", "w_k", "w_v"), {
         "the order Q, V, K: the heads read K before V": fused("w_q", "w_v", "w_k"),
