@@ -55,10 +55,9 @@ from refmath.models.hf_layout import (HFCheckpointError, interleaved_to_half, jo
                                       rope_from_hf, rope_to_hf, split_heads_columns, take_head)
 from refmath.models.params import init_llama_params
 from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
-from refmath.models.rope_attention import (PlainAttentionOptions, cache_spec, cache_stale, rope_options,  # Llama's hooks
-                                           rope_attention_backward, rope_attention_cached,
-                                           rope_attention_forward, rope_attention_shapes,
-                                           rope_attention_state)
+from refmath.models.rope_attention import (  # Llama's attention, its options and hooks
+    PlainAttentionOptions, cache_spec, cache_stale, rope_options, rope_attention_backward,
+    rope_attention_cached, rope_attention_forward, rope_attention_shapes, rope_attention_state)
 from refmath.positions import RopeScaling
 from refmath.registry import ParamCase, register_case
 
@@ -265,7 +264,7 @@ def layer_kv(cache: network.NetworkCache) -> list:
     return [rope_attention_state(layer.attn.branch) for layer in cache.layers]
 
 
-# ---- inference with a KV cache (K2, K3); embed, cache_spec, rope_options, cache_stale are Llama's -
+# ---- inference with a KV cache (K2, K3); embed, cache_spec and the two hooks are Llama's ---------
 
 def cached_layer(x, params, layer: int, config: FalconConfig, slot, offset: int, *,
                  matmul=matmul_rows_many) -> np.ndarray:

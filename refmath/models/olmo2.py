@@ -52,10 +52,9 @@ from refmath.models.hf_layout import (ATTENTION_KEYS, GATED_FFN_KEYS, QK_NORM_KE
                                       rope_to_hf, take_head)
 from refmath.models.params import init_llama_params
 from refmath.models.network import embed  # Llama's: the table's rows, positions by RoPE only
-from refmath.models.rope_attention import (PlainAttentionOptions, cache_spec, cache_stale, rope_options,  # Llama's hooks
-                                           rope_attention_backward, rope_attention_cached,
-                                           rope_attention_forward, rope_attention_shapes,
-                                           rope_attention_state)
+from refmath.models.rope_attention import (  # Llama's attention, its options and hooks
+    PlainAttentionOptions, cache_spec, cache_stale, rope_options, rope_attention_backward,
+    rope_attention_cached, rope_attention_forward, rope_attention_shapes, rope_attention_state)
 from refmath.positions import RopeScaling
 from refmath.registry import OpCase, ParamCase, layer_case_ops, register_case
 
@@ -198,7 +197,7 @@ def layer_kv(cache: network.NetworkCache) -> list:
     return [rope_attention_state(layer.attn.branch.branch) for layer in cache.layers]
 
 
-# ---- inference with a KV cache (K2, K3); embed, cache_spec, rope_options, cache_stale are Llama's -
+# ---- inference with a KV cache (K2, K3); embed, cache_spec and the two hooks are Llama's ---------
 
 def cached_layer(x, params, layer: int, config: OLMo2Config, slot, offset: int, *,
                  matmul=matmul_rows_many) -> np.ndarray:
