@@ -85,14 +85,21 @@ def stored_layer_weights(module, params: Mapping, config, weights: str) -> dict:
             if param is None:
                 raise ValueError(f"weights={weights!r}: layer {i}'s {key} of {name} is not an "
                                  f"entry of params, so it has no name to be stored under")
-            if np.asarray(w).dtype != np.float32:
-                raise TypeError(f"weights={weights!r} rounds float32 matrices, got {param} of "
-                                f"dtype {np.asarray(w).dtype} and shape {np.shape(w)}")
-            if weights == "q8_0" and np.shape(w)[0] % BLOCK:
-                raise ValueError(f"weights='q8_0' stores each output's inputs in whole {BLOCK}-"
-                                 f"weight blocks, got {param} of shape {np.shape(w)} (in, out)")
-            stored[param] = quantize(np.ascontiguousarray(np.asarray(w).T), weights)
+            stored[param] = _stored_rows(np.asarray(w).T, param, weights)
     return stored
+
+
+def _stored_rows(rows, param: str, weights: str) -> np.ndarray:
+    """``quantize(rows, weights)`` of the ``(out, in)`` rows of the float32 matrix ``param``: a
+    ``TypeError`` for another dtype, a ``ValueError`` where Q8_0's 32-weight blocks do not tile
+    each row's ``in`` inputs, both naming ``weights`` and ``param``."""
+    if np.asarray(rows).dtype != np.float32:
+        raise TypeError(f"weights={weights!r} rounds float32 matrices, got {param} of dtype "
+                        f"{np.asarray(rows).dtype} and shape {np.shape(rows)} (out, in)")
+    if weights == "q8_0" and np.shape(rows)[1] % BLOCK:
+        raise ValueError(f"weights='q8_0' stores each output's inputs in whole {BLOCK}-weight "
+                         f"blocks, got {param} with {np.shape(rows)[1]} inputs")
+    return quantize(np.ascontiguousarray(rows), weights)
 
 
 def stored_head(module, params: Mapping, config, weights: str) -> np.ndarray:
@@ -114,13 +121,7 @@ def stored_head(module, params: Mapping, config, weights: str) -> np.ndarray:
     tied = config.tie_embeddings
     w_out_t = params["tok_emb"] if tied else np.asarray(params["lm_head"]).T
     param = "tok_emb (the tied head, transposed)" if tied else "lm_head"
-    if np.asarray(w_out_t).dtype != np.float32:
-        raise TypeError(f"weights={weights!r} rounds float32 matrices, got {param} of dtype "
-                        f"{np.asarray(w_out_t).dtype} and shape {np.shape(w_out_t)}")
-    if weights == "q8_0" and np.shape(w_out_t)[1] % BLOCK:
-        raise ValueError(f"weights='q8_0' stores each logit's inputs in whole {BLOCK}-weight "
-                         f"blocks, got {param} with d_model = {np.shape(w_out_t)[1]}")
-    return quantize(np.ascontiguousarray(w_out_t), weights)
+    return _stored_rows(w_out_t, param, weights)
 
 
 def restored_params(params: Mapping, stored: Mapping, weights: str) -> dict:
