@@ -8,8 +8,9 @@ import numpy as np
 from refmath.lessons.checks import catalogued
 from refmath.lessons.table import exercise, function_exercise
 
-# Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
-__all__ = []
+# Each exercise registers itself in refmath.lessons.table.EXERCISES; only the AdamW slips are
+# called by name, by lesson 7's AdamW step.
+__all__ = ["ADAMW_SLIPS", "adamw_slips"]
 
 
 _L2 = "the section 'L2, L3: cross-entropy and its gradient'"
@@ -167,6 +168,19 @@ def _decay_after_the_step(theta, g, m, v, s, lr, betas, eps, weight_decay):
     return (1 - lr * weight_decay) * new_theta, new_m, new_v
 
 
+# The catalogued AdamW slips every write-the-step exercise recognises (05.7 here, 07.8 in GPT's)
+ADAMW_SLIPS = ("adam: bias correction missing", "adam: bias correction with beta instead of beta^s",
+               "adam: eps inside the square root", "adamw: decay not scaled by the learning rate",
+               "adamw: decay also inside the moments")
+
+
+def adamw_slips(step) -> dict:
+    """The slips of :data:`ADAMW_SLIPS`, each as :func:`refmath.lessons.checks.catalogued` makes
+    it from the reference ``step``."""
+    return {name: slip for mistake in ADAMW_SLIPS
+            for name, slip in catalogued(mistake, step).items()}
+
+
 @function_exercise("05.7", "your AdamW step", _O4,
                    "m and v are running means of g and g^2; divide them by 1 - beta^s for the "
                    "step only; the decay multiplies the old theta by 1 - lr lambda")
@@ -175,12 +189,7 @@ def _adamw_step():
         reference=_library_adamw_step, inputs=_adamw_inputs, outputs=("theta", "m", "v"),
         oracle=_torch_adamw_step, reference_name="refmath's AdamW",
         oracle_name="torch.optim.AdamW", rtol=1e-12,
-        slips={**catalogued("adam: bias correction missing", _library_adamw_step),
-               **catalogued("adam: bias correction with beta instead of beta^s",
-                            _library_adamw_step),
-               **catalogued("adam: eps inside the square root", _library_adamw_step),
-               **catalogued("adamw: decay not scaled by the learning rate", _library_adamw_step),
-               **catalogued("adamw: decay also inside the moments", _library_adamw_step),
+        slips={**adamw_slips(_library_adamw_step),
                "Adam + L2 (O3), not AdamW: lambda theta added to the gradient, inside the "
                "moments, instead of the decay (1 - lr lambda) beside the step": _adam_with_l2,
                "m_hat and v_hat kept as the moments: the next step needs the raw m and v":

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from refmath.lessons.checks import catalogued
+from refmath.lessons.expected.lesson05_losses_and_optimisers import adamw_slips
 from refmath.lessons.table import exercise, flat_parameters, function_exercise
 
 # Each exercise registers itself in refmath.lessons.table.EXERCISES; nothing here is called by name.
@@ -213,12 +214,7 @@ def _gpt_adamw_step(LR, BETAS, EPS, WD):
         reference=library_adamw_step, inputs=_adamw_inputs, outputs=("theta", "m", "v"),
         oracle=torch_adamw_step, reference_name="refmath's AdamW",
         oracle_name="torch.optim.AdamW", rtol=1e-12,
-        slips={**catalogued("adam: bias correction missing", library_adamw_step),
-               **catalogued("adam: bias correction with beta instead of beta^s",
-                            library_adamw_step),
-               **catalogued("adam: eps inside the square root", library_adamw_step),
-               **catalogued("adamw: decay not scaled by the learning rate", library_adamw_step),
-               **catalogued("adamw: decay also inside the moments", library_adamw_step),
+        slips={**adamw_slips(library_adamw_step),
                "the decay applied to every parameter (biases, gains, embeddings too)":
                    decay_everything,
                "the bias correction one step ahead, beta^(s + 1): s counts this step":
