@@ -5,9 +5,11 @@
 // The matrix is (n, k): n outputs, each a row of k weights along the inputs (a Linear's weight,
 // the decode layout's rows of W^T), so every output is one dot product that reads its row once.
 // Each stored weight is decoded to the float32 it stands for, exactly (a bfloat16 or float16 is a
-// float32 with fewer bits; a Q8_0 weight q d, a 7-bit integer times an 11-bit scale, has at most 18
-// significant bits), and the products are summed in float32: the result is the float32 product of
-// the dequantised matrix, with that product's rounding and nothing more.
+// float32 with fewer bits; a Q8_0 block's codes q are integers of at most 127 in size and its
+// scale d a float16), and the products are summed in float32: the result is a float32 product of
+// the dequantised matrix. A Q8_0 block enters as d times the sum of its q x, which rounds each
+// term d q x once more than scaling each weight first, within the same bound (refmath's
+// product_error_bound, gamma_k |x| |W~|^T).
 #pragma once
 
 #include <cstddef>

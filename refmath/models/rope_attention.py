@@ -28,7 +28,7 @@ __all__ = [
 
 
 class PlainAttentionOptions:
-    """The options this sublayer reads at the values that leave Llama's attention plain: no biases
+    r"""The options this sublayer reads at the values that leave Llama's attention plain: no biases
     on the projections, no QK-norm, every position attended (no sliding window), the scores scaled
     by :math:`1/\sqrt{d_h}` and not capped, the norms' gains as stored. A family's configuration
     that has none of them as fields derives from it, as class constants (not fields), and sets
