@@ -127,18 +127,20 @@ struct LayerProduct {
 
 // The products of one input by up to three matrices: the float32 ones in one rows_matmul_cpu pass
 // (its threads stream them all without parting between them), the ones stored in a narrower format
-// by format_rows_matmul_cpu. Both sum in float32.
+// in one format_rows_matmul_cpu pass. Both sum in float32.
 template <std::size_t N>
 void multiply(const float* x, idx m, idx k, const LayerProduct (&products)[N], int threads) {
     RowsProduct plain[N];
-    idx count = 0;
+    FormatProduct stored[N];
+    idx plain_count = 0, stored_count = 0;
     for (const LayerProduct& p : products) {
         if (p.w.stored != nullptr)
-            format_rows_matmul_cpu(x, m, k, p.w.stored, p.w.format, p.n, p.y, threads);
+            stored[stored_count++] = {p.w.stored, p.w.format, p.n, p.y};
         else
-            plain[count++] = {p.w.w, p.n, p.w.transposed, p.y};
+            plain[plain_count++] = {p.w.w, p.n, p.w.transposed, p.y};
     }
-    if (count > 0) rows_matmul_cpu(x, m, k, plain, count, threads);
+    if (stored_count > 0) format_rows_matmul_cpu(x, m, k, stored, stored_count, threads);
+    if (plain_count > 0) rows_matmul_cpu(x, m, k, plain, plain_count, threads);
 }
 
 void check(const DecodeLayersShape& s, const DecodeLayer* layers, idx n_layers, idx t_max,

@@ -450,16 +450,29 @@ Rows rows_for(WeightFormat format) {
 
 float f16_to_f32(std::uint16_t bits) { return half_to_float(bits); }
 
-void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const void* w,
-                            WeightFormat format, std::ptrdiff_t n, float* y, int threads) {
-    threads = std::max(1, std::min(threads, tile::threads_for(static_cast<double>(m) * k * n)));
-    const Rows run = rows_for(format);
+void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k,
+                            const FormatProduct* products, std::ptrdiff_t count, int threads) {
+    double multiply_adds = 0.0;
+    for (std::ptrdiff_t p = 0; p < count; ++p)
+        multiply_adds += static_cast<double>(m) * k * products[p].n;
+    threads = std::max(1, std::min(threads, tile::threads_for(multiply_adds)));
 #pragma omp parallel num_threads(threads)
     {
         const int t = tile::thread_id(), team = tile::team_size();
         if (t == 0) tile::note_team(team);
-        run(x, m, k, w, n, y, n * t / team, n * (t + 1) / team);
+        for (std::ptrdiff_t p = 0; p < count; ++p) {
+            const FormatProduct& product = products[p];
+            const idx n = product.n;
+            rows_for(product.format)(x, m, k, product.w, n, product.y, n * t / team,
+                                     n * (t + 1) / team);
+        }
     }
+}
+
+void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const void* w,
+                            WeightFormat format, std::ptrdiff_t n, float* y, int threads) {
+    const FormatProduct product{w, format, n, y};
+    format_rows_matmul_cpu(x, m, k, &product, 1, threads);
 }
 
 }  // namespace refmath

@@ -31,6 +31,21 @@ constexpr std::ptrdiff_t kQ8BlockBytes = 34;
 void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const void* w,
                             WeightFormat format, std::ptrdiff_t n, float* y, int threads);
 
+// One product of a call below: the stored matrix w (n, k) in 'format' and its output y (m, n).
+struct FormatProduct {
+    const void* w;
+    WeightFormat format;
+    std::ptrdiff_t n;
+    float* y;
+};
+
+// The same x times each of 'count' stored matrices (a layer's query, key and value; its gate and
+// up), as the call above gives each, in one parallel region: each thread takes the same share of
+// every product's outputs in turn. A region per matrix woke the sleeping (passive) threads once
+// per matrix, each wake costing tens of microseconds, several times a matrix's own time at batch 1.
+void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k,
+                            const FormatProduct* products, std::ptrdiff_t count, int threads);
+
 // The float32 value of a float16 bit pattern (exposed for the tests of the conversion).
 float f16_to_f32(std::uint16_t bits);
 

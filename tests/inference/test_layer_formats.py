@@ -107,6 +107,30 @@ def test_the_compiled_step_reading_stored_weights_is_the_dequantised_reference(c
 
 @needs_cpu
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_the_compiled_step_gives_the_same_bits_on_any_thread_count(fmt):
+    # The step multiplies one input by the query, key and value (and by the gate and up) in one
+    # parallel region, each thread taking its share of every matrix's outputs; each output is
+    # still summed by one thread, so the logits are the same bits on 1, 2 and 3 threads. The
+    # widths put every group of products past the size at which the kernels use more than one
+    # thread (query, key and value: 512 x (512 + 256 + 256) multiply-adds a row; the head, which
+    # runs last and whose team the test reads, 512 x 512).
+    config = dataclasses.replace(LLAMA, vocab_size=512, d_model=512, n_heads=8, n_kv_heads=2,
+                                 d_ff=768, n_layers=1, max_seq_len=8)
+    module = model_module("llama")
+    restored, config, stored = stored_model(module, _params("llama", config), config, fmt)
+    tokens = np.array([[3, 1, 4, 1, 5, 9]])
+    logits, teams = [], []
+    for threads in (1, 2, 3):
+        with kernels.cpu_thread_limit(threads):
+            logits.append(_step_logits("llama", restored, config, tokens, 3, "cpu", stored, fmt))
+            teams.append(kernels.cpu_last_team())
+    assert teams == [1, 2, 3]
+    for other in logits[1:]:
+        np.testing.assert_array_equal(other, logits[0])
+
+
+@needs_cpu
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_compiled_head_product_is_the_dequantised_reference(case, fmt):
     # The head's product alone, as the compiled step makes it (its products function on the
