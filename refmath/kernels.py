@@ -319,7 +319,7 @@ def format_rows_matmul(x, w, fmt: str, out=None):
     ``out``: an optional C-contiguous float32 ``(m, n)`` array to write. Returns ``(m, n)`` float32.
     Each weight is restored exactly to its float32 value (a Q8_0 block's 32 codes are multiplied by
     x first and their sum by the block's scale, :math:`d \sum_i q_i x_i`, as llama.cpp does) and
-    every sum is float32 in one thread; each term passes through far fewer than :math:`k`
+    every sum is float32 in one thread; each term passes through fewer than :math:`k`
     roundings, so the error is at most :math:`\gamma_k |x|\,|\tilde W|^\top`
     (:func:`refmath.weight_formats.product_error_bound`) and does not depend on the thread count.
     """
