@@ -752,19 +752,21 @@ plt.show()
 #
 # **Why half the bytes is not twice the speed on a CPU.** The stored numbers are not the numbers
 # multiplied: each weight is turned back into float32 first (bf16 by a 16-bit shift, f16 by a
-# conversion instruction, Q8_0 by a conversion of the `int8` code and a multiply by its block's
-# scale), by the same core that does the multiply-adds. In float32 a core does 2 FLOPs for every
-# 4 bytes it reads; in Q8_0, 2 FLOPs and a conversion for every 1.06 bytes, nearly four times the
-# work per byte. Where the core cannot do that work as fast as the bytes arrive, the step is
-# bound by the core, not the memory, and the point sits further below its bound than the fixed
-# costs alone would put it. `benchmarks/weight_formats.py` times the products alone against a
-# read of their bytes: on the same machine (one thread, AVX-512, load average 7.7), bf16's and
-# f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at 99-101% of the read, Q8_0's at
-# 44% and 68%. In the whole generation above, that loss is mixed with the fixed costs and the
-# noise: compare the time beyond the read of Q8_0 with bf16's. A GPU, with far more arithmetic
-# per byte of bandwidth, hides the conversion; llama.cpp's CPU kernel for Q8_0 rounds the
-# activations to 8 bits as well and multiplies integers, less work per byte for a little more
-# rounding.
+# conversion instruction, Q8_0 by a conversion of the `int8` code, its block's scale applied once to
+# the block's sum, $d \sum_i q_i x_i$), by the same core that does the multiply-adds. In float32 a
+# core does 2 FLOPs for every 4 bytes it reads; in Q8_0, 2 FLOPs and a conversion for every 1.06
+# bytes, nearly four times the work per byte. Where the core cannot do that work as fast as the
+# bytes arrive, the step is bound by the core, not the memory, and the point sits further below its
+# bound than the fixed costs alone would put it. `benchmarks/weight_formats.py` times the products
+# alone against a read of their bytes: on the same machine (one thread, AVX-512, load average 7.7),
+# bf16's and f16's products of a 1536 x 512 and a 4096 x 4096 matrix ran at 99-101% of the read,
+# Q8_0's at 44% and 68%, when it still multiplied every weight by its scale (applying the scale once
+# per block's sum brought a 4096 x 4096 matrix from 79% to 93% on a quiet 2-core Intel Xeon,
+# `benchmarks/results/2026-12-07-0624-weight_formats.md`). In the whole generation above, that loss
+# is mixed with the fixed costs and the noise: compare the time beyond the read of Q8_0 with bf16's.
+# A GPU, with far more arithmetic per byte of bandwidth, hides the conversion; llama.cpp's CPU
+# kernel for Q8_0 rounds the activations to 8 bits as well and multiplies integers, less work per
+# byte for a little more rounding.
 
 
 # %% [markdown] tags=["question"]
