@@ -315,8 +315,9 @@ REFMATH_INLINE void decoded_outputs(const float* x, idx k, const unsigned char* 
 // weights l and l + 16 with x, added (one product, then one fused multiply-add), and adds that
 // pair times the block's scale to its running sum (one fused multiply-add). A weight thus costs a
 // conversion and a multiply-add, and a pair of them one more: scaling each weight as it was
-// decoded cost a multiply per weight, and the product ran at 48-65% of a plain read of its bytes,
-// compute-bound (one thread, 4096 x 4096 and 2048 x 768 from memory, m = 1, machine D). The
+// decoded cost a multiply per weight, and the product ran at 49-83% of a plain read of its bytes
+// on one thread, 54-63% on two, compute-bound (m = 1, matrices from memory, machine D,
+// benchmarks/results/2026-12-07-0623-weight_formats.md; 59-107% and 59-93% after, -0624). The
 // chunks' lanes are then added and summed as above; k is whole blocks, so nothing is left past.
 template <class D, class V, int G, int M>
 REFMATH_INLINE void scaled_block_outputs(const float* x, idx k, const unsigned char* w, idx n,
