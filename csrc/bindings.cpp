@@ -15,6 +15,7 @@
 #include "decode_cpu.h"
 #include "decode_layers_cpu.h"
 #include "flash_cpu.h"
+#include "piece_team.h"
 #include "rows_matmul_cpu.h"
 #include "softmax.h"
 #include "stream_read.h"
@@ -713,7 +714,10 @@ PYBIND11_MODULE(_C, m) {
     m.def("thread_limit", &refmath::tile::thread_limit,
           "The count set by set_threads (0: OpenMP's own count).");
     m.def("last_team", &refmath::tile::last_team,
-          "Threads in the last parallel region of a row product, a decode or the bandwidth probe.");
+          "Threads the last row product, decode or bandwidth probe was shared among (the setting).");
+    m.def("last_threads_used", &refmath::team::last_threads_used,
+          "Threads the last call shared by the piece team could use: its count, or fewer while "
+          "other processes keep the cores busy (0 before the first).");
     m.def("vector_lanes", [] { return refmath::tile::wide_vectors() ? 16 : 8; },
           "Lanes of the vectors the attention kernels run with now: 16 on a CPU with AVX-512 "
           "(x86-64-v4), else 8 (AVX2, or the baseline instructions emulating them).");

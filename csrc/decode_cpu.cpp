@@ -51,6 +51,7 @@
 #include <string>
 
 #include "online_softmax.h"
+#include "piece_team.h"
 #include "tile_math.h"
 
 namespace refmath {
@@ -451,6 +452,27 @@ idx choose_splits(idx requested, idx work_items, idx longest_units, idx units_pe
     return std::clamp<idx>(want, 1, std::max<idx>(1, longest_units / units_per_min_split));
 }
 
+// The splits of one (sequence, head), p (splits x (D + 2)), merged into its output row orow (D).
+void merge_splits(const float* p, idx splits, idx D, float* orow) {
+    const idx stride = D + 2;
+    float m = kNegInf;
+    for (idx sp = 0; sp < splits; ++sp) m = std::max(m, p[sp * stride + D]);
+    // Every split is weighed, the empty ones too: an empty split (m = -inf, l = 0, u = 0) gets
+    // weight 2^(-inf) = 0 and adds 0, while one whose scores were all NaN (m = -inf, l and u
+    // NaN) adds 0 * NaN = NaN, as it must. No split with a key at all (m = -inf, l = 0): o = 0.
+    const float shift = m == kNegInf ? 0.0f : m;
+    std::fill(orow, orow + D, 0.0f);
+    float l = 0.0f;
+    for (idx sp = 0; sp < splits; ++sp) {
+        const float* ps = p + sp * stride;
+        const float w_sp = std::exp2(ps[D] - shift);
+        l += w_sp * ps[D + 1];
+        for (idx d = 0; d < D; ++d) orow[d] += w_sp * ps[d];
+    }
+    if (l != 0.0f)  // l > 0, or NaN
+        for (idx d = 0; d < D; ++d) orow[d] /= l;
+}
+
 // The two phases shared by both caches. partial holds, per (sequence, head, split), the
 // unnormalised output u (D floats) followed by m and l.
 //
@@ -494,13 +516,12 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
     // Phase 1: (sequence, set of kv heads, split) items, each folding its keys into the state
     // (u, m, l) of the R query heads of each group, then storing it in partial.
     auto* const fold = REFMATH_PICK_WIDTH(fold_block);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (idx t = 0; t < items_per_split * splits; ++t) {
+    auto item = [&](idx t, int member) {
         const idx b = t / (head_sets * splits), g0 = (t / splits) % head_sets * GI, sp = t % splits;
         const idx g1 = std::min(s.kv_heads, g0 + GI);
         const idx n = cache.units(b), chunk = (n + splits - 1) / splits;
         const idx u0 = std::min(n, sp * chunk), u1 = std::min(n, u0 + chunk);
-        float* S = w + tile::thread_id() * per_thread;  // R x (kBlock + kPad) scores
+        float* S = w + member * per_thread;  // R x (kBlock + kPad) scores
         float* heads_state = S + R * (kBlock + kPad);
         // Two blocks per head, i and i + 1, located ahead of their folds (see the loop below). The
         // first fold's rows are requested here.
@@ -557,30 +578,17 @@ void decode_with(const DecodeShape& s, const float* q, const Cache& cache, idx u
                 dst[D + 1] = l[r];
             }
         }
-    }
+    };
+    // The items are the pieces of a piece team (piece_team.h), taken in runs.
+    team::run(items_per_split * splits, threads, [&](idx first, idx last, int member) {
+        for (idx t = first; t < last; ++t) item(t, member);
+    });
     // Phase 2: merge the splits of each (sequence, head) (F3) and normalise (F1).
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (idx bh = 0; bh < s.batch * s.heads; ++bh) {
-        if (bh == 0) tile::note_team(tile::team_size());  // a static schedule: thread 0's item
-        const float* p = part + bh * splits * stride;
-        float* orow = o + bh * D;
-        float m = kNegInf;
-        for (idx sp = 0; sp < splits; ++sp) m = std::max(m, p[sp * stride + D]);
-        // Every split is weighed, the empty ones too: an empty split (m = -inf, l = 0, u = 0) gets
-        // weight 2^(-inf) = 0 and adds 0, while one whose scores were all NaN (m = -inf, l and u
-        // NaN) adds 0 * NaN = NaN, as it must. No split with a key at all (m = -inf, l = 0): o = 0.
-        const float shift = m == kNegInf ? 0.0f : m;
-        std::fill(orow, orow + D, 0.0f);
-        float l = 0.0f;
-        for (idx sp = 0; sp < splits; ++sp) {
-            const float* ps = p + sp * stride;
-            const float w_sp = std::exp2(ps[D] - shift);
-            l += w_sp * ps[D + 1];
-            for (idx d = 0; d < D; ++d) orow[d] += w_sp * ps[d];
-        }
-        if (l != 0.0f)  // l > 0, or NaN
-            for (idx d = 0; d < D; ++d) orow[d] /= l;
-    }
+    tile::note_team(threads);
+    team::run(s.batch * s.heads, threads, [&](idx first, idx last, int) {
+        for (idx bh = first; bh < last; ++bh)
+            merge_splits(part + bh * splits * stride, splits, D, o + bh * D);
+    });
 }
 
 void check_decode_shape(const DecodeShape& s) {

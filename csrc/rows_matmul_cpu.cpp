@@ -11,15 +11,17 @@
 //   order, into a stretch of y. Cutting w by columns instead (no partial sums) read 15-20% slower
 //   on 2 threads of a Zen CPU: each thread then reads a short piece of every row rather than one
 //   long stream.
-// * w^T, w (n, k): each thread takes a stretch of w's rows, one contiguous block, and reads its
-//   two halves side by side (two forward streams); each output is a dot product over k in two
-//   vector accumulators, computed whole by one thread.
+// * w^T, w (n, k): the rows are cut into stretches (4 per thread) that the threads of a piece team
+//   take as they come (piece_team.h); a thread reads a stretch's two halves side by side (two
+//   forward streams); each output is a dot product over k in two vector accumulators, computed
+//   whole by one thread.
 // 8-lane vectors only: wider ones would not read memory faster.
 #include "rows_matmul_cpu.h"
 
 #include <algorithm>
 #include <vector>
 
+#include "piece_team.h"
 #include "tile_math.h"
 
 namespace refmath {
@@ -125,6 +127,26 @@ void rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const R
         if (!products[p].transposed) summed += m * products[p].n;
     }
     threads = std::max(1, std::min(threads, tile::threads_for(multiply_adds)));
+    if (summed == 0) {
+        // Every product in W^T's rows (the decode layout): each output is one dot product, so the
+        // outputs are cut into kPiecesPerThread * threads stretches of whole 8-output groups, the
+        // pieces of a piece team (piece_team.h); a run of pieces is one stretch of each product.
+        tile::note_team(threads);
+        const idx per_product = tile::kPiecesPerThread * threads;
+        team::run(count * per_product, threads, [&](idx first, idx last, int) {
+            for (idx piece = first; piece < last;) {
+                const idx p = piece / per_product, end = std::min(last, (p + 1) * per_product);
+                const RowsProduct& q = products[p];
+                const idx groups = (q.n + 7) / 8;
+                const idx a = piece - p * per_product, b = end - p * per_product;
+                const idx j0 = std::min(q.n, groups * a / per_product * 8);
+                const idx j1 = std::min(q.n, groups * b / per_product * 8);
+                dots(x, m, k, q.w, q.y, q.n, j0, j1);
+                piece = end;
+            }
+        });
+        return;
+    }
     // Threads 1.. keep their partial sums here; thread 0 sums straight into y. One buffer per
     // calling thread, kept between calls: a decode step makes a hundred of them.
     static thread_local std::vector<float> scratch;

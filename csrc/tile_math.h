@@ -465,9 +465,9 @@ inline int max_threads() {
 #endif
 }
 
-// The team size of the last parallel region of the compiled row products, the decode attention's
-// merge and the bandwidth probe, stored by the thread of its first item: what a test reads to see that a thread
-// setting reached the kernels (a relaxed store, once per region).
+// The threads the last call of the compiled row products, the decode attention or the bandwidth
+// probe was shared among (the setting, or 1 for a small call): what a test reads to see that a
+// thread setting reached the kernels (a relaxed store, once per call).
 void note_team(int size);
 int last_team();
 
@@ -479,6 +479,10 @@ int last_team();
 inline int threads_for(double multiply_adds) {
     return multiply_adds < 262144.0 ? 1 : max_threads();
 }
+
+// The pieces per thread that a call shared by a piece team (piece_team.h) is cut into: more than
+// one, so that a thread the scheduler parks leaves the rest of the work to the others.
+constexpr int kPiecesPerThread = 4;
 
 // Whether to run the 16-lane (AVX-512) copies of the kernels: only where the CPU has x86-64-v4
 // and it has not been switched off with set_wide_vectors(false) (how the tests reach the 8-lane

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "piece_team.h"
 #include "tile_math.h"
 
 #if REFMATH_HAVE_AVX512
@@ -457,17 +458,21 @@ void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k,
     for (std::ptrdiff_t p = 0; p < count; ++p)
         multiply_adds += static_cast<double>(m) * k * products[p].n;
     threads = std::max(1, std::min(threads, tile::threads_for(multiply_adds)));
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = tile::thread_id(), team = tile::team_size();
-        if (t == 0) tile::note_team(team);
-        for (std::ptrdiff_t p = 0; p < count; ++p) {
+    tile::note_team(threads);
+    // Each product's outputs in kPiecesPerThread * threads equal stretches, the pieces of a piece
+    // team (piece_team.h); a run of pieces is read as one stretch of each product it covers. An
+    // output's sum does not depend on the stretch it falls in.
+    const idx per_product = tile::kPiecesPerThread * threads;
+    team::run(count * per_product, threads, [&](idx first, idx last, int) {
+        for (idx piece = first; piece < last;) {
+            const idx p = piece / per_product, end = std::min(last, (p + 1) * per_product);
             const FormatProduct& product = products[p];
-            const idx n = product.n;
-            rows_for(product.format)(x, m, k, product.w, n, product.y, n * t / team,
-                                     n * (t + 1) / team);
+            const idx n = product.n, a = piece - p * per_product, b = end - p * per_product;
+            rows_for(product.format)(x, m, k, product.w, n, product.y, n * a / per_product,
+                                     n * b / per_product);
+            piece = end;
         }
-    }
+    });
 }
 
 void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const void* w,

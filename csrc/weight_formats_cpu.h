@@ -40,10 +40,11 @@ struct FormatProduct {
 };
 
 // The same x times each of 'count' stored matrices (a layer's query, key and value; its gate and
-// up), as the call above gives each, in one parallel region: each thread takes the same share of
-// every product's outputs in turn. A region per matrix woke the sleeping (passive) threads once
-// per matrix, each wake costing tens of microseconds (about 50 on machine D, a VM), as long as a
-// small matrix's own read at batch 1 (a 256 x 768 key matrix in Q8_0: 0.2 MB, about 20 us).
+// up), as the call above gives each, in one call of the piece team (piece_team.h): the threads take
+// runs of every product's outputs in turn. With a parallel region per matrix, each woke the
+// sleeping (passive) threads once, each wake costing tens of microseconds (about 50 on machine D, a
+// VM), as long as a small matrix's own read at batch 1 (a 256 x 768 key matrix in Q8_0: 0.2 MB,
+// about 20 us).
 void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k,
                             const FormatProduct* products, std::ptrdiff_t count, int threads);
 

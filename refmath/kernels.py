@@ -23,6 +23,7 @@ from refmath._validate import (check_axis, check_choice, check_flag, check_int, 
 
 __all__ = ["BACKENDS", "cpu_available", "cuda_available", "cpu_vector_lanes", "cpu_instructions",
            "cpu_threads", "set_cpu_threads", "cpu_thread_limit", "cpu_last_team",
+           "cpu_last_usable_threads",
            "backward_schedule", "stream_sum", "adamw_step", "rows_matmul", "rows_matmul_many",
            "format_rows_matmul", "DECODE_LAYER_NORMS", "DECODE_LAYER_FFNS", "decode_layers",
            "build_info", "cuda_build_info", "softmax_rows",
@@ -37,7 +38,9 @@ __all__ = ["BACKENDS", "cpu_available", "cuda_available", "cpu_vector_lanes", "c
 # it and wakes them promptly for the next region. The runtime reads its wait policy once, when it
 # loads, so it is set here (in the environment, for the load of refmath._C only, then put back)
 # unless the user chose one, or the runtime was already loaded by another library (torch's copy of
-# libgomp, say), whose choice then holds for both. OPENMP_WAIT says which.
+# libgomp, say), whose choice then holds for both. OPENMP_WAIT says which. (The decode step's
+# products and attention share their work another way, which neither spins long nor waits for a
+# late thread: see cpu_last_usable_threads.)
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
@@ -174,10 +177,26 @@ def cpu_thread_limit(threads: int | None):
 
 
 def cpu_last_team() -> int:
-    """The threads that ran the last parallel region of a row product (:func:`rows_matmul`, and
-    the compiled decode step's products), a :func:`decode` or :func:`stream_sum`:
-    how a test sees that a thread setting reached the kernels (0 before any has run)."""
+    """The threads the last row product (:func:`rows_matmul`, :func:`format_rows_matmul`, the
+    compiled decode step's products), :func:`decode` or :func:`stream_sum` was shared among: the
+    thread setting, or 1 for a call too small to share. How a test sees that a thread setting
+    reached the kernels (0 before any has run)."""
     return _cpu().last_team()
+
+
+def cpu_last_usable_threads() -> int:
+    """The threads that could take part in the last call shared among several: its share of the
+    setting (:func:`cpu_last_team`), or fewer while other processes keep the cores busy.
+
+    The decode-layout row products, the stored-format products and the decode attention cut their
+    work into pieces, and the calling thread and helper threads take runs of them as they come
+    (``csrc/piece_team.h``); a helper that is late finds nothing left and is not waited for. While
+    other processes' runnable tasks (``/proc/loadavg``, counted at most every 10 ms, the larger of
+    the last two counts) leave fewer cores free than the setting, fewer threads take part, so that
+    two threads on a machine with another busy process run no slower than one. The results are the
+    same bits whoever takes the pieces. 0 before the first such call; where ``/proc/loadavg``
+    cannot be read, always the setting."""
+    return _cpu().last_threads_used()
 
 
 BACKWARD_SCHEDULES = {"auto": 0, "one pass": 1, "two passes": 2}
@@ -254,15 +273,16 @@ def adamw_step(p, g, m, v, shrink, scalars, threads: int = 1) -> None:
 
 
 def rows_matmul(x, w, out=None):
-    r"""``x @ w`` for a few float32 rows, the weight read once by all the OpenMP threads (N5).
+    r"""``x @ w`` for a few float32 rows, the weight read once by all the kernels' threads (N5).
 
     .. math::
         y_{rj} = \sum_{i=0}^{k-1} x_{ri}\, w_{ij}
 
     A decode step at batch 1 multiplies one row by every weight matrix: two FLOPs per weight read,
-    so its time is the time to stream the weights. This kernel streams them on the OpenMP threads
-    of the decode kernels, so that a step's products and its attention can share one thread pool
-    (:func:`refmath.fast.products.kernel_products`). ``x``: ``(m, k)`` float32, ``m`` a few rows
+    so its time is the time to stream the weights. This kernel streams them on the threads of the
+    decode kernels, so that a step's products and its attention share one team of threads
+    (:func:`refmath.fast.products.kernel_products`): in the decode layout (``w`` the transpose of
+    ``(n, k)`` rows) the team of :func:`cpu_last_usable_threads`, otherwise OpenMP's. ``x``: ``(m, k)`` float32, ``m`` a few rows
     (any ``m`` gives the product; the kernel is made for a decode step's one to four). ``w``:
     float32 ``(k, n)``, C-contiguous, or the transpose of a C-contiguous ``(n, k)`` array (a tied
     head's ``embedding.T``), read where it lies; any other layout is copied first. ``out``: an optional C-contiguous float32 ``(m, n)`` array to write. Returns
