@@ -63,7 +63,7 @@ struct DecodeLayer {
 std::ptrdiff_t decode_layers_workspace(const DecodeLayersShape& shape);
 
 // x (batch, d_model) float32, updated in place through every layer. cos and sin (head_dim / 2) are
-// the rotation at `position` (unused without RoPE). 0 <= position < t_max. At most `threads` OpenMP
+// the rotation at `position` (unused without RoPE). 0 <= position < t_max. At most `threads`
 // threads share each product; the attention chooses its own split of the cache.
 // Throws std::invalid_argument (before any work) on a bad size or position.
 void decode_layers_cpu(const DecodeLayersShape& shape, const DecodeLayer* layers,

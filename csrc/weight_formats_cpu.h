@@ -26,8 +26,9 @@ constexpr std::ptrdiff_t kQ8BlockBytes = 34;
 
 // y (m, n) = x (m, k) times the transpose of w (n, k), w in 'format': n rows of k 16-bit values
 // (bf16, f16), or n rows of k / 32 Q8_0 blocks (k a multiple of 32). x and y are float32,
-// C-contiguous, and must not overlap. At most 'threads' OpenMP threads share the outputs; each
-// output is summed by one thread, so the result does not depend on the thread count.
+// C-contiguous, and must not overlap. At most 'threads' threads of the piece team (piece_team.h)
+// share the outputs; each output is summed by one thread, so the result does not depend on the
+// thread count.
 void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const void* w,
                             WeightFormat format, std::ptrdiff_t n, float* y, int threads);
 
