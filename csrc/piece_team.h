@@ -23,6 +23,7 @@
 // sleep at exit); a child made by fork() starts with none.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 namespace refmath {
@@ -48,6 +49,19 @@ void run(std::ptrdiff_t pieces, int threads, const F& f) {
             (*static_cast<const F*>(c))(first, last, member);
         },
         const_cast<F*>(&f));
+}
+
+// For calls that cut each of several products into per_product pieces: the run [first, last) as
+// f(product, a, b) for each product it covers, pieces a..b of that product's per_product.
+template <class F>
+void for_each_part(std::ptrdiff_t first, std::ptrdiff_t last, std::ptrdiff_t per_product,
+                   const F& f) {
+    for (std::ptrdiff_t piece = first; piece < last;) {
+        const std::ptrdiff_t p = piece / per_product;
+        const std::ptrdiff_t end = std::min(last, (p + 1) * per_product);
+        f(p, piece - p * per_product, end - p * per_product);
+        piece = end;
+    }
 }
 
 // The threads the last call that the team shared allowed to take its pieces: its `threads`, or

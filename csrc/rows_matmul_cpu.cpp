@@ -134,16 +134,13 @@ void rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k, const R
         tile::note_team(threads);
         const idx per_product = tile::kPiecesPerThread * threads;
         team::run(count * per_product, threads, [&](idx first, idx last, int) {
-            for (idx piece = first; piece < last;) {
-                const idx p = piece / per_product, end = std::min(last, (p + 1) * per_product);
+            team::for_each_part(first, last, per_product, [&](idx p, idx a, idx b) {
                 const RowsProduct& q = products[p];
                 const idx groups = (q.n + 7) / 8;
-                const idx a = piece - p * per_product, b = end - p * per_product;
                 const idx j0 = std::min(q.n, groups * a / per_product * 8);
                 const idx j1 = std::min(q.n, groups * b / per_product * 8);
                 dots(x, m, k, q.w, q.y, q.n, j0, j1);
-                piece = end;
-            }
+            });
         });
         return;
     }

@@ -464,14 +464,12 @@ void format_rows_matmul_cpu(const float* x, std::ptrdiff_t m, std::ptrdiff_t k,
     // output's sum does not depend on the stretch it falls in.
     const idx per_product = tile::kPiecesPerThread * threads;
     team::run(count * per_product, threads, [&](idx first, idx last, int) {
-        for (idx piece = first; piece < last;) {
-            const idx p = piece / per_product, end = std::min(last, (p + 1) * per_product);
+        team::for_each_part(first, last, per_product, [&](idx p, idx a, idx b) {
             const FormatProduct& product = products[p];
-            const idx n = product.n, a = piece - p * per_product, b = end - p * per_product;
+            const idx n = product.n;
             rows_for(product.format)(x, m, k, product.w, n, product.y, n * a / per_product,
                                      n * b / per_product);
-            piece = end;
-        }
+        });
     });
 }
 
