@@ -58,8 +58,9 @@ def test_calls_from_several_python_threads_give_one_threads_bits():
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_every_piece_is_done_once_whoever_takes_it(threads):
-    # 3 threads on a 2-core machine: a helper is often late or parked, and the caller takes its
-    # pieces; repeated calls give the helpers every chance to take some.
+    # Each setting cuts the work its own way (4 pieces a thread per product); on a 2-core machine
+    # 3 becomes at most 2 taking part (cpu_last_usable_threads). Helpers are sometimes late and
+    # the caller takes their pieces; repeated calls give them every chance to take some.
     fns = calls()
     with kernels.cpu_thread_limit(1):
         expected = {name: fn() for name, fn in fns.items()}
