@@ -145,8 +145,8 @@ REFMATH_AVX512 inline f32x16 f16c_to_floats(const void* p) {
 // bfloat16's 16 values to float: vpmovzxwd and vpslld on one 16-lane register. The vector
 // extension's conversion of 16 uint16 to 16 uint32 came out of GCC 12 as two 8-lane conversions
 // joined by extract and insert shuffles (five shuffles for 16 weights), which held the bf16
-// product in cache to 60% of the float16 one's speed; with this, 1.35x faster than that in cache
-// (one thread, a Zen 4, paired calls), as fast as float16.
+// product in cache to 60% of the float16 one's speed; with this, 1.5x faster than that in cache
+// (one thread, a Zen 4, benchmarks/paired_builds.py), as fast as float16.
 REFMATH_AVX512 inline f32x16 wide_bf16_to_floats(const void* p) {
 #ifndef REFMATH_WIDE_ON_AVX2
     __m256i h;
@@ -355,9 +355,10 @@ REFMATH_INLINE void scaled_block_outputs(const float* x, idx k, const unsigned c
     for (idx c = 0; c < k; c += kChunk) {
         const idx end = std::min(k, c + kChunk);
         V acc[M][G][P] = {};
-        // Block i / 32 of each row, a pointer stepped one block at a time: computing its address
-        // from i (a signed division, a multiply, an add per row) took a third of the loop's
-        // instructions, and stepping ran 1.08-1.11x faster (one thread, Zen 4, paired calls).
+        // Block i / 32 of each row, a pointer stepped one block at a time (computing it from i took
+        // a signed division, a multiply and an add per row, a third of the loop's instructions;
+        // the speed is the same within the noise, benchmarks/paired_builds.py: the loop is held
+        // by vcvtdq2ps, see benchmarks/README.md).
         const unsigned char* blocks[G];
         for (int g = 0; g < G; ++g) blocks[g] = rows[g] + c / kQ8Block * kQ8BlockBytes;
         for (idx i = c; i < end; i += kQ8Block) {
