@@ -5,9 +5,9 @@ speed moves from minute to minute.
 Each BUILD is a source tree with its compiled module built in place (``python setup.py
 build_ext --inplace``, e.g. a ``git worktree`` of the commit before a change). Each module is
 loaded under its own name, so the builds run the same calls on the same arrays in the same turns,
-whose order reverses every round; a slower or faster minute of the machine then falls on every
-build alike, and the ratio of each build's time to the first build's is taken round by round
-(its median printed as "paired"). Two workloads per format:
+whose order rotates every round (``_common.rotated_times``); a slower or faster minute of the
+machine then falls on every build alike, and the ratio of each build's time to the first build's
+is taken round by round (its median printed as "paired"). Two workloads per format:
 
 * memory: one matrix product after another over a small Llama's layer matrices (24 layers of
   2048 x 768, 768 x 2048 and 768 x 768), 1 row of x: about twice the last-level cache, read from
@@ -30,10 +30,9 @@ import importlib.util
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
-from _common import load_average
+from _common import load_average, rotated_times
 
 LAYER = [(2048, 768), (768, 2048), (768, 768)]
 LAYERS = 24
@@ -83,7 +82,7 @@ def main(argv=None) -> None:
     print(f"{load_average()}; {args.threads} thread(s); "
           f"{builds[0].vector_lanes()} lanes; builds: " +
           ", ".join(f"[{i}] {os.path.abspath(t)}" for i, t in enumerate(args.builds)))
-    print(f"{args.rounds} paired rounds, the builds' order reversed every round; memory: "
+    print(f"{args.rounds} paired rounds, the turns' order rotating every round; memory: "
           f"{LAYERS} layers of {LAYER} in turn, 1 row of x; cache: the first layer's 3 matrices, "
           f"{CACHE_PASSES} passes; paired: the median over rounds of build [0]'s time over this "
           f"build's (above 1: faster than [0])")
@@ -100,33 +99,31 @@ def main(argv=None) -> None:
         plain = np.ones(nbytes // 4, np.float32)
 
         def products(module, count):
-            for m, (n, k), out in zip(mats[:count], shapes, outs):
+            for m, (_, k), out in zip(mats[:count], shapes, outs):
                 module.format_rows_matmul(xs[k], m, fmt, out)
 
-        times = [{"memory": [], "cache": []} for _ in builds]
-        reads = []
-        for module in builds:  # untimed: first touches, and each build's code paged in
-            products(module, len(mats))
-        for r in range(args.rounds):
-            order = list(range(len(builds)))[::(-1 if r % 2 else 1)]
-            for i in order:
-                start = time.perf_counter()
-                products(builds[i], len(mats))
-                times[i]["memory"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                for _ in range(CACHE_PASSES):
-                    products(builds[i], len(LAYER))
-                times[i]["cache"].append((time.perf_counter() - start) / CACHE_PASSES)
-            start = time.perf_counter()
-            builds[0].stream_sum(plain)
-            reads.append(time.perf_counter() - start)
-        read = statistics.median(reads)
-        print(f"\n{fmt}: {nbytes / 2**20:.0f} MiB from memory, plain read {nbytes / read / 1e9:.1f} "
-              f"GB/s (median of {args.rounds})")
+        def cache_passes(module):
+            for _ in range(CACHE_PASSES):
+                products(module, len(LAYER))
+
+        sides = {}
+        for i, module in enumerate(builds):
+            sides[f"memory {i}"] = lambda module=module: products(module, len(mats))
+            sides[f"cache {i}"] = lambda module=module: cache_passes(module)
+        # The read through the first build's module: importing refmath.kernels (and with it
+        # _bandwidth.ReadReference) would load a third copy of the module under its own name.
+        sides["read"] = lambda: builds[0].stream_sum(plain)
+        seconds = rotated_times(sides, args.rounds)
+        times = [{"memory": seconds[f"memory {i}"],
+                  "cache": [s / CACHE_PASSES for s in seconds[f"cache {i}"]]}
+                 for i in range(len(builds))]
+        read = statistics.median(seconds["read"])
+        print(f"\n{fmt}: {nbytes / 2**20:.0f} MiB from memory, plain read "
+              f"{nbytes / read / 1e9:.1f} GB/s (median of {args.rounds})")
         for i, t in enumerate(times):
             mem, cache = statistics.median(t["memory"]), statistics.median(t["cache"])
-            line = (f"  [{i}] memory {nbytes / mem / 1e9:5.1f} GB/s ({read / mem:4.0%} of the read), "
-                    f"cache {cache_bytes / cache / 1e9:5.1f} GB/s")
+            line = (f"  [{i}] memory {nbytes / mem / 1e9:5.1f} GB/s ({read / mem:4.0%} of the "
+                    f"read), cache {cache_bytes / cache / 1e9:5.1f} GB/s")
             if i > 0:
                 paired = [statistics.median(np.array(times[0][w]) / np.array(t[w]))
                           for w in ("memory", "cache")]
