@@ -40,6 +40,14 @@
 // against 85%) and P V tiles of 4 x 4 vectors (4-7% faster in cache, 79-80% from memory): both
 // also make the bursts of requests larger. A plain read that takes K and V in the kernel's order (8 KiB
 // of one, then of the other) reads as fast as one stream.
+//
+// One core of a Zen 4 (1 thread, T = 32k, builds in paired turns, benchmarks/paired_builds.py
+// --workload decode; benchmarks/README.md has the figures) reads 77-78% of a plain read. There the
+// level-2 requests are everything: without those for the rows the kernel took 0.31x the speed,
+// into level 1 (hint 3) or non-temporal (hint 0) 0.47x, 2 blocks ahead 0.96x, half a block ahead
+// 0.92x. The hardware prefetchers do not stream the tiles' order of access (four key rows side by
+// side, value rows across in columns), and reading keys and values in memory order made the
+// arithmetic slower without bringing them back.
 #include "decode_cpu.h"
 
 #include <algorithm>
@@ -80,7 +88,8 @@ constexpr idx kMaxHeadsPerItem = 8;    // key/value heads a work item may read t
 // 84-87% with 4, 87-89% with 2 and 86-87% with 1. The likely reason: an item's state is a
 // head's queries and U (4 KiB at R = 4, D = 128) per head, so 8 heads cycle 32 KiB of state
 // through a 48 KiB level 1 beside the 16 KiB block of each fold. 2 heads still read 16 KiB runs of
-// a page. Not re-measured on the Zen 4.
+// a page. On a Zen 4 (1 thread, T = 32k, the same pages, builds in paired turns), against 2: 1 head
+// 0.93x the speed, 4 heads 0.95x, 8 heads 1.01x, within the noise of a pair of equal builds.
 constexpr idx kPagedHeadsPerItem = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
