@@ -89,7 +89,7 @@ constexpr idx kMaxHeadsPerItem = 8;    // key/value heads a work item may read t
 // head's queries and U (4 KiB at R = 4, D = 128) per head, so 8 heads cycle 32 KiB of state
 // through a 48 KiB level 1 beside the 16 KiB block of each fold. 2 heads still read 16 KiB runs of
 // a page. On a Zen 4 (1 thread, T = 32k, the same pages, builds in paired turns), against 2: 1 head
-// 0.93x the speed, 4 heads 0.95x, 8 heads 1.01x, within the noise of a pair of equal builds.
+// 0.93x the speed, 4 heads 0.95x and 8 heads 1.01x, where a pair of equal builds gave 0.98-1.00x.
 constexpr idx kPagedHeadsPerItem = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
