@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel benchmarks: timing, peak memory, threads, and a plain-text table."""
+"""Helpers shared by the kernel benchmarks: timing, peak memory, threads, a plain-text table, and
+a paged copy of a KV cache."""
 from __future__ import annotations
 
 import os
@@ -6,6 +7,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 # Run as a script from anywhere: make the checkout's refmath importable without installing it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -185,3 +188,19 @@ def choose_vector_width(narrow: bool) -> str:
 
 def median(xs):
     return statistics.median(xs)
+
+
+def paged_copy(k, v, page_size, rng, in_order=False):
+    """The caches (1, G, T, D) cut into pages (n_pages, G, p, D) at random places in the pool
+    (in_order: page i at place i)."""
+    _, g, t, d = k.shape
+    n = -(-t // page_size)
+    # logical page i is physical page order[i]
+    order = np.arange(n) if in_order else rng.permutation(n)
+    k_pages = np.zeros((n, g, page_size, d), np.float32)
+    v_pages = np.zeros_like(k_pages)
+    for i in range(n):
+        filled = min(page_size, t - i * page_size)
+        k_pages[order[i], :, :filled] = k[0, :, i * page_size: i * page_size + filled]
+        v_pages[order[i], :, :filled] = v[0, :, i * page_size: i * page_size + filled]
+    return k_pages, v_pages, order[None, :].astype(np.int32)

@@ -78,7 +78,7 @@ import time
 
 import numpy as np
 from _common import (best_ms, choose_vector_width, load_average, machine_line, median_min_ms,
-                     neutral_reader, print_table, rotated_times)
+                     neutral_reader, paged_copy, print_table, rotated_times)
 from _bandwidth import ReadReference, last_level_cache_bytes
 
 from refmath import kernels
@@ -150,21 +150,6 @@ def read_bandwidth(gib: float, repeats: int) -> float:
     x = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
     ms = best_ms(lambda: kernels.stream_sum(x), repeats)
     return x.nbytes / (ms * 1e-3)
-
-
-def paged_copy(k, v, page_size, rng, in_order=False):
-    """The caches (1, G, T, D) cut into pages (n_pages, G, p, D) at random places in the pool
-    (in_order: page i at place i)."""
-    _, g, t, d = k.shape
-    n = -(-t // page_size)
-    order = np.arange(n) if in_order else rng.permutation(n)  # logical page i is physical order[i]
-    k_pages = np.zeros((n, g, page_size, d), np.float32)
-    v_pages = np.zeros_like(k_pages)
-    for i in range(n):
-        filled = min(page_size, t - i * page_size)
-        k_pages[order[i], :, :filled] = k[0, :, i * page_size: i * page_size + filled]
-        v_pages[order[i], :, :filled] = v[0, :, i * page_size: i * page_size + filled]
-    return k_pages, v_pages, order[None, :].astype(np.int32)
 
 
 LABELS = {"read": "read (stream_sum)", "contiguous": "refmath contiguous",

@@ -17,10 +17,10 @@ is taken round by round (its median printed as "paired").
 * cache: the first layer's three matrices, 20 times over, timed per pass (in the caches).
 
 ``--workload decode``: one decode step (B = 1, H = 32, G = 8, D = 128, float32) over a contiguous
-cache of ``--context`` keys and over the same keys in pages of 16 scattered through a pool (the
-page table a random permutation), beside a plain read of the same bytes (stream_sum) and a plain
-read of the pages in the page table's order (stream_sum_rows, the paged decode's floor). Each
-call reads K and V once (256 MiB at the default 32k keys), several times a server's last-level
+cache of ``--context`` keys and over the same keys in pages (``--page-size``, 16) scattered through
+a pool (_common.paged_copy, the page table a random permutation), beside a plain read of the
+same bytes (stream_sum) and a plain read of the pages in the page table's order (stream_sum_rows,
+the paged decode's floor). Each call reads K and V once (256 MiB at the default 32k keys), several times a server's last-level
 cache, so it starts cold without an eviction; the largest difference of each build's output from
 build [0]'s is printed, so a change that moves the bits shows it.
 
@@ -43,7 +43,7 @@ import statistics
 import sys
 
 import numpy as np
-from _common import load_average, rotated_times
+from _common import load_average, paged_copy, rotated_times
 
 LAYER = [(2048, 768), (768, 2048), (768, 768)]
 LAYERS = 24
@@ -152,20 +152,6 @@ def time_formats(builds, args) -> None:
             print(line, flush=True)
 
 
-def scattered_pages(k, v, page_size: int, rng):
-    """The caches (G, T, D) cut into pages (n_pages, G, page_size, D), page i of the sequence put
-    at place table[i] of the pool (a random permutation)."""
-    g, t, d = k.shape
-    n = t // page_size
-    table = rng.permutation(n).astype(np.int32)
-    pools = []
-    for cache in (k, v):
-        pool = np.empty((n, g, page_size, d), np.float32)
-        pool[table] = cache.reshape(g, n, page_size, d).transpose(1, 0, 2, 3)
-        pools.append(pool)
-    return pools[0], pools[1], table
-
-
 def time_decode(builds, args) -> None:
     """One decode step, contiguous and paged, beside the plain reads (--workload decode)."""
     h, g, d, t = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, args.context
@@ -174,7 +160,7 @@ def time_decode(builds, args) -> None:
     k = rng.standard_normal((1, g, t, d), dtype=np.float32)
     v = rng.standard_normal((1, g, t, d), dtype=np.float32)
     lengths = np.array([t], np.int32)
-    k_pages, v_pages, table = scattered_pages(k[0], v[0], args.page_size, rng)
+    k_pages, v_pages, table = paged_copy(k, v, args.page_size, rng)
     scale = 1.0 / np.sqrt(d)
     nbytes = k.nbytes + v.nbytes
     print(f"decode: B=1 H={h} G={g} D={d}, T={t}, float32, {nbytes / 2**20:.0f} MiB of K and V; "
@@ -185,11 +171,11 @@ def time_decode(builds, args) -> None:
     for i, module in enumerate(builds):
         sides[f"contiguous {i}"] = lambda m=module: m.decode(q, k, v, lengths, scale, 0)
         sides[f"paged {i}"] = lambda m=module: m.paged_decode(
-            q, k_pages, v_pages, table[None], lengths, scale, 0)
+            q, k_pages, v_pages, table, lengths, scale, 0)
         outputs.append((sides[f"contiguous {i}"](), sides[f"paged {i}"]()))
-    pool_rows = [pool.reshape(len(table), -1) for pool in (k_pages, v_pages)]
+    pool_rows = [pool.reshape(len(k_pages), -1) for pool in (k_pages, v_pages)]
     sides["read"] = lambda: (builds[0].stream_sum(k), builds[0].stream_sum(v))
-    sides["read paged"] = lambda: [builds[0].stream_sum_rows(rows, table) for rows in pool_rows]
+    sides["read paged"] = lambda: [builds[0].stream_sum_rows(rows, table[0]) for rows in pool_rows]
     seconds = rotated_times(sides, args.rounds)
     read = statistics.median(seconds["read"])
     read_paged = statistics.median(seconds["read paged"])
