@@ -20,9 +20,10 @@ is taken round by round (its median printed as "paired").
 cache of ``--context`` keys and over the same keys in pages (``--page-size``, 16) scattered through
 a pool (_common.paged_copy, the page table a random permutation), beside a plain read of the
 same bytes (stream_sum) and a plain read of the pages in the page table's order (stream_sum_rows,
-the paged decode's floor). Each call reads K and V once (256 MiB at the default 32k keys), several times a server's last-level
-cache, so it starts cold without an eviction; the largest difference of each build's output from
-build [0]'s is printed, so a change that moves the bits shows it.
+the paged decode's floor). Each call reads K and V once (256 MiB at the default 32k keys),
+several times a server's last-level cache, so it starts cold without an eviction; the largest
+difference of each build's output from build [0]'s is printed, so a change that moves the bits
+shows it.
 
 One thread only (--threads 1 is the default): each build's piece team keeps its own helper
 threads, and a helper still spinning after its build's turn would slow the next build's.
