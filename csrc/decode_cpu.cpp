@@ -7,9 +7,10 @@
 //   memory once per group, not once per query head.
 // * One long sequence must still keep every core streaming: the work items are
 //   (sequence, key/value head, split), where a split is a contiguous chunk of the sequence's keys
-//   (or pages; a paged item takes 2 key/value heads together, see decode_with). Each item leaves its unnormalised (u, m, l) (F2); a second, tiny loop merges the
-//   splits of each (sequence, head) (F3). An empty split (more splits than keys) leaves the empty
-//   state m = -inf, l = 0, u = 0, which the merge skips.
+//   (or pages; a paged item takes 2 key/value heads together, see decode_with). Each item leaves
+//   its unnormalised (u, m, l) (F2); a second, tiny loop merges the splits of each (sequence,
+//   head) (F3). An empty split (more splits than keys) leaves the empty state m = -inf, l = 0,
+//   u = 0, which the merge skips.
 // * The arithmetic must keep up with memory, which takes tight inner loops: a block of kBlock keys
 //   is folded at a time (one max and one exponential pass per block, not per key), its scores and
 //   its P V computed by small register tiles (fold_block), and the keys of a later block are
@@ -38,18 +39,20 @@
 // from memory); the folds pipelined (the next block's scores before this block's P V, hiding the
 // softmax's dependent chain: unchanged); 32-key blocks (10% faster in cache, 80% from memory
 // against 85%) and P V tiles of 4 x 4 vectors (4-7% faster in cache, 79-80% from memory): both
-// also make the bursts of requests larger. A plain read that takes K and V in the kernel's order (8 KiB
-// of one, then of the other) reads as fast as one stream.
+// also make the bursts of requests larger. A plain read that takes K and V in the kernel's order
+// (8 KiB of one, then of the other) reads as fast as one stream.
 //
 // One core of a Zen 4 (1 thread, T = 32k, builds in paired turns, benchmarks/paired_builds.py
 // --workload decode; benchmarks/README.md has the figures) reads 77-78% of a plain read. There the
 // level-2 requests are everything: without those for the rows the kernel took 0.31x the speed,
 // into level 1 (hint 3) or non-temporal (hint 0) 0.47x, 2 blocks ahead 0.96x, half a block ahead
-// 0.92x. There the hardware prefetchers stream only a loop that does nothing but read memory in
-// order: in C++ loops, any other loads between the reads (even of 2 KiB in level 1) took a plain
-// read from 29-31 GB/s to 9, and the best software requests gave such loops 13-26 GB/s, about
-// what the kernel reads (about 23). Reading each block front to back first, or keys and values in
-// memory order, made the kernel slower.
+// 0.92x. There the hardware prefetchers follow memory read line after line, not the order of the
+// register tiles (four key rows side by side, the value rows down columns of 32 floats):
+// benchmarks/read_order.sh reads K and V both ways with multiply-adds between the reads. The
+// kernel reads about 23 GB/s, the rate of its software requests. Reading each block front to back
+// first made it slower, and so did a fold that reads memory in order (the scores' accumulators
+// filled key row by key row, the block's P V sums in a level-1 buffer: the same bits, 1.3-2.7x
+// the time in the caches, its loads and stores of that buffer the cost).
 #include "decode_cpu.h"
 
 #include <algorithm>
