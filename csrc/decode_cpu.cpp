@@ -52,7 +52,8 @@
 // kernel reads about 23 GB/s, the rate of its software requests. Reading each block front to back
 // first made it slower, and so did a fold that reads memory in order (the scores' accumulators
 // filled key row by key row, the block's P V sums in a level-1 buffer: the same bits, 1.3-2.7x
-// the time in the caches, its loads and stores of that buffer the cost).
+// the time in the caches, with four times the query loads and a load and store of the buffer per
+// multiply-add of P V).
 #include "decode_cpu.h"
 
 #include <algorithm>
