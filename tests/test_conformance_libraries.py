@@ -102,7 +102,8 @@ def test_tinygrad_passes_under_its_declared_conventions():
 def test_ort_multi_head_attention_with_a_past_but_no_present_outputs_is_pinned(ort):
     """Pinned (found while writing the adapter, outside the sweep's contracts): MultiHeadAttention
     given past_key/past_value attends over past + new keys only when the present outputs are
-    requested; without them it returns another answer, silently."""
+    requested; without them it returns another answer, silently: finite and far off, or, in some
+    runs (onnxruntime 1.32, the same inputs), NaN throughout."""
     from onnx import TensorProto, helper
 
     b, n, d, s, p = 1, 2, 16, 3, 5
@@ -132,4 +133,6 @@ def test_ort_multi_head_attention_with_a_past_but_no_present_outputs_is_pinned(o
     w = np.exp(sc - sc.max(axis=-1, keepdims=True))
     want = ((w / w.sum(axis=-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(b, s, n * d)
     assert np.abs(run(True) - want).max() < 1e-5
-    assert np.abs(run(False) - want).max() > 0.1
+    # Wrong either way: some entry off by more than 0.1, or not a number (NaN fails every
+    # comparison, so 'all within 0.1' is the claim to refute, not 'some entry beyond it').
+    assert not np.all(np.abs(run(False) - want) <= 0.1)
