@@ -140,5 +140,5 @@ int main(int argc, char** argv) {
         std::printf("  %-38s %5.1f (%5.1f-%5.1f)\n", loops[i].name, r[r.size() / 2], r.front(),
                     r.back());
     }
-    return sink == 12345.0f ? 1 : 0;
+    return 0;
 }
