@@ -124,7 +124,8 @@ struct Loop {
 int main(int argc, char** argv) {
     const int rounds = argc > 1 ? std::max(1, std::atoi(argv[1])) : 7;
     const Loop loops[] = {
-        {"memory, no requests", read_all<Order::memory, false, 1>, read_all<Order::memory, false, 4>},
+        {"memory, no requests", read_all<Order::memory, false, 1>,
+         read_all<Order::memory, false, 4>},
         {"memory + level-1 loads, no requests", read_all<Order::memory_l1, false, 1>,
          read_all<Order::memory_l1, false, 4>},
         {"tiles, no requests", read_all<Order::tiles, false, 1>, read_all<Order::tiles, false, 4>},

@@ -48,12 +48,14 @@
 // into level 1 (hint 3) or non-temporal (hint 0) 0.47x, 2 blocks ahead 0.96x, half a block ahead
 // 0.92x. There the hardware prefetchers follow memory read line after line, not the order of the
 // register tiles (four key rows side by side, the value rows down columns of 32 floats):
-// benchmarks/read_order.sh reads K and V both ways with multiply-adds between the reads. The
-// kernel reads about 23 GB/s, the rate of its software requests. Reading each block front to back
-// first made it slower, and so did a fold that reads memory in order (the scores' accumulators
-// filled key row by key row, the block's P V sums in a level-1 buffer: the same bits, 1.3-2.7x
-// the time in the caches, with four times the query loads and a load and store of the buffer per
-// multiply-add of P V).
+// benchmarks/read_order.sh reads K and V both ways, with the kernel's 4 multiply-adds per 64-byte
+// read between the reads. The kernel reads about the rate of its software requests. Reading each
+// block front to back first made it slower, and so did two folds that read memory in order with
+// the same bits: one with the block's P V sums in a level-1 buffer (1.3-2.7x the time in the
+// caches: four times the query loads, a load and a store of the buffer per multiply-add), and one
+// as fast as the tiles in the caches (two query heads at a time, their rows in registers, each
+// key and value row read whole, twice), which from memory still did not stream without requests
+// (0.75-0.86x the speed in alternating runs).
 #include "decode_cpu.h"
 
 #include <algorithm>
