@@ -17,8 +17,8 @@
 //
 // Every accumulator index is known at compile time (the loops over a tile's rows and over a run of
 // 8 lines are unrolled), so the accumulators stay in registers. An index computed at run time kept
-// them in memory, a store and a load around every multiply-add, in the memory-order loops and the
-// value tiles of the first version (records 2026-12-07-1902-read_order.md and -2.md).
+// them in memory, a store and a load around every multiply-add, in the first version's memory-order
+// loops and its value tiles without requests (records 2026-12-07-1902-read_order.md and -2.md).
 //
 // Build and run with benchmarks/read_order.sh. Nothing is asserted: the figures belong to the
 // machine and its load.
