@@ -58,11 +58,15 @@ def interleaved_best_ms(fns: dict, repeats: int = 3, warmup: int = 1, median: bo
 def rotated_times(fns: dict, repeats: int = 5, warmup: int = 1, before=None,
                   clock=time.perf_counter) -> dict:
     """Seconds of each of ``repeats`` timed calls per peer, ``{name: [s, ...]}``. The peers take
-    turns, and the order of the turns rotates every round (a b c, b c a, c a b, ...), so that no
-    peer always runs first after the untimed ``before(name)`` (called before every timed call: an
-    eviction, a wake-up of that peer's thread pool) or always after the same neighbour. ``clock``:
-    wall time by default; ``time.thread_time`` counts only the calling thread's CPU time, which a
-    busy machine's preemptions leave out (valid only for calls that run on the calling thread)."""
+    turns; the order of the turns rotates every other round and runs backwards in between (a b c,
+    c b a, b c a, a c b, c a b, b a c, ...), so that no peer always runs first after the untimed
+    ``before(name)`` (called before every timed call: an eviction, a wake-up of that peer's thread
+    pool) or always after the same neighbour. (Rotation alone keeps the turns' cyclic order, so a
+    peer followed the same neighbour in all rounds but one: whatever that neighbour left behind,
+    a thread still spinning or its lines in the cache, fell on the same peer every time.)
+    ``clock``: wall time by default; ``time.thread_time`` counts only the calling thread's CPU
+    time, which a busy machine's preemptions leave out (valid only for calls that run on the
+    calling thread)."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -71,8 +75,11 @@ def rotated_times(fns: dict, repeats: int = 5, warmup: int = 1, before=None,
             fns[name]()
     times = {name: [] for name in names}
     for r in range(repeats):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        shift = r // 2 % len(names)
+        order = names[shift:] + names[:shift]
+        if r % 2:
+            order.reverse()
+        for name in order:
             if before is not None:
                 before(name)
             start = clock()

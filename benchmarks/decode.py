@@ -47,8 +47,9 @@ Fairness: every timed call starts from the same state, whoever runs it.
   another's warm-up. --pools awake wakes each pool instead, after the eviction, by a tiny parallel
   call on it (refmath: stream_sum of 256 KiB; torch: a sum of 256 KiB); --pools asleep does
   neither.
-* Order: the peers take turns, and the order rotates every round; every peer's median and
-  minimum are printed, and the ratios use the medians (minima beside them).
+* Order: the peers take turns, in an order that rotates every other round and runs backwards
+  in between (_common.rotated_times); every peer's median and minimum are printed, and the
+  ratios use the medians (minima beside them).
 
     python benchmarks/decode.py
     python benchmarks/decode.py --quick             # one short context, a few calls (seconds)

@@ -5,7 +5,7 @@ on a machine whose speed moves from minute to minute.
 Each BUILD is a source tree with its compiled module built in place (``python setup.py
 build_ext --inplace``, e.g. a ``git worktree`` of the commit before a change). Each module is
 loaded under its own name, so the builds run the same calls on the same arrays in the same turns,
-whose order rotates every round (``_common.rotated_times``); a slower or faster minute of the
+whose order changes every round (``_common.rotated_times``); a slower or faster minute of the
 machine then falls on every build alike, and the ratio of each build's time to the first build's
 is taken round by round (its median printed as "paired").
 
@@ -25,8 +25,10 @@ several times a server's last-level cache, so it starts cold without an eviction
 difference of each build's output from build [0]'s is printed, so a change that moves the bits
 shows it.
 
-One thread only (--threads 1 is the default): each build's piece team keeps its own helper
-threads, and a helper still spinning after its build's turn would slow the next build's.
+One thread by default (--threads 1). With more, each build's piece team keeps its own helper
+threads, which spin for 0.1 ms after a call before they sleep, and the OpenMP runtime the builds
+share waits passively (load_builds): at 2 threads on a 2-core Zen 4 VM two identical builds then
+timed 1.00x of each other in the decode workload.
 
     python benchmarks/paired_builds.py ../before .
     python benchmarks/paired_builds.py ../before . --rounds 11 --lanes 8 --formats q8_0
@@ -96,6 +98,26 @@ def load_build(path: str, index: int):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def load_builds(files: list) -> tuple[list, str]:
+    """The builds' modules, and the OpenMP wait policy they run with: passive, as refmath.kernels
+    sets it, unless the environment chooses one. The plain reads (build [0]'s stream_sum) run on
+    OpenMP threads, and a thread still spinning after its turn slows the turn after it: at 2
+    threads, in turns that rotated without reversing (so build [0]'s first turn always came after
+    the reads), build [0]'s contiguous decode took 1.28-1.35x the time of the same code in the two
+    builds beside it, and 1.00x with the wait passive (2-core Zen 4 VM)."""
+    chosen = [f"{name}={os.environ[name]}" for name in WAIT_VARIABLES if os.environ.get(name)]
+    if chosen:
+        return [load_build(f, i) for i, f in enumerate(files)], ", ".join(chosen)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read once, when the first build loads the runtime
+    try:
+        return [load_build(f, i) for i, f in enumerate(files)], "OMP_WAIT_POLICY=passive"
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def paired(times: list, i: int, what: str) -> float:
@@ -206,16 +228,17 @@ def main(argv=None) -> None:
             if os.path.samefile(f, files[j]):  # the loader would hand back build j's module
                 raise SystemExit(f"{args.builds[i]}: its compiled module is the same file as "
                                  f"build [{j}]'s; copy the tree to time a build twice")
-    builds = [load_build(f, i) for i, f in enumerate(files)]
+    builds, wait = load_builds(files)
     for module in builds:
         module.set_threads(args.threads)
         if args.lanes is not None:
             module.set_wide_vectors(args.lanes == 16)
-    print(f"{load_average()}; {args.threads} thread(s); "
+    print(f"{load_average()}; {args.threads} thread(s), OpenMP wait: {wait}; "
           f"{builds[0].vector_lanes()} lanes; builds: " +
           ", ".join(f"[{i}] {os.path.abspath(t)}" for i, t in enumerate(args.builds)))
-    print(f"{args.rounds} paired rounds, the turns' order rotating every round; paired: the "
-          f"median over rounds of build [0]'s time over this build's (above 1: faster than [0])")
+    print(f"{args.rounds} paired rounds, the turns' order rotated and reversed in turn; paired: "
+          f"the median over rounds of build [0]'s time over this build's (above 1: faster than "
+          f"[0])")
     if args.workload == "decode":
         time_decode(builds, args)
     else:

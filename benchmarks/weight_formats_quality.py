@@ -17,7 +17,7 @@ NumPy float32 model: those are the reference tokens. Then for each format (--for
   first one that differs from the reference (all of them: "all").
 * speed: greedy generation of --speed-tokens tokens on the cpu backend (generate's loop, with the
   stored weights made once beforehand, as the command makes them once), --repeats runs per
-  format in turns whose order rotates every round; tokens/s from the median run and the fastest.
+  format in turns whose order changes every round; tokens/s from the median run and the fastest.
   "bytes/token": the weights a token reads (the layers' matrices and the head in the format, the
   norms in float32, one row of each embedding table, a tied table's too: its head is a rounded
   copy) plus the KV cache read on average over the run; "bound": a plain read of that many bytes
