@@ -61,10 +61,11 @@
 // the block's start (a block that is one run of memory) instead of loaded from the block's list:
 // in a C++ loop, a plain in-order read of K and V (2 MiB-aligned) through loaded row addresses
 // read 14-17 GB/s and through computed ones 23-28, while the tiles' order without requests read
-// 7-10 GB/s either way. That fold kept the bits and was 1.03-1.06x as fast in the caches, but from memory it swung
-// between 1.23x and 0.51x the kernel's speed from one run to the next (paired calls in one C++
-// process, with stretches of seconds at 9 GB/s), and as the Python module it ran at 0.61-0.90x
-// the speed contiguous and 0.49-0.55x paged (benchmarks/paired_builds.py).
+// 7-10 GB/s either way. That fold kept the bits and was 1.03-1.06x as fast in the caches, but
+// from memory it swung between 1.23x and 0.51x the kernel's speed from one run to the next
+// (paired calls in one C++ process, with stretches of seconds at 9 GB/s), and as the Python
+// module it ran at 0.61-0.90x the speed contiguous and 0.49-0.55x paged
+// (benchmarks/paired_builds.py).
 #include "decode_cpu.h"
 
 #include <algorithm>
