@@ -5,6 +5,7 @@ change: they hold the same code, so every output of the second must equal the fi
 and the script must say so (a largest difference of 0). A tiny context keeps it to a second."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -35,9 +36,9 @@ def _two_builds(tmp_path):
     return trees
 
 
-def _run(*args):
+def _run(*args, env=None):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_decode_workload_times_both_builds_and_finds_their_outputs_equal(tmp_path):
@@ -48,6 +49,22 @@ def test_decode_workload_times_both_builds_and_finds_their_outputs_equal(tmp_pat
     line = next(row for row in done.stdout.splitlines() if row.lstrip().startswith("[1]"))
     assert re.search(r"paired x[0-9.]+ contiguous, x[0-9.]+ paged", line), line
     assert line.endswith("largest difference from [0]'s output 0.0e+00"), line
+
+
+def test_the_builds_wait_passively_unless_the_environment_chooses(tmp_path):
+    """At 2 threads an OpenMP thread of the plain reads left spinning after its turn slowed the
+    turn after it (build [0]'s, 1.28-1.35x): the builds load with a passive wait."""
+    before, after = _two_builds(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    args = (before, after, "--workload", "decode", "--context", "64", "--rounds", "1",
+            "--threads", "2")
+    done = _run(*args, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "2 thread(s), OpenMP wait: OMP_WAIT_POLICY=passive;" in done.stdout.splitlines()[0]
+    done = _run(*args, env={**env, "OMP_WAIT_POLICY": "active"})
+    assert done.returncode == 0, done.stderr
+    assert "OpenMP wait: OMP_WAIT_POLICY=active;" in done.stdout.splitlines()[0]
 
 
 def test_the_same_compiled_file_twice_is_refused_by_name(tmp_path):
