@@ -108,7 +108,7 @@ def load_builds(files: list) -> tuple[list, str]:
     sets it, unless the environment chooses one. The plain reads (build [0]'s stream_sum) run on
     OpenMP threads, and a thread still spinning after its turn slows the turn after it: at 2
     threads, in turns that rotated without reversing (so build [0]'s first turn always came after
-    the reads), build [0]'s contiguous decode took 1.28-1.35x the time of the same code in the two
+    the reads), build [0]'s contiguous decode took 1.19-1.35x the time of the same code in the two
     builds beside it, and 1.00x with the wait passive (2-core Zen 4 VM)."""
     chosen = [f"{name}={os.environ[name]}" for name in WAIT_VARIABLES if os.environ.get(name)]
     if chosen:
